@@ -1,0 +1,289 @@
+"""How one array is described in the manifest and stored through Orbax.
+
+Orbax stores arrays through TensorStore, which lacks a few dtypes that JAX and
+ml_dtypes have (``uint4``, ``uint2``, ``float8_e4m3``, ``float6_*``). Those are stored in a
+wider or bit-identical substitute dtype and converted back exactly on load; the
+manifest records both, so the substitution never shows to the user and plain
+Orbax still reads the stored bytes.
+
+The manifest also records what a plain array cannot say about itself: whether
+it was a ``jax.Array``, a ``numpy.ndarray`` or a NumPy scalar, and JAX's
+``weak_type`` flag (which changes type promotion, so dropping it could change a
+model's outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pz_persist import errors
+
+ArrayKind = Literal["jax", "numpy", "numpy_scalar"]
+ARRAY_KINDS: tuple[str, ...] = ("jax", "numpy", "numpy_scalar")
+
+# dtype name -> (stored dtype name, how to convert). "cast" widens losslessly
+# (every uint4 value fits in uint8); "bitcast" reinterprets the same bytes.
+_SUBSTITUTES: dict[str, tuple[str, str]] = {
+    "uint4": ("uint8", "cast"),
+    "uint2": ("uint8", "cast"),
+    "float8_e4m3": ("uint8", "bitcast"),
+    "float6_e2m3fn": ("uint8", "bitcast"),
+    "float6_e3m2fn": ("uint8", "bitcast"),
+}
+
+_NUMPY_DTYPES = (
+    "bool",
+    "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64",
+    "complex64", "complex128",
+)  # fmt: skip
+_ML_DTYPES = (
+    "bfloat16",
+    "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
+    "int2", "int4", "uint2", "uint4",
+)  # fmt: skip
+
+
+def _build_dtype_table() -> dict[str, np.dtype]:
+  table = {name: np.dtype(name) for name in _NUMPY_DTYPES}
+  for name in _ML_DTYPES:
+    if hasattr(ml_dtypes, name):  # Older ml_dtypes lack the newest types.
+      table[name] = np.dtype(getattr(ml_dtypes, name))
+  return table
+
+
+SUPPORTED_DTYPES: dict[str, np.dtype] = _build_dtype_table()
+"""Every dtype pz_persist saves, by the name stored in manifests."""
+
+_KEY_HINT = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def dtype_name(dtype: Any, *, where: str) -> str:
+  """The manifest name of ``dtype``; raises if pz_persist cannot store it."""
+  dtype = np.dtype(dtype)
+  name = dtype.name
+  if SUPPORTED_DTYPES.get(name) != dtype:
+    raise errors.EncodingError(f"{where}: arrays of dtype {dtype} are not supported.")
+  return name
+
+
+def dtype_from_name(name: Any, *, where: str) -> np.dtype:
+  """The dtype a manifest names; raises `ManifestError` for unknown names."""
+  if not isinstance(name, str) or name not in SUPPORTED_DTYPES:
+    raise errors.ManifestError(f"{where}: unknown dtype {name!r}.")
+  return SUPPORTED_DTYPES[name]
+
+
+def storage_dtype_name(name: str) -> str:
+  """The dtype an array of dtype ``name`` is stored as by Orbax."""
+  return _SUBSTITUTES.get(name, (name, ""))[0]
+
+
+def storage_key(index: int, hint: str) -> str:
+  """The key of array ``index`` in the Orbax tree of arrays.
+
+  Keys are unique through the index; the hint (a label or tree path) only helps
+  a person reading the checkpoint with plain Orbax. Only ``[A-Za-z0-9_-]``
+  survive, so a label can neither collide with Orbax's ``.``-joined names nor
+  become a path outside the checkpoint when Orbax uses per-array directories.
+  """
+  hint = _KEY_HINT.sub("_", hint).strip("_")[:80]
+  return f"{index:05d}_{hint}" if hint else f"{index:05d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+  """What the manifest says about one stored array.
+
+  Attributes:
+    key: Key of the array in the Orbax tree of arrays.
+    shape: Logical shape.
+    dtype: Logical dtype name (see `SUPPORTED_DTYPES`).
+    kind: Python type to restore: ``jax.Array``, ``numpy.ndarray`` or a NumPy
+      scalar.
+    weak_type: JAX's weak-type flag (``jax`` kind only).
+    path: Where the array sits in the saved tree, for messages.
+    label: Label of the Penzai variable holding the array, if any.
+  """
+
+  key: str
+  shape: tuple[int, ...]
+  dtype: str
+  kind: ArrayKind
+  weak_type: bool = False
+  path: str = ""
+  label: str | None = None
+
+  @property
+  def np_dtype(self) -> np.dtype:
+    return SUPPORTED_DTYPES[self.dtype]
+
+  @property
+  def storage_dtype(self) -> np.dtype:
+    return SUPPORTED_DTYPES[storage_dtype_name(self.dtype)]
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the logical array (sub-byte dtypes count a byte per item)."""
+    return self.size * self.np_dtype.itemsize
+
+  @property
+  def is_stored(self) -> bool:
+    """Zero-size arrays have no data; Orbax refuses them, so they are skipped."""
+    return self.size > 0
+
+  def to_json(self) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "key": self.key,
+        "shape": list(self.shape),
+        "dtype": self.dtype,
+        "kind": self.kind,
+        "path": self.path,
+    }
+    if self.dtype != storage_dtype_name(self.dtype):
+      out["stored_dtype"] = storage_dtype_name(self.dtype)
+    if self.weak_type:
+      out["weak_type"] = True
+    if self.label is not None:
+      out["label"] = self.label
+    return out
+
+  @classmethod
+  def from_json(cls, data: Any, *, where: str) -> ArraySpec:
+    """Parses and validates one ``arrays`` entry of a manifest."""
+    if not isinstance(data, dict):
+      raise errors.ManifestError(f"{where}: array entry must be an object.")
+    allowed = {"key", "shape", "dtype", "kind", "path", "stored_dtype", "weak_type", "label"}
+    if not {"key", "shape", "dtype", "kind"} <= set(data) <= allowed:
+      raise errors.ManifestError(
+          f"{where}: array entry has fields {sorted(data)}; expected"
+          f" key, shape, dtype, kind and optionally {sorted(allowed - {'key', 'shape', 'dtype', 'kind'})}."
+      )
+    key, shape, kind = data["key"], data["shape"], data["kind"]
+    if not isinstance(key, str) or _KEY_HINT.search(key) or not key:
+      raise errors.ManifestError(f"{where}: invalid array key {key!r}.")
+    if not isinstance(shape, list) or not all(
+        type(d) is int and d >= 0 for d in shape
+    ):
+      raise errors.ManifestError(f"{where}: invalid shape {shape!r}.")
+    dtype = dtype_from_name(data["dtype"], where=where).name
+    if data.get("stored_dtype", storage_dtype_name(dtype)) != storage_dtype_name(dtype):
+      raise errors.ManifestError(
+          f"{where}: stored dtype {data['stored_dtype']!r} does not match"
+          f" {dtype}."
+      )
+    if kind not in ARRAY_KINDS:
+      raise errors.ManifestError(f"{where}: unknown array kind {kind!r}.")
+    weak_type = data.get("weak_type", False)
+    path = data.get("path", "")
+    label = data.get("label")
+    if not isinstance(weak_type, bool) or not isinstance(path, str):
+      raise errors.ManifestError(f"{where}: invalid weak_type or path.")
+    if label is not None and not isinstance(label, str):
+      raise errors.ManifestError(f"{where}: invalid label {label!r}.")
+    if kind == "numpy_scalar" and shape:
+      raise errors.ManifestError(f"{where}: a NumPy scalar must have shape [].")
+    return cls(
+        key=key,
+        shape=tuple(shape),
+        dtype=dtype,
+        kind=kind,
+        weak_type=weak_type,
+        path=path,
+        label=label,
+    )
+
+  def abstract(self) -> jax.ShapeDtypeStruct:
+    """The array as a ``jax.ShapeDtypeStruct`` (what `inspect` returns)."""
+    return jax.ShapeDtypeStruct(self.shape, self.np_dtype, weak_type=self.weak_type)
+
+
+def kind_of(value: Any) -> ArrayKind | None:
+  """The `ArrayKind` of an array leaf, or None if ``value`` is not an array."""
+  if isinstance(value, jax.Array):
+    return "jax"
+  if isinstance(value, np.ndarray):
+    return "numpy"
+  if isinstance(value, np.generic):
+    return "numpy_scalar"
+  return None
+
+
+def to_storage(value: Any, spec: ArraySpec) -> Any:
+  """Converts an array to the dtype Orbax stores it as (usually a no-op)."""
+  stored_name, how = _SUBSTITUTES.get(spec.dtype, (spec.dtype, ""))
+  if spec.kind == "numpy_scalar":
+    value = np.asarray(value)
+  if not how:
+    return value
+  stored = SUPPORTED_DTYPES[stored_name]
+  if isinstance(value, jax.Array):
+    if how == "cast":
+      return value.astype(stored)
+    return jax.lax.bitcast_convert_type(value, stored)
+  return value.astype(stored) if how == "cast" else value.view(stored)
+
+
+def from_storage(value: Any, spec: ArraySpec) -> Any:
+  """Undoes `to_storage` and restores the recorded kind and weak type."""
+  _, how = _SUBSTITUTES.get(spec.dtype, (spec.dtype, ""))
+  logical = spec.np_dtype
+  if how:
+    if isinstance(value, jax.Array):
+      value = (
+          value.astype(logical)
+          if how == "cast"
+          else jax.lax.bitcast_convert_type(value, logical)
+      )
+    else:
+      value = value.astype(logical) if how == "cast" else value.view(logical)
+  if spec.kind == "numpy_scalar":
+    return np.asarray(value)[()]
+  if spec.kind == "jax" and spec.weak_type:
+    return _as_weak(value)
+  return value
+
+
+def empty_array(spec: ArraySpec, sharding: jax.sharding.Sharding | None) -> Any:
+  """A zero-size array for ``spec`` (these are not stored: they hold no data)."""
+  if spec.kind == "jax":
+    out = jnp.zeros(spec.shape, spec.np_dtype, device=sharding)
+    return _as_weak(out) if spec.weak_type else out
+  if spec.kind == "numpy":
+    return np.zeros(spec.shape, spec.np_dtype)
+  raise errors.ManifestError(f"{spec.path}: a NumPy scalar cannot be empty.")
+
+
+_WEAK_FILL = {"f": 0.0, "i": 0, "u": 0, "c": 0j}
+
+
+def _as_weak(value: jax.Array) -> jax.Array:
+  """Marks ``value`` weakly typed, as it was when saved.
+
+  JAX has no public "set weak_type" call, but ``lax.full`` with a Python scalar
+  makes a weakly typed array, and an indexed update keeps the flag. Weak arrays
+  only come from Python scalars, so their dtype is the default one of their
+  kind; any other dtype cannot be weak and is returned unchanged.
+  """
+  fill = _WEAK_FILL.get(value.dtype.kind)
+  if fill is None:
+    return value
+  # (lax.full drops the weak flag when given a sharding; device_put keeps it.)
+  base = jax.device_put(jax.lax.full(value.shape, fill), value.sharding)
+  if base.dtype != value.dtype:
+    return value
+  return base.at[...].set(value)

@@ -1,0 +1,291 @@
+"""`save`, `load` and `inspect`: a Penzai tree to a directory and back.
+
+A checkpoint written by `save` is an ordinary Orbax checkpoint with one item,
+``penzai``, written through `pz_persist.orbax_v0.PenzaiCheckpointHandler`::
+
+  path/
+    _CHECKPOINT_METADATA   Orbax: names the handler of each item
+    penzai/
+      pz_persist.json      the manifest (tree structure, labels, axes, dtypes)
+      _METADATA, manifest.ocdbt, d/...   the arrays, as Orbax writes them
+
+Orbax's temporary-directory-then-rename commit makes a new checkpoint appear
+whole or not at all. Replacing one (``overwrite=True``) writes the new
+checkpoint completely beside the old one and then swaps them, so the old one
+survives until the new one is complete.
+
+`load` and `inspect` accept that directory, the ``penzai`` item directory
+inside it, or any Orbax checkpoint directory with exactly one pz_persist item
+(such as a `CheckpointManager` step written with `pz_persist.PenzaiSave`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from pz_persist import allowlist
+from pz_persist import errors
+from pz_persist import manifest as manifest_lib
+from pz_persist import orbax_v0
+from pz_persist import restoring
+
+ITEM_NAME = "penzai"
+"""Name of the Orbax item `save` writes the tree to."""
+
+_ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+
+
+def save(
+    path: epath.PathLike,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    allow_modules: Iterable[str] | None = None,
+) -> None:
+  """Saves a tree of Penzai values to a new checkpoint directory.
+
+  The tree may hold ``NamedArray`` / ``NamedArrayView`` values, frozen
+  ``ParameterValue`` / ``StateVariableValue`` objects or mutable
+  ``pz.Parameter`` / ``pz.StateVariable`` ones (a variable used in two places
+  stays one variable), their slots, JAX and NumPy arrays of any dtype
+  (bfloat16, float8, int4, PRNG keys...), Python scalars, strings, None, and
+  dict / list / tuple / namedtuple containers. `load` gives it back with no
+  template: same classes, axis names, labels, metadata, dtypes and bits.
+
+  Everything is validated before anything is written: a value that cannot be
+  saved raises `pz_persist.errors.EncodingError` naming its place in the tree
+  and its label.
+
+  Example::
+
+    import jax
+    import pz_persist as pzp
+    from penzai import pz
+    from penzai.models import simple_mlp
+
+    mlp = simple_mlp.MLP.from_config(
+        name="mlp", init_base_rng=jax.random.key(0), feature_sizes=[8, 32, 8]
+    )
+    _, params = pz.unbind_params(mlp, freeze=True)
+    pzp.save("/tmp/mlp_params", params, overwrite=True)
+
+  Args:
+    path: Directory to create. Its parent is created if needed.
+    tree: The tree to save.
+    overwrite: Replace an existing checkpoint at ``path``. Only a pz_persist
+      checkpoint or an empty directory is ever replaced.
+    allow_modules: Extra modules whose classes (namedtuples, Enums) the tree
+      may hold, for this call only; see `pz_persist.allow_modules`.
+
+  Raises:
+    CheckpointExistsError: ``path`` exists and ``overwrite`` is False.
+    EncodingError: a value cannot be saved (nothing was written).
+    DisallowedModuleError: a class comes from a module that is not allowed.
+  """
+  path = epath.Path(path)
+  if path.exists() and not overwrite:
+    raise errors.CheckpointExistsError(
+        f"{path} already exists; pass overwrite=True to replace it."
+    )
+  if path.exists():
+    _check_replaceable(path)
+  with allowlist.scoped_allowance(allow_modules):
+    args = orbax_v0.PenzaiSave(tree)  # Validates the whole tree now.
+  path.parent.mkdir(parents=True, exist_ok=True)
+  target = path if not path.exists() else _sibling(path, "new")
+  try:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+      checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
+  except BaseException:
+    _remove_unfinished(target)
+    raise
+  if target != path:
+    _replace(path, target)
+
+
+def load(
+    path: epath.PathLike,
+    *,
+    sharding: jax.sharding.Sharding | None = None,
+    allow_modules: Iterable[str] | None = None,
+) -> Any:
+  """Loads a tree saved by `save` (or through `PenzaiSave`), with no template.
+
+  Example::
+
+    params = pzp.load("/tmp/mlp_params")
+    model = pz.bind_variables(unbound_mlp, params)
+
+  Args:
+    path: A checkpoint directory, or the item directory inside one.
+    sharding: Where ``jax.Array`` values go (default: the first local device).
+      Arrays saved as NumPy arrays come back as NumPy arrays.
+    allow_modules: Extra modules the checkpoint may name classes from, for
+      this call only; see `pz_persist.allow_modules`.
+
+  Returns:
+    The saved tree. Mutable variables come back as new mutable variables
+    (shared ones still shared); everything else as it was saved.
+
+  Raises:
+    NotACheckpointError: ``path`` holds no pz_persist checkpoint.
+    FormatVersionError: the checkpoint needs a newer pz_persist.
+    ManifestError: the checkpoint is damaged or inconsistent.
+    DisallowedModuleError: it names a class from a module that is not allowed.
+  """
+  item = find_item(path)
+  with allowlist.scoped_allowance(allow_modules):
+    handler = orbax_v0.PenzaiCheckpointHandler()
+    try:
+      return handler.restore(item, orbax_v0.PenzaiRestore(sharding=sharding))
+    finally:
+      handler.close()
+
+
+def inspect(
+    path: epath.PathLike, *, allow_modules: Iterable[str] | None = None
+) -> Any:
+  """The saved tree with ``jax.ShapeDtypeStruct`` for arrays; reads no arrays.
+
+  Only the manifest is read, so this is fast on any checkpoint size. Mutable
+  variables appear as their frozen values (``ParameterValue`` /
+  ``StateVariableValue``), since a mutable variable cannot hold an abstract
+  array. The result renders with treescope.
+
+  Example::
+
+    abstract = pzp.inspect("/tmp/mlp_params")
+    print(abstract[0].label, abstract[0].value.named_axes)
+
+  Args:
+    path: A checkpoint directory, or the item directory inside one.
+    allow_modules: As for `load`.
+  """
+  item = find_item(path)
+  with allowlist.scoped_allowance(allow_modules):
+    return restoring.abstract_tree(manifest_lib.read(item), where=str(item))
+
+
+def read_manifest(path: epath.PathLike) -> manifest_lib.Manifest:
+  """The validated manifest of the checkpoint at ``path`` (reads no arrays)."""
+  return manifest_lib.read(find_item(path))
+
+
+def find_item(path: epath.PathLike) -> epath.Path:
+  """The pz_persist item directory of the checkpoint at ``path``.
+
+  Raises:
+    NotACheckpointError: no item, or several (the message lists them).
+  """
+  path = epath.Path(path)
+  if not path.is_dir():
+    raise errors.NotACheckpointError(
+        f"{path} is not a pz_persist checkpoint: "
+        + ("it is not a directory." if path.exists() else "it does not exist.")
+    )
+  if manifest_lib.has_manifest(path):
+    return path
+  items = sorted(
+      child for child in path.iterdir()
+      if child.is_dir() and manifest_lib.has_manifest(child)
+  )
+  if len(items) == 1:
+    return items[0]
+  if len(items) > 1:
+    names = ", ".join(item.name for item in items)
+    raise errors.NotACheckpointError(
+        f"{path} holds several pz_persist items ({names}); pass one of them,"
+        f" e.g. {items[0]}."
+    )
+  hint = ""
+  if (path / _ORBAX_CHECKPOINT_METADATA).exists() or (path / "_METADATA").exists():
+    hint = (
+        " It is an Orbax checkpoint written without pz_persist; restore it with"
+        " orbax.checkpoint and a template."
+    )
+  raise errors.NotACheckpointError(
+      f"{path} is not a pz_persist checkpoint: no {manifest_lib.MANIFEST_FILENAME}"
+      f" in it or in any directory directly inside it.{hint}"
+  )
+
+
+def _check_replaceable(path: epath.Path) -> None:
+  """Refuses to replace anything but a pz_persist checkpoint or empty dir."""
+  if not path.is_dir():
+    raise errors.CheckpointExistsError(
+        f"{path} exists and is not a directory; refusing to replace it."
+    )
+  if not any(path.iterdir()):
+    return
+  try:
+    find_item(path)
+  except errors.NotACheckpointError:
+    raise errors.CheckpointExistsError(
+        f"{path} exists and is not a pz_persist checkpoint; refusing to"
+        " replace it even with overwrite=True. Remove it yourself if you mean to."
+    ) from None
+
+
+def _remove_unfinished(target: epath.Path) -> None:
+  """Deletes what a failed save left: Orbax's temporary directory for it."""
+  for leftover in target.parent.glob(f"{target.name}.orbax-checkpoint-tmp*"):
+    _rmtree(leftover)
+
+
+def _rmtree(path: epath.Path) -> None:
+  if _is_local(path):
+    shutil.rmtree(os.fspath(path), ignore_errors=True)
+  else:
+    path.rmtree()
+
+
+def _sibling(path: epath.Path, role: str) -> epath.Path:
+  return path.parent / f".{path.name}.pz_persist-{role}-{uuid.uuid4().hex[:12]}"
+
+
+def _replace(path: epath.Path, new: epath.Path) -> None:
+  """Puts the complete checkpoint ``new`` at ``path``, then deletes the old one.
+
+  On Linux the two directories are exchanged atomically, so ``path`` always
+  holds one whole checkpoint. Elsewhere the old one is first moved aside; if
+  the process dies between the two renames, the old checkpoint survives under
+  a ``.NAME.pz_persist-old-*`` name next to ``path``.
+  """
+  if _exchange(os.fspath(new), os.fspath(path)):
+    old = new
+  else:
+    old = _sibling(path, "old")
+    path.rename(old)
+    new.rename(path)
+  _rmtree(old)
+
+
+def _is_local(path: epath.Path) -> bool:
+  return "://" not in os.fspath(path)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Atomically swaps two paths with Linux ``renameat2``; False if unsupported."""
+  if not (_is_local(epath.Path(a)) and _is_local(epath.Path(b))):
+    return False
+  with contextlib.suppress(AttributeError, OSError):
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+      return True
+  return False

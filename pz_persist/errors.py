@@ -1,0 +1,53 @@
+"""The exceptions pz_persist raises.
+
+Every failure pz_persist detects is a `PzPersistError`, so callers can catch one
+class. Subclasses say *what kind* of problem it was; the message always says
+*where*: the checkpoint path, the position in the tree (``tree['params'][3]``),
+the variable label or the axis name at fault.
+
+Two families matter to users:
+
+* Save-time errors (`EncodingError`, `DisallowedModuleError`,
+  `CheckpointExistsError`) are raised before anything is written, so a failed
+  save never leaves a partial checkpoint or touches an existing one.
+* Load-time errors (`NotACheckpointError`, `ManifestError`,
+  `FormatVersionError`, `DisallowedModuleError`) are raised before any array is
+  read into a user's model, so a failed load never half-mutates anything.
+"""
+
+from __future__ import annotations
+
+
+class PzPersistError(Exception):
+  """Base class of every error raised by pz_persist."""
+
+
+class EncodingError(PzPersistError, TypeError):
+  """A value in the tree cannot be saved (raised before anything is written).
+
+  Also a `TypeError`, since it is raised for values of unsupported types.
+  """
+
+
+class DisallowedModuleError(PzPersistError):
+  """A class or function lives in a module that is not allow-listed.
+
+  Raised at save time (naming the tree path) and at load time (before the
+  module is imported). See `pz_persist.allow_modules`.
+  """
+
+
+class CheckpointExistsError(PzPersistError, FileExistsError):
+  """The destination already exists and ``overwrite=True`` was not given."""
+
+
+class NotACheckpointError(PzPersistError, FileNotFoundError):
+  """The path is not a pz_persist checkpoint (or does not exist)."""
+
+
+class ManifestError(PzPersistError, ValueError):
+  """The checkpoint's manifest is malformed, inconsistent or unsafe."""
+
+
+class FormatVersionError(ManifestError):
+  """The checkpoint was written by a newer pz_persist format than this one."""

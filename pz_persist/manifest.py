@@ -1,0 +1,174 @@
+"""The manifest: one versioned JSON file that makes a directory of arrays a tree.
+
+Orbax stores the arrays of a checkpoint item as a flat ``{key: array}`` dict;
+the manifest, ``pz_persist.json`` in the same directory, says how to rebuild
+the saved tree from them (see `pz_persist.encoding`) and describes each array
+(shape, dtype, label) so `pz_persist.inspect` can show a checkpoint without
+reading any array data. Layout::
+
+  {
+    "format": "pz_persist",
+    "format_version": 1,
+    "writer": "pz_persist 0.1.0",
+    "tree": {...},        # typed JSON node of the saved tree
+    "variables": [...],   # mutable variables, referenced from the tree
+    "arrays": [...]       # one entry per array, see ArraySpec.to_json
+  }
+
+A manifest is validated as a whole before any of it is used: a newer
+``format_version`` than this library reads is refused with an upgrade hint,
+oversized files are refused before parsing, and every array entry is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import uuid
+from typing import Any
+
+from etils import epath
+
+from pz_persist import arrays as arrays_lib
+from pz_persist import errors
+from pz_persist import version
+
+MANIFEST_FILENAME = "pz_persist.json"
+FORMAT_NAME = "pz_persist"
+FORMAT_VERSION = 1
+"""The newest manifest format this library writes and reads."""
+
+MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+"""Larger manifests are refused before parsing (a model has ~1 KiB per array)."""
+
+_FIELDS = {"format", "format_version", "writer", "tree", "variables", "arrays"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+  """The parsed, validated manifest of one checkpoint item.
+
+  Attributes:
+    tree: Typed JSON node of the saved tree.
+    variables: Entries of the mutable variables the tree references.
+    arrays: Description of every array, indexed by array node ``ref``.
+    writer: Library and version that wrote the checkpoint.
+    format_version: Manifest format version.
+  """
+
+  tree: dict[str, Any]
+  variables: tuple[Any, ...]
+  arrays: tuple[arrays_lib.ArraySpec, ...]
+  writer: str = f"pz_persist {version.__version__}"
+  format_version: int = FORMAT_VERSION
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": self.format_version,
+        "writer": self.writer,
+        "tree": self.tree,
+        "variables": list(self.variables),
+        "arrays": [spec.to_json() for spec in self.arrays],
+    }
+
+  def dumps(self) -> bytes:
+    return json.dumps(self.to_json(), allow_nan=False, separators=(",", ":")).encode()
+
+  @classmethod
+  def loads(cls, data: bytes, *, where: str) -> Manifest:
+    """Parses and validates a manifest.
+
+    Args:
+      data: The file's bytes.
+      where: The file's path, for error messages.
+
+    Raises:
+      ManifestError: not valid JSON, or not a pz_persist manifest.
+      FormatVersionError: written by a newer format than this library reads.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+      raise errors.ManifestError(
+          f"{where}: manifest is {len(data)} bytes, over the"
+          f" {MAX_MANIFEST_BYTES}-byte limit."
+      )
+    try:
+      raw = json.loads(data, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:
+      raise errors.ManifestError(f"{where}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+      raise errors.ManifestError(f"{where}: not a pz_persist manifest.")
+    found = raw.get("format_version")
+    if type(found) is not int or found < 1:
+      raise errors.ManifestError(f"{where}: invalid format_version {found!r}.")
+    if found > FORMAT_VERSION:
+      raise errors.FormatVersionError(
+          f"{where} was written by {raw.get('writer', 'a newer pz_persist')!s:.60}"
+          f" in manifest format {found}; this pz_persist"
+          f" ({version.__version__}) reads formats up to {FORMAT_VERSION}."
+          " Upgrade with: pip install -U pz-persist"
+      )
+    if set(raw) != _FIELDS:
+      raise errors.ManifestError(
+          f"{where}: manifest fields {sorted(raw)}, expected {sorted(_FIELDS)}."
+      )
+    if not isinstance(raw["tree"], dict) or not isinstance(raw["variables"], list):
+      raise errors.ManifestError(f"{where}: tree must be an object, variables a list.")
+    if not isinstance(raw["arrays"], list) or not isinstance(raw["writer"], str):
+      raise errors.ManifestError(f"{where}: arrays must be a list, writer a string.")
+    specs = tuple(
+        arrays_lib.ArraySpec.from_json(entry, where=f"{where}: arrays[{i}]")
+        for i, entry in enumerate(raw["arrays"])
+    )
+    keys = [spec.key for spec in specs]
+    if len(set(keys)) != len(keys):
+      raise errors.ManifestError(f"{where}: two arrays share a storage key.")
+    return cls(
+        tree=raw["tree"],
+        variables=tuple(raw["variables"]),
+        arrays=specs,
+        writer=raw["writer"],
+        format_version=found,
+    )
+
+
+def _refuse_constant(name: str) -> Any:
+  raise ValueError(f"non-standard JSON constant {name}")
+
+
+def manifest_path(directory: epath.PathLike) -> epath.Path:
+  return epath.Path(directory) / MANIFEST_FILENAME
+
+
+def has_manifest(directory: epath.PathLike) -> bool:
+  return manifest_path(directory).is_file()
+
+
+def read(directory: epath.PathLike) -> Manifest:
+  """Reads and validates the manifest of the checkpoint item in ``directory``."""
+  path = manifest_path(directory)
+  try:
+    with path.open("rb") as f:
+      data = f.read(MAX_MANIFEST_BYTES + 1)
+  except FileNotFoundError:
+    raise errors.NotACheckpointError(
+        f"{directory} is not a pz_persist checkpoint item: it has no"
+        f" {MANIFEST_FILENAME}."
+    ) from None
+  return Manifest.loads(data, where=str(path))
+
+
+def write(directory: epath.PathLike, manifest: Manifest) -> None:
+  """Writes the manifest (whole or not at all: written aside, then renamed)."""
+  path = manifest_path(directory)
+  tmp = path.parent / f".{MANIFEST_FILENAME}.{uuid.uuid4().hex}.tmp"
+  data = manifest.dumps()
+  if os.path.isdir(os.fspath(path.parent)):  # Local disk: make it durable.
+    with open(os.fspath(tmp), "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+  else:
+    tmp.write_bytes(data)
+  tmp.rename(path)

@@ -1,0 +1,206 @@
+"""Orbax's stable (v0) API learns to save and restore Penzai values.
+
+`PenzaiCheckpointHandler` is an ordinary Orbax ``AsyncCheckpointHandler`` with
+its own argument classes, `PenzaiSave` and `PenzaiRestore`, registered with
+``ocp.args``. So everything in Orbax that takes handler arguments takes them
+too: ``ocp.Checkpointer``, ``ocp.AsyncCheckpointer``, ``ocp.CheckpointManager``
+(inside ``ocp.args.Composite``). Because the handler is also registered by its
+type string, ``CheckpointManager.restore(step)`` with no arguments at all finds
+it again from the checkpoint's own metadata, and restores Penzai values with no
+template::
+
+  import orbax.checkpoint as ocp
+  import pz_persist as pzp
+
+  with ocp.CheckpointManager(directory) as mngr:
+    mngr.save(step, args=ocp.args.Composite(params=pzp.PenzaiSave(params)))
+    mngr.wait_until_finished()
+    restored = mngr.restore(step).params  # NamedArrays, labels, metadata back.
+
+The arrays are written by Orbax's own ``PyTreeCheckpointHandler`` (TensorStore,
+OCDBT, async, multi-process), as a flat ``{key: array}`` tree, so plain Orbax
+without pz_persist still restores them; the manifest written beside them by
+the primary process is what rebuilds the Penzai tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from pz_persist import encoding
+from pz_persist import manifest as manifest_lib
+from pz_persist import restoring
+
+
+def encode_manifest(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
+  """Validates and encodes ``tree``; returns its manifest and stored arrays."""
+  encoded = encoding.encode(tree)
+  manifest = manifest_lib.Manifest(
+      tree=encoded.tree,
+      variables=tuple(encoded.variables),
+      arrays=tuple(encoded.arrays),
+  )
+  return manifest, encoded.stored_arrays()
+
+
+class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
+  """Orbax v0 handler for trees holding Penzai values (see module docstring).
+
+  Save with `PenzaiSave`; restore with `PenzaiRestore` (or with no arguments
+  where Orbax allows it). Options configure the underlying Orbax array
+  handler and default to Orbax's own defaults.
+  """
+
+  def __init__(
+      self,
+      *,
+      use_ocdbt: bool = True,
+      use_zarr3: bool = False,
+      use_compression: bool = True,
+      save_concurrent_gb: int | None = None,
+      restore_concurrent_gb: int | None = None,
+      multiprocessing_options: ocp.options.MultiprocessingOptions = (
+          ocp.options.MultiprocessingOptions()
+      ),
+  ):
+    self._primary_host = multiprocessing_options.primary_host
+    self._arrays = ocp.PyTreeCheckpointHandler(
+        use_ocdbt=use_ocdbt,
+        use_zarr3=use_zarr3,
+        use_compression=use_compression,
+        save_concurrent_gb=save_concurrent_gb,
+        restore_concurrent_gb=restore_concurrent_gb,
+        multiprocessing_options=multiprocessing_options,
+    )
+
+  def _is_primary(self) -> bool:
+    return ocp.multihost.is_primary_host(self._primary_host)
+
+  async def _write_manifest(
+      self, directory: epath.Path, manifest: manifest_lib.Manifest
+  ) -> None:
+    if self._is_primary():
+      manifest_lib.write(directory, manifest)
+
+  async def async_save(
+      self,
+      directory: epath.Path,
+      args: PenzaiSave,
+  ) -> list[ocp.future.Future]:
+    """Starts saving; arrays are copied off the devices before this returns."""
+    manifest, stored = args.manifest, args.stored_arrays
+    futures = []
+    if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
+      futures.extend(
+          await self._arrays.async_save(
+              directory, args=ocp.args.PyTreeSave(stored)
+          )
+          or []
+      )
+    futures.append(
+        ocp.future.CommitFutureAwaitingContractedSignals(
+            self._write_manifest(directory, manifest),
+            name="pz_persist_manifest",
+        )
+    )
+    return futures
+
+  def save(self, directory: epath.Path, args: PenzaiSave) -> None:
+    """Saves synchronously."""
+    manifest, stored = args.manifest, args.stored_arrays
+    if stored:
+      self._arrays.save(directory, args=ocp.args.PyTreeSave(stored))
+    if self._is_primary():
+      manifest_lib.write(directory, manifest)
+
+  def restore(
+      self,
+      directory: epath.Path,
+      args: PenzaiRestore | None = None,
+  ) -> Any:
+    """Restores the saved tree; needs no template."""
+    args = args or PenzaiRestore()
+    manifest = manifest_lib.read(directory)
+    restoring.check_loadable(manifest, str(directory))
+    targets = restoring.placements(manifest, args.sharding)
+    stored = self._read_arrays(directory, targets) if targets else {}
+    return restoring.assemble(
+        manifest, stored, where=str(directory), sharding=args.sharding
+    )
+
+  def _read_arrays(
+      self, directory: epath.Path, targets: dict[str, restoring.Placement]
+  ) -> dict[str, Any]:
+    restore_args = {
+        key: (
+            ocp.RestoreArgs(restore_type=np.ndarray)
+            if target is None
+            else ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=target)
+        )
+        for key, target in targets.items()
+    }
+    return self._arrays.restore(
+        directory, args=ocp.args.PyTreeRestore(restore_args=restore_args)
+    )
+
+  def metadata(self, directory: epath.Path) -> Any:
+    """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no arrays."""
+    return restoring.abstract_tree(
+        manifest_lib.read(directory), where=str(directory)
+    )
+
+  def finalize(self, directory: epath.Path) -> None:
+    if (directory / "_METADATA").exists() or any(
+        directory.glob("ocdbt.process_*")
+    ):
+      self._arrays.finalize(directory)
+
+  def close(self) -> None:
+    self._arrays.close()
+
+
+@ocp.args.register_with_handler(PenzaiCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class PenzaiSave(ocp.args.CheckpointArgs):
+  """Orbax save arguments for a tree holding Penzai values.
+
+  The tree is validated and encoded when the arguments are built, so a tree
+  that cannot be saved raises `pz_persist.errors.EncodingError` right here,
+  before Orbax creates any directory.
+
+  Attributes:
+    item: Any tree pz_persist saves: NamedArrays, Parameter / StateVariable
+      values (mutable or frozen), arrays, scalars, strings, None, containers.
+    manifest: The tree's manifest (computed).
+    stored_arrays: The ``{key: array}`` tree Orbax writes (computed).
+  """
+
+  item: Any
+  manifest: manifest_lib.Manifest = dataclasses.field(
+      init=False, repr=False, compare=False
+  )
+  stored_arrays: dict[str, Any] = dataclasses.field(
+      init=False, repr=False, compare=False
+  )
+
+  def __post_init__(self):
+    self.manifest, self.stored_arrays = encode_manifest(self.item)
+
+
+@ocp.args.register_with_handler(PenzaiCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class PenzaiRestore(ocp.args.CheckpointArgs):
+  """Orbax restore arguments for a tree saved with `PenzaiSave`.
+
+  Attributes:
+    sharding: Where ``jax.Array`` values are placed; defaults to the first
+      local device. NumPy arrays are restored as NumPy arrays.
+  """
+
+  sharding: jax.sharding.Sharding | None = None
