@@ -1,4 +1,28 @@
-"""pz_persist: save, inspect and load Penzai models, through Orbax."""
+"""pz_persist: save, inspect and load Penzai values through Orbax, with no template.
+
+Orbax flattens Penzai's ``NamedArray`` and ``ParameterValue`` objects to bare
+arrays, so a checkpoint restored without a template loses axis names, labels
+and metadata. pz_persist stores them as a typed JSON manifest next to the
+arrays, which Orbax's own array handler writes, and rebuilds exactly the saved
+objects on load. Importing this package registers its handlers with Orbax (v0
+and v1), so plain ``orbax.checkpoint`` code benefits as well.
+
+Example::
+
+  import jax
+  import pz_persist as pzp
+  from penzai import pz
+  from penzai.models import simple_mlp
+
+  model = simple_mlp.MLP.from_config(
+      name="mlp", init_base_rng=jax.random.key(0), feature_sizes=[8, 32, 8]
+  )
+  unbound, params = pz.unbind_params(model, freeze=True)
+  pzp.save("/tmp/mlp_params", params, overwrite=True)
+
+  abstract = pzp.inspect("/tmp/mlp_params")  # No array is read.
+  restored = pz.bind_variables(unbound, pzp.load("/tmp/mlp_params"))
+"""
 
 from pz_persist import errors
 from pz_persist.allowlist import allow_modules
@@ -8,5 +32,20 @@ from pz_persist.orbax_v0 import PenzaiCheckpointHandler, PenzaiRestore, PenzaiSa
 from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
 from pz_persist.registration import register_handlers
 from pz_persist.version import __version__
+
+__all__ = [
+    "PenzaiCheckpointHandler",
+    "PenzaiCheckpointableHandler",
+    "PenzaiRestore",
+    "PenzaiSave",
+    "PzPersistError",
+    "__version__",
+    "allow_modules",
+    "errors",
+    "inspect",
+    "load",
+    "register_handlers",
+    "save",
+]
 
 register_handlers()

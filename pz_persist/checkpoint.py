@@ -21,11 +21,7 @@ inside it, or any Orbax checkpoint directory with exactly one pz_persist item
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import shutil
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,6 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import allowlist
+from pz_persist import directories
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
@@ -92,7 +89,7 @@ def save(
     EncodingError: a value cannot be saved (nothing was written).
     DisallowedModuleError: a class comes from a module that is not allowed.
   """
-  path = epath.Path(path)
+  path = _as_path(path)
   if path.exists() and not overwrite:
     raise errors.CheckpointExistsError(
         f"{path} already exists; pass overwrite=True to replace it."
@@ -102,15 +99,15 @@ def save(
   with allowlist.scoped_allowance(allow_modules):
     args = orbax_v0.PenzaiSave(tree)  # Validates the whole tree now.
   path.parent.mkdir(parents=True, exist_ok=True)
-  target = path if not path.exists() else _sibling(path, "new")
+  target = path if not path.exists() else directories.sibling(path, "new")
   try:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
       checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
   except BaseException:
-    _remove_unfinished(target)
+    directories.remove_unfinished(target)
     raise
   if target != path:
-    _replace(path, target)
+    directories.replace(path, target)
 
 
 def load(
@@ -187,7 +184,7 @@ def find_item(path: epath.PathLike) -> epath.Path:
   Raises:
     NotACheckpointError: no item, or several (the message lists them).
   """
-  path = epath.Path(path)
+  path = _as_path(path)
   if not path.is_dir():
     raise errors.NotACheckpointError(
         f"{path} is not a pz_persist checkpoint: "
@@ -236,56 +233,7 @@ def _check_replaceable(path: epath.Path) -> None:
     ) from None
 
 
-def _remove_unfinished(target: epath.Path) -> None:
-  """Deletes what a failed save left: Orbax's temporary directory for it."""
-  for leftover in target.parent.glob(f"{target.name}.orbax-checkpoint-tmp*"):
-    _rmtree(leftover)
-
-
-def _rmtree(path: epath.Path) -> None:
-  if _is_local(path):
-    shutil.rmtree(os.fspath(path), ignore_errors=True)
-  else:
-    path.rmtree()
-
-
-def _sibling(path: epath.Path, role: str) -> epath.Path:
-  return path.parent / f".{path.name}.pz_persist-{role}-{uuid.uuid4().hex[:12]}"
-
-
-def _replace(path: epath.Path, new: epath.Path) -> None:
-  """Puts the complete checkpoint ``new`` at ``path``, then deletes the old one.
-
-  On Linux the two directories are exchanged atomically, so ``path`` always
-  holds one whole checkpoint. Elsewhere the old one is first moved aside; if
-  the process dies between the two renames, the old checkpoint survives under
-  a ``.NAME.pz_persist-old-*`` name next to ``path``.
-  """
-  if _exchange(os.fspath(new), os.fspath(path)):
-    old = new
-  else:
-    old = _sibling(path, "old")
-    path.rename(old)
-    new.rename(path)
-  _rmtree(old)
-
-
-def _is_local(path: epath.Path) -> bool:
-  return "://" not in os.fspath(path)
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: str, b: str) -> bool:
-  """Atomically swaps two paths with Linux ``renameat2``; False if unsupported."""
-  if not (_is_local(epath.Path(a)) and _is_local(epath.Path(b))):
-    return False
-  with contextlib.suppress(AttributeError, OSError):
-    libc = ctypes.CDLL(None, use_errno=True)
-    renameat2 = libc.renameat2
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-      return True
-  return False
+def _as_path(path: epath.PathLike) -> epath.Path:
+  if isinstance(path, str) and path.startswith("~"):
+    path = os.path.expanduser(path)
+  return epath.Path(path)

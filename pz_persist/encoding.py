@@ -137,14 +137,13 @@ class _Encoder:
     self.arrays: list[arrays_lib.ArraySpec] = []
     self.values: list[Any] = []
     self.variables: list[Node] = []
-    self._variable_refs: dict[int, int] = {}
-    self._seen_variables: list[Any] = []  # Keeps ids unique while encoding.
+    self._variable_refs: dict[int, int] = {}  # id(variable) -> ref.
 
   # Static values: labels, metadata, axis names. No arrays allowed.
 
   def static(self, obj: Any, where: str) -> Node:
     """Encodes a plain Python value (a label, a metadata entry, an axis name)."""
-    node = self._scalar(obj, where)
+    node = self._scalar(obj)
     if node is not None:
       return node
     if isinstance(obj, enum.Enum):
@@ -176,8 +175,8 @@ class _Encoder:
         obj, where
     )
 
-  def _scalar(self, obj: Any, where: str) -> Node | None:
-    del where
+  @staticmethod
+  def _scalar(obj: Any) -> Node | None:
     if obj is None:
       return {"t": "none"}
     if type(obj) is bool:
@@ -246,7 +245,7 @@ class _Encoder:
 
   def tree(self, obj: Any, where: str, label: str | None = None) -> Node:
     """Encodes a pytree, collecting its arrays and variables."""
-    node = self._scalar(obj, where)
+    node = self._scalar(obj)
     if node is not None:
       return node
     if arrays_lib.kind_of(obj) is not None:
@@ -319,7 +318,6 @@ class _Encoder:
     if ref is None:
       ref = len(self.variables)
       self._variable_refs[id(var)] = ref
-      self._seen_variables.append(var)
       entry = {"kind": _VARIABLE_KINDS[type(var)]}
       self.variables.append(entry)  # Reserve the slot before recursing.
       entry.update(self._labeled(var, where))

@@ -51,7 +51,9 @@ def _values(dtype: np.dtype, shape: tuple[int, ...], seed: int) -> np.ndarray:
   if values.size:
     values.flat[0] = np.inf
   if dtype.kind == "c":
-    return (values + 0.5j * values).astype(dtype)
+    out = np.empty(shape, dtype)
+    out.real, out.imag = values, values * 0.5
+    return out
   return values.astype(dtype)
 
 

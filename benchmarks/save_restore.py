@@ -1,0 +1,444 @@
+"""Save and restore speed and memory: pz_persist vs plain Orbax, safetensors, numpy.
+
+Usage::
+
+  python benchmarks/save_restore.py --size 1GiB [--repeats 5] [--dir /tmp/bench] [--cold]
+
+The data is a transformer-shaped tree of ``NamedArray`` parameters (labels,
+axis names and shapes as in a Penzai llamalike model) totalling ``--size``
+bytes of float32. Each method saves and restores the same arrays:
+
+* ``pz_persist``: `pzp.save` / `pzp.load` (no template).
+* ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
+  restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
+* ``safetensors``: ``safetensors.numpy.save_file`` / ``load_file``.
+* ``numpy``: ``np.savez`` / ``np.load`` of every array.
+
+Every (method, operation) runs in its own process (see ``harness.py``).
+Restores read from a warm page cache (the files were just written); with
+``--cold`` the page cache is also dropped before one extra restore each, when
+the OS allows it. Printed: throughput, peak RSS above the process's baseline,
+ratios against plain Orbax, and the time of `pzp.inspect`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402  pylint: disable=wrong-import-position
+
+METHODS = ("pz_persist", "orbax", "safetensors", "numpy")
+
+
+def transformer_shapes(target_bytes: int) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
+  """Labels and named shapes of a llamalike model of at least ``target_bytes``."""
+
+  def shapes(width: int, blocks: int):
+    embedding, heads, kv_heads, projection = 128 * width, 8, 2, 16 * width
+    neurons, vocab = 352 * width, 2000 * width
+    out = [("transformer/embedder.embeddings", (("vocabulary", vocab), ("embedding", embedding)))]
+    for i in range(blocks):
+      prefix = f"transformer/block_{i}"
+      out += [
+          (f"{prefix}/pre_attention_norm/scale.weights", (("embedding", embedding),)),
+          (f"{prefix}/attention/query.weights",
+           (("embedding", embedding), ("heads", heads), ("projection", projection))),
+          (f"{prefix}/attention/key.weights",
+           (("embedding", embedding), ("heads", kv_heads), ("projection", projection))),
+          (f"{prefix}/attention/value.weights",
+           (("embedding", embedding), ("heads", kv_heads), ("projection", projection))),
+          (f"{prefix}/attention/output.weights",
+           (("heads", heads), ("projection", projection), ("embedding", embedding))),
+          (f"{prefix}/pre_ffw_norm/scale.weights", (("embedding", embedding),)),
+          (f"{prefix}/mlp/gating_linear.weights", (("embedding", embedding), ("neurons", neurons))),
+          (f"{prefix}/mlp/value_linear.weights", (("embedding", embedding), ("neurons", neurons))),
+          (f"{prefix}/mlp/out_linear.weights", (("neurons", neurons), ("embedding", embedding))),
+      ]
+    out += [
+        ("transformer/final_norm/scale.weights", (("embedding", embedding),)),
+        ("transformer/lm_head.weights", (("embedding", embedding), ("vocabulary", vocab))),
+    ]
+    return out
+
+  def nbytes(spec):
+    return sum(4 * int(np.prod([n for _, n in axes])) for _, axes in spec)
+
+  # The widest model whose 4 blocks fit, then as many blocks as reach the size.
+  width = 1
+  while nbytes(shapes(width + 1, 4)) <= target_bytes:
+    width += 1
+  blocks = 1
+  while nbytes(shapes(width, blocks)) < target_bytes:
+    blocks += 1
+  return shapes(width, blocks)
+
+
+def build_params(target_bytes: int, seed: int = 0):
+  """The benchmark tree: a tuple of ``pz.ParameterValue`` of NamedArrays."""
+  import jax.numpy as jnp
+  from penzai import pz
+
+  rng = np.random.default_rng(seed)
+  params = []
+  for label, axes in transformer_shapes(target_bytes):
+    shape = tuple(n for _, n in axes)
+    data = rng.standard_normal(shape, dtype=np.float32)
+    params.append(
+        pz.ParameterValue(
+            label=label,
+            value=pz.nx.NamedArray(
+                named_axes=collections.OrderedDict(axes), data_array=jnp.asarray(data)
+            ),
+        )
+    )
+  return tuple(params)
+
+
+def _flat(params) -> dict[str, np.ndarray]:
+  return {p.label: np.asarray(p.value.data_array) for p in params}
+
+
+def _block(tree) -> None:
+  """Waits for asynchronously produced jax.Arrays (every method returns
+  fully read arrays: none of them maps files lazily)."""
+  import jax
+
+  jax.block_until_ready(tree)
+
+
+def save_op(method: str, path: str, params):
+  """A callable saving ``params`` to ``path`` with ``method``."""
+  if method == "pz_persist":
+    import pz_persist as pzp
+    return lambda: pzp.save(path, params)
+  if method == "orbax":
+    import orbax.checkpoint as ocp
+
+    def op():
+      with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, params)
+    return op
+  flat = _flat(params)
+  if method == "safetensors":
+    from safetensors.numpy import save_file
+    return lambda: save_file(flat, path)
+  return lambda: np.savez(path, **{k.replace("/", "|"): v for k, v in flat.items()})
+
+
+def restore_op(method: str, path: str, target_bytes: int):
+  """A callable restoring what `save_op` wrote (Orbax gets its template)."""
+  if method == "pz_persist":
+    import pz_persist as pzp
+    return lambda: _block(pzp.load(path))
+  if method == "orbax":
+    import jax
+    import orbax.checkpoint as ocp
+    template = jax.eval_shape(lambda: build_params(target_bytes))
+
+    def op():
+      with ocp.StandardCheckpointer() as checkpointer:
+        _block(checkpointer.restore(path, template))
+    return op
+  if method == "safetensors":
+    from safetensors.numpy import load_file
+    return lambda: _block(load_file(path))
+
+  def op():
+    with np.load(path) as data:
+      _block([data[k] for k in data.files])
+  return op
+
+
+def _warm_up(method: str) -> None:
+  """Saves and restores a tiny tree first, so one-time start-up costs (JAX
+  backend, TensorStore contexts, thread pools) are not charged to the
+  measured operation: it measures throughput, alike for every method."""
+  with tempfile.TemporaryDirectory() as directory:
+    path = _path(directory, method)
+    tiny = 2**16
+    save_op(method, path, build_params(tiny))()
+    restore_op(method, path, tiny)()
+
+
+def worker(method: str, operation: str, path: str, target_bytes: int) -> dict:
+  """Runs one measured operation in this (fresh) process."""
+  if operation == "own_work":
+    return own_work(build_params(target_bytes))
+  if operation == "paired":
+    return paired(path, target_bytes)
+  _warm_up(method)
+  if operation == "save":
+    params = build_params(target_bytes)
+    _block(params)
+    return harness.measure(save_op(method, path, params))
+  if operation == "restore":
+    return harness.measure(restore_op(method, path, target_bytes))
+  if operation == "inspect":
+    import pz_persist as pzp
+    return harness.measure(lambda: pzp.inspect(path))
+  raise ValueError(operation)
+
+
+def paired(directory: str, target_bytes: int, rounds: int = 6) -> dict:
+  """pz_persist against plain Orbax in one process, alternating, many rounds.
+
+  Separate processes measure memory cleanly, but on a shared machine their
+  times drift by tens of percent between runs. Alternating the two methods
+  in one warm process, in both orders, and comparing medians isolates what
+  pz_persist itself costs.
+  """
+  _warm_up("pz_persist")
+  _warm_up("orbax")
+  params = build_params(target_bytes)
+  _block(params)
+  times = {"pz_persist": {"save": [], "restore": []}, "orbax": {"save": [], "restore": []}}
+  for index in range(rounds):
+    order = ("pz_persist", "orbax") if index % 2 == 0 else ("orbax", "pz_persist")
+    for method in order:
+      path = os.path.join(directory, f"paired_{method}")
+      _remove(path)
+      os.sync()
+      start = time.perf_counter()
+      save_op(method, path, params)()
+      times[method]["save"].append(time.perf_counter() - start)
+    for method in order:
+      path = os.path.join(directory, f"paired_{method}")
+      op = restore_op(method, path, target_bytes)
+      start = time.perf_counter()
+      op()
+      times[method]["restore"].append(time.perf_counter() - start)
+  for method in times:
+    _remove(os.path.join(directory, f"paired_{method}"))
+  return times
+
+
+def own_work(params) -> dict:
+  """Time pz_persist adds around Orbax's array I/O, measured without any I/O.
+
+  Saving adds encoding the tree and serializing the manifest; loading adds
+  parsing the manifest, checking what Orbax read and decoding the tree. The
+  arrays themselves go through the same Orbax code as in plain Orbax.
+  """
+  import pz_persist as pzp
+  from pz_persist import manifest as manifest_lib
+  from pz_persist import restoring
+
+  def best(fn, repeats=5):
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - start)
+    return min(times)
+
+  args = pzp.PenzaiSave(params)
+  data = args.manifest.dumps()
+  stored = args.stored_arrays
+  return {
+      "save_seconds": best(lambda: pzp.PenzaiSave(params).manifest.dumps()),
+      "load_seconds": best(
+          lambda: restoring.assemble(
+              manifest_lib.Manifest.loads(data, where="bench"), stored, where="bench"
+          )
+      ),
+      "manifest_bytes": len(data),
+  }
+
+
+def _path(directory: str, method: str) -> str:
+  suffix = {"safetensors": ".safetensors", "numpy": ".npz"}.get(method, "")
+  return os.path.join(directory, method + suffix)
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path):
+    shutil.rmtree(path)
+  elif os.path.exists(path):
+    os.remove(path)
+
+
+def _disk_bytes(path: str) -> int:
+  if os.path.isfile(path):
+    return os.path.getsize(path)
+  return sum(
+      os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+  )
+
+
+def fsync_write_bandwidth(directory: str, nbytes: int) -> float:
+  """Bytes/s of writing ``nbytes`` to a file and fsync'ing it (disk reference)."""
+  path = os.path.join(directory, "fsync_probe.bin")
+  block = np.random.default_rng(1).integers(0, 255, 64 * 2**20, dtype=np.uint8).tobytes()
+  start = time.perf_counter()
+  with open(path, "wb") as f:
+    written = 0
+    while written < nbytes:
+      f.write(block)
+      written += len(block)
+    f.flush()
+    os.fsync(f.fileno())
+  seconds = time.perf_counter() - start
+  os.remove(path)
+  return written / seconds
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", default="1GiB")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+  parser.add_argument("--cold", action="store_true", help="also restore with a dropped page cache")
+  parser.add_argument("--methods", default=",".join(METHODS))
+  parser.add_argument("--json", default=None, help="write the results here too")
+  parser.add_argument("--worker", nargs=4, metavar=("METHOD", "OP", "PATH", "BYTES"), help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+
+  if args.worker:
+    method, operation, path, nbytes = args.worker
+    print(json.dumps(worker(method, operation, path, int(nbytes))))
+    return {}
+
+  target = harness.parse_size(args.size)
+  methods = [m for m in args.methods.split(",") if m]
+  directory = args.dir or tempfile.mkdtemp(prefix="pz_persist_bench_")
+  os.makedirs(directory, exist_ok=True)
+  data_bytes = sum(4 * int(np.prod([n for _, n in axes])) for _, axes in transformer_shapes(target))
+  print(f"# save_restore benchmark, {time.strftime('%Y-%m-%d %H:%M')}")
+  print(f"{harness.machine_description()}")
+  print(f"data: {len(transformer_shapes(target))} NamedArray parameters,"
+        f" {harness.format_size(data_bytes)} float32; {args.repeats} repeats (best shown)\n")
+
+  def run(method, operation):
+    return harness.run_worker(
+        __file__, ["--worker", method, operation, _path(directory, method), str(target)]
+    )
+
+  # Methods take turns within each repeat, and dirty pages of the previous
+  # write are flushed first, so no method pays for another's writeback and
+  # slow phases of a shared machine hit every method alike.
+  runs = {method: {"save": [], "restore": []} for method in methods}
+  for _ in range(args.repeats):
+    for method in methods:
+      _remove(_path(directory, method))
+      os.sync()
+      runs[method]["save"].append(run(method, "save"))
+  os.sync()
+  for _ in range(args.repeats):
+    for method in methods:
+      runs[method]["restore"].append(run(method, "restore"))
+  results = {"size_bytes": data_bytes, "methods": {}}
+  for method in methods:
+    entry = {
+        op: min(runs[method][op], key=lambda r: r["seconds"]) for op in ("save", "restore")
+    }
+    entry["disk_bytes"] = _disk_bytes(_path(directory, method))
+    if args.cold and harness.drop_page_cache():
+      entry["restore_cold"] = run(method, "restore")
+    if method == "pz_persist":
+      entry["inspect"] = min(
+          (run(method, "inspect") for _ in range(args.repeats)), key=lambda r: r["seconds"]
+      )
+      entry["own_work"] = run(method, "own_work")
+    for op in ("save", "restore"):
+      entry[op]["median_seconds"] = float(np.median([r["seconds"] for r in runs[method][op]]))
+    results["methods"][method] = entry
+
+  if {"pz_persist", "orbax"} <= set(methods):
+    results["paired"] = harness.run_worker(
+        __file__, ["--worker", "paired", "paired", directory, str(target)]
+    )
+  results["fsync_write_bytes_per_s"] = fsync_write_bandwidth(directory, min(data_bytes, 2**30))
+  report(results)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+  if not args.dir:
+    shutil.rmtree(directory, ignore_errors=True)
+  return results
+
+
+def report(results: dict) -> None:
+  size = results["size_bytes"]
+  methods = results["methods"]
+  base = methods.get("orbax")
+  rows = []
+  for name, entry in methods.items():
+    row = [name]
+    for op in ("save", "restore", "restore_cold"):
+      if op not in entry:
+        row += ["-", "-"]
+        continue
+      seconds = entry[op]["seconds"]
+      median = entry[op].get("median_seconds")
+      row.append(
+          f"{seconds:.2f} s ({size / seconds / 2**20:.0f} MiB/s)"
+          + (f", median {median:.2f} s" if median else "")
+      )
+      row.append(harness.format_size(entry[op]["extra_rss"]))
+    row.append(harness.format_size(entry["disk_bytes"]))
+    rows.append(row)
+  harness.print_table(
+      "Throughput and peak memory (RSS above the process baseline)",
+      ["method", "save", "save peak RSS", "restore (warm)", "restore peak RSS",
+       "restore (cold)", "cold peak RSS", "on disk"],
+      rows,
+  )
+  if base:
+    ratio_rows = []
+    for name, entry in methods.items():
+      ratio_rows.append([
+          name,
+          *(
+              f"{base[op][key] / entry[op][key]:.2f}x"
+              for op in ("save", "restore")
+              for key in ("seconds", "median_seconds")
+          ),
+      ])
+    harness.print_table(
+        "Speed relative to plain Orbax (higher is faster)",
+        ["method", "save (best)", "save (median)", "restore (best)", "restore (median)"],
+        ratio_rows,
+    )
+  if "paired" in results:
+    paired_times = results["paired"]
+    rows = []
+    for op in ("save", "restore"):
+      ours = float(np.median(paired_times["pz_persist"][op]))
+      theirs = float(np.median(paired_times["orbax"][op]))
+      rows.append([op, f"{ours:.2f} s", f"{theirs:.2f} s", f"{ours / theirs - 1:+.1%}",
+                   len(paired_times["orbax"][op])])
+    harness.print_table(
+        "pz_persist vs plain Orbax, alternating in one process (medians)",
+        ["operation", "pz_persist", "plain Orbax", "pz_persist time vs Orbax", "rounds"],
+        rows,
+    )
+  fsync = results["fsync_write_bytes_per_s"]
+  print(f"Disk reference: write + fsync {fsync / 2**20:.0f} MiB/s")
+  ours = methods.get("pz_persist", {})
+  if "inspect" in ours:
+    print(f"pz_persist.inspect: {ours['inspect']['seconds'] * 1000:.1f} ms"
+          " (reads the manifest only)")
+  if "own_work" in ours:
+    work = ours["own_work"]
+    print(
+        f"pz_persist's own work around Orbax (no I/O): save {work['save_seconds'] * 1000:.1f} ms"
+        f" ({work['save_seconds'] / ours['save']['seconds']:.2%} of its best save),"
+        f" load {work['load_seconds'] * 1000:.1f} ms"
+        f" ({work['load_seconds'] / ours['restore']['seconds']:.2%} of its best restore);"
+        f" manifest {harness.format_size(work['manifest_bytes'])}"
+    )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,41 @@
+"""The benchmarks keep working: a tiny run by default, the real one with -m slow."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import save_restore  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _check(results, methods):
+  assert set(results["methods"]) == set(methods)
+  for entry in results["methods"].values():
+    assert entry["save"]["seconds"] > 0 and entry["restore"]["seconds"] > 0
+    assert entry["disk_bytes"] > 0
+  assert results["methods"]["pz_persist"]["inspect"]["seconds"] > 0
+
+
+def test_save_restore_benchmark_runs(tmp_path, capsys):
+  results = save_restore.main(["--size", "2MiB", "--repeats", "1", "--dir", str(tmp_path)])
+  _check(results, save_restore.METHODS)
+  printed = capsys.readouterr().out
+  assert "Speed relative to plain Orbax" in printed and "pz_persist.inspect" in printed
+
+
+def test_transformer_shapes_reach_the_requested_size():
+  for size in (64 * 2**20, 2**30):
+    shapes = save_restore.transformer_shapes(size)
+    nbytes = sum(4 * int(__import__("numpy").prod([n for _, n in axes])) for _, axes in shapes)
+    assert size <= nbytes <= 1.3 * size
+
+
+@pytest.mark.slow
+def test_save_restore_benchmark_1gib(tmp_path):
+  results = save_restore.main(["--size", "1GiB", "--repeats", "3", "--dir", str(tmp_path)])
+  _check(results, save_restore.METHODS)

@@ -1,0 +1,43 @@
+"""The notebooks are documentation that must run: execute them, check outputs."""
+
+from __future__ import annotations
+
+import os
+
+import nbclient
+import nbformat
+import pytest
+
+from conftest import REPO
+
+NOTEBOOKS = os.path.join(REPO, "notebooks")
+
+
+def _execute(name: str, tmp_path) -> nbformat.NotebookNode:
+  notebook = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+  client = nbclient.NotebookClient(
+      notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+  )
+  client.execute()
+  return notebook
+
+
+def _outputs(notebook: nbformat.NotebookNode) -> str:
+  texts = []
+  for cell in notebook.cells:
+    for output in cell.get("outputs", []):
+      if "text" in output:
+        texts.append(output["text"])
+      for mime in ("text/plain", "text/html"):
+        if mime in output.get("data", {}):
+          texts.append(output["data"][mime])
+  return "\n".join(texts)
+
+
+def test_quickstart(tmp_path):
+  text = _outputs(_execute("quickstart.ipynb", tmp_path))
+  assert "outputs identical: True" in text
+  assert "ParameterValue transformer/blocks/attention/query.weights" in text
+  assert "'query_heads': 2" in text
+  assert "manager restore: ParameterValue transformer/embedder.embeddings" in text
+  assert "treescope" in text.lower()  # Rich treescope renderings were produced.
