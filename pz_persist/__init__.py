@@ -26,14 +26,21 @@ Example::
 
 from pz_persist import errors
 from pz_persist.allowlist import allow_modules
+from pz_persist.binding import BindingError, LoadReport, Mismatch
 from pz_persist.checkpoint import inspect, load, save
+from pz_persist.diffing import diff
 from pz_persist.errors import PzPersistError
+from pz_persist.model import load_model, save_model
 from pz_persist.orbax_v0 import PenzaiCheckpointHandler, PenzaiRestore, PenzaiSave
 from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
 from pz_persist.registration import register_handlers
 from pz_persist.version import __version__
+from pz_persist.viewing import render_html
 
 __all__ = [
+    "BindingError",
+    "LoadReport",
+    "Mismatch",
     "PenzaiCheckpointHandler",
     "PenzaiCheckpointableHandler",
     "PenzaiRestore",
@@ -41,11 +48,15 @@ __all__ = [
     "PzPersistError",
     "__version__",
     "allow_modules",
+    "diff",
     "errors",
     "inspect",
     "load",
+    "load_model",
     "register_handlers",
+    "render_html",
     "save",
+    "save_model",
 ]
 
 register_handlers()

@@ -1,12 +1,13 @@
-"""Which modules a checkpoint may name, and how named classes are found again.
+"""Which modules a checkpoint may name.
 
-A checkpoint names classes by module and qualified name (a namedtuple container,
-an Enum in a parameter's metadata, a label dataclass). Finding such a class
-again means importing its module, and importing a module runs its code. So a
-checkpoint may only name modules on an allow-list: Penzai, JAX, NumPy, ml_dtypes
-and optax by default, plus what the user allows with `allow_modules`. The check
-happens twice: at save time, so a checkpoint that could not be loaded safely is
-never written, and at load time *before* anything is imported, so a hostile
+A checkpoint names classes and functions by module and qualified name (a
+namedtuple container, an Enum in a parameter's metadata, a layer class, an
+activation function). Finding them again means importing their module, and
+importing a module runs its code. So a checkpoint may only name modules on an
+allow-list: Penzai, JAX, NumPy, ml_dtypes and optax by default, plus what the
+user allows with `allow_modules`. `pz_persist.references` applies the policy
+twice: at save time, so a checkpoint that could not be loaded safely is never
+written, and at load time *before* anything is imported, so a hostile
 checkpoint cannot make pz_persist import ``os`` or a module with side effects.
 """
 
@@ -14,13 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 import re
-import sys
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
-
-from pz_persist import errors
+from collections.abc import Iterable, Iterator
 
 DEFAULT_ALLOWED_MODULES: tuple[str, ...] = (
     "penzai",
@@ -37,12 +33,12 @@ _scoped_allowed: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar
     "pz_persist_scoped_allowed_modules", default=frozenset()
 )
 
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_QUALNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+"""A module name or qualified name: identifiers joined by dots."""
 
 
 def _check_module_name(name: str) -> str:
-  if not isinstance(name, str) or not _MODULE_NAME.match(name):
+  if not isinstance(name, str) or not DOTTED_NAME.match(name):
     raise ValueError(f"Not a module name: {name!r}")
   return name
 
@@ -86,15 +82,55 @@ def scoped_allowance(module_names: Iterable[str] | None) -> Iterator[None]:
     _scoped_allowed.reset(token)
 
 
-def is_allowed(module_name: str) -> bool:
-  """Whether ``module_name`` is inside an allowed module tree."""
+def _within(module_name: str, trees: Iterable[str]) -> bool:
   return any(
-      module_name == allowed or module_name.startswith(allowed + ".")
-      for allowed in allowed_modules()
+      module_name == tree or module_name.startswith(tree + ".") for tree in trees
   )
 
 
-def _hint(module_name: str) -> str:
+def is_allowed(module_name: str) -> bool:
+  """Whether ``module_name`` is inside an allowed module tree."""
+  return _within(module_name, allowed_modules())
+
+
+CALLABLE_MODULES: tuple[str, ...] = (
+    "jax.nn",
+    "jax.numpy",
+    "jax.lax",
+    "jax.scipy",
+    "jax.random",
+    "jax.image",
+    "penzai.core",
+    "penzai.nn",
+    "penzai.models",
+)
+"""Modules whose functions a checkpoint may name by default.
+
+Narrower than `DEFAULT_ALLOWED_MODULES`: a named function runs when the model
+runs (say, as an ``Elementwise`` layer's activation), so by default only
+numerical modules without side effects qualify, plus NumPy ufuncs and the
+modules the user allows.
+"""
+
+_DENIED_FUNCTION_NAMES = frozenset({
+    "save", "savez", "savez_compressed", "savetxt", "load", "loadtxt",
+    "fromfile", "tofile", "genfromtxt", "fromregex", "memmap",
+})  # fmt: skip
+"""File I/O that ``jax.numpy`` re-exports from NumPy: never allowed by default."""
+
+
+def is_function_allowed(module_name: str, name: str) -> bool:
+  """Whether a checkpoint may name function ``name`` of ``module_name``."""
+  if is_user_allowed(module_name):
+    return True
+  return (
+      _within(module_name, CALLABLE_MODULES)
+      and name.split(".")[-1] not in _DENIED_FUNCTION_NAMES
+  )
+
+
+def hint(module_name: str) -> str:
+  """How to allow ``module_name``, for error messages."""
   top = module_name.split(".")[0]
   return (
       f"If you trust it, call pz_persist.allow_modules({top!r}) or pass"
@@ -102,98 +138,6 @@ def _hint(module_name: str) -> str:
   )
 
 
-def reference_to(obj: Any, *, where: str) -> dict[str, str]:
-  """A JSON reference ``{"module", "qualname"}`` to a class (checked on save).
-
-  Raises:
-    DisallowedModuleError: the module is not allowed.
-    EncodingError: the object could not be found again by that name (for
-      instance a class defined inside a function).
-  """
-  module_name = getattr(obj, "__module__", None)
-  qualname = getattr(obj, "__qualname__", None)
-  if not isinstance(module_name, str) or not isinstance(qualname, str):
-    raise errors.EncodingError(f"{where}: {obj!r} has no module/qualified name.")
-  if not is_allowed(module_name):
-    raise errors.DisallowedModuleError(
-        f"{where}: {module_name}.{qualname} is defined in module"
-        f" {module_name!r}, which is not allow-listed, so loading this"
-        f" checkpoint would have to import it. {_hint(module_name)}"
-    )
-  if "<locals>" in qualname or not _QUALNAME.match(qualname):
-    raise errors.EncodingError(
-        f"{where}: {module_name}.{qualname} cannot be found again by name"
-        " (it is defined inside a function); define it at module level."
-    )
-  module = sys.modules.get(module_name)
-  found = _walk_qualname(module, qualname) if module is not None else None
-  if found is not obj:
-    raise errors.EncodingError(
-        f"{where}: {module_name}.{qualname} does not name {obj!r}, so it could"
-        " not be found again when loading."
-    )
-  return {"module": module_name, "qualname": qualname}
-
-
-def _walk_qualname(root: Any, qualname: str) -> Any:
-  obj = root
-  for part in qualname.split("."):
-    obj = getattr(obj, part, None)
-    if obj is None:
-      return None
-  return obj
-
-
-def resolve(
-    ref: Any,
-    *,
-    where: str,
-    accept: Callable[[Any], bool],
-    kind: str,
-) -> Any:
-  """Finds the object a checkpoint reference names, importing only if allowed.
-
-  Args:
-    ref: The ``{"module", "qualname"}`` JSON object from the manifest.
-    where: Position in the checkpoint, for error messages.
-    accept: Predicate the resolved object must satisfy (for instance "is an
-      Enum class").
-    kind: What ``accept`` checks, for error messages.
-
-  Raises:
-    ManifestError: the reference is malformed or names the wrong kind of thing.
-    DisallowedModuleError: the module is not allowed (nothing was imported).
-  """
-  if (
-      not isinstance(ref, dict)
-      or set(ref) != {"module", "qualname"}
-      or not isinstance(ref["module"], str)
-      or not isinstance(ref["qualname"], str)
-      or not _MODULE_NAME.match(ref["module"])
-      or not _QUALNAME.match(ref["qualname"])
-  ):
-    raise errors.ManifestError(f"{where}: malformed class reference {ref!r}.")
-  module_name, qualname = ref["module"], ref["qualname"]
-  if not is_allowed(module_name):
-    raise errors.DisallowedModuleError(
-        f"{where}: the checkpoint names {module_name}.{qualname}; module"
-        f" {module_name!r} is not allow-listed, so it was not imported."
-        f" {_hint(module_name)}"
-    )
-  if any(part.startswith("__") for part in qualname.split(".")):
-    raise errors.ManifestError(f"{where}: refusing dunder name {qualname!r}.")
-  module = sys.modules.get(module_name)
-  if module is None:
-    try:
-      module = importlib.import_module(module_name)
-    except ImportError as e:
-      raise errors.ManifestError(
-          f"{where}: cannot import module {module_name!r} named by the"
-          f" checkpoint: {e}"
-      ) from e
-  obj = _walk_qualname(module, qualname)
-  if obj is None or not accept(obj):
-    raise errors.ManifestError(
-        f"{where}: {module_name}.{qualname} is not {kind}."
-    )
-  return obj
+def is_user_allowed(module_name: str) -> bool:
+  """Whether the user (not the defaults) allowed ``module_name``."""
+  return _within(module_name, frozenset(_globally_allowed) | _scoped_allowed.get())

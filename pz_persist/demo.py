@@ -1,10 +1,11 @@
 """The README's first command: save a small Penzai model and load it back.
 
 Run ``python -m pz_persist.demo [--out DIR]``. It builds a small llamalike
-transformer, saves its parameters with `pz_persist.save`, loads them with
-`pz_persist.load` (no template), prints the restored tree, checks that the
-rebuilt model's outputs are bit-identical, and writes a treescope HTML view of
-the restored tree you can open in a browser.
+transformer, saves it whole with `pz_persist.save_model`, prints the
+checkpoint's table of arrays, loads it back with `pz_persist.load_model` (no
+template, no model code), prints the restored model, checks that its outputs
+are bit-identical, and writes a treescope HTML view of it you can open in a
+browser.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 import pz_persist as pzp
+from pz_persist import viewing
 
 
 def build_model() -> pz.nn.Layer:
@@ -52,28 +54,27 @@ def main(argv: list[str] | None = None) -> int:
   checkpoint = out / "checkpoint"
 
   model = build_model()
-  unbound, params = pz.unbind_params(model, freeze=True)
+  _, params = pz.unbind_params(model, freeze=True)
   count = sum(int(np.prod(p.value.data_array.shape)) for p in params)
   print(f"Built a llamalike transformer with {len(params)} parameters ({count:,} values).")
 
-  pzp.save(checkpoint, params, overwrite=True)
-  print(f"Saved its parameters to {checkpoint}")
+  pzp.save_model(checkpoint, model, overwrite=True)
+  print(f"Saved it, structure and variables, to {checkpoint}:\n")
+  print(viewing.describe_checkpoint(checkpoint))
 
-  restored = pzp.load(checkpoint)  # No template, no model code needed.
-  print("Loaded them back with pz_persist.load(path), with no template:\n")
+  restored = pzp.load_model(checkpoint)  # No template, no model code needed.
+  print("\nLoaded it back with pz_persist.load_model(path):\n")
   print(treescope.render_to_text(restored))
 
   tokens = pz.nx.wrap(jnp.arange(16).reshape(2, 8), "batch", "seq")
-  rebuilt = pz.bind_variables(unbound, restored)
-  identical = bool(
-      np.asarray(rebuilt(tokens).data_array).tobytes()
+  identical = (
+      np.asarray(restored(tokens).data_array).tobytes()
       == np.asarray(model(tokens).data_array).tobytes()
   )
-  print(f"\nRebuilt model's outputs are bit-identical to the original's: {identical}")
+  print(f"\nThe restored model's outputs are bit-identical to the original's: {identical}")
 
-  html = out / "restored.html"
-  html.write_text(treescope.render_to_html(restored, roundtrip_mode=False))
-  print(f"Treescope view of the restored parameters: {html}")
+  html = pzp.render_html(restored, out / "restored.html")
+  print(f"Treescope view of the restored model: {html}")
   return 0 if identical else 1
 
 

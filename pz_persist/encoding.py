@@ -1,4 +1,4 @@
-"""Typed JSON for Penzai trees: everything but the array bytes.
+"""Typed JSON for Penzai trees and models: everything but the array bytes.
 
 A saved tree becomes one JSON node tree plus a list of arrays. Every node is an
 object with a type tag ``"t"``, so decoding never guesses: a tuple comes back a
@@ -9,18 +9,22 @@ and stored by Orbax; mutable ``pz.Parameter`` / ``pz.StateVariable`` objects
 are stored once in a variables table and referenced, so a variable shared by two
 layers is still one shared object after loading.
 
-Nothing here evaluates or unpickles anything. Classes (namedtuple containers,
-Enums, label dataclasses) are named by module and qualified name and found
-again through `pz_persist.allowlist`, which refuses modules that are not
-allow-listed before importing them.
+A model's structure is more of the same: each layer is a ``pz.Struct`` node
+(its class and all its fields, including small arrays such as a
+``ConstantRescale`` factor), and the code it refers to (activation functions,
+dtypes, Enums) is named by module and qualified name.
+
+Nothing here evaluates or unpickles anything. Names of classes and functions
+are checked and found again through `pz_persist.references`, which refuses
+modules that are not allow-listed before importing them.
 
 Node tags::
 
-  scalars     none bool int float complex str bytes
+  scalars     none bool int float complex str bytes np_scalar
   containers  list tuple dict ordered_dict namedtuple set frozenset
-  static      enum dataclass dtype np_scalar          (labels, metadata, axis names)
-  tree        array prng_key named_array named_array_view
-              parameter_value state_variable_value parameter_slot
+  structure   struct dataclass enum dtype type function partial
+  arrays      array prng_key named_array named_array_view
+  variables   parameter_value state_variable_value parameter_slot
               state_variable_slot variable
 """
 
@@ -30,6 +34,7 @@ import base64
 import collections
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,9 +43,9 @@ import jax
 import numpy as np
 from penzai import pz
 
-from pz_persist import allowlist
 from pz_persist import arrays as arrays_lib
 from pz_persist import errors
+from pz_persist import references
 
 Node = dict[str, Any]
 
@@ -84,6 +89,10 @@ def _is_enum_class(cls: Any) -> bool:
 
 def _is_dataclass_class(cls: Any) -> bool:
   return isinstance(cls, type) and dataclasses.is_dataclass(cls)
+
+
+def _is_struct_class(cls: Any) -> bool:
+  return isinstance(cls, type) and issubclass(cls, pz.Struct)
 
 
 def _encode_float(x: float) -> float | str:
@@ -146,14 +155,6 @@ class _Encoder:
     node = self._scalar(obj)
     if node is not None:
       return node
-    if isinstance(obj, enum.Enum):
-      return {
-          "t": "enum",
-          "class": allowlist.reference_to(type(obj), where=where),
-          "name": obj.name,
-      }
-    if isinstance(obj, np.dtype):
-      return {"t": "dtype", "name": arrays_lib.dtype_name(obj, where=where)}
     if isinstance(obj, np.generic):
       value = np.asarray(obj)
       return {
@@ -161,19 +162,63 @@ class _Encoder:
           "dtype": arrays_lib.dtype_name(value.dtype, where=where),
           "hex": value.tobytes().hex(),
       }
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-      fields = [f for f in dataclasses.fields(obj) if f.init]
+    return (
+        self._container(obj, where, self.static, sets=True)
+        or self._dataclass(obj, where, self.static)
+        or self._code(obj, where)
+    )
+
+  def _code(self, obj: Any, where: str) -> Node:
+    """Encodes references to code: Enums, dtypes, classes, functions, partials.
+
+    These are the values a model's structure holds besides containers and
+    arrays; anything else cannot be saved.
+    """
+    if isinstance(obj, enum.Enum):
       return {
-          "t": "dataclass",
-          "class": allowlist.reference_to(type(obj), where=where),
-          "fields": [
-              [f.name, self.static(getattr(obj, f.name), f"{where}.{f.name}")]
-              for f in fields
+          "t": "enum",
+          "class": references.class_reference(type(obj), where=where),
+          "name": obj.name,
+      }
+    if isinstance(obj, np.dtype):
+      return {"t": "dtype", "name": arrays_lib.dtype_name(obj, where=where)}
+    if isinstance(obj, type):
+      return {"t": "type", "class": references.class_reference(obj, where=where)}
+    if type(obj) is functools.partial:
+      return {
+          "t": "partial",
+          "func": self.static(obj.func, f"{where}.func"),
+          "args": [self.static(a, f"{where}.args[{i}]") for i, a in enumerate(obj.args)],
+          "keywords": [
+              [k, self.static(v, f"{where}.keywords[{k!r}]")]
+              for k, v in obj.keywords.items()
           ],
       }
-    return self._container(obj, where, self.static, sets=True) or self._refuse(
-        obj, where
-    )
+    if callable(obj):
+      return {"t": "function", "ref": references.function_reference(obj, where=where)}
+    return self._refuse(obj, where)
+
+  def _dataclass(
+      self, obj: Any, where: str, encode: Callable[[Any, str], Node]
+  ) -> Node | None:
+    """Encodes a dataclass instance by class and field values.
+
+    A ``pz.Struct`` (a layer) keeps every field and is rebuilt with
+    ``from_attributes``, Penzai's own hook for deserialization, which bypasses
+    ``__init__``; other dataclasses are rebuilt from their ``__init__`` fields.
+    """
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+      return None
+    if isinstance(obj, pz.Struct):
+      tag, fields = "struct", obj.attributes_dict()
+    else:
+      tag = "dataclass"
+      fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+    return {
+        "t": tag,
+        "class": references.class_reference(type(obj), where=where),
+        "fields": [[name, encode(v, f"{where}.{name}")] for name, v in fields.items()],
+    }
 
   @staticmethod
   def _scalar(obj: Any) -> Node | None:
@@ -211,7 +256,7 @@ class _Encoder:
     if isinstance(obj, tuple) and _is_namedtuple_class(type(obj)):
       return {
           "t": "namedtuple",
-          "class": allowlist.reference_to(type(obj), where=where),
+          "class": references.class_reference(type(obj), where=where),
           "items": [
               encode(v, f"{where}.{name}") for name, v in zip(obj._fields, obj)
           ],
@@ -234,7 +279,8 @@ class _Encoder:
       }
     return None
 
-  def _refuse(self, obj: Any, where: str) -> Node:
+  @staticmethod
+  def _refuse(obj: Any, where: str) -> Node:
     kind = type(obj)
     raise errors.EncodingError(
         f"{where}: cannot save a value of type {kind.__module__}.{kind.__qualname__}"
@@ -280,20 +326,13 @@ class _Encoder:
       }
     if kind in _VARIABLE_KINDS:
       return {"t": "variable", "ref": self._variable(obj, where)}
-    container = self._container(
-        obj, where, lambda v, w: self.tree(v, w, label)
-    )
-    if container is not None:
-      return container
-    if isinstance(obj, pz.Struct):
-      raise errors.EncodingError(
-          f"{where}: cannot save a {kind.__qualname__} layer with"
-          " pz_persist.save, which saves values, not model structure. Save the"
-          " model's variables with pz_persist.save(path, pz.unbind_variables("
-          "model, freeze=True)[1]), or the whole model with"
-          " pz_persist.save_model."
-      )
-    return self._refuse(obj, where + (f" (label {label!r})" if label else ""))
+    child = lambda v, w: self.tree(v, w, label)  # pylint: disable=unnecessary-lambda-assignment
+    node = self._container(obj, where, child) or self._dataclass(obj, where, child)
+    if node is not None:
+      return node
+    if isinstance(obj, pz.AbstractVariable):
+      return self._refuse(obj, where)  # A variable class pz_persist does not know.
+    return self._code(obj, where + (f" (label {label!r})" if label else ""))
 
   def _label(self, label: Any, where: str) -> Node:
     try:
@@ -433,19 +472,6 @@ class _Decoder:
     result = self._scalar(node, where)
     if result is not _NOT_SCALAR:
       return result
-    if tag == "enum":
-      self._expect(node, where, "class", "name")
-      cls = allowlist.resolve(
-          node["class"], where=where, accept=_is_enum_class, kind="an Enum"
-      )
-      if not isinstance(node["name"], str) or node["name"] not in cls.__members__:
-        raise errors.ManifestError(
-            f"{where}: {cls.__qualname__} has no member {node['name']!r}."
-        )
-      return cls[node["name"]]
-    if tag == "dtype":
-      self._expect(node, where, "name")
-      return arrays_lib.dtype_from_name(node["name"], where=where)
     if tag == "np_scalar":
       self._expect(node, where, "dtype", "hex")
       dtype = arrays_lib.dtype_from_name(node["dtype"], where=where)
@@ -456,29 +482,81 @@ class _Decoder:
       if len(raw) != dtype.itemsize:
         raise errors.ManifestError(f"{where}: {len(raw)} bytes for a {dtype}.")
       return np.frombuffer(raw, dtype)[0]
-    if tag == "dataclass":
-      self._expect(node, where, "class", "fields")
-      cls = allowlist.resolve(
-          node["class"], where=where, accept=_is_dataclass_class, kind="a dataclass"
+    child = lambda n, w: self.static(n, w, depth + 1)  # pylint: disable=unnecessary-lambda-assignment
+    return self._structural(node, where, child, depth)
+
+  def _structural(
+      self, node: Node, where: str, decode: Callable[[Any, str], Any], depth: int
+  ) -> Any:
+    """Decodes what static values and trees share: containers, dataclasses,
+    layers and references to code. ``decode`` decodes children."""
+    tag = node.get("t")
+    if tag in ("struct", "dataclass"):
+      return self._dataclass(node, where, decode)
+    if tag == "enum":
+      self._expect(node, where, "class", "name")
+      cls = references.resolve_class(
+          node["class"], where=where, accept=_is_enum_class, kind="an Enum"
       )
-      fields = self._pairs(node["fields"], where)
-      init_names = {f.name for f in dataclasses.fields(cls) if f.init}
-      kwargs = {}
-      for name, value in fields:
-        if not isinstance(name, str) or name not in init_names or name in kwargs:
-          raise errors.ManifestError(
-              f"{where}: {cls.__qualname__} has no field {name!r} (or it repeats)."
-          )
-        kwargs[name] = self.static(value, f"{where}.{name}", depth + 1)
-      try:
-        return cls(**kwargs)
-      except Exception as e:  # The class's own validation failed.
+      if not isinstance(node["name"], str) or node["name"] not in cls.__members__:
         raise errors.ManifestError(
-            f"{where}: cannot rebuild {cls.__qualname__}: {e}"
-        ) from None
-    return self._container(
-        node, where, lambda n, w: self.static(n, w, depth + 1), depth
+            f"{where}: {cls.__qualname__} has no member {node['name']!r}."
+        )
+      return cls[node["name"]]
+    if tag == "dtype":
+      self._expect(node, where, "name")
+      return arrays_lib.dtype_from_name(node["name"], where=where)
+    if tag == "type":
+      self._expect(node, where, "class")
+      return references.resolve_class(
+          node["class"], where=where, accept=lambda _: True, kind="a class"
+      )
+    if tag == "function":
+      self._expect(node, where, "ref")
+      return references.resolve_function(node["ref"], where=where)
+    if tag == "partial":
+      self._expect(node, where, "func", "args", "keywords")
+      func = self.static(node["func"], f"{where}.func", depth + 1)
+      if not callable(func):
+        raise errors.ManifestError(f"{where}: partial of a non-callable.")
+      if not isinstance(node["args"], list):
+        raise errors.ManifestError(f"{where}: args must be a list.")
+      args = [self.static(a, f"{where}.args", depth + 1) for a in node["args"]]
+      keywords = {}
+      for key, value in self._pairs(node["keywords"], where):
+        if not isinstance(key, str) or key in keywords:
+          raise errors.ManifestError(f"{where}: invalid keyword {key!r}.")
+        keywords[key] = self.static(value, f"{where}.keywords", depth + 1)
+      return functools.partial(func, *args, **keywords)
+    return self._container(node, where, decode, depth)
+
+  def _dataclass(
+      self, node: Node, where: str, decode: Callable[[Any, str], Any]
+  ) -> Any:
+    self._expect(node, where, "class", "fields")
+    is_struct = node["t"] == "struct"
+    cls = references.resolve_class(
+        node["class"],
+        where=where,
+        accept=_is_struct_class if is_struct else _is_dataclass_class,
+        kind="a pz.Struct class" if is_struct else "a dataclass",
     )
+    names = {
+        f.name for f in dataclasses.fields(cls) if is_struct or f.init
+    }
+    values = {}
+    for name, value in self._pairs(node["fields"], where):
+      if not isinstance(name, str) or name not in names or name in values:
+        raise errors.ManifestError(
+            f"{where}: {cls.__qualname__} has no field {name!r} (or it repeats)."
+        )
+      values[name] = decode(value, f"{where}.{name}")
+    try:
+      return cls.from_attributes(**values) if is_struct else cls(**values)
+    except Exception as e:  # The class's own checks refused the values.
+      raise errors.ManifestError(
+          f"{where}: cannot rebuild {cls.__qualname__}: {e}"
+      ) from None
 
   def _scalar(self, node: Node, where: str) -> Any:
     tag = node.get("t")
@@ -534,7 +612,7 @@ class _Decoder:
           return _SEQUENCE_TAGS[tag](items)
         except TypeError:
           raise errors.ManifestError(f"{where}: unhashable set element.") from None
-      cls = allowlist.resolve(
+      cls = references.resolve_class(
           node["class"], where=where, accept=_is_namedtuple_class, kind="a namedtuple"
       )
       if len(items) != len(cls._fields):
@@ -629,7 +707,7 @@ class _Decoder:
     if tag == "variable":
       self._expect(node, where, "ref")
       return self._variable(node["ref"], where, depth)
-    return self._container(node, where, child, depth)
+    return self._structural(node, where, child, depth)
 
   def _axis_name(self, node: Any, where: str, depth: int) -> Any:
     name = self.static(node, f"{where} axis name", depth + 1)

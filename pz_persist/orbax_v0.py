@@ -26,6 +26,7 @@ the primary process is what rebuilds the Penzai tree.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -127,16 +128,26 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Restores the saved tree; needs no template."""
     args = args or PenzaiRestore()
     manifest = manifest_lib.read(directory)
-    restoring.check_loadable(manifest, str(directory))
-    targets = restoring.placements(manifest, args.sharding)
-    stored = self._read_arrays(directory, targets) if targets else {}
-    return restoring.assemble(
-        manifest, stored, where=str(directory), sharding=args.sharding
-    )
+    values = self.read_arrays(directory, manifest, sharding=args.sharding)
+    return restoring.decode(manifest, values, where=str(directory))
 
-  def _read_arrays(
-      self, directory: epath.Path, targets: dict[str, restoring.Placement]
-  ) -> dict[str, Any]:
+  def read_arrays(
+      self,
+      directory: epath.Path,
+      manifest: manifest_lib.Manifest,
+      *,
+      sharding: jax.sharding.Sharding | None = None,
+      refs: Collection[int] | None = None,
+  ) -> list[Any]:
+    """Reads arrays of the manifest, all of them or those indexed by ``refs``.
+
+    Returns:
+      A list aligned with ``manifest.arrays``: each array as it was saved
+      (kind, dtype, weak type restored), or None where not requested.
+    """
+    where = str(directory)
+    restoring.check_loadable(manifest, where, refs)
+    targets = restoring.placements(manifest, sharding, refs)
     restore_args = {
         key: (
             ocp.RestoreArgs(restore_type=np.ndarray)
@@ -145,9 +156,21 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
         )
         for key, target in targets.items()
     }
-    return self._arrays.restore(
-        directory, args=ocp.args.PyTreeRestore(restore_args=restore_args)
-    )
+    stored = {}
+    if refs is None and restore_args:
+      stored = self._arrays.restore(
+          directory, args=ocp.args.PyTreeRestore(restore_args=restore_args)
+      )
+    elif restore_args:  # Only some arrays: Orbax reads no others.
+      stored = self._arrays.restore(
+          directory,
+          args=ocp.args.PyTreeRestore(
+              item={key: np.ndarray for key in restore_args},
+              restore_args=restore_args,
+              partial_restore=True,
+          ),
+      )
+    return restoring.values(manifest, stored, where=where, sharding=sharding, refs=refs)
 
   def metadata(self, directory: epath.Path) -> Any:
     """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no arrays."""

@@ -4,13 +4,13 @@ Both Orbax integrations (`pz_persist.orbax_v0`, `pz_persist.orbax_v1`) read
 arrays their own way but share everything around it, which lives here:
 deciding where each array goes (`placements`), refusing a load that could only
 succeed by silently changing values (`check_loadable`), checking that what was
-read is what the manifest promised, undoing storage substitutions, and
-decoding the tree (`assemble`).
+read is what the manifest promised and undoing storage substitutions
+(`values`), and decoding the tree (`decode`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,7 +30,9 @@ def default_sharding() -> jax.sharding.Sharding:
   return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
-def check_loadable(manifest: manifest_lib.Manifest, where: str) -> None:
+def check_loadable(
+    manifest: manifest_lib.Manifest, where: str, refs: Collection[int] | None = None
+) -> None:
   """Refuses, before reading anything, a load that would change values.
 
   A 64-bit ``jax.Array`` loaded while ``jax_enable_x64`` is off would be cast
@@ -39,7 +41,9 @@ def check_loadable(manifest: manifest_lib.Manifest, where: str) -> None:
   """
   if jax.config.jax_enable_x64:
     return
-  for spec in manifest.arrays:
+  for index, spec in enumerate(manifest.arrays):
+    if refs is not None and index not in refs:
+      continue
     if spec.kind == "jax" and spec.dtype in _X64_DTYPES:
       raise errors.PzPersistError(
           f"{where}: {spec.path} is a {spec.dtype} jax.Array, but"
@@ -54,13 +58,14 @@ _X64_DTYPES = frozenset({"float64", "int64", "uint64", "complex128"})
 def placements(
     manifest: manifest_lib.Manifest,
     sharding: jax.sharding.Sharding | None = None,
+    refs: Collection[int] | None = None,
 ) -> dict[str, Placement]:
-  """Where each stored array is read to, by storage key."""
+  """Where each stored array to read goes, by storage key."""
   target = sharding or default_sharding()
   return {
       spec.key: (target if spec.kind == "jax" else None)
-      for spec in manifest.arrays
-      if spec.is_stored
+      for index, spec in enumerate(manifest.arrays)
+      if spec.is_stored and (refs is None or index in refs)
   }
 
 
@@ -74,54 +79,48 @@ def _check_read(spec: arrays_lib.ArraySpec, value: Any, where: str) -> None:
     )
 
 
-def assemble(
+def values(
     manifest: manifest_lib.Manifest,
     stored: Mapping[str, Any],
     *,
     where: str,
     sharding: jax.sharding.Sharding | None = None,
-) -> Any:
-  """Rebuilds the saved tree from the arrays read back by Orbax.
+    refs: Collection[int] | None = None,
+) -> list[Any]:
+  """The saved arrays, from what Orbax read back, aligned with the manifest.
 
-  Args:
-    manifest: The checkpoint item's manifest.
-    stored: The arrays Orbax restored, by storage key.
-    where: The checkpoint path, for error messages.
-    sharding: Where zero-size ``jax.Array`` values (which are not stored) go.
+  Checks each against the manifest, undoes storage substitutions, restores
+  kinds and weak types, and makes the zero-size arrays (which are not stored).
+  Arrays not in ``refs`` (when given) are None.
   """
-  return assemble_parts(
-      manifest.tree,
-      manifest.variables,
-      manifest.arrays,
-      stored,
-      where=where,
-      sharding=sharding,
-  )
-
-
-def assemble_parts(
-    tree: dict[str, Any],
-    variables: Sequence[Any],
-    specs: Sequence[arrays_lib.ArraySpec],
-    stored: Mapping[str, Any],
-    *,
-    where: str,
-    sharding: jax.sharding.Sharding | None = None,
-) -> Any:
-  """`assemble` for a tree node, variables table and array specs."""
-  values = []
-  for spec in specs:
-    if not spec.is_stored:
-      values.append(arrays_lib.empty_array(spec, sharding or default_sharding()))
-      continue
-    if spec.key not in stored:
+  result = []
+  for index, spec in enumerate(manifest.arrays):
+    if refs is not None and index not in refs:
+      result.append(None)
+    elif not spec.is_stored:
+      result.append(arrays_lib.empty_array(spec, sharding or default_sharding()))
+    elif spec.key not in stored:
       raise errors.ManifestError(
           f"{where}: the array of {spec.path} (key {spec.key}) is missing."
       )
-    value = stored[spec.key]
-    _check_read(spec, value, where)
-    values.append(arrays_lib.from_storage(value, spec))
-  return encoding.decode(tree, variables, values, root=f"{where}: tree")
+    else:
+      _check_read(spec, stored[spec.key], where)
+      result.append(arrays_lib.from_storage(stored[spec.key], spec))
+  return result
+
+
+def assemble(
+    manifest: manifest_lib.Manifest, stored: Mapping[str, Any], *, where: str
+) -> Any:
+  """The saved tree, from its manifest and everything Orbax read back."""
+  return decode(manifest, values(manifest, stored, where=where), where=where)
+
+
+def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str) -> Any:
+  """The saved tree, from its manifest and its arrays (see `values`)."""
+  return encoding.decode(
+      manifest.tree, manifest.variables, values, root=f"{where}: tree"
+  )
 
 
 def abstract_tree(manifest: manifest_lib.Manifest, *, where: str) -> Any:

@@ -39,6 +39,7 @@ from penzai import pz
 from pz_persist import arrays as arrays_lib
 from pz_persist import encoding
 from pz_persist import errors
+from pz_persist import manifest as manifest_lib
 from pz_persist import restoring
 
 _RECORDS_PREFIX = "pz_persist_variables-"
@@ -184,8 +185,10 @@ class VariableTypeHandler(type_handlers.TypeHandler):
     for name, (record, specs) in parsed.items():
       if record["kind"] not in ("parameter", "state_variable"):
         raise errors.ManifestError(f"leaf {name!r}: unknown kind {record['kind']!r}.")
-      frozen = restoring.assemble_parts(
-          record["tree"], (), specs, read.get(name, {}), where=f"leaf {name!r}"
+      frozen = restoring.assemble(
+          manifest_lib.Manifest(tree=record["tree"], variables=(), arrays=tuple(specs)),
+          read.get(name, {}),
+          where=f"leaf {name!r}",
       )
       expected = pz.ParameterValue if record["kind"] == "parameter" else pz.StateVariableValue
       if type(frozen) is not expected:

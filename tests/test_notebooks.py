@@ -41,3 +41,14 @@ def test_quickstart(tmp_path):
   assert "'query_heads': 2" in text
   assert "manager restore: ParameterValue transformer/embedder.embeddings" in text
   assert "treescope" in text.lower()  # Rich treescope renderings were produced.
+
+
+def test_model_surgery(tmp_path):
+  text = _outputs(_execute("model_surgery.ipynb", tmp_path))
+  assert "LoRA parameters added" in text
+  assert "label" in text and "LoRA_A.weights" in text  # The inspect table.
+  assert "fresh kernel: ok" in text
+  assert "fresh-kernel outputs match the edited model: True" in text
+  assert "and differ from the base model: True" in text
+  assert "renderings identical: True" in text
+  assert "adapter overlay matches: True" in text

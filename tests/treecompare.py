@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from typing import Any
@@ -78,3 +79,53 @@ def assert_same_outputs(a: Any, b: Any) -> None:
   b = b.data_array if isinstance(b, pz.nx.NamedArrayBase) else b
   assert a.dtype == b.dtype and a.shape == b.shape
   assert bits(a) == bits(b), "outputs differ"
+
+
+def _same_static(a: Any, e: Any) -> bool:
+  """Equality for static field values; partials compare by what they call."""
+  if isinstance(e, functools.partial):
+    return (
+        isinstance(a, functools.partial)
+        and a.func is e.func
+        and a.args == e.args
+        and a.keywords == e.keywords
+    )
+  return type(a) is type(e) and a == e
+
+
+def assert_same_model(actual: Any, expected: Any, where: str = "model") -> None:
+  """Same layer classes and fields, same variables (values, labels, sharing).
+
+  ``jax.tree.structure`` equality is too strict for models: a layer's static
+  ``functools.partial`` (say, GELU with approximate=True) is rebuilt as an
+  equal but new object, and partials compare by identity.
+  """
+  _compare_model(actual, expected, where, {}, {})
+
+
+def _compare_model(a, e, where, seen_a, seen_e):
+  assert type(a) is type(e), f"{where}: {type(a).__name__} != {type(e).__name__}"
+  if isinstance(e, pz.AbstractVariable):
+    # Sharing: the n-th distinct variable of one is the n-th of the other.
+    assert seen_a.setdefault(id(a), len(seen_a)) == seen_e.setdefault(id(e), len(seen_e)), (
+        f"{where}: variable sharing differs"
+    )
+    assert a.label == e.label and a.metadata == e.metadata, where
+    assert_identical(a.freeze(), e.freeze())
+  elif isinstance(e, pz.Struct) and not isinstance(e, pz.nx.NamedArrayBase):
+    fields_a, fields_e = a.attributes_dict(), e.attributes_dict()
+    assert fields_a.keys() == fields_e.keys(), where
+    for name in fields_e:
+      _compare_model(fields_a[name], fields_e[name], f"{where}.{name}", seen_a, seen_e)
+  elif isinstance(e, (list, tuple)) and not hasattr(e, "_fields"):
+    assert len(a) == len(e), where
+    for i, (x, y) in enumerate(zip(a, e)):
+      _compare_model(x, y, f"{where}[{i}]", seen_a, seen_e)
+  elif isinstance(e, dict):
+    assert list(a) == list(e), where
+    for k in e:
+      _compare_model(a[k], e[k], f"{where}[{k!r}]", seen_a, seen_e)
+  elif isinstance(e, (jax.Array, np.ndarray, np.generic, pz.nx.NamedArrayBase)):
+    assert_identical(a, e)
+  else:
+    assert _same_static(a, e), f"{where}: {a!r} != {e!r}"

@@ -1,0 +1,482 @@
+"""Loading a checkpoint's variables into a given model, by label, with a report.
+
+``pz.bind_variables`` silently leaves a slot unbound when a label is missing,
+and raises on the first extra label. Loading pretrained or fine-tuned weights
+into a freshly built (or edited) model needs more: every difference found at
+once, in one readable report, and control over what to do about each:
+
+* ``only=`` globs select which labels to load (the model keeps its other values);
+* ``rename=`` regex rules map checkpoint labels to model labels;
+* stored axes in another order are transposed to the model's order, and
+  ``rename_axes=`` maps stored axis names to the model's;
+* ``dtype=`` casts on load, refusing casts that change values beyond rounding
+  unless ``allow_lossy=True``;
+* ``overlay=True`` loads a checkpoint that holds only some of the model's
+  variables (an adapter over a base model).
+
+Nothing is mutated: the model passed in is left as it was, and a new model is
+returned only once every check passed (or with ``strict=False``, together with
+the report of what was not loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from penzai import pz
+
+from pz_persist import catalog
+from pz_persist import encoding
+from pz_persist import errors
+from pz_persist import manifest as manifest_lib
+from pz_persist import orbax_v0
+
+LabelGlobs = Union[str, Sequence[str]]
+RenameRules = Union[Mapping[str, str], Sequence[tuple[str, str]]]
+DTypeRules = Union[jax.typing.DTypeLike, Mapping[str, jax.typing.DTypeLike]]
+
+_describe = encoding.describe_label
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+  """One variable the checkpoint has but cannot load into the model as is.
+
+  Attributes:
+    label: The model's label of the variable.
+    what: What differs: ``"kind"``, ``"structure"``, ``"shape"``, ``"axes"``,
+      ``"dtype"`` or ``"lossy cast"``.
+    checkpoint: What the checkpoint has.
+    model: What the model wants.
+  """
+
+  label: Hashable
+  what: str
+  checkpoint: str
+  model: str
+
+  def __str__(self) -> str:
+    if self.what == "lossy cast":
+      return (
+          f"{_describe(self.label)}: casting to {self.model} would change"
+          f" values: the checkpoint's {self.checkpoint}"
+      )
+    return (
+        f"{_describe(self.label)}: {self.what} differs: checkpoint has"
+        f" {self.checkpoint}, model wants {self.model}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+  """What loading a checkpoint into a model did, label by label.
+
+  Attributes:
+    loaded: Model labels that received values from the checkpoint.
+    missing: Model labels the checkpoint has no value for (within ``only``).
+    unexpected: Checkpoint labels the model has no variable for.
+    mismatched: Variables present in both that could not be loaded.
+    renamed: ``(checkpoint label, model label)`` pairs changed by ``rename=``.
+    transposed: Model labels whose stored axes were reordered to fit.
+    cast: ``(model label, from dtype, to dtype)`` for each cast done.
+  """
+
+  loaded: tuple[Hashable, ...] = ()
+  missing: tuple[Hashable, ...] = ()
+  unexpected: tuple[Hashable, ...] = ()
+  mismatched: tuple[Mismatch, ...] = ()
+  renamed: tuple[tuple[Hashable, Hashable], ...] = ()
+  transposed: tuple[Hashable, ...] = ()
+  cast: tuple[tuple[Hashable, str, str], ...] = ()
+
+  @property
+  def ok(self) -> bool:
+    """True when nothing is missing, unexpected or mismatched."""
+    return not (self.missing or self.unexpected or self.mismatched)
+
+  def problems(self) -> list[str]:
+    """Lines describing what is missing, unexpected or mismatched."""
+    lines = []
+    for title, labels in (("missing from the checkpoint", self.missing),
+                          ("not in the model", self.unexpected)):
+      if labels:
+        lines.append(f"{len(labels)} {title}:")
+        lines += [f"  {_describe(label)}" for label in labels]
+    if self.mismatched:
+      lines.append(f"{len(self.mismatched)} could not be loaded:")
+      lines += [f"  {mismatch}" for mismatch in self.mismatched]
+    return lines
+
+  def __str__(self) -> str:
+    lines = [f"loaded {len(self.loaded)} variable(s)", *self.problems()]
+    for title, items in (("renamed", self.renamed), ("cast", self.cast)):
+      if items:
+        lines.append(f"{len(items)} {title}:")
+        lines += ["  " + " -> ".join(_describe(x) for x in item) for item in items]
+    if self.transposed:
+      lines.append(f"{len(self.transposed)} transposed to the model's axis order:")
+      lines += [f"  {_describe(label)}" for label in self.transposed]
+    return "\n".join(lines)
+
+
+class BindingError(errors.PzPersistError, ValueError):
+  """A checkpoint does not fit the model; ``report`` lists every difference."""
+
+  def __init__(self, where: str, report: LoadReport):
+    self.report = report
+    lines = "\n".join(report.problems())
+    super().__init__(
+        f"{where} does not fit the model; nothing was loaded (pass"
+        f" strict=False to load what fits and get a report back):\n{lines}"
+    )
+
+
+def _globs(only: LabelGlobs | None) -> tuple[str, ...] | None:
+  if only is None:
+    return None
+  return (only,) if isinstance(only, str) else tuple(only)
+
+
+def _selected(label: Hashable, globs: tuple[str, ...] | None) -> bool:
+  return globs is None or any(fnmatch.fnmatchcase(_describe(label), g) for g in globs)
+
+
+def _rules(rename: RenameRules | None) -> list[tuple[re.Pattern[str], str]]:
+  items = rename.items() if isinstance(rename, Mapping) else (rename or ())
+  return [(re.compile(pattern), replacement) for pattern, replacement in items]
+
+
+def _rename(label: Hashable, rules) -> Hashable:
+  if not isinstance(label, str):
+    return label
+  for pattern, replacement in rules:
+    label = pattern.sub(replacement, label)
+  return label
+
+
+def _target_dtype(
+    label: Hashable, dtype: DTypeRules | None, current: np.dtype
+) -> np.dtype | None:
+  """The dtype ``dtype=`` asks for an array of ``label`` and dtype ``current``.
+
+  A single dtype casts the arrays of its own kind (a floating dtype the
+  floating arrays, an integer dtype the integer arrays), so ``dtype=bfloat16``
+  leaves integer state such as a KV cache's index alone. A ``{glob: dtype}``
+  rule casts every numeric array of the labels it matches.
+  """
+  if dtype is None or current == np.bool_:
+    return None
+  if isinstance(dtype, Mapping):
+    for glob, rule in dtype.items():
+      if fnmatch.fnmatchcase(_describe(label), glob):
+        target = np.dtype(rule)
+        return target if target != current else None
+    return None
+  target = np.dtype(dtype)
+  same_kind = any(
+      jnp.issubdtype(target, kind) and jnp.issubdtype(current, kind)
+      for kind in (jnp.floating, jnp.integer, jnp.complexfloating)
+  )
+  return target if same_kind and target != current else None
+
+
+def _lossy_cast(x: jax.Array, target: np.dtype) -> str | None:
+  """Why casting ``x`` to ``target`` would change values beyond rounding.
+
+  Rounding a float to a narrower float is what a cast is for; overflowing to
+  infinity, dropping a fraction or an imaginary part, or an integer that does
+  not survive the trip are not.
+  """
+  source = np.dtype(x.dtype)
+  converted = x.astype(target)
+  if jnp.issubdtype(source, jnp.complexfloating) and not jnp.issubdtype(
+      target, jnp.complexfloating
+  ):
+    if bool(jnp.any(jnp.imag(x) != 0)):
+      return "imaginary parts, which would be dropped"
+    x = jnp.real(x)
+  if jnp.issubdtype(source, jnp.inexact) and jnp.issubdtype(target, jnp.inexact):
+    overflow = jnp.isfinite(x) & ~jnp.isfinite(converted)
+    if bool(jnp.any(overflow)):
+      return f"finite values that overflow to inf in {target}"
+    return None
+  if jnp.issubdtype(source, jnp.inexact):  # Float to integer.
+    return f"floating-point values, which {target} would truncate"
+  if x.size and not bool(jnp.all(converted.astype(source) == x)):
+    return f"values that {target} cannot hold exactly"
+  return None
+
+
+def _cast_value(label, value, dtype, allow_lossy, cast, problems):
+  """Casts the arrays of a variable's value as ``dtype=`` asks.
+
+  Works on abstract values too (``jax.ShapeDtypeStruct`` leaves), where only
+  the dtype changes and no values can be checked.
+  """
+
+  def cast_array(x):
+    if not hasattr(x, "dtype") or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return x
+    target = _target_dtype(label, dtype, np.dtype(x.dtype))
+    if target is None:
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      cast.append((label, str(x.dtype), str(target)))
+      return jax.ShapeDtypeStruct(x.shape, target)
+    reason = _lossy_cast(jnp.asarray(x), target)
+    if reason and not allow_lossy:
+      problems.append(Mismatch(
+          label, "lossy cast", f"{x.dtype} {reason} (pass allow_lossy=True"
+          " to cast anyway)", str(target),
+      ))
+      return x
+    cast.append((label, str(x.dtype), str(target)))
+    return x.astype(target)
+
+  return jax.tree.map(cast_array, value)
+
+
+def _rename_axes(value: Any, mapping: Mapping[Any, Any] | None) -> Any:
+  if not mapping:
+    return value
+
+  def rename(x):
+    if not isinstance(x, pz.nx.NamedArrayBase):
+      return x
+    view = x.as_namedarrayview()
+    return dataclasses.replace(
+        view,
+        data_axis_for_name={
+            mapping.get(name, name): index
+            for name, index in view.data_axis_for_name.items()
+        },
+    )
+
+  return jax.tree.map(rename, value, is_leaf=pz.nx.is_namedarray)
+
+
+def _describe_array(x: Any) -> str:
+  if isinstance(x, pz.nx.NamedArrayBase):
+    positional = "".join(f"{n}, " for n in x.positional_shape)
+    named = ", ".join(f"{k}:{v}" for k, v in x.named_shape.items())
+    return f"{x.dtype}({positional}| {named})"
+  return f"{getattr(x, 'dtype', type(x).__name__)}{list(np.shape(x))}"
+
+
+def _data(x: Any) -> Any:
+  return x.data_array if isinstance(x, pz.nx.NamedArrayBase) else x
+
+
+def _misfit(
+    label: Hashable, value: Any, target: Any, *, check_dtype: bool = True
+) -> tuple[Mismatch | None, bool]:
+  """Whether ``value`` fits ``target`` (the model's current value).
+
+  Compares structure, axis names, shapes and dtypes only, so it works on
+  abstract values before any array is read. Returns the mismatch, if any, and
+  whether the stored axes must be reordered to the model's order.
+  """
+  values, value_def = jax.tree.flatten(value, is_leaf=pz.nx.is_namedarray)
+  targets, target_def = jax.tree.flatten(target, is_leaf=pz.nx.is_namedarray)
+  if value_def != target_def:
+    return Mismatch(label, "structure", str(value_def), str(target_def)), False
+  reorder = False
+  for v, t in zip(values, targets):
+    if isinstance(v, pz.nx.NamedArrayBase) != isinstance(t, pz.nx.NamedArrayBase):
+      return Mismatch(label, "structure", _describe_array(v), _describe_array(t)), False
+    if isinstance(v, pz.nx.NamedArrayBase):
+      if set(v.named_shape) != set(t.named_shape):
+        return Mismatch(label, "axes", _describe_array(v), _describe_array(t)), False
+      if v.named_shape != t.named_shape or v.positional_shape != t.positional_shape:
+        return Mismatch(label, "shape", _describe_array(v), _describe_array(t)), False
+      reorder |= jax.tree.structure(v) != jax.tree.structure(t)
+    elif np.shape(v) != np.shape(t):
+      return Mismatch(label, "shape", _describe_array(v), _describe_array(t)), False
+    if check_dtype and np.dtype(_data(v).dtype) != np.dtype(_data(t).dtype):
+      return Mismatch(
+          label, "dtype", str(_data(v).dtype), f"{_data(t).dtype} (pass dtype= to cast)"
+      ), False
+  return None, reorder
+
+
+def _fit(value: Any, target: Any, *, place: bool) -> Any:
+  """``value`` laid out like ``target`` (after `_misfit` passed), and placed
+  like it (same devices and sharding) if ``place``."""
+
+  def fit(v, t):
+    if isinstance(v, pz.nx.NamedArrayBase):
+      v = v.order_like(t)
+    data, target_data = _data(v), _data(t)
+    if place and isinstance(target_data, jax.Array) and (
+        not isinstance(data, jax.Array) or data.sharding != target_data.sharding
+    ):  # Follow the model's placement (device, sharding).
+      placed = jax.device_put(data, target_data.sharding)
+      v = (
+          dataclasses.replace(v, data_array=placed)
+          if isinstance(v, pz.nx.NamedArrayBase)
+          else placed
+      )
+    return v
+
+  return jax.tree.map(fit, value, target, is_leaf=pz.nx.is_namedarray)
+
+
+def _model_variables(model: Any):
+  """The model's structure with slots, its bound variables and its slots."""
+  structure, bound = pz.unbind_variables(model)
+  slots = {
+      leaf.label: leaf
+      for leaf in jax.tree.leaves(
+          structure, is_leaf=lambda x: isinstance(x, pz.AbstractVariableSlot)
+      )
+      if isinstance(leaf, pz.AbstractVariableSlot)
+  }
+  return structure, {var.label: var for var in bound}, slots
+
+
+def _kind_of_slot(slot: Any) -> str:
+  return "parameter" if isinstance(slot, pz.ParameterSlot) else "state_variable"
+
+
+def load_into(
+    item: epath.Path,
+    model: Any,
+    *,
+    strict: bool = True,
+    only: LabelGlobs | None = None,
+    rename: RenameRules | None = None,
+    rename_axes: Mapping[Any, Any] | None = None,
+    dtype: DTypeRules | None = None,
+    allow_lossy: bool = False,
+    overlay: bool = False,
+    sharding: jax.sharding.Sharding | None = None,
+) -> tuple[Any, LoadReport]:
+  """Loads the variables of the checkpoint item at ``item`` into ``model``.
+
+  See `pz_persist.load_model` for the options. Returns the new model and the
+  report; raises `BindingError` (before reading any array) when ``strict`` and
+  labels are missing or unexpected, and (before building anything) when a
+  variable does not fit.
+  """
+  where = str(item)
+  manifest = manifest_lib.read(item)
+  rules = _rules(rename)
+  globs = _globs(only)
+
+  by_label: dict[Hashable, catalog.Variable] = {}
+  renamed = []
+  for variable in catalog.variables(manifest, where=where):
+    label = _rename(variable.label, rules)
+    if label != variable.label:
+      renamed.append((variable.label, label))
+    if label in by_label:
+      raise BindingError(where, LoadReport(mismatched=(Mismatch(
+          label, "label", f"{_describe(by_label[label].label)} and"
+          f" {_describe(variable.label)} both renamed to it", "one variable"),)))
+    by_label[label] = variable
+
+  structure, bound, slots = _model_variables(model)
+  wanted = [label for label in slots if _selected(label, globs)]
+  offered = [label for label in by_label if _selected(label, globs)]
+  missing = () if overlay else tuple(l for l in wanted if l not in by_label)
+  unexpected = tuple(l for l in offered if l not in slots)
+
+  # Check everything that needs no array data first, so one error lists all.
+  abstract_arrays = [spec.abstract() for spec in manifest.arrays]
+  problems: list[Mismatch] = []
+  transposed: list[Hashable] = []
+  fitting = []
+  for label in (l for l in wanted if l in by_label):
+    variable = by_label[label]
+    if variable.kind != _kind_of_slot(slots[label]):
+      problems.append(Mismatch(label, "kind", variable.kind, _kind_of_slot(slots[label])))
+      continue
+    abstract = encoding.decode(
+        variable.value, manifest.variables, abstract_arrays, abstract=True,
+        root=f"{variable.where}.value",
+    )
+    planned_casts: list = []
+    abstract = _cast_value(
+        label, _rename_axes(abstract, rename_axes), dtype, True, planned_casts, []
+    )
+    if label in bound:
+      # A dtype the user asked for wins over the model's current one.
+      mismatch, reorder = _misfit(
+          label, abstract, bound[label].value, check_dtype=not planned_casts
+      )
+      if mismatch:
+        problems.append(mismatch)
+        continue
+      if reorder:
+        transposed.append(label)
+    fitting.append(label)
+  if strict and (missing or unexpected or problems):
+    raise BindingError(where, LoadReport(
+        missing=missing, unexpected=unexpected, mismatched=tuple(problems),
+        renamed=tuple(renamed), transposed=tuple(transposed),
+    ))
+
+  # Read only the arrays of the variables that fit, then cast and place them.
+  refs = {ref for label in fitting for ref in by_label[label].refs}
+  handler = orbax_v0.PenzaiCheckpointHandler()
+  try:
+    arrays = handler.read_arrays(item, manifest, sharding=sharding, refs=refs)
+  finally:
+    handler.close()
+  cast: list[tuple[Hashable, str, str]] = []
+  new_values = {}
+  for label in fitting:
+    variable = by_label[label]
+    value = encoding.decode(
+        variable.value, manifest.variables, arrays, root=f"{variable.where}.value"
+    )
+    before = len(problems)
+    value = _cast_value(label, _rename_axes(value, rename_axes), dtype, allow_lossy, cast, problems)
+    if len(problems) == before:
+      if label in bound:
+        value = _fit(value, bound[label].value, place=sharding is None)
+      new_values[label] = (variable, value)
+
+  report = LoadReport(
+      loaded=tuple(new_values),
+      missing=missing,
+      unexpected=unexpected,
+      mismatched=tuple(problems),
+      renamed=tuple(renamed),
+      transposed=tuple(l for l in transposed if l in new_values),
+      cast=tuple(cast),
+  )
+  if strict and not report.ok:
+    raise BindingError(where, report)
+
+  variables = [var for label, var in bound.items() if label not in new_values]
+  for label, (stored, value) in new_values.items():
+    if label in bound:  # Keep the model's own variable class and metadata.
+      frozen = dataclasses.replace(bound[label].freeze(), value=value)
+    else:
+      cls = pz.ParameterValue if stored.kind == "parameter" else pz.StateVariableValue
+      frozen = cls(label=label, value=value, metadata=stored.metadata)
+    variables.append(frozen.unfreeze_as_copy())
+  return pz.bind_variables(structure, variables), report
+
+
+def cast_model(model: Any, dtype: DTypeRules, *, allow_lossy: bool = False) -> Any:
+  """``model`` with its variables' arrays cast as ``dtype=`` asks (checked)."""
+  structure, variables = pz.unbind_variables(model)
+  cast: list = []
+  problems: list[Mismatch] = []
+  new = []
+  for var in variables:
+    value = _cast_value(var.label, var.value, dtype, allow_lossy, cast, problems)
+    new.append(dataclasses.replace(var.freeze(), value=value).unfreeze_as_copy())
+  if problems:
+    raise BindingError("casting the loaded model", LoadReport(mismatched=tuple(problems)))
+  return pz.bind_variables(structure, new)

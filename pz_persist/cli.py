@@ -1,0 +1,148 @@
+"""The ``pz-persist`` command: look at, compare and list checkpoints.
+
+Exit status follows ``diff``: 0 on success (for ``diff``: identical), 1 when
+``diff`` finds differences, 2 on errors (bad arguments, not a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+from pz_persist import diffing
+from pz_persist import errors
+from pz_persist import steps
+from pz_persist import viewing
+
+
+def _inspect(args: argparse.Namespace) -> int:
+  print(viewing.describe_checkpoint(args.path))
+  if args.html:
+    out = viewing.render_html(args.path, args.html, arrays=args.arrays)
+    print(f"\nwrote {out}")
+  return 0
+
+
+def _number(x: float) -> str:
+  return f"{x:.3g}"
+
+
+def _diff(args: argparse.Namespace) -> int:
+  result = diffing.diff(args.a, args.b, batch_bytes=args.batch_mib * 2**20)
+  sections = [
+      ("model structure or labels differ", result.structure),
+      ("only in A", result.only_in_a),
+      ("only in B", result.only_in_b),
+      ("shape or dtype differs", result.changed),
+  ]
+  for title, lines in sections:
+    if lines:
+      print(f"{title}:")
+      print("\n".join(f"  {line}" for line in lines))
+  shown = [a for a in result.arrays if args.all or not a.identical]
+  if shown:
+    print(viewing.format_table(
+        ["array", "identical", "max |A-B|", "|A-B|", "|A-B|/|B|"],
+        [[a.name, "yes" if a.identical else "no", _number(a.max_abs), _number(a.l2),
+          _number(a.relative_l2)] for a in shown],
+        right=("max |A-B|", "|A-B|", "|A-B|/|B|"),
+    ))
+  differing = sum(not a.identical for a in result.arrays)
+  if result.identical:
+    print(f"identical: {len(result.arrays)} array(s) compared")
+    return 0
+  print(f"{differing} of {len(result.arrays)} compared array(s) differ")
+  return 1
+
+
+def _ls(args: argparse.Namespace) -> int:
+  found = steps.list_steps(args.directory)
+  if not found:
+    print(f"no steps in {args.directory}")
+    return 0
+  rows = []
+  for info in found:
+    when = "-"
+    if info.commit_time_ns is not None:
+      when = datetime.datetime.fromtimestamp(
+          info.commit_time_ns / 1e9, datetime.timezone.utc
+      ).strftime("%Y-%m-%d %H:%M:%S UTC")
+    items = ", ".join(
+        name + ("*" if name in info.penzai_items else "") for name in info.items
+    )
+    rows.append([str(info.step), "yes" if info.committed else "no (partial)",
+                 items or "-", viewing.size_text(info.nbytes), when])
+  print(viewing.format_table(["step", "committed", "items", "size", "committed at"],
+                             rows, right=("step", "size")))
+  print("\n* items written by pz_persist")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="pz-persist",
+      description="Look at, compare and list pz_persist (Orbax) checkpoints.",
+  )
+  commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+  inspect = commands.add_parser(
+      "inspect",
+      help="table of a checkpoint's arrays (label, axes, shape, dtype, bytes)",
+      description="Print a checkpoint's arrays without reading them: label, axis"
+      " names, shape, dtype and size.",
+  )
+  inspect.add_argument("path", help="checkpoint directory (or its item directory)")
+  inspect.add_argument("--html", metavar="OUT", help="also write a treescope HTML view")
+  inspect.add_argument(
+      "--arrays", action="store_true",
+      help="with --html: load the arrays to show value summaries",
+  )
+  inspect.set_defaults(run=_inspect)
+
+  diff = commands.add_parser(
+      "diff",
+      help="compare two checkpoints (structure and values)",
+      description="Compare checkpoints A and B: structure, labels, shapes and"
+      " dtypes, then the values of each array (max and L2 norm of the"
+      " difference), reading a bounded batch of arrays at a time. Exits 0 if"
+      " identical, 1 if they differ.",
+  )
+  diff.add_argument("a")
+  diff.add_argument("b")
+  diff.add_argument("--all", action="store_true", help="list identical arrays too")
+  diff.add_argument(
+      "--batch-mib", type=int, default=diffing.DEFAULT_BATCH_BYTES // 2**20,
+      help="most MiB read from each checkpoint at once (default: %(default)s)",
+  )
+  diff.set_defaults(run=_diff)
+
+  ls = commands.add_parser(
+      "ls",
+      help="list the steps of a checkpoint directory",
+      description="List the steps of an Orbax checkpoint directory (such as a"
+      " CheckpointManager's): committed or not, items, size, commit time.",
+  )
+  ls.add_argument("directory")
+  ls.set_defaults(run=_ls)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+
+  absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax is chatty.
+  try:
+    return args.run(args)
+  except (errors.PzPersistError, FileNotFoundError, NotADirectoryError) as e:
+    print(f"pz-persist: error: {e}", file=sys.stderr)
+    return 2
+  except BrokenPipeError:  # Output piped into `head` and cut short: fine.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,248 @@
+"""Comparing two checkpoints: structure, labels, shapes, and array values.
+
+Two large checkpoints must never sit in memory together, so arrays are read in
+batches of bounded size from each side (Orbax reads only the requested arrays),
+compared, and dropped before the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from pz_persist import arrays as arrays_lib
+from pz_persist import checkpoint
+from pz_persist import manifest as manifest_lib
+from pz_persist import orbax_v0
+
+DEFAULT_BATCH_BYTES = 256 * 2**20
+"""Most array bytes read from each checkpoint at once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayDiff:
+  """How one array differs between checkpoints A and B.
+
+  Attributes:
+    name: The variable label (with an index if it has several arrays) or the
+      tree path of the array.
+    identical: Bit-identical values.
+    max_abs: Largest absolute difference.
+    l2: Euclidean norm of the difference.
+    relative_l2: ``l2`` divided by the norm of B's array (0 if both are zero).
+  """
+
+  name: str
+  identical: bool
+  max_abs: float
+  l2: float
+  relative_l2: float
+
+
+@dataclasses.dataclass
+class CheckpointDiff:
+  """Everything that differs between checkpoints A and B."""
+
+  only_in_a: list[str] = dataclasses.field(default_factory=list)
+  only_in_b: list[str] = dataclasses.field(default_factory=list)
+  changed: list[str] = dataclasses.field(default_factory=list)
+  structure: list[str] = dataclasses.field(default_factory=list)
+  arrays: list[ArrayDiff] = dataclasses.field(default_factory=list)
+
+  @property
+  def identical(self) -> bool:
+    return not (
+        self.only_in_a or self.only_in_b or self.changed or self.structure
+        or any(not a.identical for a in self.arrays)
+    )
+
+
+def _array_names(manifest: manifest_lib.Manifest) -> dict[str, int]:
+  """Stable names of a checkpoint's arrays: label (+ index) or tree path."""
+  counts: dict[str, int] = {}
+  names = {}
+  for index, spec in enumerate(manifest.arrays):
+    if spec.label is None:
+      name = spec.path
+    else:
+      position = counts.get(spec.label, 0)
+      counts[spec.label] = position + 1
+      name = spec.label if position == 0 else f"{spec.label}[{position}]"
+    names[name] = index
+  return names
+
+
+def _shape_text(spec: arrays_lib.ArraySpec) -> str:
+  return f"{spec.dtype}[{','.join(map(str, spec.shape))}]"
+
+
+class _StructureDiff:
+  """Walks two manifests' trees side by side, naming each difference by its
+  Python-like path (``tree.body.sublayers[2]``) and not descending further
+  into a branch once it differs."""
+
+  def __init__(self, a: manifest_lib.Manifest, b: manifest_lib.Manifest, limit: int):
+    self._manifests = (a, b)
+    self._limit = limit
+    self.found: list[str] = []
+
+  def _describe(self, node: Any, side: int) -> str:
+    if not isinstance(node, dict):
+      return json.dumps(node)[:60]
+    tag = node.get("t")
+    if tag in ("struct", "dataclass", "namedtuple", "enum", "type"):
+      name = str(node.get("class", {}).get("qualname", "?"))
+      return f"{name}.{node.get('name')}" if tag == "enum" else name
+    if tag == "function":
+      ref = node.get("ref", {})
+      return f"{ref.get('module')}.{ref.get('qualname')}"
+    if tag == "array":
+      return _shape_text(self._manifests[side].arrays[node["ref"]])
+    if "v" in node:
+      return json.dumps(node["v"])[:60]
+    if "items" in node:
+      return f"{tag} of {len(node['items'])}"
+    return str(tag)
+
+  def _differ(self, a: Any, b: Any, path: str) -> None:
+    if len(self.found) < self._limit:
+      self.found.append(f"{path}: {self._describe(a, 0)} != {self._describe(b, 1)}")
+
+  def compare(self, a: Any, b: Any, path: str) -> None:
+    if len(self.found) >= self._limit:
+      return
+    if not (isinstance(a, dict) and isinstance(b, dict)) or a.get("t") != b.get("t"):
+      if a != b:
+        self._differ(a, b, path)
+      return
+    if a.get("t") == "variable":  # Compare the referenced entries.
+      a, b = (m.variables[n["ref"]] for m, n in zip(self._manifests, (a, b)))
+    elif self._describe(a, 0) != self._describe(b, 1) and "fields" not in a:
+      self._differ(a, b, path)
+      return
+    if "fields" in a:
+      if self._describe(a, 0) != self._describe(b, 1):
+        self._differ(a, b, path)
+        return
+      fields = [dict(map(tuple, n["fields"])) for n in (a, b)]
+      for name in dict.fromkeys([*fields[0], *fields[1]]):
+        if name not in fields[0] or name not in fields[1]:
+          self.found.append(f"{path}.{name}: only in {'A' if name in fields[0] else 'B'}")
+        else:
+          self.compare(fields[0][name], fields[1][name], f"{path}.{name}")
+      return
+    for key in sorted(set(a) | set(b)):
+      if key == "t":
+        continue
+      x, y = a.get(key), b.get(key)
+      if key == "items" and isinstance(x, list) and isinstance(y, list):
+        for index, (u, v) in enumerate(zip(x, y)):
+          if isinstance(u, list):  # dict items: [key node, value node]
+            label = self._describe(u[0], 0)
+            if u[0] != v[0]:
+              self._differ(u[0], v[0], f"{path} key {label}")
+            else:
+              self.compare(u[1], v[1], f"{path}[{label}]")
+          else:
+            self.compare(u, v, f"{path}[{index}]")
+      elif isinstance(x, (dict, list)) and type(x) is type(y) and key != "ref":
+        self.compare(x, y, f"{path}.{key}") if isinstance(x, dict) else (
+            x == y or self._differ(a, b, path)
+        )
+      elif x != y and key != "ref":
+        self._differ(a, b, path)
+
+
+def structure_differences(
+    a: manifest_lib.Manifest, b: manifest_lib.Manifest, limit: int = 50
+) -> list[str]:
+  """Where two saved trees differ (classes, fields, labels, shapes), by path."""
+  walker = _StructureDiff(a, b, limit)
+  walker.compare(a.tree, b.tree, "tree")
+  return walker.found
+
+
+def _compare(name: str, a: Any, b: Any) -> ArrayDiff:
+  if jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key):
+    a, b = jax.random.key_data(a), jax.random.key_data(b)
+  a, b = np.asarray(a), np.asarray(b)
+  identical = a.tobytes() == b.tobytes()
+  if identical or a.size == 0:
+    return ArrayDiff(name, identical, 0.0, 0.0, 0.0)
+  wide = np.complex128 if np.iscomplexobj(a) else np.float64
+  difference = a.astype(wide) - b.astype(wide)
+  l2 = float(np.linalg.norm(difference.ravel()))
+  norm_b = float(np.linalg.norm(b.astype(wide).ravel()))
+  return ArrayDiff(
+      name,
+      False,
+      float(np.max(np.abs(difference))),
+      l2,
+      l2 / norm_b if norm_b else math.inf,
+  )
+
+
+def _batches(names: list[str], sizes: dict[str, int], budget: int) -> Iterator[list[str]]:
+  batch, used = [], 0
+  for name in names:
+    if batch and used + sizes[name] > budget:
+      yield batch
+      batch, used = [], 0
+    batch.append(name)
+    used += sizes[name]
+  if batch:
+    yield batch
+
+
+def diff(
+    path_a: epath.PathLike,
+    path_b: epath.PathLike,
+    *,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+) -> CheckpointDiff:
+  """Compares checkpoints A and B, reading at most ``batch_bytes`` at a time.
+
+  Example::
+
+    result = pzp.diff("/tmp/run/100/params", "/tmp/run/200/params")
+    for array in result.arrays:
+      print(array.name, array.max_abs, array.relative_l2)
+  """
+  items = [checkpoint.find_item(p) for p in (path_a, path_b)]
+  manifests = [manifest_lib.read(item) for item in items]
+  result = CheckpointDiff()
+  result.structure = structure_differences(*manifests)
+  names_a, names_b = (_array_names(m) for m in manifests)
+  result.only_in_a = [n for n in names_a if n not in names_b]
+  result.only_in_b = [n for n in names_b if n not in names_a]
+  common = []
+  for name in (n for n in names_a if n in names_b):
+    spec_a = manifests[0].arrays[names_a[name]]
+    spec_b = manifests[1].arrays[names_b[name]]
+    if (spec_a.shape, spec_a.dtype) != (spec_b.shape, spec_b.dtype):
+      result.changed.append(f"{name}: {_shape_text(spec_a)} != {_shape_text(spec_b)}")
+    else:
+      common.append(name)
+
+  sizes = {n: manifests[0].arrays[names_a[n]].nbytes for n in common}
+  handler = orbax_v0.PenzaiCheckpointHandler()
+  try:
+    for batch in _batches(common, sizes, batch_bytes):
+      values = [
+          handler.read_arrays(item, manifest, refs={names[n] for n in batch})
+          for item, manifest, names in zip(items, manifests, (names_a, names_b))
+      ]
+      result.arrays.extend(
+          _compare(n, values[0][names_a[n]], values[1][names_b[n]]) for n in batch
+      )
+      del values
+  finally:
+    handler.close()
+  return result

@@ -1,0 +1,176 @@
+"""`save_model` and `load_model`: whole Penzai models, after surgery too.
+
+A model edited in a notebook (LoRA adapters inserted, layers cut, activations
+swapped, parameters relabeled) has no code that can rebuild it, so a checkpoint
+of its parameters alone cannot bring it back. `save_model` saves the model's
+structure as typed JSON next to its variables: every layer by class and fields,
+functions and dtypes by name, the small arrays a layer holds itself.
+`load_model` rebuilds it with no code from the user, importing only
+allow-listed modules.
+
+`load_model(path, into=model)` instead binds the checkpoint's variables into a
+given model by label, checking and reporting every difference (see
+`pz_persist.binding`); it also reads checkpoints of bare parameters written by
+`pz_persist.save`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+from etils import epath
+from penzai import pz
+
+from pz_persist import allowlist
+from pz_persist import binding
+from pz_persist import checkpoint
+from pz_persist import errors
+
+
+def save_model(
+    path: epath.PathLike,
+    model: pz.Struct,
+    *,
+    overwrite: bool = False,
+    allow_modules: Iterable[str] | None = None,
+) -> None:
+  """Saves a whole Penzai model: its structure and its variables.
+
+  Layers, their fields, the functions and dtypes they name and the arrays they
+  hold are saved as typed JSON and Orbax arrays; variables used in several
+  places stay shared. A layer class or function from a module that is not
+  allow-listed (``penzai``, ``jax``, ``numpy`` by default) is refused here,
+  naming its place in the model, before anything is written.
+
+  Example::
+
+    import jax
+    import pz_persist as pzp
+    from penzai import pz
+    from penzai.models import simple_mlp
+    from penzai.toolshed import lora
+
+    model = simple_mlp.MLP.from_config(
+        name="mlp", init_base_rng=jax.random.key(0), feature_sizes=[8, 32, 8]
+    )
+    model = lora.loraify_linears_in_selection(
+        pz.select(model).at_instances_of(pz.nn.Linear), rank=2,
+        init_base_rng=jax.random.key(1),
+    )
+    pzp.save_model("/tmp/mlp_lora", model, overwrite=True)
+    restored = pzp.load_model("/tmp/mlp_lora")   # No code needed.
+
+  Args:
+    path: Directory to create.
+    model: The model, a ``pz.Struct`` (usually a ``pz.nn.Layer``). Its
+      variables may be mutable or frozen.
+    overwrite: Replace an existing pz_persist checkpoint at ``path``.
+    allow_modules: Extra modules the model's classes and functions may come
+      from, for this call (e.g. your own layer definitions).
+  """
+  if not isinstance(model, pz.Struct):
+    raise TypeError(
+        f"save_model takes a Penzai model (a pz.Struct such as a pz.nn.Layer),"
+        f" not a {type(model).__name__}; use pz_persist.save for other trees."
+    )
+  checkpoint.save(path, model, overwrite=overwrite, allow_modules=allow_modules)
+
+
+def load_model(
+    path: epath.PathLike,
+    *,
+    into: Any = None,
+    strict: bool = True,
+    only: binding.LabelGlobs | None = None,
+    rename: binding.RenameRules | None = None,
+    rename_axes: Mapping[Any, Any] | None = None,
+    dtype: binding.DTypeRules | None = None,
+    allow_lossy: bool = False,
+    overlay: bool = False,
+    sharding: jax.sharding.Sharding | None = None,
+    allow_modules: Iterable[str] | None = None,
+) -> Any:
+  """Loads a model saved by `save_model`, or binds a checkpoint into a model.
+
+  Without ``into``, the saved model is rebuilt from the checkpoint alone.
+  With ``into=model`` (a freshly built model, or one unbound with
+  ``pz.unbind_variables``), the checkpoint's variables are loaded into it by
+  label; the model passed in is not changed, a new one is returned.
+
+  Example::
+
+    model = pzp.load_model("/tmp/mlp_lora")
+    model = pzp.load_model("/tmp/base", into=model, overlay=True)
+    model, report = pzp.load_model(
+        "/tmp/base", into=model, strict=False,
+        rename={r"^old/": "new/"}, dtype=jnp.bfloat16,
+    )
+    print(report)
+
+  Args:
+    path: A checkpoint directory (or its item directory).
+    into: A model to load the checkpoint's variables into, by label.
+    strict: Raise `pz_persist.binding.BindingError`, listing every missing,
+      unexpected or mismatched variable, if the checkpoint does not fit. With
+      False, load what fits and return ``(model, report)``.
+    only: Label globs (``fnmatch``): load only the model variables they
+      match; the model keeps its other values.
+    rename: Regex rules ``{pattern: replacement}`` applied in order to the
+      checkpoint's labels to get the model's labels.
+    rename_axes: ``{stored name: model name}`` for renamed axes. Stored axes
+      in another order than the model's are transposed automatically.
+    dtype: A dtype to cast to on load (a floating dtype casts the floating
+      arrays, an integer dtype the integer ones), or ``{label glob: dtype}``
+      rules (each casts every array of the labels it matches). The model's
+      current dtype then no longer has to match. Narrowing floats is done as
+      asked; a cast that changes values beyond rounding (overflow to inf,
+      float to int, integers out of range or not exactly representable) is
+      refused unless ``allow_lossy=True``.
+    allow_lossy: Allow lossy casts.
+    overlay: The checkpoint holds only some of the model's variables (an
+      adapter over a base model): the others keep their values and are not
+      reported missing.
+    sharding: Where arrays are read to (default: the model's own placement
+      for ``into=``, else the first local device).
+    allow_modules: Extra modules the checkpoint may name, for this call.
+
+  Returns:
+    The model, or ``(model, report)`` when ``strict=False``.
+  """
+  with allowlist.scoped_allowance(allow_modules):
+    if into is None:
+      unsupported = {
+          "only": only, "rename": rename, "rename_axes": rename_axes,
+          "overlay": overlay or None,
+      }
+      given = [name for name, value in unsupported.items() if value is not None]
+      if given:
+        raise ValueError(f"{', '.join(given)} need into=model.")
+      model = checkpoint.load(path, sharding=sharding)
+      if not isinstance(model, pz.Struct):
+        raise errors.PzPersistError(
+            f"{path} holds a {type(model).__name__}, not a model. Load it with"
+            " pz_persist.load, or bind its variables into a model with"
+            " load_model(path, into=model)."
+        )
+      if dtype is not None:
+        model = binding.cast_model(model, dtype, allow_lossy=allow_lossy)
+      if strict:
+        return model
+      _, variables = pz.unbind_variables(model)
+      return model, binding.LoadReport(loaded=tuple(v.label for v in variables))
+    model, report = binding.load_into(
+        checkpoint.find_item(path),
+        into,
+        strict=strict,
+        only=only,
+        rename=rename,
+        rename_axes=rename_axes,
+        dtype=dtype,
+        allow_lossy=allow_lossy,
+        overlay=overlay,
+        sharding=sharding,
+    )
+    return model if strict else (model, report)

@@ -1,0 +1,90 @@
+"""The steps of an Orbax checkpoint directory, as ``pz-persist ls`` lists them.
+
+An Orbax ``CheckpointManager`` directory holds one subdirectory per step
+(``100``, or ``step_100`` with a prefix), each with one directory per item and
+a ``_CHECKPOINT_METADATA`` file recording when it was committed. A step still
+being written has a temporary name (``100.orbax-checkpoint-tmp-...``) and is
+listed as uncommitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+from etils import epath
+
+from pz_persist import manifest as manifest_lib
+
+_STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+  """One step of a checkpoint directory.
+
+  Attributes:
+    step: The step number.
+    path: Its directory.
+    committed: Whether Orbax finished writing it.
+    items: Its items, e.g. ``("params", "opt_state")``.
+    penzai_items: The items pz_persist wrote (they hold a manifest).
+    nbytes: Bytes on disk.
+    commit_time_ns: When it was committed (ns since the epoch), if recorded.
+  """
+
+  step: int
+  path: epath.Path
+  committed: bool
+  items: tuple[str, ...]
+  penzai_items: tuple[str, ...]
+  nbytes: int
+  commit_time_ns: int | None
+
+
+def _disk_bytes(path: epath.Path) -> int:
+  local = os.fspath(path)
+  if "://" in local:
+    return sum(p.stat().length for p in path.rglob("*") if p.is_file())
+  return sum(
+      os.path.getsize(os.path.join(root, name))
+      for root, _, files in os.walk(local)
+      for name in files
+  )
+
+
+def _commit_time(path: epath.Path) -> int | None:
+  try:
+    metadata: Any = json.loads((path / "_CHECKPOINT_METADATA").read_text())
+  except (OSError, ValueError):
+    return None
+  value = metadata.get("commit_timestamp_nsecs") if isinstance(metadata, dict) else None
+  return value if isinstance(value, int) else None
+
+
+def list_steps(directory: epath.PathLike) -> list[StepInfo]:
+  """The steps in ``directory``, oldest first."""
+  directory = epath.Path(directory)
+  steps = []
+  for child in directory.iterdir():
+    match = _STEP_NAME.match(child.name)
+    if not match or not child.is_dir():
+      continue
+    items = tuple(sorted(p.name for p in child.iterdir() if p.is_dir()))
+    steps.append(
+        StepInfo(
+            step=int(match["step"]),
+            path=child,
+            committed=match["tmp"] is None,
+            items=items,
+            penzai_items=tuple(
+                name for name in items if manifest_lib.has_manifest(child / name)
+            ),
+            nbytes=_disk_bytes(child),
+            commit_time_ns=_commit_time(child),
+        )
+    )
+  return sorted(steps, key=lambda s: (s.step, not s.committed))
