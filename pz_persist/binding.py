@@ -362,15 +362,46 @@ def load_into(
   """Loads the variables of the checkpoint item at ``item`` into ``model``.
 
   See `pz_persist.load_model` for the options. Returns the new model and the
-  report; raises `BindingError` (before reading any array) when ``strict`` and
-  labels are missing or unexpected, and (before building anything) when a
-  variable does not fit.
+  report. With ``strict``, raises `BindingError` before reading any array if
+  labels are missing or unexpected or a variable's structure, axes, shapes or
+  dtypes do not fit, and before building anything if a cast would be lossy.
   """
   where = str(item)
   manifest = manifest_lib.read(item)
-  rules = _rules(rename)
+  stored, renamed = _checkpoint_variables(manifest, where, _rules(rename))
+  structure, bound, slots = _model_variables(model)
   globs = _globs(only)
+  wanted = [label for label in slots if _selected(label, globs)]
+  missing = () if overlay else tuple(l for l in wanted if l not in stored)
+  unexpected = tuple(l for l in stored if _selected(l, globs) and l not in slots)
 
+  # Everything that needs no array data is checked first: one error lists all.
+  plan = _Plan(manifest, rename_axes, dtype)
+  for label in (l for l in wanted if l in stored):
+    plan.check(label, stored[label], slots[label], bound.get(label))
+  if strict and (missing or unexpected or plan.problems):
+    raise BindingError(where, LoadReport(
+        missing=missing, unexpected=unexpected, mismatched=tuple(plan.problems),
+        renamed=renamed, transposed=tuple(plan.transposed),
+    ))
+
+  values, cast = plan.read(item, stored, bound, allow_lossy=allow_lossy, sharding=sharding)
+  report = LoadReport(
+      loaded=tuple(values),
+      missing=missing,
+      unexpected=unexpected,
+      mismatched=tuple(plan.problems),
+      renamed=renamed,
+      transposed=tuple(l for l in plan.transposed if l in values),
+      cast=tuple(cast),
+  )
+  if strict and not report.ok:
+    raise BindingError(where, report)
+  return _rebind(structure, bound, stored, values), report
+
+
+def _checkpoint_variables(manifest, where, rules):
+  """The checkpoint's variables by (renamed) label, and the renames done."""
   by_label: dict[Hashable, catalog.Variable] = {}
   renamed = []
   for variable in catalog.variables(manifest, where=where):
@@ -382,90 +413,85 @@ def load_into(
           label, "label", f"{_describe(by_label[label].label)} and"
           f" {_describe(variable.label)} both renamed to it", "one variable"),)))
     by_label[label] = variable
+  return by_label, tuple(renamed)
 
-  structure, bound, slots = _model_variables(model)
-  wanted = [label for label in slots if _selected(label, globs)]
-  offered = [label for label in by_label if _selected(label, globs)]
-  missing = () if overlay else tuple(l for l in wanted if l not in by_label)
-  unexpected = tuple(l for l in offered if l not in slots)
 
-  # Check everything that needs no array data first, so one error lists all.
-  abstract_arrays = [spec.abstract() for spec in manifest.arrays]
-  problems: list[Mismatch] = []
-  transposed: list[Hashable] = []
-  fitting = []
-  for label in (l for l in wanted if l in by_label):
-    variable = by_label[label]
-    if variable.kind != _kind_of_slot(slots[label]):
-      problems.append(Mismatch(label, "kind", variable.kind, _kind_of_slot(slots[label])))
-      continue
-    abstract = encoding.decode(
-        variable.value, manifest.variables, abstract_arrays, abstract=True,
-        root=f"{variable.where}.value",
+class _Plan:
+  """Which checkpoint variables fit the model, decided without array data,
+  then the reading, casting and placing of those that fit."""
+
+  def __init__(self, manifest: manifest_lib.Manifest, rename_axes, dtype):
+    self._manifest = manifest
+    self._rename_axes = rename_axes
+    self._dtype = dtype
+    self._abstract_arrays = [spec.abstract() for spec in manifest.arrays]
+    self.fitting: list[Hashable] = []
+    self.problems: list[Mismatch] = []
+    self.transposed: list[Hashable] = []
+
+  def _value(self, variable: catalog.Variable, arrays, **kwargs) -> Any:
+    value = encoding.decode(
+        variable.value, self._manifest.variables, arrays,
+        root=f"{variable.where}.value", **kwargs,
     )
+    return _rename_axes(value, self._rename_axes)
+
+  def check(self, label, variable: catalog.Variable, slot, current) -> None:
+    if variable.kind != _kind_of_slot(slot):
+      self.problems.append(Mismatch(label, "kind", variable.kind, _kind_of_slot(slot)))
+      return
     planned_casts: list = []
     abstract = _cast_value(
-        label, _rename_axes(abstract, rename_axes), dtype, True, planned_casts, []
+        label, self._value(variable, self._abstract_arrays, abstract=True),
+        self._dtype, True, planned_casts, [],
     )
-    if label in bound:
+    if current is not None:
       # A dtype the user asked for wins over the model's current one.
       mismatch, reorder = _misfit(
-          label, abstract, bound[label].value, check_dtype=not planned_casts
+          label, abstract, current.value, check_dtype=not planned_casts
       )
       if mismatch:
-        problems.append(mismatch)
-        continue
+        self.problems.append(mismatch)
+        return
       if reorder:
-        transposed.append(label)
-    fitting.append(label)
-  if strict and (missing or unexpected or problems):
-    raise BindingError(where, LoadReport(
-        missing=missing, unexpected=unexpected, mismatched=tuple(problems),
-        renamed=tuple(renamed), transposed=tuple(transposed),
-    ))
+        self.transposed.append(label)
+    self.fitting.append(label)
 
-  # Read only the arrays of the variables that fit, then cast and place them.
-  refs = {ref for label in fitting for ref in by_label[label].refs}
-  handler = orbax_v0.PenzaiCheckpointHandler()
-  try:
-    arrays = handler.read_arrays(item, manifest, sharding=sharding, refs=refs)
-  finally:
-    handler.close()
-  cast: list[tuple[Hashable, str, str]] = []
-  new_values = {}
-  for label in fitting:
-    variable = by_label[label]
-    value = encoding.decode(
-        variable.value, manifest.variables, arrays, root=f"{variable.where}.value"
-    )
-    before = len(problems)
-    value = _cast_value(label, _rename_axes(value, rename_axes), dtype, allow_lossy, cast, problems)
-    if len(problems) == before:
+  def read(self, item, stored, bound, *, allow_lossy, sharding):
+    """Reads the arrays of the fitting variables only; casts and places them."""
+    refs = {ref for label in self.fitting for ref in stored[label].refs}
+    handler = orbax_v0.PenzaiCheckpointHandler()
+    try:
+      arrays = handler.read_arrays(item, self._manifest, sharding=sharding, refs=refs)
+    finally:
+      handler.close()
+    values, cast = {}, []
+    for label in self.fitting:
+      before = len(self.problems)
+      value = _cast_value(
+          label, self._value(stored[label], arrays), self._dtype, allow_lossy,
+          cast, self.problems,
+      )
+      if len(self.problems) > before:
+        continue
       if label in bound:
         value = _fit(value, bound[label].value, place=sharding is None)
-      new_values[label] = (variable, value)
+      values[label] = value
+    return values, cast
 
-  report = LoadReport(
-      loaded=tuple(new_values),
-      missing=missing,
-      unexpected=unexpected,
-      mismatched=tuple(problems),
-      renamed=tuple(renamed),
-      transposed=tuple(l for l in transposed if l in new_values),
-      cast=tuple(cast),
-  )
-  if strict and not report.ok:
-    raise BindingError(where, report)
 
-  variables = [var for label, var in bound.items() if label not in new_values]
-  for label, (stored, value) in new_values.items():
+def _rebind(structure, bound, stored, values) -> Any:
+  """The model with new variables holding ``values``; others kept as they were."""
+  variables = [var for label, var in bound.items() if label not in values]
+  for label, value in values.items():
     if label in bound:  # Keep the model's own variable class and metadata.
       frozen = dataclasses.replace(bound[label].freeze(), value=value)
     else:
-      cls = pz.ParameterValue if stored.kind == "parameter" else pz.StateVariableValue
-      frozen = cls(label=label, value=value, metadata=stored.metadata)
+      kind = stored[label].kind
+      cls = pz.ParameterValue if kind == "parameter" else pz.StateVariableValue
+      frozen = cls(label=label, value=value, metadata=stored[label].metadata)
     variables.append(frozen.unfreeze_as_copy())
-  return pz.bind_variables(structure, variables), report
+  return pz.bind_variables(structure, variables)
 
 
 def cast_model(model: Any, dtype: DTypeRules, *, allow_lossy: bool = False) -> Any:

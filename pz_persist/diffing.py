@@ -118,46 +118,44 @@ class _StructureDiff:
   def compare(self, a: Any, b: Any, path: str) -> None:
     if len(self.found) >= self._limit:
       return
-    if not (isinstance(a, dict) and isinstance(b, dict)) or a.get("t") != b.get("t"):
-      if a != b:
-        self._differ(a, b, path)
-      return
-    if a.get("t") == "variable":  # Compare the referenced entries.
+    if _tag(a) == _tag(b) == "variable":  # Compare the referenced entries.
       a, b = (m.variables[n["ref"]] for m, n in zip(self._manifests, (a, b)))
-    elif self._describe(a, 0) != self._describe(b, 1) and "fields" not in a:
-      self._differ(a, b, path)
+    elif _tag(a) != _tag(b) or self._describe(a, 0) != self._describe(b, 1):
+      self._differ(a, b, path)  # Different class, value, shape or length.
       return
     if "fields" in a:
-      if self._describe(a, 0) != self._describe(b, 1):
-        self._differ(a, b, path)
-        return
-      fields = [dict(map(tuple, n["fields"])) for n in (a, b)]
-      for name in dict.fromkeys([*fields[0], *fields[1]]):
-        if name not in fields[0] or name not in fields[1]:
-          self.found.append(f"{path}.{name}: only in {'A' if name in fields[0] else 'B'}")
-        else:
-          self.compare(fields[0][name], fields[1][name], f"{path}.{name}")
-      return
-    for key in sorted(set(a) | set(b)):
-      if key == "t":
-        continue
-      x, y = a.get(key), b.get(key)
-      if key == "items" and isinstance(x, list) and isinstance(y, list):
-        for index, (u, v) in enumerate(zip(x, y)):
-          if isinstance(u, list):  # dict items: [key node, value node]
-            label = self._describe(u[0], 0)
-            if u[0] != v[0]:
-              self._differ(u[0], v[0], f"{path} key {label}")
-            else:
-              self.compare(u[1], v[1], f"{path}[{label}]")
-          else:
-            self.compare(u, v, f"{path}[{index}]")
-      elif isinstance(x, (dict, list)) and type(x) is type(y) and key != "ref":
-        self.compare(x, y, f"{path}.{key}") if isinstance(x, dict) else (
-            x == y or self._differ(a, b, path)
-        )
-      elif x != y and key != "ref":
-        self._differ(a, b, path)
+      self._compare_fields(a, b, path)
+    elif "items" in a:
+      self._compare_items(a, b, path)
+    else:  # Axes, labels, metadata, values: compare what remains, key by key.
+      for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+          self.compare(x, y, f"{path}.{key}")
+        elif key not in ("t", "ref") and x != y:
+          self._differ(a, b, path)
+          return
+
+  def _compare_fields(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
+    fields = [dict(map(tuple, node["fields"])) for node in (a, b)]
+    for name in dict.fromkeys([*fields[0], *fields[1]]):
+      if name not in fields[0] or name not in fields[1]:
+        self.found.append(f"{path}.{name}: only in {'A' if name in fields[0] else 'B'}")
+      else:
+        self.compare(fields[0][name], fields[1][name], f"{path}.{name}")
+
+  def _compare_items(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
+    for index, (x, y) in enumerate(zip(a["items"], b["items"])):
+      if _tag(a) not in ("dict", "ordered_dict"):
+        self.compare(x, y, f"{path}[{index}]")
+      elif x[0] != y[0]:
+        self._differ(x[0], y[0], f"{path} key {index}")
+      else:
+        self.compare(x[1], y[1], f"{path}[{self._describe(x[0], 0)}]")
+
+
+def _tag(node: Any) -> str | None:
+  return node.get("t") if isinstance(node, dict) else None
 
 
 def structure_differences(
