@@ -26,19 +26,22 @@ Example::
 
 from pz_persist import errors
 from pz_persist.allowlist import allow_modules
-from pz_persist.binding import BindingError, LoadReport, Mismatch
+from pz_persist.binding import BindingError, LoadReport, Mismatch, assign_variables
 from pz_persist.checkpoint import inspect, load, save
 from pz_persist.diffing import diff
 from pz_persist.errors import PzPersistError
+from pz_persist.manager import CheckpointManager
 from pz_persist.model import load_model, save_model
 from pz_persist.orbax_v0 import PenzaiCheckpointHandler, PenzaiRestore, PenzaiSave
 from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
 from pz_persist.registration import register_handlers
+from pz_persist.training import restore_trainer, trainer_items
 from pz_persist.version import __version__
 from pz_persist.viewing import render_html
 
 __all__ = [
     "BindingError",
+    "CheckpointManager",
     "LoadReport",
     "Mismatch",
     "PenzaiCheckpointHandler",
@@ -48,6 +51,7 @@ __all__ = [
     "PzPersistError",
     "__version__",
     "allow_modules",
+    "assign_variables",
     "diff",
     "errors",
     "inspect",
@@ -55,8 +59,10 @@ __all__ = [
     "load_model",
     "register_handlers",
     "render_html",
+    "restore_trainer",
     "save",
     "save_model",
+    "trainer_items",
 ]
 
 register_handlers()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import jax
@@ -300,7 +300,8 @@ def _misfit(
       reorder |= jax.tree.structure(v) != jax.tree.structure(t)
     elif np.shape(v) != np.shape(t):
       return Mismatch(label, "shape", _describe_array(v), _describe_array(t)), False
-    if check_dtype and np.dtype(_data(v).dtype) != np.dtype(_data(t).dtype):
+    dtypes = [getattr(_data(x), "dtype", None) for x in (v, t)]
+    if check_dtype and None not in dtypes and dtypes[0] != dtypes[1]:
       return Mismatch(
           label, "dtype", str(_data(v).dtype), f"{_data(t).dtype} (pass dtype= to cast)"
       ), False
@@ -506,3 +507,53 @@ def cast_model(model: Any, dtype: DTypeRules, *, allow_lossy: bool = False) -> A
   if problems:
     raise BindingError("casting the loaded model", LoadReport(mismatched=tuple(problems)))
   return pz.bind_variables(structure, new)
+
+
+def assign_variables(tree: Any, values: Iterable[pz.AbstractVariableValue]) -> None:
+  """Sets the mutable variables of ``tree`` to frozen ``values``, by label, in place.
+
+  For resuming objects that hold on to their variables, such as Penzai's
+  ``StatefulTrainer``, where returning a new model would leave them pointing at
+  the old ones. Every check runs before any variable changes: each variable
+  needs exactly one value, of the same kind (parameter or state variable) and
+  the same structure, axis names, shapes and dtypes (axes stored in another
+  order are transposed), and no value may be left over. Values are placed
+  like the arrays they replace (same devices and sharding).
+
+  Example::
+
+    _, saved = pz.unbind_variables(model, freeze=True)
+    ...                                   # training changes the model
+    pzp.assign_variables(model, saved)    # back to the saved values
+
+  Raises:
+    BindingError: listing every missing, unexpected or mismatched variable;
+      nothing was changed.
+  """
+  _, variables = pz.unbind_variables(tree)
+  targets = {variable.label: variable for variable in variables}
+  incoming: dict[Hashable, Any] = {}
+  problems: list[Mismatch] = []
+  for value in values:
+    if value.label in incoming:
+      problems.append(Mismatch(value.label, "label", "two values", "one"))
+    incoming[value.label] = value
+  for label, value in incoming.items():
+    if label not in targets:
+      continue
+    if value.get_slot() != targets[label].get_slot():
+      kind = type(targets[label]).__name__
+      problems.append(Mismatch(label, "kind", type(value).__name__, f"a {kind} value"))
+      continue
+    mismatch, _ = _misfit(label, value.value, targets[label].value)
+    if mismatch:
+      problems.append(mismatch)
+  report = LoadReport(
+      missing=tuple(label for label in targets if label not in incoming),
+      unexpected=tuple(label for label in incoming if label not in targets),
+      mismatched=tuple(problems),
+  )
+  if not report.ok:
+    raise BindingError("the values to assign", report)
+  for label, variable in targets.items():
+    variable.value = _fit(incoming[label].value, variable.value, place=True)

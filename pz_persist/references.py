@@ -41,12 +41,35 @@ def _is_private(module_name: str) -> bool:
   return any(part.startswith("_") for part in module_name.split("."))
 
 
+def _public_home(obj: Any, module_name: str, name: str, candidates) -> tuple[str, str]:
+  """A public module that exports ``obj`` under ``name``, if ``module_name``
+  is private: the name a checkpoint should use, since private modules move."""
+  if not _is_private(module_name):
+    return module_name, name
+  for candidate in candidates:
+    module = sys.modules.get(candidate)
+    if module is not None and getattr(module, name, None) is obj:
+      return candidate, name
+  return module_name, name
+
+
+def _public_ancestors(module_name: str) -> list[str]:
+  """``optax._src.transform`` -> ``["optax"]``: public packages above it."""
+  parts = module_name.split(".")
+  prefixes = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+  return [p for p in prefixes if not _is_private(p)]
+
+
 def class_reference(cls: type, *, where: str) -> Reference:
   """The reference to a class (a layer, a namedtuple, an Enum, a dtype)."""
   module_name = getattr(cls, "__module__", None)
   qualname = getattr(cls, "__qualname__", None)
   if not isinstance(module_name, str) or not isinstance(qualname, str):
     raise errors.EncodingError(f"{where}: {cls!r} has no module and qualified name.")
+  if "." not in qualname:  # optax.ScaleByAdamState, not optax._src.transform...
+    module_name, qualname = _public_home(
+        cls, module_name, qualname, _public_ancestors(module_name)
+    )
   if not allowlist.is_allowed(module_name):
     raise errors.DisallowedModuleError(
         f"{where}: {module_name}.{qualname} is defined in module"
@@ -84,12 +107,10 @@ def function_reference(fn: Callable[..., Any], *, where: str) -> Reference:
         f"{where}: the callable {fn!r:.60} has no module and name; only named"
         " functions can be saved."
     )
-  if _is_private(module_name) and isinstance(name, str):
-    for candidate in allowlist.CALLABLE_MODULES:
-      module = sys.modules.get(candidate)
-      if module is not None and getattr(module, name, None) is fn:
-        module_name, qualname = candidate, name
-        break
+  if isinstance(name, str) and _is_private(module_name):
+    module_name, qualname = _public_home(
+        fn, module_name, name, allowlist.CALLABLE_MODULES
+    )
   _check_findable(fn, module_name, qualname, where)
   if not _function_allowed(module_name, qualname, fn):
     raise errors.DisallowedModuleError(

@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import async_save  # noqa: E402  pylint: disable=wrong-import-position
 import save_restore  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -39,3 +40,18 @@ def test_transformer_shapes_reach_the_requested_size():
 def test_save_restore_benchmark_1gib(tmp_path):
   results = save_restore.main(["--size", "1GiB", "--repeats", "3", "--dir", str(tmp_path)])
   _check(results, save_restore.METHODS)
+
+
+def test_async_save_benchmark_runs(tmp_path, capsys):
+  results = async_save.main(
+      ["--state-size", "24MiB", "--saves", "2", "--steps-between", "1", "--dir", str(tmp_path)]
+  )
+  assert set(results) == {"sync", "async", "ratio"}
+  assert all(len(results[mode]["blocked"]) == 2 for mode in ("sync", "async"))
+  assert "async blocked time / sync save time" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_async_save_benchmark_576mib(tmp_path):
+  results = async_save.main(["--state-size", "576MiB", "--dir", str(tmp_path)])
+  assert results["ratio"] > 0

@@ -52,3 +52,16 @@ def test_model_surgery(tmp_path):
   assert "and differ from the base model: True" in text
   assert "renderings identical: True" in text
   assert "adapter overlay matches: True" in text
+
+
+def test_training_resume(tmp_path):
+  notebook = _execute("training_resume.ipynb", tmp_path)
+  text = _outputs(notebook)
+  assert "saved steps: [15, 17]" in text
+  assert "resuming at step 17 with schedule count 17" in text
+  assert "curves identical: True" in text
+  images = [
+      output for cell in notebook.cells for output in cell.get("outputs", [])
+      if "image/png" in output.get("data", {})
+  ]
+  assert len(images) == 1  # The plot of both curves.

@@ -1,0 +1,140 @@
+"""How long a training loop is blocked by saving: async vs synchronous saves.
+
+Usage::
+
+  python benchmarks/async_save.py --state-size 576MiB [--saves 4]
+
+A training loop over Penzai parameters with Adam moments (parameters, ``mu``
+and ``nu``: the state saved) runs a jitted update per step and saves the full
+state every few steps through `pz_persist.CheckpointManager`, once with
+``async_save=True`` (the default) and once with ``async_save=False``, each in
+its own process. Printed: the time each ``save()`` call held the loop, the
+total loop time, peak memory, and the ratio of async to sync blocked time
+(the target is at most 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def build_state(state_bytes: int):
+  """Parameters plus Adam moments totalling ``state_bytes`` (float32)."""
+  import jax.numpy as jnp
+  import optax
+  from penzai import pz
+
+  per_param = state_bytes // 3 // 4 // 4  # 4 parameters; params, mu, nu.
+  rows = 1024
+  cols = max(1, per_param // rows)
+  rng = np.random.default_rng(0)
+  params = tuple(
+      pz.ParameterValue(
+          label=f"model/layer_{i}/weights",
+          value=pz.nx.wrap(jnp.asarray(rng.standard_normal((rows, cols), np.float32)), "rows", "cols"),
+      )
+      for i in range(4)
+  )
+  optimizer = optax.adam(1e-4)
+  return params, optimizer, optimizer.init(params)
+
+
+def worker(mode: str, directory: str, state_bytes: int, saves: int, steps_between: int) -> dict:
+  import jax
+  import optax
+  import pz_persist as pzp
+
+  params, optimizer, opt_state = build_state(state_bytes)
+
+  @jax.jit
+  def train_step(params, opt_state):
+    grads = jax.tree.map(lambda p: 1e-3 * jax.numpy.tanh(p), params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = jax.block_until_ready(train_step(params, opt_state))  # Compile.
+  blocked = []
+  manager = pzp.CheckpointManager(directory, async_save=(mode == "async"), max_to_keep=2)
+  with harness.PeakRss() as rss:
+    start = time.perf_counter()
+    for save in range(saves):
+      for _ in range(steps_between):
+        params, opt_state = jax.block_until_ready(train_step(params, opt_state))
+      before = time.perf_counter()
+      manager.save(save, params=params, opt_state=opt_state)
+      blocked.append(time.perf_counter() - before)
+    loop_seconds = time.perf_counter() - start
+    manager.wait_until_finished()
+  manager.close()
+  step_start = time.perf_counter()
+  jax.block_until_ready(train_step(params, opt_state))
+  return {
+      "blocked": blocked,
+      "loop_seconds": loop_seconds,
+      "step_seconds": time.perf_counter() - step_start,
+      "extra_rss": rss.extra,
+  }
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--state-size", default="576MiB")
+  parser.add_argument("--saves", type=int, default=4)
+  parser.add_argument("--steps-between", type=int, default=8)
+  parser.add_argument("--dir", default=None)
+  parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker:
+    mode, directory, nbytes, saves, between = args.worker
+    print(json.dumps(worker(mode, directory, int(nbytes), int(saves), int(between))))
+    return {}
+
+  state_bytes = harness.parse_size(args.state_size)
+  directory = args.dir or tempfile.mkdtemp(prefix="pz_persist_async_")
+  print(f"# async_save benchmark, {time.strftime('%Y-%m-%d %H:%M')}")
+  print(harness.machine_description())
+  print(f"state: parameters + Adam moments, {harness.format_size(state_bytes)};"
+        f" {args.saves} saves, {args.steps_between} training steps apart\n")
+  results = {}
+  for mode in ("sync", "async"):
+    path = os.path.join(directory, mode)
+    shutil.rmtree(path, ignore_errors=True)
+    os.sync()
+    results[mode] = harness.run_worker(
+        __file__, ["--worker", mode, path, str(state_bytes), str(args.saves), str(args.steps_between)]
+    )
+  rows = []
+  for mode, result in results.items():
+    blocked = result["blocked"]
+    rows.append([
+        mode, f"{np.mean(blocked):.3f} s", f"{max(blocked):.3f} s",
+        f"{result['loop_seconds']:.2f} s", f"{result['step_seconds'] * 1000:.0f} ms",
+        harness.format_size(result["extra_rss"]),
+    ])
+  harness.print_table(
+      "Time the training loop spends in save()",
+      ["mode", "blocked per save (mean)", "worst save", "whole loop", "one training step", "peak RSS above baseline"],
+      rows,
+  )
+  ratio = np.mean(results["async"]["blocked"]) / np.mean(results["sync"]["blocked"])
+  print(f"async blocked time / sync save time: {ratio:.1%} (target: at most 10%)")
+  results["ratio"] = ratio
+  if not args.dir:
+    shutil.rmtree(directory, ignore_errors=True)
+  return results
+
+
+if __name__ == "__main__":
+  main()
