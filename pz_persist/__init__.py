@@ -35,11 +35,13 @@ from pz_persist.model import load_model, save_model
 from pz_persist.orbax_v0 import PenzaiCheckpointHandler, PenzaiRestore, PenzaiSave
 from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
 from pz_persist.registration import register_handlers
+from pz_persist.sharding import AxisRules
 from pz_persist.training import restore_trainer, trainer_items
 from pz_persist.version import __version__
 from pz_persist.viewing import render_html
 
 __all__ = [
+    "AxisRules",
     "BindingError",
     "CheckpointManager",
     "LoadReport",

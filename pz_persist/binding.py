@@ -38,6 +38,7 @@ from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
+from pz_persist import sharding as sharding_lib
 
 LabelGlobs = Union[str, Sequence[str]]
 RenameRules = Union[Mapping[str, str], Sequence[tuple[str, str]]]
@@ -358,7 +359,7 @@ def load_into(
     dtype: DTypeRules | None = None,
     allow_lossy: bool = False,
     overlay: bool = False,
-    sharding: jax.sharding.Sharding | None = None,
+    sharding: sharding_lib.Target = None,
 ) -> tuple[Any, LoadReport]:
   """Loads the variables of the checkpoint item at ``item`` into ``model``.
 

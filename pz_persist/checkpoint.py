@@ -22,10 +22,12 @@ inside it, or any Orbax checkpoint directory with exactly one pz_persist item
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -35,6 +37,7 @@ from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import restoring
+from pz_persist import sharding as sharding_lib
 
 ITEM_NAME = "penzai"
 """Name of the Orbax item `save` writes the tree to."""
@@ -90,30 +93,47 @@ def save(
     DisallowedModuleError: a class comes from a module that is not allowed.
   """
   path = _as_path(path)
-  if path.exists() and not overwrite:
+  exists = path.exists()
+  if exists and not overwrite:
     raise errors.CheckpointExistsError(
         f"{path} already exists; pass overwrite=True to replace it."
     )
-  if path.exists():
+  if exists:
     _check_replaceable(path)
   with allowlist.scoped_allowance(allow_modules):
     args = orbax_v0.PenzaiSave(tree)  # Validates the whole tree now.
-  path.parent.mkdir(parents=True, exist_ok=True)
-  target = path if not path.exists() else directories.sibling(path, "new")
+  # With several processes (jax.distributed), all write their shards of the
+  # same checkpoint; only the primary process moves directories.
+  primary = ocp.multihost.is_primary_host(0)
+  if primary:
+    path.parent.mkdir(parents=True, exist_ok=True)
+  target = path if not exists else directories.sibling(path, "new", _shared_token())
   try:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
       checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
   except BaseException:
-    directories.remove_unfinished(target)
+    if primary:
+      directories.remove_unfinished(target)
     raise
   if target != path:
-    directories.replace(path, target)
+    if primary:
+      directories.replace(path, target)
+    if jax.process_count() > 1:
+      ocp.multihost.sync_global_processes("pz_persist_save_replaced")
+
+
+def _shared_token() -> str:
+  """A random name part, the same in every process."""
+  token = np.int64(uuid.uuid4().int % 2**62)
+  if jax.process_count() > 1:
+    token = ocp.multihost.broadcast_one_to_all(token)
+  return f"{int(token):016x}"
 
 
 def load(
     path: epath.PathLike,
     *,
-    sharding: jax.sharding.Sharding | None = None,
+    sharding: sharding_lib.Target = None,
     allow_modules: Iterable[str] | None = None,
 ) -> Any:
   """Loads a tree saved by `save` (or through `PenzaiSave`), with no template.
@@ -125,7 +145,9 @@ def load(
 
   Args:
     path: A checkpoint directory, or the item directory inside one.
-    sharding: Where ``jax.Array`` values go (default: the first local device).
+    sharding: Where ``jax.Array`` values go: a ``jax.sharding.Sharding``, or
+      `pz_persist.AxisRules` to shard each array over a mesh by its axis
+      names (default: the first local device).
       Arrays saved as NumPy arrays come back as NumPy arrays.
     allow_modules: Extra modules the checkpoint may name classes from, for
       this call only; see `pz_persist.allow_modules`.

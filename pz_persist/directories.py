@@ -32,9 +32,14 @@ def rmtree(path: epath.Path) -> None:
     path.rmtree()
 
 
-def sibling(path: epath.Path, role: str) -> epath.Path:
-  """A unique hidden name next to ``path`` (``role`` says what it is for)."""
-  return path.parent / f".{path.name}.pz_persist-{role}-{uuid.uuid4().hex[:12]}"
+def sibling(path: epath.Path, role: str, token: str | None = None) -> epath.Path:
+  """A unique hidden name next to ``path`` (``role`` says what it is for).
+
+  ``token`` makes it unique; processes writing one checkpoint together must
+  pass the same one.
+  """
+  token = token or uuid.uuid4().hex[:12]
+  return path.parent / f".{path.name}.pz_persist-{role}-{token}"
 
 
 def replace(path: epath.Path, new: epath.Path) -> None:

@@ -31,6 +31,7 @@ from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import optimizers
 from pz_persist import orbax_v0
+from pz_persist import sharding as sharding_lib
 
 _RESERVED_ITEMS = frozenset({"metrics", "descriptor", "_CHECKPOINT_METADATA"})
 
@@ -140,7 +141,7 @@ class CheckpointManager:
 
   def _empty_trash(self) -> None:
     trash = self._manager.directory / _TRASH
-    if trash.exists():
+    if ocp.multihost.is_primary_host(0) and trash.exists():
       for step_dir in trash.iterdir():
         directories.rmtree(step_dir)
 
@@ -216,7 +217,7 @@ class CheckpointManager:
       step: int | None = None,
       *,
       items: Iterable[str] | None = None,
-      sharding: jax.sharding.Sharding | None = None,
+      sharding: sharding_lib.Target = None,
       optimizer: Any = None,
       params_item: str = "params",
       opt_state_item: str = "opt_state",
@@ -234,7 +235,8 @@ class CheckpointManager:
     Args:
       step: The step (default: the latest).
       items: Names of the items to restore (default: all of the step's).
-      sharding: Where ``jax.Array`` values go (default: the first device).
+      sharding: Where ``jax.Array`` values go: a ``Sharding`` or
+        `pz_persist.AxisRules` (default: the first device).
       optimizer: An optax ``GradientTransformation`` to check the optimizer
         state item against.
       params_item: The item holding the parameters (for ``optimizer``).

@@ -27,6 +27,7 @@ from pz_persist import allowlist
 from pz_persist import binding
 from pz_persist import checkpoint
 from pz_persist import errors
+from pz_persist import sharding as sharding_lib
 
 
 def save_model(
@@ -89,7 +90,7 @@ def load_model(
     dtype: binding.DTypeRules | None = None,
     allow_lossy: bool = False,
     overlay: bool = False,
-    sharding: jax.sharding.Sharding | None = None,
+    sharding: sharding_lib.Target = None,
     allow_modules: Iterable[str] | None = None,
 ) -> Any:
   """Loads a model saved by `save_model`, or binds a checkpoint into a model.
@@ -132,8 +133,9 @@ def load_model(
     overlay: The checkpoint holds only some of the model's variables (an
       adapter over a base model): the others keep their values and are not
       reported missing.
-    sharding: Where arrays are read to (default: the model's own placement
-      for ``into=``, else the first local device).
+    sharding: Where arrays are read to: a ``jax.sharding.Sharding`` or
+      `pz_persist.AxisRules` (default: the model's own placement for
+      ``into=``, else the first local device).
     allow_modules: Extra modules the checkpoint may name, for this call.
 
   Returns:

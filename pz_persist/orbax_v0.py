@@ -36,7 +36,33 @@ from etils import epath
 
 from pz_persist import encoding
 from pz_persist import manifest as manifest_lib
+from pz_persist import memory
 from pz_persist import restoring
+from pz_persist import sharding as sharding_lib
+
+
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+"""Arrays are stored in chunks of about this size, so that a process reading
+a shard decodes little beyond it (one whole-array chunk would be decoded in
+full by every process that reads any part of it)."""
+
+DEFAULT_READ_BATCH_BYTES = 64 * 2**20
+"""Arrays are read in batches of about this many bytes (of this process's
+shards). Reading every array at once keeps the read buffer and the final
+array of each alive together, doubling peak memory; batches bound that to
+one batch."""
+
+
+def _batches(keys: list[str], sizes: dict[str, int], budget: int):
+  batch, used = [], 0
+  for key in keys:
+    if batch and used + sizes[key] > budget:
+      yield batch
+      batch, used = [], 0
+    batch.append(key)
+    used += sizes[key]
+  if batch:
+    yield batch
 
 
 def encode_manifest(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
@@ -69,8 +95,12 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       multiprocessing_options: ocp.options.MultiprocessingOptions = (
           ocp.options.MultiprocessingOptions()
       ),
+      chunk_byte_size: int | None = DEFAULT_CHUNK_BYTES,
+      read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
   ):
     self._primary_host = multiprocessing_options.primary_host
+    self._chunk_byte_size = chunk_byte_size
+    self._read_batch_bytes = read_batch_bytes
     self._arrays = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt,
         use_zarr3=use_zarr3,
@@ -79,6 +109,10 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
         restore_concurrent_gb=restore_concurrent_gb,
         multiprocessing_options=multiprocessing_options,
     )
+
+  def _save_args(self, stored: dict[str, Any]) -> ocp.args.PyTreeSave:
+    options = ocp.SaveArgs(chunk_byte_size=self._chunk_byte_size)
+    return ocp.args.PyTreeSave(stored, save_args={key: options for key in stored})
 
   def _is_primary(self) -> bool:
     return ocp.multihost.is_primary_host(self._primary_host)
@@ -99,10 +133,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     futures = []
     if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
       futures.extend(
-          await self._arrays.async_save(
-              directory, args=ocp.args.PyTreeSave(stored)
-          )
-          or []
+          await self._arrays.async_save(directory, args=self._save_args(stored)) or []
       )
     futures.append(
         ocp.future.CommitFutureAwaitingContractedSignals(
@@ -116,7 +147,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves synchronously."""
     manifest, stored = args.manifest, args.stored_arrays
     if stored:
-      self._arrays.save(directory, args=ocp.args.PyTreeSave(stored))
+      self._arrays.save(directory, args=self._save_args(stored))
     if self._is_primary():
       manifest_lib.write(directory, manifest)
 
@@ -136,7 +167,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       directory: epath.Path,
       manifest: manifest_lib.Manifest,
       *,
-      sharding: jax.sharding.Sharding | None = None,
+      sharding: sharding_lib.Target = None,
       refs: Collection[int] | None = None,
   ) -> list[Any]:
     """Reads arrays of the manifest, all of them or those indexed by ``refs``.
@@ -147,30 +178,33 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
     where = str(directory)
     restoring.check_loadable(manifest, where, refs)
-    targets = restoring.placements(manifest, sharding, refs)
-    restore_args = {
-        key: (
-            ocp.RestoreArgs(restore_type=np.ndarray)
-            if target is None
-            else ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=target)
-        )
-        for key, target in targets.items()
+    targets = restoring.read_targets(manifest, sharding, refs)
+    sizes = {
+        spec.key: sharding_lib.local_bytes(spec, targets[spec.key])
+        for spec in manifest.arrays if spec.key in targets
     }
+    batches = list(_batches(list(targets), sizes, self._read_batch_bytes))
     stored = {}
-    if refs is None and restore_args:
-      stored = self._arrays.restore(
-          directory, args=ocp.args.PyTreeRestore(restore_args=restore_args)
-      )
-    elif restore_args:  # Only some arrays: Orbax reads no others.
-      stored = self._arrays.restore(
-          directory,
-          args=ocp.args.PyTreeRestore(
-              item={key: np.ndarray for key in restore_args},
-              restore_args=restore_args,
-              partial_restore=True,
-          ),
-      )
-    return restoring.values(manifest, stored, where=where, sharding=sharding, refs=refs)
+    for batch in batches:
+      restore_args = {
+          key: (
+              ocp.RestoreArgs(restore_type=np.ndarray)
+              if targets[key] is None
+              else ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=targets[key])
+          )
+          for key in batch
+      }
+      if len(batches) == 1 and refs is None:
+        args = ocp.args.PyTreeRestore(restore_args=restore_args)
+      else:  # Only some arrays: Orbax reads no others.
+        args = ocp.args.PyTreeRestore(
+            item={key: np.ndarray for key in batch},
+            restore_args=restore_args,
+            partial_restore=True,
+        )
+      stored.update(self._arrays.restore(directory, args=args))
+      memory.release_freed()
+    return restoring.values(manifest, stored, where=where, target=sharding, refs=refs)
 
   def metadata(self, directory: epath.Path) -> Any:
     """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no arrays."""
@@ -222,8 +256,9 @@ class PenzaiRestore(ocp.args.CheckpointArgs):
   """Orbax restore arguments for a tree saved with `PenzaiSave`.
 
   Attributes:
-    sharding: Where ``jax.Array`` values are placed; defaults to the first
-      local device. NumPy arrays are restored as NumPy arrays.
+    sharding: Where ``jax.Array`` values are placed: one ``Sharding`` for all,
+      or `pz_persist.AxisRules` mapping axis names to mesh axes; defaults to
+      the first local device. NumPy arrays are restored as NumPy arrays.
   """
 
-  sharding: jax.sharding.Sharding | None = None
+  sharding: sharding_lib.Target = None

@@ -103,7 +103,7 @@ class PenzaiCheckpointableHandler(
     manifest = manifest_lib.read(directory)
     where = str(directory)
     restoring.check_loadable(manifest, where)
-    targets = restoring.placements(manifest)
+    targets = restoring.read_targets(manifest)
     spec_by_key = {spec.key: spec for spec in manifest.arrays}
     abstract = {
         key: (

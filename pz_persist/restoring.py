@@ -2,7 +2,7 @@
 
 Both Orbax integrations (`pz_persist.orbax_v0`, `pz_persist.orbax_v1`) read
 arrays their own way but share everything around it, which lives here:
-deciding where each array goes (`placements`), refusing a load that could only
+deciding where each array goes (`read_targets`), refusing a load that could only
 succeed by silently changing values (`check_loadable`), checking that what was
 read is what the manifest promised and undoing storage substitutions
 (`values`), and decoding the tree (`decode`).
@@ -20,15 +20,7 @@ from pz_persist import arrays as arrays_lib
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
-
-Placement = jax.sharding.Sharding | None
-"""Where an array is restored: a sharding for a jax.Array, None for NumPy."""
-
-
-def default_sharding() -> jax.sharding.Sharding:
-  """Where a jax.Array goes when the caller did not say: the first local device."""
-  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
+from pz_persist import sharding as sharding_lib
 
 def check_loadable(
     manifest: manifest_lib.Manifest, where: str, refs: Collection[int] | None = None
@@ -55,15 +47,15 @@ def check_loadable(
 _X64_DTYPES = frozenset({"float64", "int64", "uint64", "complex128"})
 
 
-def placements(
+def read_targets(
     manifest: manifest_lib.Manifest,
-    sharding: jax.sharding.Sharding | None = None,
+    target: sharding_lib.Target = None,
     refs: Collection[int] | None = None,
-) -> dict[str, Placement]:
-  """Where each stored array to read goes, by storage key."""
-  target = sharding or default_sharding()
+) -> dict[str, jax.sharding.Sharding | None]:
+  """Where each stored array to read goes (None: NumPy), by storage key."""
+  placed = sharding_lib.placements(manifest, target)
   return {
-      spec.key: (target if spec.kind == "jax" else None)
+      spec.key: placed[index]
       for index, spec in enumerate(manifest.arrays)
       if spec.is_stored and (refs is None or index in refs)
   }
@@ -84,21 +76,22 @@ def values(
     stored: Mapping[str, Any],
     *,
     where: str,
-    sharding: jax.sharding.Sharding | None = None,
+    target: sharding_lib.Target = None,
     refs: Collection[int] | None = None,
 ) -> list[Any]:
   """The saved arrays, from what Orbax read back, aligned with the manifest.
 
   Checks each against the manifest, undoes storage substitutions, restores
-  kinds and weak types, and makes the zero-size arrays (which are not stored).
-  Arrays not in ``refs`` (when given) are None.
+  kinds and weak types, and makes the zero-size arrays (which are not stored)
+  where ``target`` puts them. Arrays not in ``refs`` (when given) are None.
   """
+  placed = sharding_lib.placements(manifest, target)
   result = []
   for index, spec in enumerate(manifest.arrays):
     if refs is not None and index not in refs:
       result.append(None)
     elif not spec.is_stored:
-      result.append(arrays_lib.empty_array(spec, sharding or default_sharding()))
+      result.append(arrays_lib.empty_array(spec, placed[index]))
     elif spec.key not in stored:
       raise errors.ManifestError(
           f"{where}: the array of {spec.path} (key {spec.key}) is missing."

@@ -41,6 +41,7 @@ from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import restoring
+from pz_persist import sharding as sharding_lib
 
 _RECORDS_PREFIX = "pz_persist_variables-"
 _TYPESTR = "pz_persist.variable"
@@ -159,7 +160,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
         )
       wanted.setdefault(name, (info, record))
 
-    placement = restoring.default_sharding()
+    placement = sharding_lib.default_sharding()
     arrays, array_infos, array_args, owners = [], [], [], []
     parsed = {}
     for name, (info, record) in wanted.items():

@@ -7,7 +7,13 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+# Sharding is tested on 8 CPU devices; this must be set before JAX starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

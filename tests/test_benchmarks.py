@@ -11,6 +11,7 @@ from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import async_save  # noqa: E402  pylint: disable=wrong-import-position
+import sharded_restore  # noqa: E402  pylint: disable=wrong-import-position
 import save_restore  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -55,3 +56,18 @@ def test_async_save_benchmark_runs(tmp_path, capsys):
 def test_async_save_benchmark_576mib(tmp_path):
   results = async_save.main(["--state-size", "576MiB", "--dir", str(tmp_path)])
   assert results["ratio"] > 0
+
+
+def test_sharded_restore_benchmark_runs(tmp_path, capsys):
+  results = sharded_restore.main(["--sizes", "8MiB", "--processes", "2", "--dir", str(tmp_path)])
+  (run,) = results["runs"]
+  for method in sharded_restore.METHODS:
+    assert [r["process"] for r in run[method]] == [0, 1]
+    assert all(r["extra_rss"] >= 0 and r["shard_bytes"] > 0 for r in run[method])
+  assert "peak RSS above baseline per process" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_sharded_restore_benchmark_full(tmp_path):
+  results = sharded_restore.main(["--dir", str(tmp_path)])
+  assert results["fit"]["slope"] > 0

@@ -18,7 +18,16 @@ def _execute(name: str, tmp_path) -> nbformat.NotebookNode:
   client = nbclient.NotebookClient(
       notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
   )
-  client.execute()
+  # The kernel inherits the environment: keep its temporary files in tmp_path.
+  previous = os.environ.get("TMPDIR")
+  os.environ["TMPDIR"] = str(tmp_path)
+  try:
+    client.execute()
+  finally:
+    if previous is None:
+      del os.environ["TMPDIR"]
+    else:
+      os.environ["TMPDIR"] = previous
   return notebook
 
 
@@ -65,3 +74,12 @@ def test_training_resume(tmp_path):
       if "image/png" in output.get("data", {})
   ]
   assert len(images) == 1  # The plot of both curves.
+
+
+def test_sharded_loading(tmp_path):
+  text = _outputs(_execute("sharded_loading.ipynb", tmp_path))
+  assert "8 devices" in text
+  assert "gemma/block_0/mlp/gating_linear.weights" in text
+  assert "P('data', 'model')" in text  # (embedding, neurons)
+  assert "outputs match: True" in text
+  assert "axis 'head_groups' has size 2, which mesh axes ('model',) (4 devices) do not divide" in text

@@ -1,0 +1,69 @@
+"""Several processes (jax.distributed on localhost) save and load together.
+
+Each process sees the global 8-device CPU mesh but holds only its own
+devices' shards: it writes those, reads those back, and the manifest is
+written once, by the primary process. Hung processes fail the test instead of
+hanging CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+TIMEOUT = 300
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _run(num_processes: int, directory) -> list[dict]:
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  processes = [
+      subprocess.Popen(
+          [sys.executable, os.path.join(REPO, "tests", "multiprocess_run.py"),
+           str(i), str(num_processes), str(port), str(directory)],
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+      )
+      for i in range(num_processes)
+  ]
+  reports = []
+  try:
+    for process in processes:
+      out, err = process.communicate(timeout=TIMEOUT)
+      assert process.returncode == 0, f"process failed:\n{err[-3000:]}"
+      reports.append(json.loads(out.strip().splitlines()[-1]))
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+  return reports
+
+
+@pytest.mark.parametrize("num_processes", [2, 4])
+def test_save_and_load_across_processes(num_processes, tmp_path):
+  reports = _run(num_processes, tmp_path)
+  assert [r["process"] for r in reports] == list(range(num_processes))
+  for report in reports:
+    assert report["devices"] == 8 and report["local"] == 8 // num_processes
+    for key in ("load_shards", "overwrite_shards", "manager_shards", "bound_shards"):
+      assert report[key] > 0, key
+    assert report["manager_steps"] == [2] and report["manager_meta"] == {"step": 2}
+  # The manifest of each save is written once, by the primary process.
+  assert [r["saved_manifest_writes"] for r in reports] == [1] + [0] * (num_processes - 1)
+  # Two saves, then two steps of two items each: six manifests, all by process 0.
+  assert [r["manifest_writes"] for r in reports] == [6] + [0] * (num_processes - 1)
+  # Every process held a different part of the arrays, together all of them.
+  assert len({r["load_shards"] for r in reports}) == 1
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "run"]
