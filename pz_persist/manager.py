@@ -20,7 +20,6 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import jax
 from etils import epath
 from penzai import pz
 

@@ -11,7 +11,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 import pz_persist as pzp
 from conftest import REPO

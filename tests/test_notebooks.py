@@ -6,7 +6,6 @@ import os
 
 import nbclient
 import nbformat
-import pytest
 
 from conftest import REPO
 

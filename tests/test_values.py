@@ -7,7 +7,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from penzai import pz
