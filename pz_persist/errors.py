@@ -11,8 +11,9 @@ Two families matter to users:
   `CheckpointExistsError`) are raised before anything is written, so a failed
   save never leaves a partial checkpoint or touches an existing one.
 * Load-time errors (`NotACheckpointError`, `ManifestError`,
-  `FormatVersionError`, `DisallowedModuleError`) are raised before any array is
-  read into a user's model, so a failed load never half-mutates anything.
+  `FormatVersionError`, `UnsafeCheckpointError`, `DisallowedModuleError`,
+  `IntegrityError`) are raised before any array is bound into a user's model,
+  so a failed load never half-mutates anything.
 """
 
 from __future__ import annotations
@@ -51,3 +52,19 @@ class ManifestError(PzPersistError, ValueError):
 
 class FormatVersionError(ManifestError):
   """The checkpoint was written by a newer pz_persist format than this one."""
+
+
+class IntegrityError(PzPersistError):
+  """Stored bytes no longer match the checksums recorded when they were saved.
+
+  The message names every damaged label (or file). Raised by
+  ``load(..., verify=True)`` and by `pz_persist.VerifyReport.raise_if_damaged`.
+  """
+
+
+class UnsafeCheckpointError(ManifestError):
+  """The checkpoint tries to reach outside itself or to exhaust memory.
+
+  For example a symlink pointing out of the checkpoint directory, or arrays
+  declaring far more bytes than the machine could hold.
+  """
