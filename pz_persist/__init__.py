@@ -37,6 +37,7 @@ from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
 from pz_persist.registration import register_handlers
 from pz_persist.sharding import AxisRules
 from pz_persist.training import restore_trainer, trainer_items
+from pz_persist.verifying import VerifyReport, verify
 from pz_persist.version import __version__
 from pz_persist.viewing import render_html
 
@@ -51,6 +52,7 @@ __all__ = [
     "PenzaiRestore",
     "PenzaiSave",
     "PzPersistError",
+    "VerifyReport",
     "__version__",
     "allow_modules",
     "assign_variables",
@@ -65,6 +67,7 @@ __all__ = [
     "save",
     "save_model",
     "trainer_items",
+    "verify",
 ]
 
 register_handlers()

@@ -15,6 +15,7 @@ model's outputs).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pz_persist import checksums as checksums_lib
 from pz_persist import errors
 
 ArrayKind = Literal["jax", "numpy", "numpy_scalar"]
@@ -66,6 +68,35 @@ SUPPORTED_DTYPES: dict[str, np.dtype] = _build_dtype_table()
 """Every dtype pz_persist saves, by the name stored in manifests."""
 
 _KEY_HINT = re.compile(r"[^A-Za-z0-9_-]+")
+
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+"""Characters a label may not hold: NUL and other control characters, which
+would garble (or forge) the lines of messages and tables that print labels."""
+
+MAX_RANK = 32
+"""Most dimensions an array may declare (NumPy 1's own limit)."""
+
+MAX_ELEMENTS = 2**62
+"""Most elements an array may declare: more cannot even be addressed."""
+
+
+def _check_shape_size(shape: list[int], where: str) -> None:
+  """Refuses shapes no array can have, before anything multiplies them.
+
+  Why: shapes come from the checkpoint; a rank beyond NumPy's limit or an
+  element count beyond 64-bit sizes would otherwise surface later as a NumPy
+  ``ValueError`` or a silently wrapped size. Sizes that are merely too large
+  for this machine are refused when read (`pz_persist.safety`).
+  """
+  if len(shape) > MAX_RANK:
+    raise errors.ManifestError(
+        f"{where}: {len(shape)} dimensions, over the limit of {MAX_RANK}."
+    )
+  if math.prod(shape) > MAX_ELEMENTS:
+    raise errors.UnsafeCheckpointError(
+        f"{where}: shape {shape} declares {math.prod(shape)} elements, more"
+        f" than any array can have (2**62); refusing it."
+    )
 
 
 def dtype_name(dtype: Any, *, where: str) -> str:
@@ -114,6 +145,8 @@ class ArraySpec:
     weak_type: JAX's weak-type flag (``jax`` kind only).
     path: Where the array sits in the saved tree, for messages.
     label: Label of the Penzai variable holding the array, if any.
+    checksums: Hashes of the stored bytes, one per distinct stored slice
+      (None in checkpoints written before checksums existed).
   """
 
   key: str
@@ -123,6 +156,7 @@ class ArraySpec:
   weak_type: bool = False
   path: str = ""
   label: str | None = None
+  checksums: tuple[checksums_lib.ShardChecksum, ...] | None = None
 
   @property
   def np_dtype(self) -> np.dtype:
@@ -134,7 +168,7 @@ class ArraySpec:
 
   @property
   def size(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64))
+    return math.prod(self.shape)  # Python ints: a forged shape cannot overflow.
 
   @property
   def nbytes(self) -> int:
@@ -160,6 +194,11 @@ class ArraySpec:
       out["weak_type"] = True
     if self.label is not None:
       out["label"] = self.label
+    if self.checksums is not None:
+      out["checksums"] = [
+          {"index": [list(pair) for pair in c.index], checksums_lib.ALGORITHM: c.digest}
+          for c in self.checksums
+      ]
     return out
 
   @classmethod
@@ -167,7 +206,14 @@ class ArraySpec:
     """Parses and validates one ``arrays`` entry of a manifest."""
     if not isinstance(data, dict):
       raise errors.ManifestError(f"{where}: array entry must be an object.")
-    allowed = {"key", "shape", "dtype", "kind", "path", "stored_dtype", "weak_type", "label"}
+    for name in ("label", "path"):  # Say which array, as far as it says.
+      if isinstance(data.get(name), str) and data[name]:
+        where = f"{where} ({name} {data[name]!r:.100})"
+        break
+    allowed = {
+        "key", "shape", "dtype", "kind", "path", "stored_dtype", "weak_type",
+        "label", "checksums",
+    }  # fmt: skip
     if not {"key", "shape", "dtype", "kind"} <= set(data) <= allowed:
       raise errors.ManifestError(
           f"{where}: array entry has fields {sorted(data)}; expected"
@@ -179,7 +225,8 @@ class ArraySpec:
     if not isinstance(shape, list) or not all(
         type(d) is int and d >= 0 for d in shape
     ):
-      raise errors.ManifestError(f"{where}: invalid shape {shape!r}.")
+      raise errors.ManifestError(f"{where}: invalid shape {shape!r:.100}.")
+    _check_shape_size(shape, where)
     dtype = dtype_from_name(data["dtype"], where=where).name
     if data.get("stored_dtype", storage_dtype_name(dtype)) != storage_dtype_name(dtype):
       raise errors.ManifestError(
@@ -193,8 +240,8 @@ class ArraySpec:
     label = data.get("label")
     if not isinstance(weak_type, bool) or not isinstance(path, str):
       raise errors.ManifestError(f"{where}: invalid weak_type or path.")
-    if label is not None and not isinstance(label, str):
-      raise errors.ManifestError(f"{where}: invalid label {label!r}.")
+    if label is not None and (not isinstance(label, str) or CONTROL_CHARS.search(label)):
+      raise errors.ManifestError(f"{where}: invalid label {label!r:.100}.")
     if kind == "numpy_scalar" and shape:
       raise errors.ManifestError(f"{where}: a NumPy scalar must have shape [].")
     return cls(
@@ -205,11 +252,49 @@ class ArraySpec:
         weak_type=weak_type,
         path=path,
         label=label,
+        checksums=_checksums_from_json(data.get("checksums"), tuple(shape), where),
     )
 
   def abstract(self) -> jax.ShapeDtypeStruct:
     """The array as a ``jax.ShapeDtypeStruct`` (what `inspect` returns)."""
     return jax.ShapeDtypeStruct(self.shape, self.np_dtype, weak_type=self.weak_type)
+
+
+_HEX_DIGEST = re.compile(r"[0-9a-f]{32}")
+
+
+def _checksums_from_json(
+    data: Any, shape: tuple[int, ...], where: str
+) -> tuple[checksums_lib.ShardChecksum, ...] | None:
+  """Parses and validates the ``checksums`` of one array entry."""
+  if data is None:
+    return None
+  if not isinstance(data, list):
+    raise errors.ManifestError(f"{where}: checksums must be a list.")
+  parsed = []
+  for i, entry in enumerate(data):
+    bad = errors.ManifestError(
+        f"{where}: checksums[{i}] is not an {checksums_lib.ALGORITHM} digest of a"
+        f" slice of an array of shape {list(shape)}: {str(entry)[:200]}"
+    )
+    if not isinstance(entry, dict) or set(entry) != {"index", checksums_lib.ALGORITHM}:
+      raise bad
+    index, digest = entry["index"], entry[checksums_lib.ALGORITHM]
+    if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
+      raise bad
+    if not isinstance(index, list) or len(index) != len(shape):
+      raise bad
+    pairs = []
+    for pair, n in zip(index, shape):
+      if (
+          not isinstance(pair, list) or len(pair) != 2
+          or not all(type(x) is int for x in pair)
+          or not 0 <= pair[0] <= pair[1] <= n
+      ):  # fmt: skip
+        raise bad
+      pairs.append((pair[0], pair[1]))
+    parsed.append(checksums_lib.ShardChecksum(tuple(pairs), digest))
+  return tuple(parsed)
 
 
 def kind_of(value: Any) -> ArrayKind | None:

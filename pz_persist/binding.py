@@ -360,6 +360,7 @@ def load_into(
     allow_lossy: bool = False,
     overlay: bool = False,
     sharding: sharding_lib.Target = None,
+    verify: bool = True,
 ) -> tuple[Any, LoadReport]:
   """Loads the variables of the checkpoint item at ``item`` into ``model``.
 
@@ -387,7 +388,9 @@ def load_into(
         renamed=renamed, transposed=tuple(plan.transposed),
     ))
 
-  values, cast = plan.read(item, stored, bound, allow_lossy=allow_lossy, sharding=sharding)
+  values, cast = plan.read(
+      item, stored, bound, allow_lossy=allow_lossy, sharding=sharding, verify=verify
+  )
   report = LoadReport(
       loaded=tuple(values),
       missing=missing,
@@ -459,12 +462,14 @@ class _Plan:
         self.transposed.append(label)
     self.fitting.append(label)
 
-  def read(self, item, stored, bound, *, allow_lossy, sharding):
+  def read(self, item, stored, bound, *, allow_lossy, sharding, verify):
     """Reads the arrays of the fitting variables only; casts and places them."""
     refs = {ref for label in self.fitting for ref in stored[label].refs}
     handler = orbax_v0.PenzaiCheckpointHandler()
     try:
-      arrays = handler.read_arrays(item, self._manifest, sharding=sharding, refs=refs)
+      arrays = handler.read_arrays(
+          item, self._manifest, sharding=sharding, refs=refs, verify=verify
+      )
     finally:
       handler.close()
     values, cast = {}, []

@@ -69,20 +69,20 @@ def children(node: Any) -> Iterator[Any]:
     yield node.get("value")
 
 
-def walk(node: Any, depth: int = 0) -> Iterator[Node]:
-  """Every node of a typed-JSON tree, parents first."""
+def walk(node: Any, depth: int = 0, where: str = "tree") -> Iterator[Node]:
+  """Every node of a typed-JSON tree, parents first (``where`` names it)."""
   if depth > encoding.MAX_DEPTH:
-    raise errors.ManifestError(f"nesting deeper than {encoding.MAX_DEPTH}.")
+    raise errors.ManifestError(f"{where}: nesting deeper than {encoding.MAX_DEPTH}.")
   if isinstance(node, dict):
     yield node
     for child in children(node):
-      yield from walk(child, depth + 1)
+      yield from walk(child, depth + 1, where)
 
 
-def array_refs(node: Node) -> tuple[int, ...]:
+def array_refs(node: Node, where: str = "tree") -> tuple[int, ...]:
   """Indices of the arrays a node's subtree uses, in order."""
   return tuple(
-      n["ref"] for n in walk(node) if n.get("t") == "array" and type(n.get("ref")) is int
+      n["ref"] for n in walk(node, where=where) if n.get("t") == "array" and type(n.get("ref")) is int
   )
 
 
@@ -102,6 +102,7 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
       raise errors.ManifestError(f"{place}: unhashable label {label!r}.") from None
     if label in found:
       return  # The same value saved twice (e.g. in two places of a tree).
+    place = f"{place} (label {encoding.describe_label(label)!r:.100})"
     metadata = encoding.decode_static(node.get("metadata"), f"{place}.metadata")
     if not isinstance(metadata, dict):
       raise errors.ManifestError(f"{place}: metadata must be a dict.")
@@ -110,15 +111,26 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
         kind=kind,
         metadata=metadata,
         value=node.get("value"),
-        refs=array_refs(node.get("value")),
+        refs=array_refs(node.get("value"), f"{place}.value"),
         where=place,
     )
 
   for index, entry in enumerate(manifest.variables):
     if not isinstance(entry, dict) or entry.get("kind") not in _VALUE_TAGS.values():
       raise errors.ManifestError(f"{where}: variables[{index}] is malformed.")
+    before = len(found)
     add(entry["kind"], entry, f"{where}: variables[{index}]")
-  for node in walk(manifest.tree):
+    if len(found) == before:
+      # Two distinct mutable variables with one label: binding by label
+      # would silently pick one (and Penzai refuses such a model).
+      label = encoding.decode_static(entry.get("label"), f"{where}: variables[{index}]")
+      raise errors.ManifestError(
+          f"{where}: variables[{index}] has label"
+          f" {encoding.describe_label(label)!r:.100}, like"
+          f" {found[label].where.split(': ')[-1]}; labels of variables must be"
+          " unique."
+      )
+  for node in walk(manifest.tree, where=f"{where}: tree"):
     if node.get("t") in _VALUE_TAGS:
       add(_VALUE_TAGS[node["t"]], node, f"{where}: tree")
   return list(found.values())
@@ -141,16 +153,24 @@ def axis_names(manifest: manifest_lib.Manifest) -> dict[int, tuple[Any, ...]]:
       continue
     if data.get("t") != "array" or type(data.get("ref")) is not int:
       continue
-    spec = manifest.arrays[data["ref"]] if data["ref"] < len(manifest.arrays) else None
-    if spec is None:
-      continue
+    spec = (
+        manifest.arrays[data["ref"]]
+        if 0 <= data["ref"] < len(manifest.arrays) else None
+    )
+    pairs = node.get("axes" if tag == "named_array" else "name_axes")
+    if spec is None or not isinstance(pairs, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 for pair in pairs
+    ):
+      continue  # Malformed: decoding the tree refuses it, naming the node.
     dims: list[Any] = [None] * len(spec.shape)
     if tag == "named_array":
-      axes = [encoding.decode_static(pair[0], "axis") for pair in node["axes"]]
+      axes = [encoding.decode_static(pair[0], "axis") for pair in pairs]
+      if len(axes) > len(dims):
+        continue
       for offset, name in enumerate(axes):
         dims[len(dims) - len(axes) + offset] = name
     else:
-      for pair in node["name_axes"]:
+      for pair in pairs:
         name, index = encoding.decode_static(pair[0], "axis"), pair[1]
         if type(index) is int and 0 <= index < len(dims):
           dims[index] = name

@@ -6,13 +6,17 @@ A checkpoint written by `save` is an ordinary Orbax checkpoint with one item,
   path/
     _CHECKPOINT_METADATA   Orbax: names the handler of each item
     penzai/
-      pz_persist.json      the manifest (tree structure, labels, axes, dtypes)
+      pz_persist.json      the manifest (tree structure, labels, axes, dtypes,
+                           a checksum per array shard)
+      pz_persist.files.json   size and checksum of every file of the item
       _METADATA, manifest.ocdbt, d/...   the arrays, as Orbax writes them
 
-Orbax's temporary-directory-then-rename commit makes a new checkpoint appear
-whole or not at all. Replacing one (``overwrite=True``) writes the new
-checkpoint completely beside the old one and then swaps them, so the old one
-survives until the new one is complete.
+A checkpoint appears whole or not at all: `save` writes it completely under a
+hidden sibling name and then renames it into place, or, replacing one
+(``overwrite=True``), atomically swaps it with the old one, which survives
+until the new one is complete. When two processes save to one path at once,
+one wins and the other gets `pz_persist.errors.ConcurrentSaveError`; a `load`
+running meanwhile returns the old or the new checkpoint, never a mix of both.
 
 `load` and `inspect` accept that directory, the ``penzai`` item directory
 inside it, or any Orbax checkpoint directory with exactly one pz_persist item
@@ -21,6 +25,7 @@ inside it, or any Orbax checkpoint directory with exactly one pz_persist item
 
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from collections.abc import Iterable
@@ -37,6 +42,7 @@ from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import restoring
+from pz_persist import safety
 from pz_persist import sharding as sharding_lib
 
 ITEM_NAME = "penzai"
@@ -89,16 +95,18 @@ def save(
 
   Raises:
     CheckpointExistsError: ``path`` exists and ``overwrite`` is False.
+    ConcurrentSaveError: another process saved ``path`` while this save was
+      writing; its checkpoint is kept and nothing of this save is.
     EncodingError: a value cannot be saved (nothing was written).
     DisallowedModuleError: a class comes from a module that is not allowed.
   """
   path = _as_path(path)
-  exists = path.exists()
-  if exists and not overwrite:
+  seen = directories.identity(path)  # Moved into place only if still this.
+  if seen is not None and not overwrite:
     raise errors.CheckpointExistsError(
         f"{path} already exists; pass overwrite=True to replace it."
     )
-  if exists:
+  if seen is not None:
     _check_replaceable(path)
   with allowlist.scoped_allowance(allow_modules):
     args = orbax_v0.PenzaiSave(tree)  # Validates the whole tree now.
@@ -107,7 +115,10 @@ def save(
   primary = ocp.multihost.is_primary_host(0)
   if primary:
     path.parent.mkdir(parents=True, exist_ok=True)
-  target = path if not exists else directories.sibling(path, "new", _shared_token())
+  # Always written whole under a name of its own, never at ``path`` directly:
+  # Orbax's temporary name (``path.orbax-checkpoint-tmp``) would be shared by
+  # two saves of ``path``, each deleting the other's files.
+  target = directories.sibling(path, "new", _shared_token())
   try:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
       checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
@@ -115,11 +126,30 @@ def save(
     if primary:
       directories.remove_unfinished(target)
     raise
-  if target != path:
-    if primary:
-      directories.replace(path, target)
-    if jax.process_count() > 1:
-      ocp.multihost.sync_global_processes("pz_persist_save_replaced")
+  outcome, failure = _MOVED, None
+  if primary:
+    try:
+      if not directories.move_into_place(path, target, seen):
+        outcome = _LOST_RACE
+    except BaseException as e:  # pylint: disable=broad-exception-caught
+      outcome, failure = _FAILED, e  # Raised once the others know.
+  if jax.process_count() > 1:  # Also keeps the others waiting for the move.
+    outcome = int(ocp.multihost.broadcast_one_to_all(np.int32(outcome)))
+  if failure is not None:
+    raise failure
+  if outcome == _LOST_RACE:
+    raise errors.ConcurrentSaveError(
+        f"another process saved {path} while this save was writing; nothing"
+        " of this save was kept."
+    )
+  if outcome == _FAILED:
+    raise errors.PzPersistError(
+        f"saving {path}: the primary process failed to move the new checkpoint"
+        " into place (see its error)."
+    )
+
+
+_MOVED, _LOST_RACE, _FAILED = 0, 1, 2
 
 
 def _shared_token() -> str:
@@ -134,6 +164,7 @@ def load(
     path: epath.PathLike,
     *,
     sharding: sharding_lib.Target = None,
+    verify: bool = True,
     allow_modules: Iterable[str] | None = None,
 ) -> Any:
   """Loads a tree saved by `save` (or through `PenzaiSave`), with no template.
@@ -149,6 +180,11 @@ def load(
       `pz_persist.AxisRules` to shard each array over a mesh by its axis
       names (default: the first local device).
       Arrays saved as NumPy arrays come back as NumPy arrays.
+    verify: Check the bytes of every array read against the checksum
+      recorded when it was saved, before the tree is built. Hashing runs at
+      over 10 GiB/s, a few percent of the load (see the benchmarks README),
+      so it is on by default. Each process checks the saved shards that lie
+      within what it reads; `pz_persist.verify` checks a whole checkpoint.
     allow_modules: Extra modules the checkpoint may name classes from, for
       this call only; see `pz_persist.allow_modules`.
 
@@ -161,14 +197,60 @@ def load(
     FormatVersionError: the checkpoint needs a newer pz_persist.
     ManifestError: the checkpoint is damaged or inconsistent.
     DisallowedModuleError: it names a class from a module that is not allowed.
+    IntegrityError: with ``verify``, arrays do not match their checksums.
+    ConcurrentSaveError: other saves replaced the checkpoint during each of
+      `_LOAD_ATTEMPTS` attempts to read it.
   """
-  item = find_item(path)
-  with allowlist.scoped_allowance(allow_modules):
-    handler = orbax_v0.PenzaiCheckpointHandler()
+  # Files are read by path, so a save replacing the checkpoint while it is
+  # read could mix the old manifest with new arrays, or fail on files of the
+  # old one as it is deleted. Such a read is detected (what is at the item's
+  # path changed while it was read) and done again from the start.
+  path = _as_path(path)
+  failure = None
+  for _ in range(_LOAD_ATTEMPTS):
+    item = None
+    before = _identity(path, item)
     try:
-      return handler.restore(item, orbax_v0.PenzaiRestore(sharding=sharding))
-    finally:
-      handler.close()
+      item = find_item(path)
+      before = _identity(path, item)
+      with allowlist.scoped_allowance(allow_modules):
+        handler = orbax_v0.PenzaiCheckpointHandler()
+        try:
+          tree = handler.restore(
+              item, orbax_v0.PenzaiRestore(sharding=sharding, verify=verify)
+          )
+        finally:
+          handler.close()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if _identity(path, item) == before:
+        raise  # The checkpoint did not change: a real error.
+      failure = e
+      continue
+    if _identity(path, item) == before:
+      return tree
+  raise errors.ConcurrentSaveError(
+      f"{path} was replaced by other saves while each of {_LOAD_ATTEMPTS}"
+      " attempts to load it was reading it; try again."
+  ) from failure
+
+
+_LOAD_ATTEMPTS = 3
+"""How many times `load` reads a checkpoint that other saves keep replacing."""
+
+
+def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
+  """Which checkpoint is at ``path`` (and its ``item``, once found) now.
+
+  A save replacing it puts new directories there, with new inodes and times;
+  the manifest's hash covers filesystems without stable inodes.
+  """
+  if item is None:
+    return (directories.identity(path),)
+  try:
+    digest = hashlib.sha256(manifest_lib.manifest_path(item).read_bytes()).digest()
+  except OSError:
+    digest = None
+  return directories.identity(path), directories.identity(item), digest
 
 
 def inspect(
@@ -212,13 +294,20 @@ def find_item(path: epath.PathLike) -> epath.Path:
         f"{path} is not a pz_persist checkpoint: "
         + ("it is not a directory." if path.exists() else "it does not exist.")
     )
-  if manifest_lib.has_manifest(path):
+  if _holds_manifest(path):
+    safety.check_contained(path)
+    manifest_lib.check_file(path)
     return path
   items = sorted(
       child for child in path.iterdir()
-      if child.is_dir() and manifest_lib.has_manifest(child)
+      if child.is_dir() and _holds_manifest(child)
   )
   if len(items) == 1:
+    # The whole checkpoint, not only the item: the item directory itself may
+    # be a symlink leading out of it.
+    safety.check_contained(path)
+    safety.check_checkpoint_metadata(path)
+    manifest_lib.check_file(items[0])
     return items[0]
   if len(items) > 1:
     names = ", ".join(item.name for item in items)
@@ -236,6 +325,19 @@ def find_item(path: epath.PathLike) -> epath.Path:
       f"{path} is not a pz_persist checkpoint: no {manifest_lib.MANIFEST_FILENAME}"
       f" in it or in any directory directly inside it.{hint}"
   )
+
+
+def _holds_manifest(directory: epath.Path) -> bool:
+  """Whether ``directory`` has a manifest entry of any kind.
+
+  Why not `manifest.has_manifest`: a manifest that is a symlink out of the
+  checkpoint, a FIFO or a directory is not a regular file, and would make
+  the directory look like no checkpoint at all; found here, it is refused by
+  name instead (by `safety.check_contained` or `manifest.read`).
+  """
+  if not safety.is_local(directory):
+    return manifest_lib.has_manifest(directory)
+  return os.path.lexists(os.fspath(manifest_lib.manifest_path(directory)))
 
 
 def _check_replaceable(path: epath.Path) -> None:

@@ -1,7 +1,8 @@
-"""The ``pz-persist`` command: look at, compare and list checkpoints.
+"""The ``pz-persist`` command: look at, compare, verify and list checkpoints.
 
 Exit status follows ``diff``: 0 on success (for ``diff``: identical), 1 when
-``diff`` finds differences, 2 on errors (bad arguments, not a checkpoint).
+``diff`` finds differences or ``verify`` finds damage, 2 on errors (bad
+arguments, not a checkpoint).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pz_persist import diffing
 from pz_persist import errors
 from pz_persist import steps
+from pz_persist import verifying
 from pz_persist import viewing
 
 
@@ -55,6 +57,15 @@ def _diff(args: argparse.Namespace) -> int:
     return 0
   print(f"{differing} of {len(result.arrays)} compared array(s) differ")
   return 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+  damaged = 0
+  for path in args.paths:
+    report = verifying.verify(path)
+    print(report)
+    damaged += not report.ok
+  return 1 if damaged else 0
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -117,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
       help="most MiB read from each checkpoint at once (default: %(default)s)",
   )
   diff.set_defaults(run=_diff)
+
+  verify = commands.add_parser(
+      "verify",
+      help="check every file and array against its recorded checksum",
+      description="Read each checkpoint whole and compare every file and every"
+      " array with the checksums recorded when it was saved; name every damaged"
+      " file and label. Exits 0 if all are intact, 1 if any is damaged.",
+  )
+  verify.add_argument("paths", nargs="+", metavar="path")
+  verify.set_defaults(run=_verify)
 
   ls = commands.add_parser(
       "ls",

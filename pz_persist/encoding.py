@@ -341,6 +341,11 @@ class _Encoder:
       raise errors.EncodingError(
           f"{where}: variable label {label!r} is not hashable."
       ) from None
+    if isinstance(label, str) and arrays_lib.CONTROL_CHARS.search(label):
+      # Loading refuses these (they garble printed labels): never write them.
+      raise errors.EncodingError(
+          f"{where}: variable label {label!r} holds control characters."
+      )
     return self.static(label, f"{where}.label")
 
   def _labeled(self, obj: Any, where: str) -> Node:
@@ -441,8 +446,14 @@ class _Decoder:
       variables: Sequence[Any],
       *,
       abstract: bool,
+      labels: Sequence[str | None] | None = None,
   ):
     self._arrays = arrays
+    # The manifest's label of each array, checked against the variable that
+    # holds it (None: not checked); the labels of the values being decoded.
+    self._array_labels = labels
+    self._label_stack: list[str] = []
+    self.variables_where = "variables"
     self._variable_nodes = variables
     self._variables: dict[int, Any] = {}
     self._decoding_variables: set[int] = set()
@@ -466,7 +477,7 @@ class _Decoder:
 
   def static(self, node: Any, where: str, depth: int = 0) -> Any:
     self._depth_check(depth, where)
-    if not isinstance(node, dict):
+    if not isinstance(node, dict) or not isinstance(node.get("t"), str):
       raise errors.ManifestError(f"{where}: expected a typed node, got {node!r:.80}.")
     tag = node.get("t")
     result = self._scalar(node, where)
@@ -638,7 +649,7 @@ class _Decoder:
 
   def tree(self, node: Any, where: str, depth: int = 0) -> Any:
     self._depth_check(depth, where)
-    if not isinstance(node, dict):
+    if not isinstance(node, dict) or not isinstance(node.get("t"), str):
       raise errors.ManifestError(f"{where}: expected a typed node, got {node!r:.80}.")
     tag = node.get("t")
     result = self._scalar(node, where)
@@ -651,14 +662,14 @@ class _Decoder:
     if tag == "prng_key":
       self._expect(node, where, "impl", "data")
       impl = node["impl"]
-      if impl not in PRNG_IMPLS:
-        raise errors.ManifestError(f"{where}: unknown PRNG implementation {impl!r}.")
+      if not isinstance(impl, str) or impl not in PRNG_IMPLS:
+        raise errors.ManifestError(f"{where}: unknown PRNG implementation {impl!r:.80}.")
       data = child(node["data"], f"{where}.data")
-      if self._abstract:
-        return jax.eval_shape(
-            lambda d: jax.random.wrap_key_data(d, impl=impl), data
-        )
       try:
+        if self._abstract:
+          return jax.eval_shape(
+              lambda d: jax.random.wrap_key_data(d, impl=impl), data
+          )
         return jax.random.wrap_key_data(data, impl=impl)
       except (TypeError, ValueError) as e:
         raise errors.ManifestError(f"{where}: invalid PRNG key data: {e}") from None
@@ -719,6 +730,10 @@ class _Decoder:
 
   def _label(self, node: Any, where: str, depth: int) -> Any:
     label = self.static(node, f"{where}.label", depth + 1)
+    if isinstance(label, str) and arrays_lib.CONTROL_CHARS.search(label):
+      raise errors.ManifestError(
+          f"{where}: label {label!r:.100} holds control characters."
+      )
     try:
       hash(label)
     except TypeError:
@@ -731,7 +746,11 @@ class _Decoder:
     metadata = self.static(node["metadata"], f"{where}.metadata", depth + 1)
     if not isinstance(metadata, dict):
       raise errors.ManifestError(f"{where}: metadata must be a dict.")
-    value = self.tree(node["value"], f"{where}.value", depth + 1)
+    self._label_stack.append(describe_label(label))
+    try:
+      value = self.tree(node["value"], f"{where}.value", depth + 1)
+    finally:
+      self._label_stack.pop()
     return {"label": label, "metadata": metadata, "value": value}
 
   def _variable(self, ref: Any, where: str, depth: int) -> Any:
@@ -743,7 +762,7 @@ class _Decoder:
       raise errors.ManifestError(f"{where}: variable {ref} contains itself.")
     self._decoding_variables.add(ref)
     entry = self._variable_nodes[ref]
-    entry_where = f"variables[{ref}]"
+    entry_where = f"{self.variables_where}[{ref}]"
     if not isinstance(entry, dict) or set(entry) != {
         "kind", "label", "metadata", "value"
     }:
@@ -769,6 +788,17 @@ class _Decoder:
   def _array(self, ref: Any, where: str) -> Any:
     if type(ref) is not int or not 0 <= ref < len(self._arrays):
       raise errors.ManifestError(f"{where}: invalid array reference {ref!r}.")
+    if self._array_labels is not None:
+      # Tools print the arrays table's labels; they must be the labels of
+      # the variables that hold the arrays, not whatever the file claims.
+      held_by = self._label_stack[-1] if self._label_stack else None
+      if self._array_labels[ref] != held_by:
+        raise errors.ManifestError(
+            f"{where}: arrays[{ref}] is labelled"
+            f" {self._array_labels[ref]!r:.100} in the arrays table, but"
+            + (f" is held by variable {held_by!r:.100}." if held_by is not None
+               else " is held by no variable.")
+        )
     return self._arrays[ref]
 
   @staticmethod
@@ -798,6 +828,7 @@ def decode(
     *,
     abstract: bool = False,
     root: str = "tree",
+    labels: Sequence[str | None] | None = None,
 ) -> Any:
   """Rebuilds the saved tree from its JSON and its (restored) arrays.
 
@@ -809,11 +840,16 @@ def decode(
     abstract: Whether ``arrays`` are stand-ins; mutable variables are then
       returned as frozen values (a mutable variable cannot hold a stand-in).
     root: Name of the root in error messages.
+    labels: The manifest's ``label`` of each array, if given checked against
+      the label of the variable (or frozen value) that holds the array.
 
   Raises:
     ManifestError: a node is malformed or disagrees with its arrays.
   """
-  return _Decoder(arrays, variables, abstract=abstract).tree(tree, root)
+  decoder = _Decoder(arrays, variables, abstract=abstract, labels=labels)
+  if ": " in root:  # "<item path>: tree": name the file's variables table too.
+    decoder.variables_where = root.rsplit(": ", 1)[0] + ": variables"
+  return decoder.tree(tree, root)
 
 
 def decode_static(node: Node, where: str) -> Any:

@@ -42,6 +42,17 @@ class CheckpointExistsError(PzPersistError, FileExistsError):
   """The destination already exists and ``overwrite=True`` was not given."""
 
 
+class ConcurrentSaveError(CheckpointExistsError):
+  """Another process saved the same path at the same time, and won.
+
+  Raised by `pz_persist.save` when, by the time its new checkpoint was
+  complete, another save had already put (or replaced) a checkpoint at the
+  path: the other one is kept, whole, and nothing of this save is. Also
+  raised by `pz_persist.load` when the checkpoint was replaced under it on
+  every attempt to read it.
+  """
+
+
 class NotACheckpointError(PzPersistError, FileNotFoundError):
   """The path is not a pz_persist checkpoint (or does not exist)."""
 
@@ -59,7 +70,14 @@ class IntegrityError(PzPersistError):
 
   The message names every damaged label (or file). Raised by
   ``load(..., verify=True)`` and by `pz_persist.VerifyReport.raise_if_damaged`.
+
+  Attributes:
+    damaged: One line per damaged array or file.
   """
+
+  def __init__(self, message: str, damaged: tuple[str, ...] = ()):
+    super().__init__(message)
+    self.damaged = tuple(damaged)
 
 
 class UnsafeCheckpointError(ManifestError):

@@ -217,6 +217,7 @@ class CheckpointManager:
       *,
       items: Iterable[str] | None = None,
       sharding: sharding_lib.Target = None,
+      verify: bool = True,
       optimizer: Any = None,
       params_item: str = "params",
       opt_state_item: str = "opt_state",
@@ -236,6 +237,8 @@ class CheckpointManager:
       items: Names of the items to restore (default: all of the step's).
       sharding: Where ``jax.Array`` values go: a ``Sharding`` or
         `pz_persist.AxisRules` (default: the first device).
+      verify: Check every array read against the checksum recorded when it
+        was saved (`pz_persist.errors.IntegrityError` names damaged labels).
       optimizer: An optax ``GradientTransformation`` to check the optimizer
         state item against.
       params_item: The item holding the parameters (for ``optimizer``).
@@ -264,7 +267,8 @@ class CheckpointManager:
       restored = self._manager.restore(
           step,
           args=ocp.args.Composite(
-              **{name: orbax_v0.PenzaiRestore(sharding=sharding) for name in names}
+              **{name: orbax_v0.PenzaiRestore(sharding=sharding, verify=verify)
+                 for name in names}
           ),
       )
     result = {name: restored[name] for name in names}

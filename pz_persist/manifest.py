@@ -8,7 +8,7 @@ reading any array data. Layout::
 
   {
     "format": "pz_persist",
-    "format_version": 1,
+    "format_version": 2,
     "writer": "pz_persist 0.1.0",
     "tree": {...},        # typed JSON node of the saved tree
     "variables": [...],   # mutable variables, referenced from the tree
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 import uuid
 from typing import Any
 
@@ -36,8 +37,12 @@ from pz_persist import version
 
 MANIFEST_FILENAME = "pz_persist.json"
 FORMAT_NAME = "pz_persist"
-FORMAT_VERSION = 1
-"""The newest manifest format this library writes and reads."""
+FORMAT_VERSION = 2
+"""The newest manifest format this library writes and reads.
+
+Version 2 added per-array ``checksums``; version 1 manifests (no checksums)
+still load, and `pz_persist.verify` says their arrays are unverifiable.
+"""
 
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 """Larger manifests are refused before parsing (a model has ~1 KiB per array)."""
@@ -121,9 +126,14 @@ class Manifest:
         arrays_lib.ArraySpec.from_json(entry, where=f"{where}: arrays[{i}]")
         for i, entry in enumerate(raw["arrays"])
     )
-    keys = [spec.key for spec in specs]
-    if len(set(keys)) != len(keys):
-      raise errors.ManifestError(f"{where}: two arrays share a storage key.")
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+      if spec.key in seen:
+        raise errors.ManifestError(
+            f"{where}: arrays[{seen[spec.key]}] and arrays[{i}] share the"
+            f" storage key {spec.key!r}."
+        )
+      seen[spec.key] = i
     return cls(
         tree=raw["tree"],
         variables=tuple(raw["variables"]),
@@ -149,14 +159,71 @@ def read(directory: epath.PathLike) -> Manifest:
   """Reads and validates the manifest of the checkpoint item in ``directory``."""
   path = manifest_path(directory)
   try:
-    with path.open("rb") as f:
-      data = f.read(MAX_MANIFEST_BYTES + 1)
+    if "://" in os.fspath(path):
+      with path.open("rb") as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    else:
+      data = _read_local(os.fspath(path))
   except FileNotFoundError:
     raise errors.NotACheckpointError(
         f"{directory} is not a pz_persist checkpoint item: it has no"
         f" {MANIFEST_FILENAME}."
     ) from None
+  except OSError as e:
+    raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
   return Manifest.loads(data, where=str(path))
+
+
+def check_file(directory: epath.PathLike) -> None:
+  """Refuses a manifest that is not a regular file, without opening it.
+
+  Why: callers that look at the manifest before `read` (to notice a
+  checkpoint being replaced, say) would otherwise hang on a FIFO or take a
+  directory for a missing file; this names the problem first.
+  """
+  path = os.fspath(manifest_path(directory))
+  if "://" in path:
+    return
+  try:
+    kind = _not_a_file(os.stat(path).st_mode)
+  except OSError:
+    return  # Missing or unreadable: `read` says so.
+  if kind == "a directory":
+    raise errors.ManifestError(f"{path} is a directory, not a manifest file.")
+  if kind is not None:
+    raise errors.UnsafeCheckpointError(
+        f"{path} is {kind}, not a regular file; refusing to read it."
+    )
+
+
+def _read_local(path: str) -> bytes:
+  """At most ``MAX_MANIFEST_BYTES + 1`` bytes of a local regular file.
+
+  Why the checks: a manifest that is a directory, a FIFO (whose open blocks
+  until someone writes) or a device (``/dev/zero`` never ends) is refused
+  before reading; the file is opened non-blocking and checked again through
+  its descriptor, so it cannot be swapped for a FIFO in between.
+  """
+  kind = _not_a_file(os.stat(path).st_mode)
+  if kind is None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+      kind = _not_a_file(os.fstat(fd).st_mode)
+      if kind is None:
+        return f.read(MAX_MANIFEST_BYTES + 1)
+  if kind == "a directory":
+    raise errors.ManifestError(f"{path} is a directory, not a manifest file.")
+  raise errors.UnsafeCheckpointError(
+      f"{path} is {kind}, not a regular file; refusing to read it."
+  )
+
+
+def _not_a_file(mode: int) -> str | None:
+  if stat.S_ISREG(mode):
+    return None
+  if stat.S_ISDIR(mode):
+    return "a directory"
+  return "a FIFO" if stat.S_ISFIFO(mode) else "a device or other special file"
 
 
 def write(directory: epath.PathLike, manifest: Manifest) -> None:

@@ -24,8 +24,10 @@ from penzai import pz
 
 from pz_persist import allowlist
 from pz_persist import binding
+from pz_persist import catalog
 from pz_persist import checkpoint
 from pz_persist import errors
+from pz_persist import manifest as manifest_lib
 from pz_persist import sharding as sharding_lib
 
 
@@ -90,6 +92,7 @@ def load_model(
     allow_lossy: bool = False,
     overlay: bool = False,
     sharding: sharding_lib.Target = None,
+    verify: bool = True,
     allow_modules: Iterable[str] | None = None,
 ) -> Any:
   """Loads a model saved by `save_model`, or binds a checkpoint into a model.
@@ -135,6 +138,8 @@ def load_model(
     sharding: Where arrays are read to: a ``jax.sharding.Sharding`` or
       `pz_persist.AxisRules` (default: the model's own placement for
       ``into=``, else the first local device).
+    verify: Check every array read against its recorded checksum, before
+      anything is built (see `pz_persist.load`).
     allow_modules: Extra modules the checkpoint may name, for this call.
 
   Returns:
@@ -149,7 +154,11 @@ def load_model(
       given = [name for name, value in unsupported.items() if value is not None]
       if given:
         raise ValueError(f"{', '.join(given)} need into=model.")
-      model = checkpoint.load(path, sharding=sharding)
+      # A model's variables need unique labels (Penzai refuses others):
+      # checked on the manifest, before any array is read.
+      item = checkpoint.find_item(path)
+      catalog.variables(manifest_lib.read(item), where=str(item))
+      model = checkpoint.load(path, sharding=sharding, verify=verify)
       if not isinstance(model, pz.Struct):
         raise errors.PzPersistError(
             f"{path} holds a {type(model).__name__}, not a model. Load it with"
@@ -173,5 +182,6 @@ def load_model(
         allow_lossy=allow_lossy,
         overlay=overlay,
         sharding=sharding,
+        verify=verify,
     )
     return model if strict else (model, report)

@@ -34,10 +34,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from pz_persist import checksums
 from pz_persist import encoding
+from pz_persist import errors
+from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import memory
 from pz_persist import restoring
+from pz_persist import safety
 from pz_persist import sharding as sharding_lib
 
 
@@ -66,14 +70,24 @@ def _batches(keys: list[str], sizes: dict[str, int], budget: int):
 
 
 def encode_manifest(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
-  """Validates and encodes ``tree``; returns its manifest and stored arrays."""
+  """Validates and encodes ``tree``; returns its manifest and stored arrays.
+
+  The manifest records a checksum of every stored array (per distinct shard);
+  in a multi-process save every process must call this, in the same order.
+  """
   encoded = encoding.encode(tree)
+  stored = encoded.stored_arrays()
+  sums = checksums.compute(stored)
   manifest = manifest_lib.Manifest(
       tree=encoded.tree,
       variables=tuple(encoded.variables),
-      arrays=tuple(encoded.arrays),
+      arrays=tuple(
+          dataclasses.replace(spec, checksums=sums[spec.key]) if spec.key in sums
+          else spec
+          for spec in encoded.arrays
+      ),
   )
-  return manifest, encoded.stored_arrays()
+  return manifest, stored
 
 
 class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -158,8 +172,11 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   ) -> Any:
     """Restores the saved tree; needs no template."""
     args = args or PenzaiRestore()
+    safety.check_contained(directory)
     manifest = manifest_lib.read(directory)
-    values = self.read_arrays(directory, manifest, sharding=args.sharding)
+    values = self.read_arrays(
+        directory, manifest, sharding=args.sharding, verify=args.verify
+    )
     return restoring.decode(manifest, values, where=str(directory))
 
   def read_arrays(
@@ -169,8 +186,14 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       *,
       sharding: sharding_lib.Target = None,
       refs: Collection[int] | None = None,
+      verify: bool = False,
+      to_host: bool = False,
   ) -> list[Any]:
     """Reads arrays of the manifest, all of them or those indexed by ``refs``.
+
+    With ``verify``, the bytes read are checked against the manifest's
+    checksums (`pz_persist.errors.IntegrityError` names the damaged arrays).
+    With ``to_host``, every array is read as a NumPy array (for checking).
 
     Returns:
       A list aligned with ``manifest.arrays``: each array as it was saved
@@ -179,10 +202,19 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     where = str(directory)
     restoring.check_loadable(manifest, where, refs)
     targets = restoring.read_targets(manifest, sharding, refs)
+    if to_host:
+      targets = dict.fromkeys(targets)
     sizes = {
         spec.key: sharding_lib.local_bytes(spec, targets[spec.key])
         for spec in manifest.arrays if spec.key in targets
     }
+    # Before anything is allocated: refuse sizes no machine could hold, and
+    # arrays Orbax stored differently from what the manifest promises.
+    wanted = [spec for spec in manifest.arrays if spec.key in targets]
+    safety.check_allocation(wanted, sizes, where=where)
+    if wanted:
+      stored_metadata = safety.read_stored_metadata(self._arrays, directory)
+      safety.check_stored_metadata(wanted, stored_metadata, where=where)
     batches = list(_batches(list(targets), sizes, self._read_batch_bytes))
     stored = {}
     for batch in batches:
@@ -202,12 +234,20 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
             restore_args=restore_args,
             partial_restore=True,
         )
-      stored.update(self._arrays.restore(directory, args=args))
+      try:
+        stored.update(self._arrays.restore(directory, args=args))
+      except (KeyboardInterrupt, MemoryError):
+        raise
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        raise _read_failure(manifest, batch, where, e) from e
       memory.release_freed()
-    return restoring.values(manifest, stored, where=where, target=sharding, refs=refs)
+    return restoring.values(
+        manifest, stored, where=where, target=sharding, refs=refs, verify=verify
+    )
 
   def metadata(self, directory: epath.Path) -> Any:
     """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no arrays."""
+    safety.check_contained(directory)
     return restoring.abstract_tree(
         manifest_lib.read(directory), where=str(directory)
     )
@@ -217,9 +257,35 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
         directory.glob("ocdbt.process_*")
     ):
       self._arrays.finalize(directory)
+    if self._is_primary():  # Every file is final now: record their digests.
+      file_digests.write(directory)
 
   def close(self) -> None:
     self._arrays.close()
+
+
+def _read_failure(
+    manifest: manifest_lib.Manifest, keys: list[str], where: str, error: Exception
+) -> errors.IntegrityError:
+  """A clear error for stored arrays that Orbax / TensorStore cannot read.
+
+  TensorStore's message names the storage key it failed on; it is mapped
+  back to the label and tree path the user knows.
+  """
+  text = str(error)
+  specs = [spec for spec in manifest.arrays if spec.key in keys]
+  named = [spec for spec in specs if spec.key in text] or specs
+  who = ", ".join(
+      f"label {spec.label!r} at {spec.path}" if spec.label else spec.path
+      for spec in named[:5]
+  ) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+  detail = (text.strip().splitlines() or [type(error).__name__])[0][:400]
+  return errors.IntegrityError(
+      f"{where}: cannot read the stored array(s) of {who}: the checkpoint's"
+      f" files are damaged or incomplete ({type(error).__name__}: {detail})",
+      damaged=tuple(f"{spec.label or spec.path} (key {spec.key}): cannot be read"
+                    for spec in named),
+  )
 
 
 @ocp.args.register_with_handler(PenzaiCheckpointHandler, for_save=True)
@@ -259,6 +325,9 @@ class PenzaiRestore(ocp.args.CheckpointArgs):
     sharding: Where ``jax.Array`` values are placed: one ``Sharding`` for all,
       or `pz_persist.AxisRules` mapping axis names to mesh axes; defaults to
       the first local device. NumPy arrays are restored as NumPy arrays.
+    verify: Check the bytes read against the checksums recorded at save time
+      (costs a few percent of the load; see `pz_persist.load`).
   """
 
   sharding: sharding_lib.Target = None
+  verify: bool = True

@@ -37,6 +37,8 @@ from penzai import pz
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import restoring
+from pz_persist import safety
+from pz_persist import sharding as sharding_lib
 
 _PENZAI_LEAF_TYPES = (
     pz.nx.NamedArrayBase,
@@ -100,11 +102,17 @@ class PenzaiCheckpointableHandler(
       self, directory: Any, abstract_checkpointable: None = None
   ) -> Awaitable[Any]:
     del abstract_checkpointable  # Everything needed is in the manifest.
+    safety.check_contained(directory)
     manifest = manifest_lib.read(directory)
     where = str(directory)
     restoring.check_loadable(manifest, where)
     targets = restoring.read_targets(manifest)
     spec_by_key = {spec.key: spec for spec in manifest.arrays}
+    safety.check_allocation(
+        [spec_by_key[key] for key in targets],
+        {key: sharding_lib.local_bytes(spec_by_key[key], t) for key, t in targets.items()},
+        where=where,
+    )
     abstract = {
         key: (
             np.ndarray
@@ -128,6 +136,7 @@ class PenzaiCheckpointableHandler(
     return finish()
 
   async def metadata(self, directory: Any) -> Any:
+    safety.check_contained(directory)
     return restoring.abstract_tree(
         manifest_lib.read(directory), where=str(directory)
     )

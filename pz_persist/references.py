@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -155,6 +156,39 @@ def _import(module_name: str, where: str) -> Any:
     ) from e
 
 
+def _find(module_name: str, qualname: str, where: str) -> Any:
+  """The object a checked reference names, found without leaving its module.
+
+  Why: an allowed module's namespace also holds the modules it imported
+  (``penzai.core.struct`` holds ``inspect``), and the functions and classes
+  it imported from elsewhere. A reference such as ``penzai.core.struct`` /
+  ``inspect.getsource`` would pass the allow-list check on its module yet
+  reach a module that is not allowed. Saved references never pass through a
+  module, and always name objects defined in an allowed module, so both are
+  refused here.
+  """
+  obj = _import(module_name, where)
+  for part in qualname.split("."):
+    obj = getattr(obj, part, None)
+    if obj is None:
+      return None
+    if isinstance(obj, types.ModuleType):
+      raise errors.ManifestError(
+          f"{where}: {module_name}.{qualname} passes through module"
+          f" {obj.__name__!r}; a checkpoint names a class or function by the"
+          " module that defines it."
+      )
+  home = getattr(obj, "__module__", None)
+  if not isinstance(obj, np.ufunc) and (
+      not isinstance(home, str) or not allowlist.is_allowed(home)
+  ):
+    raise errors.DisallowedModuleError(
+        f"{where}: {module_name}.{qualname} is defined in module {home!r},"
+        f" which is not allow-listed. {allowlist.hint(str(home))}"
+    )
+  return obj
+
+
 def resolve_class(
     ref: Any, *, where: str, accept: Callable[[Any], bool], kind: str
 ) -> type:
@@ -172,7 +206,7 @@ def resolve_class(
         f" {module_name!r} is not allow-listed, so it was not imported."
         f" {allowlist.hint(module_name)}"
     )
-  obj = _walk(_import(module_name, where), qualname)
+  obj = _find(module_name, qualname, where)
   if not isinstance(obj, type) or not accept(obj):
     raise errors.ManifestError(f"{where}: {module_name}.{qualname} is not {kind}.")
   return obj
@@ -189,7 +223,7 @@ def resolve_function(ref: Any, *, where: str) -> Callable[..., Any]:
         " which is not allowed, so its module was not imported."
         f" {allowlist.hint(module_name)}"
     )
-  obj = _walk(_import(module_name, where), qualname)
+  obj = _find(module_name, qualname, where)
   if obj is None or isinstance(obj, type) or not callable(obj):
     raise errors.ManifestError(f"{where}: {module_name}.{qualname} is not a function.")
   if not _function_allowed(module_name, qualname, obj):

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from pz_persist import arrays as arrays_lib
+from pz_persist import checksums as checksums_lib
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
@@ -78,14 +79,21 @@ def values(
     where: str,
     target: sharding_lib.Target = None,
     refs: Collection[int] | None = None,
+    verify: bool = False,
 ) -> list[Any]:
   """The saved arrays, from what Orbax read back, aligned with the manifest.
 
-  Checks each against the manifest, undoes storage substitutions, restores
+  Checks each against the manifest (and, with ``verify``, its stored bytes
+  against their recorded checksums), undoes storage substitutions, restores
   kinds and weak types, and makes the zero-size arrays (which are not stored)
   where ``target`` puts them. Arrays not in ``refs`` (when given) are None.
+
+  Raises:
+    IntegrityError: with ``verify``, some arrays' bytes do not match their
+      checksums; it names every such array (``damaged`` lists them).
   """
   placed = sharding_lib.placements(manifest, target)
+  damaged = []
   result = []
   for index, spec in enumerate(manifest.arrays):
     if refs is not None and index not in refs:
@@ -98,8 +106,30 @@ def values(
       )
     else:
       _check_read(spec, stored[spec.key], where)
+      if verify and spec.checksums is not None:
+        found = checksums_lib.check(stored[spec.key], spec.checksums)
+        if found.mismatched:
+          damaged.append(describe_damage(spec, found))
       result.append(arrays_lib.from_storage(stored[spec.key], spec))
+  if damaged:
+    raise errors.IntegrityError(
+        f"{where}: {len(damaged)} array(s) do not match the checksums recorded"
+        " when they were saved (the files were damaged or changed after"
+        " saving):\n  " + "\n  ".join(damaged),
+        damaged=tuple(damaged),
+    )
   return result
+
+
+def describe_damage(spec: arrays_lib.ArraySpec, found: checksums_lib.Check) -> str:
+  """One line naming a damaged array: label, tree path, damaged slices."""
+  who = f"label {spec.label!r} at {spec.path}" if spec.label else spec.path
+  slices = ", ".join(
+      "[" + ", ".join(f"{a}:{b}" for a, b in index) + "]"
+      for index in found.mismatched[:4]
+  )
+  more = f" and {len(found.mismatched) - 4} more" if len(found.mismatched) > 4 else ""
+  return f"{who} (key {spec.key}): slice(s) {slices}{more} differ"
 
 
 def assemble(
@@ -112,7 +142,8 @@ def assemble(
 def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str) -> Any:
   """The saved tree, from its manifest and its arrays (see `values`)."""
   return encoding.decode(
-      manifest.tree, manifest.variables, values, root=f"{where}: tree"
+      manifest.tree, manifest.variables, values, root=f"{where}: tree",
+      labels=[spec.label for spec in manifest.arrays],
   )
 
 
@@ -126,4 +157,5 @@ def abstract_tree(manifest: manifest_lib.Manifest, *, where: str) -> Any:
       values,
       abstract=True,
       root=f"{where}: tree",
+      labels=[spec.label for spec in manifest.arrays],
   )

@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 import jax
-import numpy as np
 
 from pz_persist import arrays as arrays_lib
 from pz_persist import catalog
@@ -138,7 +137,7 @@ def local_bytes(spec: arrays_lib.ArraySpec, sharding: jax.sharding.Sharding | No
     return spec.nbytes
   devices = set(sharding.addressable_devices)
   elements = sum(
-      int(np.prod([len(range(*s.indices(n))) for s, n in zip(index, spec.shape)]))
+      math.prod(len(range(*s.indices(n))) for s, n in zip(index, spec.shape))
       for device, index in sharding.devices_indices_map(spec.shape).items()
       if device in devices
   )

@@ -11,6 +11,7 @@ from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import async_save  # noqa: E402  pylint: disable=wrong-import-position
+import integrity  # noqa: E402  pylint: disable=wrong-import-position
 import sharded_restore  # noqa: E402  pylint: disable=wrong-import-position
 import save_restore  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -65,6 +66,19 @@ def test_sharded_restore_benchmark_runs(tmp_path, capsys):
     assert [r["process"] for r in run[method]] == [0, 1]
     assert all(r["extra_rss"] >= 0 and r["shard_bytes"] > 0 for r in run[method])
   assert "peak RSS above baseline per process" in capsys.readouterr().out
+
+
+def test_integrity_benchmark_runs(tmp_path, capsys):
+  results = integrity.main(["--size", "4MiB", "--rounds", "2", "--dir", str(tmp_path)])
+  assert set(results["loads"]) == set(integrity.LOADS)
+  assert results["saves"]["hash_arrays"] > 0 and results["verify"]["seconds"] > 0
+  assert "verification on load costs" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_integrity_benchmark_1gib(tmp_path):
+  results = integrity.main(["--size", "1GiB", "--dir", str(tmp_path)])
+  assert results["verify"]["seconds"] > 0
 
 
 @pytest.mark.slow

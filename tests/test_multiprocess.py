@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+import pz_persist as pzp
+
 from conftest import REPO
 
 TIMEOUT = 300
@@ -67,3 +69,10 @@ def test_save_and_load_across_processes(num_processes, tmp_path):
   # Every process held a different part of the arrays, together all of them.
   assert len({r["load_shards"] for r in reports}) == 1
   assert sorted(os.listdir(tmp_path)) == ["ckpt", "run"]
+  # Each process hashed its own shards; together they cover every shard, and
+  # each matches what a single reader of the whole checkpoint finds.
+  manifest = pzp.checkpoint.read_manifest(tmp_path / "ckpt")
+  assert max(len(spec.checksums) for spec in manifest.arrays) == 8
+  assert all(spec.checksums for spec in manifest.arrays if spec.is_stored)
+  report = pzp.verify(tmp_path / "ckpt")
+  assert report.ok and report.arrays_checked == len(manifest.arrays), str(report)

@@ -1,0 +1,553 @@
+"""A catalogue of hostile checkpoints: malformed, damaged or malicious.
+
+Each case is a small builder that takes a fresh, valid checkpoint (the MLP of
+`model_zoo`, saved with `pzp.save_model`) and damages it, with the pz_persist
+error loading it must raise and a regex its message must match: the message
+has to name the file, label or tree path at fault. `test_catalogue.py` runs
+every case through every way of loading (``pzp.load``, ``pzp.inspect``,
+``pzp.load_model`` and ``pzp.load_model(path, into=model)``).
+
+``entry_points`` says which of those must refuse the case. Elsewhere the case
+may be harmless (``inspect`` reads no array file; binding into a model reads
+only the variables it needs, not the tree's structure): there the load must
+either succeed or raise a pz_persist error, and never change the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable
+
+import pytest
+
+from pz_persist import errors
+from pz_persist import manifest as manifest_lib
+from pz_persist import safety
+
+LOAD, INSPECT, LOAD_MODEL, INTO = "load", "inspect", "load_model", "into"
+ALL = frozenset({LOAD, INSPECT, LOAD_MODEL, INTO})
+READING = frozenset({LOAD, LOAD_MODEL, INTO})  # Cases about the array files.
+DECODING = frozenset({LOAD, INSPECT, LOAD_MODEL})  # Cases about the tree.
+
+Builder = Callable[[pathlib.Path, pytest.MonkeyPatch], None]
+
+LABEL0 = "mlp/Affine_0/Linear.weights"  # arrays[0] and variables[0]: [8, 16].
+LABEL0_RE = r"mlp/Affine_0/Linear\.weights"
+DAMAGED = (errors.ManifestError, errors.IntegrityError)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One hostile checkpoint.
+
+  Attributes:
+    name: Test id.
+    build: Damages the valid checkpoint at its first argument.
+    error: The pz_persist error (or errors) loading must raise.
+    match: Regex the message must match (``re.search``).
+    entry_points: Which loaders must raise it (see the module docstring).
+    unimported: A module the checkpoint names that must not get imported.
+  """
+
+  name: str
+  build: Builder
+  error: type[Exception] | tuple[type[Exception], ...]
+  match: str
+  entry_points: frozenset[str] = ALL
+  unimported: str | None = None
+
+
+# Helpers.
+
+
+def item(ckpt: pathlib.Path) -> pathlib.Path:
+  return ckpt / "penzai"
+
+
+def manifest_file(ckpt: pathlib.Path) -> pathlib.Path:
+  return item(ckpt) / manifest_lib.MANIFEST_FILENAME
+
+
+def outside(ckpt: pathlib.Path) -> pathlib.Path:
+  """A directory beside (not inside) the checkpoint."""
+  path = ckpt.parent / "outside"
+  path.mkdir(exist_ok=True)
+  return path
+
+
+def read_manifest(ckpt: pathlib.Path) -> dict:
+  return json.loads(manifest_file(ckpt).read_text())
+
+
+def write_manifest(ckpt: pathlib.Path, data: dict) -> None:
+  manifest_file(ckpt).write_text(json.dumps(data, allow_nan=True))
+
+
+def edit(fn: Callable[[dict], object]) -> Builder:
+  """A builder applying ``fn`` to the parsed manifest."""
+
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    data = read_manifest(ckpt)
+    fn(data)
+    write_manifest(ckpt, data)
+
+  return build
+
+
+def edit_array(index: int, **fields) -> Builder:
+  """Changes fields of one array entry (dropping checksums, as a forger would)."""
+
+  def fn(m):
+    m["arrays"][index].pop("checksums", None)
+    m["arrays"][index].update(fields)
+
+  return edit(fn)
+
+
+def set_shape(index: int, shape: list) -> Builder:
+  """Declares another shape for variable ``index``'s array, consistently in
+  the arrays table and the NamedArray's axes, so only the sizes are hostile."""
+
+  def fn(m):
+    m["arrays"][index].pop("checksums", None)
+    m["arrays"][index]["shape"] = shape
+    axes = m["variables"][index]["value"]["axes"]
+    for pair, size in zip(axes, shape[-len(axes):]):
+      pair[1] = size
+
+  return edit(fn)
+
+
+def raw(transform: Callable[[bytes], bytes]) -> Builder:
+  """A builder rewriting the manifest's bytes."""
+
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    path = manifest_file(ckpt)
+    path.write_bytes(transform(path.read_bytes()))
+
+  return build
+
+
+def set_fn(module: str, qualname: str) -> Builder:
+  """Makes the Elementwise layer (``tree.sublayers[1].fn``) name a function."""
+
+  def fn(m):
+    layer = m["tree"]["fields"][0][1]["items"][1]
+    assert layer["class"]["qualname"] == "Elementwise"
+    layer["fields"][0][1] = {"t": "function", "ref": {"module": module, "qualname": qualname}}
+
+  return edit(fn)
+
+
+def set_class(index: int, module: str, qualname: str) -> Builder:
+  """Makes layer ``tree.sublayers[index]`` claim another class."""
+
+  def fn(m):
+    m["tree"]["fields"][0][1]["items"][index]["class"] = {
+        "module": module, "qualname": qualname,
+    }
+
+  return edit(fn)
+
+
+def data_files(ckpt: pathlib.Path) -> list[pathlib.Path]:
+  """The array data files Orbax reads (the merged OCDBT database's)."""
+  files = sorted((item(ckpt) / "d").iterdir(), key=lambda p: p.stat().st_size)
+  assert files
+  return files
+
+
+def damage_data(transform: Callable[[bytes], bytes]) -> Builder:
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    for path in data_files(ckpt):
+      path.write_bytes(transform(path.read_bytes()))
+
+  return build
+
+
+def flip_middle(data: bytes) -> bytes:
+  out = bytearray(data)
+  for i in range(len(out) // 2, min(len(out), len(out) // 2 + 8)):
+    out[i] ^= 0xFF
+  return bytes(out)
+
+
+def set_zarray_shape(shape: list[int]) -> Builder:
+  """Rewrites TensorStore's metadata of arrays[0] inside the OCDBT database:
+  Orbax's own metadata then declares ``shape`` for a file of a few bytes."""
+
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    import tensorstore as ts  # pylint: disable=g-import-not-at-top
+
+    kv = ts.KvStore.open(
+        {"driver": "ocdbt", "base": f"file://{item(ckpt)}/"}
+    ).result()
+    key = next(k for k in kv.list().result() if k.startswith(b"00000_") and k.endswith(b"/.zarray"))
+    meta = json.loads(kv.read(key).result().value)
+    meta["shape"] = shape
+    kv.write(key, json.dumps(meta).encode()).result()
+
+  return build
+
+
+def both(*builders: Builder) -> Builder:
+  def build(ckpt, monkeypatch):
+    for b in builders:
+      b(ckpt, monkeypatch)
+
+  return build
+
+
+def nested_lists(depth: int) -> dict:
+  node = {"t": "none"}
+  for _ in range(depth):
+    node = {"t": "list", "items": [node]}
+  return node
+
+
+# Builders that do more than edit JSON.
+
+
+def manifest_missing(ckpt, monkeypatch):
+  manifest_file(ckpt).unlink()
+
+
+def manifest_is_directory(ckpt, monkeypatch):
+  manifest_file(ckpt).unlink()
+  manifest_file(ckpt).mkdir()
+
+
+def manifest_fifo(ckpt, monkeypatch):
+  manifest_file(ckpt).unlink()
+  os.mkfifo(manifest_file(ckpt))
+
+
+def manifest_symlink(target: str) -> Builder:
+  def build(ckpt, monkeypatch):
+    manifest_file(ckpt).unlink()
+    manifest_file(ckpt).symlink_to(target)
+
+  return build
+
+
+def manifest_symlink_outside(ckpt, monkeypatch):
+  copy = outside(ckpt) / "pz_persist.json"
+  shutil.copy(manifest_file(ckpt), copy)
+  manifest_file(ckpt).unlink()
+  manifest_file(ckpt).symlink_to(copy)
+
+
+def manifest_over_limit(ckpt, monkeypatch):
+  monkeypatch.setattr(manifest_lib, "MAX_MANIFEST_BYTES", 1000)
+
+
+def allocation_over_limit(ckpt, monkeypatch):
+  monkeypatch.setattr(safety, "MAX_ALLOCATION_BYTES", 64)
+
+
+def deep_json(ckpt, monkeypatch):
+  depth = 100_000
+  text = manifest_file(ckpt).read_text()
+  nested = '{"t":"list","items":[' * depth + '{"t":"none"}' + "]}" * depth
+  start = text.index('"tree":') + len('"tree":')
+  end = text.index(',"variables":')
+  manifest_file(ckpt).write_text(text[:start] + nested + text[end:])
+
+
+def orbax_metadata_garbage(ckpt, monkeypatch):
+  (item(ckpt) / "_METADATA").write_bytes(b"\x00garbage{")
+
+
+def orbax_metadata_missing(ckpt, monkeypatch):
+  (item(ckpt) / "_METADATA").unlink()
+
+
+def checkpoint_metadata_garbage(ckpt, monkeypatch):
+  (ckpt / "_CHECKPOINT_METADATA").write_bytes(b"not json at all")
+
+
+def data_files_missing(ckpt, monkeypatch):
+  for path in data_files(ckpt):
+    path.unlink()
+
+
+def ocdbt_manifest_missing(ckpt, monkeypatch):
+  (item(ckpt) / "manifest.ocdbt").unlink()
+
+
+def data_dir_symlink_outside(ckpt, monkeypatch):
+  copy = outside(ckpt) / "d"
+  shutil.copytree(item(ckpt) / "d", copy)
+  shutil.rmtree(item(ckpt) / "d")
+  (item(ckpt) / "d").symlink_to(copy)
+
+
+def data_file_symlink_to_etc(ckpt, monkeypatch):
+  path = data_files(ckpt)[-1]
+  path.unlink()
+  path.symlink_to("/etc/passwd")
+
+
+def data_file_fifo(ckpt, monkeypatch):
+  path = data_files(ckpt)[-1]
+  path.unlink()
+  os.mkfifo(path)
+
+
+def item_symlink_outside(ckpt, monkeypatch):
+  copy = outside(ckpt) / "penzai"
+  shutil.copytree(item(ckpt), copy)
+  shutil.rmtree(item(ckpt))
+  item(ckpt).symlink_to(copy)
+
+
+def duplicate_variable_labels(m):
+  m["variables"][2]["label"] = m["variables"][0]["label"]
+
+
+def control_char_label(m):
+  m["variables"][0]["label"]["v"] = "mlp/\x00evil"
+  m["arrays"][0]["label"] = "mlp/\x00evil"
+
+
+def _variable0_axes(m):
+  return m["variables"][0]["value"]["axes"]
+
+
+def _elementwise(m):
+  return m["tree"]["fields"][0][1]["items"][1]
+
+
+MANIFEST_RE = r"penzai/pz_persist\.json"
+ARRAY0_RE = rf"pz_persist\.json: arrays\[0\] \(label '{LABEL0_RE}'\)"
+FN_RE = r"tree\.sublayers\[1\]\.fn"
+
+CASES: list[Case] = [
+    # The manifest file itself.
+    Case("manifest_missing", manifest_missing, errors.NotACheckpointError,
+         r"ckpt is not a pz_persist checkpoint: no pz_persist\.json"),
+    Case("manifest_empty", raw(lambda b: b""), errors.ManifestError,
+         MANIFEST_RE + ": not valid JSON"),
+    Case("manifest_not_json", raw(lambda b: b"\x89PNG\r\n\x1a\n\x00\xff"),
+         errors.ManifestError, MANIFEST_RE + ": not valid JSON"),
+    Case("manifest_truncated", raw(lambda b: b[: len(b) // 2]), errors.ManifestError,
+         MANIFEST_RE + ": not valid JSON"),
+    Case("manifest_is_directory", manifest_is_directory, errors.ManifestError,
+         MANIFEST_RE + " is a directory"),
+    Case("manifest_fifo", manifest_fifo, errors.UnsafeCheckpointError,
+         MANIFEST_RE + " is a FIFO"),
+    Case("manifest_symlink_to_dev_zero", manifest_symlink("/dev/zero"),
+         errors.UnsafeCheckpointError, MANIFEST_RE + " is a symlink to /dev/zero, outside"),
+    Case("manifest_symlink_to_dev_urandom", manifest_symlink("/dev/urandom"),
+         errors.UnsafeCheckpointError, MANIFEST_RE + " is a symlink to /dev/urandom"),
+    Case("manifest_symlink_outside", manifest_symlink_outside,
+         errors.UnsafeCheckpointError, MANIFEST_RE + r" is a symlink to .*outside/pz_persist\.json"),
+    Case("manifest_over_size_limit", manifest_over_limit, errors.ManifestError,
+         MANIFEST_RE + r": manifest is \d+ bytes, over the 1000-byte limit"),
+    Case("manifest_is_a_list", raw(lambda b: b"[]"), errors.ManifestError,
+         MANIFEST_RE + ": not a pz_persist manifest"),
+    Case("manifest_missing_field", edit(lambda m: m.pop("tree")), errors.ManifestError,
+         MANIFEST_RE + ": manifest fields"),
+    Case("manifest_extra_field", edit(lambda m: m.update(code="import os")),
+         errors.ManifestError, MANIFEST_RE + ": manifest fields"),
+    Case("deeply_nested_json", deep_json, errors.ManifestError,
+         MANIFEST_RE + ": not valid JSON"),
+    # format_version.
+    Case("format_version_newer", edit(lambda m: m.update(format_version=99)),
+         errors.FormatVersionError, MANIFEST_RE + r" was written by .* format 99.*pip install -U"),
+    Case("format_version_zero", edit(lambda m: m.update(format_version=0)),
+         errors.ManifestError, MANIFEST_RE + ": invalid format_version 0"),
+    Case("format_version_negative", edit(lambda m: m.update(format_version=-1)),
+         errors.ManifestError, MANIFEST_RE + ": invalid format_version -1"),
+    Case("format_version_string", edit(lambda m: m.update(format_version="1")),
+         errors.ManifestError, MANIFEST_RE + ": invalid format_version '1'"),
+    Case("format_version_float", edit(lambda m: m.update(format_version=1.0)),
+         errors.ManifestError, MANIFEST_RE + r": invalid format_version 1\.0"),
+    Case("format_version_bool", edit(lambda m: m.update(format_version=True)),
+         errors.ManifestError, MANIFEST_RE + ": invalid format_version True"),
+    # Wrong JSON types at the top.
+    Case("tree_is_a_list", edit(lambda m: m.update(tree=[])), errors.ManifestError,
+         MANIFEST_RE + ": tree must be an object"),
+    Case("arrays_is_a_dict", edit(lambda m: m.update(arrays={})), errors.ManifestError,
+         MANIFEST_RE + ": arrays must be a list"),
+    Case("variables_is_a_dict", edit(lambda m: m.update(variables={})),
+         errors.ManifestError, MANIFEST_RE + ": tree must be an object, variables a list"),
+    Case("writer_is_an_int", edit(lambda m: m.update(writer=7)), errors.ManifestError,
+         MANIFEST_RE + ": arrays must be a list, writer a string"),
+    # Array entries.
+    Case("shape_is_a_string", edit_array(0, shape="8,16"), errors.ManifestError,
+         ARRAY0_RE + ": invalid shape '8,16'"),
+    Case("shape_holds_a_float", edit_array(0, shape=[8.0, 16]), errors.ManifestError,
+         ARRAY0_RE + r": invalid shape \[8\.0, 16\]"),
+    Case("shape_holds_a_bool", edit_array(0, shape=[True, 16]), errors.ManifestError,
+         ARRAY0_RE + r": invalid shape \[True, 16\]"),
+    Case("shape_negative", edit_array(0, shape=[-8, 16]), errors.ManifestError,
+         ARRAY0_RE + r": invalid shape \[-8, 16\]"),
+    Case("shape_nan", raw(lambda b: b.replace(b'"shape":[8,16]', b'"shape":[NaN,16]', 1)),
+         errors.ManifestError, MANIFEST_RE + ": not valid JSON.*NaN"),
+    Case("shape_infinity",
+         raw(lambda b: b.replace(b'"shape":[8,16]', b'"shape":[Infinity,16]', 1)),
+         errors.ManifestError, MANIFEST_RE + ": not valid JSON.*Infinity"),
+    Case("shape_rank_over_limit", edit_array(0, shape=[1] * 100), errors.ManifestError,
+         ARRAY0_RE + ": 100 dimensions"),
+    Case("dtype_is_an_int", edit_array(0, dtype=5), errors.ManifestError,
+         ARRAY0_RE + ": unknown dtype 5"),
+    Case("dtype_is_object", edit_array(0, dtype="object"), errors.ManifestError,
+         ARRAY0_RE + ": unknown dtype 'object'"),
+    Case("array_entry_extra_field", edit_array(0, pickle="gASV"), errors.ManifestError,
+         ARRAY0_RE + ": array entry has fields"),
+    Case("key_with_dotdot", edit_array(0, key="../../../etc/passwd"), errors.ManifestError,
+         ARRAY0_RE + r": invalid array key '\.\./\.\./\.\./etc/passwd'"),
+    Case("key_with_slash", edit_array(0, key="00000/x"), errors.ManifestError,
+         ARRAY0_RE + ": invalid array key '00000/x'"),
+    Case("key_absolute", edit_array(0, key="/etc/passwd"), errors.ManifestError,
+         ARRAY0_RE + ": invalid array key '/etc/passwd'"),
+    Case("key_empty", edit_array(0, key=""), errors.ManifestError,
+         ARRAY0_RE + ": invalid array key ''"),
+    Case("two_arrays_one_key",
+         edit(lambda m: m["arrays"][1].update(key=m["arrays"][0]["key"])),
+         errors.ManifestError,
+         MANIFEST_RE + r": arrays\[0\] and arrays\[1\] share the storage key '00000_"),
+    # Labels.
+    Case("label_with_nul", edit(control_char_label), errors.ManifestError,
+         MANIFEST_RE + r": arrays\[0\] \(label 'mlp/\\x00evil'\): invalid label"),
+    Case("label_dotdot_in_arrays_table", edit_array(0, label="../../../etc/passwd"),
+         errors.ManifestError,
+         rf"penzai: variables\[0\] \(label '{LABEL0_RE}'\)\S* arrays\[0\] is labelled"
+         r" '\.\./\.\./\.\./etc/passwd' in the arrays"
+         rf" table, but is held by variable '{LABEL0_RE}'", DECODING),
+    Case("label_absolute_in_arrays_table", edit_array(0, label="/etc/passwd"),
+         errors.ManifestError,
+         rf"arrays\[0\] is labelled '/etc/passwd'.*held by variable '{LABEL0_RE}'",
+         DECODING),
+    Case("duplicate_variable_labels", edit(duplicate_variable_labels),
+         errors.ManifestError,
+         rf"variables\[2\] has label '{LABEL0_RE}', like variables\[0\]",
+         frozenset({LOAD_MODEL, INTO})),
+    # Shapes, sizes and axes.
+    Case("shape_disagrees_with_stored_array", set_shape(0, [16, 8]), errors.ManifestError,
+         rf"penzai: label '{LABEL0_RE}' at tree\S* \(key 00000_\w+\) should be"
+         r" float32\[16, 8\] by the manifest, but the stored array is float32\[8, 16\]",
+         frozenset({LOAD, LOAD_MODEL})),
+    Case("huge_shape_beyond_addressable", set_shape(0, [2**40, 2**40]),
+         errors.UnsafeCheckpointError,
+         ARRAY0_RE + r": shape \[1099511627776, 1099511627776\] declares \d+ elements"),
+    Case("huge_shape_over_memory", set_shape(0, [2**31, 2**31]),
+         errors.UnsafeCheckpointError,
+         rf"penzai: reading these arrays would allocate \d+ bytes.*label '{LABEL0_RE}'",
+         frozenset({LOAD, LOAD_MODEL})),
+    Case("huge_shape_in_orbax_metadata", set_zarray_shape([2**31, 2**31]),
+         errors.ManifestError,
+         rf"label '{LABEL0_RE}'.* should be float32\[8, 16\] by the manifest, but the"
+         r" stored array is float32\[2147483648, 2147483648\]", READING),
+    Case("huge_shape_in_manifest_and_orbax_metadata",
+         both(set_shape(0, [2**31, 2**31]), set_zarray_shape([2**31, 2**31])),
+         errors.UnsafeCheckpointError, r"would allocate \d+ bytes",
+         frozenset({LOAD, LOAD_MODEL})),
+    Case("allocation_over_limit", allocation_over_limit, errors.UnsafeCheckpointError,
+         r"penzai: reading these arrays would allocate \d+ bytes, more than the"
+         rf" 64-byte limit.*label '{LABEL0_RE}'", READING),
+    Case("axes_more_names_than_dims",
+         edit(lambda m: _variable0_axes(m).append([{"t": "str", "v": "extra"}, 3])),
+         errors.ManifestError,
+         rf"variables\[0\] \(label '{LABEL0_RE}'\)\.value: axis names disagree"),
+    Case("axes_fewer_names_than_dims", edit(lambda m: _variable0_axes(m).pop()),
+         errors.ManifestError,
+         rf"variables\[0\] \(label '{LABEL0_RE}'\)\.value: axis names disagree"),
+    Case("axis_size_is_a_float",
+         edit(lambda m: _variable0_axes(m)[0].__setitem__(1, 8.0)), errors.ManifestError,
+         rf"variables\[0\] \(label '{LABEL0_RE}'\)\.value: axis 'features' repeats or"
+         r" has an invalid size 8\.0"),
+    Case("axis_size_is_nan_string",
+         edit(lambda m: _variable0_axes(m)[0].__setitem__(1, "NaN")), errors.ManifestError,
+         r"variables\[0\].*invalid size 'NaN'"),
+    # References and nesting in the tree.
+    Case("array_ref_is_a_float",
+         edit(lambda m: m["variables"][0]["value"]["data"].update(ref=0.0)),
+         errors.ManifestError,
+         r"penzai: variables\[0\].*invalid array reference 0\.0", DECODING),
+    Case("array_ref_is_a_bool",
+         edit(lambda m: m["variables"][0]["value"]["data"].update(ref=True)),
+         errors.ManifestError, r"variables\[0\].*invalid array reference True", DECODING),
+    Case("array_ref_out_of_range",
+         edit(lambda m: m["variables"][0]["value"]["data"].update(ref=10**6)),
+         errors.ManifestError, r"variables\[0\].*invalid array reference 1000000",
+         DECODING),
+    Case("variable_ref_out_of_range",
+         edit(lambda m: m["tree"]["fields"][0][1]["items"][0]["fields"][0][1]["items"][0]
+              ["fields"][0][1].update(ref=-1)),
+         errors.ManifestError,
+         r"penzai: tree\.sublayers\[0\]\.sublayers\[0\]\.weights: invalid variable"
+         r" reference -1", DECODING),
+    Case("variable_kind_is_an_int", edit(lambda m: m["variables"][0].update(kind=1)),
+         errors.ManifestError, r"penzai: variables\[0\].*(malformed|unknown variable kind)"),
+    Case("deep_nesting_within_json_limits",
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, nested_lists(400))),
+         errors.ManifestError,
+         r"penzai: tree(\.sublayers\[1\]\.fn(\[0\])+)?: nesting deeper than 256", DECODING),
+    # Code named by the structure.
+    Case("function_os_system", set_fn("os", "system"), errors.DisallowedModuleError,
+         FN_RE + r": the checkpoint names the function os\.system", DECODING),
+    Case("function_builtins_eval", set_fn("builtins", "eval"), errors.DisallowedModuleError,
+         FN_RE + r": the checkpoint names the function builtins\.eval", DECODING),
+    Case("function_builtins_import", set_fn("builtins", "__import__"),
+         errors.ManifestError, FN_RE + r": refusing dunder name '__import__'", DECODING),
+    Case("function_importlib_import_module", set_fn("importlib", "import_module"),
+         errors.DisallowedModuleError, FN_RE + r": .*importlib\.import_module", DECODING),
+    Case("function_numpy_load", set_fn("numpy", "load"), errors.DisallowedModuleError,
+         FN_RE + r": numpy\.load may not be named", DECODING),
+    Case("function_jax_numpy_save", set_fn("jax.numpy", "save"),
+         errors.DisallowedModuleError, FN_RE + r": .*jax\.numpy\.save", DECODING),
+    Case("function_through_imported_module", set_fn("penzai.core.struct", "inspect.getsource"),
+         errors.ManifestError,
+         FN_RE + r": penzai\.core\.struct\.inspect\.getsource passes through module 'inspect'",
+         DECODING),
+    Case("function_unimported_module", set_fn("antigravity", "geohash"),
+         errors.DisallowedModuleError,
+         FN_RE + r": .*antigravity\.geohash.*not imported", DECODING,
+         unimported="antigravity"),
+    Case("class_subprocess_popen", set_class(0, "subprocess", "Popen"),
+         errors.DisallowedModuleError,
+         r"tree\.sublayers\[0\]: the checkpoint names subprocess\.Popen", DECODING),
+    Case("class_unimported_module", set_class(0, "this", "Zen"), errors.DisallowedModuleError,
+         r"tree\.sublayers\[0\]: the checkpoint names this\.Zen; module 'this' is not"
+         r" allow-listed, so it was not imported", DECODING, unimported="this"),
+    Case("class_not_a_layer", set_class(0, "jax.numpy", "ndarray"), errors.ManifestError,
+         r"tree\.sublayers\[0\]: jax\.numpy\.ndarray is not a pz\.Struct class", DECODING),
+    # Orbax's files.
+    Case("orbax_metadata_garbage", orbax_metadata_garbage, errors.IntegrityError,
+         r"penzai: Orbax's metadata of the stored arrays \(_METADATA", READING),
+    Case("orbax_metadata_missing", orbax_metadata_missing, errors.IntegrityError,
+         r"penzai: Orbax's metadata of the stored arrays \(_METADATA", READING),
+    Case("checkpoint_metadata_garbage", checkpoint_metadata_garbage, errors.ManifestError,
+         r"ckpt/_CHECKPOINT_METADATA: Orbax's checkpoint metadata is not a JSON object"),
+    # Array data files.
+    Case("data_files_truncated", damage_data(lambda b: b[: len(b) // 2]), DAMAGED,
+         r"penzai: .*(cannot be read|damaged)", READING),
+    Case("data_files_empty", damage_data(lambda b: b""), DAMAGED,
+         r"penzai: .*(cannot be read|damaged)", READING),
+    Case("data_files_flipped_bytes", damage_data(flip_middle), DAMAGED,
+         r"penzai: .*(cannot be read|damaged|do not match)", READING),
+    Case("data_files_missing", data_files_missing, DAMAGED,
+         r"penzai: .*(cannot be read|damaged)", READING),
+    Case("ocdbt_manifest_missing", ocdbt_manifest_missing, DAMAGED,
+         r"penzai: .*(cannot be read|damaged)", READING),
+    # Files that are not what they seem.
+    Case("data_dir_symlink_outside", data_dir_symlink_outside, errors.UnsafeCheckpointError,
+         r"penzai/d is a symlink to .*outside/d, outside the checkpoint"),
+    Case("data_file_symlink_to_etc_passwd", data_file_symlink_to_etc,
+         errors.UnsafeCheckpointError,
+         r"penzai/d/\w+ is a symlink to /etc/passwd, outside the checkpoint"),
+    Case("data_file_fifo", data_file_fifo, errors.UnsafeCheckpointError,
+         r"penzai/d/\w+ is a FIFO, not a regular file"),
+    Case("item_dir_symlink_outside", item_symlink_outside, errors.UnsafeCheckpointError,
+         r"ckpt/penzai is a symlink to .*outside/penzai, outside the checkpoint"),
+]
