@@ -247,7 +247,8 @@ def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
   if item is None:
     return (directories.identity(path),)
   try:
-    digest = hashlib.sha256(manifest_lib.manifest_path(item).read_bytes()).digest()
+    with manifest_lib.manifest_path(item).open("rb") as f:  # Bounded, as in read.
+      digest = hashlib.sha256(f.read(manifest_lib.MAX_MANIFEST_BYTES + 1)).digest()
   except OSError:
     digest = None
   return directories.identity(path), directories.identity(item), digest
