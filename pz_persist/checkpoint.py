@@ -203,30 +203,34 @@ def load(
   """
   # Files are read by path, so a save replacing the checkpoint while it is
   # read could mix the old manifest with new arrays, or fail on files of the
-  # old one as it is deleted. Such a read is detected (what is at the item's
-  # path changed while it was read) and done again from the start.
+  # old one as it is deleted. On a local disk the read holds a shared lock
+  # that a save's final move waits for; elsewhere (or when the item directory
+  # itself was given) such a read is detected (what is at the item's path
+  # changed while it was read) and done again from the start.
   path = _as_path(path)
   failure = None
   for _ in range(_LOAD_ATTEMPTS):
     item = None
-    before = _identity(path, item)
-    try:
-      item = find_item(path)
+    with directories.reading(path):
       before = _identity(path, item)
-      with allowlist.scoped_allowance(allow_modules):
-        handler = orbax_v0.PenzaiCheckpointHandler()
-        try:
-          tree = handler.restore(
-              item, orbax_v0.PenzaiRestore(sharding=sharding, verify=verify)
-          )
-        finally:
-          handler.close()
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      if _identity(path, item) == before:
-        raise  # The checkpoint did not change: a real error.
-      failure = e
-      continue
-    if _identity(path, item) == before:
+      try:
+        item = find_item(path)
+        before = _identity(path, item)
+        with allowlist.scoped_allowance(allow_modules):
+          handler = orbax_v0.PenzaiCheckpointHandler()
+          try:
+            tree = handler.restore(
+                item, orbax_v0.PenzaiRestore(sharding=sharding, verify=verify)
+            )
+          finally:
+            handler.close()
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        if _identity(path, item) == before:
+          raise  # The checkpoint did not change: a real error.
+        failure = e
+        continue
+      unchanged = _identity(path, item) == before
+    if unchanged:
       return tree
   raise errors.ConcurrentSaveError(
       f"{path} was replaced by other saves while each of {_LOAD_ATTEMPTS}"

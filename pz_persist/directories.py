@@ -108,8 +108,22 @@ def move_into_place(path: epath.Path, new: epath.Path, seen: Identity) -> bool:
 
 
 @contextlib.contextmanager
-def _parent_locked(path: epath.Path):
-  """Holds an exclusive ``flock`` on ``path``'s parent directory, if it can.
+def reading(path: epath.Path):
+  """Holds a shared ``flock`` on ``path``'s parent while a checkpoint is read.
+
+  Why: a save moves its checkpoint into place under the exclusive lock, so
+  while any reader holds this one, ``path`` cannot be swapped under it; the
+  save's move waits (its writing does not) until the read is done. Readers
+  never wait for each other. Where locking is unavailable, `load` detects a
+  swap after the fact and reads again.
+  """
+  with _parent_locked(path, shared=True):
+    yield
+
+
+@contextlib.contextmanager
+def _parent_locked(path: epath.Path, *, shared: bool = False):
+  """Holds an exclusive (or shared) ``flock`` on ``path``'s parent, if it can.
 
   Where directories cannot be locked (remote paths, no ``fcntl``, some
   network filesystems) saves still never mix, thanks to the no-replace
@@ -120,7 +134,7 @@ def _parent_locked(path: epath.Path):
   if _is_local(path) and fcntl is not None:
     with contextlib.suppress(OSError):
       fd = os.open(os.fspath(path.parent), os.O_RDONLY | os.O_DIRECTORY)
-      fcntl.flock(fd, fcntl.LOCK_EX)
+      fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
   try:
     yield
   finally:

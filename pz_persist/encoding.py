@@ -52,8 +52,11 @@ Node = dict[str, Any]
 PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
 """The PRNG implementations JAX ships; a checkpoint may name no other."""
 
-MAX_DEPTH = 256
-"""Deepest nesting a manifest may have (refused beyond, not a RecursionError)."""
+MAX_DEPTH = 100
+"""Deepest nesting a manifest may have (refused beyond, not a RecursionError).
+
+Penzai models nest a few tens of levels; each level costs several Python
+frames in the decoder, so this stays well inside the interpreter's limit."""
 
 _VALUE_CLASSES: dict[type, str] = {
     pz.ParameterValue: "parameter_value",
@@ -849,7 +852,10 @@ def decode(
   decoder = _Decoder(arrays, variables, abstract=abstract, labels=labels)
   if ": " in root:  # "<item path>: tree": name the file's variables table too.
     decoder.variables_where = root.rsplit(": ", 1)[0] + ": variables"
-  return decoder.tree(tree, root)
+  try:
+    return decoder.tree(tree, root)
+  except RecursionError:  # A deep stack at the call site: still refused cleanly.
+    raise errors.ManifestError(f"{root}: nesting too deep to decode.") from None
 
 
 def decode_static(node: Node, where: str) -> Any:
