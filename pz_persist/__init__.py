@@ -32,6 +32,8 @@ from pz_persist.diffing import diff
 from pz_persist.errors import PzPersistError
 from pz_persist.manager import CheckpointManager
 from pz_persist.model import load_model, save_model
+from pz_persist import pretrained
+from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.orbax_v0 import PenzaiCheckpointHandler, PenzaiRestore, PenzaiSave
 from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
 from pz_persist.registration import register_handlers
@@ -58,9 +60,11 @@ __all__ = [
     "assign_variables",
     "diff",
     "errors",
+    "export_safetensors",
     "inspect",
     "load",
     "load_model",
+    "pretrained",
     "register_handlers",
     "render_html",
     "restore_trainer",

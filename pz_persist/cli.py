@@ -1,4 +1,5 @@
-"""The ``pz-persist`` command: look at, compare, verify and list checkpoints.
+"""The ``pz-persist`` command: look at, compare, verify and list checkpoints,
+and convert pretrained weights to native ones.
 
 Exit status follows ``diff``: 0 on success (for ``diff``: identical), 1 when
 ``diff`` finds differences or ``verify`` finds damage, 2 on errors (bad
@@ -91,6 +92,43 @@ def _ls(args: argparse.Namespace) -> int:
   return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+  """Loads pretrained weights once and writes them as a native checkpoint,
+  which `pz_persist.load_model` then reloads without any conversion."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+
+  from pz_persist import model as model_lib  # pylint: disable=import-outside-toplevel
+
+  if os.path.exists(args.dst) and not args.overwrite:
+    raise errors.CheckpointExistsError(
+        f"{args.dst} exists; pass --overwrite to replace it."
+    )
+  dtype = None if args.dtype is None else jnp.dtype(args.dtype)
+  with tqdm(desc=f"reading {args.format}", unit="array", file=sys.stderr,
+            disable=args.quiet) as bar:
+    def progress(done: int, total: int) -> None:
+      bar.total = total
+      bar.update(done - bar.n)
+
+    if args.format == "gemma":
+      from pz_persist.pretrained import gemma  # pylint: disable=import-outside-toplevel
+
+      preset = {"like": args.preset_like} if args.preset_like else args.preset
+      model = gemma.load_gemma(args.src, preset=preset, dtype=dtype, progress=progress)
+    else:
+      from pz_persist.pretrained import hf  # pylint: disable=import-outside-toplevel
+
+      model = hf.load_hf(args.src, dtype=dtype)  # No per-tensor hook: one step.
+      progress(1, 1)
+  with tqdm(desc="writing", total=1, unit="checkpoint", file=sys.stderr,
+            disable=args.quiet) as bar:
+    model_lib.save_model(args.dst, model, overwrite=args.overwrite)
+    bar.update(1)
+  print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="pz-persist",
@@ -147,6 +185,30 @@ def build_parser() -> argparse.ArgumentParser:
   )
   ls.add_argument("directory")
   ls.set_defaults(run=_ls)
+
+  convert = commands.add_parser(
+      "convert",
+      help="convert pretrained weights (Gemma, Hugging Face) to a native checkpoint",
+      description="Load pretrained weights once (an official Gemma Flax"
+      " checkpoint, or a Hugging Face Llama/Mistral/GPT-NeoX folder) and save"
+      " them as a pz_persist checkpoint, which pz_persist.load_model reloads"
+      " without converting again.",
+  )
+  convert.add_argument("format", choices=["gemma", "hf"])
+  convert.add_argument("src", help="the checkpoint folder to read")
+  convert.add_argument("dst", help="the native checkpoint to write")
+  convert.add_argument("--dtype", help="cast while reading, e.g. bfloat16")
+  convert.add_argument("--overwrite", action="store_true", help="replace DST")
+  convert.add_argument(
+      "--preset", default="auto",
+      help="gemma: Penzai preset name, e.g. gemma2_9b (default: from shapes)",
+  )
+  convert.add_argument(
+      "--preset-like", metavar="PRESET",
+      help="gemma: sizes from the checkpoint, other settings from PRESET",
+  )
+  convert.add_argument("--quiet", action="store_true", help="no progress bars")
+  convert.set_defaults(run=_convert)
   return parser
 
 

@@ -85,3 +85,32 @@ def test_integrity_benchmark_1gib(tmp_path):
 def test_sharded_restore_benchmark_full(tmp_path):
   results = sharded_restore.main(["--dir", str(tmp_path)])
   assert results["fit"]["slope"] > 0
+
+
+def _pretrained_benchmark():
+  """benchmarks/pretrained.py, imported by path: ``pretrained`` is also the
+  name of the tests/pretrained package."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+
+  spec = importlib.util.spec_from_file_location(
+      "pretrained_benchmark", os.path.join(REPO, "benchmarks", "pretrained.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_pretrained_benchmark_runs(tmp_path, capsys):
+  bench = _pretrained_benchmark()
+  results = bench.main(["--size", "2MiB", "--ops", "load_hf,convert,reload", "--dir", str(tmp_path)])
+  assert set(results["ops"]) == {"load_hf", "convert", "reload"}
+  assert all(entry["seconds"] > 0 for entry in results["ops"].values())
+  assert results["model_bytes"] >= 2 * 2**20
+  printed = capsys.readouterr().out
+  assert "native reload speedup over load_hf" in printed and "peak RSS / model bytes" in printed
+
+
+@pytest.mark.slow
+def test_pretrained_benchmark_1gib(tmp_path):
+  results = _pretrained_benchmark().main(["--size", "1GiB", "--dir", str(tmp_path)])
+  assert results["reload_speedup"] > 0

@@ -1,0 +1,15 @@
+"""Pretrained weights into Penzai models: Gemma (official Flax checkpoints),
+Hugging Face folders (Llama, Mistral, GPT-NeoX) read with ``safetensors`` alone,
+and safetensors files exported by pz_persist.
+
+The library never downloads anything: fetch the files in your own code (e.g.
+``huggingface_hub.snapshot_download``, ``kagglehub.model_download``), then load
+them here. Convert once with ``pz-persist convert`` and reload the native
+checkpoint with `pz_persist.load_model` for the fast path.
+"""
+
+from pz_persist.pretrained.gemma import load_gemma
+from pz_persist.pretrained.hf import load_hf
+from pz_persist.pretrained.safetensors_io import export_safetensors, load_safetensors
+
+__all__ = ["export_safetensors", "load_gemma", "load_hf", "load_safetensors"]

@@ -1,0 +1,429 @@
+"""Official Gemma Flax checkpoints (Gemma 1 and 2) into Penzai models.
+
+The conversion itself is Penzai's own
+``penzai.models.transformer.variants.gemma.gemma_from_pretrained_checkpoint``,
+so a model loaded here is exactly the model Penzai's converter builds. What
+this module adds around it:
+
+* the arrays are read with plain Orbax once, cast to ``dtype`` while they are
+  read, and each checkpoint array is released as soon as Penzai's converter
+  has taken the last thing it needs from it, so a load never holds two full
+  copies of the weights;
+* ``sharding=`` places every parameter by its axis names (`pz_persist.AxisRules`)
+  one array at a time;
+* ``preset="auto"`` infers the preset from the checkpoint's shapes (Penzai's
+  own "auto" only counts layers), and unknown or Gemma 3 checkpoints fail with
+  an error that says what was found and what is supported;
+* a custom preset (a mapping) supports models of any size, such as the tiny
+  ones the tests write.
+
+Example::
+
+  import jax, jax.numpy as jnp, numpy as np, kagglehub
+  import pz_persist as pzp
+
+  path = kagglehub.model_download("google/gemma-2/flax/gemma2-2b")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+  model = pzp.pretrained.load_gemma(
+      f"{path}/gemma2-2b", dtype=jnp.bfloat16,
+      sharding=pzp.AxisRules(mesh, {"neurons": "model", "query_heads": "model"}),
+  )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from penzai import pz
+from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import gemma as pz_gemma
+
+from pz_persist import errors
+from pz_persist import sharding as sharding_lib
+
+__all__ = ["GemmaCheckpointError", "known_presets", "load_gemma"]
+
+Progress = Callable[[int, int], None]
+
+
+class GemmaCheckpointError(errors.PzPersistError, ValueError):
+  """The checkpoint is not a Gemma checkpoint the installed Penzai can build.
+
+  Raised for a preset that does not exist (Gemma 3 among them: Penzai 0.2.5
+  has no Gemma 3 architecture), for checkpoints whose shapes match no preset,
+  and for Gemma 3 checkpoints (query/key norms, vision encoder).
+  """
+
+
+# Settings of a preset that the checkpoint's arrays determine; the others
+# (attention windows, soft caps, query scaling) must come from a preset.
+_SHAPE_KEYS = (
+    "num_decoder_blocks", "vocab_size", "num_kv_heads", "query_head_multiplier",
+    "embedding_dim", "projection_dim", "mlp_hidden_dim",
+)
+_LEAF_NAMES = ("w", "scale", "input_embedding")
+_GEMMA3_MARKERS = ("query_norm", "key_norm", "q_norm", "k_norm", "siglip",
+                   "vision_encoder", "mm_input_projection")
+# Custom presets are registered into Penzai's preset table for one call.
+_PRESET_LOCK = threading.Lock()
+
+
+def known_presets() -> list[str]:
+  """The Gemma presets of the installed Penzai (e.g. ``gemma2_9b``)."""
+  return sorted(pz_gemma._GEMMA_PRESETS)  # pylint: disable=protected-access
+
+
+def load_gemma(
+    path: epath.PathLike,
+    *,
+    preset: str | Mapping[str, Any] = "auto",
+    dtype: Any = None,
+    sharding: sharding_lib.Target = None,
+    upcast_activations_to_float32: bool = False,
+    use_layer_stack: bool = False,
+    progress: Progress | None = None,
+) -> model_parts.TransformerLM:
+  """Loads an official Gemma (1 or 2) Flax checkpoint as a Penzai model.
+
+  Example::
+
+    model = pzp.pretrained.load_gemma(path, dtype=jnp.bfloat16)
+    tiny = pzp.pretrained.load_gemma(path, preset={"like": "gemma2_2b"})
+
+  Args:
+    path: The Orbax checkpoint directory (for Kaggle downloads, the folder
+      named after the variant, e.g. ``.../gemma2-2b``). Parameters may be
+      stored flat (``"transformer/layer_0/attn/q_einsum": {"w": ...}``, as
+      published) or nested (``{"transformer": {"layer_0": ...}}``).
+    preset: A Penzai preset name (`known_presets`), ``"auto"`` to infer it
+      from the arrays' shapes, or a mapping for other sizes: keyword arguments
+      of Penzai's ``LlamalikeTransformerConfig``, where sizes missing from it
+      are read from the checkpoint, ``"like"`` names a preset whose other
+      settings (soft caps, attention windows, norms) are used, and
+      ``"needs_gating_transpose"`` overrides the layout of the MLP gating
+      weights (inferred from their shape otherwise).
+    dtype: Cast every array to this dtype while it is read (e.g.
+      ``jnp.bfloat16``); the model then computes in it too, as Penzai's
+      converter does with the checkpoint's own dtype.
+    sharding: A ``jax.sharding.Sharding`` for every array, or
+      `pz_persist.AxisRules` mapping the model's axis names (``embedding``,
+      ``neurons``, ``query_heads``, ``head_groups``, ``projection``,
+      ``vocabulary``...) to mesh axes. Default: the first local device.
+    upcast_activations_to_float32: Passed to Penzai's converter.
+    use_layer_stack: Passed to Penzai's converter.
+    progress: Called as ``progress(done, total)`` as checkpoint arrays are
+      converted, then (with ``sharding``) as parameters are placed, when
+      ``total`` grows by the number of parameters (e.g. to drive a tqdm bar).
+
+  Returns:
+    Penzai's ``TransformerLM``.
+
+  Raises:
+    GemmaCheckpointError: unknown preset, shapes matching no preset, or a
+      Gemma 3 checkpoint.
+  """
+  if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
+    raise GemmaCheckpointError(_unknown_preset_message(preset))
+  params = _read(epath.Path(path), dtype)
+  _refuse_gemma3(params, path)
+  name, kwargs, transpose = _resolve_preset(params, preset, path)
+  total = sum(len(arrays) for arrays in params.values())
+  done = [0]
+
+  def consumed() -> None:
+    done[0] += 1
+    if progress is not None:
+      progress(done[0], total)
+
+  releasing = _releasing_params(params, name, kwargs, transpose, consumed,
+                                upcast_activations_to_float32, use_layer_stack)
+  del params  # Only the releasing mappings hold the arrays now.
+  with _registered(name, kwargs, transpose):
+    model = pz_gemma.gemma_from_pretrained_checkpoint(
+        releasing, upcast_activations_to_float32=upcast_activations_to_float32,
+        use_layer_stack=use_layer_stack, preset_name=name,
+    )
+  del releasing
+  if sharding is not None:
+    variables = list(pz.unbind_params(model)[1])
+    for index, param in enumerate(variables):
+      param.value = _place(param.value, sharding, param.label)
+      if progress is not None:
+        progress(total + index + 1, total + len(variables))
+  return model
+
+
+def _read(path: epath.Path, dtype: Any) -> dict[str, dict[str, np.ndarray]]:
+  """Reads every array once, as NumPy, cast to ``dtype`` by Orbax on read."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  if not path.exists():
+    raise errors.NotACheckpointError(f"{path}: no such Gemma checkpoint directory.")
+  checkpointer = ocp.PyTreeCheckpointer()
+  try:
+    metadata = checkpointer.metadata(path)
+  except (FileNotFoundError, ValueError) as e:
+    raise errors.NotACheckpointError(
+        f"{path} is not an Orbax checkpoint (the Gemma Flax checkpoint folder is"
+        f" the one holding _METADATA or checkpoint): {e}"
+    ) from e
+  tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+  np_dtype = None if dtype is None else np.dtype(dtype)
+  restore_args = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np_dtype), tree
+  )
+  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+  return _flatten(restored)
+
+
+def _flatten(tree: Mapping[str, Any]) -> dict[str, dict[str, np.ndarray]]:
+  """``{"transformer/layer_0/attn/q_einsum": {"w": array}}``, Penzai's layout.
+
+  Accepts the published flat layout, fully nested trees, and the nested
+  layout of the Gemma library (``mlp: {"gating_einsum": array}``, no "w").
+  """
+  flat: dict[str, dict[str, np.ndarray]] = {}
+
+  def walk(prefix: str, node: Any) -> None:
+    for key, value in node.items():
+      full = f"{prefix}/{key}" if prefix else str(key)
+      if isinstance(value, Mapping):
+        walk(full, value)
+      elif key in _LEAF_NAMES and prefix:
+        flat.setdefault(prefix, {})[key] = value
+      else:
+        flat.setdefault(full, {})["w"] = value
+
+  walk("", tree)
+  if flat and not any(k.startswith("transformer/") for k in flat):
+    flat = {f"transformer/{k}": v for k, v in flat.items()}
+  return flat
+
+
+def _refuse_gemma3(params: Mapping[str, Any], path: Any) -> None:
+  found = [k for k in params if any(m in k.rsplit("/", 1)[-1] or f"/{m}" in k
+                                    for m in _GEMMA3_MARKERS)]
+  if found:
+    raise GemmaCheckpointError(
+        f"{path} looks like a Gemma 3 checkpoint (it has {found[0]!r}): the"
+        f" installed Penzai ({_penzai_version()}) has no Gemma 3 architecture;"
+        f" its Gemma presets are {known_presets()}."
+    )
+
+
+def _penzai_version() -> str:
+  import penzai  # pylint: disable=import-outside-toplevel
+
+  return f"penzai {getattr(penzai, '__version__', '?')}"
+
+
+def _unknown_preset_message(preset: str) -> str:
+  if preset.startswith("gemma3"):
+    return (f"preset {preset!r}: the installed Penzai ({_penzai_version()}) has"
+            f" no Gemma 3 presets; it knows {known_presets()}.")
+  return f"unknown Gemma preset {preset!r}; known presets: {known_presets()} (or 'auto')."
+
+
+def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[dict[str, int], bool | None]:
+  """The preset sizes the arrays determine, and the gating layout if known."""
+  p = {k.removeprefix("transformer/"): v for k, v in params.items()}
+  try:
+    layers = 0
+    while f"layer_{layers}/mlp/linear" in p:
+      layers += 1
+    vocab, embed = p["embedder"]["input_embedding"].shape
+    hidden = p["layer_0/mlp/linear"]["w"].shape[0]
+    if "layer_0/attn/qkv_einsum" in p:
+      _, heads, _, proj = p["layer_0/attn/qkv_einsum"]["w"].shape
+      kv_heads = heads
+    else:
+      heads, _, proj = p["layer_0/attn/q_einsum"]["w"].shape
+      kv_heads = p["layer_0/attn/kv_einsum"]["w"].shape[1]
+    gating = p["layer_0/mlp/gating_einsum"]["w"].shape
+  except (KeyError, ValueError) as e:
+    raise GemmaCheckpointError(
+        f"{path} does not have the arrays of a Gemma Flax checkpoint (missing or"
+        f" misshapen {e}); found {sorted(params)[:8]}..."
+    ) from e
+  sizes = dict(
+      num_decoder_blocks=layers, vocab_size=vocab, num_kv_heads=kv_heads,
+      query_head_multiplier=heads // kv_heads, embedding_dim=embed,
+      projection_dim=proj, mlp_hidden_dim=hidden,
+  )
+  transpose = None if embed == hidden else gating[1:] == (hidden, embed)
+  sizes["use_post_attn_norm"] = "layer_0/post_attention_norm" in p
+  return sizes, transpose
+
+
+def _resolve_preset(
+    params: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any], path: Any
+) -> tuple[str, dict[str, Any] | None, bool | None]:
+  """(preset name, kwargs to register or None, gating transpose)."""
+  presets = pz_gemma._GEMMA_PRESETS  # pylint: disable=protected-access
+  sizes, transpose = _shapes(params, path)
+  if isinstance(preset, str):
+    if preset == "auto":
+      for name, kwargs in presets.items():
+        if all(kwargs[k] == sizes[k] for k in _SHAPE_KEYS) and (
+            bool(kwargs.get("use_post_attn_norm")) == sizes["use_post_attn_norm"]):
+          return name, None, None
+      shown = {k: v for k, v in sizes.items() if k in _SHAPE_KEYS}
+      raise GemmaCheckpointError(
+          f"{path}: no Gemma preset of the installed Penzai has these shapes"
+          f" ({'Gemma 2' if sizes['use_post_attn_norm'] else 'Gemma 1'}-style,"
+          f" {shown}); known presets: {known_presets()}. For another size pass"
+          f" preset={{'like': 'gemma2_2b'}} (sizes are read from the checkpoint)."
+      )
+    return preset, None, None
+  custom = dict(preset)
+  like = custom.pop("like", None)
+  gating_transpose = custom.pop("needs_gating_transpose", transpose)
+  if like is not None:
+    if like not in presets:
+      raise GemmaCheckpointError(_unknown_preset_message(like))
+    base = {k: v for k, v in presets[like].items() if k not in _SHAPE_KEYS}
+    if "query_scaling_factor" in base:  # 27b's rule: 1/sqrt(embedding/heads).
+      heads = sizes["num_kv_heads"] * sizes["query_head_multiplier"]
+      base["query_scaling_factor"] = (sizes["embedding_dim"] // heads) ** -0.5
+  else:
+    base = {}
+  kwargs = {**{k: sizes[k] for k in _SHAPE_KEYS}, **base, **custom}
+  mismatched = {k: (kwargs[k], sizes[k]) for k in _SHAPE_KEYS if kwargs[k] != sizes[k]}
+  if mismatched:
+    raise GemmaCheckpointError(
+        f"{path}: the preset's sizes differ from the checkpoint's"
+        f" ({{setting: (preset, checkpoint)}}): {mismatched}"
+    )
+  return "pz_persist_custom", kwargs, bool(gating_transpose)
+
+
+class _registered:  # pylint: disable=invalid-name
+  """Puts a custom preset into Penzai's preset tables for one conversion."""
+
+  def __init__(self, name: str, kwargs: dict[str, Any] | None, transpose: bool | None):
+    self.name, self.kwargs, self.transpose = name, kwargs, transpose
+
+  def __enter__(self):
+    if self.kwargs is not None:
+      _PRESET_LOCK.acquire()
+      pz_gemma._GEMMA_PRESETS[self.name] = self.kwargs  # pylint: disable=protected-access
+      pz_gemma._NEEDS_GATING_TRANSPOSE[self.name] = self.transpose  # pylint: disable=protected-access
+    return self
+
+  def __exit__(self, *exc):
+    if self.kwargs is not None:
+      pz_gemma._GEMMA_PRESETS.pop(self.name, None)  # pylint: disable=protected-access
+      pz_gemma._NEEDS_GATING_TRANSPOSE.pop(self.name, None)  # pylint: disable=protected-access
+      _PRESET_LOCK.release()
+    return False
+
+
+class _Releasing(Mapping):
+  """One checkpoint entry (``{"w": array}``) that forgets each array after the
+  converter's last read of it, so converted parameters replace checkpoint
+  arrays instead of accumulating next to them."""
+
+  def __init__(self, arrays: dict[str, Any], reads: Mapping[str, int], on_release: Callable[[], None]):
+    self._arrays = arrays
+    self._left = dict(reads)
+    self._on_release = on_release
+
+  def __getitem__(self, key: str) -> Any:
+    value = self._arrays[key]
+    self._left[key] = self._left.get(key, 1) - 1
+    if self._left[key] <= 0:
+      del self._arrays[key]
+      self._on_release()
+    return value
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._arrays)
+
+  def __len__(self) -> int:
+    return len(self._arrays)
+
+
+class _Counting(Mapping):
+  """Counts the converter's reads of each array (on abstract values)."""
+
+  def __init__(self, arrays: Mapping[str, Any], counts: dict[str, int]):
+    self._arrays, self._counts = arrays, counts
+
+  def __getitem__(self, key: str) -> Any:
+    self._counts[key] = self._counts.get(key, 0) + 1
+    return self._arrays[key]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._arrays)
+
+  def __len__(self) -> int:
+    return len(self._arrays)
+
+
+def _releasing_params(
+    params: dict[str, dict[str, np.ndarray]],
+    name: str,
+    kwargs: dict[str, Any] | None,
+    transpose: bool | None,
+    on_release: Callable[[], None],
+    upcast: bool,
+    layer_stack: bool,
+) -> dict[str, _Releasing]:
+  """Wraps each entry in a `_Releasing`, after counting the converter's reads
+  in a dry run on shapes only (``jax.eval_shape``: nothing is computed)."""
+  counts: dict[str, dict[str, int]] = {k: {} for k in params}
+
+  def dry_run(abstract):
+    counting = {k: _Counting(v, counts[k]) for k, v in abstract.items()}
+    with _registered(name, kwargs, transpose):
+      pz_gemma.gemma_from_pretrained_checkpoint(
+          counting, upcast_activations_to_float32=upcast,
+          use_layer_stack=layer_stack, preset_name=name,
+      )
+
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+  try:
+    jax.eval_shape(dry_run, abstract)
+  except (ValueError, TypeError, KeyError) as e:  # Raised before any array is used.
+    raise GemmaCheckpointError(
+        f"Penzai's Gemma converter cannot build preset {name!r}"
+        f"{'' if kwargs is None else f' ({kwargs})'} from this checkpoint: {e!r}"
+    ) from e
+  result = {}
+  for key in list(params):
+    arrays = params.pop(key)
+    reads = counts[key]
+    unread = [leaf for leaf in arrays if leaf not in reads]
+    for leaf in unread:  # Never used by the converter: drop it now.
+      del arrays[leaf]
+      on_release()
+    result[key] = _Releasing(arrays, reads, on_release)
+  return result
+
+
+def _place(value: Any, target: sharding_lib.Target, label: str) -> Any:
+  """``value`` (a NamedArray) put where ``target`` says, by its axis names."""
+  if isinstance(target, sharding_lib.AxisRules):
+    if isinstance(value, pz.nx.NamedArray):
+      dims = (None,) * len(value.positional_shape) + tuple(value.named_axes)
+    elif isinstance(value, pz.nx.NamedArrayView):
+      dims = [None] * value.data_array.ndim
+      for axis_name, axis in value.data_axis_for_name.items():
+        dims[axis] = axis_name
+      dims = tuple(dims)
+    else:
+      dims = (None,) * np.ndim(value)
+    data = value.data_array if isinstance(value, pz.nx.NamedArrayBase) else value
+    placed = jax.device_put(data, target.sharding(dims, data.shape, what=f"label {label!r}"))
+  else:
+    data = value.data_array if isinstance(value, pz.nx.NamedArrayBase) else value
+    placed = jax.device_put(data, target)
+  if isinstance(value, pz.nx.NamedArrayBase):
+    return dataclasses.replace(value, data_array=placed)
+  return placed

@@ -1,0 +1,628 @@
+"""Hugging Face checkpoints (Llama, Mistral, GPT-NeoX) into Penzai, without torch.
+
+Penzai's own converters (``llama_from_huggingface_model`` and friends) take a
+*torch* model: loading a 7B checkpoint that way needs torch, transformers, and
+the whole model in torch memory before the first array reaches JAX. `load_hf`
+reads the checkpoint folder directly instead: ``config.json`` is mapped to
+Penzai's config objects (``LlamalikeTransformerConfig``,
+``GPTNeoXTransformerConfig``), the model skeleton comes from Penzai's own
+builders, and each safetensors tensor is memory-mapped, reshaped to its
+Penzai layout, cast, placed on its devices and dropped before the next one is
+read, so host memory never holds a second copy of the model.
+
+Configuration fields that change the model's math in ways Penzai's builders
+cannot express (``rope_scaling``, biases in Llama attention, a non-SiLU
+activation...) are refused with `UnsupportedConfigError` naming the field and
+its value; fields that do not change the math (token ids, dropout, the
+transformers version...) are ignored, and any field this module does not know
+is refused too, rather than silently producing a different model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from penzai import pz
+from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import gpt_neox
+from penzai.models.transformer.variants import llamalike_common
+
+from pz_persist import errors
+from pz_persist import sharding as sharding_lib
+from pz_persist.pretrained import safetensors_io
+
+
+class UnsupportedConfigError(errors.PzPersistError, ValueError):
+  """A Hugging Face ``config.json`` asks for something Penzai cannot build.
+
+  Raised for an unsupported ``model_type`` (listing the supported ones) and
+  for a configuration field whose value would change the model's math
+  (naming the field and its value), before any tensor is read.
+  """
+
+
+class CheckpointFolderError(errors.PzPersistError, FileNotFoundError):
+  """The folder is not a usable Hugging Face checkpoint (files missing)."""
+
+
+# Fields of a Hugging Face config that never change a causal LM's forward
+# pass: bookkeeping, token ids, dropout (inactive at inference), generation
+# defaults and the storage dtype (we use the tensors' own dtype).
+_IGNORED_FIELDS = frozenset({
+    "_attn_implementation_autoset", "_name_or_path", "add_cross_attention",
+    "architectures", "attention_dropout", "bad_words_ids", "begin_suppress_tokens",
+    "bos_token_id", "chunk_size_feed_forward", "classifier_dropout",
+    "cross_attention_hidden_size", "decoder_start_token_id", "diversity_penalty",
+    "do_sample", "dtype", "early_stopping", "embd_pdrop", "encoder_no_repeat_ngram_size",
+    "eos_token_id", "exponential_decay_length_penalty", "finetuning_task",
+    "forced_bos_token_id", "forced_eos_token_id", "hidden_dropout", "id2label",
+    "initializer_range", "is_decoder", "is_encoder_decoder", "label2id",
+    "length_penalty", "max_length", "max_position_embeddings", "min_length",
+    "model_type", "no_repeat_ngram_size", "num_beam_groups", "num_beams",
+    "num_return_sequences", "output_attentions", "output_hidden_states",
+    "output_scores", "pad_token_id", "prefix", "pretraining_tp", "problem_type",
+    "pruned_heads", "remove_invalid_values", "repetition_penalty", "return_dict",
+    "return_dict_in_generate", "sep_token_id", "suppress_tokens", "task_specific_params",
+    "temperature", "tf_legacy_loss", "tie_encoder_decoder", "tokenizer_class",
+    "top_k", "top_p", "torch_dtype", "torchscript", "transformers_version",
+    "typical_p", "use_bfloat16", "use_cache", "attn_implementation",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorSpec:
+  """How one Penzai parameter is made from one Hugging Face tensor.
+
+  Attributes:
+    label: The Penzai parameter label (``transformer/...``).
+    source: The Hugging Face tensor name.
+    shape: The shape to reshape the tensor to (Penzai's layout).
+    axes: The axis names of the reshaped tensor, in order.
+    take: ``(dimension, index)`` to select one slice of the reshaped tensor
+      (GPT-NeoX stores query, key and value fused); that dimension is removed
+      from ``shape``/``axes`` afterwards, so ``axes`` describes the result.
+  """
+
+  label: str
+  source: str
+  shape: tuple[int, ...]
+  axes: tuple[str, ...]
+  take: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """A model skeleton (parameter slots) and how to fill each slot."""
+
+  skeleton: model_parts.TransformerLM
+  tensors: tuple[_TensorSpec, ...]
+
+
+class _Config:
+  """A ``config.json`` dict that records which fields were consulted.
+
+  Builders read fields through `get` / `require`; `check_all_used` then
+  refuses any field nobody read that is not known to be harmless, so a new
+  Hugging Face option is an error rather than a silently different model.
+  """
+
+  def __init__(self, raw: Mapping[str, Any], where: str):
+    self.raw = dict(raw)
+    self.where = where
+    self.used: set[str] = set()
+
+  def get(self, key: str, default: Any = None) -> Any:
+    self.used.add(key)
+    value = self.raw.get(key)
+    return default if value is None else value
+
+  def require(self, key: str) -> Any:
+    self.used.add(key)
+    if self.raw.get(key) is None:
+      raise UnsupportedConfigError(f"{self.where}: required field {key!r} is missing.")
+    return self.raw[key]
+
+  def expect(self, key: str, allowed: Any, default: Any = None, why: str = "") -> Any:
+    """Reads ``key`` and refuses any value not in ``allowed``."""
+    value = self.get(key, default)
+    if value not in allowed:
+      supported = ", ".join(sorted(map(repr, allowed)))
+      raise self.unsupported(key, value, f"supported: {supported}" + why)
+    return value
+
+  def unsupported(self, key: str, value: Any, why: str) -> UnsupportedConfigError:
+    return UnsupportedConfigError(
+        f"{self.where}: {key}={value!r} is not supported by pz_persist's"
+        f" Hugging Face loader ({why}); nothing was loaded, rather than risk a"
+        " converted model that computes something different."
+    )
+
+  def check_all_used(self) -> None:
+    unknown = {
+        k: v for k, v in self.raw.items() if k not in self.used and k not in _IGNORED_FIELDS
+    }
+    if unknown:
+      key, value = next(iter(unknown.items()))
+      raise self.unsupported(
+          key, value,
+          f"unknown configuration field{'s' if len(unknown) > 1 else ''}"
+          f" {sorted(unknown)}; it may change the model's math",
+      )
+
+
+def _rope(cfg: _Config, default_theta: float) -> tuple[float, float]:
+  """RoPE base wavelength and partial-rotary fraction, refusing scaled RoPE.
+
+  transformers < 5 writes ``rope_theta`` and ``rope_scaling``; transformers 5
+  writes ``rope_parameters`` (``rope_type``, ``rope_theta``,
+  ``partial_rotary_factor``). Penzai's ``ApplyRoPE`` implements only the
+  original ("default") rotary embedding, so any other rope type (linear,
+  dynamic, yarn, llama3...) is an error.
+  """
+  for key in ("rope_scaling", "rope_parameters"):
+    params = cfg.get(key)
+    if params is None:
+      continue
+    if not isinstance(params, dict):
+      raise cfg.unsupported(key, params, "expected a JSON object")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    extra = set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    if rope_type != "default" or extra:
+      raise cfg.unsupported(
+          key, params, "Penzai implements only unscaled ('default') RoPE"
+      )
+  params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+  theta = params.get("rope_theta", cfg.get("rope_theta", default_theta))
+  fraction = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+  return float(theta), float(fraction)
+
+
+def _bool_field(cfg: _Config, key: str, default: bool, supported: bool, why: str) -> None:
+  value = cfg.get(key, default)
+  if bool(value) != supported:
+    raise cfg.unsupported(key, value, why)
+
+
+def _lm_head_source(cfg: _Config, names: set[str], head: str, embed: str) -> str:
+  """The tensor holding the output projection, honouring tied embeddings.
+
+  Penzai's ``tie_embedder_and_logits`` also rescales the input embeddings by
+  sqrt(embedding_dim) (a Gemma convention), so tied Llama-style models are
+  built untied, with the embedding table loaded a second time as the head.
+  """
+  tied = bool(cfg.get("tie_word_embeddings", False))
+  if tied:
+    return embed
+  if head not in names:
+    raise cfg.unsupported(
+        "tie_word_embeddings", cfg.raw.get("tie_word_embeddings"),
+        f"the checkpoint has no {head!r} tensor, so the output projection"
+        " would be missing; set tie_word_embeddings=true if it is tied",
+    )
+  return head
+
+
+def llama_plan(cfg: _Config, names: set[str], dtype: Any, sliding: bool = False) -> _Plan:
+  """Maps a Llama (or, with ``sliding``, Mistral) checkpoint to Penzai.
+
+  Penzai's llama-like transformer splits attention heads into
+  ``head_groups`` (the key/value heads) and ``query_heads`` (query heads per
+  group), dropping an axis of size one, so the fused ``q_proj`` /``k_proj``
+  /``v_proj``/``o_proj`` matrices are reshaped accordingly; Hugging Face's
+  grouped-query attention uses key/value head ``h // group_size`` for query
+  head ``h``, which is exactly a (groups, per-group) row-major split.
+  """
+  hidden = int(cfg.require("hidden_size"))
+  heads = int(cfg.require("num_attention_heads"))
+  kv_heads = int(cfg.get("num_key_value_heads", heads))
+  if heads % kv_heads:
+    raise cfg.unsupported(
+        "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}"
+    )
+  head_dim = int(cfg.get("head_dim", hidden // heads))
+  theta, fraction = _rope(cfg, 10_000.0)
+  if fraction != 1.0:
+    raise cfg.unsupported(
+        "partial_rotary_factor", fraction, "Llama-style RoPE covers every dimension"
+    )
+  cfg.expect("hidden_act", {"silu"}, "silu", why="; Penzai's llama-like MLP is SwiGLU")
+  _bool_field(cfg, "attention_bias", False, False, "Penzai's llama-like attention has no biases")
+  _bool_field(cfg, "mlp_bias", False, False, "Penzai's llama-like MLP has no biases")
+  head_source = _lm_head_source(cfg, names, "lm_head.weight", "model.embed_tokens.weight")
+  if sliding:
+    # transformers' MistralConfig defaults to a 4096-token window when the
+    # field is absent; an explicit null means global attention.
+    window = cfg.get("sliding_window") if "sliding_window" in cfg.raw else 4096
+    attention = (
+        llamalike_common.AttentionTypeGlobalCausal()
+        if window is None
+        else llamalike_common.AttentionTypeSlidingWindowCausal(int(window))
+    )
+  else:
+    attention = llamalike_common.AttentionTypeGlobalCausal()
+  config = llamalike_common.LlamalikeTransformerConfig(
+      num_kv_heads=kv_heads,
+      query_head_multiplier=heads // kv_heads,
+      embedding_dim=hidden,
+      projection_dim=head_dim,
+      mlp_hidden_dim=int(cfg.require("intermediate_size")),
+      num_decoder_blocks=int(cfg.require("num_hidden_layers")),
+      vocab_size=int(cfg.require("vocab_size")),
+      mlp_variant="swiglu",
+      tie_embedder_and_logits=False,
+      rope_wavelength=theta,
+      rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+      attention_type=attention,
+      parameter_dtype=dtype,
+      activation_dtype=dtype,
+  )
+  cfg.check_all_used()
+  skeleton = llamalike_common.build_llamalike_transformer(config, init_base_rng=None)
+
+  groups, per_group = kv_heads, heads // kv_heads
+  if per_group == 1:
+    q_heads: dict[str, int] = {"heads": kv_heads}
+    kv_axes: dict[str, int] = {"heads": kv_heads}
+  elif kv_heads == 1:
+    q_heads, kv_axes = {"query_heads": per_group}, {}
+  else:
+    q_heads, kv_axes = {"head_groups": groups, "query_heads": per_group}, {"head_groups": groups}
+
+  def proj(label: str, source: str, head_axes: dict[str, int], output: bool = False) -> _TensorSpec:
+    """An attention matrix: (heads..., projection, embedding) or its transpose."""
+    shape = (*head_axes.values(), head_dim)
+    axes = (*head_axes, "projection")
+    if output:
+      return _TensorSpec(label, source, (hidden, *shape), ("embedding", *axes))
+    return _TensorSpec(label, source, (*shape, hidden), (*axes, "embedding"))
+
+  mlp = config.mlp_hidden_dim
+  vocab = config.vocab_size
+  specs = [
+      _TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
+                  (vocab, hidden), ("vocabulary", "embedding")),
+      _TensorSpec("transformer/final_norm/scale.weights", "model.norm.weight",
+                  (hidden,), ("embedding",)),
+      _TensorSpec("transformer/lm_head.weights", head_source,
+                  (vocab, hidden), ("vocabulary", "embedding")),
+  ]
+  for i in range(config.num_decoder_blocks):
+    p, s = f"transformer/block_{i}/", f"model.layers.{i}."
+    specs += [
+        _TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
+                    (hidden,), ("embedding",)),
+        _TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
+                    (hidden,), ("embedding",)),
+        _TensorSpec(p + "mlp/gating_linear.weights", s + "mlp.gate_proj.weight",
+                    (mlp, hidden), ("neurons", "embedding")),
+        _TensorSpec(p + "mlp/value_linear.weights", s + "mlp.up_proj.weight",
+                    (mlp, hidden), ("neurons", "embedding")),
+        _TensorSpec(p + "mlp/out_linear.weights", s + "mlp.down_proj.weight",
+                    (hidden, mlp), ("embedding", "neurons")),
+        proj(p + "attention/query.weights", s + "self_attn.q_proj.weight", q_heads),
+        proj(p + "attention/key.weights", s + "self_attn.k_proj.weight", kv_axes),
+        proj(p + "attention/value.weights", s + "self_attn.v_proj.weight", kv_axes),
+        proj(p + "attention/output.weights", s + "self_attn.o_proj.weight", q_heads, output=True),
+    ]
+  return _Plan(skeleton, tuple(specs))
+
+
+def mistral_plan(cfg: _Config, names: set[str], dtype: Any) -> _Plan:
+  """Maps a Mistral checkpoint: Llama's layout plus sliding-window attention.
+
+  Penzai's ``ApplyCausalSlidingWindowAttentionMask`` masks keys ``window`` or
+  more positions back, as Hugging Face does. (Penzai's KV-cache sampling does
+  not apply the window; full-sequence calls do.)
+  """
+  return llama_plan(cfg, names, dtype, sliding=True)
+
+
+_NEOX_ACTIVATIONS = {
+    "gelu": "gelu_exact",
+    "gelu_new": "gelu_approx",
+    "gelu_pytorch_tanh": "gelu_approx",
+    "relu": "relu",
+    "silu": "silu",
+}
+
+
+def gpt_neox_plan(cfg: _Config, names: set[str], dtype: Any) -> _Plan:
+  """Maps a GPT-NeoX (Pythia) checkpoint to Penzai.
+
+  GPT-NeoX fuses query, key and value into one ``query_key_value`` matrix
+  whose rows are ordered (head, q/k/v, projection): it is reshaped that way
+  and sliced three times. Penzai's builder uses a default epsilon for the
+  final layer norm; it is set to ``layer_norm_eps`` here, as Hugging Face
+  does.
+  """
+  hidden = int(cfg.require("hidden_size"))
+  heads = int(cfg.require("num_attention_heads"))
+  head_dim = hidden // heads
+  if "head_dim" in cfg.raw and cfg.get("head_dim") not in (None, head_dim):
+    raise cfg.unsupported(
+        "head_dim", cfg.raw["head_dim"],
+        f"GPT-NeoX uses hidden_size // num_attention_heads = {head_dim}",
+    )
+  theta, fraction = _rope(cfg, float(cfg.get("rotary_emb_base", 10_000.0)))
+  fraction = float(cfg.get("rotary_pct", fraction))
+  act = cfg.expect("hidden_act", set(_NEOX_ACTIVATIONS), "gelu")
+  _bool_field(cfg, "use_parallel_residual", True, True,
+              "Penzai's GPT-NeoX block is the parallel-residual formulation")
+  _bool_field(cfg, "attention_bias", True, True,
+              "Penzai's GPT-NeoX attention always has biases")
+  eps = float(cfg.get("layer_norm_eps", 1e-5))
+  head_source = _lm_head_source(cfg, names, "embed_out.weight", "gpt_neox.embed_in.weight")
+  config = gpt_neox.GPTNeoXTransformerConfig(
+      num_attention_heads=heads,
+      embedding_dim=hidden,
+      projection_dim=head_dim,
+      mlp_hidden_dim=int(cfg.require("intermediate_size")),
+      num_decoder_blocks=int(cfg.require("num_hidden_layers")),
+      vocab_size=int(cfg.require("vocab_size")),
+      activation_fn=_NEOX_ACTIVATIONS[act],
+      rope_subset_size=int(fraction * head_dim),
+      rope_wavelength=theta,
+      layernorm_epsilon=eps,
+      parameter_dtype=dtype,
+      activation_dtype=dtype,
+  )
+  cfg.check_all_used()
+  skeleton = gpt_neox.build_gpt_neox_transformer(config, init_base_rng=None)
+  skeleton = (
+      pz.select(skeleton)
+      .at_instances_of(pz.nn.Standardize)
+      .apply(lambda s: dataclasses.replace(s, epsilon=eps))
+  )
+
+  mlp, vocab = config.mlp_hidden_dim, config.vocab_size
+  specs = [
+      _TensorSpec("transformer/embedder.embeddings", "gpt_neox.embed_in.weight",
+                  (vocab, hidden), ("vocabulary", "embedding")),
+      _TensorSpec("transformer/final_norm/scale.weights", "gpt_neox.final_layer_norm.weight",
+                  (hidden,), ("embedding",)),
+      _TensorSpec("transformer/final_norm/shift.bias", "gpt_neox.final_layer_norm.bias",
+                  (hidden,), ("embedding",)),
+      _TensorSpec("transformer/lm_head.weights", head_source,
+                  (vocab, hidden), ("vocabulary", "embedding")),
+  ]
+  for i in range(config.num_decoder_blocks):
+    p, s = f"transformer/block_{i}/", f"gpt_neox.layers.{i}."
+    specs += [
+        _TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
+                    (hidden,), ("embedding",)),
+        _TensorSpec(p + "pre_attention_norm/shift.bias", s + "input_layernorm.bias",
+                    (hidden,), ("embedding",)),
+        _TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
+                    (hidden,), ("embedding",)),
+        _TensorSpec(p + "pre_ffw_norm/shift.bias", s + "post_attention_layernorm.bias",
+                    (hidden,), ("embedding",)),
+        _TensorSpec(p + "mlp/in/Linear.weights", s + "mlp.dense_h_to_4h.weight",
+                    (mlp, hidden), ("neurons", "embedding")),
+        _TensorSpec(p + "mlp/in/AddBias.bias", s + "mlp.dense_h_to_4h.bias",
+                    (mlp,), ("neurons",)),
+        _TensorSpec(p + "mlp/out/Linear.weights", s + "mlp.dense_4h_to_h.weight",
+                    (hidden, mlp), ("embedding", "neurons")),
+        _TensorSpec(p + "mlp/out/AddBias.bias", s + "mlp.dense_4h_to_h.bias",
+                    (hidden,), ("embedding",)),
+        _TensorSpec(p + "attention/output/Linear.weights", s + "attention.dense.weight",
+                    (hidden, heads, head_dim), ("embedding", "heads", "projection")),
+        _TensorSpec(p + "attention/output/AddBias.bias", s + "attention.dense.bias",
+                    (hidden,), ("embedding",)),
+    ]
+    for index, which in enumerate(("query", "key", "value")):
+      specs += [
+          _TensorSpec(p + f"attention/{which}/Linear.weights",
+                      s + "attention.query_key_value.weight",
+                      (heads, 3, head_dim, hidden), ("heads", "projection", "embedding"),
+                      take=(1, index)),
+          _TensorSpec(p + f"attention/{which}/AddBias.bias",
+                      s + "attention.query_key_value.bias",
+                      (heads, 3, head_dim), ("heads", "projection"), take=(1, index)),
+      ]
+  return _Plan(skeleton, tuple(specs))
+
+
+Builder = Callable[[_Config, set, Any], _Plan]
+
+BUILDERS: dict[str, Builder] = {
+    "llama": llama_plan,
+    "mistral": mistral_plan,
+    "gpt_neox": gpt_neox_plan,
+}
+"""The supported ``model_type`` values of ``config.json`` and their mappings."""
+
+
+def _open_folder(path: str) -> tuple[dict[str, Any], dict[str, safetensors_io.SafetensorsFile]]:
+  """Reads ``config.json`` and opens the safetensors files (headers only).
+
+  Returns the config and ``{tensor name: file}``. A sharded checkpoint's
+  ``model.safetensors.index.json`` says which file holds which tensor; every
+  tensor it names must really be in that file.
+  """
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise CheckpointFolderError(
+        f"{path} is not a Hugging Face checkpoint folder: it has no config.json."
+    )
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      raw_config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise UnsupportedConfigError(f"{config_path} is not valid JSON ({e}).") from e
+  if not isinstance(raw_config, dict):
+    raise UnsupportedConfigError(f"{config_path} is not a JSON object.")
+
+  index_path = os.path.join(path, "model.safetensors.index.json")
+  single = os.path.join(path, "model.safetensors")
+  where: dict[str, safetensors_io.SafetensorsFile] = {}
+  if os.path.isfile(index_path):
+    try:
+      with open(index_path, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise safetensors_io.SafetensorsFormatError(
+          f"{index_path} is malformed: it needs a 'weight_map' object ({e!r})."
+      ) from e
+    if not isinstance(weight_map, dict):
+      raise safetensors_io.SafetensorsFormatError(
+          f"{index_path} is malformed: its 'weight_map' is not an object."
+      )
+    files: dict[str, safetensors_io.SafetensorsFile] = {}
+    for name, filename in weight_map.items():
+      if not isinstance(filename, str) or os.path.basename(filename) != filename:
+        raise safetensors_io.SafetensorsFormatError(
+            f"{index_path}: tensor {name!r} maps to {filename!r}, which is not"
+            " a file name in the checkpoint folder."
+        )
+      if filename not in files:
+        file_path = os.path.join(path, filename)
+        if not os.path.isfile(file_path):
+          raise CheckpointFolderError(
+              f"{index_path} names {filename}, which is missing from {path}."
+          )
+        files[filename] = safetensors_io.SafetensorsFile(file_path)
+      if name not in files[filename].entries:
+        raise safetensors_io.SafetensorsFormatError(
+            f"{index_path} puts tensor {name!r} in {files[filename].path}, which"
+            " does not hold it."
+        )
+      where[name] = files[filename]
+  elif os.path.isfile(single):
+    file = safetensors_io.SafetensorsFile(single)
+    where = {name: file for name in file.entries}
+  else:
+    raise CheckpointFolderError(
+        f"{path} has no model.safetensors nor model.safetensors.index.json"
+        " (only safetensors checkpoints are supported; PyTorch .bin files"
+        " would need torch to read)."
+    )
+  return raw_config, where
+
+
+def _placement(sharding: sharding_lib.Target):
+  """A function giving the sharding of an array from its axis names."""
+  if isinstance(sharding, sharding_lib.AxisRules):
+    return lambda axes, shape, label: sharding.sharding(tuple(axes), tuple(shape), what=label)
+  target = sharding or sharding_lib.default_sharding()
+  return lambda axes, shape, label: target
+
+
+def load_hf(
+    path: str | os.PathLike[str],
+    *,
+    dtype: Any = None,
+    sharding: sharding_lib.Target = None,
+) -> model_parts.TransformerLM:
+  """Loads a Hugging Face Llama, Mistral or GPT-NeoX checkpoint as a Penzai model.
+
+  Needs neither torch nor transformers: ``config.json`` is read as JSON and
+  the weights with a safetensors parser. Tensors are read one at a time
+  (memory-mapped), reshaped to Penzai's named-axis layout, cast, put on their
+  devices and dropped, so the host never holds a second copy of the model.
+  The result is the same model Penzai's ``*_from_huggingface_model``
+  converters build (labels ``transformer/...``), with mutable parameters.
+
+  Example::
+
+    path = huggingface_hub.snapshot_download("EleutherAI/pythia-70m")
+    model = pzp.pretrained.load_hf(path, dtype=jnp.bfloat16)
+    tokens = pz.nx.wrap(jnp.array([[1, 2, 3]]), "batch", "seq")
+    logits = model(tokens)  # named axes: batch, seq, vocabulary
+
+  Args:
+    path: A checkpoint folder: ``config.json`` plus ``model.safetensors``, or
+      ``model-0000x-of-0000y.safetensors`` files with
+      ``model.safetensors.index.json``.
+    dtype: Cast every parameter to this dtype, which is also the activation
+      dtype (default: the checkpoint's own floating dtype).
+    sharding: Where each array goes: a ``jax.sharding.Sharding`` for all
+      arrays, or `pz_persist.AxisRules` mapping Penzai axis names
+      (``embedding``, ``heads``, ``head_groups``, ``query_heads``,
+      ``projection``, ``neurons``, ``vocabulary``) to mesh axes. Default: the
+      first local device.
+
+  Returns:
+    A ``penzai.models.transformer.model_parts.TransformerLM``.
+
+  Raises:
+    UnsupportedConfigError: an unsupported ``model_type`` (the message lists
+      the supported ones) or a configuration field that would change the
+      model's math, naming the field and its value. Raised before any tensor
+      is read.
+    CheckpointFolderError: ``config.json`` or the weight files are missing.
+    SafetensorsFormatError: a weight file is truncated or malformed, or lacks
+      a tensor the model needs or has one of the wrong shape (naming the file
+      and the tensor).
+  """
+  path = os.fspath(path)
+  raw_config, where = _open_folder(path)
+  model_type = raw_config.get("model_type")
+  if model_type not in BUILDERS:
+    raise UnsupportedConfigError(
+        f"{os.path.join(path, 'config.json')}: model_type={model_type!r} is not"
+        f" supported; pz_persist.pretrained.load_hf supports {sorted(BUILDERS)}"
+        " (use pz_persist.pretrained.load_gemma for Gemma's Flax checkpoints)."
+    )
+  names = set(where)
+  if dtype is None:
+    dtype = _stored_float_dtype(where)
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
+  cfg = _Config(raw_config, os.path.join(path, "config.json"))
+  plan = BUILDERS[model_type](cfg, names, dtype)
+
+  place = _placement(sharding)
+  params = []
+  for spec in plan.tensors:
+    params.append(pz.Parameter(value=_read(spec, where, dtype, place), label=spec.label))
+  model = pz.bind_variables(plan.skeleton, params)
+  pz.nn.assert_no_parameter_slots(model)
+  return model
+
+
+def _stored_float_dtype(where: Mapping[str, safetensors_io.SafetensorsFile]) -> np.dtype:
+  """The checkpoint's floating dtype (of its first floating tensor)."""
+  for name, file in where.items():
+    stored = file.entries[name][0]
+    if jnp.issubdtype(stored, jnp.floating):
+      return stored
+  return np.dtype(np.float32)
+
+
+def _read(
+    spec: _TensorSpec,
+    where: Mapping[str, safetensors_io.SafetensorsFile],
+    dtype: np.dtype,
+    place: Callable[[tuple[str, ...], tuple[int, ...], str], jax.sharding.Sharding],
+) -> pz.nx.NamedArray:
+  """Reads one tensor, lays it out for Penzai, casts it and places it."""
+  file = where.get(spec.source)
+  if file is None:
+    files = sorted({f.path for f in where.values()})
+    raise safetensors_io.SafetensorsFormatError(
+        f"tensor {spec.source!r} (for Penzai parameter {spec.label!r}) is in"
+        f" none of the checkpoint's files {files}."
+    )
+  host = file.get(spec.source)
+  if host.size != int(np.prod(spec.shape)):
+    raise safetensors_io.SafetensorsFormatError(
+        f"safetensors file {file.path}, tensor {spec.source!r}: shape"
+        f" {host.shape} does not fit the config (expected {spec.shape} elements"
+        f" for {spec.label!r})."
+    )
+  host = host.reshape(spec.shape)
+  if spec.take is not None:
+    dim, index = spec.take
+    host = np.take(host, index, axis=dim)
+  host = host.astype(dtype, copy=False)
+  data = jax.device_put(host, place(spec.axes, host.shape, spec.label))
+  del host
+  return pz.nx.NamedArray.wrap(data).tag(*spec.axes)

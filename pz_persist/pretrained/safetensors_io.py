@@ -1,0 +1,428 @@
+"""Safetensors files: a reader for Hugging Face weights, and a Penzai export.
+
+Safetensors is the exchange format of the wider ecosystem (Hugging Face, vLLM,
+llama.cpp converters). Two needs meet here:
+
+* `pz_persist.pretrained.load_hf` reads Hugging Face checkpoints tensor by
+  tensor. `SafetensorsFile` parses the format itself (an 8-byte little-endian
+  header length, a JSON header, then the raw buffer) and memory-maps the
+  buffer, so a tensor is read only when asked for and bfloat16 works with any
+  ``safetensors`` release (its NumPy front end learned bfloat16 late). Every
+  offset, shape and dtype in the header is checked against the file's size
+  first, so a truncated or corrupt file is a `SafetensorsFormatError` naming
+  the file, never a crash or a silently short array.
+* `export_safetensors` writes a Penzai model's variables as one safetensors
+  file that plain ``safetensors`` code can read, and stores what a bare
+  tensor loses (label, axis names, parameter or state variable, metadata) as
+  JSON in the file's ``__metadata__``; `load_safetensors` reads them back into
+  the same NamedArray values, bit for bit.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from penzai import pz
+
+from pz_persist import errors
+
+METADATA_KEY = "pz_persist"
+"""The ``__metadata__`` key under which `export_safetensors` stores its JSON."""
+
+FORMAT_VERSION = 1
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # The limit the safetensors library uses.
+
+# Safetensors dtype codes <-> NumPy dtypes (all little-endian on disk).
+_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype("<u1"),
+    "I8": np.dtype("<i1"),
+    "U16": np.dtype("<u2"),
+    "I16": np.dtype("<i2"),
+    "U32": np.dtype("<u4"),
+    "I32": np.dtype("<i4"),
+    "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_CODES: dict[np.dtype, str] = {dtype.newbyteorder("="): code for code, dtype in _DTYPES.items()}
+
+
+class SafetensorsFormatError(errors.PzPersistError, ValueError):
+  """A safetensors file is malformed, truncated, or lacks what was asked of it.
+
+  The message always names the file (and the tensor, when one is at fault).
+  """
+
+
+class SafetensorsFile:
+  """One safetensors file, memory-mapped; tensors are read one at a time.
+
+  Only the header is read on construction (and fully validated against the
+  file size); `get` returns a read-only NumPy view of the mapped bytes, so
+  reading a tensor costs no memory until its pages are touched, and dropping
+  the view releases them.
+
+  Attributes:
+    path: The file.
+    metadata: The header's ``__metadata__`` (str to str), or ``{}``.
+    entries: ``{tensor name: (dtype, shape, begin, end)}``, offsets relative
+      to the start of the data buffer.
+  """
+
+  def __init__(self, path: str | os.PathLike[str]):
+    self.path = os.fspath(path)
+    try:
+      size = os.path.getsize(self.path)
+      with open(self.path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+          raise self._error(f"is {size} bytes long, too short for a header")
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+          raise self._error(
+              f"declares a {header_len}-byte header but the file is {size}"
+              " bytes long (truncated or not a safetensors file)"
+          )
+        raw_header = f.read(header_len)
+    except OSError as e:
+      raise SafetensorsFormatError(f"cannot read safetensors file {self.path}: {e}") from e
+    try:
+      header = json.loads(raw_header.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise self._error(f"has a header that is not JSON ({e})") from e
+    if not isinstance(header, dict):
+      raise self._error("has a header that is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+      raise self._error("has a __metadata__ that is not a str-to-str mapping")
+    self.metadata: dict[str, str] = metadata
+    self._data_start = 8 + header_len
+    data_size = size - self._data_start
+    self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+    for name, info in header.items():
+      self.entries[name] = self._check_entry(name, info, data_size)
+    self._mmap: np.memmap | None = None
+
+  def _error(self, what: str, name: str | None = None) -> SafetensorsFormatError:
+    where = f"safetensors file {self.path}" + (f", tensor {name!r}," if name else "")
+    return SafetensorsFormatError(f"{where} {what}.")
+
+  def _check_entry(self, name: str, info: Any, data_size: int):
+    """Validates one header entry, so that `get` can never read out of bounds."""
+    if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
+      raise self._error("has a malformed header entry", name)
+    code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if code not in _DTYPES:
+      raise self._error(
+          f"has dtype {code!r}, which is not one of {sorted(_DTYPES)}", name
+      )
+    if not isinstance(shape, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+      raise self._error(f"has an invalid shape {shape!r}", name)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+      raise self._error(f"has invalid data offsets {offsets!r}", name)
+    dtype = _DTYPES[code]
+    nbytes = math.prod(shape) * dtype.itemsize
+    begin, end = offsets
+    if end - begin != nbytes:
+      raise self._error(
+          f"has {end - begin} bytes of data for shape {tuple(shape)} {code}"
+          f" ({nbytes} bytes expected)",
+          name,
+      )
+    if end > data_size:
+      raise self._error(
+          f"ends at byte {self._data_start + end} but the file is only"
+          f" {self._data_start + data_size} bytes long (truncated?)",
+          name,
+      )
+    return dtype, tuple(shape), begin, end
+
+  def keys(self) -> list[str]:
+    return list(self.entries)
+
+  def get(self, name: str) -> np.ndarray:
+    """The tensor ``name``, as a read-only view of the memory-mapped file."""
+    if name not in self.entries:
+      raise self._error(f"has no tensor {name!r}")
+    dtype, shape, begin, end = self.entries[name]
+    if begin == end:
+      return np.zeros(shape, dtype)
+    if self._mmap is None:
+      self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+    return self._mmap[self._data_start + begin : self._data_start + end].view(dtype).reshape(shape)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Iterator[tuple[str, Any]] | Mapping[str, Any],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+  """Writes a safetensors file, streaming one array at a time.
+
+  Unlike ``safetensors.numpy.save_file`` this never holds every array on the
+  host at once: shapes and dtypes are taken first (``jax.Array`` and NumPy
+  arrays both have them), then each array is fetched and written in turn. The
+  file is written beside ``path`` and renamed into place, so a failed export
+  never leaves a partial file behind.
+
+  Args:
+    path: The file to write.
+    tensors: ``(name, array)`` pairs, or a mapping.
+    metadata: The ``__metadata__`` strings.
+  """
+  items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+  header: dict[str, Any] = {}
+  if metadata:
+    header["__metadata__"] = dict(metadata)
+  offset = 0
+  for name, array in items:
+    if name in header:
+      raise SafetensorsFormatError(f"two tensors are named {name!r}; names must be unique.")
+    dtype = np.dtype(array.dtype)
+    code = _CODES.get(dtype.newbyteorder("="))
+    if code is None:
+      raise errors.EncodingError(
+          f"tensor {name!r} has dtype {dtype}, which safetensors cannot store"
+          f" (supported: {sorted(_CODES.values())})."
+      )
+    nbytes = math.prod(array.shape) * dtype.itemsize
+    header[name] = {
+        "dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + nbytes]
+    }
+    offset += nbytes
+  raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+  raw += b" " * (-len(raw) % 8)  # The format aligns the data buffer to 8 bytes.
+  path = os.fspath(path)
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".safetensors")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(len(raw).to_bytes(8, "little"))
+      f.write(raw)
+      for _, array in items:
+        host = np.ascontiguousarray(np.asarray(jax.device_get(array)))
+        f.write(host.astype(host.dtype.newbyteorder("<"), copy=False).tobytes())
+        del host
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def _jsonable(value: Any) -> bool:
+  try:
+    return json.loads(json.dumps(value)) == value
+  except (TypeError, ValueError):
+    return False
+
+
+def export_safetensors(model_or_path: Any, out: str | os.PathLike[str]) -> None:
+  """Exports a Penzai model's variables as one safetensors file.
+
+  Tools outside Penzai (and other frameworks) read safetensors; this gives them
+  every parameter and state variable under its label, while the file's
+  ``__metadata__["pz_persist"]`` keeps, as JSON, what `load_safetensors` needs
+  to rebuild the exact Penzai values: each tensor's label, axis names
+  (``null`` for positional axes), kind (``"parameter"`` or
+  ``"state_variable"``) and metadata (kept when it is JSON-able; otherwise
+  dropped and marked ``"metadata_dropped": true``). Dtypes and bits are kept
+  exactly, bfloat16 included.
+
+  Example::
+
+    pzp.export_safetensors(model, "/tmp/model.safetensors")
+    values = pzp.pretrained.load_safetensors("/tmp/model.safetensors")
+    unbound, _ = pz.unbind_variables(model)
+    model = pz.bind_variables(unbound, values)
+
+  Args:
+    model_or_path: A Penzai model (any tree of variables), or the path of a
+      pz_persist checkpoint written by `pz_persist.save_model`.
+    out: The safetensors file to write (replaced if it exists).
+
+  Raises:
+    EncodingError: a label that is not a string (safetensors names tensors by
+      string), an axis name that is not a string, or an unsupported dtype;
+      raised before anything is written.
+  """
+  if isinstance(model_or_path, (str, os.PathLike)):
+    from pz_persist import model as model_lib  # pylint: disable=import-outside-toplevel
+
+    model_or_path = model_lib.load_model(model_or_path)
+  _, variables = pz.unbind_variables(model_or_path, freeze=True)
+  tensors: list[tuple[str, Any]] = []
+  described: dict[str, Any] = {}
+  for var in variables:
+    label = var.label
+    if not isinstance(label, str):
+      raise errors.EncodingError(
+          f"variable label {label!r} is not a string; safetensors names tensors"
+          " by string, so only models whose variables have string labels can"
+          " be exported."
+      )
+    value = var.value
+    if isinstance(value, pz.nx.NamedArrayView):
+      value = value.as_namedarray()
+    if isinstance(value, pz.nx.NamedArray):
+      data = value.data_array
+      named = list(value.named_axes)
+      for name in named:
+        if not isinstance(name, str):
+          raise errors.EncodingError(
+              f"variable {label!r}: axis name {name!r} is not a string."
+          )
+      axes: list[str | None] | None = [None] * (data.ndim - len(named)) + named
+    elif isinstance(value, (jax.Array, np.ndarray, np.generic)):
+      data, axes = value, None
+    else:
+      raise errors.EncodingError(
+          f"variable {label!r} holds a {type(value).__name__}; only arrays and"
+          " NamedArrays can be exported to safetensors."
+      )
+    entry: dict[str, Any] = {
+        "label": label,
+        "axes": axes,
+        "kind": "parameter" if isinstance(var, pz.ParameterValue) else "state_variable",
+    }
+    metadata = dict(var.metadata or {})
+    if _jsonable(metadata):
+      entry["metadata"] = metadata
+    else:
+      entry["metadata_dropped"] = True
+    described[label] = entry
+    tensors.append((label, data))
+  meta = json.dumps({"format_version": FORMAT_VERSION, "tensors": described})
+  write_safetensors(out, tensors, metadata={METADATA_KEY: meta})
+
+
+def load_safetensors(
+    path: str | os.PathLike[str],
+    *,
+    into: Any = None,
+    sharding: jax.sharding.Sharding | None = None,
+) -> Any:
+  """Reads a file written by `export_safetensors` back into Penzai values.
+
+  Returns a tuple of ``pz.ParameterValue`` / ``pz.StateVariableValue`` (each
+  with its label, metadata and a NamedArray with the saved axis names, dtype
+  and bits), which is exactly what ``pz.bind_variables`` takes::
+
+    unbound, _ = pz.unbind_variables(model)
+    model = pz.bind_variables(unbound, pzp.pretrained.load_safetensors(path))
+
+  or, equivalently, ``pzp.pretrained.load_safetensors(path, into=model)``.
+
+  Args:
+    path: The safetensors file.
+    into: A model (bound or with slots) whose variables have exactly the
+      file's labels: the file's values replace them, as new mutable
+      variables, and the new model is returned (the one passed in is not
+      changed). For partial loads, renames
+      or casts use `pz_persist.load_model` on a native checkpoint instead.
+    sharding: Where to put the arrays (default: the first local device).
+
+  Raises:
+    SafetensorsFormatError: the file is malformed, or it has no pz_persist
+      metadata (it was not written by `export_safetensors`; for Hugging Face
+      checkpoints use `pz_persist.pretrained.load_hf`).
+  """
+  file = SafetensorsFile(path)
+  raw = file.metadata.get(METADATA_KEY)
+  if raw is None:
+    raise SafetensorsFormatError(
+        f"safetensors file {file.path} has no {METADATA_KEY!r} metadata: it was"
+        " not written by pz_persist.export_safetensors, so its tensors have no"
+        " labels or axis names to restore (for a Hugging Face checkpoint use"
+        " pz_persist.pretrained.load_hf)."
+    )
+  try:
+    info = json.loads(raw)
+    version = info["format_version"]
+    described = info["tensors"]
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise SafetensorsFormatError(
+        f"safetensors file {file.path}: its {METADATA_KEY!r} metadata is malformed ({e!r})."
+    ) from e
+  if version != FORMAT_VERSION:
+    raise errors.FormatVersionError(
+        f"safetensors file {file.path} has pz_persist format version"
+        f" {version!r}; this pz_persist reads version {FORMAT_VERSION}."
+    )
+  missing = sorted(set(file.entries) ^ set(described))
+  if missing:
+    raise SafetensorsFormatError(
+        f"safetensors file {file.path}: tensors and metadata disagree on {missing}."
+    )
+  sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  values: list[pz.AbstractVariableValue] = []
+  for name, entry in described.items():
+    host = file.get(name)
+    data = jax.device_put(host, sharding)
+    del host
+    axes = entry.get("axes")
+    if axes is None:
+      value: Any = data
+    else:
+      if len(axes) != data.ndim:
+        raise SafetensorsFormatError(
+            f"safetensors file {file.path}, tensor {name!r}: {len(axes)} axis"
+            f" names for {data.ndim} dimensions."
+        )
+      positional = sum(a is None for a in axes)
+      if any(a is None for a in axes[positional:]):
+        raise SafetensorsFormatError(
+            f"safetensors file {file.path}, tensor {name!r}: positional axes"
+            " must come before named ones."
+        )
+      value = pz.nx.NamedArray(
+          named_axes=collections.OrderedDict(
+              zip(axes[positional:], data.shape[positional:])
+          ),
+          data_array=data,
+      )
+    cls = pz.ParameterValue if entry.get("kind") == "parameter" else pz.StateVariableValue
+    values.append(cls(value=value, label=entry["label"], metadata=entry.get("metadata", {})))
+  if into is None:
+    return tuple(values)
+  unbound, current = pz.unbind_variables(into)
+  wanted = {v.label for v in current} | {
+      slot.label
+      for slot in pz.select(unbound)
+      .at_instances_of(pz.ParameterSlot | pz.StateVariableSlot)
+      .get_sequence()
+  }
+  have = {v.label for v in values}
+  if wanted != have:
+    raise SafetensorsFormatError(
+        f"safetensors file {file.path} does not fit the model: missing"
+        f" {sorted(map(str, wanted - have))}, unexpected"
+        f" {sorted(map(str, have - wanted))}."
+    )
+  return pz.bind_variables(unbound, values, unfreeze_as_copy=True)
