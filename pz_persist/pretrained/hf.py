@@ -6,7 +6,7 @@ the whole model in torch memory before the first array reaches JAX. `load_hf`
 reads the checkpoint folder directly instead: ``config.json`` is mapped to
 Penzai's config objects (``LlamalikeTransformerConfig``,
 ``GPTNeoXTransformerConfig``), the model skeleton comes from Penzai's own
-builders, and each safetensors tensor is memory-mapped, reshaped to its
+builders, and each safetensors tensor is read on its own, reshaped to its
 Penzai layout, cast, placed on its devices and dropped before the next one is
 read, so host memory never holds a second copy of the model.
 
@@ -524,7 +524,7 @@ def load_hf(
 
   Needs neither torch nor transformers: ``config.json`` is read as JSON and
   the weights with a safetensors parser. Tensors are read one at a time
-  (memory-mapped), reshaped to Penzai's named-axis layout, cast, put on their
+  (straight into a new array), reshaped to Penzai's named-axis layout, cast, put on their
   devices and dropped, so the host never holds a second copy of the model.
   The result is the same model Penzai's ``*_from_huggingface_model``
   converters build (labels ``transformer/...``), with mutable parameters.

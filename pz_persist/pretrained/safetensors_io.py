@@ -71,12 +71,14 @@ class SafetensorsFormatError(errors.PzPersistError, ValueError):
 
 
 class SafetensorsFile:
-  """One safetensors file, memory-mapped; tensors are read one at a time.
+  """One safetensors file; tensors are read one at a time.
 
   Only the header is read on construction (and fully validated against the
-  file size); `get` returns a read-only NumPy view of the mapped bytes, so
-  reading a tensor costs no memory until its pages are touched, and dropping
-  the view releases them.
+  file size); `get` reads one tensor's bytes straight into a new NumPy array.
+  Why not a memory map: the pages of a mapped file count in the process's
+  resident memory for as long as the map lives, so a model read through one
+  map peaks at about twice its size; reading into fresh arrays keeps the peak
+  at the arrays themselves (the file stays in the OS page cache either way).
 
   Attributes:
     path: The file.
@@ -119,7 +121,6 @@ class SafetensorsFile:
     self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
     for name, info in header.items():
       self.entries[name] = self._check_entry(name, info, data_size)
-    self._mmap: np.memmap | None = None
 
   def _error(self, what: str, name: str | None = None) -> SafetensorsFormatError:
     where = f"safetensors file {self.path}" + (f", tensor {name!r}," if name else "")
@@ -166,15 +167,22 @@ class SafetensorsFile:
     return list(self.entries)
 
   def get(self, name: str) -> np.ndarray:
-    """The tensor ``name``, as a read-only view of the memory-mapped file."""
+    """The tensor ``name``, read into a new array."""
     if name not in self.entries:
       raise self._error(f"has no tensor {name!r}")
     dtype, shape, begin, end = self.entries[name]
+    out = np.empty(shape, dtype)
     if begin == end:
-      return np.zeros(shape, dtype)
-    if self._mmap is None:
-      self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-    return self._mmap[self._data_start + begin : self._data_start + end].view(dtype).reshape(shape)
+      return out
+    try:
+      with open(self.path, "rb") as f:
+        f.seek(self._data_start + begin)
+        read = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+    except OSError as e:
+      raise self._error(f"cannot be read ({e})", name) from e
+    if read != end - begin:
+      raise self._error(f"ended after {read} of {end - begin} bytes (truncated?)", name)
+    return out
 
 
 def write_safetensors(
