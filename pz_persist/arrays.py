@@ -158,6 +158,10 @@ class ArraySpec:
   label: str | None = None
   checksums: tuple[checksums_lib.ShardChecksum, ...] | None = None
 
+  def describe(self) -> str:
+    """How messages name the array: its label and tree path (or its key)."""
+    return f"label {self.label!r} at {self.path}" if self.label else self.path or self.key
+
   @property
   def np_dtype(self) -> np.dtype:
     return SUPPORTED_DTYPES[self.dtype]

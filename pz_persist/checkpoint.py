@@ -340,7 +340,7 @@ def _holds_manifest(directory: epath.Path) -> bool:
   the directory look like no checkpoint at all; found here, it is refused by
   name instead (by `safety.check_contained` or `manifest.read`).
   """
-  if not safety.is_local(directory):
+  if not directories.is_local(directory):
     return manifest_lib.has_manifest(directory)
   return os.path.lexists(os.fspath(manifest_lib.manifest_path(directory)))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 from etils import epath
 
 from pz_persist import arrays as arrays_lib
+from pz_persist import batching
 from pz_persist import checkpoint
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
@@ -187,18 +187,6 @@ def _compare(name: str, a: Any, b: Any) -> ArrayDiff:
   )
 
 
-def _batches(names: list[str], sizes: dict[str, int], budget: int) -> Iterator[list[str]]:
-  batch, used = [], 0
-  for name in names:
-    if batch and used + sizes[name] > budget:
-      yield batch
-      batch, used = [], 0
-    batch.append(name)
-    used += sizes[name]
-  if batch:
-    yield batch
-
-
 def diff(
     path_a: epath.PathLike,
     path_b: epath.PathLike,
@@ -232,7 +220,7 @@ def diff(
   sizes = {n: manifests[0].arrays[names_a[n]].nbytes for n in common}
   handler = orbax_v0.PenzaiCheckpointHandler()
   try:
-    for batch in _batches(common, sizes, batch_bytes):
+    for batch in batching.batches(common, sizes.__getitem__, batch_bytes):
       values = [
           handler.read_arrays(item, manifest, refs={names[n] for n in batch})
           for item, manifest, names in zip(items, manifests, (names_a, names_b))

@@ -37,7 +37,7 @@ def remove_unfinished(target: epath.Path) -> None:
 
 def rmtree(path: epath.Path) -> None:
   """Deletes a directory tree, local or remote (a missing one is fine)."""
-  if _is_local(path):
+  if is_local(path):
     shutil.rmtree(os.fspath(path), ignore_errors=True)
   elif path.exists():
     path.rmtree()
@@ -64,7 +64,7 @@ def identity(path: epath.Path) -> Identity:
   Every save puts a new directory (a new inode, with its own timestamps) at
   the path, so inode and modification/change times tell one from the next.
   """
-  if not _is_local(path):
+  if not is_local(path):
     return ("exists",) if path.exists() else None
   try:
     st = os.stat(os.fspath(path))
@@ -131,7 +131,7 @@ def _parent_locked(path: epath.Path, *, shared: bool = False):
   both succeed, the last one winning.
   """
   fd = None
-  if _is_local(path) and fcntl is not None:
+  if is_local(path) and fcntl is not None:
     with contextlib.suppress(OSError):
       fd = os.open(os.fspath(path.parent), os.O_RDONLY | os.O_DIRECTORY)
       fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
@@ -155,8 +155,12 @@ def _rename_noreplace(src: epath.Path, dst: epath.Path) -> bool:
   return True
 
 
-def _is_local(path: epath.Path) -> bool:
-  return "://" not in os.fspath(path)  # Not gs://, s3://, ...
+def is_local(path: epath.PathLike) -> bool:
+  """Whether ``path`` is on the local file system (not gs://, s3://, ...).
+
+  Only there do renameat2, flock, symlinks and FIFOs exist.
+  """
+  return "://" not in os.fspath(path)
 
 
 _RENAME_NOREPLACE = 1
@@ -171,7 +175,7 @@ def _renameat2(a: epath.Path, b: epath.Path, flags: int) -> bool:
     OSError: for a failure other than "unsupported" (e.g. `FileExistsError`
       with ``RENAME_NOREPLACE``).
   """
-  if not (_is_local(a) and _is_local(b)):
+  if not (is_local(a) and is_local(b)):
     return False
   try:
     renameat2 = ctypes.CDLL(None, use_errno=True).renameat2

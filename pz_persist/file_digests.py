@@ -26,6 +26,7 @@ from typing import Any
 from etils import epath
 
 from pz_persist import checksums
+from pz_persist import directories
 from pz_persist import errors
 
 FILENAME = "pz_persist.files.json"
@@ -33,10 +34,6 @@ MAX_BYTES = 64 * 2**20
 """Larger digest files are refused before parsing."""
 
 _FORMAT = "pz_persist.files"
-
-
-def _is_local(directory: epath.Path) -> bool:
-  return "://" not in os.fspath(directory)
 
 
 def _files(directory: str) -> list[str]:
@@ -53,7 +50,7 @@ def _files(directory: str) -> list[str]:
 
 def write(directory: epath.Path) -> None:
   """Records the size and digest of every file in ``directory`` (local only)."""
-  if not _is_local(directory):
+  if not directories.is_local(directory):
     return  # Remote stores checksum their objects themselves.
   root = os.fspath(directory)
   files = {
@@ -83,7 +80,7 @@ def check(directory: epath.Path) -> tuple[int, list[str]] | None:
   """
   root = os.fspath(directory)
   path = os.path.join(root, FILENAME)
-  if not _is_local(directory) or not os.path.isfile(path):
+  if not directories.is_local(directory) or not os.path.isfile(path):
     return None
   with open(path, "rb") as f:
     raw = f.read(MAX_BYTES + 1)

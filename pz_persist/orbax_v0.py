@@ -34,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from pz_persist import batching
 from pz_persist import checksums
 from pz_persist import encoding
 from pz_persist import errors
@@ -55,18 +56,6 @@ DEFAULT_READ_BATCH_BYTES = 64 * 2**20
 shards). Reading every array at once keeps the read buffer and the final
 array of each alive together, doubling peak memory; batches bound that to
 one batch."""
-
-
-def _batches(keys: list[str], sizes: dict[str, int], budget: int):
-  batch, used = [], 0
-  for key in keys:
-    if batch and used + sizes[key] > budget:
-      yield batch
-      batch, used = [], 0
-    batch.append(key)
-    used += sizes[key]
-  if batch:
-    yield batch
 
 
 def encode_manifest(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
@@ -215,7 +204,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     if wanted:
       stored_metadata = safety.read_stored_metadata(self._arrays, directory)
       safety.check_stored_metadata(wanted, stored_metadata, where=where)
-    batches = list(_batches(list(targets), sizes, self._read_batch_bytes))
+    batches = list(batching.batches(targets, sizes.__getitem__, self._read_batch_bytes))
     stored = {}
     for batch in batches:
       restore_args = {
@@ -275,10 +264,7 @@ def _read_failure(
   text = str(error)
   specs = [spec for spec in manifest.arrays if spec.key in keys]
   named = [spec for spec in specs if spec.key in text] or specs
-  who = ", ".join(
-      f"label {spec.label!r} at {spec.path}" if spec.label else spec.path
-      for spec in named[:5]
-  ) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+  who = ", ".join(spec.describe() for spec in named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
   detail = (text.strip().splitlines() or [type(error).__name__])[0][:400]
   return errors.IntegrityError(
       f"{where}: cannot read the stored array(s) of {who}: the checkpoint's"

@@ -123,7 +123,7 @@ def values(
 
 def describe_damage(spec: arrays_lib.ArraySpec, found: checksums_lib.Check) -> str:
   """One line naming a damaged array: label, tree path, damaged slices."""
-  who = f"label {spec.label!r} at {spec.path}" if spec.label else spec.path
+  who = spec.describe()
   slices = ", ".join(
       "[" + ", ".join(f"{a}:{b}" for a, b in index) + "]"
       for index in found.mismatched[:4]

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from pz_persist import directories
 from pz_persist import errors
 
 MAX_ALLOCATION_BYTES: int | None = None
@@ -50,12 +51,6 @@ _KINDS = {
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
 }
-
-
-def is_local(path: epath.PathLike) -> bool:
-  """Whether ``path`` is on the local file system (symlinks and FIFOs exist
-  only there; object stores have neither)."""
-  return "://" not in os.fspath(path)
 
 
 def _within(path: str, root: str) -> bool:
@@ -81,7 +76,7 @@ def check_contained(directory: epath.PathLike) -> None:
   Raises:
     UnsafeCheckpointError: naming the offending file and where it leads.
   """
-  if not is_local(directory):
+  if not directories.is_local(directory):
     return
   root = os.path.realpath(os.fspath(directory))
   for parent, dirs, files in os.walk(root, followlinks=False):
@@ -154,10 +149,6 @@ def allocation_limit() -> int:
     return 2**50  # Unknown platform: only absurd sizes are refused.
 
 
-def _describe(spec: Any) -> str:
-  return f"label {spec.label!r} at {spec.path}" if spec.label else spec.path or spec.key
-
-
 def check_allocation(
     specs: Collection[Any], sizes: Mapping[str, int], *, where: str,
     limit: int | None = None,
@@ -182,7 +173,7 @@ def check_allocation(
     return
   largest = sorted(specs, key=lambda s: sizes.get(s.key, 0), reverse=True)[:3]
   named = "; ".join(
-      f"{_describe(s)}: {s.dtype}{list(s.shape)}, {sizes.get(s.key, 0)} bytes"
+      f"{s.describe()}: {s.dtype}{list(s.shape)}, {sizes.get(s.key, 0)} bytes"
       for s in largest
   )
   raise errors.UnsafeCheckpointError(
@@ -246,7 +237,7 @@ def check_stored_metadata(
   for spec in specs:
     if spec.key not in stored:
       raise errors.ManifestError(
-          f"{where}: the array of {_describe(spec)} (key {spec.key}) is"
+          f"{where}: the array of {spec.describe()} (key {spec.key}) is"
           " missing from Orbax's metadata."
       )
     meta = stored[spec.key]
@@ -258,7 +249,7 @@ def check_stored_metadata(
     if found is None or found != (spec.shape, spec.storage_dtype):
       stored_text = f"{found[1]}{list(found[0])}" if found else f"{meta!r:.80}"
       raise errors.ManifestError(
-          f"{where}: {_describe(spec)} (key {spec.key}) should be"
+          f"{where}: {spec.describe()} (key {spec.key}) should be"
           f" {spec.storage_dtype}{list(spec.shape)} by the manifest, but the"
           f" stored array is {stored_text}."
       )

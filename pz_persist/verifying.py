@@ -15,10 +15,10 @@ still verifies its files where it can and lists its arrays as unverified.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 from etils import epath
 
+from pz_persist import batching
 from pz_persist import checkpoint
 from pz_persist import errors
 from pz_persist import file_digests
@@ -112,7 +112,12 @@ def verify(
   checked = 0
   handler = orbax_v0.PenzaiCheckpointHandler(read_batch_bytes=read_batch_bytes)
   try:
-    for batch in _batches(manifest, read_batch_bytes):
+    checksummed = [
+        index for index, spec in enumerate(manifest.arrays)
+        if spec.is_stored and spec.checksums is not None
+    ]  # fmt: skip
+    size_of = lambda index: manifest.arrays[index].nbytes  # noqa: E731
+    for batch in batching.batches(checksummed, size_of, read_batch_bytes):
       damaged += _check_batch(handler, item, manifest, batch)
       checked += len(batch)
   finally:
@@ -120,21 +125,6 @@ def verify(
   return VerifyReport(
       str(item), checked, files_checked, tuple(damaged), unverified
   )
-
-
-def _batches(manifest: manifest_lib.Manifest, budget: int) -> Iterator[list[int]]:
-  """Indices of the checksummed arrays, in batches of about ``budget`` bytes."""
-  batch, used = [], 0
-  for index, spec in enumerate(manifest.arrays):
-    if not spec.is_stored or spec.checksums is None:
-      continue
-    if batch and used + spec.nbytes > budget:
-      yield batch
-      batch, used = [], 0
-    batch.append(index)
-    used += spec.nbytes
-  if batch:
-    yield batch
 
 
 def _check_batch(
@@ -155,8 +145,7 @@ def _check_batch(
     if isinstance(e, errors.IntegrityError) and not unreadable:
       return list(e.damaged)  # Checksum mismatches, each named.
     spec = manifest.arrays[batch[0]]
-    who = f"label {spec.label!r} at {spec.path}" if spec.label else spec.path
-    return [f"{who} (key {spec.key}): cannot be read: {_first_line(e.__cause__ or e)}"]
+    return [f"{spec.describe()} (key {spec.key}): cannot be read: {_first_line(e.__cause__ or e)}"]
 
 
 def _first_line(error: BaseException) -> str:
