@@ -9,6 +9,11 @@ axis names and shapes as in a Penzai llamalike model) totalling ``--size``
 bytes of float32. Each method saves and restores the same arrays:
 
 * ``pz_persist``: `pzp.save` / `pzp.load` (no template).
+* ``pz_persist_before``: the same checkpoint format written and read the way
+  pz_persist did before its performance work, through its public Orbax
+  handler: ``PenzaiCheckpointHandler(use_compression=True,
+  direct_reads=False)`` (Orbax's zstd compression, Orbax's restore path in
+  64 MiB batches). It shows the before/after in one run.
 * ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
   restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
 * ``safetensors``: ``safetensors.numpy.save_file`` / ``load_file``.
@@ -17,8 +22,12 @@ bytes of float32. Each method saves and restores the same arrays:
 Every (method, operation) runs in its own process (see ``harness.py``).
 Restores read from a warm page cache (the files were just written); with
 ``--cold`` the page cache is also dropped before one extra restore each, when
-the OS allows it. Printed: throughput, peak RSS above the process's baseline,
-ratios against plain Orbax, and the time of `pzp.inspect`.
+the OS allows it. Printed: throughput, peak RSS above the process's baseline
+(and as a ratio of the data's bytes), speed ratios of pz_persist against
+every other method, save speed against the disk's measured write + fsync
+bandwidth, the time of loading one label into a model
+(``load_model(into=..., only=label)``) against a full restore, and the time
+of `pzp.inspect`.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import harness  # noqa: E402  pylint: disable=wrong-import-position
 
-METHODS = ("pz_persist", "orbax", "safetensors", "numpy")
+METHODS = ("pz_persist", "pz_persist_before", "orbax", "safetensors", "numpy")
 
 
 def transformer_shapes(target_bytes: int) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
@@ -122,6 +131,15 @@ def save_op(method: str, path: str, params):
   if method == "pz_persist":
     import pz_persist as pzp
     return lambda: pzp.save(path, params)
+  if method == "pz_persist_before":
+    import orbax.checkpoint as ocp
+    import pz_persist as pzp
+
+    def op():
+      handler = pzp.PenzaiCheckpointHandler(use_compression=True, direct_reads=False)
+      with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(path, args=pzp.PenzaiSave(params))
+    return op
   if method == "orbax":
     import orbax.checkpoint as ocp
 
@@ -141,6 +159,15 @@ def restore_op(method: str, path: str, target_bytes: int):
   if method == "pz_persist":
     import pz_persist as pzp
     return lambda: _block(pzp.load(path))
+  if method == "pz_persist_before":
+    import orbax.checkpoint as ocp
+    import pz_persist as pzp
+
+    def op():
+      handler = pzp.PenzaiCheckpointHandler(use_compression=True, direct_reads=False)
+      with ocp.Checkpointer(handler) as checkpointer:
+        _block(checkpointer.restore(path, args=pzp.PenzaiRestore()))
+    return op
   if method == "orbax":
     import jax
     import orbax.checkpoint as ocp
@@ -176,7 +203,7 @@ def worker(method: str, operation: str, path: str, target_bytes: int) -> dict:
   if operation == "own_work":
     return own_work(build_params(target_bytes))
   if operation == "paired":
-    return paired(path, target_bytes)
+    return paired(path, target_bytes, methods=method.split(","))
   _warm_up(method)
   if operation == "save":
     params = build_params(target_bytes)
@@ -187,40 +214,73 @@ def worker(method: str, operation: str, path: str, target_bytes: int) -> dict:
   if operation == "inspect":
     import pz_persist as pzp
     return harness.measure(lambda: pzp.inspect(path))
+  if operation == "only":
+    return load_one_label(path, target_bytes)
   raise ValueError(operation)
 
 
-def paired(directory: str, target_bytes: int, rounds: int = 8) -> dict:
-  """pz_persist against plain Orbax in one process, alternating, many rounds.
+def load_one_label(path: str, target_bytes: int, repeats: int = 5) -> dict:
+  """``load_model(path, into=model, only=label)`` for the smallest and the
+  largest label, best of ``repeats``, beside a full restore in this process."""
+  import pz_persist as pzp
+  from penzai import pz
+
+  model = tuple(p.unfreeze_as_copy() for p in build_params(target_bytes, seed=1))
+  by_size = sorted(transformer_shapes(target_bytes),
+                   key=lambda spec: int(np.prod([n for _, n in spec[1]])))
+  labels = {"smallest": by_size[0][0], "largest": by_size[-1][0]}
+
+  def best(fn):
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      _block(fn())
+      times.append(time.perf_counter() - start)
+    return min(times)
+
+  result = {"full_seconds": best(lambda: pzp.load(path))}
+  for name, label in labels.items():
+    loaded = pzp.load_model(path, into=model, only=label)
+    _, variables = pz.unbind_params(loaded)
+    size = next(v.value.data_array.nbytes for v in variables if v.label == label)
+    result[name] = {
+        "label": label,
+        "bytes": size,
+        "seconds": best(lambda label=label: pzp.load_model(path, into=model, only=label)),
+    }
+  return result
+
+
+def paired(directory: str, target_bytes: int, methods: list[str], rounds: int = 8) -> dict:
+  """The methods in one process, taking turns, many rounds.
 
   Separate processes measure memory cleanly, but on a shared machine their
-  times drift by tens of percent between runs. Alternating the two methods
-  in one warm process, in both orders, isolates what pz_persist itself
-  costs. Disk writeback stalls make times bimodal, so the best round is the
-  steadier estimate; the median is shown too.
+  times drift by tens of percent between runs. Taking turns in one warm
+  process, in rotating order, compares the methods under the same
+  conditions. Disk writeback stalls make times bimodal, so the best round is
+  the steadier estimate; the median is shown too.
   """
-  _warm_up("pz_persist")
-  _warm_up("orbax")
+  for method in methods:
+    _warm_up(method)
   params = build_params(target_bytes)
   _block(params)
-  times = {"pz_persist": {"save": [], "restore": []}, "orbax": {"save": [], "restore": []}}
+  times = {method: {"save": [], "restore": []} for method in methods}
   for index in range(rounds):
-    order = ("pz_persist", "orbax") if index % 2 == 0 else ("orbax", "pz_persist")
+    order = methods[index % len(methods):] + methods[:index % len(methods)]
     for method in order:
-      path = os.path.join(directory, f"paired_{method}")
+      path = _path(directory, "paired_" + method)
       _remove(path)
       os.sync()
       start = time.perf_counter()
       save_op(method, path, params)()
       times[method]["save"].append(time.perf_counter() - start)
     for method in order:
-      path = os.path.join(directory, f"paired_{method}")
-      op = restore_op(method, path, target_bytes)
+      op = restore_op(method, _path(directory, "paired_" + method), target_bytes)
       start = time.perf_counter()
       op()
       times[method]["restore"].append(time.perf_counter() - start)
-  for method in times:
-    _remove(os.path.join(directory, f"paired_{method}"))
+  for method in methods:
+    _remove(_path(directory, "paired_" + method))
   return times
 
 
@@ -258,7 +318,7 @@ def own_work(params) -> dict:
 
 
 def _path(directory: str, method: str) -> str:
-  suffix = {"safetensors": ".safetensors", "numpy": ".npz"}.get(method, "")
+  suffix = {"safetensors": ".safetensors", "numpy": ".npz"}.get(method.split("_")[-1], "")
   return os.path.join(directory, method + suffix)
 
 
@@ -351,13 +411,15 @@ def main(argv=None) -> dict:
           (run(method, "inspect") for _ in range(args.repeats)), key=lambda r: r["seconds"]
       )
       entry["own_work"] = run(method, "own_work")
+      entry["only"] = run(method, "only")
     for op in ("save", "restore"):
       entry[op]["median_seconds"] = float(np.median([r["seconds"] for r in runs[method][op]]))
     results["methods"][method] = entry
 
-  if {"pz_persist", "orbax"} <= set(methods):
+  if "pz_persist" in methods and len(methods) > 1:
+    paired_methods = [m for m in methods if m != "numpy"]  # numpy: far slower.
     results["paired"] = harness.run_worker(
-        __file__, ["--worker", "paired", "paired", directory, str(target)]
+        __file__, ["--worker", ",".join(paired_methods), "paired", directory, str(target)]
     )
   results["fsync_write_bytes_per_s"] = fsync_write_bandwidth(directory, min(data_bytes, 2**30))
   report(results)
@@ -372,7 +434,6 @@ def main(argv=None) -> dict:
 def report(results: dict) -> None:
   size = results["size_bytes"]
   methods = results["methods"]
-  base = methods.get("orbax")
   rows = []
   for name, entry in methods.items():
     row = [name]
@@ -386,57 +447,77 @@ def report(results: dict) -> None:
           f"{seconds:.2f} s ({size / seconds / 2**20:.0f} MiB/s)"
           + (f", median {median:.2f} s" if median else "")
       )
-      row.append(harness.format_size(entry[op]["extra_rss"]))
+      extra = entry[op]["extra_rss"]
+      row.append(f"{harness.format_size(extra)} ({extra / size:.2f}x)")
     row.append(harness.format_size(entry["disk_bytes"]))
     rows.append(row)
   harness.print_table(
-      "Throughput and peak memory (RSS above the process baseline)",
+      "Throughput and peak memory (RSS above the process baseline; x: of the data's bytes)",
       ["method", "save", "save peak RSS", "restore (warm)", "restore peak RSS",
        "restore (cold)", "cold peak RSS", "on disk"],
       rows,
   )
-  if base:
+  ours = methods.get("pz_persist")
+  if ours:
     ratio_rows = []
     for name, entry in methods.items():
+      if name == "pz_persist":
+        continue
       ratio_rows.append([
           name,
           *(
-              f"{base[op][key] / entry[op][key]:.2f}x"
+              f"{entry[op][key] / ours[op][key]:.2f}x"
               for op in ("save", "restore")
               for key in ("seconds", "median_seconds")
           ),
       ])
     harness.print_table(
-        "Speed relative to plain Orbax (higher is faster)",
+        "pz_persist's speed relative to each method, fresh processes (above 1: pz_persist is faster)",
         ["method", "save (best)", "save (median)", "restore (best)", "restore (median)"],
         ratio_rows,
     )
   if "paired" in results:
-    paired_times = results["paired"]
+    times = results["paired"]
     rows = []
-    for op in ("save", "restore"):
-      ours, theirs = paired_times["pz_persist"][op], paired_times["orbax"][op]
-      row = [op]
-      for stat in (min, np.median):
-        a, b = float(stat(ours)), float(stat(theirs))
-        row += [f"{a:.2f} s / {b:.2f} s", f"{a / b - 1:+.1%}"]
-      rows.append(row + [len(theirs)])
+    for name in times:
+      if name == "pz_persist":
+        continue
+      row = [name]
+      for op in ("save", "restore"):
+        for stat in (min, np.median):
+          theirs, mine = float(stat(times[name][op])), float(stat(times["pz_persist"][op]))
+          row.append(f"{theirs / mine:.2f}x ({mine:.2f} s vs {theirs:.2f} s)")
+      rows.append(row + [len(times[name]["save"])])
     harness.print_table(
-        "pz_persist vs plain Orbax, alternating in one process",
-        ["operation", "best: pz_persist / Orbax", "difference", "median: pz_persist / Orbax",
-         "difference", "rounds"],
+        "pz_persist's speed relative to each method, taking turns in one process",
+        ["method", "save (best)", "save (median)", "restore (best)", "restore (median)",
+         "rounds"],
         rows,
     )
   fsync = results["fsync_write_bytes_per_s"]
-  print(f"Disk reference: write + fsync {fsync / 2**20:.0f} MiB/s")
-  ours = methods.get("pz_persist", {})
-  if "inspect" in ours:
+  print(f"Disk reference: write + fsync {fsync / 2**20:.0f} MiB/s", end="")
+  if ours:
+    speed = size / ours["save"]["seconds"]
+    print(f"; pz_persist's best save {speed / 2**20:.0f} MiB/s = {speed / fsync:.2f}x of it")
+  else:
+    print()
+  if ours and "inspect" in ours:
     print(f"pz_persist.inspect: {ours['inspect']['seconds'] * 1000:.1f} ms"
           " (reads the manifest only)")
-  if "own_work" in ours:
+  if ours and "only" in ours:
+    only = ours["only"]
+    for name in ("smallest", "largest"):
+      one = only[name]
+      print(
+          f"load_model(into=model, only={one['label']!r}) ({name} label,"
+          f" {harness.format_size(one['bytes'])}): {one['seconds'] * 1000:.1f} ms ="
+          f" {one['seconds'] / only['full_seconds']:.2%} of a full pzp.load"
+          f" ({only['full_seconds']:.2f} s, same process)"
+      )
+  if ours and "own_work" in ours:
     work = ours["own_work"]
     print(
-        f"pz_persist's own work around Orbax (no I/O): save {work['save_seconds'] * 1000:.1f} ms"
+        f"pz_persist's own work around the array I/O (no I/O): save {work['save_seconds'] * 1000:.1f} ms"
         f" ({work['save_seconds'] / ours['save']['seconds']:.2%} of its best save),"
         f" load {work['load_seconds'] * 1000:.1f} ms"
         f" ({work['load_seconds'] / ours['restore']['seconds']:.2%} of its best restore);"

@@ -267,6 +267,24 @@ class ArraySpec:
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
+def _valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
+  """Whether ``entry`` is ``{"index": [[start, stop], ...], ALGORITHM: hex}``
+  naming a slice within ``shape``."""
+  if not isinstance(entry, dict) or set(entry) != {"index", checksums_lib.ALGORITHM}:
+    return False
+  index, digest = entry["index"], entry[checksums_lib.ALGORITHM]
+  if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
+    return False
+  if not isinstance(index, list) or len(index) != len(shape):
+    return False
+  return all(
+      isinstance(pair, list) and len(pair) == 2
+      and all(type(x) is int for x in pair)
+      and 0 <= pair[0] <= pair[1] <= n
+      for pair, n in zip(index, shape)
+  )  # fmt: skip
+
+
 def _checksums_from_json(
     data: Any, shape: tuple[int, ...], where: str
 ) -> tuple[checksums_lib.ShardChecksum, ...] | None:
@@ -277,27 +295,14 @@ def _checksums_from_json(
     raise errors.ManifestError(f"{where}: checksums must be a list.")
   parsed = []
   for i, entry in enumerate(data):
-    bad = errors.ManifestError(
-        f"{where}: checksums[{i}] is not an {checksums_lib.ALGORITHM} digest of a"
-        f" slice of an array of shape {list(shape)}: {str(entry)[:200]}"
-    )
-    if not isinstance(entry, dict) or set(entry) != {"index", checksums_lib.ALGORITHM}:
-      raise bad
+    if not _valid_checksum_entry(entry, shape):
+      raise errors.ManifestError(
+          f"{where}: checksums[{i}] is not an {checksums_lib.ALGORITHM} digest"
+          f" of a slice of an array of shape {list(shape)}: {str(entry)[:200]}"
+      )
     index, digest = entry["index"], entry[checksums_lib.ALGORITHM]
-    if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
-      raise bad
-    if not isinstance(index, list) or len(index) != len(shape):
-      raise bad
-    pairs = []
-    for pair, n in zip(index, shape):
-      if (
-          not isinstance(pair, list) or len(pair) != 2
-          or not all(type(x) is int for x in pair)
-          or not 0 <= pair[0] <= pair[1] <= n
-      ):  # fmt: skip
-        raise bad
-      pairs.append((pair[0], pair[1]))
-    parsed.append(checksums_lib.ShardChecksum(tuple(pairs), digest))
+    pairs = tuple((pair[0], pair[1]) for pair in index)
+    parsed.append(checksums_lib.ShardChecksum(pairs, digest))
   return tuple(parsed)
 
 

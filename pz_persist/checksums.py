@@ -53,12 +53,19 @@ def digest_of(data: Any) -> str:
   return xxhash.xxh3_128_hexdigest(data.reshape(-1).view(np.uint8))
 
 
-def file_digest(path: str, *, chunk_bytes: int = 16 * 2**20) -> str:
-  """The hex digest of a file's bytes, read in chunks (bounded memory)."""
+def file_digest(path: str, *, chunk_bytes: int = 2**20) -> str:
+  """The hex digest of a file's bytes, read in chunks (bounded memory).
+
+  One buffer, small enough to stay in the CPU cache, is reused for every
+  chunk: reading into fresh 16 MiB ``bytes`` objects was 4x slower (each
+  allocation maps new pages, and each chunk leaves the cache before it is
+  hashed).
+  """
   hasher = xxhash.xxh3_128()
-  with open(path, "rb") as f:
-    while chunk := f.read(chunk_bytes):
-      hasher.update(chunk)
+  buffer = memoryview(bytearray(chunk_bytes))
+  with open(path, "rb", buffering=0) as f:
+    while read := f.readinto(buffer):
+      hasher.update(buffer[:read])
   return hasher.hexdigest()
 
 

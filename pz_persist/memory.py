@@ -1,4 +1,7 @@
-"""Handing freed memory back to the operating system between read batches.
+"""Host memory for reads: aligned buffers, and freed memory handed back.
+
+Arrays read from disk land in buffers from `aligned_empty`, which JAX's CPU
+backend adopts as device arrays without a copy.
 
 Reading a batch of arrays allocates read buffers that are freed once the
 arrays are built. glibc's allocator keeps freed memory in per-thread arenas,
@@ -12,6 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+
+import numpy as np
 
 
 @functools.cache
@@ -27,3 +33,21 @@ def release_freed() -> None:
   trim = _malloc_trim()
   if trim is not None:
     trim(0)
+
+
+ALIGNMENT = 64
+"""JAX's CPU backend adopts host buffers aligned to this many bytes."""
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """An uninitialized array whose data starts on a 64-byte boundary.
+
+  Why: JAX's CPU backend adopts such a buffer as a device array without
+  copying it (NumPy's own allocations, and TensorStore's, are only 16-byte
+  aligned, and get copied), so an array read into it reaches the model
+  without a second copy: half the memory traffic and no doubled peak.
+  """
+  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+  raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+  start = -raw.ctypes.data % ALIGNMENT
+  return raw[start : start + nbytes].view(dtype).reshape(shape)

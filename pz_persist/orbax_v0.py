@@ -36,6 +36,7 @@ from etils import epath
 
 from pz_persist import batching
 from pz_persist import checksums
+from pz_persist import direct_read
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import file_digests
@@ -84,7 +85,17 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   Save with `PenzaiSave`; restore with `PenzaiRestore` (or with no arguments
   where Orbax allows it). Options configure the underlying Orbax array
-  handler and default to Orbax's own defaults.
+  handler and default to Orbax's own defaults, except two chosen for speed:
+
+  * ``use_compression=False``: Orbax's default zstd saves about 6% of the
+    space of trained float weights (their low mantissa bits are noise) and
+    halves save and restore speed; checkpoints written compressed (by older
+    versions, or with ``use_compression=True``) still load.
+  * ``direct_reads=True``: loads into one process and onto host memory or a
+    single device read each array straight into its final buffer
+    (`pz_persist.direct_read`); loads onto a mesh or across processes go
+    through Orbax's restore. Both read the same files through the same
+    TensorStore specs.
   """
 
   def __init__(
@@ -92,7 +103,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       *,
       use_ocdbt: bool = True,
       use_zarr3: bool = False,
-      use_compression: bool = True,
+      use_compression: bool = False,
       save_concurrent_gb: int | None = None,
       restore_concurrent_gb: int | None = None,
       multiprocessing_options: ocp.options.MultiprocessingOptions = (
@@ -100,10 +111,12 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       ),
       chunk_byte_size: int | None = DEFAULT_CHUNK_BYTES,
       read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+      direct_reads: bool = True,
   ):
     self._primary_host = multiprocessing_options.primary_host
     self._chunk_byte_size = chunk_byte_size
     self._read_batch_bytes = read_batch_bytes
+    self._direct = direct_reads
     self._arrays = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt,
         use_zarr3=use_zarr3,
@@ -201,6 +214,14 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     # arrays Orbax stored differently from what the manifest promises.
     wanted = [spec for spec in manifest.arrays if spec.key in targets]
     safety.check_allocation(wanted, sizes, where=where)
+    if wanted and self._direct and direct_read.applies(targets):
+      try:
+        stored = direct_read.read(directory, wanted, targets, where=where)
+      except direct_read.ArrayReadError as e:
+        raise _read_failure(manifest, [e.key], where, e.cause) from e.cause
+      return restoring.values(
+          manifest, stored, where=where, target=sharding, refs=refs, verify=verify
+      )
     if wanted:
       stored_metadata = safety.read_stored_metadata(self._arrays, directory)
       safety.check_stored_metadata(wanted, stored_metadata, where=where)

@@ -28,7 +28,10 @@ def test_save_restore_benchmark_runs(tmp_path, capsys):
   results = save_restore.main(["--size", "2MiB", "--repeats", "1", "--dir", str(tmp_path)])
   _check(results, save_restore.METHODS)
   printed = capsys.readouterr().out
-  assert "Speed relative to plain Orbax" in printed and "pz_persist.inspect" in printed
+  assert "pz_persist's speed relative to each method" in printed
+  assert "pz_persist.inspect" in printed and "only=" in printed
+  only = results["methods"]["pz_persist"]["only"]
+  assert only["smallest"]["bytes"] < only["largest"]["bytes"]
 
 
 def test_transformer_shapes_reach_the_requested_size():

@@ -132,8 +132,8 @@ def test_arrays_are_read_in_bounded_batches(ckpt, monkeypatch):
   calls = []
   original = pzp.PenzaiCheckpointHandler.__init__
 
-  def small_batches(self, **kwargs):
-    original(self, **{**kwargs, "read_batch_bytes": 2 * 64 * 64 * 4})
+  def small_batches(self, **kwargs):  # Orbax's path (the direct one reads all).
+    original(self, **{**kwargs, "read_batch_bytes": 2 * 64 * 64 * 4, "direct_reads": False})
 
   monkeypatch.setattr(pzp.PenzaiCheckpointHandler, "__init__", small_batches)
   import orbax.checkpoint as ocp

@@ -34,6 +34,7 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist import memory
 
 METADATA_KEY = "pz_persist"
 """The ``__metadata__`` key under which `export_safetensors` stores its JSON."""
@@ -171,7 +172,7 @@ class SafetensorsFile:
     if name not in self.entries:
       raise self._error(f"has no tensor {name!r}")
     dtype, shape, begin, end = self.entries[name]
-    out = _aligned_empty(shape, dtype)
+    out = memory.aligned_empty(shape, dtype)
     if begin == end:
       return out
     try:
@@ -183,22 +184,6 @@ class SafetensorsFile:
     if read != end - begin:
       raise self._error(f"ended after {read} of {end - begin} bytes (truncated?)", name)
     return out
-
-
-_ALIGNMENT = 64
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-  """An uninitialized array whose data starts on a 64-byte boundary.
-
-  Why: JAX's CPU backend adopts such a buffer as a device array without
-  copying it (NumPy's own allocations are only 16-byte aligned, and get
-  copied), so a tensor read here reaches the model without a second copy.
-  """
-  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-  raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
-  start = -raw.ctypes.data % _ALIGNMENT
-  return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def write_safetensors(

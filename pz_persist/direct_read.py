@@ -1,0 +1,170 @@
+"""The fast path of a load: TensorStore reads straight into the final arrays.
+
+Orbax's restore path serves every case (shardings, many processes, remote
+storage) and pays for it on the commonest one, a model loaded whole into one
+process: its per-call metadata reads, 64 MiB batches, and a ``device_put``
+that copies each array out of TensorStore's 16-byte aligned buffer (JAX's CPU
+backend only adopts 64-byte aligned memory) cost about two thirds of a load.
+
+This module reads the same files, through the same TensorStore specs Orbax
+builds (``ocp.type_handlers.get_json_tspec_read``), so the format, its
+checks and its errors are unchanged; only the destination differs. Each
+array's chunks are copied by TensorStore directly into a 64-byte aligned
+buffer from `pz_persist.memory.aligned_empty`, which then becomes the
+``jax.Array`` (or stays the NumPy array) without another copy. Peak memory
+is the arrays themselves plus the chunks in flight (bounded by
+`IN_FLIGHT_BYTES`).
+
+Which loads take it (`applies`): one process, every array going to host
+memory or to a single device. Loads onto a mesh, or across processes, keep
+Orbax's path, which reads each process's shards only.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
+
+from pz_persist import arrays as arrays_lib
+from pz_persist import errors
+from pz_persist import memory
+from pz_persist import safety
+
+
+IN_FLIGHT_BYTES = 256 * 2**20
+"""Arrays whose reads run at once, by bytes: enough to keep TensorStore's
+threads busy, small enough that the chunk buffers alive at any moment are a
+small fraction of the arrays read (the rest of the peak is the arrays)."""
+
+
+class ArrayReadError(Exception):
+  """Reading the stored array under ``key`` failed (``cause`` says why)."""
+
+  def __init__(self, key: str, cause: BaseException):
+    super().__init__(f"{key}: {cause}")
+    self.key = key
+    self.cause = cause
+
+
+def applies(targets: Mapping[str, jax.sharding.Sharding | None]) -> bool:
+  """Whether a read of ``targets`` (storage key -> placement) can go direct.
+
+  None means a NumPy array; a sharding must put the whole array on one
+  device of this process.
+  """
+  if jax.process_count() != 1:
+    return False
+  return all(
+      target is None
+      or (len(target.device_set) == 1 and target.is_fully_addressable)
+      for target in targets.values()
+  )
+
+
+def read(
+    directory: epath.Path,
+    specs: Sequence[arrays_lib.ArraySpec],
+    targets: Mapping[str, jax.sharding.Sharding | None],
+    *,
+    where: str,
+) -> dict[str, Any]:
+  """Reads the stored arrays of ``specs``: ``{key: array}``.
+
+  Each array is a NumPy array where its target is None, else a ``jax.Array``
+  on the target's device (on CPU, the very buffer read into).
+
+  Raises:
+    IntegrityError: Orbax's ``_METADATA`` cannot be read.
+    ManifestError: a stored array's shape or dtype differs from the manifest
+      (checked before anything is allocated).
+    ArrayReadError: TensorStore failed on one array's files.
+  """
+  use_ocdbt, use_zarr3 = _layout(directory)
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+  opening = {
+      spec.key: ts.open(
+          _read_spec(directory, spec.key, use_zarr3, use_ocdbt, context),
+          context=context,
+          open=True,
+          read=True,
+      )
+      for spec in specs
+  }
+  stores = {key: _result(key, future) for key, future in opening.items()}
+  # What TensorStore will trust when it allocates and copies, checked
+  # against the manifest before a byte of array data is allocated.
+  safety.check_stored_metadata(
+      specs,
+      {
+          key: types.SimpleNamespace(shape=store.shape, dtype=store.dtype.numpy_dtype)
+          for key, store in stores.items()
+      },
+      where=where,
+  )
+  arrays, in_flight = {}, collections.deque()
+  flying_bytes = 0
+  for spec in specs:
+    out = memory.aligned_empty(spec.shape, spec.storage_dtype)
+    arrays[spec.key] = out
+    copy = ts.array(out, copy=False, write=True).write(stores.pop(spec.key))
+    in_flight.append((spec.key, out.nbytes, copy))
+    flying_bytes += out.nbytes
+    while in_flight and flying_bytes > IN_FLIGHT_BYTES:
+      flying_bytes -= _finish(in_flight.popleft())
+  while in_flight:
+    _finish(in_flight.popleft())
+  return {
+      key: out if targets[key] is None else jax.device_put(out, targets[key])
+      for key, out in arrays.items()
+  }
+
+
+def _finish(flight: tuple[str, int, Any]) -> int:
+  key, nbytes, copy = flight
+  _result(key, copy)
+  return nbytes
+
+
+def _result(key: str, future: Any) -> Any:
+  try:
+    return future.result()
+  except (KeyboardInterrupt, MemoryError):
+    raise
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise ArrayReadError(key, e) from e
+
+
+def _layout(directory: epath.Path) -> tuple[bool, bool]:
+  """``(use_ocdbt, use_zarr3)``: how Orbax laid out the stored arrays."""
+  path = directory / "_METADATA"
+  try:
+    stored = json.loads(path.read_text())
+    use_zarr3 = stored.get("use_zarr3", False)
+  except (OSError, ValueError, AttributeError) as e:
+    raise errors.IntegrityError(
+        f"{directory}: Orbax's metadata of the stored arrays (_METADATA)"
+        f" cannot be read; the checkpoint's files are damaged or incomplete"
+        f" ({type(e).__name__}: {str(e)[:400]})",
+        damaged=(f"{path}: cannot be read",),
+    ) from None
+  if not isinstance(use_zarr3, bool):
+    raise errors.ManifestError(f"{path}: use_zarr3 is {use_zarr3!r}, not a bool.")
+  return ocp.type_handlers.is_ocdbt_checkpoint(directory), use_zarr3
+
+
+def _read_spec(
+    directory: epath.Path, key: str, use_zarr3: bool, use_ocdbt: bool, context: ts.Context
+) -> dict[str, Any]:
+  info = ocp.type_handlers.ParamInfo(
+      name=key, parent_dir=directory, use_zarr3=use_zarr3, ts_context=context
+  )
+  return ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)

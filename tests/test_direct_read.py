@@ -1,0 +1,211 @@
+"""The load fast path (`pz_persist.direct_read`) and the storage defaults.
+
+Loads into one process onto host memory or one device read each array
+straight into its final, 64-byte aligned buffer; everything else goes through
+Orbax's restore. Both must give bit-identical trees, and the fast path must
+keep every check of the Orbax path.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorstore as ts
+from penzai import pz
+
+import pz_persist as pzp
+from pz_persist import arrays as arrays_lib
+from pz_persist import direct_read
+from pz_persist import errors
+from pz_persist import manifest as manifest_lib
+from pz_persist import memory
+from treecompare import assert_identical
+
+
+def _tree():
+  """Every storage kind: NamedArrays and views, substituted dtypes, NumPy
+  arrays and scalars, weak types, empty arrays, a multi-chunk array."""
+  rng = np.random.default_rng(0)
+  big = rng.standard_normal((1100, 1024), dtype=np.float32)  # > one 4 MiB chunk.
+  return {
+      "params": (
+          pz.ParameterValue(
+              label="big",
+              value=pz.nx.NamedArray(
+                  named_axes=collections.OrderedDict(rows=1100, cols=1024),
+                  data_array=jnp.asarray(big),
+              ),
+          ),
+          pz.ParameterValue(
+              label="view",
+              value=pz.nx.wrap(jnp.arange(24.0).reshape(2, 3, 4)).tag("a", "b", "c").untag("b"),
+          ),
+      ),
+      "bf16": jnp.linspace(-3, 3, 77, dtype=jnp.bfloat16),
+      "f8": jnp.asarray(np.arange(16).astype(ml_dtypes.float8_e4m3fn)),
+      "int4": jnp.asarray(np.arange(-8, 8).astype(ml_dtypes.int4)),
+      "bool": jnp.asarray([True, False, True]),
+      "complex": jnp.asarray([1 + 2j, 3 - 4j], jnp.complex64),
+      "key": jax.random.key(3),
+      "weak": jnp.asarray(2.5),
+      "empty": jnp.zeros((0, 5)),
+      "numpy": np.arange(12, dtype=np.int16).reshape(3, 4),
+      "numpy_scalar": np.float32(1.5),
+  }
+
+
+def _orbax_path_load(path):
+  handler = pzp.PenzaiCheckpointHandler(direct_reads=False)
+  with ocp.Checkpointer(handler) as checkpointer:
+    return checkpointer.restore(path / "penzai", args=pzp.PenzaiRestore())
+
+
+def _spy(monkeypatch):
+  calls = []
+  real = direct_read.read
+
+  def spy(*args, **kwargs):
+    calls.append(args[1])
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(direct_read, "read", spy)
+  return calls
+
+
+def test_direct_and_orbax_paths_give_identical_trees(ckpt, monkeypatch):
+  tree = _tree()
+  pzp.save(ckpt, tree)
+  calls = _spy(monkeypatch)
+  direct = pzp.load(ckpt)
+  assert len(calls) == 1, "the default load must take the direct path"
+  assert_identical(direct, tree)
+  assert_identical(_orbax_path_load(ckpt), tree)
+  assert len(calls) == 1, "direct_reads=False must not take it"
+
+
+def test_arrays_are_adopted_without_a_copy_on_cpu(ckpt, monkeypatch):
+  pzp.save(ckpt, {"a": jnp.arange(4096.0), "b": jnp.ones((64, 64), jnp.bfloat16)})
+  buffers = []
+  real = memory.aligned_empty
+
+  def recording(shape, dtype):
+    out = real(shape, dtype)
+    buffers.append(out.ctypes.data)
+    return out
+
+  monkeypatch.setattr(memory, "aligned_empty", recording)
+  loaded = pzp.load(ckpt)
+  assert all(address % memory.ALIGNMENT == 0 for address in buffers)
+  # The jax.Arrays are the very buffers TensorStore read into.
+  assert sorted(x.unsafe_buffer_pointer() for x in loaded.values()) == sorted(buffers)
+
+
+def test_only_the_selected_arrays_are_read(ckpt, monkeypatch):
+  model_values = _tree()["params"]
+  pzp.save(ckpt, model_values)
+  model = tuple(p.unfreeze_as_copy() for p in model_values)
+  calls = _spy(monkeypatch)
+  loaded = pzp.load_model(ckpt, into=model, only="view")
+  assert [[spec.label for spec in specs] for specs in calls] == [["view"]]
+  assert_identical(pz.unbind_params(loaded, freeze=True)[1], model_values)
+
+
+def test_which_loads_take_the_direct_path():
+  devices = jax.devices()
+  assert direct_read.applies({"a": None, "b": jax.sharding.SingleDeviceSharding(devices[1])})
+  assert direct_read.applies({})
+  if len(devices) > 1:
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("x",))
+    spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    assert not direct_read.applies({"a": None, "b": spread})
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    assert not direct_read.applies({"b": replicated})
+
+
+def test_single_device_target_other_than_the_default(ckpt, monkeypatch):
+  tree = _tree()
+  pzp.save(ckpt, tree)
+  calls = _spy(monkeypatch)
+  device = jax.devices()[-1]
+  loaded = pzp.load(ckpt, sharding=jax.sharding.SingleDeviceSharding(device))
+  assert len(calls) == 1
+  assert_identical(loaded, tree)
+  assert loaded["bf16"].devices() == {device}
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs several devices")
+def test_mesh_loads_keep_orbax_path(ckpt, monkeypatch):
+  tree = {"w": pz.nx.wrap(jnp.arange(64.0).reshape(8, 8)).tag("rows", "cols")}
+  pzp.save(ckpt, tree)
+  calls = _spy(monkeypatch)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  loaded = pzp.load(ckpt, sharding=pzp.AxisRules(mesh, {"rows": "data"}))
+  assert calls == []
+  assert_identical(loaded, tree)
+  assert len(loaded["w"].data_array.sharding.device_set) == 2
+
+
+def test_checkpoints_written_compressed_still_load(ckpt, monkeypatch):
+  """The default was zstd before; such checkpoints (and ones written with
+  use_compression=True) load through the direct path."""
+  tree = _tree()
+  handler = pzp.PenzaiCheckpointHandler(use_compression=True)
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(ckpt, args=pzp.PenzaiSave(tree))
+  assert _compressor(ckpt) is not None
+  calls = _spy(monkeypatch)
+  assert_identical(pzp.load(ckpt), tree)
+  assert len(calls) == 1
+
+
+def test_arrays_are_stored_uncompressed_by_default(ckpt):
+  pzp.save(ckpt, {"a": jnp.zeros((256, 256))})
+  assert _compressor(ckpt / "penzai") is None
+
+
+def _compressor(item):
+  """The zarr compressor TensorStore finds for the item's first array."""
+  key = next(spec.key for spec in manifest_lib.read(item).arrays if spec.is_stored)
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+  info = ocp.type_handlers.ParamInfo(
+      name=key, parent_dir=item, use_zarr3=False, ts_context=context
+  )
+  spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=True)
+  store = ts.open(spec, context=context).result()
+  return store.spec().to_json()["metadata"]["compressor"]
+
+
+def test_stored_shape_that_differs_from_the_manifest_is_refused_before_reading(ckpt, monkeypatch):
+  pzp.save(ckpt, {"w": jnp.zeros((4, 4))})
+  item = ckpt / "penzai"
+  manifest = manifest_lib.read(item)
+  (spec,) = manifest.arrays
+  allocated = []
+  monkeypatch.setattr(memory, "aligned_empty", lambda *a: allocated.append(a))
+  lying = arrays_lib.ArraySpec(
+      key=spec.key, shape=(4, 5), dtype=spec.dtype, kind=spec.kind, path=spec.path
+  )
+  with pytest.raises(errors.ManifestError, match=r"should be float32\[4, 5\].*stored array is float32\[4, 4\]"):
+    direct_read.read(item, [lying], {spec.key: None}, where=str(item))
+  assert allocated == []
+
+
+def test_unreadable_array_names_its_label(ckpt):
+  pzp.save(ckpt, {"w": pzp_param("weights.w", np.arange(1024.0, dtype=np.float32))})
+  item = ckpt / "penzai"
+  for data_file in (item / "d").iterdir():
+    data_file.write_bytes(b"")  # Truncated: the chunk cannot be read.
+  for data_file in item.glob("ocdbt.process_*/d/*"):
+    data_file.write_bytes(b"")
+  with pytest.raises(errors.IntegrityError, match="weights.w"):
+    pzp.load(ckpt, verify=False)
+
+
+def pzp_param(label, data):
+  return pz.ParameterValue(label=label, value=pz.nx.wrap(jnp.asarray(data)).tag("n"))
