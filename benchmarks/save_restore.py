@@ -13,7 +13,9 @@ bytes of float32. Each method saves and restores the same arrays:
   pz_persist did before its performance work, through its public Orbax
   handler: ``PenzaiCheckpointHandler(use_compression=True,
   direct_reads=False)`` (Orbax's zstd compression, Orbax's restore path in
-  64 MiB batches). It shows the before/after in one run.
+  64 MiB batches). It shows the before/after in one run. (The allocator
+  setting of `pz_persist.memory.reuse_freed_blocks`, made by every
+  ``PenzaiCheckpointHandler``, applies to it too.)
 * ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
   restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
 * ``safetensors``: ``safetensors.numpy.save_file`` / ``load_file``.

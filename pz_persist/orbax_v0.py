@@ -20,7 +20,9 @@ template::
 The arrays are written by Orbax's own ``PyTreeCheckpointHandler`` (TensorStore,
 OCDBT, async, multi-process), as a flat ``{key: array}`` tree, so plain Orbax
 without pz_persist still restores them; the manifest written beside them by
-the primary process is what rebuilds the Penzai tree.
+the primary process is what rebuilds the Penzai tree. Loads into one process
+(host memory or one device) read the same files through the same TensorStore
+specs, but straight into their final buffers (`pz_persist.direct_read`).
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._chunk_byte_size = chunk_byte_size
     self._read_batch_bytes = read_batch_bytes
     self._direct = direct_reads
+    memory.reuse_freed_blocks()  # Saves and loads both churn chunk buffers.
     self._arrays = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt,
         use_zarr3=use_zarr3,
@@ -216,11 +219,13 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     safety.check_allocation(wanted, sizes, where=where)
     if wanted and self._direct and direct_read.applies(targets):
       try:
-        stored = direct_read.read(directory, wanted, targets, where=where)
+        stored = direct_read.read(
+            directory, wanted, targets, where=where, verify=verify
+        )
       except direct_read.ArrayReadError as e:
         raise _read_failure(manifest, [e.key], where, e.cause) from e.cause
-      return restoring.values(
-          manifest, stored, where=where, target=sharding, refs=refs, verify=verify
+      return restoring.values(  # Verified as read.
+          manifest, stored, where=where, target=sharding, refs=refs
       )
     if wanted:
       stored_metadata = safety.read_stored_metadata(self._arrays, directory)

@@ -111,6 +111,12 @@ def values(
         if found.mismatched:
           damaged.append(describe_damage(spec, found))
       result.append(arrays_lib.from_storage(stored[spec.key], spec))
+  raise_if_damaged(damaged, where=where)
+  return result
+
+
+def raise_if_damaged(damaged: Sequence[str], *, where: str) -> None:
+  """Raises `IntegrityError` listing ``damaged`` (lines from `describe_damage`)."""
   if damaged:
     raise errors.IntegrityError(
         f"{where}: {len(damaged)} array(s) do not match the checksums recorded"
@@ -118,7 +124,6 @@ def values(
         " saving):\n  " + "\n  ".join(damaged),
         damaged=tuple(damaged),
     )
-  return result
 
 
 def describe_damage(spec: arrays_lib.ArraySpec, found: checksums_lib.Check) -> str:
