@@ -181,10 +181,12 @@ def load(
       names (default: the first local device).
       Arrays saved as NumPy arrays come back as NumPy arrays.
     verify: Check the bytes of every array read against the checksum
-      recorded when it was saved, before the tree is built. Hashing runs at
-      over 10 GiB/s, a few percent of the load (see the benchmarks README),
-      so it is on by default. Each process checks the saved shards that lie
-      within what it reads; `pz_persist.verify` checks a whole checkpoint.
+      recorded when it was saved, before the tree is built. Hashing
+      (xxHash3-128) takes about 0.1 s per GiB, overlapped with the reading
+      of the next arrays (see the benchmarks README); silent corruption
+      costs far more, so it is on by default. Each process checks the saved
+      shards that lie within what it reads; `pz_persist.verify` checks a
+      whole checkpoint.
     allow_modules: Extra modules the checkpoint may name classes from, for
       this call only; see `pz_persist.allow_modules`.
 
