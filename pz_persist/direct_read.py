@@ -4,7 +4,8 @@ Orbax's restore path serves every case (shardings, many processes, remote
 storage) and pays for it on the commonest one, a model loaded whole into one
 process: its per-call metadata reads, 64 MiB batches, and a ``device_put``
 that copies each array out of TensorStore's 16-byte aligned buffer (JAX's CPU
-backend only adopts 64-byte aligned memory) cost about two thirds of a load.
+backend only adopts 64-byte aligned memory) made a 1 GiB load take 1.9-2.4 s
+in a warm process, against 0.4-0.5 s for the same files read here.
 
 This module reads the same files, through the same TensorStore specs Orbax
 builds (``ocp.type_handlers.get_json_tspec_read``), so the format, its

@@ -68,10 +68,7 @@ def release_freed() -> None:
 ALIGNMENT = 64
 """JAX's CPU backend adopts host buffers aligned to this many bytes."""
 
-_POPULATE_FLAGS = (
-    getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    | getattr(mmap, "MAP_POPULATE", 0)
-)  # fmt: skip
+_CAN_POPULATE = hasattr(mmap, "MAP_POPULATE")  # Linux.
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -94,8 +91,9 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   that adopted it) is freed. Elsewhere, an over-allocated NumPy array is used.
   """
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-  if _POPULATE_FLAGS and hasattr(mmap, "MAP_POPULATE") and nbytes:
-    mapping = mmap.mmap(-1, nbytes, flags=_POPULATE_FLAGS)
+  if _CAN_POPULATE and nbytes:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    mapping = mmap.mmap(-1, nbytes, flags=flags)
     return np.frombuffer(mapping, np.uint8).view(dtype).reshape(shape)
   raw = np.empty(nbytes + ALIGNMENT, np.uint8)
   start = -raw.ctypes.data % ALIGNMENT
