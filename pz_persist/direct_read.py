@@ -165,12 +165,7 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
     stored = json.loads(path.read_text())
     use_zarr3 = stored.get("use_zarr3", False)
   except (OSError, ValueError, AttributeError) as e:
-    raise errors.IntegrityError(
-        f"{directory}: Orbax's metadata of the stored arrays (_METADATA)"
-        f" cannot be read; the checkpoint's files are damaged or incomplete"
-        f" ({type(e).__name__}: {str(e)[:400]})",
-        damaged=(f"{path}: cannot be read",),
-    ) from None
+    raise safety.unreadable_stored_metadata(directory, e) from None
   if not isinstance(use_zarr3, bool):
     raise errors.ManifestError(f"{path}: use_zarr3 is {use_zarr3!r}, not a bool.")
   return ocp.type_handlers.is_ocdbt_checkpoint(directory), use_zarr3

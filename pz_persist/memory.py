@@ -22,9 +22,11 @@ import numpy as np
 
 
 @functools.cache
-def _malloc_trim():
+def _glibc(name: str):
+  """The C library's function ``name``, or None (glibc only; elsewhere the
+  calls below are no-ops)."""
   try:
-    return ctypes.CDLL(None).malloc_trim  # glibc only; elsewhere a no-op.
+    return getattr(ctypes.CDLL(None), name)
   except (AttributeError, OSError):
     return None
 
@@ -50,9 +52,8 @@ def reuse_freed_blocks() -> None:
   reused from the first chunk on. Idempotent; a no-op without glibc.
   `release_freed` still hands memory back after each load.
   """
-  try:
-    mallopt = ctypes.CDLL(None).mallopt
-  except (AttributeError, OSError):
+  mallopt = _glibc("mallopt")
+  if mallopt is None:
     return
   mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
   mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
@@ -60,7 +61,7 @@ def reuse_freed_blocks() -> None:
 
 def release_freed() -> None:
   """Returns freed heap memory to the OS, where the C library allows it."""
-  trim = _malloc_trim()
+  trim = _glibc("malloc_trim")
   if trim is not None:
     trim(0)
 

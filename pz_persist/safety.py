@@ -205,20 +205,28 @@ def read_stored_metadata(handler: Any, directory: epath.Path) -> dict[str, Any]:
   except (KeyboardInterrupt, MemoryError):
     raise
   except Exception as e:  # pylint: disable=broad-exception-caught
-    detail = (str(e).strip().splitlines() or [""])[0][:400]
-    raise errors.IntegrityError(
-        f"{directory}: Orbax's metadata of the stored arrays (_METADATA, and"
-        " TensorStore's per-array metadata in the array files) cannot be"
-        f" read; the checkpoint's files are damaged or incomplete"
-        f" ({type(e).__name__}: {detail})",
-        damaged=(f"{directory / '_METADATA'}: cannot be read",),
-    ) from None
+    raise unreadable_stored_metadata(directory, e) from None
   if not isinstance(tree, Mapping):
     raise errors.ManifestError(
         f"{directory / '_METADATA'}: Orbax's metadata is not a flat dict of"
         " arrays, as pz_persist writes it."
     )
   return dict(tree)
+
+
+def unreadable_stored_metadata(
+    directory: epath.Path, error: Exception
+) -> errors.IntegrityError:
+  """The error for Orbax metadata that cannot be read, naming ``_METADATA``
+  and the first line of the reader's own words."""
+  detail = (str(error).strip().splitlines() or [""])[0][:400]
+  return errors.IntegrityError(
+      f"{directory}: Orbax's metadata of the stored arrays (_METADATA, and"
+      " TensorStore's per-array metadata in the array files) cannot be"
+      f" read; the checkpoint's files are damaged or incomplete"
+      f" ({type(error).__name__}: {detail})",
+      damaged=(f"{directory / '_METADATA'}: cannot be read",),
+  )
 
 
 def check_stored_metadata(
