@@ -100,7 +100,7 @@ def save(
     EncodingError: a value cannot be saved (nothing was written).
     DisallowedModuleError: a class comes from a module that is not allowed.
   """
-  path = _as_path(path)
+  path = directories.as_path(path)
   seen = directories.identity(path)  # Moved into place only if still this.
   if seen is not None and not overwrite:
     raise errors.CheckpointExistsError(
@@ -209,7 +209,7 @@ def load(
   # that a save's final move waits for; elsewhere (or when the item directory
   # itself was given) such a read is detected (what is at the item's path
   # changed while it was read) and done again from the start.
-  path = _as_path(path)
+  path = directories.as_path(path)
   failure = None
   for _ in range(_LOAD_ATTEMPTS):
     item = None
@@ -295,7 +295,7 @@ def find_item(path: epath.PathLike) -> epath.Path:
   Raises:
     NotACheckpointError: no item, or several (the message lists them).
   """
-  path = _as_path(path)
+  path = directories.as_path(path)
   if not path.is_dir():
     raise errors.NotACheckpointError(
         f"{path} is not a pz_persist checkpoint: "
@@ -364,7 +364,3 @@ def _check_replaceable(path: epath.Path) -> None:
     ) from None
 
 
-def _as_path(path: epath.PathLike) -> epath.Path:
-  if isinstance(path, str) and path.startswith("~"):
-    path = os.path.expanduser(path)
-  return epath.Path(path)

@@ -155,6 +155,18 @@ def _rename_noreplace(src: epath.Path, dst: epath.Path) -> bool:
   return True
 
 
+def as_path(path: epath.PathLike) -> epath.Path:
+  """``path`` as an ``epath.Path``; a local one with ``~`` expanded, made absolute.
+
+  Why absolute: Orbax's OCDBT layer refuses relative directories (its error
+  names only the temporary directory), and a notebook's ``save("ckpt", ...)``
+  is the most natural call there is. Remote paths (``gs://...``) are kept.
+  """
+  if not is_local(path):
+    return epath.Path(path)
+  return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
 def is_local(path: epath.PathLike) -> bool:
   """Whether ``path`` is on the local file system (not gs://, s3://, ...).
 

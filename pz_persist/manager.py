@@ -118,7 +118,7 @@ class CheckpointManager:
     registry.add(None, orbax_v0.PenzaiSave, orbax_v0.PenzaiCheckpointHandler())
     registry.add(None, orbax_v0.PenzaiRestore, orbax_v0.PenzaiCheckpointHandler())
     self._manager = ocp.CheckpointManager(
-        epath.Path(directory),
+        directories.as_path(directory),
         options=ocp.CheckpointManagerOptions(
             save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save,

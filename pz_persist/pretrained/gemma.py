@@ -44,6 +44,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import gemma as pz_gemma
 
+from pz_persist import directories
 from pz_persist import errors
 from pz_persist import sharding as sharding_lib
 
@@ -130,7 +131,7 @@ def load_gemma(
   """
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
-  params = _read(epath.Path(path), dtype)
+  params = _read(directories.as_path(path), dtype)
   _refuse_gemma3(params, path)
   name, kwargs, transpose = _resolve_preset(params, preset, path)
   total = sum(len(arrays) for arrays in params.values())

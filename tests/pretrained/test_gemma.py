@@ -206,10 +206,11 @@ def test_not_a_checkpoint(tmp_path):
     load_gemma(tmp_path / "missing")
 
 
-def test_cli_convert_gemma(tmp_path, capsys):
+def test_cli_convert_gemma(tmp_path, capsys, monkeypatch):
   params = official_params(GEMMA2, gemma2=True)
-  src = write(tmp_path / "ckpt", params)
-  dst = str(tmp_path / "native")
+  write(tmp_path / "ckpt", params)
+  monkeypatch.chdir(tmp_path)  # Relative paths, as typed at a shell.
+  src, dst = "ckpt", "native"
   assert cli.main(["convert", "gemma", src, dst, "--preset-like", "gemma2_2b",
                    "--dtype", "bfloat16"]) == 0
   model = pzp.load_model(dst)
