@@ -105,12 +105,16 @@ def _pretrained_benchmark():
 
 def test_pretrained_benchmark_runs(tmp_path, capsys):
   bench = _pretrained_benchmark()
-  results = bench.main(["--size", "2MiB", "--ops", "load_hf,convert,reload", "--dir", str(tmp_path)])
-  assert set(results["ops"]) == {"load_hf", "convert", "reload"}
+  results = bench.main(["--size", "2MiB", "--ops", "fresh_memory,load_hf,reload,reload_bf16",
+                        "--dir", str(tmp_path)])
+  assert set(results["ops"]) == {"fresh_memory", "load_hf", "convert", "reload",
+                                 "convert_bf16", "reload_bf16"}
   assert all(entry["seconds"] > 0 for entry in results["ops"].values())
   assert results["model_bytes"] >= 2 * 2**20
   printed = capsys.readouterr().out
   assert "native reload speedup over load_hf" in printed and "peak RSS / model bytes" in printed
+  assert "only allocating fresh memory" in printed
+  assert results["reload_bf16_rss_ratio"] > 0
 
 
 @pytest.mark.slow

@@ -611,7 +611,8 @@ def _read(
         f"tensor {spec.source!r} (for Penzai parameter {spec.label!r}) is in"
         f" none of the checkpoint's files {files}."
     )
-  host = file.get(spec.source)
+  # Cast while reading unless a slice is taken after (then only the slice is cast).
+  host = file.get(spec.source, dtype=dtype if spec.take is None else None)
   if host.size != int(np.prod(spec.shape)):
     raise safetensors_io.SafetensorsFormatError(
         f"safetensors file {file.path}, tensor {spec.source!r}: shape"

@@ -344,3 +344,28 @@ def test_export_refuses_non_string_labels(tmp_path):
   with pytest.raises(errors.EncodingError, match="not a string"):
     pzp.export_safetensors([value], tmp_path / "x.safetensors")
   assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("stored,wanted", [
+    (np.float32, ml_dtypes.bfloat16), (np.float16, np.float32), (ml_dtypes.bfloat16, np.float16),
+])
+def test_cast_reads_stream_and_match_astype(tmp_path, monkeypatch, stored, wanted):
+  """A cast read goes through a small buffer, piece by piece (several pieces
+  and a remainder here), and gives exactly NumPy's cast of the whole tensor."""
+  monkeypatch.setattr(safetensors_io, "CAST_BUFFER_BYTES", 64)
+  rng = np.random.default_rng(0)
+  tensors = {"w": (rng.standard_normal((7, 13)) * 3).astype(stored), "empty": np.zeros((0, 4), stored)}
+  path = tmp_path / "t.safetensors"
+  safetensors.numpy.save_file(tensors, path)
+  file = safetensors_io.SafetensorsFile(path)
+  for name, tensor in tensors.items():
+    got = file.get(name, dtype=wanted)
+    assert got.dtype == np.dtype(wanted) and got.shape == tensor.shape
+    np.testing.assert_array_equal(got.view(np.uint8), tensor.astype(wanted).view(np.uint8))
+    assert got.ctypes.data % 64 == 0
+  np.testing.assert_array_equal(file.get("w"), tensors["w"])  # No dtype: as stored.
+  # A file cut short in the middle of a cast read is reported, not zero-filled.
+  data = path.read_bytes()
+  path.write_bytes(data[: len(data) - 100])
+  with pytest.raises(safetensors_io.SafetensorsFormatError, match="truncated"):
+    file.get("w", dtype=wanted)
