@@ -362,7 +362,7 @@ def test_cast_reads_stream_and_match_astype(tmp_path, monkeypatch, stored, wante
     got = file.get(name, dtype=wanted)
     assert got.dtype == np.dtype(wanted) and got.shape == tensor.shape
     np.testing.assert_array_equal(got.view(np.uint8), tensor.astype(wanted).view(np.uint8))
-    assert got.ctypes.data % 64 == 0
+    assert got.size == 0 or got.ctypes.data % 64 == 0  # JAX adopts it without a copy.
   np.testing.assert_array_equal(file.get("w"), tensors["w"])  # No dtype: as stored.
   # A file cut short in the middle of a cast read is reported, not zero-filled.
   data = path.read_bytes()
