@@ -290,7 +290,8 @@ def _read_failure(
   text = str(error)
   specs = [spec for spec in manifest.arrays if spec.key in keys]
   named = [spec for spec in specs if spec.key in text] or specs
-  who = ", ".join(spec.describe() for spec in named[:5]) + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+  more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+  who = ", ".join(spec.describe() for spec in named[:5]) + more
   detail = (text.strip().splitlines() or [type(error).__name__])[0][:400]
   return errors.IntegrityError(
       f"{where}: cannot read the stored array(s) of {who}: the checkpoint's"

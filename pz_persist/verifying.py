@@ -116,8 +116,8 @@ def verify(
         index for index, spec in enumerate(manifest.arrays)
         if spec.is_stored and spec.checksums is not None
     ]  # fmt: skip
-    size_of = lambda index: manifest.arrays[index].nbytes  # noqa: E731
-    for batch in batching.batches(checksummed, size_of, read_batch_bytes):
+    nbytes = [spec.nbytes for spec in manifest.arrays]
+    for batch in batching.batches(checksummed, nbytes.__getitem__, read_batch_bytes):
       damaged += _check_batch(handler, item, manifest, batch)
       checked += len(batch)
   finally:
