@@ -15,19 +15,28 @@ Loading finds the handler again from the type string Orbax stores in the
 checkpoint's metadata; checkpoints written through the v0 API or by
 `pz_persist.save` are recognized too. Note that v1's default checkpointable
 name, ``"state"`` (used by ``ocp.save``), is bound to Orbax's stock pytree
-handler: give Penzai trees another name.
+handler: give Penzai trees another name. To choose where arrays go, or to
+skip checksum verification, pass `pz_persist.PenzaiRestore` as the abstract
+checkpointable::
+
+  ocp.load_checkpointables(path, {"model": pzp.PenzaiRestore(sharding=rules)})
 
 The on-disk layout is the same as the v0 handler's: Orbax's own pytree handler
 writes the arrays, the primary process writes the manifest once the directory
-exists.
+exists. Loading is the v0 handler's restore, the one read path every loader
+goes through (`pz_persist.orbax_v0.PenzaiCheckpointHandler.read_arrays`): the
+same containment, size, stored-metadata, allocation and checksum checks as
+`pz_persist.load`, and the same direct reads.
 """
 
 from __future__ import annotations
 
-from typing import Any, Awaitable
+import asyncio
+from typing import Any, Awaitable, Callable, TypeVar
 
 import jax
-import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import v1 as ocp_v1
 # Orbax exports no accessor for the active v1 Context; handlers are built by
 # Orbax inside it, so read it once there (orbax-checkpoint is pinned).
@@ -36,9 +45,8 @@ from penzai import pz
 
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
-from pz_persist import restoring
-from pz_persist import safety
-from pz_persist import sharding as sharding_lib
+
+_T = TypeVar("_T")
 
 _PENZAI_LEAF_TYPES = (
     pz.nx.NamedArrayBase,
@@ -64,9 +72,10 @@ class PenzaiCheckpointableHandler(
 ):
   """Orbax v1 ``CheckpointableHandler`` for trees holding Penzai values.
 
-  Loading needs no abstract checkpointable: pass None (or nothing). Arrays are
-  placed on the first local device (``jax.Array``) or returned as NumPy arrays,
-  as they were saved.
+  Loading needs no abstract checkpointable: pass None (or nothing), and arrays
+  are placed on the first local device (``jax.Array``) or returned as NumPy
+  arrays, as they were saved; or pass `pz_persist.PenzaiRestore` to place them
+  elsewhere. Loading is `pz_persist.orbax_v0.PenzaiCheckpointHandler.restore`.
   """
 
   def __init__(self, *, context: ocp_v1.Context | None = None):
@@ -98,54 +107,77 @@ class PenzaiCheckpointableHandler(
 
     return finish()
 
-  async def load(
-      self, directory: Any, abstract_checkpointable: None = None
-  ) -> Awaitable[Any]:
-    del abstract_checkpointable  # Everything needed is in the manifest.
-    safety.check_contained(directory)
-    manifest = manifest_lib.read(directory)
-    where = str(directory)
-    restoring.check_loadable(manifest, where)
-    targets = restoring.read_targets(manifest)
-    spec_by_key = {spec.key: spec for spec in manifest.arrays}
-    safety.check_allocation(
-        [spec_by_key[key] for key in targets],
-        {key: sharding_lib.local_bytes(spec_by_key[key], t) for key, t in targets.items()},
-        where=where,
-    )
-    abstract = {
-        key: (
-            np.ndarray
-            if target is None
-            else jax.ShapeDtypeStruct(
-                spec_by_key[key].shape,
-                spec_by_key[key].storage_dtype,
-                sharding=target,
-            )
+  def _v0_handler(self) -> orbax_v0.PenzaiCheckpointHandler:
+    """The v0 handler, configured from this handler's v1 Context.
+
+    Why v0: its restore is pz_persist's one hardened read path; a second copy
+    here would drift from it (it did: it skipped the checksums).
+    """
+    options = self._context.multiprocessing_options
+    return orbax_v0.PenzaiCheckpointHandler(
+        multiprocessing_options=ocp.options.MultiprocessingOptions(
+            primary_host=options.primary_host,
+            active_processes=options.active_processes,
+            barrier_sync_key_prefix=options.barrier_sync_key_prefix,
         )
-        for key, target in targets.items()
-    }
-    arrays_loaded = (
-        await self._arrays_handler().load(directory, abstract) if abstract else None
     )
 
-    async def finish() -> Any:
-      stored = await arrays_loaded if arrays_loaded is not None else {}
-      return restoring.assemble(manifest, stored, where=where)
+  async def _in_v0_handler(
+      self, call: Callable[[orbax_v0.PenzaiCheckpointHandler], _T]
+  ) -> _T:
+    """Runs ``call`` with a v0 handler, in a worker thread.
 
-    return finish()
+    Why a thread: the v0 restore is synchronous and may run Orbax's own event
+    loop, which cannot start inside the running one. JAX's ``enable_x64``
+    context is thread-local, so the caller's is carried over.
+    """
+    x64 = jax.config.jax_enable_x64
+
+    def run() -> _T:
+      handler = self._v0_handler()
+      try:
+        with jax.enable_x64(x64):
+          return call(handler)
+      finally:
+        handler.close()
+
+    return await asyncio.to_thread(run)
+
+  async def load(
+      self,
+      directory: Any,
+      abstract_checkpointable: orbax_v0.PenzaiRestore | None = None,
+  ) -> Awaitable[Any]:
+    """Starts loading; the tree needs no abstract checkpointable.
+
+    Args:
+      directory: The checkpointable's directory.
+      abstract_checkpointable: None, or `pz_persist.PenzaiRestore` to say
+        where arrays go (``sharding``) and whether to check checksums.
+    """
+    args = abstract_checkpointable or orbax_v0.PenzaiRestore()
+    path = epath.Path(directory)
+    # Read now, not in the returned awaitable: Orbax turns any error raised
+    # there into a NoEntryError ("incompatible handler"), which would hide an
+    # IntegrityError or UnsafeCheckpointError behind a misleading message.
+    tree = await self._in_v0_handler(lambda handler: handler.restore(path, args))
+
+    async def loaded() -> Any:
+      return tree
+
+    return loaded()
 
   async def metadata(self, directory: Any) -> Any:
-    safety.check_contained(directory)
-    return restoring.abstract_tree(
-        manifest_lib.read(directory), where=str(directory)
-    )
+    path = epath.Path(directory)
+    return await self._in_v0_handler(lambda handler: handler.metadata(path))
 
   def is_handleable(self, checkpointable: Any) -> bool:
     return holds_penzai_values(checkpointable)
 
   def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool:
-    return abstract_checkpointable is None
+    return abstract_checkpointable is None or isinstance(
+        abstract_checkpointable, orbax_v0.PenzaiRestore
+    )
 
 
 def register() -> None:
