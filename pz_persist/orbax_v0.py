@@ -223,7 +223,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
             directory, wanted, targets, where=where, verify=verify
         )
       except direct_read.ArrayReadError as e:
-        raise _read_failure(manifest, [e.key], where, e.cause) from e.cause
+        raise read_failure(manifest, [e.key], where, e.cause) from e.cause
       return restoring.values(  # Verified as read.
           manifest, stored, where=where, target=sharding, refs=refs
       )
@@ -254,7 +254,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       except (KeyboardInterrupt, MemoryError):
         raise
       except Exception as e:  # pylint: disable=broad-exception-caught
-        raise _read_failure(manifest, batch, where, e) from e
+        raise read_failure(manifest, batch, where, e) from e
       memory.release_freed()
     return restoring.values(
         manifest, stored, where=where, target=sharding, refs=refs, verify=verify
@@ -279,7 +279,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._arrays.close()
 
 
-def _read_failure(
+def read_failure(
     manifest: manifest_lib.Manifest, keys: list[str], where: str, error: Exception
 ) -> errors.IntegrityError:
   """A clear error for stored arrays that Orbax / TensorStore cannot read.

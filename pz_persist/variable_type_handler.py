@@ -18,33 +18,53 @@ plain Orbax can read it as an array), and its label, metadata and axis names
 go into a small JSON record written by the primary process. Restoring rebuilds
 a mutable variable of the same class; leaves that were the same variable object
 when saved are the same object after restoring, so shared parameters stay
-shared. (``StandardCheckpointHandler`` refuses every custom leaf type; use
+shared.
+
+Restoring gives the guarantees of `pz_persist.load`: the directory is checked
+for symlinks leading out and for FIFOs and devices first, the records are read
+bounded and validated strictly (a `pz_persist.errors.ManifestError` names the
+file and leaf at fault), each array's stored shape and dtype are checked
+against its record and the total against the allocation limit before anything
+is read, and the bytes read are checked against the checksums recorded when
+they were saved (`pz_persist.errors.IntegrityError`). No variable is built
+until every array has been read and checked. (``StandardCheckpointHandler`` refuses every custom leaf type; use
 ``PyTreeCheckpointHandler`` / ``ocp.args.PyTreeSave`` for such trees, or
 `pz_persist.PenzaiSave`, which restores with no template at all.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import stat
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import type_handlers
 from orbax.checkpoint.metadata import value as value_metadata
 from penzai import pz
 
 from pz_persist import arrays as arrays_lib
+from pz_persist import checksums
+from pz_persist import directories
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
+from pz_persist import orbax_v0
 from pz_persist import restoring
+from pz_persist import safety
 from pz_persist import sharding as sharding_lib
 
 _RECORDS_PREFIX = "pz_persist_variables-"
 _TYPESTR = "pz_persist.variable"
+_KINDS = {"parameter": pz.ParameterValue, "state_variable": pz.StateVariableValue}
+_RECORD_FIELDS = {"kind", "tree", "arrays"}
 
 
 def _array_name(leaf_name: str, index: int, count: int) -> str:
@@ -59,6 +79,24 @@ def _renamed(info: type_handlers.ParamInfo, name: str) -> type_handlers.ParamInf
   except ValueError:
     pass  # Directory still being created: await_path_creation() sets the path.
   return new
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+  """One saved variable, as its record describes it (validated).
+
+  Attributes:
+    info: Orbax's ParamInfo of a leaf holding it (for its directory).
+    kind: ``"parameter"`` or ``"state_variable"``.
+    tree: The typed JSON node of its frozen value.
+    specs: Its arrays; stored ones keyed by the name Orbax stores them under
+      (unique in the checkpoint, unlike the per-record keys).
+  """
+
+  info: type_handlers.ParamInfo
+  kind: str
+  tree: dict[str, Any]
+  specs: tuple[arrays_lib.ArraySpec, ...]
 
 
 class VariableTypeHandler(type_handlers.TypeHandler):
@@ -86,33 +124,40 @@ class VariableTypeHandler(type_handlers.TypeHandler):
       infos: Sequence[type_handlers.ParamInfo],
       args: Sequence[type_handlers.SaveArgs] | None = None,
   ) -> Sequence[ocp.future.Future]:
+    encoded_of: dict[str, tuple[Any, encoding.EncodedTree, dict[str, str]]] = {}
     records: dict[str, Any] = {}
     first_name_of: dict[int, str] = {}
-    arrays, array_infos = [], []
+    stored: dict[str, Any] = {}  # Storage name -> array, as Orbax writes it.
+    array_infos = []
     for variable, info in zip(values, infos):
       if id(variable) in first_name_of:
         records[info.name] = {"same_as": first_name_of[id(variable)]}
         continue
       first_name_of[id(variable)] = info.name
-      encoded = encoding.encode(variable.freeze(), root=f"leaf {info.name!r}")
-      stored = [
+      where = f"leaf {info.name!r}"
+      encoded = encoding.encode(variable.freeze(), root=where)
+      pairs = [
           (spec, value)
           for spec, value in zip(encoded.arrays, encoded.values)
           if spec.is_stored
       ]
-      for index, (spec, value) in enumerate(stored):
-        if spec.kind != "jax":
-          value = jax.numpy.asarray(value)
-        arrays.append(value)
-        array_infos.append(_renamed(info, _array_name(info.name, index, len(stored))))
-      records[info.name] = {
-          "kind": "parameter" if isinstance(variable, pz.Parameter) else "state_variable",
-          "tree": encoded.tree,
-          "arrays": [spec.to_json() for spec in encoded.arrays],
-      }
+      names = {}
+      for index, (spec, value) in enumerate(pairs):
+        name = _array_name(info.name, index, len(pairs))
+        stored[name] = _as_jax_array(value, spec, where=where)
+        array_infos.append(_renamed(info, name))
+        names[spec.key] = name
+      encoded_of[info.name] = (variable, encoded, names)
+      records[info.name] = None  # Filled below, in this order.
+    # Every process computes them (they exchange the digests of shards).
+    sums = checksums.compute(stored)
+    for name, (variable, encoded, names) in encoded_of.items():
+      records[name] = _record(variable, encoded, names, sums)
     futures = []
-    if arrays:
-      futures.extend(await self._array_handler().serialize(arrays, array_infos))
+    if stored:
+      futures.extend(
+          await self._array_handler().serialize(list(stored.values()), array_infos)
+      )
     futures.append(
         ocp.future.CommitFutureAwaitingContractedSignals(
             self._write_records(infos[0], records),
@@ -127,16 +172,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
     await info.await_path_creation()
     if ocp.multihost.is_primary_host(0):
       path = info.parent_dir / f"{_RECORDS_PREFIX}{uuid.uuid4().hex}.json"
-      path.write_text(json.dumps(records, allow_nan=False))
-
-  def _read_records(self, info: type_handlers.ParamInfo) -> dict[str, Any]:
-    records = {}
-    for path in info.parent_dir.glob(f"{_RECORDS_PREFIX}*.json"):
-      try:
-        records.update(json.loads(path.read_text()))
-      except ValueError as e:
-        raise errors.ManifestError(f"{path}: not valid JSON: {e}") from None
-    return records
+      _write_whole(path, json.dumps(records, allow_nan=False).encode())
 
   async def deserialize(
       self,
@@ -146,61 +182,290 @@ class VariableTypeHandler(type_handlers.TypeHandler):
     del args  # Placement follows pz_persist's default (the first device).
     for info in infos:
       await info.await_path_creation()
-    records = self._read_records(infos[0])
-    wanted = {}
-    for info in infos:
-      name = info.name
-      record = records.get(name)
-      if isinstance(record, dict) and "same_as" in record:
-        name = record["same_as"]
-        record = records.get(name)
-      if not isinstance(record, dict) or set(record) != {"kind", "tree", "arrays"}:
-        raise errors.ManifestError(
-            f"{info.parent_dir}: no valid pz_persist record for leaf {info.name!r}."
-        )
-      wanted.setdefault(name, (info, record))
-
-    placement = sharding_lib.default_sharding()
-    arrays, array_infos, array_args, owners = [], [], [], []
-    parsed = {}
-    for name, (info, record) in wanted.items():
-      specs = [
-          arrays_lib.ArraySpec.from_json(entry, where=f"leaf {name!r}")
-          for entry in record["arrays"]
-      ]
-      parsed[name] = (record, specs)
-      stored = [spec for spec in specs if spec.is_stored]
-      for index, spec in enumerate(stored):
-        array_infos.append(_renamed(info, _array_name(name, index, len(stored))))
-        array_args.append(
-            type_handlers.ArrayRestoreArgs(restore_type=jax.Array, sharding=placement)
-        )
-        owners.append((name, spec.key))
-    if array_infos:
-      arrays = await self._array_handler().deserialize(array_infos, array_args)
-    read: dict[str, dict[str, Any]] = {}
-    for (name, key), value in zip(owners, arrays):
-      read.setdefault(name, {})[key] = value
-
+    directory = infos[0].parent_dir
+    where = str(directory)
+    # Before any file of the checkpoint is opened by pz_persist or TensorStore.
+    safety.check_contained(directory)
+    saved, same_as = _wanted(infos, _read_records(directory), where=where)
+    values = await self._read_values(directory, saved)
     variables = {}
-    for name, (record, specs) in parsed.items():
-      if record["kind"] not in ("parameter", "state_variable"):
-        raise errors.ManifestError(f"leaf {name!r}: unknown kind {record['kind']!r}.")
-      frozen = restoring.assemble(
-          manifest_lib.Manifest(tree=record["tree"], variables=(), arrays=tuple(specs)),
-          read.get(name, {}),
-          where=f"leaf {name!r}",
+    for name, variable in saved.items():  # Built only once all were read.
+      frozen = restoring.decode(
+          _manifest(variable.specs, variable.tree), values[name],
+          where=f"{where}: leaf {name!r}",
       )
-      expected = pz.ParameterValue if record["kind"] == "parameter" else pz.StateVariableValue
+      expected = _KINDS[variable.kind]
       if type(frozen) is not expected:
-        raise errors.ManifestError(f"leaf {name!r}: record is not a {expected.__name__}.")
-      variables[name] = frozen.unfreeze_as_copy()
-    result = []
-    for info in infos:
-      record = records[info.name]
-      name = record["same_as"] if "same_as" in record else info.name
-      result.append(variables[name])
-    return result
+        raise errors.ManifestError(
+            f"{where}: leaf {name!r}: the record is not a {expected.__name__}."
+        )
+      variables[name] = frozen
+    unfrozen = {name: frozen.unfreeze_as_copy() for name, frozen in variables.items()}
+    return [unfrozen[same_as[info.name]] for info in infos]
+
+  async def _read_values(
+      self, directory: epath.Path, saved: Mapping[str, _Saved]
+  ) -> dict[str, list[Any]]:
+    """Every saved variable's arrays, read and checked, by variable name.
+
+    Checked as `pz_persist.load` checks them: stored shapes and dtypes
+    against the records and the total bytes against the allocation limit
+    before reading, checksums after.
+    """
+    where = str(directory)
+    everything = _manifest(tuple(s for v in saved.values() for s in v.specs))
+    restoring.check_loadable(everything, where)
+    stored_specs = [spec for spec in everything.arrays if spec.is_stored]
+    placement = sharding_lib.default_sharding()
+    infos = {
+        spec.key: _renamed(variable.info, spec.key)
+        for variable in saved.values()
+        for spec in variable.specs if spec.is_stored
+    }
+    keys = list(infos)
+    read: dict[str, Any] = {}
+    if keys:
+      safety.check_allocation(
+          stored_specs,
+          {spec.key: sharding_lib.local_bytes(spec, placement) for spec in stored_specs},
+          where=where,
+      )
+      handler = self._array_handler()
+      try:
+        metadata = await handler.metadata([infos[key] for key in keys])
+      except (KeyboardInterrupt, MemoryError):
+        raise
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        raise safety.unreadable_stored_metadata(directory, e) from None
+      safety.check_stored_metadata(stored_specs, dict(zip(keys, metadata)), where=where)
+      restore_args = [
+          type_handlers.ArrayRestoreArgs(restore_type=jax.Array, sharding=placement)
+      ] * len(keys)
+      try:
+        arrays = await handler.deserialize([infos[key] for key in keys], restore_args)
+      except (KeyboardInterrupt, MemoryError):
+        raise
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        raise orbax_v0.read_failure(everything, keys, where, e) from e
+      kinds = {spec.key: spec.kind for spec in stored_specs}
+      read = {  # Saved NumPy arrays were stored as jax.Arrays; back to NumPy.
+          key: array if kinds[key] == "jax" else np.asarray(array)
+          for key, array in zip(keys, arrays)
+      }
+    values = iter(restoring.values(
+        everything, read, where=where, target=placement, verify=True
+    ))
+    return {
+        name: [next(values) for _ in variable.specs]
+        for name, variable in saved.items()
+    }
+
+
+def _as_jax_array(value: Any, spec: arrays_lib.ArraySpec, *, where: str) -> jax.Array:
+  """The stored array as a ``jax.Array`` (Orbax's array handler's type).
+
+  Raises:
+    EncodingError: JAX would change it (a 64-bit NumPy array while
+      ``jax_enable_x64`` is off), so it would not load back as saved.
+  """
+  array = value if isinstance(value, jax.Array) else jax.numpy.asarray(value)
+  if array.dtype != spec.storage_dtype:
+    raise errors.EncodingError(
+        f"{where}: {spec.path} is a {spec.storage_dtype} NumPy array, which JAX"
+        f" would store as {array.dtype} (jax_enable_x64 is off). Call"
+        " jax.config.update('jax_enable_x64', True) before saving, or save"
+        " with pz_persist.save."
+    )
+  return array
+
+
+def _record(
+    variable: Any,
+    encoded: encoding.EncodedTree,
+    names: Mapping[str, str],
+    sums: Mapping[str, tuple[checksums.ShardChecksum, ...]],
+) -> dict[str, Any]:
+  """The JSON record of one variable, with its arrays' checksums."""
+  return {
+      "kind": "parameter" if isinstance(variable, pz.Parameter) else "state_variable",
+      "tree": encoded.tree,
+      "arrays": [
+          dataclasses.replace(spec, checksums=sums[names[spec.key]]).to_json()
+          if spec.key in names else spec.to_json()
+          for spec in encoded.arrays
+      ],
+  }
+
+
+def _write_whole(path: epath.Path, data: bytes) -> None:
+  """Writes ``path`` whole or not at all: aside first, then renamed.
+
+  Why: a reader (or a crash) must never meet half a record; the temporary
+  name does not match the records' pattern, so readers never see it.
+  """
+  tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+  if directories.is_local(path.parent):  # Local disk: make it durable.
+    with open(os.fspath(tmp), "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+  else:
+    tmp.write_bytes(data)
+  tmp.rename(path)
+
+
+def _manifest(
+    specs: tuple[arrays_lib.ArraySpec, ...], tree: dict[str, Any] | None = None
+) -> manifest_lib.Manifest:
+  """A manifest holding ``specs`` (and ``tree``), for `pz_persist.restoring`."""
+  return manifest_lib.Manifest(tree=tree or {}, variables=(), arrays=specs)
+
+
+def _read_records(directory: epath.Path) -> dict[str, tuple[str, Any]]:
+  """Every leaf's record: ``{leaf name: (file, record)}``, validated.
+
+  Raises:
+    ManifestError: a records file cannot be read or is malformed, or two
+      files record the same leaf; the message names the file and leaf.
+  """
+  records: dict[str, tuple[str, Any]] = {}
+  for path in sorted(directory.glob(f"{_RECORDS_PREFIX}*.json")):
+    where = str(path)
+    for name, record in _parse_records(_read_bounded(path), where=where).items():
+      if name in records:
+        raise errors.ManifestError(
+            f"{where}: leaf {name!r} also has a record in {records[name][0]}."
+        )
+      records[name] = (where, record)
+  return records
+
+
+def _read_bounded(path: epath.Path) -> bytes:
+  """At most ``MAX_MANIFEST_BYTES + 1`` bytes of a regular file.
+
+  Why the flags: a record that is a symlink (``O_NOFOLLOW``; pz_persist never
+  writes one), a FIFO (whose open would block; ``O_NONBLOCK``) or a device
+  (``/dev/zero`` never ends) is refused through the descriptor opened, so it
+  cannot be swapped in between a check and the read.
+  """
+  limit = manifest_lib.MAX_MANIFEST_BYTES
+  if not directories.is_local(path):
+    with path.open("rb") as f:
+      return f.read(limit + 1)
+  flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+  try:
+    fd = os.open(os.fspath(path), flags)
+  except OSError as e:
+    raise errors.UnsafeCheckpointError(
+        f"{path}: cannot be opened as a regular file (a symlink?): {e};"
+        " refusing to read it."
+    ) from None
+  with os.fdopen(fd, "rb") as f:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      raise errors.UnsafeCheckpointError(
+          f"{path} is not a regular file (a FIFO or device?); refusing to read it."
+      )
+    return f.read(limit + 1)
+
+
+def _parse_records(data: bytes, *, where: str) -> dict[str, Any]:
+  """Parses one records file strictly: ``{leaf name: record}``."""
+  limit = manifest_lib.MAX_MANIFEST_BYTES
+  if len(data) > limit:
+    raise errors.ManifestError(f"{where}: over the {limit}-byte limit.")
+  try:
+    parsed = json.loads(data, parse_constant=_refuse_constant)
+  except (ValueError, RecursionError) as e:
+    raise errors.ManifestError(f"{where}: not valid JSON: {e}") from None
+  if not isinstance(parsed, dict):
+    raise errors.ManifestError(f"{where}: not a pz_persist variable record file.")
+  for name, record in parsed.items():
+    if not _valid_record(record):
+      raise errors.ManifestError(
+          f"{where}: leaf {name!r}: malformed record; expected"
+          ' {"same_as": leaf name} or {"kind", "tree", "arrays"} with kind'
+          f" one of {sorted(_KINDS)}."
+      )
+  return parsed
+
+
+def _refuse_constant(name: str) -> Any:
+  raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _valid_record(record: Any) -> bool:
+  if not isinstance(record, dict):
+    return False
+  if set(record) == {"same_as"}:
+    return isinstance(record["same_as"], str)
+  return (
+      set(record) == _RECORD_FIELDS
+      and isinstance(record["kind"], str) and record["kind"] in _KINDS
+      and isinstance(record["tree"], dict)
+      and isinstance(record["arrays"], list)
+  )
+
+
+def _wanted(
+    infos: Sequence[type_handlers.ParamInfo],
+    records: Mapping[str, tuple[str, Any]],
+    *,
+    where: str,
+) -> tuple[dict[str, _Saved], dict[str, str]]:
+  """The variables ``infos`` need, and which variable each leaf names.
+
+  Returns:
+    ``({variable name: saved variable}, {leaf name: variable name})``.
+  """
+  saved: dict[str, _Saved] = {}
+  same_as: dict[str, str] = {}
+  for info in infos:
+    if info.name not in records:
+      raise errors.ManifestError(
+          f"{where}: no pz_persist record for leaf {info.name!r}; the"
+          f" {_RECORDS_PREFIX}*.json files are missing or incomplete."
+      )
+    file, record = records[info.name]
+    name = record.get("same_as", info.name)
+    if name != info.name and (
+        name not in records or "same_as" in records[name][1]
+    ):
+      raise errors.ManifestError(
+          f"{file}: leaf {info.name!r} is recorded as the same variable as"
+          f" {name!r}, which has no record of its own."
+      )
+    same_as[info.name] = name
+    if name not in saved:
+      saved[name] = _parse_saved(info, name, *records[name])
+  return saved, same_as
+
+
+def _parse_saved(
+    info: type_handlers.ParamInfo, name: str, file: str, record: dict[str, Any]
+) -> _Saved:
+  """One variable's record, its array entries validated; stored arrays are
+  keyed by the name Orbax stores them under."""
+  specs = [
+      arrays_lib.ArraySpec.from_json(entry, where=f"{file}: leaf {name!r}: arrays[{i}]")
+      for i, entry in enumerate(record["arrays"])
+  ]
+  if len({spec.key for spec in specs}) != len(specs):
+    raise errors.ManifestError(f"{file}: leaf {name!r}: two arrays share a key.")
+  stored = [spec for spec in specs if spec.is_stored]
+  storage_names = {
+      spec.key: _array_name(name, index, len(stored))
+      for index, spec in enumerate(stored)
+  }
+  return _Saved(
+      info=info,
+      kind=record["kind"],
+      tree=record["tree"],
+      specs=tuple(
+          dataclasses.replace(spec, key=storage_names[spec.key])
+          if spec.key in storage_names else spec
+          for spec in specs
+      ),
+  )
 
 
 _HANDLER = VariableTypeHandler()
