@@ -43,7 +43,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import type_handlers
@@ -134,8 +133,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
         records[info.name] = {"same_as": first_name_of[id(variable)]}
         continue
       first_name_of[id(variable)] = info.name
-      where = f"leaf {info.name!r}"
-      encoded = encoding.encode(variable.freeze(), root=where)
+      encoded = encoding.encode(variable.freeze(), root=f"leaf {info.name!r}")
       pairs = [
           (spec, value)
           for spec, value in zip(encoded.arrays, encoded.values)
@@ -144,7 +142,8 @@ class VariableTypeHandler(type_handlers.TypeHandler):
       names = {}
       for index, (spec, value) in enumerate(pairs):
         name = _array_name(info.name, index, len(pairs))
-        stored[name] = _as_jax_array(value, spec, where=where)
+        # Penzai variables hold jax.Arrays; anything else is made one.
+        stored[name] = value if spec.kind == "jax" else jax.numpy.asarray(value)
         array_infos.append(_renamed(info, name))
         names[spec.key] = name
       encoded_of[info.name] = (variable, encoded, names)
@@ -247,11 +246,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
         raise
       except Exception as e:  # pylint: disable=broad-exception-caught
         raise orbax_v0.read_failure(everything, keys, where, e) from e
-      kinds = {spec.key: spec.kind for spec in stored_specs}
-      read = {  # Saved NumPy arrays were stored as jax.Arrays; back to NumPy.
-          key: array if kinds[key] == "jax" else np.asarray(array)
-          for key, array in zip(keys, arrays)
-      }
+      read = dict(zip(keys, arrays))
     values = iter(restoring.values(
         everything, read, where=where, target=placement, verify=True
     ))
@@ -259,24 +254,6 @@ class VariableTypeHandler(type_handlers.TypeHandler):
         name: [next(values) for _ in variable.specs]
         for name, variable in saved.items()
     }
-
-
-def _as_jax_array(value: Any, spec: arrays_lib.ArraySpec, *, where: str) -> jax.Array:
-  """The stored array as a ``jax.Array`` (Orbax's array handler's type).
-
-  Raises:
-    EncodingError: JAX would change it (a 64-bit NumPy array while
-      ``jax_enable_x64`` is off), so it would not load back as saved.
-  """
-  array = value if isinstance(value, jax.Array) else jax.numpy.asarray(value)
-  if array.dtype != spec.storage_dtype:
-    raise errors.EncodingError(
-        f"{where}: {spec.path} is a {spec.storage_dtype} NumPy array, which JAX"
-        f" would store as {array.dtype} (jax_enable_x64 is off). Call"
-        " jax.config.update('jax_enable_x64', True) before saving, or save"
-        " with pz_persist.save."
-    )
-  return array
 
 
 def _record(
