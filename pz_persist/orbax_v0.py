@@ -191,13 +191,14 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       *,
       sharding: sharding_lib.Target = None,
       refs: Collection[int] | None = None,
-      verify: bool = False,
+      verify: bool = True,
       to_host: bool = False,
   ) -> list[Any]:
     """Reads arrays of the manifest, all of them or those indexed by ``refs``.
 
-    With ``verify``, the bytes read are checked against the manifest's
-    checksums (`pz_persist.errors.IntegrityError` names the damaged arrays).
+    With ``verify`` (the default, so that no caller reads unchecked bytes by
+    omission), the bytes read are checked against the manifest's checksums
+    (`pz_persist.errors.IntegrityError` names the damaged arrays).
     With ``to_host``, every array is read as a NumPy array (for checking).
 
     Returns:

@@ -340,3 +340,13 @@ def test_type_handler_records_are_written_whole(tmp_path):
   records = json.loads(_records_file(path).read_text())
   assert records["model.sublayers.0.sublayers.0.weights"] == {"same_as": "again"}
   assert all("checksums" in entry for entry in records["again"]["arrays"])
+
+
+def test_changed_float_is_refused_by_diff(tmp_path):
+  """pzp.diff reads arrays through the same engine: checked by default."""
+  pzp.save(tmp_path / "a", _marked_tree())
+  pzp.save(tmp_path / "b", _marked_tree())
+  assert not pzp.diff(tmp_path / "a", tmp_path / "b").arrays[0].max_abs
+  _change_one_float(tmp_path / "b")
+  with pytest.raises(errors.IntegrityError, match="label 'marked/w'"):
+    pzp.diff(tmp_path / "a", tmp_path / "b")
