@@ -28,6 +28,7 @@ specs, but straight into their final buffers (`pz_persist.direct_read`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Collection
 from typing import Any
 
@@ -39,6 +40,7 @@ from etils import epath
 from pz_persist import batching
 from pz_persist import checksums
 from pz_persist import direct_read
+from pz_persist import directories
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import file_digests
@@ -177,7 +179,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   ) -> Any:
     """Restores the saved tree; needs no template."""
     args = args or PenzaiRestore()
-    safety.check_contained(directory)
+    check_item_contained(directory)
     manifest = manifest_lib.read(directory)
     values = self.read_arrays(
         directory, manifest, sharding=args.sharding, verify=args.verify
@@ -263,7 +265,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def metadata(self, directory: epath.Path) -> Any:
     """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no arrays."""
-    safety.check_contained(directory)
+    check_item_contained(directory)
     return restoring.abstract_tree(
         manifest_lib.read(directory), where=str(directory)
     )
@@ -278,6 +280,26 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def close(self) -> None:
     self._arrays.close()
+
+
+def check_item_contained(directory: epath.Path) -> None:
+  """Refuses an item whose files reach outside it, or outside its checkpoint.
+
+  Why the checkpoint too: `safety.check_contained` accepts the directory it
+  is given being a symlink (a path the user chose). An item directory inside
+  an Orbax checkpoint (beside ``_CHECKPOINT_METADATA``) was chosen by Orbax
+  or `pz_persist.load` from the checkpoint's path, so a symlink there leading
+  out of the checkpoint is refused, as `pz_persist.load` refuses it.
+  """
+  safety.check_contained(directory)
+  if not directories.is_local(directory):
+    return
+  path = os.fspath(directory)
+  parent = os.path.dirname(os.path.abspath(path))
+  if os.path.islink(path) and os.path.exists(
+      os.path.join(parent, "_CHECKPOINT_METADATA")
+  ):
+    safety.check_contained(parent)
 
 
 def read_failure(

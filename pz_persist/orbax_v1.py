@@ -45,7 +45,6 @@ from penzai import pz
 
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
-from pz_persist import safety
 
 _T = TypeVar("_T")
 
@@ -157,7 +156,7 @@ class PenzaiCheckpointableHandler(
         where arrays go (``sharding``) and whether to check checksums.
     """
     args = abstract_checkpointable or orbax_v0.PenzaiRestore()
-    path = _contained_item(directory)
+    path = epath.Path(directory)
     # Read now, not in the returned awaitable: Orbax turns any error raised
     # there into a NoEntryError ("incompatible handler"), which would hide an
     # IntegrityError or UnsafeCheckpointError behind a misleading message.
@@ -169,7 +168,7 @@ class PenzaiCheckpointableHandler(
     return loaded()
 
   async def metadata(self, directory: Any) -> Any:
-    path = _contained_item(directory)
+    path = epath.Path(directory)
     return await self._in_v0_handler(lambda handler: handler.metadata(path))
 
   def is_handleable(self, checkpointable: Any) -> bool:
@@ -179,19 +178,6 @@ class PenzaiCheckpointableHandler(
     return abstract_checkpointable is None or isinstance(
         abstract_checkpointable, orbax_v0.PenzaiRestore
     )
-
-
-def _contained_item(directory: Any) -> epath.Path:
-  """The checkpointable's directory, once the checkpoint holding it is checked.
-
-  Why the whole checkpoint, as `pz_persist.load` checks it: the v0 restore
-  checks what is inside the item directory, but accepts the directory itself
-  being a symlink (a path a user chose); here Orbax chose it, inside the
-  checkpoint, so a symlink leading out of the checkpoint is refused.
-  """
-  path = epath.Path(directory)
-  safety.check_contained(path.parent)
-  return path
 
 
 def register() -> None:

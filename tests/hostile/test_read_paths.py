@@ -350,3 +350,25 @@ def test_changed_float_is_refused_by_diff(tmp_path):
   _change_one_float(tmp_path / "b")
   with pytest.raises(errors.IntegrityError, match="label 'marked/w'"):
     pzp.diff(tmp_path / "a", tmp_path / "b")
+
+
+def test_item_symlinked_out_of_a_manager_step_is_refused(tmp_path):
+  """The item directory is Orbax's choice, not the user's: a symlink there
+  leading out of the checkpoint is refused, by every loader."""
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=ocp.args.Composite(params=pzp.PenzaiSave(_marked_tree())))
+    manager.wait_until_finished()
+  item = tmp_path / "run" / "1" / "params"
+  shutil.copytree(item, tmp_path / "outside")
+  shutil.rmtree(item)
+  item.symlink_to(tmp_path / "outside")
+  match = r"run/1/params is a symlink to .*outside, outside the checkpoint"
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    with pytest.raises(errors.UnsafeCheckpointError, match=match):
+      manager.restore(1)
+  with pytest.raises(errors.UnsafeCheckpointError, match=match):
+    pzp.load(tmp_path / "run" / "1")
+  with pytest.raises(errors.UnsafeCheckpointError, match=match):
+    pzp.load(item)
+  with pytest.raises(errors.UnsafeCheckpointError, match=match):
+    ocp_v1.load_checkpointables(tmp_path / "run" / "1")
