@@ -21,6 +21,9 @@ checkpointable::
 
   ocp.load_checkpointables(path, {"model": pzp.PenzaiRestore(sharding=rules)})
 
+The abstract tree ``ocp.checkpointables_metadata`` returns is accepted too
+(its arrays may carry one ``sharding`` for all).
+
 The on-disk layout is the same as the v0 handler's: Orbax's own pytree handler
 writes the arrays, the primary process writes the manifest once the directory
 exists. Loading is the v0 handler's restore, the one read path every loader
@@ -43,6 +46,7 @@ from orbax.checkpoint import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1._src.context.context import get_context
 from penzai import pz
 
+from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 
@@ -144,19 +148,19 @@ class PenzaiCheckpointableHandler(
     return await asyncio.to_thread(run)
 
   async def load(
-      self,
-      directory: Any,
-      abstract_checkpointable: orbax_v0.PenzaiRestore | None = None,
+      self, directory: Any, abstract_checkpointable: Any = None
   ) -> Awaitable[Any]:
     """Starts loading; the tree needs no abstract checkpointable.
 
     Args:
       directory: The checkpointable's directory.
-      abstract_checkpointable: None, or `pz_persist.PenzaiRestore` to say
-        where arrays go (``sharding``) and whether to check checksums.
+      abstract_checkpointable: None; or `pz_persist.PenzaiRestore` to say
+        where arrays go (``sharding``) and whether to check checksums; or the
+        abstract tree `metadata` returns, whose ``jax.ShapeDtypeStruct``
+        leaves may carry one sharding for every array.
     """
-    args = abstract_checkpointable or orbax_v0.PenzaiRestore()
     path = epath.Path(directory)
+    args = _restore_args(abstract_checkpointable, where=str(path))
     # Read now, not in the returned awaitable: Orbax turns any error raised
     # there into a NoEntryError ("incompatible handler"), which would hide an
     # IntegrityError or UnsafeCheckpointError behind a misleading message.
@@ -175,9 +179,40 @@ class PenzaiCheckpointableHandler(
     return holds_penzai_values(checkpointable)
 
   def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool:
-    return abstract_checkpointable is None or isinstance(
-        abstract_checkpointable, orbax_v0.PenzaiRestore
+    return (
+        abstract_checkpointable is None
+        or isinstance(abstract_checkpointable, orbax_v0.PenzaiRestore)
+        or holds_penzai_values(abstract_checkpointable)
     )
+
+
+def _restore_args(abstract: Any, *, where: str) -> orbax_v0.PenzaiRestore:
+  """The v0 restore arguments an abstract checkpointable stands for.
+
+  Why only one sharding from an abstract tree: the checkpoint describes
+  itself, so the tree only says where arrays go; pz_persist places arrays
+  by one sharding or by axis name (`pz_persist.AxisRules`), not leaf by leaf.
+
+  Raises:
+    PzPersistError: the abstract tree's arrays name several shardings.
+  """
+  if abstract is None:
+    return orbax_v0.PenzaiRestore()
+  if isinstance(abstract, orbax_v0.PenzaiRestore):
+    return abstract
+  shardings = {
+      leaf.sharding
+      for leaf in jax.tree_util.tree_leaves(abstract)
+      if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None
+  }
+  if len(shardings) > 1:
+    raise errors.PzPersistError(
+        f"{where}: the abstract checkpointable places arrays on"
+        f" {len(shardings)} different shardings; pz_persist places them by one"
+        " sharding or by axis name. Pass pz_persist.PenzaiRestore(sharding="
+        "pz_persist.AxisRules(mesh, rules)) instead."
+    )
+  return orbax_v0.PenzaiRestore(sharding=shardings.pop() if shardings else None)
 
 
 def register() -> None:

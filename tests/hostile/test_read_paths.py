@@ -372,3 +372,20 @@ def test_item_symlinked_out_of_a_manager_step_is_refused(tmp_path):
     pzp.load(item)
   with pytest.raises(errors.UnsafeCheckpointError, match=match):
     ocp_v1.load_checkpointables(tmp_path / "run" / "1")
+
+
+def test_orbax_v1_takes_its_own_metadata_as_abstract_state(ckpt):
+  """The v1 idiom (metadata, then load) reaches the same read path."""
+  pzp.save(ckpt, _marked_tree())
+  metadata = ocp_v1.checkpointables_metadata(ckpt)
+  assert_identical(ocp_v1.load_checkpointables(ckpt, metadata)["penzai"], _marked_tree())
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+  placed = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+      metadata.metadata["penzai"],
+  )
+  loaded = ocp_v1.load_checkpointables(ckpt, {"penzai": placed})["penzai"]
+  assert loaded["w"].value.data_array.sharding == device
+  _change_one_float(ckpt)
+  with pytest.raises(errors.IntegrityError, match="label 'marked/w'"):
+    ocp_v1.load_checkpointables(ckpt, metadata)
