@@ -72,14 +72,15 @@ def holds_penzai_values(tree: Any) -> bool:
 
 
 class PenzaiCheckpointableHandler(
-    ocp_v1.handlers.CheckpointableHandler[Any, None]
+    ocp_v1.handlers.CheckpointableHandler[Any, Any]
 ):
   """Orbax v1 ``CheckpointableHandler`` for trees holding Penzai values.
 
   Loading needs no abstract checkpointable: pass None (or nothing), and arrays
   are placed on the first local device (``jax.Array``) or returned as NumPy
-  arrays, as they were saved; or pass `pz_persist.PenzaiRestore` to place them
-  elsewhere. Loading is `pz_persist.orbax_v0.PenzaiCheckpointHandler.restore`.
+  arrays, as they were saved; or pass `pz_persist.PenzaiRestore` (or the
+  abstract tree `metadata` returns) to place them elsewhere. Loading is
+  `pz_persist.orbax_v0.PenzaiCheckpointHandler.restore`.
   """
 
   def __init__(self, *, context: ocp_v1.Context | None = None):

@@ -389,3 +389,28 @@ def test_orbax_v1_takes_its_own_metadata_as_abstract_state(ckpt):
   _change_one_float(ckpt)
   with pytest.raises(errors.IntegrityError, match="label 'marked/w'"):
     ocp_v1.load_checkpointables(ckpt, metadata)
+
+
+def test_orbax_v1_refuses_an_abstract_tree_with_several_shardings(ckpt):
+  pzp.save(ckpt, _marked_tree())
+  metadata = ocp_v1.checkpointables_metadata(ckpt).metadata["penzai"]
+  devices = iter(jax.devices())
+  placed = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(next(devices))
+      ),
+      metadata,
+  )
+  with pytest.raises(errors.PzPersistError, match="penzai: the abstract checkpointable places arrays on 2 different shardings.*AxisRules"):
+    ocp_v1.load_checkpointables(ckpt, {"penzai": placed})
+
+
+def test_orbax_v1_loads_in_the_callers_x64_context(tmp_path):
+  """The read runs in a worker thread; JAX's x64 switch is thread-local."""
+  if jax.config.jax_enable_x64:
+    pytest.skip("x64 is on globally: nothing to carry over")
+  with jax.enable_x64(True):
+    tree = {"x": pz.Parameter(label="x", value=jnp.arange(3, dtype=jnp.float64))}
+    ocp_v1.save_checkpointables(tmp_path / "c", {"model": tree})
+    loaded = ocp_v1.load_checkpointables(tmp_path / "c")["model"]
+    assert loaded["x"].value.dtype == jnp.float64
