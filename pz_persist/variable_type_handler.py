@@ -35,6 +35,7 @@ until every array has been read and checked. (``StandardCheckpointHandler`` refu
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import stat
@@ -333,15 +334,19 @@ def _read_bounded(path: epath.Path) -> bytes:
   try:
     fd = os.open(os.fspath(path), flags)
   except OSError as e:
-    raise errors.UnsafeCheckpointError(
-        f"{path}: cannot be opened as a regular file (a symlink?): {e};"
-        " refusing to read it."
-    ) from None
-  with os.fdopen(fd, "rb") as f:
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    if e.errno == errno.ELOOP:
       raise errors.UnsafeCheckpointError(
-          f"{path} is not a regular file (a FIFO or device?); refusing to read it."
-      )
+          f"{path} is a symlink; pz_persist never writes one, refusing to read it."
+      ) from None
+    raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
+  mode = os.fstat(fd).st_mode
+  if not stat.S_ISREG(mode):
+    os.close(fd)
+    kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO or device"
+    raise errors.UnsafeCheckpointError(
+        f"{path} is {kind}, not a regular file; refusing to read it."
+    )
+  with os.fdopen(fd, "rb") as f:
     return f.read(limit + 1)
 
 

@@ -214,6 +214,19 @@ def _records_fifo(path, monkeypatch):
   os.mkfifo(file)
 
 
+def _records_symlink_inside(path, monkeypatch):
+  file = _records_file(path)
+  inside = path / "elsewhere.json"
+  file.rename(inside)
+  file.symlink_to(inside)
+
+
+def _records_directory(path, monkeypatch):
+  file = _records_file(path)
+  file.unlink()
+  file.mkdir()
+
+
 def _data_dir_symlink_outside(path, monkeypatch):
   copy = path.parent / "outside_d"
   shutil.copytree(path / "d", copy)
@@ -275,6 +288,10 @@ TYPE_HANDLER_CASES = [
      RECORDS + r" is a symlink to .*outside\.json, outside the checkpoint"),
     ("records_fifo", _records_fifo, errors.UnsafeCheckpointError,
      RECORDS + " is a FIFO, not a regular file"),
+    ("records_symlink_inside", _records_symlink_inside, errors.UnsafeCheckpointError,
+     RECORDS + " is a symlink; pz_persist never writes one"),
+    ("records_directory", _records_directory, errors.UnsafeCheckpointError,
+     RECORDS + " is a directory, not a regular file"),
     ("data_dir_symlink_outside", _data_dir_symlink_outside, errors.UnsafeCheckpointError,
      r"c/d is a symlink to .*outside_d, outside the checkpoint"),
     ("data_file_fifo", _data_file_fifo, errors.UnsafeCheckpointError,
