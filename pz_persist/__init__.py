@@ -35,6 +35,7 @@ from pz_persist.model import load_model, save_model
 from pz_persist import pretrained
 from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.orbax_v0 import PenzaiCheckpointHandler, PenzaiRestore, PenzaiSave
+from pz_persist.orbax_registry import handler_registry
 from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
 from pz_persist.registration import register_handlers
 from pz_persist.sharding import AxisRules
@@ -61,6 +62,7 @@ __all__ = [
     "diff",
     "errors",
     "export_safetensors",
+    "handler_registry",
     "inspect",
     "load",
     "load_model",

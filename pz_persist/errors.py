@@ -86,3 +86,11 @@ class UnsafeCheckpointError(ManifestError):
   For example a symlink pointing out of the checkpoint directory, or arrays
   declaring far more bytes than the machine could hold.
   """
+
+
+class WrongItemsError(PzPersistError, ValueError):
+  """A step's items are not the ones a helper expects.
+
+  For example `pz_persist.restore_trainer` given a step saved by a plain optax
+  loop (``params``, ``opt_state``...) instead of by `pz_persist.trainer_items`.
+  """

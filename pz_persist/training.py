@@ -28,6 +28,9 @@ from typing import Any
 from penzai import pz
 
 from pz_persist import binding
+from pz_persist import errors
+
+TRAINER_ITEMS = ("root_rng", "variables")
 
 
 def trainer_items(trainer: Any) -> dict[str, Any]:
@@ -44,6 +47,20 @@ def restore_trainer(trainer: Any, items: Mapping[str, Any]) -> Any:
   state) are updated in place, after checking that every one has a value that
   fits (see `pz_persist.assign_variables`); the trainer is returned with the
   saved root RNG key.
+
+  Raises:
+    WrongItemsError: ``items`` is not what `trainer_items` saved (a step of
+      another training loop, say), naming the items it does hold.
   """
+  found = tuple(sorted(items)) if isinstance(items, Mapping) else None
+  if found is None or not set(TRAINER_ITEMS) <= set(found):
+    held = ", ".join(found) if found else "no items"
+    raise errors.WrongItemsError(
+        f"this step holds {held}, not a StatefulTrainer checkpoint (which holds"
+        f" {', '.join(TRAINER_ITEMS)}, as saved with"
+        " manager.save(step, **pz_persist.trainer_items(trainer))). Restore it"
+        " with manager.restore() and use its items directly, or point the"
+        " manager at the trainer's own run directory."
+    )
   binding.assign_variables(trainer, items["variables"])
   return dataclasses.replace(trainer, root_rng=items["root_rng"])
