@@ -20,6 +20,7 @@ from etils import epath
 from penzai import pz
 
 from pz_persist import binding
+from pz_persist import directories
 from pz_persist import errors
 from pz_persist import model as model_lib
 from pz_persist import sharding as sharding_lib
@@ -68,6 +69,10 @@ def migrate(
   Returns:
     The loaded model (as saved at ``dst``).
   """
+  if not overwrite and directories.identity(directories.as_path(dst)) is not None:
+    raise errors.CheckpointExistsError(  # Said before the (long) load.
+        f"{dst} already exists; pass overwrite=True to replace it."
+    )
   loaded = model_lib.load_model(
       src, into=model, dtype=dtype, allow_lossy=allow_lossy, sharding=sharding,
       allow_modules=allow_modules,

@@ -257,6 +257,12 @@ def _check_bound(model: Any, where: epath.Path) -> None:
         f" {encoding.describe_label(unbound[0])}). Pass the model as its code"
         " builds it."
     )
+  if not pz.unbind_variables(model)[1]:
+    raise errors.PzPersistError(
+        f"{where} is a plain Orbax checkpoint, loaded into a model's variables,"
+        " but the model has none (pz.Parameter or pz.StateVariable; frozen"
+        " values are not variables). Pass the model as its code builds it."
+    )
 
 
 class _PlainSource:
@@ -352,6 +358,8 @@ class _PlainSource:
             key=_dotted(path), shape=shape, dtype=dtype.name,
             kind="jax" if target is not None else "numpy", path=_dotted(path),
             label=encoding.describe_label(label),
+            # Orbax drops JAX's weak-type flag; the model's code sets it.
+            weak_type=target is not None and bool(getattr(leaf, "weak_type", False)),
         )
         specs.append(spec)
         targets[path] = (spec, target)
@@ -359,9 +367,10 @@ class _PlainSource:
     safety.check_allocation(specs, sizes, where=str(self._item))
     arrays = self._restore(targets) if targets else {}
     return {
-        label: jax.tree.structure(bound[label].value).unflatten(
-            [arrays[path] for path in self.stored[label].paths]
-        )
+        label: jax.tree.structure(bound[label].value).unflatten([
+            arrays_lib.from_storage(arrays[path], targets[path][0])
+            for path in self.stored[label].paths
+        ])
         for label in labels
     }
 
