@@ -34,8 +34,9 @@ their final placement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -275,7 +276,6 @@ class _PlainSource:
   def __init__(self, item: epath.Path, model: Any):
     _check_bound(model, item)
     self._item = item
-    self._handler = ocp.PyTreeCheckpointHandler()
     self._tree, self._stored = self._read_metadata()
     layouts = _layouts(model)
     self.layout = max(layouts, key=lambda l: l.matches(self._stored))  # First wins ties.
@@ -301,7 +301,8 @@ class _PlainSource:
   def _read_metadata(self) -> tuple[Any, dict[StoredPath, Any]]:
     """Orbax's metadata tree, and its leaves by path; reads no array."""
     try:
-      tree = self._handler.metadata(self._item).tree
+      with _handler() as handler:
+        tree = handler.metadata(self._item).tree
       leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     except (KeyboardInterrupt, MemoryError):
       raise
@@ -339,7 +340,8 @@ class _PlainSource:
       if dtype.itemsize == 8 and dtype.kind in "iuf" and not jax.config.jax_enable_x64:
         return binding.Mismatch(
             label, "dtype", f"{dtype} at {_dotted(path)}, which JAX would narrow"
-            " silently (enable jax_enable_x64 to read it)", str(leaf.dtype),
+            " silently (enable jax_enable_x64 to read it)",
+            str(getattr(leaf, "dtype", type(leaf).__name__)),
         )
       abstract.append(jax.ShapeDtypeStruct(shape, dtype))
     return treedef.unflatten(abstract)
@@ -347,8 +349,7 @@ class _PlainSource:
   def read(self, labels, *, sharding, verify, bound):
     """Reads the arrays of ``labels``, each straight to its placement."""
     del verify  # Plain Orbax records no checksums.
-    wanted: dict[StoredPath, Any] = {}  # Path -> jax.ShapeDtypeStruct or spec.
-    specs, targets = [], {}
+    specs, targets = [], {}  # Path -> (its spec, where it goes).
     for label in labels:
       current = bound[label].value
       for path, (dims, leaf) in zip(self.stored[label].paths, _dim_names(current)):
@@ -395,10 +396,11 @@ class _PlainSource:
             dtype=spec.np_dtype,
         ))
     try:
-      restored = self._handler.restore(self._item, args=ocp.args.PyTreeRestore(
-          item=treedef.unflatten(items),
-          restore_args=treedef.unflatten(restore_args),
-      ))
+      with _handler() as handler:
+        restored = handler.restore(self._item, args=ocp.args.PyTreeRestore(
+            item=treedef.unflatten(items),
+            restore_args=treedef.unflatten(restore_args),
+        ))
       leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
     except (KeyboardInterrupt, MemoryError):
       raise
@@ -420,6 +422,17 @@ class _PlainSource:
           damaged=tuple(f"{_dotted(p)}: not read" for p in missing),
       )
     return arrays
+
+
+@contextlib.contextmanager
+def _handler() -> Iterator[ocp.PyTreeCheckpointHandler]:
+  """Orbax's handler of plain pytree checkpoints (Standard and PyTree
+  checkpointers both write through it), closed after use."""
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    yield handler
+  finally:
+    handler.close()
 
 
 def _dim_names(value: Any) -> list[tuple[tuple[Any, ...], Any]]:
