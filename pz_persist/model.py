@@ -182,14 +182,10 @@ def load_model(
         return model
       _, variables = pz.unbind_variables(model)
       return model, binding.LoadReport(loaded=tuple(v.label for v in variables))
-    try:
-      item = checkpoint.find_item(path)
-    except errors.NotACheckpointError:
-      plain = plain_orbax.find_item(path)
-      if plain is None:
-        raise
+    item, plain = _find_item(path)
+    if plain:
       model, report = plain_orbax.load_into(
-          path, plain, into, strict=strict, only=only, rename=rename,
+          path, item, into, strict=strict, only=only, rename=rename,
           rename_axes=rename_axes, dtype=dtype, allow_lossy=allow_lossy,
           overlay=overlay, sharding=sharding,
       )
@@ -208,3 +204,21 @@ def load_model(
         verify=verify,
     )
     return model if strict else (model, report)
+
+
+def _find_item(path: epath.PathLike) -> tuple[epath.Path, bool]:
+  """The item directory at ``path``, and whether it is a plain Orbax one
+  (written without pz_persist) rather than a pz_persist one.
+
+  Raises:
+    NotACheckpointError: it is neither (the error says why it is not a
+      pz_persist checkpoint).
+  """
+  try:
+    return checkpoint.find_item(path), False
+  except errors.NotACheckpointError as e:
+    not_native = e  # Raised outside this block: not the context of others.
+  plain = plain_orbax.find_item(path)
+  if plain is None:
+    raise not_native
+  return plain, True

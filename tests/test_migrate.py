@@ -240,6 +240,10 @@ def test_an_item_of_a_step_directory(tmp_path):
     pzp.load_model(tmp_path / "step", into=_fresh_mlp())
   _assert_params(pzp.load_model(tmp_path / "step" / "params", into=_fresh_mlp()), params)
 
+  with ocp.CheckpointManager(tmp_path / "run") as manager:  # One item: found.
+    manager.save(3, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
+  _assert_params(pzp.load_model(tmp_path / "run" / "3", into=_fresh_mlp()), params)
+
 
 def _mesh():
   return jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
