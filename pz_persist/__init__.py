@@ -31,6 +31,7 @@ from pz_persist.checkpoint import inspect, load, save
 from pz_persist.diffing import diff
 from pz_persist.errors import PzPersistError
 from pz_persist.manager import CheckpointManager
+from pz_persist.migrating import migrate
 from pz_persist.model import load_model, save_model
 from pz_persist import pretrained
 from pz_persist.pretrained.safetensors_io import export_safetensors
@@ -66,6 +67,7 @@ __all__ = [
     "inspect",
     "load",
     "load_model",
+    "migrate",
     "pretrained",
     "register_handlers",
     "render_html",

@@ -25,7 +25,7 @@ import dataclasses
 import fnmatch
 import re
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 import jax
 import jax.numpy as jnp
@@ -372,6 +372,56 @@ def load_into(
   where = str(item)
   manifest = manifest_lib.read(item)
   stored, renamed = _checkpoint_variables(manifest, where, _rules(rename))
+  return bind(
+      where, model, _ManifestSource(item, manifest, stored, rename_axes),
+      renamed=renamed, strict=strict, only=only, dtype=dtype,
+      allow_lossy=allow_lossy, overlay=overlay, sharding=sharding, verify=verify,
+  )
+
+
+class Source(Protocol):
+  """Where `bind` gets variables from: a checkpoint, by label.
+
+  Attributes:
+    stored: The checkpoint's variables by (model) label; each has ``kind``
+      (``"parameter"`` or ``"state_variable"``) and ``metadata``.
+  """
+
+  stored: Mapping[Hashable, Any]
+
+  def abstract(self, label: Hashable, current: Any) -> Any:
+    """The stored value of ``label`` with ``jax.ShapeDtypeStruct`` arrays, or
+    the `Mismatch` that rules it out already; reads no array. ``current`` is
+    the model's value (None for an unbound slot)."""
+
+  def read(
+      self, labels: Sequence[Hashable], *, sharding: sharding_lib.Target,
+      verify: bool, bound: Mapping[Hashable, Any],
+  ) -> dict[Hashable, Any]:
+    """The stored values of ``labels``, as read (before any cast)."""
+
+
+def bind(
+    where: str,
+    model: Any,
+    source: Source,
+    *,
+    renamed: tuple[tuple[Hashable, Hashable], ...] = (),
+    strict: bool = True,
+    only: LabelGlobs | None = None,
+    dtype: DTypeRules | None = None,
+    allow_lossy: bool = False,
+    overlay: bool = False,
+    sharding: sharding_lib.Target = None,
+    verify: bool = True,
+) -> tuple[Any, LoadReport]:
+  """Loads the variables ``source`` holds into ``model``, checked and reported.
+
+  The one place every way of loading into a model goes through (native
+  checkpoints, plain Orbax ones), so each gets the same checks, options,
+  report and strictness. See `load_into`.
+  """
+  stored = source.stored
   structure, bound, slots = _model_variables(model)
   globs = _globs(only)
   wanted = [label for label in slots if _selected(label, globs)]
@@ -379,7 +429,7 @@ def load_into(
   unexpected = tuple(l for l in stored if _selected(l, globs) and l not in slots)
 
   # Everything that needs no array data is checked first: one error lists all.
-  plan = _Plan(manifest, rename_axes, dtype)
+  plan = _Plan(source, dtype)
   for label in (l for l in wanted if l in stored):
     plan.check(label, stored[label], slots[label], bound.get(label))
   if strict and (missing or unexpected or plan.problems):
@@ -389,7 +439,7 @@ def load_into(
     ))
 
   values, cast = plan.read(
-      item, stored, bound, allow_lossy=allow_lossy, sharding=sharding, verify=verify
+      bound, allow_lossy=allow_lossy, sharding=sharding, verify=verify
   )
   report = LoadReport(
       loaded=tuple(values),
@@ -421,18 +471,16 @@ def _checkpoint_variables(manifest, where, rules):
   return by_label, tuple(renamed)
 
 
-class _Plan:
-  """Which checkpoint variables fit the model, decided without array data,
-  then the reading, casting and placing of those that fit."""
+class _ManifestSource:
+  """A pz_persist checkpoint's variables: decoded from its manifest, read
+  through `pz_persist.orbax_v0`."""
 
-  def __init__(self, manifest: manifest_lib.Manifest, rename_axes, dtype):
+  def __init__(self, item, manifest: manifest_lib.Manifest, stored, rename_axes):
+    self._item = item
     self._manifest = manifest
     self._rename_axes = rename_axes
-    self._dtype = dtype
     self._abstract_arrays = [spec.abstract() for spec in manifest.arrays]
-    self.fitting: list[Hashable] = []
-    self.problems: list[Mismatch] = []
-    self.transposed: list[Hashable] = []
+    self.stored = stored
 
   def _value(self, variable: catalog.Variable, arrays, **kwargs) -> Any:
     value = encoding.decode(
@@ -441,15 +489,44 @@ class _Plan:
     )
     return _rename_axes(value, self._rename_axes)
 
-  def check(self, label, variable: catalog.Variable, slot, current) -> None:
+  def abstract(self, label, current) -> Any:
+    del current  # The manifest says everything.
+    return self._value(self.stored[label], self._abstract_arrays, abstract=True)
+
+  def read(self, labels, *, sharding, verify, bound):
+    del bound  # Placed by `_fit`: the manifest's arrays go to `sharding`.
+    refs = {ref for label in labels for ref in self.stored[label].refs}
+    handler = orbax_v0.PenzaiCheckpointHandler()
+    try:
+      arrays = handler.read_arrays(
+          self._item, self._manifest, sharding=sharding, refs=refs, verify=verify
+      )
+    finally:
+      handler.close()
+    return {label: self._value(self.stored[label], arrays) for label in labels}
+
+
+class _Plan:
+  """Which checkpoint variables fit the model, decided without array data,
+  then the reading, casting and placing of those that fit."""
+
+  def __init__(self, source: Source, dtype):
+    self._source = source
+    self._dtype = dtype
+    self.fitting: list[Hashable] = []
+    self.problems: list[Mismatch] = []
+    self.transposed: list[Hashable] = []
+
+  def check(self, label, variable, slot, current) -> None:
     if variable.kind != _kind_of_slot(slot):
       self.problems.append(Mismatch(label, "kind", variable.kind, _kind_of_slot(slot)))
       return
+    abstract = self._source.abstract(label, current)
+    if isinstance(abstract, Mismatch):
+      self.problems.append(abstract)
+      return
     planned_casts: list = []
-    abstract = _cast_value(
-        label, self._value(variable, self._abstract_arrays, abstract=True),
-        self._dtype, True, planned_casts, [],
-    )
+    abstract = _cast_value(label, abstract, self._dtype, True, planned_casts, [])
     if current is not None:
       # A dtype the user asked for wins over the model's current one.
       mismatch, reorder = _misfit(
@@ -462,22 +539,17 @@ class _Plan:
         self.transposed.append(label)
     self.fitting.append(label)
 
-  def read(self, item, stored, bound, *, allow_lossy, sharding, verify):
+  def read(self, bound, *, allow_lossy, sharding, verify):
     """Reads the arrays of the fitting variables only; casts and places them."""
-    refs = {ref for label in self.fitting for ref in stored[label].refs}
-    handler = orbax_v0.PenzaiCheckpointHandler()
-    try:
-      arrays = handler.read_arrays(
-          item, self._manifest, sharding=sharding, refs=refs, verify=verify
-      )
-    finally:
-      handler.close()
+    read = self._source.read(
+        self.fitting, sharding=sharding, verify=verify,
+        bound={label: bound[label] for label in self.fitting if label in bound},
+    )
     values, cast = {}, []
     for label in self.fitting:
       before = len(self.problems)
       value = _cast_value(
-          label, self._value(stored[label], arrays), self._dtype, allow_lossy,
-          cast, self.problems,
+          label, read[label], self._dtype, allow_lossy, cast, self.problems,
       )
       if len(self.problems) > before:
         continue

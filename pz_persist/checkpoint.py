@@ -326,7 +326,10 @@ def find_item(path: epath.PathLike) -> epath.Path:
   if (path / _ORBAX_CHECKPOINT_METADATA).exists() or (path / "_METADATA").exists():
     hint = (
         " It is an Orbax checkpoint written without pz_persist; restore it with"
-        " orbax.checkpoint and a template."
+        " orbax.checkpoint and a template or, if it holds a Penzai model's"
+        " parameters (saved from pz.unbind_params(model, freeze=True)), load it"
+        " with pz_persist.load_model(path, into=model) or convert it with"
+        " pz_persist.migrate."
     )
   raise errors.NotACheckpointError(
       f"{path} is not a pz_persist checkpoint: no {manifest_lib.MANIFEST_FILENAME}"

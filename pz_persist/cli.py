@@ -129,6 +129,22 @@ def _convert(args: argparse.Namespace) -> int:
   return 0
 
 
+def _migrate(args: argparse.Namespace) -> int:
+  """Loads a plain Orbax checkpoint into the model the user's function builds,
+  and writes it as a native checkpoint."""
+  from pz_persist import migrating  # pylint: disable=import-outside-toplevel
+
+  if os.getcwd() not in sys.path:  # As `python -m` would: the user's modules.
+    sys.path.insert(0, os.getcwd())
+  model = migrating.build_model(args.model)
+  migrating.migrate(
+      args.src, args.dst, model, overwrite=args.overwrite,
+      allow_modules=args.allow_module,
+  )
+  print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="pz-persist",
@@ -209,6 +225,33 @@ def build_parser() -> argparse.ArgumentParser:
   )
   convert.add_argument("--quiet", action="store_true", help="no progress bars")
   convert.set_defaults(run=_convert)
+
+  migrate = commands.add_parser(
+      "migrate",
+      help="convert a plain Orbax checkpoint of a model's params to a native one",
+      description="Load a checkpoint written without pz_persist (the params"
+      " of pz.unbind_params(model, freeze=True) saved with Orbax's"
+      " StandardCheckpointer or PyTreeCheckpointer) into the model that"
+      " --model builds, checking every shape and dtype, and save it as a"
+      " pz_persist checkpoint, which pz_persist.load_model reloads with no code."
+      " --model IMPORTS AND RUNS the code you name (from the current directory"
+      " or PYTHONPATH): name only code you trust. Loading the result never"
+      " runs code.",
+  )
+  migrate.add_argument("src", help="the plain Orbax checkpoint to read")
+  migrate.add_argument("dst", help="the native checkpoint to write")
+  migrate.add_argument(
+      "--model", required=True, metavar="MODULE:FUNCTION",
+      help="a function taking no arguments that builds the model (its labels,"
+      " axes, shapes and dtypes), e.g. my_models:build_mlp; it is imported and"
+      " called",
+  )
+  migrate.add_argument(
+      "--allow-module", action="append", metavar="MODULE",
+      help="a module the model's own layer classes come from (repeatable)",
+  )
+  migrate.add_argument("--overwrite", action="store_true", help="replace DST")
+  migrate.set_defaults(run=_migrate)
   return parser
 
 

@@ -11,7 +11,8 @@ allow-listed modules.
 `load_model(path, into=model)` instead binds the checkpoint's variables into a
 given model by label, checking and reporting every difference (see
 `pz_persist.binding`); it also reads checkpoints of bare parameters written by
-`pz_persist.save`.
+`pz_persist.save`, and plain Orbax checkpoints of a model's parameters written
+without pz_persist (see `pz_persist.plain_orbax`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pz_persist import catalog
 from pz_persist import checkpoint
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
+from pz_persist import plain_orbax
 from pz_persist import sharding as sharding_lib
 
 
@@ -102,6 +104,15 @@ def load_model(
   ``pz.unbind_variables``), the checkpoint's variables are loaded into it by
   label; the model passed in is not changed, a new one is returned.
 
+  ``into=model`` also loads a plain Orbax checkpoint written without
+  pz_persist (``ocp.StandardCheckpointer`` or ``PyTreeCheckpointer`` saving the
+  params of ``pz.unbind_params(model, freeze=True)``): having no labels, its
+  arrays are matched to the model's variables by position, with every shape
+  and dtype checked first. ``only``, ``dtype``, ``allow_lossy``, ``sharding``
+  and ``strict`` work as for native checkpoints; ``rename``, ``rename_axes``
+  and ``overlay`` are refused (`pz_persist.migrate` turns such a checkpoint
+  into a native one).
+
   Example::
 
     model = pzp.load_model("/tmp/mlp_lora")
@@ -171,8 +182,16 @@ def load_model(
         return model
       _, variables = pz.unbind_variables(model)
       return model, binding.LoadReport(loaded=tuple(v.label for v in variables))
+    item, plain = _find_item(path)
+    if plain:
+      model, report = plain_orbax.load_into(
+          path, item, into, strict=strict, only=only, rename=rename,
+          rename_axes=rename_axes, dtype=dtype, allow_lossy=allow_lossy,
+          overlay=overlay, sharding=sharding,
+      )
+      return model if strict else (model, report)
     model, report = binding.load_into(
-        checkpoint.find_item(path),
+        item,
         into,
         strict=strict,
         only=only,
@@ -185,3 +204,21 @@ def load_model(
         verify=verify,
     )
     return model if strict else (model, report)
+
+
+def _find_item(path: epath.PathLike) -> tuple[epath.Path, bool]:
+  """The item directory at ``path``, and whether it is a plain Orbax one
+  (written without pz_persist) rather than a pz_persist one.
+
+  Raises:
+    NotACheckpointError: it is neither (the error says why it is not a
+      pz_persist checkpoint).
+  """
+  try:
+    return checkpoint.find_item(path), False
+  except errors.NotACheckpointError as e:
+    not_native = e  # Raised outside this block: not the context of others.
+  plain = plain_orbax.find_item(path)
+  if plain is None:
+    raise not_native
+  return plain, True
