@@ -646,11 +646,11 @@ def _check_layers(cfg: _Config, names: set[str], prefix: str, layers: int) -> No
       int(match.group(1)) for name in names if name.startswith(prefix)
       and (match := _LAYER_NUMBER.match(name, len(prefix)))
   })
-  if held == list(range(layers)):
+  if len(held) == layers and held[-1] == layers - 1:  # Sorted and distinct: 0..layers-1.
     return
   if not held:
     found = "no layers"
-  elif held == list(range(len(held))):
+  elif held[-1] == len(held) - 1:
     found = f"layers 0..{held[-1]}"
   else:
     found = f"layers {held[:10]}{'...' if len(held) > 10 else ''}"
