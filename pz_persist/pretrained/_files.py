@@ -66,11 +66,13 @@ def _kind(mode: int) -> str:
   return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def _unsafe(path: str) -> ErrorFactory:
-  return lambda what: errors.UnsafeCheckpointError(f"{path} {what}; refusing to read it.")
+def _not_regular(path: str, mode: int) -> errors.UnsafeCheckpointError:
+  return errors.UnsafeCheckpointError(
+      f"{path} is {_kind(mode)}, not a regular file; refusing to read it."
+  )
 
 
-def open_regular(path: str, error: ErrorFactory | None = None) -> BinaryIO:
+def open_regular(path: str) -> BinaryIO:
   """Opens ``path`` for reading if, once open, it is a regular file.
 
   The open never blocks (``O_NONBLOCK``: a FIFO without a writer opens at
@@ -78,19 +80,18 @@ def open_regular(path: str, error: ErrorFactory | None = None) -> BinaryIO:
   the file checked. The returned file blocks as usual.
 
   Raises:
-    UnsafeCheckpointError (or what ``error`` makes): a FIFO, device, socket
-      or directory, naming the path.
+    UnsafeCheckpointError: a FIFO, device, socket or directory, naming the
+      path.
     OSError: the file cannot be opened.
   """
-  error = error or _unsafe(path)
   info = os.stat(path)  # Refuse devices before opening them at all.
   if not stat.S_ISREG(info.st_mode):
-    raise error(f"is {_kind(info.st_mode)}, not a regular file")
+    raise _not_regular(path, info.st_mode)
   fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
   try:
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-      raise error(f"is {_kind(info.st_mode)}, not a regular file")
+      raise _not_regular(path, info.st_mode)
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
   except BaseException:
@@ -193,9 +194,7 @@ def check_folder_file(folder: str, name: str) -> str | None:
     except FileNotFoundError:
       return None  # Dangling: reported as missing.
   if not stat.S_ISREG(info.st_mode):
-    raise errors.UnsafeCheckpointError(
-        f"{path} is {_kind(info.st_mode)}, not a regular file; refusing to read it."
-    )
+    raise _not_regular(path, info.st_mode)
   return path
 
 

@@ -15,7 +15,11 @@ this module adds around it:
   own "auto" only counts layers), and unknown or Gemma 3 checkpoints fail with
   an error that says what was found and what is supported;
 * a custom preset (a mapping) supports models of any size, such as the tiny
-  ones the tests write.
+  ones the tests write;
+* the checks `pz_persist.load` makes before reading: no file leads outside
+  the directory or is a FIFO or device, Orbax's metadata is sane, and the
+  declared shapes fit the allocation limit (TensorStore allocates a declared
+  shape before reading a byte, and aborts the interpreter when it cannot).
 
 Example::
 
@@ -128,8 +132,13 @@ def load_gemma(
     Penzai's ``TransformerLM``.
 
   Raises:
-    GemmaCheckpointError: unknown preset, shapes matching no preset, or a
-      Gemma 3 checkpoint.
+    GemmaCheckpointError: unknown preset, shapes matching no preset, a
+      Gemma 3 checkpoint, or stored metadata that is not a tree of arrays.
+    UnsafeCheckpointError: a file of the checkpoint is a symlink leading out
+      of it, a FIFO or a device, or the arrays would allocate more than
+      `pz_persist.safety.allocation_limit` (checked on Orbax's metadata,
+      before TensorStore allocates anything).
+    IntegrityError: Orbax's metadata or the arrays cannot be read.
   """
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))

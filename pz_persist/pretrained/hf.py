@@ -16,6 +16,19 @@ activation...) are refused with `UnsupportedConfigError` naming the field and
 its value; fields that do not change the math (token ids, dropout, the
 transformers version...) are ignored, and any field this module does not know
 is refused too, rather than silently producing a different model.
+
+A checkpoint folder may come from anyone, so nothing in it is trusted before
+it is checked, and the checks come in an order that builds nothing large:
+``config.json`` is read with a byte and nesting limit and every field the
+builders use is checked against `_SCHEMA` (sizes are positive integers, never
+floats or strings); then the safetensors headers are read (their byte ranges
+must tile each file, as the reference implementation requires); then
+``num_hidden_layers`` must match the layers the weights hold and every tensor
+the config calls for must be present with the right size; then the total
+allocation is compared with `pz_persist.safety.allocation_limit`; only then
+is the skeleton built and the first tensor read. Only regular files are read,
+and a symlink in the folder must stay inside it or, for a ``huggingface_hub``
+snapshot, inside its cache entry (`pz_persist.pretrained._files`).
 """
 
 from __future__ import annotations
@@ -736,10 +749,17 @@ def load_hf(
       the supported ones) or a configuration field that would change the
       model's math, naming the field and its value. Raised before any tensor
       is read.
+    UnsupportedConfigError: also for a malformed ``config.json`` (not a JSON
+      object, too large or too deep, a field of the wrong type or range, or a
+      ``num_hidden_layers`` other than the layers the weights hold).
     CheckpointFolderError: ``config.json`` or the weight files are missing.
-    SafetensorsFormatError: a weight file is truncated or malformed, or lacks
-      a tensor the model needs or has one of the wrong shape (naming the file
-      and the tensor).
+    SafetensorsFormatError: a weight file is truncated or malformed (byte
+      ranges that overlap, leave gaps or leave the file), or lacks a tensor
+      the model needs or has one of the wrong shape (naming the file and the
+      tensor); all found before any tensor is read.
+    UnsafeCheckpointError: a file read is a symlink leading out of the folder
+      (and out of its Hugging Face cache entry), a FIFO or a device, or the
+      model would allocate more than `pz_persist.safety.allocation_limit`.
   """
   path = os.fspath(path)
   raw_config = _read_config(path)

@@ -10,7 +10,11 @@ llama.cpp converters). Two needs meet here:
   ``safetensors`` release (its NumPy front end learned bfloat16 late). Every
   offset, shape and dtype in the header is checked against the file's size
   first, so a truncated or corrupt file is a `SafetensorsFormatError` naming
-  the file, never a crash or a silently short array.
+  the file, never a crash or a silently short array. As in the reference
+  implementation, the tensors' byte ranges must tile the data buffer (no
+  overlap, no gap, ending with the file), so the tensors of a file are never
+  larger than the file; only regular files are read (a FIFO or a device is
+  refused without blocking), and the header is bounded in size and nesting.
 * `export_safetensors` writes a Penzai model's variables as one safetensors
   file that plain ``safetensors`` code can read, and stores what a bare
   tensor loses (label, axis names, parameter or state variable, metadata) as
@@ -92,7 +96,7 @@ class SafetensorsFile:
   def __init__(self, path: str | os.PathLike[str]):
     self.path = os.fspath(path)
     try:
-      with _files.open_regular(self.path, self._unsafe) as f:
+      with _files.open_regular(self.path) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -125,9 +129,6 @@ class SafetensorsFile:
       self.entries[name] = self._check_entry(name, info, data_size)
     self._check_layout(data_size)
 
-  def _unsafe(self, what: str) -> SafetensorsFormatError:
-    return self._error(f"{what}; refusing to read it")
-
   def _error(self, what: str, name: str | None = None) -> SafetensorsFormatError:
     where = f"safetensors file {self.path}" + (f", tensor {name!r}," if name else "")
     return SafetensorsFormatError(f"{where} {what}.")
@@ -137,7 +138,7 @@ class SafetensorsFile:
     if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
       raise self._error("has a malformed header entry", name)
     code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if code not in _DTYPES:
+    if not isinstance(code, str) or code not in _DTYPES:
       raise self._error(
           f"has dtype {code!r}, which is not one of {sorted(_DTYPES)}", name
       )
@@ -225,7 +226,7 @@ class SafetensorsFile:
     if begin == end:
       return out
     try:
-      with _files.open_regular(self.path, self._unsafe) as f:
+      with _files.open_regular(self.path) as f:
         f.seek(self._data_start + begin)
         if dtype == stored:
           read = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
@@ -434,7 +435,11 @@ def load_safetensors(
   Raises:
     SafetensorsFormatError: the file is malformed, or it has no pz_persist
       metadata (it was not written by `export_safetensors`; for Hugging Face
-      checkpoints use `pz_persist.pretrained.load_hf`).
+      checkpoints use `pz_persist.pretrained.load_hf`), or its metadata is
+      malformed (a label that is not the tensor's name, an unknown kind,
+      invalid axis names); all checked before any tensor is read.
+    UnsafeCheckpointError: the file is a FIFO or device, or its tensors would
+      allocate more than `pz_persist.safety.allocation_limit`.
   """
   file = SafetensorsFile(path)
   raw = file.metadata.get(METADATA_KEY)

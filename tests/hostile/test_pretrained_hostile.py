@@ -483,8 +483,9 @@ def test_gemma_malformed_orbax_metadata(tmp_path, metadata):
   path = _gemma(tmp_path / "g")
   with open(os.path.join(path, "_METADATA"), "w") as f:
     f.write(metadata)
-  with pytest.raises(errors.PzPersistError, match="g"):
+  with pytest.raises(errors.PzPersistError, match="_METADATA") as info:
     pzp.pretrained.load_gemma(path, preset={"like": "gemma_2b"})
+  assert str(path) in str(info.value)
 
 
 def test_gemma_fifo_is_refused_without_blocking(tmp_path):
@@ -500,3 +501,17 @@ def test_gemma_fifo_is_refused_without_blocking(tmp_path):
         print("REFUSED", e)
       """, timeout=120)
   assert "REFUSED" in out and "FIFO" in out
+
+
+@pytest.mark.parametrize("entry", [
+    {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]},
+    {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]},
+    {"dtype": "F32", "shape": [1], "data_offsets": [0, "4"]},
+    {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]},
+    {"dtype": "F32", "shape": {"a": 1}, "data_offsets": [0, 4]},
+    [1, 2],
+])
+def test_malformed_header_entries(tmp_path, entry):
+  path = raw_safetensors(tmp_path / "x.safetensors", {"t": entry}, bytes(4))
+  with pytest.raises(safetensors_io.SafetensorsFormatError, match="x.safetensors.*'t'"):
+    safetensors_io.SafetensorsFile(path)
