@@ -153,14 +153,18 @@ def _within(path: str, root: str) -> bool:
 def hub_cache_entry(folder: str) -> str | None:
   """The ``huggingface_hub`` cache entry a snapshot folder belongs to.
 
-  ``.../models--org--name/snapshots/<revision>`` links its files to
-  ``../../blobs/<hash>``; the entry ``.../models--org--name`` is returned so
-  those links are accepted. None for any other folder.
+  ``.../models--org--name/snapshots/<revision>`` (or a subfolder of it, as
+  for repositories with several models) links its files to
+  ``.../models--org--name/blobs/<hash>``; the entry ``.../models--org--name``
+  is returned so those links are accepted. None for any other folder.
   """
-  snapshots = os.path.dirname(os.path.realpath(folder))
-  entry = os.path.dirname(snapshots)
-  if os.path.basename(snapshots) == "snapshots" and os.path.basename(entry).startswith("models--"):
-    return entry
+  revision = os.path.realpath(folder)
+  while os.path.dirname(revision) != revision:
+    snapshots = os.path.dirname(revision)
+    entry = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(entry).startswith("models--"):
+      return entry
+    revision = snapshots
   return None
 
 

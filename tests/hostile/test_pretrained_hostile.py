@@ -112,7 +112,7 @@ def _aliased_header(count: int, n: int) -> dict:
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(64), "after its last"),
     # Out of the file.
     ({"a": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]}}, bytes(8), "truncated"),
-])
+], ids=["aliased", "overlapping", "gap", "not_from_zero", "trailing_bytes", "out_of_file"])
 def test_safetensors_ranges_must_tile_the_file(tmp_path, header, data, match):
   path = raw_safetensors(tmp_path / "x.safetensors", header, data)
   with pytest.raises(safetensors_io.SafetensorsFormatError, match=match) as info:
@@ -268,7 +268,7 @@ def test_layer_count_message_names_the_layers_held(tmp_path, no_reads):
     '{"model_type": "llama", "rope_scaling": ' + "{\"a\": " * 70 + "1" + "}" * 70 + "}",
     json.dumps(CONFIG) + " " * (5 * 2**20),
     "\xff\xfe",
-])
+], ids=["list", "not_json", "string", "deep_lists", "deep_objects", "over_4MiB", "not_utf8"])
 def test_malformed_config_files(tmp_path, no_reads, text):
   folder = hf_folder(tmp_path / "f", text)
   with pytest.raises(errors.PzPersistError, match="config.json"):
@@ -323,22 +323,25 @@ def test_sizes_larger_than_the_weights_are_refused_before_building(tmp_path, no_
 # --- files of an HF folder: containment, FIFOs, the hub cache ------------------
 
 
-def _hub_snapshot(root, name="models--org--tiny"):
+def _hub_snapshot(root, name="models--org--tiny", sub=""):
   """A huggingface_hub cache entry: snapshot files are relative symlinks
-  into ../../blobs, as ``snapshot_download`` leaves them."""
+  into ../../blobs, as ``snapshot_download`` leaves them (``sub``: the model
+  is in a subfolder of the snapshot)."""
   source = hf_folder(root / "source")
   entry = root / "hub" / name
   (entry / "blobs").mkdir(parents=True)
-  snapshot = entry / "snapshots" / "0123abcd"
+  snapshot = entry / "snapshots" / "0123abcd" / sub
   snapshot.mkdir(parents=True)
+  up = "../" * (2 + bool(sub))
   for i, file in enumerate(("config.json", "model.safetensors")):
     os.replace(source / file, entry / "blobs" / f"blob{i}")
-    os.symlink(f"../../blobs/blob{i}", snapshot / file)
+    os.symlink(f"{up}blobs/blob{i}", snapshot / file)
   return snapshot
 
 
-def test_hub_cache_snapshot_loads(tmp_path):
-  snapshot = _hub_snapshot(tmp_path)
+@pytest.mark.parametrize("sub", ["", "text_model"])
+def test_hub_cache_snapshot_loads(tmp_path, sub):
+  snapshot = _hub_snapshot(tmp_path, sub=sub)
   model = pzp.pretrained.load_hf(snapshot)
   assert model is not None
 
@@ -478,7 +481,8 @@ def test_gemma_array_directory_linked_outside_is_refused(tmp_path):
     pzp.pretrained.load_gemma(path, preset={"like": "gemma_2b"})
 
 
-@pytest.mark.parametrize("metadata", ["[1, 2]", "{", '{"tree_metadata": 5}', "[" * 100_000])
+@pytest.mark.parametrize("metadata", ["[1, 2]", "{", '{"tree_metadata": 5}', "[" * 100_000],
+                         ids=["list", "not_json", "tree_not_object", "deep"])
 def test_gemma_malformed_orbax_metadata(tmp_path, metadata):
   path = _gemma(tmp_path / "g")
   with open(os.path.join(path, "_METADATA"), "w") as f:
