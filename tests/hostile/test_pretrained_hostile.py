@@ -519,3 +519,15 @@ def test_malformed_header_entries(tmp_path, entry):
   path = raw_safetensors(tmp_path / "x.safetensors", {"t": entry}, bytes(4))
   with pytest.raises(safetensors_io.SafetensorsFormatError, match="x.safetensors.*'t'"):
     safetensors_io.SafetensorsFile(path)
+
+
+def test_gemma_zero_sizes_are_refused(tmp_path):
+  """Orbax will not save a zero-size array, but its metadata can declare one:
+  a vocabulary of zero is a damaged checkpoint, said so, not a model."""
+  path = _gemma(tmp_path / "g")
+  namespace: dict = {}
+  exec(_SET_SHAPE, namespace)  # pylint: disable=exec-used
+  namespace["set_shape"](path, [0, 16])
+  with pytest.raises(pzp.pretrained.gemma.GemmaCheckpointError, match="vocab_size") as info:
+    pzp.pretrained.load_gemma(path, preset={"like": "gemma_2b"})
+  assert str(path) in str(info.value)
