@@ -261,6 +261,26 @@ def _array_layout(node: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     return None
 
 
+def _planned(name: str, meta: Any, dtype: np.dtype | None, path: epath.Path) -> _files.PlannedArray:
+  """What reading one array allocates: the array (in ``dtype``, default the
+  stored one), or, if larger, one storage chunk, which TensorStore decodes
+  whole (a tiny array declaring ``[2**20, 2**20]`` chunks aborts it too)."""
+  shape, stored = _array_layout(meta)
+  array = _files.PlannedArray(name, dtype or stored, shape)
+  storage = getattr(meta, "storage", None)
+  chunk = getattr(storage, "chunk_shape", None)
+  if chunk is None:
+    return array
+  if not isinstance(chunk, (tuple, list)) or not all(
+      isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0 for n in chunk):
+    raise GemmaCheckpointError(
+        f"{path}: the storage chunks of {name!r} have an invalid shape {chunk!r:.80}."
+    )
+  chunk_array = _files.PlannedArray(f"{name} (one storage chunk)", stored,
+                                    tuple(int(n) for n in chunk))
+  return max(array, chunk_array, key=lambda a: a.nbytes)
+
+
 def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any) -> dict[str, dict[str, np.ndarray]]:
   """Reads every array once, as NumPy, cast to ``dtype`` by Orbax on read,
   after checking that they all fit the allocation limit (TensorStore
@@ -271,8 +291,7 @@ def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any) -> dict[str, di
   planned = []
   for key, arrays in _flatten(tree).items():
     for leaf, meta in arrays.items():
-      shape, stored = _array_layout(meta)
-      planned.append(_files.PlannedArray(f"{key}/{leaf}", np_dtype or stored, shape))
+      planned.append(_planned(f"{key}/{leaf}", meta, np_dtype, path))
   _files.check_planned_allocation(planned, where=str(path))
   restore_args = jax.tree.map(
       lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np_dtype), tree

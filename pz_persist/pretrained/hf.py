@@ -201,10 +201,10 @@ class _Config:
       raise UnsupportedConfigError(f"{self.where}: required field {key!r} is missing.")
     return self.checked(key, self.raw[key])
 
-  def checked(self, key: str, value: Any, field: str | None = None) -> Any:
-    """``value`` if it is what `_SCHEMA` says ``field`` (default ``key``,
-    the last part of a dotted ``key``) must be."""
-    valid, expected = _SCHEMA[field or key.rsplit(".", 1)[-1]]
+  def checked(self, key: str, value: Any) -> Any:
+    """``value`` if it is what `_SCHEMA` says ``key`` (for a nested field
+    such as ``rope_parameters.rope_theta``, its last part) must be."""
+    valid, expected = _SCHEMA[key.rsplit(".", 1)[-1]]
     if not valid(value):
       raise self.invalid(key, value, expected)
     return value

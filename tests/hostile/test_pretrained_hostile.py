@@ -436,20 +436,22 @@ def _gemma(path):
 
 _SET_SHAPE = """
 import json, tensorstore as ts
-def set_shape(path, shape):
+def set_shape(path, shape, field="shape"):
   kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/"}).result()
   key = next(k for k in kv.list().result()
              if b"input_embedding" in k and k.endswith(b"/.zarray"))
   meta = json.loads(kv.read(key).result().value)
-  meta["shape"] = shape
+  meta[field] = shape
   kv.write(key, json.dumps(meta).encode()).result()
 """
 
 
-@pytest.mark.parametrize("entry", ["load_gemma", "cli"])
-def test_gemma_huge_declared_shape_is_refused_not_aborted(tmp_path, entry):
-  """[2**20, 2**20] declared in TensorStore's metadata of a tiny checkpoint:
-  a PzPersistError, never SIGABRT, even with a bounded address space."""
+@pytest.mark.parametrize("entry, field", [("load_gemma", "shape"), ("cli", "shape"),
+                                          ("load_gemma", "chunks")])
+def test_gemma_huge_declared_shape_is_refused_not_aborted(tmp_path, entry, field):
+  """[2**20, 2**20] declared in TensorStore's metadata of a tiny checkpoint,
+  as the array's shape or as its storage chunks (decoded whole): a
+  PzPersistError, never SIGABRT, even with a bounded address space."""
   path = _gemma(tmp_path / "g")
   call = (f"pzp.pretrained.load_gemma({path!r}, preset={{'like': 'gemma_2b'}})"
           if entry == "load_gemma" else
@@ -459,7 +461,7 @@ def test_gemma_huge_declared_shape_is_refused_not_aborted(tmp_path, entry):
 import resource, sys
 import jax, pz_persist as pzp
 from pz_persist import cli, errors
-set_shape({path!r}, [2**20, 2**20])
+set_shape({path!r}, [2**20, 2**20], {field!r})
 jax.devices()
 vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
 resource.setrlimit(resource.RLIMIT_AS, (vm + 8 * 2**30, resource.RLIM_INFINITY))
