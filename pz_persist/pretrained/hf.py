@@ -104,6 +104,9 @@ class _TensorSpec:
     take: ``(dimension, index)`` to select one slice of the reshaped tensor
       (GPT-NeoX stores query, key and value fused); that dimension is removed
       from ``shape``/``axes`` afterwards, so ``axes`` describes the result.
+    stored: The tensor's shape in the checkpoint, when it is not ``shape``
+      (Hugging Face keeps attention heads fused into one dimension); checked
+      against the safetensors header before anything is read.
   """
 
   label: str
@@ -111,6 +114,7 @@ class _TensorSpec:
   shape: tuple[int, ...]
   axes: tuple[str, ...]
   take: tuple[int, int] | None = None
+  stored: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,9 +376,12 @@ def llama_plan(cfg: _Config, weights: _Weights, sliding: bool = False) -> _Plan:
     """An attention matrix: (heads..., projection, embedding) or its transpose."""
     shape = (*head_axes.values(), head_dim)
     axes = (*head_axes, "projection")
+    fused = math.prod(shape)
     if output:
-      return _TensorSpec(label, source, (hidden, *shape), ("embedding", *axes))
-    return _TensorSpec(label, source, (*shape, hidden), (*axes, "embedding"))
+      return _TensorSpec(label, source, (hidden, *shape), ("embedding", *axes),
+                         stored=(hidden, fused))
+    return _TensorSpec(label, source, (*shape, hidden), (*axes, "embedding"),
+                       stored=(fused, hidden))
 
   mlp = config.mlp_hidden_dim
   vocab = config.vocab_size
@@ -516,7 +523,8 @@ def gpt_neox_plan(cfg: _Config, weights: _Weights) -> _Plan:
         _TensorSpec(p + "mlp/out/AddBias.bias", s + "mlp.dense_4h_to_h.bias",
                     (hidden,), ("embedding",)),
         _TensorSpec(p + "attention/output/Linear.weights", s + "attention.dense.weight",
-                    (hidden, heads, head_dim), ("embedding", "heads", "projection")),
+                    (hidden, heads, head_dim), ("embedding", "heads", "projection"),
+                    stored=(hidden, heads * head_dim)),
         _TensorSpec(p + "attention/output/AddBias.bias", s + "attention.dense.bias",
                     (hidden,), ("embedding",)),
     ]
@@ -525,10 +533,11 @@ def gpt_neox_plan(cfg: _Config, weights: _Weights) -> _Plan:
           _TensorSpec(p + f"attention/{which}/Linear.weights",
                       s + "attention.query_key_value.weight",
                       (heads, 3, head_dim, hidden), ("heads", "projection", "embedding"),
-                      take=(1, index)),
+                      take=(1, index), stored=(heads * 3 * head_dim, hidden)),
           _TensorSpec(p + f"attention/{which}/AddBias.bias",
                       s + "attention.query_key_value.bias",
-                      (heads, 3, head_dim), ("heads", "projection"), take=(1, index)),
+                      (heads, 3, head_dim), ("heads", "projection"), take=(1, index),
+                      stored=(heads * 3 * head_dim,)),
       ]
   return _Plan(build, tuple(specs))
 
@@ -686,10 +695,11 @@ def _check_tensors(plan: _Plan, weights: _Weights) -> None:
           f" none of the checkpoint's files {files}."
       )
     stored_shape = file.entries[spec.source][1]
-    if math.prod(stored_shape) != math.prod(spec.shape):
+    expected = spec.stored or spec.shape
+    if stored_shape != expected:
       raise safetensors_io.SafetensorsFormatError(
           f"safetensors file {file.path}, tensor {spec.source!r}: shape"
-          f" {stored_shape} does not fit the config (expected {spec.shape} elements"
+          f" {stored_shape} does not fit the config (expected {expected}"
           f" for {spec.label!r})."
       )
     shape = list(spec.shape)

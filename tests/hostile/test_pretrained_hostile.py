@@ -533,3 +533,14 @@ def test_gemma_zero_sizes_are_refused(tmp_path):
   with pytest.raises(pzp.pretrained.gemma.GemmaCheckpointError, match="vocab_size") as info:
     pzp.pretrained.load_gemma(path, preset={"like": "gemma_2b"})
   assert str(path) in str(info.value)
+
+
+def test_same_size_but_other_shape_is_refused(tmp_path, no_reads):
+  """A tensor with the right number of elements in another layout would be
+  reshaped into a silently different model: the exact shape is checked."""
+  tensors = llama_tensors()
+  tensors["model.layers.0.self_attn.q_proj.weight"] = np.ones((HIDDEN // 2, HEADS * HEAD_DIM * 2),
+                                                               np.float32)
+  folder = hf_folder(tmp_path / "f", tensors=tensors)
+  with pytest.raises(safetensors_io.SafetensorsFormatError, match="q_proj.*does not fit"):
+    pzp.pretrained.load_hf(folder)
