@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
+from penzai import pz
 
 import pz_persist as pzp
 from pz_persist import errors
@@ -86,7 +86,7 @@ def test_the_tiny_folder_is_valid(tmp_path):
   """The baseline every hostile variant below is derived from loads."""
   model = pzp.pretrained.load_hf(hf_folder(tmp_path / "ok"))
   assert "transformer/block_1/attention/query.weights" in {
-      p.label for p in pzp.pretrained.hf.pz.unbind_params(model)[1]}
+      p.label for p in pz.unbind_params(model)[1]}
 
 
 # --- safetensors byte ranges -----------------------------------------------
@@ -168,9 +168,7 @@ def test_allocation_is_checked_before_reading(tmp_path, monkeypatch, no_reads):
     pzp.pretrained.load_hf(folder)
   out = tmp_path / "m.safetensors"
   monkeypatch.setattr(safety, "MAX_ALLOCATION_BYTES", None)
-  import penzai.pz as pz  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  pzp.export_safetensors([pz.Parameter(value=pz.nx.wrap(jnp.ones(1000)), label="w")], out)
+  pzp.export_safetensors([pz.Parameter(value=pz.nx.wrap(np.ones(1000, np.float32)), label="w")], out)
   monkeypatch.setattr(safety, "MAX_ALLOCATION_BYTES", 1000)
   with pytest.raises(errors.UnsafeCheckpointError, match="1000-byte limit"):
     pzp.pretrained.load_safetensors(out)
