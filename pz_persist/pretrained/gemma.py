@@ -15,7 +15,11 @@ this module adds around it:
   own "auto" only counts layers), and unknown or Gemma 3 checkpoints fail with
   an error that says what was found and what is supported;
 * a custom preset (a mapping) supports models of any size, such as the tiny
-  ones the tests write.
+  ones the tests write;
+* the checks `pz_persist.load` makes before reading: no file leads outside
+  the directory or is a FIFO or device, Orbax's metadata is sane, and the
+  declared shapes fit the allocation limit (TensorStore allocates a declared
+  shape before reading a byte, and aborts the interpreter when it cannot).
 
 Example::
 
@@ -46,7 +50,9 @@ from penzai.models.transformer.variants import gemma as pz_gemma
 
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import safety
 from pz_persist import sharding as sharding_lib
+from pz_persist.pretrained import _files
 
 __all__ = ["GemmaCheckpointError", "known_presets", "load_gemma"]
 
@@ -126,14 +132,22 @@ def load_gemma(
     Penzai's ``TransformerLM``.
 
   Raises:
-    GemmaCheckpointError: unknown preset, shapes matching no preset, or a
-      Gemma 3 checkpoint.
+    GemmaCheckpointError: unknown preset, shapes matching no preset, a
+      Gemma 3 checkpoint, or stored metadata that is not a tree of arrays.
+    UnsafeCheckpointError: a file of the checkpoint is a symlink leading out
+      of it, a FIFO or a device, or the arrays would allocate more than
+      `pz_persist.safety.allocation_limit` (checked on Orbax's metadata,
+      before TensorStore allocates anything).
+    IntegrityError: Orbax's metadata or the arrays cannot be read.
   """
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
-  params = _read(directories.as_path(path), dtype)
-  _refuse_gemma3(params, path)
-  name, kwargs, transpose = _resolve_preset(params, preset, path)
+  path = directories.as_path(path)
+  tree = _stored_tree(path)
+  stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
+  _refuse_gemma3(stored, path)
+  name, kwargs, transpose = _resolve_preset(stored, preset, path)
+  params = _read(path, tree, dtype)
   total = sum(len(arrays) for arrays in params.values())
   done = [0]
 
@@ -160,26 +174,140 @@ def load_gemma(
   return model
 
 
-def _read(path: epath.Path, dtype: Any) -> dict[str, dict[str, np.ndarray]]:
-  """Reads every array once, as NumPy, cast to ``dtype`` by Orbax on read."""
+def _stored_tree(path: epath.Path) -> Mapping[str, Any]:
+  """Orbax's metadata of the stored arrays (a nested dict of ``ArrayMetadata``).
+
+  The same checks as `pz_persist.load` make first: no file leads outside the
+  directory or is a FIFO or device (`safety.check_contained`), the Orbax
+  metadata files are of sane size and parse, and the tree is a tree of arrays
+  with valid shapes and dtypes, so that nothing downstream meets a surprise.
+
+  Raises:
+    NotACheckpointError: no such directory, or not an Orbax checkpoint.
+    UnsafeCheckpointError: a symlink out, a special file, an oversized file.
+    IntegrityError: Orbax's metadata cannot be read (damaged files).
+    GemmaCheckpointError: the metadata is not a tree of arrays.
+  """
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   if not path.exists():
     raise errors.NotACheckpointError(f"{path}: no such Gemma checkpoint directory.")
-  checkpointer = ocp.PyTreeCheckpointer()
+  safety.check_contained(path)
+  safety.check_checkpoint_metadata(path)
+  _check_size(path / "_METADATA", safety.MAX_ORBAX_METADATA_BYTES)
   try:
-    metadata = checkpointer.metadata(path)
+    metadata = ocp.PyTreeCheckpointer().metadata(path)
   except (FileNotFoundError, ValueError) as e:
     raise errors.NotACheckpointError(
         f"{path} is not an Orbax checkpoint (the Gemma Flax checkpoint folder is"
-        f" the one holding _METADATA or checkpoint): {e}"
+        f" the one holding _METADATA or checkpoint): {str(e)[:400]}"
     ) from e
+  except (KeyboardInterrupt, MemoryError):
+    raise
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise safety.unreadable_stored_metadata(path, e) from None
   tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
+  _check_tree(tree, path)
+  return tree
+
+
+def _check_size(path: epath.Path, limit: int) -> None:
+  if directories.is_local(path) and path.exists() and path.stat().length > limit:
+    raise errors.UnsafeCheckpointError(
+        f"{path} is over the {limit}-byte limit; refusing to read it."
+    )
+
+
+def _check_tree(tree: Any, path: epath.Path) -> None:
+  """Refuses stored metadata that is not a nested dict (string keys, at most
+  `_files.MAX_JSON_DEPTH` deep) of arrays with valid shapes and dtypes."""
+  if not isinstance(tree, Mapping):
+    raise GemmaCheckpointError(
+        f"{path / '_METADATA'}: the stored tree is a {type(tree).__name__}, not"
+        " a dict of arrays as in Gemma's Flax checkpoints."
+    )
+  stack: list[tuple[str, Any, int]] = [("", tree, 1)]
+  while stack:
+    where, node, depth = stack.pop()
+    if isinstance(node, Mapping):
+      if depth > _files.MAX_JSON_DEPTH:
+        raise GemmaCheckpointError(
+            f"{path / '_METADATA'}: the stored tree nests deeper than"
+            f" {_files.MAX_JSON_DEPTH} levels at {where!r}."
+        )
+      for key, value in node.items():
+        if not isinstance(key, str):
+          raise GemmaCheckpointError(
+              f"{path / '_METADATA'}: key {key!r:.80} under {where!r} is not a string."
+          )
+        stack.append((f"{where}/{key}" if where else key, value, depth + 1))
+    elif _array_layout(node) is None:
+      raise GemmaCheckpointError(
+          f"{path / '_METADATA'}: {where!r} is not an array with a valid shape"
+          f" and dtype ({node!r:.120})."
+      )
+
+
+def _array_layout(node: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+  """``(shape, dtype)`` of an array's metadata, or None if either is invalid."""
+  shape, dtype = getattr(node, "shape", None), getattr(node, "dtype", None)
+  if not isinstance(shape, (tuple, list)) or dtype is None or not all(
+      isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in shape
+  ):
+    return None
+  try:
+    return tuple(int(n) for n in shape), np.dtype(dtype)
+  except TypeError:
+    return None
+
+
+def _planned(name: str, meta: Any, dtype: np.dtype | None, path: epath.Path) -> _files.PlannedArray:
+  """What reading one array allocates: the array (in ``dtype``, default the
+  stored one), or, if larger, one storage chunk, which TensorStore decodes
+  whole (a tiny array declaring ``[2**20, 2**20]`` chunks aborts it too)."""
+  shape, stored = _array_layout(meta)
+  array = _files.PlannedArray(name, dtype or stored, shape)
+  storage = getattr(meta, "storage", None)
+  chunk = getattr(storage, "chunk_shape", None)
+  if chunk is None:
+    return array
+  if not isinstance(chunk, (tuple, list)) or not all(
+      isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0 for n in chunk):
+    raise GemmaCheckpointError(
+        f"{path}: the storage chunks of {name!r} have an invalid shape {chunk!r:.80}."
+    )
+  chunk_array = _files.PlannedArray(f"{name} (one storage chunk)", stored,
+                                    tuple(int(n) for n in chunk))
+  return max(array, chunk_array, key=lambda a: a.nbytes)
+
+
+def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any) -> dict[str, dict[str, np.ndarray]]:
+  """Reads every array once, as NumPy, cast to ``dtype`` by Orbax on read,
+  after checking that they all fit the allocation limit (TensorStore
+  allocates each declared shape before reading a byte)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
   np_dtype = None if dtype is None else np.dtype(dtype)
+  planned = []
+  for key, arrays in _flatten(tree).items():
+    for leaf, meta in arrays.items():
+      planned.append(_planned(f"{key}/{leaf}", meta, np_dtype, path))
+  _files.check_planned_allocation(planned, where=str(path))
   restore_args = jax.tree.map(
       lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np_dtype), tree
   )
-  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+  try:
+    restored = ocp.PyTreeCheckpointer().restore(
+        path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+  except (KeyboardInterrupt, MemoryError):
+    raise
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    detail = (str(e).strip().splitlines() or [""])[0][:400]
+    raise errors.IntegrityError(
+        f"{path}: the arrays cannot be read; the checkpoint's files are"
+        f" damaged or incomplete ({type(e).__name__}: {detail})",
+        damaged=(f"{path}: arrays cannot be read",),
+    ) from None
   return _flatten(restored)
 
 
@@ -246,17 +374,24 @@ def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[
     else:
       heads, _, proj = p["layer_0/attn/q_einsum"]["w"].shape
       kv_heads = p["layer_0/attn/kv_einsum"]["w"].shape[1]
-    gating = p["layer_0/mlp/gating_einsum"]["w"].shape
-  except (KeyError, ValueError) as e:
+    gating = tuple(p["layer_0/mlp/gating_einsum"]["w"].shape)
+    kv_heads_ok = kv_heads > 0
+  except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
     raise GemmaCheckpointError(
         f"{path} does not have the arrays of a Gemma Flax checkpoint (missing or"
         f" misshapen {e}); found {sorted(params)[:8]}..."
     ) from e
   sizes = dict(
       num_decoder_blocks=layers, vocab_size=vocab, num_kv_heads=kv_heads,
-      query_head_multiplier=heads // kv_heads, embedding_dim=embed,
+      query_head_multiplier=heads // kv_heads if kv_heads_ok else 0, embedding_dim=embed,
       projection_dim=proj, mlp_hidden_dim=hidden,
   )
+  empty = sorted(k for k, v in sizes.items() if v <= 0)
+  if empty:
+    raise GemmaCheckpointError(
+        f"{path}: the arrays' shapes give zero for {empty} ({sizes}); a Gemma"
+        " checkpoint's sizes are all positive, so it is damaged."
+    )
   transpose = None if embed == hidden else gating[1:] == (hidden, embed)
   sizes["use_post_attn_norm"] = "layer_0/post_attention_norm" in p
   return sizes, transpose
@@ -391,7 +526,8 @@ def _releasing_params(
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
   try:
     jax.eval_shape(dry_run, abstract)
-  except (ValueError, TypeError, KeyError) as e:  # Raised before any array is used.
+  except (ValueError, TypeError, KeyError, IndexError, AttributeError,
+          ZeroDivisionError) as e:  # Raised before any array is used.
     raise GemmaCheckpointError(
         f"Penzai's Gemma converter cannot build preset {name!r}"
         f"{'' if kwargs is None else f' ({kwargs})'} from this checkpoint: {e!r}"

@@ -16,13 +16,28 @@ activation...) are refused with `UnsupportedConfigError` naming the field and
 its value; fields that do not change the math (token ids, dropout, the
 transformers version...) are ignored, and any field this module does not know
 is refused too, rather than silently producing a different model.
+
+A checkpoint folder may come from anyone, so nothing in it is trusted before
+it is checked, and the checks come in an order that builds nothing large:
+``config.json`` is read with a byte and nesting limit and every field the
+builders use is checked against `_SCHEMA` (sizes are positive integers, never
+floats or strings); then the safetensors headers are read (their byte ranges
+must tile each file, as the reference implementation requires); then
+``num_hidden_layers`` must match the layers the weights hold and every tensor
+the config calls for must be present with the right size; then the total
+allocation is compared with `pz_persist.safety.allocation_limit`; only then
+is the skeleton built and the first tensor read. Only regular files are read,
+and a symlink in the folder must stay inside it or, for a ``huggingface_hub``
+snapshot, inside its cache entry (`pz_persist.pretrained._files`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
+import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,6 +51,7 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
 from pz_persist import sharding as sharding_lib
+from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
 
 
@@ -88,6 +104,9 @@ class _TensorSpec:
     take: ``(dimension, index)`` to select one slice of the reshaped tensor
       (GPT-NeoX stores query, key and value fused); that dimension is removed
       from ``shape``/``axes`` afterwards, so ``axes`` describes the result.
+    stored: The tensor's shape in the checkpoint, when it is not ``shape``
+      (Hugging Face keeps attention heads fused into one dimension); checked
+      against the safetensors header before anything is read.
   """
 
   label: str
@@ -95,14 +114,71 @@ class _TensorSpec:
   shape: tuple[int, ...]
   axes: tuple[str, ...]
   take: tuple[int, int] | None = None
+  stored: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """A model skeleton (parameter slots) and how to fill each slot."""
+  """How to build the model skeleton (parameter slots) and fill each slot.
 
-  skeleton: model_parts.TransformerLM
+  The skeleton is built only once every tensor of ``tensors`` has been
+  checked against the safetensors headers (`_check_tensors`): its size comes
+  from ``config.json``, which must not be trusted until the weights agree.
+  """
+
+  build: Callable[[], model_parts.TransformerLM]
   tensors: tuple[_TensorSpec, ...]
+
+
+def _positive_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_number(value: Any) -> bool:
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and value > 0)
+
+
+def _fraction(value: Any) -> bool:
+  return _positive_number(value) and value <= 1
+
+
+_POSITIVE_INT = (_positive_int, "a positive integer")
+_POSITIVE_NUMBER = (_positive_number, "a positive finite number")
+_FRACTION = (_fraction, "a number in (0, 1]")
+_BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
+_STRING = (lambda value: isinstance(value, str), "a string")
+_OBJECT = (lambda value: isinstance(value, dict), "a JSON object")
+
+_SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model_type": _STRING,
+    "hidden_size": _POSITIVE_INT,
+    "num_attention_heads": _POSITIVE_INT,
+    "num_key_value_heads": _POSITIVE_INT,
+    "head_dim": _POSITIVE_INT,
+    "intermediate_size": _POSITIVE_INT,
+    "num_hidden_layers": _POSITIVE_INT,
+    "vocab_size": _POSITIVE_INT,
+    "sliding_window": _POSITIVE_INT,
+    "rms_norm_eps": _POSITIVE_NUMBER,
+    "layer_norm_eps": _POSITIVE_NUMBER,
+    "rope_theta": _POSITIVE_NUMBER,
+    "rotary_emb_base": _POSITIVE_NUMBER,
+    "rotary_pct": _FRACTION,
+    "partial_rotary_factor": _FRACTION,
+    "tie_word_embeddings": _BOOLEAN,
+    "attention_bias": _BOOLEAN,
+    "mlp_bias": _BOOLEAN,
+    "use_parallel_residual": _BOOLEAN,
+    "hidden_act": _STRING,
+    "rope_scaling": _OBJECT,
+    "rope_parameters": _OBJECT,
+    "rope_type": _STRING,
+    "type": _STRING,
+}
+"""What each ``config.json`` field the builders read must be (a JSON null
+means "absent, use the default"). Sizes are positive integers: a float is
+refused, never truncated, and a zero never reaches a division."""
 
 
 class _Config:
@@ -121,18 +197,32 @@ class _Config:
   def get(self, key: str, default: Any = None) -> Any:
     self.used.add(key)
     value = self.raw.get(key)
-    return default if value is None else value
+    return default if value is None else self.checked(key, value)
 
   def require(self, key: str) -> Any:
     self.used.add(key)
     if self.raw.get(key) is None:
       raise UnsupportedConfigError(f"{self.where}: required field {key!r} is missing.")
-    return self.raw[key]
+    return self.checked(key, self.raw[key])
+
+  def checked(self, key: str, value: Any) -> Any:
+    """``value`` if it is what `_SCHEMA` says ``key`` (for a nested field
+    such as ``rope_parameters.rope_theta``, its last part) must be."""
+    valid, expected = _SCHEMA[key.rsplit(".", 1)[-1]]
+    if not valid(value):
+      raise self.invalid(key, value, expected)
+    return value
+
+  def invalid(self, key: str, value: Any, expected: str, detail: str = "") -> UnsupportedConfigError:
+    return UnsupportedConfigError(
+        f"{self.where}: {key} must be {expected}, got {value!r:.80}{detail};"
+        " the file is damaged or not a Hugging Face config."
+    )
 
   def expect(self, key: str, allowed: Any, default: Any = None, why: str = "") -> Any:
     """Reads ``key`` and refuses any value not in ``allowed``."""
     value = self.get(key, default)
-    if value not in allowed:
+    if value not in allowed:  # Hashable: `_SCHEMA` checked the type.
       supported = ", ".join(sorted(map(repr, allowed)))
       raise self.unsupported(key, value, f"supported: {supported}" + why)
     return value
@@ -170,34 +260,36 @@ def _rope(cfg: _Config, default_theta: float) -> tuple[float, float]:
     params = cfg.get(key)
     if params is None:
       continue
-    if not isinstance(params, dict):
-      raise cfg.unsupported(key, params, "expected a JSON object")
     rope_type = params.get("rope_type", params.get("type", "default"))
     extra = set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     if rope_type != "default" or extra:
       raise cfg.unsupported(
           key, params, "Penzai implements only unscaled ('default') RoPE"
       )
+    for field in ("rope_type", "type", "rope_theta", "partial_rotary_factor"):
+      if params.get(field) is not None:
+        cfg.checked(f"{key}.{field}", params[field])
   params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-  theta = params.get("rope_theta", cfg.get("rope_theta", default_theta))
-  fraction = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+  theta = params.get("rope_theta")
+  theta = cfg.get("rope_theta", default_theta) if theta is None else theta
+  fraction = params.get("partial_rotary_factor")
+  fraction = cfg.get("partial_rotary_factor", 1.0) if fraction is None else fraction
   return float(theta), float(fraction)
 
 
 def _bool_field(cfg: _Config, key: str, default: bool, supported: bool, why: str) -> None:
   value = cfg.get(key, default)
-  if bool(value) != supported:
+  if value != supported:
     raise cfg.unsupported(key, value, why)
 
 
-def _lm_head_source(cfg: _Config, names: set[str], head: str, embed: str) -> str:
+def _lm_head_source(cfg: _Config, tied: bool, names: set[str], head: str, embed: str) -> str:
   """The tensor holding the output projection, honouring tied embeddings.
 
   Penzai's ``tie_embedder_and_logits`` also rescales the input embeddings by
   sqrt(embedding_dim) (a Gemma convention), so tied Llama-style models are
   built untied, with the embedding table loaded a second time as the head.
   """
-  tied = bool(cfg.get("tie_word_embeddings", False))
   if tied:
     return embed
   if head not in names:
@@ -209,7 +301,7 @@ def _lm_head_source(cfg: _Config, names: set[str], head: str, embed: str) -> str
   return head
 
 
-def llama_plan(cfg: _Config, names: set[str], dtype: Any, sliding: bool = False) -> _Plan:
+def llama_plan(cfg: _Config, weights: _Weights, sliding: bool = False) -> _Plan:
   """Maps a Llama (or, with ``sliding``, Mistral) checkpoint to Penzai.
 
   Penzai's llama-like transformer splits attention heads into
@@ -219,14 +311,14 @@ def llama_plan(cfg: _Config, names: set[str], dtype: Any, sliding: bool = False)
   grouped-query attention uses key/value head ``h // group_size`` for query
   head ``h``, which is exactly a (groups, per-group) row-major split.
   """
-  hidden = int(cfg.require("hidden_size"))
-  heads = int(cfg.require("num_attention_heads"))
-  kv_heads = int(cfg.get("num_key_value_heads", heads))
+  hidden = cfg.require("hidden_size")
+  heads = cfg.require("num_attention_heads")
+  kv_heads = cfg.get("num_key_value_heads", heads)
   if heads % kv_heads:
     raise cfg.unsupported(
         "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}"
     )
-  head_dim = int(cfg.get("head_dim", hidden // heads))
+  head_dim = cfg.get("head_dim", hidden // heads)
   theta, fraction = _rope(cfg, 10_000.0)
   if fraction != 1.0:
     raise cfg.unsupported(
@@ -235,7 +327,7 @@ def llama_plan(cfg: _Config, names: set[str], dtype: Any, sliding: bool = False)
   cfg.expect("hidden_act", {"silu"}, "silu", why="; Penzai's llama-like MLP is SwiGLU")
   _bool_field(cfg, "attention_bias", False, False, "Penzai's llama-like attention has no biases")
   _bool_field(cfg, "mlp_bias", False, False, "Penzai's llama-like MLP has no biases")
-  head_source = _lm_head_source(cfg, names, "lm_head.weight", "model.embed_tokens.weight")
+  tied = cfg.get("tie_word_embeddings", False)
   if sliding:
     # transformers' MistralConfig defaults to a 4096-token window when the
     # field is absent; an explicit null means global attention.
@@ -243,7 +335,7 @@ def llama_plan(cfg: _Config, names: set[str], dtype: Any, sliding: bool = False)
     attention = (
         llamalike_common.AttentionTypeGlobalCausal()
         if window is None
-        else llamalike_common.AttentionTypeSlidingWindowCausal(int(window))
+        else llamalike_common.AttentionTypeSlidingWindowCausal(window)
     )
   else:
     attention = llamalike_common.AttentionTypeGlobalCausal()
@@ -252,19 +344,24 @@ def llama_plan(cfg: _Config, names: set[str], dtype: Any, sliding: bool = False)
       query_head_multiplier=heads // kv_heads,
       embedding_dim=hidden,
       projection_dim=head_dim,
-      mlp_hidden_dim=int(cfg.require("intermediate_size")),
-      num_decoder_blocks=int(cfg.require("num_hidden_layers")),
-      vocab_size=int(cfg.require("vocab_size")),
+      mlp_hidden_dim=cfg.require("intermediate_size"),
+      num_decoder_blocks=cfg.require("num_hidden_layers"),
+      vocab_size=cfg.require("vocab_size"),
       mlp_variant="swiglu",
       tie_embedder_and_logits=False,
       rope_wavelength=theta,
       rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
       attention_type=attention,
-      parameter_dtype=dtype,
-      activation_dtype=dtype,
+      parameter_dtype=None,
+      activation_dtype=None,
   )
   cfg.check_all_used()
-  skeleton = llamalike_common.build_llamalike_transformer(config, init_base_rng=None)
+  # config.json is valid on its own; from here on it must agree with the weights.
+  _check_layers(cfg, weights.names, "model.layers.", config.num_decoder_blocks)
+  head_source = _lm_head_source(cfg, tied, weights.names, "lm_head.weight",
+                                "model.embed_tokens.weight")
+  config = dataclasses.replace(config, parameter_dtype=weights.dtype,
+                               activation_dtype=weights.dtype)
 
   groups, per_group = kv_heads, heads // kv_heads
   if per_group == 1:
@@ -279,9 +376,12 @@ def llama_plan(cfg: _Config, names: set[str], dtype: Any, sliding: bool = False)
     """An attention matrix: (heads..., projection, embedding) or its transpose."""
     shape = (*head_axes.values(), head_dim)
     axes = (*head_axes, "projection")
+    fused = math.prod(shape)
     if output:
-      return _TensorSpec(label, source, (hidden, *shape), ("embedding", *axes))
-    return _TensorSpec(label, source, (*shape, hidden), (*axes, "embedding"))
+      return _TensorSpec(label, source, (hidden, *shape), ("embedding", *axes),
+                         stored=(hidden, fused))
+    return _TensorSpec(label, source, (*shape, hidden), (*axes, "embedding"),
+                       stored=(fused, hidden))
 
   mlp = config.mlp_hidden_dim
   vocab = config.vocab_size
@@ -311,17 +411,20 @@ def llama_plan(cfg: _Config, names: set[str], dtype: Any, sliding: bool = False)
         proj(p + "attention/value.weights", s + "self_attn.v_proj.weight", kv_axes),
         proj(p + "attention/output.weights", s + "self_attn.o_proj.weight", q_heads, output=True),
     ]
-  return _Plan(skeleton, tuple(specs))
+  return _Plan(
+      lambda: llamalike_common.build_llamalike_transformer(config, init_base_rng=None),
+      tuple(specs),
+  )
 
 
-def mistral_plan(cfg: _Config, names: set[str], dtype: Any) -> _Plan:
+def mistral_plan(cfg: _Config, weights: _Weights) -> _Plan:
   """Maps a Mistral checkpoint: Llama's layout plus sliding-window attention.
 
   Penzai's ``ApplyCausalSlidingWindowAttentionMask`` masks keys ``window`` or
   more positions back, as Hugging Face does. (Penzai's KV-cache sampling does
   not apply the window; full-sequence calls do.)
   """
-  return llama_plan(cfg, names, dtype, sliding=True)
+  return llama_plan(cfg, weights, sliding=True)
 
 
 _NEOX_ACTIVATIONS = {
@@ -333,7 +436,7 @@ _NEOX_ACTIVATIONS = {
 }
 
 
-def gpt_neox_plan(cfg: _Config, names: set[str], dtype: Any) -> _Plan:
+def gpt_neox_plan(cfg: _Config, weights: _Weights) -> _Plan:
   """Maps a GPT-NeoX (Pythia) checkpoint to Penzai.
 
   GPT-NeoX fuses query, key and value into one ``query_key_value`` matrix
@@ -342,8 +445,8 @@ def gpt_neox_plan(cfg: _Config, names: set[str], dtype: Any) -> _Plan:
   final layer norm; it is set to ``layer_norm_eps`` here, as Hugging Face
   does.
   """
-  hidden = int(cfg.require("hidden_size"))
-  heads = int(cfg.require("num_attention_heads"))
+  hidden = cfg.require("hidden_size")
+  heads = cfg.require("num_attention_heads")
   head_dim = hidden // heads
   if "head_dim" in cfg.raw and cfg.get("head_dim") not in (None, head_dim):
     raise cfg.unsupported(
@@ -358,28 +461,36 @@ def gpt_neox_plan(cfg: _Config, names: set[str], dtype: Any) -> _Plan:
   _bool_field(cfg, "attention_bias", True, True,
               "Penzai's GPT-NeoX attention always has biases")
   eps = float(cfg.get("layer_norm_eps", 1e-5))
-  head_source = _lm_head_source(cfg, names, "embed_out.weight", "gpt_neox.embed_in.weight")
+  tied = cfg.get("tie_word_embeddings", False)
   config = gpt_neox.GPTNeoXTransformerConfig(
       num_attention_heads=heads,
       embedding_dim=hidden,
       projection_dim=head_dim,
-      mlp_hidden_dim=int(cfg.require("intermediate_size")),
-      num_decoder_blocks=int(cfg.require("num_hidden_layers")),
-      vocab_size=int(cfg.require("vocab_size")),
+      mlp_hidden_dim=cfg.require("intermediate_size"),
+      num_decoder_blocks=cfg.require("num_hidden_layers"),
+      vocab_size=cfg.require("vocab_size"),
       activation_fn=_NEOX_ACTIVATIONS[act],
       rope_subset_size=int(fraction * head_dim),
       rope_wavelength=theta,
       layernorm_epsilon=eps,
-      parameter_dtype=dtype,
-      activation_dtype=dtype,
+      parameter_dtype=None,
+      activation_dtype=None,
   )
   cfg.check_all_used()
-  skeleton = gpt_neox.build_gpt_neox_transformer(config, init_base_rng=None)
-  skeleton = (
-      pz.select(skeleton)
-      .at_instances_of(pz.nn.Standardize)
-      .apply(lambda s: dataclasses.replace(s, epsilon=eps))
-  )
+  # config.json is valid on its own; from here on it must agree with the weights.
+  _check_layers(cfg, weights.names, "gpt_neox.layers.", config.num_decoder_blocks)
+  head_source = _lm_head_source(cfg, tied, weights.names, "embed_out.weight",
+                                "gpt_neox.embed_in.weight")
+  config = dataclasses.replace(config, parameter_dtype=weights.dtype,
+                               activation_dtype=weights.dtype)
+
+  def build() -> model_parts.TransformerLM:
+    skeleton = gpt_neox.build_gpt_neox_transformer(config, init_base_rng=None)
+    return (
+        pz.select(skeleton)
+        .at_instances_of(pz.nn.Standardize)
+        .apply(lambda s: dataclasses.replace(s, epsilon=eps))
+    )
 
   mlp, vocab = config.mlp_hidden_dim, config.vocab_size
   specs = [
@@ -412,7 +523,8 @@ def gpt_neox_plan(cfg: _Config, names: set[str], dtype: Any) -> _Plan:
         _TensorSpec(p + "mlp/out/AddBias.bias", s + "mlp.dense_4h_to_h.bias",
                     (hidden,), ("embedding",)),
         _TensorSpec(p + "attention/output/Linear.weights", s + "attention.dense.weight",
-                    (hidden, heads, head_dim), ("embedding", "heads", "projection")),
+                    (hidden, heads, head_dim), ("embedding", "heads", "projection"),
+                    stored=(hidden, heads * head_dim)),
         _TensorSpec(p + "attention/output/AddBias.bias", s + "attention.dense.bias",
                     (hidden,), ("embedding",)),
     ]
@@ -421,15 +533,16 @@ def gpt_neox_plan(cfg: _Config, names: set[str], dtype: Any) -> _Plan:
           _TensorSpec(p + f"attention/{which}/Linear.weights",
                       s + "attention.query_key_value.weight",
                       (heads, 3, head_dim, hidden), ("heads", "projection", "embedding"),
-                      take=(1, index)),
+                      take=(1, index), stored=(heads * 3 * head_dim, hidden)),
           _TensorSpec(p + f"attention/{which}/AddBias.bias",
                       s + "attention.query_key_value.bias",
-                      (heads, 3, head_dim), ("heads", "projection"), take=(1, index)),
+                      (heads, 3, head_dim), ("heads", "projection"), take=(1, index),
+                      stored=(heads * 3 * head_dim,)),
       ]
-  return _Plan(skeleton, tuple(specs))
+  return _Plan(build, tuple(specs))
 
 
-Builder = Callable[[_Config, set, Any], _Plan]
+Builder = Callable[[_Config, "_Weights"], _Plan]
 
 BUILDERS: dict[str, Builder] = {
     "llama": llama_plan,
@@ -439,41 +552,41 @@ BUILDERS: dict[str, Builder] = {
 """The supported ``model_type`` values of ``config.json`` and their mappings."""
 
 
-def _open_folder(path: str) -> tuple[dict[str, Any], dict[str, safetensors_io.SafetensorsFile]]:
-  """Reads ``config.json`` and opens the safetensors files (headers only).
-
-  Returns the config and ``{tensor name: file}``. A sharded checkpoint's
-  ``model.safetensors.index.json`` says which file holds which tensor; every
-  tensor it names must really be in that file.
-  """
-  config_path = os.path.join(path, "config.json")
-  if not os.path.isfile(config_path):
+def _read_config(path: str) -> dict[str, Any]:
+  """``config.json``, read with the limits of `_files.read_json`."""
+  config_path = _files.check_folder_file(path, "config.json")
+  if config_path is None:
     raise CheckpointFolderError(
         f"{path} is not a Hugging Face checkpoint folder: it has no config.json."
     )
-  try:
-    with open(config_path, encoding="utf-8") as f:
-      raw_config = json.load(f)
-  except json.JSONDecodeError as e:
-    raise UnsupportedConfigError(f"{config_path} is not valid JSON ({e}).") from e
-  if not isinstance(raw_config, dict):
-    raise UnsupportedConfigError(f"{config_path} is not a JSON object.")
 
-  index_path = os.path.join(path, "model.safetensors.index.json")
-  single = os.path.join(path, "model.safetensors")
+  def error(what: str) -> UnsupportedConfigError:
+    return UnsupportedConfigError(f"{config_path} {what}.")
+
+  raw_config = _files.read_json(config_path, _files.MAX_CONFIG_BYTES, error)
+  if not isinstance(raw_config, dict):
+    raise error("is not a JSON object")
+  return raw_config
+
+
+def _open_weights(path: str) -> dict[str, safetensors_io.SafetensorsFile]:
+  """Opens the safetensors files (headers only): ``{tensor name: file}``.
+
+  A sharded checkpoint's ``model.safetensors.index.json`` says which file
+  holds which tensor; every tensor it names must really be in that file.
+  Every file is checked by `_files.check_folder_file` before it is opened.
+  """
+  index_path = _files.check_folder_file(path, "model.safetensors.index.json")
+  single = _files.check_folder_file(path, "model.safetensors")
   where: dict[str, safetensors_io.SafetensorsFile] = {}
-  if os.path.isfile(index_path):
-    try:
-      with open(index_path, encoding="utf-8") as f:
-        weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-      raise safetensors_io.SafetensorsFormatError(
-          f"{index_path} is malformed: it needs a 'weight_map' object ({e!r})."
-      ) from e
+  if index_path is not None:
+    def error(what: str) -> safetensors_io.SafetensorsFormatError:
+      return safetensors_io.SafetensorsFormatError(f"{index_path} {what}.")
+
+    index = _files.read_json(index_path, _files.MAX_INDEX_BYTES, error)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
-      raise safetensors_io.SafetensorsFormatError(
-          f"{index_path} is malformed: its 'weight_map' is not an object."
-      )
+      raise error("is malformed: it needs a 'weight_map' object")
     files: dict[str, safetensors_io.SafetensorsFile] = {}
     for name, filename in weight_map.items():
       if not isinstance(filename, str) or os.path.basename(filename) != filename:
@@ -482,8 +595,8 @@ def _open_folder(path: str) -> tuple[dict[str, Any], dict[str, safetensors_io.Sa
             " a file name in the checkpoint folder."
         )
       if filename not in files:
-        file_path = os.path.join(path, filename)
-        if not os.path.isfile(file_path):
+        file_path = _files.check_folder_file(path, filename)
+        if file_path is None:
           raise CheckpointFolderError(
               f"{index_path} names {filename}, which is missing from {path}."
           )
@@ -494,16 +607,106 @@ def _open_folder(path: str) -> tuple[dict[str, Any], dict[str, safetensors_io.Sa
             " does not hold it."
         )
       where[name] = files[filename]
-  elif os.path.isfile(single):
+  elif single is not None:
     file = safetensors_io.SafetensorsFile(single)
     where = {name: file for name in file.entries}
   else:
-    raise CheckpointFolderError(
-        f"{path} has no model.safetensors nor model.safetensors.index.json"
-        " (only safetensors checkpoints are supported; PyTorch .bin files"
-        " would need torch to read)."
-    )
-  return raw_config, where
+    raise _no_weights(path)
+  return where
+
+
+def _no_weights(path: str) -> CheckpointFolderError:
+  return CheckpointFolderError(
+      f"{path} has no model.safetensors nor model.safetensors.index.json"
+      " (only safetensors checkpoints are supported; PyTorch .bin files"
+      " would need torch to read)."
+  )
+
+
+def _check_has_weights(path: str) -> None:
+  """Says early that the weights are missing, before ``config.json`` is
+  checked in detail (their files are opened, and checked, only after)."""
+  if not any(os.path.exists(os.path.join(path, name))
+             for name in ("model.safetensors.index.json", "model.safetensors")):
+    raise _no_weights(path)
+
+
+class _Weights:
+  """The folder's safetensors files, opened (headers only) when a builder
+  first asks for their tensor names or dtype: after ``config.json`` has been
+  validated on its own, so a broken config is reported as such first."""
+
+  def __init__(self, path: str, dtype: Any):
+    self.path = path
+    self._dtype = dtype
+
+  @functools.cached_property
+  def where(self) -> dict[str, safetensors_io.SafetensorsFile]:
+    return _open_weights(self.path)
+
+  @property
+  def names(self) -> set[str]:
+    return set(self.where)
+
+  @functools.cached_property
+  def dtype(self) -> np.dtype:
+    """The requested dtype, or the checkpoint's own floating dtype."""
+    return self._dtype if self._dtype is not None else _stored_float_dtype(self.where)
+
+
+_LAYER_NUMBER = re.compile(r"(\d{1,9})\.")
+
+
+def _check_layers(cfg: _Config, names: set[str], prefix: str, layers: int) -> None:
+  """Refuses a ``num_hidden_layers`` other than the layers the weights hold.
+
+  Why: the skeleton and the list of tensors to read grow with it, so a
+  forged config (``10**9`` layers in 200 bytes) would take hours before the
+  first missing tensor is noticed; the weights' own names bound it.
+  """
+  held = sorted({
+      int(match.group(1)) for name in names if name.startswith(prefix)
+      and (match := _LAYER_NUMBER.match(name, len(prefix)))
+  })
+  if len(held) == layers and held[-1] == layers - 1:  # Sorted and distinct: 0..layers-1.
+    return
+  if not held:
+    found = "no layers"
+  elif held[-1] == len(held) - 1:
+    found = f"layers 0..{held[-1]}"
+  else:
+    found = f"layers {held[:10]}{'...' if len(held) > 10 else ''}"
+  raise cfg.invalid("num_hidden_layers", layers, f"a positive integer matching the weights",
+                    f" but the safetensors hold {found}")
+
+
+def _check_tensors(plan: _Plan, weights: _Weights) -> None:
+  """Refuses weights missing a tensor the config calls for, or holding one
+  of another size, before the skeleton is built or anything is read; then
+  refuses a load larger than `safety.allocation_limit`."""
+  where = weights.where
+  planned = []
+  for spec in plan.tensors:
+    file = where.get(spec.source)
+    if file is None:
+      files = sorted({f.path for f in where.values()})
+      raise safetensors_io.SafetensorsFormatError(
+          f"tensor {spec.source!r} (for Penzai parameter {spec.label!r}) is in"
+          f" none of the checkpoint's files {files}."
+      )
+    stored_shape = file.entries[spec.source][1]
+    expected = spec.stored or spec.shape
+    if stored_shape != expected:
+      raise safetensors_io.SafetensorsFormatError(
+          f"safetensors file {file.path}, tensor {spec.source!r}: shape"
+          f" {stored_shape} does not fit the config (expected {expected}"
+          f" for {spec.label!r})."
+      )
+    shape = list(spec.shape)
+    if spec.take is not None:
+      del shape[spec.take[0]]
+    planned.append(_files.PlannedArray(spec.label, weights.dtype, tuple(shape)))
+  _files.check_planned_allocation(planned, where=weights.path)
 
 
 def _placement(sharding: sharding_lib.Target):
@@ -556,34 +759,43 @@ def load_hf(
       the supported ones) or a configuration field that would change the
       model's math, naming the field and its value. Raised before any tensor
       is read.
+    UnsupportedConfigError: also for a malformed ``config.json`` (not a JSON
+      object, too large or too deep, a field of the wrong type or range, or a
+      ``num_hidden_layers`` other than the layers the weights hold).
     CheckpointFolderError: ``config.json`` or the weight files are missing.
-    SafetensorsFormatError: a weight file is truncated or malformed, or lacks
-      a tensor the model needs or has one of the wrong shape (naming the file
-      and the tensor).
+    SafetensorsFormatError: a weight file is truncated or malformed (byte
+      ranges that overlap, leave gaps or leave the file), or lacks a tensor
+      the model needs or has one of the wrong shape (naming the file and the
+      tensor); all found before any tensor is read.
+    UnsafeCheckpointError: a file read is a symlink leading out of the folder
+      (and out of its Hugging Face cache entry), a FIFO or a device, or the
+      model would allocate more than `pz_persist.safety.allocation_limit`.
   """
   path = os.fspath(path)
-  raw_config, where = _open_folder(path)
+  raw_config = _read_config(path)
+  _check_has_weights(path)
   model_type = raw_config.get("model_type")
-  if model_type not in BUILDERS:
+  if not isinstance(model_type, str) or model_type not in BUILDERS:
     raise UnsupportedConfigError(
-        f"{os.path.join(path, 'config.json')}: model_type={model_type!r} is not"
+        f"{os.path.join(path, 'config.json')}: model_type={model_type!r:.80} is not"
         f" supported; pz_persist.pretrained.load_hf supports {sorted(BUILDERS)}"
         " (use pz_persist.pretrained.load_gemma for Gemma's Flax checkpoints)."
     )
-  names = set(where)
-  if dtype is None:
-    dtype = _stored_float_dtype(where)
-  dtype = jnp.dtype(dtype)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
+  if dtype is not None:
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
+  weights = _Weights(path, dtype)
   cfg = _Config(raw_config, os.path.join(path, "config.json"))
-  plan = BUILDERS[model_type](cfg, names, dtype)
+  plan = BUILDERS[model_type](cfg, weights)
+  _check_tensors(plan, weights)
 
   place = _placement(sharding)
   params = []
   for spec in plan.tensors:
-    params.append(pz.Parameter(value=_read(spec, where, dtype, place), label=spec.label))
-  model = pz.bind_variables(plan.skeleton, params)
+    params.append(pz.Parameter(
+        value=_read(spec, weights.where, weights.dtype, place), label=spec.label))
+  model = pz.bind_variables(plan.build(), params)
   pz.nn.assert_no_parameter_slots(model)
   return model
 
@@ -604,21 +816,9 @@ def _read(
     place: Callable[[tuple[str, ...], tuple[int, ...], str], jax.sharding.Sharding],
 ) -> pz.nx.NamedArray:
   """Reads one tensor, lays it out for Penzai, casts it and places it."""
-  file = where.get(spec.source)
-  if file is None:
-    files = sorted({f.path for f in where.values()})
-    raise safetensors_io.SafetensorsFormatError(
-        f"tensor {spec.source!r} (for Penzai parameter {spec.label!r}) is in"
-        f" none of the checkpoint's files {files}."
-    )
+  file = where[spec.source]  # `_check_tensors` made sure it is there, of this size.
   # Cast while reading unless a slice is taken after (then only the slice is cast).
   host = file.get(spec.source, dtype=dtype if spec.take is None else None)
-  if host.size != int(np.prod(spec.shape)):
-    raise safetensors_io.SafetensorsFormatError(
-        f"safetensors file {file.path}, tensor {spec.source!r}: shape"
-        f" {host.shape} does not fit the config (expected {spec.shape} elements"
-        f" for {spec.label!r})."
-    )
   host = host.reshape(spec.shape)
   if spec.take is not None:
     dim, index = spec.take

@@ -10,7 +10,11 @@ llama.cpp converters). Two needs meet here:
   ``safetensors`` release (its NumPy front end learned bfloat16 late). Every
   offset, shape and dtype in the header is checked against the file's size
   first, so a truncated or corrupt file is a `SafetensorsFormatError` naming
-  the file, never a crash or a silently short array.
+  the file, never a crash or a silently short array. As in the reference
+  implementation, the tensors' byte ranges must tile the data buffer (no
+  overlap, no gap, ending with the file), so the tensors of a file are never
+  larger than the file; only regular files are read (a FIFO or a device is
+  refused without blocking), and the header is bounded in size and nesting.
 * `export_safetensors` writes a Penzai model's variables as one safetensors
   file that plain ``safetensors`` code can read, and stores what a bare
   tensor loses (label, axis names, parameter or state variable, metadata) as
@@ -35,6 +39,7 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist import memory
+from pz_persist.pretrained import _files
 
 METADATA_KEY = "pz_persist"
 """The ``__metadata__`` key under which `export_safetensors` stores its JSON."""
@@ -91,8 +96,8 @@ class SafetensorsFile:
   def __init__(self, path: str | os.PathLike[str]):
     self.path = os.fspath(path)
     try:
-      size = os.path.getsize(self.path)
-      with open(self.path, "rb") as f:
+      with _files.open_regular(self.path) as f:
+        size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
           raise self._error(f"is {size} bytes long, too short for a header")
@@ -101,14 +106,14 @@ class SafetensorsFile:
           raise self._error(
               f"declares a {header_len}-byte header but the file is {size}"
               " bytes long (truncated or not a safetensors file)"
+              if header_len <= _MAX_HEADER_BYTES else
+              f"declares a {header_len}-byte header, over the safetensors"
+              f" limit of {_MAX_HEADER_BYTES} bytes"
           )
         raw_header = f.read(header_len)
     except OSError as e:
       raise SafetensorsFormatError(f"cannot read safetensors file {self.path}: {e}") from e
-    try:
-      header = json.loads(raw_header.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise self._error(f"has a header that is not JSON ({e})") from e
+    header = _files.parse_json(raw_header, lambda what: self._error(f"has a header that {what}"))
     if not isinstance(header, dict):
       raise self._error("has a header that is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -122,6 +127,7 @@ class SafetensorsFile:
     self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
     for name, info in header.items():
       self.entries[name] = self._check_entry(name, info, data_size)
+    self._check_layout(data_size)
 
   def _error(self, what: str, name: str | None = None) -> SafetensorsFormatError:
     where = f"safetensors file {self.path}" + (f", tensor {name!r}," if name else "")
@@ -132,7 +138,7 @@ class SafetensorsFile:
     if not isinstance(info, dict) or set(info) - {"dtype", "shape", "data_offsets"}:
       raise self._error("has a malformed header entry", name)
     code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if code not in _DTYPES:
+    if not isinstance(code, str) or code not in _DTYPES:
       raise self._error(
           f"has dtype {code!r}, which is not one of {sorted(_DTYPES)}", name
       )
@@ -164,6 +170,42 @@ class SafetensorsFile:
       )
     return dtype, tuple(shape), begin, end
 
+  def _check_layout(self, data_size: int) -> None:
+    """Refuses tensors that do not tile the data buffer exactly.
+
+    Why: the reference safetensors implementation (the Rust crate) requires
+    the tensors, sorted by offset, to follow each other without gap or
+    overlap and to end where the file ends ("invalid offset" otherwise).
+    Overlapping entries would let a small file alias one byte range from
+    many tensors and so ask for any allocation; with this rule the tensors
+    together are never larger than the file.
+    """
+    start = 0
+    for name, (_, _, begin, end) in sorted(self.entries.items(), key=lambda item: item[1][2:]):
+      if begin != start:
+        raise self._error(
+            f"has an invalid offset: its data starts at byte {begin} of the"
+            f" data buffer, where the previous tensor ends at {start} (tensors"
+            " must follow each other without gaps or overlaps, as the"
+            " safetensors format requires)",
+            name,
+        )
+      start = end
+    if start != data_size:
+      raise self._error(
+          f"has {data_size - start} bytes after its last tensor (the"
+          " safetensors format requires the tensors to end where the file"
+          " ends; the file is damaged or not a safetensors file)"
+      )
+
+  def planned(self, names: Iterator[str] | list[str] | None = None) -> list[_files.PlannedArray]:
+    """What reading ``names`` (default: every tensor) allocates, as stored."""
+    names = self.entries if names is None else names
+    return [
+        _files.PlannedArray(name, self.entries[name][0], self.entries[name][1])
+        for name in names
+    ]
+
   def keys(self) -> list[str]:
     return list(self.entries)
 
@@ -184,7 +226,7 @@ class SafetensorsFile:
     if begin == end:
       return out
     try:
-      with open(self.path, "rb") as f:
+      with _files.open_regular(self.path) as f:
         f.seek(self._data_start + begin)
         if dtype == stored:
           read = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
@@ -393,7 +435,11 @@ def load_safetensors(
   Raises:
     SafetensorsFormatError: the file is malformed, or it has no pz_persist
       metadata (it was not written by `export_safetensors`; for Hugging Face
-      checkpoints use `pz_persist.pretrained.load_hf`).
+      checkpoints use `pz_persist.pretrained.load_hf`), or its metadata is
+      malformed (a label that is not the tensor's name, an unknown kind,
+      invalid axis names); all checked before any tensor is read.
+    UnsafeCheckpointError: the file is a FIFO or device, or its tensors would
+      allocate more than `pz_persist.safety.allocation_limit`.
   """
   file = SafetensorsFile(path)
   raw = file.metadata.get(METADATA_KEY)
@@ -404,24 +450,18 @@ def load_safetensors(
         " labels or axis names to restore (for a Hugging Face checkpoint use"
         " pz_persist.pretrained.load_hf)."
     )
-  try:
-    info = json.loads(raw)
-    version = info["format_version"]
-    described = info["tensors"]
-  except (json.JSONDecodeError, KeyError, TypeError) as e:
-    raise SafetensorsFormatError(
-        f"safetensors file {file.path}: its {METADATA_KEY!r} metadata is malformed ({e!r})."
-    ) from e
-  if version != FORMAT_VERSION:
-    raise errors.FormatVersionError(
-        f"safetensors file {file.path} has pz_persist format version"
-        f" {version!r}; this pz_persist reads version {FORMAT_VERSION}."
-    )
+  described = _described_tensors(file, raw)
   missing = sorted(set(file.entries) ^ set(described))
   if missing:
     raise SafetensorsFormatError(
         f"safetensors file {file.path}: tensors and metadata disagree on {missing}."
     )
+  for name, entry in described.items():
+    _check_axes(file, name, entry.get("axes"), len(file.entries[name][1]))
+  if into is not None:
+    unbound, current = pz.unbind_variables(into)
+    _check_fits(file, unbound, current, set(described))
+  _files.check_planned_allocation(file.planned(), where=f"safetensors file {file.path}")
   sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   values: list[pz.AbstractVariableValue] = []
   for name, entry in described.items():
@@ -432,39 +472,89 @@ def load_safetensors(
     if axes is None:
       value: Any = data
     else:
-      if len(axes) != data.ndim:
-        raise SafetensorsFormatError(
-            f"safetensors file {file.path}, tensor {name!r}: {len(axes)} axis"
-            f" names for {data.ndim} dimensions."
-        )
       positional = sum(a is None for a in axes)
-      if any(a is None for a in axes[positional:]):
-        raise SafetensorsFormatError(
-            f"safetensors file {file.path}, tensor {name!r}: positional axes"
-            " must come before named ones."
-        )
       value = pz.nx.NamedArray(
           named_axes=collections.OrderedDict(
               zip(axes[positional:], data.shape[positional:])
           ),
           data_array=data,
       )
-    cls = pz.ParameterValue if entry.get("kind") == "parameter" else pz.StateVariableValue
+    cls = pz.ParameterValue if entry["kind"] == "parameter" else pz.StateVariableValue
     values.append(cls(value=value, label=entry["label"], metadata=entry.get("metadata", {})))
   if into is None:
     return tuple(values)
-  unbound, current = pz.unbind_variables(into)
+  return pz.bind_variables(unbound, values, unfreeze_as_copy=True)
+
+
+_KINDS = ("parameter", "state_variable")
+
+
+def _described_tensors(file: SafetensorsFile, raw: str) -> dict[str, dict[str, Any]]:
+  """The ``pz_persist`` metadata's tensor entries, each checked: a JSON object
+  whose label is the tensor's name, with a known ``kind``, ``axes`` null or a
+  list of strings and nulls, ``metadata`` an object."""
+  def error(what: str) -> SafetensorsFormatError:
+    return SafetensorsFormatError(
+        f"safetensors file {file.path}: its {METADATA_KEY!r} metadata {what}."
+    )
+
+  info = _files.parse_json(raw.encode("utf-8"), error)
+  if not isinstance(info, dict) or not isinstance(info.get("tensors"), dict):
+    raise error("is malformed: it must be a JSON object with a 'tensors' object")
+  version = info.get("format_version")
+  if version != FORMAT_VERSION:
+    raise errors.FormatVersionError(
+        f"safetensors file {file.path} has pz_persist format version"
+        f" {version!r}; this pz_persist reads version {FORMAT_VERSION}."
+    )
+  described = info["tensors"]
+  for name, entry in described.items():
+    if not isinstance(entry, dict) or entry.get("label") != name:
+      raise error(f"describes tensor {name!r} without a JSON object whose 'label' is its name")
+    if entry.get("kind") not in _KINDS:
+      raise error(f"gives tensor {name!r} the kind {entry.get('kind')!r}; expected one of {_KINDS}")
+    if not isinstance(entry.get("metadata", {}), dict):
+      raise error(f"gives tensor {name!r} metadata that is not a JSON object")
+  return described
+
+
+def _check_axes(file: SafetensorsFile, name: str, axes: Any, ndim: int) -> None:
+  """Refuses axis names that cannot describe the stored tensor, before any read."""
+  if axes is None:
+    return
+  if not isinstance(axes, list) or not all(a is None or isinstance(a, str) for a in axes):
+    raise SafetensorsFormatError(
+        f"safetensors file {file.path}, tensor {name!r}: axis names {axes!r:.80}"
+        " are not a list of strings and nulls."
+    )
+  if len(axes) != ndim:
+    raise SafetensorsFormatError(
+        f"safetensors file {file.path}, tensor {name!r}: {len(axes)} axis"
+        f" names for {ndim} dimensions."
+    )
+  positional = sum(a is None for a in axes)
+  if any(a is None for a in axes[positional:]):
+    raise SafetensorsFormatError(
+        f"safetensors file {file.path}, tensor {name!r}: positional axes"
+        " must come before named ones."
+    )
+  if len(set(axes[positional:])) != ndim - positional:
+    raise SafetensorsFormatError(
+        f"safetensors file {file.path}, tensor {name!r}: axis names {axes} repeat."
+    )
+
+
+def _check_fits(file: SafetensorsFile, unbound: Any, current: Any, have: set[str]) -> None:
+  """Refuses a model whose variable labels are not exactly the file's."""
   wanted = {v.label for v in current} | {
       slot.label
       for slot in pz.select(unbound)
       .at_instances_of(pz.ParameterSlot | pz.StateVariableSlot)
       .get_sequence()
   }
-  have = {v.label for v in values}
   if wanted != have:
     raise SafetensorsFormatError(
         f"safetensors file {file.path} does not fit the model: missing"
         f" {sorted(map(str, wanted - have))}, unexpected"
         f" {sorted(map(str, have - wanted))}."
     )
-  return pz.bind_variables(unbound, values, unfreeze_as_copy=True)

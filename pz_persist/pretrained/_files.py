@@ -1,0 +1,233 @@
+"""Reading the files of a pretrained checkpoint: only regular files, only
+inside the folder, only so many bytes, only so deep.
+
+Why this module exists: the pretrained loaders read folders that someone else
+published (a Hugging Face snapshot, a safetensors file, a Gemma download).
+`pz_persist.safety` guards pz_persist's own checkpoints; this is the same
+promise for the files the pretrained loaders open themselves:
+
+* A FIFO or a device named ``config.json`` would block the reader forever or
+  never end, so a file is opened without blocking and read only if the open
+  file descriptor is a regular file (no window between the check and the
+  read).
+* A symlink in a Hugging Face folder may only lead to a regular file inside
+  the folder, or, when the folder is a ``huggingface_hub`` snapshot
+  (``.../models--org--name/snapshots/<revision>``), inside that cache entry
+  (``.../models--org--name``, whose ``blobs/`` hold the files the snapshot
+  links to). Anything else (``/etc/passwd``, another user's model) is refused.
+* JSON is read with a byte limit and a nesting limit, so a small file can
+  neither exhaust memory nor the interpreter's stack.
+* Every tensor a load will allocate is added up and compared with
+  `pz_persist.safety.allocation_limit` before the first one is read.
+
+Why a local module rather than `pz_persist.safety`: the rules differ from a
+native checkpoint's (symlinks into the hub cache are normal there), and the
+pretrained loaders are the only readers of these formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import stat
+from collections.abc import Callable, Iterable
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from pz_persist import errors
+from pz_persist import safety
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of JSON arrays and objects accepted in any file read here;
+real configs, indexes and headers are a few levels deep."""
+
+MAX_CONFIG_BYTES = 4 * 2**20
+"""Largest ``config.json`` read (real ones are a few KiB)."""
+
+MAX_INDEX_BYTES = 64 * 2**20
+"""Largest ``model.safetensors.index.json`` read (real ones are under 1 MiB)."""
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symlink",
+}
+
+ErrorFactory = Callable[[str], Exception]
+
+
+def _kind(mode: int) -> str:
+  return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def _not_regular(path: str, mode: int) -> errors.UnsafeCheckpointError:
+  return errors.UnsafeCheckpointError(
+      f"{path} is {_kind(mode)}, not a regular file; refusing to read it."
+  )
+
+
+def open_regular(path: str) -> BinaryIO:
+  """Opens ``path`` for reading if, once open, it is a regular file.
+
+  The open never blocks (``O_NONBLOCK``: a FIFO without a writer opens at
+  once) and the type is checked on the open descriptor, so the file read is
+  the file checked. The returned file blocks as usual.
+
+  Raises:
+    UnsafeCheckpointError: a FIFO, device, socket or directory, naming the
+      path.
+    OSError: the file cannot be opened.
+  """
+  info = os.stat(path)  # Refuse devices before opening them at all.
+  if not stat.S_ISREG(info.st_mode):
+    raise _not_regular(path, info.st_mode)
+  fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+  try:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+      raise _not_regular(path, info.st_mode)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+  except BaseException:
+    os.close(fd)
+    raise
+
+
+def parse_json(raw: bytes, error: ErrorFactory) -> Any:
+  """Parses JSON bytes, refusing invalid UTF-8 or JSON and deep nesting.
+
+  Raises:
+    What ``error`` makes, saying what is wrong.
+  """
+  try:
+    value = json.loads(raw.decode("utf-8"))
+  except RecursionError:
+    raise error(f"nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
+  except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError.
+    raise error(f"is not valid JSON ({str(e)[:200]})") from None
+  if _deeper_than(value, MAX_JSON_DEPTH):
+    raise error(f"nests JSON deeper than {MAX_JSON_DEPTH} levels")
+  return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+  stack = [(value, 1)]
+  while stack:
+    node, depth = stack.pop()
+    if isinstance(node, (dict, list)):
+      if depth > limit:
+        return True
+      children = node.values() if isinstance(node, dict) else node
+      stack.extend((child, depth + 1) for child in children)
+  return False
+
+
+def read_json(path: str, max_bytes: int, error: ErrorFactory) -> Any:
+  """Reads a JSON file of at most ``max_bytes`` (a regular file, see
+  `open_regular`) and parses it with `parse_json`.
+
+  Raises:
+    UnsafeCheckpointError: not a regular file.
+    What ``error`` makes: unreadable, too large, not JSON, too deep.
+  """
+  try:
+    with open_regular(path) as f:
+      raw = f.read(max_bytes + 1)
+  except OSError as e:
+    raise error(f"cannot be read ({e})") from None
+  if len(raw) > max_bytes:
+    raise error(f"is over the {max_bytes}-byte limit for this file")
+  return parse_json(raw, error)
+
+
+def _within(path: str, root: str) -> bool:
+  return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def hub_cache_entry(folder: str) -> str | None:
+  """The ``huggingface_hub`` cache entry a snapshot folder belongs to.
+
+  ``.../models--org--name/snapshots/<revision>`` (or a subfolder of it, as
+  for repositories with several models) links its files to
+  ``.../models--org--name/blobs/<hash>``; the entry ``.../models--org--name``
+  is returned so those links are accepted. None for any other folder.
+  """
+  revision = os.path.realpath(folder)
+  while os.path.dirname(revision) != revision:
+    snapshots = os.path.dirname(revision)
+    entry = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(entry).startswith("models--"):
+      return entry
+    revision = snapshots
+  return None
+
+
+def check_folder_file(folder: str, name: str) -> str | None:
+  """The path of ``name`` in ``folder`` if it is a file pz_persist may read,
+  None if it does not exist.
+
+  A symlink must resolve inside ``folder`` or inside its hub cache entry
+  (`hub_cache_entry`), to a regular file.
+
+  Raises:
+    UnsafeCheckpointError: a symlink leading elsewhere, or not a regular file.
+  """
+  path = os.path.join(folder, name)
+  try:
+    info = os.lstat(path)
+  except FileNotFoundError:
+    return None
+  if stat.S_ISLNK(info.st_mode):
+    target = os.path.realpath(path)
+    roots = [os.path.realpath(folder)] + [r for r in [hub_cache_entry(folder)] if r]
+    if not any(_within(target, root) for root in roots):
+      raise errors.UnsafeCheckpointError(
+          f"{path} is a symlink to {target}, outside the checkpoint folder"
+          f" {roots[0]}{' and its Hugging Face cache entry ' + roots[1] if len(roots) > 1 else ''};"
+          " refusing to read it (copy the file into the folder if it is meant"
+          " to be there)."
+      )
+    try:
+      info = os.stat(path)
+    except FileNotFoundError:
+      return None  # Dangling: reported as missing.
+  if not stat.S_ISREG(info.st_mode):
+    raise _not_regular(path, info.st_mode)
+  return path
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedArray:
+  """One array a load will allocate, in the shape `safety.check_allocation`
+  takes (``key``, ``dtype``, ``shape``, ``describe``)."""
+
+  key: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+
+  def describe(self) -> str:
+    return repr(self.key)
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * self.dtype.itemsize
+
+
+def check_planned_allocation(arrays: Iterable[PlannedArray], where: str) -> None:
+  """Refuses a load whose arrays would not fit `safety.allocation_limit`,
+  before any is allocated (reuses `safety.check_allocation`'s message).
+
+  Raises:
+    UnsafeCheckpointError: naming ``where``, the total and the largest arrays.
+  """
+  arrays = list(arrays)
+  sizes: dict[str, int] = {}
+  for array in arrays:
+    sizes[array.key] = sizes.get(array.key, 0) + array.nbytes
+  safety.check_allocation(arrays, sizes, where=where)
