@@ -41,6 +41,7 @@ from pz_persist import checksums
 from pz_persist import errors
 from pz_persist import memory
 from pz_persist import restoring
+from pz_persist import safe_io
 from pz_persist import safety
 
 
@@ -162,9 +163,13 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
   """``(use_ocdbt, use_zarr3)``: how Orbax laid out the stored arrays."""
   path = directory / "_METADATA"
   try:
-    stored = json.loads(path.read_text())
+    stored = json.loads(safe_io.read_small_file(
+        path, safety.MAX_ORBAX_TREE_METADATA_BYTES, what="Orbax's metadata"
+    ))
     use_zarr3 = stored.get("use_zarr3", False)
-  except (OSError, ValueError, AttributeError) as e:
+  except errors.UnsafeCheckpointError:
+    raise
+  except (OSError, ValueError, AttributeError, RecursionError) as e:
     raise safety.unreadable_stored_metadata(directory, e) from None
   if not isinstance(use_zarr3, bool):
     raise errors.ManifestError(f"{path}: use_zarr3 is {use_zarr3!r}, not a bool.")
