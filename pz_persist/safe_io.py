@@ -226,7 +226,7 @@ def read_small_file(path: epath.PathLike, limit: int, *, what: str = "file") -> 
           " there, so it is not followed."
       ) from None
     raise
-  with os.fdopen(fd, "rb", buffering=0) as f:
+  try:
     info = os.fstat(fd)
     if stat.S_ISDIR(info.st_mode):
       raise errors.ManifestError(f"{shown} is a directory, not a {what} file.")
@@ -236,24 +236,27 @@ def read_small_file(path: epath.PathLike, limit: int, *, what: str = "file") -> 
           " refusing to read it."
       )
     if info.st_size > limit:
-      raise _too_large(shown, what, info.st_size, limit)
+      raise too_large(shown, what, info.st_size, limit)
     chunks, size = [], 0
-    while size <= limit:
-      chunk = f.read(min(limit + 1 - size, 2**24))
+    while size <= limit:  # Bounded even if the file grows meanwhile.
+      chunk = os.read(fd, min(limit + 1 - size, 2**24))
       if not chunk:
         break
       chunks.append(chunk)
       size += len(chunk)
+  finally:
+    os.close(fd)
   return _bounded(b"".join(chunks), limit, shown, what)
 
 
 def _bounded(data: bytes, limit: int, shown: str, what: str) -> bytes:
   if len(data) > limit:
-    raise _too_large(shown, what, len(data), limit)
+    raise too_large(shown, what, len(data), limit)
   return data
 
 
-def _too_large(shown: str, what: str, size: int, limit: int) -> errors.ManifestError:
+def too_large(shown: str, what: str, size: int, limit: int) -> errors.ManifestError:
+  """The error for the file ``shown`` (a ``what``) of ``size`` bytes."""
   return errors.ManifestError(
       f"{shown}: {what} is {size} bytes, over the {limit}-byte limit."
   )

@@ -36,6 +36,8 @@ from etils import epath
 
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import file_digests
+from pz_persist import manifest as manifest_lib
 from pz_persist import safe_io
 
 MAX_ALLOCATION_BYTES: int | None = None
@@ -52,13 +54,17 @@ MAX_ORBAX_TREE_METADATA_BYTES = 512 * 2**20
 larger than ``_CHECKPOINT_METADATA``, like the manifest) are refused."""
 
 
-def small_file_limit(name: str) -> int | None:
-  """The most bytes of the small JSON file ``name`` that pz_persist or Orbax
-  reads whole; None for other files (array data, read by ranges)."""
+def small_file(name: str) -> tuple[str, int] | None:
+  """``(what it is, most bytes)`` of a file named ``name`` that pz_persist or
+  Orbax reads whole; None for other files (array data, read by ranges)."""
   if name in ("_CHECKPOINT_METADATA", "metrics"):
-    return MAX_ORBAX_METADATA_BYTES
+    return "Orbax's metadata", MAX_ORBAX_METADATA_BYTES
   if name in ("_METADATA", "_sharding"):
-    return MAX_ORBAX_TREE_METADATA_BYTES
+    return "Orbax's metadata", MAX_ORBAX_TREE_METADATA_BYTES
+  if name == manifest_lib.MANIFEST_FILENAME:
+    return "manifest", manifest_lib.MAX_MANIFEST_BYTES
+  if name == file_digests.FILENAME:
+    return "file digest list", file_digests.MAX_BYTES
   return None
 
 
@@ -86,7 +92,7 @@ def check_contained(directory: epath.PathLike) -> Snapshot | None:
   the checkpoint's author chose anywhere on this machine, and a FIFO or device
   would block or never end. Symlinks that stay inside the checkpoint are
   fine, and so is ``directory`` itself being a symlink (the user chose it).
-  The small JSON files read whole (`small_file_limit`) must also be small,
+  The small JSON files read whole (`small_file`) must also be small,
   since Orbax reads them without a bound.
 
   Returns:
@@ -129,12 +135,9 @@ def check_contained(directory: epath.PathLike) -> Snapshot | None:
         raise errors.UnsafeCheckpointError(
             f"{path} is {kind}, not a regular file; refusing to read it."
         )
-      limit = small_file_limit(name)
-      if limit is not None and stat.S_ISREG(info.st_mode) and info.st_size > limit:
-        raise errors.ManifestError(
-            f"{path}: Orbax's metadata is {info.st_size} bytes, over the"
-            f" {limit}-byte limit; refusing to read it."
-        )
+      small = small_file(name)
+      if small is not None and stat.S_ISREG(info.st_mode) and info.st_size > small[1]:
+        raise safe_io.too_large(path, small[0], info.st_size, small[1])
   return (root, top.st_dev, top.st_ino, seen)
 
 
