@@ -17,6 +17,12 @@ is the arrays themselves plus the chunks in flight (bounded by
 `IN_FLIGHT_BYTES`), whose buffers are reused rather than mapped afresh
 (`pz_persist.memory.reuse_freed_blocks`).
 
+TensorStore opens the files by path, so `read` is only ever called inside
+`pz_persist.safety.files_unchanged` (by
+`pz_persist.orbax_v0.PenzaiCheckpointHandler.read_arrays`): every file is
+checked before the read and again after it, and nothing read is returned if
+one was swapped (for a link out of the checkpoint, say) in between.
+
 Which loads take it (`applies`): one process, every array going to host
 memory or to a single device. Loads onto a mesh, or across processes, keep
 Orbax's path, which reads each process's shards only.

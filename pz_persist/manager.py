@@ -336,10 +336,12 @@ class CheckpointManager:
     self._manager.close()
     if self._emptying is not None:
       self._emptying.join()
-    self._empty_trash()
-    if self._previous_handler is not None:
-      signal.signal(signal.SIGTERM, self._previous_handler)
-      self._previous_handler = None
+    try:
+      self._empty_trash()
+    finally:  # Even when the trash is refused.
+      if self._previous_handler is not None:
+        signal.signal(signal.SIGTERM, self._previous_handler)
+        self._previous_handler = None
 
   def __enter__(self) -> CheckpointManager:
     return self

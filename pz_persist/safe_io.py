@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 
 from etils import epath
@@ -37,6 +38,15 @@ _FILE_FLAGS = (
 _NOT_FOLLOWED = (errno.ELOOP, errno.ENOTDIR, getattr(errno, "EMLINK", errno.ELOOP))
 """What ``open`` with ``O_NOFOLLOW`` (and ``O_DIRECTORY``) says of a link
 (FreeBSD says EMLINK) or a non-directory."""
+
+
+_FD_RELATIVE = (
+    {os.open, os.stat, os.unlink, os.rmdir} <= os.supports_dir_fd
+    and os.listdir in os.supports_fd
+)
+"""Whether deletes can work relative to directory descriptors (POSIX). Where
+not (Windows), `remove_tree` falls back to ``shutil.rmtree``, which there
+deletes links and junctions as links too."""
 
 
 def _is_local(path: epath.PathLike) -> bool:
@@ -68,6 +78,14 @@ def remove_tree(path: epath.PathLike, *, strict: bool = False) -> None:
     if path.exists():
       path.rmtree()
     return
+  if not _FD_RELATIVE:
+    if strict:
+      check_own_directory(path)
+    if os.path.islink(path) or os.path.isfile(path):
+      os.unlink(path)
+    else:
+      shutil.rmtree(os.fspath(path), ignore_errors=True)
+    return
   parent, name = os.path.split(os.path.abspath(os.fspath(path)))
   try:
     parent_fd = os.open(parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -98,6 +116,11 @@ def empty_directory(path: epath.PathLike) -> None:
         remove_tree(child)
     return
   local = os.fspath(path)
+  if not _FD_RELATIVE:
+    check_own_directory(path)
+    for name in os.listdir(local) if os.path.isdir(local) else ():
+      remove_tree(os.path.join(local, name))
+    return
   try:
     fd = os.open(local, _DIR_FLAGS)
   except FileNotFoundError:
