@@ -14,7 +14,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import orbax.checkpoint as ocp
