@@ -42,6 +42,7 @@ from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import restoring
+from pz_persist import safe_io
 from pz_persist import safety
 from pz_persist import sharding as sharding_lib
 
@@ -252,10 +253,11 @@ def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
   """
   if item is None:
     return (directories.identity(path),)
-  try:
-    with manifest_lib.manifest_path(item).open("rb") as f:  # Bounded, as in read.
-      digest = hashlib.sha256(f.read(manifest_lib.MAX_MANIFEST_BYTES + 1)).digest()
-  except OSError:
+  try:  # Bounded, never following a link nor blocking, as in read.
+    digest = hashlib.sha256(safe_io.read_small_file(
+        manifest_lib.manifest_path(item), manifest_lib.MAX_MANIFEST_BYTES
+    )).digest()
+  except (OSError, errors.PzPersistError):
     digest = None
   return directories.identity(path), directories.identity(item), digest
 

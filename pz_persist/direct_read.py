@@ -17,6 +17,12 @@ is the arrays themselves plus the chunks in flight (bounded by
 `IN_FLIGHT_BYTES`), whose buffers are reused rather than mapped afresh
 (`pz_persist.memory.reuse_freed_blocks`).
 
+TensorStore opens the files by path, so `read` is only ever called inside
+`pz_persist.safety.files_unchanged` (by
+`pz_persist.orbax_v0.PenzaiCheckpointHandler.read_arrays`): every file is
+checked before the read and again after it, and nothing read is returned if
+one was swapped (for a link out of the checkpoint, say) in between.
+
 Which loads take it (`applies`): one process, every array going to host
 memory or to a single device. Loads onto a mesh, or across processes, keep
 Orbax's path, which reads each process's shards only.
@@ -41,6 +47,7 @@ from pz_persist import checksums
 from pz_persist import errors
 from pz_persist import memory
 from pz_persist import restoring
+from pz_persist import safe_io
 from pz_persist import safety
 
 
@@ -162,9 +169,13 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
   """``(use_ocdbt, use_zarr3)``: how Orbax laid out the stored arrays."""
   path = directory / "_METADATA"
   try:
-    stored = json.loads(path.read_text())
+    stored = json.loads(safe_io.read_small_file(
+        path, safety.MAX_ORBAX_TREE_METADATA_BYTES, what="Orbax's metadata"
+    ))
     use_zarr3 = stored.get("use_zarr3", False)
-  except (OSError, ValueError, AttributeError) as e:
+  except errors.UnsafeCheckpointError:
+    raise
+  except (OSError, ValueError, AttributeError, RecursionError) as e:
     raise safety.unreadable_stored_metadata(directory, e) from None
   if not isinstance(use_zarr3, bool):
     raise errors.ManifestError(f"{path}: use_zarr3 is {use_zarr3!r}, not a bool.")

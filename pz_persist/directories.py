@@ -17,10 +17,11 @@ import contextlib
 import ctypes
 import errno
 import os
-import shutil
 import uuid
 
 from etils import epath
+
+from pz_persist import safe_io
 
 try:
   import fcntl
@@ -29,18 +30,21 @@ except ImportError:  # Windows: saves are still never mixed; see _parent_locked.
 
 
 def remove_unfinished(target: epath.Path) -> None:
-  """Deletes what a failed save to the unique ``target`` left, and only that."""
+  """Deletes what a failed save to the unique ``target`` left, and only that.
+
+  Raises:
+    UnsafeCheckpointError: one of these names (all the save's own
+      directories) is a symlink or not a directory; it is left untouched.
+  """
   for leftover in target.parent.glob(f"{target.name}.orbax-checkpoint-tmp*"):
-    rmtree(leftover)
-  rmtree(target)
+    safe_io.remove_tree(leftover, strict=True)
+  safe_io.remove_tree(target, strict=True)
 
 
 def rmtree(path: epath.Path) -> None:
-  """Deletes a directory tree, local or remote (a missing one is fine)."""
-  if is_local(path):
-    shutil.rmtree(os.fspath(path), ignore_errors=True)
-  elif path.exists():
-    path.rmtree()
+  """Deletes a tree, local or remote (a missing one is fine), never following
+  a symlink: a link, at ``path`` or inside, is deleted as a link."""
+  safe_io.remove_tree(path)
 
 
 def sibling(path: epath.Path, role: str, token: str | None = None) -> epath.Path:

@@ -30,6 +30,8 @@ from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import optimizers
 from pz_persist import orbax_v0
+from pz_persist import safe_io
+from pz_persist import safety
 from pz_persist import sharding as sharding_lib
 
 _RESERVED_ITEMS = frozenset({"metrics", "descriptor", "_CHECKPOINT_METADATA"})
@@ -114,11 +116,14 @@ class CheckpointManager:
       ))
     if keep_every_n_steps is not None:
       kept.append(policies.EveryNSteps(interval_steps=keep_every_n_steps))
+    directory = directories.as_path(directory)
+    # Before Orbax reads step metadata or moves steps into the trash.
+    self._check_run(directory)
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(None, orbax_v0.PenzaiSave, orbax_v0.PenzaiCheckpointHandler())
     registry.add(None, orbax_v0.PenzaiRestore, orbax_v0.PenzaiCheckpointHandler())
     self._manager = ocp.CheckpointManager(
-        directories.as_path(directory),
+        directory,
         options=ocp.CheckpointManagerOptions(
             save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save,
@@ -138,11 +143,21 @@ class CheckpointManager:
     if save_on_sigterm:
       self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
 
+  @staticmethod
+  def _check_run(directory: epath.Path) -> None:
+    """Refuses a run directory Orbax must not read or delete in.
+
+    Why here: Orbax reads every step's metadata (unbounded, following links)
+    when the manager opens and restores, and moves dropped steps into the
+    trash; a link or FIFO there would make it read, block, or move steps
+    wherever the run's writer chose. See `safety.check_run_directory`.
+    """
+    safe_io.check_own_directory(directory / _TRASH)
+    safety.check_run_directory(directory)
+
   def _empty_trash(self) -> None:
-    trash = self._manager.directory / _TRASH
-    if ocp.multihost.is_primary_host(0) and trash.exists():
-      for step_dir in trash.iterdir():
-        directories.rmtree(step_dir)
+    if ocp.multihost.is_primary_host(0):
+      safe_io.empty_directory(self._manager.directory / _TRASH)
 
   def _empty_trash_in_background(self) -> None:
     if self._emptying is not None and self._emptying.is_alive():
@@ -198,6 +213,7 @@ class CheckpointManager:
       return False
     with allowlist.scoped_allowance(self._allow_modules):
       args = {name: orbax_v0.PenzaiSave(tree) for name, tree in items.items()}
+    safe_io.check_own_directory(self.directory / _TRASH)  # Retention moves there.
     saved = self._manager.save(
         step,
         args=ocp.args.Composite(**args),
@@ -248,6 +264,7 @@ class CheckpointManager:
       ``{item name: restored tree}``.
     """
     self.wait_until_finished()
+    self._check_run(self.directory)
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -306,6 +323,7 @@ class CheckpointManager:
 
   def metrics(self, step: int) -> dict[str, Any] | None:
     """The metrics saved with ``step``."""
+    self._check_run(self.directory)  # Orbax reads them from the step.
     return self._manager.metrics(step)
 
   def wait_until_finished(self) -> None:
@@ -318,10 +336,12 @@ class CheckpointManager:
     self._manager.close()
     if self._emptying is not None:
       self._emptying.join()
-    self._empty_trash()
-    if self._previous_handler is not None:
-      signal.signal(signal.SIGTERM, self._previous_handler)
-      self._previous_handler = None
+    try:
+      self._empty_trash()
+    finally:  # Even when the trash is refused.
+      if self._previous_handler is not None:
+        signal.signal(signal.SIGTERM, self._previous_handler)
+        self._previous_handler = None
 
   def __enter__(self) -> CheckpointManager:
     return self

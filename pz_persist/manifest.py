@@ -33,6 +33,7 @@ from etils import epath
 
 from pz_persist import arrays as arrays_lib
 from pz_persist import errors
+from pz_persist import safe_io
 from pz_persist import version
 
 MANIFEST_FILENAME = "pz_persist.json"
@@ -197,25 +198,13 @@ def check_file(directory: epath.PathLike) -> None:
 
 
 def _read_local(path: str) -> bytes:
-  """At most ``MAX_MANIFEST_BYTES + 1`` bytes of a local regular file.
+  """The bytes of a local manifest, read by `safe_io.read_small_file`.
 
-  Why the checks: a manifest that is a directory, a FIFO (whose open blocks
+  Why: a manifest that is a link, a directory, a FIFO (whose open blocks
   until someone writes) or a device (``/dev/zero`` never ends) is refused
-  before reading; the file is opened non-blocking and checked again through
-  its descriptor, so it cannot be swapped for a FIFO in between.
+  through the descriptor actually opened, so it cannot be swapped in between.
   """
-  kind = _not_a_file(os.stat(path).st_mode)
-  if kind is None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-      kind = _not_a_file(os.fstat(fd).st_mode)
-      if kind is None:
-        return f.read(MAX_MANIFEST_BYTES + 1)
-  if kind == "a directory":
-    raise errors.ManifestError(f"{path} is a directory, not a manifest file.")
-  raise errors.UnsafeCheckpointError(
-      f"{path} is {kind}, not a regular file; refusing to read it."
-  )
+  return safe_io.read_small_file(path, MAX_MANIFEST_BYTES, what="manifest")
 
 
 def _not_a_file(mode: int) -> str | None:

@@ -203,10 +203,30 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     (`pz_persist.errors.IntegrityError` names the damaged arrays).
     With ``to_host``, every array is read as a NumPy array (for checking).
 
+    Every file of ``directory`` is checked (`safety.files_unchanged`)
+    before the read and again after it: what TensorStore read is only
+    returned if no file was swapped meanwhile (for a link leading out).
+
     Returns:
       A list aligned with ``manifest.arrays``: each array as it was saved
       (kind, dtype, weak type restored), or None where not requested.
     """
+    with safety.files_unchanged(directory):
+      return self._read_arrays(
+          directory, manifest, sharding=sharding, refs=refs, verify=verify,
+          to_host=to_host,
+      )
+
+  def _read_arrays(
+      self,
+      directory: epath.Path,
+      manifest: manifest_lib.Manifest,
+      *,
+      sharding: sharding_lib.Target,
+      refs: Collection[int] | None,
+      verify: bool,
+      to_host: bool,
+  ) -> list[Any]:
     where = str(directory)
     restoring.check_loadable(manifest, where, refs)
     targets = restoring.read_targets(manifest, sharding, refs)

@@ -24,6 +24,7 @@ subclass `UnsafeCheckpointError`) naming the file or the label at fault.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -35,6 +36,9 @@ from etils import epath
 
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import file_digests
+from pz_persist import manifest as manifest_lib
+from pz_persist import safe_io
 
 MAX_ALLOCATION_BYTES: int | None = None
 """Most bytes one load may allocate for arrays in this process; None (the
@@ -45,12 +49,23 @@ straight onto devices with more memory than the host."""
 MAX_ORBAX_METADATA_BYTES = 64 * 2**20
 """Larger Orbax ``_CHECKPOINT_METADATA`` files are refused before parsing."""
 
-_KINDS = {
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-}
+MAX_ORBAX_TREE_METADATA_BYTES = 512 * 2**20
+"""Larger Orbax ``_METADATA`` / ``_sharding`` files (one entry per array, so
+larger than ``_CHECKPOINT_METADATA``, like the manifest) are refused."""
+
+
+def small_file(name: str) -> tuple[str, int] | None:
+  """``(what it is, most bytes)`` of a file named ``name`` that pz_persist or
+  Orbax reads whole; None for other files (array data, read by ranges)."""
+  if name in ("_CHECKPOINT_METADATA", "metrics"):
+    return "Orbax's metadata", MAX_ORBAX_METADATA_BYTES
+  if name in ("_METADATA", "_sharding"):
+    return "Orbax's metadata", MAX_ORBAX_TREE_METADATA_BYTES
+  if name == manifest_lib.MANIFEST_FILENAME:
+    return "manifest", manifest_lib.MAX_MANIFEST_BYTES
+  if name == file_digests.FILENAME:
+    return "file digest list", file_digests.MAX_BYTES
+  return None
 
 
 def _within(path: str, root: str) -> bool:
@@ -61,10 +76,15 @@ def _special(mode: int) -> str | None:
   """What a file that is neither a regular file nor a directory is."""
   if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
     return None
-  return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+  return safe_io.special_kind(mode)
 
 
-def check_contained(directory: epath.PathLike) -> None:
+Snapshot = tuple
+"""What `check_contained` saw: the root and every entry's identity (device,
+inode, type, ctime), to tell later whether anything was swapped."""
+
+
+def check_contained(directory: epath.PathLike) -> Snapshot | None:
   """Refuses a checkpoint whose files reach outside it or are not files.
 
   Why: loading opens the manifest and TensorStore opens every array file by
@@ -72,13 +92,25 @@ def check_contained(directory: epath.PathLike) -> None:
   the checkpoint's author chose anywhere on this machine, and a FIFO or device
   would block or never end. Symlinks that stay inside the checkpoint are
   fine, and so is ``directory`` itself being a symlink (the user chose it).
+  The small JSON files read whole (`small_file`) must also be small,
+  since Orbax reads them without a bound.
+
+  Returns:
+    A `Snapshot` of what was checked (None for a remote directory), for
+    `files_unchanged`.
 
   Raises:
     UnsafeCheckpointError: naming the offending file and where it leads.
+    ManifestError: a small JSON file is over its size limit.
   """
   if not directories.is_local(directory):
-    return
+    return None
   root = os.path.realpath(os.fspath(directory))
+  try:
+    top = os.stat(root)
+  except OSError:
+    return None  # Missing: the caller says so in its own words.
+  seen = {}
   for parent, dirs, files in os.walk(root, followlinks=False):
     for name in dirs + files:
       path = os.path.join(parent, name)
@@ -86,6 +118,7 @@ def check_contained(directory: epath.PathLike) -> None:
         info = os.lstat(path)
       except FileNotFoundError:
         continue  # Removed while we looked (a concurrent save's temporary).
+      seen[path] = (info.st_dev, info.st_ino, info.st_mode, info.st_ctime_ns)
       if stat.S_ISLNK(info.st_mode):
         target = os.path.realpath(path)
         if not _within(target, root):
@@ -102,6 +135,59 @@ def check_contained(directory: epath.PathLike) -> None:
         raise errors.UnsafeCheckpointError(
             f"{path} is {kind}, not a regular file; refusing to read it."
         )
+      small = small_file(name)
+      if small is not None and stat.S_ISREG(info.st_mode) and info.st_size > small[1]:
+        raise safe_io.too_large(path, small[0], info.st_size, small[1])
+  return (root, top.st_dev, top.st_ino, seen)
+
+
+@contextlib.contextmanager
+def files_unchanged(directory: epath.PathLike):
+  """Checks ``directory`` with `check_contained` before and after the block.
+
+  Why after as well: TensorStore (directly, or inside Orbax's restore) opens
+  the array files by path, so a file swapped for a symlink between the check
+  and its open would be read from wherever the link leads. Opening each file
+  with ``O_NOFOLLOW`` ourselves just before would not help, since TensorStore
+  opens it again, by path. So the block's result is only trusted if every
+  entry is still the very one checked (same device, inode, type and change
+  time: a swap, even a rename away and back, changes one of them); otherwise
+  nothing read is returned, and the error names the first changed entry.
+  The read itself may have touched a swapped-in file, but what it read is
+  discarded. Cheap: one ``lstat`` per file, no file is opened.
+
+  Raises:
+    UnsafeCheckpointError: something was swapped or added while reading.
+  """
+  before = check_contained(directory)
+  yield
+  after = check_contained(directory)
+  if after == before:
+    return
+  changed = "the directory itself"
+  if before is not None and after is not None and before[:3] == after[:3]:
+    changed = next(
+        (path for path in sorted(set(before[3]) | set(after[3]))
+         if before[3].get(path) != after[3].get(path)),
+        changed,
+    )
+  raise errors.UnsafeCheckpointError(
+      f"{directory}: {changed} changed while the checkpoint was being read;"
+      " refusing what was read, since a file swapped for a link may have been"
+      " read from outside the checkpoint. Load it again once nothing else"
+      " writes to it."
+  )
+
+
+def check_run_directory(directory: epath.PathLike) -> None:
+  """Refuses a run directory Orbax must not read in (see `check_contained`).
+
+  Why: an Orbax ``CheckpointManager`` reads every step's
+  ``_CHECKPOINT_METADATA`` and metrics on its own, without bounds, when it
+  opens a run directory and restores from it; this checks every file under
+  the run first. A missing directory is fine (it is created empty).
+  """
+  check_contained(directory)
 
 
 def check_checkpoint_metadata(checkpoint_dir: epath.PathLike) -> None:
@@ -116,14 +202,11 @@ def check_checkpoint_metadata(checkpoint_dir: epath.PathLike) -> None:
   if not path.exists():
     return
   try:
-    with path.open("rb") as f:
-      data = f.read(MAX_ORBAX_METADATA_BYTES + 1)
+    data = safe_io.read_small_file(
+        path, MAX_ORBAX_METADATA_BYTES, what="Orbax's checkpoint metadata"
+    )
   except OSError as e:
     raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
-  if len(data) > MAX_ORBAX_METADATA_BYTES:
-    raise errors.ManifestError(
-        f"{path}: over the {MAX_ORBAX_METADATA_BYTES}-byte limit."
-    )
   try:
     parsed = json.loads(data)
   except (ValueError, RecursionError):

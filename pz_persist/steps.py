@@ -18,6 +18,8 @@ from typing import Any
 from etils import epath
 
 from pz_persist import manifest as manifest_lib
+from pz_persist import safe_io
+from pz_persist import safety
 
 _STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
 
@@ -46,11 +48,12 @@ class StepInfo:
 
 
 def _disk_bytes(path: epath.Path) -> int:
+  """Bytes of the files under ``path``; a link counts as itself, not followed."""
   local = os.fspath(path)
   if "://" in local:
     return sum(p.stat().length for p in path.rglob("*") if p.is_file())
   return sum(
-      os.path.getsize(os.path.join(root, name))
+      os.lstat(os.path.join(root, name)).st_size
       for root, _, files in os.walk(local)
       for name in files
   )
@@ -58,16 +61,26 @@ def _disk_bytes(path: epath.Path) -> int:
 
 def _commit_time(path: epath.Path) -> int | None:
   try:
-    metadata: Any = json.loads((path / "_CHECKPOINT_METADATA").read_text())
-  except (OSError, ValueError):
+    metadata: Any = json.loads(safe_io.read_small_file(
+        path / "_CHECKPOINT_METADATA", safety.MAX_ORBAX_METADATA_BYTES,
+        what="Orbax's checkpoint metadata",
+    ))
+  except (OSError, ValueError, RecursionError):
     return None
   value = metadata.get("commit_timestamp_nsecs") if isinstance(metadata, dict) else None
   return value if isinstance(value, int) else None
 
 
 def list_steps(directory: epath.PathLike) -> list[StepInfo]:
-  """The steps in ``directory``, oldest first."""
+  """The steps in ``directory``, oldest first.
+
+  Raises:
+    UnsafeCheckpointError: a file under ``directory`` is a link leading out
+      of it, a FIFO or a device (see `safety.check_run_directory`).
+    ManifestError: an Orbax metadata file is over its size limit.
+  """
   directory = epath.Path(directory)
+  safety.check_run_directory(directory)  # Before anything is read.
   steps = []
   for child in directory.iterdir():
     match = _STEP_NAME.match(child.name)
