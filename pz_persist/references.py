@@ -77,15 +77,18 @@ def _is_private(module_name: str) -> bool:
   return any(part.startswith("_") for part in module_name.split("."))
 
 
-def _public_home(obj: Any, module_name: str, name: str, candidates) -> tuple[str, str]:
-  """A public module that exports ``obj`` under ``name``, if ``module_name``
-  is private: the name a checkpoint should use, since private modules move."""
-  if not _is_private(module_name):
-    return module_name, name
+def _public_home(
+    obj: Any, module_name: str, qualname: str, name: str, candidates
+) -> tuple[str, str]:
+  """The first public module of ``candidates`` that exports ``obj`` as
+  ``name``: the name a checkpoint should use, since private modules move
+  (``module_name``, ``qualname`` if there is none)."""
   for candidate in candidates:
-    if _own_attribute(sys.modules.get(candidate), name) is obj:
+    if not _is_private(candidate) and (
+        _own_attribute(sys.modules.get(candidate), name) is obj
+    ):
       return candidate, name
-  return module_name, name
+  return module_name, qualname
 
 
 def _public_ancestors(module_name: str) -> list[str]:
@@ -101,9 +104,13 @@ def class_reference(cls: type, *, where: str) -> Reference:
   qualname = getattr(cls, "__qualname__", None)
   if not isinstance(module_name, str) or not isinstance(qualname, str):
     raise errors.EncodingError(f"{where}: {cls!r} has no module and qualified name.")
-  if "." not in qualname:  # optax.ScaleByAdamState, not optax._src.transform...
+  if (
+      _is_private(module_name)  # optax.ScaleByAdamState, not optax._src.transform...
+      or _walk(sys.modules.get(module_name), qualname) is not cls  # jax.Array.
+  ):
     module_name, qualname = _public_home(
-        cls, module_name, qualname, _public_ancestors(module_name)
+        cls, module_name, qualname, qualname.rsplit(".", 1)[-1],
+        (module_name, *_public_ancestors(module_name)),
     )
   if not allowlist.is_allowed(module_name):
     raise errors.DisallowedModuleError(
@@ -191,9 +198,7 @@ def function_reference(fn: Callable[..., Any], *, where: str) -> Reference:
     )
   if isinstance(name, str) and _is_private(module_name):
     module_name, qualname = _public_home(
-        fn,
-        module_name,
-        name,
+        fn, module_name, qualname, name,
         (*allowlist.CALLABLE_MODULES, *_public_ancestors(module_name)),
     )
   _check_findable(fn, module_name, qualname, where)
