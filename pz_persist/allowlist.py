@@ -9,6 +9,14 @@ user allows with `allow_modules`. `pz_persist.references` applies the policy
 twice: at save time, so a checkpoint that could not be loaded safely is never
 written, and at load time *before* anything is imported, so a hostile
 checkpoint cannot make pz_persist import ``os`` or a module with side effects.
+
+An allowed module tree is not a licence to import all of it: NumPy's tree holds
+``numpy.f2py.__main__``, which runs a program when imported, and test suites
+that reset global state. So loading imports no module a checkpoint names,
+except `IMPORTABLE_MODULES` and the user's; it finds names among the modules
+already imported, and never names a private, test or entry-point module
+(`refused_part`). Functions and classes held as values are callables, with a
+narrower list still (`CALLABLE_MODULES`, `pz_persist.references`).
 """
 
 from __future__ import annotations
@@ -115,8 +123,10 @@ modules the user allows.
 _DENIED_FUNCTION_NAMES = frozenset({
     "save", "savez", "savez_compressed", "savetxt", "load", "loadtxt",
     "fromfile", "tofile", "genfromtxt", "fromregex", "memmap",
+    "set_printoptions", "printoptions",
 })  # fmt: skip
-"""File I/O that ``jax.numpy`` re-exports from NumPy: never allowed by default."""
+"""File I/O that ``jax.numpy`` re-exports from NumPy, and the setters of NumPy's
+process-wide print options: never allowed by default."""
 
 
 def is_function_allowed(module_name: str, name: str) -> bool:

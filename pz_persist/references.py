@@ -119,6 +119,7 @@ def class_reference(cls: type, *, where: str) -> Reference:
         f" checkpoint would have to import it. {allowlist.hint(module_name)}"
     )
   _check_findable(cls, module_name, qualname, where)
+  _check_nameable(module_name, qualname, where)
   return {"module": module_name, "qualname": qualname}
 
 
@@ -161,7 +162,8 @@ def class_value_reference(cls: type, *, where: str) -> Reference:
   return ref
 
 
-def _check_findable(obj: Any, module_name: str, qualname: str, where: str) -> None:
+def _check_nameable(module_name: str, qualname: str, where: str) -> None:
+  """Refuses at save time the modules loading would refuse to look in."""
   part = allowlist.refused_part(module_name)
   if part is not None:
     raise errors.DisallowedModuleError(
@@ -170,6 +172,9 @@ def _check_findable(obj: Any, module_name: str, qualname: str, where: str) -> No
         f" entry-point part such as {part!r}. Export it from a public module,"
         f" or if you trust it pass allow_modules=[{module_name!r}]."
     )
+
+
+def _check_findable(obj: Any, module_name: str, qualname: str, where: str) -> None:
   if "<" in qualname or not allowlist.DOTTED_NAME.match(qualname):
     raise errors.EncodingError(
         f"{where}: {module_name}.{qualname} cannot be found again by name (it"
@@ -209,6 +214,7 @@ def function_reference(fn: Callable[..., Any], *, where: str) -> Reference:
         f" functions of {', '.join(allowlist.CALLABLE_MODULES)} and NumPy"
         f" ufuncs are allowed by default. {allowlist.hint(module_name)}"
     )
+  _check_nameable(module_name, qualname, where)
   return {"module": module_name, "qualname": qualname}
 
 
