@@ -22,6 +22,7 @@ import enum
 import functools
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -129,8 +130,6 @@ def mlp_checkpoint(tmp_path_factory):
 
 def _forge(base, tmp_path, build) -> str:
   ckpt = tmp_path / "ckpt"
-  import shutil  # pylint: disable=g-import-not-at-top
-
   shutil.copytree(base, ckpt)
   build(ckpt, None)
   return str(ckpt)
@@ -296,6 +295,12 @@ def test_unsafe_class_values_forged_into_a_manifest_are_refused(name, mlp_checkp
           match=rf"tree\.sublayers\[1\]\.fn\S*: the class {module}\.{qualname} is held",
       ):
         load(ckpt)
+
+
+def test_setting_numpy_print_options_is_refused(ckpt):
+  """A model calling it would change the process's NumPy print options."""
+  with pytest.raises(errors.DisallowedModuleError, match=r"tree\.sublayers\[0\]\.fn: .*set_printoptions"):
+    pzp.save_model(ckpt, pz.nn.Sequential([pz.nn.Elementwise(jnp.set_printoptions)]))
 
 
 class Color(enum.Enum):
