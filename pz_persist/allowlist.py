@@ -9,6 +9,14 @@ user allows with `allow_modules`. `pz_persist.references` applies the policy
 twice: at save time, so a checkpoint that could not be loaded safely is never
 written, and at load time *before* anything is imported, so a hostile
 checkpoint cannot make pz_persist import ``os`` or a module with side effects.
+
+An allowed module tree is not a licence to import all of it: NumPy's tree holds
+``numpy.f2py.__main__``, which runs a program when imported, and test suites
+that reset global state. So loading imports no module a checkpoint names,
+except `IMPORTABLE_MODULES` and the user's; it finds names among the modules
+already imported, and never names a private, test or entry-point module
+(`refused_part`). Functions and classes held as values are callables, with a
+narrower list still (`CALLABLE_MODULES`, `pz_persist.references`).
 """
 
 from __future__ import annotations
@@ -115,8 +123,10 @@ modules the user allows.
 _DENIED_FUNCTION_NAMES = frozenset({
     "save", "savez", "savez_compressed", "savetxt", "load", "loadtxt",
     "fromfile", "tofile", "genfromtxt", "fromregex", "memmap",
+    "set_printoptions", "printoptions",
 })  # fmt: skip
-"""File I/O that ``jax.numpy`` re-exports from NumPy: never allowed by default."""
+"""File I/O that ``jax.numpy`` re-exports from NumPy, and the setters of NumPy's
+process-wide print options: never allowed by default."""
 
 
 def is_function_allowed(module_name: str, name: str) -> bool:
@@ -127,6 +137,76 @@ def is_function_allowed(module_name: str, name: str) -> bool:
       _within(module_name, CALLABLE_MODULES)
       and name.split(".")[-1] not in _DENIED_FUNCTION_NAMES
   )
+
+
+IMPORTABLE_MODULES: tuple[str, ...] = (
+    "penzai.core",
+    "penzai.nn",
+    "penzai.pz",
+    "penzai.models",
+    "penzai.toolshed.auto_nmap",
+    "penzai.toolshed.gradient_checkpointing",
+    "penzai.toolshed.isolate_submodel",
+    "penzai.toolshed.jit_wrapper",
+    "penzai.toolshed.lora",
+    "penzai.toolshed.model_rewiring",
+    "penzai.toolshed.save_intermediates",
+    "penzai.toolshed.sharding_util",
+    "optax",
+)
+"""Modules loading may import when a checkpoint names one not imported yet.
+
+Importing a module runs its code, so loading never imports a module just
+because a checkpoint names it: a reference is found in the modules already
+imported (``sys.modules``, where finding it runs nothing), in these modules,
+whose import only defines layers and optimizer states (checked by reading
+them: ``penzai.toolshed.patch_ipdb``, ``token_visualization`` and
+``unflaxify`` are left out, as they import or patch IPython and Flax), or in
+the modules the user allows. Any other module, such as an unimported part of
+JAX or NumPy (``numpy.f2py.__main__`` runs the f2py tool when imported), is
+refused: the message says to import it first, or to allow it.
+"""
+
+_UNNAMEABLE_PARTS = frozenset({"test", "tests", "testing", "conftest", "setup"})
+
+
+def _is_unnameable_part(part: str) -> bool:
+  return (
+      part.startswith("_")  # Private, and __main__ (a program, not a library).
+      or part in _UNNAMEABLE_PARTS
+      or part.startswith("test_")
+      or part.endswith(("_test", "_tests"))
+  )
+
+
+def refused_part(module_name: str) -> str | None:
+  """The part of ``module_name`` that no checkpoint may name, if any.
+
+  A checkpoint names the public modules of a library: private modules
+  (``_``-prefixed: they move between releases, and ``__main__`` modules run a
+  program when imported), test suites (``tests``, ``test_*``, ``conftest``:
+  importing one may change global state, as NumPy's reset its global random
+  generator) and ``setup`` scripts are never what a saved model refers to.
+  Parts of the module tree the user allowed by name are theirs to trust: with
+  ``allow_modules=["my_tests._helpers"]`` that module may be named, but
+  ``allow_modules=["my_project"]`` does not allow ``my_project._secret`` or
+  ``my_project.__main__``.
+
+  Returns:
+    The first refused part beyond the user's own allowance, or None.
+  """
+  parts = module_name.split(".")
+  user_trees = frozenset(_globally_allowed) | _scoped_allowed.get()
+  covered = max(
+      (len(t.split(".")) for t in user_trees if _within(module_name, (t,))),
+      default=0,
+  )
+  return next((p for p in parts[covered:] if _is_unnameable_part(p)), None)
+
+
+def may_import(module_name: str) -> bool:
+  """Whether loading may import ``module_name`` (see `IMPORTABLE_MODULES`)."""
+  return is_user_allowed(module_name) or _within(module_name, IMPORTABLE_MODULES)
 
 
 def hint(module_name: str) -> str:

@@ -185,8 +185,8 @@ class _Encoder:
       }
     if isinstance(obj, np.dtype):
       return {"t": "dtype", "name": arrays_lib.dtype_name(obj, where=where)}
-    if isinstance(obj, type):
-      return {"t": "type", "class": references.class_reference(obj, where=where)}
+    if isinstance(obj, type):  # A class as a value is a callable: checked as one.
+      return {"t": "type", "class": references.class_value_reference(obj, where=where)}
     if type(obj) is functools.partial:
       return {
           "t": "partial",
@@ -522,9 +522,7 @@ class _Decoder:
       return arrays_lib.dtype_from_name(node["name"], where=where)
     if tag == "type":
       self._expect(node, where, "class")
-      return references.resolve_class(
-          node["class"], where=where, accept=lambda _: True, kind="a class"
-      )
+      return references.resolve_class_value(node["class"], where=where)
     if tag == "function":
       self._expect(node, where, "ref")
       return references.resolve_function(node["ref"], where=where)
@@ -565,12 +563,10 @@ class _Decoder:
             f"{where}: {cls.__qualname__} has no field {name!r} (or it repeats)."
         )
       values[name] = decode(value, f"{where}.{name}")
-    try:
+    # The class's own checks may refuse the values, with any exception.
+    rebuilding = f"cannot rebuild {cls.__qualname__}"
+    with references.running_checkpoint_code(where, rebuilding):
       return cls.from_attributes(**values) if is_struct else cls(**values)
-    except Exception as e:  # The class's own checks refused the values.
-      raise errors.ManifestError(
-          f"{where}: cannot rebuild {cls.__qualname__}: {e}"
-      ) from None
 
   def _scalar(self, node: Node, where: str) -> Any:
     tag = node.get("t")
@@ -634,7 +630,9 @@ class _Decoder:
             f"{where}: {cls.__qualname__} has {len(cls._fields)} fields, the"
             f" checkpoint has {len(items)} values."
         )
-      return cls(*items)
+      rebuilding = f"cannot rebuild {cls.__qualname__}"
+      with references.running_checkpoint_code(where, rebuilding):
+        return cls(*items)
     if tag in ("dict", "ordered_dict"):
       self._expect(node, where, "items")
       out = {} if tag == "dict" else collections.OrderedDict()

@@ -550,4 +550,20 @@ CASES: list[Case] = [
          r"penzai/d/\w+ is a FIFO, not a regular file"),
     Case("item_dir_symlink_outside", item_symlink_outside, errors.UnsafeCheckpointError,
          r"ckpt/penzai is a symlink to .*outside/penzai, outside the checkpoint"),
+    # Code named by the structure: modules of allowed trees that must not be
+    # imported, and classes held as values (tests/hostile/test_code_references.py).
+    Case("class_numpy_test_module", set_class(0, "numpy.linalg.tests.test_linalg", "TestSolve"),
+         errors.DisallowedModuleError,
+         r"tree\.sublayers\[0\]: .*part 'tests' of module 'numpy\.linalg\.tests", DECODING,
+         unimported="numpy.linalg.tests"),
+    Case("class_unimported_allowed_module", set_class(0, "jax.experimental.ode", "odeint"),
+         errors.DisallowedModuleError,
+         r"tree\.sublayers\[0\]: .*'jax\.experimental\.ode' is not imported", DECODING,
+         unimported="jax.experimental.ode"),
+    Case("type_value_numpy_memmap",
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, {
+             "t": "partial", "args": [], "keywords": [],
+             "func": {"t": "type", "class": {"module": "numpy", "qualname": "memmap"}}})),
+         errors.DisallowedModuleError,
+         FN_RE + r"\.func: the class numpy\.memmap is held as a value", DECODING),
 ]
