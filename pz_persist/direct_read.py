@@ -121,7 +121,13 @@ def read(
   safety.check_stored_metadata(
       specs,
       {
-          key: types.SimpleNamespace(shape=store.shape, dtype=store.dtype.numpy_dtype)
+          key: types.SimpleNamespace(
+              shape=store.shape,
+              dtype=store.dtype.numpy_dtype,
+              storage=types.SimpleNamespace(
+                  chunk_shape=store.chunk_layout.read_chunk.shape
+              ),
+          )
           for key, store in stores.items()
       },
       where=where,

@@ -344,6 +344,36 @@ def check_stored_metadata(
           f" {spec.storage_dtype}{list(spec.shape)} by the manifest, but the"
           f" stored array is {stored_text}."
       )
+    _check_chunk_shape(spec, meta, where=where)
+
+
+def _check_chunk_shape(spec: Any, meta: Any, *, where: str) -> None:
+  """Refuses a stored chunk larger than its array.
+
+  Why: TensorStore decodes a chunk whole, allocating the chunk shape Orbax's
+  metadata declares, whatever the array's shape: a ``[4, 2]`` array whose
+  ``.zarray`` declares chunks of ``[2**20, 2**20]`` aborts the interpreter.
+  Orbax and pz_persist never write a chunk beyond the array (a dimension of
+  size 0 is stored in chunks of 1), so anything larger is forged or damaged.
+  """
+  storage = getattr(meta, "storage", None)
+  chunks = getattr(storage, "chunk_shape", None)
+  if chunks is None:
+    return
+  try:
+    chunk_shape = tuple(int(d) for d in chunks)
+  except (TypeError, ValueError):
+    chunk_shape = None
+  fits = chunk_shape is not None and len(chunk_shape) == len(spec.shape) and all(
+      0 < c <= max(d, 1) for c, d in zip(chunk_shape, spec.shape)
+  )
+  if not fits:
+    raise errors.UnsafeCheckpointError(
+        f"{where}: {spec.describe()} (key {spec.key}) is stored in chunks of"
+        f" {list(chunks)!r:.80}, which do not fit its shape {list(spec.shape)};"
+        " reading it would allocate the whole chunk. The checkpoint is"
+        " damaged or forged."
+    )
 
 
 def _dtype(dtype: Any) -> np.dtype:

@@ -179,9 +179,10 @@ def flip_middle(data: bytes) -> bytes:
   return bytes(out)
 
 
-def set_zarray_shape(shape: list[int]) -> Builder:
+def set_zarray_shape(shape: list[int], field: str = "shape") -> Builder:
   """Rewrites TensorStore's metadata of arrays[0] inside the OCDBT database:
-  Orbax's own metadata then declares ``shape`` for a file of a few bytes."""
+  Orbax's own metadata then declares ``shape`` (or, with ``field="chunks"``,
+  chunks of that shape) for a file of a few bytes."""
 
   def build(ckpt, monkeypatch):
     del monkeypatch
@@ -192,7 +193,7 @@ def set_zarray_shape(shape: list[int]) -> Builder:
     ).result()
     key = next(k for k in kv.list().result() if k.startswith(b"00000_") and k.endswith(b"/.zarray"))
     meta = json.loads(kv.read(key).result().value)
-    meta["shape"] = shape
+    meta[field] = shape
     kv.write(key, json.dumps(meta).encode()).result()
 
   return build
@@ -448,6 +449,10 @@ CASES: list[Case] = [
          errors.ManifestError,
          rf"label '{LABEL0_RE}'.* should be float32\[8, 16\] by the manifest, but the"
          r" stored array is float32\[2147483648, 2147483648\]", READING),
+    Case("huge_chunks_in_orbax_metadata", set_zarray_shape([2**20, 2**20], "chunks"),
+         errors.UnsafeCheckpointError,
+         rf"label '{LABEL0_RE}'.* is stored in chunks of \[1048576, 1048576\], which do not"
+         r" fit its shape \[8, 16\]", READING),
     Case("huge_shape_in_manifest_and_orbax_metadata",
          both(set_shape(0, [2**31, 2**31]), set_zarray_shape([2**31, 2**31])),
          errors.UnsafeCheckpointError, r"would allocate \d+ bytes",
