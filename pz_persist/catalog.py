@@ -17,6 +17,7 @@ from pz_persist import arrays as arrays_lib
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
+from pz_persist import terminal
 
 Node = dict[str, Any]
 
@@ -188,7 +189,9 @@ class ArrayRow:
 
   @property
   def axes_text(self) -> str:
-    return "(" + ", ".join("-" if a is None else str(a) for a in self.axes) + ")"
+    # Axis names come from the checkpoint: none may start a line of its own.
+    names = ("-" if a is None else str(a) for a in self.axes)
+    return "(" + ", ".join(terminal.printable(n, newlines=False) for n in names) + ")"
 
 
 def array_rows(manifest: manifest_lib.Manifest) -> list[ArrayRow]:

@@ -24,7 +24,6 @@ subclass `UnsafeCheckpointError`) naming the file or the label at fault.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Collection, Mapping
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from pz_persist import bounded_json
 from pz_persist import directories
 from pz_persist import errors
 
@@ -44,6 +44,10 @@ straight onto devices with more memory than the host."""
 
 MAX_ORBAX_METADATA_BYTES = 64 * 2**20
 """Larger Orbax ``_CHECKPOINT_METADATA`` files are refused before parsing."""
+
+MAX_ORBAX_METADATA_NODES = 2**20
+"""Most JSON values of ``_CHECKPOINT_METADATA`` (Orbax writes a few tens,
+plus the user's metrics and custom metadata)."""
 
 _KINDS = {
     stat.S_IFIFO: "a FIFO",
@@ -125,8 +129,9 @@ def check_checkpoint_metadata(checkpoint_dir: epath.PathLike) -> None:
         f"{path}: over the {MAX_ORBAX_METADATA_BYTES}-byte limit."
     )
   try:
-    parsed = json.loads(data)
-  except (ValueError, RecursionError):
+    most = bounded_json.node_limit(len(data), most=MAX_ORBAX_METADATA_NODES)
+    parsed = bounded_json.loads(data, where=str(path), max_nodes=most, max_depth=64)
+  except errors.ManifestError:
     parsed = None
   if not isinstance(parsed, dict):
     raise errors.ManifestError(

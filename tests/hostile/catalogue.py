@@ -100,10 +100,12 @@ def edit(fn: Callable[[dict], object]) -> Builder:
 
 
 def edit_array(index: int, **fields) -> Builder:
-  """Changes fields of one array entry (dropping checksums, as a forger would)."""
+  """Changes fields of one array entry (dropping checksums, and declaring
+  the manifest format 1, which has none, as a forger would)."""
 
   def fn(m):
     m["arrays"][index].pop("checksums", None)
+    m["format_version"] = 1
     m["arrays"][index].update(fields)
 
   return edit(fn)
@@ -115,6 +117,7 @@ def set_shape(index: int, shape: list) -> Builder:
 
   def fn(m):
     m["arrays"][index].pop("checksums", None)
+    m["format_version"] = 1  # Which has no checksums.
     m["arrays"][index]["shape"] = shape
     axes = m["variables"][index]["value"]["axes"]
     for pair, size in zip(axes, shape[-len(axes):]):
@@ -359,7 +362,7 @@ CASES: list[Case] = [
     Case("manifest_extra_field", edit(lambda m: m.update(code="import os")),
          errors.ManifestError, MANIFEST_RE + ": manifest fields"),
     Case("deeply_nested_json", deep_json, errors.ManifestError,
-         MANIFEST_RE + ": not valid JSON"),
+         MANIFEST_RE + ": JSON nested 200002 levels deep, over the limit"),
     # format_version.
     Case("format_version_newer", edit(lambda m: m.update(format_version=99)),
          errors.FormatVersionError, MANIFEST_RE + r" was written by .* format 99.*pip install -U"),
@@ -490,7 +493,7 @@ CASES: list[Case] = [
     Case("variable_kind_is_an_int", edit(lambda m: m["variables"][0].update(kind=1)),
          errors.ManifestError, r"penzai: variables\[0\].*(malformed|unknown variable kind)"),
     Case("deep_nesting_within_json_limits",
-         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, nested_lists(400))),
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, nested_lists(200))),
          errors.ManifestError,
          r"penzai: tree(\.sublayers\[1\]\.fn(\[0\])+)?: nesting (deeper than \d+|too deep)", DECODING),
     # Code named by the structure.
