@@ -18,9 +18,10 @@ nesting deeper than ``max_depth`` never reaches the parser.
 
 from __future__ import annotations
 
+import io
 import json
 import os
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from etils import epath
@@ -130,6 +131,19 @@ def check(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> None:
     )
 
 
+def read_limited(f: BinaryIO, limit: int) -> bytes:
+  """At most ``limit + 1`` bytes of an open file (one more says "too big").
+
+  Why not ``f.read(limit + 1)``: that allocates ``limit + 1`` bytes up front
+  (hundreds of MiB for a file of a few bytes); a local file's size is known.
+  """
+  try:
+    size = os.fstat(f.fileno()).st_size
+  except (AttributeError, OSError, io.UnsupportedOperation):
+    size = limit  # Not a local file: its reader allocates what it reads.
+  return f.read(min(size, limit) + 1)
+
+
 ORBAX_METADATA = "_METADATA"
 MAX_ORBAX_METADATA_BYTES = 256 * 2**20
 MAX_ORBAX_METADATA_NODES = 2**23
@@ -152,7 +166,7 @@ def check_orbax_metadata(directory: epath.PathLike) -> None:
     if local and not os.path.isfile(os.fspath(path)):
       return  # Missing, or not a file: check_contained / the reader say so.
     with path.open("rb") as f:
-      data = f.read(MAX_ORBAX_METADATA_BYTES + 1)
+      data = read_limited(f, MAX_ORBAX_METADATA_BYTES)
   except OSError:
     return
   if len(data) > MAX_ORBAX_METADATA_BYTES:

@@ -97,7 +97,7 @@ def check(directory: epath.Path) -> tuple[int, list[str]] | None:
   if not directories.is_local(directory) or not os.path.isfile(path):
     return None
   with open(path, "rb") as f:
-    raw = f.read(MAX_BYTES + 1)
+    raw = bounded_json.read_limited(f, MAX_BYTES)
   recorded = _parse(raw, where=path)
   problems = []
   for rel, (size, digest) in recorded.items():

@@ -202,7 +202,7 @@ def read(directory: epath.PathLike) -> Manifest:
   try:
     if "://" in os.fspath(path):
       with path.open("rb") as f:
-        data = f.read(MAX_MANIFEST_BYTES + 1)
+        data = bounded_json.read_limited(f, MAX_MANIFEST_BYTES)
     else:
       data = _read_local(os.fspath(path))
   except FileNotFoundError:
@@ -251,7 +251,7 @@ def _read_local(path: str) -> bytes:
     with os.fdopen(fd, "rb") as f:
       kind = _not_a_file(os.fstat(fd).st_mode)
       if kind is None:
-        return f.read(MAX_MANIFEST_BYTES + 1)
+        return bounded_json.read_limited(f, MAX_MANIFEST_BYTES)
   if kind == "a directory":
     raise errors.ManifestError(f"{path} is a directory, not a manifest file.")
   raise errors.UnsafeCheckpointError(
