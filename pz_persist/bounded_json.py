@@ -161,21 +161,49 @@ def check_orbax_metadata(directory: epath.PathLike) -> None:
     ManifestError: naming the file and the limit exceeded.
   """
   path = epath.Path(directory) / ORBAX_METADATA
-  local = "://" not in os.fspath(path)
+  if "://" not in os.fspath(path) and not os.path.isfile(os.fspath(path)):
+    return  # Missing, or not a file: check_contained / the reader say so.
   try:
-    if local and not os.path.isfile(os.fspath(path)):
-      return  # Missing, or not a file: check_contained / the reader say so.
-    with path.open("rb") as f:
-      data = read_limited(f, MAX_ORBAX_METADATA_BYTES)
+    data = read_file(path, max_bytes=MAX_ORBAX_METADATA_BYTES)
   except OSError:
     return
-  if len(data) > MAX_ORBAX_METADATA_BYTES:
-    raise errors.ManifestError(
-        f"{path}: over the {MAX_ORBAX_METADATA_BYTES}-byte limit; the"
-        " checkpoint is damaged or forged."
-    )
   most = node_limit(len(data), most=MAX_ORBAX_METADATA_NODES)
   check(data, where=str(path), max_nodes=most, max_depth=32)
+
+
+def read_file(path: epath.PathLike, *, max_bytes: int) -> bytes:
+  """The bytes of a (regular) file of at most ``max_bytes``.
+
+  Raises:
+    ManifestError: the file is larger, naming it.
+    OSError: it cannot be read.
+  """
+  with epath.Path(path).open("rb") as f:
+    data = read_limited(f, max_bytes)
+  if len(data) > max_bytes:
+    raise errors.ManifestError(
+        f"{path}: over the {max_bytes}-byte limit; the file is damaged or"
+        " forged (refused before reading it whole)."
+    )
+  return data
+
+
+def load_file(
+    path: epath.PathLike, *, max_bytes: int, max_nodes: int, max_depth: int
+) -> Any:
+  """Reads and parses a JSON file from a checkpoint, within every limit
+  (its size, `node_limit` of ``max_nodes``, ``max_depth``).
+
+  For any reader of a checkpoint's JSON files; the caller makes sure the
+  path is a regular file inside the checkpoint (`pz_persist.safety`).
+
+  Raises:
+    ManifestError: over a limit or not valid JSON, naming the file.
+    OSError: it cannot be read.
+  """
+  data = read_file(path, max_bytes=max_bytes)
+  most = node_limit(len(data), most=max_nodes)
+  return loads(data, where=str(path), max_nodes=most, max_depth=max_depth)
 
 
 def loads(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> Any:

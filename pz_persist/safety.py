@@ -121,7 +121,7 @@ def check_checkpoint_metadata(checkpoint_dir: epath.PathLike) -> None:
     return
   try:
     with path.open("rb") as f:
-      data = f.read(MAX_ORBAX_METADATA_BYTES + 1)
+      data = bounded_json.read_limited(f, MAX_ORBAX_METADATA_BYTES)
   except OSError as e:
     raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
   if len(data) > MAX_ORBAX_METADATA_BYTES:

@@ -180,3 +180,19 @@ def test_structure_counts_exactly_across_chunk_boundaries(monkeypatch, chunk):
 def test_duplicate_keys_are_refused():
   with pytest.raises(errors.ManifestError, match=r"f\.json: not valid JSON: duplicate"):
     bounded_json.loads(b'{"a": 1, "a": 2}', where="f.json", max_nodes=99, max_depth=9)
+
+
+def test_load_file_applies_every_limit(tmp_path):
+  path = tmp_path / "config.json"
+  path.write_bytes(b'{"a": [1, 2]}')
+  limits = dict(max_bytes=100, max_nodes=10, max_depth=2)
+  assert bounded_json.load_file(path, **limits) == {"a": [1, 2]}
+  path.write_bytes(b"[" + b" " * 200 + b"]")
+  with pytest.raises(errors.ManifestError, match="config.json: over the 100-byte limit"):
+    bounded_json.load_file(path, **limits)
+  path.write_bytes(b"[[[1]]]")
+  with pytest.raises(errors.ManifestError, match="config.json: JSON nested 3 levels"):
+    bounded_json.load_file(path, **limits)
+  path.write_bytes(b"[" + b"0," * 5000 + b"0]")
+  with pytest.raises(errors.ManifestError, match=r"config.json: 5002 JSON values"):
+    bounded_json.load_file(path, **dict(limits, max_bytes=10**6, max_nodes=100))
