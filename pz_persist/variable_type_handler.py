@@ -37,6 +37,7 @@ from orbax.checkpoint.metadata import value as value_metadata
 from penzai import pz
 
 from pz_persist import arrays as arrays_lib
+from pz_persist import bounded_json
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
@@ -132,10 +133,14 @@ class VariableTypeHandler(type_handlers.TypeHandler):
   def _read_records(self, info: type_handlers.ParamInfo) -> dict[str, Any]:
     records = {}
     for path in info.parent_dir.glob(f"{_RECORDS_PREFIX}*.json"):
-      try:
-        records.update(json.loads(path.read_text()))
-      except ValueError as e:
-        raise errors.ManifestError(f"{path}: not valid JSON: {e}") from None
+      loaded = bounded_json.load_file(
+          path, max_bytes=manifest_lib.MAX_MANIFEST_BYTES,
+          max_nodes=manifest_lib.MAX_MANIFEST_NODES,
+          max_depth=manifest_lib.MAX_JSON_DEPTH,
+      )
+      if not isinstance(loaded, dict):
+        raise errors.ManifestError(f"{path}: not a JSON object of records.")
+      records.update(loaded)
     return records
 
   async def deserialize(
@@ -154,7 +159,10 @@ class VariableTypeHandler(type_handlers.TypeHandler):
       if isinstance(record, dict) and "same_as" in record:
         name = record["same_as"]
         record = records.get(name)
-      if not isinstance(record, dict) or set(record) != {"kind", "tree", "arrays"}:
+      if (
+          not isinstance(record, dict) or set(record) != {"kind", "tree", "arrays"}
+          or not isinstance(record["arrays"], list)
+      ):
         raise errors.ManifestError(
             f"{info.parent_dir}: no valid pz_persist record for leaf {info.name!r}."
         )
