@@ -219,6 +219,16 @@ def nested_lists(depth: int) -> dict:
 # Builders that do more than edit JSON.
 
 
+def write_file(relative: str, data: bytes) -> Builder:
+  """A builder replacing a file of the checkpoint with ``data``."""
+
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    (ckpt / relative).write_bytes(data)
+
+  return build
+
+
 def manifest_missing(ckpt, monkeypatch):
   manifest_file(ckpt).unlink()
 
@@ -553,4 +563,26 @@ CASES: list[Case] = [
          r"penzai/d/\w+ is a FIFO, not a regular file"),
     Case("item_dir_symlink_outside", item_symlink_outside, errors.UnsafeCheckpointError,
          r"ckpt/penzai is a symlink to .*outside/penzai, outside the checkpoint"),
+    # JSON bombs: refused before parsing (see test_parsing.py for memory).
+    Case("manifest_node_bomb", raw(lambda b: b[:-1] + b', "x": [' + b"{}," * 300_000 + b"{}]}"),
+         errors.ManifestError, MANIFEST_RE + r": \d+ JSON values in \d+ bytes, over the limit"),
+    Case("orbax_metadata_node_bomb",
+         write_file("penzai/_METADATA", b"[" + b"[]," * 300_000 + b"[]]"),
+         errors.ManifestError, r"penzai/_METADATA: \d+ JSON values", READING),
+    Case("checkpoint_metadata_deep", write_file("_CHECKPOINT_METADATA", b"[" * 10**5),
+         errors.ManifestError, r"ckpt/_CHECKPOINT_METADATA: Orbax's checkpoint metadata is not"),
+    # Downgrades: a format that records checksums must have them, whole.
+    Case("checksums_deleted", edit(lambda m: [a.pop("checksums") for a in m["arrays"]]),
+         errors.ManifestError,
+         MANIFEST_RE + rf": arrays\[0\] \(label '{LABEL0_RE}' at tree\S*\) has no checksums"),
+    Case("checksum_slices_repeated",
+         edit(lambda m: m["arrays"][0].update(checksums=m["arrays"][0]["checksums"] * 3)),
+         errors.ManifestError,
+         MANIFEST_RE + rf": arrays\[0\] \(label '{LABEL0_RE}'\): the checksums' slices"
+         r" do not cut the array of shape \[8, 16\] into a grid"),
+    # Escape sequences where the manifest holds free text that is printed.
+    Case("writer_with_escapes", edit(lambda m: m.update(writer="pz\x1b]0;x\x07\x1b[2J")),
+         errors.ManifestError, MANIFEST_RE + r": invalid writer 'pz\\x1b\]0;x"),
+    Case("path_with_escapes", edit(lambda m: m["arrays"][1].update(path="tree\r\x1b[1A")),
+         errors.ManifestError, MANIFEST_RE + r": arrays\[1\].*: invalid path 'tree\\r"),
 ]
