@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import stat
 import uuid
 from typing import Any
@@ -132,13 +131,11 @@ def _file_problem(full: str, size: int, digest: str) -> str | None:
 
 
 def _canonical(rel: Any) -> bool:
-  """Whether ``rel`` is how `_files` names a file: relative, normalized
-  (no ``.``, ``..`` or empty parts), so no two names reach one file."""
-  return (
-      isinstance(rel, str) and bool(rel) and "\0" not in rel
-      and not rel.startswith("/") and posixpath.normpath(rel) == rel
-      and ".." not in rel.split("/")
-  )  # fmt: skip
+  """Whether ``rel`` is how `_files` names a file: relative, with no empty,
+  ``.`` or ``..`` parts, so no two names reach one file."""
+  return isinstance(rel, str) and "\0" not in rel and all(
+      part not in ("", ".", "..") for part in rel.split("/")
+  )
 
 
 def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:

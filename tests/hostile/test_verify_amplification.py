@@ -46,7 +46,8 @@ def _edit_digests(ckpt, fn) -> None:
     json.dump(data, f)
 
 
-@pytest.mark.parametrize("alias", ["./{}", "././{}", ".//{}", "{}/", "{}/.", "x/../{}"])
+@pytest.mark.parametrize("alias", ["./{}", "././{}", ".//{}", "{}/", "{}/.", "x/../{}", ".",
+                                   "/{}", "penzai/../../{}"])
 def test_non_canonical_paths_are_refused(ckpt, alias):
   # Each alias names a real file, with its true size and digest.
   _edit_digests(ckpt, lambda files: files.update({alias.format(LARGEST): files[LARGEST]}))
