@@ -10,8 +10,8 @@ or `check`, which count the values and the nesting depth *before* parsing,
 in NumPy over fixed-size chunks (~25 ns per byte, a few MiB of temporaries
 whatever the size), and refuse a file over its limits naming it.
 
-What a caller gets: parsing costs at most about 80 bytes of memory per value
-(``max_nodes``; with `node_limit`, ~20 bytes per byte of input) on top of the
+What a caller gets: parsing costs at most about 90 bytes of memory per value
+(``max_nodes``; with `node_limit`, ~23 bytes per byte of input) on top of the
 input (parsing itself takes 100-500 ns per byte); nesting deeper than
 ``max_depth`` never reaches the parser.
 """
@@ -105,8 +105,8 @@ def node_limit(size: int, *, most: int, bytes_per_node: int = 4) -> int:
 
   Why: what a file's values cost grows with how densely they are packed;
   ``[{},{},...]`` costs 25 bytes of memory per byte, real pz_persist and
-  Orbax JSON under 9. At 4 bytes per value parsing costs at most ~20 bytes
-  of memory per byte (and the real files measured spend over 6).
+  Orbax JSON under 9. At 4 bytes per value parsing costs at most ~23 bytes
+  of memory per byte (measured; the real files spend over 6 bytes per value).
   """
   return min(most, size // bytes_per_node + 4096)
 
