@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import allowlist
+from pz_persist import bounded_json
 from pz_persist import directories
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
@@ -254,7 +255,8 @@ def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
     return (directories.identity(path),)
   try:
     with manifest_lib.manifest_path(item).open("rb") as f:  # Bounded, as in read.
-      digest = hashlib.sha256(f.read(manifest_lib.MAX_MANIFEST_BYTES + 1)).digest()
+      data = bounded_json.read_limited(f, manifest_lib.MAX_MANIFEST_BYTES)
+      digest = hashlib.sha256(data).digest()
   except OSError:
     digest = None
   return directories.identity(path), directories.identity(item), digest

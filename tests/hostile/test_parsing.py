@@ -196,3 +196,11 @@ def test_load_file_applies_every_limit(tmp_path):
   path.write_bytes(b"[" + b"0," * 5000 + b"0]")
   with pytest.raises(errors.ManifestError, match=r"config.json: 5002 JSON values"):
     bounded_json.load_file(path, **dict(limits, max_bytes=10**6, max_nodes=100))
+
+
+def test_reading_small_json_files_allocates_no_size_limit(ckpt):
+  # `f.read(limit + 1)` allocates the limit (256 MiB for a manifest) up front,
+  # whatever the file's size: a tiny load must stay tiny.
+  outcome, peak = _measure("", f"pzp.load({str(ckpt)!r}); pzp.verify({str(ckpt)!r})").rsplit("|", 1)
+  assert outcome == "no error"
+  assert int(peak) < 32 * 2**20, peak
