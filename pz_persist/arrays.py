@@ -244,6 +244,8 @@ class ArraySpec:
     label = data.get("label")
     if not isinstance(weak_type, bool) or not isinstance(path, str):
       raise errors.ManifestError(f"{where}: invalid weak_type or path.")
+    if CONTROL_CHARS.search(path):
+      raise errors.ManifestError(f"{where}: invalid path {path!r:.100}.")
     if label is not None and (not isinstance(label, str) or CONTROL_CHARS.search(label)):
       raise errors.ManifestError(f"{where}: invalid label {label!r:.100}.")
     if kind == "numpy_scalar" and shape:
@@ -303,6 +305,12 @@ def _checksums_from_json(
     index, digest = entry["index"], entry[checksums_lib.ALGORITHM]
     pairs = tuple((pair[0], pair[1]) for pair in index)
     parsed.append(checksums_lib.ShardChecksum(pairs, digest))
+  if math.prod(shape) and not checksums_lib.tiles((c.index for c in parsed), shape):
+    raise errors.ManifestError(
+        f"{where}: the checksums' slices do not cut the array of shape"
+        f" {list(shape)} into a grid covering each element once (slices"
+        " missing, repeated or overlapping); the manifest is damaged or forged."
+    )
   return tuple(parsed)
 
 

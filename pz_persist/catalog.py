@@ -17,6 +17,7 @@ from pz_persist import arrays as arrays_lib
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
+from pz_persist import terminal
 
 Node = dict[str, Any]
 
@@ -49,24 +50,32 @@ class Variable:
 
 
 def children(node: Any) -> Iterator[Any]:
-  """The child nodes of a typed-JSON node that can hold arrays."""
-  if not isinstance(node, dict):
+  """The child nodes of a typed-JSON node that can hold arrays.
+
+  The JSON is the manifest's, unchecked (decoding it is what checks it):
+  anything malformed holds no children here.
+  """
+  if not isinstance(node, dict) or not isinstance(node.get("t"), str):
     return
-  tag = node.get("t")
+  tag = node["t"]
   if tag in ("list", "tuple", "namedtuple"):
-    yield from node.get("items", ())
+    yield from _list(node.get("items"))
   elif tag in ("dict", "ordered_dict"):
-    for pair in node.get("items", ()):
-      if isinstance(pair, list) and len(pair) == 2:
-        yield pair[1]
+    yield from (pair[1] for pair in _pairs(node.get("items")))
   elif tag in ("struct", "dataclass"):
-    for pair in node.get("fields", ()):
-      if isinstance(pair, list) and len(pair) == 2:
-        yield pair[1]
+    yield from (pair[1] for pair in _pairs(node.get("fields")))
   elif tag in ("named_array", "named_array_view", "prng_key"):
     yield node.get("data")
   elif tag in _VALUE_TAGS:
     yield node.get("value")
+
+
+def _list(value: Any) -> list[Any]:
+  return value if isinstance(value, list) else []
+
+
+def _pairs(value: Any) -> list[list[Any]]:
+  return [pair for pair in _list(value) if isinstance(pair, list) and len(pair) == 2]
 
 
 def walk(node: Any, depth: int = 0, where: str = "tree") -> Iterator[Node]:
@@ -131,7 +140,7 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
           " unique."
       )
   for node in walk(manifest.tree, where=f"{where}: tree"):
-    if node.get("t") in _VALUE_TAGS:
+    if isinstance(node.get("t"), str) and node["t"] in _VALUE_TAGS:
       add(_VALUE_TAGS[node["t"]], node, f"{where}: tree")
   return list(found.values())
 
@@ -188,7 +197,9 @@ class ArrayRow:
 
   @property
   def axes_text(self) -> str:
-    return "(" + ", ".join("-" if a is None else str(a) for a in self.axes) + ")"
+    # Axis names come from the checkpoint: none may start a line of its own.
+    names = ("-" if a is None else str(a) for a in self.axes)
+    return "(" + ", ".join(terminal.printable(n, newlines=False) for n in names) + ")"
 
 
 def array_rows(manifest: manifest_lib.Manifest) -> list[ArrayRow]:

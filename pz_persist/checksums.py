@@ -73,6 +73,32 @@ def full_index(shape: tuple[int, ...]) -> Index:
   return tuple((0, int(n)) for n in shape)
 
 
+def tiles(indices: Iterable[Index], shape: tuple[int, ...]) -> bool:
+  """Whether ``indices`` cut an array of ``shape`` into a grid of slices,
+  each element in exactly one slice (how every sharding stores an array).
+
+  Why it matters: recorded checksums come from the checkpoint. Slices that
+  leave part of an array out leave that part unchecked (deleting all but one
+  is a downgrade that hides damage); slices that repeat or overlap make a
+  reader hash the same bytes again, up to millions of times. A grid is what
+  `compute` records: per dimension, a partition of ``range(n)``.
+  """
+  indices = list(indices)
+  distinct = set(indices)
+  if len(distinct) != len(indices):
+    return False
+  parts = 1
+  for dim, n in enumerate(shape):
+    bounds = sorted({index[dim] for index in distinct})
+    edges = [0] + [stop for _, stop in bounds]
+    if [start for start, _ in bounds] != edges[:-1] or edges[-1] != n:
+      return False
+    if n and any(start >= stop for start, stop in bounds):
+      return False
+    parts *= len(bounds)
+  return parts == len(distinct)
+
+
 def _as_index(slices: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
   return tuple(
       (s.indices(n)[0], s.indices(n)[1]) for s, n in zip(slices, shape)

@@ -12,19 +12,32 @@ import argparse
 import datetime
 import os
 import sys
+from typing import TextIO
 
 from pz_persist import diffing
 from pz_persist import errors
 from pz_persist import steps
+from pz_persist import terminal
 from pz_persist import verifying
 from pz_persist import viewing
 
 
+def _print(text: str = "", *, file: TextIO | None = None) -> None:
+  """Prints ``text`` with every escape sequence neutralized (the one place
+  this command prints: much of what it shows comes from the checkpoint)."""
+  print(terminal.printable(text), file=file or sys.stdout)
+
+
+def _one_line(text: str) -> str:
+  """A value from the checkpoint that must not start a line of its own."""
+  return terminal.printable(text, newlines=False)
+
+
 def _inspect(args: argparse.Namespace) -> int:
-  print(viewing.describe_checkpoint(args.path))
+  _print(viewing.describe_checkpoint(args.path))
   if args.html:
     out = viewing.render_html(args.path, args.html, arrays=args.arrays)
-    print(f"\nwrote {out}")
+    _print(f"\nwrote {out}")
   return 0
 
 
@@ -42,21 +55,21 @@ def _diff(args: argparse.Namespace) -> int:
   ]
   for title, lines in sections:
     if lines:
-      print(f"{title}:")
-      print("\n".join(f"  {line}" for line in lines))
+      _print(f"{title}:")
+      _print("\n".join(f"  {_one_line(line)}" for line in lines))
   shown = [a for a in result.arrays if args.all or not a.identical]
   if shown:
-    print(viewing.format_table(
+    _print(viewing.format_table(
         ["array", "identical", "max |A-B|", "|A-B|", "|A-B|/|B|"],
-        [[a.name, "yes" if a.identical else "no", _number(a.max_abs), _number(a.l2),
+        [[_one_line(a.name), "yes" if a.identical else "no", _number(a.max_abs), _number(a.l2),
           _number(a.relative_l2)] for a in shown],
         right=("max |A-B|", "|A-B|", "|A-B|/|B|"),
     ))
   differing = sum(not a.identical for a in result.arrays)
   if result.identical:
-    print(f"identical: {len(result.arrays)} array(s) compared")
+    _print(f"identical: {len(result.arrays)} array(s) compared")
     return 0
-  print(f"{differing} of {len(result.arrays)} compared array(s) differ")
+  _print(f"{differing} of {len(result.arrays)} compared array(s) differ")
   return 1
 
 
@@ -64,7 +77,7 @@ def _verify(args: argparse.Namespace) -> int:
   damaged = 0
   for path in args.paths:
     report = verifying.verify(path)
-    print(report)
+    _print(str(report))
     damaged += not report.ok
   return 1 if damaged else 0
 
@@ -72,7 +85,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _ls(args: argparse.Namespace) -> int:
   found = steps.list_steps(args.directory)
   if not found:
-    print(f"no steps in {args.directory}")
+    _print(f"no steps in {args.directory}")
     return 0
   rows = []
   for info in found:
@@ -82,13 +95,14 @@ def _ls(args: argparse.Namespace) -> int:
           info.commit_time_ns / 1e9, datetime.timezone.utc
       ).strftime("%Y-%m-%d %H:%M:%S UTC")
     items = ", ".join(
-        name + ("*" if name in info.penzai_items else "") for name in info.items
+        _one_line(name) + ("*" if name in info.penzai_items else "")
+        for name in info.items
     )
     rows.append([str(info.step), "yes" if info.committed else "no (partial)",
                  items or "-", viewing.size_text(info.nbytes), when])
-  print(viewing.format_table(["step", "committed", "items", "size", "committed at"],
-                             rows, right=("step", "size")))
-  print("\n* items written by pz_persist")
+  _print(viewing.format_table(["step", "committed", "items", "size", "committed at"],
+                              rows, right=("step", "size")))
+  _print("\n* items written by pz_persist")
   return 0
 
 
@@ -125,7 +139,7 @@ def _convert(args: argparse.Namespace) -> int:
             disable=args.quiet) as bar:
     model_lib.save_model(args.dst, model, overwrite=args.overwrite)
     bar.update(1)
-  print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
+  _print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
   return 0
 
 
@@ -263,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     return args.run(args)
   except (errors.PzPersistError, FileNotFoundError, NotADirectoryError) as e:
-    print(f"pz-persist: error: {e}", file=sys.stderr)
+    _print(f"pz-persist: error: {e}", file=sys.stderr)
     return 2
   except BrokenPipeError:  # Output piped into `head` and cut short: fine.
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -98,16 +99,17 @@ class _StructureDiff:
       return json.dumps(node)[:60]
     tag = node.get("t")
     if tag in ("struct", "dataclass", "namedtuple", "enum", "type"):
-      name = str(node.get("class", {}).get("qualname", "?"))
+      name = str(_dict(node.get("class")).get("qualname", "?"))
       return f"{name}.{node.get('name')}" if tag == "enum" else name
     if tag == "function":
-      ref = node.get("ref", {})
+      ref = _dict(node.get("ref"))
       return f"{ref.get('module')}.{ref.get('qualname')}"
     if tag == "array":
-      return _shape_text(self._manifests[side].arrays[node["ref"]])
+      spec = _entry(self._manifests[side].arrays, node.get("ref"))
+      return _shape_text(spec) if spec is not None else "invalid array reference"
     if "v" in node:
       return json.dumps(node["v"])[:60]
-    if "items" in node:
+    if isinstance(node.get("items"), list):
       return f"{tag} of {len(node['items'])}"
     return str(tag)
 
@@ -116,16 +118,25 @@ class _StructureDiff:
       self.found.append(f"{path}: {self._describe(a, 0)} != {self._describe(b, 1)}")
 
   def compare(self, a: Any, b: Any, path: str) -> None:
+    """Records where ``a`` and ``b`` differ. The manifests' JSON is
+    unchecked (only decoding checks it), so anything malformed is compared
+    as a plain value."""
     if len(self.found) >= self._limit:
       return
     if _tag(a) == _tag(b) == "variable":  # Compare the referenced entries.
-      a, b = (m.variables[n["ref"]] for m, n in zip(self._manifests, (a, b)))
-    elif _tag(a) != _tag(b) or self._describe(a, 0) != self._describe(b, 1):
+      entries = [_entry(m.variables, n.get("ref")) for m, n in zip(self._manifests, (a, b))]
+      if None not in entries:
+        a, b = entries
+    if not isinstance(a, dict) or not isinstance(b, dict):
+      if a != b:
+        self._differ(a, b, path)
+      return
+    if _tag(a) != _tag(b) or self._describe(a, 0) != self._describe(b, 1):
       self._differ(a, b, path)  # Different class, value, shape or length.
       return
-    if "fields" in a:
+    if "fields" in a and _pairs(a["fields"]) is not None and _pairs(b.get("fields")) is not None:
       self._compare_fields(a, b, path)
-    elif "items" in a:
+    elif isinstance(a.get("items"), list) and isinstance(b.get("items"), list):
       self._compare_items(a, b, path)
     else:  # Axes, labels, metadata, values: compare what remains, key by key.
       for key in sorted(set(a) | set(b)):
@@ -137,7 +148,7 @@ class _StructureDiff:
           return
 
   def _compare_fields(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
-    fields = [dict(map(tuple, node["fields"])) for node in (a, b)]
+    fields = [_pairs(node["fields"]) for node in (a, b)]
     for name in dict.fromkeys([*fields[0], *fields[1]]):
       if name not in fields[0] or name not in fields[1]:
         self.found.append(f"{path}.{name}: only in {'A' if name in fields[0] else 'B'}")
@@ -145,13 +156,38 @@ class _StructureDiff:
         self.compare(fields[0][name], fields[1][name], f"{path}.{name}")
 
   def _compare_items(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
+    keyed = _tag(a) in ("dict", "ordered_dict")
     for index, (x, y) in enumerate(zip(a["items"], b["items"])):
-      if _tag(a) not in ("dict", "ordered_dict"):
+      if not keyed:
         self.compare(x, y, f"{path}[{index}]")
+      elif not _is_pair(x) or not _is_pair(y):
+        self.compare(x, y, f"{path} item {index}")
       elif x[0] != y[0]:
         self._differ(x[0], y[0], f"{path} key {index}")
       else:
         self.compare(x[1], y[1], f"{path}[{self._describe(x[0], 0)}]")
+
+
+def _dict(value: Any) -> dict[str, Any]:
+  return value if isinstance(value, dict) else {}
+
+
+def _entry(entries: Sequence[Any], ref: Any) -> Any:
+  """``entries[ref]`` if ``ref`` is a valid index, else None."""
+  return entries[ref] if type(ref) is int and 0 <= ref < len(entries) else None
+
+
+def _is_pair(value: Any) -> bool:
+  return isinstance(value, list) and len(value) == 2
+
+
+def _pairs(value: Any) -> dict[str, Any] | None:
+  """A struct's ``fields`` as ``{name: node}``, or None if malformed."""
+  if not isinstance(value, list) or not all(
+      _is_pair(pair) and isinstance(pair[0], str) for pair in value
+  ):
+    return None
+  return dict(map(tuple, value))
 
 
 def _tag(node: Any) -> str | None:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import uuid
 from typing import Any
 
 from etils import epath
 
+from pz_persist import bounded_json
 from pz_persist import checksums
 from pz_persist import directories
 from pz_persist import errors
@@ -33,7 +35,14 @@ FILENAME = "pz_persist.files.json"
 MAX_BYTES = 64 * 2**20
 """Larger digest files are refused before parsing."""
 
+MAX_NODES = 2**22
+"""Most JSON values a digest file may hold: 4 per file, so a million files
+(a checkpoint without OCDBT has a few per array). A real list spends over
+16 bytes per value (a path and a digest per file), so at most one value per
+8 bytes is allowed (see `pz_persist.bounded_json.node_limit`)."""
+
 _FORMAT = "pz_persist.files"
+_ORBAX_MARKER = "commit_success.txt"  # Written after the list, holds no data.
 
 
 def _files(directory: str) -> list[str]:
@@ -71,55 +80,86 @@ def write(directory: epath.Path) -> None:
 
 
 def check(directory: epath.Path) -> tuple[int, list[str]] | None:
-  """Compares every recorded file with its digest.
+  """Compares the item's files with the recorded list, each with its digest.
+
+  The recorded files must be exactly those on disk: a file missing, added,
+  resized, changed or no longer a regular file is a problem. Each file is
+  hashed at most once (the list names each by one canonical path).
 
   Returns:
-    ``(files checked, problems)``, one problem line per missing, resized or
-    changed file; None if the item has no digest file (written by an older
-    pz_persist, or on a remote store).
+    ``(files checked, problems)``, one problem line per missing, added,
+    resized or changed file; None if the item has no digest file (written by
+    an older pz_persist, or on a remote store).
   """
   root = os.fspath(directory)
   path = os.path.join(root, FILENAME)
   if not directories.is_local(directory) or not os.path.isfile(path):
     return None
   with open(path, "rb") as f:
-    raw = f.read(MAX_BYTES + 1)
+    raw = bounded_json.read_limited(f, MAX_BYTES)
   recorded = _parse(raw, where=path)
   problems = []
   for rel, (size, digest) in recorded.items():
     full = os.path.join(root, rel)
-    if not os.path.isfile(full):
-      problems.append(f"{full}: missing")
-    elif os.path.getsize(full) != size:
-      problems.append(f"{full}: {os.path.getsize(full)} bytes, {size} when saved")
-    elif checksums.file_digest(full) != digest:
-      problems.append(f"{full}: contents changed since it was saved")
+    problem = _file_problem(full, size, digest)
+    if problem:
+      problems.append(f"{full}: {problem}")
+  problems += [
+      f"{os.path.join(root, rel)}: not recorded when the checkpoint was saved"
+      for rel in _files(root) if rel not in recorded and rel != _ORBAX_MARKER
+  ]  # fmt: skip
   return len(recorded), problems
+
+
+def _file_problem(full: str, size: int, digest: str) -> str | None:
+  """What is wrong with one recorded file, or None if it is intact.
+
+  Never opens anything but a regular file: a FIFO would block, a device
+  never end, and a symlink could lead anywhere (pz_persist writes neither).
+  """
+  try:
+    info = os.lstat(full)
+  except OSError:
+    return "missing"
+  if not stat.S_ISREG(info.st_mode):
+    return "missing" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+  if info.st_size != size:
+    return f"{info.st_size} bytes, {size} when saved"
+  if checksums.file_digest(full) != digest:
+    return "contents changed since it was saved"
+  return None
+
+
+def _canonical(rel: Any) -> bool:
+  """Whether ``rel`` is how `_files` names a file: relative, with no empty,
+  ``.`` or ``..`` parts, so no two names reach one file."""
+  return isinstance(rel, str) and "\0" not in rel and all(
+      part not in ("", ".", "..") for part in rel.split("/")
+  )
 
 
 def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:
   """Parses and validates a digest file; any flaw is a `ManifestError`."""
   if len(raw) > MAX_BYTES:
     raise errors.ManifestError(f"{where}: over the {MAX_BYTES}-byte limit.")
-  try:
-    data: Any = json.loads(raw)
-  except (ValueError, RecursionError) as e:
-    raise errors.ManifestError(f"{where}: not valid JSON: {e}") from None
+  most = bounded_json.node_limit(len(raw), most=MAX_NODES, bytes_per_node=8)
+  data = bounded_json.loads(raw, where=where, max_nodes=most, max_depth=4)
   if (
       not isinstance(data, dict)
-      or data.get("format") != _FORMAT
-      or data.get("algorithm") != checksums.ALGORITHM
-      or not isinstance(data.get("files"), dict)
+      or set(data) != {"format", "algorithm", "files"}
+      or data["format"] != _FORMAT
+      or data["algorithm"] != checksums.ALGORITHM
+      or not isinstance(data["files"], dict)
   ):
     raise errors.ManifestError(f"{where}: not a pz_persist file digest list.")
   files = {}
   for rel, entry in data["files"].items():
-    parts = rel.split("/")
     if (
-        not rel or rel.startswith("/") or ".." in parts or "\0" in rel
+        not _canonical(rel) or rel == FILENAME
         or not isinstance(entry, list) or len(entry) != 2
-        or type(entry[0]) is not int or not isinstance(entry[1], str)
+        or type(entry[0]) is not int or entry[0] < 0
+        or not isinstance(entry[1], str)
     ):  # fmt: skip
-      raise errors.ManifestError(f"{where}: invalid entry for {rel!r}.")
+      raise errors.ManifestError(f"{where}: invalid entry for {rel!r:.200}.")
     files[rel] = (entry[0], entry[1])
   return files

@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import batching
+from pz_persist import bounded_json
 from pz_persist import checksums
 from pz_persist import direct_read
 from pz_persist import directories
@@ -240,6 +241,8 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     # arrays Orbax stored differently from what the manifest promises.
     wanted = [spec for spec in manifest.arrays if spec.key in targets]
     safety.check_allocation(wanted, sizes, where=where)
+    if wanted:  # Before Orbax or a direct read parses it, with no limits.
+      bounded_json.check_orbax_metadata(directory)
     if wanted and self._direct and direct_read.applies(targets):
       try:
         stored = direct_read.read(

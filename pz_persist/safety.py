@@ -25,7 +25,6 @@ subclass `UnsafeCheckpointError`) naming the file or the label at fault.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 from collections.abc import Collection, Mapping
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from pz_persist import bounded_json
 from pz_persist import directories
 from pz_persist import errors
 from pz_persist import file_digests
@@ -49,7 +49,7 @@ straight onto devices with more memory than the host."""
 MAX_ORBAX_METADATA_BYTES = 64 * 2**20
 """Larger Orbax ``_CHECKPOINT_METADATA`` files are refused before parsing."""
 
-MAX_ORBAX_TREE_METADATA_BYTES = 512 * 2**20
+MAX_ORBAX_TREE_METADATA_BYTES = bounded_json.MAX_ORBAX_METADATA_BYTES
 """Larger Orbax ``_METADATA`` / ``_sharding`` files (one entry per array, so
 larger than ``_CHECKPOINT_METADATA``, like the manifest) are refused."""
 
@@ -66,6 +66,10 @@ def small_file(name: str) -> tuple[str, int] | None:
   if name == file_digests.FILENAME:
     return "file digest list", file_digests.MAX_BYTES
   return None
+
+MAX_ORBAX_METADATA_NODES = 2**20
+"""Most JSON values of ``_CHECKPOINT_METADATA`` (Orbax writes a few tens,
+plus the user's metrics and custom metadata)."""
 
 
 def _within(path: str, root: str) -> bool:
@@ -208,8 +212,9 @@ def check_checkpoint_metadata(checkpoint_dir: epath.PathLike) -> None:
   except OSError as e:
     raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
   try:
-    parsed = json.loads(data)
-  except (ValueError, RecursionError):
+    most = bounded_json.node_limit(len(data), most=MAX_ORBAX_METADATA_NODES)
+    parsed = bounded_json.loads(data, where=str(path), max_nodes=most, max_depth=64)
+  except errors.ManifestError:
     parsed = None
   if not isinstance(parsed, dict):
     raise errors.ManifestError(

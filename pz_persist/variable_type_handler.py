@@ -35,10 +35,8 @@ until every array has been read and checked. (``StandardCheckpointHandler`` refu
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
-import stat
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,6 +49,7 @@ from orbax.checkpoint.metadata import value as value_metadata
 from penzai import pz
 
 from pz_persist import arrays as arrays_lib
+from pz_persist import bounded_json
 from pz_persist import checksums
 from pz_persist import directories
 from pz_persist import encoding
@@ -58,6 +57,7 @@ from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import restoring
+from pz_persist import safe_io
 from pz_persist import safety
 from pz_persist import sharding as sharding_lib
 
@@ -319,46 +319,25 @@ def _read_records(directory: epath.Path) -> dict[str, tuple[str, Any]]:
 
 
 def _read_bounded(path: epath.Path) -> bytes:
-  """At most ``MAX_MANIFEST_BYTES + 1`` bytes of a regular file.
-
-  Why the flags: a record that is a symlink (``O_NOFOLLOW``; pz_persist never
-  writes one), a FIFO (whose open would block; ``O_NONBLOCK``) or a device
-  (``/dev/zero`` never ends) is refused through the descriptor opened, so it
-  cannot be swapped in between a check and the read.
-  """
-  limit = manifest_lib.MAX_MANIFEST_BYTES
-  if not directories.is_local(path):
-    with path.open("rb") as f:
-      return f.read(limit + 1)
-  flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+  """A records file, read by `safe_io.read_small_file` (no link followed, no
+  FIFO or device opened, at most ``MAX_MANIFEST_BYTES``)."""
   try:
-    fd = os.open(os.fspath(path), flags)
-  except OSError as e:
-    if e.errno == errno.ELOOP:
-      raise errors.UnsafeCheckpointError(
-          f"{path} is a symlink; pz_persist never writes one, refusing to read it."
-      ) from None
-    raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
-  mode = os.fstat(fd).st_mode
-  if not stat.S_ISREG(mode):
-    os.close(fd)
-    kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO or device"
-    raise errors.UnsafeCheckpointError(
-        f"{path} is {kind}, not a regular file; refusing to read it."
+    return safe_io.read_small_file(
+        path, manifest_lib.MAX_MANIFEST_BYTES, what="pz_persist variable record"
     )
-  with os.fdopen(fd, "rb") as f:
-    return f.read(limit + 1)
+  except OSError as e:
+    raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
 
 
 def _parse_records(data: bytes, *, where: str) -> dict[str, Any]:
-  """Parses one records file strictly: ``{leaf name: record}``."""
-  limit = manifest_lib.MAX_MANIFEST_BYTES
-  if len(data) > limit:
-    raise errors.ManifestError(f"{where}: over the {limit}-byte limit.")
-  try:
-    parsed = json.loads(data, parse_constant=_refuse_constant)
-  except (ValueError, RecursionError) as e:
-    raise errors.ManifestError(f"{where}: not valid JSON: {e}") from None
+  """Parses one records file strictly: ``{leaf name: record}``, with the
+  manifest's bounds on values and nesting (`bounded_json`)."""
+  parsed = bounded_json.loads(
+      data,
+      where=where,
+      max_nodes=bounded_json.node_limit(len(data), most=manifest_lib.MAX_MANIFEST_NODES),
+      max_depth=manifest_lib.MAX_JSON_DEPTH,
+  )
   if not isinstance(parsed, dict):
     raise errors.ManifestError(f"{where}: not a pz_persist variable record file.")
   for name, record in parsed.items():
@@ -369,10 +348,6 @@ def _parse_records(data: bytes, *, where: str) -> dict[str, Any]:
           f" one of {sorted(_KINDS)}."
       )
   return parsed
-
-
-def _refuse_constant(name: str) -> Any:
-  raise ValueError(f"non-standard JSON constant {name}")
 
 
 def _valid_record(record: Any) -> bool:

@@ -24,6 +24,7 @@ from pz_persist import errors
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
+from pz_persist import terminal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +63,21 @@ class VerifyReport:
     )  # fmt: skip
     head = f"{self.path}: {self.arrays_checked} arrays, {files} checked"
     lines = [head + (": OK" if self.ok else f": {len(self.damaged)} DAMAGED")]
-    lines += [f"  damaged: {line}" for line in self.damaged]
+    # One line per damage, whatever names it holds (file names on disk,
+    # paths from the manifest): none can forge a line of its own.
+    lines += [f"  damaged: {_one_line(line)}" for line in self.damaged]
     if self.unverified:
       lines.append(
           f"  {len(self.unverified)} array(s) have no checksums (saved before"
-          " pz_persist recorded them): " + ", ".join(self.unverified[:5])
+          " pz_persist recorded them): "
+          + ", ".join(_one_line(name) for name in self.unverified[:5])
           + (" ..." if len(self.unverified) > 5 else "")
       )
     return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+  return terminal.printable(text, newlines=False)
 
 
 def verify(
@@ -96,7 +104,11 @@ def verify(
   """
   item = checkpoint.find_item(path)
   damaged: list[str] = []
-  files = file_digests.check(item)
+  try:
+    files = file_digests.check(item)
+  except errors.ManifestError as e:  # A forged or damaged digest list.
+    damaged.append(str(e))
+    files = (0, [])
   files_checked = files[0] if files is not None else None
   if files is not None:
     damaged += files[1]

@@ -139,8 +139,10 @@ def test_newer_format_version_says_upgrade(ckpt):
 
 def test_manifest_disagreeing_with_arrays_is_reported(ckpt):
   pzp.save(ckpt, {"w": pz.nx.wrap(jnp.ones((2, 3)), "a", "b")})
-  # Edited consistently (checksums dropped), so only the stored array disagrees.
-  _edit_manifest(ckpt, lambda m: m["arrays"][0].update(shape=[3, 2], checksums=None))
+  # Edited consistently (checksums dropped, so the manifest declares format 1,
+  # which has none), so only the stored array disagrees.
+  _edit_manifest(ckpt, lambda m: (
+      m["arrays"][0].update(shape=[3, 2], checksums=None), m.update(format_version=1)))
   with pytest.raises(errors.ManifestError, match=r"\['w'\].*float32\[3, 2\].*float32\[2, 3\]"):
     pzp.load(ckpt)
 

@@ -100,10 +100,12 @@ def edit(fn: Callable[[dict], object]) -> Builder:
 
 
 def edit_array(index: int, **fields) -> Builder:
-  """Changes fields of one array entry (dropping checksums, as a forger would)."""
+  """Changes fields of one array entry (dropping checksums, and declaring
+  the manifest format 1, which has none, as a forger would)."""
 
   def fn(m):
     m["arrays"][index].pop("checksums", None)
+    m["format_version"] = 1
     m["arrays"][index].update(fields)
 
   return edit(fn)
@@ -115,6 +117,7 @@ def set_shape(index: int, shape: list) -> Builder:
 
   def fn(m):
     m["arrays"][index].pop("checksums", None)
+    m["format_version"] = 1  # Which has no checksums.
     m["arrays"][index]["shape"] = shape
     axes = m["variables"][index]["value"]["axes"]
     for pair, size in zip(axes, shape[-len(axes):]):
@@ -215,6 +218,16 @@ def nested_lists(depth: int) -> dict:
 
 
 # Builders that do more than edit JSON.
+
+
+def write_file(relative: str, data: bytes) -> Builder:
+  """A builder replacing a file of the checkpoint with ``data``."""
+
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    (ckpt / relative).write_bytes(data)
+
+  return build
 
 
 def manifest_missing(ckpt, monkeypatch):
@@ -360,7 +373,7 @@ CASES: list[Case] = [
     Case("manifest_extra_field", edit(lambda m: m.update(code="import os")),
          errors.ManifestError, MANIFEST_RE + ": manifest fields"),
     Case("deeply_nested_json", deep_json, errors.ManifestError,
-         MANIFEST_RE + ": not valid JSON"),
+         MANIFEST_RE + ": JSON nested 200002 levels deep, over the limit"),
     # format_version.
     Case("format_version_newer", edit(lambda m: m.update(format_version=99)),
          errors.FormatVersionError, MANIFEST_RE + r" was written by .* format 99.*pip install -U"),
@@ -495,7 +508,7 @@ CASES: list[Case] = [
     Case("variable_kind_is_an_int", edit(lambda m: m["variables"][0].update(kind=1)),
          errors.ManifestError, r"penzai: variables\[0\].*(malformed|unknown variable kind)"),
     Case("deep_nesting_within_json_limits",
-         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, nested_lists(400))),
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, nested_lists(200))),
          errors.ManifestError,
          r"penzai: tree(\.sublayers\[1\]\.fn(\[0\])+)?: nesting (deeper than \d+|too deep)", DECODING),
     # Code named by the structure.
@@ -571,4 +584,26 @@ CASES: list[Case] = [
              "func": {"t": "type", "class": {"module": "numpy", "qualname": "memmap"}}})),
          errors.DisallowedModuleError,
          FN_RE + r"\.func: the class numpy\.memmap is held as a value", DECODING),
+    # JSON bombs: refused before parsing (see test_parsing.py for memory).
+    Case("manifest_node_bomb", raw(lambda b: b[:-1] + b', "x": [' + b"{}," * 300_000 + b"{}]}"),
+         errors.ManifestError, MANIFEST_RE + r": \d+ JSON values in \d+ bytes, over the limit"),
+    Case("orbax_metadata_node_bomb",
+         write_file("penzai/_METADATA", b"[" + b"[]," * 300_000 + b"[]]"),
+         errors.ManifestError, r"penzai/_METADATA: \d+ JSON values", READING),
+    Case("checkpoint_metadata_deep", write_file("_CHECKPOINT_METADATA", b"[" * 10**5),
+         errors.ManifestError, r"ckpt/_CHECKPOINT_METADATA: Orbax's checkpoint metadata is not"),
+    # Downgrades: a format that records checksums must have them, whole.
+    Case("checksums_deleted", edit(lambda m: [a.pop("checksums") for a in m["arrays"]]),
+         errors.ManifestError,
+         MANIFEST_RE + rf": arrays\[0\] \(label '{LABEL0_RE}' at tree\S*\) has no checksums"),
+    Case("checksum_slices_repeated",
+         edit(lambda m: m["arrays"][0].update(checksums=m["arrays"][0]["checksums"] * 3)),
+         errors.ManifestError,
+         MANIFEST_RE + rf": arrays\[0\] \(label '{LABEL0_RE}'\): the checksums' slices"
+         r" do not cut the array of shape \[8, 16\] into a grid"),
+    # Escape sequences where the manifest holds free text that is printed.
+    Case("writer_with_escapes", edit(lambda m: m.update(writer="pz\x1b]0;x\x07\x1b[2J")),
+         errors.ManifestError, MANIFEST_RE + r": invalid writer 'pz\\x1b\]0;x"),
+    Case("path_with_escapes", edit(lambda m: m["arrays"][1].update(path="tree\r\x1b[1A")),
+         errors.ManifestError, MANIFEST_RE + r": arrays\[1\].*: invalid path 'tree\\r"),
 ]

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from penzai import pz
 
 import model_zoo
+from pz_persist import catalog
+from pz_persist import diffing
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
@@ -63,12 +65,24 @@ def _valid_manifests() -> tuple[bytes, ...]:
 
 
 def _check(data: bytes) -> None:
-  """Parse and decode ``data``; only pz_persist errors may escape."""
+  """Parse and decode ``data``, and read it as ``pz-persist inspect`` and
+  ``diff`` do; only pz_persist errors may escape."""
   try:
     manifest = manifest_lib.Manifest.loads(data, where=WHERE)
-    restoring.abstract_tree(manifest, where=WHERE)
   except errors.PzPersistError:
-    pass
+    return
+  valid = manifest_lib.Manifest.loads(_valid_manifests()[0], where=WHERE)
+  for use in (
+      lambda: restoring.abstract_tree(manifest, where=WHERE),
+      lambda: [row.axes_text for row in catalog.array_rows(manifest)],
+      lambda: catalog.variables(manifest, where=WHERE),
+      lambda: diffing.structure_differences(manifest, valid),
+      lambda: diffing.structure_differences(valid, manifest),
+  ):
+    try:
+      use()
+    except errors.PzPersistError:
+      pass
 
 
 def test_valid_manifests_decode():
@@ -180,3 +194,22 @@ def test_deep_nesting(depth, opener):
   start = text.index('"tree": ') + len('"tree": ')
   end = text.index(', "variables": ')
   _check((text[:start] + nested + text[end:]).encode())
+
+
+_CONFUSIONS = (None, True, 0, -1, 2**64, 1.5, "", "x", [], {}, [[]], {"t": "list"})
+"""A value of every JSON type, and the shapes most often mistaken for others."""
+
+
+def test_every_field_confused_with_every_type():
+  # Deterministic and exhaustive: each field of each valid manifest, in
+  # turn, replaced by each value of `_CONFUSIONS`.
+  for base in _valid_manifests():
+    raw = json.loads(base)
+    for path in [p for p in _paths(raw) if p]:
+      for value in _CONFUSIONS:
+        mutated = json.loads(base)
+        parent = _parent(mutated, path)
+        if parent[path[-1]] == value:
+          continue
+        parent[path[-1]] = value
+        _check(json.dumps(mutated).encode())
