@@ -25,8 +25,11 @@ inside it, or any Orbax checkpoint directory with exactly one pz_persist item
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
+import threading
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -39,6 +42,7 @@ from etils import epath
 from pz_persist import allowlist
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import leftovers
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import restoring
@@ -115,24 +119,29 @@ def save(
   primary = ocp.multihost.is_primary_host(0)
   if primary:
     path.parent.mkdir(parents=True, exist_ok=True)
+    leftovers.remove_dead(path)  # Of earlier saves of ``path`` that died.
   # Always written whole under a name of its own, never at ``path`` directly:
   # Orbax's temporary name (``path.orbax-checkpoint-tmp``) would be shared by
   # two saves of ``path``, each deleting the other's files.
   target = directories.sibling(path, "new", _shared_token())
+  handler = orbax_v0.PenzaiCheckpointHandler()
+  outcome, failure = None, None
   try:
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-      checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
-  except BaseException:
-    if primary:
-      directories.remove_unfinished(target)
-    raise
-  outcome, failure = _MOVED, None
-  if primary:
-    try:
-      if not directories.move_into_place(path, target, seen):
-        outcome = _LOST_RACE
-    except BaseException as e:  # pylint: disable=broad-exception-caught
-      outcome, failure = _FAILED, e  # Raised once the others know.
+    # On any exception (Ctrl-C included), `writing` stops Orbax's background
+    # work and deletes what this save wrote before the exception goes on.
+    with leftovers.writing(target, cancel=handler.cancel, primary=primary):
+      with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler})) as checkpointer:
+        checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
+      if primary:
+        with _interrupts_deferred():  # The move is all or nothing.
+          try:
+            moved = directories.move_into_place(path, target, seen)
+            outcome = _MOVED if moved else _LOST_RACE
+          except Exception as e:  # pylint: disable=broad-exception-caught
+            outcome, failure = _FAILED, e  # Raised once the others know.
+  except KeyboardInterrupt:
+    raise errors.save_interrupted(_interrupted(path, seen, outcome)) from None
+  outcome = _MOVED if outcome is None else outcome  # Others: the primary tells.
   if jax.process_count() > 1:  # Also keeps the others waiting for the move.
     outcome = int(ocp.multihost.broadcast_one_to_all(np.int32(outcome)))
   if failure is not None:
@@ -150,6 +159,36 @@ def save(
 
 
 _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
+
+
+def _interrupted(path: epath.Path, seen: directories.Identity, outcome: int | None) -> str:
+  """The one line an interrupted `save` shows: what is at ``path`` now."""
+  if outcome == _MOVED:
+    return f"pz_persist.save({str(path)!r}) was interrupted once complete: the new checkpoint is in place."
+  kept = f"{path} is unchanged" if seen is not None else f"nothing was written at {path}"
+  return f"pz_persist.save({str(path)!r}) interrupted; it removed what it had written and {kept}."
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+  """Holds Ctrl-C back (in the main thread) until the block is done.
+
+  Why: a checkpoint's move into place is a few renames; interrupted between
+  two of them (where no atomic exchange exists) the path would be left
+  empty. It takes milliseconds, plus deleting a replaced checkpoint.
+  """
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    yield
+    return
+  received = []
+  signal.signal(signal.SIGINT, lambda *_: received.append(True))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  if received:
+    raise KeyboardInterrupt
 
 
 def _shared_token() -> str:
