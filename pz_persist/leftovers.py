@@ -35,6 +35,7 @@ there are no locks or pids to prove anything with.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import errno
@@ -166,33 +167,62 @@ def _abandon(target: epath.Path, marker_fd: int) -> None:
   the rest of the save would have taken) and create again the directories
   deleted under them (a plain delete left GBs behind). So Orbax's temporary
   directory is renamed away and an empty file put in its place, where every
-  late write fails at once; then what was renamed is deleted. The empty
-  placeholder stays, with the marker, now saying "abandoned" and unlocked,
-  for `remove_dead` (the next save of the path, or ``pz-persist clean``).
+  late write fails at once; then what was renamed is deleted (see
+  `_delete_soon`). The empty placeholder stays, with the marker, now saying
+  "abandoned" and unlocked, for `remove_dead` (the next save of the path, or
+  ``pz-persist clean``).
   """
   marker = _marker(target)
+  trashes = []
   for entry in _family_entries(target):
     if os.fspath(entry) == os.fspath(marker):
       continue
     if entry.name.endswith(_TRASH_SUFFIX):
-      delete(entry)
+      trashes.append(entry)
       continue
     trash = entry.parent / (entry.name + _TRASH_SUFFIX)
     try:
       os.rename(os.fspath(entry), os.fspath(trash))
     except OSError:
-      delete(entry)
+      trashes.append(entry)
       continue
+    trashes.append(trash)
     if entry.name.startswith(target.name + _TMP_SUFFIX):
       with contextlib.suppress(OSError):
         os.close(os.open(os.fspath(entry), os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644))
-    delete(trash)
   if not any(e.name.startswith(target.name + _TMP_SUFFIX) for e in _family_entries(target)):
-    _unlink(marker)  # Nothing left to guard.
-    return
-  with contextlib.suppress(OSError):
-    os.ftruncate(marker_fd, 0)
-    os.pwrite(marker_fd, json.dumps(dict(_this_writer(), abandoned=True)).encode(), 0)
+    trashes.append(marker)  # No placeholder: nothing left to guard.
+  else:
+    with contextlib.suppress(OSError):
+      os.ftruncate(marker_fd, 0)
+      os.pwrite(marker_fd, json.dumps(dict(_this_writer(), abandoned=True)).encode(), 0)
+  _delete_soon(trashes)
+
+
+def _delete_soon(entries: list[epath.Path]) -> None:
+  """Deletes ``entries``, waiting at most `_DELETE_WAIT_SECONDS` for it.
+
+  Why not wait: deleting a file TensorStore is still writing waits for that
+  write (the kernel locks the file), which may take as long as the rest of
+  the save would have. The deletion goes on in the background (a notebook
+  gets its prompt back at once); a script exiting meanwhile finishes it
+  first (its exit waits for TensorStore's writes anyway). What is left if
+  the process is killed is still named after the save, and its marker says
+  "abandoned": the next save of the path, or ``pz-persist clean``, deletes it.
+  """
+  def delete_all():
+    for entry in entries:
+      delete(entry)
+
+  worker = threading.Thread(target=delete_all, name="pz_persist_delete", daemon=True)
+  worker.start()
+  worker.join(_DELETE_WAIT_SECONDS)
+  if worker.is_alive():
+    atexit.register(worker.join, _DELETE_AT_EXIT_SECONDS)
+
+
+_DELETE_WAIT_SECONDS = 1.0
+_DELETE_AT_EXIT_SECONDS = 60.0
 
 
 def _unlink(name: epath.Path) -> None:
