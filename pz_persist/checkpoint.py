@@ -17,6 +17,8 @@ hidden sibling name and then renames it into place, or, replacing one
 until the new one is complete. When two processes save to one path at once,
 one wins and the other gets `pz_persist.errors.ConcurrentSaveError`; a `load`
 running meanwhile returns the old or the new checkpoint, never a mix of both.
+An interrupted save deletes what it wrote; what a killed one left is deleted
+by the next save of the path (see `pz_persist.leftovers`).
 
 `load` and `inspect` accept that directory, the ``penzai`` item directory
 inside it, or any Orbax checkpoint directory with exactly one pz_persist item
@@ -103,6 +105,9 @@ def save(
       writing; its checkpoint is kept and nothing of this save is.
     EncodingError: a value cannot be saved (nothing was written).
     DisallowedModuleError: a class comes from a module that is not allowed.
+    KeyboardInterrupt: the save was interrupted (Ctrl-C); it stopped Orbax's
+      background writing and deleted what it wrote (see
+      `pz_persist.leftovers`), and says so in one line.
   """
   path = directories.as_path(path)
   seen = directories.identity(path)  # Moved into place only if still this.

@@ -66,7 +66,7 @@ _TRASH_SUFFIX = ".pz_persist-deleting"
 _FAMILY = re.compile(
     r"^\.(?P<name>.+)\.pz_persist-(?P<role>new|old)-(?P<token>[0-9a-f]+)"
 )
-_ORBAX_TMP_STEP = re.compile(r"^(?:.+_)?\d+\.orbax-checkpoint-tmp.*$")
+_ORBAX_TMP_STEP = re.compile(r"^(?!\.)(?:.+_)?\d+\.orbax-checkpoint-tmp.*$")
 
 _writing: set[str] = set()
 """Families this process is writing now (their full paths)."""
@@ -110,7 +110,7 @@ def writing(
 
   The marker is created and locked before anything of ``target`` exists, so
   no cleaner ever mistakes the family of a running save for a dead one. If
-  the block raises (an error, or Ctrl-C), the save is abandoned (`abandon`,
+  the block raises (an error, or Ctrl-C), the save is abandoned (`_abandon`,
   with ``cancel`` stopping Orbax's background work) before the exception
   goes on; otherwise the marker is removed (the family itself was moved into
   place or deleted by then). Only the primary process marks and deletes: the
@@ -257,10 +257,7 @@ def find(path: epath.PathLike) -> list[Leftover]:
   path = directories.as_path(path)
   if not directories.is_local(path):
     return []
-  return [
-      leftover for leftover in _families(path.parent)
-      if _FAMILY.match(leftover.name.name)["name"] == path.name
-  ]
+  return _families(path.parent, of=path.name)
 
 
 def find_inside(directory: epath.PathLike) -> list[Leftover]:
@@ -285,8 +282,8 @@ def find_all(path: epath.PathLike) -> list[Leftover]:
   return find(path) + find_inside(path)
 
 
-def _families(directory: epath.Path) -> list[Leftover]:
-  """The leftover families in ``directory``, each with its status."""
+def _families(directory: epath.Path, of: str | None = None) -> list[Leftover]:
+  """The leftover families in ``directory`` (of saves to ``of``, if given)."""
   try:
     names = sorted(os.listdir(os.fspath(directory)))
   except OSError:
@@ -294,7 +291,7 @@ def _families(directory: epath.Path) -> list[Leftover]:
   groups: dict[str, list[str]] = {}
   for name in names:
     match = _FAMILY.match(name)
-    if match:
+    if match and of in (None, match["name"]):
       groups.setdefault(match.group(0), []).append(name)
   found = []
   for family, members in groups.items():
@@ -495,7 +492,10 @@ def _family_entries(target: epath.Path) -> list[epath.Path]:
     names = os.listdir(os.fspath(target.parent))
   except OSError:
     return []
-  return [target.parent / n for n in sorted(names) if n.startswith(target.name)]
+  return [
+      target.parent / n for n in sorted(names)
+      if n == target.name or n.startswith(target.name + ".")
+  ]
 
 
 def _size(name: str) -> int:
