@@ -27,11 +27,8 @@ inside it, or any Orbax checkpoint directory with exactly one pz_persist item
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import signal
-import threading
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -138,7 +135,7 @@ def save(
       with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler})) as checkpointer:
         checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
       if primary:
-        with _interrupts_deferred():  # The move is all or nothing.
+        with leftovers.interrupts_deferred():  # The move is all or nothing.
           try:
             moved = directories.move_into_place(path, target, seen)
             outcome = _MOVED if moved else _LOST_RACE
@@ -172,28 +169,6 @@ def _interrupted(path: epath.Path, seen: directories.Identity, outcome: int | No
     return f"pz_persist.save({str(path)!r}) was interrupted once complete: the new checkpoint is in place."
   kept = f"{path} is unchanged" if seen is not None else f"nothing was written at {path}"
   return f"pz_persist.save({str(path)!r}) interrupted; it removed what it had written and {kept}."
-
-
-@contextlib.contextmanager
-def _interrupts_deferred():
-  """Holds Ctrl-C back (in the main thread) until the block is done.
-
-  Why: a checkpoint's move into place is a few renames; interrupted between
-  two of them (where no atomic exchange exists) the path would be left
-  empty. It takes milliseconds, plus deleting a replaced checkpoint.
-  """
-  if (threading.current_thread() is not threading.main_thread()
-      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-    yield
-    return
-  received = []
-  signal.signal(signal.SIGINT, lambda *_: received.append(True))
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-  if received:
-    raise KeyboardInterrupt
 
 
 def _shared_token() -> str:

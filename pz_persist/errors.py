@@ -88,7 +88,6 @@ class UnsafeCheckpointError(ManifestError):
   """
 
 
-
 def save_interrupted(message: str) -> KeyboardInterrupt:
   """The `KeyboardInterrupt` an interrupted save raises, shown as one line.
 

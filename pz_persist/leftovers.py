@@ -43,6 +43,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import threading
@@ -131,9 +132,10 @@ def writing(
     try:
       yield
     except BaseException:
-      _cancel_background(cancel, started_after)
-      if fd is not None:
-        _abandon(target, fd)
+      with interrupts_deferred():  # A second Ctrl-C must not stop the cleanup.
+        _cancel_background(cancel, started_after)
+        if fd is not None:
+          _abandon(target, fd)
       raise
     if fd is not None:
       _unlink(marker)
@@ -142,6 +144,29 @@ def writing(
       _writing.discard(os.fspath(target))
     if fd is not None:
       os.close(fd)  # Releases the lock.
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+  """Holds Ctrl-C back (in the main thread) until the block is done.
+
+  For short steps that must not stop halfway: moving a checkpoint into place
+  (a few renames; interrupted between two of them, where no atomic exchange
+  exists, the path would be left empty) and cleaning up after an interrupted
+  save (bounded: a few seconds at most).
+  """
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    yield
+    return
+  received = []
+  signal.signal(signal.SIGINT, lambda *_: received.append(True))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  if received:
+    raise KeyboardInterrupt
 
 
 def _cancel_background(
