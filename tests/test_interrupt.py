@@ -26,6 +26,7 @@ import pytest
 
 import pz_persist as pzp
 from pz_persist import cli
+from pz_persist import directories
 from pz_persist import leftovers
 from pz_persist import orbax_v0
 from penzai import pz
@@ -272,3 +273,21 @@ def test_orbax_tmp_steps_are_left_to_orbax_unless_forced(tmp_path):
   assert os.path.isdir(tmp_path / "7.orbax-checkpoint-tmp-123")
   _cli("clean", "--force", str(tmp_path))
   assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_during_the_move_waits_for_it(tmp_path, monkeypatch):
+  """The move into place is never cut in half; the interrupt comes after it."""
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree(1.0))
+  move = directories.move_into_place
+
+  def interrupted_move(*args):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the move starts.
+    return move(*args)
+
+  monkeypatch.setattr(directories, "move_into_place", interrupted_move)
+  with pytest.raises(KeyboardInterrupt, match="interrupted once complete"):
+    pzp.save(path, _tree(2.0), overwrite=True)
+  _wait_for_deletions()
+  _assert_holds(path, 2.0)
+  assert _hidden(tmp_path) == []
