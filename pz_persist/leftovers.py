@@ -434,10 +434,13 @@ def remove(leftover: Leftover, *, force: bool = False) -> bool:
       return False
     delete(leftover.name)
     return True
-  with _marker_locked(leftover.name) as (locked, _):
+  with _marker_locked(leftover.name) as (locked, writer):
     if not locked:
       return False
-    status, _ = _status_unlocked(leftover.name)
+    if _FAMILY.match(leftover.name.name)["role"] == "old":
+      status, _ = _status(leftover.name, leftover.name.parent)
+    else:
+      status, _ = _writer_status(leftover.name, writer)
     if status == "live" or (status != "dead" and not force):
       return False
     for entry in leftover.entries:
@@ -445,19 +448,6 @@ def remove(leftover: Leftover, *, force: bool = False) -> bool:
         delete(entry)
     delete(_marker(leftover.name))
   return True
-
-
-def _status_unlocked(family: epath.Path) -> tuple[str, str]:
-  """`_status` for a caller that already holds the marker's lock."""
-  match = _FAMILY.match(family.name)
-  if match["role"] == "old":
-    return _status(family, family.parent)
-  try:
-    with open(os.fspath(_marker(family)), "rb") as f:
-      writer = json.loads(f.read(_MAX_MARKER_BYTES))
-  except (OSError, ValueError):
-    writer = None
-  return _writer_status(family, writer)
 
 
 def delete(entry: epath.Path) -> None:

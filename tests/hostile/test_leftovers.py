@@ -89,3 +89,4 @@ def test_a_symlinked_marker_proves_nothing(tmp_path, sentinel):
   [found] = leftovers.find(run / "ckpt")
   assert found.status == "unknown"
   assert leftovers.remove_dead(run / "ckpt") == []
+  assert not leftovers.remove(found)
