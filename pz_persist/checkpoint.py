@@ -166,7 +166,8 @@ _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
 def _interrupted(path: epath.Path, seen: directories.Identity, outcome: int | None) -> str:
   """The one line an interrupted `save` shows: what is at ``path`` now."""
   if outcome == _MOVED:
-    return f"pz_persist.save({str(path)!r}) was interrupted once complete: the new checkpoint is in place."
+    return (f"pz_persist.save({str(path)!r}) was interrupted once complete:"
+            " the new checkpoint is in place.")
   kept = f"{path} is unchanged" if seen is not None else f"nothing was written at {path}"
   return f"pz_persist.save({str(path)!r}) interrupted; it removed what it had written and {kept}."
 

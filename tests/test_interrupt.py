@@ -76,7 +76,8 @@ def _hidden(directory) -> list[str]:
 
 
 def _tree(value: float, size: int = 1000):
-  return [pz.ParameterValue(label="w", value=pz.nx.wrap(np.arange(size, dtype=np.float32) + value, "x"))]
+  data = np.arange(size, dtype=np.float32) + value
+  return [pz.ParameterValue(label="w", value=pz.nx.wrap(data, "x"))]
 
 
 def _assert_holds(path, value: float) -> None:

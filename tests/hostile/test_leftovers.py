@@ -28,7 +28,8 @@ def sentinel(tmp_path):
 
 
 def _dead_marker() -> str:
-  return json.dumps(dict(leftovers._this_writer(), pid=2**22 + 12345, start=None))  # pylint: disable=protected-access
+  this = leftovers._this_writer()  # pylint: disable=protected-access
+  return json.dumps(dict(this, pid=2**22 + 12345, start=None))  # No such pid.
 
 
 def _run_dir(tmp_path):
