@@ -136,6 +136,8 @@ def writing(
         _cancel_background(cancel, started_after)
         if fd is not None:
           _abandon(target, fd)
+        elif primary:  # Remote: no placeholder can be put; delete what is there.
+          directories.remove_unfinished(target)
       raise
     if fd is not None:
       _unlink(marker)
