@@ -17,6 +17,8 @@ hidden sibling name and then renames it into place, or, replacing one
 until the new one is complete. When two processes save to one path at once,
 one wins and the other gets `pz_persist.errors.ConcurrentSaveError`; a `load`
 running meanwhile returns the old or the new checkpoint, never a mix of both.
+An interrupted save deletes what it wrote; what a killed one left is deleted
+by the next save of the path (see `pz_persist.leftovers`).
 
 `load` and `inspect` accept that directory, the ``penzai`` item directory
 inside it, or any Orbax checkpoint directory with exactly one pz_persist item
@@ -40,6 +42,7 @@ from pz_persist import allowlist
 from pz_persist import bounded_json
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import leftovers
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import restoring
@@ -101,6 +104,9 @@ def save(
       writing; its checkpoint is kept and nothing of this save is.
     EncodingError: a value cannot be saved (nothing was written).
     DisallowedModuleError: a class comes from a module that is not allowed.
+    KeyboardInterrupt: the save was interrupted (Ctrl-C); it stopped Orbax's
+      background writing and deleted what it wrote (see
+      `pz_persist.leftovers`), and says so in one line.
   """
   path = directories.as_path(path)
   seen = directories.identity(path)  # Moved into place only if still this.
@@ -117,24 +123,29 @@ def save(
   primary = ocp.multihost.is_primary_host(0)
   if primary:
     path.parent.mkdir(parents=True, exist_ok=True)
+    leftovers.remove_dead(path)  # Of earlier saves of ``path`` that died.
   # Always written whole under a name of its own, never at ``path`` directly:
   # Orbax's temporary name (``path.orbax-checkpoint-tmp``) would be shared by
   # two saves of ``path``, each deleting the other's files.
   target = directories.sibling(path, "new", _shared_token())
+  handler = orbax_v0.PenzaiCheckpointHandler()
+  outcome, failure = None, None
   try:
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-      checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
-  except BaseException:
-    if primary:
-      directories.remove_unfinished(target)
-    raise
-  outcome, failure = _MOVED, None
-  if primary:
-    try:
-      if not directories.move_into_place(path, target, seen):
-        outcome = _LOST_RACE
-    except BaseException as e:  # pylint: disable=broad-exception-caught
-      outcome, failure = _FAILED, e  # Raised once the others know.
+    # On any exception (Ctrl-C included), `writing` stops Orbax's background
+    # work and deletes what this save wrote before the exception goes on.
+    with leftovers.writing(target, cancel=handler.cancel, primary=primary):
+      with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler})) as checkpointer:
+        checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
+      if primary:
+        with leftovers.interrupts_deferred():  # The move is all or nothing.
+          try:
+            moved = directories.move_into_place(path, target, seen)
+            outcome = _MOVED if moved else _LOST_RACE
+          except Exception as e:  # pylint: disable=broad-exception-caught
+            outcome, failure = _FAILED, e  # Raised once the others know.
+  except KeyboardInterrupt:
+    raise errors.save_interrupted(_interrupted(path, seen, outcome)) from None
+  outcome = _MOVED if outcome is None else outcome  # Others: the primary tells.
   if jax.process_count() > 1:  # Also keeps the others waiting for the move.
     outcome = int(ocp.multihost.broadcast_one_to_all(np.int32(outcome)))
   if failure is not None:
@@ -152,6 +163,15 @@ def save(
 
 
 _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
+
+
+def _interrupted(path: epath.Path, seen: directories.Identity, outcome: int | None) -> str:
+  """The one line an interrupted `save` shows: what is at ``path`` now."""
+  if outcome == _MOVED:
+    return (f"pz_persist.save({str(path)!r}) was interrupted once complete:"
+            " the new checkpoint is in place.")
+  kept = f"{path} is unchanged" if seen is not None else f"nothing was written at {path}"
+  return f"pz_persist.save({str(path)!r}) interrupted; it removed what it had written and {kept}."
 
 
 def _shared_token() -> str:

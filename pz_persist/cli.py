@@ -16,6 +16,7 @@ from typing import TextIO
 
 from pz_persist import diffing
 from pz_persist import errors
+from pz_persist import leftovers
 from pz_persist import steps
 from pz_persist import terminal
 from pz_persist import verifying
@@ -38,6 +39,34 @@ def _inspect(args: argparse.Namespace) -> int:
   if args.html:
     out = viewing.render_html(args.path, args.html, arrays=args.arrays)
     _print(f"\nwrote {out}")
+  _note_leftovers(leftovers.find(args.path), args.path)
+  return 0
+
+
+def _note_leftovers(found: list[leftovers.Leftover], where: str) -> None:
+  """One line about leftovers of unfinished saves, if any (see ``clean``)."""
+  line = leftovers.summary(found, where)
+  if line:
+    _print(f"\n{line}")
+
+
+def _clean(args: argparse.Namespace) -> int:
+  found = leftovers.find_all(args.path)
+  if not found:
+    _print(f"no leftovers of unfinished saves beside or in {args.path}")
+    return 0
+  kept = 0
+  for leftover in found:
+    removed = not args.dry_run and leftovers.remove(leftover, force=args.force)
+    kept += not removed
+    verb = "removed" if removed else "would remove" if args.dry_run and (
+        leftover.removable or args.force and leftover.status != "live") else "kept"
+    _print(f"{verb} {_one_line(leftover.name)} ({viewing.size_text(leftover.nbytes)}):"
+          f" {leftover.status}, {leftover.reason}")
+  if kept and not args.force and not args.dry_run:
+    _print("kept ones whose writer may still be running; --force also removes"
+          " those not provably live (no marker, another host, Orbax's"
+          " unfinished steps) once you know nothing writes them.")
   return 0
 
 
@@ -86,6 +115,7 @@ def _ls(args: argparse.Namespace) -> int:
   found = steps.list_steps(args.directory)
   if not found:
     _print(f"no steps in {args.directory}")
+    _note_leftovers(leftovers.find_all(args.directory), args.directory)
     return 0
   rows = []
   for info in found:
@@ -103,6 +133,7 @@ def _ls(args: argparse.Namespace) -> int:
   _print(viewing.format_table(["step", "committed", "items", "size", "committed at"],
                               rows, right=("step", "size")))
   _print("\n* items written by pz_persist")
+  _note_leftovers(leftovers.find_all(args.directory), args.directory)
   return 0
 
 
@@ -155,7 +186,7 @@ def _migrate(args: argparse.Namespace) -> int:
       args.src, args.dst, model, overwrite=args.overwrite,
       allow_modules=args.allow_module,
   )
-  print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
+  _print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
   return 0
 
 
@@ -215,6 +246,25 @@ def build_parser() -> argparse.ArgumentParser:
   )
   ls.add_argument("directory")
   ls.set_defaults(run=_ls)
+
+  clean = commands.add_parser(
+      "clean",
+      help="remove what unfinished (killed, interrupted) saves left",
+      description="Remove the hidden leftovers of saves that did not finish,"
+      " beside a checkpoint path or inside a directory, printing each with"
+      " its size. Only those whose writer is provably gone are removed: its"
+      " marker's lock is free and it was written on this host by a process"
+      " that has exited (or before a restart). Others are listed and kept.",
+  )
+  clean.add_argument("path", help="checkpoint path, or a directory of checkpoints or steps")
+  clean.add_argument(
+      "--force", action="store_true",
+      help="also remove leftovers whose writer cannot be checked (no marker,"
+      " another host or container) and Orbax's unfinished CheckpointManager"
+      " steps; never those of a running writer",
+  )
+  clean.add_argument("--dry-run", action="store_true", help="only list them")
+  clean.set_defaults(run=_clean)
 
   convert = commands.add_parser(
       "convert",

@@ -94,3 +94,37 @@ class WrongItemsError(PzPersistError, ValueError):
   For example `pz_persist.restore_trainer` given a step saved by a plain optax
   loop (``params``, ``opt_state``...) instead of by `pz_persist.trainer_items`.
   """
+
+
+def save_interrupted(message: str) -> KeyboardInterrupt:
+  """The `KeyboardInterrupt` an interrupted save raises, shown as one line.
+
+  A plain `KeyboardInterrupt`, not a `PzPersistError`: an interrupt is the
+  user's wish, not a failure; ``except Exception`` must not catch it, and
+  Python exits by SIGINT (status 130 in a shell, which stops a shell loop)
+  only for that exact class. It shows as one line, ``message``, in IPython /
+  Jupyter (through ``_render_traceback_``) and in scripts (a wrapper of the
+  default ``sys.excepthook``; a hook the program set itself is left alone),
+  instead of a traceback through Orbax's internals.
+  """
+  interrupt = KeyboardInterrupt(message)
+  interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # pylint: disable=protected-access
+  interrupt.pz_persist_one_line = True
+  _print_one_line_on_exit()
+  return interrupt
+
+
+def _print_one_line_on_exit() -> None:
+  import sys  # pylint: disable=import-outside-toplevel
+
+  if sys.excepthook is not sys.__excepthook__:
+    return  # Ours already, or the program's own.
+  default = sys.excepthook
+
+  def hook(kind, value, traceback):
+    if getattr(value, "pz_persist_one_line", False):
+      print(f"{kind.__name__}: {value}", file=sys.stderr)
+    else:
+      default(kind, value, traceback)
+
+  sys.excepthook = hook

@@ -122,6 +122,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._chunk_byte_size = chunk_byte_size
     self._read_batch_bytes = read_batch_bytes
     self._direct = direct_reads
+    self._started: list[ocp.future.Future] = []  # Of the last async_save.
     memory.reuse_freed_blocks()  # Saves and loads both churn chunk buffers.
     self._arrays = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt,
@@ -163,7 +164,17 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
             name="pz_persist_manifest",
         )
     )
+    self._started = futures
     return futures
+
+  def cancel(self) -> None:
+    """Asks the background work of the last `async_save` to stop.
+
+    For a save interrupted or failed midway (see `pz_persist.save`): its
+    futures are not returned to pz_persist by Orbax's checkpointer.
+    """
+    for started in self._started:
+      started.cancel()
 
   def save(self, directory: epath.Path, args: PenzaiSave) -> None:
     """Saves synchronously."""

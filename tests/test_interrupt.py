@@ -1,0 +1,294 @@
+"""An interrupted save stops at once, says so in one line and cleans up;
+what saves that died left is found and removed, never a live writer's.
+
+Saves are interrupted with SIGINT in subprocesses (a script, as a user runs
+one) and with a KeyboardInterrupt raised mid-save in this process (as in a
+notebook); saves killed with SIGKILL leave leftovers for a later save or
+``pz-persist clean``. Leftovers of running writers are simulated by live
+subprocesses holding a marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pz_persist as pzp
+from pz_persist import cli
+from pz_persist import directories
+from pz_persist import leftovers
+from pz_persist import orbax_v0
+from penzai import pz
+from conftest import REPO
+
+SAVER = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import pz_persist as pzp
+    from penzai import pz
+
+    path, value = sys.argv[1], float(sys.argv[2])
+    base = np.arange(2**24, dtype=np.float32)  # 64 MiB (not compressed)
+    tree = [pz.ParameterValue(label=f"w{i}", value=pz.nx.wrap(base + (value + i), "x"))
+            for i in range(int(sys.argv[3]))]
+    print("saving", flush=True)
+    pzp.save(path, tree, overwrite=True)
+    print("saved", flush=True)
+""")
+
+_TIMEOUT = 120
+"""Far above what any step takes; only there so that a hang fails."""
+
+
+def _start_save(path, value: float, arrays: int = 12) -> subprocess.Popen:
+  return subprocess.Popen(
+      [sys.executable, "-c", SAVER, str(path), str(value), str(arrays)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+  )
+
+
+def _wait_until_writing(process: subprocess.Popen, path) -> None:
+  """Waits until the save has written array data under its hidden name."""
+  assert process.stdout.readline() == "saving\n"
+  deadline = time.monotonic() + _TIMEOUT
+  while time.monotonic() < deadline:
+    if sum(l.nbytes for l in leftovers.find(path)) > 2**20:
+      return
+    if process.poll() is not None:
+      raise AssertionError(f"the save ended early: {process.stderr.read()[-2000:]}")
+    time.sleep(0.005)
+  raise AssertionError("the save wrote nothing")
+
+
+def _hidden(directory) -> list[str]:
+  return sorted(n for n in os.listdir(directory) if n.startswith("."))
+
+
+def _tree(value: float, size: int = 1000):
+  data = np.arange(size, dtype=np.float32) + value
+  return [pz.ParameterValue(label="w", value=pz.nx.wrap(data, "x"))]
+
+
+def _assert_holds(path, value: float) -> None:
+  loaded = pzp.load(path)
+  np.testing.assert_array_equal(np.asarray(loaded[0].value.unwrap("x"))[:3], value + np.arange(3))
+
+
+def test_sigint_stops_the_save_prints_one_line_and_cleans_up(tmp_path):
+  path = tmp_path / "ckpt"
+  previous = _start_save(path, 1.0, arrays=1)
+  assert previous.communicate(timeout=_TIMEOUT)[0].endswith("saved\n")
+  process = _start_save(path, 2.0)
+  _wait_until_writing(process, path)
+  process.send_signal(signal.SIGINT)
+  out, err = process.communicate(timeout=_TIMEOUT)
+  assert "saved" not in out, "the interrupt came after the save; nothing was tested"
+  assert process.returncode == -signal.SIGINT  # A shell loop sees Ctrl-C.
+  assert len(err.splitlines()) == 1, err  # Not Orbax's threads' tracebacks.
+  assert f"pz_persist.save('{path}') interrupted" in err and f"{path} is unchanged" in err
+  _assert_holds(path, 1.0)
+  # Only an empty placeholder and the marker remain (they keep TensorStore's
+  # late writes out); the next save removes them.
+  assert sum(l.nbytes for l in leftovers.find(path)) < 4096
+  assert all(l.removable for l in leftovers.find(path))
+  assert not any(os.path.isdir(tmp_path / n) for n in _hidden(tmp_path))
+  pzp.save(path, _tree(3.0), overwrite=True)
+  assert _hidden(tmp_path) == []
+
+
+def test_keyboard_interrupt_mid_save_in_process(tmp_path, monkeypatch):
+  """As in a notebook: the interrupt comes while Orbax's threads write."""
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree(1.0))
+  started = orbax_v0.PenzaiCheckpointHandler.async_save
+
+  async def interrupted(self, *args, **kwargs):
+    await started(self, *args, **kwargs)  # Background writing under way.
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(orbax_v0.PenzaiCheckpointHandler, "async_save", interrupted)
+  with pytest.raises(KeyboardInterrupt) as raised:
+    pzp.save(path, _tree(2.0, size=2**22), overwrite=True)
+  assert type(raised.value) is KeyboardInterrupt  # pylint: disable=unidiomatic-typecheck
+  assert raised.value._render_traceback_() == [  # pylint: disable=protected-access
+      f"KeyboardInterrupt: {raised.value}"
+  ]
+  assert "interrupted" in str(raised.value) and "\n" not in str(raised.value)
+  monkeypatch.undo()
+  _wait_for_deletions()
+  _assert_holds(path, 1.0)
+  found = leftovers.find(path)
+  assert sum(l.nbytes for l in found) < 4096  # Placeholder and marker.
+  assert [l.reason for l in found if not l.removable] == []
+  pzp.save(path, _tree(3.0), overwrite=True)
+  assert _hidden(tmp_path) == []
+  _assert_holds(path, 3.0)
+
+
+def _wait_for_deletions() -> None:
+  for thread in threading.enumerate():
+    if thread.name == "pz_persist_delete":
+      thread.join(_TIMEOUT)
+
+
+def _killed_mid_save(path) -> None:
+  process = _start_save(path, 2.0)
+  _wait_until_writing(process, path)
+  process.kill()
+  process.wait(timeout=_TIMEOUT)
+
+
+def test_sigkill_leftovers_removed_by_next_save(tmp_path):
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree(1.0))
+  _killed_mid_save(path)
+  [found] = leftovers.find(path)
+  assert found.removable and found.nbytes > 2**20, found
+  assert "has exited" in found.reason
+  pzp.save(path, _tree(3.0), overwrite=True)
+  assert _hidden(tmp_path) == []
+  _assert_holds(path, 3.0)
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    status = cli.main(list(argv))
+  return status, out.getvalue()
+
+
+def test_sigkill_leftovers_listed_and_removed_by_clean(tmp_path):
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree(1.0))
+  _killed_mid_save(path)
+  for command, where in (("inspect", path), ("ls", tmp_path)):
+    status, out = _cli(command, str(where))
+    assert status == 0
+    assert "1 leftover(s) of unfinished saves" in out, out
+    assert f"pz-persist clean {where}" in out
+  status, out = _cli("clean", "--dry-run", str(tmp_path))
+  assert "would remove" in out and len(_hidden(tmp_path)) == 2
+  status, out = _cli("clean", str(tmp_path))
+  assert status == 0 and out.startswith(f"removed {tmp_path}/.ckpt.pz_persist-new-"), out
+  assert "MiB" in out
+  assert _hidden(tmp_path) == []
+  _assert_holds(path, 1.0)
+  assert "unfinished saves" not in _cli("inspect", str(path))[1]
+  assert _cli("clean", str(path))[1] == f"no leftovers of unfinished saves beside or in {path}\n"
+
+
+HOLDER = textwrap.dedent("""
+    # Writes a family the way a running save does, and keeps writing it.
+    import sys, time
+    from etils import epath
+    from pz_persist import leftovers
+    target = epath.Path(sys.argv[1])
+    tmp = target.parent / (target.name + ".orbax-checkpoint-tmp")
+    with leftovers.writing(target, cancel=lambda: None):
+      tmp.mkdir()
+      print("writing", flush=True)
+      sys.stdin.read()
+      tmp.rmdir()  # As a save's move into place would.
+""")
+
+
+def test_leftovers_of_a_running_writer_are_never_removed(tmp_path):
+  path = tmp_path / "ckpt"
+  target = tmp_path / ".ckpt.pz_persist-new-00000000000000aa"
+  holder = subprocess.Popen(
+      [sys.executable, "-c", HOLDER, str(target)], stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE, text=True, cwd=REPO,
+  )
+  try:
+    assert holder.stdout.readline() == "writing\n"
+    [found] = leftovers.find(path)
+    assert found.status == "live" and "lock" in found.reason
+    pzp.save(path, _tree(1.0))
+    status, out = _cli("clean", "--force", str(tmp_path))
+    assert out.startswith(f"kept {target} ") and "live" in out
+    assert len(_hidden(tmp_path)) == 2
+  finally:
+    holder.stdin.close()
+    holder.wait(timeout=_TIMEOUT)
+  assert holder.returncode == 0 and _hidden(tmp_path) == []
+
+
+def _marker(tmp_path, token: str, **writer) -> str:
+  """A family with a marker as a save would write, fields overridden, unlocked."""
+  family = tmp_path / f".ckpt.pz_persist-new-{token}"
+  (tmp_path / (family.name + ".orbax-checkpoint-tmp")).mkdir()
+  record = dict(leftovers._this_writer(), **writer)  # pylint: disable=protected-access
+  (tmp_path / (family.name + ".writer")).write_text(json.dumps(record))
+  return family.name
+
+
+def test_writer_decided_by_pid_start_time_host_and_boot(tmp_path):
+  alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                           stdin=subprocess.PIPE)
+  exited = subprocess.Popen([sys.executable, "-c", ""])
+  exited.wait(timeout=_TIMEOUT)
+  start = leftovers._start_time  # pylint: disable=protected-access
+  try:
+    statuses = {
+        _marker(tmp_path, "a1", pid=alive.pid, start=start(alive.pid)): "live",
+        _marker(tmp_path, "a2", pid=alive.pid, start=start(alive.pid) + 1): "dead",  # pid reused
+        _marker(tmp_path, "a3", pid=exited.pid, start=None): "dead",
+        _marker(tmp_path, "a4", pid=exited.pid, host="elsewhere"): "unknown",
+        _marker(tmp_path, "a5", pid=alive.pid, boot="another-boot"): "dead",  # restarted
+        _marker(tmp_path, "a6", pid=alive.pid, start=start(alive.pid), abandoned=True): "dead",
+        _marker(tmp_path, "a7", pid=os.getpid()): "dead",  # This process: not saving it.
+    }
+    (tmp_path / ".ckpt.pz_persist-new-a8.orbax-checkpoint-tmp").mkdir()  # No marker.
+    statuses[".ckpt.pz_persist-new-a8"] = "unknown"
+    found = {l.name.name: l.status for l in leftovers.find(tmp_path / "ckpt")}
+    assert found == statuses
+    leftovers.remove_dead(tmp_path / "ckpt")
+    assert {l.name.name for l in leftovers.find(tmp_path / "ckpt")} == {
+        name for name, status in statuses.items() if status != "dead"
+    }
+    _cli("clean", "--force", str(tmp_path / "ckpt"))
+    assert [l.name.name for l in leftovers.find(tmp_path / "ckpt")] == [
+        name for name, status in statuses.items() if status == "live"
+    ]
+  finally:
+    alive.stdin.close()
+    alive.wait(timeout=_TIMEOUT)
+
+
+def test_orbax_tmp_steps_are_left_to_orbax_unless_forced(tmp_path):
+  (tmp_path / "7.orbax-checkpoint-tmp-123").mkdir()
+  (tmp_path / "7.orbax-checkpoint-tmp-123" / "x").write_bytes(b"x" * 100)
+  status, out = _cli("clean", str(tmp_path))
+  assert out.startswith("kept") and "CheckpointManager" in out
+  assert os.path.isdir(tmp_path / "7.orbax-checkpoint-tmp-123")
+  _cli("clean", "--force", str(tmp_path))
+  assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_during_the_move_waits_for_it(tmp_path, monkeypatch):
+  """The move into place is never cut in half; the interrupt comes after it."""
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree(1.0))
+  move = directories.move_into_place
+
+  def interrupted_move(*args):
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the move starts.
+    return move(*args)
+
+  monkeypatch.setattr(directories, "move_into_place", interrupted_move)
+  with pytest.raises(KeyboardInterrupt, match="interrupted once complete"):
+    pzp.save(path, _tree(2.0), overwrite=True)
+  _wait_for_deletions()
+  _assert_holds(path, 2.0)
+  assert _hidden(tmp_path) == []
