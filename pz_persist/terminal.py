@@ -24,7 +24,7 @@ def _escape(match: re.Match[str]) -> str:
   return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
 
 
-def printable(text: str, *, newlines: bool = True) -> str:
+def printable(text: object, *, newlines: bool = True) -> str:
   """``text`` with every control, bidi or line-breaking character escaped
   (``\\x1b``, ``\\u202e``...), so it shows as written and moves nothing.
 
@@ -33,6 +33,6 @@ def printable(text: str, *, newlines: bool = True) -> str:
     newlines: Keep ``\\n`` (for whole output); with False it is escaped too,
       for one value that must stay on its line.
   """
-  escaped = _UNSAFE.sub(_escape, text)
+  escaped = _UNSAFE.sub(_escape, str(text))
   return escaped if newlines else escaped.replace("\n", "\\x0a")
 
