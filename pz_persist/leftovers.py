@@ -42,7 +42,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import stat
@@ -53,6 +52,7 @@ from collections.abc import Callable, Iterator
 from etils import epath
 
 from pz_persist import directories
+from pz_persist import safe_io
 
 try:
   import fcntl
@@ -455,21 +455,11 @@ def remove(leftover: Leftover, *, force: bool = False) -> bool:
 def delete(entry: epath.Path) -> None:
   """Deletes one leftover entry, never following a symlink out of its directory.
 
-  A symlink (or file, FIFO...) is unlinked itself; a directory is deleted
-  with ``shutil.rmtree``, which on Linux walks by file descriptors and
-  removes symlinks inside without following them, and refuses to start at a
-  directory swapped for a symlink. The only place leftovers are deleted.
+  The only place leftovers are deleted; it is `safe_io.remove_tree`, which
+  unlinks a link (or file, FIFO...) itself and empties a directory through
+  descriptors, deleting links inside as links.
   """
-  name = os.fspath(entry)
-  try:
-    st = os.lstat(name)
-  except FileNotFoundError:
-    return
-  if stat.S_ISDIR(st.st_mode):
-    shutil.rmtree(name, ignore_errors=True)
-  else:
-    with contextlib.suppress(FileNotFoundError):
-      os.unlink(name)
+  safe_io.remove_tree(entry)
 
 
 # ---- Reporting. -------------------------------------------------------------
