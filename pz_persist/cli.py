@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import os
 import sys
 from typing import TextIO
@@ -20,6 +21,7 @@ from pz_persist import leftovers
 from pz_persist import steps
 from pz_persist import terminal
 from pz_persist import verifying
+from pz_persist import version
 from pz_persist import viewing
 
 
@@ -190,10 +192,24 @@ def _migrate(args: argparse.Namespace) -> int:
   return 0
 
 
+def _installed(package: str) -> str:
+  """The installed version of ``package``, for ``--version``."""
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="pz-persist",
       description="Look at, compare and list pz_persist (Orbax) checkpoints.",
+  )
+  parser.add_argument(
+      "--version", action="version",
+      version=f"%(prog)s {version.__version__} (orbax-checkpoint"
+      f" {_installed('orbax-checkpoint')}, penzai {_installed('penzai')},"
+      f" jax {_installed('jax')})",
   )
   commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -30,6 +30,7 @@ from pz_persist import bounded_json
 from pz_persist import checksums
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import safe_io
 
 FILENAME = "pz_persist.files.json"
 MAX_BYTES = 64 * 2**20
@@ -93,10 +94,12 @@ def check(directory: epath.Path) -> tuple[int, list[str]] | None:
   """
   root = os.fspath(directory)
   path = os.path.join(root, FILENAME)
-  if not directories.is_local(directory) or not os.path.isfile(path):
+  if not directories.is_local(directory):
     return None
-  with open(path, "rb") as f:
-    raw = bounded_json.read_limited(f, MAX_BYTES)
+  try:  # Never following a link, never blocking on a FIFO, bounded.
+    raw = safe_io.read_small_file(path, MAX_BYTES, what="file digest list")
+  except FileNotFoundError:
+    return None
   recorded = _parse(raw, where=path)
   problems = []
   for rel, (size, digest) in recorded.items():

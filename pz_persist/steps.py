@@ -10,13 +10,14 @@ listed as uncommitted.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Any
 
 from etils import epath
 
+from pz_persist import bounded_json
+from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import safe_io
 from pz_persist import safety
@@ -61,11 +62,16 @@ def _disk_bytes(path: epath.Path) -> int:
 
 def _commit_time(path: epath.Path) -> int | None:
   try:
-    metadata: Any = json.loads(safe_io.read_small_file(
+    data = safe_io.read_small_file(
         path / "_CHECKPOINT_METADATA", safety.MAX_ORBAX_METADATA_BYTES,
         what="Orbax's checkpoint metadata",
-    ))
-  except (OSError, ValueError, RecursionError):
+    )
+    metadata: Any = bounded_json.loads(
+        data, where=str(path / "_CHECKPOINT_METADATA"),
+        max_nodes=bounded_json.node_limit(len(data), most=safety.MAX_ORBAX_METADATA_NODES),
+        max_depth=64,
+    )
+  except (OSError, errors.PzPersistError):
     return None
   value = metadata.get("commit_timestamp_nsecs") if isinstance(metadata, dict) else None
   return value if isinstance(value, int) else None

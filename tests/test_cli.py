@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,36 @@ def test_inspect_table(model_ckpt, capsys):
   lines = [line.split() for line in out.splitlines()]
   assert ["label", "axes", "shape", "dtype", "bytes"] in lines
   assert ["mlp/Affine_0/Linear.weights", "(features,", "features_out)", "8x16", "float32", "512", "B"] in lines
-  assert "4 array(s), 1.1 KiB" in out
+  assert "4 parameters, 0 state variables (mutable): 1.1 KiB in 4 arrays" in out
+
+
+def test_inspect_of_a_parameter_tree_counts_parameters(tmp_path, capsys):
+  _, params = pz.unbind_params(model_zoo.mlp(), freeze=True)
+  pzp.save(tmp_path / "params", params)
+  code, out, _ = _run(capsys, "inspect", str(tmp_path / "params"))
+  assert code == 0
+  assert "  tree\n  4 parameters, 0 state variables: 1.1 KiB in 4 arrays" in out
+
+
+def test_inspect_fits_the_terminal_and_groups_constants(tmp_path, capsys, monkeypatch):
+  pzp.save_model(tmp_path / "lm", model_zoo.llamalike_transformer())
+  wide = _run(capsys, "inspect", str(tmp_path / "lm"))[1]
+  assert "tree.body.sublayers" not in wide  # Constants by field name, not by path.
+  assert re.search(r"\d+ constants held by layers", wide)
+  assert re.search(r"^epsilon +\(\) +float32 +\d+ ", wide, re.M)
+  assert "transformer/block_0/attention/query.weights" in wide
+  monkeypatch.setenv("COLUMNS", "80")
+  narrow = _run(capsys, "inspect", str(tmp_path / "lm"))[1]
+  table = narrow.split("\n\n", 1)[1]
+  assert max(map(len, table.splitlines())) <= 80
+  assert "transformer/block_…" in narrow  # Labels cut in the middle, ends kept.
+
+
+def test_version(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["--version"])
+  assert exit_info.value.code == 0
+  assert re.match(r"pz-persist \d+\.\d+\.\d+ \(orbax-checkpoint", capsys.readouterr().out)
 
 
 def test_inspect_html(model_ckpt, tmp_path, capsys):

@@ -158,7 +158,7 @@ def test_cli_inspect_imports_nothing_a_checkpoint_names(case, mlp_checkpoint, tm
   ckpt = _forge(mlp_checkpoint, tmp_path, build)
   cli = "import sys; from pz_persist import cli; sys.exit(cli.main(sys.argv[1:]))"
   result = _run(cli, "inspect", ckpt)
-  assert result.returncode == 0 and "4 array(s)" in result.stdout, result
+  assert result.returncode == 0 and "in 4 arrays" in result.stdout, result
   html = tmp_path / "view.html"
   result = _run(cli, "inspect", ckpt, "--html", str(html))
   assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
