@@ -48,6 +48,12 @@ SETUP = {
                     if "lora" in str(v.label).lower()]
         pzp.save("/tmp/adapter", _adapter, overwrite=True)
     """,
+    "plain-orbax": """
+        def build_my_model():
+            return simple_mlp.MLP.from_config(
+                name="mlp", init_base_rng=jax.random.key(3), feature_sizes=[8, 32, 8])
+        model = build_my_model()
+    """,
     "sharding": """
         import model_zoo
         pzp.save_model("/tmp/gemma_tiny", model_zoo.gemma_style_transformer(), overwrite=True)
