@@ -39,7 +39,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import allowlist
-from pz_persist import bounded_json
 from pz_persist import directories
 from pz_persist import errors
 from pz_persist import leftovers

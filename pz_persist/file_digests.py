@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import uuid
 from typing import Any
 
 from etils import epath
@@ -72,12 +71,7 @@ def write(directory: epath.Path) -> None:
       {"format": _FORMAT, "algorithm": checksums.ALGORITHM, "files": files},
       separators=(",", ":"),
   ).encode()
-  tmp = os.path.join(root, f".{FILENAME}.{uuid.uuid4().hex}.tmp")
-  with open(tmp, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(root, FILENAME))
+  safe_io.write_small_file(os.path.join(root, FILENAME), data)
 
 
 def check(directory: epath.Path) -> tuple[int, list[str]] | None:

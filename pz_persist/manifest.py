@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import stat
-import uuid
 from typing import Any
 
 from etils import epath
@@ -258,14 +257,4 @@ def _not_a_file(mode: int) -> str | None:
 
 def write(directory: epath.PathLike, manifest: Manifest) -> None:
   """Writes the manifest (whole or not at all: written aside, then renamed)."""
-  path = manifest_path(directory)
-  tmp = path.parent / f".{MANIFEST_FILENAME}.{uuid.uuid4().hex}.tmp"
-  data = manifest.dumps()
-  if os.path.isdir(os.fspath(path.parent)):  # Local disk: make it durable.
-    with open(os.fspath(tmp), "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-  else:
-    tmp.write_bytes(data)
-  tmp.rename(path)
+  safe_io.write_small_file(manifest_path(directory), manifest.dumps())

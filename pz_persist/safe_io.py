@@ -22,6 +22,7 @@ import errno
 import os
 import shutil
 import stat
+import uuid
 
 from etils import epath
 
@@ -212,6 +213,27 @@ def _quietly(remove, name: str, *, dir_fd: int) -> None:
     remove(name, dir_fd=dir_fd)
   except OSError:
     pass
+
+
+def write_small_file(path: epath.PathLike, data: bytes) -> None:
+  """Writes the small file ``path`` whole or not at all: aside, then renamed.
+
+  Why: a reader (or a crash) must never meet half a manifest, file list or
+  record. The temporary name starts with a dot and ends in ``.tmp``, so it
+  matches none of the names readers look for; on a local disk the data is
+  flushed to the device before the rename makes it visible.
+  """
+  path = epath.Path(path)
+  tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+  if _is_local(path):
+    with open(os.fspath(tmp), "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(os.fspath(tmp), os.fspath(path))
+  else:
+    tmp.write_bytes(data)
+    tmp.rename(path)
 
 
 def read_small_file(path: epath.PathLike, limit: int, *, what: str = "file") -> bytes:

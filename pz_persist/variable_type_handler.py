@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,7 +50,6 @@ from penzai import pz
 from pz_persist import arrays as arrays_lib
 from pz_persist import bounded_json
 from pz_persist import checksums
-from pz_persist import directories
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
@@ -172,7 +170,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
     await info.await_path_creation()
     if ocp.multihost.is_primary_host(0):
       path = info.parent_dir / f"{_RECORDS_PREFIX}{uuid.uuid4().hex}.json"
-      _write_whole(path, json.dumps(records, allow_nan=False).encode())
+      safe_io.write_small_file(path, json.dumps(records, allow_nan=False).encode())
 
   async def deserialize(
       self,
@@ -273,23 +271,6 @@ def _record(
           for spec in encoded.arrays
       ],
   }
-
-
-def _write_whole(path: epath.Path, data: bytes) -> None:
-  """Writes ``path`` whole or not at all: aside first, then renamed.
-
-  Why: a reader (or a crash) must never meet half a record; the temporary
-  name does not match the records' pattern, so readers never see it.
-  """
-  tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-  if directories.is_local(path.parent):  # Local disk: make it durable.
-    with open(os.fspath(tmp), "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-  else:
-    tmp.write_bytes(data)
-  tmp.rename(path)
 
 
 def _manifest(

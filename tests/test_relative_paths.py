@@ -4,7 +4,6 @@ notebooks (Orbax's OCDBT layer refuses relative directories by itself)."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 from penzai import pz
 from penzai.models import simple_mlp
 
