@@ -86,3 +86,20 @@ class UnsafeCheckpointError(ManifestError):
   For example a symlink pointing out of the checkpoint directory, or arrays
   declaring far more bytes than the machine could hold.
   """
+
+
+class OptimizerMismatchError(PzPersistError, ValueError):
+  """A restored optimizer state was saved by another optimizer.
+
+  The message names the first state that differs (its class and its path in
+  the state); the full structures stay available for debugging.
+
+  Attributes:
+    expected: The structure (``PyTreeDef``) of the state the optimizer builds.
+    found: The structure of the restored state.
+  """
+
+  def __init__(self, message: str, *, expected: object = None, found: object = None):
+    super().__init__(message)
+    self.expected = expected
+    self.found = found
