@@ -130,6 +130,17 @@ def named_array_problem(named: Any) -> str | None:
   return None
 
 
+def fits_its_axes(x: Any) -> bool:
+  """Whether ``x`` is a NamedArray (or view) whose data fits its named axes.
+
+  Only those are named values of their own; code that treats NamedArrays as
+  leaves (binding compares them by axes and shape) must look inside the
+  others, which only hold what ``tree_map`` put there (see
+  `named_array_problem`).
+  """
+  return isinstance(x, pz.nx.NamedArrayBase) and named_array_problem(x) is None
+
+
 def describe_label(label: Any) -> str:
   """A short, stable text for a label (for messages and the arrays table)."""
   return label if isinstance(label, str) else repr(label)

@@ -13,10 +13,12 @@ import numpy as np
 import optax
 import pytest
 from penzai import pz
+from penzai.toolshed import basic_training
 
 import model_zoo
 import optax_zoo
 import pz_persist as pzp
+import training_run
 from conftest import run_python
 from pz_persist import encoding
 from pz_persist import errors
@@ -120,6 +122,28 @@ def test_masked_states_round_trip_through_the_manager(tmp_path):
     restored = manager.restore(optimizer=optimizer)
   assert jax.tree.structure(restored["opt_state"]) == jax.tree.structure(state)
   assert_identical(restored["opt_state"], state)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [optax.adafactor(1e-2), optax.sm3(1e-2)], ids=["adafactor", "sm3"]
+)
+def test_a_trainer_resumes_with_a_factored_optimizer(tmp_path, optimizer):
+  """StatefulTrainer keeps these states in a variable; restoring it compared
+  them as NamedArrays and crashed on their (legitimately) misfitting axes."""
+  build = lambda: basic_training.StatefulTrainer.build(  # pylint: disable=g-long-lambda
+      jax.random.key(3), training_run.model(), optimizer, training_run.loss_fn
+  )
+  trainer = build()
+  trainer.step(**training_run.batch(0))
+  with pzp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, **pzp.trainer_items(trainer))
+    manager.wait_until_finished()
+    resumed = pzp.restore_trainer(build(), manager.restore())
+  assert_identical(resumed.state.value, trainer.state.value)
+  expected = trainer.step(**training_run.batch(1))["loss"]
+  assert np.asarray(resumed.step(**training_run.batch(1))["loss"]) == np.asarray(expected)
+  assert_identical(pz.unbind_params(resumed.model, freeze=True)[1],
+                   pz.unbind_params(trainer.model, freeze=True)[1])
 
 
 def test_a_named_array_node_that_does_not_fit_is_still_refused():
