@@ -137,6 +137,15 @@ EXTRA: dict[str, Callable[[Any], optax.GradientTransformation]] = {
          "frozen": optax.set_to_zero()},
         _labels(p),
     ),
+    # Labels as a full tree: NamedArrays around MaskedNode in the state.
+    "lora.multi_transform_full_tree": lambda p: optax.multi_transform(
+        _split(), lambda params: jax.tree.map(
+            lambda x: "train" if x.ndim == 2 else "frozen", params
+        ),
+    ),
+    "lora.masked_full_tree": lambda p: optax.masked(
+        _adam(), lambda params: jax.tree.map(lambda x: x.ndim == 2, params)
+    ),
     "contrib.muon.masked": lambda p: optax.contrib.muon(
         1e-3, weight_decay_mask=_mask(p)
     ),
@@ -225,7 +234,8 @@ TRANSFORMER_SAMPLE: tuple[str, ...] = (
     "adafactor", "adam", "adamw", "contrib.galore", "contrib.muon",
     "contrib.muon.masked", "contrib.prodigy", "contrib.schedule_free_adamw",
     "freeze", "inject_hyperparams", "lion", "lookahead", "lora.masked_set_to_zero",
-    "lora.multi_transform_adamw", "masked", "multi_transform", "novograd",
+    "lora.multi_transform_adamw", "lora.multi_transform_full_tree",
+    "lora.masked_full_tree", "masked", "multi_transform", "novograd",
     "partition", "scale_by_factored_rms", "selective_transform", "sm3",
 )
 """The optimizers run over the transformer by default (all of them with
