@@ -179,6 +179,7 @@ class _Encoder:
     self.arrays: list[arrays_lib.ArraySpec] = []
     self.values: list[Any] = []
     self.variables: list[Node] = []
+    self.originals: list[Any] = []  # The arrays as given, for `_check_decodable`.
     self._variable_refs: dict[int, int] = {}  # id(variable) -> ref.
 
   # Static values: labels, metadata, axis names. No arrays allowed.
@@ -453,6 +454,7 @@ class _Encoder:
     )
     self.arrays.append(spec)
     self.values.append(arrays_lib.to_storage(obj, spec) if spec.is_stored else None)
+    self.originals.append(obj)
     return {"t": "array", "ref": index}
 
 
@@ -466,23 +468,24 @@ def encode(tree: Any, root: str = "tree") -> EncodedTree:
   encoder = _Encoder()
   node = encoder.tree(tree, root)
   encoded = EncodedTree(node, encoder.variables, encoder.arrays, encoder.values)
-  _check_decodable(encoded, root)
+  _check_decodable(encoded, encoder.originals, root)
   return encoded
 
 
-def _check_decodable(encoded: EncodedTree, root: str) -> None:
+def _check_decodable(encoded: EncodedTree, originals: list[Any], root: str) -> None:
   """Refuses to save what loading would refuse.
 
   The decoder validates every node (axes against arrays, labels against the
-  arrays table, classes' own checks when rebuilt); running it here, on
-  stand-ins for the arrays, applies exactly the checks a load applies, so a
-  checkpoint that could never be loaded is never written.
+  arrays table, classes' own checks when rebuilt); running it here, on the
+  very arrays being saved, applies exactly the checks a load applies, so a
+  checkpoint that could never be loaded is never written. (Abstract mode
+  only keeps mutable variables frozen: nothing is copied.)
   """
   try:
     decode(
         encoded.tree,
         encoded.variables,
-        [spec.abstract() for spec in encoded.arrays],
+        originals,
         abstract=True,
         root=root,
         labels=[spec.label for spec in encoded.arrays],

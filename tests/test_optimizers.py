@@ -173,6 +173,24 @@ def test_a_value_that_could_not_be_loaded_is_refused_at_save(ckpt):
   assert not ckpt.exists()
 
 
+@dataclasses.dataclass(frozen=True)
+class Normalized:
+  x: np.ndarray
+
+  def __post_init__(self):
+    if not np.isclose(np.asarray(self.x).sum(), 1.0):
+      raise ValueError("x must sum to 1")
+
+
+def test_the_save_time_check_sees_the_saved_arrays(ckpt):
+  """The check rebuilds classes from the real arrays, as a load does (a
+  class that reads its arrays must not be refused)."""
+  value = {"v": Normalized(np.full(4, 0.25, np.float32))}
+  pzp.save(ckpt, value, allow_modules=["test_optimizers"])
+  loaded = pzp.load(ckpt, allow_modules=["test_optimizers"])["v"]
+  assert type(loaded) is Normalized and loaded.x.tobytes() == value["v"].x.tobytes()
+
+
 # Resuming with another optimizer.
 
 
