@@ -38,25 +38,35 @@ def check_state(state: Any, optimizer: Any, params: Any, *, where: str) -> Any:
     opt_state = pzp.optimizers.check_state(restored, optimizer, params, where="ckpt")
   """
   template = jax.eval_shape(optimizer.init, params)
+  check_structure(template, state, where=where)
   expected, expected_def = jax.tree_util.tree_flatten_with_path(template)
   found, found_def = jax.tree.flatten(state)
-
-  def mismatch(what: str) -> errors.OptimizerMismatchError:
-    return errors.OptimizerMismatchError(
-        f"{where}: {what} {_FIX}", expected=expected_def, found=found_def
-    )
-
-  difference = _first_difference(template, state, ())
-  if difference is not None:
-    raise mismatch(difference)
   for (path, want), got in zip(expected, found):
     dtype = getattr(got, "dtype", None) or np.result_type(got)
     if (np.shape(got), dtype) != (want.shape, want.dtype):
-      raise mismatch(
-          f"state{jax.tree_util.keystr(path)} is {dtype}{list(np.shape(got))},"
-          f" but this optimizer expects {want.dtype}{list(want.shape)}."
+      raise errors.OptimizerMismatchError(
+          f"{where}: state{jax.tree_util.keystr(path)} is"
+          f" {dtype}{list(np.shape(got))}, but this optimizer expects"
+          f" {want.dtype}{list(want.shape)}. {_FIX}",
+          expected=expected_def,
+          found=found_def,
       )
   return jax.tree.unflatten(expected_def, found)
+
+
+def check_structure(expected: Any, found: Any, *, where: str) -> None:
+  """Raises `pz_persist.errors.OptimizerMismatchError` naming the first state
+  (class and path) where ``found`` departs from ``expected``'s structure.
+
+  Arrays are not compared (``expected`` may hold ``jax.ShapeDtypeStruct``).
+  """
+  difference = _first_difference(expected, found, ())
+  if difference is not None:
+    raise errors.OptimizerMismatchError(
+        f"{where}: {difference} {_FIX}",
+        expected=jax.tree.structure(expected),
+        found=jax.tree.structure(found),
+    )
 
 
 def _children(node: Any) -> list[tuple[tuple[Any, ...], Any]]:

@@ -28,6 +28,8 @@ from typing import Any
 from penzai import pz
 
 from pz_persist import binding
+from pz_persist import encoding
+from pz_persist import optimizers
 
 
 def trainer_items(trainer: Any) -> dict[str, Any]:
@@ -43,7 +45,23 @@ def restore_trainer(trainer: Any, items: Mapping[str, Any]) -> Any:
   The trainer's variables (model parameters and state, the trainer's own
   state) are updated in place, after checking that every one has a value that
   fits (see `pz_persist.assign_variables`); the trainer is returned with the
-  saved root RNG key.
+  saved root RNG key. A trainer built with another optimizer than the saved
+  one is refused first, naming the first differing optimizer state
+  (`pz_persist.errors.OptimizerMismatchError`).
   """
+  saved = _saved_value(items["variables"], trainer.state.label)
+  if hasattr(saved, "opt_state"):
+    optimizers.check_structure(
+        trainer.state.value.opt_state, saved.opt_state,
+        where=f"{encoding.describe_label(trainer.state.label)}.opt_state",
+    )
   binding.assign_variables(trainer, items["variables"])
   return dataclasses.replace(trainer, root_rng=items["root_rng"])
+
+
+def _saved_value(variables: Any, label: Any) -> Any:
+  """The saved value of the variable labelled ``label`` (None if absent)."""
+  for variable in variables if isinstance(variables, (list, tuple)) else ():
+    if getattr(variable, "label", None) == label:
+      return variable.value
+  return None

@@ -233,6 +233,29 @@ def test_another_optimizer_is_refused_by_name(other, expected):
   assert raised.value.found == jax.tree.structure(state)  # Full detail kept.
 
 
+def test_a_trainer_built_with_another_optimizer_is_refused_by_name(tmp_path):
+  build = lambda optimizer: basic_training.StatefulTrainer.build(  # pylint: disable=g-long-lambda
+      jax.random.key(3), training_run.model(), optimizer, training_run.loss_fn
+  )
+  trainer = build(optax.adam(1e-3))
+  trainer.step(**training_run.batch(0))
+  with pzp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, **pzp.trainer_items(trainer))
+    manager.wait_until_finished()
+    other = build(optax.adabelief(1e-3))
+    before = jax.tree.leaves(other.state.value)
+    with pytest.raises(errors.OptimizerMismatchError) as raised:
+      pzp.restore_trainer(other, manager.restore())
+  message = str(raised.value)
+  assert len(message) < 500 and re.search(
+      r"StatefulTrainer\.state\.opt_state: this optimizer's state has"
+      r" ScaleByBeliefState at state\[0\], the restored state has ScaleByAdamState",
+      message,
+  ), message
+  after = jax.tree.leaves(other.state.value)
+  assert len(after) == len(before) and all(a is b for a, b in zip(after, before))  # Untouched.
+
+
 def test_the_same_optimizer_is_accepted_and_rebuilt():
   params, state = _adam_state()
   checked = pzp.optimizers.check_state(state, optax.adam(1e-3), params, where="ckpt")
