@@ -79,9 +79,10 @@ def test_every_exported_optimizer_is_tested():
   for full_name in optax_zoo.UNBUILT:
     module, name = full_name.rsplit(".", 1)
     assert hasattr({"optax": optax, "optax.contrib": optax.contrib}[module], name)
-  assert {"adafactor", "novograd", "sm3", "masked", "multi_transform",
-          "contrib.muon", "lookahead", "contrib.galore"} <= set(NAMES)
-  assert len(NAMES) > 120
+  assert {"adafactor", "novograd", "sm3", "masked", "multi_transform", "chain",
+          "named_chain", "contrib.muon", "contrib.dpsgd", "lookahead",
+          "contrib.galore"} <= set(NAMES)
+  assert len(NAMES) > 125
 
 
 def _params():
