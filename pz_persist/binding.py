@@ -261,7 +261,7 @@ def _rename_axes(value: Any, mapping: Mapping[Any, Any] | None) -> Any:
         },
     )
 
-  return jax.tree.map(rename, value, is_leaf=pz.nx.is_namedarray)
+  return jax.tree.map(rename, value, is_leaf=encoding.fits_its_axes)
 
 
 def _describe_array(x: Any) -> str:
@@ -285,8 +285,8 @@ def _misfit(
   abstract values before any array is read. Returns the mismatch, if any, and
   whether the stored axes must be reordered to the model's order.
   """
-  values, value_def = jax.tree.flatten(value, is_leaf=pz.nx.is_namedarray)
-  targets, target_def = jax.tree.flatten(target, is_leaf=pz.nx.is_namedarray)
+  values, value_def = jax.tree.flatten(value, is_leaf=encoding.fits_its_axes)
+  targets, target_def = jax.tree.flatten(target, is_leaf=encoding.fits_its_axes)
   if value_def != target_def:
     return Mismatch(label, "structure", str(value_def), str(target_def)), False
   reorder = False
@@ -328,7 +328,7 @@ def _fit(value: Any, target: Any, *, place: bool) -> Any:
       )
     return v
 
-  return jax.tree.map(fit, value, target, is_leaf=pz.nx.is_namedarray)
+  return jax.tree.map(fit, value, target, is_leaf=encoding.fits_its_axes)
 
 
 def _model_variables(model: Any):

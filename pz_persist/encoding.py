@@ -111,6 +111,36 @@ def _decode_float(v: Any, where: str) -> float:
   raise errors.ManifestError(f"{where}: invalid float {v!r}.")
 
 
+def named_array_problem(named: Any) -> str | None:
+  """Why ``named`` (a ``NamedArray`` / ``NamedArrayView``) does not fit its
+  named axes, or None if it does.
+
+  The one test both directions apply: the encoder stores a fitting value as a
+  ``named_array`` node, which the decoder refuses unless it fits. A value that
+  does not fit is still a legitimate pytree node: optax's states are built by
+  ``tree_map`` over the parameters, so they hold NamedArrays around Adafactor's
+  factored moments, NovoGrad's scalars, SM3's lists or optax's ``MaskedNode``.
+  Those are stored as plain ``struct`` nodes, rebuilt field for field (with
+  no claim that their axes describe their data).
+  """
+  try:
+    named.check_valid()
+  except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+    return str(e)
+  return None
+
+
+def fits_its_axes(x: Any) -> bool:
+  """Whether ``x`` is a NamedArray (or view) whose data fits its named axes.
+
+  Only those are named values of their own; code that treats NamedArrays as
+  leaves (binding compares them by axes and shape) must look inside the
+  others, which only hold what ``tree_map`` put there (see
+  `named_array_problem`).
+  """
+  return isinstance(x, pz.nx.NamedArrayBase) and named_array_problem(x) is None
+
+
 def describe_label(label: Any) -> str:
   """A short, stable text for a label (for messages and the arrays table)."""
   return label if isinstance(label, str) else repr(label)
@@ -149,6 +179,7 @@ class _Encoder:
     self.arrays: list[arrays_lib.ArraySpec] = []
     self.values: list[Any] = []
     self.variables: list[Node] = []
+    self.originals: list[Any] = []  # The arrays as given, for `_check_decodable`.
     self._variable_refs: dict[int, int] = {}  # id(variable) -> ref.
 
   # Static values: labels, metadata, axis names. No arrays allowed.
@@ -300,7 +331,10 @@ class _Encoder:
     if arrays_lib.kind_of(obj) is not None:
       return self._array(obj, where, label)
     kind = type(obj)
-    if kind is pz.nx.NamedArray:
+    fits_axes = kind in (pz.nx.NamedArray, pz.nx.NamedArrayView) and (
+        named_array_problem(obj) is None
+    )
+    if kind is pz.nx.NamedArray and fits_axes:
       return {
           "t": "named_array",
           "axes": [
@@ -309,7 +343,7 @@ class _Encoder:
           ],
           "data": self.tree(obj.data_array, f"{where}.data_array", label),
       }
-    if kind is pz.nx.NamedArrayView:
+    if kind is pz.nx.NamedArrayView and fits_axes:
       return {
           "t": "named_array_view",
           "data_shape": list(obj.data_shape),
@@ -420,6 +454,7 @@ class _Encoder:
     )
     self.arrays.append(spec)
     self.values.append(arrays_lib.to_storage(obj, spec) if spec.is_stored else None)
+    self.originals.append(obj)
     return {"t": "array", "ref": index}
 
 
@@ -432,7 +467,35 @@ def encode(tree: Any, root: str = "tree") -> EncodedTree:
   """
   encoder = _Encoder()
   node = encoder.tree(tree, root)
-  return EncodedTree(node, encoder.variables, encoder.arrays, encoder.values)
+  encoded = EncodedTree(node, encoder.variables, encoder.arrays, encoder.values)
+  _check_decodable(encoded, encoder.originals, root)
+  return encoded
+
+
+def _check_decodable(encoded: EncodedTree, originals: list[Any], root: str) -> None:
+  """Refuses to save what loading would refuse.
+
+  The decoder validates every node (axes against arrays, labels against the
+  arrays table, classes' own checks when rebuilt); running it here, on the
+  very arrays being saved, applies exactly the checks a load applies, so a
+  checkpoint that could never be loaded is never written. (Abstract mode
+  only keeps mutable variables frozen: nothing is copied.)
+  """
+  try:
+    decode(
+        encoded.tree,
+        encoded.variables,
+        originals,
+        abstract=True,
+        root=root,
+        labels=[spec.label for spec in encoded.arrays],
+    )
+  except Exception as e:  # pylint: disable=broad-except
+    # Whatever a load would raise (a ManifestError, or a class's own error).
+    raise errors.EncodingError(
+        f"{e} This value could be written but never loaded, so it is not"
+        " saved."
+    ) from None
 
 
 def encode_static(value: Any, where: str) -> Node:
@@ -810,12 +873,11 @@ class _Decoder:
 
   @staticmethod
   def _checked(named: Any, where: str) -> Any:
-    try:
-      named.check_valid()
-    except (ValueError, TypeError, KeyError, IndexError) as e:
+    problem = named_array_problem(named)
+    if problem is not None:
       raise errors.ManifestError(
-          f"{where}: axis names disagree with the stored array: {e}"
-      ) from None
+          f"{where}: axis names disagree with the stored array: {problem}"
+      )
     return named
 
 

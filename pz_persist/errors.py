@@ -128,3 +128,20 @@ def _print_one_line_on_exit() -> None:
       default(kind, value, traceback)
 
   sys.excepthook = hook
+
+
+class OptimizerMismatchError(PzPersistError, ValueError):
+  """A restored optimizer state was saved by another optimizer.
+
+  The message names the first state that differs (its class and its path in
+  the state); the full structures stay available for debugging.
+
+  Attributes:
+    expected: The structure (``PyTreeDef``) of the state the optimizer builds.
+    found: The structure of the restored state.
+  """
+
+  def __init__(self, message: str, *, expected: object = None, found: object = None):
+    super().__init__(message)
+    self.expected = expected
+    self.found = found

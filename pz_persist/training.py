@@ -28,7 +28,9 @@ from typing import Any
 from penzai import pz
 
 from pz_persist import binding
+from pz_persist import encoding
 from pz_persist import errors
+from pz_persist import optimizers
 
 TRAINER_ITEMS = ("root_rng", "variables")
 
@@ -46,11 +48,13 @@ def restore_trainer(trainer: Any, items: Mapping[str, Any]) -> Any:
   The trainer's variables (model parameters and state, the trainer's own
   state) are updated in place, after checking that every one has a value that
   fits (see `pz_persist.assign_variables`); the trainer is returned with the
-  saved root RNG key.
+  saved root RNG key. A trainer built with another optimizer than the saved
+  one is refused first, naming the first differing optimizer state.
 
   Raises:
     WrongItemsError: ``items`` is not what `trainer_items` saved (a step of
       another training loop, say), naming the items it does hold.
+    OptimizerMismatchError: the trainer's optimizer is not the saved one.
   """
   found = tuple(sorted(items)) if isinstance(items, Mapping) else None
   if found is None or not set(TRAINER_ITEMS) <= set(found):
@@ -62,5 +66,19 @@ def restore_trainer(trainer: Any, items: Mapping[str, Any]) -> Any:
         " with manager.restore() and use its items directly, or point the"
         " manager at the trainer's own run directory."
     )
+  saved = _saved_value(items["variables"], trainer.state.label)
+  if hasattr(saved, "opt_state"):
+    optimizers.check_structure(
+        trainer.state.value.opt_state, saved.opt_state,
+        where=f"{encoding.describe_label(trainer.state.label)}.opt_state",
+    )
   binding.assign_variables(trainer, items["variables"])
   return dataclasses.replace(trainer, root_rng=items["root_rng"])
+
+
+def _saved_value(variables: Any, label: Any) -> Any:
+  """The saved value of the variable labelled ``label`` (None if absent)."""
+  for variable in variables if isinstance(variables, (list, tuple)) else ():
+    if getattr(variable, "label", None) == label:
+      return variable.value
+  return None

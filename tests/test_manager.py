@@ -134,7 +134,10 @@ def test_optimizer_state_is_checked_against_the_optimizer(tmp_path):
     assert_identical(restored["opt_state"], state)
     assert int(restored["opt_state"][1].count) == 1
     # Adam without the schedule: its state lacks the schedule's count.
-    with pytest.raises(errors.PzPersistError, match="holds 10 arrays, but this optimizer's state has 9"):
+    with pytest.raises(
+        errors.OptimizerMismatchError,
+        match=r"has EmptyState at state\[1\], the restored state has ScaleByScheduleState",
+    ):
       manager.restore(optimizer=optax.adam(1e-3))
 
 

@@ -340,6 +340,29 @@ def _elementwise(m):
   return m["tree"]["fields"][0][1]["items"][1]
 
 
+def variable0_axes_beside_its_data(m):
+  """Variable 0 as a NamedArray whose axes (8, 32) do not fit its [8, 16]
+  array, in the form optimizer states legitimately use (a plain struct):
+  loadable as a value, never bound into a model in place of a parameter."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from penzai import pz  # pylint: disable=g-import-not-at-top
+  from pz_persist import encoding  # pylint: disable=g-import-not-at-top
+  value = m["variables"][0]["value"]
+  named_class = encoding.encode(
+      pz.nx.NamedArray(collections.OrderedDict(a=2), np.zeros(1))
+  ).tree["class"]
+  axes = [[name, {"t": "int", "v": size}] for (name, _), size in zip(value["axes"], (8, 32))]
+  m["variables"][0]["value"] = {
+      "t": "struct",
+      "class": named_class,
+      "fields": [
+          ["named_axes", {"t": "ordered_dict", "items": axes}],
+          ["data_array", value["data"]],
+      ],
+  }
+
+
 MANIFEST_RE = r"penzai/pz_persist\.json"
 ARRAY0_RE = rf"pz_persist\.json: arrays\[0\] \(label '{LABEL0_RE}'\)"
 FN_RE = r"tree\.sublayers\[1\]\.fn"
@@ -606,4 +629,8 @@ CASES: list[Case] = [
          errors.ManifestError, MANIFEST_RE + r": invalid writer 'pz\\x1b\]0;x"),
     Case("path_with_escapes", edit(lambda m: m["arrays"][1].update(path="tree\r\x1b[1A")),
          errors.ManifestError, MANIFEST_RE + r": arrays\[1\].*: invalid path 'tree\\r"),
+    # A NamedArray that does not fit its data (as in optax's states).
+    Case("variable_named_array_does_not_fit_its_data",
+         edit(variable0_axes_beside_its_data), errors.PzPersistError,
+         rf"{LABEL0_RE}.*structure", frozenset({INTO})),
 ]
