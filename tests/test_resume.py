@@ -36,3 +36,29 @@ def test_resume_in_a_new_process_is_exact(mode, tmp_path):
   assert resumed["losses"] == straight["losses"]  # Every loss, bit for bit.
   assert resumed["params"] == straight["params"]
   assert resumed["count"] == straight["count"] == STEPS  # Schedule not restarted.
+
+
+def test_restore_trainer_names_the_items_of_another_kind_of_step(tmp_path):
+  """A step of a plain optax loop is not a trainer checkpoint: say so."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  from penzai import pz  # pylint: disable=import-outside-toplevel
+  from penzai.toolshed import basic_training  # pylint: disable=import-outside-toplevel
+
+  import model_zoo  # pylint: disable=import-outside-toplevel
+  import pz_persist as pzp  # pylint: disable=import-outside-toplevel
+
+  _, params = pz.unbind_params(model_zoo.mlp(), freeze=True)
+  optimizer = optax.adam(1e-3)
+  with pzp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, params=params, opt_state=optimizer.init(params))
+    manager.wait_until_finished()
+    items = manager.restore()
+  trainer = basic_training.StatefulTrainer.build(
+      jax.random.key(0), pz.unbind_params(model_zoo.mlp())[0], optimizer,
+      lambda **kwargs: (0.0, None, {}),
+  )
+  with pytest.raises(pzp.errors.WrongItemsError,
+                     match=r"this step holds opt_state, params, not a StatefulTrainer"
+                           r" checkpoint \(which holds root_rng, variables"):
+    pzp.restore_trainer(trainer, items)
