@@ -122,7 +122,11 @@ def _file_problem(full: str, size: int, digest: str) -> str | None:
     return "missing" if stat.S_ISDIR(info.st_mode) else "not a regular file"
   if info.st_size != size:
     return f"{info.st_size} bytes, {size} when saved"
-  if checksums.file_digest(full) != digest:
+  try:
+    changed = checksums.file_digest(full) != digest
+  except OSError:  # Swapped for a link, FIFO or device since the lstat.
+    return "not a regular file"
+  if changed:
     return "contents changed since it was saved"
   return None
 

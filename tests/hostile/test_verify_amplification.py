@@ -172,3 +172,20 @@ def test_format_1_manifests_without_checksums_still_load(ckpt):
 ])
 def test_tiles(shape, indices, tiled):
   assert checksums.tiles(indices, shape) == tiled
+
+
+def test_file_digest_reads_only_the_regular_file_it_opened(tmp_path):
+  """A file swapped after verify's lstat (for a FIFO, a link out) is refused
+  by the open itself: never blocks on the FIFO, never hashes the target."""
+  from pz_persist import checksums  # pylint: disable=import-outside-toplevel
+
+  fifo = tmp_path / "fifo"
+  os.mkfifo(fifo)
+  link = tmp_path / "link"
+  link.symlink_to("/etc/passwd")
+  for path in (fifo, link):
+    with pytest.raises(OSError):
+      checksums.file_digest(str(path))
+  regular = tmp_path / "regular"
+  regular.write_bytes(b"x" * 10)
+  assert len(checksums.file_digest(str(regular))) == 32
