@@ -25,7 +25,7 @@ def _save_and_restore_fresh(directory, registry_factory):
 
 
 def test_registry_restores_without_the_orbax_warning(tmp_path, caplog):
-  with caplog.at_level(logging.WARNING):
+  with caplog.at_level(logging.WARNING, logger="absl"):
     params, restored = _save_and_restore_fresh(
         tmp_path / "run", lambda: pzp.handler_registry("params")
     )
@@ -35,7 +35,7 @@ def test_registry_restores_without_the_orbax_warning(tmp_path, caplog):
 
 def test_without_the_registry_orbax_warns(tmp_path, caplog):
   """Why the registry exists: Orbax's own default registry warns first."""
-  with caplog.at_level(logging.WARNING):
+  with caplog.at_level(logging.WARNING, logger="absl"):
     params, restored = _save_and_restore_fresh(tmp_path / "run", lambda: None)
   assert_identical(restored, params)
   assert WARNING in caplog.text
