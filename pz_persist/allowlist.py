@@ -170,9 +170,18 @@ refused: the message says to import it first, or to allow it.
 _UNNAMEABLE_PARTS = frozenset({"test", "tests", "testing", "conftest", "setup"})
 
 
-def _is_unnameable_part(part: str) -> bool:
+PRIVATE_STATE_MODULES: tuple[str, ...] = ("optax",)
+"""Libraries whose private modules (``optax.schedules._inject``) a checkpoint
+may name. optax defines some optimizer-state classes only there
+(``WrappedScheduleState`` of ``inject_hyperparams``, ...), never re-exported,
+and ``import optax`` imports every one of them: naming them imports nothing
+new, and refusing them would make those optimizers' states unsaveable.
+Entry points (``__main__``) and test modules stay refused there too."""
+
+
+def _is_unnameable_part(part: str, *, private_ok: bool = False) -> bool:
   return (
-      part.startswith("_")  # Private, and __main__ (a program, not a library).
+      (part.startswith("_") and not (private_ok and not part.startswith("__")))
       or part in _UNNAMEABLE_PARTS
       or part.startswith("test_")
       or part.endswith(("_test", "_tests"))
@@ -201,7 +210,11 @@ def refused_part(module_name: str) -> str | None:
       (len(t.split(".")) for t in user_trees if _within(module_name, (t,))),
       default=0,
   )
-  return next((p for p in parts[covered:] if _is_unnameable_part(p)), None)
+  private_ok = _within(module_name, PRIVATE_STATE_MODULES)
+  return next(
+      (p for p in parts[covered:] if _is_unnameable_part(p, private_ok=private_ok)),
+      None,
+  )
 
 
 def may_import(module_name: str) -> bool:
