@@ -22,6 +22,7 @@ every bar off too.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Union
@@ -58,8 +59,8 @@ class Tracker:
     """Adds ``amount`` units to the total, for work found along the way."""
     self.total += amount
     if self._bar is not None:
+      # Shown at the next step: a refresh would show a delayed bar at once.
       self._bar.total = self.total
-      self._bar.refresh()
 
 
 def wanted(progress: Progress) -> bool:
@@ -89,10 +90,11 @@ def _in_kernel() -> bool:
   return getattr(shell, "kernel", None) is not None
 
 
-def _bar(total: int, description: str, unit: str) -> Any:
-  """A tqdm bar on stderr: the notebook widget in a kernel (when ipywidgets
-  is installed), text elsewhere."""
-  if _in_kernel():
+def _bar(total: int, description: str, unit: str, delay: float) -> Any:
+  """A tqdm bar on stderr: the notebook widget in a kernel when ipywidgets
+  is installed, text elsewhere (tqdm.auto would warn about the missing
+  widgets in every notebook that lacks them)."""
+  if _in_kernel() and importlib.util.find_spec("ipywidgets") is not None:
     from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
   else:
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -100,13 +102,13 @@ def _bar(total: int, description: str, unit: str) -> Any:
   return tqdm(
       total=total, desc=terminal.printable(description, newlines=False), unit=unit,
       unit_scale=scaled, unit_divisor=1024 if scaled else 1000, file=sys.stderr,
-      dynamic_ncols=True,
+      dynamic_ncols=True, delay=delay,
   )
 
 
 @contextlib.contextmanager
 def tracking(progress: Progress, description: str, total: int = 0,
-             unit: str = "B") -> Iterator[Tracker]:
+             unit: str = "B", delay: float = 0.0) -> Iterator[Tracker]:
   """A `Tracker` for one operation, showing what ``progress`` asks for.
 
   Example::
@@ -122,6 +124,9 @@ def tracking(progress: Progress, description: str, total: int = 0,
       sequences in it are neutralized, as paths come from anywhere).
     total: Units in all, if known (else `Tracker.grow` them later).
     unit: ``"B"`` for bytes (shown as KiB, MiB...), or a step's name.
+    delay: With ``progress=None``, show the bar only once the operation has
+      taken this many seconds (for operations that are usually quick, such
+      as loads: small ones then print nothing).
 
   Raises:
     TypeError: ``progress`` is neither None, a bool nor a callable.
@@ -132,7 +137,9 @@ def tracking(progress: Progress, description: str, total: int = 0,
         " False, or a function called as progress(done, total)."
     )
   hook = progress if callable(progress) and not isinstance(progress, bool) else None
-  bar = _bar(total, description, unit) if hook is None and wanted(progress) else None
+  bar = None
+  if hook is None and wanted(progress):
+    bar = _bar(total, description, unit, delay if progress is None else 0.0)
   try:
     yield Tracker(total, hook, bar)
   finally:

@@ -21,6 +21,7 @@ import pytest
 import pz_persist as pzp
 from pz_persist import cli
 from pz_persist import file_digests
+from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
 from pz_persist.pretrained import safetensors_io
 
@@ -36,6 +37,11 @@ def _arrays() -> dict:
 
 def _array_bytes(tree: dict) -> int:
   return sum(np.asarray(a).nbytes for a in tree.values())
+
+
+class _Terminal(io.StringIO):
+  def isatty(self) -> bool:
+    return True
 
 
 class _Seen:
@@ -82,6 +88,30 @@ def test_diff_counts_array_bytes(tmp_path):
   seen.check_complete(_array_bytes(tree), steps=len(tree))
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_load_counts_array_bytes(tmp_path, monkeypatch, direct):
+  tree = _arrays()
+  pzp.save(tmp_path / "ckpt", tree)
+  if not direct:  # Orbax's restore, a batch at a time (one batch here).
+    monkeypatch.setattr(orbax_v0.direct_read, "applies", lambda targets: False)
+  seen = _Seen()
+  loaded = pzp.load(tmp_path / "ckpt", progress=seen)
+  np.testing.assert_array_equal(loaded["a"], tree["a"])
+  seen.check_complete(_array_bytes(tree), steps=len(tree) if direct else 1)
+
+
+def test_quick_loads_show_no_automatic_bar_on_a_terminal(tmp_path, monkeypatch):
+  pzp.save(tmp_path / "ckpt", _arrays())
+  terminal = _Terminal()
+  monkeypatch.setattr(sys, "stderr", terminal)
+  monkeypatch.setattr(orbax_v0, "LOAD_PROGRESS_DELAY", 3600)
+  pzp.load(tmp_path / "ckpt")
+  assert terminal.getvalue() == ""
+  monkeypatch.setattr(orbax_v0, "LOAD_PROGRESS_DELAY", 0)
+  pzp.load(tmp_path / "ckpt")
+  assert "loading" in terminal.getvalue()
+
+
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> str:
   from pretrained import test_hf  # pylint: disable=import-outside-toplevel
@@ -121,11 +151,6 @@ def test_nothing_is_printed_by_default_when_stderr_is_not_a_terminal(tmp_path, c
   assert capfd.readouterr().err == ""
   pzp.verify(tmp_path / "a", progress=True)  # Asked for: shown even here.
   assert "verifying" in capfd.readouterr().err
-
-
-class _Terminal(io.StringIO):
-  def isatty(self) -> bool:
-    return True
 
 
 def test_a_bar_by_default_on_a_terminal_and_none_when_false(tmp_path, monkeypatch):
