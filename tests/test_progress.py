@@ -15,8 +15,11 @@ import sys
 import termios
 import types
 
+import jax
 import numpy as np
 import pytest
+from penzai import pz
+from penzai.models import simple_mlp
 
 import pz_persist as pzp
 from pz_persist import cli
@@ -98,6 +101,17 @@ def test_load_counts_array_bytes(tmp_path, monkeypatch, direct):
   loaded = pzp.load(tmp_path / "ckpt", progress=seen)
   np.testing.assert_array_equal(loaded["a"], tree["a"])
   seen.check_complete(_array_bytes(tree), steps=len(tree) if direct else 1)
+
+
+def test_load_model_counts_array_bytes_alone_and_into_a_model(tmp_path):
+  mlp = simple_mlp.MLP.from_config(
+      name="mlp", init_base_rng=jax.random.key(0), feature_sizes=[8, 16, 4])
+  pzp.save_model(tmp_path / "m", mlp)
+  nbytes = sum(p.value.data_array.nbytes for p in pz.unbind_params(mlp)[1])
+  for into in (None, mlp):
+    seen = _Seen()
+    pzp.load_model(tmp_path / "m", into=into, progress=seen)
+    seen.check_complete(nbytes, steps=1)
 
 
 def test_quick_loads_show_no_automatic_bar_on_a_terminal(tmp_path, monkeypatch):
