@@ -38,6 +38,7 @@ from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
+from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 
 LabelGlobs = Union[str, Sequence[str]]
@@ -361,6 +362,7 @@ def load_into(
     overlay: bool = False,
     sharding: sharding_lib.Target = None,
     verify: bool = True,
+    progress: progress_lib.Progress = None,
 ) -> tuple[Any, LoadReport]:
   """Loads the variables of the checkpoint item at ``item`` into ``model``.
 
@@ -373,7 +375,7 @@ def load_into(
   manifest = manifest_lib.read(item)
   stored, renamed = _checkpoint_variables(manifest, where, _rules(rename))
   return bind(
-      where, model, _ManifestSource(item, manifest, stored, rename_axes),
+      where, model, _ManifestSource(item, manifest, stored, rename_axes, progress),
       renamed=renamed, strict=strict, only=only, dtype=dtype,
       allow_lossy=allow_lossy, overlay=overlay, sharding=sharding, verify=verify,
   )
@@ -475,10 +477,12 @@ class _ManifestSource:
   """A pz_persist checkpoint's variables: decoded from its manifest, read
   through `pz_persist.orbax_v0`."""
 
-  def __init__(self, item, manifest: manifest_lib.Manifest, stored, rename_axes):
+  def __init__(self, item, manifest: manifest_lib.Manifest, stored, rename_axes,
+               progress: progress_lib.Progress = None):
     self._item = item
     self._manifest = manifest
     self._rename_axes = rename_axes
+    self._progress = progress
     self._abstract_arrays = [spec.abstract() for spec in manifest.arrays]
     self.stored = stored
 
@@ -498,9 +502,12 @@ class _ManifestSource:
     refs = {ref for label in labels for ref in self.stored[label].refs}
     handler = orbax_v0.PenzaiCheckpointHandler()
     try:
-      arrays = handler.read_arrays(
-          self._item, self._manifest, sharding=sharding, refs=refs, verify=verify
-      )
+      with progress_lib.tracking(self._progress, f"loading {self._item}",
+                                 delay=orbax_v0.LOAD_PROGRESS_DELAY) as tracker:
+        arrays = handler.read_arrays(
+            self._item, self._manifest, sharding=sharding, refs=refs, verify=verify,
+            tracker=tracker,
+        )
     finally:
       handler.close()
     return {label: self._value(self.stored[label], arrays) for label in labels}

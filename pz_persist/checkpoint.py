@@ -44,6 +44,7 @@ from pz_persist import errors
 from pz_persist import leftovers
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
+from pz_persist import progress as progress_lib
 from pz_persist import restoring
 from pz_persist import safe_io
 from pz_persist import safety
@@ -187,6 +188,7 @@ def load(
     sharding: sharding_lib.Target = None,
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
+    progress: progress_lib.Progress = None,
 ) -> Any:
   """Loads a tree saved by `save` (or through `PenzaiSave`), with no template.
 
@@ -210,6 +212,10 @@ def load(
       whole checkpoint.
     allow_modules: Extra modules the checkpoint may name classes from, for
       this call only; see `pz_persist.allow_modules`.
+    progress: None (default): a bar on stderr, if it is a terminal or in a
+      notebook, once a load has taken a second; True: always; False: never;
+      or a function called as ``progress(done, total)`` with the bytes read
+      (`pz_persist.progress`).
 
   Returns:
     The saved tree. Mutable variables come back as new mutable variables
@@ -243,7 +249,8 @@ def load(
           handler = orbax_v0.PenzaiCheckpointHandler()
           try:
             tree = handler.restore(
-                item, orbax_v0.PenzaiRestore(sharding=sharding, verify=verify)
+                item, orbax_v0.PenzaiRestore(sharding=sharding, verify=verify,
+                                             progress=progress)
             )
           finally:
             handler.close()

@@ -18,6 +18,7 @@ from typing import TextIO
 from pz_persist import diffing
 from pz_persist import errors
 from pz_persist import leftovers
+from pz_persist import progress as progress_lib
 from pz_persist import steps
 from pz_persist import terminal
 from pz_persist import verifying
@@ -77,7 +78,8 @@ def _number(x: float) -> str:
 
 
 def _diff(args: argparse.Namespace) -> int:
-  result = diffing.diff(args.a, args.b, batch_bytes=args.batch_mib * 2**20)
+  result = diffing.diff(args.a, args.b, batch_bytes=args.batch_mib * 2**20,
+                        progress=_progress(args))
   sections = [
       ("model structure or labels differ", result.structure),
       ("only in A", result.only_in_a),
@@ -107,7 +109,7 @@ def _diff(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
   damaged = 0
   for path in args.paths:
-    report = verifying.verify(path)
+    report = verifying.verify(path, progress=_progress(args))
     _print(str(report))
     damaged += not report.ok
   return 1 if damaged else 0
@@ -139,11 +141,15 @@ def _ls(args: argparse.Namespace) -> int:
   return 0
 
 
+def _progress(args: argparse.Namespace) -> progress_lib.Progress:
+  """Bars on a terminal (stderr), none with ``--quiet`` or in logs."""
+  return False if args.quiet else None
+
+
 def _convert(args: argparse.Namespace) -> int:
   """Loads pretrained weights once and writes them as a native checkpoint,
   which `pz_persist.load_model` then reloads without any conversion."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
 
   from pz_persist import model as model_lib  # pylint: disable=import-outside-toplevel
 
@@ -152,26 +158,20 @@ def _convert(args: argparse.Namespace) -> int:
         f"{args.dst} exists; pass --overwrite to replace it."
     )
   dtype = None if args.dtype is None else jnp.dtype(args.dtype)
-  with tqdm(desc=f"reading {args.format}", unit="array", file=sys.stderr,
-            disable=args.quiet) as bar:
-    def progress(done: int, total: int) -> None:
-      bar.total = total
-      bar.update(done - bar.n)
+  if args.format == "gemma":
+    from pz_persist.pretrained import gemma  # pylint: disable=import-outside-toplevel
 
-    if args.format == "gemma":
-      from pz_persist.pretrained import gemma  # pylint: disable=import-outside-toplevel
+    preset = {"like": args.preset_like} if args.preset_like else args.preset
+    model = gemma.load_gemma(args.src, preset=preset, dtype=dtype, progress=_progress(args))
+  else:
+    from pz_persist.pretrained import hf  # pylint: disable=import-outside-toplevel
 
-      preset = {"like": args.preset_like} if args.preset_like else args.preset
-      model = gemma.load_gemma(args.src, preset=preset, dtype=dtype, progress=progress)
-    else:
-      from pz_persist.pretrained import hf  # pylint: disable=import-outside-toplevel
-
-      model = hf.load_hf(args.src, dtype=dtype)  # No per-tensor hook: one step.
-      progress(1, 1)
-  with tqdm(desc="writing", total=1, unit="checkpoint", file=sys.stderr,
-            disable=args.quiet) as bar:
+    model = hf.load_hf(args.src, dtype=dtype, progress=_progress(args))
+  # Orbax writes the checkpoint in one call: one step, showing the time taken.
+  with progress_lib.tracking(_progress(args), f"writing {args.dst}", 1,
+                             unit="checkpoint") as tracker:
     model_lib.save_model(args.dst, model, overwrite=args.overwrite)
-    bar.update(1)
+    tracker.advance()
   _print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
   return 0
 
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
       "--batch-mib", type=int, default=diffing.DEFAULT_BATCH_BYTES // 2**20,
       help="most MiB read from each checkpoint at once (default: %(default)s)",
   )
+  diff.add_argument("--quiet", action="store_true", help="no progress bar")
   diff.set_defaults(run=_diff)
 
   verify = commands.add_parser(
@@ -252,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
       " file and label. Exits 0 if all are intact, 1 if any is damaged.",
   )
   verify.add_argument("paths", nargs="+", metavar="path")
+  verify.add_argument("--quiet", action="store_true", help="no progress bars")
   verify.set_defaults(run=_verify)
 
   ls = commands.add_parser(

@@ -22,6 +22,7 @@ from pz_persist import batching
 from pz_persist import checkpoint
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
+from pz_persist import progress as progress_lib
 
 DEFAULT_BATCH_BYTES = 256 * 2**20
 """Most array bytes read from each checkpoint at once."""
@@ -228,6 +229,7 @@ def diff(
     path_b: epath.PathLike,
     *,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
+    progress: progress_lib.Progress = None,
 ) -> CheckpointDiff:
   """Compares checkpoints A and B, reading at most ``batch_bytes`` at a time.
 
@@ -236,6 +238,15 @@ def diff(
     result = pzp.diff("/tmp/run/100/params", "/tmp/run/200/params")
     for array in result.arrays:
       print(array.name, array.max_abs, array.relative_l2)
+
+  Args:
+    path_a: Checkpoint A (a checkpoint directory or its item directory).
+    path_b: Checkpoint B.
+    batch_bytes: Most array bytes read from each checkpoint at once.
+    progress: None (default): a bar on stderr if it is a terminal or in a
+      notebook; True: always; False: never; or a function called as
+      ``progress(done, total)`` with bytes of A's arrays compared
+      (`pz_persist.progress`).
   """
   items = [checkpoint.find_item(p) for p in (path_a, path_b)]
   manifests = [manifest_lib.read(item) for item in items]
@@ -255,16 +266,19 @@ def diff(
 
   sizes = {n: manifests[0].arrays[names_a[n]].nbytes for n in common}
   handler = orbax_v0.PenzaiCheckpointHandler()
+  description = f"comparing {items[0]} with {items[1]}"
   try:
-    for batch in batching.batches(common, sizes.__getitem__, batch_bytes):
-      values = [
-          handler.read_arrays(item, manifest, refs={names[n] for n in batch})
-          for item, manifest, names in zip(items, manifests, (names_a, names_b))
-      ]
-      result.arrays.extend(
-          _compare(n, values[0][names_a[n]], values[1][names_b[n]]) for n in batch
-      )
-      del values
+    with progress_lib.tracking(progress, description, sum(sizes.values())) as tracker:
+      for batch in batching.batches(common, sizes.__getitem__, batch_bytes):
+        values = [
+            handler.read_arrays(item, manifest, refs={names[n] for n in batch})
+            for item, manifest, names in zip(items, manifests, (names_a, names_b))
+        ]
+        result.arrays.extend(
+            _compare(n, values[0][names_a[n]], values[1][names_b[n]]) for n in batch
+        )
+        del values
+        tracker.advance(sum(sizes[n] for n in batch))
   finally:
     handler.close()
   return result

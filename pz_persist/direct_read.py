@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import json
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -89,13 +89,15 @@ def read(
     *,
     where: str,
     verify: bool = False,
+    on_read: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
   """Reads the stored arrays of ``specs``: ``{key: array}``.
 
   Each array is a NumPy array where its target is None, else a ``jax.Array``
   on the target's device (on CPU, the very buffer read into). With
   ``verify``, each array is checked against its checksums as soon as it is
-  read, while TensorStore goes on reading the next ones.
+  read, while TensorStore goes on reading the next ones. ``on_read`` is
+  called with each array's key once it is read (and checked), for progress.
 
   Raises:
     IntegrityError: Orbax's ``_METADATA`` cannot be read; or, with
@@ -141,6 +143,8 @@ def read(
       found = checksums.check(out, spec.checksums)
       if found.mismatched:
         damaged.append(restoring.describe_damage(spec, found))
+    if on_read is not None:
+      on_read(spec.key)
     return out.nbytes
 
   in_flight, flying_bytes = collections.deque(), 0

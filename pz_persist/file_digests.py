@@ -29,6 +29,7 @@ from pz_persist import bounded_json
 from pz_persist import checksums
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import progress as progress_lib
 from pz_persist import safe_io
 
 FILENAME = "pz_persist.files.json"
@@ -74,12 +75,18 @@ def write(directory: epath.Path) -> None:
   safe_io.write_small_file(os.path.join(root, FILENAME), data)
 
 
-def check(directory: epath.Path) -> tuple[int, list[str]] | None:
+def check(
+    directory: epath.Path, tracker: progress_lib.Tracker | None = None
+) -> tuple[int, list[str]] | None:
   """Compares the item's files with the recorded list, each with its digest.
 
   The recorded files must be exactly those on disk: a file missing, added,
   resized, changed or no longer a regular file is a problem. Each file is
   hashed at most once (the list names each by one canonical path).
+
+  Args:
+    directory: The checkpoint item directory.
+    tracker: Told the recorded bytes, then each file's once it is checked.
 
   Returns:
     ``(files checked, problems)``, one problem line per missing, added,
@@ -95,12 +102,16 @@ def check(directory: epath.Path) -> tuple[int, list[str]] | None:
   except FileNotFoundError:
     return None
   recorded = _parse(raw, where=path)
+  if tracker is not None:
+    tracker.grow(sum(size for size, _ in recorded.values()))
   problems = []
   for rel, (size, digest) in recorded.items():
     full = os.path.join(root, rel)
     problem = _file_problem(full, size, digest)
     if problem:
       problems.append(f"{full}: {problem}")
+    if tracker is not None:
+      tracker.advance(size)
   problems += [
       f"{os.path.join(root, rel)}: not recorded when the checkpoint was saved"
       for rel in _files(root) if rel not in recorded and rel != _ORBAX_MARKER

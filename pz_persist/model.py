@@ -30,6 +30,7 @@ from pz_persist import checkpoint
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import plain_orbax
+from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 
 
@@ -96,6 +97,7 @@ def load_model(
     sharding: sharding_lib.Target = None,
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
+    progress: progress_lib.Progress = None,
 ) -> Any:
   """Loads a model saved by `save_model`, or binds a checkpoint into a model.
 
@@ -152,6 +154,10 @@ def load_model(
     verify: Check every array read against its recorded checksum, before
       anything is built (see `pz_persist.load`).
     allow_modules: Extra modules the checkpoint may name, for this call.
+    progress: A bar while the arrays are read (see `pz_persist.load`): None
+      for one on a terminal or in a notebook once a load has taken a second,
+      True, False, or a function called as ``progress(done, total)`` in
+      bytes. Plain Orbax checkpoints are read in one Orbax call: no steps.
 
   Returns:
     The model, or ``(model, report)`` when ``strict=False``.
@@ -169,7 +175,7 @@ def load_model(
       # checked on the manifest, before any array is read.
       item = checkpoint.find_item(path)
       catalog.variables(manifest_lib.read(item), where=str(item))
-      model = checkpoint.load(path, sharding=sharding, verify=verify)
+      model = checkpoint.load(path, sharding=sharding, verify=verify, progress=progress)
       if not isinstance(model, pz.Struct):
         raise errors.PzPersistError(
             f"{path} holds a {type(model).__name__}, not a model. Load it with"
@@ -202,6 +208,7 @@ def load_model(
         overlay=overlay,
         sharding=sharding,
         verify=verify,
+        progress=progress,
     )
     return model if strict else (model, report)
 

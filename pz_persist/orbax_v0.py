@@ -47,6 +47,7 @@ from pz_persist import errors
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import memory
+from pz_persist import progress as progress_lib
 from pz_persist import restoring
 from pz_persist import safety
 from pz_persist import sharding as sharding_lib
@@ -62,6 +63,10 @@ DEFAULT_READ_BATCH_BYTES = 64 * 2**20
 shards). Reading every array at once keeps the read buffer and the final
 array of each alive together, doubling peak memory; batches bound that to
 one batch."""
+
+LOAD_PROGRESS_DELAY = 1.0
+"""Seconds a load takes before its automatic progress bar appears: loads are
+frequent and mostly quick, and a bar for each would bury what they print."""
 
 
 def encode_manifest(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
@@ -193,9 +198,12 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     args = args or PenzaiRestore()
     check_item_contained(directory)
     manifest = manifest_lib.read(directory)
-    values = self.read_arrays(
-        directory, manifest, sharding=args.sharding, verify=args.verify
-    )
+    with progress_lib.tracking(args.progress, f"loading {directory}",
+                               delay=LOAD_PROGRESS_DELAY) as tracker:
+      values = self.read_arrays(
+          directory, manifest, sharding=args.sharding, verify=args.verify,
+          tracker=tracker,
+      )
     return restoring.decode(manifest, values, where=str(directory))
 
   def read_arrays(
@@ -207,6 +215,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       refs: Collection[int] | None = None,
       verify: bool = True,
       to_host: bool = False,
+      tracker: progress_lib.Tracker | None = None,
   ) -> list[Any]:
     """Reads arrays of the manifest, all of them or those indexed by ``refs``.
 
@@ -214,6 +223,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     omission), the bytes read are checked against the manifest's checksums
     (`pz_persist.errors.IntegrityError` names the damaged arrays).
     With ``to_host``, every array is read as a NumPy array (for checking).
+    A ``tracker`` is told the bytes to read, then each array's or batch's.
 
     Every file of ``directory`` is checked (`safety.files_unchanged`)
     before the read and again after it: what TensorStore read is only
@@ -226,7 +236,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     with safety.files_unchanged(directory):
       return self._read_arrays(
           directory, manifest, sharding=sharding, refs=refs, verify=verify,
-          to_host=to_host,
+          to_host=to_host, tracker=tracker,
       )
 
   def _read_arrays(
@@ -238,6 +248,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       refs: Collection[int] | None,
       verify: bool,
       to_host: bool,
+      tracker: progress_lib.Tracker | None,
   ) -> list[Any]:
     where = str(directory)
     restoring.check_loadable(manifest, where, refs)
@@ -254,10 +265,13 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     safety.check_allocation(wanted, sizes, where=where)
     if wanted:  # Before Orbax or a direct read parses it, with no limits.
       bounded_json.check_orbax_metadata(directory)
+    if tracker is not None:
+      tracker.grow(sum(sizes.values()))
     if wanted and self._direct and direct_read.applies(targets):
+      on_read = None if tracker is None else lambda key: tracker.advance(sizes[key])
       try:
         stored = direct_read.read(
-            directory, wanted, targets, where=where, verify=verify
+            directory, wanted, targets, where=where, verify=verify, on_read=on_read
         )
       except direct_read.ArrayReadError as e:
         raise read_failure(manifest, [e.key], where, e.cause) from e.cause
@@ -293,6 +307,8 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       except Exception as e:  # pylint: disable=broad-exception-caught
         raise read_failure(manifest, batch, where, e) from e
       memory.release_freed()
+      if tracker is not None:
+        tracker.advance(sum(sizes[key] for key in batch))
     return restoring.values(
         manifest, stored, where=where, target=sharding, refs=refs, verify=verify
     )
@@ -397,7 +413,12 @@ class PenzaiRestore(ocp.args.CheckpointArgs):
       the first local device. NumPy arrays are restored as NumPy arrays.
     verify: Check the bytes read against the checksums recorded at save time
       (about 0.1 s per GiB; see `pz_persist.load`).
+    progress: None (default): a bar on stderr, if it is a terminal or in a
+      notebook, for loads taking over `LOAD_PROGRESS_DELAY` seconds; True:
+      always; False: never; or a function called as ``progress(done,
+      total)`` with the bytes read (`pz_persist.progress`).
   """
 
   sharding: sharding_lib.Target = None
   verify: bool = True
+  progress: progress_lib.Progress = None

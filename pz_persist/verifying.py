@@ -24,6 +24,7 @@ from pz_persist import errors
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
+from pz_persist import progress as progress_lib
 from pz_persist import terminal
 
 
@@ -81,7 +82,10 @@ def _one_line(text: str) -> str:
 
 
 def verify(
-    path: epath.PathLike, *, read_batch_bytes: int = orbax_v0.DEFAULT_READ_BATCH_BYTES
+    path: epath.PathLike,
+    *,
+    read_batch_bytes: int = orbax_v0.DEFAULT_READ_BATCH_BYTES,
+    progress: progress_lib.Progress = None,
 ) -> VerifyReport:
   """Checks every file and every array of a checkpoint; names what is damaged.
 
@@ -98,14 +102,25 @@ def verify(
   Args:
     path: A checkpoint directory, or the item directory inside one.
     read_batch_bytes: About how many bytes of arrays to hold at once.
+    progress: None (default): a bar on stderr if it is a terminal or in a
+      notebook; True: always; False: never; or a function called as
+      ``progress(done, total)`` with bytes of files hashed and arrays read
+      (`pz_persist.progress`).
 
   Raises:
     NotACheckpointError: ``path`` holds no pz_persist checkpoint.
   """
   item = checkpoint.find_item(path)
+  with progress_lib.tracking(progress, f"verifying {item}") as tracker:
+    return _verify(item, read_batch_bytes, tracker)
+
+
+def _verify(item: epath.Path, read_batch_bytes: int, tracker: progress_lib.Tracker) -> VerifyReport:
+  """`verify` of an item directory, telling ``tracker`` each file's and each
+  batch's bytes as they are checked."""
   damaged: list[str] = []
   try:
-    files = file_digests.check(item)
+    files = file_digests.check(item, tracker)
   except errors.ManifestError as e:  # A forged or damaged digest list.
     damaged.append(str(e))
     files = (0, [])
@@ -129,9 +144,11 @@ def verify(
         if spec.is_stored and spec.checksums is not None
     ]  # fmt: skip
     nbytes = [spec.nbytes for spec in manifest.arrays]
+    tracker.grow(sum(nbytes[index] for index in checksummed))
     for batch in batching.batches(checksummed, nbytes.__getitem__, read_batch_bytes):
       damaged += _check_batch(handler, item, manifest, batch)
       checked += len(batch)
+      tracker.advance(sum(nbytes[index] for index in batch))
   finally:
     handler.close()
   return VerifyReport(

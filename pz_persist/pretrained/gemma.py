@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -50,13 +51,14 @@ from penzai.models.transformer.variants import gemma as pz_gemma
 
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import progress as progress_lib
 from pz_persist import safety
 from pz_persist import sharding as sharding_lib
 from pz_persist.pretrained import _files
 
 __all__ = ["GemmaCheckpointError", "known_presets", "load_gemma"]
 
-Progress = Callable[[int, int], None]
+Progress = progress_lib.Progress
 
 
 class GemmaCheckpointError(errors.PzPersistError, ValueError):
@@ -94,7 +96,7 @@ def load_gemma(
     sharding: sharding_lib.Target = None,
     upcast_activations_to_float32: bool = False,
     use_layer_stack: bool = False,
-    progress: Progress | None = None,
+    progress: Progress = None,
 ) -> model_parts.TransformerLM:
   """Loads an official Gemma (1 or 2) Flax checkpoint as a Penzai model.
 
@@ -124,9 +126,12 @@ def load_gemma(
       ``vocabulary``...) to mesh axes. Default: the first local device.
     upcast_activations_to_float32: Passed to Penzai's converter.
     use_layer_stack: Passed to Penzai's converter.
-    progress: Called as ``progress(done, total)`` as checkpoint arrays are
-      converted, then (with ``sharding``) as parameters are placed, when
-      ``total`` grows by the number of parameters (e.g. to drive a tqdm bar).
+    progress: None (default): a bar on stderr if it is a terminal or in a
+      notebook; True: always; False: never; or a function called as
+      ``progress(done, total)`` in bytes, as checkpoint arrays are converted
+      (after Orbax has read them all, in one call), then, with ``sharding``,
+      as parameters are placed, when ``total`` grows by their bytes
+      (`pz_persist.progress`).
 
   Returns:
     Penzai's ``TransformerLM``.
@@ -147,31 +152,42 @@ def load_gemma(
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
   _refuse_gemma3(stored, path)
   name, kwargs, transpose = _resolve_preset(stored, preset, path)
-  params = _read(path, tree, dtype)
-  total = sum(len(arrays) for arrays in params.values())
-  done = [0]
-
-  def consumed() -> None:
-    done[0] += 1
-    if progress is not None:
-      progress(done[0], total)
-
-  releasing = _releasing_params(params, name, kwargs, transpose, consumed,
-                                upcast_activations_to_float32, use_layer_stack)
-  del params  # Only the releasing mappings hold the arrays now.
-  with _registered(name, kwargs, transpose):
-    model = pz_gemma.gemma_from_pretrained_checkpoint(
-        releasing, upcast_activations_to_float32=upcast_activations_to_float32,
-        use_layer_stack=use_layer_stack, preset_name=name,
-    )
-  del releasing
-  if sharding is not None:
-    variables = list(pz.unbind_params(model)[1])
-    for index, param in enumerate(variables):
-      param.value = _place(param.value, sharding, param.label)
-      if progress is not None:
-        progress(total + index + 1, total + len(variables))
+  total = _read_bytes(tree, dtype)
+  with progress_lib.tracking(progress, f"loading {path}", total) as tracker:
+    params = _read(path, tree, dtype)
+    consumed = lambda array: tracker.advance(array.nbytes)
+    releasing = _releasing_params(params, name, kwargs, transpose, consumed,
+                                  upcast_activations_to_float32, use_layer_stack)
+    del params  # Only the releasing mappings hold the arrays now.
+    with _registered(name, kwargs, transpose):
+      model = pz_gemma.gemma_from_pretrained_checkpoint(
+          releasing, upcast_activations_to_float32=upcast_activations_to_float32,
+          use_layer_stack=use_layer_stack, preset_name=name,
+      )
+    del releasing
+    if sharding is not None:
+      variables = list(pz.unbind_params(model)[1])
+      tracker.grow(sum(_nbytes(param.value) for param in variables))
+      for param in variables:
+        param.value = _place(param.value, sharding, param.label)
+        tracker.advance(_nbytes(param.value))
   return model
+
+
+def _read_bytes(tree: Mapping[str, Any], dtype: Any) -> int:
+  """Bytes of the arrays `_read` returns (the stored ones cast to ``dtype``)."""
+  total = 0
+  for arrays in _flatten(tree).values():
+    for meta in arrays.values():
+      shape, stored = _array_layout(meta)
+      total += math.prod(shape) * np.dtype(stored if dtype is None else dtype).itemsize
+  return total
+
+
+def _nbytes(value: Any) -> int:
+  """Bytes of a parameter's value (a NamedArray or an array)."""
+  data = value.data_array if isinstance(value, pz.nx.NamedArrayBase) else value
+  return data.nbytes
 
 
 def _stored_tree(path: epath.Path) -> Mapping[str, Any]:
@@ -465,7 +481,8 @@ class _Releasing(Mapping):
   converter's last read of it, so converted parameters replace checkpoint
   arrays instead of accumulating next to them."""
 
-  def __init__(self, arrays: dict[str, Any], reads: Mapping[str, int], on_release: Callable[[], None]):
+  def __init__(self, arrays: dict[str, Any], reads: Mapping[str, int],
+               on_release: Callable[[Any], None]):
     self._arrays = arrays
     self._left = dict(reads)
     self._on_release = on_release
@@ -475,7 +492,7 @@ class _Releasing(Mapping):
     self._left[key] = self._left.get(key, 1) - 1
     if self._left[key] <= 0:
       del self._arrays[key]
-      self._on_release()
+      self._on_release(value)
     return value
 
   def __iter__(self) -> Iterator[str]:
@@ -507,7 +524,7 @@ def _releasing_params(
     name: str,
     kwargs: dict[str, Any] | None,
     transpose: bool | None,
-    on_release: Callable[[], None],
+    on_release: Callable[[Any], None],
     upcast: bool,
     layer_stack: bool,
 ) -> dict[str, _Releasing]:
@@ -538,8 +555,7 @@ def _releasing_params(
     reads = counts[key]
     unread = [leaf for leaf in arrays if leaf not in reads]
     for leaf in unread:  # Never used by the converter: drop it now.
-      del arrays[leaf]
-      on_release()
+      on_release(arrays.pop(leaf))
     result[key] = _Releasing(arrays, reads, on_release)
   return result
 

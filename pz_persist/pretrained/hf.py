@@ -50,6 +50,7 @@ from penzai.models.transformer.variants import gpt_neox
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
+from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
@@ -722,6 +723,7 @@ def load_hf(
     *,
     dtype: Any = None,
     sharding: sharding_lib.Target = None,
+    progress: progress_lib.Progress = None,
 ) -> model_parts.TransformerLM:
   """Loads a Hugging Face Llama, Mistral or GPT-NeoX checkpoint as a Penzai model.
 
@@ -750,6 +752,10 @@ def load_hf(
       (``embedding``, ``heads``, ``head_groups``, ``query_heads``,
       ``projection``, ``neurons``, ``vocabulary``) to mesh axes. Default: the
       first local device.
+    progress: None (default): a bar on stderr if it is a terminal or in a
+      notebook; True: always; False: never; or a function called as
+      ``progress(done, total)`` with the bytes of the tensors read so far
+      (`pz_persist.progress`).
 
   Returns:
     A ``penzai.models.transformer.model_parts.TransformerLM``.
@@ -792,12 +798,21 @@ def load_hf(
 
   place = _placement(sharding)
   params = []
-  for spec in plan.tensors:
-    params.append(pz.Parameter(
-        value=_read(spec, weights.where, weights.dtype, place), label=spec.label))
+  sizes = [_stored_bytes(spec, weights.where) for spec in plan.tensors]
+  with progress_lib.tracking(progress, f"loading {path}", sum(sizes)) as tracker:
+    for spec, size in zip(plan.tensors, sizes):
+      params.append(pz.Parameter(
+          value=_read(spec, weights.where, weights.dtype, place), label=spec.label))
+      tracker.advance(size)
   model = pz.bind_variables(plan.build(), params)
   pz.nn.assert_no_parameter_slots(model)
   return model
+
+
+def _stored_bytes(spec: _TensorSpec, where: Mapping[str, safetensors_io.SafetensorsFile]) -> int:
+  """Bytes of the stored tensor ``spec`` reads (for progress)."""
+  _, _, begin, end = where[spec.source].entries[spec.source]
+  return end - begin
 
 
 def _stored_float_dtype(where: Mapping[str, safetensors_io.SafetensorsFile]) -> np.dtype:
