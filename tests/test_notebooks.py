@@ -82,3 +82,17 @@ def test_sharded_loading(tmp_path):
   assert "P('data', 'model')" in text  # (embedding, neurons)
   assert "outputs match: True" in text
   assert "axis 'head_groups' has size 2, which mesh axes ('model',) (4 devices) do not divide" in text
+
+
+def test_committed_notebooks_carry_their_outputs():
+  """Users browse the notebooks on GitHub: they must be saved executed
+  (``python notebooks/execute.py``), with treescope renderings, and small."""
+  for name in sorted(os.listdir(NOTEBOOKS)):
+    if not name.endswith(".ipynb"):
+      continue
+    path = os.path.join(NOTEBOOKS, name)
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert all(cell.get("execution_count") for cell in code), f"{name} is not executed"
+    assert "treescope" in _outputs(notebook).lower() or name == "training_resume.ipynb", name
+    assert os.path.getsize(path) < 2 * 2**20, f"{name} is over 2 MiB"
