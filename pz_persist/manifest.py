@@ -33,6 +33,7 @@ from etils import epath
 from pz_persist import arrays as arrays_lib
 from pz_persist import bounded_json
 from pz_persist import errors
+from pz_persist import file_digests
 from pz_persist import safe_io
 from pz_persist import version
 
@@ -212,7 +213,29 @@ def read(directory: epath.PathLike) -> Manifest:
     ) from None
   except OSError as e:
     raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
-  return Manifest.loads(data, where=str(path))
+  manifest = Manifest.loads(data, where=str(path))
+  _refuse_downgrade(directory, manifest, where=str(path))
+  return manifest
+
+
+def _refuse_downgrade(directory: epath.PathLike, manifest: Manifest, *, where: str) -> None:
+  """Refuses a format-1 manifest in an item that a format-2 writer wrote.
+
+  Why: format 1 predates checksums, so its arrays load unverified; rewriting a
+  manifest as format 1 would hide edited arrays. The file digest list
+  (`pz_persist.file_digests`) came with checksums: an item holding one was
+  written with checksums, and its manifest cannot be format 1.
+  """
+  if manifest.format_version >= 2:
+    return
+  digests = epath.Path(directory) / file_digests.FILENAME
+  if os.path.lexists(os.fspath(digests)) if "://" not in os.fspath(digests) else digests.exists():
+    raise errors.ManifestError(
+        f"{where}: format {manifest.format_version} (no checksums) beside"
+        f" {file_digests.FILENAME}, which only writers of checksummed formats"
+        " write: the manifest was downgraded to hide edited arrays, or is"
+        " damaged."
+    )
 
 
 def check_file(directory: epath.PathLike) -> None:

@@ -143,6 +143,7 @@ def test_manifest_disagreeing_with_arrays_is_reported(ckpt):
   # which has none), so only the stored array disagrees.
   _edit_manifest(ckpt, lambda m: (
       m["arrays"][0].update(shape=[3, 2], checksums=None), m.update(format_version=1)))
+  os.remove(ckpt / "penzai" / "pz_persist.files.json")  # Not written by format 1.
   with pytest.raises(errors.ManifestError, match=r"\['w'\].*float32\[3, 2\].*float32\[2, 3\]"):
     pzp.load(ckpt)
 

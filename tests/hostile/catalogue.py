@@ -25,6 +25,7 @@ from collections.abc import Callable
 import pytest
 
 from pz_persist import errors
+from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import safety
 
@@ -99,16 +100,28 @@ def edit(fn: Callable[[dict], object]) -> Builder:
   return build
 
 
+def as_format_1(fn: Callable[[dict], object]) -> Builder:
+  """``edit(fn)`` of a manifest rewritten as format 1 (which has no
+  checksums), with the file digest list format-1 writers did not write
+  either: a forgery that looks like a checkpoint from before checksums, so
+  only what ``fn`` changes is hostile."""
+
+  def build(ckpt, monkeypatch):
+    def forged(m):
+      for entry in m["arrays"]:
+        entry.pop("checksums", None)
+      m["format_version"] = 1
+      fn(m)
+
+    edit(forged)(ckpt, monkeypatch)
+    (item(ckpt) / file_digests.FILENAME).unlink(missing_ok=True)
+
+  return build
+
+
 def edit_array(index: int, **fields) -> Builder:
-  """Changes fields of one array entry (dropping checksums, and declaring
-  the manifest format 1, which has none, as a forger would)."""
-
-  def fn(m):
-    m["arrays"][index].pop("checksums", None)
-    m["format_version"] = 1
-    m["arrays"][index].update(fields)
-
-  return edit(fn)
+  """Changes fields of one array entry (as format 1, see `as_format_1`)."""
+  return as_format_1(lambda m: m["arrays"][index].update(fields))
 
 
 def set_shape(index: int, shape: list) -> Builder:
@@ -116,14 +129,12 @@ def set_shape(index: int, shape: list) -> Builder:
   the arrays table and the NamedArray's axes, so only the sizes are hostile."""
 
   def fn(m):
-    m["arrays"][index].pop("checksums", None)
-    m["format_version"] = 1  # Which has no checksums.
     m["arrays"][index]["shape"] = shape
     axes = m["variables"][index]["value"]["axes"]
     for pair, size in zip(axes, shape[-len(axes):]):
       pair[1] = size
 
-  return edit(fn)
+  return as_format_1(fn)
 
 
 def raw(transform: Callable[[bytes], bytes]) -> Builder:
@@ -619,6 +630,10 @@ CASES: list[Case] = [
     Case("checksums_deleted", edit(lambda m: [a.pop("checksums") for a in m["arrays"]]),
          errors.ManifestError,
          MANIFEST_RE + rf": arrays\[0\] \(label '{LABEL0_RE}' at tree\S*\) has no checksums"),
+    Case("downgraded_to_format_1",
+         edit(lambda m: ([a.pop("checksums") for a in m["arrays"]], m.update(format_version=1))),
+         errors.ManifestError,
+         MANIFEST_RE + r": format 1 \(no checksums\) beside pz_persist\.files\.json"),
     Case("checksum_slices_repeated",
          edit(lambda m: m["arrays"][0].update(checksums=m["arrays"][0]["checksums"] * 3)),
          errors.ManifestError,
