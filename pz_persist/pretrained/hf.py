@@ -677,7 +677,7 @@ def _check_layers(cfg: _Config, names: set[str], prefix: str, layers: int) -> No
     found = f"layers 0..{held[-1]}"
   else:
     found = f"layers {held[:10]}{'...' if len(held) > 10 else ''}"
-  raise cfg.invalid("num_hidden_layers", layers, f"a positive integer matching the weights",
+  raise cfg.invalid("num_hidden_layers", layers, "a positive integer matching the weights",
                     f" but the safetensors hold {found}")
 
 
