@@ -111,6 +111,7 @@ def save_interrupted(message: str) -> KeyboardInterrupt:
   interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # pylint: disable=protected-access
   interrupt.pz_persist_one_line = True
   _print_one_line_on_exit()
+  _quiet_callbacks_into_closed_loops()
   return interrupt
 
 
@@ -128,6 +129,33 @@ def _print_one_line_on_exit() -> None:
       default(kind, value, traceback)
 
   sys.excepthook = hook
+
+
+def _quiet_callbacks_into_closed_loops() -> None:
+  """Drops the "Event loop is closed" reports of writes the interrupt left.
+
+  Why: TensorStore's writes already under way when a save is interrupted
+  cannot be cancelled; when they finish, their callbacks try to wake Orbax's
+  event loop, which the cancelled save has closed, and Python prints each
+  failure as an "Exception ignored" traceback, long after the one line that
+  says what happened. Only that exact report is dropped (from then on, in
+  this process, since such late callbacks are never actionable); every other
+  unraisable exception still reaches the previous hook.
+  """
+  import sys  # pylint: disable=import-outside-toplevel
+
+  previous = sys.unraisablehook
+  if getattr(previous, "pz_persist_quiet_closed_loops", False):
+    return
+
+  def hook(unraisable):
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook.pz_persist_quiet_closed_loops = True  # type: ignore[attr-defined]
+  sys.unraisablehook = hook
 
 
 class OptimizerMismatchError(PzPersistError, ValueError):

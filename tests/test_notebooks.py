@@ -31,6 +31,8 @@ def _execute(name: str, tmp_path) -> nbformat.NotebookNode:
 
 
 def _outputs(notebook: nbformat.NotebookNode) -> str:
+  """Everything the cells showed. Stream text is joined as written: the
+  kernel may flush one ``print`` in several chunks."""
   texts = []
   for cell in notebook.cells:
     for output in cell.get("outputs", []):
@@ -38,8 +40,8 @@ def _outputs(notebook: nbformat.NotebookNode) -> str:
         texts.append(output["text"])
       for mime in ("text/plain", "text/html"):
         if mime in output.get("data", {}):
-          texts.append(output["data"][mime])
-  return "\n".join(texts)
+          texts.append(f"\n{output['data'][mime]}\n")
+  return "".join(texts)
 
 
 def test_quickstart(tmp_path):
