@@ -171,12 +171,7 @@ def as_path(path: epath.PathLike) -> epath.Path:
   return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
 
-def is_local(path: epath.PathLike) -> bool:
-  """Whether ``path`` is on the local file system (not gs://, s3://, ...).
-
-  Only there do renameat2, flock, symlinks and FIFOs exist.
-  """
-  return "://" not in os.fspath(path)
+is_local = safe_io.is_local  # Where the commit protocol's callers ask it.
 
 
 _RENAME_NOREPLACE = 1

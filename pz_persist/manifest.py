@@ -200,12 +200,8 @@ def has_manifest(directory: epath.PathLike) -> bool:
 def read(directory: epath.PathLike) -> Manifest:
   """Reads and validates the manifest of the checkpoint item in ``directory``."""
   path = manifest_path(directory)
-  try:
-    if "://" in os.fspath(path):
-      with path.open("rb") as f:
-        data = bounded_json.read_limited(f, MAX_MANIFEST_BYTES)
-    else:
-      data = _read_local(os.fspath(path))
+  try:  # No link followed, no FIFO opened, at most MAX_MANIFEST_BYTES.
+    data = safe_io.read_small_file(path, MAX_MANIFEST_BYTES, what="manifest")
   except FileNotFoundError:
     raise errors.NotACheckpointError(
         f"{directory} is not a pz_persist checkpoint item: it has no"
@@ -229,7 +225,8 @@ def _refuse_downgrade(directory: epath.PathLike, manifest: Manifest, *, where: s
   if manifest.format_version >= 2:
     return
   digests = epath.Path(directory) / file_digests.FILENAME
-  if os.path.lexists(os.fspath(digests)) if "://" not in os.fspath(digests) else digests.exists():
+  present = os.path.lexists(digests) if safe_io.is_local(digests) else digests.exists()
+  if present:
     raise errors.ManifestError(
         f"{where}: format {manifest.format_version} (no checksums) beside"
         f" {file_digests.FILENAME}, which only writers of checksummed formats"
@@ -246,7 +243,7 @@ def check_file(directory: epath.PathLike) -> None:
   directory for a missing file; this names the problem first.
   """
   path = os.fspath(manifest_path(directory))
-  if "://" in path:
+  if not safe_io.is_local(path):
     return
   try:
     kind = _not_a_file(os.stat(path).st_mode)
@@ -258,16 +255,6 @@ def check_file(directory: epath.PathLike) -> None:
     raise errors.UnsafeCheckpointError(
         f"{path} is {kind}, not a regular file; refusing to read it."
     )
-
-
-def _read_local(path: str) -> bytes:
-  """The bytes of a local manifest, read by `safe_io.read_small_file`.
-
-  Why: a manifest that is a link, a directory, a FIFO (whose open blocks
-  until someone writes) or a device (``/dev/zero`` never ends) is refused
-  through the descriptor actually opened, so it cannot be swapped in between.
-  """
-  return safe_io.read_small_file(path, MAX_MANIFEST_BYTES, what="manifest")
 
 
 def _not_a_file(mode: int) -> str | None:

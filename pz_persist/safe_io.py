@@ -50,7 +50,11 @@ not (Windows), `remove_tree` falls back to ``shutil.rmtree``, which there
 deletes links and junctions as links too."""
 
 
-def _is_local(path: epath.PathLike) -> bool:
+def is_local(path: epath.PathLike) -> bool:
+  """Whether ``path`` is on the local file system (not gs://, s3://, ...).
+
+  Only there do descriptors, renameat2, flock, symlinks and FIFOs exist.
+  """
   return "://" not in os.fspath(path)
 
 
@@ -74,7 +78,7 @@ def remove_tree(path: epath.PathLike, *, strict: bool = False) -> None:
     UnsafeCheckpointError: with ``strict``, ``path`` is a link or not a
       directory.
   """
-  if not _is_local(path):
+  if not is_local(path):
     path = epath.Path(path)
     if path.exists():
       path.rmtree()
@@ -110,7 +114,7 @@ def empty_directory(path: epath.PathLike) -> None:
   Raises:
     UnsafeCheckpointError: ``path`` is a link or not a directory.
   """
-  if not _is_local(path):
+  if not is_local(path):
     path = epath.Path(path)
     if path.exists():
       for child in path.iterdir():
@@ -146,7 +150,7 @@ def check_own_directory(path: epath.PathLike) -> None:
   Raises:
     UnsafeCheckpointError: naming ``path``.
   """
-  if not _is_local(path):
+  if not is_local(path):
     return
   try:
     info = os.lstat(os.fspath(path))
@@ -225,7 +229,7 @@ def write_small_file(path: epath.PathLike, data: bytes) -> None:
   """
   path = epath.Path(path)
   tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-  if _is_local(path):
+  if is_local(path):
     with open(os.fspath(tmp), "wb") as f:
       f.write(data)
       f.flush()
@@ -259,7 +263,7 @@ def read_small_file(path: epath.PathLike, limit: int, *, what: str = "file") -> 
     OSError: it cannot be read for another reason.
   """
   shown = os.fspath(path)
-  if not _is_local(path):
+  if not is_local(path):
     with epath.Path(path).open("rb") as f:
       return _bounded(f.read(limit + 1), limit, shown, what)
   try:

@@ -51,7 +51,7 @@ class StepInfo:
 def _disk_bytes(path: epath.Path) -> int:
   """Bytes of the files under ``path``; a link counts as itself, not followed."""
   local = os.fspath(path)
-  if "://" in local:
+  if not safe_io.is_local(local):
     return sum(p.stat().length for p in path.rglob("*") if p.is_file())
   return sum(
       os.lstat(os.path.join(root, name)).st_size
