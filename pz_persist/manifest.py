@@ -246,23 +246,16 @@ def check_file(directory: epath.PathLike) -> None:
   if not safe_io.is_local(path):
     return
   try:
-    kind = _not_a_file(os.stat(path).st_mode)
+    mode = os.stat(path).st_mode
   except OSError:
     return  # Missing or unreadable: `read` says so.
-  if kind == "a directory":
-    raise errors.ManifestError(f"{path} is a directory, not a manifest file.")
-  if kind is not None:
-    raise errors.UnsafeCheckpointError(
-        f"{path} is {kind}, not a regular file; refusing to read it."
-    )
-
-
-def _not_a_file(mode: int) -> str | None:
-  if stat.S_ISREG(mode):
-    return None
   if stat.S_ISDIR(mode):
-    return "a directory"
-  return "a FIFO" if stat.S_ISFIFO(mode) else "a device or other special file"
+    raise errors.ManifestError(f"{path} is a directory, not a manifest file.")
+  if not stat.S_ISREG(mode):
+    raise errors.UnsafeCheckpointError(
+        f"{path} is {safe_io.special_kind(mode)}, not a regular file; refusing"
+        " to read it."
+    )
 
 
 def write(directory: epath.PathLike, manifest: Manifest) -> None:
