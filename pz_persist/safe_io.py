@@ -317,6 +317,7 @@ _KINDS = {
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
     stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a directory",
 }
 
 

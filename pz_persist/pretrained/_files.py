@@ -38,6 +38,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from pz_persist import errors
+from pz_persist import safe_io
 from pz_persist import safety
 
 MAX_JSON_DEPTH = 64
@@ -50,25 +51,13 @@ MAX_CONFIG_BYTES = 4 * 2**20
 MAX_INDEX_BYTES = 64 * 2**20
 """Largest ``model.safetensors.index.json`` read (real ones are under 1 MiB)."""
 
-_KINDS = {
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFLNK: "a symlink",
-}
 
 ErrorFactory = Callable[[str], Exception]
 
 
-def _kind(mode: int) -> str:
-  return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-
-
 def _not_regular(path: str, mode: int) -> errors.UnsafeCheckpointError:
   return errors.UnsafeCheckpointError(
-      f"{path} is {_kind(mode)}, not a regular file; refusing to read it."
+      f"{path} is {safe_io.special_kind(mode)}, not a regular file; refusing to read it."
   )
 
 
