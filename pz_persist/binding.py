@@ -37,8 +37,8 @@ from pz_persist import catalog
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
-from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
+from pz_persist import reader
 from pz_persist import sharding as sharding_lib
 
 LabelGlobs = Union[str, Sequence[str]]
@@ -310,14 +310,57 @@ def _misfit(
   return None, reorder
 
 
+def _stored_dims(value: Any, target: Any) -> tuple[int, ...]:
+  """For each data dimension of ``target`` (the model's array), the data
+  dimension of ``value`` (as stored) holding the same axis (after `_misfit`
+  passed: same axis names and shapes)."""
+  if not isinstance(value, pz.nx.NamedArrayBase):
+    return tuple(range(np.ndim(value)))
+  stored, model = value.as_namedarrayview(), target.as_namedarrayview()
+  dims = dict(zip(model.data_axis_for_logical_axis, stored.data_axis_for_logical_axis))
+  for name, dim in model.data_axis_for_name.items():
+    dims[dim] = stored.data_axis_for_name[name]
+  return tuple(dims[dim] for dim in range(len(model.data_shape)))
+
+
+def _in_stored_order(
+    sharding: jax.sharding.Sharding, stored_dims: tuple[int, ...]
+) -> jax.sharding.Sharding | None:
+  """``sharding`` (of the model's array) for the array as stored, whose
+  dimension ``stored_dims[i]`` is the model's dimension ``i``; None (read it
+  to the host) when it cannot be permuted."""
+  if stored_dims == tuple(range(len(stored_dims))) or len(sharding.device_set) == 1:
+    return sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return None
+  spec = tuple(sharding.spec) + (None,) * (len(stored_dims) - len(sharding.spec))
+  permuted: list[Any] = [None] * len(stored_dims)
+  for model_dim, stored_dim in enumerate(stored_dims):
+    permuted[stored_dim] = spec[model_dim]
+  return jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*permuted),
+      memory_kind=sharding.memory_kind,
+  )
+
+
 def _fit(value: Any, target: Any, *, place: bool) -> Any:
   """``value`` laid out like ``target`` (after `_misfit` passed), and placed
   like it (same devices and sharding) if ``place``."""
 
   def fit(v, t):
+    data, target_data = _data(v), _data(t)
+    if place and isinstance(target_data, jax.Array) and not isinstance(data, jax.Array):
+      # Host data is transposed on the host, then sent to the model's shards
+      # (a transpose on a device would first put it whole on the default one).
+      placed = jax.device_put(np.transpose(data, _stored_dims(v, t)), target_data.sharding)
+      return (
+          dataclasses.replace(t, data_array=placed)
+          if isinstance(t, pz.nx.NamedArrayBase)
+          else placed
+      )
     if isinstance(v, pz.nx.NamedArrayBase):
       v = v.order_like(t)
-    data, target_data = _data(v), _data(t)
+    data = _data(v)
     if place and isinstance(target_data, jax.Array) and (
         not isinstance(data, jax.Array) or data.sharding != target_data.sharding
     ):  # Follow the model's placement (device, sharding).
@@ -475,7 +518,7 @@ def _checkpoint_variables(manifest, where, rules):
 
 class _ManifestSource:
   """A pz_persist checkpoint's variables: decoded from its manifest, read
-  through `pz_persist.orbax_v0`."""
+  through `pz_persist.reader`."""
 
   def __init__(self, item, manifest: manifest_lib.Manifest, stored, rename_axes,
                progress: progress_lib.Progress = None):
@@ -498,19 +541,41 @@ class _ManifestSource:
     return self._value(self.stored[label], self._abstract_arrays, abstract=True)
 
   def read(self, labels, *, sharding, verify, bound):
-    del bound  # Placed by `_fit`: the manifest's arrays go to `sharding`.
     refs = {ref for label in labels for ref in self.stored[label].refs}
-    handler = orbax_v0.PenzaiCheckpointHandler()
-    try:
-      with progress_lib.tracking(self._progress, f"loading {self._item}",
-                                 delay=orbax_v0.LOAD_PROGRESS_DELAY) as tracker:
-        arrays = handler.read_arrays(
-            self._item, self._manifest, sharding=sharding, refs=refs, verify=verify,
-            tracker=tracker,
-        )
-    finally:
-      handler.close()
+    if sharding is None:  # Each array straight into the model's own sharding.
+      sharding = self._model_placements(labels, bound)
+    with progress_lib.tracking(self._progress, f"loading {self._item}",
+                               delay=reader.LOAD_PROGRESS_DELAY) as tracker:
+      arrays = reader.read_arrays(
+          self._item, self._manifest, sharding=sharding, refs=refs, verify=verify,
+          tracker=tracker,
+      )
     return {label: self._value(self.stored[label], arrays) for label in labels}
+
+  def _model_placements(self, labels, bound) -> sharding_lib.PerArray:
+    """Where to read each array of ``labels`` so that it lands where the
+    model's own array is, by manifest index.
+
+    Stored axes in another order (or renamed) are read in the model's
+    sharding permuted to the stored order, then transposed where they are
+    (`_fit`); a dtype cast happens on the shards too. An array whose sharding
+    cannot be permuted is read to the host, and `_fit` places it: never
+    whole on one device on its way to a sharded one.
+    """
+    index_of = {id(array): index for index, array in enumerate(self._abstract_arrays)}
+    placed = {}
+    for label in labels:
+      if label not in bound:
+        continue  # An unbound slot: no placement to follow.
+      stored = jax.tree.leaves(self.abstract(label, None), is_leaf=encoding.fits_its_axes)
+      model = jax.tree.leaves(bound[label].value, is_leaf=encoding.fits_its_axes)
+      for value, target in zip(stored, model):  # `_misfit` checked they pair.
+        index, target_data = index_of.get(id(_data(value))), _data(target)
+        if index is not None and isinstance(target_data, jax.Array):
+          placed[index] = _in_stored_order(
+              target_data.sharding, _stored_dims(value, target)
+          )
+    return placed
 
 
 class _Plan:
@@ -555,13 +620,12 @@ class _Plan:
     values, cast = {}, []
     for label in self.fitting:
       before = len(self.problems)
-      value = _cast_value(
-          label, read[label], self._dtype, allow_lossy, cast, self.problems,
-      )
+      value = read[label]
+      if label in bound:  # Placed first: a cast then runs where it lands.
+        value = _fit(value, bound[label].value, place=sharding is None)
+      value = _cast_value(label, value, self._dtype, allow_lossy, cast, self.problems)
       if len(self.problems) > before:
         continue
-      if label in bound:
-        value = _fit(value, bound[label].value, place=sharding is None)
       values[label] = value
     return values, cast
 

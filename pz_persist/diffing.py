@@ -21,8 +21,8 @@ from pz_persist import arrays as arrays_lib
 from pz_persist import batching
 from pz_persist import checkpoint
 from pz_persist import manifest as manifest_lib
-from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
+from pz_persist import reader
 
 DEFAULT_BATCH_BYTES = 256 * 2**20
 """Most array bytes read from each checkpoint at once."""
@@ -265,20 +265,16 @@ def diff(
       common.append(name)
 
   sizes = {n: manifests[0].arrays[names_a[n]].nbytes for n in common}
-  handler = orbax_v0.PenzaiCheckpointHandler()
   description = f"comparing {items[0]} with {items[1]}"
-  try:
-    with progress_lib.tracking(progress, description, sum(sizes.values())) as tracker:
-      for batch in batching.batches(common, sizes.__getitem__, batch_bytes):
-        values = [
-            handler.read_arrays(item, manifest, refs={names[n] for n in batch})
-            for item, manifest, names in zip(items, manifests, (names_a, names_b))
-        ]
-        result.arrays.extend(
-            _compare(n, values[0][names_a[n]], values[1][names_b[n]]) for n in batch
-        )
-        del values
-        tracker.advance(sum(sizes[n] for n in batch))
-  finally:
-    handler.close()
+  with progress_lib.tracking(progress, description, sum(sizes.values())) as tracker:
+    for batch in batching.batches(common, sizes.__getitem__, batch_bytes):
+      values = [
+          reader.read_arrays(item, manifest, refs={names[n] for n in batch})
+          for item, manifest, names in zip(items, manifests, (names_a, names_b))
+      ]
+      result.arrays.extend(
+          _compare(n, values[0][names_a[n]], values[1][names_b[n]]) for n in batch
+      )
+      del values
+      tracker.advance(sum(sizes[n] for n in batch))
   return result

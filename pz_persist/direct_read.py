@@ -18,10 +18,11 @@ is the arrays themselves plus the chunks in flight (bounded by
 (`pz_persist.memory.reuse_freed_blocks`).
 
 TensorStore opens the files by path, so `read` is only ever called inside
-`pz_persist.safety.files_unchanged` (by
-`pz_persist.orbax_v0.PenzaiCheckpointHandler.read_arrays`): every file is
-checked before the read and again after it, and nothing read is returned if
-one was swapped (for a link out of the checkpoint, say) in between.
+`pz_persist.safety.files_unchanged` (by `pz_persist.reader.read_arrays`,
+which also checks the checksums, as each array is read, and places the
+arrays): every file is checked before the read and again after it, and
+nothing read is returned if one was swapped (for a link out of the
+checkpoint, say) in between.
 
 Which loads take it (`applies`): one process, every array going to host
 memory or to a single device. Loads onto a mesh, or across processes, keep
@@ -43,10 +44,8 @@ import tensorstore as ts
 from etils import epath
 
 from pz_persist import arrays as arrays_lib
-from pz_persist import checksums
 from pz_persist import errors
 from pz_persist import memory
-from pz_persist import restoring
 from pz_persist import safe_io
 from pz_persist import safety
 
@@ -85,23 +84,19 @@ def applies(targets: Mapping[str, jax.sharding.Sharding | None]) -> bool:
 def read(
     directory: epath.Path,
     specs: Sequence[arrays_lib.ArraySpec],
-    targets: Mapping[str, jax.sharding.Sharding | None],
     *,
     where: str,
-    verify: bool = False,
-    on_read: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-  """Reads the stored arrays of ``specs``: ``{key: array}``.
+    on_read: Callable[[arrays_lib.ArraySpec, np.ndarray], None] | None = None,
+) -> dict[str, np.ndarray]:
+  """Reads the stored arrays of ``specs`` into host memory: ``{key: array}``.
 
-  Each array is a NumPy array where its target is None, else a ``jax.Array``
-  on the target's device (on CPU, the very buffer read into). With
-  ``verify``, each array is checked against its checksums as soon as it is
-  read, while TensorStore goes on reading the next ones. ``on_read`` is
-  called with each array's key once it is read (and checked), for progress.
+  Each array is a NumPy array in a 64-byte aligned buffer, which a CPU
+  ``jax.Array`` adopts without a copy. ``on_read`` is called with each
+  array once it is read, while TensorStore goes on reading the next ones
+  (the reader checks its checksums there, and reports progress).
 
   Raises:
-    IntegrityError: Orbax's ``_METADATA`` cannot be read; or, with
-      ``verify``, arrays do not match their checksums (all of them named).
+    IntegrityError: Orbax's ``_METADATA`` cannot be read.
     ManifestError: a stored array's shape or dtype differs from the manifest
       (checked before anything is allocated).
     ArrayReadError: TensorStore failed on one array's files.
@@ -134,17 +129,13 @@ def read(
       },
       where=where,
   )
-  arrays, damaged = {}, []
+  arrays = {}
 
   def finish(flight: tuple[arrays_lib.ArraySpec, np.ndarray, Any]) -> int:
     spec, out, copy = flight
     _result(spec.key, copy)
-    if verify and spec.checksums is not None:
-      found = checksums.check(out, spec.checksums)
-      if found.mismatched:
-        damaged.append(restoring.describe_damage(spec, found))
     if on_read is not None:
-      on_read(spec.key)
+      on_read(spec, out)
     return out.nbytes
 
   in_flight, flying_bytes = collections.deque(), 0
@@ -159,11 +150,7 @@ def read(
   while in_flight:
     finish(in_flight.popleft())
   memory.release_freed()
-  restoring.raise_if_damaged(damaged, where=where)
-  return {
-      key: out if targets[key] is None else jax.device_put(out, targets[key])
-      for key, out in arrays.items()
-  }
+  return arrays
 
 
 def _result(key: str, future: Any) -> Any:

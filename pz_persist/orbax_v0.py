@@ -23,6 +23,7 @@ without pz_persist still restores them; the manifest written beside them by
 the primary process is what rebuilds the Penzai tree. Loads into one process
 (host memory or one device) read the same files through the same TensorStore
 specs, but straight into their final buffers (`pz_persist.direct_read`).
+Every read goes through `pz_persist.reader`, which every other loader uses too.
 """
 
 from __future__ import annotations
@@ -32,22 +33,17 @@ import os
 from collections.abc import Collection
 from typing import Any
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from pz_persist import batching
-from pz_persist import bounded_json
 from pz_persist import checksums
-from pz_persist import direct_read
 from pz_persist import directories
 from pz_persist import encoding
-from pz_persist import errors
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import memory
 from pz_persist import progress as progress_lib
+from pz_persist import reader
 from pz_persist import restoring
 from pz_persist import safety
 from pz_persist import sharding as sharding_lib
@@ -58,15 +54,8 @@ DEFAULT_CHUNK_BYTES = 4 * 2**20
 a shard decodes little beyond it (one whole-array chunk would be decoded in
 full by every process that reads any part of it)."""
 
-DEFAULT_READ_BATCH_BYTES = 64 * 2**20
-"""Arrays are read in batches of about this many bytes (of this process's
-shards). Reading every array at once keeps the read buffer and the final
-array of each alive together, doubling peak memory; batches bound that to
-one batch."""
-
-LOAD_PROGRESS_DELAY = 1.0
-"""Seconds a load takes before its automatic progress bar appears: loads are
-frequent and mostly quick, and a bar for each would bury what they print."""
+DEFAULT_READ_BATCH_BYTES = reader.DEFAULT_READ_BATCH_BYTES
+LOAD_PROGRESS_DELAY = reader.LOAD_PROGRESS_DELAY
 
 
 def encode_manifest(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
@@ -125,8 +114,14 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   ):
     self._primary_host = multiprocessing_options.primary_host
     self._chunk_byte_size = chunk_byte_size
-    self._read_batch_bytes = read_batch_bytes
-    self._direct = direct_reads
+    self._read_options = reader.ReadOptions(
+        read_batch_bytes=read_batch_bytes,
+        direct_reads=direct_reads,
+        use_ocdbt=use_ocdbt,
+        use_zarr3=use_zarr3,
+        restore_concurrent_gb=restore_concurrent_gb,
+        multiprocessing_options=multiprocessing_options,
+    )
     self._started: list[ocp.future.Future] = []  # Of the last async_save.
     memory.reuse_freed_blocks()  # Saves and loads both churn chunk buffers.
     self._arrays = ocp.PyTreeCheckpointHandler(
@@ -199,10 +194,10 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     check_item_contained(directory)
     manifest = manifest_lib.read(directory)
     with progress_lib.tracking(args.progress, f"loading {directory}",
-                               delay=LOAD_PROGRESS_DELAY) as tracker:
-      values = self.read_arrays(
+                               delay=reader.LOAD_PROGRESS_DELAY) as tracker:
+      values = reader.read_arrays(
           directory, manifest, sharding=args.sharding, verify=args.verify,
-          tracker=tracker,
+          tracker=tracker, options=self._read_options,
       )
     return restoring.decode(manifest, values, where=str(directory))
 
@@ -211,106 +206,16 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       directory: epath.Path,
       manifest: manifest_lib.Manifest,
       *,
-      sharding: sharding_lib.Target = None,
+      sharding: sharding_lib.Target | sharding_lib.PerArray = None,
       refs: Collection[int] | None = None,
       verify: bool = True,
       to_host: bool = False,
       tracker: progress_lib.Tracker | None = None,
   ) -> list[Any]:
-    """Reads arrays of the manifest, all of them or those indexed by ``refs``.
-
-    With ``verify`` (the default, so that no caller reads unchecked bytes by
-    omission), the bytes read are checked against the manifest's checksums
-    (`pz_persist.errors.IntegrityError` names the damaged arrays).
-    With ``to_host``, every array is read as a NumPy array (for checking).
-    A ``tracker`` is told the bytes to read, then each array's or batch's.
-
-    Every file of ``directory`` is checked (`safety.files_unchanged`)
-    before the read and again after it: what TensorStore read is only
-    returned if no file was swapped meanwhile (for a link leading out).
-
-    Returns:
-      A list aligned with ``manifest.arrays``: each array as it was saved
-      (kind, dtype, weak type restored), or None where not requested.
-    """
-    with safety.files_unchanged(directory):
-      return self._read_arrays(
-          directory, manifest, sharding=sharding, refs=refs, verify=verify,
-          to_host=to_host, tracker=tracker,
-      )
-
-  def _read_arrays(
-      self,
-      directory: epath.Path,
-      manifest: manifest_lib.Manifest,
-      *,
-      sharding: sharding_lib.Target,
-      refs: Collection[int] | None,
-      verify: bool,
-      to_host: bool,
-      tracker: progress_lib.Tracker | None,
-  ) -> list[Any]:
-    where = str(directory)
-    restoring.check_loadable(manifest, where, refs)
-    targets = restoring.read_targets(manifest, sharding, refs)
-    if to_host:
-      targets = dict.fromkeys(targets)
-    sizes = {
-        spec.key: sharding_lib.local_bytes(spec, targets[spec.key])
-        for spec in manifest.arrays if spec.key in targets
-    }
-    # Before anything is allocated: refuse sizes no machine could hold, and
-    # arrays Orbax stored differently from what the manifest promises.
-    wanted = [spec for spec in manifest.arrays if spec.key in targets]
-    safety.check_allocation(wanted, sizes, where=where)
-    if wanted:  # Before Orbax or a direct read parses it, with no limits.
-      bounded_json.check_orbax_metadata(directory)
-    if tracker is not None:
-      tracker.grow(sum(sizes.values()))
-    if wanted and self._direct and direct_read.applies(targets):
-      on_read = None if tracker is None else lambda key: tracker.advance(sizes[key])
-      try:
-        stored = direct_read.read(
-            directory, wanted, targets, where=where, verify=verify, on_read=on_read
-        )
-      except direct_read.ArrayReadError as e:
-        raise read_failure(manifest, [e.key], where, e.cause) from e.cause
-      return restoring.values(  # Verified as read.
-          manifest, stored, where=where, target=sharding, refs=refs
-      )
-    if wanted:
-      stored_metadata = safety.read_stored_metadata(self._arrays, directory)
-      safety.check_stored_metadata(wanted, stored_metadata, where=where)
-    batches = list(batching.batches(targets, sizes.__getitem__, self._read_batch_bytes))
-    stored = {}
-    for batch in batches:
-      restore_args = {
-          key: (
-              ocp.RestoreArgs(restore_type=np.ndarray)
-              if targets[key] is None
-              else ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=targets[key])
-          )
-          for key in batch
-      }
-      if len(batches) == 1 and refs is None:
-        args = ocp.args.PyTreeRestore(restore_args=restore_args)
-      else:  # Only some arrays: Orbax reads no others.
-        args = ocp.args.PyTreeRestore(
-            item={key: np.ndarray for key in batch},
-            restore_args=restore_args,
-            partial_restore=True,
-        )
-      try:
-        stored.update(self._arrays.restore(directory, args=args))
-      except (KeyboardInterrupt, MemoryError):
-        raise
-      except Exception as e:  # pylint: disable=broad-exception-caught
-        raise read_failure(manifest, batch, where, e) from e
-      memory.release_freed()
-      if tracker is not None:
-        tracker.advance(sum(sizes[key] for key in batch))
-    return restoring.values(
-        manifest, stored, where=where, target=sharding, refs=refs, verify=verify
+    """`pz_persist.reader.read_arrays`, with this handler's read options."""
+    return reader.read_arrays(
+        directory, manifest, sharding=sharding, refs=refs, verify=verify,
+        to_host=to_host, tracker=tracker, options=self._read_options,
     )
 
   def metadata(self, directory: epath.Path) -> Any:
@@ -350,28 +255,6 @@ def check_item_contained(directory: epath.Path) -> None:
       os.path.join(parent, "_CHECKPOINT_METADATA")
   ):
     safety.check_contained(parent)
-
-
-def read_failure(
-    manifest: manifest_lib.Manifest, keys: list[str], where: str, error: Exception
-) -> errors.IntegrityError:
-  """A clear error for stored arrays that Orbax / TensorStore cannot read.
-
-  TensorStore's message names the storage key it failed on; it is mapped
-  back to the label and tree path the user knows.
-  """
-  text = str(error)
-  specs = [spec for spec in manifest.arrays if spec.key in keys]
-  named = [spec for spec in specs if spec.key in text] or specs
-  more = f" and {len(named) - 5} more" if len(named) > 5 else ""
-  who = ", ".join(spec.describe() for spec in named[:5]) + more
-  detail = (text.strip().splitlines() or [type(error).__name__])[0][:400]
-  return errors.IntegrityError(
-      f"{where}: cannot read the stored array(s) of {who}: the checkpoint's"
-      f" files are damaged or incomplete ({type(error).__name__}: {detail})",
-      damaged=tuple(f"{spec.label or spec.path} (key {spec.key}): cannot be read"
-                    for spec in named),
-  )
 
 
 @ocp.args.register_with_handler(PenzaiCheckpointHandler, for_save=True)

@@ -103,6 +103,12 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
 Target = Union[jax.sharding.Sharding, AxisRules, None]
 """Where arrays go: one sharding for all, axis rules, or None (first device)."""
 
+PerArray = Mapping[int, Union[jax.sharding.Sharding, None]]
+"""Where each array goes, by its index in the manifest: its own sharding, or
+None for a NumPy array on the host; arrays not in it go to the first device.
+For a load into a model (`pz_persist.load_model` with ``into=``), which knows
+where each of its arrays is."""
+
 
 def default_sharding() -> jax.sharding.Sharding:
   """Where a jax.Array goes when the caller did not say: the first local device."""
@@ -110,9 +116,15 @@ def default_sharding() -> jax.sharding.Sharding:
 
 
 def placements(
-    manifest: manifest_lib.Manifest, target: Target
+    manifest: manifest_lib.Manifest, target: Target | PerArray
 ) -> list[jax.sharding.Sharding | None]:
   """Where each array of the manifest goes: a sharding, or None for NumPy."""
+  if isinstance(target, Mapping):
+    default = default_sharding()
+    return [
+        target.get(index, default) if spec.kind == "jax" else None
+        for index, spec in enumerate(manifest.arrays)
+    ]
   if not isinstance(target, AxisRules):
     sharding = target or default_sharding()
     return [sharding if spec.kind == "jax" else None for spec in manifest.arrays]

@@ -53,7 +53,7 @@ from pz_persist import checksums
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
-from pz_persist import orbax_v0
+from pz_persist import reader
 from pz_persist import restoring
 from pz_persist import safe_io
 from pz_persist import safety
@@ -206,14 +206,17 @@ class VariableTypeHandler(type_handlers.TypeHandler):
   ) -> dict[str, list[Any]]:
     """Every saved variable's arrays, read and checked, by variable name.
 
-    Checked as `pz_persist.load` checks them: stored shapes and dtypes
-    against the records and the total bytes against the allocation limit
-    before reading, checksums after.
+    Orbax's own ``jax.Array`` handler reads them (inside Orbax's event loop,
+    under the names Orbax stores them under), but every check around the
+    read is `pz_persist.reader`'s, as for `pz_persist.load`: stored shapes
+    and dtypes against the records and the total bytes against the
+    allocation limit before reading, checksums after.
     """
     where = str(directory)
     everything = _manifest(tuple(s for v in saved.values() for s in v.specs))
-    restoring.check_loadable(everything, where)
-    stored_specs = [spec for spec in everything.arrays if spec.is_stored]
+    read = reader.plan(everything, where=where)
+    # Every array is restored as a jax.Array (its variable held one), where
+    # pz_persist puts one by default: the first device.
     placement = sharding_lib.default_sharding()
     infos = {
         spec.key: _renamed(variable.info, spec.key)
@@ -221,13 +224,8 @@ class VariableTypeHandler(type_handlers.TypeHandler):
         for spec in variable.specs if spec.is_stored
     }
     keys = list(infos)
-    read: dict[str, Any] = {}
+    stored: dict[str, Any] = {}
     if keys:
-      safety.check_allocation(
-          stored_specs,
-          {spec.key: sharding_lib.local_bytes(spec, placement) for spec in stored_specs},
-          where=where,
-      )
       handler = self._array_handler()
       try:
         metadata = await handler.metadata([infos[key] for key in keys])
@@ -235,7 +233,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
         raise
       except Exception as e:  # pylint: disable=broad-exception-caught
         raise safety.unreadable_stored_metadata(directory, e) from None
-      safety.check_stored_metadata(stored_specs, dict(zip(keys, metadata)), where=where)
+      safety.check_stored_metadata(read.wanted, dict(zip(keys, metadata)), where=where)
       restore_args = [
           type_handlers.ArrayRestoreArgs(restore_type=jax.Array, sharding=placement)
       ] * len(keys)
@@ -244,11 +242,10 @@ class VariableTypeHandler(type_handlers.TypeHandler):
       except (KeyboardInterrupt, MemoryError):
         raise
       except Exception as e:  # pylint: disable=broad-exception-caught
-        raise orbax_v0.read_failure(everything, keys, where, e) from e
-      read = dict(zip(keys, arrays))
-    values = iter(restoring.values(
-        everything, read, where=where, target=placement, verify=True
-    ))
+        raise reader.read_failure(everything, keys, where, e) from e
+      stored = dict(zip(keys, arrays))
+      reader.verify_checksums(read.wanted, stored, where=where)
+    values = iter(reader.values(everything, stored, where=where, placed=read.placed))
     return {
         name: [next(values) for _ in variable.specs]
         for name, variable in saved.items()

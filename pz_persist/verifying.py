@@ -23,8 +23,8 @@ from pz_persist import checkpoint
 from pz_persist import errors
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
-from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
+from pz_persist import reader
 from pz_persist import terminal
 
 
@@ -84,7 +84,7 @@ def _one_line(text: str) -> str:
 def verify(
     path: epath.PathLike,
     *,
-    read_batch_bytes: int = orbax_v0.DEFAULT_READ_BATCH_BYTES,
+    read_batch_bytes: int = reader.DEFAULT_READ_BATCH_BYTES,
     progress: progress_lib.Progress = None,
 ) -> VerifyReport:
   """Checks every file and every array of a checkpoint; names what is damaged.
@@ -137,40 +137,39 @@ def _verify(item: epath.Path, read_batch_bytes: int, tracker: progress_lib.Track
       if spec.is_stored and spec.checksums is None
   )  # fmt: skip
   checked = 0
-  handler = orbax_v0.PenzaiCheckpointHandler(read_batch_bytes=read_batch_bytes)
-  try:
-    checksummed = [
-        index for index, spec in enumerate(manifest.arrays)
-        if spec.is_stored and spec.checksums is not None
-    ]  # fmt: skip
-    nbytes = [spec.nbytes for spec in manifest.arrays]
-    tracker.grow(sum(nbytes[index] for index in checksummed))
-    for batch in batching.batches(checksummed, nbytes.__getitem__, read_batch_bytes):
-      damaged += _check_batch(handler, item, manifest, batch)
-      checked += len(batch)
-      tracker.advance(sum(nbytes[index] for index in batch))
-  finally:
-    handler.close()
+  checksummed = [
+      index for index, spec in enumerate(manifest.arrays)
+      if spec.is_stored and spec.checksums is not None
+  ]  # fmt: skip
+  nbytes = [spec.nbytes for spec in manifest.arrays]
+  tracker.grow(sum(nbytes[index] for index in checksummed))
+  options = reader.ReadOptions(read_batch_bytes=read_batch_bytes)
+  for batch in batching.batches(checksummed, nbytes.__getitem__, read_batch_bytes):
+    damaged += _check_batch(options, item, manifest, batch)
+    checked += len(batch)
+    tracker.advance(sum(nbytes[index] for index in batch))
   return VerifyReport(
       str(item), checked, files_checked, tuple(damaged), unverified
   )
 
 
 def _check_batch(
-    handler: orbax_v0.PenzaiCheckpointHandler,
+    options: reader.ReadOptions,
     item: epath.Path,
     manifest: manifest_lib.Manifest,
     batch: list[int],
 ) -> list[str]:
   """Damage lines for one batch; a batch that fails to read is split up."""
   try:
-    handler.read_arrays(item, manifest, refs=set(batch), verify=True, to_host=True)
+    reader.read_arrays(
+        item, manifest, refs=set(batch), verify=True, to_host=True, options=options
+    )
     return []
   except errors.PzPersistError as e:
     unreadable = e.__cause__ is not None or not isinstance(e, errors.IntegrityError)
     if unreadable and len(batch) > 1:  # Find which arrays cannot be read.
       return [line for index in batch
-              for line in _check_batch(handler, item, manifest, [index])]  # fmt: skip
+              for line in _check_batch(options, item, manifest, [index])]  # fmt: skip
     if isinstance(e, errors.IntegrityError) and not unreadable:
       return list(e.damaged)  # Checksum mismatches, each named.
     spec = manifest.arrays[batch[0]]

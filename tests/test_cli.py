@@ -17,6 +17,7 @@ import model_zoo
 import pz_persist as pzp
 from pz_persist import cli
 from pz_persist import diffing
+from pz_persist import reader
 
 
 def _run(capsys, *argv):
@@ -121,13 +122,13 @@ def test_diff_reads_bounded_batches(tmp_path, monkeypatch):
   pzp.save(tmp_path / "a", a)
   pzp.save(tmp_path / "b", a)
   batches = []
-  original = pzp.PenzaiCheckpointHandler.read_arrays
+  original = reader.read_arrays
 
-  def spy(self, directory, manifest, **kwargs):
+  def spy(directory, manifest, **kwargs):
     batches.append(sum(manifest.arrays[i].nbytes for i in kwargs["refs"]))
-    return original(self, directory, manifest, **kwargs)
+    return original(directory, manifest, **kwargs)
 
-  monkeypatch.setattr(pzp.PenzaiCheckpointHandler, "read_arrays", spy)
+  monkeypatch.setattr(reader, "read_arrays", spy)
   result = diffing.diff(tmp_path / "a", tmp_path / "b", batch_bytes=2 * 256 * 256 * 4)
   assert result.identical and len(result.arrays) == 6
   assert max(batches) <= 2 * 256 * 256 * 4 and len(batches) == 6  # 3 batches x 2 sides.

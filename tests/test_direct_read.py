@@ -192,7 +192,7 @@ def test_stored_shape_that_differs_from_the_manifest_is_refused_before_reading(c
       key=spec.key, shape=(4, 5), dtype=spec.dtype, kind=spec.kind, path=spec.path
   )
   with pytest.raises(errors.ManifestError, match=r"should be float32\[4, 5\].*stored array is float32\[4, 4\]"):
-    direct_read.read(item, [lying], {spec.key: None}, where=str(item))
+    direct_read.read(item, [lying], where=str(item))
   assert allocated == []
 
 
