@@ -443,7 +443,10 @@ class Source(Protocol):
       self, labels: Sequence[Hashable], *, sharding: sharding_lib.Target,
       verify: bool, bound: Mapping[Hashable, Any],
   ) -> dict[Hashable, Any]:
-    """The stored values of ``labels``, as read (before any cast)."""
+    """The stored values of ``labels``, as read (before any cast). With
+    ``sharding`` None, each array is read where the model's array it
+    replaces is (``bound``: the model's variables), never whole onto one
+    device on its way there."""
 
 
 def bind(

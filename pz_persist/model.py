@@ -149,8 +149,10 @@ def load_model(
       adapter over a base model): the others keep their values and are not
       reported missing.
     sharding: Where arrays are read to: a ``jax.sharding.Sharding`` or
-      `pz_persist.AxisRules` (default: the model's own placement for
-      ``into=``, else the first local device).
+      `pz_persist.AxisRules` (default: with ``into=``, the model's own
+      placement, each array read straight into the sharding of the array it
+      replaces, so a model larger than one device loads into itself; else
+      the first local device).
     verify: Check every array read against its recorded checksum, before
       anything is built (see `pz_persist.load`).
     allow_modules: Extra modules the checkpoint may name, for this call.

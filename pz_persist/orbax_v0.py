@@ -297,9 +297,9 @@ class PenzaiRestore(ocp.args.CheckpointArgs):
     verify: Check the bytes read against the checksums recorded at save time
       (about 0.1 s per GiB; see `pz_persist.load`).
     progress: None (default): a bar on stderr, if it is a terminal or in a
-      notebook, for loads taking over `LOAD_PROGRESS_DELAY` seconds; True:
-      always; False: never; or a function called as ``progress(done,
-      total)`` with the bytes read (`pz_persist.progress`).
+      notebook, for loads taking over `pz_persist.reader.LOAD_PROGRESS_DELAY`
+      seconds; True: always; False: never; or a function called as
+      ``progress(done, total)`` with the bytes read (`pz_persist.progress`).
   """
 
   sharding: sharding_lib.Target = None

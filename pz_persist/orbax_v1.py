@@ -26,8 +26,8 @@ The abstract tree ``ocp.checkpointables_metadata`` returns is accepted too
 
 The on-disk layout is the same as the v0 handler's: Orbax's own pytree handler
 writes the arrays, the primary process writes the manifest once the directory
-exists. Loading is the v0 handler's restore, the one read path every loader
-goes through (`pz_persist.orbax_v0.PenzaiCheckpointHandler.read_arrays`): the
+exists. Loading is the v0 handler's restore, whose arrays are read by the one
+array reader every loader goes through (`pz_persist.reader.read_arrays`): the
 same containment, size, stored-metadata, allocation and checksum checks as
 `pz_persist.load`, and the same direct reads.
 """

@@ -141,7 +141,8 @@ def read_arrays(
     if tracker is not None:
       tracker.grow(sum(read.sizes.values()))
     stored: dict[str, Any] = {}
-    if read.wanted:  # Before Orbax or a direct read parses it, with no limits.
+    if read.wanted:
+      # Before Orbax or a direct read parses it, with no limits.
       bounded_json.check_orbax_metadata(directory)
       verifier = _Verifier(where, enabled=verify)
       if options.direct_reads and direct_read.applies(read.targets):
@@ -149,9 +150,7 @@ def read_arrays(
       else:
         stored = _read_through_orbax(directory, read, verifier, tracker, options)
       verifier.raise_if_damaged()
-    return values(
-        manifest, stored, where=where, placed=read.placed, refs=refs
-    )
+    return values(manifest, stored, where=where, placed=read.placed, refs=refs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,7 +401,7 @@ def values(
   Raises:
     ManifestError: an array to read was not read (Orbax returned none).
   """
-  result = []
+  result: list[Any] = []
   for index, spec in enumerate(manifest.arrays):
     if refs is not None and index not in refs:
       result.append(None)
@@ -418,7 +417,7 @@ def values(
 
 
 def read_failure(
-    manifest: manifest_lib.Manifest, keys: list[str], where: str, error: Exception
+    manifest: manifest_lib.Manifest, keys: list[str], where: str, error: BaseException
 ) -> errors.IntegrityError:
   """A clear error for stored arrays that Orbax / TensorStore cannot read.
 

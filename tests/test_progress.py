@@ -23,9 +23,10 @@ from penzai.models import simple_mlp
 
 import pz_persist as pzp
 from pz_persist import cli
+from pz_persist import direct_read
 from pz_persist import file_digests
-from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
+from pz_persist import reader
 from pz_persist.pretrained import safetensors_io
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +97,7 @@ def test_load_counts_array_bytes(tmp_path, monkeypatch, direct):
   tree = _arrays()
   pzp.save(tmp_path / "ckpt", tree)
   if not direct:  # Orbax's restore, a batch at a time (one batch here).
-    monkeypatch.setattr(orbax_v0.direct_read, "applies", lambda targets: False)
+    monkeypatch.setattr(direct_read, "applies", lambda targets: False)
   seen = _Seen()
   loaded = pzp.load(tmp_path / "ckpt", progress=seen)
   np.testing.assert_array_equal(loaded["a"], tree["a"])
@@ -118,10 +119,10 @@ def test_quick_loads_show_no_automatic_bar_on_a_terminal(tmp_path, monkeypatch):
   pzp.save(tmp_path / "ckpt", _arrays())
   terminal = _Terminal()
   monkeypatch.setattr(sys, "stderr", terminal)
-  monkeypatch.setattr(orbax_v0, "LOAD_PROGRESS_DELAY", 3600)
+  monkeypatch.setattr(reader, "LOAD_PROGRESS_DELAY", 3600)
   pzp.load(tmp_path / "ckpt")
   assert terminal.getvalue() == ""
-  monkeypatch.setattr(orbax_v0, "LOAD_PROGRESS_DELAY", 0)
+  monkeypatch.setattr(reader, "LOAD_PROGRESS_DELAY", 0)
   pzp.load(tmp_path / "ckpt")
   assert "loading" in terminal.getvalue()
 
