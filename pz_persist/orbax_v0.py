@@ -28,7 +28,6 @@ specs, but straight into their final buffers (`pz_persist.direct_read`).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Collection
 from typing import Any
 
@@ -41,12 +40,12 @@ from pz_persist import batching
 from pz_persist import bounded_json
 from pz_persist import checksums
 from pz_persist import direct_read
-from pz_persist import directories
 from pz_persist import encoding
 from pz_persist import errors
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import memory
+from pz_persist import opening
 from pz_persist import progress as progress_lib
 from pz_persist import restoring
 from pz_persist import safety
@@ -194,15 +193,25 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       directory: epath.Path,
       args: PenzaiRestore | None = None,
   ) -> Any:
-    """Restores the saved tree; needs no template."""
+    """Restores the saved tree; needs no template.
+
+    Opened through `pz_persist.opening` like every read: under the shared
+    lock, and read again if a save replaced the checkpoint meanwhile.
+    """
     args = args or PenzaiRestore()
-    check_item_contained(directory)
-    manifest = manifest_lib.read(directory)
+    return opening.read(
+        directory, lambda opened: self.restore_opened(opened, args),
+        item_directory=True,
+    )
+
+  def restore_opened(self, opened: opening.OpenItem, args: PenzaiRestore) -> Any:
+    """Restores the tree of an item opened by `pz_persist.opening.read`."""
+    directory, manifest = opened.item, opened.manifest
     with progress_lib.tracking(args.progress, f"loading {directory}",
                                delay=LOAD_PROGRESS_DELAY) as tracker:
       values = self.read_arrays(
           directory, manifest, sharding=args.sharding, verify=args.verify,
-          tracker=tracker,
+          tracker=tracker, snapshot=opened.snapshot,
       )
     return restoring.decode(manifest, values, where=str(directory))
 
@@ -216,6 +225,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       verify: bool = True,
       to_host: bool = False,
       tracker: progress_lib.Tracker | None = None,
+      snapshot: safety.Snapshot | None = None,
   ) -> list[Any]:
     """Reads arrays of the manifest, all of them or those indexed by ``refs``.
 
@@ -228,12 +238,13 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     Every file of ``directory`` is checked (`safety.files_unchanged`)
     before the read and again after it: what TensorStore read is only
     returned if no file was swapped meanwhile (for a link leading out).
+    ``snapshot``, the check `pz_persist.opening` made, stands for the first.
 
     Returns:
       A list aligned with ``manifest.arrays``: each array as it was saved
       (kind, dtype, weak type restored), or None where not requested.
     """
-    with safety.files_unchanged(directory):
+    with safety.files_unchanged(directory, before=snapshot):
       return self._read_arrays(
           directory, manifest, sharding=sharding, refs=refs, verify=verify,
           to_host=to_host, tracker=tracker,
@@ -315,10 +326,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def metadata(self, directory: epath.Path) -> Any:
     """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no arrays."""
-    check_item_contained(directory)
-    return restoring.abstract_tree(
-        manifest_lib.read(directory), where=str(directory)
-    )
+    return opening.read(directory, abstract_tree, item_directory=True)
 
   def finalize(self, directory: epath.Path) -> None:
     if (directory / "_METADATA").exists() or any(
@@ -332,24 +340,18 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._arrays.close()
 
 
-def check_item_contained(directory: epath.Path) -> None:
-  """Refuses an item whose files reach outside it, or outside its checkpoint.
+def restore_item(opened: opening.OpenItem, args: PenzaiRestore) -> Any:
+  """Restores the tree of an opened item with a handler of its own."""
+  handler = PenzaiCheckpointHandler()
+  try:
+    return handler.restore_opened(opened, args)
+  finally:
+    handler.close()
 
-  Why the checkpoint too: `safety.check_contained` accepts the directory it
-  is given being a symlink (a path the user chose). An item directory inside
-  an Orbax checkpoint (beside ``_CHECKPOINT_METADATA``) was chosen by Orbax
-  or `pz_persist.load` from the checkpoint's path, so a symlink there leading
-  out of the checkpoint is refused, as `pz_persist.load` refuses it.
-  """
-  safety.check_contained(directory)
-  if not directories.is_local(directory):
-    return
-  path = os.fspath(directory)
-  parent = os.path.dirname(os.path.abspath(path))
-  if os.path.islink(path) and os.path.exists(
-      os.path.join(parent, "_CHECKPOINT_METADATA")
-  ):
-    safety.check_contained(parent)
+
+def abstract_tree(opened: opening.OpenItem) -> Any:
+  """The tree of an opened item with ``jax.ShapeDtypeStruct`` leaves."""
+  return restoring.abstract_tree(opened.manifest, where=str(opened.item))
 
 
 def read_failure(
