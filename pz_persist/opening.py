@@ -104,21 +104,22 @@ def read(
   failure = None
   for _ in range(LOAD_ATTEMPTS):
     item, digest = None, None
-    with directories.reading(path):
+    with directories.reading(path), _checkpoint_locked(path):
       before = _identity(path, item)
       try:
         item, snapshot = _find(path, item_directory)
         before = _identity(path, item)
-        with _checkpoint_locked(path, item):
-          try:
-            manifest, data = manifest_lib.read_with_bytes(item)
-          except errors.ManifestError as e:
-            if damaged_manifest is None:
-              raise
-            result = damaged_manifest(item, e)
-          else:
-            digest = hashlib.sha256(data).digest()
-            result = use(OpenItem(path, item, manifest, digest, snapshot, before))
+        if not _walked(snapshot, item):  # Replaced between the walk and now.
+          continue
+        try:
+          manifest, data = manifest_lib.read_with_bytes(item)
+        except errors.ManifestError as e:
+          if damaged_manifest is None:
+            raise
+          result = damaged_manifest(item, e)
+        else:
+          digest = hashlib.sha256(data).digest()
+          result = use(OpenItem(path, item, manifest, digest, snapshot, before))
       except Exception as e:  # pylint: disable=broad-exception-caught
         if _same(path, item, before, digest):
           raise  # The checkpoint did not change: a real error.
@@ -138,14 +139,31 @@ def read_manifest(path: epath.PathLike) -> manifest_lib.Manifest:
   return read(path, lambda opened: opened.manifest)
 
 
-def _checkpoint_locked(path: epath.Path, item: epath.Path) -> Any:
-  """Also holds the shared lock of the checkpoint holding ``item``, when
-  ``path`` is that item: a save swaps the checkpoint (``item``'s parent) under
-  the lock of its parent, not of ``path``'s."""
-  checkpoint = item.parent
-  if item == path and (checkpoint / ORBAX_CHECKPOINT_METADATA).exists():
+def _checkpoint_locked(path: epath.Path) -> Any:
+  """Also holds the shared lock of the checkpoint holding ``path``, when
+  ``path`` is an item inside one: a save swaps that checkpoint (``path``'s
+  parent) under the lock of its own parent, not of ``path``'s."""
+  checkpoint = path.parent
+  if (checkpoint / ORBAX_CHECKPOINT_METADATA).exists():
     return directories.reading(checkpoint)
   return contextlib.nullcontext()
+
+
+def _walked(snapshot: safety.Snapshot | None, item: epath.Path) -> bool:
+  """Whether ``snapshot`` is of the directory at ``item`` now.
+
+  Why: the identity that tells a replaced checkpoint is taken after the walk
+  (the item is only known then); a save landing in between would pair the
+  old files' snapshot with the new checkpoint (where no lock stops it).
+  """
+  if snapshot is None:
+    return True
+  try:
+    st = os.stat(snapshot[0])
+  except OSError:
+    return False
+  same_root = os.path.realpath(os.fspath(item)) == snapshot[0]
+  return same_root and (st.st_dev, st.st_ino) == snapshot[1:3]
 
 
 def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
