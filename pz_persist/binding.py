@@ -30,13 +30,12 @@ from typing import Any, Protocol, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 from penzai import pz
 
 from pz_persist import catalog
 from pz_persist import encoding
 from pz_persist import errors
-from pz_persist import manifest as manifest_lib
+from pz_persist import opening
 from pz_persist import progress as progress_lib
 from pz_persist import reader
 from pz_persist import sharding as sharding_lib
@@ -393,7 +392,7 @@ def _kind_of_slot(slot: Any) -> str:
 
 
 def load_into(
-    item: epath.Path,
+    opened: opening.OpenItem,
     model: Any,
     *,
     strict: bool = True,
@@ -407,18 +406,17 @@ def load_into(
     verify: bool = True,
     progress: progress_lib.Progress = None,
 ) -> tuple[Any, LoadReport]:
-  """Loads the variables of the checkpoint item at ``item`` into ``model``.
+  """Loads the variables of the opened checkpoint item into ``model``.
 
   See `pz_persist.load_model` for the options. Returns the new model and the
   report. With ``strict``, raises `BindingError` before reading any array if
   labels are missing or unexpected or a variable's structure, axes, shapes or
   dtypes do not fit, and before building anything if a cast would be lossy.
   """
-  where = str(item)
-  manifest = manifest_lib.read(item)
-  stored, renamed = _checkpoint_variables(manifest, where, _rules(rename))
+  where = str(opened.item)
+  stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(rename))
   return bind(
-      where, model, _ManifestSource(item, manifest, stored, rename_axes, progress),
+      where, model, _ManifestSource(opened, stored, rename_axes, progress),
       renamed=renamed, strict=strict, only=only, dtype=dtype,
       allow_lossy=allow_lossy, overlay=overlay, sharding=sharding, verify=verify,
   )
@@ -523,10 +521,11 @@ class _ManifestSource:
   """A pz_persist checkpoint's variables: decoded from its manifest, read
   through `pz_persist.reader`."""
 
-  def __init__(self, item, manifest: manifest_lib.Manifest, stored, rename_axes,
+  def __init__(self, opened: opening.OpenItem, stored, rename_axes,
                progress: progress_lib.Progress = None):
-    self._item = item
-    self._manifest = manifest
+    self._item = opened.item
+    self._manifest = manifest = opened.manifest
+    self._snapshot = opened.snapshot
     self._rename_axes = rename_axes
     self._progress = progress
     self._abstract_arrays = [spec.abstract() for spec in manifest.arrays]
@@ -551,7 +550,7 @@ class _ManifestSource:
                                delay=reader.LOAD_PROGRESS_DELAY) as tracker:
       arrays = reader.read_arrays(
           self._item, self._manifest, sharding=sharding, refs=refs, verify=verify,
-          tracker=tracker,
+          tracker=tracker, snapshot=self._snapshot,
       )
     return {label: self._value(self.stored[label], arrays) for label in labels}
 

@@ -27,8 +27,6 @@ inside it, or any Orbax checkpoint directory with exactly one pz_persist item
 
 from __future__ import annotations
 
-import hashlib
-import os
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -43,18 +41,13 @@ from pz_persist import directories
 from pz_persist import errors
 from pz_persist import leftovers
 from pz_persist import manifest as manifest_lib
+from pz_persist import opening
 from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
-from pz_persist import restoring
-from pz_persist import safe_io
-from pz_persist import safety
 from pz_persist import sharding as sharding_lib
 
 ITEM_NAME = "penzai"
 """Name of the Orbax item `save` writes the tree to."""
-
-_ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
-
 
 def save(
     path: epath.PathLike,
@@ -228,65 +221,13 @@ def load(
     DisallowedModuleError: it names a class from a module that is not allowed.
     IntegrityError: with ``verify``, arrays do not match their checksums.
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `_LOAD_ATTEMPTS` attempts to read it.
+      `pz_persist.opening.LOAD_ATTEMPTS` attempts to read it.
   """
-  # Files are read by path, so a save replacing the checkpoint while it is
-  # read could mix the old manifest with new arrays, or fail on files of the
-  # old one as it is deleted. On a local disk the read holds a shared lock
-  # that a save's final move waits for; elsewhere (or when the item directory
-  # itself was given) such a read is detected (what is at the item's path
-  # changed while it was read) and done again from the start.
-  path = directories.as_path(path)
-  failure = None
-  for _ in range(_LOAD_ATTEMPTS):
-    item = None
-    with directories.reading(path):
-      before = _identity(path, item)
-      try:
-        item = find_item(path)
-        before = _identity(path, item)
-        with allowlist.scoped_allowance(allow_modules):
-          handler = orbax_v0.PenzaiCheckpointHandler()
-          try:
-            tree = handler.restore(
-                item, orbax_v0.PenzaiRestore(sharding=sharding, verify=verify,
-                                             progress=progress)
-            )
-          finally:
-            handler.close()
-      except Exception as e:  # pylint: disable=broad-exception-caught
-        if _identity(path, item) == before:
-          raise  # The checkpoint did not change: a real error.
-        failure = e
-        continue
-      unchanged = _identity(path, item) == before
-    if unchanged:
-      return tree
-  raise errors.ConcurrentSaveError(
-      f"{path} was replaced by other saves while each of {_LOAD_ATTEMPTS}"
-      " attempts to load it was reading it; try again."
-  ) from failure
-
-
-_LOAD_ATTEMPTS = 3
-"""How many times `load` reads a checkpoint that other saves keep replacing."""
-
-
-def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
-  """Which checkpoint is at ``path`` (and its ``item``, once found) now.
-
-  A save replacing it puts new directories there, with new inodes and times;
-  the manifest's hash covers filesystems without stable inodes.
-  """
-  if item is None:
-    return (directories.identity(path),)
-  try:  # Bounded, never following a link nor blocking, as in read.
-    digest = hashlib.sha256(safe_io.read_small_file(
-        manifest_lib.manifest_path(item), manifest_lib.MAX_MANIFEST_BYTES
-    )).digest()
-  except (OSError, errors.PzPersistError):
-    digest = None
-  return directories.identity(path), directories.identity(item), digest
+  # Opened as every read is: under the lock a save's final move waits for,
+  # and read again if a save replaced the checkpoint meanwhile (`opening`).
+  args = orbax_v0.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
+  with allowlist.scoped_allowance(allow_modules):
+    return opening.read(path, lambda opened: orbax_v0.restore_item(opened, args))
 
 
 def inspect(
@@ -308,14 +249,13 @@ def inspect(
     path: A checkpoint directory, or the item directory inside one.
     allow_modules: As for `load`.
   """
-  item = find_item(path)
   with allowlist.scoped_allowance(allow_modules):
-    return restoring.abstract_tree(manifest_lib.read(item), where=str(item))
+    return opening.read(path, orbax_v0.abstract_tree)
 
 
 def read_manifest(path: epath.PathLike) -> manifest_lib.Manifest:
   """The validated manifest of the checkpoint at ``path`` (reads no arrays)."""
-  return manifest_lib.read(find_item(path))
+  return opening.read_manifest(path)
 
 
 def find_item(path: epath.PathLike) -> epath.Path:
@@ -324,59 +264,7 @@ def find_item(path: epath.PathLike) -> epath.Path:
   Raises:
     NotACheckpointError: no item, or several (the message lists them).
   """
-  path = directories.as_path(path)
-  if not path.is_dir():
-    raise errors.NotACheckpointError(
-        f"{path} is not a pz_persist checkpoint: "
-        + ("it is not a directory." if path.exists() else "it does not exist.")
-    )
-  if _holds_manifest(path):
-    safety.check_contained(path)
-    manifest_lib.check_file(path)
-    return path
-  items = sorted(
-      child for child in path.iterdir()
-      if child.is_dir() and _holds_manifest(child)
-  )
-  if len(items) == 1:
-    # The whole checkpoint, not only the item: the item directory itself may
-    # be a symlink leading out of it.
-    safety.check_contained(path)
-    safety.check_checkpoint_metadata(path)
-    manifest_lib.check_file(items[0])
-    return items[0]
-  if len(items) > 1:
-    names = ", ".join(item.name for item in items)
-    raise errors.NotACheckpointError(
-        f"{path} holds several pz_persist items ({names}); pass one of them,"
-        f" e.g. {items[0]}."
-    )
-  hint = ""
-  if (path / _ORBAX_CHECKPOINT_METADATA).exists() or (path / "_METADATA").exists():
-    hint = (
-        " It is an Orbax checkpoint written without pz_persist; restore it with"
-        " orbax.checkpoint and a template or, if it holds a Penzai model's"
-        " parameters (saved from pz.unbind_params(model, freeze=True)), load it"
-        " with pz_persist.load_model(path, into=model) or convert it with"
-        " pz_persist.migrate."
-    )
-  raise errors.NotACheckpointError(
-      f"{path} is not a pz_persist checkpoint: no {manifest_lib.MANIFEST_FILENAME}"
-      f" in it or in any directory directly inside it.{hint}"
-  )
-
-
-def _holds_manifest(directory: epath.Path) -> bool:
-  """Whether ``directory`` has a manifest entry of any kind.
-
-  Why not `manifest.has_manifest`: a manifest that is a symlink out of the
-  checkpoint, a FIFO or a directory is not a regular file, and would make
-  the directory look like no checkpoint at all; found here, it is refused by
-  name instead (by `safety.check_contained` or `manifest.read`).
-  """
-  if not directories.is_local(directory):
-    return manifest_lib.has_manifest(directory)
-  return os.path.lexists(os.fspath(manifest_lib.manifest_path(directory)))
+  return opening.find_item(path)[0]
 
 
 def _check_replaceable(path: epath.Path) -> None:

@@ -19,8 +19,8 @@ from etils import epath
 
 from pz_persist import arrays as arrays_lib
 from pz_persist import batching
-from pz_persist import checkpoint
 from pz_persist import manifest as manifest_lib
+from pz_persist import opening
 from pz_persist import progress as progress_lib
 from pz_persist import reader
 
@@ -248,8 +248,22 @@ def diff(
       ``progress(done, total)`` with bytes of A's arrays compared
       (`pz_persist.progress`).
   """
-  items = [checkpoint.find_item(p) for p in (path_a, path_b)]
-  manifests = [manifest_lib.read(item) for item in items]
+  # Each opened as every read is (`opening`): never a mix of two saves.
+  return opening.read(path_a, lambda a: opening.read(
+      path_b, lambda b: _diff(a, b, batch_bytes, progress)
+  ))
+
+
+def _diff(
+    a: opening.OpenItem,
+    b: opening.OpenItem,
+    batch_bytes: int,
+    progress: progress_lib.Progress,
+) -> CheckpointDiff:
+  """`diff` of two opened items."""
+  items = [a.item, b.item]
+  manifests = [a.manifest, b.manifest]
+  snapshots = [a.snapshot, b.snapshot]
   result = CheckpointDiff()
   result.structure = structure_differences(*manifests)
   names_a, names_b = (_array_names(m) for m in manifests)
@@ -269,8 +283,10 @@ def diff(
   with progress_lib.tracking(progress, description, sum(sizes.values())) as tracker:
     for batch in batching.batches(common, sizes.__getitem__, batch_bytes):
       values = [
-          reader.read_arrays(item, manifest, refs={names[n] for n in batch})
-          for item, manifest, names in zip(items, manifests, (names_a, names_b))
+          reader.read_arrays(item, manifest, refs={names[n] for n in batch},
+                             snapshot=snapshot)
+          for item, manifest, names, snapshot in zip(
+              items, manifests, (names_a, names_b), snapshots)
       ]
       result.arrays.extend(
           _compare(n, values[0][names_a[n]], values[1][names_b[n]]) for n in batch

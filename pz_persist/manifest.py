@@ -199,6 +199,11 @@ def has_manifest(directory: epath.PathLike) -> bool:
 
 def read(directory: epath.PathLike) -> Manifest:
   """Reads and validates the manifest of the checkpoint item in ``directory``."""
+  return read_with_bytes(directory)[0]
+
+
+def read_with_bytes(directory: epath.PathLike) -> tuple[Manifest, bytes]:
+  """`read`, also returning the very bytes parsed (to hash them for identity)."""
   path = manifest_path(directory)
   try:  # No link followed, no FIFO opened, at most MAX_MANIFEST_BYTES.
     data = safe_io.read_small_file(path, MAX_MANIFEST_BYTES, what="manifest")
@@ -211,7 +216,7 @@ def read(directory: epath.PathLike) -> Manifest:
     raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
   manifest = Manifest.loads(data, where=str(path))
   _refuse_downgrade(directory, manifest, where=str(path))
-  return manifest
+  return manifest, data
 
 
 def _refuse_downgrade(directory: epath.PathLike, manifest: Manifest, *, where: str) -> None:

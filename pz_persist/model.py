@@ -28,7 +28,8 @@ from pz_persist import binding
 from pz_persist import catalog
 from pz_persist import checkpoint
 from pz_persist import errors
-from pz_persist import manifest as manifest_lib
+from pz_persist import opening
+from pz_persist import orbax_v0
 from pz_persist import plain_orbax
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
@@ -173,11 +174,8 @@ def load_model(
       given = [name for name, value in unsupported.items() if value is not None]
       if given:
         raise ValueError(f"{', '.join(given)} need into=model.")
-      # A model's variables need unique labels (Penzai refuses others):
-      # checked on the manifest, before any array is read.
-      item = checkpoint.find_item(path)
-      catalog.variables(manifest_lib.read(item), where=str(item))
-      model = checkpoint.load(path, sharding=sharding, verify=verify, progress=progress)
+      args = orbax_v0.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
+      model = opening.read(path, lambda opened: _restore_model(opened, args))
       if not isinstance(model, pz.Struct):
         raise errors.PzPersistError(
             f"{path} holds a {type(model).__name__}, not a model. Load it with"
@@ -190,44 +188,41 @@ def load_model(
         return model
       _, variables = pz.unbind_variables(model)
       return model, binding.LoadReport(loaded=tuple(v.label for v in variables))
-    item, plain = _find_item(path)
-    if plain:
-      model, report = plain_orbax.load_into(
-          path, item, into, strict=strict, only=only, rename=rename,
-          rename_axes=rename_axes, dtype=dtype, allow_lossy=allow_lossy,
-          overlay=overlay, sharding=sharding,
-      )
+    try:
+      model, report = opening.read(path, lambda opened: binding.load_into(
+          opened,
+          into,
+          strict=strict,
+          only=only,
+          rename=rename,
+          rename_axes=rename_axes,
+          dtype=dtype,
+          allow_lossy=allow_lossy,
+          overlay=overlay,
+          sharding=sharding,
+          verify=verify,
+          progress=progress,
+      ))
       return model if strict else (model, report)
-    model, report = binding.load_into(
-        item,
-        into,
-        strict=strict,
-        only=only,
-        rename=rename,
-        rename_axes=rename_axes,
-        dtype=dtype,
-        allow_lossy=allow_lossy,
-        overlay=overlay,
-        sharding=sharding,
-        verify=verify,
-        progress=progress,
+    except errors.NotACheckpointError as e:
+      not_native = e  # Raised outside this block: not the context of others.
+    # Not a pz_persist checkpoint: perhaps one plain Orbax wrote.
+    plain = plain_orbax.find_item(path)
+    if plain is None:
+      raise not_native
+    model, report = plain_orbax.load_into(
+        path, plain, into, strict=strict, only=only, rename=rename,
+        rename_axes=rename_axes, dtype=dtype, allow_lossy=allow_lossy,
+        overlay=overlay, sharding=sharding,
     )
     return model if strict else (model, report)
 
 
-def _find_item(path: epath.PathLike) -> tuple[epath.Path, bool]:
-  """The item directory at ``path``, and whether it is a plain Orbax one
-  (written without pz_persist) rather than a pz_persist one.
+def _restore_model(opened: opening.OpenItem, args: orbax_v0.PenzaiRestore) -> Any:
+  """The tree of an opened item, whose variables have unique labels.
 
-  Raises:
-    NotACheckpointError: it is neither (the error says why it is not a
-      pz_persist checkpoint).
+  Why checked first: Penzai refuses a model whose variables share a label;
+  checked on the manifest, before any array is read.
   """
-  try:
-    return checkpoint.find_item(path), False
-  except errors.NotACheckpointError as e:
-    not_native = e  # Raised outside this block: not the context of others.
-  plain = plain_orbax.find_item(path)
-  if plain is None:
-    raise not_native
-  return plain, True
+  catalog.variables(opened.manifest, where=str(opened.item))
+  return orbax_v0.restore_item(opened, args)

@@ -29,7 +29,6 @@ Every read goes through `pz_persist.reader`, which every other loader uses too.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Collection
 from typing import Any
 
@@ -37,11 +36,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import checksums
-from pz_persist import directories
 from pz_persist import encoding
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import memory
+from pz_persist import opening
 from pz_persist import progress as progress_lib
 from pz_persist import reader
 from pz_persist import restoring
@@ -189,15 +188,25 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       directory: epath.Path,
       args: PenzaiRestore | None = None,
   ) -> Any:
-    """Restores the saved tree; needs no template."""
+    """Restores the saved tree; needs no template.
+
+    Opened through `pz_persist.opening` like every read: under the shared
+    lock, and read again if a save replaced the checkpoint meanwhile.
+    """
     args = args or PenzaiRestore()
-    check_item_contained(directory)
-    manifest = manifest_lib.read(directory)
+    return opening.read(
+        directory, lambda opened: self.restore_opened(opened, args),
+        item_directory=True,
+    )
+
+  def restore_opened(self, opened: opening.OpenItem, args: PenzaiRestore) -> Any:
+    """Restores the tree of an item opened by `pz_persist.opening.read`."""
+    directory, manifest = opened.item, opened.manifest
     with progress_lib.tracking(args.progress, f"loading {directory}",
                                delay=reader.LOAD_PROGRESS_DELAY) as tracker:
       values = reader.read_arrays(
           directory, manifest, sharding=args.sharding, verify=args.verify,
-          tracker=tracker, options=self._read_options,
+          tracker=tracker, options=self._read_options, snapshot=opened.snapshot,
       )
     return restoring.decode(manifest, values, where=str(directory))
 
@@ -211,19 +220,17 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       verify: bool = True,
       to_host: bool = False,
       tracker: progress_lib.Tracker | None = None,
+      snapshot: safety.Snapshot | None = None,
   ) -> list[Any]:
     """`pz_persist.reader.read_arrays`, with this handler's read options."""
     return reader.read_arrays(
         directory, manifest, sharding=sharding, refs=refs, verify=verify,
-        to_host=to_host, tracker=tracker, options=self._read_options,
+        to_host=to_host, tracker=tracker, options=self._read_options, snapshot=snapshot,
     )
 
   def metadata(self, directory: epath.Path) -> Any:
     """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no arrays."""
-    check_item_contained(directory)
-    return restoring.abstract_tree(
-        manifest_lib.read(directory), where=str(directory)
-    )
+    return opening.read(directory, abstract_tree, item_directory=True)
 
   def finalize(self, directory: epath.Path) -> None:
     if (directory / "_METADATA").exists() or any(
@@ -237,24 +244,18 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._arrays.close()
 
 
-def check_item_contained(directory: epath.Path) -> None:
-  """Refuses an item whose files reach outside it, or outside its checkpoint.
+def restore_item(opened: opening.OpenItem, args: PenzaiRestore) -> Any:
+  """Restores the tree of an opened item with a handler of its own."""
+  handler = PenzaiCheckpointHandler()
+  try:
+    return handler.restore_opened(opened, args)
+  finally:
+    handler.close()
 
-  Why the checkpoint too: `safety.check_contained` accepts the directory it
-  is given being a symlink (a path the user chose). An item directory inside
-  an Orbax checkpoint (beside ``_CHECKPOINT_METADATA``) was chosen by Orbax
-  or `pz_persist.load` from the checkpoint's path, so a symlink there leading
-  out of the checkpoint is refused, as `pz_persist.load` refuses it.
-  """
-  safety.check_contained(directory)
-  if not directories.is_local(directory):
-    return
-  path = os.fspath(directory)
-  parent = os.path.dirname(os.path.abspath(path))
-  if os.path.islink(path) and os.path.exists(
-      os.path.join(parent, "_CHECKPOINT_METADATA")
-  ):
-    safety.check_contained(parent)
+
+def abstract_tree(opened: opening.OpenItem) -> Any:
+  """The tree of an opened item with ``jax.ShapeDtypeStruct`` leaves."""
+  return restoring.abstract_tree(opened.manifest, where=str(opened.item))
 
 
 @ocp.args.register_with_handler(PenzaiCheckpointHandler, for_save=True)

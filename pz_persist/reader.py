@@ -107,6 +107,7 @@ def read_arrays(
     to_host: bool = False,
     tracker: progress_lib.Tracker | None = None,
     options: ReadOptions = ReadOptions(),
+    snapshot: safety.Snapshot | None = None,
 ) -> list[Any]:
   """Reads arrays of the manifest, all of them or those indexed by ``refs``.
 
@@ -123,6 +124,9 @@ def read_arrays(
     to_host: Read every array as a NumPy array (for checking).
     tracker: Told the bytes to read, then each array's or batch's.
     options: How to read (see `ReadOptions`).
+    snapshot: The containment check `pz_persist.opening` already made of
+      ``directory``; it stands for the check before the read (the one after
+      it is always made: what was read is returned only if no file changed).
 
   Returns:
     A list aligned with ``manifest.arrays``: each array as it was saved
@@ -135,7 +139,7 @@ def read_arrays(
     UnsafeCheckpointError: the arrays would exceed the allocation limit, or
       a file of ``directory`` changed while it was read.
   """
-  with safety.files_unchanged(directory):
+  with safety.files_unchanged(directory, before=snapshot):
     where = str(directory)
     read = plan(manifest, where=where, sharding=sharding, refs=refs, to_host=to_host)
     if tracker is not None:

@@ -145,8 +145,22 @@ def check_contained(directory: epath.PathLike) -> Snapshot | None:
   return (root, top.st_dev, top.st_ino, seen)
 
 
+def part(snapshot: Snapshot | None, directory: epath.PathLike) -> Snapshot | None:
+  """What ``check_contained(directory)`` would return, taken from the
+  ``snapshot`` of a directory holding it (not through a link): no second walk."""
+  if snapshot is None:
+    return None
+  root = os.path.realpath(os.fspath(directory))
+  top = snapshot[3].get(root)
+  if top is None:
+    return None
+  inside = root.rstrip(os.sep) + os.sep
+  seen = {path: info for path, info in snapshot[3].items() if path.startswith(inside)}
+  return (root, top[0], top[1], seen)
+
+
 @contextlib.contextmanager
-def files_unchanged(directory: epath.PathLike):
+def files_unchanged(directory: epath.PathLike, before: Snapshot | None = None):
   """Checks ``directory`` with `check_contained` before and after the block.
 
   Why after as well: TensorStore (directly, or inside Orbax's restore) opens
@@ -160,10 +174,14 @@ def files_unchanged(directory: epath.PathLike):
   The read itself may have touched a swapped-in file, but what it read is
   discarded. Cheap: one ``lstat`` per file, no file is opened.
 
+  ``before``, a `check_contained` snapshot of ``directory`` taken earlier
+  (`pz_persist.opening` takes one), saves walking it again first.
+
   Raises:
     UnsafeCheckpointError: something was swapped or added while reading.
   """
-  before = check_contained(directory)
+  if before is None:
+    before = check_contained(directory)
   yield
   after = check_contained(directory)
   if after == before:

@@ -19,12 +19,13 @@ import dataclasses
 from etils import epath
 
 from pz_persist import batching
-from pz_persist import checkpoint
 from pz_persist import errors
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
+from pz_persist import opening
 from pz_persist import progress as progress_lib
 from pz_persist import reader
+from pz_persist import safety
 from pz_persist import terminal
 
 
@@ -110,14 +111,31 @@ def verify(
   Raises:
     NotACheckpointError: ``path`` holds no pz_persist checkpoint.
   """
-  item = checkpoint.find_item(path)
-  with progress_lib.tracking(progress, f"verifying {item}") as tracker:
-    return _verify(item, read_batch_bytes, tracker)
+  def checked(
+      item: epath.Path,
+      manifest: manifest_lib.Manifest | errors.ManifestError,
+      snapshot: safety.Snapshot | None = None,
+  ) -> VerifyReport:
+    with progress_lib.tracking(progress, f"verifying {item}") as tracker:
+      return _verify(item, manifest, snapshot, read_batch_bytes, tracker)
+
+  # Opened as every read is (`opening`); a damaged manifest is reported.
+  return opening.read(
+      path, lambda opened: checked(opened.item, opened.manifest, opened.snapshot),
+      damaged_manifest=checked,
+  )
 
 
-def _verify(item: epath.Path, read_batch_bytes: int, tracker: progress_lib.Tracker) -> VerifyReport:
+def _verify(
+    item: epath.Path,
+    manifest: manifest_lib.Manifest | errors.ManifestError,
+    snapshot: safety.Snapshot | None,
+    read_batch_bytes: int,
+    tracker: progress_lib.Tracker,
+) -> VerifyReport:
   """`verify` of an item directory, telling ``tracker`` each file's and each
-  batch's bytes as they are checked."""
+  batch's bytes as they are checked. ``manifest`` is the error that made it
+  unreadable, if it was."""
   damaged: list[str] = []
   try:
     files = file_digests.check(item, tracker)
@@ -127,10 +145,8 @@ def _verify(item: epath.Path, read_batch_bytes: int, tracker: progress_lib.Track
   files_checked = files[0] if files is not None else None
   if files is not None:
     damaged += files[1]
-  try:
-    manifest = manifest_lib.read(item)
-  except errors.ManifestError as e:
-    damaged.append(str(e))
+  if isinstance(manifest, errors.ManifestError):
+    damaged.append(str(manifest))
     return VerifyReport(str(item), 0, files_checked, tuple(damaged), ())
   unverified = tuple(
       spec.label or spec.path for spec in manifest.arrays
@@ -145,7 +161,7 @@ def _verify(item: epath.Path, read_batch_bytes: int, tracker: progress_lib.Track
   tracker.grow(sum(nbytes[index] for index in checksummed))
   options = reader.ReadOptions(read_batch_bytes=read_batch_bytes)
   for batch in batching.batches(checksummed, nbytes.__getitem__, read_batch_bytes):
-    damaged += _check_batch(options, item, manifest, batch)
+    damaged += _check_batch(options, item, manifest, batch, snapshot)
     checked += len(batch)
     tracker.advance(sum(nbytes[index] for index in batch))
   return VerifyReport(
@@ -158,18 +174,20 @@ def _check_batch(
     item: epath.Path,
     manifest: manifest_lib.Manifest,
     batch: list[int],
+    snapshot: safety.Snapshot | None,
 ) -> list[str]:
   """Damage lines for one batch; a batch that fails to read is split up."""
   try:
     reader.read_arrays(
-        item, manifest, refs=set(batch), verify=True, to_host=True, options=options
+        item, manifest, refs=set(batch), verify=True, to_host=True, options=options,
+        snapshot=snapshot,
     )
     return []
   except errors.PzPersistError as e:
     unreadable = e.__cause__ is not None or not isinstance(e, errors.IntegrityError)
     if unreadable and len(batch) > 1:  # Find which arrays cannot be read.
       return [line for index in batch
-              for line in _check_batch(options, item, manifest, [index])]  # fmt: skip
+              for line in _check_batch(options, item, manifest, [index], snapshot)]  # fmt: skip
     if isinstance(e, errors.IntegrityError) and not unreadable:
       return list(e.damaged)  # Checksum mismatches, each named.
     spec = manifest.arrays[batch[0]]

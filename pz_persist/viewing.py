@@ -20,7 +20,7 @@ from etils import epath
 
 from pz_persist import catalog
 from pz_persist import checkpoint
-from pz_persist import manifest as manifest_lib
+from pz_persist import opening
 from pz_persist import terminal
 
 
@@ -141,8 +141,8 @@ def describe_checkpoint(path: epath.PathLike, *, width: int | None = None) -> st
   """
   if width is None:
     width = shutil.get_terminal_size(fallback=(120, 24)).columns
-  item = checkpoint.find_item(path)
-  manifest = manifest_lib.read(item)
+  opened = opening.read(path, lambda opened: opened)  # The manifest only.
+  item, manifest = opened.item, opened.manifest
   one_line = functools.partial(terminal.printable, newlines=False)
   rows = catalog.array_rows(manifest)
   held = catalog.variables(manifest, where=str(item))

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import pz_persist as pzp
-from pz_persist import checkpoint
 from pz_persist import directories
 from pz_persist import errors
+from pz_persist import opening
 from conftest import REPO
 
 TREE_CODE = textwrap.dedent("""
@@ -169,15 +169,15 @@ READER = textwrap.dedent("""
     import json, sys
     import numpy as np
     import pz_persist as pzp
-    from pz_persist import checkpoint
+    from pz_persist import opening
 
     attempts = 0
-    identity = checkpoint._identity
+    identity = opening._identity
     def counting(path, item):  # Called 3 times per attempt.
       global attempts
       attempts += 1
       return identity(path, item)
-    checkpoint._identity = counting
+    opening._identity = counting
 
     path = sys.argv[1]
     loads, generations, mixed = 0, set(), []
@@ -245,7 +245,7 @@ def test_load_gives_up_when_replaced_during_every_attempt(tmp_path, monkeypatch)
   path = tmp_path / "ckpt"
   pzp.save(path, {"x": 1})
   changes = iter(range(100))
-  monkeypatch.setattr(checkpoint, "_identity", lambda *_: next(changes))
+  monkeypatch.setattr(opening, "_identity", lambda *_: next(changes))
   with pytest.raises(errors.ConcurrentSaveError, match="replaced by other saves"):
     pzp.load(path)
 
@@ -254,8 +254,8 @@ def test_load_raises_real_errors_at_once(tmp_path, monkeypatch):
   path = tmp_path / "ckpt"
   pzp.save(path, {"x": np.arange(3)})
   attempts = []
-  identity = checkpoint._identity
-  monkeypatch.setattr(checkpoint, "_identity", lambda *a: attempts.append(1) or identity(*a))
+  identity = opening._identity
+  monkeypatch.setattr(opening, "_identity", lambda *a: attempts.append(1) or identity(*a))
   for name in os.listdir(path / "penzai" / "d"):
     os.remove(path / "penzai" / "d" / name)  # Damaged, but not being replaced.
   with pytest.raises(errors.PzPersistError) as raised:
