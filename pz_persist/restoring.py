@@ -147,7 +147,7 @@ def assemble(
 def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str) -> Any:
   """The saved tree, from its manifest and its arrays (see `values`)."""
   return encoding.decode(
-      manifest.tree, manifest.variables, values, root=f"{where}: tree",
+      manifest.tree, manifest.variables, values, root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
   )
 
@@ -161,6 +161,6 @@ def abstract_tree(manifest: manifest_lib.Manifest, *, where: str) -> Any:
       manifest.variables,
       values,
       abstract=True,
-      root=f"{where}: tree",
+      root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
   )
