@@ -114,7 +114,7 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
     )
 
   for index, entry in enumerate(manifest.variables):
-    if not isinstance(entry, dict) or entry.get("kind") not in nodes.VARIABLE_KINDS:
+    if not isinstance(entry, dict) or entry.get("kind") not in tuple(nodes.VARIABLE_KINDS):
       raise errors.ManifestError(f"{where}: variables[{index}] is malformed.")
     before = len(found)
     add(entry["kind"], entry, where, f"variables[{index}]")

@@ -158,7 +158,7 @@ class _Variables:
     entry_where = f"{self._where}[{ref}]"
     if not isinstance(entry, dict) or set(entry) != nodes.VARIABLE_ENTRY_FIELDS:
       raise errors.ManifestError(f"{entry_where}: malformed variable entry.")
-    if entry["kind"] not in nodes.VARIABLE_KINDS:
+    if not isinstance(entry["kind"], str) or entry["kind"] not in nodes.VARIABLE_KINDS:
       raise errors.ManifestError(
           f"{entry_where}: unknown variable kind {entry['kind']!r}."
       )
