@@ -243,3 +243,23 @@ def test_diff_names_the_class_of_each_node_type_that_has_one(tag):
   b = dataclasses.replace(a, tree=tree, variables=tuple(variables))
   differences = diffing.structure_differences(a, b)
   assert differences and all("Other" in d for d in differences), differences
+
+
+def test_duplicate_label_message_names_the_first_variable_when_labels_hold_colons():
+  """The catalog used to find the first variable's place by splitting its
+  text at ': ', which cut a label holding ': ' in two."""
+  entry = {
+      "kind": "parameter",
+      "label": {"t": "str", "v": "a: b"},
+      "metadata": {"t": "dict", "items": []},
+      "value": {"t": "none"},
+  }
+  manifest = manifest_lib.Manifest(
+      tree={"t": "list", "items": []}, variables=(entry, dict(entry)), arrays=()
+  )
+  with pytest.raises(errors.ManifestError) as raised:
+    catalog.variables(manifest, where="/ckpt/item")
+  assert str(raised.value) == (
+      "/ckpt/item: variables[1] has label 'a: b', like variables[0] (label"
+      " 'a: b'); labels of variables must be unique."
+  )
