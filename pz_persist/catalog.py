@@ -14,7 +14,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any, Literal
 
 from pz_persist import arrays as arrays_lib
-from pz_persist import encoding
+from pz_persist import decode as decode_lib
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import nodes
@@ -52,7 +52,7 @@ class Variable:
 
   @property
   def label_text(self) -> str:
-    return encoding.describe_label(self.label)
+    return nodes.describe_label(self.label)
 
 
 def children(node: Any) -> Iterator[Any]:
@@ -67,8 +67,8 @@ def children(node: Any) -> Iterator[Any]:
 
 def walk(node: Any, depth: int = 0, where: str = "tree") -> Iterator[Node]:
   """Every node of a typed-JSON tree, parents first (``where`` names it)."""
-  if depth > encoding.MAX_DEPTH:
-    raise errors.ManifestError(f"{where}: nesting deeper than {encoding.MAX_DEPTH}.")
+  if depth > nodes.MAX_DEPTH:
+    raise errors.ManifestError(f"{where}: nesting deeper than {nodes.MAX_DEPTH}.")
   if isinstance(node, dict):
     yield node
     for child in children(node):
@@ -91,7 +91,7 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
   found: dict[Hashable, Variable] = {}
 
   def add(kind: str, node: Node, file: str, place: str):
-    label = encoding.decode_static(node.get("label"), f"{file}: {place}.label")
+    label = decode_lib.decode_static(node.get("label"), f"{file}: {place}.label")
     try:
       hash(label)
     except TypeError:
@@ -99,9 +99,9 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
     if label in found:
       return  # The same value saved twice (e.g. in two places of a tree).
     location = errors.Location(
-        file, f"{place} (label {encoding.describe_label(label)!r:.100})", label
+        file, f"{place} (label {nodes.describe_label(label)!r:.100})", label
     )
-    metadata = encoding.decode_static(node.get("metadata"), f"{location}.metadata")
+    metadata = decode_lib.decode_static(node.get("metadata"), f"{location}.metadata")
     if not isinstance(metadata, dict):
       raise errors.ManifestError(f"{location}: metadata must be a dict.")
     found[label] = Variable(
@@ -121,10 +121,10 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
     if len(found) == before:
       # Two distinct mutable variables with one label: binding by label
       # would silently pick one (and Penzai refuses such a model).
-      label = encoding.decode_static(entry.get("label"), f"{where}: variables[{index}]")
+      label = decode_lib.decode_static(entry.get("label"), f"{where}: variables[{index}]")
       raise errors.ManifestError(
           f"{where}: variables[{index}] has label"
-          f" {encoding.describe_label(label)!r:.100}, like"
+          f" {nodes.describe_label(label)!r:.100}, like"
           f" {found[label].location.tree_path}; labels of variables must be"
           " unique."
       )
@@ -162,14 +162,14 @@ def axis_names(manifest: manifest_lib.Manifest) -> dict[int, tuple[Any, ...]]:
       continue  # Malformed: decoding the tree refuses it, naming the node.
     dims: list[Any] = [None] * len(spec.shape)
     if meaning == "size":  # The last dimensions, in order.
-      axes = [encoding.decode_static(pair[0], "axis") for pair in pairs]
+      axes = [decode_lib.decode_static(pair[0], "axis") for pair in pairs]
       if len(axes) > len(dims):
         continue
       for offset, name in enumerate(axes):
         dims[len(dims) - len(axes) + offset] = name
     else:  # Each pair names the dimension it gives.
       for pair in pairs:
-        name, index = encoding.decode_static(pair[0], "axis"), pair[1]
+        name, index = decode_lib.decode_static(pair[0], "axis"), pair[1]
         if type(index) is int and 0 <= index < len(dims):
           dims[index] = name
     names[data["ref"]] = tuple(dims)
