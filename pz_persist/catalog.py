@@ -92,10 +92,8 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
 
   def add(kind: str, node: Node, file: str, place: str):
     label = decode_lib.decode_static(node.get("label"), f"{file}: {place}.label")
-    try:
-      hash(label)
-    except TypeError:
-      raise errors.ManifestError(f"{file}: {place}: unhashable label {label!r}.") from None
+    if nodes.label_problem(label) == "unhashable":
+      raise errors.ManifestError(f"{file}: {place}: unhashable label {label!r}.")
     if label in found:
       return  # The same value saved twice (e.g. in two places of a tree).
     location = errors.Location(

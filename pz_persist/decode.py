@@ -169,14 +169,13 @@ class _Variables:
 def check_label(label: Any, where: str) -> Any:
   """Refuses a decoded variable label that is unhashable or holds control
   characters (they would garble every message and table that prints it)."""
-  if isinstance(label, str) and arrays_lib.CONTROL_CHARS.search(label):
+  problem = nodes.label_problem(label)
+  if problem == "control characters":
     raise errors.ManifestError(
         f"{where}: label {label!r:.100} holds control characters."
     )
-  try:
-    hash(label)
-  except TypeError:
-    raise errors.ManifestError(f"{where}: label {label!r} is unhashable.") from None
+  if problem == "unhashable":
+    raise errors.ManifestError(f"{where}: label {label!r} is unhashable.")
   return label
 
 

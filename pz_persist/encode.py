@@ -282,13 +282,12 @@ class _Encoder:
     return self._code(obj, where + (f" (label {label!r})" if label else ""))
 
   def _label(self, label: Any, where: str) -> Node:
-    try:
-      hash(label)
-    except TypeError:
+    problem = nodes.label_problem(label)
+    if problem == "unhashable":
       raise errors.EncodingError(
           f"{where}: variable label {label!r} is not hashable."
-      ) from None
-    if isinstance(label, str) and arrays_lib.CONTROL_CHARS.search(label):
+      )
+    if problem == "control characters":
       # Loading refuses these (they garble printed labels): never write them.
       raise errors.EncodingError(
           f"{where}: variable label {label!r} holds control characters."
