@@ -534,7 +534,7 @@ class _ManifestSource:
   def _value(self, variable: catalog.Variable, arrays, **kwargs) -> Any:
     value = encoding.decode(
         variable.value, self._manifest.variables, arrays,
-        root=f"{variable.where}.value", **kwargs,
+        root=variable.location.joined(".value"), **kwargs,
     )
     return _rename_axes(value, self._rename_axes)
 

@@ -14,14 +14,15 @@ from collections.abc import Hashable, Iterator
 from typing import Any, Literal
 
 from pz_persist import arrays as arrays_lib
-from pz_persist import encoding
+from pz_persist import decode as decode_lib
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
+from pz_persist import nodes
 from pz_persist import terminal
 
 Node = dict[str, Any]
 
-_VALUE_TAGS = {"parameter_value": "parameter", "state_variable_value": "state_variable"}
+_VALUE_TAGS = nodes.VALUE_TAGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Variable:
     metadata: The variable's metadata dict.
     value: Typed-JSON node of the variable's value.
     refs: Indices (into the manifest's arrays) of the arrays of its value.
-    where: Where it sits in the checkpoint, for messages.
+    location: Where it sits in the checkpoint.
   """
 
   label: Hashable
@@ -42,46 +43,32 @@ class Variable:
   metadata: dict[Any, Any]
   value: Node
   refs: tuple[int, ...]
-  where: str
+  location: errors.Location
+
+  @property
+  def where(self) -> str:
+    """Where it sits in the checkpoint, for messages."""
+    return str(self.location)
 
   @property
   def label_text(self) -> str:
-    return encoding.describe_label(self.label)
+    return nodes.describe_label(self.label)
 
 
 def children(node: Any) -> Iterator[Any]:
   """The child nodes of a typed-JSON node that can hold arrays.
 
   The JSON is the manifest's, unchecked (decoding it is what checks it):
-  anything malformed holds no children here.
+  anything malformed holds no children here. Which fields hold children is
+  the node table's (`nodes.NODE_TYPES`).
   """
-  if not isinstance(node, dict) or not isinstance(node.get("t"), str):
-    return
-  tag = node["t"]
-  if tag in ("list", "tuple", "namedtuple"):
-    yield from _list(node.get("items"))
-  elif tag in ("dict", "ordered_dict"):
-    yield from (pair[1] for pair in _pairs(node.get("items")))
-  elif tag in ("struct", "dataclass"):
-    yield from (pair[1] for pair in _pairs(node.get("fields")))
-  elif tag in ("named_array", "named_array_view", "prng_key"):
-    yield node.get("data")
-  elif tag in _VALUE_TAGS:
-    yield node.get("value")
-
-
-def _list(value: Any) -> list[Any]:
-  return value if isinstance(value, list) else []
-
-
-def _pairs(value: Any) -> list[list[Any]]:
-  return [pair for pair in _list(value) if isinstance(pair, list) and len(pair) == 2]
+  yield from nodes.children(node)
 
 
 def walk(node: Any, depth: int = 0, where: str = "tree") -> Iterator[Node]:
   """Every node of a typed-JSON tree, parents first (``where`` names it)."""
-  if depth > encoding.MAX_DEPTH:
-    raise errors.ManifestError(f"{where}: nesting deeper than {encoding.MAX_DEPTH}.")
+  if depth > nodes.MAX_DEPTH:
+    raise errors.ManifestError(f"{where}: nesting deeper than {nodes.MAX_DEPTH}.")
   if isinstance(node, dict):
     yield node
     for child in children(node):
@@ -103,45 +90,45 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
   """
   found: dict[Hashable, Variable] = {}
 
-  def add(kind: str, node: Node, place: str):
-    label = encoding.decode_static(node.get("label"), f"{place}.label")
-    try:
-      hash(label)
-    except TypeError:
-      raise errors.ManifestError(f"{place}: unhashable label {label!r}.") from None
+  def add(kind: str, node: Node, file: str, place: str):
+    label = decode_lib.decode_static(node.get("label"), f"{file}: {place}.label")
+    if nodes.label_problem(label) == "unhashable":
+      raise errors.ManifestError(f"{file}: {place}: unhashable label {label!r}.")
     if label in found:
       return  # The same value saved twice (e.g. in two places of a tree).
-    place = f"{place} (label {encoding.describe_label(label)!r:.100})"
-    metadata = encoding.decode_static(node.get("metadata"), f"{place}.metadata")
+    location = errors.Location(
+        file, f"{place} (label {nodes.describe_label(label)!r:.100})", label
+    )
+    metadata = decode_lib.decode_static(node.get("metadata"), f"{location}.metadata")
     if not isinstance(metadata, dict):
-      raise errors.ManifestError(f"{place}: metadata must be a dict.")
+      raise errors.ManifestError(f"{location}: metadata must be a dict.")
     found[label] = Variable(
         label=label,
         kind=kind,
         metadata=metadata,
         value=node.get("value"),
-        refs=array_refs(node.get("value"), f"{place}.value"),
-        where=place,
+        refs=array_refs(node.get("value"), f"{location}.value"),
+        location=location,
     )
 
   for index, entry in enumerate(manifest.variables):
-    if not isinstance(entry, dict) or entry.get("kind") not in _VALUE_TAGS.values():
+    if not isinstance(entry, dict) or entry.get("kind") not in tuple(nodes.VARIABLE_KINDS):
       raise errors.ManifestError(f"{where}: variables[{index}] is malformed.")
     before = len(found)
-    add(entry["kind"], entry, f"{where}: variables[{index}]")
+    add(entry["kind"], entry, where, f"variables[{index}]")
     if len(found) == before:
       # Two distinct mutable variables with one label: binding by label
       # would silently pick one (and Penzai refuses such a model).
-      label = encoding.decode_static(entry.get("label"), f"{where}: variables[{index}]")
+      label = decode_lib.decode_static(entry.get("label"), f"{where}: variables[{index}]")
       raise errors.ManifestError(
           f"{where}: variables[{index}] has label"
-          f" {encoding.describe_label(label)!r:.100}, like"
-          f" {found[label].where.split(': ')[-1]}; labels of variables must be"
+          f" {nodes.describe_label(label)!r:.100}, like"
+          f" {found[label].location.tree_path}; labels of variables must be"
           " unique."
       )
   for node in walk(manifest.tree, where=f"{where}: tree"):
     if isinstance(node.get("t"), str) and node["t"] in _VALUE_TAGS:
-      add(_VALUE_TAGS[node["t"]], node, f"{where}: tree")
+      add(_VALUE_TAGS[node["t"]], node, where, "tree")
   return list(found.values())
 
 
@@ -157,8 +144,9 @@ def axis_names(manifest: manifest_lib.Manifest) -> dict[int, tuple[Any, ...]]:
   """For arrays wrapped in NamedArrays: the name of each dimension (or None)."""
   names: dict[int, tuple[Any, ...]] = {}
   for node in all_nodes(manifest):
-    tag, data = node.get("t"), node.get("data")
-    if tag not in ("named_array", "named_array_view") or not isinstance(data, dict):
+    node_type = nodes.NODE_TYPES.get(nodes.tag_of(node) or "")
+    data = node.get("data")
+    if node_type is None or node_type.axes is None or not isinstance(data, dict):
       continue
     if data.get("t") != "array" or type(data.get("ref")) is not int:
       continue
@@ -166,21 +154,20 @@ def axis_names(manifest: manifest_lib.Manifest) -> dict[int, tuple[Any, ...]]:
         manifest.arrays[data["ref"]]
         if 0 <= data["ref"] < len(manifest.arrays) else None
     )
-    pairs = node.get("axes" if tag == "named_array" else "name_axes")
-    if spec is None or not isinstance(pairs, list) or not all(
-        isinstance(pair, list) and len(pair) == 2 for pair in pairs
-    ):
+    field, meaning = node_type.axes
+    pairs = node.get(field)
+    if spec is None or not nodes.is_pairs(pairs):
       continue  # Malformed: decoding the tree refuses it, naming the node.
     dims: list[Any] = [None] * len(spec.shape)
-    if tag == "named_array":
-      axes = [encoding.decode_static(pair[0], "axis") for pair in pairs]
+    if meaning == "size":  # The last dimensions, in order.
+      axes = [decode_lib.decode_static(pair[0], "axis") for pair in pairs]
       if len(axes) > len(dims):
         continue
       for offset, name in enumerate(axes):
         dims[len(dims) - len(axes) + offset] = name
-    else:
+    else:  # Each pair names the dimension it gives.
       for pair in pairs:
-        name, index = encoding.decode_static(pair[0], "axis"), pair[1]
+        name, index = decode_lib.decode_static(pair[0], "axis"), pair[1]
         if type(index) is int and 0 <= index < len(dims):
           dims[index] = name
     names[data["ref"]] = tuple(dims)

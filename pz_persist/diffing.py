@@ -20,6 +20,7 @@ from etils import epath
 from pz_persist import arrays as arrays_lib
 from pz_persist import batching
 from pz_persist import manifest as manifest_lib
+from pz_persist import nodes
 from pz_persist import opening
 from pz_persist import progress as progress_lib
 from pz_persist import reader
@@ -99,7 +100,7 @@ class _StructureDiff:
     if not isinstance(node, dict):
       return json.dumps(node)[:60]
     tag = node.get("t")
-    if tag in ("struct", "dataclass", "namedtuple", "enum", "type"):
+    if nodes.names_class(tag):
       name = str(_dict(node.get("class")).get("qualname", "?"))
       return f"{name}.{node.get('name')}" if tag == "enum" else name
     if tag == "function":
@@ -157,7 +158,7 @@ class _StructureDiff:
         self.compare(fields[0][name], fields[1][name], f"{path}.{name}")
 
   def _compare_items(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
-    keyed = _tag(a) in ("dict", "ordered_dict")
+    keyed = nodes.keyed_items(_tag(a))
     for index, (x, y) in enumerate(zip(a["items"], b["items"])):
       if not keyed:
         self.compare(x, y, f"{path}[{index}]")

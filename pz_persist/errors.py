@@ -18,6 +18,8 @@ Two families matter to users:
 
 from __future__ import annotations
 
+import dataclasses
+
 
 class PzPersistError(Exception):
   """Base class of every error raised by pz_persist."""
@@ -173,3 +175,35 @@ class OptimizerMismatchError(PzPersistError, ValueError):
     super().__init__(message)
     self.expected = expected
     self.found = found
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+  """Where something is, for messages: a file (or checkpoint item), the path
+  inside it, and the label of the variable it belongs to.
+
+  Code that names a place in a checkpoint passes this instead of a string, so
+  code that needs a part of it (the file, to name the same file's variables
+  table) reads the part instead of parsing a message back (which broke on
+  labels or paths holding ``": "``). ``str()`` is the text messages print.
+
+  Attributes:
+    file: The file or checkpoint item, or None for a bare tree path.
+    tree_path: The place inside it as messages print it (``tree.body[2]``,
+      ``variables[3] (label 'w')``).
+    label: The label of the variable the place is in, if any (already part of
+      ``tree_path``'s text where messages show it).
+  """
+
+  file: str | None
+  tree_path: str
+  label: object = None
+
+  def __str__(self) -> str:
+    if self.file is None:
+      return self.tree_path
+    return f"{self.file}: {self.tree_path}"
+
+  def joined(self, suffix: str) -> Location:
+    """This location extended by ``suffix`` (``".value"``, ``"[3]"``)."""
+    return dataclasses.replace(self, tree_path=self.tree_path + suffix)

@@ -28,7 +28,7 @@ def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str
   """The saved tree, from its manifest and its arrays (see
   `pz_persist.reader.values`)."""
   return encoding.decode(
-      manifest.tree, manifest.variables, values, root=f"{where}: tree",
+      manifest.tree, manifest.variables, values, root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
   )
 
@@ -42,6 +42,6 @@ def abstract_tree(manifest: manifest_lib.Manifest, *, where: str) -> Any:
       manifest.variables,
       values,
       abstract=True,
-      root=f"{where}: tree",
+      root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
   )
