@@ -36,6 +36,7 @@ from penzai import pz
 from pz_persist import catalog
 from pz_persist import encoding
 from pz_persist import errors
+from pz_persist.errors import BindingError  # Documented here too.
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
@@ -127,18 +128,6 @@ class LoadReport:
       lines.append(f"{len(self.transposed)} transposed to the model's axis order:")
       lines += [f"  {_describe(label)}" for label in self.transposed]
     return "\n".join(lines)
-
-
-class BindingError(errors.PzPersistError, ValueError):
-  """A checkpoint does not fit the model; ``report`` lists every difference."""
-
-  def __init__(self, where: str, report: LoadReport):
-    self.report = report
-    lines = "\n".join(report.problems())
-    super().__init__(
-        f"{where} does not fit the model; nothing was loaded (pass"
-        f" strict=False to load what fits and get a report back):\n{lines}"
-    )
 
 
 def _globs(only: LabelGlobs | None) -> tuple[str, ...] | None:

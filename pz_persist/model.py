@@ -76,7 +76,7 @@ def save_model(
       from, for this call (e.g. your own layer definitions).
   """
   if not isinstance(model, pz.Struct):
-    raise TypeError(
+    raise errors.ArgumentTypeError(
         f"save_model takes a Penzai model (a pz.Struct such as a pz.nn.Layer),"
         f" not a {type(model).__name__}; use pz_persist.save for other trees."
     )
@@ -170,7 +170,7 @@ def load_model(
       }
       given = [name for name, value in unsupported.items() if value is not None]
       if given:
-        raise ValueError(f"{', '.join(given)} need into=model.")
+        raise errors.ArgumentError(f"{', '.join(given)} need into=model.")
       # A model's variables need unique labels (Penzai refuses others):
       # checked on the manifest, before any array is read.
       item = checkpoint.find_item(path)

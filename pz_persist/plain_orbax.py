@@ -170,7 +170,7 @@ def load_into(
   given = {"rename": rename, "rename_axes": rename_axes, "overlay": overlay}
   refused = [name for name, value in given.items() if value]
   if refused:
-    raise ValueError(
+    raise errors.ArgumentError(
         f"{item} is a plain Orbax checkpoint (no labels, no axis names; matched"
         f" to the model by position), so {', '.join(refused)} cannot apply to"
         " it. Load it without, then save it with pz_persist.save_model (or"

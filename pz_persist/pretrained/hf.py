@@ -52,21 +52,9 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
+from pz_persist.errors import CheckpointFolderError, UnsupportedConfigError  # Documented here too.
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
-
-
-class UnsupportedConfigError(errors.PzPersistError, ValueError):
-  """A Hugging Face ``config.json`` asks for something Penzai cannot build.
-
-  Raised for an unsupported ``model_type`` (listing the supported ones) and
-  for a configuration field whose value would change the model's math
-  (naming the field and its value), before any tensor is read.
-  """
-
-
-class CheckpointFolderError(errors.PzPersistError, FileNotFoundError):
-  """The folder is not a usable Hugging Face checkpoint (files missing)."""
 
 
 # Fields of a Hugging Face config that never change a causal LM's forward

@@ -39,6 +39,7 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist import memory
+from pz_persist.errors import SafetensorsFormatError  # Documented here too.
 from pz_persist.pretrained import _files
 
 METADATA_KEY = "pz_persist"
@@ -67,13 +68,6 @@ _DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _CODES: dict[np.dtype, str] = {dtype.newbyteorder("="): code for code, dtype in _DTYPES.items()}
-
-
-class SafetensorsFormatError(errors.PzPersistError, ValueError):
-  """A safetensors file is malformed, truncated, or lacks what was asked of it.
-
-  The message always names the file (and the tensor, when one is at fault).
-  """
 
 
 class SafetensorsFile:
