@@ -41,6 +41,7 @@ from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
+from pz_persist import variable_kinds
 
 LabelGlobs = Union[str, Sequence[str]]
 RenameRules = Union[Mapping[str, str], Sequence[tuple[str, str]]]
@@ -335,7 +336,7 @@ def _model_variables(model: Any):
 
 
 def _kind_of_slot(slot: Any) -> str:
-  return "parameter" if isinstance(slot, pz.ParameterSlot) else "state_variable"
+  return variable_kinds.kind_of(slot)
 
 
 def load_into(
@@ -562,8 +563,7 @@ def _rebind(structure, bound, stored, values) -> Any:
     if label in bound:  # Keep the model's own variable class and metadata.
       frozen = dataclasses.replace(bound[label].freeze(), value=value)
     else:
-      kind = stored[label].kind
-      cls = pz.ParameterValue if kind == "parameter" else pz.StateVariableValue
+      cls = variable_kinds.value_class(stored[label].kind)
       frozen = cls(label=label, value=value, metadata=stored[label].metadata)
     variables.append(frozen.unfreeze_as_copy())
   return pz.bind_variables(structure, variables)

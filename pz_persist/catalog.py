@@ -105,10 +105,9 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
 
   def add(kind: str, node: Node, place: str):
     label = encoding.decode_static(node.get("label"), f"{place}.label")
-    try:
-      hash(label)
-    except TypeError:
-      raise errors.ManifestError(f"{place}: unhashable label {label!r}.") from None
+    problem = arrays_lib.label_problem(label)
+    if problem:
+      raise errors.ManifestError(f"{place}: label {label!r:.100} {problem}.")
     if label in found:
       return  # The same value saved twice (e.g. in two places of a tree).
     place = f"{place} (label {encoding.describe_label(label)!r:.100})"

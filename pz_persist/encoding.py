@@ -46,6 +46,7 @@ from penzai import pz
 from pz_persist import arrays as arrays_lib
 from pz_persist import errors
 from pz_persist import references
+from pz_persist import variable_kinds
 
 Node = dict[str, Any]
 
@@ -372,17 +373,9 @@ class _Encoder:
     return self._code(obj, where + (f" (label {label!r})" if label else ""))
 
   def _label(self, label: Any, where: str) -> Node:
-    try:
-      hash(label)
-    except TypeError:
-      raise errors.EncodingError(
-          f"{where}: variable label {label!r} is not hashable."
-      ) from None
-    if isinstance(label, str) and arrays_lib.CONTROL_CHARS.search(label):
-      # Loading refuses these (they garble printed labels): never write them.
-      raise errors.EncodingError(
-          f"{where}: variable label {label!r} holds control characters."
-      )
+    problem = arrays_lib.label_problem(label)  # Loading refuses the same ones.
+    if problem:
+      raise errors.EncodingError(f"{where}: variable label {label!r} {problem}.")
     return self.static(label, f"{where}.label")
 
   def _labeled(self, obj: Any, where: str) -> Node:
@@ -794,14 +787,9 @@ class _Decoder:
 
   def _label(self, node: Any, where: str, depth: int) -> Any:
     label = self.static(node, f"{where}.label", depth + 1)
-    if isinstance(label, str) and arrays_lib.CONTROL_CHARS.search(label):
-      raise errors.ManifestError(
-          f"{where}: label {label!r:.100} holds control characters."
-      )
-    try:
-      hash(label)
-    except TypeError:
-      raise errors.ManifestError(f"{where}: label {label!r} is unhashable.") from None
+    problem = arrays_lib.label_problem(label)
+    if problem:
+      raise errors.ManifestError(f"{where}: label {label!r:.100} {problem}.")
     return label
 
   def _labeled(self, node: Node, where: str, depth: int) -> dict[str, Any]:
@@ -832,14 +820,13 @@ class _Decoder:
     }:
       raise errors.ManifestError(f"{entry_where}: malformed variable entry.")
     kind = entry["kind"]
-    if kind not in ("parameter", "state_variable"):
+    if kind not in variable_kinds.KINDS:
       raise errors.ManifestError(f"{entry_where}: unknown variable kind {kind!r}.")
     fields = self._labeled(entry, entry_where, depth)
     if self._abstract:
       # A mutable variable converts its value with jnp.asarray, which a
       # ShapeDtypeStruct cannot go through: abstract trees show frozen values.
-      cls = pz.ParameterValue if kind == "parameter" else pz.StateVariableValue
-      variable = cls(**fields)
+      variable = variable_kinds.value_class(kind)(**fields)
     elif kind == "parameter":
       variable = pz.Parameter(**fields)
     else:
