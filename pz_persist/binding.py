@@ -36,7 +36,6 @@ from penzai import pz
 from pz_persist import catalog
 from pz_persist import encoding
 from pz_persist import errors
-from pz_persist.errors import BindingError  # Documented here too.
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
@@ -46,6 +45,8 @@ from pz_persist import variable_kinds
 LabelGlobs = Union[str, Sequence[str]]
 RenameRules = Union[Mapping[str, str], Sequence[tuple[str, str]]]
 DTypeRules = Union[jax.typing.DTypeLike, Mapping[str, jax.typing.DTypeLike]]
+
+BindingError = errors.BindingError  # Documented here too (defined in errors).
 
 _describe = encoding.describe_label
 

@@ -14,6 +14,12 @@ Two families matter to users:
   `FormatVersionError`, `UnsafeCheckpointError`, `DisallowedModuleError`,
   `IntegrityError`) are raised before any array is bound into a user's model,
   so a failed load never half-mutates anything.
+
+A public function given an argument it cannot use raises `ArgumentError` (also
+a `ValueError`) or `ArgumentTypeError` (also a `TypeError`), so ``except
+ValueError`` still works. Every exception class pz_persist defines lives in
+this module (``tests/test_error_classes.py`` checks it); modules that
+documented one before re-export it, as the same class.
 """
 
 from __future__ import annotations

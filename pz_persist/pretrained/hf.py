@@ -52,9 +52,13 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
-from pz_persist.errors import CheckpointFolderError, UnsupportedConfigError  # Documented here too.
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
+
+
+# Documented here too (defined in errors, with every error class).
+UnsupportedConfigError = errors.UnsupportedConfigError
+CheckpointFolderError = errors.CheckpointFolderError
 
 
 # Fields of a Hugging Face config that never change a causal LM's forward

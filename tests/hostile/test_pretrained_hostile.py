@@ -21,7 +21,6 @@ from penzai import pz
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import safety
-from pz_persist.pretrained import hf
 from pz_persist.pretrained import safetensors_io
 
 from conftest import run_python
