@@ -820,7 +820,7 @@ class _Decoder:
     }:
       raise errors.ManifestError(f"{entry_where}: malformed variable entry.")
     kind = entry["kind"]
-    if kind not in variable_kinds.KINDS:
+    if not variable_kinds.is_kind(kind):
       raise errors.ManifestError(f"{entry_where}: unknown variable kind {kind!r}.")
     fields = self._labeled(entry, entry_where, depth)
     if self._abstract:

@@ -45,6 +45,11 @@ KINDS: dict[str, Kind] = {
 """Every kind, by the name checkpoints give it."""
 
 
+def is_kind(name: Any) -> bool:
+  """Whether ``name``, read from a checkpoint (any JSON value), names a kind."""
+  return isinstance(name, str) and name in KINDS
+
+
 def kind_of(obj: Any) -> str:
   """The kind's name of a Penzai variable, variable value or slot."""
   for kind in KINDS.values():
