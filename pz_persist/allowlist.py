@@ -26,6 +26,8 @@ import contextvars
 import re
 from collections.abc import Iterable, Iterator
 
+from pz_persist import errors
+
 DEFAULT_ALLOWED_MODULES: tuple[str, ...] = (
     "penzai",
     "jax",
@@ -47,7 +49,7 @@ DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 def _check_module_name(name: str) -> str:
   if not isinstance(name, str) or not DOTTED_NAME.match(name):
-    raise ValueError(f"Not a module name: {name!r}")
+    raise errors.ArgumentError(f"Not a module name: {name!r}")
   return name
 
 

@@ -73,6 +73,22 @@ CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 """Characters a label may not hold: NUL and other control characters, which
 would garble (or forge) the lines of messages and tables that print labels."""
 
+
+def label_problem(label: Any) -> str | None:
+  """Why ``label`` cannot be a variable's label (``"is not hashable"``...), or None.
+
+  Why one function: saving must never write a label that loading refuses,
+  and the decoder, the catalog and the arrays table must refuse the same
+  ones; callers add where the label is and raise their own error class.
+  """
+  if isinstance(label, str) and CONTROL_CHARS.search(label):
+    return "holds control characters"
+  try:
+    hash(label)
+  except TypeError:
+    return "is not hashable"
+  return None
+
 MAX_RANK = 32
 """Most dimensions an array may declare (NumPy 1's own limit)."""
 
@@ -160,7 +176,12 @@ class ArraySpec:
 
   def describe(self) -> str:
     """How messages name the array: its label and tree path (or its key)."""
-    return f"label {self.label!r} at {self.path}" if self.label else self.path or self.key
+    return f"label {self.label!r} at {self.path}" if self.label else self.name
+
+  @property
+  def name(self) -> str:
+    """The array's short name, for lists of names: its label, else tree path."""
+    return self.label or self.path or self.key
 
   @property
   def np_dtype(self) -> np.dtype:
@@ -246,7 +267,7 @@ class ArraySpec:
       raise errors.ManifestError(f"{where}: invalid weak_type or path.")
     if CONTROL_CHARS.search(path):
       raise errors.ManifestError(f"{where}: invalid path {path!r:.100}.")
-    if label is not None and (not isinstance(label, str) or CONTROL_CHARS.search(label)):
+    if label is not None and (not isinstance(label, str) or label_problem(label)):
       raise errors.ManifestError(f"{where}: invalid label {label!r:.100}.")
     if kind == "numpy_scalar" and shape:
       raise errors.ManifestError(f"{where}: a NumPy scalar must have shape [].")

@@ -39,10 +39,13 @@ from pz_persist import opening
 from pz_persist import progress as progress_lib
 from pz_persist import reader
 from pz_persist import sharding as sharding_lib
+from pz_persist import variable_kinds
 
 LabelGlobs = Union[str, Sequence[str]]
 RenameRules = Union[Mapping[str, str], Sequence[tuple[str, str]]]
 DTypeRules = Union[jax.typing.DTypeLike, Mapping[str, jax.typing.DTypeLike]]
+
+BindingError = errors.BindingError  # Documented here too (defined in errors).
 
 _describe = encoding.describe_label
 
@@ -126,18 +129,6 @@ class LoadReport:
       lines.append(f"{len(self.transposed)} transposed to the model's axis order:")
       lines += [f"  {_describe(label)}" for label in self.transposed]
     return "\n".join(lines)
-
-
-class BindingError(errors.PzPersistError, ValueError):
-  """A checkpoint does not fit the model; ``report`` lists every difference."""
-
-  def __init__(self, where: str, report: LoadReport):
-    self.report = report
-    lines = "\n".join(report.problems())
-    super().__init__(
-        f"{where} does not fit the model; nothing was loaded (pass"
-        f" strict=False to load what fits and get a report back):\n{lines}"
-    )
 
 
 def _globs(only: LabelGlobs | None) -> tuple[str, ...] | None:
@@ -388,7 +379,7 @@ def _model_variables(model: Any):
 
 
 def _kind_of_slot(slot: Any) -> str:
-  return "parameter" if isinstance(slot, pz.ParameterSlot) else "state_variable"
+  return variable_kinds.kind_of(slot)
 
 
 def load_into(
@@ -639,8 +630,7 @@ def _rebind(structure, bound, stored, values) -> Any:
     if label in bound:  # Keep the model's own variable class and metadata.
       frozen = dataclasses.replace(bound[label].freeze(), value=value)
     else:
-      kind = stored[label].kind
-      cls = pz.ParameterValue if kind == "parameter" else pz.StateVariableValue
+      cls = variable_kinds.value_class(stored[label].kind)
       frozen = cls(label=label, value=value, metadata=stored[label].metadata)
     variables.append(frozen.unfreeze_as_copy())
   return pz.bind_variables(structure, variables)

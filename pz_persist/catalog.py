@@ -92,8 +92,9 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
 
   def add(kind: str, node: Node, file: str, place: str):
     label = decode_lib.decode_static(node.get("label"), f"{file}: {place}.label")
-    if nodes.label_problem(label) == "unhashable":
-      raise errors.ManifestError(f"{file}: {place}: unhashable label {label!r}.")
+    problem = arrays_lib.label_problem(label)
+    if problem:
+      raise errors.ManifestError(f"{file}: {place}: label {label!r:.100} {problem}.")
     if label in found:
       return  # The same value saved twice (e.g. in two places of a tree).
     location = errors.Location(

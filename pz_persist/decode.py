@@ -169,13 +169,9 @@ class _Variables:
 def check_label(label: Any, where: str) -> Any:
   """Refuses a decoded variable label that is unhashable or holds control
   characters (they would garble every message and table that prints it)."""
-  problem = nodes.label_problem(label)
-  if problem == "control characters":
-    raise errors.ManifestError(
-        f"{where}: label {label!r:.100} holds control characters."
-    )
-  if problem == "unhashable":
-    raise errors.ManifestError(f"{where}: label {label!r} is unhashable.")
+  problem = arrays_lib.label_problem(label)
+  if problem:
+    raise errors.ManifestError(f"{where}: label {label!r:.100} {problem}.")
   return label
 
 

@@ -48,6 +48,7 @@ from pz_persist import errors
 from pz_persist import memory
 from pz_persist import safe_io
 from pz_persist import safety
+from pz_persist.errors import ArrayReadError  # Its callers catch it here.
 
 
 IN_FLIGHT_BYTES = 64 * 2**20
@@ -55,15 +56,6 @@ IN_FLIGHT_BYTES = 64 * 2**20
 threads busy (16 chunks of 4 MiB), small enough that the chunk buffers alive
 at any moment stay a small part of the peak, which is the arrays themselves
 (measured: 1.19x the arrays' bytes with 64 MiB, 1.37x with 256 MiB)."""
-
-
-class ArrayReadError(Exception):
-  """Reading the stored array under ``key`` failed (``cause`` says why)."""
-
-  def __init__(self, key: str, cause: BaseException):
-    super().__init__(f"{key}: {cause}")
-    self.key = key
-    self.cause = cause
 
 
 def applies(targets: Mapping[str, jax.sharding.Sharding | None]) -> bool:

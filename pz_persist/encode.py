@@ -282,16 +282,9 @@ class _Encoder:
     return self._code(obj, where + (f" (label {label!r})" if label else ""))
 
   def _label(self, label: Any, where: str) -> Node:
-    problem = nodes.label_problem(label)
-    if problem == "unhashable":
-      raise errors.EncodingError(
-          f"{where}: variable label {label!r} is not hashable."
-      )
-    if problem == "control characters":
-      # Loading refuses these (they garble printed labels): never write them.
-      raise errors.EncodingError(
-          f"{where}: variable label {label!r} holds control characters."
-      )
+    problem = arrays_lib.label_problem(label)  # Loading refuses the same ones.
+    if problem:
+      raise errors.EncodingError(f"{where}: variable label {label!r} {problem}.")
     return self.static(label, f"{where}.label")
 
   def _labeled(self, obj: Any, where: str) -> Node:

@@ -14,11 +14,18 @@ Two families matter to users:
   `FormatVersionError`, `UnsafeCheckpointError`, `DisallowedModuleError`,
   `IntegrityError`) are raised before any array is bound into a user's model,
   so a failed load never half-mutates anything.
+
+A public function given an argument it cannot use raises `ArgumentError` (also
+a `ValueError`) or `ArgumentTypeError` (also a `TypeError`), so ``except
+ValueError`` still works. Every exception class pz_persist defines lives in
+this module (``tests/test_error_classes.py`` checks it); modules that
+documented one before re-export it, as the same class.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 class PzPersistError(Exception):
@@ -95,6 +102,88 @@ class WrongItemsError(PzPersistError, ValueError):
 
   For example `pz_persist.restore_trainer` given a step saved by a plain optax
   loop (``params``, ``opt_state``...) instead of by `pz_persist.trainer_items`.
+  """
+
+
+class ArgumentError(PzPersistError, ValueError):
+  """A public function was called with an argument value it cannot use.
+
+  Also a `ValueError` (what such calls raised before), so ``except
+  ValueError`` keeps working; the message names the argument and the values
+  that would work.
+  """
+
+
+class ArgumentTypeError(PzPersistError, TypeError):
+  """A public function was called with an argument of the wrong type.
+
+  Also a `TypeError`, for the same reason `ArgumentError` is a `ValueError`.
+  """
+
+
+class BindingError(PzPersistError, ValueError):
+  """A checkpoint does not fit the model; ``report`` lists every difference.
+
+  Re-exported as `pz_persist.BindingError` and `pz_persist.binding.BindingError`.
+
+  Attributes:
+    report: The `pz_persist.LoadReport` of the refused load.
+  """
+
+  def __init__(self, where: str, report: Any):
+    self.report = report
+    lines = "\n".join(report.problems())
+    super().__init__(
+        f"{where} does not fit the model; nothing was loaded (pass"
+        f" strict=False to load what fits and get a report back):\n{lines}"
+    )
+
+
+class ArrayReadError(PzPersistError):
+  """Reading the stored array under ``key`` failed (``cause`` says why).
+
+  Internal to the direct read path, which turns it into an error naming the
+  checkpoint; re-exported as ``pz_persist.direct_read.ArrayReadError``.
+  """
+
+  def __init__(self, key: str, cause: BaseException):
+    super().__init__(f"{key}: {cause}")
+    self.key = key
+    self.cause = cause
+
+
+class SafetensorsFormatError(PzPersistError, ValueError):
+  """A safetensors file is malformed, truncated, or lacks what was asked of it.
+
+  The message always names the file (and the tensor, when one is at fault).
+  Re-exported as ``pz_persist.pretrained.safetensors_io.SafetensorsFormatError``.
+  """
+
+
+class GemmaCheckpointError(PzPersistError, ValueError):
+  """The checkpoint is not a Gemma checkpoint the installed Penzai can build.
+
+  Raised for a preset that does not exist (Gemma 3 among them: Penzai 0.2.5
+  has no Gemma 3 architecture), for checkpoints whose shapes match no preset,
+  and for Gemma 3 checkpoints (query/key norms, vision encoder). Re-exported
+  as ``pz_persist.pretrained.gemma.GemmaCheckpointError``.
+  """
+
+
+class UnsupportedConfigError(PzPersistError, ValueError):
+  """A Hugging Face ``config.json`` asks for something Penzai cannot build.
+
+  Raised for an unsupported ``model_type`` (listing the supported ones) and
+  for a configuration field whose value would change the model's math
+  (naming the field and its value), before any tensor is read. Re-exported
+  as ``pz_persist.pretrained.hf.UnsupportedConfigError``.
+  """
+
+
+class CheckpointFolderError(PzPersistError, FileNotFoundError):
+  """The folder is not a usable Hugging Face checkpoint (files missing).
+
+  Re-exported as ``pz_persist.pretrained.hf.CheckpointFolderError``.
   """
 
 

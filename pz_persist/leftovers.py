@@ -53,6 +53,7 @@ from etils import epath
 
 from pz_persist import directories
 from pz_persist import safe_io
+from pz_persist import steps
 
 try:
   import fcntl
@@ -67,7 +68,6 @@ _TRASH_SUFFIX = ".pz_persist-deleting"
 _FAMILY = re.compile(
     r"^\.(?P<name>.+)\.pz_persist-(?P<role>new|old)-(?P<token>[0-9a-f]+)"
 )
-_ORBAX_TMP_STEP = re.compile(r"^(?!\.)(?:.+_)?\d+\.orbax-checkpoint-tmp.*$")
 
 _writing: set[str] = set()
 """Families this process is writing now (their full paths)."""
@@ -295,7 +295,8 @@ def find_inside(directory: epath.PathLike) -> list[Leftover]:
     return []
   found = _families(directory)
   for entry in sorted(os.scandir(os.fspath(directory)), key=lambda e: e.name):
-    if _ORBAX_TMP_STEP.match(entry.name):
+    parsed = steps.parse_step_name(entry.name)
+    if parsed is not None and not parsed[1]:  # An uncommitted step.
       found.append(Leftover(
           name=directory / entry.name, entries=(directory / entry.name,),
           nbytes=_size(entry.path), status="orbax tmp step",

@@ -100,9 +100,9 @@ class CheckpointManager:
       allow_modules: Iterable[str] | None = None,
   ):
     if keep_best is not None and best_metric is None:
-      raise ValueError("keep_best needs best_metric, the metric to rank steps by.")
+      raise errors.ArgumentError("keep_best needs best_metric, the metric to rank steps by.")
     if best_mode not in ("min", "max"):
-      raise ValueError(f"best_mode must be 'min' or 'max', not {best_mode!r}.")
+      raise errors.ArgumentError(f"best_mode must be 'min' or 'max', not {best_mode!r}.")
     self._allow_modules = tuple(allow_modules or ())
     self._best_metric = best_metric
     best_fn = _metric_getter(best_metric) if best_metric else None
@@ -202,12 +202,12 @@ class CheckpointManager:
       **items: The trees to save, by item name.
     """
     if not items:
-      raise ValueError("save() needs at least one item, e.g. save(step, params=params).")
+      raise errors.ArgumentError("save() needs at least one item, e.g. save(step, params=params).")
     reserved = _RESERVED_ITEMS & set(items)
     if reserved:
-      raise ValueError(f"item names {sorted(reserved)} are reserved by Orbax.")
+      raise errors.ArgumentError(f"item names {sorted(reserved)} are reserved by Orbax.")
     if self._best_metric and metrics is not None and self._best_metric not in metrics:
-      raise ValueError(f"metrics lack best_metric {self._best_metric!r}: {sorted(metrics)}")
+      raise errors.ArgumentError(f"metrics lack best_metric {self._best_metric!r}: {sorted(metrics)}")
     preempted = self._sigterm.is_set()
     if not (force or preempted or self._manager.should_save(step)):
       return False
@@ -292,7 +292,7 @@ class CheckpointManager:
     if optimizer is not None:
       for needed in (params_item, opt_state_item):
         if needed not in result:
-          raise ValueError(f"optimizer= needs the {needed!r} item, which was not restored.")
+          raise errors.ArgumentError(f"optimizer= needs the {needed!r} item, which was not restored.")
       result[opt_state_item] = optimizers.check_state(
           result[opt_state_item], optimizer, result[params_item],
           where=f"{self.directory} step {step}",

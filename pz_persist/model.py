@@ -77,7 +77,7 @@ def save_model(
       from, for this call (e.g. your own layer definitions).
   """
   if not isinstance(model, pz.Struct):
-    raise TypeError(
+    raise errors.ArgumentTypeError(
         f"save_model takes a Penzai model (a pz.Struct such as a pz.nn.Layer),"
         f" not a {type(model).__name__}; use pz_persist.save for other trees."
     )
@@ -173,7 +173,7 @@ def load_model(
       }
       given = [name for name, value in unsupported.items() if value is not None]
       if given:
-        raise ValueError(f"{', '.join(given)} need into=model.")
+        raise errors.ArgumentError(f"{', '.join(given)} need into=model.")
       args = orbax_v0.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
       model = opening.read(path, lambda opened: _restore_model(opened, args))
       if not isinstance(model, pz.Struct):

@@ -19,7 +19,6 @@ from typing import Any, Literal
 
 from penzai import pz
 
-from pz_persist import arrays as arrays_lib
 from pz_persist import errors
 
 Node = dict[str, Any]
@@ -281,23 +280,6 @@ def keyed_items(tag: Any) -> bool:
   node_type = NODE_TYPES.get(tag) if isinstance(tag, str) else None
   items = node_type.field("items") if node_type is not None else None
   return items is not None and items.json == "pairs"
-
-
-def label_problem(label: Any) -> Literal["unhashable", "control characters"] | None:
-  """What makes ``label`` unusable as a variable's label, or None.
-
-  The one rule for labels, applied when saving (`encode`), loading (`decode`)
-  and reading a manifest without decoding it (`catalog`); each says it in its
-  own words. Labels key bindings, so they must be hashable; printed labels
-  must not be garbled, so they hold no control characters.
-  """
-  if isinstance(label, str) and arrays_lib.CONTROL_CHARS.search(label):
-    return "control characters"
-  try:
-    hash(label)
-  except TypeError:
-    return "unhashable"
-  return None
 
 
 def describe_label(label: Any) -> str:

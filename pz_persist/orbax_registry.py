@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import orbax.checkpoint as ocp
 
+from pz_persist import errors
 from pz_persist import orbax_v0
 
 
@@ -38,7 +39,7 @@ def handler_registry(*item_names: str) -> ocp.handlers.DefaultCheckpointHandlerR
     `PenzaiSave` and `PenzaiRestore`.
   """
   if not item_names or not all(isinstance(n, str) and n for n in item_names):
-    raise ValueError(f"handler_registry needs item names, got {item_names!r}.")
+    raise errors.ArgumentError(f"handler_registry needs item names, got {item_names!r}.")
   registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
   for name in item_names:
     handler = orbax_v0.PenzaiCheckpointHandler()

@@ -54,6 +54,7 @@ from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
 from pz_persist import safety
 from pz_persist import sharding as sharding_lib
+from pz_persist import variable_kinds
 
 _ORBAX_METADATA = "_METADATA"
 
@@ -170,7 +171,7 @@ def load_into(
   given = {"rename": rename, "rename_axes": rename_axes, "overlay": overlay}
   refused = [name for name, value in given.items() if value]
   if refused:
-    raise ValueError(
+    raise errors.ArgumentError(
         f"{item} is a plain Orbax checkpoint (no labels, no axis names; matched"
         f" to the model by position), so {', '.join(refused)} cannot apply to"
         " it. Load it without, then save it with pz_persist.save_model (or"
@@ -224,7 +225,7 @@ def _layout(name: str, tree: Any) -> _Layout:
     if node.label in variables:  # Shared: saved again, read once.
       others.update(paths)
       continue
-    kind = "parameter" if isinstance(node, pz.ParameterValue) else "state_variable"
+    kind = variable_kinds.kind_of(node)
     variables[node.label] = _Variable(kind, dict(node.metadata), paths)
   return _Layout(name, variables, frozenset(others))
 

@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Union
 
+from pz_persist import errors
 from pz_persist import terminal
 
 Progress = Union[bool, Callable[[int, int], None], None]
@@ -132,7 +133,7 @@ def tracking(progress: Progress, description: str, total: int = 0,
     TypeError: ``progress`` is neither None, a bool nor a callable.
   """
   if not (progress is None or isinstance(progress, bool) or callable(progress)):
-    raise TypeError(
+    raise errors.ArgumentTypeError(
         f"progress={progress!r:.80}: pass None (a bar on a terminal), True,"
         " False, or a function called as progress(done, total)."
     )

@@ -437,6 +437,6 @@ def read_failure(
   return errors.IntegrityError(
       f"{where}: cannot read the stored array(s) of {who}: the checkpoint's"
       f" files are damaged or incomplete ({type(error).__name__}: {detail})",
-      damaged=tuple(f"{spec.label or spec.path} (key {spec.key}): cannot be read"
+      damaged=tuple(f"{spec.describe()} (key {spec.key}): cannot be read"
                     for spec in named),
   )

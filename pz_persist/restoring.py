@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pz_persist import encoding
+from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import reader
 from pz_persist import sharding as sharding_lib

@@ -18,11 +18,14 @@ and read through ``epath`` as before.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import stat
 import uuid
+from collections.abc import Iterator
+from typing import BinaryIO
 
 from etils import epath
 
@@ -219,25 +222,40 @@ def _quietly(remove, name: str, *, dir_fd: int) -> None:
     pass
 
 
-def write_small_file(path: epath.PathLike, data: bytes) -> None:
-  """Writes the small file ``path`` whole or not at all: aside, then renamed.
+@contextlib.contextmanager
+def writing_whole(path: epath.PathLike) -> Iterator[BinaryIO]:
+  """A file to write ``path`` through, which appears whole or not at all.
 
-  Why: a reader (or a crash) must never meet half a manifest, file list or
-  record. The temporary name starts with a dot and ends in ``.tmp``, so it
-  matches none of the names readers look for; on a local disk the data is
-  flushed to the device before the rename makes it visible.
+  Why: a reader (or a crash) must never meet half a manifest, file list,
+  record or exported file. The data goes to a temporary name aside, which
+  starts with a dot and ends in ``.tmp`` so that it matches none of the names
+  readers look for; on a local disk it is flushed to the device, then renamed
+  to ``path`` when the block ends. If the block fails, the temporary file is
+  removed and ``path`` is untouched.
   """
   path = epath.Path(path)
   tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-  if is_local(path):
-    with open(os.fspath(tmp), "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(os.fspath(tmp), os.fspath(path))
-  else:
-    tmp.write_bytes(data)
-    tmp.rename(path)
+  try:
+    if is_local(path):
+      with open(os.fspath(tmp), "wb") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(os.fspath(tmp), os.fspath(path))
+    else:
+      with tmp.open("wb") as f:
+        yield f
+      tmp.rename(path)
+  except BaseException:
+    with contextlib.suppress(Exception):  # Best effort: the failure matters.
+      tmp.unlink(missing_ok=True)
+    raise
+
+
+def write_small_file(path: epath.PathLike, data: bytes) -> None:
+  """Writes the small file ``path`` whole or not at all (`writing_whole`)."""
+  with writing_whole(path) as f:
+    f.write(data)
 
 
 def read_small_file(path: epath.PathLike, limit: int, *, what: str = "file") -> bytes:

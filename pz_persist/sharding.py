@@ -55,7 +55,7 @@ class AxisRules:
     for name, mesh_axes in self.rules.items():
       for axis in _as_tuple(mesh_axes):
         if axis not in self.mesh.shape:
-          raise ValueError(
+          raise errors.ArgumentError(
               f"rule for axis {name!r} names mesh axis {axis!r}; the mesh has"
               f" {list(self.mesh.shape)}."
           )

@@ -4,16 +4,17 @@ An Orbax ``CheckpointManager`` directory holds one subdirectory per step
 (``100``, or ``step_100`` with a prefix), each with one directory per item and
 a ``_CHECKPOINT_METADATA`` file recording when it was committed. A step still
 being written has a temporary name (``100.orbax-checkpoint-tmp-...``) and is
-listed as uncommitted.
+listed as uncommitted. Names are read with Orbax's own step-path utilities
+(``ocp.path.step``), so they mean here what they mean to Orbax.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any
 
+import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import bounded_json
@@ -22,7 +23,27 @@ from pz_persist import manifest as manifest_lib
 from pz_persist import safe_io
 from pz_persist import safety
 
-_STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)(?P<tmp>\.orbax-checkpoint-tmp.*)?$")
+_step_paths = ocp.path.step
+
+
+def parse_step_name(name: str) -> tuple[int, bool] | None:
+  """``(step, committed)`` for an Orbax step directory's name, else None.
+
+  Orbax's parser (`step_from_checkpoint_name`) reads the step of a final
+  name (``100``, ``step_100``); a temporary name is its final name plus
+  Orbax's ``TMP_DIR_SUFFIX`` and more, and is not committed. pz_persist's
+  own rules on top: hidden names (pz_persist's save families,
+  ``.NAME.pz_persist-new-...``) are never steps, and a name Orbax's looser
+  checks would let through to a failing ``int()`` (``"²"`` is a digit to
+  `str.isdigit`) is not a step rather than an error.
+  """
+  final, suffix, _ = name.partition(_step_paths.TMP_DIR_SUFFIX)
+  if name.startswith("."):
+    return None
+  try:
+    return _step_paths.step_from_checkpoint_name(final), not suffix
+  except ValueError:
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,15 +110,16 @@ def list_steps(directory: epath.PathLike) -> list[StepInfo]:
   safety.check_run_directory(directory)  # Before anything is read.
   steps = []
   for child in directory.iterdir():
-    match = _STEP_NAME.match(child.name)
-    if not match or not child.is_dir():
+    parsed = parse_step_name(child.name)
+    if parsed is None or not child.is_dir():
       continue
+    step, committed = parsed
     items = tuple(sorted(p.name for p in child.iterdir() if p.is_dir()))
     steps.append(
         StepInfo(
-            step=int(match["step"]),
+            step=step,
             path=child,
-            committed=match["tmp"] is None,
+            committed=committed,
             items=items,
             penzai_items=tuple(
                 name for name in items if manifest_lib.has_manifest(child / name)

@@ -58,10 +58,11 @@ from pz_persist import restoring
 from pz_persist import safe_io
 from pz_persist import safety
 from pz_persist import sharding as sharding_lib
+from pz_persist import variable_kinds
 
 _RECORDS_PREFIX = "pz_persist_variables-"
 _TYPESTR = "pz_persist.variable"
-_KINDS = {"parameter": pz.ParameterValue, "state_variable": pz.StateVariableValue}
+_KINDS = {name: kind.value_class for name, kind in variable_kinds.KINDS.items()}
 _RECORD_FIELDS = {"kind", "tree", "arrays"}
 
 
@@ -260,7 +261,7 @@ def _record(
 ) -> dict[str, Any]:
   """The JSON record of one variable, with its arrays' checksums."""
   return {
-      "kind": "parameter" if isinstance(variable, pz.Parameter) else "state_variable",
+      "kind": variable_kinds.kind_of(variable),
       "tree": encoded.tree,
       "arrays": [
           dataclasses.replace(spec, checksums=sums[names[spec.key]]).to_json()

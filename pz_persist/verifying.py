@@ -149,7 +149,7 @@ def _verify(
     damaged.append(str(manifest))
     return VerifyReport(str(item), 0, files_checked, tuple(damaged), ())
   unverified = tuple(
-      spec.label or spec.path for spec in manifest.arrays
+      spec.name for spec in manifest.arrays
       if spec.is_stored and spec.checksums is None
   )  # fmt: skip
   checked = 0

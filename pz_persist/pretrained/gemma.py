@@ -54,20 +54,12 @@ from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist import safety
 from pz_persist import sharding as sharding_lib
+from pz_persist.errors import GemmaCheckpointError  # Documented here too.
 from pz_persist.pretrained import _files
 
 __all__ = ["GemmaCheckpointError", "known_presets", "load_gemma"]
 
 Progress = progress_lib.Progress
-
-
-class GemmaCheckpointError(errors.PzPersistError, ValueError):
-  """The checkpoint is not a Gemma checkpoint the installed Penzai can build.
-
-  Raised for a preset that does not exist (Gemma 3 among them: Penzai 0.2.5
-  has no Gemma 3 architecture), for checkpoints whose shapes match no preset,
-  and for Gemma 3 checkpoints (query/key norms, vision encoder).
-  """
 
 
 # Settings of a preset that the checkpoint's arrays determine; the others

@@ -56,17 +56,9 @@ from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
 
 
-class UnsupportedConfigError(errors.PzPersistError, ValueError):
-  """A Hugging Face ``config.json`` asks for something Penzai cannot build.
-
-  Raised for an unsupported ``model_type`` (listing the supported ones) and
-  for a configuration field whose value would change the model's math
-  (naming the field and its value), before any tensor is read.
-  """
-
-
-class CheckpointFolderError(errors.PzPersistError, FileNotFoundError):
-  """The folder is not a usable Hugging Face checkpoint (files missing)."""
+# Documented here too (defined in errors, with every error class).
+UnsupportedConfigError = errors.UnsupportedConfigError
+CheckpointFolderError = errors.CheckpointFolderError
 
 
 # Fields of a Hugging Face config that never change a causal LM's forward

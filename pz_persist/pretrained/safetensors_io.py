@@ -28,7 +28,6 @@ import collections
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,6 +38,9 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist import memory
+from pz_persist import safe_io
+from pz_persist import variable_kinds
+from pz_persist.errors import SafetensorsFormatError  # Documented here too.
 from pz_persist.pretrained import _files
 
 METADATA_KEY = "pz_persist"
@@ -67,13 +69,6 @@ _DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _CODES: dict[np.dtype, str] = {dtype.newbyteorder("="): code for code, dtype in _DTYPES.items()}
-
-
-class SafetensorsFormatError(errors.PzPersistError, ValueError):
-  """A safetensors file is malformed, truncated, or lacks what was asked of it.
-
-  The message always names the file (and the tensor, when one is at fault).
-  """
 
 
 class SafetensorsFile:
@@ -302,22 +297,13 @@ def write_safetensors(
     offset += nbytes
   raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
   raw += b" " * (-len(raw) % 8)  # The format aligns the data buffer to 8 bytes.
-  path = os.fspath(path)
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".safetensors")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(len(raw).to_bytes(8, "little"))
-      f.write(raw)
-      for _, array in items:
-        host = np.ascontiguousarray(np.asarray(jax.device_get(array)))
-        f.write(host.astype(host.dtype.newbyteorder("<"), copy=False).tobytes())
-        del host
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  with safe_io.writing_whole(os.path.abspath(os.fspath(path))) as f:
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    for _, array in items:
+      host = np.ascontiguousarray(np.asarray(jax.device_get(array)))
+      f.write(host.astype(host.dtype.newbyteorder("<"), copy=False).tobytes())
+      del host
 
 
 def _jsonable(value: Any) -> bool:
@@ -393,7 +379,7 @@ def export_safetensors(model_or_path: Any, out: str | os.PathLike[str]) -> None:
     entry: dict[str, Any] = {
         "label": label,
         "axes": axes,
-        "kind": "parameter" if isinstance(var, pz.ParameterValue) else "state_variable",
+        "kind": variable_kinds.kind_of(var),
     }
     metadata = dict(var.metadata or {})
     if _jsonable(metadata):
@@ -479,14 +465,14 @@ def load_safetensors(
           ),
           data_array=data,
       )
-    cls = pz.ParameterValue if entry["kind"] == "parameter" else pz.StateVariableValue
+    cls = variable_kinds.value_class(entry["kind"])
     values.append(cls(value=value, label=entry["label"], metadata=entry.get("metadata", {})))
   if into is None:
     return tuple(values)
   return pz.bind_variables(unbound, values, unfreeze_as_copy=True)
 
 
-_KINDS = ("parameter", "state_variable")
+_KINDS = tuple(variable_kinds.KINDS)
 
 
 def _described_tensors(file: SafetensorsFile, raw: str) -> dict[str, dict[str, Any]]:

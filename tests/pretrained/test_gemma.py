@@ -15,6 +15,7 @@ from penzai.models.transformer.variants import gemma as pz_gemma
 
 import pz_persist as pzp
 from pz_persist import cli
+from pz_persist import errors
 from pz_persist.pretrained import gemma as gemma_lib
 from pz_persist.pretrained import load_gemma
 
@@ -168,7 +169,7 @@ def test_one_sharding_for_all(tmp_path):
 def test_auto_preset_matches_shapes_or_lists_presets(tmp_path, monkeypatch):
   params = official_params(GEMMA2, gemma2=True)
   path = write(tmp_path / "ckpt", params)
-  with pytest.raises(gemma_lib.GemmaCheckpointError) as info:
+  with pytest.raises(errors.GemmaCheckpointError) as info:
     load_gemma(path)
   message = str(info.value)
   assert all(name in message for name in ("gemma_2b", "gemma2_9b", "gemma2_27b"))
@@ -184,11 +185,11 @@ def test_auto_preset_matches_shapes_or_lists_presets(tmp_path, monkeypatch):
 
 def test_unknown_and_gemma3_presets_are_refused(tmp_path):
   path = write(tmp_path / "ckpt", official_params(GEMMA2, gemma2=True))
-  with pytest.raises(gemma_lib.GemmaCheckpointError, match="no Gemma 3 presets"):
+  with pytest.raises(errors.GemmaCheckpointError, match="no Gemma 3 presets"):
     load_gemma(path, preset="gemma3_4b")
-  with pytest.raises(gemma_lib.GemmaCheckpointError, match="unknown Gemma preset 'gemma_3b'.*gemma2_2b"):
+  with pytest.raises(errors.GemmaCheckpointError, match="unknown Gemma preset 'gemma_3b'.*gemma2_2b"):
     load_gemma(path, preset="gemma_3b")
-  with pytest.raises(gemma_lib.GemmaCheckpointError, match="preset's sizes differ"):
+  with pytest.raises(errors.GemmaCheckpointError, match="preset's sizes differ"):
     load_gemma(path, preset={"like": "gemma2_2b", "embedding_dim": 32})
 
 
@@ -197,7 +198,7 @@ def test_gemma3_checkpoint_is_refused(tmp_path):
            for i in range(4)}
   extra["transformer/layer_0/attn/_key_norm"] = {"scale": np.ones(8, np.float32)}
   path = write(tmp_path / "ckpt", official_params(GEMMA2, gemma2=True, extra=extra))
-  with pytest.raises(gemma_lib.GemmaCheckpointError, match="Gemma 3.*no Gemma 3"):
+  with pytest.raises(errors.GemmaCheckpointError, match="Gemma 3.*no Gemma 3"):
     load_gemma(path, preset={"like": "gemma2_2b"})
 
 

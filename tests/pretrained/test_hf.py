@@ -33,7 +33,6 @@ from penzai import pz
 import model_zoo
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.pretrained import hf
 from pz_persist.pretrained import safetensors_io
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 11, 60], [4, 4, 8, 15, 16, 23, 42, 0]])
@@ -194,7 +193,7 @@ _DELETE = object()
 )
 def test_config_fields_that_change_the_math_are_refused(saved, tmp_path, family, field, value):
   folder = _edit_config(saved[family][0], tmp_path, **{field: value})
-  with pytest.raises(hf.UnsupportedConfigError, match=field) as info:
+  with pytest.raises(errors.UnsupportedConfigError, match=field) as info:
     pzp.pretrained.load_hf(folder)
   assert isinstance(info.value, errors.PzPersistError)
 
@@ -206,13 +205,13 @@ def test_untied_model_without_lm_head_is_refused(saved, tmp_path):
   tensors = safetensors.numpy.load_file(saved["llama"][0] / "model.safetensors")
   del tensors["lm_head.weight"]
   safetensors.numpy.save_file(tensors, folder / "model.safetensors")
-  with pytest.raises(hf.UnsupportedConfigError, match="tie_word_embeddings"):
+  with pytest.raises(errors.UnsupportedConfigError, match="tie_word_embeddings"):
     pzp.pretrained.load_hf(folder)
 
 
 def test_unsupported_model_type_lists_supported_ones(saved, tmp_path):
   folder = _edit_config(saved["llama"][0], tmp_path, model_type="falcon")
-  with pytest.raises(hf.UnsupportedConfigError, match="falcon") as info:
+  with pytest.raises(errors.UnsupportedConfigError, match="falcon") as info:
     pzp.pretrained.load_hf(folder)
   for supported in ("llama", "mistral", "gpt_neox"):
     assert supported in str(info.value)
@@ -225,20 +224,20 @@ def test_truncated_safetensors_names_the_file(saved, tmp_path):
   (folder / "config.json").write_text((source / "config.json").read_text())
   data = (source / "model.safetensors").read_bytes()
   (folder / "model.safetensors").write_bytes(data[: len(data) - 100])
-  with pytest.raises(safetensors_io.SafetensorsFormatError, match="model.safetensors") as info:
+  with pytest.raises(errors.SafetensorsFormatError, match="model.safetensors") as info:
     pzp.pretrained.load_hf(folder)
   assert isinstance(info.value, errors.PzPersistError)
   assert "truncated" in str(info.value)
   (folder / "model.safetensors").write_bytes(data[:5])
-  with pytest.raises(safetensors_io.SafetensorsFormatError, match="model.safetensors"):
+  with pytest.raises(errors.SafetensorsFormatError, match="model.safetensors"):
     pzp.pretrained.load_hf(folder)
 
 
 def test_missing_weights_and_config(tmp_path):
-  with pytest.raises(hf.CheckpointFolderError, match="config.json"):
+  with pytest.raises(errors.CheckpointFolderError, match="config.json"):
     pzp.pretrained.load_hf(tmp_path)
   (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-  with pytest.raises(hf.CheckpointFolderError, match="model.safetensors"):
+  with pytest.raises(errors.CheckpointFolderError, match="model.safetensors"):
     pzp.pretrained.load_hf(tmp_path)
 
 
@@ -291,7 +290,7 @@ def test_export_round_trip_is_exact(tmp_path, build):
   assert jax.tree_util.tree_structure(pz.unbind_variables(into)[0]) == (
       jax.tree_util.tree_structure(unbound)
   )
-  with pytest.raises(safetensors_io.SafetensorsFormatError, match="does not fit"):
+  with pytest.raises(errors.SafetensorsFormatError, match="does not fit"):
     pzp.pretrained.load_safetensors(out, into=model_zoo.mlp())
 
 
@@ -335,7 +334,7 @@ def test_hf_model_export_round_trip(saved, tmp_path):
 def test_plain_safetensors_file_is_refused(tmp_path):
   path = tmp_path / "plain.safetensors"
   safetensors.numpy.save_file({"w": np.ones((2, 3), np.float32)}, path)
-  with pytest.raises(safetensors_io.SafetensorsFormatError, match="no 'pz_persist' metadata"):
+  with pytest.raises(errors.SafetensorsFormatError, match="no 'pz_persist' metadata"):
     pzp.pretrained.load_safetensors(path)
 
 
@@ -367,5 +366,5 @@ def test_cast_reads_stream_and_match_astype(tmp_path, monkeypatch, stored, wante
   # A file cut short in the middle of a cast read is reported, not zero-filled.
   data = path.read_bytes()
   path.write_bytes(data[: len(data) - 100])
-  with pytest.raises(safetensors_io.SafetensorsFormatError, match="truncated"):
+  with pytest.raises(errors.SafetensorsFormatError, match="truncated"):
     file.get("w", dtype=wanted)
