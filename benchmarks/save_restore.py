@@ -13,9 +13,13 @@ bytes of float32. Each method saves and restores the same arrays:
   pz_persist did before its performance work, through its public Orbax
   handler: ``PenzaiCheckpointHandler(use_compression=True,
   direct_reads=False)`` (Orbax's zstd compression, Orbax's restore path in
-  64 MiB batches). It shows the before/after in one run. (The allocator
-  setting of `pz_persist.memory.reuse_freed_blocks`, made by every
-  ``PenzaiCheckpointHandler``, applies to it too.)
+  64 MiB batches). It shows the before/after in one run.
+* ``pz_persist_tuned`` (not run by default): ``pz_persist`` in a process
+  that called `pz_persist.tune_host_allocator` first (glibc's mmap and trim
+  thresholds pinned), to measure what that opt-in buys.
+* ``pz_persist_untrimmed`` (not run by default): ``pz_persist`` without the
+  ``malloc_trim`` after each read (`pz_persist.memory.release_freed` made a
+  no-op), to measure what the trim buys.
 * ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
   restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
 * ``safetensors``: ``safetensors.numpy.save_file`` / ``load_file``.
@@ -50,6 +54,23 @@ sys.path.insert(0, HERE)
 import harness  # noqa: E402  pylint: disable=wrong-import-position
 
 METHODS = ("pz_persist", "pz_persist_before", "orbax", "safetensors", "numpy")
+VARIANTS = ("pz_persist_tuned", "pz_persist_untrimmed")
+"""``pz_persist`` under a process-wide setting (see the module docstring):
+fresh processes only, since a setting made once cannot be undone to take
+turns with the untouched method in one process."""
+
+
+def _apply_variant(method: str) -> str:
+  """Makes ``method``'s process-wide setting; returns the method it runs."""
+  if method not in VARIANTS:
+    return method
+  from pz_persist import memory
+
+  if method == "pz_persist_tuned":
+    memory.tune_host_allocator()
+  else:
+    memory.release_freed = lambda: None
+  return "pz_persist"
 
 
 def transformer_shapes(target_bytes: int) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
@@ -206,6 +227,7 @@ def worker(method: str, operation: str, path: str, target_bytes: int) -> dict:
     return own_work(build_params(target_bytes))
   if operation == "paired":
     return paired(path, target_bytes, methods=method.split(","))
+  method = _apply_variant(method)
   _warm_up(method)
   if operation == "save":
     params = build_params(target_bytes)
@@ -364,6 +386,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--cold", action="store_true", help="also restore with a dropped page cache")
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--json", default=None, help="write the results here too")
+  parser.add_argument("--skip", default="", help="'only': skip inspect, own work and only=;"
+                      " 'paired': skip the one-process rounds")
   parser.add_argument("--worker", nargs=4, metavar=("METHOD", "OP", "PATH", "BYTES"), help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
 
@@ -408,7 +432,7 @@ def main(argv=None) -> dict:
     entry["disk_bytes"] = _disk_bytes(_path(directory, method))
     if args.cold and harness.drop_page_cache():
       entry["restore_cold"] = run(method, "restore")
-    if method == "pz_persist":
+    if method == "pz_persist" and "only" not in args.skip:
       entry["inspect"] = min(
           (run(method, "inspect") for _ in range(args.repeats)), key=lambda r: r["seconds"]
       )
@@ -418,8 +442,9 @@ def main(argv=None) -> dict:
       entry[op]["median_seconds"] = float(np.median([r["seconds"] for r in runs[method][op]]))
     results["methods"][method] = entry
 
-  if "pz_persist" in methods and len(methods) > 1:
-    paired_methods = [m for m in methods if m != "numpy"]  # numpy: far slower.
+  if "pz_persist" in methods and len(methods) > 1 and "paired" not in args.skip:
+    paired_methods = [m for m in methods  # numpy: far slower.
+                      if m != "numpy" and m not in VARIANTS]
     results["paired"] = harness.run_worker(
         __file__, ["--worker", ",".join(paired_methods), "paired", directory, str(target)]
     )

@@ -31,6 +31,7 @@ from pz_persist.checkpoint import inspect, load, save
 from pz_persist.diffing import diff
 from pz_persist.errors import PzPersistError
 from pz_persist.manager import CheckpointManager
+from pz_persist.memory import tune_host_allocator
 from pz_persist.migrating import migrate
 from pz_persist.model import load_model, save_model
 from pz_persist import pretrained
@@ -75,6 +76,7 @@ __all__ = [
     "save",
     "save_model",
     "trainer_items",
+    "tune_host_allocator",
     "verify",
 ]
 

@@ -128,7 +128,6 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._read_batch_bytes = read_batch_bytes
     self._direct = direct_reads
     self._started: list[ocp.future.Future] = []  # Of the last async_save.
-    memory.reuse_freed_blocks()  # Saves and loads both churn chunk buffers.
     self._arrays = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt,
         use_zarr3=use_zarr3,
