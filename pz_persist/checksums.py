@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import os
 import stat
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import xxhash
+from orbax.checkpoint import multihost as ocp_multihost
 
 ALGORITHM = "xxh3_128"
 """Name of the hash recorded in manifests."""
@@ -157,21 +159,90 @@ def compute(stored: Mapping[str, Any]) -> dict[str, tuple[ShardChecksum, ...]]:
   Must be called by every process of a multi-process save, in the same order:
   each hashes the slices it owns and the digests are exchanged.
   """
-  slots = [slot for key, value in stored.items() for slot in _slots(key, value)]
-  digests = np.zeros((len(slots), _DIGEST_BYTES), np.uint8)
-  for i, slot in enumerate(slots):
-    if slot.local_data is not None:
-      digests[i] = np.frombuffer(bytes.fromhex(digest_of(slot.local_data)), np.uint8)
-  if jax.process_count() > 1 and slots:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return host_copies(stored).digests()
 
-    gathered = np.asarray(multihost_utils.process_allgather(digests))
-    owners = np.array([slot.owner_process for slot in slots])
-    digests = gathered[owners, np.arange(len(slots))]
-  result: dict[str, list[ShardChecksum]] = {key: [] for key in stored}
-  for slot, raw in zip(slots, digests):
-    result[slot.key].append(ShardChecksum(slot.index, bytes(raw).hex()))
-  return {key: tuple(sums) for key, sums in result.items()}
+
+@dataclasses.dataclass(frozen=True)
+class HostCopies:
+  """Host copies of the slices this process hashes, taken at one instant.
+
+  Why two steps: an async save must return to the training loop as soon as
+  the arrays are safe from later updates (a donated or deleted buffer), but
+  hashing them need not hold the loop. `host_copies` is the part that must
+  happen before the save returns; `digests` can run in the save's
+  background work, as long as every process runs it, in the same order.
+  """
+
+  keys: tuple[str, ...]
+  slots: tuple[_Slot, ...]
+
+  def digests(self) -> dict[str, tuple[ShardChecksum, ...]]:
+    """Hashes the copies and gathers every process's digests (collective)."""
+    digests = np.zeros((len(self.slots), _DIGEST_BYTES), np.uint8)
+    for i, slot in enumerate(self.slots):
+      if slot.local_data is not None:
+        digests[i] = np.frombuffer(bytes.fromhex(digest_of(slot.local_data)), np.uint8)
+    if jax.process_count() > 1 and self.slots:
+      gathered = _exchange(digests)
+      owners = np.array([slot.owner_process for slot in self.slots])
+      digests = gathered[owners, np.arange(len(self.slots))]
+    result: dict[str, list[ShardChecksum]] = {key: [] for key in self.keys}
+    for slot, raw in zip(self.slots, digests):
+      result[slot.key].append(ShardChecksum(slot.index, bytes(raw).hex()))
+    return {key: tuple(sums) for key, sums in result.items()}
+
+
+def host_copies(stored: Mapping[str, Any]) -> HostCopies:
+  """Copies to host memory the slices of ``stored`` this process hashes.
+
+  All device-to-host transfers are started before the first is waited for,
+  so they overlap. On the CPU backend a "copy" is a view of the array's own
+  buffer (no bytes move), which JAX keeps alive and unchanged for the view
+  even if the array is deleted or donated afterwards.
+  """
+  slots = [slot for key, value in stored.items() for slot in _slots(key, value)]
+  for slot in slots:
+    if isinstance(slot.local_data, jax.Array):
+      slot.local_data.copy_to_host_async()
+  return HostCopies(
+      keys=tuple(stored),
+      slots=tuple(
+          slot if slot.local_data is None
+          else dataclasses.replace(slot, local_data=np.asarray(slot.local_data))
+          for slot in slots
+      ),
+  )
+
+
+_exchanges = itertools.count()
+
+
+def _exchange(digests: np.ndarray) -> np.ndarray:
+  """Every process's ``digests``, stacked by process index.
+
+  Why through the distributed runtime's key-value store, not a JAX
+  collective: a save's background work runs in a thread of its own while
+  the training loop goes on issuing its own collectives, and two threads
+  issuing collectives can order them differently in different processes and
+  deadlock. The key-value store needs no ordering with anything else; only
+  the exchanges themselves must happen in the same order in every process
+  (saves are collective, so they do), which numbers them alike. Each process
+  deletes its previous exchange's key, which every process had read before
+  that save completed (Orbax's commit waits for all of them).
+  """
+  client = ocp_multihost.get_jax_distributed_client()
+  number, me = next(_exchanges), jax.process_index()
+  if number:
+    client.key_value_delete(f"pz_persist/checksums/{number - 1}/{me}")
+  client.key_value_set_bytes(f"pz_persist/checksums/{number}/{me}", digests.tobytes())
+  timeout_ms = ocp_multihost.coordination_timeout() * 1000
+  return np.stack([
+      np.frombuffer(
+          client.blocking_key_value_get_bytes(f"pz_persist/checksums/{number}/{i}", timeout_ms),
+          np.uint8,
+      ).reshape(digests.shape)
+      for i in range(jax.process_count())
+  ])
 
 
 @dataclasses.dataclass(frozen=True)
