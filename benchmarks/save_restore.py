@@ -14,12 +14,13 @@ bytes of float32. Each method saves and restores the same arrays:
   handler: ``PenzaiCheckpointHandler(use_compression=True,
   direct_reads=False)`` (Orbax's zstd compression, Orbax's restore path in
   64 MiB batches). It shows the before/after in one run.
-* ``pz_persist_tuned`` (not run by default): ``pz_persist`` in a process
-  that called `pz_persist.tune_host_allocator` first (glibc's mmap and trim
-  thresholds pinned), to measure what that opt-in buys.
-* ``pz_persist_untrimmed`` (not run by default): ``pz_persist`` without the
-  ``malloc_trim`` after each read (`pz_persist.memory.release_freed` made a
-  no-op), to measure what the trim buys.
+* ``pz_persist_tuned`` (not run by default; any pz_persist method takes the
+  suffix): ``pz_persist`` in a process that called
+  `pz_persist.tune_host_allocator` first (glibc's mmap and trim thresholds
+  pinned), to measure what that opt-in buys.
+* ``pz_persist_untrimmed``, ``pz_persist_before_untrimmed`` (not run by
+  default): without the ``malloc_trim`` after each read
+  (`pz_persist.memory.release_freed` made a no-op), to measure what it buys.
 * ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
   restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
 * ``safetensors``: ``safetensors.numpy.save_file`` / ``load_file``.
@@ -54,23 +55,28 @@ sys.path.insert(0, HERE)
 import harness  # noqa: E402  pylint: disable=wrong-import-position
 
 METHODS = ("pz_persist", "pz_persist_before", "orbax", "safetensors", "numpy")
-VARIANTS = ("pz_persist_tuned", "pz_persist_untrimmed")
-"""``pz_persist`` under a process-wide setting (see the module docstring):
-fresh processes only, since a setting made once cannot be undone to take
-turns with the untouched method in one process."""
+VARIANTS = ("_tuned", "_untrimmed")
+"""Suffixes running a pz_persist method under a process-wide setting (see the
+module docstring), e.g. ``pz_persist_before_untrimmed``: fresh processes
+only, since a setting made once cannot be undone to take turns with the
+untouched method in one process."""
+
+
+def _is_variant(method: str) -> bool:
+  return method.endswith(VARIANTS)
 
 
 def _apply_variant(method: str) -> str:
   """Makes ``method``'s process-wide setting; returns the method it runs."""
-  if method not in VARIANTS:
+  if not _is_variant(method):
     return method
   from pz_persist import memory
 
-  if method == "pz_persist_tuned":
+  if method.endswith("_tuned"):
     memory.tune_host_allocator()
-  else:
-    memory.release_freed = lambda: None
-  return "pz_persist"
+    return method.removesuffix("_tuned")
+  memory.release_freed = lambda: None
+  return method.removesuffix("_untrimmed")
 
 
 def transformer_shapes(target_bytes: int) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
@@ -444,7 +450,7 @@ def main(argv=None) -> dict:
 
   if "pz_persist" in methods and len(methods) > 1 and "paired" not in args.skip:
     paired_methods = [m for m in methods  # numpy: far slower.
-                      if m != "numpy" and m not in VARIANTS]
+                      if m != "numpy" and not _is_variant(m)]
     results["paired"] = harness.run_worker(
         __file__, ["--worker", ",".join(paired_methods), "paired", directory, str(target)]
     )
