@@ -51,9 +51,11 @@ def test_async_save_benchmark_runs(tmp_path, capsys):
   results = async_save.main(
       ["--state-size", "24MiB", "--saves", "2", "--steps-between", "1", "--dir", str(tmp_path)]
   )
-  assert set(results) == {"sync", "async", "ratio"}
-  assert all(len(results[mode]["blocked"]) == 2 for mode in ("sync", "async"))
-  assert "async blocked time / sync save time" in capsys.readouterr().out
+  assert set(results) == {"sync", "async", "orbax", "ratio", "ratio_to_orbax"}
+  assert all(len(results[mode]["blocked"]) == 2 for mode in ("sync", "async", "orbax"))
+  printed = capsys.readouterr().out
+  assert "async blocked time / sync save time" in printed
+  assert "plain Orbax async blocked time" in printed
 
 
 @pytest.mark.slow
