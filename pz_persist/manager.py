@@ -162,10 +162,19 @@ class CheckpointManager:
   def _empty_trash_in_background(self) -> None:
     if self._emptying is not None and self._emptying.is_alive():
       return  # Already at it; what it misses is taken next time.
+    if not self._trash_has_entries():
+      return  # Most saves: starting a thread would cost the loop more.
     self._emptying = threading.Thread(
         target=self._empty_trash, name="pz_persist_empty_trash", daemon=True
     )
     self._emptying.start()
+
+  def _trash_has_entries(self) -> bool:
+    """Whether retention left anything to delete (one directory listing)."""
+    try:
+      return next(iter((self._manager.directory / _TRASH).iterdir()), None) is not None
+    except OSError:
+      return False
 
   def _on_sigterm(self, signum, frame) -> None:
     del signum, frame
