@@ -176,14 +176,21 @@ class HostCopies:
   keys: tuple[str, ...]
   slots: tuple[_Slot, ...]
 
-  def digests(self) -> dict[str, tuple[ShardChecksum, ...]]:
-    """Hashes the copies and gathers every process's digests (collective)."""
+  def digests(self, exchange: str | None = None) -> dict[str, tuple[ShardChecksum, ...]]:
+    """Hashes the copies and gathers every process's digests (collective).
+
+    Args:
+      exchange: A name every process gives this save alike (its directory),
+        for saves whose digests are exchanged in background threads, where
+        two items' exchanges may start in different orders in different
+        processes. None: numbered in call order (one thread only).
+    """
     digests = np.zeros((len(self.slots), _DIGEST_BYTES), np.uint8)
     for i, slot in enumerate(self.slots):
       if slot.local_data is not None:
         digests[i] = np.frombuffer(bytes.fromhex(digest_of(slot.local_data)), np.uint8)
     if jax.process_count() > 1 and self.slots:
-      gathered = _exchange(digests)
+      gathered = _exchange(digests, exchange)
       owners = np.array([slot.owner_process for slot in self.slots])
       digests = gathered[owners, np.arange(len(self.slots))]
     result: dict[str, list[ShardChecksum]] = {key: [] for key in self.keys}
@@ -217,32 +224,34 @@ def host_copies(stored: Mapping[str, Any]) -> HostCopies:
 _exchanges = itertools.count()
 
 
-def _exchange(digests: np.ndarray) -> np.ndarray:
+def _exchange(digests: np.ndarray, name: str | None) -> np.ndarray:
   """Every process's ``digests``, stacked by process index.
 
   Why through the distributed runtime's key-value store, not a JAX
   collective: a save's background work runs in a thread of its own while
   the training loop goes on issuing its own collectives, and two threads
   issuing collectives can order them differently in different processes and
-  deadlock. The key-value store needs no ordering with anything else; only
-  the exchanges themselves must happen in the same order in every process
-  (saves are collective, so they do), which numbers them alike. Each process
-  deletes its previous exchange's key, which every process had read before
-  that save completed (Orbax's commit waits for all of them).
+  deadlock. The key-value store needs no ordering with anything else. Keys
+  are named after ``name`` (or numbered in call order); the last process to
+  have read every digest deletes them, so nothing accumulates over a run.
   """
   client = ocp_multihost.get_jax_distributed_client()
-  number, me = next(_exchanges), jax.process_index()
-  if number:
-    client.key_value_delete(f"pz_persist/checksums/{number - 1}/{me}")
-  client.key_value_set_bytes(f"pz_persist/checksums/{number}/{me}", digests.tobytes())
+  count, me = jax.process_count(), jax.process_index()
+  if name is None:
+    name = f"call_{next(_exchanges)}"
+  prefix = f"pz_persist/checksums/{name}"
+  client.key_value_set_bytes(f"{prefix}/{me}", digests.tobytes())
   timeout_ms = ocp_multihost.coordination_timeout() * 1000
-  return np.stack([
+  gathered = np.stack([
       np.frombuffer(
-          client.blocking_key_value_get_bytes(f"pz_persist/checksums/{number}/{i}", timeout_ms),
-          np.uint8,
+          client.blocking_key_value_get_bytes(f"{prefix}/{i}", timeout_ms), np.uint8
       ).reshape(digests.shape)
-      for i in range(jax.process_count())
+      for i in range(count)
   ])
+  if client.key_value_increment(f"{prefix}/read", 1) == count:
+    for key in [f"{prefix}/{i}" for i in range(count)] + [f"{prefix}/read"]:
+      client.key_value_delete(key)
+  return gathered
 
 
 @dataclasses.dataclass(frozen=True)

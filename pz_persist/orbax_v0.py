@@ -162,7 +162,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   ) -> None:
     """Hashes the host copies (every process: the digests are exchanged)
     and writes the manifest with them (the primary process)."""
-    manifest = with_checksums(manifest, copies.digests())
+    manifest = with_checksums(manifest, copies.digests(exchange=str(directory)))
     if self._is_primary():
       manifest_lib.write(directory, manifest)
 

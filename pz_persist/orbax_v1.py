@@ -106,10 +106,10 @@ class PenzaiCheckpointableHandler(
     is_primary = self._is_primary()
 
     async def finish() -> None:
-      hashed = orbax_v0.with_checksums(manifest, copies.digests())
       if arrays_saved is not None:
         await arrays_saved
       path = await directory.await_creation()
+      hashed = orbax_v0.with_checksums(manifest, copies.digests(exchange=str(path)))
       if is_primary:
         manifest_lib.write(path, hashed)
 
