@@ -162,8 +162,6 @@ class CheckpointManager:
   def _empty_trash_in_background(self) -> None:
     if self._emptying is not None and self._emptying.is_alive():
       return  # Already at it; what it misses is taken next time.
-    if not self._trash_has_entries():
-      return  # Most saves: starting a thread would cost the loop more.
     self._emptying = threading.Thread(
         target=self._empty_trash, name="pz_persist_empty_trash", daemon=True
     )
@@ -233,7 +231,8 @@ class CheckpointManager:
       self.close()
       print(f"pz_persist: SIGTERM received; saved step {step} and exiting.", file=sys.stderr)
       sys.exit(SIGTERM_EXIT_CODE)
-    self._empty_trash_in_background()
+    if self._trash_has_entries():  # Most saves leave none: a thread start
+      self._empty_trash_in_background()  # would hold the loop for nothing.
     return saved
 
   def restore(
