@@ -13,9 +13,14 @@ bytes of float32. Each method saves and restores the same arrays:
   pz_persist did before its performance work, through its public Orbax
   handler: ``PenzaiCheckpointHandler(use_compression=True,
   direct_reads=False)`` (Orbax's zstd compression, Orbax's restore path in
-  64 MiB batches). It shows the before/after in one run. (The allocator
-  setting of `pz_persist.memory.reuse_freed_blocks`, made by every
-  ``PenzaiCheckpointHandler``, applies to it too.)
+  64 MiB batches). It shows the before/after in one run.
+* ``pz_persist_tuned`` (not run by default; any pz_persist method takes the
+  suffix): ``pz_persist`` in a process that called
+  `pz_persist.tune_host_allocator` first (glibc's mmap and trim thresholds
+  pinned), to measure what that opt-in buys.
+* ``pz_persist_untrimmed``, ``pz_persist_before_untrimmed`` (not run by
+  default): without the ``malloc_trim`` after each read
+  (`pz_persist.memory.release_freed` made a no-op), to measure what it buys.
 * ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
   restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
 * ``safetensors``: ``safetensors.numpy.save_file`` / ``load_file``.
@@ -50,6 +55,28 @@ sys.path.insert(0, HERE)
 import harness  # noqa: E402  pylint: disable=wrong-import-position
 
 METHODS = ("pz_persist", "pz_persist_before", "orbax", "safetensors", "numpy")
+VARIANTS = ("_tuned", "_untrimmed")
+"""Suffixes running a pz_persist method under a process-wide setting (see the
+module docstring), e.g. ``pz_persist_before_untrimmed``: fresh processes
+only, since a setting made once cannot be undone to take turns with the
+untouched method in one process."""
+
+
+def _is_variant(method: str) -> bool:
+  return method.endswith(VARIANTS)
+
+
+def _apply_variant(method: str) -> str:
+  """Makes ``method``'s process-wide setting; returns the method it runs."""
+  if not _is_variant(method):
+    return method
+  from pz_persist import memory
+
+  if method.endswith("_tuned"):
+    memory.tune_host_allocator()
+    return method.removesuffix("_tuned")
+  memory.release_freed = lambda: None
+  return method.removesuffix("_untrimmed")
 
 
 def transformer_shapes(target_bytes: int) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
@@ -206,6 +233,7 @@ def worker(method: str, operation: str, path: str, target_bytes: int) -> dict:
     return own_work(build_params(target_bytes))
   if operation == "paired":
     return paired(path, target_bytes, methods=method.split(","))
+  method = _apply_variant(method)
   _warm_up(method)
   if operation == "save":
     params = build_params(target_bytes)
@@ -305,11 +333,12 @@ def own_work(params) -> dict:
       times.append(time.perf_counter() - start)
     return min(times)
 
-  args = pzp.PenzaiSave(params)
-  data = args.manifest.dumps()
-  stored = args.stored_arrays
+  # Encoding, hashing (done in the save's background work since the hashing
+  # moved off the critical path, still pz_persist's work) and serializing.
+  manifest, stored = pzp.orbax_v0.encode_manifest(params)
+  data = manifest.dumps()
   return {
-      "save_seconds": best(lambda: pzp.PenzaiSave(params).manifest.dumps()),
+      "save_seconds": best(lambda: pzp.orbax_v0.encode_manifest(params)[0].dumps()),
       "load_seconds": best(
           lambda: restoring.assemble(
               manifest_lib.Manifest.loads(data, where="bench"), stored, where="bench"
@@ -364,6 +393,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--cold", action="store_true", help="also restore with a dropped page cache")
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--json", default=None, help="write the results here too")
+  parser.add_argument("--skip", default="", help="'only': skip inspect, own work and only=;"
+                      " 'paired': skip the one-process rounds")
   parser.add_argument("--worker", nargs=4, metavar=("METHOD", "OP", "PATH", "BYTES"), help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
 
@@ -408,7 +439,7 @@ def main(argv=None) -> dict:
     entry["disk_bytes"] = _disk_bytes(_path(directory, method))
     if args.cold and harness.drop_page_cache():
       entry["restore_cold"] = run(method, "restore")
-    if method == "pz_persist":
+    if method == "pz_persist" and "only" not in args.skip:
       entry["inspect"] = min(
           (run(method, "inspect") for _ in range(args.repeats)), key=lambda r: r["seconds"]
       )
@@ -418,8 +449,9 @@ def main(argv=None) -> dict:
       entry[op]["median_seconds"] = float(np.median([r["seconds"] for r in runs[method][op]]))
     results["methods"][method] = entry
 
-  if "pz_persist" in methods and len(methods) > 1:
-    paired_methods = [m for m in methods if m != "numpy"]  # numpy: far slower.
+  if "pz_persist" in methods and len(methods) > 1 and "paired" not in args.skip:
+    paired_methods = [m for m in methods  # numpy: far slower.
+                      if m != "numpy" and not _is_variant(m)]
     results["paired"] = harness.run_worker(
         __file__, ["--worker", ",".join(paired_methods), "paired", directory, str(target)]
     )

@@ -31,10 +31,12 @@ from pz_persist.checkpoint import inspect, load, save
 from pz_persist.diffing import diff
 from pz_persist.errors import PzPersistError
 from pz_persist.manager import CheckpointManager
+from pz_persist.memory import tune_host_allocator
 from pz_persist.migrating import migrate
 from pz_persist.model import load_model, save_model
 from pz_persist import pretrained
 from pz_persist.pretrained.safetensors_io import export_safetensors
+from pz_persist.safety import limits
 from pz_persist.orbax_v0 import PenzaiCheckpointHandler, PenzaiRestore, PenzaiSave
 from pz_persist.orbax_registry import handler_registry
 from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
@@ -65,6 +67,7 @@ __all__ = [
     "export_safetensors",
     "handler_registry",
     "inspect",
+    "limits",
     "load",
     "load_model",
     "migrate",
@@ -75,6 +78,7 @@ __all__ = [
     "save",
     "save_model",
     "trainer_items",
+    "tune_host_allocator",
     "verify",
 ]
 

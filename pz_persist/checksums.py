@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import os
 import stat
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 import xxhash
+from orbax.checkpoint import multihost as ocp_multihost
 
 ALGORITHM = "xxh3_128"
 """Name of the hash recorded in manifests."""
@@ -157,21 +159,99 @@ def compute(stored: Mapping[str, Any]) -> dict[str, tuple[ShardChecksum, ...]]:
   Must be called by every process of a multi-process save, in the same order:
   each hashes the slices it owns and the digests are exchanged.
   """
-  slots = [slot for key, value in stored.items() for slot in _slots(key, value)]
-  digests = np.zeros((len(slots), _DIGEST_BYTES), np.uint8)
-  for i, slot in enumerate(slots):
-    if slot.local_data is not None:
-      digests[i] = np.frombuffer(bytes.fromhex(digest_of(slot.local_data)), np.uint8)
-  if jax.process_count() > 1 and slots:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return host_copies(stored).digests()
 
-    gathered = np.asarray(multihost_utils.process_allgather(digests))
-    owners = np.array([slot.owner_process for slot in slots])
-    digests = gathered[owners, np.arange(len(slots))]
-  result: dict[str, list[ShardChecksum]] = {key: [] for key in stored}
-  for slot, raw in zip(slots, digests):
-    result[slot.key].append(ShardChecksum(slot.index, bytes(raw).hex()))
-  return {key: tuple(sums) for key, sums in result.items()}
+
+@dataclasses.dataclass(frozen=True)
+class HostCopies:
+  """Host copies of the slices this process hashes, taken at one instant.
+
+  Why two steps: an async save must return to the training loop as soon as
+  the arrays are safe from later updates (a donated or deleted buffer), but
+  hashing them need not hold the loop. `host_copies` is the part that must
+  happen before the save returns; `digests` can run in the save's
+  background work, as long as every process runs it, in the same order.
+  """
+
+  keys: tuple[str, ...]
+  slots: tuple[_Slot, ...]
+
+  def digests(self, exchange: str | None = None) -> dict[str, tuple[ShardChecksum, ...]]:
+    """Hashes the copies and gathers every process's digests (collective).
+
+    Args:
+      exchange: A name every process gives this save alike (its directory),
+        for saves whose digests are exchanged in background threads, where
+        two items' exchanges may start in different orders in different
+        processes. None: numbered in call order (one thread only).
+    """
+    digests = np.zeros((len(self.slots), _DIGEST_BYTES), np.uint8)
+    for i, slot in enumerate(self.slots):
+      if slot.local_data is not None:
+        digests[i] = np.frombuffer(bytes.fromhex(digest_of(slot.local_data)), np.uint8)
+    if jax.process_count() > 1 and self.slots:
+      gathered = _exchange(digests, exchange)
+      owners = np.array([slot.owner_process for slot in self.slots])
+      digests = gathered[owners, np.arange(len(self.slots))]
+    result: dict[str, list[ShardChecksum]] = {key: [] for key in self.keys}
+    for slot, raw in zip(self.slots, digests):
+      result[slot.key].append(ShardChecksum(slot.index, bytes(raw).hex()))
+    return {key: tuple(sums) for key, sums in result.items()}
+
+
+def host_copies(stored: Mapping[str, Any]) -> HostCopies:
+  """Copies to host memory the slices of ``stored`` this process hashes.
+
+  All device-to-host transfers are started before the first is waited for,
+  so they overlap. On the CPU backend a "copy" is a view of the array's own
+  buffer (no bytes move), which JAX keeps alive and unchanged for the view
+  even if the array is deleted or donated afterwards.
+  """
+  slots = [slot for key, value in stored.items() for slot in _slots(key, value)]
+  for slot in slots:
+    if isinstance(slot.local_data, jax.Array):
+      slot.local_data.copy_to_host_async()
+  return HostCopies(
+      keys=tuple(stored),
+      slots=tuple(
+          slot if slot.local_data is None
+          else dataclasses.replace(slot, local_data=np.asarray(slot.local_data))
+          for slot in slots
+      ),
+  )
+
+
+_exchanges = itertools.count()
+
+
+def _exchange(digests: np.ndarray, name: str | None) -> np.ndarray:
+  """Every process's ``digests``, stacked by process index.
+
+  Why through the distributed runtime's key-value store, not a JAX
+  collective: a save's background work runs in a thread of its own while
+  the training loop goes on issuing its own collectives, and two threads
+  issuing collectives can order them differently in different processes and
+  deadlock. The key-value store needs no ordering with anything else. Keys
+  are named after ``name`` (or numbered in call order); the last process to
+  have read every digest deletes them, so nothing accumulates over a run.
+  """
+  client = ocp_multihost.get_jax_distributed_client()
+  count, me = jax.process_count(), jax.process_index()
+  if name is None:
+    name = f"call_{next(_exchanges)}"
+  prefix = f"pz_persist/checksums/{name}"
+  client.key_value_set_bytes(f"{prefix}/{me}", digests.tobytes())
+  timeout_ms = ocp_multihost.coordination_timeout() * 1000
+  gathered = np.stack([
+      np.frombuffer(
+          client.blocking_key_value_get_bytes(f"{prefix}/{i}", timeout_ms), np.uint8
+      ).reshape(digests.shape)
+      for i in range(count)
+  ])
+  if client.key_value_increment(f"{prefix}/read", 1) == count:
+    for key in [f"{prefix}/{i}" for i in range(count)] + [f"{prefix}/read"]:
+      client.key_value_delete(key)
+  return gathered
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,8 @@ array's chunks are copied by TensorStore directly into a 64-byte aligned
 buffer from `pz_persist.memory.aligned_empty`, which then becomes the
 ``jax.Array`` (or stays the NumPy array) without another copy. Peak memory
 is the arrays themselves plus the chunks in flight (bounded by
-`IN_FLIGHT_BYTES`), whose buffers are reused rather than mapped afresh
-(`pz_persist.memory.reuse_freed_blocks`).
+`IN_FLIGHT_BYTES`), whose buffers glibc reuses rather than maps afresh once
+the process opted in (`pz_persist.tune_host_allocator`).
 
 TensorStore opens the files by path, so `read` is only ever called inside
 `pz_persist.safety.files_unchanged` (by `pz_persist.reader.read_arrays`,

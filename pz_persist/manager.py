@@ -167,6 +167,13 @@ class CheckpointManager:
     )
     self._emptying.start()
 
+  def _trash_has_entries(self) -> bool:
+    """Whether retention left anything to delete (one directory listing)."""
+    try:
+      return next(iter((self._manager.directory / _TRASH).iterdir()), None) is not None
+    except OSError:
+      return False
+
   def _on_sigterm(self, signum, frame) -> None:
     del signum, frame
     self._sigterm.set()  # The next save() saves and exits; nothing heavy here.
@@ -224,7 +231,8 @@ class CheckpointManager:
       self.close()
       print(f"pz_persist: SIGTERM received; saved step {step} and exiting.", file=sys.stderr)
       sys.exit(SIGTERM_EXIT_CODE)
-    self._empty_trash_in_background()
+    if self._trash_has_entries():  # Most saves leave none: a thread start
+      self._empty_trash_in_background()  # would hold the loop for nothing.
     return saved
 
   def restore(

@@ -7,8 +7,17 @@ Reading a batch of arrays allocates read buffers that are freed once the
 arrays are built. glibc's allocator keeps freed memory in per-thread arenas,
 still resident, and TensorStore reads on many threads: across batches the
 process's resident memory keeps growing although nothing uses it. Trimming
-the arenas after each batch keeps a restore's peak close to the bytes it
-returns (measured in ``benchmarks/sharded_restore.py``).
+the arenas after each batch (`release_freed`) keeps a restore's peak close
+to the bytes it returns: on Orbax's batched path, a 531 MiB restore peaked
+at 1.44x the data's bytes trimmed and 1.62x untrimmed (``benchmarks/
+save_restore.py``, ``pz_persist_before`` vs ``pz_persist_before_untrimmed``;
+see ``benchmarks/sharded_restore.py`` for sharded loads). A trim is a
+one-shot release of memory nobody uses, not a setting: it changes nothing
+for later allocations of the process, so pz_persist keeps doing it.
+
+What pz_persist does not do by itself is change the allocator's settings,
+which would apply to the user's whole process: `tune_host_allocator` is the
+opt-in for that.
 """
 
 from __future__ import annotations
@@ -37,21 +46,32 @@ _MMAP_THRESHOLD = 32 * 2**20
 _TRIM_THRESHOLD = 2 * _MMAP_THRESHOLD
 
 
-@functools.cache
-def reuse_freed_blocks() -> None:
-  """Lets freed blocks of up to 32 MiB be reused instead of unmapped (glibc).
+def tune_host_allocator() -> None:
+  """Lets glibc reuse freed blocks of up to 32 MiB instead of unmapping them.
 
-  Why: TensorStore reads every chunk into a new buffer and frees it once
-  copied. glibc starts out returning blocks of 128 KiB or more straight to
-  the OS, and raises that threshold only as it sees such blocks freed, up to
-  32 MiB, while trimming its heaps whenever their free top exceeds twice the
-  threshold. A load then keeps mapping fresh pages, which the kernel must
-  zero (a third of a load's CPU time, measured with ``perf``) and which on
-  virtual machines can cost far more. Pinning both thresholds at the values
-  glibc's own heuristic ends at (32 MiB, 64 MiB) lets the chunk buffers be
-  reused from the first chunk on. Idempotent; a no-op without glibc.
-  `release_freed` still hands memory back after each load.
+  Opt-in, for the whole process: it pins two of glibc's ``mallopt`` settings
+  (``M_MMAP_THRESHOLD`` 32 MiB, ``M_TRIM_THRESHOLD`` 64 MiB), which apply to
+  every allocation of every library in the process from then on and cannot
+  be undone (glibc's own adaptive threshold stays off once set). pz_persist
+  never calls it by itself; call it once at start-up if the figures below
+  matter to you. Idempotent; a no-op without glibc.
+
+  Why it can help: TensorStore reads and encodes every chunk in a new buffer
+  and frees it once copied. glibc starts out returning blocks of 128 KiB or
+  more straight to the OS, and raises that threshold only as it sees such
+  blocks freed, up to 32 MiB, while trimming its heaps whenever their free
+  top exceeds twice the threshold. Until then each chunk maps fresh pages,
+  which the kernel must zero, and on virtual machines whose memory the host
+  backs lazily that costs far more than the copy. Pinning both thresholds at
+  the values glibc's own heuristic ends at lets chunk buffers be reused from
+  the first chunk on. Measured with ``benchmarks/save_restore.py``
+  (``--methods pz_persist,pz_persist_tuned``): see the benchmarks README.
   """
+  _pin_thresholds()
+
+
+@functools.cache
+def _pin_thresholds() -> None:
   mallopt = _glibc("mallopt")
   if mallopt is None:
     return

@@ -63,19 +63,29 @@ def encode_manifest(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
   The manifest records a checksum of every stored array (per distinct shard);
   in a multi-process save every process must call this, in the same order.
   """
+  manifest, stored = encode_unhashed(tree)
+  return with_checksums(manifest, checksums.compute(stored)), stored
+
+
+def encode_unhashed(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
+  """Validates and encodes ``tree``: its manifest without checksums yet (see
+  `with_checksums`), and its stored arrays. Reads no array's bytes."""
   encoded = encoding.encode(tree)
-  stored = encoded.stored_arrays()
-  sums = checksums.compute(stored)
   manifest = manifest_lib.Manifest(
-      tree=encoded.tree,
-      variables=tuple(encoded.variables),
-      arrays=tuple(
-          dataclasses.replace(spec, checksums=sums[spec.key]) if spec.key in sums
-          else spec
-          for spec in encoded.arrays
-      ),
+      tree=encoded.tree, variables=tuple(encoded.variables), arrays=tuple(encoded.arrays)
   )
-  return manifest, stored
+  return manifest, encoded.stored_arrays()
+
+
+def with_checksums(
+    manifest: manifest_lib.Manifest,
+    sums: dict[str, tuple[checksums.ShardChecksum, ...]],
+) -> manifest_lib.Manifest:
+  """``manifest`` with the checksums of its stored arrays recorded."""
+  return dataclasses.replace(manifest, arrays=tuple(
+      dataclasses.replace(spec, checksums=sums[spec.key]) if spec.key in sums else spec
+      for spec in manifest.arrays
+  ))
 
 
 class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -122,7 +132,6 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
         multiprocessing_options=multiprocessing_options,
     )
     self._started: list[ocp.future.Future] = []  # Of the last async_save.
-    memory.reuse_freed_blocks()  # Saves and loads both churn chunk buffers.
     self._arrays = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt,
         use_zarr3=use_zarr3,
@@ -139,27 +148,51 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   def _is_primary(self) -> bool:
     return ocp.multihost.is_primary_host(self._primary_host)
 
-  async def _write_manifest(
-      self, directory: epath.Path, manifest: manifest_lib.Manifest
+  def _write_manifest(
+      self,
+      directory: epath.Path,
+      manifest: manifest_lib.Manifest,
+      copies: checksums.HostCopies,
   ) -> None:
+    """Hashes the host copies (every process: the digests are exchanged)
+    and writes the manifest with them (the primary process)."""
+    manifest = with_checksums(manifest, copies.digests(exchange=str(directory)))
     if self._is_primary():
       manifest_lib.write(directory, manifest)
+
+  async def _hash_and_write_manifest(
+      self,
+      directory: epath.Path,
+      manifest: manifest_lib.Manifest,
+      copies: checksums.HostCopies,
+  ) -> None:
+    self._write_manifest(directory, manifest, copies)
 
   async def async_save(
       self,
       directory: epath.Path,
       args: PenzaiSave,
   ) -> list[ocp.future.Future]:
-    """Starts saving; arrays are copied off the devices before this returns."""
+    """Starts saving; arrays are copied off the devices before this returns.
+
+    Why the checksums are computed in the background: hashing every array
+    (and, with several processes, exchanging the digests) would hold the
+    training loop for as long again as Orbax's own blocking part. Only host
+    copies of what this process hashes are taken here (on the CPU backend,
+    views of the arrays' own buffers: nothing is copied); hashing them and
+    writing the manifest is a commit future of its own, which Orbax awaits
+    (with the arrays' futures) before `finalize`.
+    """
     manifest, stored = args.manifest, args.stored_arrays
     futures = []
     if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
       futures.extend(
           await self._arrays.async_save(directory, args=self._save_args(stored)) or []
       )
+    copies = checksums.host_copies(stored)
     futures.append(
         ocp.future.CommitFutureAwaitingContractedSignals(
-            self._write_manifest(directory, manifest),
+            self._hash_and_write_manifest(directory, manifest, copies),
             name="pz_persist_manifest",
         )
     )
@@ -178,10 +211,10 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   def save(self, directory: epath.Path, args: PenzaiSave) -> None:
     """Saves synchronously."""
     manifest, stored = args.manifest, args.stored_arrays
+    copies = checksums.host_copies(stored)
     if stored:
       self._arrays.save(directory, args=self._save_args(stored))
-    if self._is_primary():
-      manifest_lib.write(directory, manifest)
+    self._write_manifest(directory, manifest, copies)
 
   def restore(
       self,
@@ -265,12 +298,14 @@ class PenzaiSave(ocp.args.CheckpointArgs):
 
   The tree is validated and encoded when the arguments are built, so a tree
   that cannot be saved raises `pz_persist.errors.EncodingError` right here,
-  before Orbax creates any directory.
+  before Orbax creates any directory. No array is read here: the checksums
+  are computed by the handler as it saves (in the background of an async
+  save), from the same host copies.
 
   Attributes:
     item: Any tree pz_persist saves: NamedArrays, Parameter / StateVariable
       values (mutable or frozen), arrays, scalars, strings, None, containers.
-    manifest: The tree's manifest (computed).
+    manifest: The tree's manifest, without checksums yet (computed).
     stored_arrays: The ``{key: array}`` tree Orbax writes (computed).
   """
 
@@ -283,7 +318,7 @@ class PenzaiSave(ocp.args.CheckpointArgs):
   )
 
   def __post_init__(self):
-    self.manifest, self.stored_arrays = encode_manifest(self.item)
+    self.manifest, self.stored_arrays = encode_unhashed(self.item)
 
 
 @ocp.args.register_with_handler(PenzaiCheckpointHandler, for_restore=True)

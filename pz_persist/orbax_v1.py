@@ -46,6 +46,7 @@ from orbax.checkpoint import v1 as ocp_v1
 from orbax.checkpoint.experimental.v1._src.context.context import get_context
 from penzai import pz
 
+from pz_persist import checksums
 from pz_persist import errors
 from pz_persist import manifest as manifest_lib
 from pz_persist import orbax_v0
@@ -97,18 +98,20 @@ class PenzaiCheckpointableHandler(
   async def save(
       self, directory: Any, checkpointable: Any
   ) -> Awaitable[None]:
-    manifest, stored = orbax_v0.encode_manifest(checkpointable)
+    manifest, stored = orbax_v0.encode_unhashed(checkpointable)
     arrays_saved = (
         await self._arrays_handler().save(directory, stored) if stored else None
     )
+    copies = checksums.host_copies(stored)  # Hashed in the background.
     is_primary = self._is_primary()
 
     async def finish() -> None:
       if arrays_saved is not None:
         await arrays_saved
       path = await directory.await_creation()
+      hashed = orbax_v0.with_checksums(manifest, copies.digests(exchange=str(path)))
       if is_primary:
-        manifest_lib.write(path, manifest)
+        manifest_lib.write(path, hashed)
 
     return finish()
 

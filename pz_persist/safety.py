@@ -25,9 +25,12 @@ subclass `UnsafeCheckpointError`) naming the file or the label at fault.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import os
 import stat
-from collections.abc import Collection, Mapping
+import warnings
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -41,10 +44,80 @@ from pz_persist import manifest as manifest_lib
 from pz_persist import safe_io
 
 MAX_ALLOCATION_BYTES: int | None = None
-"""Most bytes one load may allocate for arrays in this process; None (the
-default) means the machine's physical memory. A checkpoint declaring more is
-refused before anything is allocated. Raise it (or set it very high) to load
-straight onto devices with more memory than the host."""
+"""Deprecated: use ``pz_persist.limits(max_allocation_bytes=...)``. Still
+honoured for one release when set (with a ``DeprecationWarning``), below a
+`limits` setting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Limits of the loads made in the current context (see `limits`).
+
+  Attributes:
+    max_allocation_bytes: Most bytes one load may allocate for arrays; None
+      (the default) means the machine's physical memory. A checkpoint
+      declaring more is refused before anything is allocated.
+  """
+
+  max_allocation_bytes: int | None = None
+
+
+_limits: contextvars.ContextVar[Limits] = contextvars.ContextVar(
+    "pz_persist_limits", default=Limits()
+)
+_UNSET: Any = object()
+
+
+def current_limits() -> Limits:
+  """The limits in force here: the innermost `limits` block's, or defaults."""
+  return _limits.get()
+
+
+@contextlib.contextmanager
+def limits(*, max_allocation_bytes: int | None = _UNSET) -> Iterator[Limits]:
+  """Sets load limits for the ``with`` block, in this thread or task only.
+
+  Why a context and not a module setting: a limit is a decision about one
+  load (a big model onto devices with more memory than the host), and a
+  global changed for it would also apply to every other load of the process,
+  in other threads too, until someone remembers to set it back. Like
+  ``allow_modules=``, the setting is scoped: it holds inside the block (and
+  in code it calls), nested blocks override the settings they name, and
+  other threads and asyncio tasks keep their own (``contextvars``).
+
+  Example::
+
+    with pzp.limits(max_allocation_bytes=200 * 2**30):
+      params = pzp.load(path, sharding=rules)
+
+  Args:
+    max_allocation_bytes: Most bytes one load may allocate for arrays; None
+      means the machine's physical memory (the default). Omitted: unchanged.
+
+  Yields:
+    The `Limits` in force inside the block.
+
+  Raises:
+    ValueError: ``max_allocation_bytes`` is not a positive int or None.
+  """
+  changes = {}
+  if max_allocation_bytes is not _UNSET:
+    if max_allocation_bytes is not None and (
+        isinstance(max_allocation_bytes, bool)
+        or not isinstance(max_allocation_bytes, int)
+        or max_allocation_bytes <= 0
+    ):
+      raise ValueError(
+          "max_allocation_bytes must be a positive number of bytes or None"
+          f" (the machine's memory), not {max_allocation_bytes!r}."
+      )
+    changes["max_allocation_bytes"] = max_allocation_bytes
+  inside = dataclasses.replace(_limits.get(), **changes)
+  token = _limits.set(inside)
+  try:
+    yield inside
+  finally:
+    _limits.reset(token)
 
 MAX_ORBAX_METADATA_BYTES = 64 * 2**20
 """Larger Orbax ``_CHECKPOINT_METADATA`` files are refused before parsing."""
@@ -242,12 +315,22 @@ def check_checkpoint_metadata(checkpoint_dir: epath.PathLike) -> None:
 
 
 def allocation_limit() -> int:
-  """`MAX_ALLOCATION_BYTES`, or the machine's physical memory by default.
+  """The ``max_allocation_bytes`` of `limits`, or the machine's physical
+  memory by default.
 
   Why: no load can succeed that needs more memory than the machine has, so a
   checkpoint declaring more is either damaged or an attempt to exhaust memory.
   """
+  scoped = _limits.get().max_allocation_bytes
+  if scoped is not None:
+    return scoped
   if MAX_ALLOCATION_BYTES is not None:
+    warnings.warn(
+        "pz_persist.safety.MAX_ALLOCATION_BYTES is deprecated and will be"
+        " ignored in the next release; use"
+        " `with pz_persist.limits(max_allocation_bytes=...):` around the load.",
+        DeprecationWarning, stacklevel=2,
+    )
     return MAX_ALLOCATION_BYTES
   try:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -284,8 +367,9 @@ def check_allocation(
   )
   raise errors.UnsafeCheckpointError(
       f"{where}: reading these arrays would allocate {total} bytes, more than"
-      f" the {limit}-byte limit (this machine's memory unless"
-      f" pz_persist.safety.MAX_ALLOCATION_BYTES is set). Largest: {named}."
+      f" the {limit}-byte limit (this machine's memory unless raised with"
+      " `with pz_persist.limits(max_allocation_bytes=...):` around the"
+      f" load). Largest: {named}."
   )
 
 

@@ -88,11 +88,14 @@ report["overwrite_shards"] = check_shards(pzp.load(path, sharding=rules), local)
 
 with pzp.CheckpointManager(os.path.join(DIRECTORY, "run"), max_to_keep=1) as manager:
   for step in (1, 2):
-    manager.save(step, params=params, meta={"step": step})
+    # Two array items: their checksums are hashed and exchanged in two
+    # background threads at once, which must not pair up the wrong digests.
+    manager.save(step, params=params, again=params, meta={"step": step})
   manager.wait_until_finished()
   restored = manager.restore(sharding=rules)
   report["manager_steps"] = manager.all_steps()
 report["manager_shards"] = check_shards(restored["params"], local)
+report["manager_again_shards"] = check_shards(restored["again"], local)
 report["manager_meta"] = restored["meta"]
 
 bound = pzp.load_model(path, into=model, sharding=rules)

@@ -49,11 +49,15 @@ def test_save_restore_benchmark_1gib(tmp_path):
 
 def test_async_save_benchmark_runs(tmp_path, capsys):
   results = async_save.main(
-      ["--state-size", "24MiB", "--saves", "2", "--steps-between", "1", "--dir", str(tmp_path)]
+      ["--state-size", "24MiB", "--saves", "2", "--steps-between", "1", "--dir", str(tmp_path),
+       "--paired-rounds", "2"]
   )
-  assert set(results) == {"sync", "async", "ratio"}
-  assert all(len(results[mode]["blocked"]) == 2 for mode in ("sync", "async"))
-  assert "async blocked time / sync save time" in capsys.readouterr().out
+  assert set(results) == {"sync", "async", "orbax", "ratio", "ratio_to_orbax", "paired"}
+  assert all(len(results["paired"][name]) == 2 for name in ("pz_persist", "orbax"))
+  assert all(len(results[mode]["blocked"]) == 2 for mode in ("sync", "async", "orbax"))
+  printed = capsys.readouterr().out
+  assert "async blocked time / sync save time" in printed
+  assert "plain Orbax async blocked time" in printed and "Taking turns" in printed
 
 
 @pytest.mark.slow

@@ -59,13 +59,14 @@ def test_save_and_load_across_processes(num_processes, tmp_path):
   assert [r["process"] for r in reports] == list(range(num_processes))
   for report in reports:
     assert report["devices"] == 8 and report["local"] == 8 // num_processes
-    for key in ("load_shards", "overwrite_shards", "manager_shards", "bound_shards"):
+    for key in ("load_shards", "overwrite_shards", "manager_shards", "manager_again_shards",
+                "bound_shards"):
       assert report[key] > 0, key
     assert report["manager_steps"] == [2] and report["manager_meta"] == {"step": 2}
   # The manifest of each save is written once, by the primary process.
   assert [r["saved_manifest_writes"] for r in reports] == [1] + [0] * (num_processes - 1)
-  # Two saves, then two steps of two items each: six manifests, all by process 0.
-  assert [r["manifest_writes"] for r in reports] == [6] + [0] * (num_processes - 1)
+  # Two saves, then two steps of three items each: eight manifests, all by process 0.
+  assert [r["manifest_writes"] for r in reports] == [8] + [0] * (num_processes - 1)
   # Every process held a different part of the arrays, together all of them.
   assert len({r["load_shards"] for r in reports}) == 1
   assert sorted(os.listdir(tmp_path)) == ["ckpt", "run"]

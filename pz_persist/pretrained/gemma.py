@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -71,8 +71,6 @@ _SHAPE_KEYS = (
 _LEAF_NAMES = ("w", "scale", "input_embedding")
 _GEMMA3_MARKERS = ("query_norm", "key_norm", "q_norm", "k_norm", "siglip",
                    "vision_encoder", "mm_input_projection")
-# Custom presets are registered into Penzai's preset table for one call.
-_PRESET_LOCK = threading.Lock()
 
 
 def known_presets() -> list[str]:
@@ -151,11 +149,10 @@ def load_gemma(
     releasing = _releasing_params(params, name, kwargs, transpose, consumed,
                                   upcast_activations_to_float32, use_layer_stack)
     del params  # Only the releasing mappings hold the arrays now.
-    with _registered(name, kwargs, transpose):
-      model = pz_gemma.gemma_from_pretrained_checkpoint(
-          releasing, upcast_activations_to_float32=upcast_activations_to_float32,
-          use_layer_stack=use_layer_stack, preset_name=name,
-      )
+    model = _converter(name, kwargs, transpose)(
+        releasing, upcast_activations_to_float32=upcast_activations_to_float32,
+        use_layer_stack=use_layer_stack, preset_name=name,
+    )
     del releasing
     if sharding is not None:
       variables = list(pz.unbind_params(model)[1])
@@ -408,7 +405,7 @@ def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[
 def _resolve_preset(
     params: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any], path: Any
 ) -> tuple[str, dict[str, Any] | None, bool | None]:
-  """(preset name, kwargs to register or None, gating transpose)."""
+  """(preset name, custom preset kwargs or None, gating transpose)."""
   presets = pz_gemma._GEMMA_PRESETS  # pylint: disable=protected-access
   sizes, transpose = _shapes(params, path)
   if isinstance(preset, str):
@@ -447,25 +444,35 @@ def _resolve_preset(
   return "pz_persist_custom", kwargs, bool(gating_transpose)
 
 
-class _registered:  # pylint: disable=invalid-name
-  """Puts a custom preset into Penzai's preset tables for one conversion."""
+def _converter(name: str, kwargs: dict[str, Any] | None,
+               transpose: bool | None) -> Callable[..., model_parts.TransformerLM]:
+  """Penzai's ``gemma_from_pretrained_checkpoint``, knowing preset ``name``.
 
-  def __init__(self, name: str, kwargs: dict[str, Any] | None, transpose: bool | None):
-    self.name, self.kwargs, self.transpose = name, kwargs, transpose
-
-  def __enter__(self):
-    if self.kwargs is not None:
-      _PRESET_LOCK.acquire()
-      pz_gemma._GEMMA_PRESETS[self.name] = self.kwargs  # pylint: disable=protected-access
-      pz_gemma._NEEDS_GATING_TRANSPOSE[self.name] = self.transpose  # pylint: disable=protected-access
-    return self
-
-  def __exit__(self, *exc):
-    if self.kwargs is not None:
-      pz_gemma._GEMMA_PRESETS.pop(self.name, None)  # pylint: disable=protected-access
-      pz_gemma._NEEDS_GATING_TRANSPOSE.pop(self.name, None)  # pylint: disable=protected-access
-      _PRESET_LOCK.release()
-    return False
+  Why not Penzai's own function with the preset written into its tables: that
+  changes Penzai's module state for the whole process (another thread, or
+  ``gemma.known_presets`` there, would see ``pz_persist_custom``). Penzai's
+  converter reads its presets from two module-level tables, so a custom
+  preset is given to a copy of the function whose globals are a copy of the
+  module's namespace with the two tables extended: the same conversion code,
+  and nothing of Penzai's is written.
+  """
+  convert = pz_gemma.gemma_from_pretrained_checkpoint
+  if kwargs is None:
+    return convert
+  namespace = dict(vars(pz_gemma))
+  tables = ("_GEMMA_PRESETS", "_NEEDS_GATING_TRANSPOSE")
+  if not all(isinstance(namespace.get(table), dict) for table in tables):
+    raise GemmaCheckpointError(
+        f"the installed Penzai ({_penzai_version()}) keeps its Gemma presets"
+        " differently from Penzai 0.2.5; custom presets are unsupported with it."
+    )
+  namespace["_GEMMA_PRESETS"] = {**namespace["_GEMMA_PRESETS"], name: kwargs}
+  namespace["_NEEDS_GATING_TRANSPOSE"] = {
+      **namespace["_NEEDS_GATING_TRANSPOSE"], name: transpose}
+  return types.FunctionType(  # type: ignore[return-value]
+      convert.__code__, namespace, convert.__name__, convert.__defaults__,
+      convert.__closure__,
+  )
 
 
 class _Releasing(Mapping):
@@ -526,11 +533,10 @@ def _releasing_params(
 
   def dry_run(abstract):
     counting = {k: _Counting(v, counts[k]) for k, v in abstract.items()}
-    with _registered(name, kwargs, transpose):
-      pz_gemma.gemma_from_pretrained_checkpoint(
-          counting, upcast_activations_to_float32=upcast,
-          use_layer_stack=layer_stack, preset_name=name,
-      )
+    _converter(name, kwargs, transpose)(
+        counting, upcast_activations_to_float32=upcast,
+        use_layer_stack=layer_stack, preset_name=name,
+    )
 
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
   try:

@@ -113,6 +113,31 @@ def test_tiny_checkpoint_loads_as_penzai_converts_it(tmp_path, cfg, like, gemma2
   assert "pz_persist_custom" not in pz_gemma._GEMMA_PRESETS  # Registration undone.
 
 
+def test_custom_preset_never_enters_penzais_tables(tmp_path, monkeypatch):
+  """Penzai's preset tables are the same objects with the same contents while
+  the conversion runs (seen from inside it, where another thread would look)
+  and after it: pz_persist gives the preset to Penzai without writing them."""
+  import copy
+
+  from penzai.models.transformer.variants import llamalike_common
+
+  tables = (pz_gemma._GEMMA_PRESETS, pz_gemma._NEEDS_GATING_TRANSPOSE)
+  before = copy.deepcopy(tables)
+  seen = []
+  build = llamalike_common.build_llamalike_transformer
+
+  def spying_build(*args, **kwargs):
+    seen.append(copy.deepcopy(tables))
+    return build(*args, **kwargs)
+
+  monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", spying_build)
+  path = write(tmp_path / "ckpt", official_params(GEMMA2, gemma2=True, transposed_gating=True))
+  load_gemma(path, preset={"like": "gemma2_9b"})
+  assert seen  # The conversion ran through Penzai's builder.
+  assert all(during == before for during in seen)
+  assert (pz_gemma._GEMMA_PRESETS, pz_gemma._NEEDS_GATING_TRANSPOSE) == before
+
+
 def test_nested_layout_loads_the_same(tmp_path):
   params = official_params(GEMMA2, gemma2=True)
   nested: dict = {}
