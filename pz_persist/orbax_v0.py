@@ -39,7 +39,6 @@ from pz_persist import checksums
 from pz_persist import encoding
 from pz_persist import file_digests
 from pz_persist import manifest as manifest_lib
-from pz_persist import memory
 from pz_persist import opening
 from pz_persist import progress as progress_lib
 from pz_persist import reader
