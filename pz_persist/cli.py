@@ -64,7 +64,7 @@ def _clean(args: argparse.Namespace) -> int:
     kept += not removed
     verb = "removed" if removed else "would remove" if args.dry_run and (
         leftover.removable or args.force and leftover.status != "live") else "kept"
-    _print(f"{verb} {_one_line(leftover.name)} ({viewing.size_text(leftover.nbytes)}):"
+    _print(f"{verb} {_one_line(leftover.name)} ({terminal.size_text(leftover.nbytes)}):"
           f" {leftover.status}, {leftover.reason}")
   if kept and not args.force and not args.dry_run:
     _print("kept ones whose writer may still be running; --force also removes"
@@ -133,7 +133,7 @@ def _ls(args: argparse.Namespace) -> int:
         for name in info.items
     )
     rows.append([str(info.step), "yes" if info.committed else "no (partial)",
-                 items or "-", viewing.size_text(info.nbytes), when])
+                 items or "-", terminal.size_text(info.nbytes), when])
   _print(viewing.format_table(["step", "committed", "items", "size", "committed at"],
                               rows, right=("step", "size")))
   _print("\n* items written by pz_persist")

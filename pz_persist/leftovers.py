@@ -54,6 +54,7 @@ from etils import epath
 from pz_persist import directories
 from pz_persist import safe_io
 from pz_persist import steps
+from pz_persist import terminal
 
 try:
   import fcntl
@@ -474,15 +475,9 @@ def summary(leftovers: list[Leftover], where: epath.PathLike) -> str | None:
   dead = sum(leftover.removable for leftover in leftovers)
   return (
       f"note: {len(leftovers)} leftover(s) of unfinished saves beside or in"
-      f" {where} ({_size_text(nbytes)}, {dead} removable now); see"
+      f" {where} ({terminal.size_text(nbytes)}, {dead} removable now); see"
       f" `pz-persist clean {where}`"
   )
-
-
-def _size_text(nbytes: int) -> str:
-  from pz_persist import viewing  # pylint: disable=import-outside-toplevel
-
-  return viewing.size_text(nbytes)
 
 
 # ---- Small helpers. ---------------------------------------------------------

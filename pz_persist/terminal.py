@@ -36,3 +36,11 @@ def printable(text: object, *, newlines: bool = True) -> str:
   escaped = _UNSAFE.sub(_escape, str(text))
   return escaped if newlines else escaped.replace("\n", "\\x0a")
 
+
+def size_text(nbytes: float) -> str:
+  """A byte count as people read it (``1.5 GiB``), for tables and notes."""
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if nbytes < 1024 or unit == "TiB":
+      return f"{nbytes} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+    nbytes /= 1024
+  raise AssertionError

@@ -73,14 +73,6 @@ def _is_path(obj: Any) -> bool:
   return isinstance(obj, str) and epath.Path(obj).is_dir()
 
 
-def size_text(nbytes: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if nbytes < 1024 or unit == "TiB":
-      return f"{nbytes} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-    nbytes /= 1024
-  raise AssertionError
-
-
 def format_table(
     header: list[str],
     rows: list[list[str]],
@@ -158,7 +150,7 @@ def describe_checkpoint(path: epath.PathLike, *, width: int | None = None) -> st
       f"  {one_line(kind)}",
       f"  {_count(parameters, 'parameter')},"
       f" {_count(len(held) - parameters, 'state variable')}{mutable}:"
-      f" {size_text(total)} in {_count(len(rows), 'array')}",
+      f" {terminal.size_text(total)} in {_count(len(rows), 'array')}",
       f"  written by {one_line(manifest.writer)} (format {manifest.format_version})",
   ]
   variable_rows = [row for row in rows if row.spec.label is not None]
@@ -167,7 +159,7 @@ def describe_checkpoint(path: epath.PathLike, *, width: int | None = None) -> st
         ["label", "axes", "shape", "dtype", "bytes"],
         [
             [one_line(row.label), one_line(row.axes_text), _shape_text(row.spec.shape),
-             row.spec.dtype, size_text(row.spec.nbytes)]
+             row.spec.dtype, terminal.size_text(row.spec.nbytes)]
             for row in variable_rows
         ],
         right=("bytes",), width=width, shrink=("axes", "label"),
@@ -178,10 +170,10 @@ def describe_checkpoint(path: epath.PathLike, *, width: int | None = None) -> st
     nbytes = sum(group[4] for group in constants)
     lines += [
         "",
-        f"{_count(count, 'constant')} held by layers ({size_text(nbytes)}):",
+        f"{_count(count, 'constant')} held by layers ({terminal.size_text(nbytes)}):",
         format_table(
             ["field", "shape", "dtype", "count", "bytes"],
-            [[one_line(name), shape, dtype, str(n), size_text(b)]
+            [[one_line(name), shape, dtype, str(n), terminal.size_text(b)]
              for name, shape, dtype, n, b in constants],
             right=("count", "bytes"), width=width, shrink=("field",),
         ),
