@@ -59,6 +59,7 @@ def build_state(state_bytes: int):
 def worker(mode: str, directory: str, state_bytes: int, saves: int, steps_between: int) -> dict:
   import jax
   import optax
+
   import pz_persist as pzp
 
   params, optimizer, opt_state = build_state(state_bytes)
@@ -117,6 +118,7 @@ def paired(directory: str, state_bytes: int, rounds: int) -> dict:
   """
   import jax
   import orbax.checkpoint as ocp
+
   import pz_persist as pzp
 
   params, _, opt_state = build_state(state_bytes)

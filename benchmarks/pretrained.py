@@ -158,22 +158,23 @@ def _warm_up(op: str) -> None:
 def operation(op: str, src: str, dst: str, warm_up: bool = False):
   """The measured operation, as a function of no arguments."""
   if op == "fresh_memory":
-    from pz_persist import memory  # pylint: disable=import-outside-toplevel
     from pz_persist.pretrained import safetensors_io  # pylint: disable=import-outside-toplevel
+    from pz_persist.storage import host_memory
 
     files = [os.path.join(src, f) for f in sorted(os.listdir(src)) if f.endswith(".safetensors")]
     tensors = [entry for f in files for entry in safetensors_io.SafetensorsFile(f).entries.values()]
-    return lambda: [memory.aligned_empty(shape, dtype) for dtype, shape, _, _ in tensors]
+    return lambda: [host_memory.aligned_empty(shape, dtype) for dtype, shape, _, _ in tensors]
   cast = ["--dtype", "bfloat16"] if op in _BF16_OPS else []
   if cast:
     op, dst = op.removesuffix("_bf16"), dst + "_bf16"
   if op == "load_hf":
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
     from pz_persist.pretrained import hf  # pylint: disable=import-outside-toplevel
     dtype = jnp.bfloat16 if cast else None
     return lambda: _block(hf.load_hf(src, dtype=dtype))
   if op == "convert":
-    from pz_persist import cli  # pylint: disable=import-outside-toplevel
+    from pz_persist.tools import cli
 
     def run():
       if cli.main(["convert", "hf", src, dst, "--overwrite", "--quiet", *cast]) != 0:

@@ -20,7 +20,7 @@ bytes of float32. Each method saves and restores the same arrays:
   pinned), to measure what that opt-in buys.
 * ``pz_persist_untrimmed``, ``pz_persist_before_untrimmed`` (not run by
   default): without the ``malloc_trim`` after each read
-  (`pz_persist.memory.release_freed` made a no-op), to measure what it buys.
+  (`pz_persist.storage.host_memory.release_freed` made a no-op), to measure what it buys.
 * ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
   restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
 * ``safetensors``: ``safetensors.numpy.save_file`` / ``load_file``.
@@ -70,12 +70,12 @@ def _apply_variant(method: str) -> str:
   """Makes ``method``'s process-wide setting; returns the method it runs."""
   if not _is_variant(method):
     return method
-  from pz_persist import memory
+  from pz_persist.storage import host_memory
 
   if method.endswith("_tuned"):
-    memory.tune_host_allocator()
+    host_memory.tune_host_allocator()
     return method.removesuffix("_tuned")
-  memory.release_freed = lambda: None
+  host_memory.release_freed = lambda: None
   return method.removesuffix("_untrimmed")
 
 
@@ -162,6 +162,7 @@ def save_op(method: str, path: str, params):
     return lambda: pzp.save(path, params)
   if method == "pz_persist_before":
     import orbax.checkpoint as ocp
+
     import pz_persist as pzp
 
     def op():
@@ -190,6 +191,7 @@ def restore_op(method: str, path: str, target_bytes: int):
     return lambda: _block(pzp.load(path))
   if method == "pz_persist_before":
     import orbax.checkpoint as ocp
+
     import pz_persist as pzp
 
     def op():
@@ -252,8 +254,9 @@ def worker(method: str, operation: str, path: str, target_bytes: int) -> dict:
 def load_one_label(path: str, target_bytes: int, repeats: int = 5) -> dict:
   """``load_model(path, into=model, only=label)`` for the smallest and the
   largest label, best of ``repeats``, beside a full restore in this process."""
-  import pz_persist as pzp
   from penzai import pz
+
+  import pz_persist as pzp
 
   model = tuple(p.unfreeze_as_copy() for p in build_params(target_bytes, seed=1))
   by_size = sorted(transformer_shapes(target_bytes),
@@ -322,8 +325,8 @@ def own_work(params) -> dict:
   arrays themselves go through the same Orbax code as in plain Orbax.
   """
   import pz_persist as pzp
-  from pz_persist import manifest as manifest_lib
-  from pz_persist import restoring
+  from pz_persist.format import manifest as manifest_lib
+  from pz_persist.storage import restoring
 
   def best(fn, repeats=5):
     times = []
@@ -335,10 +338,10 @@ def own_work(params) -> dict:
 
   # Encoding, hashing (done in the save's background work since the hashing
   # moved off the critical path, still pz_persist's work) and serializing.
-  manifest, stored = pzp.orbax_v0.encode_manifest(params)
+  manifest, stored = pzp.orbax.v0_handler.encode_manifest(params)
   data = manifest.dumps()
   return {
-      "save_seconds": best(lambda: pzp.orbax_v0.encode_manifest(params)[0].dumps()),
+      "save_seconds": best(lambda: pzp.orbax.v0_handler.encode_manifest(params)[0].dumps()),
       "load_seconds": best(
           lambda: restoring.assemble(
               manifest_lib.Manifest.loads(data, where="bench"), stored, where="bench"

@@ -39,6 +39,7 @@ RULES = {"embedding": "data", "neurons": "model", "vocabulary": "model", "projec
 def write_checkpoint(path: str, target_bytes: int) -> int:
   """Saves the benchmark parameters (unsharded) and returns their bytes."""
   import save_restore  # pylint: disable=import-outside-toplevel
+
   import pz_persist as pzp
 
   params = save_restore.build_params(target_bytes)
@@ -62,6 +63,7 @@ def worker(method: str, process_id: int, processes: int, port: str, path: str) -
   import numpy as np
   import orbax.checkpoint as ocp
   from jax.experimental import multihost_utils
+
   import pz_persist as pzp
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
@@ -70,7 +72,7 @@ def worker(method: str, process_id: int, processes: int, port: str, path: str) -
   item = pzp.checkpoint.find_item(path)
 
   def plain_orbax():
-    placements = pzp.sharding.placements(manifest, rules)
+    placements = pzp.storage.sharding.placements(manifest, rules)
     restore_args = {
         spec.key: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=spec.shape, dtype=spec.np_dtype)
         for spec, sharding in zip(manifest.arrays, placements)
@@ -94,7 +96,7 @@ def worker(method: str, process_id: int, processes: int, port: str, path: str) -
   multihost_utils.sync_global_devices("end")
   jax.distributed.shutdown()
   return {
-      "process": process_id, "shard_bytes": pzp.sharding.shard_bytes(manifest, rules),
+      "process": process_id, "shard_bytes": pzp.storage.sharding.shard_bytes(manifest, rules),
       "extra_rss": rss.extra, "baseline": rss.baseline, "seconds": seconds,
   }
 

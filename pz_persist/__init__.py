@@ -25,27 +25,37 @@ Example::
 """
 
 from pz_persist import errors
-from pz_persist.allowlist import allow_modules
-from pz_persist.binding import BindingError, LoadReport, Mismatch, assign_variables
-from pz_persist.checkpoint import inspect, load, save
-from pz_persist.diffing import diff
-from pz_persist.errors import PzPersistError
-from pz_persist.manager import CheckpointManager
-from pz_persist.memory import tune_host_allocator
-from pz_persist.migrating import migrate
-from pz_persist.model import load_model, save_model
 from pz_persist import pretrained
+from pz_persist.binding import BindingError
+from pz_persist.binding import LoadReport
+from pz_persist.binding import Mismatch
+from pz_persist.binding import assign_variables
+from pz_persist.checkpoint import inspect
+from pz_persist.checkpoint import load
+from pz_persist.checkpoint import save
+from pz_persist.errors import PzPersistError
+from pz_persist.model import load_model
+from pz_persist.model import save_model
+from pz_persist.orbax.handler_registry import handler_registry
+from pz_persist.orbax.registration import register_handlers
+from pz_persist.orbax.v0_handler import PenzaiCheckpointHandler
+from pz_persist.orbax.v0_handler import PenzaiRestore
+from pz_persist.orbax.v0_handler import PenzaiSave
+from pz_persist.orbax.v1_handler import PenzaiCheckpointableHandler
 from pz_persist.pretrained.safetensors_io import export_safetensors
-from pz_persist.safety import limits
-from pz_persist.orbax_v0 import PenzaiCheckpointHandler, PenzaiRestore, PenzaiSave
-from pz_persist.orbax_registry import handler_registry
-from pz_persist.orbax_v1 import PenzaiCheckpointableHandler
-from pz_persist.registration import register_handlers
-from pz_persist.sharding import AxisRules
-from pz_persist.training import restore_trainer, trainer_items
-from pz_persist.verifying import VerifyReport, verify
+from pz_persist.safety.allowlist import allow_modules
+from pz_persist.safety.limits import limits
+from pz_persist.storage.host_memory import tune_host_allocator
+from pz_persist.storage.sharding import AxisRules
+from pz_persist.tools.diffing import diff
+from pz_persist.tools.migrating import migrate
+from pz_persist.tools.verifying import VerifyReport
+from pz_persist.tools.verifying import verify
+from pz_persist.tools.viewing import render_html
+from pz_persist.training.manager import CheckpointManager
+from pz_persist.training.trainer import restore_trainer
+from pz_persist.training.trainer import trainer_items
 from pz_persist.version import __version__
-from pz_persist.viewing import render_html
 
 __all__ = [
     "AxisRules",

@@ -24,22 +24,28 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, Union
+from collections.abc import Hashable
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import Protocol
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
-from pz_persist import catalog
-from pz_persist import encoding
 from pz_persist import errors
-from pz_persist import opening
 from pz_persist import progress as progress_lib
-from pz_persist import reader
-from pz_persist import sharding as sharding_lib
-from pz_persist import variable_kinds
+from pz_persist.format import decode
+from pz_persist.format import manifest_queries
+from pz_persist.format import nodes
+from pz_persist.format import variable_kinds
+from pz_persist.storage import opening
+from pz_persist.storage import reader
+from pz_persist.storage import sharding as sharding_lib
 
 LabelGlobs = Union[str, Sequence[str]]
 RenameRules = Union[Mapping[str, str], Sequence[tuple[str, str]]]
@@ -47,7 +53,7 @@ DTypeRules = Union[jax.typing.DTypeLike, Mapping[str, jax.typing.DTypeLike]]
 
 BindingError = errors.BindingError  # Documented here too (defined in errors).
 
-_describe = encoding.describe_label
+_describe = nodes.describe_label
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +258,7 @@ def _rename_axes(value: Any, mapping: Mapping[Any, Any] | None) -> Any:
         },
     )
 
-  return jax.tree.map(rename, value, is_leaf=encoding.fits_its_axes)
+  return jax.tree.map(rename, value, is_leaf=nodes.fits_its_axes)
 
 
 def _describe_array(x: Any) -> str:
@@ -276,8 +282,8 @@ def _misfit(
   abstract values before any array is read. Returns the mismatch, if any, and
   whether the stored axes must be reordered to the model's order.
   """
-  values, value_def = jax.tree.flatten(value, is_leaf=encoding.fits_its_axes)
-  targets, target_def = jax.tree.flatten(target, is_leaf=encoding.fits_its_axes)
+  values, value_def = jax.tree.flatten(value, is_leaf=nodes.fits_its_axes)
+  targets, target_def = jax.tree.flatten(target, is_leaf=nodes.fits_its_axes)
   if value_def != target_def:
     return Mismatch(label, "structure", str(value_def), str(target_def)), False
   reorder = False
@@ -362,7 +368,7 @@ def _fit(value: Any, target: Any, *, place: bool) -> Any:
       )
     return v
 
-  return jax.tree.map(fit, value, target, is_leaf=encoding.fits_its_axes)
+  return jax.tree.map(fit, value, target, is_leaf=nodes.fits_its_axes)
 
 
 def _model_variables(model: Any):
@@ -494,9 +500,9 @@ def bind(
 
 def _checkpoint_variables(manifest, where, rules):
   """The checkpoint's variables by (renamed) label, and the renames done."""
-  by_label: dict[Hashable, catalog.Variable] = {}
+  by_label: dict[Hashable, manifest_queries.Variable] = {}
   renamed = []
-  for variable in catalog.variables(manifest, where=where):
+  for variable in manifest_queries.variables(manifest, where=where):
     label = _rename(variable.label, rules)
     if label != variable.label:
       renamed.append((variable.label, label))
@@ -510,7 +516,7 @@ def _checkpoint_variables(manifest, where, rules):
 
 class _ManifestSource:
   """A pz_persist checkpoint's variables: decoded from its manifest, read
-  through `pz_persist.reader`."""
+  through `pz_persist.storage.reader`."""
 
   def __init__(self, opened: opening.OpenItem, stored, rename_axes,
                progress: progress_lib.Progress = None):
@@ -522,8 +528,8 @@ class _ManifestSource:
     self._abstract_arrays = [spec.abstract() for spec in manifest.arrays]
     self.stored = stored
 
-  def _value(self, variable: catalog.Variable, arrays, **kwargs) -> Any:
-    value = encoding.decode(
+  def _value(self, variable: manifest_queries.Variable, arrays, **kwargs) -> Any:
+    value = decode.decode(
         variable.value, self._manifest.variables, arrays,
         root=variable.location.joined(".value"), **kwargs,
     )
@@ -560,8 +566,8 @@ class _ManifestSource:
     for label in labels:
       if label not in bound:
         continue  # An unbound slot: no placement to follow.
-      stored = jax.tree.leaves(self.abstract(label, None), is_leaf=encoding.fits_its_axes)
-      model = jax.tree.leaves(bound[label].value, is_leaf=encoding.fits_its_axes)
+      stored = jax.tree.leaves(self.abstract(label, None), is_leaf=nodes.fits_its_axes)
+      model = jax.tree.leaves(bound[label].value, is_leaf=nodes.fits_its_axes)
       for value, target in zip(stored, model):  # `_misfit` checked they pair.
         index, target_data = index_of.get(id(_data(value))), _data(target)
         if index is not None and isinstance(target_data, jax.Array):

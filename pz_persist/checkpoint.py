@@ -1,7 +1,7 @@
 """`save`, `load` and `inspect`: a Penzai tree to a directory and back.
 
 A checkpoint written by `save` is an ordinary Orbax checkpoint with one item,
-``penzai``, written through `pz_persist.orbax_v0.PenzaiCheckpointHandler`::
+``penzai``, written through `pz_persist.orbax.v0_handler.PenzaiCheckpointHandler`::
 
   path/
     _CHECKPOINT_METADATA   Orbax: names the handler of each item
@@ -18,7 +18,7 @@ until the new one is complete. When two processes save to one path at once,
 one wins and the other gets `pz_persist.errors.ConcurrentSaveError`; a `load`
 running meanwhile returns the old or the new checkpoint, never a mix of both.
 An interrupted save deletes what it wrote; what a killed one left is deleted
-by the next save of the path (see `pz_persist.leftovers`).
+by the next save of the path (see `pz_persist.storage.leftovers`).
 
 `load` and `inspect` accept that directory, the ``penzai`` item directory
 inside it, or any Orbax checkpoint directory with exactly one pz_persist item
@@ -36,15 +36,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from pz_persist import allowlist
-from pz_persist import directories
 from pz_persist import errors
-from pz_persist import leftovers
-from pz_persist import manifest as manifest_lib
-from pz_persist import opening
-from pz_persist import orbax_v0
 from pz_persist import progress as progress_lib
-from pz_persist import sharding as sharding_lib
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.orbax import v0_handler
+from pz_persist.safety import allowlist
+from pz_persist.storage import commit
+from pz_persist.storage import leftovers
+from pz_persist.storage import opening
+from pz_persist.storage import sharding as sharding_lib
 
 ITEM_NAME = "penzai"
 """Name of the Orbax item `save` writes the tree to."""
@@ -99,10 +99,10 @@ def save(
     DisallowedModuleError: a class comes from a module that is not allowed.
     KeyboardInterrupt: the save was interrupted (Ctrl-C); it stopped Orbax's
       background writing and deleted what it wrote (see
-      `pz_persist.leftovers`), and says so in one line.
+      `pz_persist.storage.leftovers`), and says so in one line.
   """
-  path = directories.as_path(path)
-  seen = directories.identity(path)  # Moved into place only if still this.
+  path = commit.as_path(path)
+  seen = commit.identity(path)  # Moved into place only if still this.
   if seen is not None and not overwrite:
     raise errors.CheckpointExistsError(
         f"{path} already exists; pass overwrite=True to replace it."
@@ -110,7 +110,7 @@ def save(
   if seen is not None:
     _check_replaceable(path)
   with allowlist.scoped_allowance(allow_modules):
-    args = orbax_v0.PenzaiSave(tree)  # Validates the whole tree now.
+    args = v0_handler.PenzaiSave(tree)  # Validates the whole tree now.
   # With several processes (jax.distributed), all write their shards of the
   # same checkpoint; only the primary process moves directories.
   primary = ocp.multihost.is_primary_host(0)
@@ -120,8 +120,8 @@ def save(
   # Always written whole under a name of its own, never at ``path`` directly:
   # Orbax's temporary name (``path.orbax-checkpoint-tmp``) would be shared by
   # two saves of ``path``, each deleting the other's files.
-  target = directories.sibling(path, "new", _shared_token())
-  handler = orbax_v0.PenzaiCheckpointHandler()
+  target = commit.sibling(path, "new", _shared_token())
+  handler = v0_handler.PenzaiCheckpointHandler()
   outcome, failure = None, None
   try:
     # On any exception (Ctrl-C included), `writing` stops Orbax's background
@@ -132,7 +132,7 @@ def save(
       if primary:
         with leftovers.interrupts_deferred():  # The move is all or nothing.
           try:
-            moved = directories.move_into_place(path, target, seen)
+            moved = commit.move_into_place(path, target, seen)
             outcome = _MOVED if moved else _LOST_RACE
           except Exception as e:  # pylint: disable=broad-exception-caught
             outcome, failure = _FAILED, e  # Raised once the others know.
@@ -158,7 +158,7 @@ def save(
 _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
 
 
-def _interrupted(path: epath.Path, seen: directories.Identity, outcome: int | None) -> str:
+def _interrupted(path: epath.Path, seen: commit.Identity, outcome: int | None) -> str:
   """The one line an interrupted `save` shows: what is at ``path`` now."""
   if outcome == _MOVED:
     return (f"pz_persist.save({str(path)!r}) was interrupted once complete:"
@@ -221,13 +221,13 @@ def load(
     DisallowedModuleError: it names a class from a module that is not allowed.
     IntegrityError: with ``verify``, arrays do not match their checksums.
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `pz_persist.opening.LOAD_ATTEMPTS` attempts to read it.
+      `pz_persist.storage.opening.LOAD_ATTEMPTS` attempts to read it.
   """
   # Opened as every read is: under the lock a save's final move waits for,
   # and read again if a save replaced the checkpoint meanwhile (`opening`).
-  args = orbax_v0.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
+  args = v0_handler.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
   with allowlist.scoped_allowance(allow_modules):
-    return opening.read(path, lambda opened: orbax_v0.restore_item(opened, args))
+    return opening.read(path, lambda opened: v0_handler.restore_item(opened, args))
 
 
 def inspect(
@@ -250,7 +250,7 @@ def inspect(
     allow_modules: As for `load`.
   """
   with allowlist.scoped_allowance(allow_modules):
-    return opening.read(path, orbax_v0.abstract_tree)
+    return opening.read(path, v0_handler.abstract_tree)
 
 
 def read_manifest(path: epath.PathLike) -> manifest_lib.Manifest:

@@ -23,7 +23,7 @@ from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 import pz_persist as pzp
-from pz_persist import viewing
+from pz_persist.tools import viewing
 
 
 def build_model() -> pz.nn.Layer:

@@ -17,22 +17,23 @@ without pz_persist (see `pz_persist.plain_orbax`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 from etils import epath
 from penzai import pz
 
-from pz_persist import allowlist
 from pz_persist import binding
-from pz_persist import catalog
 from pz_persist import checkpoint
 from pz_persist import errors
-from pz_persist import opening
-from pz_persist import orbax_v0
 from pz_persist import plain_orbax
 from pz_persist import progress as progress_lib
-from pz_persist import sharding as sharding_lib
+from pz_persist.format import manifest_queries
+from pz_persist.orbax import v0_handler
+from pz_persist.safety import allowlist
+from pz_persist.storage import opening
+from pz_persist.storage import sharding as sharding_lib
 
 
 def save_model(
@@ -174,7 +175,7 @@ def load_model(
       given = [name for name, value in unsupported.items() if value is not None]
       if given:
         raise errors.ArgumentError(f"{', '.join(given)} need into=model.")
-      args = orbax_v0.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
+      args = v0_handler.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
       model = opening.read(path, lambda opened: _restore_model(opened, args))
       if not isinstance(model, pz.Struct):
         raise errors.PzPersistError(
@@ -218,11 +219,11 @@ def load_model(
     return model if strict else (model, report)
 
 
-def _restore_model(opened: opening.OpenItem, args: orbax_v0.PenzaiRestore) -> Any:
+def _restore_model(opened: opening.OpenItem, args: v0_handler.PenzaiRestore) -> Any:
   """The tree of an opened item, whose variables have unique labels.
 
   Why checked first: Penzai refuses a model whose variables share a label;
   checked on the manifest, before any array is read.
   """
-  catalog.variables(opened.manifest, where=str(opened.item))
-  return orbax_v0.restore_item(opened, args)
+  manifest_queries.variables(opened.manifest, where=str(opened.item))
+  return v0_handler.restore_item(opened, args)

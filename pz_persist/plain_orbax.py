@@ -36,7 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -45,16 +49,18 @@ import orbax.checkpoint as ocp
 from etils import epath
 from penzai import pz
 
-from pz_persist import arrays as arrays_lib
 from pz_persist import binding
-from pz_persist import directories
-from pz_persist import encoding
 from pz_persist import errors
-from pz_persist import file_digests
-from pz_persist import manifest as manifest_lib
-from pz_persist import safety
-from pz_persist import sharding as sharding_lib
-from pz_persist import variable_kinds
+from pz_persist.format import array_specs as arrays_lib
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.format import nodes
+from pz_persist.format import variable_kinds
+from pz_persist.safety import limits
+from pz_persist.storage import commit
+from pz_persist.storage import containment
+from pz_persist.storage import file_digests
+from pz_persist.storage import orbax_metadata_checks
+from pz_persist.storage import sharding as sharding_lib
 
 _ORBAX_METADATA = "_METADATA"
 
@@ -110,7 +116,7 @@ def find_item(path: epath.PathLike) -> epath.Path | None:
   Raises:
     NotACheckpointError: several item directories qualify (it names them).
   """
-  path = directories.as_path(path)
+  path = commit.as_path(path)
   if not path.is_dir():
     return None
   if _is_plain_item(path):
@@ -178,8 +184,8 @@ def load_into(
         " convert it with pz_persist.migrate) to get a checkpoint that"
         " supports them."
     )
-  safety.check_contained(path)
-  safety.check_checkpoint_metadata(item)
+  containment.check_contained(path)
+  containment.check_checkpoint_metadata(item)
   source = _PlainSource(item, model)
   return binding.bind(
       f"{item} (a plain Orbax checkpoint of {source.layout.name}, matched to"
@@ -256,7 +262,7 @@ def _check_bound(model: Any, where: epath.Path) -> None:
         f"{where} is a plain Orbax checkpoint, matched to the model's variables"
         " by position and checked against their shapes, so the model must hold"
         f" a value for each; it has none for {len(unbound)} (first:"
-        f" {encoding.describe_label(unbound[0])}). Pass the model as its code"
+        f" {nodes.describe_label(unbound[0])}). Pass the model as its code"
         " builds it."
     )
   if not pz.unbind_variables(model)[1]:
@@ -308,7 +314,7 @@ class _PlainSource:
     except (KeyboardInterrupt, MemoryError):
       raise
     except Exception as e:  # pylint: disable=broad-exception-caught
-      raise safety.unreadable_stored_metadata(self._item, e) from None
+      raise orbax_metadata_checks.unreadable_stored_metadata(self._item, e) from None
     return tree, {_path_of(keys): leaf for keys, leaf in leaves}
 
   def _shape_dtype(self, path: StoredPath) -> tuple[tuple[int, ...], np.dtype] | None:
@@ -359,14 +365,14 @@ class _PlainSource:
         spec = arrays_lib.ArraySpec(
             key=_dotted(path), shape=shape, dtype=dtype.name,
             kind="jax" if target is not None else "numpy", path=_dotted(path),
-            label=encoding.describe_label(label),
+            label=nodes.describe_label(label),
             # Orbax drops JAX's weak-type flag; the model's code sets it.
             weak_type=target is not None and bool(getattr(leaf, "weak_type", False)),
         )
         specs.append(spec)
         targets[path] = (spec, target)
     sizes = {s.key: sharding_lib.local_bytes(s, t) for s, t in targets.values()}
-    safety.check_allocation(specs, sizes, where=str(self._item))
+    limits.check_allocation(specs, sizes, where=str(self._item))
     arrays = self._restore(targets) if targets else {}
     return {
         label: jax.tree.structure(bound[label].value).unflatten([
@@ -461,7 +467,7 @@ def _placement(
   if isinstance(leaf, (np.ndarray, np.generic)):
     return None
   if isinstance(target, sharding_lib.AxisRules):
-    return target.sharding(dims, shape, what=encoding.describe_label(label))
+    return target.sharding(dims, shape, what=nodes.describe_label(label))
   if target is not None:
     return target
   return getattr(leaf, "sharding", None) or sharding_lib.default_sharding()

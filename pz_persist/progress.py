@@ -24,11 +24,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
-from collections.abc import Callable, Iterator
-from typing import Any, Union
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+from typing import Union
 
 from pz_persist import errors
-from pz_persist import terminal
+from pz_persist.safety import terminal
 
 Progress = Union[bool, Callable[[int, int], None], None]
 """What the ``progress`` argument of long operations accepts (see above)."""

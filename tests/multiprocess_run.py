@@ -33,8 +33,9 @@ from penzai import pz  # noqa: E402  pylint: disable=wrong-import-position
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import model_zoo  # noqa: E402  pylint: disable=wrong-import-position
+
 import pz_persist as pzp  # noqa: E402  pylint: disable=wrong-import-position
-from pz_persist import manifest as manifest_lib  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.format import manifest as manifest_lib
 
 RULES = {"embedding": "data", "neurons": "model", "vocabulary": "model", "projection": "model"}
 

@@ -27,7 +27,8 @@ import json
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -5,10 +5,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import model_zoo
 from penzai import pz
 from penzai.toolshed import lora
-
-import model_zoo
 
 
 def edited_transformer() -> pz.nn.Layer:

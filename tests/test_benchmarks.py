@@ -6,14 +6,13 @@ import os
 import sys
 
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import async_save  # noqa: E402  pylint: disable=wrong-import-position
 import integrity  # noqa: E402  pylint: disable=wrong-import-position
-import sharded_restore  # noqa: E402  pylint: disable=wrong-import-position
 import save_restore  # noqa: E402  pylint: disable=wrong-import-position
+import sharded_restore  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def _check(results, methods):

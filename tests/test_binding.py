@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
 import pytest
 import treescope
@@ -13,11 +14,11 @@ from penzai import pz
 from penzai.models import simple_mlp
 from penzai.models.transformer.variants import llamalike_common as llamalike
 from penzai.toolshed import lora
+from treecompare import assert_identical
+from treecompare import assert_same_outputs
 
-import model_zoo
 import pz_persist as pzp
-from pz_persist import reader
-from treecompare import assert_identical, assert_same_outputs
+from pz_persist.storage import reader
 
 
 def _fresh_mlp(name="mlp", sizes=(8, 16, 8), seed=42):

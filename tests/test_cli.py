@@ -9,15 +9,15 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import model_zoo
 import orbax.checkpoint as ocp
 import pytest
 from penzai import pz
 
-import model_zoo
 import pz_persist as pzp
-from pz_persist import cli
-from pz_persist import diffing
-from pz_persist import reader
+from pz_persist.storage import reader
+from pz_persist.tools import cli
+from pz_persist.tools import diffing
 
 
 def _run(capsys, *argv):
@@ -159,14 +159,14 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
 @pytest.mark.parametrize("command", [[], ["inspect"], ["diff"], ["ls"]])
 def test_help_for_each_command(command):
   script = shutil.which("pz-persist")
-  argv = [script] if script else [sys.executable, "-m", "pz_persist.cli"]
+  argv = [script] if script else [sys.executable, "-m", "pz_persist.tools.cli"]
   result = subprocess.run([*argv, *command, "--help"], capture_output=True, text=True, timeout=120)
   assert result.returncode == 0 and "usage: pz-persist" in result.stdout
 
 
 def test_usage_error_exits_2():
   result = subprocess.run(
-      [sys.executable, "-m", "pz_persist.cli", "inspect"], capture_output=True, text=True,
+      [sys.executable, "-m", "pz_persist.tools.cli", "inspect"], capture_output=True, text=True,
       timeout=120,
   )
   assert result.returncode == 2 and "required" in result.stderr

@@ -17,12 +17,12 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 import pz_persist as pzp
-from pz_persist import directories
 from pz_persist import errors
-from pz_persist import opening
-from conftest import REPO
+from pz_persist.storage import commit
+from pz_persist.storage import opening
 
 TREE_CODE = textwrap.dedent("""
     import numpy as np
@@ -169,7 +169,7 @@ READER = textwrap.dedent("""
     import json, sys
     import numpy as np
     import pz_persist as pzp
-    from pz_persist import opening
+    from pz_persist.storage import opening
 
     attempts = 0
     identity = opening._identity
@@ -227,14 +227,14 @@ def test_save_losing_the_race_keeps_nothing(tmp_path, monkeypatch, overwrite):
   path = tmp_path / "ckpt"
   if overwrite:
     pzp.save(path, {"first": 1})
-  move = directories.move_into_place
+  move = commit.move_into_place
 
   def another_save_first(*args):
-    monkeypatch.setattr(directories, "move_into_place", move)
+    monkeypatch.setattr(commit, "move_into_place", move)
     pzp.save(path, {"winner": 1}, overwrite=True)
     return move(*args)
 
-  monkeypatch.setattr(directories, "move_into_place", another_save_first)
+  monkeypatch.setattr(commit, "move_into_place", another_save_first)
   with pytest.raises(errors.ConcurrentSaveError, match=f"another process saved {path}"):
     pzp.save(path, {"loser": 1}, overwrite=overwrite)
   assert pzp.load(path) == {"winner": 1}

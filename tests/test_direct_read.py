@@ -1,4 +1,4 @@
-"""The load fast path (`pz_persist.direct_read`) and the storage defaults.
+"""The load fast path (`pz_persist.storage.direct_read`) and the storage defaults.
 
 Loads into one process onto host memory or one device read each array
 straight into its final, 64-byte aligned buffer; everything else goes through
@@ -18,14 +18,14 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
 from penzai import pz
+from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist import arrays as arrays_lib
-from pz_persist import direct_read
 from pz_persist import errors
-from pz_persist import manifest as manifest_lib
-from pz_persist import memory
-from treecompare import assert_identical
+from pz_persist.format import array_specs as arrays_lib
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.storage import direct_read
+from pz_persist.storage import host_memory
 
 
 def _tree():
@@ -92,16 +92,16 @@ def test_direct_and_orbax_paths_give_identical_trees(ckpt, monkeypatch):
 def test_arrays_are_adopted_without_a_copy_on_cpu(ckpt, monkeypatch):
   pzp.save(ckpt, {"a": jnp.arange(4096.0), "b": jnp.ones((64, 64), jnp.bfloat16)})
   buffers = []
-  real = memory.aligned_empty
+  real = host_memory.aligned_empty
 
   def recording(shape, dtype):
     out = real(shape, dtype)
     buffers.append(out.ctypes.data)
     return out
 
-  monkeypatch.setattr(memory, "aligned_empty", recording)
+  monkeypatch.setattr(host_memory, "aligned_empty", recording)
   loaded = pzp.load(ckpt)
-  assert all(address % memory.ALIGNMENT == 0 for address in buffers)
+  assert all(address % host_memory.ALIGNMENT == 0 for address in buffers)
   # The jax.Arrays are the very buffers TensorStore read into.
   assert sorted(x.unsafe_buffer_pointer() for x in loaded.values()) == sorted(buffers)
 
@@ -187,7 +187,7 @@ def test_stored_shape_that_differs_from_the_manifest_is_refused_before_reading(c
   manifest = manifest_lib.read(item)
   (spec,) = manifest.arrays
   allocated = []
-  monkeypatch.setattr(memory, "aligned_empty", lambda *a: allocated.append(a))
+  monkeypatch.setattr(host_memory, "aligned_empty", lambda *a: allocated.append(a))
   lying = arrays_lib.ArraySpec(
       key=spec.key, shape=(4, 5), dtype=spec.dtype, kind=spec.kind, path=spec.path
   )

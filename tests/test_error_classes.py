@@ -23,7 +23,7 @@ import pytest
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import progress
-from pz_persist import sharding
+from pz_persist.storage import sharding
 
 _ROOT = pathlib.Path(pzp.__file__).parent
 
@@ -71,8 +71,11 @@ def test_every_exception_class_in_errors_is_a_pz_persist_error():
 
 
 def test_documented_homes_still_name_the_same_classes():
-  from pz_persist import binding, direct_read
-  from pz_persist.pretrained import gemma, hf, safetensors_io
+  from pz_persist import binding
+  from pz_persist.pretrained import gemma
+  from pz_persist.pretrained import hf
+  from pz_persist.pretrained import safetensors_io
+  from pz_persist.storage import direct_read
 
   assert pzp.BindingError is binding.BindingError is errors.BindingError
   assert direct_read.ArrayReadError is errors.ArrayReadError

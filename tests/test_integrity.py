@@ -9,17 +9,16 @@ import random
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
 import pytest
 from penzai import pz
+from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist import cli
 from pz_persist import errors
-from pz_persist import file_digests
-
-import model_zoo
-from treecompare import assert_identical
+from pz_persist.storage import file_digests
+from pz_persist.tools import cli
 
 
 def _params():

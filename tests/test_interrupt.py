@@ -23,14 +23,14 @@ import time
 
 import numpy as np
 import pytest
+from conftest import REPO
+from penzai import pz
 
 import pz_persist as pzp
-from pz_persist import cli
-from pz_persist import directories
-from pz_persist import leftovers
-from pz_persist import orbax_v0
-from penzai import pz
-from conftest import REPO
+from pz_persist.orbax import v0_handler
+from pz_persist.storage import commit
+from pz_persist.storage import leftovers
+from pz_persist.tools import cli
 
 SAVER = textwrap.dedent("""
     import os, sys
@@ -111,13 +111,13 @@ def test_keyboard_interrupt_mid_save_in_process(tmp_path, monkeypatch):
   """As in a notebook: the interrupt comes while Orbax's threads write."""
   path = tmp_path / "ckpt"
   pzp.save(path, _tree(1.0))
-  started = orbax_v0.PenzaiCheckpointHandler.async_save
+  started = v0_handler.PenzaiCheckpointHandler.async_save
 
   async def interrupted(self, *args, **kwargs):
     await started(self, *args, **kwargs)  # Background writing under way.
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(orbax_v0.PenzaiCheckpointHandler, "async_save", interrupted)
+  monkeypatch.setattr(v0_handler.PenzaiCheckpointHandler, "async_save", interrupted)
   with pytest.raises(KeyboardInterrupt) as raised:
     pzp.save(path, _tree(2.0, size=2**22), overwrite=True)
   assert type(raised.value) is KeyboardInterrupt  # pylint: disable=unidiomatic-typecheck
@@ -192,7 +192,7 @@ HOLDER = textwrap.dedent("""
     # Writes a family the way a running save does, and keeps writing it.
     import sys, time
     from etils import epath
-    from pz_persist import leftovers
+    from pz_persist.storage import leftovers
     target = epath.Path(sys.argv[1])
     tmp = target.parent / (target.name + ".orbax-checkpoint-tmp")
     with leftovers.writing(target, cancel=lambda: None):
@@ -280,13 +280,13 @@ def test_ctrl_c_during_the_move_waits_for_it(tmp_path, monkeypatch):
   """The move into place is never cut in half; the interrupt comes after it."""
   path = tmp_path / "ckpt"
   pzp.save(path, _tree(1.0))
-  move = directories.move_into_place
+  move = commit.move_into_place
 
   def interrupted_move(*args):
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the move starts.
     return move(*args)
 
-  monkeypatch.setattr(directories, "move_into_place", interrupted_move)
+  monkeypatch.setattr(commit, "move_into_place", interrupted_move)
   with pytest.raises(KeyboardInterrupt, match="interrupted once complete"):
     pzp.save(path, _tree(2.0), overwrite=True)
   _wait_for_deletions()

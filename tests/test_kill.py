@@ -21,9 +21,9 @@ import threading
 import time
 
 import numpy as np
+from conftest import REPO
 
 import pz_persist as pzp
-from conftest import REPO
 
 SCRIPT = os.path.join(REPO, "tests", "training_run.py")
 
@@ -92,7 +92,7 @@ def test_sigterm_saves_and_exits(tmp_path):
   for line in process.stdout:
     event = json.loads(line)
     last = max(last, event.get("step", last))
-  assert process.wait(timeout=120) == pzp.manager.SIGTERM_EXIT_CODE
+  assert process.wait(timeout=120) == pzp.training.manager.SIGTERM_EXIT_CODE
   assert "SIGTERM received; saved step" in process.stderr.read()
   steps = _check_every_step(directory)
   assert steps[-1] == last  # The step in progress when the signal came.

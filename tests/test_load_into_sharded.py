@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from penzai import pz
 from penzai.models import simple_mlp
+from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist import arrays as arrays_lib
-from treecompare import assert_identical
+from pz_persist.format import array_specs as arrays_lib
 
 RULES = {"features": "model", "features_out": "data"}
 """Every parameter of the MLP below is sharded by these: none is whole on any

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import optax
 import pytest
 from penzai import pz
+from treecompare import assert_identical
 
-import model_zoo
 import pz_persist as pzp
 from pz_persist import errors
-from treecompare import assert_identical
 
 
 def _params():
@@ -146,7 +146,7 @@ def test_retention_removes_a_step_in_one_rename(tmp_path, monkeypatch):
   whole but not load. Steps leave in one rename instead; the trash is emptied
   afterwards, by this manager or the next."""
   run = tmp_path / "run"
-  monkeypatch.setattr(pzp.manager.safe_io, "empty_directory", lambda path: None)  # Never emptied.
+  monkeypatch.setattr(pzp.training.manager.safe_io, "empty_directory", lambda path: None)  # Never emptied.
   with pzp.CheckpointManager(run, max_to_keep=1) as manager:
     for step in range(3):
       manager.save(step, x=jnp.float32(step))

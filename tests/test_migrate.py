@@ -11,6 +11,7 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -18,11 +19,11 @@ from penzai import pz
 from penzai.models import simple_mlp
 from penzai.models.transformer import sampling_mode
 from penzai.models.transformer.variants import llamalike_common as llamalike
+from treecompare import assert_identical
+from treecompare import assert_same_outputs
 
-import model_zoo
 import pz_persist as pzp
 from pz_persist import errors
-from treecompare import assert_identical, assert_same_outputs
 
 P = jax.sharding.PartitionSpec
 CHECKPOINTERS = [ocp.StandardCheckpointer, ocp.PyTreeCheckpointer]
@@ -351,7 +352,7 @@ def _cli(cwd, *argv):
       filter(None, [repo, os.environ.get("PYTHONPATH")])
   ))
   return subprocess.run(
-      [sys.executable, "-m", "pz_persist.cli", *argv], cwd=cwd, env=env,
+      [sys.executable, "-m", "pz_persist.tools.cli", *argv], cwd=cwd, env=env,
       capture_output=True, text=True, timeout=300,
   )
 

@@ -10,18 +10,19 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
 import pytest
+import surgery
 import treescope
+from conftest import run_python
 from penzai import pz
 from penzai.toolshed import lora
+from treecompare import assert_same_model
+from treecompare import assert_same_outputs
 
-import model_zoo
 import pz_persist as pzp
-import surgery
-from conftest import run_python
 from pz_persist import errors
-from treecompare import assert_same_model, assert_same_outputs
 
 MODELS = {
     "mlp": (model_zoo.mlp, model_zoo.mlp_input),

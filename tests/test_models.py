@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import jax
+import model_zoo
 import pytest
 from penzai import pz
+from treecompare import assert_identical
+from treecompare import assert_same_outputs
 
-import model_zoo
 import pz_persist as pzp
-from treecompare import assert_identical, assert_same_outputs
 
 MODELS = {
     "mlp": (model_zoo.mlp, model_zoo.mlp_input),

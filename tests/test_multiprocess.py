@@ -15,10 +15,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 import pz_persist as pzp
-
-from conftest import REPO
 
 TIMEOUT = 300
 

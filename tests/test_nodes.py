@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from penzai import pz
 
-from pz_persist import allowlist
-from pz_persist import catalog
-from pz_persist import decode as decode_lib
-from pz_persist import diffing
-from pz_persist import encode as encode_lib
 from pz_persist import errors
-from pz_persist import manifest as manifest_lib
-from pz_persist import nodes
+from pz_persist.format import decode as decode_lib
+from pz_persist.format import encode as encode_lib
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.format import manifest_queries
+from pz_persist.format import nodes
+from pz_persist.safety import allowlist
+from pz_persist.tools import diffing
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
 
@@ -156,19 +156,19 @@ def test_catalog_finds_every_array_under_each_node_type(tag):
   manifest = _manifest(encoded)
   roots = [encoded.tree, *(entry["value"] for entry in encoded.variables)]
   by_table = sorted(
-      ref for root in roots for ref in catalog.array_refs(root)
+      ref for root in roots for ref in manifest_queries.array_refs(root)
   )
   by_brute_force = sorted(
       d["ref"] for d in _all_dicts(roots) if d.get("t") == "array"
   )
   assert by_table == by_brute_force
-  assert sum(n.get("t") == "array" for n in catalog.all_nodes(manifest)) == len(by_brute_force)
+  assert sum(n.get("t") == "array" for n in manifest_queries.all_nodes(manifest)) == len(by_brute_force)
 
 
 @pytest.mark.parametrize("tag", sorted(nodes.NODE_TYPES))
 def test_viewer_names_the_axes_of_each_named_node_type(tag):
   """Each node type that decodes to a NamedArray must name its array's axes in
-  the table of arrays (`catalog.array_rows`, what `describe_checkpoint` prints)."""
+  the table of arrays (`manifest_queries.array_rows`, what `describe_checkpoint` prints)."""
   encoded = _encoded(tag)
   with allowlist.scoped_allowance([__name__]):
     decoded = decode_lib.decode(
@@ -179,7 +179,7 @@ def test_viewer_names_the_axes_of_each_named_node_type(tag):
   expected = {
       name for x in leaves if nodes.fits_its_axes(x) for name in x.named_shape
   }
-  rows = catalog.array_rows(_manifest(encoded))
+  rows = manifest_queries.array_rows(_manifest(encoded))
   assert {name for row in rows for name in row.axes if name is not None} == expected
 
 
@@ -258,7 +258,7 @@ def test_duplicate_label_message_names_the_first_variable_when_labels_hold_colon
       tree={"t": "list", "items": []}, variables=(entry, dict(entry)), arrays=()
   )
   with pytest.raises(errors.ManifestError) as raised:
-    catalog.variables(manifest, where="/ckpt/item")
+    manifest_queries.variables(manifest, where="/ckpt/item")
   assert str(raised.value) == (
       "/ckpt/item: variables[1] has label 'a: b', like variables[0] (label"
       " 'a: b'); labels of variables must be unique."

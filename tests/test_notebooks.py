@@ -6,7 +6,6 @@ import os
 
 import nbclient
 import nbformat
-
 from conftest import REPO
 
 NOTEBOOKS = os.path.join(REPO, "notebooks")

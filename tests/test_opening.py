@@ -1,4 +1,4 @@
-"""`pz_persist.opening`: the one way every reader opens a checkpoint item."""
+"""`pz_persist.storage.opening`: the one way every reader opens a checkpoint item."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from penzai.models import simple_mlp
 import pz_persist as pzp
 from pz_persist import checkpoint
 from pz_persist import errors
-from pz_persist import manifest as manifest_lib
-from pz_persist import opening
-from pz_persist import safe_io
-from pz_persist import safety
-from pz_persist import viewing
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.safety import safe_io
+from pz_persist.storage import containment
+from pz_persist.storage import opening
+from pz_persist.tools import viewing
 
 
 def _mlp():
@@ -87,7 +87,7 @@ def test_each_entry_point_reads_the_manifest_once_and_walks_once_before_reading(
   paths, mlp = saved
   read, items, reads_arrays = ENTRY_POINTS[entry_point]
   counts = collections.Counter()
-  read_small_file, check_contained = safe_io.read_small_file, safety.check_contained
+  read_small_file, check_contained = safe_io.read_small_file, containment.check_contained
 
   def counting_read(path, *args, **kwargs):
     if os.fspath(path).endswith(manifest_lib.MANIFEST_FILENAME):
@@ -99,11 +99,11 @@ def test_each_entry_point_reads_the_manifest_once_and_walks_once_before_reading(
     return check_contained(*args, **kwargs)
 
   monkeypatch.setattr(safe_io, "read_small_file", counting_read)
-  monkeypatch.setattr(safety, "check_contained", counting_walk)
+  monkeypatch.setattr(containment, "check_contained", counting_walk)
   read(paths, mlp)
   assert counts["manifest"] == items
   # One walk to open each item; one more after its arrays were read (that
-  # nothing was swapped during the read: `safety.files_unchanged`).
+  # nothing was swapped during the read: `containment.files_unchanged`).
   assert counts["walks"] == items * (2 if reads_arrays else 1)
 
 
@@ -115,7 +115,7 @@ def test_open_item_holds_what_was_read_once(saved):
   data = (item / manifest_lib.MANIFEST_FILENAME).read_bytes()
   assert opened.digest == hashlib.sha256(data).digest()
   assert opened.manifest == manifest_lib.read(item)
-  assert opened.snapshot == safety.check_contained(item)  # Not walked again.
+  assert opened.snapshot == containment.check_contained(item)  # Not walked again.
   assert opened.unchanged()
   with pytest.raises(dataclasses.FrozenInstanceError):
     opened.item = paths["params"]  # type: ignore[misc]
@@ -123,10 +123,10 @@ def test_open_item_holds_what_was_read_once(saved):
 
 def test_part_of_a_snapshot_is_the_snapshot_of_the_part(saved):
   paths, _ = saved
-  whole = safety.check_contained(paths["params"])
+  whole = containment.check_contained(paths["params"])
   item = paths["params"] / checkpoint.ITEM_NAME
-  assert safety.part(whole, item) == safety.check_contained(item)
-  assert safety.part(None, item) is None
+  assert containment.part(whole, item) == containment.check_contained(item)
+  assert containment.part(None, item) is None
 
 
 def test_opened_item_is_unchanged_until_replaced(tmp_path):

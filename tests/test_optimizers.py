@@ -9,20 +9,21 @@ import re
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
 import optax
-import pytest
-from penzai import pz
-from penzai.toolshed import basic_training
-
-import model_zoo
 import optax_zoo
-import pz_persist as pzp
+import pytest
 import training_run
 from conftest import run_python
-from pz_persist import encoding
-from pz_persist import errors
+from penzai import pz
+from penzai.toolshed import basic_training
 from treecompare import assert_identical
+
+import pz_persist as pzp
+from pz_persist import errors
+from pz_persist.format import decode
+from pz_persist.format import encode
 
 NAMES = sorted(optax_zoo.optimizers(optax_zoo.model_params("mlp")))
 
@@ -150,11 +151,11 @@ def test_a_trainer_resumes_with_a_factored_optimizer(tmp_path, optimizer):
 def test_a_named_array_node_that_does_not_fit_is_still_refused():
   """Only values that fit their axes are stored as named_array nodes, and
   loading refuses a named_array node that does not fit (the same test)."""
-  encoded = encoding.encode(pz.nx.wrap(jnp.zeros((2, 3)), "a", "b"))
+  encoded = encode.encode(pz.nx.wrap(jnp.zeros((2, 3)), "a", "b"))
   assert encoded.tree["t"] == "named_array"
   encoded.tree["axes"][1][1] = 4
   with pytest.raises(errors.ManifestError, match="axis names disagree"):
-    encoding.decode(encoded.tree, [], [jnp.zeros((2, 3))])
+    decode.decode(encoded.tree, [], [jnp.zeros((2, 3))])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +227,7 @@ def _adam_state(optimizer=None):
 def test_another_optimizer_is_refused_by_name(other, expected):
   params, state = _adam_state()
   with pytest.raises(errors.OptimizerMismatchError) as raised:
-    pzp.optimizers.check_state(state, other, params, where="ckpt")
+    pzp.training.trainer.optimizers.check_state(state, other, params, where="ckpt")
   message = str(raised.value)
   assert len(message) < 500, message
   assert message.startswith("ckpt: ") and re.search(expected, message), message
@@ -259,5 +260,5 @@ def test_a_trainer_built_with_another_optimizer_is_refused_by_name(tmp_path):
 
 def test_the_same_optimizer_is_accepted_and_rebuilt():
   params, state = _adam_state()
-  checked = pzp.optimizers.check_state(state, optax.adam(1e-3), params, where="ckpt")
+  checked = pzp.training.trainer.optimizers.check_state(state, optax.adam(1e-3), params, where="ckpt")
   assert_identical(checked, state)

@@ -6,16 +6,17 @@ import json
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import run_python
 from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
+from treecompare import assert_identical
+from treecompare import assert_same_outputs
 
-import model_zoo
 import pz_persist as pzp
-from conftest import run_python
-from treecompare import assert_identical, assert_same_outputs
 
 
 def _tree():
@@ -185,7 +186,7 @@ def test_plain_orbax_without_pz_persist_reads_the_arrays(ckpt):
   out = json.loads(run_python(script).strip().splitlines()[-1])
   assert out["pz_persist_imported"] is False
   # Plain Orbax sees the flat {key: array} dict pz_persist stored.
-  _, stored = pzp.orbax_v0.encode_manifest(tree)
+  _, stored = pzp.orbax.v0_handler.encode_manifest(tree)
   _, expected = _expected_digest(stored)
   assert out["leaves"] == expected
   assert len(expected) == len(jax.tree.leaves(pz.freeze_variables(tree))) - 1  # shared once

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import model_zoo
 import orbax.checkpoint as ocp
 import pytest
-
-import model_zoo
-import pz_persist as pzp
 from penzai import pz
 from treecompare import assert_identical
+
+import pz_persist as pzp
 
 WARNING = "was found in the checkpoint, but could not"
 

@@ -22,12 +22,12 @@ from penzai import pz
 from penzai.models import simple_mlp
 
 import pz_persist as pzp
-from pz_persist import cli
-from pz_persist import direct_read
-from pz_persist import file_digests
 from pz_persist import progress as progress_lib
-from pz_persist import reader
 from pz_persist.pretrained import safetensors_io
+from pz_persist.storage import direct_read
+from pz_persist.storage import file_digests
+from pz_persist.storage import reader
+from pz_persist.tools import cli
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,7 +214,7 @@ def _convert_on_a_terminal(src: str, dst: str, *extra: str) -> str:
   # tqdm's own settings: draw every step, however fast.
   env = dict(os.environ, PYTHONPATH=_ROOT, TQDM_MININTERVAL="0", TQDM_MINITERS="1")
   process = subprocess.Popen(
-      [sys.executable, "-m", "pz_persist.cli", "convert", "hf", src, dst, *extra],
+      [sys.executable, "-m", "pz_persist.tools.cli", "convert", "hf", src, dst, *extra],
       stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary, env=env)
   os.close(secondary)
   output = b""

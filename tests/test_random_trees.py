@@ -12,14 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 from penzai.nn import layer_stack
+from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist import allowlist
-from pz_persist import arrays as arrays_lib
-from pz_persist import encoding
-from pz_persist import manifest as manifest_lib
-from pz_persist import restoring
-from treecompare import assert_identical
+from pz_persist.format import array_specs as arrays_lib
+from pz_persist.format import encode
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.format import nodes
+from pz_persist.safety import allowlist
+from pz_persist.storage import restoring
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
 
@@ -80,7 +81,7 @@ prng_keys = st.builds(
     lambda seed, impl, count: jax.random.split(jax.random.key(seed, impl=impl), count)
     if count else jax.random.key(seed, impl=impl),
     st.integers(0, 1000),
-    st.sampled_from(sorted(encoding.PRNG_IMPLS)),
+    st.sampled_from(sorted(nodes.PRNG_IMPLS)),
     st.integers(0, 3),
 )
 
@@ -209,7 +210,7 @@ def trees(draw):
 
 def _in_memory_round_trip(tree):
   with allowlist.scoped_allowance([__name__]):
-    encoded = encoding.encode(tree)
+    encoded = encode.encode(tree)
     # Format 1: the codec alone, without the checksums a save computes (format
     # 2 requires them; test_disk_round_trips_random_trees covers saving).
     manifest = manifest_lib.Manifest(

@@ -17,7 +17,8 @@ import os
 import re
 import textwrap
 
-from conftest import REPO, run_python
+from conftest import REPO
+from conftest import run_python
 
 BLOCK = re.compile(
     r"(?:<!-- readme-test: setup (?P<setup>[\w-]+) -->\s*\n)?```python\n(?P<code>.*?)```",
@@ -113,7 +114,7 @@ SETUP = {
         huggingface_hub.snapshot_download = _snapshot_download
     """,
     "converted": """
-        from pz_persist import cli
+        from pz_persist.tools import cli
         assert cli.main(["convert", "gemma", os.path.join(ROOT, "kaggle", "gemma2-2b"), "/ckpt/gemma2-2b",
                          "--dtype", "bfloat16", "--quiet"]) == 0
     """,
@@ -151,7 +152,7 @@ def test_readme_snippets_run_in_order(tmp_path):
     if setup:
       parts.append(_relocated(textwrap.dedent(SETUP[setup]), root))
     parts.append(f"print('README block {number}', flush=True)")
-    parts.append(_relocated(code, root))
+    parts.append(_relocated(textwrap.dedent(code), root))
   parts.append("print('README done')")
   out = run_python("\n".join(parts), timeout=900)
   assert "README done" in out

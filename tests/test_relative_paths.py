@@ -6,11 +6,10 @@ from __future__ import annotations
 import jax
 from penzai import pz
 from penzai.models import simple_mlp
+from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist import cli
-
-from treecompare import assert_identical
+from pz_persist.tools import cli
 
 
 def _model():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_python
 
 STEPS, STOP = 12, 5
@@ -41,11 +40,11 @@ def test_resume_in_a_new_process_is_exact(mode, tmp_path):
 def test_restore_trainer_names_the_items_of_another_kind_of_step(tmp_path):
   """A step of a plain optax loop is not a trainer checkpoint: say so."""
   import jax  # pylint: disable=import-outside-toplevel
+  import model_zoo  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
   from penzai import pz  # pylint: disable=import-outside-toplevel
   from penzai.toolshed import basic_training  # pylint: disable=import-outside-toplevel
 
-  import model_zoo  # pylint: disable=import-outside-toplevel
   import pz_persist as pzp  # pylint: disable=import-outside-toplevel
 
   _, params = pz.unbind_params(model_zoo.mlp(), freeze=True)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from penzai import pz
 from penzai.nn import layer_stack
+from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist import arrays as arrays_lib
-from treecompare import assert_identical
+from pz_persist.format import array_specs as arrays_lib
 
 DTYPES_32 = [
     name for name in arrays_lib.SUPPORTED_DTYPES
@@ -188,7 +188,7 @@ def test_manifest_records_what_the_issue_asks(ckpt):
   )
   pzp.save(ckpt, [value])
   manifest = json.loads((ckpt / "penzai" / "pz_persist.json").read_text())
-  assert manifest["format"] == "pz_persist" and manifest["format_version"] == pzp.manifest.FORMAT_VERSION
+  assert manifest["format"] == "pz_persist" and manifest["format_version"] == pzp.format.manifest.FORMAT_VERSION
   node = manifest["tree"]["items"][0]
   assert node["t"] == "parameter_value"
   assert node["label"] == {"t": "str", "v": "w"}

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import model_zoo
 import treescope
 
-import model_zoo
 import pz_persist as pzp
 
 

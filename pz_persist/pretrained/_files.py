@@ -18,7 +18,7 @@ promise for the files the pretrained loaders open themselves:
 * JSON is read with a byte limit and a nesting limit, so a small file can
   neither exhaust memory nor the interpreter's stack.
 * Every tensor a load will allocate is added up and compared with
-  `pz_persist.safety.allocation_limit` before the first one is read.
+  `pz_persist.safety.limits.allocation_limit` before the first one is read.
 
 Why a local module rather than `pz_persist.safety`: the rules differ from a
 native checkpoint's (symlinks into the hub cache are normal there), and the
@@ -32,14 +32,16 @@ import json
 import math
 import os
 import stat
-from collections.abc import Callable, Iterable
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from collections.abc import Iterable
+from typing import Any
+from typing import BinaryIO
 
 import numpy as np
 
 from pz_persist import errors
-from pz_persist import safe_io
-from pz_persist import safety
+from pz_persist.safety import limits
+from pz_persist.safety import safe_io
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of JSON arrays and objects accepted in any file read here;
@@ -193,7 +195,7 @@ def check_folder_file(folder: str, name: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PlannedArray:
-  """One array a load will allocate, in the shape `safety.check_allocation`
+  """One array a load will allocate, in the shape `limits.check_allocation`
   takes (``key``, ``dtype``, ``shape``, ``describe``)."""
 
   key: str
@@ -209,8 +211,8 @@ class PlannedArray:
 
 
 def check_planned_allocation(arrays: Iterable[PlannedArray], where: str) -> None:
-  """Refuses a load whose arrays would not fit `safety.allocation_limit`,
-  before any is allocated (reuses `safety.check_allocation`'s message).
+  """Refuses a load whose arrays would not fit `limits.allocation_limit`,
+  before any is allocated (reuses `limits.check_allocation`'s message).
 
   Raises:
     UnsafeCheckpointError: naming ``where``, the total and the largest arrays.
@@ -219,4 +221,4 @@ def check_planned_allocation(arrays: Iterable[PlannedArray], where: str) -> None
   sizes: dict[str, int] = {}
   for array in arrays:
     sizes[array.key] = sizes.get(array.key, 0) + array.nbytes
-  safety.check_allocation(arrays, sizes, where=where)
+  limits.check_allocation(arrays, sizes, where=where)

@@ -39,7 +39,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -49,13 +51,14 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import gemma as pz_gemma
 
-from pz_persist import directories
 from pz_persist import errors
 from pz_persist import progress as progress_lib
-from pz_persist import safety
-from pz_persist import sharding as sharding_lib
 from pz_persist.errors import GemmaCheckpointError  # Documented here too.
 from pz_persist.pretrained import _files
+from pz_persist.storage import commit
+from pz_persist.storage import containment
+from pz_persist.storage import orbax_metadata_checks
+from pz_persist.storage import sharding as sharding_lib
 
 __all__ = ["GemmaCheckpointError", "known_presets", "load_gemma"]
 
@@ -131,13 +134,13 @@ def load_gemma(
       Gemma 3 checkpoint, or stored metadata that is not a tree of arrays.
     UnsafeCheckpointError: a file of the checkpoint is a symlink leading out
       of it, a FIFO or a device, or the arrays would allocate more than
-      `pz_persist.safety.allocation_limit` (checked on Orbax's metadata,
+      `pz_persist.safety.limits.allocation_limit` (checked on Orbax's metadata,
       before TensorStore allocates anything).
     IntegrityError: Orbax's metadata or the arrays cannot be read.
   """
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
-  path = directories.as_path(path)
+  path = commit.as_path(path)
   tree = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
   _refuse_gemma3(stored, path)
@@ -183,7 +186,7 @@ def _stored_tree(path: epath.Path) -> Mapping[str, Any]:
   """Orbax's metadata of the stored arrays (a nested dict of ``ArrayMetadata``).
 
   The same checks as `pz_persist.load` make first: no file leads outside the
-  directory or is a FIFO or device (`safety.check_contained`), the Orbax
+  directory or is a FIFO or device (`containment.check_contained`), the Orbax
   metadata files are of sane size and parse, and the tree is a tree of arrays
   with valid shapes and dtypes, so that nothing downstream meets a surprise.
 
@@ -197,9 +200,9 @@ def _stored_tree(path: epath.Path) -> Mapping[str, Any]:
 
   if not path.exists():
     raise errors.NotACheckpointError(f"{path}: no such Gemma checkpoint directory.")
-  safety.check_contained(path)
-  safety.check_checkpoint_metadata(path)
-  _check_size(path / "_METADATA", safety.MAX_ORBAX_METADATA_BYTES)
+  containment.check_contained(path)
+  containment.check_checkpoint_metadata(path)
+  _check_size(path / "_METADATA", containment.MAX_ORBAX_METADATA_BYTES)
   try:
     metadata = ocp.PyTreeCheckpointer().metadata(path)
   except (FileNotFoundError, ValueError) as e:
@@ -210,14 +213,14 @@ def _stored_tree(path: epath.Path) -> Mapping[str, Any]:
   except (KeyboardInterrupt, MemoryError):
     raise
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise safety.unreadable_stored_metadata(path, e) from None
+    raise orbax_metadata_checks.unreadable_stored_metadata(path, e) from None
   tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
   _check_tree(tree, path)
   return tree
 
 
 def _check_size(path: epath.Path, limit: int) -> None:
-  if directories.is_local(path) and path.exists() and path.stat().length > limit:
+  if commit.is_local(path) and path.exists() and path.stat().length > limit:
     raise errors.UnsafeCheckpointError(
         f"{path} is over the {limit}-byte limit; refusing to read it."
     )

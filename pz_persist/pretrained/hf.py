@@ -25,7 +25,7 @@ floats or strings); then the safetensors headers are read (their byte ranges
 must tile each file, as the reference implementation requires); then
 ``num_hidden_layers`` must match the layers the weights hold and every tensor
 the config calls for must be present with the right size; then the total
-allocation is compared with `pz_persist.safety.allocation_limit`; only then
+allocation is compared with `pz_persist.safety.limits.allocation_limit`; only then
 is the skeleton built and the first tensor read. Only regular files are read,
 and a symlink in the folder must stay inside it or, for a ``huggingface_hub``
 snapshot, inside its cache entry (`pz_persist.pretrained._files`).
@@ -38,7 +38,8 @@ import functools
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -51,10 +52,9 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
-from pz_persist import sharding as sharding_lib
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
-
+from pz_persist.storage import sharding as sharding_lib
 
 # Documented here too (defined in errors, with every error class).
 UnsupportedConfigError = errors.UnsupportedConfigError
@@ -767,7 +767,7 @@ def load_hf(
       tensor); all found before any tensor is read.
     UnsafeCheckpointError: a file read is a symlink leading out of the folder
       (and out of its Hugging Face cache entry), a FIFO or a device, or the
-      model would allocate more than `pz_persist.safety.allocation_limit`.
+      model would allocate more than `pz_persist.safety.limits.allocation_limit`.
   """
   path = os.fspath(path)
   raw_config = _read_config(path)

@@ -28,7 +28,8 @@ import collections
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -37,11 +38,11 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
-from pz_persist import memory
-from pz_persist import safe_io
-from pz_persist import variable_kinds
 from pz_persist.errors import SafetensorsFormatError  # Documented here too.
+from pz_persist.format import variable_kinds
 from pz_persist.pretrained import _files
+from pz_persist.safety import safe_io
+from pz_persist.storage import host_memory
 
 METADATA_KEY = "pz_persist"
 """The ``__metadata__`` key under which `export_safetensors` stores its JSON."""
@@ -217,7 +218,7 @@ class SafetensorsFile:
       raise self._error(f"has no tensor {name!r}")
     stored, shape, begin, end = self.entries[name]
     dtype = stored if dtype is None else np.dtype(dtype)
-    out = memory.aligned_empty(shape, dtype)
+    out = host_memory.aligned_empty(shape, dtype)
     if begin == end:
       return out
     try:
@@ -343,7 +344,7 @@ def export_safetensors(model_or_path: Any, out: str | os.PathLike[str]) -> None:
       raised before anything is written.
   """
   if isinstance(model_or_path, (str, os.PathLike)):
-    from pz_persist import model as model_lib  # pylint: disable=import-outside-toplevel
+    from pz_persist import model as model_lib
 
     model_or_path = model_lib.load_model(model_or_path)
   _, variables = pz.unbind_variables(model_or_path, freeze=True)
@@ -425,7 +426,7 @@ def load_safetensors(
       malformed (a label that is not the tensor's name, an unknown kind,
       invalid axis names); all checked before any tensor is read.
     UnsafeCheckpointError: the file is a FIFO or device, or its tensors would
-      allocate more than `pz_persist.safety.allocation_limit`.
+      allocate more than `pz_persist.safety.limits.allocation_limit`.
   """
   file = SafetensorsFile(path)
   raw = file.metadata.get(METADATA_KEY)

@@ -25,9 +25,10 @@ from collections.abc import Callable
 import pytest
 
 from pz_persist import errors
-from pz_persist import file_digests
-from pz_persist import manifest as manifest_lib
 from pz_persist import safety
+from pz_persist.format import encode
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.storage import file_digests
 
 LOAD, INSPECT, LOAD_MODEL, INTO = "load", "inspect", "load_model", "into"
 ALL = frozenset({LOAD, INSPECT, LOAD_MODEL, INTO})
@@ -356,11 +357,12 @@ def variable0_axes_beside_its_data(m):
   array, in the form optimizer states legitimately use (a plain struct):
   loadable as a value, never bound into a model in place of a parameter."""
   import collections  # pylint: disable=g-import-not-at-top
+
   import numpy as np  # pylint: disable=g-import-not-at-top
   from penzai import pz  # pylint: disable=g-import-not-at-top
-  from pz_persist import encoding  # pylint: disable=g-import-not-at-top
+
   value = m["variables"][0]["value"]
-  named_class = encoding.encode(
+  named_class = encode.encode(
       pz.nx.NamedArray(collections.OrderedDict(a=2), np.zeros(1))
   ).tree["class"]
   axes = [[name, {"t": "int", "v": size}] for (name, _), size in zip(value["axes"], (8, 32))]

@@ -12,16 +12,15 @@ import os
 import sys
 
 import jax
+import model_zoo
 import numpy as np
 import pytest
 from penzai import pz
 from penzai.models import simple_mlp
 
-import model_zoo
 import pz_persist as pzp
-from pz_persist import errors
-
 from hostile import catalogue
+from pz_persist import errors
 
 LOADERS = {
     catalogue.LOAD: lambda path, model: pzp.load(path),

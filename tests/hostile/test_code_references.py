@@ -30,17 +30,16 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import model_zoo
 import numpy as np
 import pytest
+from conftest import REPO
 from penzai import pz
 
-import model_zoo
 import pz_persist as pzp
-from conftest import REPO
-from pz_persist import allowlist
-from pz_persist import errors
-
 from hostile import catalogue
+from pz_persist import errors
+from pz_persist.safety import allowlist
 
 TIMEOUT = 180
 ADDRESS_SPACE = 8 << 30  # JAX's CPU client reserves a lot; a runaway gets stopped.
@@ -156,7 +155,7 @@ def test_cli_inspect_imports_nothing_a_checkpoint_names(case, mlp_checkpoint, tm
   """``inspect`` prints the manifest's tables; ``--html`` decodes the tree."""
   build, _, match = IMPORTING[case]
   ckpt = _forge(mlp_checkpoint, tmp_path, build)
-  cli = "import sys; from pz_persist import cli; sys.exit(cli.main(sys.argv[1:]))"
+  cli = "import sys; from pz_persist.tools import cli; sys.exit(cli.main(sys.argv[1:]))"
   result = _run(cli, "inspect", ckpt)
   assert result.returncode == 0 and "in 4 arrays" in result.stdout, result
   html = tmp_path / "view.html"
@@ -423,8 +422,8 @@ def test_listed_modules_load_in_a_fresh_process(tmp_path):
   """Layers and optimizer states of modules `import pz_persist` does not
   import (simple_mlp, LoRA, optax) still load: pz_persist lists them."""
   ckpt = tmp_path / "ckpt"
-  from penzai.toolshed import lora  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   import optax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from penzai.toolshed import lora  # pylint: disable=g-import-not-at-top,import-outside-toplevel
 
   model = lora.loraify_linears_in_selection(
       pz.select(model_zoo.mlp()).at_instances_of(pz.nn.Linear),

@@ -5,7 +5,7 @@ models that differ in every array (all 0s or all 1s) and in every variable's
 metadata (tag A or B). A reader through each entry point must see either
 whole: one tag, one value, or a `ConcurrentSaveError` (the save kept winning);
 never a mix of the two, nor a raw error of files deleted under it. Every entry
-point goes through `pz_persist.opening`, so the lock and the retry that
+point goes through `pz_persist.storage.opening`, so the lock and the retry that
 `pzp.load` alone had before hold for each.
 """
 
@@ -23,12 +23,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import REPO
 from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
 
 import pz_persist as pzp
 from pz_persist import errors
-from conftest import REPO
 
 SIZES = [256, 512, 512, 256]
 VALUES = {"A": 0.0, "B": 1.0}

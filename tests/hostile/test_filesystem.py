@@ -18,16 +18,15 @@ import sys
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import REPO
 
 import pz_persist as pzp
 from pz_persist import checkpoint as checkpoint_lib
-from pz_persist import direct_read
-from pz_persist import directories
 from pz_persist import errors
-from pz_persist import orbax_v0
-from pz_persist import safe_io
-
-from conftest import REPO
+from pz_persist.orbax import v0_handler
+from pz_persist.safety import safe_io
+from pz_persist.storage import commit
+from pz_persist.storage import direct_read
 
 TRASH = ".pz_persist_deleted"
 SEVEN, OUTSIDE_VALUE = 7.0, 666.0
@@ -144,20 +143,20 @@ def test_emptying_the_trash_deletes_links_as_links(tmp_path):
 def test_an_unfinished_save_that_is_a_link_is_refused(tmp_path, where, relative):
   outside = _sentinel(tmp_path)
   before = _listing(outside)
-  target = directories.sibling(epath_of(tmp_path / "ckpt"), "new")
+  target = commit.sibling(epath_of(tmp_path / "ckpt"), "new")
   link = target if where == "target" else target.parent / f"{target.name}.orbax-checkpoint-tmp-1"
   _link_out(pathlib.Path(link), outside, relative)
   with pytest.raises(errors.PzPersistError, match=os.path.basename(link)):
-    directories.remove_unfinished(target)
+    commit.remove_unfinished(target)
   assert _listing(outside) == before
   assert os.path.islink(link)  # Refused, so left for the user to look at.
 
 
 def test_an_unfinished_save_that_is_a_file_is_refused(tmp_path):
-  target = directories.sibling(epath_of(tmp_path / "ckpt"), "new")
+  target = commit.sibling(epath_of(tmp_path / "ckpt"), "new")
   pathlib.Path(target).write_text("someone else's")
   with pytest.raises(errors.PzPersistError, match="not a directory"):
-    directories.remove_unfinished(target)
+    commit.remove_unfinished(target)
   assert pathlib.Path(target).read_text() == "someone else's"
 
 
@@ -170,12 +169,12 @@ def test_rmtree_deletes_every_link_as_a_link(tmp_path):
   (tree / "sub" / "to_file").symlink_to(outside / "top.txt")
   (tree / "sub" / "deeper" / "relative").symlink_to("../../../outside/a")
   (tree / "sub" / "deeper" / "plain.txt").write_text("x")
-  directories.rmtree(tree)
+  commit.rmtree(tree)
   assert not tree.exists()
   assert _listing(outside) == before
   link = tmp_path / "link"  # A link given as the tree itself goes as a link.
   link.symlink_to(outside)
-  directories.rmtree(link)
+  commit.rmtree(link)
   assert not os.path.lexists(link)
   assert _listing(outside) == before
 
@@ -264,14 +263,14 @@ def test_a_step_linked_out_after_opening_is_refused_by_restore(tmp_path):
 
 def _cli(*args: str) -> tuple[int, str]:
   result = subprocess.run(
-      [sys.executable, "-m", "pz_persist.cli", *args], capture_output=True,
+      [sys.executable, "-m", "pz_persist.tools.cli", *args], capture_output=True,
       text=True, timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
   )
   return result.returncode, result.stdout + result.stderr
 
 
 def epath_of(path: pathlib.Path):
-  return directories.as_path(path)
+  return commit.as_path(path)
 
 
 # Item 4: special and oversized files where a small file is read. Each case runs
@@ -281,7 +280,8 @@ _SPECIAL_FILE_SCRIPT = """
 import json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
 import pz_persist as pzp
-from pz_persist import cli, errors
+from pz_persist import errors
+from pz_persist.tools import cli
 run, relpath, kind = sys.argv[1:4]
 path = os.path.join(run, relpath)
 original = path + ".orig"
@@ -419,7 +419,7 @@ def test_a_file_swapped_after_the_check_is_never_returned(tmp_path, monkeypatch,
       return restore(self, *args, **kwargs)
 
     monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "restore", swap_then_restore)
-    handler = orbax_v0.PenzaiCheckpointHandler(direct_reads=False)
+    handler = v0_handler.PenzaiCheckpointHandler(direct_reads=False)
     load = lambda: handler.restore(ckpt / "penzai", pzp.PenzaiRestore(verify=False))
   with pytest.raises(errors.UnsafeCheckpointError, match="outside the checkpoint"):
     loaded = load()

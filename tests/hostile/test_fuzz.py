@@ -15,18 +15,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 from penzai import pz
 
-import model_zoo
-from pz_persist import catalog
-from pz_persist import diffing
 from pz_persist import errors
-from pz_persist import manifest as manifest_lib
-from pz_persist import orbax_v0
-from pz_persist import restoring
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.format import manifest_queries
+from pz_persist.orbax import v0_handler
+from pz_persist.storage import restoring
+from pz_persist.tools import diffing
 
 WHERE = "fuzzed/pz_persist.json"
 SETTINGS = settings(
@@ -60,7 +62,7 @@ def _valid_manifests() -> tuple[bytes, ...]:
       "fn": jax.nn.relu,
   }
   return tuple(
-      orbax_v0.encode_manifest(t)[0].dumps() for t in (model_zoo.mlp(), tree)
+      v0_handler.encode_manifest(t)[0].dumps() for t in (model_zoo.mlp(), tree)
   )
 
 
@@ -74,8 +76,8 @@ def _check(data: bytes) -> None:
   valid = manifest_lib.Manifest.loads(_valid_manifests()[0], where=WHERE)
   for use in (
       lambda: restoring.abstract_tree(manifest, where=WHERE),
-      lambda: [row.axes_text for row in catalog.array_rows(manifest)],
-      lambda: catalog.variables(manifest, where=WHERE),
+      lambda: [row.axes_text for row in manifest_queries.array_rows(manifest)],
+      lambda: manifest_queries.variables(manifest, where=WHERE),
       lambda: diffing.structure_differences(manifest, valid),
       lambda: diffing.structure_differences(valid, manifest),
   ):

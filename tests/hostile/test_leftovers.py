@@ -1,7 +1,7 @@
 """Cleaning leftovers never deletes anything outside the directory cleaned.
 
 A leftover's entries, anything inside them, and its marker may be symlinks
-planted to lead elsewhere; every deletion of `pz_persist.leftovers` goes
+planted to lead elsewhere; every deletion of `pz_persist.storage.leftovers` goes
 through `leftovers.delete`, which removes links, never what they lead to.
 A sentinel directory outside must survive every case, forced or not.
 """
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from pz_persist import leftovers
+from pz_persist.storage import leftovers
 
 _FAMILY = ".ckpt.pz_persist-new-0123abcd"
 

@@ -14,6 +14,7 @@ import pz_persist as pzp
 from pz_persist import checkpoint
 from pz_persist import errors
 from pz_persist import safety
+from pz_persist.safety import limits
 
 REFUSED = r"would allocate 400 bytes, more than the 64-byte limit.*pz_persist\.limits"
 
@@ -33,7 +34,7 @@ def test_a_load_beyond_the_scoped_limit_is_refused(small):
     handler = pzp.PenzaiCheckpointHandler(direct_reads=False)  # Orbax's path.
     with pytest.raises(errors.UnsafeCheckpointError, match=REFUSED):
       handler.restore(small / checkpoint.ITEM_NAME, pzp.PenzaiRestore())
-  assert safety.current_limits() == safety.Limits()  # Reset on leaving.
+  assert limits.current_limits() == limits.Limits()  # Reset on leaving.
   np.testing.assert_array_equal(pzp.load(small)["w"], np.ones(100, np.float32))
 
 
@@ -56,13 +57,13 @@ def test_the_limit_holds_in_its_own_thread_only(small):
     with pzp.limits(max_allocation_bytes=64):
       inside.set()
       done.wait(60)
-      seen["limit"] = safety.allocation_limit()
+      seen["limit"] = limits.allocation_limit()
 
   thread = threading.Thread(target=tight)
   thread.start()
   try:
     assert inside.wait(60)
-    assert safety.allocation_limit() > 64
+    assert limits.allocation_limit() > 64
     pzp.load(small)
   finally:
     done.set()

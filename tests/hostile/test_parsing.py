@@ -2,7 +2,7 @@
 
 Every JSON file pz_persist reads (the manifest, the file digest list, Orbax's
 ``_CHECKPOINT_METADATA``, and Orbax's ``_METADATA`` before Orbax parses it)
-goes through `pz_persist.bounded_json`. A node bomb (``[{},{},...]``, 25 bytes
+goes through `pz_persist.safety.bounded_json`. A node bomb (``[{},{},...]``, 25 bytes
 of memory per byte once parsed) or deep nesting is refused before any parser
 sees it, naming the file. Memory is measured with tracemalloc (which NumPy
 reports to) in a fresh interpreter, so an unbounded parse cannot take down
@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 import random
 
-import pytest
-
 import model_zoo
-import pz_persist as pzp
+import pytest
 from conftest import run_python
-from pz_persist import bounded_json
+
+import pz_persist as pzp
 from pz_persist import errors
-from pz_persist import manifest as manifest_lib
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.safety import bounded_json
 
 BOMB_ITEMS = 6_000_000
 """``{}`` items of a 18 MB bomb: ~450 MB of Python objects once parsed."""
@@ -91,7 +91,7 @@ def test_checkpoint_metadata_node_bomb_is_refused_before_parsing(ckpt):
   outcome, peak = _measure(
       f"open({str(metadata)!r}, 'wb').write({_bomb('[', ']')})",
       # What pzp.load calls first (loading allocates hundreds of MiB itself).
-      f"from pz_persist import safety; safety.check_checkpoint_metadata({str(ckpt)!r})",
+      f"from pz_persist.storage import containment; containment.check_checkpoint_metadata({str(ckpt)!r})",
   ).rsplit("|", 1)
   assert "_CHECKPOINT_METADATA" in outcome, outcome
   with pytest.raises(errors.ManifestError, match="ckpt/_CHECKPOINT_METADATA: "):
@@ -106,7 +106,7 @@ def test_orbax_metadata_node_bomb_is_refused_before_orbax_parses_it(ckpt):
       f"open({str(metadata)!r}, 'wb').write({data})",
       # What pzp.load calls before Orbax parses it (loading allocates
       # hundreds of MiB itself).
-      f"from pz_persist import bounded_json;"
+      f"from pz_persist.safety import bounded_json;"
       f" bounded_json.check_orbax_metadata({str(ckpt / 'penzai')!r})",
   ).rsplit("|", 1)
   assert "_METADATA: " in outcome and "JSON values" in outcome, outcome

@@ -12,15 +12,15 @@ import json
 import os
 
 import jax
+import model_zoo
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import run_python
 from penzai import pz
 from penzai.models import simple_mlp
 
-import model_zoo
 import pz_persist as pzp
-from conftest import run_python
 from pz_persist import errors
 from pz_persist import safety
 

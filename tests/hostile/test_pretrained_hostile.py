@@ -16,14 +16,13 @@ import os
 
 import numpy as np
 import pytest
+from conftest import run_python
 from penzai import pz
 
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import safety
 from pz_persist.pretrained import safetensors_io
-
-from conftest import run_python
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 8, 2, 1, 4, 8, 16, 2
 
@@ -412,7 +411,7 @@ def test_convert_hf_refuses_a_hostile_folder(tmp_path):
   folder = hf_folder(tmp_path / "f", dict(CONFIG, num_hidden_layers=10**9))
   out = run_python(f"""
       import sys
-      from pz_persist import cli
+      from pz_persist.tools import cli
       sys.stderr = sys.stdout
       code = cli.main(["convert", "hf", {str(folder)!r}, {str(tmp_path / 'out')!r}, "--quiet"])
       print("EXIT", code)
@@ -457,7 +456,8 @@ def test_gemma_huge_declared_shape_is_refused_not_aborted(tmp_path, entry, field
   out = run_python(_SET_SHAPE + f"""
 import resource, sys
 import jax, pz_persist as pzp
-from pz_persist import cli, errors
+from pz_persist import errors
+from pz_persist.tools import cli
 set_shape({path!r}, [2**20, 2**20], {field!r})
 jax.devices()
 vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))

@@ -3,7 +3,7 @@
 The entry points besides `pzp.load`: Orbax v1's ``load_checkpointables``,
 Orbax v0's ``CheckpointManager.restore`` (with `pzp.PenzaiRestore` or with no
 arguments), and Orbax's ``PyTreeCheckpointer`` for models holding mutable
-``pz.Parameter`` leaves (`pz_persist.variable_type_handler`, which has its own
+``pz.Parameter`` leaves (`pz_persist.orbax.variable_type_handler`, which has its own
 record format). Each must refuse a changed float (checksums), symlinks leading
 out of the checkpoint, FIFOs, oversized or malformed JSON, and forged shapes.
 """
@@ -17,20 +17,19 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import model_zoo
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
-
-import model_zoo
-import pz_persist as pzp
-from pz_persist import errors
-from pz_persist import manifest as manifest_lib
-from pz_persist import safety
 from treecompare import assert_identical
 
+import pz_persist as pzp
 from hostile import catalogue
+from pz_persist import errors
+from pz_persist import safety
+from pz_persist.format import manifest as manifest_lib
 
 pytestmark = [
     pytest.mark.timeout(120),  # A FIFO read by mistake would hang.

@@ -13,12 +13,12 @@ import json
 import os
 import re
 
+import model_zoo
 import pytest
 
-import model_zoo
 import pz_persist as pzp
-from pz_persist import cli
-from pz_persist import terminal
+from pz_persist.safety import terminal
+from pz_persist.tools import cli
 
 UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x1b[1A\r\x9b2K\u202e"

@@ -16,12 +16,13 @@ from __future__ import annotations
 import json
 import os
 
+import model_zoo
 import pytest
 
-import model_zoo
 import pz_persist as pzp
-from pz_persist import checksums
 from pz_persist import errors
+from pz_persist.format import checksum_records
+from pz_persist.storage import checksums
 
 LARGEST = "manifest.ocdbt"  # Any recorded file will do.
 
@@ -171,13 +172,13 @@ def test_format_1_manifests_without_checksums_still_load(ckpt):
     ((), [(), ()], False),
 ])
 def test_tiles(shape, indices, tiled):
-  assert checksums.tiles(indices, shape) == tiled
+  assert checksum_records.tiles(indices, shape) == tiled
 
 
 def test_file_digest_reads_only_the_regular_file_it_opened(tmp_path):
   """A file swapped after verify's lstat (for a FIFO, a link out) is refused
   by the open itself: never blocks on the FIFO, never hashes the target."""
-  from pz_persist import checksums  # pylint: disable=import-outside-toplevel
+  from pz_persist.storage import checksums
 
   fifo = tmp_path / "fifo"
   os.mkfifo(fifo)

@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from pz_persist import safe_io
 from pz_persist.pretrained import safetensors_io
+from pz_persist.safety import safe_io
 
 
 class _Failure(Exception):

@@ -14,10 +14,10 @@ from penzai import pz
 from penzai.models.transformer.variants import gemma as pz_gemma
 
 import pz_persist as pzp
-from pz_persist import cli
 from pz_persist import errors
 from pz_persist.pretrained import gemma as gemma_lib
 from pz_persist.pretrained import load_gemma
+from pz_persist.tools import cli
 
 # Tiny sizes; "like" gives the Gemma 1 / Gemma 2 architecture settings.
 GEMMA1 = dict(num_decoder_blocks=2, vocab_size=32, num_kv_heads=1, query_head_multiplier=4,

@@ -23,6 +23,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import model_zoo
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -30,7 +31,6 @@ import torch
 import transformers
 from penzai import pz
 
-import model_zoo
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.pretrained import safetensors_io

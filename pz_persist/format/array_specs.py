@@ -1,0 +1,413 @@
+"""How one array is described in the manifest and stored through Orbax.
+
+Orbax stores arrays through TensorStore, which lacks a few dtypes that JAX and
+ml_dtypes have (``uint4``, ``uint2``, ``float8_e4m3``, ``float6_*``). Those are stored in a
+wider or bit-identical substitute dtype and converted back exactly on load; the
+manifest records both, so the substitution never shows to the user and plain
+Orbax still reads the stored bytes.
+
+The manifest also records what a plain array cannot say about itself: whether
+it was a ``jax.Array``, a ``numpy.ndarray`` or a NumPy scalar, and JAX's
+``weak_type`` flag (which changes type promotion, so dropping it could change a
+model's outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pz_persist import errors
+from pz_persist.format import checksum_records
+
+ArrayKind = Literal["jax", "numpy", "numpy_scalar"]
+ARRAY_KINDS: tuple[str, ...] = ("jax", "numpy", "numpy_scalar")
+
+# dtype name -> (stored dtype name, how to convert). "cast" widens losslessly
+# (every uint4 value fits in uint8); "bitcast" reinterprets the same bytes.
+_SUBSTITUTES: dict[str, tuple[str, str]] = {
+    "uint4": ("uint8", "cast"),
+    "uint2": ("uint8", "cast"),
+    "float8_e4m3": ("uint8", "bitcast"),
+    "float6_e2m3fn": ("uint8", "bitcast"),
+    "float6_e3m2fn": ("uint8", "bitcast"),
+}
+
+_NUMPY_DTYPES = (
+    "bool",
+    "int8", "int16", "int32", "int64",
+    "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64",
+    "complex64", "complex128",
+)  # fmt: skip
+_ML_DTYPES = (
+    "bfloat16",
+    "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn",
+    "int2", "int4", "uint2", "uint4",
+)  # fmt: skip
+
+
+def _build_dtype_table() -> dict[str, np.dtype]:
+  table = {name: np.dtype(name) for name in _NUMPY_DTYPES}
+  for name in _ML_DTYPES:
+    if hasattr(ml_dtypes, name):  # Older ml_dtypes lack the newest types.
+      table[name] = np.dtype(getattr(ml_dtypes, name))
+  return table
+
+
+SUPPORTED_DTYPES: dict[str, np.dtype] = _build_dtype_table()
+"""Every dtype pz_persist saves, by the name stored in manifests."""
+
+_KEY_HINT = re.compile(r"[^A-Za-z0-9_-]+")
+
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+"""Characters a label may not hold: NUL and other control characters, which
+would garble (or forge) the lines of messages and tables that print labels."""
+
+
+def label_problem(label: Any) -> str | None:
+  """Why ``label`` cannot be a variable's label (``"is not hashable"``...), or None.
+
+  Why one function: saving must never write a label that loading refuses,
+  and the decoder, the catalog and the arrays table must refuse the same
+  ones; callers add where the label is and raise their own error class.
+  """
+  if isinstance(label, str) and CONTROL_CHARS.search(label):
+    return "holds control characters"
+  try:
+    hash(label)
+  except TypeError:
+    return "is not hashable"
+  return None
+
+MAX_RANK = 32
+"""Most dimensions an array may declare (NumPy 1's own limit)."""
+
+MAX_ELEMENTS = 2**62
+"""Most elements an array may declare: more cannot even be addressed."""
+
+
+def _check_shape_size(shape: list[int], where: str) -> None:
+  """Refuses shapes no array can have, before anything multiplies them.
+
+  Why: shapes come from the checkpoint; a rank beyond NumPy's limit or an
+  element count beyond 64-bit sizes would otherwise surface later as a NumPy
+  ``ValueError`` or a silently wrapped size. Sizes that are merely too large
+  for this machine are refused when read (`pz_persist.safety`).
+  """
+  if len(shape) > MAX_RANK:
+    raise errors.ManifestError(
+        f"{where}: {len(shape)} dimensions, over the limit of {MAX_RANK}."
+    )
+  if math.prod(shape) > MAX_ELEMENTS:
+    raise errors.UnsafeCheckpointError(
+        f"{where}: shape {shape} declares {math.prod(shape)} elements, more"
+        f" than any array can have (2**62); refusing it."
+    )
+
+
+def dtype_name(dtype: Any, *, where: str) -> str:
+  """The manifest name of ``dtype``; raises if pz_persist cannot store it."""
+  dtype = np.dtype(dtype)
+  name = dtype.name
+  if SUPPORTED_DTYPES.get(name) != dtype:
+    raise errors.EncodingError(f"{where}: arrays of dtype {dtype} are not supported.")
+  return name
+
+
+def dtype_from_name(name: Any, *, where: str) -> np.dtype:
+  """The dtype a manifest names; raises `ManifestError` for unknown names."""
+  if not isinstance(name, str) or name not in SUPPORTED_DTYPES:
+    raise errors.ManifestError(f"{where}: unknown dtype {name!r}.")
+  return SUPPORTED_DTYPES[name]
+
+
+def storage_dtype_name(name: str) -> str:
+  """The dtype an array of dtype ``name`` is stored as by Orbax."""
+  return _SUBSTITUTES.get(name, (name, ""))[0]
+
+
+def storage_key(index: int, hint: str) -> str:
+  """The key of array ``index`` in the Orbax tree of arrays.
+
+  Keys are unique through the index; the hint (a label or tree path) only helps
+  a person reading the checkpoint with plain Orbax. Only ``[A-Za-z0-9_-]``
+  survive, so a label can neither collide with Orbax's ``.``-joined names nor
+  become a path outside the checkpoint when Orbax uses per-array directories.
+  """
+  hint = _KEY_HINT.sub("_", hint).strip("_")[:80]
+  return f"{index:05d}_{hint}" if hint else f"{index:05d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+  """What the manifest says about one stored array.
+
+  Attributes:
+    key: Key of the array in the Orbax tree of arrays.
+    shape: Logical shape.
+    dtype: Logical dtype name (see `SUPPORTED_DTYPES`).
+    kind: Python type to restore: ``jax.Array``, ``numpy.ndarray`` or a NumPy
+      scalar.
+    weak_type: JAX's weak-type flag (``jax`` kind only).
+    path: Where the array sits in the saved tree, for messages.
+    label: Label of the Penzai variable holding the array, if any.
+    checksums: Hashes of the stored bytes, one per distinct stored slice
+      (None in checkpoints written before checksums existed).
+  """
+
+  key: str
+  shape: tuple[int, ...]
+  dtype: str
+  kind: ArrayKind
+  weak_type: bool = False
+  path: str = ""
+  label: str | None = None
+  checksums: tuple[checksum_records.ShardChecksum, ...] | None = None
+
+  def describe(self) -> str:
+    """How messages name the array: its label and tree path (or its key)."""
+    return f"label {self.label!r} at {self.path}" if self.label else self.name
+
+  @property
+  def name(self) -> str:
+    """The array's short name, for lists of names: its label, else tree path."""
+    return self.label or self.path or self.key
+
+  @property
+  def np_dtype(self) -> np.dtype:
+    return SUPPORTED_DTYPES[self.dtype]
+
+  @property
+  def storage_dtype(self) -> np.dtype:
+    return SUPPORTED_DTYPES[storage_dtype_name(self.dtype)]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)  # Python ints: a forged shape cannot overflow.
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of the logical array (sub-byte dtypes count a byte per item)."""
+    return self.size * self.np_dtype.itemsize
+
+  @property
+  def is_stored(self) -> bool:
+    """Zero-size arrays have no data; Orbax refuses them, so they are skipped."""
+    return self.size > 0
+
+  def to_json(self) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "key": self.key,
+        "shape": list(self.shape),
+        "dtype": self.dtype,
+        "kind": self.kind,
+        "path": self.path,
+    }
+    if self.dtype != storage_dtype_name(self.dtype):
+      out["stored_dtype"] = storage_dtype_name(self.dtype)
+    if self.weak_type:
+      out["weak_type"] = True
+    if self.label is not None:
+      out["label"] = self.label
+    if self.checksums is not None:
+      out["checksums"] = [
+          {"index": [list(pair) for pair in c.index], checksum_records.ALGORITHM: c.digest}
+          for c in self.checksums
+      ]
+    return out
+
+  @classmethod
+  def from_json(cls, data: Any, *, where: str) -> ArraySpec:
+    """Parses and validates one ``arrays`` entry of a manifest."""
+    if not isinstance(data, dict):
+      raise errors.ManifestError(f"{where}: array entry must be an object.")
+    for name in ("label", "path"):  # Say which array, as far as it says.
+      if isinstance(data.get(name), str) and data[name]:
+        where = f"{where} ({name} {data[name]!r:.100})"
+        break
+    allowed = {
+        "key", "shape", "dtype", "kind", "path", "stored_dtype", "weak_type",
+        "label", "checksums",
+    }  # fmt: skip
+    if not {"key", "shape", "dtype", "kind"} <= set(data) <= allowed:
+      raise errors.ManifestError(
+          f"{where}: array entry has fields {sorted(data)}; expected"
+          f" key, shape, dtype, kind and optionally {sorted(allowed - {'key', 'shape', 'dtype', 'kind'})}."
+      )
+    key, shape, kind = data["key"], data["shape"], data["kind"]
+    if not isinstance(key, str) or _KEY_HINT.search(key) or not key:
+      raise errors.ManifestError(f"{where}: invalid array key {key!r}.")
+    if not isinstance(shape, list) or not all(
+        type(d) is int and d >= 0 for d in shape
+    ):
+      raise errors.ManifestError(f"{where}: invalid shape {shape!r:.100}.")
+    _check_shape_size(shape, where)
+    dtype = dtype_from_name(data["dtype"], where=where).name
+    if data.get("stored_dtype", storage_dtype_name(dtype)) != storage_dtype_name(dtype):
+      raise errors.ManifestError(
+          f"{where}: stored dtype {data['stored_dtype']!r} does not match"
+          f" {dtype}."
+      )
+    if kind not in ARRAY_KINDS:
+      raise errors.ManifestError(f"{where}: unknown array kind {kind!r}.")
+    weak_type = data.get("weak_type", False)
+    path = data.get("path", "")
+    label = data.get("label")
+    if not isinstance(weak_type, bool) or not isinstance(path, str):
+      raise errors.ManifestError(f"{where}: invalid weak_type or path.")
+    if CONTROL_CHARS.search(path):
+      raise errors.ManifestError(f"{where}: invalid path {path!r:.100}.")
+    if label is not None and (not isinstance(label, str) or label_problem(label)):
+      raise errors.ManifestError(f"{where}: invalid label {label!r:.100}.")
+    if kind == "numpy_scalar" and shape:
+      raise errors.ManifestError(f"{where}: a NumPy scalar must have shape [].")
+    return cls(
+        key=key,
+        shape=tuple(shape),
+        dtype=dtype,
+        kind=kind,
+        weak_type=weak_type,
+        path=path,
+        label=label,
+        checksums=_checksums_from_json(data.get("checksums"), tuple(shape), where),
+    )
+
+  def abstract(self) -> jax.ShapeDtypeStruct:
+    """The array as a ``jax.ShapeDtypeStruct`` (what `inspect` returns)."""
+    return jax.ShapeDtypeStruct(self.shape, self.np_dtype, weak_type=self.weak_type)
+
+
+_HEX_DIGEST = re.compile(r"[0-9a-f]{32}")
+
+
+def _valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
+  """Whether ``entry`` is ``{"index": [[start, stop], ...], ALGORITHM: hex}``
+  naming a slice within ``shape``."""
+  if not isinstance(entry, dict) or set(entry) != {"index", checksum_records.ALGORITHM}:
+    return False
+  index, digest = entry["index"], entry[checksum_records.ALGORITHM]
+  if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest):
+    return False
+  if not isinstance(index, list) or len(index) != len(shape):
+    return False
+  return all(
+      isinstance(pair, list) and len(pair) == 2
+      and all(type(x) is int for x in pair)
+      and 0 <= pair[0] <= pair[1] <= n
+      for pair, n in zip(index, shape)
+  )  # fmt: skip
+
+
+def _checksums_from_json(
+    data: Any, shape: tuple[int, ...], where: str
+) -> tuple[checksum_records.ShardChecksum, ...] | None:
+  """Parses and validates the ``checksums`` of one array entry."""
+  if data is None:
+    return None
+  if not isinstance(data, list):
+    raise errors.ManifestError(f"{where}: checksums must be a list.")
+  parsed = []
+  for i, entry in enumerate(data):
+    if not _valid_checksum_entry(entry, shape):
+      raise errors.ManifestError(
+          f"{where}: checksums[{i}] is not an {checksum_records.ALGORITHM} digest"
+          f" of a slice of an array of shape {list(shape)}: {str(entry)[:200]}"
+      )
+    index, digest = entry["index"], entry[checksum_records.ALGORITHM]
+    pairs = tuple((pair[0], pair[1]) for pair in index)
+    parsed.append(checksum_records.ShardChecksum(pairs, digest))
+  if math.prod(shape) and not checksum_records.tiles((c.index for c in parsed), shape):
+    raise errors.ManifestError(
+        f"{where}: the checksums' slices do not cut the array of shape"
+        f" {list(shape)} into a grid covering each element once (slices"
+        " missing, repeated or overlapping); the manifest is damaged or forged."
+    )
+  return tuple(parsed)
+
+
+def kind_of(value: Any) -> ArrayKind | None:
+  """The `ArrayKind` of an array leaf, or None if ``value`` is not an array."""
+  if isinstance(value, jax.Array):
+    return "jax"
+  if isinstance(value, np.ndarray):
+    return "numpy"
+  if isinstance(value, np.generic):
+    return "numpy_scalar"
+  return None
+
+
+def to_storage(value: Any, spec: ArraySpec) -> Any:
+  """Converts an array to the dtype Orbax stores it as (usually a no-op)."""
+  stored_name, how = _SUBSTITUTES.get(spec.dtype, (spec.dtype, ""))
+  if spec.kind == "numpy_scalar":
+    value = np.asarray(value)
+  if not how:
+    return value
+  stored = SUPPORTED_DTYPES[stored_name]
+  if isinstance(value, jax.Array):
+    if how == "cast":
+      return value.astype(stored)
+    return jax.lax.bitcast_convert_type(value, stored)
+  return value.astype(stored) if how == "cast" else value.view(stored)
+
+
+def from_storage(value: Any, spec: ArraySpec) -> Any:
+  """Undoes `to_storage` and restores the recorded kind and weak type."""
+  _, how = _SUBSTITUTES.get(spec.dtype, (spec.dtype, ""))
+  logical = spec.np_dtype
+  if how:
+    if isinstance(value, jax.Array):
+      value = (
+          value.astype(logical)
+          if how == "cast"
+          else jax.lax.bitcast_convert_type(value, logical)
+      )
+    else:
+      value = value.astype(logical) if how == "cast" else value.view(logical)
+  if spec.kind == "numpy_scalar":
+    return np.asarray(value)[()]
+  if spec.kind == "jax" and spec.weak_type:
+    return _as_weak(value)
+  return value
+
+
+def empty_array(spec: ArraySpec, sharding: jax.sharding.Sharding | None) -> Any:
+  """A zero-size array for ``spec`` (these are not stored: they hold no data)."""
+  if spec.kind == "jax":
+    out = jnp.zeros(spec.shape, spec.np_dtype, device=sharding)
+    return _as_weak(out) if spec.weak_type else out
+  if spec.kind == "numpy":
+    return np.zeros(spec.shape, spec.np_dtype)
+  raise errors.ManifestError(f"{spec.path}: a NumPy scalar cannot be empty.")
+
+
+_WEAK_FILL = {"f": 0.0, "i": 0, "u": 0, "c": 0j}
+
+
+def _as_weak(value: jax.Array) -> jax.Array:
+  """Marks ``value`` weakly typed, as it was when saved.
+
+  JAX has no public "set weak_type" call, but ``lax.full`` with a Python scalar
+  makes a weakly typed array, and an indexed update keeps the flag. Weak arrays
+  only come from Python scalars, so their dtype is the default one of their
+  kind; any other dtype cannot be weak and is returned unchanged.
+  """
+  fill = _WEAK_FILL.get(value.dtype.kind)
+  if fill is None:
+    return value
+  # (lax.full drops the weak flag when given a sharding; device_put keeps it.)
+  base = jax.device_put(jax.lax.full(value.shape, fill), value.sharding)
+  if base.dtype != value.dtype:
+    return value
+  return base.at[...].set(value)

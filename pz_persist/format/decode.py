@@ -1,0 +1,578 @@
+"""Decoding: typed JSON plus restored arrays back to the saved tree.
+
+The load half of the tree format (`pz_persist.format.nodes` is the table of node
+types, `pz_persist.format.encode` the save half). Every node goes through one walk,
+`_Walk.decode`, which checks its depth, finds its row in `nodes.NODE_TYPES`,
+checks its JSON shape generically from the row (`nodes.check_shape`) and
+hands it to the one decode function registered for its tag in `DECODERS`.
+The pieces around the walk each do one job: `_Variables` rebuilds the shared
+mutable variables once each, `_ArrayLabels` checks the arrays table's labels
+against the variables holding the arrays, and `_Concrete` / `_Abstract` build
+what differs when the arrays are ``jax.ShapeDtypeStruct`` stand-ins.
+
+Nothing here evaluates or unpickles anything. Names of classes and functions
+are checked and found again through `pz_persist.format.code_references`, which refuses
+modules that are not allow-listed before importing them.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import contextlib
+import dataclasses
+import enum
+import functools
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from penzai import pz
+
+from pz_persist import errors
+from pz_persist.format import array_specs as arrays_lib
+from pz_persist.format import code_references
+from pz_persist.format import nodes
+
+Node = nodes.Node
+
+_SEQUENCES: dict[str, type] = {
+    "list": list,
+    "tuple": tuple,
+    "set": set,
+    "frozenset": frozenset,
+}
+
+
+def _is_namedtuple_class(cls: Any) -> bool:
+  return (
+      isinstance(cls, type)
+      and issubclass(cls, tuple)
+      and isinstance(getattr(cls, "_fields", None), tuple)
+  )
+
+
+def _is_enum_class(cls: Any) -> bool:
+  return isinstance(cls, type) and issubclass(cls, enum.Enum)
+
+
+def _is_dataclass_class(cls: Any) -> bool:
+  return isinstance(cls, type) and dataclasses.is_dataclass(cls)
+
+
+def _is_struct_class(cls: Any) -> bool:
+  return isinstance(cls, type) and issubclass(cls, pz.Struct)
+
+
+# The pieces around the walk.
+
+
+class _Concrete:
+  """Builds PRNG keys and variables from real arrays."""
+
+  @staticmethod
+  def prng_key(data: Any, impl: str) -> Any:
+    return jax.random.wrap_key_data(data, impl=impl)
+
+  @staticmethod
+  def variable(kind: str, fields: dict[str, Any]) -> Any:
+    if kind == "parameter":
+      return pz.Parameter(**fields)
+    return pz.StateVariable(
+        fields["value"], label=fields["label"], metadata=fields["metadata"]
+    )
+
+
+class _Abstract:
+  """Builds PRNG keys and variables from ``jax.ShapeDtypeStruct`` stand-ins."""
+
+  @staticmethod
+  def prng_key(data: Any, impl: str) -> Any:
+    return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
+
+  @staticmethod
+  def variable(kind: str, fields: dict[str, Any]) -> Any:
+    # A mutable variable converts its value with jnp.asarray, which a
+    # ShapeDtypeStruct cannot go through: abstract trees show frozen values.
+    cls = pz.ParameterValue if kind == "parameter" else pz.StateVariableValue
+    return cls(**fields)
+
+
+class _ArrayLabels:
+  """Checks that each array is held by the variable the arrays table names.
+
+  Tools print the arrays table's labels; they must be the labels of the
+  variables that hold the arrays, not whatever the file claims.
+  """
+
+  def __init__(self, labels: Sequence[str | None] | None):
+    self._labels = labels  # None: not checked.
+    self._held_by: list[str] = []
+
+  @contextlib.contextmanager
+  def holding(self, label: Any) -> Iterator[None]:
+    """Within this, arrays are held by the variable labelled ``label``."""
+    self._held_by.append(nodes.describe_label(label))
+    try:
+      yield
+    finally:
+      self._held_by.pop()
+
+  def check(self, ref: int, where: str) -> None:
+    if self._labels is None:
+      return
+    held_by = self._held_by[-1] if self._held_by else None
+    if self._labels[ref] != held_by:
+      raise errors.ManifestError(
+          f"{where}: arrays[{ref}] is labelled"
+          f" {self._labels[ref]!r:.100} in the arrays table, but"
+          + (f" is held by variable {held_by!r:.100}." if held_by is not None
+             else " is held by no variable.")
+      )
+
+
+class _Variables:
+  """The manifest's variables table: each entry rebuilt once, then shared.
+
+  A variable referenced from two places is one object after loading; an
+  entry that (through its value) references itself is refused.
+  """
+
+  def __init__(self, entries: Sequence[Any], where: errors.Location | str):
+    self._entries = entries
+    self._where = where
+    self._built: dict[int, Any] = {}
+    self._building: set[int] = set()
+
+  def get(self, ref: Any, where: str, build: Callable[[Node, str], Any]) -> Any:
+    """Variable ``ref``, built by ``build(entry, entry_where)`` the first time."""
+    if type(ref) is not int or not 0 <= ref < len(self._entries):
+      raise errors.ManifestError(f"{where}: invalid variable reference {ref!r}.")
+    if ref in self._built:
+      return self._built[ref]
+    if ref in self._building:
+      raise errors.ManifestError(f"{where}: variable {ref} contains itself.")
+    self._building.add(ref)
+    entry = self._entries[ref]
+    entry_where = f"{self._where}[{ref}]"
+    if not isinstance(entry, dict) or set(entry) != nodes.VARIABLE_ENTRY_FIELDS:
+      raise errors.ManifestError(f"{entry_where}: malformed variable entry.")
+    if not isinstance(entry["kind"], str) or entry["kind"] not in nodes.VARIABLE_KINDS:
+      raise errors.ManifestError(
+          f"{entry_where}: unknown variable kind {entry['kind']!r}."
+      )
+    self._built[ref] = build(entry, entry_where)
+    return self._built[ref]
+
+
+def check_label(label: Any, where: str) -> Any:
+  """Refuses a decoded variable label that is unhashable or holds control
+  characters (they would garble every message and table that prints it)."""
+  problem = arrays_lib.label_problem(label)
+  if problem:
+    raise errors.ManifestError(f"{where}: label {label!r:.100} {problem}.")
+  return label
+
+
+# The walk.
+
+
+class _Walk:
+  """One decoding: the arrays, the pieces above, and the dispatch by tag."""
+
+  def __init__(
+      self,
+      arrays: Sequence[Any],
+      variables: Sequence[Any],
+      *,
+      abstract: bool,
+      labels: Sequence[str | None] | None = None,
+      variables_where: errors.Location | str = "variables",
+  ):
+    self.arrays = arrays
+    self.labels = _ArrayLabels(labels)
+    self.variables = _Variables(variables, variables_where)
+    self.build = _Abstract if abstract else _Concrete
+
+  def decode(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
+    """Decodes ``node`` as part of a tree (``in_tree``) or a static value."""
+    if depth > nodes.MAX_DEPTH:
+      raise errors.ManifestError(f"{where}: nesting deeper than {nodes.MAX_DEPTH}.")
+    tag = nodes.check_typed(node, where)
+    node_type = nodes.NODE_TYPES.get(tag)
+    if node_type is None or not (node_type.tree if in_tree else node_type.static):
+      raise errors.ManifestError(f"{where}: unknown node type {tag!r}.")
+    nodes.check_shape(node, where)
+    return DECODERS[tag](_At(self, where, depth, in_tree), node)
+
+  def labeled(self, node: Node, where: str, depth: int) -> dict[str, Any]:
+    """The label, metadata and value of a variable or frozen value."""
+    label = check_label(self.decode(node["label"], f"{where}.label", depth + 1, False), where)
+    where = f"{where} (label {nodes.describe_label(label)!r})"
+    metadata = self.decode(node["metadata"], f"{where}.metadata", depth + 1, False)
+    if not isinstance(metadata, dict):
+      raise errors.ManifestError(f"{where}: metadata must be a dict.")
+    with self.labels.holding(label):
+      value = self.decode(node["value"], f"{where}.value", depth + 1, True)
+    return {"label": label, "metadata": metadata, "value": value}
+
+
+@dataclasses.dataclass(frozen=True)
+class _At:
+  """Where a node is being decoded: what its decode function is given."""
+
+  walk: _Walk
+  where: str
+  depth: int
+  in_tree: bool
+
+  def child(self, node: Any, where: str) -> Any:
+    """Decodes a child, like its parent (in a tree, or static)."""
+    return self.walk.decode(node, where, self.depth + 1, self.in_tree)
+
+  def static(self, node: Any, where: str) -> Any:
+    """Decodes a static value held by the node (a label, a key, an argument)."""
+    return self.walk.decode(node, where, self.depth + 1, False)
+
+  def axis_name(self, node: Any) -> Any:
+    name = self.static(node, f"{self.where} axis name")
+    try:
+      hash(name)
+    except TypeError:
+      raise errors.ManifestError(
+          f"{self.where}: axis name {name!r} is unhashable."
+      ) from None
+    return name
+
+  def rebuild(self, cls: type, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``make(*args, **kwargs)``, building a ``cls``: the class's own checks
+    may refuse the values, with any exception."""
+    with code_references.running_checkpoint_code(
+        self.where, f"cannot rebuild {cls.__qualname__}"
+    ):
+      return make(*args, **kwargs)
+
+
+DecodeFunction = Callable[[_At, Node], Any]
+
+DECODERS: dict[str, DecodeFunction] = {}
+"""The decode function of every tag of `nodes.NODE_TYPES`.
+
+A node reaches its function with its JSON shape already checked (exactly its
+row's fields, lists where the row says lists)."""
+
+
+def _decodes(*tags: str) -> Callable[[DecodeFunction], DecodeFunction]:
+  def register(function: DecodeFunction) -> DecodeFunction:
+    for tag in tags:
+      assert tag in nodes.NODE_TYPES and tag not in DECODERS, tag
+      DECODERS[tag] = function
+    return function
+
+  return register
+
+
+# Scalars.
+
+
+def _float(v: Any, where: str) -> float:
+  if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+    return float(v)
+  if type(v) in (int, float):
+    return float(v)
+  raise errors.ManifestError(f"{where}: invalid float {v!r}.")
+
+
+@_decodes("none")
+def _none(at: _At, node: Node) -> None:
+  del at, node
+
+
+@_decodes("bool", "int", "str")
+def _exact_scalar(at: _At, node: Node) -> Any:
+  tag = node["t"]
+  if type(node["v"]) is not {"bool": bool, "int": int, "str": str}[tag]:
+    raise errors.ManifestError(f"{at.where}: invalid {tag} {node['v']!r:.80}.")
+  return node["v"]
+
+
+@_decodes("float")
+def _float_node(at: _At, node: Node) -> float:
+  return _float(node["v"], at.where)
+
+
+@_decodes("complex")
+def _complex(at: _At, node: Node) -> complex:
+  return complex(_float(node["re"], at.where), _float(node["im"], at.where))
+
+
+@_decodes("bytes")
+def _bytes(at: _At, node: Node) -> bytes:
+  try:
+    return base64.b64decode(node["b64"], validate=True)
+  except (TypeError, ValueError):
+    raise errors.ManifestError(f"{at.where}: invalid base64 data.") from None
+
+
+@_decodes("np_scalar")
+def _np_scalar(at: _At, node: Node) -> Any:
+  dtype = arrays_lib.dtype_from_name(node["dtype"], where=at.where)
+  try:
+    raw = bytes.fromhex(node["hex"])
+  except (TypeError, ValueError):
+    raise errors.ManifestError(f"{at.where}: invalid hex data.") from None
+  if len(raw) != dtype.itemsize:
+    raise errors.ManifestError(f"{at.where}: {len(raw)} bytes for a {dtype}.")
+  return np.frombuffer(raw, dtype)[0]
+
+
+# Containers.
+
+
+def _items(at: _At, node: Node) -> list[Any]:
+  return [at.child(v, f"{at.where}[{i}]") for i, v in enumerate(node["items"])]
+
+
+@_decodes(*_SEQUENCES)
+def _sequence(at: _At, node: Node) -> Any:
+  items = _items(at, node)
+  try:
+    return _SEQUENCES[node["t"]](items)
+  except TypeError:
+    raise errors.ManifestError(f"{at.where}: unhashable set element.") from None
+
+
+@_decodes("namedtuple")
+def _namedtuple(at: _At, node: Node) -> Any:
+  items = _items(at, node)
+  cls = code_references.resolve_class(
+      node["class"], where=at.where, accept=_is_namedtuple_class, kind="a namedtuple"
+  )
+  if len(items) != len(cls._fields):
+    raise errors.ManifestError(
+        f"{at.where}: {cls.__qualname__} has {len(cls._fields)} fields, the"
+        f" checkpoint has {len(items)} values."
+    )
+  return at.rebuild(cls, cls, *items)
+
+
+@_decodes("dict", "ordered_dict")
+def _dict(at: _At, node: Node) -> Any:
+  out = {} if node["t"] == "dict" else collections.OrderedDict()
+  for key_node, value_node in node["items"]:
+    key = at.static(key_node, f"{at.where} key")
+    try:
+      duplicate = key in out
+    except TypeError:
+      raise errors.ManifestError(f"{at.where}: unhashable dict key {key!r}.") from None
+    if duplicate:
+      raise errors.ManifestError(f"{at.where}: duplicate dict key {key!r}.")
+    out[key] = at.child(value_node, f"{at.where}[{key!r}]")
+  return out
+
+
+# Structure and references to code.
+
+
+@_decodes("struct", "dataclass")
+def _dataclass(at: _At, node: Node) -> Any:
+  """A layer (rebuilt with ``from_attributes``, which bypasses ``__init__``)
+  or another dataclass (rebuilt from its ``__init__`` fields)."""
+  is_struct = node["t"] == "struct"
+  cls = code_references.resolve_class(
+      node["class"],
+      where=at.where,
+      accept=_is_struct_class if is_struct else _is_dataclass_class,
+      kind="a pz.Struct class" if is_struct else "a dataclass",
+  )
+  names = {f.name for f in dataclasses.fields(cls) if is_struct or f.init}
+  values = {}
+  for name, value in node["fields"]:
+    if not isinstance(name, str) or name not in names or name in values:
+      raise errors.ManifestError(
+          f"{at.where}: {cls.__qualname__} has no field {name!r} (or it repeats)."
+      )
+    values[name] = at.child(value, f"{at.where}.{name}")
+  return at.rebuild(cls, cls.from_attributes if is_struct else cls, **values)
+
+
+@_decodes("enum")
+def _enum(at: _At, node: Node) -> Any:
+  cls = code_references.resolve_class(
+      node["class"], where=at.where, accept=_is_enum_class, kind="an Enum"
+  )
+  if not isinstance(node["name"], str) or node["name"] not in cls.__members__:
+    raise errors.ManifestError(
+        f"{at.where}: {cls.__qualname__} has no member {node['name']!r}."
+    )
+  return cls[node["name"]]
+
+
+@_decodes("dtype")
+def _dtype(at: _At, node: Node) -> Any:
+  return arrays_lib.dtype_from_name(node["name"], where=at.where)
+
+
+@_decodes("type")
+def _type(at: _At, node: Node) -> Any:
+  return code_references.resolve_class_value(node["class"], where=at.where)
+
+
+@_decodes("function")
+def _function(at: _At, node: Node) -> Any:
+  return code_references.resolve_function(node["ref"], where=at.where)
+
+
+@_decodes("partial")
+def _partial(at: _At, node: Node) -> Any:
+  func = at.static(node["func"], f"{at.where}.func")
+  if not callable(func):
+    raise errors.ManifestError(f"{at.where}: partial of a non-callable.")
+  args = [at.static(a, f"{at.where}.args") for a in node["args"]]
+  keywords = {}
+  for key, value in node["keywords"]:
+    if not isinstance(key, str) or key in keywords:
+      raise errors.ManifestError(f"{at.where}: invalid keyword {key!r}.")
+    keywords[key] = at.static(value, f"{at.where}.keywords")
+  return functools.partial(func, *args, **keywords)
+
+
+# Arrays.
+
+
+@_decodes("array")
+def _array(at: _At, node: Node) -> Any:
+  ref, arrays = node["ref"], at.walk.arrays
+  if type(ref) is not int or not 0 <= ref < len(arrays):
+    raise errors.ManifestError(f"{at.where}: invalid array reference {ref!r}.")
+  at.walk.labels.check(ref, at.where)
+  return arrays[ref]
+
+
+@_decodes("prng_key")
+def _prng_key(at: _At, node: Node) -> Any:
+  impl = node["impl"]
+  if not isinstance(impl, str) or impl not in nodes.PRNG_IMPLS:
+    raise errors.ManifestError(f"{at.where}: unknown PRNG implementation {impl!r:.80}.")
+  data = at.child(node["data"], f"{at.where}.data")
+  try:
+    return at.walk.build.prng_key(data, impl)
+  except (TypeError, ValueError) as e:
+    raise errors.ManifestError(f"{at.where}: invalid PRNG key data: {e}") from None
+
+
+def _fitting(named: Any, where: str) -> Any:
+  problem = nodes.named_array_problem(named)
+  if problem is not None:
+    raise errors.ManifestError(
+        f"{where}: axis names disagree with the stored array: {problem}"
+    )
+  return named
+
+
+@_decodes("named_array")
+def _named_array(at: _At, node: Node) -> Any:
+  axes = collections.OrderedDict()
+  for name_node, size in node["axes"]:
+    name = at.axis_name(name_node)
+    if name in axes or type(size) is not int or size < 0:
+      raise errors.ManifestError(
+          f"{at.where}: axis {name!r} repeats or has an invalid size {size!r}."
+      )
+    axes[name] = size
+  data = at.child(node["data"], f"{at.where}.data_array")
+  return _fitting(pz.nx.NamedArray(named_axes=axes, data_array=data), at.where)
+
+
+@_decodes("named_array_view")
+def _named_array_view(at: _At, node: Node) -> Any:
+  by_name = {}
+  for name_node, index in node["name_axes"]:
+    name = at.axis_name(name_node)
+    if name in by_name or type(index) is not int:
+      raise errors.ManifestError(f"{at.where}: axis {name!r} repeats or is invalid.")
+    by_name[name] = index
+  data = at.child(node["data"], f"{at.where}.data_array")
+  view = pz.nx.NamedArrayView(
+      data_shape=tuple(node["data_shape"]),
+      data_axis_for_logical_axis=tuple(node["logical_axes"]),
+      data_axis_for_name=by_name,
+      data_array=data,
+  )
+  return _fitting(view, at.where)
+
+
+# Variables.
+
+
+@_decodes("parameter_value", "state_variable_value")
+def _value(at: _At, node: Node) -> Any:
+  cls = pz.ParameterValue if node["t"] == "parameter_value" else pz.StateVariableValue
+  return cls(**at.walk.labeled(node, at.where, at.depth))
+
+
+@_decodes("parameter_slot", "state_variable_slot")
+def _slot(at: _At, node: Node) -> Any:
+  cls = pz.ParameterSlot if node["t"] == "parameter_slot" else pz.StateVariableSlot
+  label = at.static(node["label"], f"{at.where}.label")
+  return cls(label=check_label(label, at.where))
+
+
+@_decodes("variable")
+def _variable(at: _At, node: Node) -> Any:
+  walk = at.walk
+
+  def build(entry: Node, entry_where: str) -> Any:
+    return walk.build.variable(entry["kind"], walk.labeled(entry, entry_where, at.depth))
+
+  return walk.variables.get(node["ref"], at.where, build)
+
+
+# Entry points.
+
+
+def decode(
+    tree: Node,
+    variables: Sequence[Any],
+    arrays: Sequence[Any],
+    *,
+    abstract: bool = False,
+    root: errors.Location | str = "tree",
+    labels: Sequence[str | None] | None = None,
+) -> Any:
+  """Rebuilds the saved tree from its JSON and its (restored) arrays.
+
+  Args:
+    tree: The root JSON node.
+    variables: The manifest's variables table.
+    arrays: The restored arrays, or ``jax.ShapeDtypeStruct`` stand-ins, indexed
+      like the manifest's ``arrays`` list.
+    abstract: Whether ``arrays`` are stand-ins; mutable variables are then
+      returned as frozen values (a mutable variable cannot hold a stand-in).
+    root: Where the root is, for error messages: a `errors.Location` (whose
+      file's variables table is then named too) or a plain name.
+    labels: The manifest's ``label`` of each array, if given checked against
+      the label of the variable (or frozen value) that holds the array.
+
+  Raises:
+    ManifestError: a node is malformed or disagrees with its arrays.
+  """
+  variables_where: errors.Location | str = "variables"
+  if isinstance(root, errors.Location) and root.file is not None:
+    variables_where = errors.Location(root.file, "variables")
+  walk = _Walk(
+      arrays, variables, abstract=abstract, labels=labels,
+      variables_where=variables_where,
+  )
+  try:
+    return walk.decode(tree, str(root), 0, True)
+  except RecursionError:  # A deep stack at the call site: still refused cleanly.
+    raise errors.ManifestError(f"{root}: nesting too deep to decode.") from None
+
+
+def decode_static(node: Node, where: str) -> Any:
+  """Decodes a plain Python value encoded by `encode.encode_static`."""
+  return _Walk((), (), abstract=False).decode(node, where, 0, False)

@@ -1,0 +1,274 @@
+"""The manifest: one versioned JSON file that makes a directory of arrays a tree.
+
+Orbax stores the arrays of a checkpoint item as a flat ``{key: array}`` dict;
+the manifest, ``pz_persist.json`` in the same directory, says how to rebuild
+the saved tree from them (see `pz_persist.encoding`) and describes each array
+(shape, dtype, label) so `pz_persist.inspect` can show a checkpoint without
+reading any array data. Layout::
+
+  {
+    "format": "pz_persist",
+    "format_version": 2,
+    "writer": "pz_persist 0.1.0",
+    "tree": {...},        # typed JSON node of the saved tree
+    "variables": [...],   # mutable variables, referenced from the tree
+    "arrays": [...]       # one entry per array, see ArraySpec.to_json
+  }
+
+A manifest is validated as a whole before any of it is used: a newer
+``format_version`` than this library reads is refused with an upgrade hint,
+oversized files are refused before parsing, and every array entry is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+from typing import Any
+
+from etils import epath
+
+from pz_persist import errors
+from pz_persist import version
+from pz_persist.format import array_specs as arrays_lib
+from pz_persist.safety import bounded_json
+from pz_persist.safety import safe_io
+
+MANIFEST_FILENAME = "pz_persist.json"
+
+FILE_DIGESTS_FILENAME = "pz_persist.files.json"
+"""The list of the item's files with their sizes and digests, written beside
+the manifest once every other file is final (`pz_persist.storage.file_digests`)."""
+
+MAX_FILE_DIGESTS_BYTES = 64 * 2**20
+"""Larger digest files are refused before parsing."""
+FORMAT_NAME = "pz_persist"
+FORMAT_VERSION = 2
+"""The newest manifest format this library writes and reads.
+
+Version 2 added per-array ``checksums``, which every stored array of a
+version 2 manifest must have; version 1 manifests (no checksums) still load,
+and `pz_persist.verify` says their arrays are unverifiable.
+"""
+
+FIRST_FORMAT_WITH_CHECKSUMS = 2
+
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+"""Larger manifests are refused before parsing (a model has ~1 KiB per array)."""
+
+MAX_MANIFEST_NODES = 2**24
+"""Most JSON values (and object keys) a manifest may hold.
+
+Measured: a Gemma-like transformer saved unstacked has ~128 values (~1 KiB)
+per array, and a checksum of a shard ~14 more (~90 bytes), so 2**24 values
+hold ~130,000 unsharded arrays, or a 126-layer model (~1,100 arrays) sharded
+512 ways ~1.8 times over. Parsing costs at most ~90 bytes per value (1.5 GiB
+here), whatever the file holds."""
+
+MIN_BYTES_PER_NODE = 4
+"""Real manifests spend 6.5 (all shard checksums) to 7.7 bytes per JSON
+value; denser ones, such as ``[{},{},...]`` (1.5 bytes per value, 25 bytes
+of memory per byte) are refused before parsing, so parsing costs at most
+~23 bytes of memory per byte of manifest (measured: dicts of one fresh key)."""
+
+MAX_JSON_DEPTH = 512
+"""Deepest JSON nesting of a manifest (real models: ~45; the tree itself is
+limited to `pz_persist.format.nodes.MAX_DEPTH` levels of ~3 JSON levels each)."""
+
+_FIELDS = {"format", "format_version", "writer", "tree", "variables", "arrays"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+  """The parsed, validated manifest of one checkpoint item.
+
+  Attributes:
+    tree: Typed JSON node of the saved tree.
+    variables: Entries of the mutable variables the tree references.
+    arrays: Description of every array, indexed by array node ``ref``.
+    writer: Library and version that wrote the checkpoint.
+    format_version: Manifest format version.
+  """
+
+  tree: dict[str, Any]
+  variables: tuple[Any, ...]
+  arrays: tuple[arrays_lib.ArraySpec, ...]
+  writer: str = f"pz_persist {version.__version__}"
+  format_version: int = FORMAT_VERSION
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": self.format_version,
+        "writer": self.writer,
+        "tree": self.tree,
+        "variables": list(self.variables),
+        "arrays": [spec.to_json() for spec in self.arrays],
+    }
+
+  def dumps(self) -> bytes:
+    return json.dumps(self.to_json(), allow_nan=False, separators=(",", ":")).encode()
+
+  @classmethod
+  def loads(cls, data: bytes, *, where: str) -> Manifest:
+    """Parses and validates a manifest.
+
+    Args:
+      data: The file's bytes.
+      where: The file's path, for error messages.
+
+    Raises:
+      ManifestError: not valid JSON, or not a pz_persist manifest.
+      FormatVersionError: written by a newer format than this library reads.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+      raise errors.ManifestError(
+          f"{where}: manifest is {len(data)} bytes, over the"
+          f" {MAX_MANIFEST_BYTES}-byte limit."
+      )
+    most = bounded_json.node_limit(
+        len(data), most=MAX_MANIFEST_NODES, bytes_per_node=MIN_BYTES_PER_NODE
+    )
+    raw = bounded_json.loads(data, where=where, max_nodes=most, max_depth=MAX_JSON_DEPTH)
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+      raise errors.ManifestError(f"{where}: not a pz_persist manifest.")
+    found = raw.get("format_version")
+    if type(found) is not int or found < 1:
+      raise errors.ManifestError(f"{where}: invalid format_version {found!r}.")
+    if found > FORMAT_VERSION:
+      raise errors.FormatVersionError(
+          f"{where} was written by {raw.get('writer', 'a newer pz_persist')!s:.60}"
+          f" in manifest format {found}; this pz_persist"
+          f" ({version.__version__}) reads formats up to {FORMAT_VERSION}."
+          " Upgrade with: pip install -U pz-persist"
+      )
+    if set(raw) != _FIELDS:
+      raise errors.ManifestError(
+          f"{where}: manifest fields {sorted(raw)}, expected {sorted(_FIELDS)}."
+      )
+    if not isinstance(raw["tree"], dict) or not isinstance(raw["variables"], list):
+      raise errors.ManifestError(f"{where}: tree must be an object, variables a list.")
+    if not isinstance(raw["arrays"], list) or not isinstance(raw["writer"], str):
+      raise errors.ManifestError(f"{where}: arrays must be a list, writer a string.")
+    if arrays_lib.CONTROL_CHARS.search(raw["writer"]):
+      raise errors.ManifestError(f"{where}: invalid writer {raw['writer']!r:.100}.")
+    specs = tuple(
+        arrays_lib.ArraySpec.from_json(entry, where=f"{where}: arrays[{i}]")
+        for i, entry in enumerate(raw["arrays"])
+    )
+    if found >= FIRST_FORMAT_WITH_CHECKSUMS:
+      _check_checksummed(specs, found, where)
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+      if spec.key in seen:
+        raise errors.ManifestError(
+            f"{where}: arrays[{seen[spec.key]}] and arrays[{i}] share the"
+            f" storage key {spec.key!r}."
+        )
+      seen[spec.key] = i
+    return cls(
+        tree=raw["tree"],
+        variables=tuple(raw["variables"]),
+        arrays=specs,
+        writer=raw["writer"],
+        format_version=found,
+    )
+
+
+def _check_checksummed(
+    specs: tuple[arrays_lib.ArraySpec, ...], found: int, where: str
+) -> None:
+  """Refuses a stored array without checksums in a format that records them.
+
+  Why: the checksums are what ``verify`` trusts; if deleting them made an
+  array merely "unverified", whoever modified the arrays could delete them
+  too and have the modified data load, verified, and ``verify`` say OK.
+  """
+  for i, spec in enumerate(specs):
+    if spec.is_stored and spec.checksums is None:
+      raise errors.ManifestError(
+          f"{where}: arrays[{i}] ({spec.describe()}) has no checksums, which"
+          f" every stored array of manifest format {found} records; the"
+          " manifest is damaged or was edited."
+      )
+
+
+def manifest_path(directory: epath.PathLike) -> epath.Path:
+  return epath.Path(directory) / MANIFEST_FILENAME
+
+
+def has_manifest(directory: epath.PathLike) -> bool:
+  return manifest_path(directory).is_file()
+
+
+def read(directory: epath.PathLike) -> Manifest:
+  """Reads and validates the manifest of the checkpoint item in ``directory``."""
+  return read_with_bytes(directory)[0]
+
+
+def read_with_bytes(directory: epath.PathLike) -> tuple[Manifest, bytes]:
+  """`read`, also returning the very bytes parsed (to hash them for identity)."""
+  path = manifest_path(directory)
+  try:  # No link followed, no FIFO opened, at most MAX_MANIFEST_BYTES.
+    data = safe_io.read_small_file(path, MAX_MANIFEST_BYTES, what="manifest")
+  except FileNotFoundError:
+    raise errors.NotACheckpointError(
+        f"{directory} is not a pz_persist checkpoint item: it has no"
+        f" {MANIFEST_FILENAME}."
+    ) from None
+  except OSError as e:
+    raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
+  manifest = Manifest.loads(data, where=str(path))
+  _refuse_downgrade(directory, manifest, where=str(path))
+  return manifest, data
+
+
+def _refuse_downgrade(directory: epath.PathLike, manifest: Manifest, *, where: str) -> None:
+  """Refuses a format-1 manifest in an item that a format-2 writer wrote.
+
+  Why: format 1 predates checksums, so its arrays load unverified; rewriting a
+  manifest as format 1 would hide edited arrays. The file digest list
+  (`pz_persist.storage.file_digests`) came with checksums: an item holding one was
+  written with checksums, and its manifest cannot be format 1.
+  """
+  if manifest.format_version >= 2:
+    return
+  digests = epath.Path(directory) / FILE_DIGESTS_FILENAME
+  present = os.path.lexists(digests) if safe_io.is_local(digests) else digests.exists()
+  if present:
+    raise errors.ManifestError(
+        f"{where}: format {manifest.format_version} (no checksums) beside"
+        f" {FILE_DIGESTS_FILENAME}, which only writers of checksummed formats"
+        " write: the manifest was downgraded to hide edited arrays, or is"
+        " damaged."
+    )
+
+
+def check_file(directory: epath.PathLike) -> None:
+  """Refuses a manifest that is not a regular file, without opening it.
+
+  Why: callers that look at the manifest before `read` (to notice a
+  checkpoint being replaced, say) would otherwise hang on a FIFO or take a
+  directory for a missing file; this names the problem first.
+  """
+  path = os.fspath(manifest_path(directory))
+  if not safe_io.is_local(path):
+    return
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return  # Missing or unreadable: `read` says so.
+  if stat.S_ISDIR(mode):
+    raise errors.ManifestError(f"{path} is a directory, not a manifest file.")
+  if not stat.S_ISREG(mode):
+    raise errors.UnsafeCheckpointError(
+        f"{path} is {safe_io.special_kind(mode)}, not a regular file; refusing"
+        " to read it."
+    )
+
+
+def write(directory: epath.PathLike, manifest: Manifest) -> None:
+  """Writes the manifest (whole or not at all: written aside, then renamed)."""
+  safe_io.write_small_file(manifest_path(directory), manifest.dumps())

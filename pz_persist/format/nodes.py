@@ -1,0 +1,318 @@
+"""The manifest's node types, as data: the one table of the tree format.
+
+Every node of a saved tree is a JSON object ``{"t": tag, ...fields}``. Which
+fields each tag has, what JSON each field holds and which fields hold child
+nodes is written here once, in `NODE_TYPES`; the encoder builds nodes through
+`node` (so it cannot emit a field the table does not list), the decoder
+validates a node's shape with `check_shape` before its tag's decode function
+runs, and the tools that walk manifests without decoding them (`catalog`,
+`diffing`, `viewing`) find children, classes and axes through the table.
+Adding a node type is one row here plus its encoding and decode function;
+``tests/test_nodes.py`` fails if a consumer misses a tag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+from typing import Literal
+
+from penzai import pz
+
+from pz_persist import errors
+
+Node = dict[str, Any]
+
+PRNG_IMPLS = frozenset({"threefry2x32", "rbg", "unsafe_rbg"})
+"""The PRNG implementations JAX ships; a checkpoint may name no other."""
+
+MAX_DEPTH = 100
+"""Deepest nesting a manifest may have (refused beyond, not a RecursionError).
+
+Penzai models nest a few tens of levels; each level costs several Python
+frames in the decoder, so this stays well inside the interpreter's limit."""
+
+Json = Literal["any", "node", "list", "pairs", "ints"]
+"""What JSON a field holds: anything (its decode function checks it), one
+typed node, a list (of nodes), a list of ``[key, value]`` pairs, or a list of
+integers."""
+
+Holds = Literal["", "child", "static"]
+"""Which nodes a field holds (for pairs: in the values): none, children
+decoded like their parent (a tree's children can hold arrays), or static
+values (labels, metadata, axis names, a partial's arguments)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One field of a node type.
+
+  Attributes:
+    name: The JSON key.
+    json: The JSON it holds (see `Json`); checked generically by `check_shape`.
+    holds: The nodes it holds (see `Holds`).
+    keys: For pairs, what the first element is: ``"static"`` (a static node),
+      ``"str"`` (a name) or ``""`` (nothing checked here).
+  """
+
+  name: str
+  json: Json = "any"
+  holds: Holds = ""
+  keys: Literal["", "static", "str"] = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeType:
+  """One node type of the tree format.
+
+  Attributes:
+    tag: Its ``"t"``.
+    fields: Its fields besides ``"t"``, all required.
+    static: Whether it may appear in a static value (a label, metadata...).
+    tree: Whether it may appear in a tree (where arrays and variables live).
+    axes: For named arrays, the field of ``[axis name, n]`` pairs and what
+      ``n`` is: ``"size"`` (the last dimensions, in order) or ``"index"`` (a
+      dimension of the data array).
+  """
+
+  tag: str
+  fields: tuple[Field, ...] = ()
+  static: bool = True
+  tree: bool = True
+  axes: tuple[str, Literal["size", "index"]] | None = None
+
+  @property
+  def field_names(self) -> frozenset[str]:
+    return frozenset(f.name for f in self.fields)
+
+  def field(self, name: str) -> Field | None:
+    return next((f for f in self.fields if f.name == name), None)
+
+
+def _types(*types: NodeType) -> dict[str, NodeType]:
+  return {t.tag: t for t in types}
+
+
+_CLASS = Field("class")
+_ITEMS = Field("items", "list", holds="child")
+_VALUE = Field("v")
+_LABEL = Field("label", "node", holds="static")
+_DATA = Field("data", "node", holds="child")
+_LABELED = (_LABEL, Field("metadata", "node", holds="static"), Field("value", "node", holds="child"))
+
+NODE_TYPES: dict[str, NodeType] = _types(
+    # Scalars.
+    NodeType("none"),
+    NodeType("bool", (_VALUE,)),
+    NodeType("int", (_VALUE,)),
+    NodeType("float", (_VALUE,)),
+    NodeType("complex", (Field("re"), Field("im"))),
+    NodeType("str", (_VALUE,)),
+    NodeType("bytes", (Field("b64"),)),
+    NodeType("np_scalar", (Field("dtype"), Field("hex")), tree=False),
+    # Containers.
+    NodeType("list", (_ITEMS,)),
+    NodeType("tuple", (_ITEMS,)),
+    NodeType("set", (_ITEMS,)),
+    NodeType("frozenset", (_ITEMS,)),
+    NodeType("namedtuple", (_CLASS, _ITEMS)),
+    NodeType("dict", (Field("items", "pairs", holds="child", keys="static"),)),
+    NodeType("ordered_dict", (Field("items", "pairs", holds="child", keys="static"),)),
+    # Structure and references to code.
+    NodeType("struct", (_CLASS, Field("fields", "pairs", holds="child", keys="str"))),
+    NodeType("dataclass", (_CLASS, Field("fields", "pairs", holds="child", keys="str"))),
+    NodeType("enum", (_CLASS, Field("name"))),
+    NodeType("dtype", (Field("name"),)),
+    NodeType("type", (_CLASS,)),
+    NodeType("function", (Field("ref"),)),
+    NodeType("partial", (
+        Field("func", "node", holds="static"),
+        Field("args", "list", holds="static"),
+        Field("keywords", "pairs", holds="static", keys="str"),
+    )),
+    # Arrays.
+    NodeType("array", (Field("ref"),), static=False),
+    NodeType("prng_key", (Field("impl"), _DATA), static=False),
+    NodeType(
+        "named_array",
+        (Field("axes", "pairs", keys="static"), _DATA),
+        static=False,
+        axes=("axes", "size"),
+    ),
+    NodeType(
+        "named_array_view",
+        (
+            Field("data_shape", "ints"),
+            Field("logical_axes", "ints"),
+            Field("name_axes", "pairs", keys="static"),
+            _DATA,
+        ),
+        static=False,
+        axes=("name_axes", "index"),
+    ),
+    # Variables.
+    NodeType("parameter_value", _LABELED, static=False),
+    NodeType("state_variable_value", _LABELED, static=False),
+    NodeType("parameter_slot", (_LABEL,), static=False),
+    NodeType("state_variable_slot", (_LABEL,), static=False),
+    NodeType("variable", (Field("ref"),), static=False),
+)
+"""Every node type, by tag."""
+
+VARIABLE_ENTRY_FIELDS = frozenset({"kind", "label", "metadata", "value"})
+"""The keys of an entry of the manifest's variables table."""
+
+VARIABLE_KINDS: dict[str, type] = {
+    "parameter": pz.Parameter,
+    "state_variable": pz.StateVariable,
+}
+"""The ``kind`` of a variables-table entry, and the class it rebuilds."""
+
+VALUE_TAGS: dict[str, str] = {
+    "parameter_value": "parameter",
+    "state_variable_value": "state_variable",
+}
+"""Tags of frozen variable values, and the variable kind each one is."""
+
+
+def node(tag: str, **fields: Any) -> Node:
+  """A node of type ``tag``; refuses fields the table does not list.
+
+  The encoder builds every node through this, so what it writes and what the
+  decoder expects are the same table row. Fields are written in the row's
+  order (the manifest's bytes depend on it).
+  """
+  node_type = NODE_TYPES[tag]
+  if fields.keys() != node_type.field_names:
+    raise AssertionError(
+        f"node {tag!r} built with fields {sorted(fields)}, the table says"
+        f" {sorted(node_type.field_names)}."
+    )
+  return {"t": tag, **{f.name: fields[f.name] for f in node_type.fields}}
+
+
+def tag_of(node_: Any) -> str | None:
+  """The tag of a typed node, or None if ``node_`` is not one."""
+  if isinstance(node_, dict) and isinstance(node_.get("t"), str):
+    return node_["t"]
+  return None
+
+
+def check_typed(node_: Any, where: str) -> str:
+  """The tag of ``node_``; refuses anything that is not a typed node."""
+  tag = tag_of(node_)
+  if tag is None:
+    raise errors.ManifestError(f"{where}: expected a typed node, got {node_!r:.80}.")
+  return tag
+
+
+def check_fields(node_: Any, where: str, names: frozenset[str]) -> None:
+  """Refuses a typed node whose keys are not exactly ``"t"`` and ``names``."""
+  tag = check_typed(node_, where)
+  if set(node_) != {"t", *names}:
+    raise errors.ManifestError(
+        f"{where}: node {tag!r} has fields {sorted(node_)}, expected"
+        f" {sorted({'t', *names})}."
+    )
+
+
+def check_shape(node_: Node, where: str) -> NodeType:
+  """Checks a node's JSON shape against its table row, once for every tag.
+
+  The node's keys must be exactly its type's fields, and each field must hold
+  the JSON its row says (a list, a list of pairs, a list of integers); what
+  the values mean is left to the tag's decode function.
+  """
+  node_type = NODE_TYPES[node_["t"]]
+  check_fields(node_, where, node_type.field_names)
+  for field in node_type.fields:
+    _check_json(node_[field.name], field, where)
+  return node_type
+
+
+def _check_json(value: Any, field: Field, where: str) -> None:
+  if field.json == "list" and not isinstance(value, list):
+    raise errors.ManifestError(f"{where}: {field.name} must be a list.")
+  if field.json == "pairs" and not is_pairs(value):
+    raise errors.ManifestError(f"{where}: expected a list of pairs.")
+  if field.json == "ints" and (
+      not isinstance(value, list) or not all(type(v) is int for v in value)
+  ):
+    raise errors.ManifestError(f"{where}: expected a list of integers.")
+
+
+def is_pairs(value: Any) -> bool:
+  """Whether ``value`` is a list of two-element lists."""
+  return isinstance(value, list) and all(
+      isinstance(p, list) and len(p) == 2 for p in value
+  )
+
+
+def children(node_: Any, holds: Holds = "child") -> Iterator[Any]:
+  """The nodes a typed node's fields hold (by default its children).
+
+  The JSON may be unchecked (the manifest's, before decoding): anything
+  malformed holds nothing here, and an unknown tag has no children.
+  """
+  node_type = NODE_TYPES.get(tag_of(node_) or "")
+  if node_type is None:
+    return
+  for field in node_type.fields:
+    if field.holds != holds:
+      continue
+    value = node_.get(field.name)
+    if field.json == "node":
+      yield value
+    elif field.json == "list" and isinstance(value, list):
+      yield from value
+    elif field.json == "pairs" and isinstance(value, list):
+      yield from (p[1] for p in value if isinstance(p, list) and len(p) == 2)
+
+
+def names_class(tag: Any) -> bool:
+  """Whether nodes of ``tag`` name a class (in their ``"class"`` field)."""
+  node_type = NODE_TYPES.get(tag) if isinstance(tag, str) else None
+  return node_type is not None and node_type.field("class") is not None
+
+
+def keyed_items(tag: Any) -> bool:
+  """Whether nodes of ``tag`` hold ``items`` as ``[key, value]`` pairs."""
+  node_type = NODE_TYPES.get(tag) if isinstance(tag, str) else None
+  items = node_type.field("items") if node_type is not None else None
+  return items is not None and items.json == "pairs"
+
+
+def describe_label(label: Any) -> str:
+  """A short, stable text for a label (for messages and the arrays table)."""
+  return label if isinstance(label, str) else repr(label)
+
+
+def named_array_problem(named: Any) -> str | None:
+  """Why ``named`` (a ``NamedArray`` / ``NamedArrayView``) does not fit its
+  named axes, or None if it does.
+
+  The one test both directions apply: the encoder stores a fitting value as a
+  ``named_array`` node, which the decoder refuses unless it fits. A value that
+  does not fit is still a legitimate pytree node: optax's states are built by
+  ``tree_map`` over the parameters, so they hold NamedArrays around Adafactor's
+  factored moments, NovoGrad's scalars, SM3's lists or optax's ``MaskedNode``.
+  Those are stored as plain ``struct`` nodes, rebuilt field for field (with
+  no claim that their axes describe their data).
+  """
+  try:
+    named.check_valid()
+  except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+    return str(e)
+  return None
+
+
+def fits_its_axes(x: Any) -> bool:
+  """Whether ``x`` is a NamedArray (or view) whose data fits its named axes.
+
+  Only those are named values of their own; code that treats NamedArrays as
+  leaves (binding compares them by axes and shape) must look inside the
+  others, which only hold what ``tree_map`` put there (see
+  `named_array_problem`).
+  """
+  return isinstance(x, pz.nx.NamedArrayBase) and named_array_problem(x) is None

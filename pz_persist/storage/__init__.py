@@ -1,0 +1,12 @@
+"""Bytes on disk: opening a checkpoint item, reading and writing its arrays.
+
+`opening` is the one way in for every reader (item found, `containment`
+checked once, lock taken, manifest read once, a concurrent save detected and
+the read redone); `reader` the one array reader (limits, Orbax's metadata
+checked by `orbax_metadata_checks`, `direct_read` or Orbax's restore,
+`checksums` verified, storage dtypes converted back), and `restoring` turns
+what was read into the saved tree. Writing: the commit protocol (`commit`:
+hidden sibling, atomic move, reader lock), `file_digests`, `leftovers` of
+interrupted saves and `steps` (step directory names). Helpers: `host_memory`,
+`batching`, `sharding` targets.
+"""

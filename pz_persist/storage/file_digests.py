@@ -1,0 +1,178 @@
+"""A digest of every file of a checkpoint item, written once it is complete.
+
+Array checksums (`pz_persist.storage.checksums`) say *which label* is damaged, but only
+catch damage that changes the bytes an array decodes to. A flipped bit in
+compressed framing, in Orbax's index files or in an unused byte may not; a
+digest of every file catches all of them, and says *which file*. The digests
+are written by the primary process after Orbax has finalized the item (so the
+multi-process OCDBT merge is included) and cost one read of the freshly written
+files, from the page cache. `pz_persist.verify` checks both. (Orbax's
+``commit_success.txt`` marker, a timestamp written after the item is complete
+on file systems without atomic rename, is not covered: it holds no data.)
+
+Layout of ``pz_persist.files.json``::
+
+  {"format": "pz_persist.files", "algorithm": "xxh3_128",
+   "files": {"relative/path": [size_in_bytes, "hexdigest"], ...}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any
+
+from etils import epath
+
+from pz_persist import errors
+from pz_persist import progress as progress_lib
+from pz_persist.format import checksum_records
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.safety import bounded_json
+from pz_persist.safety import safe_io
+from pz_persist.storage import checksums
+from pz_persist.storage import commit
+
+FILENAME = manifest_lib.FILE_DIGESTS_FILENAME
+MAX_BYTES = manifest_lib.MAX_FILE_DIGESTS_BYTES
+
+MAX_NODES = 2**22
+"""Most JSON values a digest file may hold: 4 per file, so a million files
+(a checkpoint without OCDBT has a few per array). A real list spends over
+16 bytes per value (a path and a digest per file), so at most one value per
+8 bytes is allowed (see `pz_persist.safety.bounded_json.node_limit`)."""
+
+_FORMAT = "pz_persist.files"
+_ORBAX_MARKER = "commit_success.txt"  # Written after the list, holds no data.
+
+
+def _files(directory: str) -> list[str]:
+  """Relative paths of the item's files (not the digest file, not temporaries)."""
+  found = []
+  for root, _, names in os.walk(directory):
+    for name in names:
+      rel = os.path.relpath(os.path.join(root, name), directory)
+      if rel == FILENAME or (name.startswith(".") and name.endswith(".tmp")):
+        continue
+      found.append(rel.replace(os.sep, "/"))
+  return sorted(found)
+
+
+def write(directory: epath.Path) -> None:
+  """Records the size and digest of every file in ``directory`` (local only)."""
+  if not commit.is_local(directory):
+    return  # Remote stores checksum their objects themselves.
+  root = os.fspath(directory)
+  files = {
+      rel: [os.path.getsize(os.path.join(root, rel)),
+            checksums.file_digest(os.path.join(root, rel))]
+      for rel in _files(root)
+  }  # fmt: skip
+  data = json.dumps(
+      {"format": _FORMAT, "algorithm": checksum_records.ALGORITHM, "files": files},
+      separators=(",", ":"),
+  ).encode()
+  safe_io.write_small_file(os.path.join(root, FILENAME), data)
+
+
+def check(
+    directory: epath.Path, tracker: progress_lib.Tracker | None = None
+) -> tuple[int, list[str]] | None:
+  """Compares the item's files with the recorded list, each with its digest.
+
+  The recorded files must be exactly those on disk: a file missing, added,
+  resized, changed or no longer a regular file is a problem. Each file is
+  hashed at most once (the list names each by one canonical path).
+
+  Args:
+    directory: The checkpoint item directory.
+    tracker: Told the recorded bytes, then each file's once it is checked.
+
+  Returns:
+    ``(files checked, problems)``, one problem line per missing, added,
+    resized or changed file; None if the item has no digest file (written by
+    an older pz_persist, or on a remote store).
+  """
+  root = os.fspath(directory)
+  path = os.path.join(root, FILENAME)
+  if not commit.is_local(directory):
+    return None
+  try:  # Never following a link, never blocking on a FIFO, bounded.
+    raw = safe_io.read_small_file(path, MAX_BYTES, what="file digest list")
+  except FileNotFoundError:
+    return None
+  recorded = _parse(raw, where=path)
+  if tracker is not None:
+    tracker.grow(sum(size for size, _ in recorded.values()))
+  problems = []
+  for rel, (size, digest) in recorded.items():
+    full = os.path.join(root, rel)
+    problem = _file_problem(full, size, digest)
+    if problem:
+      problems.append(f"{full}: {problem}")
+    if tracker is not None:
+      tracker.advance(size)
+  problems += [
+      f"{os.path.join(root, rel)}: not recorded when the checkpoint was saved"
+      for rel in _files(root) if rel not in recorded and rel != _ORBAX_MARKER
+  ]  # fmt: skip
+  return len(recorded), problems
+
+
+def _file_problem(full: str, size: int, digest: str) -> str | None:
+  """What is wrong with one recorded file, or None if it is intact.
+
+  Never opens anything but a regular file: a FIFO would block, a device
+  never end, and a symlink could lead anywhere (pz_persist writes neither).
+  """
+  try:
+    info = os.lstat(full)
+  except OSError:
+    return "missing"
+  if not stat.S_ISREG(info.st_mode):
+    return "missing" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+  if info.st_size != size:
+    return f"{info.st_size} bytes, {size} when saved"
+  try:
+    changed = checksums.file_digest(full) != digest
+  except OSError:  # Swapped for a link, FIFO or device since the lstat.
+    return "not a regular file"
+  if changed:
+    return "contents changed since it was saved"
+  return None
+
+
+def _canonical(rel: Any) -> bool:
+  """Whether ``rel`` is how `_files` names a file: relative, with no empty,
+  ``.`` or ``..`` parts, so no two names reach one file."""
+  return isinstance(rel, str) and "\0" not in rel and all(
+      part not in ("", ".", "..") for part in rel.split("/")
+  )
+
+
+def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:
+  """Parses and validates a digest file; any flaw is a `ManifestError`."""
+  if len(raw) > MAX_BYTES:
+    raise errors.ManifestError(f"{where}: over the {MAX_BYTES}-byte limit.")
+  most = bounded_json.node_limit(len(raw), most=MAX_NODES, bytes_per_node=8)
+  data = bounded_json.loads(raw, where=where, max_nodes=most, max_depth=4)
+  if (
+      not isinstance(data, dict)
+      or set(data) != {"format", "algorithm", "files"}
+      or data["format"] != _FORMAT
+      or data["algorithm"] != checksum_records.ALGORITHM
+      or not isinstance(data["files"], dict)
+  ):
+    raise errors.ManifestError(f"{where}: not a pz_persist file digest list.")
+  files = {}
+  for rel, entry in data["files"].items():
+    if (
+        not _canonical(rel) or rel == FILENAME
+        or not isinstance(entry, list) or len(entry) != 2
+        or type(entry[0]) is not int or entry[0] < 0
+        or not isinstance(entry[1], str)
+    ):  # fmt: skip
+      raise errors.ManifestError(f"{where}: invalid entry for {rel!r:.200}.")
+    files[rel] = (entry[0], entry[1])
+  return files

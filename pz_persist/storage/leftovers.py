@@ -1,0 +1,573 @@
+"""What unfinished saves leave behind: finding it, and removing it safely.
+
+`pz_persist.save` writes a checkpoint under a hidden sibling name,
+``.NAME.pz_persist-new-TOKEN`` (Orbax first writes it as
+``.NAME.pz_persist-new-TOKEN.orbax-checkpoint-tmp``), and renames it into
+place when it is complete. Everything one save writes there starts with that
+name, its *family*; next to it the save keeps a small marker file,
+``.NAME.pz_persist-new-TOKEN.writer``, saying who writes it (host name, boot
+id, pid and the process's start time) and locked (``flock``) by the writer
+for as long as it writes.
+
+A save that is interrupted (Ctrl-C, or any exception) removes its family
+itself (see `writing`). A save that dies (SIGKILL, power loss) cannot; a later
+save of the same path removes it, and ``pz-persist clean PATH`` removes those
+of a checkpoint path or of a whole directory. A family is removed only when
+its writer is provably gone (`Leftover.status` is ``"dead"``):
+
+* its marker's lock can be taken (the kernel drops a lock when its process
+  dies, whatever pid it had), and
+* the marker was written on this host, and either this machine restarted
+  since (another boot id), or no process has that pid any more, or the one
+  that has it started at another time (the pid was reused), or it is this
+  very process and that save is no longer running (it was interrupted).
+
+Families with no readable marker (written by older versions), written on
+another host or in another pid namespace are never removed automatically:
+nothing proves their writer is gone. ``pz-persist clean --force`` removes
+them, and Orbax's temporary steps in a ``CheckpointManager`` directory, on
+the user's word that nothing writes there any more; a family whose writer is
+provably alive is never removed.
+
+Only local paths have leftovers handled here; on remote storage (``gs://``)
+there are no locks or pids to prove anything with.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Iterator
+
+from etils import epath
+
+from pz_persist.safety import safe_io
+from pz_persist.safety import terminal
+from pz_persist.storage import commit
+from pz_persist.storage import steps
+
+try:
+  import fcntl
+except ImportError:  # Windows: no locks; markers alone decide.
+  fcntl = None
+
+MARKER_SUFFIX = ".writer"
+"""Added to a family's name for its marker file."""
+
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_TRASH_SUFFIX = ".pz_persist-deleting"
+_FAMILY = re.compile(
+    r"^\.(?P<name>.+)\.pz_persist-(?P<role>new|old)-(?P<token>[0-9a-f]+)"
+)
+
+_writing: set[str] = set()
+"""Families this process is writing now (their full paths)."""
+_writing_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Leftover:
+  """What one unfinished save left.
+
+  Attributes:
+    name: The family's name, e.g. ``/runs/.ckpt.pz_persist-new-1f2e...``.
+    entries: Its files and directories.
+    nbytes: Bytes in them.
+    status: ``"dead"`` (its writer is gone: safe to remove), ``"live"`` (a
+      process is writing it), ``"unknown"`` (nothing proves either: no
+      marker, another host, another container) or ``"orbax tmp step"`` (a
+      ``CheckpointManager`` step Orbax had not finished).
+    reason: How the status was decided, for people.
+  """
+
+  name: epath.Path
+  entries: tuple[epath.Path, ...]
+  nbytes: int
+  status: str
+  reason: str
+
+  @property
+  def removable(self) -> bool:
+    return self.status == "dead"
+
+
+# ---- Writing: the marker of a save in progress, and abandoning it. ----------
+
+
+@contextlib.contextmanager
+def writing(
+    target: epath.Path, *, cancel: Callable[[], None], primary: bool = True
+) -> Iterator[None]:
+  """Marks ``target`` as being written by this process while the block runs.
+
+  The marker is created and locked before anything of ``target`` exists, so
+  no cleaner ever mistakes the family of a running save for a dead one. If
+  the block raises (an error, or Ctrl-C), the save is abandoned (`_abandon`,
+  with ``cancel`` stopping Orbax's background work) before the exception
+  goes on; otherwise the marker is removed (the family itself was moved into
+  place or deleted by then). Only the primary process marks and deletes: the
+  others write into the directory it created.
+  """
+  started_after = set(threading.enumerate())
+  local = primary and commit.is_local(target)
+  marker, fd = _marker(target), None
+  if local:
+    fd = os.open(os.fspath(marker), os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+  with _writing_lock:
+    _writing.add(os.fspath(target))
+  try:
+    if fd is not None:
+      if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # A new file: nobody else holds it.
+      os.write(fd, json.dumps(_this_writer()).encode())
+    try:
+      yield
+    except BaseException:
+      with interrupts_deferred():  # A second Ctrl-C must not stop the cleanup.
+        _cancel_background(cancel, started_after)
+        if fd is not None:
+          _abandon(target, fd)
+        elif primary:  # Remote: no placeholder can be put; delete what is there.
+          commit.remove_unfinished(target)
+      raise
+    if fd is not None:
+      _unlink(marker)
+  finally:
+    with _writing_lock:
+      _writing.discard(os.fspath(target))
+    if fd is not None:
+      os.close(fd)  # Releases the lock.
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+  """Holds Ctrl-C back (in the main thread) until the block is done.
+
+  For short steps that must not stop halfway: moving a checkpoint into place
+  (a few renames; interrupted between two of them, where no atomic exchange
+  exists, the path would be left empty) and cleaning up after an interrupted
+  save (bounded: a few seconds at most).
+  """
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    yield
+    return
+  received = []
+  signal.signal(signal.SIGINT, lambda *_: received.append(True))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+  if received:
+    raise KeyboardInterrupt
+
+
+def _cancel_background(
+    cancel: Callable[[], None], started_after: set[threading.Thread]
+) -> None:
+  """Stops Orbax's background work of an unfinished save.
+
+  Its threads (those started since ``started_after``) stop within
+  milliseconds once cancelled; waiting for them keeps them from logging
+  tracebacks about the files deleted under them, and the interpreter's exit
+  from waiting for them.
+  """
+  with contextlib.suppress(Exception):
+    cancel()
+  _join_orbax_threads(started_after, timeout=_JOIN_SECONDS)
+
+
+def _abandon(target: epath.Path, marker_fd: int) -> None:
+  """Deletes what an unfinished save to ``target`` wrote.
+
+  Why not a plain delete: TensorStore's writes already under way cannot be
+  cancelled; they go on after the save's error or interrupt (for as long as
+  the rest of the save would have taken) and create again the directories
+  deleted under them (a plain delete left GBs behind). So Orbax's temporary
+  directory is renamed away and an empty file put in its place, where every
+  late write fails at once; then what was renamed is deleted (see
+  `_delete_soon`). The empty placeholder stays, with the marker, now saying
+  "abandoned" and unlocked, for `remove_dead` (the next save of the path, or
+  ``pz-persist clean``).
+  """
+  marker = _marker(target)
+  trashes = []
+  for entry in _family_entries(target):
+    if os.fspath(entry) == os.fspath(marker):
+      continue
+    if entry.name.endswith(_TRASH_SUFFIX):
+      trashes.append(entry)
+      continue
+    trash = entry.parent / (entry.name + _TRASH_SUFFIX)
+    try:
+      os.rename(os.fspath(entry), os.fspath(trash))
+    except OSError:
+      trashes.append(entry)
+      continue
+    trashes.append(trash)
+    if entry.name.startswith(target.name + _TMP_SUFFIX):
+      with contextlib.suppress(OSError):
+        os.close(os.open(os.fspath(entry), os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644))
+  if not any(e.name.startswith(target.name + _TMP_SUFFIX) for e in _family_entries(target)):
+    trashes.append(marker)  # No placeholder: nothing left to guard.
+  else:
+    with contextlib.suppress(OSError):
+      os.ftruncate(marker_fd, 0)
+      os.pwrite(marker_fd, json.dumps(dict(_this_writer(), abandoned=True)).encode(), 0)
+  _delete_soon(trashes)
+
+
+def _delete_soon(entries: list[epath.Path]) -> None:
+  """Deletes ``entries``, waiting at most `_DELETE_WAIT_SECONDS` for it.
+
+  Why not wait: deleting a file TensorStore is still writing waits for that
+  write (the kernel locks the file), which may take as long as the rest of
+  the save would have. The deletion goes on in the background (a notebook
+  gets its prompt back at once); a script exiting meanwhile finishes it
+  first (its exit waits for TensorStore's writes anyway). What is left if
+  the process is killed is still named after the save, and its marker says
+  "abandoned": the next save of the path, or ``pz-persist clean``, deletes it.
+  """
+  def delete_all():
+    for entry in entries:
+      delete(entry)
+
+  worker = threading.Thread(target=delete_all, name="pz_persist_delete", daemon=True)
+  worker.start()
+  worker.join(_DELETE_WAIT_SECONDS)
+  if worker.is_alive():
+    atexit.register(worker.join, _DELETE_AT_EXIT_SECONDS)
+
+
+_DELETE_WAIT_SECONDS = 1.0
+_DELETE_AT_EXIT_SECONDS = 60.0
+
+
+def _unlink(name: epath.Path) -> None:
+  with contextlib.suppress(OSError):
+    os.unlink(os.fspath(name))
+
+
+_JOIN_SECONDS = 3.0
+"""How long an abandoned save waits for Orbax's cancelled threads (they stop within
+milliseconds; TensorStore's own writes are not waited for)."""
+
+
+def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) -> None:
+  """Waits (at most ``timeout`` s in all) for Orbax's save threads started since."""
+  try:
+    from orbax.checkpoint._src.futures import future as orbax_future  # pylint: disable=import-outside-toplevel
+    kind = orbax_future._SignalingThread  # pylint: disable=protected-access
+  except (ImportError, AttributeError):
+    return  # Another Orbax: the placeholder file still stops late writes.
+  deadline = time.monotonic() + timeout
+  for thread in threading.enumerate():
+    if isinstance(thread, kind) and thread not in started_after:
+      # Thread.join itself: Orbax's join raises once cancelled, still running.
+      threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+
+
+# ---- Finding leftovers. -----------------------------------------------------
+
+
+def find(path: epath.PathLike) -> list[Leftover]:
+  """Leftovers of saves to the checkpoint path ``path`` (beside it)."""
+  path = commit.as_path(path)
+  if not commit.is_local(path):
+    return []
+  return _families(path.parent, of=path.name)
+
+
+def find_inside(directory: epath.PathLike) -> list[Leftover]:
+  """Leftovers of saves to any path directly inside ``directory``, and Orbax's
+  unfinished ``CheckpointManager`` steps there."""
+  directory = commit.as_path(directory)
+  if not commit.is_local(directory) or not os.path.isdir(os.fspath(directory)):
+    return []
+  found = _families(directory)
+  for entry in sorted(os.scandir(os.fspath(directory)), key=lambda e: e.name):
+    parsed = steps.parse_step_name(entry.name)
+    if parsed is not None and not parsed[1]:  # An uncommitted step.
+      found.append(Leftover(
+          name=directory / entry.name, entries=(directory / entry.name,),
+          nbytes=_size(entry.path), status="orbax tmp step",
+          reason="Orbax removes it when a CheckpointManager opens this directory",
+      ))
+  return found
+
+
+def find_all(path: epath.PathLike) -> list[Leftover]:
+  """Leftovers beside ``path`` and, if it is a directory, inside it."""
+  return find(path) + find_inside(path)
+
+
+def _families(directory: epath.Path, of: str | None = None) -> list[Leftover]:
+  """The leftover families in ``directory`` (of saves to ``of``, if given)."""
+  try:
+    names = sorted(os.listdir(os.fspath(directory)))
+  except OSError:
+    return []
+  groups: dict[str, list[str]] = {}
+  for name in names:
+    match = _FAMILY.match(name)
+    if match and of in (None, match["name"]):
+      groups.setdefault(match.group(0), []).append(name)
+  found = []
+  for family, members in groups.items():
+    base = directory / family
+    status, reason = _status(base, directory)
+    entries = tuple(directory / m for m in members)
+    found.append(Leftover(
+        name=base, entries=entries,
+        nbytes=sum(_size(os.fspath(e)) for e in entries),
+        status=status, reason=reason,
+    ))
+  return found
+
+
+def _status(family: epath.Path, directory: epath.Path) -> tuple[str, str]:
+  """Whether the writer of ``family`` is provably gone, and why."""
+  match = _FAMILY.match(family.name)
+  if match["role"] == "old":
+    # A replaced checkpoint moved aside (no atomic exchange here). Only
+    # garbage once the new one is in place; otherwise it may be the only copy.
+    if os.path.lexists(os.fspath(directory / match["name"])):
+      return "dead", "a replaced checkpoint, its replacement is in place"
+    return "unknown", f"the previous checkpoint of {match['name']}, which is missing"
+  with _marker_locked(family) as (locked, writer):
+    if not locked:
+      return "live", "its writer holds the lock on its marker"
+  return _writer_status(family, writer)
+
+
+def _writer_status(family: epath.Path, writer: dict | None) -> tuple[str, str]:
+  """Decides from the marker's contents alone (its lock was free)."""
+  if not isinstance(writer, dict):
+    return "unknown", "no readable writer marker (written by an older pz_persist?)"
+  here = _this_writer()
+  pid = writer.get("pid")
+  who = f"pid {pid} on {writer.get('host')}"
+  if writer.get("host") != here["host"]:
+    return "unknown", f"written by {who}, another host"
+  if writer.get("boot") and here["boot"] and writer["boot"] != here["boot"]:
+    return "dead", f"written by {who} before this machine restarted"
+  if writer.get("pidns") != here["pidns"]:
+    return "unknown", f"written by {who} in another container (pid namespace)"
+  if not isinstance(pid, int):
+    return "unknown", "no pid in its writer marker"
+  if writer.get("abandoned"):
+    return "dead", f"an interrupted save of {who}"
+  if pid == here["pid"] and writer.get("start") == here["start"]:
+    with _writing_lock:
+      if os.fspath(family) in _writing:
+        return "live", "this process is writing it"
+    return "dead", "an interrupted save of this process"
+  if not _pid_exists(pid):
+    return "dead", f"{who} has exited"
+  start = _start_time(pid)
+  if start is not None and writer.get("start") is not None and start != writer["start"]:
+    return "dead", f"{who} has exited (the pid now belongs to another process)"
+  return "live", f"{who} is still running"
+
+
+@contextlib.contextmanager
+def _marker_locked(family: epath.Path):
+  """Yields (lock taken, marker contents) holding the marker's lock if free.
+
+  Holding it while the family is deleted keeps two cleaners apart. No marker
+  (or one that cannot be opened) counts as free, with no contents.
+  """
+  try:
+    fd = os.open(os.fspath(_marker(family)), os.O_RDONLY | _NOFOLLOW)
+  except OSError:
+    yield True, None
+    return
+  try:
+    if fcntl is not None:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+          yield False, None
+          return
+        # Locks unsupported here (some network filesystems): markers decide.
+    try:
+      writer = json.loads(os.read(fd, _MAX_MARKER_BYTES))
+    except ValueError:
+      writer = None
+    yield True, writer
+  finally:
+    os.close(fd)
+
+
+_MAX_MARKER_BYTES = 4096
+
+
+# ---- Removing. --------------------------------------------------------------
+
+
+def remove_dead(path: epath.PathLike) -> list[Leftover]:
+  """Removes the leftovers of saves to ``path`` whose writers are gone."""
+  removed = []
+  for leftover in find(path):
+    if leftover.removable and remove(leftover):
+      removed.append(leftover)
+  return removed
+
+
+def remove(leftover: Leftover, *, force: bool = False) -> bool:
+  """Removes one leftover if it may be; True if it was.
+
+  Dead ones always may be; with ``force`` also those whose writer is
+  unknown (the user vouches that nothing writes them) and Orbax's temporary
+  steps; live ones never. The status is decided again, under the marker's
+  lock, just before deleting.
+  """
+  if leftover.status == "orbax tmp step":
+    if not force:
+      return False
+    delete(leftover.name)
+    return True
+  with _marker_locked(leftover.name) as (locked, writer):
+    if not locked:
+      return False
+    if _FAMILY.match(leftover.name.name)["role"] == "old":
+      status, _ = _status(leftover.name, leftover.name.parent)
+    else:
+      status, _ = _writer_status(leftover.name, writer)
+    if status == "live" or (status != "dead" and not force):
+      return False
+    for entry in leftover.entries:
+      if os.fspath(entry) != os.fspath(_marker(leftover.name)):
+        delete(entry)
+    delete(_marker(leftover.name))
+  return True
+
+
+def delete(entry: epath.Path) -> None:
+  """Deletes one leftover entry, never following a symlink out of its directory.
+
+  The only place leftovers are deleted; it is `safe_io.remove_tree`, which
+  unlinks a link (or file, FIFO...) itself and empties a directory through
+  descriptors, deleting links inside as links.
+  """
+  safe_io.remove_tree(entry)
+
+
+# ---- Reporting. -------------------------------------------------------------
+
+
+def summary(leftovers: list[Leftover], where: epath.PathLike) -> str | None:
+  """One line for ``pz-persist ls`` / ``inspect``: what was found, what to run."""
+  if not leftovers:
+    return None
+  nbytes = sum(leftover.nbytes for leftover in leftovers)
+  dead = sum(leftover.removable for leftover in leftovers)
+  return (
+      f"note: {len(leftovers)} leftover(s) of unfinished saves beside or in"
+      f" {where} ({terminal.size_text(nbytes)}, {dead} removable now); see"
+      f" `pz-persist clean {where}`"
+  )
+
+
+# ---- Small helpers. ---------------------------------------------------------
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _marker(family: epath.Path) -> epath.Path:
+  return family.parent / (family.name + MARKER_SUFFIX)
+
+
+def _family_entries(target: epath.Path) -> list[epath.Path]:
+  """Everything named after ``target`` beside it (itself included)."""
+  try:
+    names = os.listdir(os.fspath(target.parent))
+  except OSError:
+    return []
+  return [
+      target.parent / n for n in sorted(names)
+      if n == target.name or n.startswith(target.name + ".")
+  ]
+
+
+def _size(name: str) -> int:
+  """Bytes of the files under ``name`` (symlinks not followed)."""
+  try:
+    st = os.lstat(name)
+  except OSError:
+    return 0
+  if not stat.S_ISDIR(st.st_mode):
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+  total = 0
+  for root, _, files in os.walk(name):
+    for file in files:
+      with contextlib.suppress(OSError):
+        st = os.lstat(os.path.join(root, file))
+        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+  return total
+
+
+def _this_writer() -> dict:
+  """Who this process is, as recorded in markers."""
+  return {
+      "host": socket.gethostname(),
+      "boot": _read("/proc/sys/kernel/random/boot_id").strip() or None,
+      "pidns": _pidns(),
+      "pid": os.getpid(),
+      "start": _start_time(os.getpid()),
+      "time": time.time(),
+  }
+
+
+def _pidns() -> str | None:
+  try:
+    return os.readlink("/proc/self/ns/pid")
+  except OSError:
+    return None
+
+
+def _start_time(pid: int) -> int | None:
+  """When process ``pid`` started (clock ticks since boot), where known.
+
+  Tells a process from a later one that reuses its pid.
+  """
+  text = _read(f"/proc/{pid}/stat")
+  if ")" not in text:
+    return None
+  fields = text.rsplit(")", 1)[1].split()
+  try:
+    return int(fields[19])  # Field 22 of stat; fields[0] is field 3.
+  except (IndexError, ValueError):
+    return None
+
+
+def _pid_exists(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # Exists, owned by another user.
+  except OSError:
+    return True  # Cannot tell: assume alive.
+  return pid > 0
+
+
+def _read(name: str) -> str:
+  try:
+    with open(name) as f:
+      return f.read()
+  except OSError:
+    return ""

@@ -1,0 +1,316 @@
+"""Opening a checkpoint item for reading: the one way every loader gets in.
+
+Why one module: each thing a read must do before it trusts a byte of the
+checkpoint (find the item, refuse files reaching outside it, hold the shared
+lock a save's final move waits for, read the manifest once, and notice a save
+replacing the checkpoint meanwhile) used to be redone, or forgotten, by each
+entry point. `read` does all of it, so `pz_persist.load`, ``inspect``,
+``load_model`` (both forms), ``diff``, ``verify``, the Orbax v0 handler (and
+through it ``CheckpointManager.restore`` and the Orbax v1 handler) get the
+same guarantees::
+
+  tree = opening.read(path, lambda opened: decode(opened.manifest, ...))
+
+Files are read by path, so a save replacing the checkpoint while it is read
+could mix the old manifest with new arrays, or fail on files of the old one as
+it is deleted. On a local disk the read holds a shared lock that a save's
+final move waits for; elsewhere (or when the item directory itself was given)
+such a read is detected (what is at the path changed while it was read) and
+done again from the start, at most `LOAD_ATTEMPTS` times.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+from typing import TypeVar
+
+from etils import epath
+
+from pz_persist import errors
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.safety import safe_io
+from pz_persist.storage import commit
+from pz_persist.storage import containment
+
+_T = TypeVar("_T")
+
+LOAD_ATTEMPTS = 3
+"""How many times a checkpoint that other saves keep replacing is read."""
+
+ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+"""The file Orbax writes at the top of every checkpoint (beside its items)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenItem:
+  """A checkpoint item, checked and with its manifest read, ready to read.
+
+  Attributes:
+    path: The path the user (or Orbax) gave.
+    item: The item directory (``path`` itself, or the one item inside it).
+    manifest: The parsed, validated manifest, read once.
+    digest: sha256 of exactly the manifest bytes parsed: which checkpoint
+      this is, on filesystems without stable inodes.
+    snapshot: What `containment.check_contained` saw of ``item`` (None remotely),
+      for `containment.files_unchanged` to compare the files read against.
+    identity: `_identity` of ``path`` and ``item`` before the manifest was
+      read, to tell whether a save replaced them since.
+  """
+
+  path: epath.Path
+  item: epath.Path
+  manifest: manifest_lib.Manifest
+  digest: bytes
+  snapshot: containment.Snapshot | None
+  identity: tuple[Any, ...]
+
+  def unchanged(self) -> bool:
+    """Whether ``path`` still holds the very checkpoint opened."""
+    return _same(self.path, self.item, self.identity, self.digest)
+
+
+def read(
+    path: epath.PathLike,
+    use: Callable[[OpenItem], _T],
+    *,
+    item_directory: bool = False,
+    damaged_manifest: Callable[[epath.Path, errors.ManifestError], _T] | None = None,
+) -> _T:
+  """Opens the item at ``path`` and returns ``use(opened)``, never a mix.
+
+  ``use`` runs under the shared lock (`commit.reading`). If it fails or
+  returns while what is at ``path`` changed (a save replaced the checkpoint),
+  its result or error is discarded and everything is done again from the
+  start; an error raised while nothing changed is a real one, raised at once.
+
+  Args:
+    path: A checkpoint directory or the item directory inside one.
+    use: Reads what it needs from the opened item.
+    item_directory: ``path`` is an item directory (as Orbax hands handlers):
+      it is not searched for an item.
+    damaged_manifest: For a reader that reports damage rather than raising it
+      (``verify``): called as ``damaged_manifest(item, error)`` instead of
+      ``use`` when the item's manifest cannot be read or is invalid.
+
+  Raises:
+    ConcurrentSaveError: other saves replaced the checkpoint during each of
+      `LOAD_ATTEMPTS` attempts.
+  """
+  path = commit.as_path(path)
+  failure = None
+  for _ in range(LOAD_ATTEMPTS):
+    item, digest = None, None
+    with commit.reading(path), _checkpoint_locked(path):
+      before = _identity(path, item)
+      try:
+        item, snapshot = _find(path, item_directory)
+        before = _identity(path, item)
+        if not _walked(snapshot, item):  # Replaced between the walk and now.
+          continue
+        try:
+          manifest, data = manifest_lib.read_with_bytes(item)
+        except errors.ManifestError as e:
+          if damaged_manifest is None:
+            raise
+          result = damaged_manifest(item, e)
+        else:
+          digest = hashlib.sha256(data).digest()
+          result = use(OpenItem(path, item, manifest, digest, snapshot, before))
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        if _same(path, item, before, digest):
+          raise  # The checkpoint did not change: a real error.
+        failure = e
+        continue
+      unchanged = _same(path, item, before, digest)
+    if unchanged:
+      return result
+  raise errors.ConcurrentSaveError(
+      f"{path} was replaced by other saves while each of {LOAD_ATTEMPTS}"
+      " attempts to load it was reading it; try again."
+  ) from failure
+
+
+def read_manifest(path: epath.PathLike) -> manifest_lib.Manifest:
+  """The validated manifest of the checkpoint at ``path`` (reads no arrays)."""
+  return read(path, lambda opened: opened.manifest)
+
+
+def _checkpoint_locked(path: epath.Path) -> Any:
+  """Also holds the shared lock of the checkpoint holding ``path``, when
+  ``path`` is an item inside one: a save swaps that checkpoint (``path``'s
+  parent) under the lock of its own parent, not of ``path``'s."""
+  checkpoint = path.parent
+  if (checkpoint / ORBAX_CHECKPOINT_METADATA).exists():
+    return commit.reading(checkpoint)
+  return contextlib.nullcontext()
+
+
+def _walked(snapshot: containment.Snapshot | None, item: epath.Path) -> bool:
+  """Whether ``snapshot`` is of the directory at ``item`` now.
+
+  Why: the identity that tells a replaced checkpoint is taken after the walk
+  (the item is only known then); a save landing in between would pair the
+  old files' snapshot with the new checkpoint (where no lock stops it).
+  """
+  if snapshot is None:
+    return True
+  try:
+    st = os.stat(snapshot[0])
+  except OSError:
+    return False
+  same_root = os.path.realpath(os.fspath(item)) == snapshot[0]
+  return same_root and (st.st_dev, st.st_ino) == snapshot[1:3]
+
+
+def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
+  """Which checkpoint is at ``path`` (and its ``item``, once found) now.
+
+  A save replacing it puts new directories there, with new inodes and times,
+  and a new manifest file (see `_manifest_identity`).
+  """
+  if item is None:
+    return (commit.identity(path),)
+  return (
+      commit.identity(path),
+      commit.identity(item),
+      _manifest_identity(item),
+  )
+
+
+def _manifest_identity(item: epath.Path) -> tuple[int, ...] | None:
+  """The manifest file's device, inode, times and size (None remotely, or if
+  missing): every save writes a new file, so the manifest is not read again."""
+  if not commit.is_local(item):
+    return None
+  try:
+    st = os.lstat(os.fspath(manifest_lib.manifest_path(item)))
+  except OSError:
+    return None
+  return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+
+def _same(
+    path: epath.Path, item: epath.Path | None, before: tuple[Any, ...],
+    digest: bytes | None,
+) -> bool:
+  """Whether ``path`` still holds what was seen as ``before`` (and, remotely,
+  where nothing else tells files apart, a manifest hashing to ``digest``)."""
+  if _identity(path, item) != before:
+    return False
+  if item is None or digest is None or commit.is_local(item):
+    return True
+  return _manifest_digest(item) == digest
+
+
+def _manifest_digest(item: epath.Path) -> bytes | None:
+  try:  # Bounded, never following a link nor blocking, as in read.
+    return hashlib.sha256(safe_io.read_small_file(
+        manifest_lib.manifest_path(item), manifest_lib.MAX_MANIFEST_BYTES
+    )).digest()
+  except (OSError, errors.PzPersistError):
+    return None
+
+
+def _find(
+    path: epath.Path, item_directory: bool
+) -> tuple[epath.Path, containment.Snapshot | None]:
+  """The item at ``path``, its files checked, and what the check saw of it."""
+  if item_directory:
+    return path, check_item_contained(path)
+  return find_item(path)
+
+
+def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | None]:
+  """The pz_persist item directory of the checkpoint at ``path``, checked.
+
+  Every file of the checkpoint is checked (`containment.check_contained`) once;
+  returns the item and the `containment.Snapshot` of it.
+
+  Raises:
+    NotACheckpointError: no item, or several (the message lists them).
+    UnsafeCheckpointError: a file reaches outside the checkpoint.
+  """
+  path = commit.as_path(path)
+  if not path.is_dir():
+    raise errors.NotACheckpointError(
+        f"{path} is not a pz_persist checkpoint: "
+        + ("it is not a directory." if path.exists() else "it does not exist.")
+    )
+  if _holds_manifest(path):
+    snapshot = check_item_contained(path)
+    manifest_lib.check_file(path)
+    return path, snapshot
+  items = sorted(
+      child for child in path.iterdir()
+      if child.is_dir() and _holds_manifest(child)
+  )
+  if len(items) == 1:
+    # The whole checkpoint, not only the item: the item directory itself may
+    # be a symlink leading out of it.
+    whole = containment.check_contained(path)
+    containment.check_checkpoint_metadata(path)
+    manifest_lib.check_file(items[0])
+    if os.path.islink(os.fspath(items[0])):  # Not walked into: its own walk.
+      return items[0], containment.check_contained(items[0])
+    return items[0], containment.part(whole, items[0])
+  if len(items) > 1:
+    names = ", ".join(item.name for item in items)
+    raise errors.NotACheckpointError(
+        f"{path} holds several pz_persist items ({names}); pass one of them,"
+        f" e.g. {items[0]}."
+    )
+  hint = ""
+  if (path / ORBAX_CHECKPOINT_METADATA).exists() or (path / "_METADATA").exists():
+    hint = (
+        " It is an Orbax checkpoint written without pz_persist; restore it with"
+        " orbax.checkpoint and a template or, if it holds a Penzai model's"
+        " parameters (saved from pz.unbind_params(model, freeze=True)), load it"
+        " with pz_persist.load_model(path, into=model) or convert it with"
+        " pz_persist.migrate."
+    )
+  raise errors.NotACheckpointError(
+      f"{path} is not a pz_persist checkpoint: no {manifest_lib.MANIFEST_FILENAME}"
+      f" in it or in any directory directly inside it.{hint}"
+  )
+
+
+def _holds_manifest(directory: epath.Path) -> bool:
+  """Whether ``directory`` has a manifest entry of any kind.
+
+  Why not `manifest.has_manifest`: a manifest that is a symlink out of the
+  checkpoint, a FIFO or a directory is not a regular file, and would make
+  the directory look like no checkpoint at all; found here, it is refused by
+  name instead (by `containment.check_contained` or `manifest.read`).
+  """
+  if not commit.is_local(directory):
+    return manifest_lib.has_manifest(directory)
+  return os.path.lexists(os.fspath(manifest_lib.manifest_path(directory)))
+
+
+def check_item_contained(directory: epath.Path) -> containment.Snapshot | None:
+  """Refuses an item whose files reach outside it, or outside its checkpoint.
+
+  Why the checkpoint too: `containment.check_contained` accepts the directory it
+  is given being a symlink (a path the user chose). An item directory inside
+  an Orbax checkpoint (beside ``_CHECKPOINT_METADATA``) was chosen by Orbax
+  or `pz_persist.load` from the checkpoint's path, so a symlink there leading
+  out of the checkpoint is refused, as `pz_persist.load` refuses it.
+
+  Returns:
+    The `containment.Snapshot` of ``directory``.
+  """
+  snapshot = containment.check_contained(directory)
+  if not commit.is_local(directory):
+    return snapshot
+  path = os.fspath(directory)
+  parent = os.path.dirname(os.path.abspath(path))
+  if os.path.islink(path) and os.path.exists(
+      os.path.join(parent, ORBAX_CHECKPOINT_METADATA)
+  ):
+    containment.check_contained(parent)
+  return snapshot

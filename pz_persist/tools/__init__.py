@@ -1,0 +1,5 @@
+"""What users run on checkpoints: diff, verify, view, migrate, and the command line.
+
+Each is a thin caller of `pz_persist.storage.opening` / `reader` and the
+queries of `pz_persist.format`.
+"""

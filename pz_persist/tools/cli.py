@@ -1,0 +1,356 @@
+"""The ``pz-persist`` command: look at, compare, verify and list checkpoints,
+and convert pretrained weights to native ones.
+
+Exit status follows ``diff``: 0 on success (for ``diff``: identical), 1 when
+``diff`` finds differences or ``verify`` finds damage, 2 on errors (bad
+arguments, not a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import sys
+from typing import TextIO
+
+from pz_persist import errors
+from pz_persist import progress as progress_lib
+from pz_persist import version
+from pz_persist.safety import terminal
+from pz_persist.storage import leftovers
+from pz_persist.storage import steps
+from pz_persist.tools import diffing
+from pz_persist.tools import verifying
+from pz_persist.tools import viewing
+
+
+def _print(text: str = "", *, file: TextIO | None = None) -> None:
+  """Prints ``text`` with every escape sequence neutralized (the one place
+  this command prints: much of what it shows comes from the checkpoint)."""
+  print(terminal.printable(text), file=file or sys.stdout)
+
+
+def _one_line(text: str) -> str:
+  """A value from the checkpoint that must not start a line of its own."""
+  return terminal.printable(text, newlines=False)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+  _print(viewing.describe_checkpoint(args.path))
+  if args.html:
+    out = viewing.render_html(args.path, args.html, arrays=args.arrays)
+    _print(f"\nwrote {out}")
+  _note_leftovers(leftovers.find(args.path), args.path)
+  return 0
+
+
+def _note_leftovers(found: list[leftovers.Leftover], where: str) -> None:
+  """One line about leftovers of unfinished saves, if any (see ``clean``)."""
+  line = leftovers.summary(found, where)
+  if line:
+    _print(f"\n{line}")
+
+
+def _clean(args: argparse.Namespace) -> int:
+  found = leftovers.find_all(args.path)
+  if not found:
+    _print(f"no leftovers of unfinished saves beside or in {args.path}")
+    return 0
+  kept = 0
+  for leftover in found:
+    removed = not args.dry_run and leftovers.remove(leftover, force=args.force)
+    kept += not removed
+    verb = "removed" if removed else "would remove" if args.dry_run and (
+        leftover.removable or args.force and leftover.status != "live") else "kept"
+    _print(f"{verb} {_one_line(leftover.name)} ({terminal.size_text(leftover.nbytes)}):"
+          f" {leftover.status}, {leftover.reason}")
+  if kept and not args.force and not args.dry_run:
+    _print("kept ones whose writer may still be running; --force also removes"
+          " those not provably live (no marker, another host, Orbax's"
+          " unfinished steps) once you know nothing writes them.")
+  return 0
+
+
+def _number(x: float) -> str:
+  return f"{x:.3g}"
+
+
+def _diff(args: argparse.Namespace) -> int:
+  result = diffing.diff(args.a, args.b, batch_bytes=args.batch_mib * 2**20,
+                        progress=_progress(args))
+  sections = [
+      ("model structure or labels differ", result.structure),
+      ("only in A", result.only_in_a),
+      ("only in B", result.only_in_b),
+      ("shape or dtype differs", result.changed),
+  ]
+  for title, lines in sections:
+    if lines:
+      _print(f"{title}:")
+      _print("\n".join(f"  {_one_line(line)}" for line in lines))
+  shown = [a for a in result.arrays if args.all or not a.identical]
+  if shown:
+    _print(viewing.format_table(
+        ["array", "identical", "max |A-B|", "|A-B|", "|A-B|/|B|"],
+        [[_one_line(a.name), "yes" if a.identical else "no", _number(a.max_abs), _number(a.l2),
+          _number(a.relative_l2)] for a in shown],
+        right=("max |A-B|", "|A-B|", "|A-B|/|B|"),
+    ))
+  differing = sum(not a.identical for a in result.arrays)
+  if result.identical:
+    _print(f"identical: {len(result.arrays)} array(s) compared")
+    return 0
+  _print(f"{differing} of {len(result.arrays)} compared array(s) differ")
+  return 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+  damaged = 0
+  for path in args.paths:
+    report = verifying.verify(path, progress=_progress(args))
+    _print(str(report))
+    damaged += not report.ok
+  return 1 if damaged else 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+  found = steps.list_steps(args.directory)
+  if not found:
+    _print(f"no steps in {args.directory}")
+    _note_leftovers(leftovers.find_all(args.directory), args.directory)
+    return 0
+  rows = []
+  for info in found:
+    when = "-"
+    if info.commit_time_ns is not None:
+      when = datetime.datetime.fromtimestamp(
+          info.commit_time_ns / 1e9, datetime.timezone.utc
+      ).strftime("%Y-%m-%d %H:%M:%S UTC")
+    items = ", ".join(
+        _one_line(name) + ("*" if name in info.penzai_items else "")
+        for name in info.items
+    )
+    rows.append([str(info.step), "yes" if info.committed else "no (partial)",
+                 items or "-", terminal.size_text(info.nbytes), when])
+  _print(viewing.format_table(["step", "committed", "items", "size", "committed at"],
+                              rows, right=("step", "size")))
+  _print("\n* items written by pz_persist")
+  _note_leftovers(leftovers.find_all(args.directory), args.directory)
+  return 0
+
+
+def _progress(args: argparse.Namespace) -> progress_lib.Progress:
+  """Bars on a terminal (stderr), none with ``--quiet`` or in logs."""
+  return False if args.quiet else None
+
+
+def _convert(args: argparse.Namespace) -> int:
+  """Loads pretrained weights once and writes them as a native checkpoint,
+  which `pz_persist.load_model` then reloads without any conversion."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from pz_persist import model as model_lib
+
+  if os.path.exists(args.dst) and not args.overwrite:
+    raise errors.CheckpointExistsError(
+        f"{args.dst} exists; pass --overwrite to replace it."
+    )
+  dtype = None if args.dtype is None else jnp.dtype(args.dtype)
+  if args.format == "gemma":
+    from pz_persist.pretrained import gemma  # pylint: disable=import-outside-toplevel
+
+    preset = {"like": args.preset_like} if args.preset_like else args.preset
+    model = gemma.load_gemma(args.src, preset=preset, dtype=dtype, progress=_progress(args))
+  else:
+    from pz_persist.pretrained import hf  # pylint: disable=import-outside-toplevel
+
+    model = hf.load_hf(args.src, dtype=dtype, progress=_progress(args))
+  # Orbax writes the checkpoint in one call: one step, showing the time taken.
+  with progress_lib.tracking(_progress(args), f"writing {args.dst}", 1,
+                             unit="checkpoint") as tracker:
+    model_lib.save_model(args.dst, model, overwrite=args.overwrite)
+    tracker.advance()
+  _print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
+  return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+  """Loads a plain Orbax checkpoint into the model the user's function builds,
+  and writes it as a native checkpoint."""
+  from pz_persist.tools import migrating
+
+  if os.getcwd() not in sys.path:  # As `python -m` would: the user's modules.
+    sys.path.insert(0, os.getcwd())
+  model = migrating.build_model(args.model)
+  migrating.migrate(
+      args.src, args.dst, model, overwrite=args.overwrite,
+      allow_modules=args.allow_module,
+  )
+  _print(f"wrote {args.dst}; reload it with pz_persist.load_model({args.dst!r})")
+  return 0
+
+
+def _installed(package: str) -> str:
+  """The installed version of ``package``, for ``--version``."""
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "not installed"
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="pz-persist",
+      description="Look at, compare and list pz_persist (Orbax) checkpoints.",
+  )
+  parser.add_argument(
+      "--version", action="version",
+      version=f"%(prog)s {version.__version__} (orbax-checkpoint"
+      f" {_installed('orbax-checkpoint')}, penzai {_installed('penzai')},"
+      f" jax {_installed('jax')})",
+  )
+  commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+  inspect = commands.add_parser(
+      "inspect",
+      help="table of a checkpoint's arrays (label, axes, shape, dtype, bytes)",
+      description="Print a checkpoint's arrays without reading them: label, axis"
+      " names, shape, dtype and size.",
+  )
+  inspect.add_argument("path", help="checkpoint directory (or its item directory)")
+  inspect.add_argument("--html", metavar="OUT", help="also write a treescope HTML view")
+  inspect.add_argument(
+      "--arrays", action="store_true",
+      help="with --html: load the arrays to show value summaries",
+  )
+  inspect.set_defaults(run=_inspect)
+
+  diff = commands.add_parser(
+      "diff",
+      help="compare two checkpoints (structure and values)",
+      description="Compare checkpoints A and B: structure, labels, shapes and"
+      " dtypes, then the values of each array (max and L2 norm of the"
+      " difference), reading a bounded batch of arrays at a time. Exits 0 if"
+      " identical, 1 if they differ.",
+  )
+  diff.add_argument("a")
+  diff.add_argument("b")
+  diff.add_argument("--all", action="store_true", help="list identical arrays too")
+  diff.add_argument(
+      "--batch-mib", type=int, default=diffing.DEFAULT_BATCH_BYTES // 2**20,
+      help="most MiB read from each checkpoint at once (default: %(default)s)",
+  )
+  diff.add_argument("--quiet", action="store_true", help="no progress bar")
+  diff.set_defaults(run=_diff)
+
+  verify = commands.add_parser(
+      "verify",
+      help="check every file and array against its recorded checksum",
+      description="Read each checkpoint whole and compare every file and every"
+      " array with the checksums recorded when it was saved; name every damaged"
+      " file and label. Exits 0 if all are intact, 1 if any is damaged.",
+  )
+  verify.add_argument("paths", nargs="+", metavar="path")
+  verify.add_argument("--quiet", action="store_true", help="no progress bars")
+  verify.set_defaults(run=_verify)
+
+  ls = commands.add_parser(
+      "ls",
+      help="list the steps of a checkpoint directory",
+      description="List the steps of an Orbax checkpoint directory (such as a"
+      " CheckpointManager's): committed or not, items, size, commit time.",
+  )
+  ls.add_argument("directory")
+  ls.set_defaults(run=_ls)
+
+  clean = commands.add_parser(
+      "clean",
+      help="remove what unfinished (killed, interrupted) saves left",
+      description="Remove the hidden leftovers of saves that did not finish,"
+      " beside a checkpoint path or inside a directory, printing each with"
+      " its size. Only those whose writer is provably gone are removed: its"
+      " marker's lock is free and it was written on this host by a process"
+      " that has exited (or before a restart). Others are listed and kept.",
+  )
+  clean.add_argument("path", help="checkpoint path, or a directory of checkpoints or steps")
+  clean.add_argument(
+      "--force", action="store_true",
+      help="also remove leftovers whose writer cannot be checked (no marker,"
+      " another host or container) and Orbax's unfinished CheckpointManager"
+      " steps; never those of a running writer",
+  )
+  clean.add_argument("--dry-run", action="store_true", help="only list them")
+  clean.set_defaults(run=_clean)
+
+  convert = commands.add_parser(
+      "convert",
+      help="convert pretrained weights (Gemma, Hugging Face) to a native checkpoint",
+      description="Load pretrained weights once (an official Gemma Flax"
+      " checkpoint, or a Hugging Face Llama/Mistral/GPT-NeoX folder) and save"
+      " them as a pz_persist checkpoint, which pz_persist.load_model reloads"
+      " without converting again.",
+  )
+  convert.add_argument("format", choices=["gemma", "hf"])
+  convert.add_argument("src", help="the checkpoint folder to read")
+  convert.add_argument("dst", help="the native checkpoint to write")
+  convert.add_argument("--dtype", help="cast while reading, e.g. bfloat16")
+  convert.add_argument("--overwrite", action="store_true", help="replace DST")
+  convert.add_argument(
+      "--preset", default="auto",
+      help="gemma: Penzai preset name, e.g. gemma2_9b (default: from shapes)",
+  )
+  convert.add_argument(
+      "--preset-like", metavar="PRESET",
+      help="gemma: sizes from the checkpoint, other settings from PRESET",
+  )
+  convert.add_argument("--quiet", action="store_true", help="no progress bars")
+  convert.set_defaults(run=_convert)
+
+  migrate = commands.add_parser(
+      "migrate",
+      help="convert a plain Orbax checkpoint of a model's params to a native one",
+      description="Load a checkpoint written without pz_persist (the params"
+      " of pz.unbind_params(model, freeze=True) saved with Orbax's"
+      " StandardCheckpointer or PyTreeCheckpointer) into the model that"
+      " --model builds, checking every shape and dtype, and save it as a"
+      " pz_persist checkpoint, which pz_persist.load_model reloads with no code."
+      " --model IMPORTS AND RUNS the code you name (from the current directory"
+      " or PYTHONPATH): name only code you trust. Loading the result never"
+      " runs code.",
+  )
+  migrate.add_argument("src", help="the plain Orbax checkpoint to read")
+  migrate.add_argument("dst", help="the native checkpoint to write")
+  migrate.add_argument(
+      "--model", required=True, metavar="MODULE:FUNCTION",
+      help="a function taking no arguments that builds the model (its labels,"
+      " axes, shapes and dtypes), e.g. my_models:build_mlp; it is imported and"
+      " called",
+  )
+  migrate.add_argument(
+      "--allow-module", action="append", metavar="MODULE",
+      help="a module the model's own layer classes come from (repeatable)",
+  )
+  migrate.add_argument("--overwrite", action="store_true", help="replace DST")
+  migrate.set_defaults(run=_migrate)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+
+  absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax is chatty.
+  try:
+    return args.run(args)
+  except (errors.PzPersistError, FileNotFoundError, NotADirectoryError) as e:
+    _print(f"pz-persist: error: {e}", file=sys.stderr)
+    return 2
+  except BrokenPipeError:  # Output piped into `head` and cut short: fine.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

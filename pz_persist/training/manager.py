@@ -1,0 +1,367 @@
+"""`CheckpointManager`: training checkpoints of Penzai values, built on Orbax's.
+
+A training run must be able to stop at any moment and resume as if it never
+stopped. Orbax's ``CheckpointManager`` already gives the hard parts: steps
+committed atomically (a step directory appears whole or not at all, so a run
+killed in the middle of a save leaves every earlier step loadable and the
+latest step pointing at a complete one), asynchronous saves, retention and
+metrics. This wrapper adds what Penzai users need on top: every item is a tree
+pz_persist saves (parameters, optimizer state, RNG keys, data-iterator state,
+anything `pz_persist.save` takes) and restores with no template; retention is
+said in plain words; and an opt-in SIGTERM handler saves and exits when a
+preemptible machine is about to be taken away.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
+from typing import Literal
+
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as policies
+
+from pz_persist import errors
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.orbax import v0_handler
+from pz_persist.safety import allowlist
+from pz_persist.safety import safe_io
+from pz_persist.storage import commit
+from pz_persist.storage import containment
+from pz_persist.storage import sharding as sharding_lib
+from pz_persist.training import optimizers
+
+_RESERVED_ITEMS = frozenset({"metrics", "descriptor", "_CHECKPOINT_METADATA"})
+
+_TRASH = ".pz_persist_deleted"
+"""Where steps dropped by retention are moved before being deleted.
+
+Orbax deletes an old step file by file, in place: a run killed in the middle
+leaves a step directory that still looks complete but is not. Moving the step
+into this directory first is one atomic rename, so a step is either whole or
+gone; the directory is then emptied in the background."""
+
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+"""Exit status after saving on SIGTERM (the shell's convention for SIGTERM)."""
+
+
+class CheckpointManager:
+  """Saves and restores training checkpoints of Penzai values by step.
+
+  Example::
+
+    import optax
+    import pz_persist as pzp
+
+    optimizer = optax.adam(optax.exponential_decay(1e-3, 1000, 0.5))
+    with pzp.CheckpointManager("/tmp/run", max_to_keep=3) as manager:
+      restored = manager.restore() if manager.latest_step() is not None else None
+      ...
+      for step in range(start, num_steps):
+        params, opt_state, loss = train_step(params, opt_state, batch(step))
+        manager.save(step, params=params, opt_state=opt_state,
+                     data={"step": step}, metrics={"loss": float(loss)})
+
+  Saves are asynchronous by default: `save` returns once the arrays are
+  copied off the devices, and the writing goes on in the background (call
+  `wait_until_finished` to wait). Only one save is in flight at a time.
+
+  Args:
+    directory: The run's directory (created if missing).
+    max_to_keep: Keep the latest N steps (None: keep all).
+    keep_best: Also keep the best N steps by ``best_metric``.
+    best_metric: The metric (a key of the ``metrics`` dict passed to `save`)
+      that ranks steps for ``keep_best`` and `best_step`.
+    best_mode: ``"min"`` (lower is better, e.g. a loss) or ``"max"``.
+    keep_every_n_steps: Also keep every step divisible by N.
+    save_interval_steps: `save` only saves every N steps (or when forced).
+    async_save: Save in the background (default) or block until written.
+    save_on_sigterm: On SIGTERM, the next call to `save` saves (whatever
+      the interval), waits until the checkpoint is complete and exits the
+      process with status 143. The default handler is restored by `close`.
+    allow_modules: Extra modules saved trees may name classes from.
+  """
+
+  def __init__(
+      self,
+      directory: epath.PathLike,
+      *,
+      max_to_keep: int | None = None,
+      keep_best: int | None = None,
+      best_metric: str | None = None,
+      best_mode: Literal["min", "max"] = "min",
+      keep_every_n_steps: int | None = None,
+      save_interval_steps: int = 1,
+      async_save: bool = True,
+      save_on_sigterm: bool = False,
+      allow_modules: Iterable[str] | None = None,
+  ):
+    if keep_best is not None and best_metric is None:
+      raise errors.ArgumentError("keep_best needs best_metric, the metric to rank steps by.")
+    if best_mode not in ("min", "max"):
+      raise errors.ArgumentError(f"best_mode must be 'min' or 'max', not {best_mode!r}.")
+    self._allow_modules = tuple(allow_modules or ())
+    self._best_metric = best_metric
+    best_fn = _metric_getter(best_metric) if best_metric else None
+    kept: list[Any] = []
+    if max_to_keep is not None:
+      kept.append(policies.LatestN(n=max_to_keep))
+    if keep_best is not None:
+      kept.append(policies.BestN(
+          get_metric_fn=best_fn, reverse=best_mode == "min", n=keep_best,
+          keep_checkpoints_without_metrics=False,
+      ))
+    if keep_every_n_steps is not None:
+      kept.append(policies.EveryNSteps(interval_steps=keep_every_n_steps))
+    directory = commit.as_path(directory)
+    # Before Orbax reads step metadata or moves steps into the trash.
+    self._check_run(directory)
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add(None, v0_handler.PenzaiSave, v0_handler.PenzaiCheckpointHandler())
+    registry.add(None, v0_handler.PenzaiRestore, v0_handler.PenzaiCheckpointHandler())
+    self._manager = ocp.CheckpointManager(
+        directory,
+        options=ocp.CheckpointManagerOptions(
+            save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=async_save,
+            preservation_policy=policies.AnyPreservationPolicy(kept) if kept else None,
+            best_fn=best_fn,
+            best_mode=best_mode,
+            cleanup_tmp_directories=True,
+            todelete_subdir=_TRASH,
+            create=True,
+        ),
+        handler_registry=registry,
+    )
+    self._emptying: threading.Thread | None = None
+    self._empty_trash_in_background()
+    self._sigterm = threading.Event()
+    self._previous_handler = None
+    if save_on_sigterm:
+      self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  @staticmethod
+  def _check_run(directory: epath.Path) -> None:
+    """Refuses a run directory Orbax must not read or delete in.
+
+    Why here: Orbax reads every step's metadata (unbounded, following links)
+    when the manager opens and restores, and moves dropped steps into the
+    trash; a link or FIFO there would make it read, block, or move steps
+    wherever the run's writer chose. See `containment.check_run_directory`.
+    """
+    safe_io.check_own_directory(directory / _TRASH)
+    containment.check_run_directory(directory)
+
+  def _empty_trash(self) -> None:
+    if ocp.multihost.is_primary_host(0):
+      safe_io.empty_directory(self._manager.directory / _TRASH)
+
+  def _empty_trash_in_background(self) -> None:
+    if self._emptying is not None and self._emptying.is_alive():
+      return  # Already at it; what it misses is taken next time.
+    self._emptying = threading.Thread(
+        target=self._empty_trash, name="pz_persist_empty_trash", daemon=True
+    )
+    self._emptying.start()
+
+  def _trash_has_entries(self) -> bool:
+    """Whether retention left anything to delete (one directory listing)."""
+    try:
+      return next(iter((self._manager.directory / _TRASH).iterdir()), None) is not None
+    except OSError:
+      return False
+
+  def _on_sigterm(self, signum, frame) -> None:
+    del signum, frame
+    self._sigterm.set()  # The next save() saves and exits; nothing heavy here.
+
+  @property
+  def directory(self) -> epath.Path:
+    return self._manager.directory
+
+  @property
+  def sigterm_received(self) -> bool:
+    """Whether SIGTERM arrived (with ``save_on_sigterm``); `save` will exit."""
+    return self._sigterm.is_set()
+
+  def save(
+      self,
+      step: int,
+      *,
+      metrics: Mapping[str, float] | None = None,
+      force: bool = False,
+      **items: Any,
+  ) -> bool:
+    """Saves ``items`` (each any tree `pz_persist.save` takes) as ``step``.
+
+    Every item is validated before anything is written. Returns whether a
+    checkpoint was started: a step between ``save_interval_steps`` is skipped
+    unless ``force``. After SIGTERM (with ``save_on_sigterm``), saves whatever
+    the interval, waits until it is complete and exits the process.
+
+    Args:
+      step: The training step.
+      metrics: Scalars to record with the step (used by ``keep_best``).
+      force: Save even between intervals.
+      **items: The trees to save, by item name.
+    """
+    if not items:
+      raise errors.ArgumentError("save() needs at least one item, e.g. save(step, params=params).")
+    reserved = _RESERVED_ITEMS & set(items)
+    if reserved:
+      raise errors.ArgumentError(f"item names {sorted(reserved)} are reserved by Orbax.")
+    if self._best_metric and metrics is not None and self._best_metric not in metrics:
+      raise errors.ArgumentError(f"metrics lack best_metric {self._best_metric!r}: {sorted(metrics)}")
+    preempted = self._sigterm.is_set()
+    if not (force or preempted or self._manager.should_save(step)):
+      return False
+    with allowlist.scoped_allowance(self._allow_modules):
+      args = {name: v0_handler.PenzaiSave(tree) for name, tree in items.items()}
+    safe_io.check_own_directory(self.directory / _TRASH)  # Retention moves there.
+    saved = self._manager.save(
+        step,
+        args=ocp.args.Composite(**args),
+        metrics=dict(metrics) if metrics is not None else None,
+        force=force or preempted,
+    )
+    if preempted:
+      self.close()
+      print(f"pz_persist: SIGTERM received; saved step {step} and exiting.", file=sys.stderr)
+      sys.exit(SIGTERM_EXIT_CODE)
+    if self._trash_has_entries():  # Most saves leave none: a thread start
+      self._empty_trash_in_background()  # would hold the loop for nothing.
+    return saved
+
+  def restore(
+      self,
+      step: int | None = None,
+      *,
+      items: Iterable[str] | None = None,
+      sharding: sharding_lib.Target = None,
+      verify: bool = True,
+      optimizer: Any = None,
+      params_item: str = "params",
+      opt_state_item: str = "opt_state",
+  ) -> dict[str, Any]:
+    """Restores a step's items, with no template.
+
+    Optimizer states restore natively: optax's state classes are named in the
+    checkpoint and optax is allow-listed, so a restored ``ScaleByAdamState``
+    is a ``ScaleByAdamState``, schedule ``count`` included. Passing the
+    ``optimizer`` additionally checks the restored state against
+    ``jax.eval_shape(optimizer.init, params)`` and rebuilds it in exactly that
+    structure; a different optimizer is a clear error, not a silent restart
+    of its schedule.
+
+    Args:
+      step: The step (default: the latest).
+      items: Names of the items to restore (default: all of the step's).
+      sharding: Where ``jax.Array`` values go: a ``Sharding`` or
+        `pz_persist.AxisRules` (default: the first device).
+      verify: Check every array read against the checksum recorded when it
+        was saved (`pz_persist.errors.IntegrityError` names damaged labels).
+      optimizer: An optax ``GradientTransformation`` to check the optimizer
+        state item against.
+      params_item: The item holding the parameters (for ``optimizer``).
+      opt_state_item: The item holding the optimizer state.
+
+    Returns:
+      ``{item name: restored tree}``.
+    """
+    self.wait_until_finished()
+    self._check_run(self.directory)
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise errors.NotACheckpointError(f"{self.directory} has no checkpoint yet.")
+    if step not in self.all_steps():
+      raise errors.NotACheckpointError(
+          f"{self.directory} has no step {step}; it has {self.all_steps()}."
+      )
+    available = self.item_names(step)
+    names = list(available if items is None else items)
+    unknown = sorted(set(names) - set(available))
+    if unknown:
+      raise errors.NotACheckpointError(
+          f"step {step} of {self.directory} has no item(s) {unknown}; it has {available}."
+      )
+    with allowlist.scoped_allowance(self._allow_modules):
+      restored = self._manager.restore(
+          step,
+          args=ocp.args.Composite(
+              **{name: v0_handler.PenzaiRestore(sharding=sharding, verify=verify)
+                 for name in names}
+          ),
+      )
+    result = {name: restored[name] for name in names}
+    if optimizer is not None:
+      for needed in (params_item, opt_state_item):
+        if needed not in result:
+          raise errors.ArgumentError(f"optimizer= needs the {needed!r} item, which was not restored.")
+      result[opt_state_item] = optimizers.check_state(
+          result[opt_state_item], optimizer, result[params_item],
+          where=f"{self.directory} step {step}",
+      )
+    return result
+
+  def item_names(self, step: int) -> list[str]:
+    """The items pz_persist saved in ``step``."""
+    step_dir = self.directory / str(step)
+    if not step_dir.is_dir():
+      return []
+    return sorted(
+        p.name for p in step_dir.iterdir()
+        if p.is_dir() and manifest_lib.has_manifest(p)
+    )
+
+  def all_steps(self) -> list[int]:
+    """The committed steps, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The newest committed step (never a partial one)."""
+    return self._manager.latest_step()
+
+  def best_step(self) -> int | None:
+    """The step with the best ``best_metric`` (the latest if none is set)."""
+    return self._manager.best_step()
+
+  def metrics(self, step: int) -> dict[str, Any] | None:
+    """The metrics saved with ``step``."""
+    self._check_run(self.directory)  # Orbax reads them from the step.
+    return self._manager.metrics(step)
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the save in flight (if any) is complete."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the save in flight, releases resources, restores SIGTERM."""
+    self._manager.wait_until_finished()
+    self._manager.close()
+    if self._emptying is not None:
+      self._emptying.join()
+    try:
+      self._empty_trash()
+    finally:  # Even when the trash is refused.
+      if self._previous_handler is not None:
+        signal.signal(signal.SIGTERM, self._previous_handler)
+        self._previous_handler = None
+
+  def __enter__(self) -> CheckpointManager:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def _metric_getter(name: str):
+  def get(metrics: Mapping[str, Any]) -> float:
+    return float(metrics[name])
+
+  return get

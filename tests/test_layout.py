@@ -1,0 +1,151 @@
+"""The package's layout: layers that only import downward, and paths that stay.
+
+ARCHITECTURE.md draws the layers; this test holds the code to the drawing,
+so a new import that runs back up fails here instead of quietly growing a
+cycle. And what users and checkpoints name (documented module paths, the
+handler names Orbax records in every checkpoint) must survive moves.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from orbax.checkpoint import v1 as ocp_v1
+from penzai import pz
+
+import pz_persist as pzp
+from pz_persist.orbax import v0_handler
+from pz_persist.orbax import v1_handler
+
+PACKAGE = pathlib.Path(pzp.__file__).parent
+
+LAYERS = {
+    # The ground: no pz_persist imports but these.
+    "errors": 0, "version": 0,
+    "safety": 1,
+    "format": 2,
+    "progress": 3,
+    "storage": 4,
+    "orbax": 5,
+    "checkpoint": 6, "binding": 6,
+    "plain_orbax": 7,
+    "model": 8, "training": 8,
+    "pretrained": 9,
+    "tools": 10,
+    "__init__": 11,
+    "demo": 12,
+}
+"""Each part of the package (a subpackage or a top-level module) by layer:
+a part imports only parts of lower layers, and modules of its own part."""
+
+
+def _part(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pz_persist"):
+      if node.module == "pz_persist":
+        found += [f"pz_persist.{alias.name}" for alias in node.names]
+      else:
+        found.append(node.module)
+    elif isinstance(node, ast.Import):
+      found += [a.name for a in node.names if a.name.startswith("pz_persist")]
+  return found
+
+
+def _modules():
+  for path in sorted(PACKAGE.rglob("*.py")):
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    yield path, module.removesuffix(".__init__")
+
+
+def test_every_part_has_a_layer():
+  parts = {_part(module) for _, module in _modules()}
+  assert parts <= set(LAYERS), f"give these a layer: {parts - set(LAYERS)}"
+
+
+def test_no_import_runs_back_up():
+  upward = []
+  for path, module in _modules():
+    part = _part(module)
+    if part == "__init__":
+      continue
+    for imported in _imports(path):
+      target = _part(imported)
+      if target != part and LAYERS[target] >= LAYERS[part]:
+        upward.append(f"{module} -> {imported}")
+  assert not upward, "imports that run back up:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("module", [
+    "pz_persist.errors", "pz_persist.safety", "pz_persist.pretrained",
+    "pz_persist.pretrained.hf", "pz_persist.pretrained.gemma",
+    "pz_persist.pretrained.safetensors_io", "pz_persist.demo", "pz_persist.progress",
+])
+def test_documented_module_paths_import(module):
+  importlib.import_module(module)
+
+
+def test_documented_names_stay_where_the_readme_says():
+  assert pzp.safety.MAX_ALLOCATION_BYTES is None  # Deprecated, still there.
+  assert pzp.limits is pzp.safety.limits.limits
+  assert pzp.errors.PzPersistError
+  assert callable(pzp.pretrained.load_hf)
+
+
+def test_the_command_is_declared_where_it_lives():
+  text = (PACKAGE.parent / "pyproject.toml").read_text()
+  assert 'pz-persist = "pz_persist.tools.cli:main"' in text
+  script = shutil.which("pz-persist")
+  argv = [script] if script else [sys.executable, "-m", "pz_persist.tools.cli"]
+  result = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+
+
+def test_the_v0_handler_keeps_the_name_checkpoints_record(tmp_path):
+  """Orbax records a handler's name in `_CHECKPOINT_METADATA` and finds it
+  by that name on `restore(step)`: the name must not follow the module."""
+  assert v0_handler.PenzaiCheckpointHandler.typestr() == (
+      "pz_persist.orbax_v0.PenzaiCheckpointHandler"
+  )
+  pzp.save(tmp_path / "ckpt", {"w": jnp.arange(3.0)})
+  metadata = json.loads((tmp_path / "ckpt" / "_CHECKPOINT_METADATA").read_text())
+  assert "pz_persist.orbax_v0.PenzaiCheckpointHandler" in json.dumps(metadata)
+
+
+def test_a_v1_checkpoint_naming_the_old_module_still_loads(tmp_path):
+  path = tmp_path / "v1"
+  tree = {"w": pz.nx.wrap(jnp.arange(4.0)).tag("x")}
+  ocp_v1.save_checkpointables(path, {"model": tree})
+  metadata_file = path / "_CHECKPOINT_METADATA"
+  text = metadata_file.read_text()
+  new_name = f"{v1_handler.__name__}.PenzaiCheckpointableHandler"
+  assert new_name in text or v0_handler.TYPESTR in text
+  metadata_file.write_text(
+      text.replace(new_name, v1_handler.LEGACY_TYPESTR)
+  )
+  loaded = ocp_v1.load_checkpointables(path)["model"]
+  assert loaded["w"].named_axes == {"x": 4}
+  np.testing.assert_array_equal(loaded["w"].unwrap("x"), np.arange(4.0))
+
+
+def test_orbax_v0_restores_with_no_arguments_by_the_recorded_name(tmp_path):
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(0, args=ocp.args.Composite(p=pzp.PenzaiSave({"w": jnp.ones(2)})))
+    manager.wait_until_finished()
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    np.testing.assert_array_equal(manager.restore(0).p["w"], np.ones(2))
