@@ -39,22 +39,6 @@ from pz_persist.format import nodes
 
 Node = nodes.Node
 
-_SEQUENCES: dict[str, type] = {
-    "list": list,
-    "tuple": tuple,
-    "set": set,
-    "frozenset": frozenset,
-}
-
-
-def _is_namedtuple_class(cls: Any) -> bool:
-  return (
-      isinstance(cls, type)
-      and issubclass(cls, tuple)
-      and isinstance(getattr(cls, "_fields", None), tuple)
-  )
-
-
 def _is_enum_class(cls: Any) -> bool:
   return isinstance(cls, type) and issubclass(cls, enum.Enum)
 
@@ -336,11 +320,11 @@ def _items(at: _At, node: Node) -> list[Any]:
   return [at.child(v, f"{at.where}[{i}]") for i, v in enumerate(node["items"])]
 
 
-@_decodes(*_SEQUENCES)
+@_decodes(*nodes.SEQUENCE_TYPES)
 def _sequence(at: _At, node: Node) -> Any:
   items = _items(at, node)
   try:
-    return _SEQUENCES[node["t"]](items)
+    return nodes.SEQUENCE_TYPES[node["t"]](items)
   except TypeError:
     raise errors.ManifestError(f"{at.where}: unhashable set element.") from None
 
@@ -349,7 +333,7 @@ def _sequence(at: _At, node: Node) -> Any:
 def _namedtuple(at: _At, node: Node) -> Any:
   items = _items(at, node)
   cls = code_references.resolve_class(
-      node["class"], where=at.where, accept=_is_namedtuple_class, kind="a namedtuple"
+      node["class"], where=at.where, accept=nodes.is_namedtuple_class, kind="a namedtuple"
   )
   if len(items) != len(cls._fields):
     raise errors.ManifestError(

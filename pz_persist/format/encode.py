@@ -45,22 +45,6 @@ _SLOT_CLASSES: dict[type, str] = {
     pz.StateVariableSlot: "state_variable_slot",
 }
 _VARIABLE_KINDS: dict[type, str] = {cls: kind for kind, cls in nodes.VARIABLE_KINDS.items()}
-_SEQUENCE_TAGS: dict[str, type] = {
-    "list": list,
-    "tuple": tuple,
-    "set": set,
-    "frozenset": frozenset,
-}
-
-
-def _is_namedtuple_class(cls: Any) -> bool:
-  return (
-      isinstance(cls, type)
-      and issubclass(cls, tuple)
-      and isinstance(getattr(cls, "_fields", None), tuple)
-  )
-
-
 def _encode_float(x: float) -> float | str:
   # JSON has no NaN or infinities; spell them out rather than emit invalid JSON.
   return x if math.isfinite(x) else repr(x)
@@ -203,13 +187,13 @@ class _Encoder:
 
     Sets are not pytree nodes, so only static values (``sets=True``) hold them.
     """
-    if isinstance(obj, tuple) and _is_namedtuple_class(type(obj)):
+    if isinstance(obj, tuple) and nodes.is_namedtuple_class(type(obj)):
       return nodes.node(
           "namedtuple",
           items=[encode(v, f"{where}.{name}") for name, v in zip(obj._fields, obj)],
           **{"class": code_references.class_reference(type(obj), where=where)},
       )
-    for tag, cls in _SEQUENCE_TAGS.items():
+    for tag, cls in nodes.SEQUENCE_TYPES.items():
       is_set = tag in ("set", "frozenset")
       if type(obj) is cls and (sets or not is_set):
         items = sorted(obj, key=repr) if is_set else obj

@@ -316,3 +316,21 @@ def fits_its_axes(x: Any) -> bool:
   `named_array_problem`).
   """
   return isinstance(x, pz.nx.NamedArrayBase) and named_array_problem(x) is None
+
+
+SEQUENCE_TYPES: dict[str, type] = {
+    "list": list,
+    "tuple": tuple,
+    "set": set,
+    "frozenset": frozenset,
+}
+"""The Python sequence type each sequence tag stands for (both directions)."""
+
+
+def is_namedtuple_class(cls: Any) -> bool:
+  """Whether ``cls`` is a namedtuple class (a tuple subclass with ``_fields``)."""
+  return (
+      isinstance(cls, type)
+      and issubclass(cls, tuple)
+      and isinstance(getattr(cls, "_fields", None), tuple)
+  )

@@ -1,25 +1,9 @@
-"""Checks made before pz_persist reads anything a checkpoint points to.
+"""What Orbax says is stored, checked against what the manifest promises.
 
-Why this module exists: a checkpoint is a directory that someone else may have
-written, and loading it must not be a way to attack the machine that loads it.
-Validating the manifest's JSON (`pz_persist.format.manifest`, `pz_persist.format.array_specs`,
-`pz_persist.encoding`) is not enough, because two things outside the JSON can
-still hurt:
-
-* The files themselves. A symlink inside the checkpoint can make pz_persist
-  (or TensorStore, which reads the arrays) read a file outside it, such as
-  ``/etc/shadow``, or a device such as ``/dev/zero`` that never ends; a FIFO
-  blocks the reader forever. `check_contained` refuses all of them before any
-  file of the checkpoint is opened.
-* The sizes. An array entry, or the Orbax metadata beside it, declares a shape,
-  and TensorStore allocates what is declared before it reads a byte: a few
-  bytes of JSON can ask for terabytes. `check_stored_metadata` compares each
-  array the manifest promises with what Orbax's own metadata says is stored,
-  and `check_allocation` refuses a read whose arrays could not fit in memory,
-  both before anything is allocated.
-
-Every check raises a `pz_persist.errors.ManifestError` (most often its
-subclass `UnsafeCheckpointError`) naming the file or the label at fault.
+Why: TensorStore allocates each array (and decodes each chunk whole) as its
+metadata declares, before reading a byte. An array whose stored shape, dtype
+or chunk differs from the manifest's is refused here, by label, before Orbax
+or a direct read allocates anything for it.
 """
 
 
