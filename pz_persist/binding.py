@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
-from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +46,9 @@ from pz_persist.storage import opening
 from pz_persist.storage import reader
 from pz_persist.storage import sharding as sharding_lib
 
-LabelGlobs = Union[str, Sequence[str]]
-RenameRules = Union[Mapping[str, str], Sequence[tuple[str, str]]]
-DTypeRules = Union[jax.typing.DTypeLike, Mapping[str, jax.typing.DTypeLike]]
+LabelGlobs = str | Sequence[str]
+RenameRules = Mapping[str, str] | Sequence[tuple[str, str]]
+DTypeRules = jax.typing.DTypeLike | Mapping[str, jax.typing.DTypeLike]
 
 BindingError = errors.BindingError  # Documented here too (defined in errors).
 
@@ -284,7 +283,7 @@ def _misfit(
   """
   values, value_def = jax.tree.flatten(value, is_leaf=nodes.fits_its_axes)
   targets, target_def = jax.tree.flatten(target, is_leaf=nodes.fits_its_axes)
-  if value_def != target_def:
+  if value_def != target_def:  # type: ignore[operator]  # jax's PyTreeDef alias is opaque to mypy.
     return Mismatch(label, "structure", str(value_def), str(target_def)), False
   reorder = False
   for v, t in zip(values, targets):
@@ -295,7 +294,7 @@ def _misfit(
         return Mismatch(label, "axes", _describe_array(v), _describe_array(t)), False
       if v.named_shape != t.named_shape or v.positional_shape != t.positional_shape:
         return Mismatch(label, "shape", _describe_array(v), _describe_array(t)), False
-      reorder |= jax.tree.structure(v) != jax.tree.structure(t)
+      reorder |= jax.tree.structure(v) != jax.tree.structure(t)  # type: ignore[operator]  # As above.
     elif np.shape(v) != np.shape(t):
       return Mismatch(label, "shape", _describe_array(v), _describe_array(t)), False
     dtypes = [getattr(_data(x), "dtype", None) for x in (v, t)]
@@ -427,7 +426,9 @@ class Source(Protocol):
       (``"parameter"`` or ``"state_variable"``) and ``metadata``.
   """
 
-  stored: Mapping[Hashable, Any]
+  @property
+  def stored(self) -> Mapping[Hashable, Any]:  # Read-only: any mapping will do.
+    ...
 
   def abstract(self, label: Hashable, current: Any) -> Any:
     """The stored value of ``label`` with ``jax.ShapeDtypeStruct`` arrays, or
@@ -468,12 +469,14 @@ def bind(
   structure, bound, slots = _model_variables(model)
   globs = _globs(only)
   wanted = [label for label in slots if _selected(label, globs)]
-  missing = () if overlay else tuple(l for l in wanted if l not in stored)
-  unexpected = tuple(l for l in stored if _selected(l, globs) and l not in slots)
+  missing = () if overlay else tuple(label for label in wanted if label not in stored)
+  unexpected = tuple(
+      label for label in stored if _selected(label, globs) and label not in slots
+  )
 
   # Everything that needs no array data is checked first: one error lists all.
   plan = _Plan(source, dtype)
-  for label in (l for l in wanted if l in stored):
+  for label in (name for name in wanted if name in stored):
     plan.check(label, stored[label], slots[label], bound.get(label))
   if strict and (missing or unexpected or plan.problems):
     raise BindingError(where, LoadReport(
@@ -490,7 +493,7 @@ def bind(
       unexpected=unexpected,
       mismatched=tuple(plan.problems),
       renamed=renamed,
-      transposed=tuple(l for l in plan.transposed if l in values),
+      transposed=tuple(label for label in plan.transposed if label in values),
       cast=tuple(cast),
   )
   if strict and not report.ok:
@@ -616,7 +619,8 @@ class _Plan:
         self.fitting, sharding=sharding, verify=verify,
         bound={label: bound[label] for label in self.fitting if label in bound},
     )
-    values, cast = {}, []
+    values: dict[Hashable, Any] = {}
+    cast: list[Hashable] = []
     for label in self.fitting:
       before = len(self.problems)
       value = read[label]

@@ -199,8 +199,9 @@ def save_interrupted(message: str) -> KeyboardInterrupt:
   instead of a traceback through Orbax's internals.
   """
   interrupt = KeyboardInterrupt(message)
-  interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # pylint: disable=protected-access
-  interrupt.pz_persist_one_line = True
+  # Attributes IPython and our excepthook look for, on this one instance.
+  interrupt._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # type: ignore[attr-defined]  # pylint: disable=protected-access
+  interrupt.pz_persist_one_line = True  # type: ignore[attr-defined]
   _print_one_line_on_exit()
   _quiet_callbacks_into_closed_loops()
   return interrupt

@@ -285,14 +285,14 @@ class _PlainSource:
     self._item = item
     self._tree, self._stored = self._read_metadata()
     layouts = _layouts(model)
-    self.layout = max(layouts, key=lambda l: l.matches(self._stored))  # First wins ties.
+    self.layout = max(layouts, key=lambda layout: layout.matches(self._stored))  # First wins ties.
     if not self.layout.matches(self._stored):
       shown = ", ".join(_dotted(p) for p in list(self._stored)[:3]) or "none"
       raise errors.NotACheckpointError(
           f"{item} is an Orbax checkpoint written without pz_persist, but no"
           " array in it is where saving this model's variables would put it"
           f" (its arrays are at {shown}...; tried the layouts of"
-          f" {', '.join(l.name for l in layouts)}). Check that it was saved from"
+          f" {', '.join(layout.name for layout in layouts)}). Check that it was saved from"
           " this model, or restore it with orbax.checkpoint and a template."
       )
     known = {p for v in self.layout.variables.values() for p in v.paths}
@@ -344,14 +344,14 @@ class _PlainSource:
             label, "shape", f"{dtype}{list(shape)} at {_dotted(path)}",
             f"{getattr(leaf, 'dtype', type(leaf).__name__)}{list(np.shape(leaf))}",
         )
-      if dtype.itemsize == 8 and dtype.kind in "iuf" and not jax.config.jax_enable_x64:
+      if dtype.itemsize == 8 and dtype.kind in "iuf" and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]  # JAX sets flags at run time.
         return binding.Mismatch(
             label, "dtype", f"{dtype} at {_dotted(path)}, which JAX would narrow"
             " silently (enable jax_enable_x64 to read it)",
             str(getattr(leaf, "dtype", type(leaf).__name__)),
         )
       abstract.append(jax.ShapeDtypeStruct(shape, dtype))
-    return treedef.unflatten(abstract)
+    return jax.tree.unflatten(treedef, abstract)
 
   def read(self, labels, *, sharding, verify, bound):
     """Reads the arrays of ``labels``, each straight to its placement."""
@@ -360,7 +360,9 @@ class _PlainSource:
     for label in labels:
       current = bound[label].value
       for path, (dims, leaf) in zip(self.stored[label].paths, _dim_names(current)):
-        shape, dtype = self._shape_dtype(path)
+        found = self._shape_dtype(path)
+        assert found is not None, "abstract() refused this label: not read"
+        shape, dtype = found
         target = _placement(leaf, dims, shape, sharding, label)
         spec = arrays_lib.ArraySpec(
             key=_dotted(path), shape=shape, dtype=dtype.name,
@@ -375,7 +377,7 @@ class _PlainSource:
     limits.check_allocation(specs, sizes, where=str(self._item))
     arrays = self._restore(targets) if targets else {}
     return {
-        label: jax.tree.structure(bound[label].value).unflatten([
+        label: jax.tree.unflatten(jax.tree.structure(bound[label].value), [
             arrays_lib.from_storage(arrays[path], targets[path][0])
             for path in self.stored[label].paths
         ])
@@ -405,8 +407,8 @@ class _PlainSource:
     try:
       with _handler() as handler:
         restored = handler.restore(self._item, args=ocp.args.PyTreeRestore(
-            item=treedef.unflatten(items),
-            restore_args=treedef.unflatten(restore_args),
+            item=jax.tree.unflatten(treedef, items),
+            restore_args=jax.tree.unflatten(treedef, restore_args),
         ))
       leaves = jax.tree_util.tree_flatten_with_path(restored)[0]
     except (KeyboardInterrupt, MemoryError):

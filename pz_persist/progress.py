@@ -27,12 +27,11 @@ import sys
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
-from typing import Union
 
 from pz_persist import errors
 from pz_persist.safety import terminal
 
-Progress = Union[bool, Callable[[int, int], None], None]
+Progress = bool | Callable[[int, int], None] | None
 """What the ``progress`` argument of long operations accepts (see above)."""
 
 

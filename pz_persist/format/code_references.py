@@ -299,7 +299,7 @@ def _find(module_name: str, qualname: str, where: str) -> Any:
   module, and always name objects defined in an allowed module, so both are
   refused here.
   """
-  obj = _import(module_name, qualname, where)
+  obj: Any = _import(module_name, qualname, where)  # A module, then its attributes.
   for part in qualname.split("."):
     obj = _own_attribute(obj, part)
     if obj is None:
@@ -323,7 +323,7 @@ def _find(module_name: str, qualname: str, where: str) -> Any:
 
 def resolve_class(
     ref: Any, *, where: str, accept: Callable[[Any], bool], kind: str
-) -> type:
+) -> type[Any]:
   """The class of a node being rebuilt, named by an allowed, findable module.
 
   For a class the decoder constructs itself from checked fields; a class held

@@ -557,6 +557,6 @@ def decode(
     raise errors.ManifestError(f"{root}: nesting too deep to decode.") from None
 
 
-def decode_static(node: Node, where: str) -> Any:
+def decode_static(node: Any, where: str) -> Any:
   """Decodes a plain Python value encoded by `encode.encode_static`."""
   return _Walk((), (), abstract=False).decode(node, where, 0, False)

@@ -79,7 +79,7 @@ class EncodedTree:
 class _Encoder:
   """Walks a tree once, emitting JSON nodes and collecting arrays."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     self.arrays: list[arrays_lib.ArraySpec] = []
     self.values: list[Any] = []
     self.variables: list[Node] = []
@@ -190,7 +190,7 @@ class _Encoder:
     if isinstance(obj, tuple) and nodes.is_namedtuple_class(type(obj)):
       return nodes.node(
           "namedtuple",
-          items=[encode(v, f"{where}.{name}") for name, v in zip(obj._fields, obj)],
+          items=[encode(v, f"{where}.{name}") for name, v in zip(obj._fields, obj)],  # type: ignore[attr-defined]  # A namedtuple (checked above).
           **{"class": code_references.class_reference(type(obj), where=where)},
       )
     for tag, cls in nodes.SEQUENCE_TYPES.items():
@@ -225,8 +225,9 @@ class _Encoder:
     node = self._scalar(obj)
     if node is not None:
       return node
-    if arrays_lib.kind_of(obj) is not None:
-      return self._array(obj, where, label)
+    array_kind = arrays_lib.kind_of(obj)
+    if array_kind is not None:
+      return self._array(obj, array_kind, where, label)
     kind = type(obj)
     fits_axes = kind in (pz.nx.NamedArray, pz.nx.NamedArrayView) and (
         nodes.named_array_problem(obj) is None
@@ -257,7 +258,10 @@ class _Encoder:
       return nodes.node(_SLOT_CLASSES[kind], label=self._label(obj.label, where))
     if kind in _VARIABLE_KINDS:
       return nodes.node("variable", ref=self._variable(obj, where))
-    child = lambda v, w: self.tree(v, w, label)  # pylint: disable=unnecessary-lambda-assignment
+
+    def child(value: Any, at: str) -> Node:  # Children keep the enclosing label.
+      return self.tree(value, at, label)
+
     node = self._container(obj, where, child) or self._dataclass(obj, where, child)
     if node is not None:
       return node
@@ -305,7 +309,9 @@ class _Encoder:
           f"{context}: axis name {name!r} cannot be saved: {e}"
       ) from None
 
-  def _array(self, obj: Any, where: str, label: str | None) -> Node:
+  def _array(
+      self, obj: Any, kind: arrays_lib.ArrayKind, where: str, label: str | None
+  ) -> Node:
     if isinstance(obj, jax.core.Tracer):
       raise errors.EncodingError(
           f"{where}: cannot save a traced value (save outside jax.jit / grad)."
@@ -325,7 +331,7 @@ class _Encoder:
       return nodes.node(
           "prng_key",
           impl=impl,
-          data=self._array(jax.random.key_data(obj), where, label),
+          data=self._array(jax.random.key_data(obj), "jax", where, label),
       )
     context = f"{where} (label {label!r})" if label else where
     index = len(self.arrays)
@@ -333,7 +339,7 @@ class _Encoder:
         key=arrays_lib.storage_key(index, label or where),
         shape=tuple(int(d) for d in np.shape(obj)),
         dtype=arrays_lib.dtype_name(obj.dtype, where=context),
-        kind=arrays_lib.kind_of(obj),
+        kind=kind,
         weak_type=bool(getattr(obj, "weak_type", False)),
         path=where,
         label=label,

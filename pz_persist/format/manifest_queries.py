@@ -35,7 +35,8 @@ class Variable:
     label: The variable's label.
     kind: ``"parameter"`` or ``"state_variable"``.
     metadata: The variable's metadata dict.
-    value: Typed-JSON node of the variable's value.
+    value: Typed-JSON node of the variable's value, as stored (unchecked:
+      decoding it checks it).
     refs: Indices (into the manifest's arrays) of the arrays of its value.
     location: Where it sits in the checkpoint.
   """
@@ -43,7 +44,7 @@ class Variable:
   label: Hashable
   kind: Literal["parameter", "state_variable"]
   metadata: dict[Any, Any]
-  value: Node
+  value: Any
   refs: tuple[int, ...]
   location: errors.Location
 
@@ -77,7 +78,7 @@ def walk(node: Any, depth: int = 0, where: str = "tree") -> Iterator[Node]:
       yield from walk(child, depth + 1, where)
 
 
-def array_refs(node: Node, where: str = "tree") -> tuple[int, ...]:
+def array_refs(node: Any, where: str = "tree") -> tuple[int, ...]:
   """Indices of the arrays a node's subtree uses, in order."""
   return tuple(
       n["ref"] for n in walk(node, where=where) if n.get("t") == "array" and type(n.get("ref")) is int
@@ -92,7 +93,7 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
   """
   found: dict[Hashable, Variable] = {}
 
-  def add(kind: str, node: Node, file: str, place: str):
+  def add(kind: Literal["parameter", "state_variable"], node: Node, file: str, place: str):
     label = decode_lib.decode_static(node.get("label"), f"{file}: {place}.label")
     problem = arrays_lib.label_problem(label)
     if problem:

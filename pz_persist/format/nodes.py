@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 from typing import Literal
+from typing import TypeGuard
 
 from penzai import pz
 
@@ -169,7 +170,7 @@ VARIABLE_KINDS: dict[str, type] = {
 }
 """The ``kind`` of a variables-table entry, and the class it rebuilds."""
 
-VALUE_TAGS: dict[str, str] = {
+VALUE_TAGS: dict[str, Literal["parameter", "state_variable"]] = {
     "parameter_value": "parameter",
     "state_variable_value": "state_variable",
 }
@@ -242,7 +243,7 @@ def _check_json(value: Any, field: Field, where: str) -> None:
     raise errors.ManifestError(f"{where}: expected a list of integers.")
 
 
-def is_pairs(value: Any) -> bool:
+def is_pairs(value: Any) -> TypeGuard[list[list[Any]]]:
   """Whether ``value`` is a list of two-element lists."""
   return isinstance(value, list) and all(
       isinstance(p, list) and len(p) == 2 for p in value
@@ -318,7 +319,7 @@ def fits_its_axes(x: Any) -> bool:
   return isinstance(x, pz.nx.NamedArrayBase) and named_array_problem(x) is None
 
 
-SEQUENCE_TYPES: dict[str, type] = {
+SEQUENCE_TYPES: dict[str, Any] = {
     "list": list,
     "tuple": tuple,
     "set": set,

@@ -30,7 +30,7 @@ class Kind:
   """
 
   name: str
-  value_class: type
+  value_class: type[pz.AbstractVariableValue]
   variable_class: type
   slot_class: type
 

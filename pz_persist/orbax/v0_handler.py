@@ -128,13 +128,13 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       use_compression: bool = False,
       save_concurrent_gb: int | None = None,
       restore_concurrent_gb: int | None = None,
-      multiprocessing_options: ocp.options.MultiprocessingOptions = (
-          ocp.options.MultiprocessingOptions()
-      ),
+      multiprocessing_options: ocp.options.MultiprocessingOptions | None = None,
       chunk_byte_size: int | None = DEFAULT_CHUNK_BYTES,
       read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
       direct_reads: bool = True,
   ):
+    if multiprocessing_options is None:  # Orbax's default, one per handler.
+      multiprocessing_options = ocp.options.MultiprocessingOptions()
     self._primary_host = multiprocessing_options.primary_host
     self._chunk_byte_size = chunk_byte_size
     self._read_options = reader.ReadOptions(
@@ -157,7 +157,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def _save_args(self, stored: dict[str, Any]) -> ocp.args.PyTreeSave:
     options = ocp.SaveArgs(chunk_byte_size=self._chunk_byte_size)
-    return ocp.args.PyTreeSave(stored, save_args={key: options for key in stored})
+    return ocp.args.PyTreeSave(stored, save_args=dict.fromkeys(stored, options))
 
   def _is_primary(self) -> bool:
     return ocp.multihost.is_primary_host(self._primary_host)
@@ -198,7 +198,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     (with the arrays' futures) before `finalize`.
     """
     manifest, stored = args.manifest, args.stored_arrays
-    futures = []
+    futures: list[ocp.future.Future] = []
     if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
       futures.extend(
           await self._arrays.async_save(directory, args=self._save_args(stored)) or []

@@ -35,9 +35,9 @@ same containment, size, stored-metadata, allocation and checksum checks as
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from collections.abc import Callable
 from typing import Any
-from typing import Awaitable
-from typing import Callable
 from typing import TypeVar
 
 import jax
@@ -143,7 +143,7 @@ class PenzaiCheckpointableHandler(
     loop, which cannot start inside the running one. JAX's ``enable_x64``
     context is thread-local, so the caller's is carried over.
     """
-    x64 = jax.config.jax_enable_x64
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # JAX sets flags at run time.
 
     def run() -> _T:
       handler = self._v0_handler()

@@ -28,6 +28,7 @@ pretrained loaders are the only readers of these formats.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -35,7 +36,6 @@ import stat
 from collections.abc import Callable
 from collections.abc import Iterable
 from typing import Any
-from typing import BinaryIO
 
 import numpy as np
 
@@ -63,7 +63,7 @@ def _not_regular(path: str, mode: int) -> errors.UnsafeCheckpointError:
   )
 
 
-def open_regular(path: str) -> BinaryIO:
+def open_regular(path: str) -> io.BufferedReader:
   """Opens ``path`` for reading if, once open, it is a regular file.
 
   The open never blocks (``O_NONBLOCK``: a FIFO without a writer opens at

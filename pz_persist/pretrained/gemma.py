@@ -148,7 +148,10 @@ def load_gemma(
   total = _read_bytes(tree, dtype)
   with progress_lib.tracking(progress, f"loading {path}", total) as tracker:
     params = _read(path, tree, dtype)
-    consumed = lambda array: tracker.advance(array.nbytes)
+
+    def consumed(array: Any) -> None:
+      tracker.advance(array.nbytes)
+
     releasing = _releasing_params(params, name, kwargs, transpose, consumed,
                                   upcast_activations_to_float32, use_layer_stack)
     del params  # Only the releasing mappings hold the arrays now.
@@ -171,7 +174,7 @@ def _read_bytes(tree: Mapping[str, Any], dtype: Any) -> int:
   total = 0
   for arrays in _flatten(tree).values():
     for meta in arrays.values():
-      shape, stored = _array_layout(meta)
+      shape, stored = _checked_layout(meta)
       total += math.prod(shape) * np.dtype(stored if dtype is None else dtype).itemsize
   return total
 
@@ -269,11 +272,18 @@ def _array_layout(node: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     return None
 
 
+def _checked_layout(meta: Any) -> tuple[tuple[int, ...], np.dtype]:
+  """`_array_layout` of metadata `_stored_tree` has already checked."""
+  layout = _array_layout(meta)
+  assert layout is not None, "_stored_tree refuses invalid array metadata"
+  return layout
+
+
 def _planned(name: str, meta: Any, dtype: np.dtype | None, path: epath.Path) -> _files.PlannedArray:
   """What reading one array allocates: the array (in ``dtype``, default the
   stored one), or, if larger, one storage chunk, which TensorStore decodes
   whole (a tiny array declaring ``[2**20, 2**20]`` chunks aborts it too)."""
-  shape, stored = _array_layout(meta)
+  shape, stored = _checked_layout(meta)
   array = _files.PlannedArray(name, dtype or stored, shape)
   storage = getattr(meta, "storage", None)
   chunk = getattr(storage, "chunk_shape", None)
@@ -389,11 +399,11 @@ def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[
         f"{path} does not have the arrays of a Gemma Flax checkpoint (missing or"
         f" misshapen {e}); found {sorted(params)[:8]}..."
     ) from e
-  sizes = dict(
-      num_decoder_blocks=layers, vocab_size=vocab, num_kv_heads=kv_heads,
-      query_head_multiplier=heads // kv_heads if kv_heads_ok else 0, embedding_dim=embed,
-      projection_dim=proj, mlp_hidden_dim=hidden,
-  )
+  sizes = {
+      "num_decoder_blocks": layers, "vocab_size": vocab, "num_kv_heads": kv_heads,
+      "query_head_multiplier": heads // kv_heads if kv_heads_ok else 0,
+      "embedding_dim": embed, "projection_dim": proj, "mlp_hidden_dim": hidden,
+  }
   empty = sorted(k for k, v in sizes.items() if v <= 0)
   if empty:
     raise GemmaCheckpointError(
@@ -472,7 +482,7 @@ def _converter(name: str, kwargs: dict[str, Any] | None,
   namespace["_GEMMA_PRESETS"] = {**namespace["_GEMMA_PRESETS"], name: kwargs}
   namespace["_NEEDS_GATING_TRANSPOSE"] = {
       **namespace["_NEEDS_GATING_TRANSPOSE"], name: transpose}
-  return types.FunctionType(  # type: ignore[return-value]
+  return types.FunctionType(
       convert.__code__, namespace, convert.__name__, convert.__defaults__,
       convert.__closure__,
   )
@@ -567,10 +577,10 @@ def _place(value: Any, target: sharding_lib.Target, label: str) -> Any:
     if isinstance(value, pz.nx.NamedArray):
       dims = (None,) * len(value.positional_shape) + tuple(value.named_axes)
     elif isinstance(value, pz.nx.NamedArrayView):
-      dims = [None] * value.data_array.ndim
+      by_axis: list[Any] = [None] * value.data_array.ndim
       for axis_name, axis in value.data_axis_for_name.items():
-        dims[axis] = axis_name
-      dims = tuple(dims)
+        by_axis[axis] = axis_name
+      dims = tuple(by_axis)
     else:
       dims = (None,) * np.ndim(value)
     data = value.data_array if isinstance(value, pz.nx.NamedArrayBase) else value

@@ -602,7 +602,7 @@ def _open_weights(path: str) -> dict[str, safetensors_io.SafetensorsFile]:
       where[name] = files[filename]
   elif single is not None:
     file = safetensors_io.SafetensorsFile(single)
-    where = {name: file for name in file.entries}
+    where = dict.fromkeys(file.entries, file)
   else:
     raise _no_weights(path)
   return where

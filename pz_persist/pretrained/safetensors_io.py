@@ -28,7 +28,7 @@ import collections
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 
@@ -194,7 +194,7 @@ class SafetensorsFile:
           " ends; the file is damaged or not a safetensors file)"
       )
 
-  def planned(self, names: Iterator[str] | list[str] | None = None) -> list[_files.PlannedArray]:
+  def planned(self, names: Iterable[str] | None = None) -> list[_files.PlannedArray]:
     """What reading ``names`` (default: every tensor) allocates, as stored."""
     names = self.entries if names is None else names
     return [
@@ -225,7 +225,7 @@ class SafetensorsFile:
       with _files.open_regular(self.path) as f:
         f.seek(self._data_start + begin)
         if dtype == stored:
-          read = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+          read = f.readinto(out.reshape(-1).view(np.uint8).data)
         else:
           read = _read_cast(f, out.reshape(-1), stored)
     except OSError as e:
@@ -245,7 +245,7 @@ def _read_cast(f: Any, out: np.ndarray, stored: np.dtype) -> int:
   ends early)."""
   step = max(1, CAST_BUFFER_BYTES // stored.itemsize)
   buffer = np.empty(min(step, out.size), stored)
-  raw = memoryview(buffer.view(np.uint8))
+  raw = buffer.view(np.uint8).data
   total = 0
   for start in range(0, out.size, step):
     count = min(step, out.size - start)
@@ -259,7 +259,7 @@ def _read_cast(f: Any, out: np.ndarray, stored: np.dtype) -> int:
 
 def write_safetensors(
     path: str | os.PathLike[str],
-    tensors: Iterator[tuple[str, Any]] | Mapping[str, Any],
+    tensors: Iterable[tuple[str, Any]] | Mapping[str, Any],
     *,
     metadata: Mapping[str, str] | None = None,
 ) -> None:

@@ -238,7 +238,9 @@ def _refuse_constant(name: str) -> Any:
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
   result = dict(pairs)
   if len(result) != len(pairs):
-    seen = set()
-    duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))
-    raise ValueError(f"duplicate object key {duplicate!r:.100}")
+    seen: set[str] = set()
+    for key, _ in pairs:
+      if key in seen:
+        raise ValueError(f"duplicate object key {key!r:.100}")
+      seen.add(key)
   return result

@@ -39,8 +39,9 @@ class Limits:
   max_allocation_bytes: int | None = None
 
 
+_DEFAULTS = Limits()  # Frozen: one shared instance is safe as the default.
 _limits: contextvars.ContextVar[Limits] = contextvars.ContextVar(
-    "pz_persist_limits", default=Limits()
+    "pz_persist_limits", default=_DEFAULTS
 )
 _UNSET: Any = object()
 

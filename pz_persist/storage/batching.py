@@ -22,7 +22,8 @@ def batches(items: Iterable[T], size_of: Callable[[T], int], budget: int) -> Ite
   A group closes before an item that would take it over ``budget``; an item
   larger than ``budget`` forms a group of its own.
   """
-  batch, used = [], 0
+  batch: list[T] = []
+  used = 0
   for item in items:
     size = size_of(item)
     if batch and used + size > budget:

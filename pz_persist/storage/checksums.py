@@ -94,7 +94,7 @@ def _slots(key: str, value: Any) -> list[_Slot]:
   owners: dict[Index, jax.Device] = {}
   for device, slices in value.sharding.devices_indices_map(shape).items():
     index = _as_index(slices, shape)
-    if index not in owners or device.id < owners[index].id:
+    if index not in owners or device.id < owners[index].id:  # type: ignore[attr-defined]  # jaxlib's Device: no stub.
       owners[index] = device
   local = {
       shard.device: shard for shard in value.addressable_shards

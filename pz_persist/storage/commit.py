@@ -26,7 +26,7 @@ from pz_persist.safety import safe_io
 try:
   import fcntl
 except ImportError:  # Windows: saves are still never mixed; see _parent_locked.
-  fcntl = None
+  fcntl = None  # type: ignore[assignment]  # Optional module: callers test for None.
 
 
 def remove_unfinished(target: epath.Path) -> None:

@@ -132,7 +132,8 @@ def read(
       on_read(spec, out)
     return out.nbytes
 
-  in_flight, flying_bytes = collections.deque(), 0
+  in_flight: collections.deque[tuple[arrays_lib.ArraySpec, np.ndarray, Any]] = collections.deque()
+  flying_bytes = 0
   for spec in specs:
     out = host_memory.aligned_empty(spec.shape, spec.storage_dtype)
     arrays[spec.key] = out

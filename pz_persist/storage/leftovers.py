@@ -52,6 +52,7 @@ from collections.abc import Iterator
 
 from etils import epath
 
+from pz_persist import errors
 from pz_persist.safety import safe_io
 from pz_persist.safety import terminal
 from pz_persist.storage import commit
@@ -60,7 +61,7 @@ from pz_persist.storage import steps
 try:
   import fcntl
 except ImportError:  # Windows: no locks; markers alone decide.
-  fcntl = None
+  fcntl = None  # type: ignore[assignment]  # Optional module: callers test for None.
 
 MARKER_SUFFIX = ".writer"
 """Added to a family's name for its marker file."""
@@ -338,7 +339,7 @@ def _families(directory: epath.Path, of: str | None = None) -> list[Leftover]:
 
 def _status(family: epath.Path, directory: epath.Path) -> tuple[str, str]:
   """Whether the writer of ``family`` is provably gone, and why."""
-  match = _FAMILY.match(family.name)
+  match = _family_parts(family)
   if match["role"] == "old":
     # A replaced checkpoint moved aside (no atomic exchange here). Only
     # garbage once the new one is in place; otherwise it may be the only copy.
@@ -439,10 +440,11 @@ def remove(leftover: Leftover, *, force: bool = False) -> bool:
       return False
     delete(leftover.name)
     return True
+  role = _family_parts(leftover.name)["role"]  # Before touching anything.
   with _marker_locked(leftover.name) as (locked, writer):
     if not locked:
       return False
-    if _FAMILY.match(leftover.name.name)["role"] == "old":
+    if role == "old":
       status, _ = _status(leftover.name, leftover.name.parent)
     else:
       status, _ = _writer_status(leftover.name, writer)
@@ -484,6 +486,18 @@ def summary(leftovers: list[Leftover], where: epath.PathLike) -> str | None:
 # ---- Small helpers. ---------------------------------------------------------
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _family_parts(family: epath.Path) -> re.Match[str]:
+  """The saved-to name, role and token of a family; refuses other names."""
+  match = _FAMILY.match(family.name)
+  if match is None:
+    raise errors.ArgumentError(
+        f"{family} is not named like the leftovers of an interrupted save"
+        " (.NAME.pz_persist-new-TOKEN or .NAME.pz_persist-old-TOKEN); pass a"
+        " Leftover that leftovers.find returned."
+    )
+  return match
 
 
 def _marker(family: epath.Path) -> epath.Path:

@@ -85,7 +85,8 @@ def check_stored_metadata(
           " missing from Orbax's metadata."
       )
     meta = stored[spec.key]
-    shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+    shape: Any = getattr(meta, "shape", None)  # Unchecked: None fails below.
+    dtype = getattr(meta, "dtype", None)
     try:
       found = (tuple(int(d) for d in shape), _dtype(dtype))
     except (TypeError, ValueError):

@@ -217,7 +217,7 @@ def check_loadable(
   to 32 bits by JAX without a word; that is exactly the silent change this
   library exists to prevent.
   """
-  if jax.config.jax_enable_x64:
+  if jax.config.jax_enable_x64:  # type: ignore[attr-defined]  # JAX sets flags at run time.
     return
   for index, spec in enumerate(manifest.arrays):
     if refs is not None and index not in refs:
@@ -314,7 +314,7 @@ def _restore(
     args = ocp.args.PyTreeRestore(restore_args=restore_args)
   else:  # Only some arrays: Orbax reads no others.
     args = ocp.args.PyTreeRestore(
-        item={key: np.ndarray for key in batch},
+        item=dict.fromkeys(batch, np.ndarray),
         restore_args=restore_args,
         partial_restore=True,
     )

@@ -26,7 +26,6 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
-from typing import Union
 
 import jax
 
@@ -35,7 +34,7 @@ from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import manifest_queries
 
-MeshAxes = Union[str, tuple[str, ...], None]
+MeshAxes = str | tuple[str, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +100,10 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
   return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
 
 
-Target = Union[jax.sharding.Sharding, AxisRules, None]
+Target = jax.sharding.Sharding | AxisRules | None
 """Where arrays go: one sharding for all, axis rules, or None (first device)."""
 
-PerArray = Mapping[int, Union[jax.sharding.Sharding, None]]
+PerArray = Mapping[int, jax.sharding.Sharding | None]
 """Where each array goes, by its index in the manifest: its own sharding, or
 None for a NumPy array on the host; arrays not in it go to the first device.
 For a load into a model (`pz_persist.load_model` with ``into=``), which knows
@@ -130,7 +129,7 @@ def placements(
     sharding = target or default_sharding()
     return [sharding if spec.kind == "jax" else None for spec in manifest.arrays]
   names = manifest_queries.axis_names(manifest)
-  result = []
+  result: list[jax.sharding.Sharding | None] = []
   for index, spec in enumerate(manifest.arrays):
     if spec.kind != "jax":
       result.append(None)

@@ -126,7 +126,7 @@ def _ls(args: argparse.Namespace) -> int:
     when = "-"
     if info.commit_time_ns is not None:
       when = datetime.datetime.fromtimestamp(
-          info.commit_time_ns / 1e9, datetime.timezone.utc
+          info.commit_time_ns / 1e9, datetime.UTC
       ).strftime("%Y-%m-%d %H:%M:%S UTC")
     items = ", ".join(
         _one_line(name) + ("*" if name in info.penzai_items else "")

@@ -150,12 +150,12 @@ class _StructureDiff:
           return
 
   def _compare_fields(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
-    fields = [_pairs(node["fields"]) for node in (a, b)]
-    for name in dict.fromkeys([*fields[0], *fields[1]]):
-      if name not in fields[0] or name not in fields[1]:
-        self.found.append(f"{path}.{name}: only in {'A' if name in fields[0] else 'B'}")
+    fields_a, fields_b = (_pairs(node["fields"]) or {} for node in (a, b))  # Checked by compare.
+    for name in dict.fromkeys([*fields_a, *fields_b]):
+      if name not in fields_a or name not in fields_b:
+        self.found.append(f"{path}.{name}: only in {'A' if name in fields_a else 'B'}")
       else:
-        self.compare(fields[0][name], fields[1][name], f"{path}.{name}")
+        self.compare(fields_a[name], fields_b[name], f"{path}.{name}")
 
   def _compare_items(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
     keyed = nodes.keyed_items(_tag(a))
@@ -266,7 +266,7 @@ def _diff(
   manifests = [a.manifest, b.manifest]
   snapshots = [a.snapshot, b.snapshot]
   result = CheckpointDiff()
-  result.structure = structure_differences(*manifests)
+  result.structure = structure_differences(a.manifest, b.manifest)
   names_a, names_b = (_array_names(m) for m in manifests)
   result.only_in_a = [n for n in names_a if n not in names_b]
   result.only_in_b = [n for n in names_b if n not in names_a]

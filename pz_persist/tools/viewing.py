@@ -56,15 +56,15 @@ def render_html(
     value = (checkpoint.load if arrays else checkpoint.inspect)(obj_or_path)
     title = os.fspath(obj_or_path)
   body = treescope.render_to_html(value, roundtrip_mode=False, compressed=compress)
-  out = epath.Path(out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(
+  written = epath.Path(out)
+  written.parent.mkdir(parents=True, exist_ok=True)
+  written.write_text(
       "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
       f"<title>{html.escape(title)} - pz_persist</title></head>\n"
       f"<body>\n{body}\n</body></html>\n",
       encoding="utf-8",
   )
-  return out
+  return written
 
 
 def _is_path(obj: Any) -> bool:
@@ -91,7 +91,7 @@ def format_table(
   cells = [[str(cell) for cell in row] for row in [header, *rows]]
   widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
   for name in shrink if width is not None else ():
-    excess = sum(widths) + 2 * (len(widths) - 1) - width
+    excess = sum(widths) + 2 * (len(widths) - 1) - (width or 0)  # Not None here.
     column = header.index(name)
     target = max(12, widths[column] - excess)
     if excess <= 0 or target >= widths[column]:

@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from pz_persist import errors
 from pz_persist.storage import leftovers
 
 _FAMILY = ".ckpt.pz_persist-new-0123abcd"
@@ -91,3 +92,18 @@ def test_a_symlinked_marker_proves_nothing(tmp_path, sentinel):
   assert found.status == "unknown"
   assert leftovers.remove_dead(run / "ckpt") == []
   assert not leftovers.remove(found)
+
+
+@pytest.mark.parametrize("status", ["dead", "unknown", "live"])
+def test_remove_refuses_a_leftover_no_save_named(tmp_path, sentinel, status):
+  """A hand-made `Leftover` whose name is no family's fails with a
+  `PzPersistError` naming it (it raised a bare TypeError), deleting nothing."""
+  run = _run_dir(tmp_path)
+  (run / "ckpt").mkdir()
+  made = leftovers.Leftover(
+      name=run / "ckpt", entries=(run / "ckpt", sentinel), nbytes=0,
+      status=status, reason="hand-made",
+  )
+  with pytest.raises(errors.ArgumentError, match="ckpt is not named like"):
+    leftovers.remove(made, force=True)
+  assert (run / "ckpt").is_dir()
