@@ -2,7 +2,7 @@
 
 Orbax stores the arrays of a checkpoint item as a flat ``{key: array}`` dict;
 the manifest, ``pz_persist.json`` in the same directory, says how to rebuild
-the saved tree from them (see `pz_persist.encoding`) and describes each array
+the saved tree from them (see `pz_persist.format.encode` and `pz_persist.format.decode`) and describes each array
 (shape, dtype, label) so `pz_persist.inspect` can show a checkpoint without
 reading any array data. Layout::
 

@@ -676,7 +676,7 @@ def _check_layers(cfg: _Config, names: set[str], prefix: str, layers: int) -> No
 def _check_tensors(plan: _Plan, weights: _Weights) -> None:
   """Refuses weights missing a tensor the config calls for, or holding one
   of another size, before the skeleton is built or anything is read; then
-  refuses a load larger than `safety.allocation_limit`."""
+  refuses a load larger than `pz_persist.safety.limits.allocation_limit`."""
   where = weights.where
   planned = []
   for spec in plan.tensors:
