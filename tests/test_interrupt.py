@@ -33,7 +33,8 @@ from pz_persist.storage import leftovers
 from pz_persist.tools import cli
 
 SAVER = textwrap.dedent("""
-    import os, sys
+    import os, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Even if started ignoring it.
     import numpy as np
     import pz_persist as pzp
     from penzai import pz
@@ -49,6 +50,16 @@ SAVER = textwrap.dedent("""
 
 _TIMEOUT = 120
 """Far above what any step takes; only there so that a hang fails."""
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+  """Ctrl-C raises KeyboardInterrupt here, as in a terminal or a notebook,
+  even when the test run itself was started ignoring SIGINT (a background
+  job of a shell without job control inherits SIGINT ignored)."""
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
 
 
 def _start_save(path, value: float, arrays: int = 12) -> subprocess.Popen:

@@ -8,4 +8,6 @@ variable kinds (`variable_kinds`); queries over a manifest
 (`manifest_queries`); and how code (classes, functions) is named and found
 again without importing what a checkpoint names (`code_references`).
 A change here is a change of the file format.
+
+Internal: the public names are re-exported by `pz_persist` (see ARCHITECTURE.md).
 """

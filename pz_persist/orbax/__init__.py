@@ -7,4 +7,6 @@
 manifests itself: they call `pz_persist.storage.opening` and
 `pz_persist.storage.reader`. Reading checkpoints that plain Orbax wrote is
 `pz_persist.plain_orbax`.
+
+Internal: the public names are re-exported by `pz_persist` (see ARCHITECTURE.md).
 """

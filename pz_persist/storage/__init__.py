@@ -9,4 +9,6 @@ what was read into the saved tree. Writing: the commit protocol (`commit`:
 hidden sibling, atomic move, reader lock), `file_digests`, `leftovers` of
 interrupted saves and `steps` (step directory names). Helpers: `host_memory`,
 `batching`, `sharding` targets.
+
+Internal: the public names are re-exported by `pz_persist` (see ARCHITECTURE.md).
 """

@@ -2,4 +2,6 @@
 
 Each is a thin caller of `pz_persist.storage.opening` / `reader` and the
 queries of `pz_persist.format`.
+
+Internal: the public names are re-exported by `pz_persist` (see ARCHITECTURE.md).
 """

@@ -5,4 +5,6 @@
 optimizer state checked against the optimizer that will use it). Step
 directory names are `pz_persist.storage.steps` (the leftovers of interrupted
 saves are found by them too).
+
+Internal: the public names are re-exported by `pz_persist` (see ARCHITECTURE.md).
 """
