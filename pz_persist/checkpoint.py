@@ -44,6 +44,7 @@ from pz_persist.safety import allowlist
 from pz_persist.storage import commit
 from pz_persist.storage import leftovers
 from pz_persist.storage import opening
+from pz_persist.storage import restoring
 from pz_persist.storage import sharding as sharding_lib
 
 ITEM_NAME = "penzai"
@@ -225,9 +226,10 @@ def load(
   """
   # Opened as every read is: under the lock a save's final move waits for,
   # and read again if a save replaced the checkpoint meanwhile (`opening`).
-  args = v0_handler.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
   with allowlist.scoped_allowance(allow_modules):
-    return opening.read(path, lambda opened: v0_handler.restore_item(opened, args))
+    return opening.read(path, lambda opened: restoring.read_tree(
+        opened, sharding=sharding, verify=verify, progress=progress
+    ))
 
 
 def inspect(

@@ -30,9 +30,9 @@ from pz_persist import errors
 from pz_persist import plain_orbax
 from pz_persist import progress as progress_lib
 from pz_persist.format import manifest_queries
-from pz_persist.orbax import v0_handler
 from pz_persist.safety import allowlist
 from pz_persist.storage import opening
+from pz_persist.storage import restoring
 from pz_persist.storage import sharding as sharding_lib
 
 
@@ -175,8 +175,9 @@ def load_model(
       given = [name for name, value in unsupported.items() if value is not None]
       if given:
         raise errors.ArgumentError(f"{', '.join(given)} need into=model.")
-      args = v0_handler.PenzaiRestore(sharding=sharding, verify=verify, progress=progress)
-      model = opening.read(path, lambda opened: _restore_model(opened, args))
+      model = opening.read(path, lambda opened: _restore_model(
+          opened, sharding=sharding, verify=verify, progress=progress
+      ))
       if not isinstance(model, pz.Struct):
         raise errors.PzPersistError(
             f"{path} holds a {type(model).__name__}, not a model. Load it with"
@@ -219,11 +220,11 @@ def load_model(
     return model if strict else (model, report)
 
 
-def _restore_model(opened: opening.OpenItem, args: v0_handler.PenzaiRestore) -> Any:
+def _restore_model(opened: opening.OpenItem, **read_args: Any) -> Any:
   """The tree of an opened item, whose variables have unique labels.
 
   Why checked first: Penzai refuses a model whose variables share a label;
   checked on the manifest, before any array is read.
   """
   manifest_queries.variables(opened.manifest, where=str(opened.item))
-  return v0_handler.restore_item(opened, args)
+  return restoring.read_tree(opened, **read_args)

@@ -29,7 +29,6 @@ Every read goes through `pz_persist.storage.reader`, which every other loader us
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -40,7 +39,6 @@ from pz_persist.format import checksum_records
 from pz_persist.format import encode
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import checksums
-from pz_persist.storage import containment
 from pz_persist.storage import file_digests
 from pz_persist.storage import opening
 from pz_persist.storage import reader
@@ -242,37 +240,12 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
     args = args or PenzaiRestore()
     return opening.read(
-        directory, lambda opened: self.restore_opened(opened, args),
+        directory,
+        lambda opened: restoring.read_tree(
+            opened, sharding=args.sharding, verify=args.verify,
+            progress=args.progress, options=self._read_options,
+        ),
         item_directory=True,
-    )
-
-  def restore_opened(self, opened: opening.OpenItem, args: PenzaiRestore) -> Any:
-    """Restores the tree of an item opened by `pz_persist.storage.opening.read`."""
-    directory, manifest = opened.item, opened.manifest
-    with progress_lib.tracking(args.progress, f"loading {directory}",
-                               delay=reader.LOAD_PROGRESS_DELAY) as tracker:
-      values = reader.read_arrays(
-          directory, manifest, sharding=args.sharding, verify=args.verify,
-          tracker=tracker, options=self._read_options, snapshot=opened.snapshot,
-      )
-    return restoring.decode(manifest, values, where=str(directory))
-
-  def read_arrays(
-      self,
-      directory: epath.Path,
-      manifest: manifest_lib.Manifest,
-      *,
-      sharding: sharding_lib.Target | sharding_lib.PerArray = None,
-      refs: Collection[int] | None = None,
-      verify: bool = True,
-      to_host: bool = False,
-      tracker: progress_lib.Tracker | None = None,
-      snapshot: containment.Snapshot | None = None,
-  ) -> list[Any]:
-    """`pz_persist.storage.reader.read_arrays`, with this handler's read options."""
-    return reader.read_arrays(
-        directory, manifest, sharding=sharding, refs=refs, verify=verify,
-        to_host=to_host, tracker=tracker, options=self._read_options, snapshot=snapshot,
     )
 
   def metadata(self, directory: epath.Path) -> Any:
@@ -289,15 +262,6 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def close(self) -> None:
     self._arrays.close()
-
-
-def restore_item(opened: opening.OpenItem, args: PenzaiRestore) -> Any:
-  """Restores the tree of an opened item with a handler of its own."""
-  handler = PenzaiCheckpointHandler()
-  try:
-    return handler.restore_opened(opened, args)
-  finally:
-    handler.close()
 
 
 def abstract_tree(opened: opening.OpenItem) -> Any:

@@ -1,5 +1,6 @@
-"""From a manifest and its arrays to the saved tree (`decode`), or to its
-abstract form (`abstract_tree`). Reading the arrays is `pz_persist.storage.reader`'s.
+"""From an opened item to the saved tree (`read_tree`), from a manifest and its
+arrays to the tree (`decode`), or to its abstract form (`abstract_tree`).
+Reading the arrays is `pz_persist.storage.reader`'s.
 """
 
 from __future__ import annotations
@@ -9,10 +10,36 @@ from collections.abc import Sequence
 from typing import Any
 
 from pz_persist import errors
+from pz_persist import progress as progress_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import manifest as manifest_lib
+from pz_persist.storage import opening
 from pz_persist.storage import reader
 from pz_persist.storage import sharding as sharding_lib
+
+
+def read_tree(
+    opened: opening.OpenItem,
+    *,
+    sharding: sharding_lib.Target = None,
+    verify: bool = True,
+    progress: progress_lib.Progress = None,
+    options: reader.ReadOptions | None = None,
+) -> Any:
+  """The saved tree of an item opened by `pz_persist.storage.opening.read`:
+  every array read (`reader.read_arrays`), then the tree decoded.
+
+  What `pz_persist.load`, `load_model(path)` and the Orbax handlers' restore
+  share; the arguments are `pz_persist.load`'s.
+  """
+  directory, manifest = opened.item, opened.manifest
+  with progress_lib.tracking(progress, f"loading {directory}",
+                             delay=reader.LOAD_PROGRESS_DELAY) as tracker:
+    values = reader.read_arrays(
+        directory, manifest, sharding=sharding, verify=verify, tracker=tracker,
+        options=options or reader.ReadOptions(), snapshot=opened.snapshot,
+    )
+  return decode(manifest, values, where=str(directory))
 
 
 def assemble(
