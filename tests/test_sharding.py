@@ -130,24 +130,24 @@ def test_arrays_are_read_in_bounded_batches(ckpt, monkeypatch):
   tree = {f"w{i}": pz.nx.wrap(jnp.full((64, 64), float(i)), "rows", "cols") for i in range(6)}
   pzp.save(ckpt, tree)
   calls = []
-  original = pzp.PenzaiCheckpointHandler.__init__
-
-  def small_batches(self, **kwargs):  # Orbax's path (the direct one reads all).
-    original(self, **{**kwargs, "read_batch_bytes": 2 * 64 * 64 * 4, "direct_reads": False})
-
-  monkeypatch.setattr(pzp.PenzaiCheckpointHandler, "__init__", small_batches)
+  # Orbax's path (the direct one reads all), in batches of two arrays.
+  handler = pzp.PenzaiCheckpointHandler(read_batch_bytes=2 * 64 * 64 * 4, direct_reads=False)
   import orbax.checkpoint as ocp
   restore = ocp.PyTreeCheckpointHandler.restore
   monkeypatch.setattr(
       ocp.PyTreeCheckpointHandler, "restore",
       lambda self, directory, args: calls.append(len(args.restore_args)) or restore(self, directory, args=args),
   )
-  loaded = pzp.load(ckpt)
+  item = ckpt / "penzai"
+  loaded = handler.restore(item, pzp.PenzaiRestore())
   assert calls == [2, 2, 2]
   assert_identical(loaded, tree)
   # With axis rules a batch counts the bytes of every local device's shard:
   # here rows split in 2, replicated 4 times, so one array per batch.
   calls.clear()
-  sharded = pzp.load(ckpt, sharding=pzp.AxisRules(_mesh(), {"rows": "data"}))
+  sharded = handler.restore(
+      item, pzp.PenzaiRestore(sharding=pzp.AxisRules(_mesh(), {"rows": "data"}))
+  )
+  handler.close()
   assert calls == [1] * 6
   assert_identical(_gather(sharded), _gather(tree))
