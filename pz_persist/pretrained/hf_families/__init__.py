@@ -1,0 +1,25 @@
+"""One module per Hugging Face model family: how its ``config.json`` maps to
+Penzai's config and which tensor fills each Penzai parameter.
+
+`BUILDERS` is the one table `pz_persist.pretrained.hf.load_hf` dispatches on
+(by ``model_type``); adding a family is adding a module and a row here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pz_persist.pretrained.hf_config import Config
+from pz_persist.pretrained.hf_families import gpt_neox
+from pz_persist.pretrained.hf_families import llama
+from pz_persist.pretrained.hf_plan import Plan
+from pz_persist.pretrained.hf_weights import Weights
+
+Builder = Callable[[Config, Weights], Plan]
+
+BUILDERS: dict[str, Builder] = {
+    "llama": llama.llama_plan,
+    "mistral": llama.mistral_plan,
+    "gpt_neox": gpt_neox.gpt_neox_plan,
+}
+"""The supported ``model_type`` values of ``config.json`` and their mappings."""

@@ -1,0 +1,132 @@
+"""GPT-NeoX / Pythia checkpoints (``model_type`` ``gpt_neox``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from penzai import pz
+from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import gpt_neox
+
+from pz_persist.pretrained.hf_config import Config
+from pz_persist.pretrained.hf_config import bool_field
+from pz_persist.pretrained.hf_config import lm_head_source
+from pz_persist.pretrained.hf_config import rope
+from pz_persist.pretrained.hf_plan import Plan
+from pz_persist.pretrained.hf_plan import TensorSpec
+from pz_persist.pretrained.hf_plan import check_layers
+from pz_persist.pretrained.hf_weights import Weights
+
+_NEOX_ACTIVATIONS = {
+    "gelu": "gelu_exact",
+    "gelu_new": "gelu_approx",
+    "gelu_pytorch_tanh": "gelu_approx",
+    "relu": "relu",
+    "silu": "silu",
+}
+
+
+def gpt_neox_plan(cfg: Config, weights: Weights) -> Plan:
+  """Maps a GPT-NeoX (Pythia) checkpoint to Penzai.
+
+  GPT-NeoX fuses query, key and value into one ``query_key_value`` matrix
+  whose rows are ordered (head, q/k/v, projection): it is reshaped that way
+  and sliced three times. Penzai's builder uses a default epsilon for the
+  final layer norm; it is set to ``layer_norm_eps`` here, as Hugging Face
+  does.
+  """
+  hidden = cfg.require("hidden_size")
+  heads = cfg.require("num_attention_heads")
+  head_dim = hidden // heads
+  if "head_dim" in cfg.raw and cfg.get("head_dim") not in (None, head_dim):
+    raise cfg.unsupported(
+        "head_dim", cfg.raw["head_dim"],
+        f"GPT-NeoX uses hidden_size // num_attention_heads = {head_dim}",
+    )
+  theta, fraction = rope(cfg, float(cfg.get("rotary_emb_base", 10_000.0)))
+  fraction = float(cfg.get("rotary_pct", fraction))
+  act = cfg.expect("hidden_act", set(_NEOX_ACTIVATIONS), "gelu")
+  bool_field(cfg, "use_parallel_residual", True, True,
+              "Penzai's GPT-NeoX block is the parallel-residual formulation")
+  bool_field(cfg, "attention_bias", True, True,
+              "Penzai's GPT-NeoX attention always has biases")
+  eps = float(cfg.get("layer_norm_eps", 1e-5))
+  tied = cfg.get("tie_word_embeddings", False)
+  config = gpt_neox.GPTNeoXTransformerConfig(
+      num_attention_heads=heads,
+      embedding_dim=hidden,
+      projection_dim=head_dim,
+      mlp_hidden_dim=cfg.require("intermediate_size"),
+      num_decoder_blocks=cfg.require("num_hidden_layers"),
+      vocab_size=cfg.require("vocab_size"),
+      activation_fn=_NEOX_ACTIVATIONS[act],
+      rope_subset_size=int(fraction * head_dim),
+      rope_wavelength=theta,
+      layernorm_epsilon=eps,
+      parameter_dtype=None,
+      activation_dtype=None,
+  )
+  cfg.check_all_used()
+  # config.json is valid on its own; from here on it must agree with the weights.
+  check_layers(cfg, weights.names, "gpt_neox.layers.", config.num_decoder_blocks)
+  head_source = lm_head_source(cfg, tied, weights.names, "embed_out.weight",
+                                "gpt_neox.embed_in.weight")
+  config = dataclasses.replace(config, parameter_dtype=weights.dtype,
+                               activation_dtype=weights.dtype)
+
+  def build() -> model_parts.TransformerLM:
+    skeleton = gpt_neox.build_gpt_neox_transformer(config, init_base_rng=None)
+    return (
+        pz.select(skeleton)
+        .at_instances_of(pz.nn.Standardize)
+        .apply(lambda s: dataclasses.replace(s, epsilon=eps))
+    )
+
+  mlp, vocab = config.mlp_hidden_dim, config.vocab_size
+  specs = [
+      TensorSpec("transformer/embedder.embeddings", "gpt_neox.embed_in.weight",
+                  (vocab, hidden), ("vocabulary", "embedding")),
+      TensorSpec("transformer/final_norm/scale.weights", "gpt_neox.final_layer_norm.weight",
+                  (hidden,), ("embedding",)),
+      TensorSpec("transformer/final_norm/shift.bias", "gpt_neox.final_layer_norm.bias",
+                  (hidden,), ("embedding",)),
+      TensorSpec("transformer/lm_head.weights", head_source,
+                  (vocab, hidden), ("vocabulary", "embedding")),
+  ]
+  for i in range(config.num_decoder_blocks):
+    p, s = f"transformer/block_{i}/", f"gpt_neox.layers.{i}."
+    specs += [
+        TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
+                    (hidden,), ("embedding",)),
+        TensorSpec(p + "pre_attention_norm/shift.bias", s + "input_layernorm.bias",
+                    (hidden,), ("embedding",)),
+        TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
+                    (hidden,), ("embedding",)),
+        TensorSpec(p + "pre_ffw_norm/shift.bias", s + "post_attention_layernorm.bias",
+                    (hidden,), ("embedding",)),
+        TensorSpec(p + "mlp/in/Linear.weights", s + "mlp.dense_h_to_4h.weight",
+                    (mlp, hidden), ("neurons", "embedding")),
+        TensorSpec(p + "mlp/in/AddBias.bias", s + "mlp.dense_h_to_4h.bias",
+                    (mlp,), ("neurons",)),
+        TensorSpec(p + "mlp/out/Linear.weights", s + "mlp.dense_4h_to_h.weight",
+                    (hidden, mlp), ("embedding", "neurons")),
+        TensorSpec(p + "mlp/out/AddBias.bias", s + "mlp.dense_4h_to_h.bias",
+                    (hidden,), ("embedding",)),
+        TensorSpec(p + "attention/output/Linear.weights", s + "attention.dense.weight",
+                    (hidden, heads, head_dim), ("embedding", "heads", "projection"),
+                    stored=(hidden, heads * head_dim)),
+        TensorSpec(p + "attention/output/AddBias.bias", s + "attention.dense.bias",
+                    (hidden,), ("embedding",)),
+    ]
+    for index, which in enumerate(("query", "key", "value")):
+      specs += [
+          TensorSpec(p + f"attention/{which}/Linear.weights",
+                      s + "attention.query_key_value.weight",
+                      (heads, 3, head_dim, hidden), ("heads", "projection", "embedding"),
+                      take=(1, index), stored=(heads * 3 * head_dim, hidden)),
+          TensorSpec(p + f"attention/{which}/AddBias.bias",
+                      s + "attention.query_key_value.bias",
+                      (heads, 3, head_dim), ("heads", "projection"), take=(1, index),
+                      stored=(heads * 3 * head_dim,)),
+      ]
+  return Plan(build, tuple(specs))
