@@ -36,8 +36,12 @@ DEFAULT_ALLOWED_MODULES: tuple[str, ...] = (
     "numpy",
     "ml_dtypes",
     "optax",
+    "pz_persist.pretrained.layers",
 )
-"""Module trees every checkpoint may name. A name covers its submodules."""
+"""Module trees every checkpoint may name. A name covers its submodules.
+``pz_persist.pretrained.layers`` holds the few layers the pretrained loaders
+add to Penzai's architectures (scaled RoPE...), so a converted model saves
+and loads like one built from Penzai alone."""
 
 _globally_allowed: set[str] = set()
 _scoped_allowed: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
