@@ -56,12 +56,22 @@ def _fraction(value: Any) -> bool:
   return _positive_number(value) and value <= 1
 
 
+def _non_negative_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _string_list(value: Any) -> bool:
+  return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
 _POSITIVE_INT = (_positive_int, "a positive integer")
 _POSITIVE_NUMBER = (_positive_number, "a positive finite number")
 _FRACTION = (_fraction, "a number in (0, 1]")
 _BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
 _STRING = (lambda value: isinstance(value, str), "a string")
 _OBJECT = (lambda value: isinstance(value, dict), "a JSON object")
+_NON_NEGATIVE_INT = (_non_negative_int, "a non-negative integer")
+_STRING_LIST = (_string_list, "a list of strings")
 
 SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model_type": _STRING,
@@ -88,6 +98,10 @@ SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope_parameters": _OBJECT,
     "rope_type": _STRING,
     "type": _STRING,
+    "use_sliding_window": _BOOLEAN,
+    "max_window_layers": _NON_NEGATIVE_INT,
+    "layer_types": _STRING_LIST,
+    "use_mrope": _BOOLEAN,
 }
 """What each ``config.json`` field the builders read must be (a JSON null
 means "absent, use the default"). Sizes are positive integers: a float is
@@ -188,6 +202,13 @@ def rope(cfg: Config, default_theta: float) -> tuple[float, float]:
   fraction = params.get("partial_rotary_factor")
   fraction = cfg.get("partial_rotary_factor", 1.0) if fraction is None else fraction
   return float(theta), float(fraction)
+
+
+TANH_GELU = frozenset({"gelu_pytorch_tanh", "gelu_fast", "gelu_new"})
+"""``hidden_act`` names transformers computes with the same tanh formula,
+0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) (``gelu_fast`` writes it
+x·0.7978845608·(1 + 0.044715·x²)): Penzai's approximate GELU
+(``jax.nn.gelu(approximate=True)``)."""
 
 
 def bool_field(cfg: Config, key: str, default: bool, supported: bool, why: str) -> None:

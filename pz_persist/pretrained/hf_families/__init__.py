@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import gpt_neox
 from pz_persist.pretrained.hf_families import llama
+from pz_persist.pretrained.hf_families import qwen2
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_weights import Weights
 
@@ -21,5 +22,6 @@ BUILDERS: dict[str, Builder] = {
     "llama": llama.llama_plan,
     "mistral": llama.mistral_plan,
     "gpt_neox": gpt_neox.gpt_neox_plan,
+    "qwen2": qwen2.qwen2_plan,
 }
 """The supported ``model_type`` values of ``config.json`` and their mappings."""

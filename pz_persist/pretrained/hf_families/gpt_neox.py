@@ -19,6 +19,7 @@ from pz_persist.pretrained.hf_weights import Weights
 
 _NEOX_ACTIVATIONS = {
     "gelu": "gelu_exact",
+    "gelu_fast": "gelu_approx",  # The same tanh formula (hf_config.TANH_GELU).
     "gelu_new": "gelu_approx",
     "gelu_pytorch_tanh": "gelu_approx",
     "relu": "relu",

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
+from penzai import pz
+from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf_config import TANH_GELU
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_config import lm_head_source
@@ -17,8 +21,140 @@ from pz_persist.pretrained.hf_plan import check_layers
 from pz_persist.pretrained.hf_weights import Weights
 
 
-def llama_plan(cfg: Config, weights: Weights, sliding: bool = False) -> Plan:
+Attention = llamalike_common.AttentionType | Sequence[llamalike_common.AttentionType]
+"""Penzai's ``attention_type``: one for every layer, or one per layer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Biases:
+  """Which projections of a llama-like block add a bias (``bias=True`` on
+  the Hugging Face ``nn.Linear``).
+
+  Each bias is a ``pz.nn.AddBias`` placed right after its projection's
+  ``pz.nn.Linear``, named after it with ``_bias``: the bias of
+  ``transformer/block_0/attention/query`` (parameter ``query.weights``) is
+  ``transformer/block_0/attention/query_bias.bias``, with the projection's
+  output axes (``heads``/``head_groups``/``query_heads``, ``projection``).
+
+  Attributes:
+    query_key_value: ``q_proj``, ``k_proj`` and ``v_proj`` (Llama's
+      ``attention_bias``; always in Qwen2).
+    output: ``o_proj`` (Llama's ``attention_bias``; never in Qwen2).
+    mlp: ``gate_proj``, ``up_proj`` and ``down_proj`` (Llama's ``mlp_bias``).
+  """
+
+  query_key_value: bool = False
+  output: bool = False
+  mlp: bool = False
+
+
+# Penzai's Linear names in a llama-like block -> Hugging Face module names.
+_ATTENTION_PROJECTIONS = {"query": "q_proj", "key": "k_proj", "value": "v_proj"}
+_MLP_PROJECTIONS = {"gating_linear": "gate_proj", "value_linear": "up_proj",
+                    "out_linear": "down_proj"}
+_BIAS_SUFFIX = "_bias.bias"
+
+
+def _mlp_variant(cfg: Config) -> str:
+  """Penzai's gated MLP for ``hidden_act``: SiLU gates SwiGLU; the tanh GELUs
+  (`TANH_GELU`) gate GeGLU with Penzai's approximate GELU, the same formula."""
+  act = cfg.expect("hidden_act", {"silu", *TANH_GELU}, "silu",
+                   why="; Penzai's llama-like MLP is SwiGLU or tanh-approximate GeGLU")
+  return "swiglu" if act == "silu" else "geglu_approx"
+
+
+def _config_biases(cfg: Config, sliding: bool) -> Biases:
+  """Llama's ``attention_bias`` / ``mlp_bias``; Mistral has neither (its
+  transformers model ignores the fields, so a true value is refused)."""
+  if sliding:
+    bool_field(cfg, "attention_bias", False, False, "Mistral's attention has no biases")
+    bool_field(cfg, "mlp_bias", False, False, "Mistral's MLP has no biases")
+    return Biases()
+  attention = cfg.get("attention_bias", False)
+  return Biases(query_key_value=attention, output=attention, mlp=cfg.get("mlp_bias", False))
+
+
+def _bias_specs(
+    prefix: str,
+    source: str,
+    biases: Biases,
+    q_heads: dict[str, int],
+    kv_axes: dict[str, int],
+    head_dim: int,
+    hidden: int,
+    mlp: int,
+) -> list[TensorSpec]:
+  """The bias tensors of block ``prefix`` (Hugging Face names under
+  ``source``), each shaped like its projection's output."""
+
+  def bias(name: str, hf_name: str, axes: dict[str, int]) -> TensorSpec:
+    return TensorSpec(prefix + name + _BIAS_SUFFIX, source + hf_name + ".bias",
+                      tuple(axes.values()), tuple(axes), stored=(math.prod(axes.values()),))
+
+  specs = []
+  if biases.query_key_value:
+    for name, hf_name in _ATTENTION_PROJECTIONS.items():
+      heads = q_heads if name == "query" else kv_axes
+      specs.append(bias(f"attention/{name}", f"self_attn.{hf_name}",
+                        {**heads, "projection": head_dim}))
+  if biases.output:
+    specs.append(bias("attention/output", "self_attn.o_proj", {"embedding": hidden}))
+  if biases.mlp:
+    for name, hf_name in _MLP_PROJECTIONS.items():
+      axes = {"embedding": hidden} if name == "out_linear" else {"neurons": mlp}
+      specs.append(bias(f"mlp/{name}", f"mlp.{hf_name}", axes))
+  return specs
+
+
+def _with_biases(
+    model: model_parts.TransformerLM, specs: Sequence[TensorSpec]
+) -> model_parts.TransformerLM:
+  """The skeleton with a ``pz.nn.AddBias`` slot after each projection that
+  ``specs`` gives a bias (`Biases` says how they are named).
+
+  The ``Linear`` and its bias go in one ``Sequential`` which is then inlined
+  into the enclosing one (query: ``Linear, AddBias, ApplyRoPE, ...``), so the
+  model reads like Penzai's own; only where the projection is not in a
+  sequence (the MLP's value branch) does the pair stay a ``Sequential``.
+  """
+  if not specs:
+    return model
+  axes_by_linear = {
+      spec.label.removesuffix(_BIAS_SUFFIX): dict(zip(spec.axes, spec.shape)) for spec in specs
+  }
+
+  def add_bias(linear: pz.nn.Linear) -> pz.nn.Layer:
+    name = linear.weights.label.removesuffix(".weights")
+    axes = axes_by_linear.get(name)
+    if axes is None:
+      return linear
+    return pz.nn.Sequential([
+        linear, pz.nn.AddBias.from_config(name=f"{name}_bias", init_base_rng=None,
+                                          biased_axes=axes),
+    ])
+
+  def is_bias_pair(layer: pz.nn.Layer) -> bool:
+    return (pz.nn.is_anonymous_sequential(layer) and len(layer.sublayers) == 2
+            and isinstance(layer.sublayers[1], pz.nn.AddBias))
+
+  model = pz.select(model).at_instances_of(pz.nn.Linear).apply(add_bias)
+  return pz.nn.inline_groups(model, parent_filter=pz.nn.is_sequential_or_named,
+                             child_filter=is_bias_pair)
+
+
+def llama_plan(
+    cfg: Config,
+    weights: Weights,
+    sliding: bool = False,
+    *,
+    attention: Attention | None = None,
+    biases: Biases | None = None,
+) -> Plan:
   """Maps a Llama (or, with ``sliding``, Mistral) checkpoint to Penzai.
+
+  Families built on Llama's layout (Qwen2) pass their own ``attention``
+  (per-layer attention types, instead of the ``sliding`` rule) and ``biases``
+  (instead of Llama's ``attention_bias`` / ``mlp_bias`` fields).
 
   Penzai's llama-like transformer splits attention heads into
   ``head_groups`` (the key/value heads) and ``query_heads`` (query heads per
@@ -40,21 +176,12 @@ def llama_plan(cfg: Config, weights: Weights, sliding: bool = False) -> Plan:
     raise cfg.unsupported(
         "partial_rotary_factor", fraction, "Llama-style RoPE covers every dimension"
     )
-  cfg.expect("hidden_act", {"silu"}, "silu", why="; Penzai's llama-like MLP is SwiGLU")
-  bool_field(cfg, "attention_bias", False, False, "Penzai's llama-like attention has no biases")
-  bool_field(cfg, "mlp_bias", False, False, "Penzai's llama-like MLP has no biases")
+  mlp_variant = _mlp_variant(cfg)
+  if biases is None:
+    biases = _config_biases(cfg, sliding)
   tied = cfg.get("tie_word_embeddings", False)
-  if sliding:
-    # transformers' MistralConfig defaults to a 4096-token window when the
-    # field is absent; an explicit null means global attention.
-    window = cfg.get("sliding_window") if "sliding_window" in cfg.raw else 4096
-    attention = (
-        llamalike_common.AttentionTypeGlobalCausal()
-        if window is None
-        else llamalike_common.AttentionTypeSlidingWindowCausal(window)
-    )
-  else:
-    attention = llamalike_common.AttentionTypeGlobalCausal()
+  if attention is None:
+    attention = _mistral_attention(cfg) if sliding else llamalike_common.AttentionTypeGlobalCausal()
   config = llamalike_common.LlamalikeTransformerConfig(
       num_kv_heads=kv_heads,
       query_head_multiplier=heads // kv_heads,
@@ -63,7 +190,7 @@ def llama_plan(cfg: Config, weights: Weights, sliding: bool = False) -> Plan:
       mlp_hidden_dim=cfg.require("intermediate_size"),
       num_decoder_blocks=cfg.require("num_hidden_layers"),
       vocab_size=cfg.require("vocab_size"),
-      mlp_variant="swiglu",
+      mlp_variant=mlp_variant,
       tie_embedder_and_logits=False,
       rope_wavelength=theta,
       rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -127,10 +254,22 @@ def llama_plan(cfg: Config, weights: Weights, sliding: bool = False) -> Plan:
         proj(p + "attention/value.weights", s + "self_attn.v_proj.weight", kv_axes),
         proj(p + "attention/output.weights", s + "self_attn.o_proj.weight", q_heads, output=True),
     ]
+    specs += _bias_specs(p, s, biases, q_heads, kv_axes, head_dim, hidden, mlp)
+  bias_specs = tuple(spec for spec in specs if spec.label.endswith(_BIAS_SUFFIX))
   return Plan(
-      lambda: llamalike_common.build_llamalike_transformer(config, init_base_rng=None),
+      lambda: _with_biases(
+          llamalike_common.build_llamalike_transformer(config, init_base_rng=None), bias_specs),
       tuple(specs),
   )
+
+
+def _mistral_attention(cfg: Config) -> llamalike_common.AttentionType:
+  # transformers' MistralConfig defaults to a 4096-token window when the
+  # field is absent; an explicit null means global attention.
+  window = cfg.get("sliding_window") if "sliding_window" in cfg.raw else 4096
+  if window is None:
+    return llamalike_common.AttentionTypeGlobalCausal()
+  return llamalike_common.AttentionTypeSlidingWindowCausal(window)
 
 
 def mistral_plan(cfg: Config, weights: Weights) -> Plan:
