@@ -182,8 +182,8 @@ _DELETE = object()
     [
         ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
         ("llama", "rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-        ("llama", "attention_bias", True),
-        ("llama", "mlp_bias", True),
+        ("mistral", "attention_bias", True),  # Llama's biases: test_hf_qwen2.py.
+        ("mistral", "mlp_bias", True),
         ("llama", "hidden_act", "gelu"),
         ("llama", "some_new_feature", 3),
         ("mistral", "hidden_act", "relu"),

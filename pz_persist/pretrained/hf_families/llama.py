@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import TypeAlias
 
 from penzai import pz
 from penzai.models.transformer import model_parts
@@ -20,8 +21,7 @@ from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import check_layers
 from pz_persist.pretrained.hf_weights import Weights
 
-
-Attention = llamalike_common.AttentionType | Sequence[llamalike_common.AttentionType]
+Attention: TypeAlias = llamalike_common.AttentionType | Sequence[llamalike_common.AttentionType]
 """Penzai's ``attention_type``: one for every layer, or one per layer."""
 
 
