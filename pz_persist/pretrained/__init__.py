@@ -8,9 +8,12 @@ them here. Convert once with ``pz-persist convert`` and reload the native
 checkpoint with `pz_persist.load_model` for the fast path.
 """
 
+from pz_persist.pretrained.gemma import GemmaReport
+from pz_persist.pretrained.gemma import GemmaSetting
 from pz_persist.pretrained.gemma import load_gemma
 from pz_persist.pretrained.hf import load_hf
 from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.pretrained.safetensors_io import load_safetensors
 
-__all__ = ["export_safetensors", "load_gemma", "load_hf", "load_safetensors"]
+__all__ = ["GemmaReport", "GemmaSetting", "export_safetensors", "load_gemma", "load_hf",
+           "load_safetensors"]

@@ -37,12 +37,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import types
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
+from typing import Literal
+from typing import overload
 
 import jax
 import numpy as np
@@ -50,6 +53,7 @@ from etils import epath
 from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import gemma as pz_gemma
+from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
@@ -60,9 +64,10 @@ from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
 from pz_persist.storage import sharding as sharding_lib
 
-__all__ = ["GemmaCheckpointError", "known_presets", "load_gemma"]
+__all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 
 Progress = progress_lib.Progress
+_log = logging.getLogger(__name__)
 
 
 # Settings of a preset that the checkpoint's arrays determine; the others
@@ -71,14 +76,112 @@ _SHAPE_KEYS = (
     "num_decoder_blocks", "vocab_size", "num_kv_heads", "query_head_multiplier",
     "embedding_dim", "projection_dim", "mlp_hidden_dim",
 )
+# Settings the arrays show by being there (Gemma 2's extra norms).
+_NORM_KEYS = ("use_post_attn_norm", "use_post_ffw_norm")
+# Settings no array shows: a custom preset takes them from its "like" preset,
+# the caller, or Penzai's defaults, and `GemmaReport` says which.
+_PRESET_KEYS = ("attention_type", "final_logit_softcap", "attn_logits_soft_cap",
+                "query_scaling_factor")
+_TRANSPOSE = "needs_gating_transpose"
 _LEAF_NAMES = ("w", "scale", "input_embedding")
 _GEMMA3_MARKERS = ("query_norm", "key_norm", "q_norm", "k_norm", "siglip",
                    "vision_encoder", "mm_input_projection")
 
 
+Source = Literal["checkpoint", "preset", "caller", "default"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaSetting:
+  """One architecture setting of a `load_gemma` model and where it came from.
+
+  Attributes:
+    value: The value, as Penzai's ``LlamalikeTransformerConfig`` takes it
+      (``needs_gating_transpose``: a bool).
+    source: ``"checkpoint"``: the arrays' shapes, or their presence (Gemma
+      2's extra norms), show it; ``"preset"``: the Penzai preset named, or
+      the ``like`` preset (what it implies, Penzai's defaults included);
+      ``"caller"``: given in ``preset=``; ``"default"``: Penzai's default,
+      for a custom preset without ``like``.
+  """
+
+  value: Any
+  source: Source
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaReport:
+  """Where each setting of a model `load_gemma` built came from.
+
+  Why: a checkpoint's arrays show its sizes but not its attention windows,
+  soft caps or query scaling, so ``preset={"like": ...}`` takes those from
+  the preset; a checkpoint that differs loads without error and computes
+  other logits. `load_gemma` logs those settings as a warning; the report
+  keeps them for code.
+
+  Example::
+
+    model, report = pzp.pretrained.load_gemma(
+        path, preset={"like": "gemma2_2b"}, report=True)
+    print(report)  # One line per setting: value (source).
+    report.from_preset["attention_type"]  # (SlidingWindowCausal(4096), GlobalCausal())
+
+  Attributes:
+    preset: The preset followed: a Penzai preset name (``"gemma2_2b"``),
+      ``"like gemma2_2b"``, or ``"custom"`` (a mapping without ``like``).
+    settings: Every setting by name: the sizes, ``use_post_attn_norm``,
+      ``use_post_ffw_norm``, ``attention_type``, ``final_logit_softcap``,
+      ``attn_logits_soft_cap``, ``query_scaling_factor``,
+      ``needs_gating_transpose`` and any other setting given in ``preset=``.
+  """
+
+  preset: str
+  settings: Mapping[str, GemmaSetting]
+
+  @property
+  def from_preset(self) -> dict[str, Any]:
+    """``{setting: value}`` for the settings neither the checkpoint nor the
+    caller gave (sources ``"preset"`` and ``"default"``): the ones to check
+    when the checkpoint is not the preset's own model."""
+    return {k: s.value for k, s in self.settings.items() if s.source in ("preset", "default")}
+
+  def __str__(self) -> str:
+    width = max(map(len, self.settings), default=0)
+    return "\n".join([f"Gemma settings ({self.preset}):", *(
+        f"  {name:<{width}} = {s.value!r} ({s.source})" for name, s in self.settings.items())])
+
+
 def known_presets() -> list[str]:
   """The Gemma presets of the installed Penzai (e.g. ``gemma2_9b``)."""
   return sorted(pz_gemma._GEMMA_PRESETS)  # pylint: disable=protected-access
+
+
+@overload
+def load_gemma(
+    path: epath.PathLike,
+    *,
+    preset: str | Mapping[str, Any] = ...,
+    dtype: Any = ...,
+    sharding: sharding_lib.Target = ...,
+    upcast_activations_to_float32: bool = ...,
+    use_layer_stack: bool = ...,
+    progress: Progress = ...,
+    report: Literal[False] = ...,
+) -> model_parts.TransformerLM: ...
+
+
+@overload
+def load_gemma(
+    path: epath.PathLike,
+    *,
+    preset: str | Mapping[str, Any] = ...,
+    dtype: Any = ...,
+    sharding: sharding_lib.Target = ...,
+    upcast_activations_to_float32: bool = ...,
+    use_layer_stack: bool = ...,
+    progress: Progress = ...,
+    report: Literal[True],
+) -> tuple[model_parts.TransformerLM, GemmaReport]: ...
 
 
 def load_gemma(
@@ -90,13 +193,16 @@ def load_gemma(
     upcast_activations_to_float32: bool = False,
     use_layer_stack: bool = False,
     progress: Progress = None,
-) -> model_parts.TransformerLM:
+    report: bool = False,
+) -> model_parts.TransformerLM | tuple[model_parts.TransformerLM, GemmaReport]:
   """Loads an official Gemma (1 or 2) Flax checkpoint as a Penzai model.
 
   Example::
 
     model = pzp.pretrained.load_gemma(path, dtype=jnp.bfloat16)
-    tiny = pzp.pretrained.load_gemma(path, preset={"like": "gemma2_2b"})
+    tiny, report = pzp.pretrained.load_gemma(
+        path, preset={"like": "gemma2_2b"}, report=True)
+    print(report.from_preset)  # Settings not read from the checkpoint.
 
   Args:
     path: The Orbax checkpoint directory (for Kaggle downloads, the folder
@@ -107,9 +213,13 @@ def load_gemma(
       from the arrays' shapes, or a mapping for other sizes: keyword arguments
       of Penzai's ``LlamalikeTransformerConfig``, where sizes missing from it
       are read from the checkpoint, ``"like"`` names a preset whose other
-      settings (soft caps, attention windows, norms) are used, and
-      ``"needs_gating_transpose"`` overrides the layout of the MLP gating
-      weights (inferred from their shape otherwise).
+      settings (soft caps, attention windows, query scaling) are used, and
+      ``"needs_gating_transpose"`` gives the layout of the MLP gating
+      weights (read from their shape, unless the MLP is square: then the
+      ``like`` preset's, else it must be given). Whether Gemma 2's extra
+      norms are used is read from the checkpoint. The settings taken from
+      the ``like`` preset (or Penzai's defaults) are logged as a warning on
+      the ``pz_persist.pretrained.gemma`` logger, and reported (``report``).
     dtype: Cast every array to this dtype while it is read (e.g.
       ``jnp.bfloat16``); the model then computes in it too, as Penzai's
       converter does with the checkpoint's own dtype.
@@ -125,9 +235,11 @@ def load_gemma(
       (after Orbax has read them all, in one call), then, with ``sharding``,
       as parameters are placed, when ``total`` grows by their bytes
       (`pz_persist.progress`).
+    report: Also return a `GemmaReport` saying where each setting came from
+      (the checkpoint, the preset, the caller or Penzai's defaults).
 
   Returns:
-    Penzai's ``TransformerLM``.
+    Penzai's ``TransformerLM``; with ``report=True``, ``(model, report)``.
 
   Raises:
     GemmaCheckpointError: unknown preset, shapes matching no preset, a
@@ -144,7 +256,7 @@ def load_gemma(
   tree = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
   _refuse_gemma3(stored, path)
-  name, kwargs, transpose = _resolve_preset(stored, preset, path)
+  name, kwargs, transpose, settings = _resolve_preset(stored, preset, path)
   total = _read_bytes(tree, dtype)
   with progress_lib.tracking(progress, f"loading {path}", total) as tracker:
     params = _read(path, tree, dtype)
@@ -166,7 +278,7 @@ def load_gemma(
       for param in variables:
         param.value = _place(param.value, sharding, param.label)
         tracker.advance(_nbytes(param.value))
-  return model
+  return (model, settings) if report else model
 
 
 def _read_bytes(tree: Mapping[str, Any], dtype: Any) -> int:
@@ -412,13 +524,14 @@ def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[
     )
   transpose = None if embed == hidden else gating[1:] == (hidden, embed)
   sizes["use_post_attn_norm"] = "layer_0/post_attention_norm" in p
+  sizes["use_post_ffw_norm"] = "layer_0/post_ffw_norm" in p
   return sizes, transpose
 
 
 def _resolve_preset(
     params: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any], path: Any
-) -> tuple[str, dict[str, Any] | None, bool | None]:
-  """(preset name, custom preset kwargs or None, gating transpose)."""
+) -> tuple[str, dict[str, Any] | None, bool | None, GemmaReport]:
+  """(preset name, custom preset kwargs or None, gating transpose, report)."""
   presets = pz_gemma._GEMMA_PRESETS  # pylint: disable=protected-access
   sizes, transpose = _shapes(params, path)
   if isinstance(preset, str):
@@ -426,7 +539,7 @@ def _resolve_preset(
       for name, kwargs in presets.items():
         if all(kwargs[k] == sizes[k] for k in _SHAPE_KEYS) and (
             bool(kwargs.get("use_post_attn_norm")) == sizes["use_post_attn_norm"]):
-          return name, None, None
+          return name, None, None, _named_report(name, "checkpoint")
       shown = {k: v for k, v in sizes.items() if k in _SHAPE_KEYS}
       raise GemmaCheckpointError(
           f"{path}: no Gemma preset of the installed Penzai has these shapes"
@@ -434,27 +547,114 @@ def _resolve_preset(
           f" {shown}); known presets: {known_presets()}. For another size pass"
           f" preset={{'like': 'gemma2_2b'}} (sizes are read from the checkpoint)."
       )
-    return preset, None, None
+    return preset, None, None, _named_report(preset, "preset")
   custom = dict(preset)
   like = custom.pop("like", None)
-  gating_transpose = custom.pop("needs_gating_transpose", transpose)
+  given_transpose = custom.pop(_TRANSPOSE, None)
   if like is not None:
     if like not in presets:
       raise GemmaCheckpointError(_unknown_preset_message(like))
-    base = {k: v for k, v in presets[like].items() if k not in _SHAPE_KEYS}
+    base = {k: v for k, v in presets[like].items() if k not in _SHAPE_KEYS + _NORM_KEYS}
     if "query_scaling_factor" in base:  # 27b's rule: 1/sqrt(embedding/heads).
       heads = sizes["num_kv_heads"] * sizes["query_head_multiplier"]
       base["query_scaling_factor"] = (sizes["embedding_dim"] // heads) ** -0.5
   else:
     base = {}
-  kwargs = {**{k: sizes[k] for k in _SHAPE_KEYS}, **base, **custom}
-  mismatched = {k: (kwargs[k], sizes[k]) for k in _SHAPE_KEYS if kwargs[k] != sizes[k]}
+  shown = {k: sizes[k] for k in _SHAPE_KEYS + _NORM_KEYS}
+  kwargs = {**shown, **base, **custom}
+  mismatched = {k: (kwargs[k], v) for k, v in shown.items() if kwargs[k] != v}
   if mismatched:
     raise GemmaCheckpointError(
-        f"{path}: the preset's sizes differ from the checkpoint's"
-        f" ({{setting: (preset, checkpoint)}}): {mismatched}"
+        f"{path}: the preset's sizes differ from the checkpoint's arrays"
+        f" ({{setting: (preset, checkpoint)}}): {mismatched}; leave them out of"
+        " preset= to read them from the checkpoint."
     )
-  return "pz_persist_custom", kwargs, bool(gating_transpose)
+  gating = _gating_transpose(given_transpose, transpose, like, sizes, path)
+  report = _custom_report(like, kwargs, base, custom, gating)
+  _log_preset_settings(report, path)
+  return "pz_persist_custom", kwargs, gating.value, report
+
+
+def _gating_transpose(given: Any, shown: bool | None, like: str | None,
+                      sizes: Mapping[str, int], path: Any) -> GemmaSetting:
+  """Whether the MLP gating array is stored transposed, and who says so.
+
+  The array's shape shows it unless the MLP is square (``embedding_dim ==
+  mlp_hidden_dim``); then the ``like`` preset's layout is used (gemma2_9b
+  and gemma2_27b store it transposed), and without one the caller must say:
+  a wrong guess loads without error and computes wrong logits.
+  """
+  if given is not None:
+    if not isinstance(given, bool):
+      raise GemmaCheckpointError(
+          f"preset {_TRANSPOSE} must be True or False, got {given!r:.80}.")
+    if shown is not None and given != shown:
+      raise GemmaCheckpointError(
+          f"{path}: preset {_TRANSPOSE}={given} contradicts the checkpoint: the"
+          f" shape of its MLP gating array shows it is stored"
+          f" {'transposed' if shown else 'not transposed'}; leave {_TRANSPOSE} out.")
+    return GemmaSetting(given, "caller")
+  if shown is not None:
+    return GemmaSetting(shown, "checkpoint")
+  needs = pz_gemma._NEEDS_GATING_TRANSPOSE  # pylint: disable=protected-access
+  if like is not None and isinstance(needs.get(like), bool):
+    return GemmaSetting(needs[like], "preset")
+  raise GemmaCheckpointError(
+      f"{path}: the MLP is square (embedding_dim == mlp_hidden_dim =="
+      f" {sizes['embedding_dim']}), so the shape of its gating array does not"
+      f" show whether it is stored transposed (gemma2_9b and gemma2_27b store it"
+      f" so, the others do not); pass preset={{..., '{_TRANSPOSE}': True}} or"
+      f" False, or 'like' a preset stored the same way."
+  )
+
+
+def _config_defaults() -> dict[str, Any]:
+  """Penzai's defaults for the settings a custom preset may leave out."""
+  fields = dataclasses.fields(llamalike_common.LlamalikeTransformerConfig)
+  return {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+
+
+def _named_report(name: str, sizes_source: Source) -> GemmaReport:
+  """A Penzai preset's settings: its sizes matched the checkpoint (``auto``)
+  or were named by the caller, the rest is the preset's."""
+  kwargs = {**_config_defaults(), **pz_gemma._GEMMA_PRESETS[name]}  # pylint: disable=protected-access
+  settings = {k: GemmaSetting(kwargs[k], sizes_source) for k in _SHAPE_KEYS}
+  settings |= {k: GemmaSetting(bool(kwargs[k]), sizes_source) for k in _NORM_KEYS}
+  settings |= {k: GemmaSetting(kwargs[k], "preset") for k in _PRESET_KEYS}
+  settings[_TRANSPOSE] = GemmaSetting(
+      pz_gemma._NEEDS_GATING_TRANSPOSE[name], "preset")  # pylint: disable=protected-access
+  return GemmaReport(name, settings)
+
+
+def _custom_report(like: str | None, kwargs: Mapping[str, Any], base: Mapping[str, Any],
+                   custom: Mapping[str, Any], gating: GemmaSetting) -> GemmaReport:
+  """Where each setting of a custom preset came from."""
+  defaults = _config_defaults()
+  settings = {k: GemmaSetting(kwargs[k], "checkpoint") for k in _SHAPE_KEYS + _NORM_KEYS}
+  for key in (*_PRESET_KEYS, *(k for k in kwargs if k not in settings and k not in _PRESET_KEYS)):
+    if key in custom:
+      settings[key] = GemmaSetting(custom[key], "caller")
+    elif key in base or like is not None:
+      settings[key] = GemmaSetting(base.get(key, defaults.get(key)), "preset")
+    else:
+      settings[key] = GemmaSetting(defaults.get(key), "default")
+  settings[_TRANSPOSE] = gating
+  return GemmaReport("custom" if like is None else f"like {like}", settings)
+
+
+def _log_preset_settings(report: GemmaReport, path: Any) -> None:
+  """Logs, as a warning, each setting a custom preset took from the ``like``
+  preset or Penzai's defaults rather than the checkpoint or the caller."""
+  borrowed = {k: s for k, s in report.settings.items() if s.source in ("preset", "default")}
+  if not borrowed:
+    return
+  origin = {"preset": f"preset {report.preset.removeprefix('like ')!r}",
+            "default": "Penzai's default"}
+  lines = "".join(f"\n  {k}={s.value!r} (from {origin[s.source]})" for k, s in borrowed.items())
+  _log.warning(
+      "load_gemma(%s): %d settings are not shown by the checkpoint's arrays and"
+      " were not given in preset=; if this checkpoint differs, pass them in"
+      " preset=:%s", path, len(borrowed), lines)
 
 
 def _converter(name: str, kwargs: dict[str, Any] | None,
