@@ -47,7 +47,7 @@ def test_square_mlp_follows_the_like_presets_gating_layout(square_transposed, ca
 
 def test_square_mlp_without_a_preset_to_follow_is_refused(square_transposed):
   params, path = square_transposed
-  settings = {k: v for k, v in SQUARE.items()}  # Every size, no "like".
+  settings = dict(SQUARE.items())  # Every size, no "like".
   with pytest.raises(errors.GemmaCheckpointError, match="needs_gating_transpose") as info:
     load_gemma(path, preset=settings)
   assert "square" in str(info.value)
