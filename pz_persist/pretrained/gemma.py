@@ -15,7 +15,10 @@ this module adds around it:
   own "auto" only counts layers), and unknown or Gemma 3 checkpoints fail with
   an error that says what was found and what is supported;
 * a custom preset (a mapping) supports models of any size, such as the tiny
-  ones the tests write;
+  ones the tests write; what the arrays show (sizes, Gemma 2's extra norms,
+  the gating layout) is read from them, the rest comes from the ``like``
+  preset or the caller, is never guessed, and is logged and reported
+  (`GemmaReport`);
 * the checks `pz_persist.load` makes before reading: no file leads outside
   the directory or is a FIFO or device, Orbax's metadata is sane, and the
   declared shapes fit the allocation limit (TensorStore allocates a declared
