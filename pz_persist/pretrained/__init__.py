@@ -10,7 +10,10 @@ checkpoint with `pz_persist.load_model` for the fast path.
 
 from pz_persist.pretrained.gemma import load_gemma
 from pz_persist.pretrained.hf import load_hf
+from pz_persist.pretrained.hf_export import export_hf
+from pz_persist.pretrained.hf_export import merge_lora
 from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.pretrained.safetensors_io import load_safetensors
 
-__all__ = ["export_safetensors", "load_gemma", "load_hf", "load_safetensors"]
+__all__ = ["export_hf", "export_safetensors", "load_gemma", "load_hf", "load_safetensors",
+           "merge_lora"]

@@ -88,6 +88,14 @@ SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope_parameters": _OBJECT,
     "rope_type": _STRING,
     "type": _STRING,
+    # Gemma / Gemma 2 (pz_persist.pretrained.hf_families.gemma_native).
+    "hidden_activation": _STRING,
+    "use_bidirectional_attention": _BOOLEAN,
+    "query_pre_attn_scalar": _POSITIVE_NUMBER,
+    "attn_logit_softcapping": _POSITIVE_NUMBER,
+    "final_logit_softcapping": _POSITIVE_NUMBER,
+    "layer_types": (lambda value: isinstance(value, list)
+                    and all(isinstance(item, str) for item in value), "a list of strings"),
 }
 """What each ``config.json`` field the builders read must be (a JSON null
 means "absent, use the default"). Sizes are positive integers: a float is
