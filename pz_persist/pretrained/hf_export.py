@@ -43,6 +43,7 @@ from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf_config import IGNORED_FIELDS
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import BUILDERS
+from pz_persist.pretrained.hf_families import gpt_neox
 from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
@@ -238,12 +239,9 @@ def _mlp_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, A
   activation = _activation(model)
   key = "hidden_activation" if family == "gemma2" else "hidden_act"
   name = _HF_ACTIVATIONS[activation]
-  if family == "gpt_neox":
-    from pz_persist.pretrained.hf_families import gpt_neox  # pylint: disable=import-outside-toplevel
-
-    # ``like``'s own spelling when it means the same (gelu_new / gelu_pytorch_tanh).
-    if gpt_neox._NEOX_ACTIVATIONS.get(like.get(key)) == activation:  # pylint: disable=protected-access
-      name = like[key]
+  # ``like``'s own spelling when it means the same (gelu_new / gelu_pytorch_tanh).
+  if family == "gpt_neox" and gpt_neox._NEOX_ACTIVATIONS.get(like.get(key, "")) == activation:  # pylint: disable=protected-access
+    name = like[key]
   return {key: name}
 
 
@@ -355,7 +353,12 @@ def merge_lora(model: Any) -> Any:
     update = pz.nx.nmap(jnp.sum)((a.astype(jnp.float32) * b.astype(jnp.float32))
                                  .untag(*lowrank))
     value = (w.astype(jnp.float32) + update).astype(w.dtype).order_like(w)
-    return dataclasses.replace(linear, weights=dataclasses.replace(linear.weights, value=value))
+    param = linear.weights
+    if isinstance(param, pz.Parameter):  # A variable: a new one, same label and metadata.
+      param = pz.Parameter(value=value, label=param.label, metadata=param.metadata)
+    else:
+      param = dataclasses.replace(param, value=value)
+    return dataclasses.replace(linear, weights=param)
 
   return pz.select(model).at_instances_of(lora.LowRankAdapter).apply(merged)
 
@@ -368,6 +371,12 @@ def _plain(value: Any) -> Any:
   if isinstance(value, functools.partial):
     return ("partial", value.func, value.args, tuple(sorted(value.keywords.items())))
   return value
+
+
+def _shown(value: Any) -> str:
+  if hasattr(value, "shape"):
+    return f"{value.dtype}{list(value.shape)} {np.asarray(value).ravel()[:4]}"
+  return repr(value)
 
 
 def _is_number(value: Any) -> bool:
@@ -404,9 +413,7 @@ def _first_difference(expected: Any, found: Any, path: str,
       return path, f"keys {list(found)} where the family's layout has {list(expected)}"
     children = [(f"[{k!r}]", expected[k], found[k]) for k in expected]
   elif _plain(expected) != _plain(found):
-    shown = lambda v: f"{v.dtype}{list(v.shape)} {np.asarray(v).ravel()[:4]}" if hasattr(
-        v, "shape") else repr(v)
-    return path, f"{shown(found)} where the family's layout has {shown(expected)}"
+    return path, f"{_shown(found)} where the family's layout has {_shown(expected)}"
   else:
     return None
   for suffix, e, f in children:
