@@ -379,6 +379,15 @@ def _shown(value: Any) -> str:
   return repr(value)
 
 
+def _dtype_or_self(value: Any) -> Any:
+  """A dtype however given (``jnp.float32``, ``np.dtype("float32")``) as
+  ``np.dtype``: builders store either, meaning the same."""
+  if isinstance(value, np.dtype) or (isinstance(value, type) and (
+      issubclass(value, np.generic) or isinstance(getattr(value, "dtype", None), np.dtype))):
+    return np.dtype(value)
+  return value
+
+
 def _is_number(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -388,6 +397,7 @@ def _first_difference(expected: Any, found: Any, path: str,
   """Where the model (``found``) first differs from the plan's skeleton
   (``expected``) in anything but parameter values, and how; fills ``slots``
   with ``{plan label: model label}`` for the parameters met on the way."""
+  expected, found = _dtype_or_self(expected), _dtype_or_self(found)
   if (type(expected) is not type(found) and not isinstance(expected, pz.ParameterSlot)
       and not (_is_number(expected) and _is_number(found))):  # 10_000 == 10_000.0
     return path, (f"the model has a {type(found).__name__} where the family's layout has a"

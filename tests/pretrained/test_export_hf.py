@@ -38,6 +38,7 @@ from pretrained.test_hf import _hf_model
 from pretrained.test_hf import _penzai_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
+from pz_persist.pretrained import hf_export
 from pz_persist.pretrained import hf_plan
 from pz_persist.tools import cli
 
@@ -268,3 +269,36 @@ def test_layouts_are_inverse():
   with pytest.raises(ValueError, match="different values"):
     whole = hf_plan.TensorSpec("a", "w", (5,), ("e",))
     hf_plan.stored_layout([whole, dataclasses.replace(whole, label="b")], [w, w + 1])
+
+
+def test_bfloat16_round_trip_is_identical(tmp_path):
+  src = tmp_path / "bf16"
+  _hf_model("llama").to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
+  model = pzp.pretrained.load_hf(src)
+  pzp.export_hf(model, tmp_path / "out", like=src)
+  assert _config(tmp_path / "out")["dtype"] == "bfloat16"
+  _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(src))
+
+
+@pytest.mark.parametrize("gemma2", [False, True], ids=["gemma", "gemma2"])
+def test_exported_gemma_reads_back_through_the_same_plan(tmp_path, monkeypatch, gemma2):
+  """load_hf with the plan export ran backwards gives the model back (the
+  norms through ``w + 1`` in float32: within one rounding)."""
+  from pz_persist.pretrained import hf_families
+  from pz_persist.pretrained.hf_families import gemma_native
+
+  _, model = _gemma_model(tmp_path, gemma2)
+  pzp.export_hf(model, tmp_path / "hf")
+  family = "gemma2" if gemma2 else "gemma"
+  monkeypatch.setitem(hf_families.BUILDERS, family, gemma_native.NATIVE_BUILDERS[family])
+  back = pzp.pretrained.load_hf(tmp_path / "hf")
+  slots = {}
+  assert hf_export._first_difference(pz.unbind_params(back)[0], pz.freeze_params(model),
+                                     "model", slots) is None  # Same structure.
+  assert all(ours == theirs for ours, theirs in slots.items())
+  want = {p.label: p.value for p in pz.unbind_params(model)[1]}
+  for param in pz.unbind_params(back)[1]:
+    assert param.value.named_shape == want[param.label].named_shape
+    np.testing.assert_allclose(np.asarray(param.value.unwrap(*param.value.named_shape)),
+                               np.asarray(want[param.label].unwrap(*param.value.named_shape)),
+                               rtol=0, atol=2e-7 if "norm" in param.label else 0)
