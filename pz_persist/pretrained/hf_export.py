@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -35,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 from penzai.models.transformer import model_parts
-from penzai.toolshed import lora
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
@@ -74,10 +74,15 @@ _LAYER_PREFIXES = ("model.layers.", "gpt_neox.layers.")
 _HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 
 
-def _plans() -> dict[str, Callable[..., Plan]]:
-  """Every family export can write: what `load_hf` reads, and Penzai's own
-  Gemma (as `load_gemma` builds it) for ``gemma`` / ``gemma2``."""
-  return {**NATIVE_BUILDERS, **BUILDERS}
+def _plans() -> dict[str, list[Callable[..., Plan]]]:
+  """Every family export can write, with the plans that may describe a
+  model of it: what `load_hf` reads, then Penzai's own Gemma (as
+  `load_gemma` builds it) for ``gemma`` / ``gemma2``."""
+  plans: dict[str, list[Callable[..., Plan]]] = {}
+  for table in (BUILDERS, NATIVE_BUILDERS):
+    for family, plan in table.items():
+      plans.setdefault(family, []).append(plan)
+  return plans
 
 
 # --- what the model is ------------------------------------------------------
@@ -323,6 +328,11 @@ class _ModelWeights:
 
 
 def _refuse_lora(model: Any) -> None:
+  # Looked up, not imported (`import pz_persist` leaves it unimported): a
+  # model holding an adapter has imported it.
+  lora = sys.modules.get("penzai.toolshed.lora")
+  if lora is None:
+    return
   adapters = pz.select(model).at_instances_of(lora.LowRankAdapter)
   if adapters.count():
     path = jax.tree_util.keystr(next(iter(adapters.selected_by_path)))
@@ -344,6 +354,8 @@ def merge_lora(model: Any) -> Any:
   (float32 arithmetic when that is narrower), so the model then has the
   structure of the one LoRA was applied to and can be exported.
   """
+  from penzai.toolshed import lora  # pylint: disable=import-outside-toplevel
+
   def merged(adapter: lora.LowRankAdapter) -> pz.nn.Linear:
     branches = adapter.sublayers[0].branches
     linear = branches[0].sublayers[0]
@@ -450,6 +462,24 @@ def _check_structure(plan: Plan, model: Any, family: str) -> dict[str, str]:
         " or name the right family with like=."
     )
   return slots
+
+
+def _matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any],
+                  weights: _ModelWeights, model: Any, family: str,
+                  folder: str) -> tuple[Plan, dict[str, str]]:
+  """The first of the family's plans that builds exactly the model's
+  structure, and its ``{plan label: model label}``; else the first plan's
+  refusal (a family may have two Penzai layouts: Gemma's norms hold ``w``
+  when `load_hf` reads a Hub folder, ``1 + w`` when `load_gemma` builds it)."""
+  refusal: errors.PzPersistError | None = None
+  for candidate in candidates:
+    try:
+      plan = candidate(Config(config, f"config derived for {folder}"), weights)
+      return plan, _check_structure(plan, model, family)
+    except errors.PzPersistError as e:
+      refusal = refusal or e
+  assert refusal is not None
+  raise refusal
 
 
 # --- the folder -----------------------------------------------------------------
@@ -642,8 +672,7 @@ def export_hf(
   config = derive_config(model, family, like_config)
   embeddings = _first(model, pz.nn.EmbeddingTable, "token embeddings").embeddings.value
   weights = _ModelWeights(config["num_hidden_layers"], np.dtype(embeddings.dtype))
-  plan = plans[family](Config(config, f"config derived for {folder}"), weights)
-  slots = _check_structure(plan, model, family)
+  plan, slots = _matching_plan(plans[family], config, weights, model, family, folder)
   values = {p.label: p.value for p in _all(model, pz.ParameterValue)}
   _write_folder(folder, config, _tensors(plan, slots, values), shard_size, overwrite, progress)
   return folder
