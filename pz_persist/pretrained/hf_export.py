@@ -39,6 +39,7 @@ from penzai.models.transformer import model_parts
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist.pretrained import hf
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf_config import IGNORED_FIELDS
 from pz_persist.pretrained.hf_config import Config
@@ -130,9 +131,9 @@ def _family_from_structure(model: Any) -> str:
   """The family whose layout the model has, when ``like`` does not say."""
   if _all(model, pz.nn.ApplyRoPEToSubset) or _all(model, pz.nn.Standardize):
     return "gpt_neox"
-  if _all(model, pz.nn.EmbeddingDecode):
-    labels = {p.label for p in _all(model, pz.ParameterValue) + _all(model, pz.Parameter)}
-    return "gemma2" if any("post_attention_norm" in str(label) for label in labels) else "gemma"
+  if _all(model, pz.nn.EmbeddingDecode):  # Gemma 2 adds norms after attention and MLP.
+    block = _first(model, model_parts.TransformerBlock, "decoder block")
+    return "gemma2" if len(_all(block, pz.nn.RMSLayerNorm)) > 2 else "gemma"
   return "mistral" if _all(model, pz.nn.ApplyCausalSlidingWindowAttentionMask) else "llama"
 
 
@@ -494,8 +495,6 @@ def _like_config(like: Any) -> dict[str, Any]:
   if isinstance(like, str) and like in _plans():
     return {"model_type": like}
   if isinstance(like, (str, os.PathLike)) and os.path.isdir(like):
-    from pz_persist.pretrained import hf  # pylint: disable=import-outside-toplevel
-
     return hf._read_config(os.fspath(like))  # pylint: disable=protected-access
   raise errors.ArgumentError(
       f"like={like!r} is neither a family ({sorted(_plans())}), a Hugging Face"
