@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -578,7 +579,9 @@ def _write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[st
   into place: an interrupted export leaves ``folder`` as it was."""
   parent, name = os.path.split(os.path.abspath(folder))
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".export.tmp", dir=parent)
+  # Not mkdtemp: its 0o700 would be the exported folder's mode; this follows the umask.
+  tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex}.export.tmp")
+  os.mkdir(tmp)
   try:
     shards = _shards(tensors, shard_size)
     weight_map = {}

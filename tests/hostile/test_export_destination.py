@@ -62,3 +62,14 @@ def test_overwrite_replaces_only_the_folder(tmp_path, model):
   assert "config.json" in os.listdir(dst) and "link" not in os.listdir(dst)
   assert os.listdir(outside) == ["precious.txt"]
   assert sorted(os.listdir(tmp_path)) == ["dst", "outside"]
+
+
+def test_exported_folder_follows_the_umask(tmp_path, model):
+  """Written aside then renamed: the folder must not keep a private
+  temporary mode (another user serves it)."""
+  mask = os.umask(0o022)
+  try:
+    pzp.export_hf(model, tmp_path / "dst")
+  finally:
+    os.umask(mask)
+  assert os.stat(tmp_path / "dst").st_mode & 0o777 == 0o755
