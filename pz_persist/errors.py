@@ -297,3 +297,8 @@ class Location:
   def joined(self, suffix: str) -> Location:
     """This location extended by ``suffix`` (``".value"``, ``"[3]"``)."""
     return dataclasses.replace(self, tree_path=self.tree_path + suffix)
+
+
+class ExportError(PzPersistError, ValueError):
+  """A model cannot be written in the requested format (`pz_persist.export_hf`):
+  its structure is not one the target family can express."""

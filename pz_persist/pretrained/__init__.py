@@ -12,8 +12,10 @@ from pz_persist.pretrained.gemma import GemmaReport
 from pz_persist.pretrained.gemma import GemmaSetting
 from pz_persist.pretrained.gemma import load_gemma
 from pz_persist.pretrained.hf import load_hf
+from pz_persist.pretrained.hf_export import export_hf
+from pz_persist.pretrained.hf_export import merge_lora
 from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.pretrained.safetensors_io import load_safetensors
 
-__all__ = ["GemmaReport", "GemmaSetting", "export_safetensors", "load_gemma", "load_hf",
-           "load_safetensors"]
+__all__ = ["GemmaReport", "GemmaSetting", "export_hf", "export_safetensors", "load_gemma",
+           "load_hf", "load_safetensors", "merge_lora"]

@@ -52,6 +52,7 @@ from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import BUILDERS
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
+from pz_persist.pretrained.hf_plan import penzai_layout
 from pz_persist.pretrained.hf_weights import Weights
 from pz_persist.pretrained.hf_weights import check_has_weights
 from pz_persist.storage import sharding as sharding_lib
@@ -220,13 +221,10 @@ def _read(
 ) -> pz.nx.NamedArray:
   """Reads one tensor, lays it out for Penzai, casts it and places it."""
   file = where[spec.source]  # `_check_tensors` made sure it is there, of this size.
-  # Cast while reading unless a slice is taken after (then only the slice is cast).
-  host = file.get(spec.source, dtype=dtype if spec.take is None else None)
-  host = host.reshape(spec.shape)
-  if spec.take is not None:
-    dim, index = spec.take
-    host = np.take(host, index, axis=dim)
-  host = host.astype(dtype, copy=False)
+  # Cast while reading unless a slice is taken or an offset added after (then
+  # only the slice is cast, and the offset is added to the stored values).
+  host = file.get(spec.source, dtype=dtype if spec.take is None and not spec.offset else None)
+  host = penzai_layout(spec, host).astype(dtype, copy=False)
   data = jax.device_put(host, place(spec.axes, host.shape, spec.label))
   del host
   return pz.nx.NamedArray.wrap(data).tag(*spec.axes)

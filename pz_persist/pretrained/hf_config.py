@@ -102,6 +102,12 @@ SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_window_layers": _NON_NEGATIVE_INT,
     "layer_types": _STRING_LIST,
     "use_mrope": _BOOLEAN,
+    # Gemma / Gemma 2.
+    "hidden_activation": _STRING,
+    "use_bidirectional_attention": _BOOLEAN,
+    "query_pre_attn_scalar": _POSITIVE_NUMBER,
+    "attn_logit_softcapping": _POSITIVE_NUMBER,
+    "final_logit_softcapping": _POSITIVE_NUMBER,
 }
 """What each ``config.json`` field the builders read must be (a JSON null
 means "absent, use the default"). Sizes are positive integers: a float is

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from collections.abc import Sequence
 
+import numpy as np
 from penzai.models.transformer import model_parts
 
 from pz_persist.pretrained.hf_config import Config
@@ -32,6 +34,9 @@ class TensorSpec:
     stored: The tensor's shape in the checkpoint, when it is not ``shape``
       (Hugging Face keeps attention heads fused into one dimension); checked
       against the safetensors header before anything is read.
+    offset: Added to the stored value, in float32, to make the Penzai value
+      (Penzai's own Gemma norms hold ``1 + w`` where Hugging Face stores
+      ``w``); 0 for an exact copy.
   """
 
   label: str
@@ -40,6 +45,7 @@ class TensorSpec:
   axes: tuple[str, ...]
   take: tuple[int, int] | None = None
   stored: tuple[int, ...] | None = None
+  offset: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +85,63 @@ def check_layers(cfg: Config, names: set[str], prefix: str, layers: int) -> None
     found = f"layers {held[:10]}{'...' if len(held) > 10 else ''}"
   raise cfg.invalid("num_hidden_layers", layers, "a positive integer matching the weights",
                     f" but the safetensors hold {found}")
+
+
+# The two directions of a `TensorSpec`, side by side so that they cannot drift:
+# `load_hf` reads through `penzai_layout`, `export_hf` writes through
+# `stored_layout`, and a round trip is the identity (bit for bit when no spec
+# has an ``offset``).
+
+
+def penzai_layout(spec: TensorSpec, stored: np.ndarray) -> np.ndarray:
+  """The stored tensor laid out as the Penzai parameter ``spec`` describes
+  (its dtype unchanged unless ``spec.offset`` asks for float32 arithmetic)."""
+  host = stored.reshape(spec.shape)
+  if spec.take is not None:
+    dim, index = spec.take
+    host = np.take(host, index, axis=dim)
+  if spec.offset:
+    host = (host.astype(np.float32) + np.float32(spec.offset)).astype(stored.dtype)
+  return host
+
+
+def stored_layout(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> np.ndarray:
+  """The stored tensor that ``specs`` (all naming one source) read ``values``
+  from: the inverse of `penzai_layout`.
+
+  Slices taken from one fused tensor (GPT-NeoX's query, key and value) are
+  stacked back in their ``take`` order; specs reading the same tensor whole
+  (an output head tied to the embeddings) must hold the same bits, or there
+  is no tensor they all came from.
+
+  Raises:
+    ValueError: the specs do not describe one tensor, or whole reads of it
+      differ (the message names the labels; callers wrap it).
+  """
+  first = specs[0]
+  if first.take is None:
+    for spec, value in zip(specs[1:], values[1:]):
+      if spec.take is not None or value.dtype != values[0].dtype or not np.array_equal(
+          value.view(np.uint8), values[0].view(np.uint8)):
+        raise ValueError(
+            f"{first.label!r} and {spec.label!r} are both written as {first.source!r}"
+            " but hold different values"
+        )
+    host = _unoffset(first, values[0])
+  else:
+    dim = first.take[0]
+    by_index = {spec.take[1]: _unoffset(spec, value) for spec, value in zip(specs, values)
+                if spec.take is not None}
+    if len(by_index) != len(specs) or sorted(by_index) != list(range(first.shape[dim])):
+      raise ValueError(
+          f"{first.source!r} is fused from {[s.label for s in specs]}, which do not"
+          f" cover its {first.shape[dim]} slices once each"
+      )
+    host = np.stack([by_index[i] for i in range(first.shape[dim])], axis=dim)
+  return host.reshape(first.stored or first.shape)
+
+
+def _unoffset(spec: TensorSpec, value: np.ndarray) -> np.ndarray:
+  if not spec.offset:
+    return value
+  return (value.astype(np.float32) - np.float32(spec.offset)).astype(value.dtype)

@@ -176,6 +176,20 @@ def _convert(args: argparse.Namespace) -> int:
   return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+  """Writes a native checkpoint of a transformer as a Hugging Face folder."""
+  from pz_persist import model as model_lib
+  from pz_persist.pretrained import hf_export  # pylint: disable=import-outside-toplevel
+
+  model = model_lib.load_model(args.src)
+  shard_size = args.shard_mib * 2**20 if args.shard_mib else hf_export.DEFAULT_SHARD_BYTES
+  hf_export.export_hf(model, args.dst, like=args.like, shard_size=shard_size,
+                      overwrite=args.overwrite, progress=_progress(args))
+  _print(f"wrote {args.dst}; transformers reads it with"
+         f" AutoModelForCausalLM.from_pretrained({args.dst!r})")
+  return 0
+
+
 def _migrate(args: argparse.Namespace) -> int:
   """Loads a plain Orbax checkpoint into the model the user's function builds,
   and writes it as a native checkpoint."""
@@ -307,6 +321,29 @@ def build_parser() -> argparse.ArgumentParser:
   )
   convert.add_argument("--quiet", action="store_true", help="no progress bars")
   convert.set_defaults(run=_convert)
+
+  export = commands.add_parser(
+      "export",
+      help="write a native checkpoint of a transformer as a Hugging Face folder",
+      description="Load a pz_persist checkpoint of a Penzai transformer (saved"
+      " with pz_persist.save_model or pz-persist convert) and write it as a"
+      " Hugging Face folder (config.json, sharded safetensors and their index)"
+      " that transformers, vLLM and llama.cpp's converters read.",
+  )
+  export.add_argument("format", choices=["hf"])
+  export.add_argument("src", help="the pz_persist checkpoint to read")
+  export.add_argument("dst", help="the folder to write")
+  export.add_argument(
+      "--like", metavar="FAMILY_OR_FOLDER",
+      help="hf: the family (llama, mistral, gpt_neox, gemma, gemma2) or a Hugging"
+      " Face folder whose family and token ids, architectures... are used"
+      " (default: the family the model's structure shows)",
+  )
+  export.add_argument("--shard-mib", type=int,
+                      help="most MiB per safetensors file (default: 5 GiB, as transformers)")
+  export.add_argument("--overwrite", action="store_true", help="replace DST")
+  export.add_argument("--quiet", action="store_true", help="no progress bars")
+  export.set_defaults(run=_export)
 
   migrate = commands.add_parser(
       "migrate",
