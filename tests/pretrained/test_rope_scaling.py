@@ -290,3 +290,20 @@ def test_gpt_neox_refuses_scaling(tmp_path):
                         rope_parameters={"rope_type": "linear", "factor": 2.0})
   with pytest.raises(errors.UnsupportedConfigError, match="rope_type"):
     pzp.pretrained.load_hf(folder)
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"rope_type": "longrope", "factor": 2.0}, "rope_type"),
+    ({"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 4,
+      "high_freq_factor": 4.0}, "low_freq_factor"),
+    ({"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings"),
+])
+def test_layer_with_unusable_fields_says_which(fields, named):
+  """A layer built by hand, or from a forged checkpoint (load_model rebuilds
+  layers without their ``__init__``), fails on its first call naming the
+  field, instead of computing something else."""
+  layer = ApplyScaledRoPE(embedding_axis="projection", max_wavelength=1e4,
+                          positions_input_name="positions", **fields)
+  x = pz.nx.wrap(jnp.ones((3, 8)), "seq", "projection")
+  with pytest.raises(errors.UnsupportedConfigError, match=f"ApplyScaledRoPE.{named}"):
+    layer(x, positions=pz.nx.arange("seq", 3))
