@@ -307,3 +307,34 @@ def test_layer_with_unusable_fields_says_which(fields, named):
   x = pz.nx.wrap(jnp.ones((3, 8)), "seq", "projection")
   with pytest.raises(errors.UnsupportedConfigError, match=f"ApplyScaledRoPE.{named}"):
     layer(x, positions=pz.nx.arange("seq", 3))
+
+
+# meta-llama/Llama-3.2-1B's config.json as the Hub ships it (transformers 4.45
+# style: rope_scaling plus a top-level rope_theta), sizes shrunk.
+LLAMA_3_2_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000 % 64, "eos_token_id": 128001 % 64, "head_dim": 16,
+    "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.3,
+    "intermediate_size": 64, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "float32",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 64,
+}
+
+
+def test_llama_3_2_hub_config_loads(tmp_path):
+  """The README's example checkpoint: every field of the Hub's config.json
+  is understood, and the logits are transformers' (the default theta of
+  500000 and factor 32 scale the lowest frequencies even at 8 tokens)."""
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(**LLAMA_3_2_CONFIG)
+  model = transformers.LlamaForCausalLM(config).eval()
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_CONFIG))
+  loaded = pzp.pretrained.load_hf(tmp_path)
+  reference = _reference_logits(model)
+  np.testing.assert_allclose(_penzai_logits(loaded), reference, atol=ATOL, rtol=RTOL)
+  assert np.abs(_penzai_logits(_unscaled(loaded)) - reference).max() > 100 * ATOL
