@@ -88,6 +88,9 @@ CASES = {
     "yarn_mscale": ("llama", _rope_parameters("yarn", 5, mscale=0.9, mscale_all_dim=0.6), {}),
     "yarn_defaults": ("llama", {"rope_type": "yarn", "factor": 5.5,
                                 "original_max_position_embeddings": 4}, {}),
+    # factor null: transformers uses max_position_embeddings / original (64 / 4).
+    "yarn_factor_null": ("llama", {"rope_type": "yarn", "factor": None,
+                                   "original_max_position_embeddings": 4}, {}),
     "mistral_llama3": ("mistral", _rope_parameters("llama3", 6), {}),
 }
 
@@ -184,6 +187,9 @@ def test_config_fields_give_back_the_checkpoint_rope(saved, loaded, name):
   rebuilt = transformers.AutoConfig.for_model(**config).rope_parameters
   if name == "dynamic":
     assert layer.config_fields()["max_position_embeddings"] == 4
+  if name == "yarn_factor_null":
+    assert original["factor"] is None and layer.factor == 16.0
+    original = dict(original, factor=16.0)  # Written resolved: the same math.
   assert {k: v for k, v in rebuilt.items() if k != "type"} == {
       k: v for k, v in original.items() if k != "type"}
 
