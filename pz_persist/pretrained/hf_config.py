@@ -246,6 +246,14 @@ def _read_rope(
   if rope_type == "default":
     return float(theta), float(fraction), None
   assert default_max_positions is not None  # Refused above otherwise.
+  return float(theta), float(fraction), _scaling(cfg, key, params, rope_type, default_max_positions)
+
+
+def _scaling(cfg: Config, key: str, params: Mapping[str, Any], rope_type: str,
+             default_max_positions: int) -> RopeScaling:
+  """The scaling fields of ``params`` (whose keys are known), checked, with
+  the values transformers derives for absent ones filled in."""
+  required, optional = SCALING_KEYS[rope_type]
   fields = {
       field: cfg.checked(f"{key}.{field}", params[field])
       for field in sorted(required | optional) if params.get(field) is not None
@@ -268,7 +276,7 @@ def _read_rope(
         f"{key}.high_freq_factor", fields["high_freq_factor"],
         f"must be greater than low_freq_factor={fields['low_freq_factor']}",
     )
-  return float(theta), float(fraction), RopeScaling(rope_type, fields)
+  return RopeScaling(rope_type, fields)
 
 
 def _rope_dict(cfg: Config) -> tuple[str, dict[str, Any]]:

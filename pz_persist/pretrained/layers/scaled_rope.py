@@ -250,16 +250,17 @@ class ApplyScaledRoPE(pz.nn.Layer):
     return jnp.where(length > limit, 1.0 / (base ** exponents), static)
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
+    """Rotates ``inputs`` (checked as ``pz.nn.ApplyRoPE`` checks them)."""
     positions = side_inputs[self.positions_input_name]
     if self.embedding_axis in positions.named_shape:
-      raise ValueError(
+      raise errors.ArgumentError(
           f"Embedding axis {self.embedding_axis} should not already be part of"
           " the positions side input."
       )
     if positions.positional_shape:
-      raise ValueError("Positions side input must have no positional axes.")
+      raise errors.ArgumentError("Positions side input must have no positional axes.")
     if not all(axis in inputs.named_shape for axis in positions.named_shape):
-      raise ValueError(
+      raise errors.ArgumentError(
           "Every axis of the positions should appear in the main input.\n"
           f"Positions has: {positions.named_shape}\n"
           f"Main input has: {inputs.named_shape}\n"
