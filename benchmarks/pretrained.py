@@ -3,12 +3,15 @@
 Usage::
 
   python benchmarks/pretrained.py --size 1GiB [--dtype float32] [--shards 4] [--dir /tmp/bench]
+      [--rope-scaling llama3] [--ops fresh_memory,load_hf]
 
 The benchmark writes its own Llama-shaped Hugging Face checkpoint with the
 ``safetensors`` library (``config.json`` with ``model_type: llama``, tensors
 named ``model.layers.{i}.self_attn.q_proj.weight`` etc., random weights
 totalling ``--size`` bytes, split into ``--shards`` files plus
-``model.safetensors.index.json``), then measures, each in a fresh process
+``model.safetensors.index.json``; with ``--rope-scaling llama3``, Llama 3.x's
+RoPE: ``rope_theta`` 500000 and Llama 3.2's ``rope_scaling``, which `load_hf`
+builds with `pz_persist.pretrained.layers.scaled_rope.ApplyScaledRoPE`), then measures, each in a fresh process
 (see ``harness.py``):
 
 * ``load_hf``: `pz_persist.pretrained.load_hf` (safetensors only, no torch);
@@ -16,7 +19,7 @@ totalling ``--size`` bytes, split into ``--shards`` files plus
 * ``reload``: `pz_persist.load_model` of the converted checkpoint;
 * ``torch``: Penzai's own path, ``llama_from_huggingface_model(
   LlamaForCausalLM.from_pretrained(SRC))``, when torch and transformers are
-  importable;
+  importable (not with ``--rope-scaling``: Penzai's converter has no scaled RoPE);
 * ``fresh_memory``: only the allocation of new, populated memory for every
   tensor (no reading): the least any loader that copies into new memory
   pays, and on virtual machines most of what a warm load costs;
@@ -49,6 +52,15 @@ import harness  # noqa: E402  pylint: disable=wrong-import-position
 OPS = ("fresh_memory", "load_hf", "convert", "reload", "load_hf_bf16", "convert_bf16",
        "reload_bf16", "torch")
 _BF16_OPS = ("load_hf_bf16", "convert_bf16", "reload_bf16")
+
+ROPE_SCALINGS = {
+    "llama3": {
+        "rope_theta": 500_000.0, "max_position_embeddings": 131_072,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+}
+"""``--rope-scaling`` choices: the config fields they set (Llama 3.2's)."""
 
 
 def llama_config(target_bytes: int, itemsize: int) -> dict:
@@ -98,7 +110,7 @@ def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def write_llama(path: str, target_bytes: int, *, dtype: str = "float32", shards: int = 4,
-                seed: int = 0) -> int:
+                seed: int = 0, rope_scaling: str | None = None) -> int:
   """Writes a Llama-shaped safetensors checkpoint folder; returns its tensor bytes.
 
   One shard is built at a time, so writing needs about one shard of memory.
@@ -107,7 +119,8 @@ def write_llama(path: str, target_bytes: int, *, dtype: str = "float32", shards:
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
   np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-  cfg = dict(llama_config(target_bytes, np_dtype.itemsize), torch_dtype=dtype)
+  cfg = dict(llama_config(target_bytes, np_dtype.itemsize), torch_dtype=dtype,
+             **ROPE_SCALINGS.get(rope_scaling or "", {}))
   shapes = tensor_shapes(cfg)
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
@@ -146,12 +159,17 @@ def _block(model) -> None:
   jax.block_until_ready([p.value for p in pz.unbind_params(model)[1]])
 
 
-def _warm_up(op: str) -> None:
-  """Loads a tiny checkpoint first, so one-time start-up (JAX backend, imports,
-  TensorStore) is not charged to the measured operation."""
+def _rope_scaling_of(src: str) -> str | None:
+  with open(os.path.join(src, "config.json")) as f:
+    return (json.load(f).get("rope_scaling") or {}).get("rope_type")
+
+
+def _warm_up(op: str, rope_scaling: str | None = None) -> None:
+  """Loads a tiny checkpoint (of the same RoPE) first, so one-time start-up
+  (JAX backend, imports, TensorStore) is not charged to the measured operation."""
   with tempfile.TemporaryDirectory() as directory:
     src = os.path.join(directory, "hf")
-    write_llama(src, 2**16, shards=1)
+    write_llama(src, 2**16, shards=1, rope_scaling=rope_scaling)
     operation(op, src, os.path.join(directory, "native"), warm_up=True)()
 
 
@@ -208,7 +226,7 @@ def operation(op: str, src: str, dst: str, warm_up: bool = False):
 
 def worker(op: str, src: str, dst: str) -> dict:
   """Runs one measured operation in this (fresh) process."""
-  _warm_up(op)
+  _warm_up(op, _rope_scaling_of(src))
   return harness.measure(operation(op, src, dst))
 
 
@@ -224,7 +242,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--shards", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=1, help="best of N per operation")
   parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-  parser.add_argument("--ops", default=",".join(OPS))
+  parser.add_argument("--ops", default=",".join(OPS),
+                      help=f"comma-separated, among {','.join(OPS)} (default: all)")
+  parser.add_argument("--rope-scaling", default=None, choices=sorted(ROPE_SCALINGS),
+                      help="write a Llama 3.x checkpoint: rope_theta 500000 and this rope_scaling")
   parser.add_argument("--json", default=None, help="write the results here too")
   parser.add_argument("--worker", nargs=3, metavar=("OP", "SRC", "DST"), help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -236,22 +257,24 @@ def main(argv=None) -> dict:
   target = harness.parse_size(args.size)
   ops = [
       op for op in args.ops.split(",")
-      if op and (op != "torch" or torch_available())
+      if op and (op != "torch" or (torch_available() and not args.rope_scaling))
       and (op not in _BF16_OPS or args.dtype == "float32")
   ]
   directory = args.dir or tempfile.mkdtemp(prefix="pz_persist_bench_")
   src, dst = os.path.join(directory, "hf_llama"), os.path.join(directory, "native")
   shutil.rmtree(src, ignore_errors=True)
-  model_bytes = write_llama(src, target, dtype=args.dtype, shards=args.shards)
+  model_bytes = write_llama(src, target, dtype=args.dtype, shards=args.shards,
+                            rope_scaling=args.rope_scaling)
   with open(os.path.join(src, "config.json")) as f:
     cfg = json.load(f)
   print(f"# pretrained benchmark, {time.strftime('%Y-%m-%d %H:%M')}")
   print(harness.machine_description())
-  print(f"checkpoint: Llama-shaped, {cfg['num_hidden_layers']} layers, hidden"
+  rope = f", {args.rope_scaling} rope_scaling" if args.rope_scaling else ""
+  print(f"checkpoint: Llama-shaped{rope}, {cfg['num_hidden_layers']} layers, hidden"
         f" {cfg['hidden_size']}, {harness.format_size(model_bytes)} {args.dtype} in"
         f" {len(os.listdir(src)) - 2} safetensors files; best of {args.repeats}\n")
 
-  results = {"model_bytes": model_bytes, "ops": {}}
+  results = {"model_bytes": model_bytes, "rope_scaling": args.rope_scaling, "ops": {}}
   order = [op for op in OPS if op in ops]
   for reload, convert in (("reload", "convert"), ("reload_bf16", "convert_bf16")):
     if reload in order and convert not in order:

@@ -124,3 +124,17 @@ def test_pretrained_benchmark_runs(tmp_path, capsys):
 def test_pretrained_benchmark_1gib(tmp_path):
   results = _pretrained_benchmark().main(["--size", "1GiB", "--dir", str(tmp_path)])
   assert results["reload_speedup"] > 0
+
+
+def test_pretrained_benchmark_writes_llama3_rope_scaling(tmp_path):
+  """``--rope-scaling llama3`` writes a checkpoint load_hf builds with scaled RoPE."""
+  from penzai import pz  # pylint: disable=import-outside-toplevel
+
+  import pz_persist as pzp  # pylint: disable=import-outside-toplevel
+  from pz_persist.pretrained.layers import scaled_rope  # pylint: disable=import-outside-toplevel
+
+  _pretrained_benchmark().write_llama(str(tmp_path), 2**16, shards=1, rope_scaling="llama3")
+  model = pzp.pretrained.load_hf(tmp_path)
+  layers = pz.select(model).at_instances_of(scaled_rope.ApplyScaledRoPE).get_sequence()
+  assert layers and {layer.rope_type for layer in layers} == {"llama3"}
+  assert {layer.max_wavelength for layer in layers} == {500_000.0}

@@ -11,11 +11,19 @@ Penzai layout, cast, placed on its devices and dropped before the next one is
 read, so host memory never holds a second copy of the model.
 
 Configuration fields that change the model's math in ways Penzai's builders
-cannot express (``rope_scaling``, biases in Llama attention, a non-SiLU
-activation...) are refused with `UnsupportedConfigError` naming the field and
-its value; fields that do not change the math (token ids, dropout, the
+cannot express (biases in Llama attention, a non-SiLU activation, a rope
+type other than the scaled ones below...) are refused with
+`UnsupportedConfigError` naming the field and its value; fields that do not change the math (token ids, dropout, the
 transformers version...) are ignored, and any field this module does not know
 is refused too, rather than silently producing a different model.
+
+Scaled RoPE (``rope_scaling`` or ``rope_parameters`` of type ``llama3``,
+``linear``, ``dynamic`` or ``yarn``, as every Llama 3.x checkpoint has) is
+supported for Llama and Mistral: Penzai's ``ApplyRoPE`` layers are replaced by
+`pz_persist.pretrained.layers.scaled_rope.ApplyScaledRoPE`, which computes the
+frequencies as transformers does, also in Penzai's KV-cache sampling mode
+(its docstring says when ``dynamic`` agrees with transformers' stateful
+cache). GPT-NeoX refuses scaling.
 
 A checkpoint folder may come from anyone, so nothing in it is trusted before
 it is checked, and the checks come in an order that builds nothing large:

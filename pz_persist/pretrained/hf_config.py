@@ -9,12 +9,14 @@ is an error rather than a silently different model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
 from pz_persist import errors
+from pz_persist.pretrained.layers.scaled_rope import SCALING_KEYS
 
 UnsupportedConfigError = errors.UnsupportedConfigError
 
@@ -108,6 +110,17 @@ SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "query_pre_attn_scalar": _POSITIVE_NUMBER,
     "attn_logit_softcapping": _POSITIVE_NUMBER,
     "final_logit_softcapping": _POSITIVE_NUMBER,
+    "max_position_embeddings": _POSITIVE_INT,
+    "factor": _POSITIVE_NUMBER,
+    "original_max_position_embeddings": _POSITIVE_INT,
+    "low_freq_factor": _POSITIVE_NUMBER,
+    "high_freq_factor": _POSITIVE_NUMBER,
+    "attention_factor": _POSITIVE_NUMBER,
+    "beta_fast": _POSITIVE_NUMBER,
+    "beta_slow": _POSITIVE_NUMBER,
+    "mscale": _POSITIVE_NUMBER,
+    "mscale_all_dim": _POSITIVE_NUMBER,
+    "truncate": _BOOLEAN,
 }
 """What each ``config.json`` field the builders read must be (a JSON null
 means "absent, use the default"). Sizes are positive integers: a float is
@@ -180,34 +193,140 @@ class Config:
       )
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A checkpoint's validated ``rope_scaling``.
+
+  Attributes:
+    rope_type: One of `scaled_rope.SCALING_KEYS` (never ``"default"``).
+    fields: The other keys of the dict that the rope type reads, each
+      checked against `SCHEMA`, with the values transformers derives when
+      they are absent filled in (``original_max_position_embeddings`` from
+      ``max_position_embeddings``; yarn's ``factor`` as their ratio), plus
+      ``max_position_embeddings`` for ``dynamic``: exactly the keyword
+      arguments of `scaled_rope.ApplyScaledRoPE` besides its first three.
+  """
+
+  rope_type: str
+  fields: Mapping[str, int | float | bool]
+
+
+_ROPE_COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+
+
 def rope(cfg: Config, default_theta: float) -> tuple[float, float]:
   """RoPE base wavelength and partial-rotary fraction, refusing scaled RoPE.
 
-  transformers < 5 writes ``rope_theta`` and ``rope_scaling``; transformers 5
-  writes ``rope_parameters`` (``rope_type``, ``rope_theta``,
-  ``partial_rotary_factor``). Penzai's ``ApplyRoPE`` implements only the
-  original ("default") rotary embedding, so any other rope type (linear,
-  dynamic, yarn, llama3...) is an error.
+  For families whose Penzai layer implements only the original ("default")
+  rotary embedding; `scaled_rope` reads scaling too.
   """
-  for key in ("rope_scaling", "rope_parameters"):
-    params = cfg.get(key)
-    if params is None:
-      continue
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    extra = set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-    if rope_type != "default" or extra:
-      raise cfg.unsupported(
-          key, params, "Penzai implements only unscaled ('default') RoPE"
-      )
-    for field in ("rope_type", "type", "rope_theta", "partial_rotary_factor"):
-      if params.get(field) is not None:
-        cfg.checked(f"{key}.{field}", params[field])
-  params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-  theta = params.get("rope_theta")
-  theta = cfg.get("rope_theta", default_theta) if theta is None else theta
-  fraction = params.get("partial_rotary_factor")
-  fraction = cfg.get("partial_rotary_factor", 1.0) if fraction is None else fraction
-  return float(theta), float(fraction)
+  theta, fraction, _ = _read_rope(cfg, default_theta, None)
+  return theta, fraction
+
+
+def scaled_rope(
+    cfg: Config, default_theta: float, default_max_positions: int
+) -> tuple[float, float, RopeScaling | None]:
+  """RoPE base wavelength, partial-rotary fraction and scaling (None: unscaled).
+
+  transformers < 5 writes ``rope_theta`` and ``rope_scaling`` (whose type is
+  ``rope_type``, or ``type`` in older files); transformers 5 writes
+  ``rope_parameters`` (``rope_type``, ``rope_theta``,
+  ``partial_rotary_factor`` and the scaling keys). Either is read; each key
+  the rope type does not read is refused, naming it, as is every value of
+  the wrong type or range. ``max_position_embeddings`` (default
+  ``default_max_positions``, the family's transformers default) is read only
+  when the rope type needs it: ``dynamic``, or ``llama3`` / ``yarn``
+  without ``original_max_position_embeddings``.
+  """
+  return _read_rope(cfg, default_theta, default_max_positions)
+
+
+def _read_rope(
+    cfg: Config, default_theta: float, default_max_positions: int | None
+) -> tuple[float, float, RopeScaling | None]:
+  """`scaled_rope`, or `rope` when ``default_max_positions`` is None."""
+  key, params = _rope_dict(cfg)
+  rope_type = _agreeing(cfg, key, params, "rope_type", "type", "default")
+  if rope_type != "default" and (default_max_positions is None or rope_type not in SCALING_KEYS):
+    why = (f"supported rope types: {['default', *sorted(SCALING_KEYS)]}"
+           if default_max_positions is not None
+           else "this family's Penzai layer implements only unscaled ('default') RoPE")
+    raise cfg.unsupported(f"{key}.rope_type", rope_type, why)
+  required, optional = SCALING_KEYS.get(rope_type, (frozenset(), frozenset()))
+  unknown = sorted(set(params) - _ROPE_COMMON_KEYS - required - optional)
+  if unknown:
+    raise cfg.unsupported(
+        f"{key}.{unknown[0]}", params[unknown[0]],
+        f"rope_type {rope_type!r} reads only {sorted(_ROPE_COMMON_KEYS | required | optional)}",
+    )
+  theta = _agreeing(cfg, key, params, "rope_theta", "rope_theta", default_theta, top_level=True)
+  fraction = _agreeing(cfg, key, params, "partial_rotary_factor", "partial_rotary_factor", 1.0,
+                       top_level=True)
+  if rope_type == "default":
+    return float(theta), float(fraction), None
+  assert default_max_positions is not None  # Refused above otherwise.
+  return float(theta), float(fraction), _scaling(cfg, key, params, rope_type, default_max_positions)
+
+
+def _scaling(cfg: Config, key: str, params: Mapping[str, Any], rope_type: str,
+             default_max_positions: int) -> RopeScaling:
+  """The scaling fields of ``params`` (whose keys are known), checked, with
+  the values transformers derives for absent ones filled in."""
+  required, optional = SCALING_KEYS[rope_type]
+  fields = {
+      field: cfg.checked(f"{key}.{field}", params[field])
+      for field in sorted(required | optional) if params.get(field) is not None
+  }
+
+  def max_positions() -> int:
+    return cfg.get("max_position_embeddings", default_max_positions)
+
+  if "original_max_position_embeddings" in required:
+    fields.setdefault("original_max_position_embeddings", max_positions())
+  if rope_type == "yarn" and "factor" not in fields:
+    fields["factor"] = max_positions() / fields["original_max_position_embeddings"]
+  if rope_type == "dynamic":
+    fields["max_position_embeddings"] = max_positions()
+  for field in sorted(required):
+    if field not in fields:
+      raise cfg.unsupported(f"{key}.{field}", None, f"rope_type {rope_type!r} requires it")
+  if rope_type == "llama3" and fields["high_freq_factor"] <= fields["low_freq_factor"]:
+    raise cfg.unsupported(
+        f"{key}.high_freq_factor", fields["high_freq_factor"],
+        f"must be greater than low_freq_factor={fields['low_freq_factor']}",
+    )
+  return RopeScaling(rope_type, fields)
+
+
+def _rope_dict(cfg: Config) -> tuple[str, dict[str, Any]]:
+  """The RoPE dict (``rope_parameters`` or ``rope_scaling``) and its key;
+  both are read, and refused if they disagree."""
+  found = {key: cfg.get(key) for key in ("rope_parameters", "rope_scaling")}
+  found = {key: value for key, value in found.items() if value}
+  if len(found) == 2 and found["rope_parameters"] != found["rope_scaling"]:
+    raise cfg.unsupported(
+        "rope_scaling", found["rope_scaling"],
+        f"rope_parameters={found['rope_parameters']!r:.200} says otherwise; keep one of them",
+    )
+  key = next(iter(found), "rope_scaling")
+  return key, found.get(key, {})
+
+
+def _agreeing(cfg: Config, key: str, params: Mapping[str, Any], name: str, other: str,
+              default: Any, top_level: bool = False) -> Any:
+  """``params[name]``, which must agree with ``params[other]`` (or, with
+  ``top_level``, the config's own ``other`` field) when both are given."""
+  value = params.get(name)
+  value = None if value is None else cfg.checked(f"{key}.{name}", value)
+  if top_level:
+    second, where = cfg.get(other), other
+  else:
+    second, where = params.get(other), f"{key}.{other}"
+    second = None if second is None else cfg.checked(where, second)
+  if value is not None and second is not None and value != second:
+    raise cfg.unsupported(where, second, f"{key}.{name}={value!r} says otherwise")
+  return next((v for v in (value, second) if v is not None), default)
 
 
 TANH_GELU = frozenset({"gelu_pytorch_tanh", "gelu_fast", "gelu_new"})

@@ -180,7 +180,7 @@ _DELETE = object()
 @pytest.mark.parametrize(
     "family, field, value",
     [
-        ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+        ("llama", "rope_scaling", {"rope_type": "longrope", "factor": 2.0}),
         ("llama", "rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
         ("mistral", "attention_bias", True),  # Llama's biases: test_hf_qwen2.py.
         ("mistral", "mlp_bias", True),

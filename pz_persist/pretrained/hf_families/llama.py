@@ -13,13 +13,19 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf_config import TANH_GELU
 from pz_persist.pretrained.hf_config import Config
+from pz_persist.pretrained.hf_config import RopeScaling
 from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_config import lm_head_source
-from pz_persist.pretrained.hf_config import rope
+from pz_persist.pretrained.hf_config import scaled_rope
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import check_layers
 from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+
+# transformers' defaults for a config.json without max_position_embeddings
+# (read only by the rope types that need it).
+_MAX_POSITIONS = {False: 2048, True: 4096 * 32}
 
 Attention: TypeAlias = llamalike_common.AttentionType | Sequence[llamalike_common.AttentionType]
 """Penzai's ``attention_type``: one for every layer, or one per layer."""
@@ -156,6 +162,10 @@ def llama_plan(
   (per-layer attention types, instead of the ``sliding`` rule) and ``biases``
   (instead of Llama's ``attention_bias`` / ``mlp_bias`` fields).
 
+  Scaled RoPE (``rope_scaling`` / ``rope_parameters`` of type ``linear``,
+  ``dynamic``, ``llama3`` or ``yarn``, as in Llama 3.x) replaces Penzai's
+  ``ApplyRoPE`` layers by `ApplyScaledRoPE` ones carrying the scaling.
+
   Penzai's llama-like transformer splits attention heads into
   ``head_groups`` (the key/value heads) and ``query_heads`` (query heads per
   group), dropping an axis of size one, so the fused ``q_proj`` /``k_proj``
@@ -171,7 +181,7 @@ def llama_plan(
         "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}"
     )
   head_dim = cfg.get("head_dim", hidden // heads)
-  theta, fraction = rope(cfg, 10_000.0)
+  theta, fraction, scaling = scaled_rope(cfg, 10_000.0, _MAX_POSITIONS[sliding])
   if fraction != 1.0:
     raise cfg.unsupported(
         "partial_rotary_factor", fraction, "Llama-style RoPE covers every dimension"
@@ -256,11 +266,29 @@ def llama_plan(
     ]
     specs += _bias_specs(p, s, biases, q_heads, kv_axes, head_dim, hidden, mlp)
   bias_specs = tuple(spec for spec in specs if spec.label.endswith(_BIAS_SUFFIX))
-  return Plan(
-      lambda: _with_biases(
-          llamalike_common.build_llamalike_transformer(config, init_base_rng=None), bias_specs),
-      tuple(specs),
-  )
+
+  def build() -> model_parts.TransformerLM:
+    skeleton = _with_biases(
+        llamalike_common.build_llamalike_transformer(config, init_base_rng=None), bias_specs)
+    return skeleton if scaling is None else with_scaled_rope(skeleton, scaling)
+
+  return Plan(build, tuple(specs))
+
+
+def with_scaled_rope(model: model_parts.TransformerLM, scaling: RopeScaling) -> model_parts.TransformerLM:
+  """``model`` with each of Penzai's ``ApplyRoPE`` layers replaced by an
+  `ApplyScaledRoPE` of the same axis, wavelength and positions input."""
+
+  def scaled(layer: pz.nn.ApplyRoPE) -> ApplyScaledRoPE:
+    return ApplyScaledRoPE(
+        embedding_axis=layer.embedding_axis,
+        max_wavelength=layer.max_wavelength,
+        positions_input_name=layer.positions_input_name,
+        rope_type=scaling.rope_type,
+        **scaling.fields,
+    )
+
+  return pz.select(model).at_instances_of(pz.nn.ApplyRoPE).apply(scaled)
 
 
 def _mistral_attention(cfg: Config) -> llamalike_common.AttentionType:
