@@ -50,6 +50,7 @@ from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import BUILDERS
+from pz_persist.pretrained.hf_families import REFUSED
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_weights import Weights
@@ -178,6 +179,9 @@ def load_hf(
   raw_config = _read_config(path)
   check_has_weights(path)
   model_type = raw_config.get("model_type")
+  if isinstance(model_type, str) and model_type in REFUSED:
+    raise UnsupportedConfigError(
+        f"{os.path.join(path, 'config.json')}: {REFUSED[model_type](model_type)}.")
   if not isinstance(model_type, str) or model_type not in BUILDERS:
     raise UnsupportedConfigError(
         f"{os.path.join(path, 'config.json')}: model_type={model_type!r:.80} is not"

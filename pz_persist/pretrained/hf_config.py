@@ -41,6 +41,7 @@ IGNORED_FIELDS = frozenset({
     "temperature", "tf_legacy_loss", "tie_encoder_decoder", "tokenizer_class",
     "top_k", "top_p", "torch_dtype", "torchscript", "transformers_version",
     "typical_p", "use_bfloat16", "use_cache", "attn_implementation",
+    "cache_implementation",
 })
 
 def _positive_int(value: Any) -> bool:
@@ -62,6 +63,8 @@ _FRACTION = (_fraction, "a number in (0, 1]")
 _BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
 _STRING = (lambda value: isinstance(value, str), "a string")
 _OBJECT = (lambda value: isinstance(value, dict), "a JSON object")
+_STRING_LIST = (lambda value: isinstance(value, list) and all(isinstance(v, str) for v in value),
+                "a list of strings")
 
 SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model_type": _STRING,
@@ -88,6 +91,13 @@ SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rope_parameters": _OBJECT,
     "rope_type": _STRING,
     "type": _STRING,
+    "hidden_activation": _STRING,
+    "query_pre_attn_scalar": _POSITIVE_NUMBER,
+    "attn_logit_softcapping": _POSITIVE_NUMBER,
+    "final_logit_softcapping": _POSITIVE_NUMBER,
+    "sliding_window_size": _POSITIVE_INT,
+    "layer_types": _STRING_LIST,
+    "use_bidirectional_attention": _BOOLEAN,
 }
 """What each ``config.json`` field the builders read must be (a JSON null
 means "absent, use the default"). Sizes are positive integers: a float is
