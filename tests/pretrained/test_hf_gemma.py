@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import transformers

@@ -76,14 +76,14 @@ def _plan(cfg: Config, weights: Weights, gemma2: bool) -> Plan:
   layers = cfg.require("num_hidden_layers")
   gemma2_settings: dict[str, Any] = {}
   if gemma2:
-    gemma2_settings = dict(
-        attention_type=_attention_types(cfg, layers),
-        use_post_attn_norm=True,
-        use_post_ffw_norm=True,
-        query_scaling_factor=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
-        attn_logits_soft_cap=_optional(cfg, "attn_logit_softcapping", 50.0),
-        final_logit_softcap=_optional(cfg, "final_logit_softcapping", 30.0),
-    )
+    gemma2_settings = {
+        "attention_type": _attention_types(cfg, layers),
+        "use_post_attn_norm": True,
+        "use_post_ffw_norm": True,
+        "query_scaling_factor": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "attn_logits_soft_cap": _optional(cfg, "attn_logit_softcapping", 50.0),
+        "final_logit_softcap": _optional(cfg, "final_logit_softcapping", 30.0),
+    }
   config = llamalike_common.LlamalikeTransformerConfig(
       num_kv_heads=kv_heads,
       query_head_multiplier=heads // kv_heads,
