@@ -156,16 +156,16 @@ def test_norms_hold_the_checkpoint_weights_exactly(saved, tmp_path):
 
 
 def test_kv_cache_sampling_matches_full_sequence(saved, loaded):
-  """Penzai's KV-cache sampling mode (one token at a time, past the sliding
-  window) gives transformers' logits. (No padding token: TOKENS holds 0,
+  """Penzai's KV-cache sampling mode (a prompt, then one token at a time past
+  the sliding window) gives transformers' logits. (No padding token: TOKENS holds 0,
   Penzai's default ``pad_id``.)"""
   _, _, reference = saved["gemma2"]
   sampler = sampling_mode.KVCachingTransformerLM.from_uncached(
       loaded["gemma2"], cache_len=TOKENS.shape[1], batch_axes={"batch": TOKENS.shape[0]},
       pad_id=-1)
   steps = []
-  for i in range(TOKENS.shape[1]):
-    step = sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, i:i + 1]), "batch", "seq"))
+  for start, stop in [(0, 4), (4, 5), (5, 6), (6, 7), (7, 8)]:  # A prompt, then one by one.
+    step = sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, start:stop]), "batch", "seq"))
     steps.append(np.asarray(step.untag("batch", "seq", "vocabulary").unwrap()))
   np.testing.assert_allclose(np.concatenate(steps, axis=1), reference, atol=1e-4, rtol=1e-4)
 

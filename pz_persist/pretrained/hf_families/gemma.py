@@ -21,7 +21,6 @@ Defaults for absent fields are those of transformers' ``GemmaConfig`` /
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 from penzai import pz
@@ -75,9 +74,10 @@ def _plan(cfg: Config, weights: Weights, gemma2: bool) -> Plan:
              "Penzai's Gemma ties the output projection to the embedding table")
   layers = cfg.require("num_hidden_layers")
   gemma2_settings: dict[str, Any] = {}
+  window, types = None, None
   if gemma2:
+    window, types = _window_and_layer_types(cfg, layers)
     gemma2_settings = {
-        "attention_type": _attention_types(cfg, layers),
         "use_post_attn_norm": True,
         "use_post_ffw_norm": True,
         "query_scaling_factor": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -105,6 +105,8 @@ def _plan(cfg: Config, weights: Weights, gemma2: bool) -> Plan:
   check_layers(cfg, weights.names, "model.layers.", layers)
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
+  if gemma2:
+    config = dataclasses.replace(config, attention_type=_attention_types(window, types, layers))
 
   def norm(label: str, source: str) -> TensorSpec:
     return TensorSpec(label + "/scale.weights", source, (hidden,), ("embedding",))
@@ -165,13 +167,14 @@ def _optional(cfg: Config, key: str, default: Any) -> Any:
   return cfg.get(key, default)
 
 
-def _attention_types(cfg: Config, layers: int) -> Sequence[llamalike_common.AttentionType]:
-  """Each block's attention, from ``layer_types`` and ``sliding_window``.
+def _window_and_layer_types(cfg: Config, layers: int) -> tuple[int | None, list[str] | None]:
+  """``sliding_window`` and ``layer_types`` (None: transformers' default),
+  checked.
 
-  Without ``layer_types``, transformers' Gemma 2 alternates sliding-window
-  (even blocks) and global attention (odd blocks). ``sliding_window_size``
-  (written by early Gemma 2 releases, read by no transformers version) must
-  agree with ``sliding_window`` if present.
+  ``sliding_window_size`` (written by early Gemma 2 releases, read by no
+  transformers version) must agree with ``sliding_window`` if present.
+  Nothing here grows with ``layers``: it is not yet checked against the
+  weights (`check_layers`), and a forged config may ask for 10**9 layers.
   """
   window = _optional(cfg, "sliding_window", 4096)
   legacy = cfg.get("sliding_window_size")
@@ -179,19 +182,27 @@ def _attention_types(cfg: Config, layers: int) -> Sequence[llamalike_common.Atte
     raise cfg.unsupported("sliding_window_size", legacy,
                           f"it differs from sliding_window={window}")
   types = cfg.get("layer_types")
-  if types is None:
-    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-  elif len(types) != layers or not set(types) <= _LAYER_TYPES:
+  if types is not None and (len(types) != layers or not set(types) <= _LAYER_TYPES):
     raise cfg.unsupported(
         "layer_types", types,
         f"one of {sorted(_LAYER_TYPES)} for each of the num_hidden_layers={layers} layers")
-  if window is None and "sliding_attention" in types:
+  if window is None and (types is None or "sliding_attention" in types):
     raise cfg.unsupported("sliding_window", None,
                           "the layers of type 'sliding_attention' need a window"
                           " (transformers' own cache fails without one)")
+  return window, types
+
+
+def _attention_types(
+    window: int | None, types: list[str] | None, layers: int
+) -> tuple[llamalike_common.AttentionType, ...]:
+  """Each block's attention. Without ``layer_types``, transformers' Gemma 2
+  alternates sliding-window (even blocks) and global attention (odd blocks)."""
+  if types is None:
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
   return tuple(
       llamalike_common.AttentionTypeSlidingWindowCausal(window)
-      if kind == "sliding_attention"
+      if kind == "sliding_attention" and window is not None
       else llamalike_common.AttentionTypeGlobalCausal()
       for kind in types
   )
