@@ -191,6 +191,48 @@ def test_null_soft_caps_mean_off(saved, tmp_path):
                              atol=1e-4, rtol=1e-4)
 
 
+# Fields of the config.json files on the Hub (google/gemma-2b, google/gemma-2-9b,
+# written by transformers 4.38 / 4.42) that transformers 5 no longer writes.
+_HUB_FIELDS = {
+    "gemma": {"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh",
+              "rope_theta": 10000.0, "rope_scaling": None, "torch_dtype": "float32",
+              "transformers_version": "4.38.0.dev0"},
+    "gemma2": {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+               "rope_theta": 10000.0, "sliding_window_size": 3, "cache_implementation": "hybrid",
+               "torch_dtype": "float32", "transformers_version": "4.42.0.dev0"},
+}
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma2"])
+def test_hub_style_configs_load(saved, tmp_path, name):
+  """The Hub's Gemma configs (legacy ``hidden_act: "gelu"``, which transformers
+  reads as the tanh GELU, ``rope_theta``, Gemma 2's ``sliding_window_size``)
+  give the same model."""
+  folder = tmp_path / "hub"
+  shutil.copytree(saved[name][0], folder)
+  config = json.loads((folder / "config.json").read_text())
+  for field in ("rope_parameters", "layer_types", "use_bidirectional_attention", "dtype"):
+    config.pop(field, None)
+  config.update(_HUB_FIELDS[name])
+  (folder / "config.json").write_text(json.dumps(config))
+  np.testing.assert_allclose(_penzai_logits(pzp.pretrained.load_hf(folder)), saved[name][2],
+                             atol=1e-4, rtol=1e-4)
+
+
+def test_offset_scale_adds_the_one_in_float32():
+  """``x * (1 + w)`` with the sum and product in float32, rounded once to
+  the input's dtype (transformers' ``Gemma2RMSNorm``), not in bfloat16."""
+  w = jnp.asarray([0.0123, -0.3, 2.5e-3, 7.0], jnp.bfloat16)
+  x = jnp.asarray([1.7, -3.1, 250.0, 0.33], jnp.bfloat16)
+  layer = OffsetScale(weights=pz.Parameter(value=pz.nx.wrap(w, "embedding"), label="s.weights"))
+  got = layer(pz.nx.wrap(x, "embedding")).unwrap("embedding")
+  want = (np.asarray(x, np.float32) * (1 + np.asarray(w, np.float32))).astype(jnp.bfloat16)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(np.float32))
+  in_bfloat16 = x * (jnp.bfloat16(1) + w)
+  assert not np.array_equal(np.asarray(in_bfloat16, np.float32), want.astype(np.float32))
+
+
 @pytest.mark.parametrize("model_type", ["gemma3", "gemma3_text"])
 def test_gemma3_is_refused_as_load_gemma_refuses_it(saved, tmp_path, model_type):
   folder = _edit_config(saved["gemma"][0], tmp_path, model_type=model_type)
