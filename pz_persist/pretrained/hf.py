@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mistral, GPT-NeoX) into Penzai, without torch.
+"""Hugging Face checkpoints (Llama, Mistral, GPT-NeoX, Gemma, Gemma 2) into Penzai, without torch.
 
 Penzai's own converters (``llama_from_huggingface_model`` and friends) take a
 *torch* model: loading a 7B checkpoint that way needs torch, transformers, and
@@ -123,7 +123,7 @@ def load_hf(
     sharding: sharding_lib.Target = None,
     progress: progress_lib.Progress = None,
 ) -> model_parts.TransformerLM:
-  """Loads a Hugging Face Llama, Mistral or GPT-NeoX checkpoint as a Penzai model.
+  """Loads a Hugging Face Llama, Mistral, GPT-NeoX, Gemma or Gemma 2 checkpoint as a Penzai model.
 
   Needs neither torch nor transformers: ``config.json`` is read as JSON and
   the weights with a safetensors parser. Tensors are read one at a time
