@@ -1,5 +1,5 @@
 """Pretrained weights into Penzai models: Gemma (official Flax checkpoints),
-Hugging Face folders (Llama, Mistral, GPT-NeoX) read with ``safetensors`` alone,
+Hugging Face folders (Llama, Mistral, GPT-NeoX, Gemma, Gemma 2) read with ``safetensors`` alone,
 and safetensors files exported by pz_persist.
 
 The library never downloads anything: fetch the files in your own code (e.g.

@@ -473,10 +473,16 @@ def _refuse_gemma3(params: Mapping[str, Any], path: Any) -> None:
                                     for m in _GEMMA3_MARKERS)]
   if found:
     raise GemmaCheckpointError(
-        f"{path} looks like a Gemma 3 checkpoint (it has {found[0]!r}): the"
-        f" installed Penzai ({_penzai_version()}) has no Gemma 3 architecture;"
-        f" its Gemma presets are {known_presets()}."
+        f"{path} looks like a Gemma 3 checkpoint (it has {found[0]!r}):"
+        f" {no_gemma3_architecture()}."
     )
+
+
+def no_gemma3_architecture() -> str:
+  """Why Gemma 3 is refused, in the words of every loader (`load_gemma`,
+  `pz_persist.pretrained.load_hf`)."""
+  return (f"the installed Penzai ({_penzai_version()}) has no Gemma 3 architecture;"
+          f" its Gemma presets are {known_presets()}")
 
 
 def _penzai_version() -> str:

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mistral, GPT-NeoX) into Penzai, without torch.
+"""Hugging Face checkpoints (Llama, Mistral, GPT-NeoX, Gemma, Gemma 2) into Penzai, without torch.
 
 Penzai's own converters (``llama_from_huggingface_model`` and friends) take a
 *torch* model: loading a 7B checkpoint that way needs torch, transformers, and
@@ -58,6 +58,7 @@ from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import BUILDERS
+from pz_persist.pretrained.hf_families import REFUSED
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import penzai_layout
@@ -131,7 +132,7 @@ def load_hf(
     sharding: sharding_lib.Target = None,
     progress: progress_lib.Progress = None,
 ) -> model_parts.TransformerLM:
-  """Loads a Hugging Face Llama, Mistral or GPT-NeoX checkpoint as a Penzai model.
+  """Loads a Hugging Face Llama, Mistral, GPT-NeoX, Gemma or Gemma 2 checkpoint as a Penzai model.
 
   Needs neither torch nor transformers: ``config.json`` is read as JSON and
   the weights with a safetensors parser. Tensors are read one at a time
@@ -187,6 +188,9 @@ def load_hf(
   raw_config = _read_config(path)
   check_has_weights(path)
   model_type = raw_config.get("model_type")
+  if isinstance(model_type, str) and model_type in REFUSED:
+    raise UnsupportedConfigError(
+        f"{os.path.join(path, 'config.json')}: {REFUSED[model_type](model_type)}.")
   if not isinstance(model_type, str) or model_type not in BUILDERS:
     raise UnsupportedConfigError(
         f"{os.path.join(path, 'config.json')}: model_type={model_type!r:.80} is not"

@@ -43,6 +43,7 @@ IGNORED_FIELDS = frozenset({
     "temperature", "tf_legacy_loss", "tie_encoder_decoder", "tokenizer_class",
     "top_k", "top_p", "torch_dtype", "torchscript", "transformers_version",
     "typical_p", "use_bfloat16", "use_cache", "attn_implementation",
+    "cache_implementation",
 })
 
 def _positive_int(value: Any) -> bool:
@@ -121,6 +122,7 @@ SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mscale": _POSITIVE_NUMBER,
     "mscale_all_dim": _POSITIVE_NUMBER,
     "truncate": _BOOLEAN,
+    "sliding_window_size": _POSITIVE_INT,
 }
 """What each ``config.json`` field the builders read must be (a JSON null
 means "absent, use the default"). Sizes are positive integers: a float is

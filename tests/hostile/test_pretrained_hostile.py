@@ -23,6 +23,7 @@ import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import safety
 from pz_persist.pretrained import safetensors_io
+from pz_persist.pretrained.hf_families import BUILDERS
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 8, 2, 1, 4, 8, 16, 2
 
@@ -271,19 +272,37 @@ def test_malformed_config_files(tmp_path, no_reads, text):
     pzp.pretrained.load_hf(folder)
 
 
+_GEMMA_FIELDS = {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
+_FAMILY_FIELDS = {
+    "gemma": _GEMMA_FIELDS, "gemma2": _GEMMA_FIELDS,
+    "gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None},
+}
+"""Changes (None: remove the field) making `CONFIG` acceptable to a family
+other than Llama's, so that only its layer count is wrong."""
+
+
 def test_huge_layer_count_fails_fast(tmp_path):
   """A 200-byte config asking for 10**9 layers used to build the skeleton for
-  hours; it must be refused before anything is built."""
-  folder = hf_folder(tmp_path / "f", dict(CONFIG, num_hidden_layers=10**9))
+  hours (or, in Gemma 2, a list of 10**9 attention types); every family of
+  `load_hf` must refuse it before building anything per layer."""
+  folders = []
+  for model_type in sorted(BUILDERS):
+    config = dict(CONFIG, model_type=model_type, num_hidden_layers=10**9,
+                  **_FAMILY_FIELDS.get(model_type, {}))
+    config = {k: v for k, v in config.items() if v is not None}
+    folders.append(str(hf_folder(tmp_path / model_type, config)))
   out = run_python(f"""
       import pz_persist as pzp
       from pz_persist import errors
-      try:
-        pzp.pretrained.load_hf({str(folder)!r})
-      except errors.PzPersistError as e:
-        print("REFUSED", e)
+      for folder in {folders!r}:
+        try:
+          pzp.pretrained.load_hf(folder)
+        except errors.PzPersistError as e:
+          print("REFUSED", e)
       """, timeout=120)
-  assert "REFUSED" in out and "num_hidden_layers" in out and "1000000000" in out
+  refusals = [line for line in out.splitlines() if line.startswith("REFUSED")]
+  assert len(refusals) == len(folders), out
+  assert all("num_hidden_layers" in r and "1000000000" in r for r in refusals), out
 
 
 def test_missing_tensor_is_found_before_reading(tmp_path, no_reads):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pz_persist.pretrained.hf_config import Config
+from pz_persist.pretrained.hf_families import gemma
 from pz_persist.pretrained.hf_families import gpt_neox
 from pz_persist.pretrained.hf_families import llama
 from pz_persist.pretrained.hf_families import qwen2
@@ -23,5 +24,14 @@ BUILDERS: dict[str, Builder] = {
     "mistral": llama.mistral_plan,
     "gpt_neox": gpt_neox.gpt_neox_plan,
     "qwen2": qwen2.qwen2_plan,
+    "gemma": gemma.gemma_plan,
+    "gemma2": gemma.gemma2_plan,
 }
 """The supported ``model_type`` values of ``config.json`` and their mappings."""
+
+REFUSED: dict[str, Callable[[str], str]] = {
+    "gemma3": gemma.gemma3_refusal,
+    "gemma3_text": gemma.gemma3_refusal,
+}
+"""``model_type`` values refused with a reason of their own (given the
+``model_type``) rather than the list of supported ones."""

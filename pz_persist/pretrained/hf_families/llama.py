@@ -16,6 +16,7 @@ from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_config import RopeScaling
 from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_config import lm_head_source
+from pz_persist.pretrained.hf_config import rope
 from pz_persist.pretrained.hf_config import scaled_rope
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
@@ -173,14 +174,8 @@ def llama_plan(
   grouped-query attention uses key/value head ``h // group_size`` for query
   head ``h``, which is exactly a (groups, per-group) row-major split.
   """
-  hidden = cfg.require("hidden_size")
-  heads = cfg.require("num_attention_heads")
-  kv_heads = cfg.get("num_key_value_heads", heads)
-  if heads % kv_heads:
-    raise cfg.unsupported(
-        "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}"
-    )
-  head_dim = cfg.get("head_dim", hidden // heads)
+  hidden, heads, kv_heads, head_dim = attention_sizes(cfg, kv_heads_default=None,
+                                                      head_dim_default=None)
   theta, fraction, scaling = scaled_rope(cfg, 10_000.0, _MAX_POSITIONS[sliding])
   if fraction != 1.0:
     raise cfg.unsupported(
@@ -216,26 +211,7 @@ def llama_plan(
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
 
-  groups, per_group = kv_heads, heads // kv_heads
-  if per_group == 1:
-    q_heads: dict[str, int] = {"heads": kv_heads}
-    kv_axes: dict[str, int] = {"heads": kv_heads}
-  elif kv_heads == 1:
-    q_heads, kv_axes = {"query_heads": per_group}, {}
-  else:
-    q_heads, kv_axes = {"head_groups": groups, "query_heads": per_group}, {"head_groups": groups}
-
-  def proj(label: str, source: str, head_axes: dict[str, int], output: bool = False) -> TensorSpec:
-    """An attention matrix: (heads..., projection, embedding) or its transpose."""
-    shape = (*head_axes.values(), head_dim)
-    axes = (*head_axes, "projection")
-    fused = math.prod(shape)
-    if output:
-      return TensorSpec(label, source, (hidden, *shape), ("embedding", *axes),
-                         stored=(hidden, fused))
-    return TensorSpec(label, source, (*shape, hidden), (*axes, "embedding"),
-                       stored=(fused, hidden))
-
+  q_heads, kv_axes = _head_axes(config)
   mlp = config.mlp_hidden_dim
   vocab = config.vocab_size
   specs = [
@@ -253,16 +229,7 @@ def llama_plan(
                     (hidden,), ("embedding",)),
         TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
                     (hidden,), ("embedding",)),
-        TensorSpec(p + "mlp/gating_linear.weights", s + "mlp.gate_proj.weight",
-                    (mlp, hidden), ("neurons", "embedding")),
-        TensorSpec(p + "mlp/value_linear.weights", s + "mlp.up_proj.weight",
-                    (mlp, hidden), ("neurons", "embedding")),
-        TensorSpec(p + "mlp/out_linear.weights", s + "mlp.down_proj.weight",
-                    (hidden, mlp), ("embedding", "neurons")),
-        proj(p + "attention/query.weights", s + "self_attn.q_proj.weight", q_heads),
-        proj(p + "attention/key.weights", s + "self_attn.k_proj.weight", kv_axes),
-        proj(p + "attention/value.weights", s + "self_attn.v_proj.weight", kv_axes),
-        proj(p + "attention/output.weights", s + "self_attn.o_proj.weight", q_heads, output=True),
+        *block_specs(p, s, config),
     ]
     specs += _bias_specs(p, s, biases, q_heads, kv_axes, head_dim, hidden, mlp)
   bias_specs = tuple(spec for spec in specs if spec.label.endswith(_BIAS_SUFFIX))
@@ -308,3 +275,78 @@ def mistral_plan(cfg: Config, weights: Weights) -> Plan:
   not apply the window; full-sequence calls do.)
   """
   return llama_plan(cfg, weights, sliding=True)
+
+
+def attention_sizes(
+    cfg: Config, kv_heads_default: int | None, head_dim_default: int | None
+) -> tuple[int, int, int, int]:
+  """``(hidden_size, heads, key/value heads, head_dim)`` of a llama-like config.
+
+  A default of None means the Llama one (as many key/value heads as heads;
+  ``hidden_size // heads``); Gemma's transformers configs have fixed defaults.
+  """
+  hidden = cfg.require("hidden_size")
+  heads = cfg.require("num_attention_heads")
+  kv_heads = cfg.get("num_key_value_heads", kv_heads_default or heads)
+  if heads % kv_heads:
+    raise cfg.unsupported(
+        "num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}"
+    )
+  head_dim = cfg.get("head_dim", head_dim_default or hidden // heads)
+  return hidden, heads, kv_heads, head_dim
+
+
+def full_rotary_wavelength(cfg: Config) -> float:
+  """The RoPE base wavelength, refusing a partial rotary embedding."""
+  theta, fraction = rope(cfg, 10_000.0)
+  if fraction != 1.0:
+    raise cfg.unsupported(
+        "partial_rotary_factor", fraction, "Llama-style RoPE covers every dimension"
+    )
+  return theta
+
+
+def _head_axes(config: llamalike_common.LlamalikeTransformerConfig) -> tuple[dict[str, int], dict[str, int]]:
+  """The head axes of the query (and output) and of the key/value projections.
+
+  Penzai's llama-like attention drops a head axis of size one: ``heads``
+  without grouping, ``query_heads`` alone with one key/value head (MQA),
+  ``head_groups`` x ``query_heads`` otherwise.
+  """
+  groups, per_group = config.num_kv_heads, config.query_head_multiplier
+  if per_group == 1:
+    return {"heads": groups}, {"heads": groups}
+  if groups == 1:
+    return {"query_heads": per_group}, {}
+  return {"head_groups": groups, "query_heads": per_group}, {"head_groups": groups}
+
+
+def block_specs(p: str, s: str, config: llamalike_common.LlamalikeTransformerConfig) -> list[TensorSpec]:
+  """The MLP and attention matrices of block ``p`` (Penzai) from layer ``s``
+  (Hugging Face), the same for every llama-like family."""
+  hidden, head_dim, mlp = config.embedding_dim, config.projection_dim, config.mlp_hidden_dim
+  q_heads, kv_axes = _head_axes(config)
+
+  def proj(label: str, source: str, head_axes: dict[str, int], output: bool = False) -> TensorSpec:
+    """An attention matrix: (heads..., projection, embedding) or its transpose."""
+    shape = (*head_axes.values(), head_dim)
+    axes = (*head_axes, "projection")
+    fused = math.prod(shape)
+    if output:
+      return TensorSpec(label, source, (hidden, *shape), ("embedding", *axes),
+                         stored=(hidden, fused))
+    return TensorSpec(label, source, (*shape, hidden), (*axes, "embedding"),
+                       stored=(fused, hidden))
+
+  return [
+      TensorSpec(p + "mlp/gating_linear.weights", s + "mlp.gate_proj.weight",
+                  (mlp, hidden), ("neurons", "embedding")),
+      TensorSpec(p + "mlp/value_linear.weights", s + "mlp.up_proj.weight",
+                  (mlp, hidden), ("neurons", "embedding")),
+      TensorSpec(p + "mlp/out_linear.weights", s + "mlp.down_proj.weight",
+                  (hidden, mlp), ("embedding", "neurons")),
+      proj(p + "attention/query.weights", s + "self_attn.q_proj.weight", q_heads),
+      proj(p + "attention/key.weights", s + "self_attn.k_proj.weight", kv_axes),
+      proj(p + "attention/value.weights", s + "self_attn.v_proj.weight", kv_axes),
+      proj(p + "attention/output.weights", s + "self_attn.o_proj.weight", q_heads, output=True),
+  ]

@@ -1,0 +1,208 @@
+"""Gemma and Gemma 2 checkpoints (``model_type`` ``gemma``, ``gemma2``), as
+published on the Hugging Face Hub (``google/gemma-2-2b``...).
+
+The model is Penzai's llama-like transformer configured as Penzai's own
+Gemma variant configures it (``penzai.models.transformer.variants.gemma``):
+GeGLU MLP with the tanh GELU, the embedding table tied to the logits with
+inputs scaled by sqrt(hidden_size), and for Gemma 2 post-attention and
+post-MLP norms, query scaling by ``query_pre_attn_scalar ** -0.5``, tanh soft
+caps on attention and final logits, and attention alternating between a
+sliding window and global as ``layer_types`` says. One thing differs from
+Penzai's converter: each RMS norm's scale is an `OffsetScale` holding
+Hugging Face's weight ``w`` itself and computing ``x * (1 + w)`` in float32,
+as transformers does, instead of a ``Linear`` holding ``1 + w`` (see
+`pz_persist.pretrained.layers.offset_scale` for why).
+
+Defaults for absent fields are those of transformers' ``GemmaConfig`` /
+``Gemma2Config``; for the soft caps and the window an explicit null means
+"off", as in transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from penzai import pz
+from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import llamalike_common
+
+from pz_persist.pretrained import gemma as flax_gemma
+from pz_persist.pretrained.hf_config import Config
+from pz_persist.pretrained.hf_config import bool_field
+from pz_persist.pretrained.hf_families.llama import attention_sizes
+from pz_persist.pretrained.hf_families.llama import block_specs
+from pz_persist.pretrained.hf_families.llama import full_rotary_wavelength
+from pz_persist.pretrained.hf_plan import Plan
+from pz_persist.pretrained.hf_plan import TensorSpec
+from pz_persist.pretrained.hf_plan import check_layers
+from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.layers.offset_scale import OffsetScale
+
+# transformers' names for the tanh approximation of GELU, which Penzai's
+# "geglu_approx" computes (the same formula).
+_TANH_GELU = {"gelu_pytorch_tanh", "gelu_new", "gelu_fast"}
+_LAYER_TYPES = {"sliding_attention", "full_attention"}
+
+
+def gemma_plan(cfg: Config, weights: Weights) -> Plan:
+  """Maps a Gemma (1) checkpoint: global attention, no soft caps, no post-norms."""
+  return _plan(cfg, weights, gemma2=False)
+
+
+def gemma2_plan(cfg: Config, weights: Weights) -> Plan:
+  """Maps a Gemma 2 checkpoint: Gemma plus post-norms, soft caps, query
+  scaling and alternating sliding-window / global attention."""
+  return _plan(cfg, weights, gemma2=True)
+
+
+def gemma3_refusal(model_type: str) -> str:
+  """Why a Gemma 3 ``model_type`` is refused (the words `load_gemma` uses)."""
+  return (f"model_type={model_type!r} is Gemma 3: {flax_gemma.no_gemma3_architecture()}."
+          " pz_persist.pretrained.load_hf reads model_type 'gemma' and 'gemma2'")
+
+
+def _plan(cfg: Config, weights: Weights, gemma2: bool) -> Plan:
+  hidden, heads, kv_heads, head_dim = attention_sizes(
+      cfg, kv_heads_default=4 if gemma2 else 16, head_dim_default=256)
+  theta = full_rotary_wavelength(cfg)
+  _check_activation(cfg)
+  bool_field(cfg, "attention_bias", False, False, "Penzai's llama-like attention has no biases")
+  bool_field(cfg, "use_bidirectional_attention", False, False,
+             "Penzai's Gemma attention is causal")
+  bool_field(cfg, "tie_word_embeddings", True, True,
+             "Penzai's Gemma ties the output projection to the embedding table")
+  layers = cfg.require("num_hidden_layers")
+  gemma2_settings: dict[str, Any] = {}
+  window, types = None, None
+  if gemma2:
+    window, types = _window_and_layer_types(cfg, layers)
+    gemma2_settings = {
+        "use_post_attn_norm": True,
+        "use_post_ffw_norm": True,
+        "query_scaling_factor": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "attn_logits_soft_cap": _optional(cfg, "attn_logit_softcapping", 50.0),
+        "final_logit_softcap": _optional(cfg, "final_logit_softcapping", 30.0),
+    }
+  config = llamalike_common.LlamalikeTransformerConfig(
+      num_kv_heads=kv_heads,
+      query_head_multiplier=heads // kv_heads,
+      embedding_dim=hidden,
+      projection_dim=head_dim,
+      mlp_hidden_dim=cfg.require("intermediate_size"),
+      num_decoder_blocks=layers,
+      vocab_size=cfg.require("vocab_size"),
+      mlp_variant="geglu_approx",
+      tie_embedder_and_logits=True,
+      rope_wavelength=theta,
+      rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+      parameter_dtype=None,
+      activation_dtype=None,
+      **gemma2_settings,
+  )
+  cfg.check_all_used()
+  # config.json is valid on its own; from here on it must agree with the weights.
+  check_layers(cfg, weights.names, "model.layers.", layers)
+  config = dataclasses.replace(config, parameter_dtype=weights.dtype,
+                               activation_dtype=weights.dtype)
+  if gemma2:
+    config = dataclasses.replace(config, attention_type=_attention_types(window, types, layers))
+
+  def norm(label: str, source: str) -> TensorSpec:
+    return TensorSpec(label + "/scale.weights", source, (hidden,), ("embedding",))
+
+  specs = [
+      TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
+                 (config.vocab_size, hidden), ("vocabulary", "embedding")),
+      norm("transformer/final_norm", "model.norm.weight"),
+  ]
+  for i in range(layers):
+    p, s = f"transformer/block_{i}/", f"model.layers.{i}."
+    specs.append(norm(p + "pre_attention_norm", s + "input_layernorm.weight"))
+    if gemma2:
+      specs += [
+          norm(p + "post_attention_norm", s + "post_attention_layernorm.weight"),
+          norm(p + "pre_ffw_norm", s + "pre_feedforward_layernorm.weight"),
+          norm(p + "post_ffw_norm", s + "post_feedforward_layernorm.weight"),
+      ]
+    else:  # Gemma 1 (like Llama) names its pre-MLP norm "post_attention".
+      specs.append(norm(p + "pre_ffw_norm", s + "post_attention_layernorm.weight"))
+    specs += block_specs(p, s, config)
+  return Plan(lambda: with_offset_norms(
+      llamalike_common.build_llamalike_transformer(config, init_base_rng=None)), tuple(specs))
+
+
+def with_offset_norms(model: model_parts.TransformerLM) -> model_parts.TransformerLM:
+  """``model`` with the scale ``Linear`` of each ``RMSLayerNorm`` replaced by
+  an `OffsetScale` holding the same parameter (same label)."""
+
+  def replace(norm: pz.nn.RMSLayerNorm) -> pz.nn.RMSLayerNorm:
+    standardize, scale = norm.sublayers
+    assert isinstance(standardize, pz.nn.RMSStandardize) and isinstance(scale, pz.nn.Linear), (
+        "Penzai's RMSLayerNorm is RMSStandardize then a scale Linear")
+    return dataclasses.replace(norm, sublayers=[standardize, OffsetScale(weights=scale.weights)])
+
+  return pz.select(model).at_instances_of(pz.nn.RMSLayerNorm).apply(replace)
+
+
+def _check_activation(cfg: Config) -> None:
+  """Refuses an MLP activation other than the tanh GELU.
+
+  transformers reads ``hidden_activation`` for Gemma 2 (and for Gemma
+  before version 5), ``hidden_act`` for Gemma since version 5, where its
+  value "gelu" is the legacy name of the tanh GELU that the Gemma releases
+  carry. Both are checked, so no version of transformers would compute
+  another activation for this config.
+  """
+  why = "; Penzai's Gemma MLP is GeGLU with the tanh approximation of GELU"
+  cfg.expect("hidden_act", _TANH_GELU | {"gelu"}, "gelu_pytorch_tanh", why=why)
+  cfg.expect("hidden_activation", _TANH_GELU, "gelu_pytorch_tanh", why=why)
+
+
+def _optional(cfg: Config, key: str, default: Any) -> Any:
+  """``key``'s value; ``default`` if absent, None if explicitly null."""
+  if key in cfg.raw and cfg.raw[key] is None:
+    cfg.used.add(key)
+    return None
+  return cfg.get(key, default)
+
+
+def _window_and_layer_types(cfg: Config, layers: int) -> tuple[int | None, list[str] | None]:
+  """``sliding_window`` and ``layer_types`` (None: transformers' default),
+  checked.
+
+  ``sliding_window_size`` (written by early Gemma 2 releases, read by no
+  transformers version) must agree with ``sliding_window`` if present.
+  Nothing here grows with ``layers``: it is not yet checked against the
+  weights (`check_layers`), and a forged config may ask for 10**9 layers.
+  """
+  window = _optional(cfg, "sliding_window", 4096)
+  legacy = cfg.get("sliding_window_size")
+  if legacy is not None and legacy != window:
+    raise cfg.unsupported("sliding_window_size", legacy,
+                          f"it differs from sliding_window={window}")
+  types = cfg.get("layer_types")
+  if types is not None and (len(types) != layers or not set(types) <= _LAYER_TYPES):
+    raise cfg.unsupported(
+        "layer_types", types,
+        f"one of {sorted(_LAYER_TYPES)} for each of the num_hidden_layers={layers} layers")
+  if window is None and (types is None or "sliding_attention" in types):
+    raise cfg.unsupported("sliding_window", None,
+                          "the layers of type 'sliding_attention' need a window"
+                          " (transformers' own cache fails without one)")
+  return window, types
+
+
+def _attention_types(
+    window: int | None, types: list[str] | None, layers: int
+) -> tuple[llamalike_common.AttentionType, ...]:
+  """Each block's attention. Without ``layer_types``, transformers' Gemma 2
+  alternates sliding-window (even blocks) and global attention (odd blocks)."""
+  if types is None:
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+  return tuple(
+      llamalike_common.AttentionTypeSlidingWindowCausal(window)
+      if kind == "sliding_attention" and window is not None
+      else llamalike_common.AttentionTypeGlobalCausal()
+      for kind in types
+  )
