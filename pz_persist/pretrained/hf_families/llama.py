@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TypeAlias
 
@@ -154,13 +155,15 @@ def llama_plan(
     weights: Weights,
     sliding: bool = False,
     *,
-    attention: Attention | None = None,
+    attention: Callable[[int], Attention] | None = None,
     biases: Biases | None = None,
 ) -> Plan:
   """Maps a Llama (or, with ``sliding``, Mistral) checkpoint to Penzai.
 
   Families built on Llama's layout (Qwen2) pass their own ``attention``
-  (per-layer attention types, instead of the ``sliding`` rule) and ``biases``
+  (per-layer attention types given the layer count, instead of the
+  ``sliding`` rule; called only once the count is checked against the
+  weights, since a forged config may ask for 10**9 layers) and ``biases``
   (instead of Llama's ``attention_bias`` / ``mlp_bias`` fields).
 
   Scaled RoPE (``rope_scaling`` / ``rope_parameters`` of type ``linear``,
@@ -186,7 +189,8 @@ def llama_plan(
     biases = _config_biases(cfg, sliding)
   tied = cfg.get("tie_word_embeddings", False)
   if attention is None:
-    attention = _mistral_attention(cfg) if sliding else llamalike_common.AttentionTypeGlobalCausal()
+    shared = _mistral_attention(cfg) if sliding else llamalike_common.AttentionTypeGlobalCausal()
+    attention = lambda layers: shared  # noqa: E731
   config = llamalike_common.LlamalikeTransformerConfig(
       num_kv_heads=kv_heads,
       query_head_multiplier=heads // kv_heads,
@@ -199,7 +203,7 @@ def llama_plan(
       tie_embedder_and_logits=False,
       rope_wavelength=theta,
       rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-      attention_type=attention,
+      attention_type=llamalike_common.AttentionTypeGlobalCausal(),  # Set below.
       parameter_dtype=None,
       activation_dtype=None,
   )
@@ -209,7 +213,8 @@ def llama_plan(
   head_source = lm_head_source(cfg, tied, weights.names, "lm_head.weight",
                                 "model.embed_tokens.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
-                               activation_dtype=weights.dtype)
+                               activation_dtype=weights.dtype,
+                               attention_type=attention(config.num_decoder_blocks))
 
   q_heads, kv_axes = _head_axes(config)
   mlp = config.mlp_hidden_dim

@@ -8,10 +8,13 @@ sliding window.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_config import bool_field
+from pz_persist.pretrained.hf_families.llama import Attention
 from pz_persist.pretrained.hf_families.llama import Biases
 from pz_persist.pretrained.hf_families.llama import llama_plan
 from pz_persist.pretrained.hf_plan import Plan
@@ -30,9 +33,10 @@ def qwen2_plan(cfg: Config, weights: Weights) -> Plan:
                     biases=Biases(query_key_value=True))
 
 
-def qwen2_attention(cfg: Config) -> llamalike_common.AttentionType | tuple[
-    llamalike_common.AttentionType, ...]:
-  """Each layer's attention, exactly as transformers' ``Qwen2Config`` decides.
+def qwen2_attention(cfg: Config) -> Callable[[int], Attention]:
+  """Each layer's attention, exactly as transformers' ``Qwen2Config`` decides,
+  as a function of the layer count (called by `llama_plan` once the count is
+  checked against the weights; the fields are read and checked here).
 
   The window is ``sliding_window`` (default 4096) only if
   ``use_sliding_window`` is true; it applies to the layers ``layer_types``
@@ -50,25 +54,34 @@ def qwen2_attention(cfg: Config) -> llamalike_common.AttentionType | tuple[
     window = None
   first_sliding = cfg.get("max_window_layers", 28)
   types = cfg.get("layer_types")
-  if types is None:
-    types = ["sliding_attention" if window is not None and i >= first_sliding
-             else "full_attention" for i in range(layers)]
-  shown = types if len(types) <= 8 else [*types[:8], "..."]
-  if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
+  if types is not None:
+    if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
+      raise cfg.unsupported(
+          "layer_types", _shown(types),
+          f"expected {layers} entries (num_hidden_layers), each one of {list(_LAYER_TYPES)}",
+      )
+  if types is not None and "sliding_attention" in types and window is None:
     raise cfg.unsupported(
-        "layer_types", shown,
-        f"expected {layers} entries (num_hidden_layers), each one of {list(_LAYER_TYPES)}",
-    )
-  if "sliding_attention" in types and window is None:
-    raise cfg.unsupported(
-        "layer_types", shown,
+        "layer_types", _shown(types),
         "layers are marked sliding_attention but no window is set (use_sliding_window"
         f"={use_window}, sliding_window={cfg.raw.get('sliding_window')!r});"
         " transformers fails on this config too",
     )
-  per_layer = tuple(
-      llamalike_common.AttentionTypeGlobalCausal() if kind == "full_attention"
-      else llamalike_common.AttentionTypeSlidingWindowCausal(window)
-      for kind in types
-  )
-  return per_layer[0] if len(set(per_layer)) == 1 else per_layer
+
+  def per_layer(count: int) -> Attention:
+    kinds = types if types is not None else [
+        "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+        for i in range(count)]
+    attention = tuple(
+        llamalike_common.AttentionTypeGlobalCausal() if kind == "full_attention"
+        else llamalike_common.AttentionTypeSlidingWindowCausal(window)
+        for kind in kinds
+    )
+    return attention[0] if len(set(attention)) == 1 else attention
+
+  return per_layer
+
+
+def _shown(types: list[str]) -> list[str]:
+  """``layer_types`` as an error message shows it (a forged one may be long)."""
+  return types if len(types) <= 8 else [*types[:8], "..."]
