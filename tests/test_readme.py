@@ -104,14 +104,17 @@ SETUP = {
         _pz_gemma._NEEDS_GATING_TRANSPOSE["tiny_gemma2"] = False
     """,
     "hf-download": """
-        import test_hf
-        def _snapshot_download(repo_id):
-            folder = os.path.join(ROOT, "hf", repo_id.replace("/", "--"))
-            if not os.path.exists(folder):
-                test_hf._hf_model("llama").save_pretrained(folder, safe_serialization=True)
-            return folder
-        import huggingface_hub  # Installed with transformers; only its download is replaced.
-        huggingface_hub.snapshot_download = _snapshot_download
+        # `hf download meta-llama/Llama-3.2-1B --local-dir Llama-3.2-1B`, at a tiny size:
+        # the Hub's own config.json (transformers-4 style: tied embeddings, llama3
+        # rope_scaling) with only the sizes shrunk, and transformers' safetensors.
+        import json, test_rope_scaling, torch, transformers
+        if not os.path.exists("Llama-3.2-1B"):
+            torch.manual_seed(0)
+            transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                **test_rope_scaling.LLAMA_3_2_CONFIG)).save_pretrained(
+                    "Llama-3.2-1B", safe_serialization=True)
+            with open("Llama-3.2-1B/config.json", "w") as f:
+                json.dump(test_rope_scaling.LLAMA_3_2_CONFIG, f)
     """,
     "converted": """
         from pz_persist.tools import cli
