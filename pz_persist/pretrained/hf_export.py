@@ -43,13 +43,16 @@ from pz_persist import progress as progress_lib
 from pz_persist.pretrained import hf
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf_config import IGNORED_FIELDS
+from pz_persist.pretrained.hf_config import TANH_GELU
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import BUILDERS
 from pz_persist.pretrained.hf_families import gpt_neox
+from pz_persist.pretrained.hf_families.llama import Biases
 from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import stored_layout
+from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 from pz_persist.safety import safe_io
 
 ExportError = errors.ExportError
@@ -64,6 +67,7 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
 }
@@ -135,7 +139,20 @@ def _family_from_structure(model: Any) -> str:
   if _all(model, pz.nn.EmbeddingDecode):  # Gemma 2 adds norms after attention and MLP.
     block = _first(model, model_parts.TransformerBlock, "decoder block")
     return "gemma2" if len(_all(block, pz.nn.RMSLayerNorm)) > 2 else "gemma"
+  if _biases(model) == Biases(query_key_value=True):
+    return "qwen2"
   return "mistral" if _all(model, pz.nn.ApplyCausalSlidingWindowAttentionMask) else "llama"
+
+
+def _biases(model: Any) -> Biases:
+  """Which projections of the first block add a bias (``AddBias`` layers,
+  as `pz_persist.pretrained.hf_families.llama.Biases` places them); the
+  other blocks are compared with the plan built from these."""
+  attention = _attention(model)
+  ffw = _first(model, model_parts.TransformerFeedForward, "MLP")
+  return Biases(query_key_value=bool(_all(attention.input_to_query, pz.nn.AddBias)),
+                output=bool(_all(attention.attn_value_to_output, pz.nn.AddBias)),
+                mlp=bool(_all(ffw, pz.nn.AddBias)))
 
 
 _ACTIVATIONS = {  # Penzai's activation functions by the names its builders use.
@@ -150,6 +167,10 @@ _ACTIVATIONS = {  # Penzai's activation functions by the names its builders use.
 _HF_ACTIVATIONS = {
     "silu": "silu", "relu": "relu", "gelu_exact": "gelu", "gelu_approx": "gelu_pytorch_tanh",
 }
+
+# The Hugging Face names the llama-like families read for Penzai activations:
+# one spelling of ``like`` that computes the same is kept.
+_LLAMALIKE_ACTIVATIONS = {"silu": "silu", **dict.fromkeys(TANH_GELU, "gelu_approx")}
 
 
 def _activation(model: Any) -> str:
@@ -188,6 +209,10 @@ def _size_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, 
   if family != "gpt_neox":
     fields["num_key_value_heads"] = _head_count(key) or 1
     fields["head_dim"] = query["projection"]
+  # transformers' Qwen2 config has no head_dim field (its attention falls back
+  # to hidden_size // heads): written only when it is another size.
+  if family == "qwen2" and fields["head_dim"] * fields["num_attention_heads"] == fields["hidden_size"]:
+    del fields["head_dim"]
   return fields
 
 
@@ -198,8 +223,14 @@ def _norm_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, 
 
 
 def _rope_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, Any]:
-  """``rope_parameters`` as transformers 5 writes them. (A scaled-RoPE layer
-  adds its own ``rope_type`` and factors here.)"""
+  """``rope_parameters`` as transformers 5 writes them: ``rope_theta`` and
+  ``rope_type``, and for a scaled RoPE (`ApplyScaledRoPE`) the layer's own
+  scaling keys (and ``max_position_embeddings``, which ``dynamic`` reads)."""
+  scaled = _all(model, ApplyScaledRoPE)
+  if scaled:
+    fields = scaled[0].config_fields()
+    params = {"rope_theta": float(fields.pop("rope_theta")), **fields.pop("rope_scaling")}
+    return {"rope_parameters": params, **fields}
   rope = (_all(model, pz.nn.ApplyRoPE) + _all(model, pz.nn.ApplyRoPEToSubset))
   if not rope:
     raise ExportError("the model has no rotary position embedding layer (ApplyRoPE);"
@@ -221,6 +252,8 @@ def _attention_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[
   ]
   if family == "mistral":
     return {"sliding_window": windows[0]}
+  if family == "qwen2":
+    return _qwen2_window_fields(windows, like)
   if family != "gemma2":
     return {}
   window = next((w for w in windows if w is not None), like.get("sliding_window", 4096))
@@ -229,9 +262,28 @@ def _attention_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[
       "layer_types": ["full_attention" if w is None else "sliding_attention" for w in windows],
       "query_pre_attn_scalar": _query_pre_attn_scalar(model),
   }
+  # Written when absent too: a null cap is "off", an absent one a default.
   caps = _all(_attention(model), pz.nn.TanhSoftCap)
-  if caps:
-    fields["attn_logit_softcapping"] = _number(caps[0].soft_cap)
+  fields["attn_logit_softcapping"] = _number(caps[0].soft_cap) if caps else None
+  return fields
+
+
+def _qwen2_window_fields(windows: list[int | None], like: Mapping[str, Any]) -> dict[str, Any]:
+  """Qwen2's windows as ``layer_types`` (which transformers 5 reads), with
+  ``max_window_layers`` for readers of transformers 4 configs when the
+  sliding layers are the last ones (as that field can say)."""
+  window = next((w for w in windows if w is not None), None)
+  types = ["full_attention" if w is None else "sliding_attention" for w in windows]
+  fields: dict[str, Any] = {
+      "use_sliding_window": window is not None,
+      "sliding_window": window,
+      "layer_types": types,
+  }
+  first = types.index("sliding_attention") if window is not None else len(types)
+  if window is not None and "full_attention" not in types[first:]:
+    fields["max_window_layers"] = first
+  elif "max_window_layers" in like:
+    fields["max_window_layers"] = like["max_window_layers"]
   return fields
 
 
@@ -246,8 +298,10 @@ def _mlp_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, A
   activation = _activation(model)
   key = "hidden_activation" if family == "gemma2" else "hidden_act"
   name = _HF_ACTIVATIONS[activation]
-  # ``like``'s own spelling when it means the same (gelu_new / gelu_pytorch_tanh).
-  if family == "gpt_neox" and gpt_neox._NEOX_ACTIVATIONS.get(like.get(key, "")) == activation:  # pylint: disable=protected-access
+  # ``like``'s own spelling when it means the same (gelu_fast / gelu_pytorch_tanh).
+  spellings = (gpt_neox._NEOX_ACTIVATIONS if family == "gpt_neox"  # pylint: disable=protected-access
+               else _LLAMALIKE_ACTIVATIONS)
+  if spellings.get(like.get(key, "")) == activation:
     name = like[key]
   return {key: name}
 
@@ -272,16 +326,18 @@ def _gemma_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str,
   if family != "gemma2":
     return {}
   top = [layer for layer in model.body.sublayers if isinstance(layer, pz.nn.TanhSoftCap)]
-  return {"final_logit_softcapping": _number(top[-1].soft_cap)} if top else {}
+  return {"final_logit_softcapping": _number(top[-1].soft_cap) if top else None}
 
 
 def _fixed_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, Any]:
-  """Fields the family's Penzai structure fixes (no biases in llama-like
-  attention and MLP; GPT-NeoX's parallel residual and attention biases).
-  (Bias layers after the projections set these from the model.)"""
-  if family == "llama":  # (transformers' Mistral config has neither field.)
-    return {"attention_bias": False, "mlp_bias": False}
-  if family == "mistral":
+  """Llama's biases (``AddBias`` layers after the projections), and the
+  fields the other families' Penzai structure fixes (none in Mistral's and
+  Qwen2's configs; no biases in Gemma; GPT-NeoX's parallel residual and
+  attention biases)."""
+  if family == "llama":
+    biases = _biases(model)
+    return {"attention_bias": biases.query_key_value or biases.output, "mlp_bias": biases.mlp}
+  if family in ("mistral", "qwen2"):
     return {}
   if family in _GEMMA:
     return {"attention_bias": False}
