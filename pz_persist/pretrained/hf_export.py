@@ -6,8 +6,9 @@
 
 There is no second mapping to keep in step with `load_hf`: the Hugging Face
 config is derived from the model's structure (sizes from parameter shapes,
-epsilons from the norm layers, the RoPE wavelength from ``ApplyRoPE``, the
-attention window from the mask layers, ...), then the family's own load plan
+epsilons from the norm layers, the RoPE wavelength and scaling from
+``ApplyRoPE`` / `ApplyScaledRoPE`, the attention windows from the mask
+layers, biases from ``AddBias`` layers, ...), then the family's own load plan
 (`pz_persist.pretrained.hf_families`) is run on that config and its skeleton
 is compared with the model, layer by layer and field by field. Only a model
 the plan would rebuild exactly is written, each tensor through
@@ -47,8 +48,8 @@ from pz_persist.pretrained.hf_config import TANH_GELU
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import BUILDERS
 from pz_persist.pretrained.hf_families import gpt_neox
-from pz_persist.pretrained.hf_families.llama import Biases
 from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
+from pz_persist.pretrained.hf_families.llama import Biases
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import stored_layout
@@ -229,8 +230,8 @@ def _rope_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, 
   scaled = _all(model, ApplyScaledRoPE)
   if scaled:
     fields = scaled[0].config_fields()
-    params = {"rope_theta": float(fields.pop("rope_theta")), **fields.pop("rope_scaling")}
-    return {"rope_parameters": params, **fields}
+    scaling = {"rope_theta": float(fields.pop("rope_theta")), **fields.pop("rope_scaling")}
+    return {"rope_parameters": scaling, **fields}
   rope = (_all(model, pz.nn.ApplyRoPE) + _all(model, pz.nn.ApplyRoPEToSubset))
   if not rope:
     raise ExportError("the model has no rotary position embedding layer (ApplyRoPE);"
@@ -687,14 +688,16 @@ def export_hf(
 
   Args:
     model: A ``TransformerLM`` with the structure of a family `load_hf`
-      reads (``llama``, ``mistral``, ``gpt_neox``) or of Penzai's Gemma as
-      `load_gemma` builds it (written as ``gemma`` / ``gemma2``; its norms
-      hold ``1 + w``, so ``w`` is written as ``value - 1`` computed in
-      float32, which is not bit-exact in bfloat16). Layers may have been
-      cut: ``num_hidden_layers`` follows the model.
+      reads (``llama``, ``mistral``, ``qwen2``, ``gpt_neox``, ``gemma``,
+      ``gemma2``; with RoPE scaling and biases as `load_hf` builds them),
+      or of Penzai's Gemma as `load_gemma` builds it (also written as
+      ``gemma`` / ``gemma2``; its norms hold ``1 + w``, so ``w`` is written
+      as ``value - 1`` computed in float32, which is not bit-exact in
+      bfloat16). Layers may have been cut: ``num_hidden_layers`` follows
+      the model.
     folder: The folder to write (created; its parent too).
-    like: The family (``"llama"``, ``"mistral"``, ``"gpt_neox"``,
-      ``"gemma"``, ``"gemma2"``), or a Hugging Face folder or config dict
+    like: The family (``"llama"``, ``"mistral"``, ``"qwen2"``,
+      ``"gpt_neox"``, ``"gemma"``, ``"gemma2"``), or a Hugging Face folder or config dict
       whose family is used and whose fields that do not change the math
       (token ids, ``architectures``, ``max_position_embeddings``...) are
       copied. Default: the family the structure shows.

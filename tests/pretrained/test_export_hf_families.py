@@ -33,6 +33,7 @@ from pretrained.test_export_hf import _transformers_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.tools import cli
 
 # name: (makes the transformers model, the family export_hf finds alone)
 CASES = {
@@ -169,3 +170,15 @@ def _saved_qwen2_all_sliding(tmp_path) -> str:
                                            max_window_layers=0))
   transformers.Qwen2ForCausalLM(config).save_pretrained(folder, safe_serialization=True)
   return folder
+
+
+@pytest.mark.parametrize("case", ["rope_yarn", "gemma2", "qwen2"])
+def test_cli_export_from_a_native_checkpoint(folders, tmp_path, case):
+  """The layers pz_persist adds (`ApplyScaledRoPE`, `OffsetScale`, bias
+  layers) survive ``save_model`` and export from the checkpoint alone."""
+  src, reference, model, _ = folders[case]
+  pzp.save_model(tmp_path / "native", model)
+  dst = tmp_path / "hf"
+  assert cli.main(["export", "hf", str(tmp_path / "native"), str(dst), "--quiet"]) == 0
+  _assert_same_tensors(_tensors(dst), _tensors(src))
+  np.testing.assert_array_equal(_transformers_logits(dst, **_eager(case)), reference)
