@@ -50,6 +50,7 @@ from pz_persist.pretrained.hf_families import BUILDERS
 from pz_persist.pretrained.hf_families import gpt_neox
 from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
 from pz_persist.pretrained.hf_families.llama import Biases
+from pz_persist.pretrained.hf_plan import LAYER_PREFIXES
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import stored_layout
@@ -73,11 +74,10 @@ _ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
 }
 
-# What a plan checks the weights hold before it builds anything: the layer
-# prefix `check_layers` counts under, and the untied output heads
-# `lm_head_source` asks for. The stand-in weights answer with these, for as
-# many layers as the model has; a family with another prefix adds it here.
-_LAYER_PREFIXES = ("model.layers.", "gpt_neox.layers.")
+# What a plan checks the weights hold before it builds anything: layers
+# under the prefixes `check_layers` counts under (`LAYER_PREFIXES`), and the
+# untied output heads `lm_head_source` asks for. The stand-in weights answer
+# with these, for as many layers as the model has.
 _HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 
 
@@ -381,7 +381,7 @@ class _ModelWeights:
 
   def __init__(self, layers: int, dtype: np.dtype):
     self.path = "(the model being exported)"
-    self.names = {f"{prefix}{i}.weight" for prefix in _LAYER_PREFIXES for i in range(layers)}
+    self.names = {f"{prefix}{i}.weight" for prefix in LAYER_PREFIXES for i in range(layers)}
     self.names |= set(_HEAD_NAMES)
     self.dtype = dtype
 

@@ -33,6 +33,7 @@ from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_families.llama import attention_sizes
 from pz_persist.pretrained.hf_families.llama import block_specs
 from pz_persist.pretrained.hf_families.llama import full_rotary_wavelength
+from pz_persist.pretrained.hf_plan import DECODER_LAYERS
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import check_layers
@@ -106,7 +107,7 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
   )
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
-  check_layers(cfg, weights.names, "model.layers.", layers)
+  check_layers(cfg, weights.names, DECODER_LAYERS, layers)
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
   if gemma2:
