@@ -535,6 +535,11 @@ def _matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any]
     try:
       plan = candidate(Config(config, f"config derived for {folder}"), weights)
       return plan, _check_structure(plan, model, family)
+    except errors.UnsupportedConfigError as e:  # A field the family cannot take.
+      refusal = refusal or ExportError(
+          f"this model cannot be written as a Hugging Face {family!r} folder: the config"
+          f" derived from it is one {family!r} cannot express ({e}) Name the right"
+          " family with like=, or undo the edit that gave the model this structure.")
     except errors.PzPersistError as e:
       refusal = refusal or e
   assert refusal is not None

@@ -26,12 +26,14 @@ import pz_persist as pzp
 from pretrained import test_hf_gemma
 from pretrained import test_hf_qwen2
 from pretrained import test_rope_scaling
+from pretrained import test_export_hf
 from pretrained.test_export_hf import _assert_same_tensors
 from pretrained.test_export_hf import _config
 from pretrained.test_export_hf import _tensors
 from pretrained.test_export_hf import _transformers_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
+from pz_persist.pretrained import hf_export
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 from pz_persist.tools import cli
 
@@ -182,3 +184,27 @@ def test_cli_export_from_a_native_checkpoint(folders, tmp_path, case):
   assert cli.main(["export", "hf", str(tmp_path / "native"), str(dst), "--quiet"]) == 0
   _assert_same_tensors(_tensors(dst), _tensors(src))
   np.testing.assert_array_equal(_transformers_logits(dst, **_eager(case)), reference)
+
+
+def test_a_family_refusing_the_derived_config_is_an_export_error(folders, tmp_path):
+  """Scaled RoPE as Gemma (whose plan reads only unscaled RoPE): the plan's
+  refusal of the derived config is named as an export refusal."""
+  with pytest.raises(errors.ExportError, match=r"'gemma' folder.*rope_type='llama3'.*like="):
+    pzp.export_hf(folders["rope_llama3"][2], tmp_path / "as_gemma", like="gemma")
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("gemma2", [False, True], ids=["gemma", "gemma2"])
+def test_each_gemma_layout_is_written_through_its_own_plan(folders, tmp_path, gemma2):
+  """A Hub Gemma (load_hf: norms hold w) goes through BUILDERS' plan, bit
+  for bit; Penzai's own (load_gemma: norms hold 1 + w) through the native
+  plan, whose norms have offset 1."""
+  family = "gemma2" if gemma2 else "gemma"
+  _, native = test_export_hf._gemma_model(tmp_path, gemma2)
+  for model, offset in ((folders[family][2], 0.0), (native, 1.0)):
+    model = pz.freeze_params(model)
+    config = hf_export.derive_config(model, family)
+    weights = hf_export._ModelWeights(config["num_hidden_layers"], np.dtype("float32"))
+    plan, _ = hf_export._matching_plan(hf_export._plans()[family], config, weights, model,
+                                       family, str(tmp_path))
+    assert {spec.offset for spec in plan.tensors if "norm" in spec.label} == {offset}
