@@ -14,7 +14,9 @@ weights, same code, so no tolerance).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -23,10 +25,10 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 import pz_persist as pzp
+from pretrained import test_export_hf
 from pretrained import test_hf_gemma
 from pretrained import test_hf_qwen2
 from pretrained import test_rope_scaling
-from pretrained import test_export_hf
 from pretrained.test_export_hf import _assert_same_tensors
 from pretrained.test_export_hf import _config
 from pretrained.test_export_hf import _tensors
@@ -208,3 +210,19 @@ def test_each_gemma_layout_is_written_through_its_own_plan(folders, tmp_path, ge
     plan, _ = hf_export._matching_plan(hf_export._plans()[family], config, weights, model,
                                        family, str(tmp_path))
     assert {spec.offset for spec in plan.tensors if "norm" in spec.label} == {offset}
+
+
+def test_gemma2_without_soft_caps_writes_them_null(folders, tmp_path):
+  """No soft cap layers: the caps are written null ("off"), not left out
+  (absent, transformers and load_hf would apply the defaults, 50 and 30)."""
+  src = tmp_path / "off"
+  shutil.copytree(folders["gemma2"][0], src)
+  config = _config(src)
+  config.update(final_logit_softcapping=None, attn_logit_softcapping=None)
+  (src / "config.json").write_text(json.dumps(config))
+  pzp.export_hf(pzp.pretrained.load_hf(src), tmp_path / "out")
+  exported = _config(tmp_path / "out")
+  assert exported["final_logit_softcapping"] is exported["attn_logit_softcapping"] is None
+  _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(src))
+  np.testing.assert_array_equal(_transformers_logits(tmp_path / "out", **_eager("gemma2")),
+                                _transformers_logits(src, **_eager("gemma2")))
