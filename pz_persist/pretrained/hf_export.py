@@ -251,16 +251,17 @@ def _attention_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[
           masks := _all(block, pz.nn.ApplyCausalSlidingWindowAttentionMask)) else None
       for block in blocks
   ]
+  window = next((w for w in windows if w is not None), None)
+  types = ["full_attention" if w is None else "sliding_attention" for w in windows]
   if family == "mistral":
     return {"sliding_window": windows[0]}
   if family == "qwen2":
-    return _qwen2_window_fields(windows, like)
+    return _qwen2_window_fields(window, types, like)
   if family != "gemma2":
     return {}
-  window = next((w for w in windows if w is not None), like.get("sliding_window", 4096))
   fields = {
-      "sliding_window": window,
-      "layer_types": ["full_attention" if w is None else "sliding_attention" for w in windows],
+      "sliding_window": like.get("sliding_window", 4096) if window is None else window,
+      "layer_types": types,
       "query_pre_attn_scalar": _query_pre_attn_scalar(model),
   }
   # Written when absent too: a null cap is "off", an absent one a default.
@@ -269,22 +270,21 @@ def _attention_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
-def _qwen2_window_fields(windows: list[int | None], like: Mapping[str, Any]) -> dict[str, Any]:
-  """Qwen2's windows as ``layer_types`` (which transformers 5 reads), with
+def _qwen2_window_fields(window: int | None, types: list[str],
+                         like: Mapping[str, Any]) -> dict[str, Any]:
+  """Qwen2's window and ``layer_types`` (which transformers 5 reads), with
   ``max_window_layers`` for readers of transformers 4 configs when the
   sliding layers are the last ones (as that field can say)."""
-  window = next((w for w in windows if w is not None), None)
-  types = ["full_attention" if w is None else "sliding_attention" for w in windows]
   fields: dict[str, Any] = {
       "use_sliding_window": window is not None,
       "sliding_window": window,
       "layer_types": types,
   }
-  first = types.index("sliding_attention") if window is not None else len(types)
-  if window is not None and "full_attention" not in types[first:]:
+  if window is None:  # Then it changes nothing: like's, if any.
+    if "max_window_layers" in like:
+      fields["max_window_layers"] = like["max_window_layers"]
+  elif "full_attention" not in types[(first := types.index("sliding_attention")):]:
     fields["max_window_layers"] = first
-  elif "max_window_layers" in like:
-    fields["max_window_layers"] = like["max_window_layers"]
   return fields
 
 

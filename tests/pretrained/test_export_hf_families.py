@@ -52,7 +52,17 @@ CASES = {
        for name, family in [("qwen2", "qwen2"), ("qwen2_mqa_tied", "qwen2"),
                             ("llama_attention_bias", "llama"),
                             ("llama_mlp_bias_gelu_fast", "llama")]},
+    # Sliding layers not last: only layer_types can say which they are.
+    "qwen2_sliding_first": (lambda: _qwen2(layer_types=["sliding_attention", "full_attention"]),
+                            "qwen2"),
 }
+
+
+def _qwen2(**fields):
+  """A random Qwen2 with a 3-token window (shorter than the test tokens)."""
+  config = transformers.Qwen2Config(**dict(test_hf_qwen2._COMMON, num_key_value_heads=2,
+                                           use_sliding_window=True, sliding_window=3, **fields))
+  return test_hf_qwen2._randomized(transformers.Qwen2ForCausalLM(config))
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +130,9 @@ def test_qwen2_windows_as_transformers_4_writes_them(folders):
   assert (config["use_sliding_window"], config["sliding_window"], config["max_window_layers"]) == (
       True, 3, 1)
   assert "head_dim" not in config  # Not a Qwen2 config field; hidden_size // heads.
+  config = _config(folders["qwen2_sliding_first"][3])
+  assert config["layer_types"] == ["sliding_attention", "full_attention"]
+  assert "max_window_layers" not in config  # It cannot say this.
 
 
 def test_scaled_rope_changed_in_one_block_is_refused(folders, tmp_path):
@@ -169,10 +182,7 @@ def test_qwen2_with_two_window_sizes_is_refused(tmp_path):
 
 def _saved_qwen2_all_sliding(tmp_path) -> str:
   folder = str(tmp_path / "qwen2_sliding")
-  config = transformers.Qwen2Config(**dict(test_hf_qwen2._COMMON, num_key_value_heads=2,
-                                           use_sliding_window=True, sliding_window=3,
-                                           max_window_layers=0))
-  transformers.Qwen2ForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+  _qwen2(max_window_layers=0).save_pretrained(folder, safe_serialization=True)
   return folder
 
 
