@@ -20,6 +20,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 import transformers
 from penzai import pz
 from penzai.models.transformer import model_parts
@@ -236,3 +237,14 @@ def test_gemma2_without_soft_caps_writes_them_null(folders, tmp_path):
   _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(src))
   np.testing.assert_array_equal(_transformers_logits(tmp_path / "out", **_eager("gemma2")),
                                 _transformers_logits(src, **_eager("gemma2")))
+
+
+@pytest.mark.parametrize("case", ["gemma2", "qwen2", "rope_llama3"])
+def test_bfloat16_round_trip_is_identical(tmp_path, case):
+  """No arithmetic on the way: Gemma's norms are written from the w their
+  `OffsetScale` holds, so bfloat16 comes back bit for bit too."""
+  src = tmp_path / "bf16"
+  CASES[case][0]().to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
+  pzp.export_hf(pzp.pretrained.load_hf(src), tmp_path / "out", like=src)
+  assert _config(tmp_path / "out")["dtype"] == "bfloat16"
+  _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(src))
