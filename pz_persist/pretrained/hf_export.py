@@ -6,8 +6,9 @@
 
 There is no second mapping to keep in step with `load_hf`: the Hugging Face
 config is derived from the model's structure (sizes from parameter shapes,
-epsilons from the norm layers, the RoPE wavelength from ``ApplyRoPE``, the
-attention window from the mask layers, ...), then the family's own load plan
+epsilons from the norm layers, the RoPE wavelength and scaling from
+``ApplyRoPE`` / `ApplyScaledRoPE`, the attention windows from the mask
+layers, biases from ``AddBias`` layers, ...), then the family's own load plan
 (`pz_persist.pretrained.hf_families`) is run on that config and its skeleton
 is compared with the model, layer by layer and field by field. Only a model
 the plan would rebuild exactly is written, each tensor through
@@ -43,13 +44,17 @@ from pz_persist import progress as progress_lib
 from pz_persist.pretrained import hf
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf_config import IGNORED_FIELDS
+from pz_persist.pretrained.hf_config import TANH_GELU
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import BUILDERS
 from pz_persist.pretrained.hf_families import gpt_neox
 from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
+from pz_persist.pretrained.hf_families.llama import Biases
+from pz_persist.pretrained.hf_plan import LAYER_PREFIXES
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import stored_layout
+from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 from pz_persist.safety import safe_io
 
 ExportError = errors.ExportError
@@ -64,15 +69,15 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
 }
 
-# What a plan checks the weights hold before it builds anything: the layer
-# prefix `check_layers` counts under, and the untied output heads
-# `lm_head_source` asks for. The stand-in weights answer with these, for as
-# many layers as the model has; a family with another prefix adds it here.
-_LAYER_PREFIXES = ("model.layers.", "gpt_neox.layers.")
+# What a plan checks the weights hold before it builds anything: layers
+# under the prefixes `check_layers` counts under (`LAYER_PREFIXES`), and the
+# untied output heads `lm_head_source` asks for. The stand-in weights answer
+# with these, for as many layers as the model has.
 _HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 
 
@@ -135,7 +140,20 @@ def _family_from_structure(model: Any) -> str:
   if _all(model, pz.nn.EmbeddingDecode):  # Gemma 2 adds norms after attention and MLP.
     block = _first(model, model_parts.TransformerBlock, "decoder block")
     return "gemma2" if len(_all(block, pz.nn.RMSLayerNorm)) > 2 else "gemma"
+  if _biases(model) == Biases(query_key_value=True):
+    return "qwen2"
   return "mistral" if _all(model, pz.nn.ApplyCausalSlidingWindowAttentionMask) else "llama"
+
+
+def _biases(model: Any) -> Biases:
+  """Which projections of the first block add a bias (``AddBias`` layers,
+  as `pz_persist.pretrained.hf_families.llama.Biases` places them); the
+  other blocks are compared with the plan built from these."""
+  attention = _attention(model)
+  ffw = _first(model, model_parts.TransformerFeedForward, "MLP")
+  return Biases(query_key_value=bool(_all(attention.input_to_query, pz.nn.AddBias)),
+                output=bool(_all(attention.attn_value_to_output, pz.nn.AddBias)),
+                mlp=bool(_all(ffw, pz.nn.AddBias)))
 
 
 _ACTIVATIONS = {  # Penzai's activation functions by the names its builders use.
@@ -150,6 +168,10 @@ _ACTIVATIONS = {  # Penzai's activation functions by the names its builders use.
 _HF_ACTIVATIONS = {
     "silu": "silu", "relu": "relu", "gelu_exact": "gelu", "gelu_approx": "gelu_pytorch_tanh",
 }
+
+# The Hugging Face names the llama-like families read for Penzai activations:
+# one spelling of ``like`` that computes the same is kept.
+_LLAMALIKE_ACTIVATIONS = {"silu": "silu", **dict.fromkeys(TANH_GELU, "gelu_approx")}
 
 
 def _activation(model: Any) -> str:
@@ -188,6 +210,10 @@ def _size_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, 
   if family != "gpt_neox":
     fields["num_key_value_heads"] = _head_count(key) or 1
     fields["head_dim"] = query["projection"]
+  # transformers' Qwen2 config has no head_dim field (its attention falls back
+  # to hidden_size // heads): written only when it is another size.
+  if family == "qwen2" and fields["head_dim"] * fields["num_attention_heads"] == fields["hidden_size"]:
+    del fields["head_dim"]
   return fields
 
 
@@ -198,8 +224,14 @@ def _norm_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, 
 
 
 def _rope_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, Any]:
-  """``rope_parameters`` as transformers 5 writes them. (A scaled-RoPE layer
-  adds its own ``rope_type`` and factors here.)"""
+  """``rope_parameters`` as transformers 5 writes them: ``rope_theta`` and
+  ``rope_type``, and for a scaled RoPE (`ApplyScaledRoPE`) the layer's own
+  scaling keys (and ``max_position_embeddings``, which ``dynamic`` reads)."""
+  scaled = _all(model, ApplyScaledRoPE)
+  if scaled:
+    fields = scaled[0].config_fields()
+    scaling = {"rope_theta": float(fields.pop("rope_theta")), **fields.pop("rope_scaling")}
+    return {"rope_parameters": scaling, **fields}
   rope = (_all(model, pz.nn.ApplyRoPE) + _all(model, pz.nn.ApplyRoPEToSubset))
   if not rope:
     raise ExportError("the model has no rotary position embedding layer (ApplyRoPE);"
@@ -219,19 +251,40 @@ def _attention_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[
           masks := _all(block, pz.nn.ApplyCausalSlidingWindowAttentionMask)) else None
       for block in blocks
   ]
+  window = next((w for w in windows if w is not None), None)
+  types = ["full_attention" if w is None else "sliding_attention" for w in windows]
   if family == "mistral":
     return {"sliding_window": windows[0]}
+  if family == "qwen2":
+    return _qwen2_window_fields(window, types, like)
   if family != "gemma2":
     return {}
-  window = next((w for w in windows if w is not None), like.get("sliding_window", 4096))
   fields = {
-      "sliding_window": window,
-      "layer_types": ["full_attention" if w is None else "sliding_attention" for w in windows],
+      "sliding_window": like.get("sliding_window", 4096) if window is None else window,
+      "layer_types": types,
       "query_pre_attn_scalar": _query_pre_attn_scalar(model),
   }
+  # Written when absent too: a null cap is "off", an absent one a default.
   caps = _all(_attention(model), pz.nn.TanhSoftCap)
-  if caps:
-    fields["attn_logit_softcapping"] = _number(caps[0].soft_cap)
+  fields["attn_logit_softcapping"] = _number(caps[0].soft_cap) if caps else None
+  return fields
+
+
+def _qwen2_window_fields(window: int | None, types: list[str],
+                         like: Mapping[str, Any]) -> dict[str, Any]:
+  """Qwen2's window and ``layer_types`` (which transformers 5 reads), with
+  ``max_window_layers`` for readers of transformers 4 configs when the
+  sliding layers are the last ones (as that field can say)."""
+  fields: dict[str, Any] = {
+      "use_sliding_window": window is not None,
+      "sliding_window": window,
+      "layer_types": types,
+  }
+  if window is None:  # Then it changes nothing: like's, if any.
+    if "max_window_layers" in like:
+      fields["max_window_layers"] = like["max_window_layers"]
+  elif "full_attention" not in types[(first := types.index("sliding_attention")):]:
+    fields["max_window_layers"] = first
   return fields
 
 
@@ -246,8 +299,10 @@ def _mlp_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, A
   activation = _activation(model)
   key = "hidden_activation" if family == "gemma2" else "hidden_act"
   name = _HF_ACTIVATIONS[activation]
-  # ``like``'s own spelling when it means the same (gelu_new / gelu_pytorch_tanh).
-  if family == "gpt_neox" and gpt_neox._NEOX_ACTIVATIONS.get(like.get(key, "")) == activation:  # pylint: disable=protected-access
+  # ``like``'s own spelling when it means the same (gelu_fast / gelu_pytorch_tanh).
+  spellings = (gpt_neox._NEOX_ACTIVATIONS if family == "gpt_neox"  # pylint: disable=protected-access
+               else _LLAMALIKE_ACTIVATIONS)
+  if spellings.get(like.get(key, "")) == activation:
     name = like[key]
   return {key: name}
 
@@ -272,16 +327,18 @@ def _gemma_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str,
   if family != "gemma2":
     return {}
   top = [layer for layer in model.body.sublayers if isinstance(layer, pz.nn.TanhSoftCap)]
-  return {"final_logit_softcapping": _number(top[-1].soft_cap)} if top else {}
+  return {"final_logit_softcapping": _number(top[-1].soft_cap) if top else None}
 
 
 def _fixed_fields(model: Any, family: str, like: Mapping[str, Any]) -> dict[str, Any]:
-  """Fields the family's Penzai structure fixes (no biases in llama-like
-  attention and MLP; GPT-NeoX's parallel residual and attention biases).
-  (Bias layers after the projections set these from the model.)"""
-  if family == "llama":  # (transformers' Mistral config has neither field.)
-    return {"attention_bias": False, "mlp_bias": False}
-  if family == "mistral":
+  """Llama's biases (``AddBias`` layers after the projections), and the
+  fields the other families' Penzai structure fixes (none in Mistral's and
+  Qwen2's configs; no biases in Gemma; GPT-NeoX's parallel residual and
+  attention biases)."""
+  if family == "llama":
+    biases = _biases(model)
+    return {"attention_bias": biases.query_key_value or biases.output, "mlp_bias": biases.mlp}
+  if family in ("mistral", "qwen2"):
     return {}
   if family in _GEMMA:
     return {"attention_bias": False}
@@ -324,7 +381,7 @@ class _ModelWeights:
 
   def __init__(self, layers: int, dtype: np.dtype):
     self.path = "(the model being exported)"
-    self.names = {f"{prefix}{i}.weight" for prefix in _LAYER_PREFIXES for i in range(layers)}
+    self.names = {f"{prefix}{i}.weight" for prefix in LAYER_PREFIXES for i in range(layers)}
     self.names |= set(_HEAD_NAMES)
     self.dtype = dtype
 
@@ -478,6 +535,11 @@ def _matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any]
     try:
       plan = candidate(Config(config, f"config derived for {folder}"), weights)
       return plan, _check_structure(plan, model, family)
+    except errors.UnsupportedConfigError as e:  # A field the family cannot take.
+      refusal = refusal or ExportError(
+          f"this model cannot be written as a Hugging Face {family!r} folder: the config"
+          f" derived from it is one {family!r} cannot express ({e}) Name the right"
+          " family with like=, or undo the edit that gave the model this structure.")
     except errors.PzPersistError as e:
       refusal = refusal or e
   assert refusal is not None
@@ -631,14 +693,16 @@ def export_hf(
 
   Args:
     model: A ``TransformerLM`` with the structure of a family `load_hf`
-      reads (``llama``, ``mistral``, ``gpt_neox``) or of Penzai's Gemma as
-      `load_gemma` builds it (written as ``gemma`` / ``gemma2``; its norms
-      hold ``1 + w``, so ``w`` is written as ``value - 1`` computed in
-      float32, which is not bit-exact in bfloat16). Layers may have been
-      cut: ``num_hidden_layers`` follows the model.
+      reads (``llama``, ``mistral``, ``qwen2``, ``gpt_neox``, ``gemma``,
+      ``gemma2``; with RoPE scaling and biases as `load_hf` builds them),
+      or of Penzai's Gemma as `load_gemma` builds it (also written as
+      ``gemma`` / ``gemma2``; its norms hold ``1 + w``, so ``w`` is written
+      as ``value - 1`` computed in float32, which is not bit-exact in
+      bfloat16). Layers may have been cut: ``num_hidden_layers`` follows
+      the model.
     folder: The folder to write (created; its parent too).
-    like: The family (``"llama"``, ``"mistral"``, ``"gpt_neox"``,
-      ``"gemma"``, ``"gemma2"``), or a Hugging Face folder or config dict
+    like: The family (``"llama"``, ``"mistral"``, ``"qwen2"``,
+      ``"gpt_neox"``, ``"gemma"``, ``"gemma2"``), or a Hugging Face folder or config dict
       whose family is used and whose fields that do not change the math
       (token ids, ``architectures``, ``max_position_embeddings``...) are
       copied. Default: the family the structure shows.

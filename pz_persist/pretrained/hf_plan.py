@@ -63,6 +63,16 @@ class Plan:
 
 _LAYER_NUMBER = re.compile(r"(\d{1,9})\.")
 
+DECODER_LAYERS = "model.layers."
+"""The prefix of layer ``i``'s tensors (``model.layers.{i}.``) in llama-like
+checkpoints (llama, mistral, qwen2, gemma, gemma2)."""
+NEOX_LAYERS = "gpt_neox.layers."
+"""GPT-NeoX's."""
+LAYER_PREFIXES = (DECODER_LAYERS, NEOX_LAYERS)
+"""Every prefix a family's plan passes to `check_layers`; a family with
+another adds it here (`pz_persist.pretrained.hf_export`'s stand-in weights
+hold layers under each)."""
+
 
 def check_layers(cfg: Config, names: set[str], prefix: str, layers: int) -> None:
   """Refuses a ``num_hidden_layers`` other than the layers the weights hold.
@@ -71,6 +81,7 @@ def check_layers(cfg: Config, names: set[str], prefix: str, layers: int) -> None
   forged config (``10**9`` layers in 200 bytes) would take hours before the
   first missing tensor is noticed; the weights' own names bound it.
   """
+  assert prefix in LAYER_PREFIXES, f"add {prefix!r} to hf_plan.LAYER_PREFIXES (export_hf needs it)"
   held = sorted({
       int(match.group(1)) for name in names if name.startswith(prefix)
       and (match := _LAYER_NUMBER.match(name, len(prefix)))

@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
   export.add_argument("dst", help="the folder to write")
   export.add_argument(
       "--like", metavar="FAMILY_OR_FOLDER",
-      help="hf: the family (llama, mistral, gpt_neox, gemma, gemma2) or a Hugging"
+      help="hf: the family (llama, mistral, qwen2, gpt_neox, gemma, gemma2) or a Hugging"
       " Face folder whose family and token ids, architectures... are used"
       " (default: the family the model's structure shows)",
   )

@@ -33,6 +33,7 @@ from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_families.llama import attention_sizes
 from pz_persist.pretrained.hf_families.llama import block_specs
 from pz_persist.pretrained.hf_families.llama import full_rotary_wavelength
+from pz_persist.pretrained.hf_plan import DECODER_LAYERS
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import check_layers
@@ -47,13 +48,13 @@ _LAYER_TYPES = {"sliding_attention", "full_attention"}
 
 def gemma_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Gemma (1) checkpoint: global attention, no soft caps, no post-norms."""
-  return _plan(cfg, weights, gemma2=False)
+  return gemma_layout_plan(cfg, weights, gemma2=False)
 
 
 def gemma2_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Gemma 2 checkpoint: Gemma plus post-norms, soft caps, query
   scaling and alternating sliding-window / global attention."""
-  return _plan(cfg, weights, gemma2=True)
+  return gemma_layout_plan(cfg, weights, gemma2=True)
 
 
 def gemma3_refusal(model_type: str) -> str:
@@ -62,7 +63,11 @@ def gemma3_refusal(model_type: str) -> str:
           " pz_persist.pretrained.load_hf reads model_type 'gemma' and 'gemma2'")
 
 
-def _plan(cfg: Config, weights: Weights, gemma2: bool) -> Plan:
+def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool = False) -> Plan:
+  """Maps a Gemma (or, with ``gemma2``, Gemma 2) checkpoint; with
+  ``native``, to Penzai's own Gemma structure (as `load_gemma` builds it:
+  each norm a scale ``Linear`` holding ``1 + w``, the one added in float32),
+  which `pz_persist.pretrained.hf_families.gemma_native` names for export."""
   hidden, heads, kv_heads, head_dim = attention_sizes(
       cfg, kv_heads_default=4 if gemma2 else 16, head_dim_default=256)
   theta = full_rotary_wavelength(cfg)
@@ -102,14 +107,15 @@ def _plan(cfg: Config, weights: Weights, gemma2: bool) -> Plan:
   )
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
-  check_layers(cfg, weights.names, "model.layers.", layers)
+  check_layers(cfg, weights.names, DECODER_LAYERS, layers)
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
   if gemma2:
     config = dataclasses.replace(config, attention_type=_attention_types(window, types, layers))
 
   def norm(label: str, source: str) -> TensorSpec:
-    return TensorSpec(label + "/scale.weights", source, (hidden,), ("embedding",))
+    return TensorSpec(label + "/scale.weights", source, (hidden,), ("embedding",),
+                      offset=1.0 if native else 0.0)
 
   specs = [
       TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
@@ -128,8 +134,12 @@ def _plan(cfg: Config, weights: Weights, gemma2: bool) -> Plan:
     else:  # Gemma 1 (like Llama) names its pre-MLP norm "post_attention".
       specs.append(norm(p + "pre_ffw_norm", s + "post_attention_layernorm.weight"))
     specs += block_specs(p, s, config)
-  return Plan(lambda: with_offset_norms(
-      llamalike_common.build_llamalike_transformer(config, init_base_rng=None)), tuple(specs))
+
+  def build() -> model_parts.TransformerLM:
+    skeleton = llamalike_common.build_llamalike_transformer(config, init_base_rng=None)
+    return skeleton if native else with_offset_norms(skeleton)
+
+  return Plan(build, tuple(specs))
 
 
 def with_offset_norms(model: model_parts.TransformerLM) -> model_parts.TransformerLM:

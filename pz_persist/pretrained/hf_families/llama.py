@@ -19,6 +19,7 @@ from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_config import lm_head_source
 from pz_persist.pretrained.hf_config import rope
 from pz_persist.pretrained.hf_config import scaled_rope
+from pz_persist.pretrained.hf_plan import DECODER_LAYERS
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import check_layers
@@ -209,7 +210,7 @@ def llama_plan(
   )
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
-  check_layers(cfg, weights.names, "model.layers.", config.num_decoder_blocks)
+  check_layers(cfg, weights.names, DECODER_LAYERS, config.num_decoder_blocks)
   head_source = lm_head_source(cfg, tied, weights.names, "lm_head.weight",
                                 "model.embed_tokens.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
