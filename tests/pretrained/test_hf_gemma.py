@@ -36,10 +36,10 @@ import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.pretrained import gemma as flax_gemma
 from pz_persist.pretrained.layers.offset_scale import OffsetScale
-from tests.pretrained.test_hf import TOKENS
-from tests.pretrained.test_hf import _edit_config
-from tests.pretrained.test_hf import _penzai_logits
-from tests.pretrained.test_hf import _reference_logits
+from pretrained.test_hf import TOKENS
+from pretrained.test_hf import _edit_config
+from pretrained.test_hf import _penzai_logits
+from pretrained.test_hf import _reference_logits
 
 _SIZES = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
