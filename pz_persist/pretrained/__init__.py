@@ -1,6 +1,7 @@
-"""Pretrained weights into Penzai models: Gemma (official Flax checkpoints),
-Hugging Face folders (Llama, Mistral, GPT-NeoX, Gemma, Gemma 2) read with ``safetensors`` alone,
-and safetensors files exported by pz_persist.
+"""Pretrained weights into Penzai models and back: Gemma (official Flax
+checkpoints), Hugging Face folders (Llama, Mistral, Qwen2, Gemma, Gemma 2,
+GPT-NeoX) read with pz_persist's own safetensors parser and written back by
+`export_hf`, and safetensors files exported by pz_persist.
 
 The library never downloads anything: fetch the files in your own code (e.g.
 ``huggingface_hub.snapshot_download``, ``kagglehub.model_download``), then load

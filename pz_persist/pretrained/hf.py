@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mistral, GPT-NeoX, Gemma, Gemma 2) into Penzai, without torch.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-NeoX) into Penzai, without torch.
 
 Penzai's own converters (``llama_from_huggingface_model`` and friends) take a
 *torch* model: loading a 7B checkpoint that way needs torch, transformers, and
@@ -11,11 +11,12 @@ Penzai layout, cast, placed on its devices and dropped before the next one is
 read, so host memory never holds a second copy of the model.
 
 Configuration fields that change the model's math in ways Penzai's builders
-cannot express (biases in Llama attention, a non-SiLU activation, a rope
+cannot express (biases in Mistral attention, an exact-GELU Llama MLP, a rope
 type other than the scaled ones below...) are refused with
-`UnsupportedConfigError` naming the field and its value; fields that do not change the math (token ids, dropout, the
-transformers version...) are ignored, and any field this module does not know
-is refused too, rather than silently producing a different model.
+`UnsupportedConfigError` naming the field and its value; fields that do not
+change the math (token ids, dropout, the transformers version...) are
+ignored, and any field this module does not know is refused too, rather than
+silently producing a different model.
 
 Scaled RoPE (``rope_scaling`` or ``rope_parameters`` of type ``llama3``,
 ``linear``, ``dynamic`` or ``yarn``, as every Llama 3.x checkpoint has) is
@@ -132,7 +133,7 @@ def load_hf(
     sharding: sharding_lib.Target = None,
     progress: progress_lib.Progress = None,
 ) -> model_parts.TransformerLM:
-  """Loads a Hugging Face Llama, Mistral, GPT-NeoX, Gemma or Gemma 2 checkpoint as a Penzai model.
+  """Loads a Hugging Face Llama, Mistral, Qwen2, Gemma, Gemma 2 or GPT-NeoX checkpoint as a Penzai model.
 
   Needs neither torch nor transformers: ``config.json`` is read as JSON and
   the weights with a safetensors parser. Tensors are read one at a time

@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
       "convert",
       help="convert pretrained weights (Gemma, Hugging Face) to a native checkpoint",
       description="Load pretrained weights once (an official Gemma Flax"
-      " checkpoint, or a Hugging Face Llama/Mistral/GPT-NeoX/Gemma folder) and save"
+      " checkpoint, or a Hugging Face Llama/Mistral/Qwen2/Gemma/GPT-NeoX folder) and save"
       " them as a pz_persist checkpoint, which pz_persist.load_model reloads"
       " without converting again.",
   )
