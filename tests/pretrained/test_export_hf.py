@@ -38,7 +38,7 @@ from pretrained.test_hf import _hf_model
 from pretrained.test_hf import _penzai_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
-from pz_persist.pretrained import hf_export
+from pz_persist.pretrained import hf_structure_match
 from pz_persist.pretrained import hf_plan
 from pz_persist.tools import cli
 
@@ -293,8 +293,8 @@ def test_exported_gemma_reads_back_through_the_same_plan(tmp_path, monkeypatch, 
   monkeypatch.setitem(hf_families.BUILDERS, family, gemma_native.NATIVE_BUILDERS[family])
   back = pzp.pretrained.load_hf(tmp_path / "hf")
   slots = {}
-  assert hf_export._first_difference(pz.unbind_params(back)[0], pz.freeze_params(model),
-                                     "model", slots) is None  # Same structure.
+  assert hf_structure_match.first_difference(pz.unbind_params(back)[0], pz.freeze_params(model),
+                                             "model", slots) is None  # Same structure.
   assert all(ours == theirs for ours, theirs in slots.items())
   want = {p.label: p.value for p in pz.unbind_params(model)[1]}
   for param in pz.unbind_params(back)[1]:

@@ -36,7 +36,8 @@ from pretrained.test_export_hf import _tensors
 from pretrained.test_export_hf import _transformers_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
-from pz_persist.pretrained import hf_export
+from pz_persist.pretrained import hf_config_from_model
+from pz_persist.pretrained import hf_structure_match
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 from pz_persist.tools import cli
 
@@ -216,10 +217,10 @@ def test_each_gemma_layout_is_written_through_its_own_plan(folders, tmp_path, ge
   _, native = test_export_hf._gemma_model(tmp_path, gemma2)
   for model, offset in ((folders[family][2], 0.0), (native, 1.0)):
     model = pz.freeze_params(model)
-    config = hf_export.derive_config(model, family)
-    weights = hf_export._ModelWeights(config["num_hidden_layers"], np.dtype("float32"))
-    plan, _ = hf_export._matching_plan(hf_export._plans()[family], config, weights, model,
-                                       family, str(tmp_path))
+    config = hf_config_from_model.derive_config(model, family)
+    weights = hf_structure_match.ModelWeights(config["num_hidden_layers"], np.dtype("float32"))
+    plan, _ = hf_structure_match.matching_plan(hf_structure_match.family_plans()[family], config,
+                                               weights, model, family, str(tmp_path))
     assert {spec.offset for spec in plan.tensors if "norm" in spec.label} == {offset}
 
 

@@ -1,0 +1,135 @@
+"""A Hugging Face folder written whole or not at all: ``config.json``, sharded
+``model-0000x-of-0000y.safetensors`` and ``model.safetensors.index.json``,
+assembled beside the destination and renamed into place.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import tempfile
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from pz_persist import errors
+from pz_persist import progress as progress_lib
+from pz_persist.pretrained import safetensors_io
+from pz_persist.pretrained.hf_plan import Plan
+from pz_persist.pretrained.hf_plan import TensorSpec
+from pz_persist.pretrained.hf_plan import stored_layout
+from pz_persist.safety import safe_io
+
+ExportError = errors.ExportError
+
+
+class _Stored:
+  """One stored tensor, laid out only when the writer asks for its bytes, so
+  that the host holds one tensor at a time."""
+
+  def __init__(self, specs: list[TensorSpec], values: list[Any]):
+    self.specs, self.values = specs, values
+    spec = specs[0]
+    self.shape = spec.stored or spec.shape
+    self.dtype = np.dtype(values[0].dtype)
+    self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    hosts = [np.asarray(v.unwrap(*spec.axes)) for spec, v in zip(self.specs, self.values)]
+    try:
+      return stored_layout(self.specs, hosts)
+    except ValueError as e:
+      raise ExportError(f"{e}; they cannot be written as one Hugging Face tensor.") from None
+
+
+def stored_tensors(plan: Plan, slots: Mapping[str, str], values: Mapping[str, Any]) -> list[tuple[str, _Stored]]:
+  """``(Hugging Face name, tensor)`` in plan order, each value checked
+  against its spec's shape first."""
+  by_source: dict[str, list[TensorSpec]] = collections.defaultdict(list)
+  for spec in plan.tensors:
+    by_source[spec.source].append(spec)
+  out = []
+  for source, specs in by_source.items():
+    found = []
+    for spec in specs:
+      label = slots[spec.label]
+      value = values[label]
+      shape = list(spec.shape)
+      if spec.take is not None:
+        del shape[spec.take[0]]
+      expected = dict(zip(spec.axes, shape))
+      if dict(value.named_shape) != expected or value.positional_shape:
+        raise ExportError(
+            f"parameter {label!r} has shape {dict(value.named_shape)} where the config"
+            f" derived from the model needs {expected} for {source!r}; the model's"
+            " layers disagree about its sizes."
+        )
+      found.append(value)
+    out.append((source, _Stored(specs, found)))
+  return out
+
+
+def _shards(tensors: list[tuple[str, _Stored]], shard_size: int) -> list[list[tuple[str, _Stored]]]:
+  """Consecutive groups of at most ``shard_size`` bytes (a larger tensor alone)."""
+  shards: list[list[tuple[str, _Stored]]] = [[]]
+  size = 0
+  for name, tensor in tensors:
+    if shards[-1] and size + tensor.nbytes > shard_size:
+      shards.append([])
+      size = 0
+    shards[-1].append((name, tensor))
+    size += tensor.nbytes
+  return shards
+
+
+def check_destination(folder: str, overwrite: bool) -> None:
+  if os.path.islink(folder) or (os.path.exists(folder) and not os.path.isdir(folder)):
+    raise errors.CheckpointExistsError(
+        f"{folder} exists and is not a folder; choose another destination.")
+  if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
+    raise errors.CheckpointExistsError(
+        f"{folder} exists and is not empty; pass overwrite=True (CLI: --overwrite)"
+        " to replace it."
+    )
+
+
+def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str, _Stored]],
+                  shard_size: int, overwrite: bool, progress: progress_lib.Progress) -> None:
+  """Writes the files into a new folder beside ``folder``, then renames it
+  into place: an interrupted export leaves ``folder`` as it was."""
+  parent, name = os.path.split(os.path.abspath(folder))
+  os.makedirs(parent, exist_ok=True)
+  # Not mkdtemp: its 0o700 would be the exported folder's mode; this follows the umask.
+  tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex}.export.tmp")
+  os.mkdir(tmp)
+  try:
+    shards = _shards(tensors, shard_size)
+    weight_map = {}
+    total = sum(t.nbytes for _, t in tensors)
+    with progress_lib.tracking(progress, f"writing {folder}", total) as tracker:
+      for i, shard in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        safetensors_io.write_safetensors(os.path.join(tmp, filename), shard,
+                                         metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys((n for n, _ in shard), filename))
+        tracker.advance(sum(t.nbytes for _, t in shard))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    safe_io.write_small_file(os.path.join(tmp, "model.safetensors.index.json"),
+                             json.dumps(index, indent=2).encode())
+    safe_io.write_small_file(os.path.join(tmp, "config.json"),
+                             (json.dumps(config, indent=2) + "\n").encode())
+    check_destination(folder, overwrite)  # Again: it may have appeared meanwhile.
+    if os.path.isdir(folder):
+      trash = tempfile.mkdtemp(prefix=f".{name}.", suffix=".replaced.tmp", dir=parent)
+      os.rename(folder, os.path.join(trash, name))
+      os.rename(tmp, folder)
+      safe_io.remove_tree(trash, strict=True)
+    else:
+      os.rename(tmp, folder)
+  except BaseException:
+    safe_io.remove_tree(tmp)
+    raise
