@@ -104,17 +104,14 @@ def _check_tensors(plan: Plan, weights: Weights) -> None:
           f" none of the checkpoint's files {files}."
       )
     stored_shape = file.entries[spec.source][1]
-    expected = spec.stored or spec.shape
+    expected = spec.file_shape
     if stored_shape != expected:
       raise safetensors_io.SafetensorsFormatError(
           f"safetensors file {file.path}, tensor {spec.source!r}: shape"
           f" {stored_shape} does not fit the config (expected {expected}"
           f" for {spec.label!r})."
       )
-    shape = list(spec.shape)
-    if spec.take is not None:
-      del shape[spec.take[0]]
-    planned.append(_files.PlannedArray(spec.label, weights.dtype, tuple(shape)))
+    planned.append(_files.PlannedArray(spec.label, weights.dtype, spec.parameter_shape))
   _files.check_planned_allocation(planned, where=weights.path)
 
 

@@ -20,8 +20,6 @@ from pz_persist.pretrained.layers.scaled_rope import SCALING_KEYS
 
 UnsupportedConfigError = errors.UnsupportedConfigError
 
-
-
 # Fields of a Hugging Face config that never change a causal LM's forward
 # pass: bookkeeping, token ids, dropout (inactive at inference), generation
 # defaults and the storage dtype (we use the tensors' own dtype).
@@ -45,6 +43,7 @@ IGNORED_FIELDS = frozenset({
     "typical_p", "use_bfloat16", "use_cache", "attn_implementation",
     "cache_implementation",
 })
+
 
 def _positive_int(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value > 0
@@ -111,6 +110,8 @@ SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "query_pre_attn_scalar": _POSITIVE_NUMBER,
     "attn_logit_softcapping": _POSITIVE_NUMBER,
     "final_logit_softcapping": _POSITIVE_NUMBER,
+    "sliding_window_size": _POSITIVE_INT,
+    # RoPE scaling (the keys of `scaled_rope.SCALING_KEYS`).
     "max_position_embeddings": _POSITIVE_INT,
     "factor": _POSITIVE_NUMBER,
     "original_max_position_embeddings": _POSITIVE_INT,
@@ -122,7 +123,6 @@ SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
     "mscale": _POSITIVE_NUMBER,
     "mscale_all_dim": _POSITIVE_NUMBER,
     "truncate": _BOOLEAN,
-    "sliding_window_size": _POSITIVE_INT,
 }
 """What each ``config.json`` field the builders read must be (a JSON null
 means "absent, use the default"). Sizes are positive integers: a float is
@@ -146,6 +146,15 @@ class Config:
     self.used.add(key)
     value = self.raw.get(key)
     return default if value is None else self.checked(key, value)
+
+  def nullable(self, key: str, default: Any) -> Any:
+    """``key``'s value; ``default`` if the field is absent, None if it is an
+    explicit null (transformers' configs say "off" that way: a window or a
+    soft cap of null, where an absent one takes the family's default)."""
+    if key in self.raw and self.raw[key] is None:
+      self.used.add(key)
+      return None
+    return self.get(key, default)
 
   def require(self, key: str) -> Any:
     self.used.add(key)

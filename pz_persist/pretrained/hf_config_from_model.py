@@ -34,7 +34,6 @@ from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 ExportError = errors.ExportError
 
 
-LLAMALIKE = ("llama", "mistral")
 GEMMA_FAMILIES = tuple(NATIVE_BUILDERS)
 
 ARCHITECTURES = {
@@ -131,8 +130,8 @@ _LLAMALIKE_ACTIVATIONS = {"silu": "silu", **dict.fromkeys(TANH_GELU, "gelu_appro
 
 def _activation(model: Any) -> str:
   """The name of the MLP's activation (an ``Elementwise`` layer)."""
-  fn = first_layer(first_layer(model, model_parts.TransformerFeedForward, "MLP"), pz.nn.Elementwise,
-              "MLP activation").fn
+  ffw = first_layer(model, model_parts.TransformerFeedForward, "MLP")
+  fn = first_layer(ffw, pz.nn.Elementwise, "MLP activation").fn
   for name, known in _ACTIVATIONS.items():
     if fn is known or (isinstance(fn, functools.partial) and isinstance(known, functools.partial)
                        and fn.func is known.func and fn.args == known.args

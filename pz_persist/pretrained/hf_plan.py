@@ -47,6 +47,19 @@ class TensorSpec:
   stored: tuple[int, ...] | None = None
   offset: float = 0.0
 
+  @property
+  def file_shape(self) -> tuple[int, ...]:
+    """The tensor's shape in the safetensors file."""
+    return self.stored or self.shape
+
+  @property
+  def parameter_shape(self) -> tuple[int, ...]:
+    """The Penzai parameter's shape, over ``axes`` (``shape`` without the
+    dimension ``take`` removes)."""
+    if self.take is None:
+      return self.shape
+    return self.shape[:self.take[0]] + self.shape[self.take[0] + 1:]
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -68,6 +81,12 @@ DECODER_LAYERS = "model.layers."
 checkpoints (llama, mistral, qwen2, gemma, gemma2)."""
 NEOX_LAYERS = "gpt_neox.layers."
 """GPT-NeoX's."""
+DECODER_HEAD = "lm_head.weight"
+"""The untied output head of llama-like checkpoints (llama, mistral, qwen2)."""
+NEOX_HEAD = "embed_out.weight"
+"""GPT-NeoX's."""
+HEAD_NAMES = (DECODER_HEAD, NEOX_HEAD)
+"""Every untied head a family's plan asks `lm_head_source` for."""
 LAYER_PREFIXES = (DECODER_LAYERS, NEOX_LAYERS)
 """Every prefix a family's plan passes to `check_layers`; a family with
 another adds it here (`pz_persist.pretrained.hf_export`'s stand-in weights
@@ -149,7 +168,7 @@ def stored_layout(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
           f" cover its {first.shape[dim]} slices once each"
       )
     host = np.stack([by_index[i] for i in range(first.shape[dim])], axis=dim)
-  return host.reshape(first.stored or first.shape)
+  return host.reshape(first.file_shape)
 
 
 def _unoffset(spec: TensorSpec, value: np.ndarray) -> np.ndarray:

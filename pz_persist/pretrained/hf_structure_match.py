@@ -18,17 +18,11 @@ from pz_persist import errors
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_families import BUILDERS
 from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
+from pz_persist.pretrained.hf_plan import HEAD_NAMES
 from pz_persist.pretrained.hf_plan import LAYER_PREFIXES
 from pz_persist.pretrained.hf_plan import Plan
 
 ExportError = errors.ExportError
-
-
-# What a plan checks the weights hold before it builds anything: layers
-# under the prefixes `check_layers` counts under (`LAYER_PREFIXES`), and the
-# untied output heads `lm_head_source` asks for. The stand-in weights answer
-# with these, for as many layers as the model has.
-HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 
 
 def family_plans() -> dict[str, list[Callable[..., Plan]]]:
@@ -42,13 +36,18 @@ def family_plans() -> dict[str, list[Callable[..., Plan]]]:
   return plans
 
 
-
 # --- does the family express the model? ---------------------------------------
 
 
 class ModelWeights:
   """Stands in for `pz_persist.pretrained.hf_weights.Weights`: the plan asks
-  which tensors a folder holds and their dtype; the model answers."""
+  which tensors a folder holds and their dtype; the model answers.
+
+  What a plan checks the weights hold before it builds anything: layers under
+  the prefixes `check_layers` counts under (`hf_plan.LAYER_PREFIXES`), and the
+  untied output heads `lm_head_source` asks for (`hf_plan.HEAD_NAMES`); these
+  answer with both, for as many layers as the model has.
+  """
 
   def __init__(self, layers: int, dtype: np.dtype):
     self.path = "(the model being exported)"
@@ -87,7 +86,7 @@ def _is_number(value: Any) -> bool:
 
 
 def first_difference(expected: Any, found: Any, path: str,
-                      slots: dict[str, str]) -> tuple[str, str] | None:
+                     slots: dict[str, str]) -> tuple[str, str] | None:
   """Where the model (``found``) first differs from the plan's skeleton
   (``expected``) in anything but parameter values, and how; fills ``slots``
   with ``{plan label: model label}`` for the parameters met on the way."""

@@ -28,6 +28,7 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained import gemma as flax_gemma
+from pz_persist.pretrained.hf_config import TANH_GELU
 from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_families.llama import attention_sizes
@@ -40,9 +41,6 @@ from pz_persist.pretrained.hf_plan import check_layers
 from pz_persist.pretrained.hf_weights import Weights
 from pz_persist.pretrained.layers.offset_scale import OffsetScale
 
-# transformers' names for the tanh approximation of GELU, which Penzai's
-# "geglu_approx" computes (the same formula).
-_TANH_GELU = {"gelu_pytorch_tanh", "gelu_new", "gelu_fast"}
 _LAYER_TYPES = {"sliding_attention", "full_attention"}
 
 
@@ -86,8 +84,8 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
         "use_post_attn_norm": True,
         "use_post_ffw_norm": True,
         "query_scaling_factor": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
-        "attn_logits_soft_cap": _optional(cfg, "attn_logit_softcapping", 50.0),
-        "final_logit_softcap": _optional(cfg, "final_logit_softcapping", 30.0),
+        "attn_logits_soft_cap": cfg.nullable("attn_logit_softcapping", 50.0),
+        "final_logit_softcap": cfg.nullable("final_logit_softcapping", 30.0),
     }
   config = llamalike_common.LlamalikeTransformerConfig(
       num_kv_heads=kv_heads,
@@ -165,16 +163,8 @@ def _check_activation(cfg: Config) -> None:
   another activation for this config.
   """
   why = "; Penzai's Gemma MLP is GeGLU with the tanh approximation of GELU"
-  cfg.expect("hidden_act", _TANH_GELU | {"gelu"}, "gelu_pytorch_tanh", why=why)
-  cfg.expect("hidden_activation", _TANH_GELU, "gelu_pytorch_tanh", why=why)
-
-
-def _optional(cfg: Config, key: str, default: Any) -> Any:
-  """``key``'s value; ``default`` if absent, None if explicitly null."""
-  if key in cfg.raw and cfg.raw[key] is None:
-    cfg.used.add(key)
-    return None
-  return cfg.get(key, default)
+  cfg.expect("hidden_act", TANH_GELU | {"gelu"}, "gelu_pytorch_tanh", why=why)
+  cfg.expect("hidden_activation", TANH_GELU, "gelu_pytorch_tanh", why=why)
 
 
 def _window_and_layer_types(cfg: Config, layers: int) -> tuple[int | None, list[str] | None]:
@@ -186,7 +176,7 @@ def _window_and_layer_types(cfg: Config, layers: int) -> tuple[int | None, list[
   Nothing here grows with ``layers``: it is not yet checked against the
   weights (`check_layers`), and a forged config may ask for 10**9 layers.
   """
-  window = _optional(cfg, "sliding_window", 4096)
+  window = cfg.nullable("sliding_window", 4096)
   legacy = cfg.get("sliding_window_size")
   if legacy is not None and legacy != window:
     raise cfg.unsupported("sliding_window_size", legacy,

@@ -12,6 +12,7 @@ from pz_persist.pretrained.hf_config import Config
 from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_config import lm_head_source
 from pz_persist.pretrained.hf_config import rope
+from pz_persist.pretrained.hf_plan import NEOX_HEAD
 from pz_persist.pretrained.hf_plan import NEOX_LAYERS
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
@@ -71,7 +72,7 @@ def gpt_neox_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, NEOX_LAYERS, config.num_decoder_blocks)
-  head_source = lm_head_source(cfg, tied, weights.names, "embed_out.weight",
+  head_source = lm_head_source(cfg, tied, weights.names, NEOX_HEAD,
                                 "gpt_neox.embed_in.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)

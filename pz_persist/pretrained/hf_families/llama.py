@@ -19,6 +19,7 @@ from pz_persist.pretrained.hf_config import bool_field
 from pz_persist.pretrained.hf_config import lm_head_source
 from pz_persist.pretrained.hf_config import rope
 from pz_persist.pretrained.hf_config import scaled_rope
+from pz_persist.pretrained.hf_plan import DECODER_HEAD
 from pz_persist.pretrained.hf_plan import DECODER_LAYERS
 from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
@@ -87,14 +88,12 @@ def _bias_specs(
     prefix: str,
     source: str,
     biases: Biases,
-    q_heads: dict[str, int],
-    kv_axes: dict[str, int],
-    head_dim: int,
-    hidden: int,
-    mlp: int,
+    config: llamalike_common.LlamalikeTransformerConfig,
 ) -> list[TensorSpec]:
   """The bias tensors of block ``prefix`` (Hugging Face names under
   ``source``), each shaped like its projection's output."""
+  hidden, head_dim, mlp = config.embedding_dim, config.projection_dim, config.mlp_hidden_dim
+  q_heads, kv_axes = _head_axes(config)
 
   def bias(name: str, hf_name: str, axes: dict[str, int]) -> TensorSpec:
     return TensorSpec(prefix + name + _BIAS_SUFFIX, source + hf_name + ".bias",
@@ -181,10 +180,7 @@ def llama_plan(
   hidden, heads, kv_heads, head_dim = attention_sizes(cfg, kv_heads_default=None,
                                                       head_dim_default=None)
   theta, fraction, scaling = scaled_rope(cfg, 10_000.0, _MAX_POSITIONS[sliding])
-  if fraction != 1.0:
-    raise cfg.unsupported(
-        "partial_rotary_factor", fraction, "Llama-style RoPE covers every dimension"
-    )
+  _refuse_partial_rotary(cfg, fraction)
   mlp_variant = _mlp_variant(cfg)
   if biases is None:
     biases = _config_biases(cfg, sliding)
@@ -211,14 +207,12 @@ def llama_plan(
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, DECODER_LAYERS, config.num_decoder_blocks)
-  head_source = lm_head_source(cfg, tied, weights.names, "lm_head.weight",
+  head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD,
                                 "model.embed_tokens.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype,
                                attention_type=attention(config.num_decoder_blocks))
 
-  q_heads, kv_axes = _head_axes(config)
-  mlp = config.mlp_hidden_dim
   vocab = config.vocab_size
   specs = [
       TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
@@ -237,7 +231,7 @@ def llama_plan(
                     (hidden,), ("embedding",)),
         *block_specs(p, s, config),
     ]
-    specs += _bias_specs(p, s, biases, q_heads, kv_axes, head_dim, hidden, mlp)
+    specs += _bias_specs(p, s, biases, config)
   bias_specs = tuple(spec for spec in specs if spec.label.endswith(_BIAS_SUFFIX))
 
   def build() -> model_parts.TransformerLM:
@@ -267,7 +261,7 @@ def with_scaled_rope(model: model_parts.TransformerLM, scaling: RopeScaling) -> 
 def _mistral_attention(cfg: Config) -> llamalike_common.AttentionType:
   # transformers' MistralConfig defaults to a 4096-token window when the
   # field is absent; an explicit null means global attention.
-  window = cfg.get("sliding_window") if "sliding_window" in cfg.raw else 4096
+  window = cfg.nullable("sliding_window", 4096)
   if window is None:
     return llamalike_common.AttentionTypeGlobalCausal()
   return llamalike_common.AttentionTypeSlidingWindowCausal(window)
@@ -277,8 +271,8 @@ def mistral_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Mistral checkpoint: Llama's layout plus sliding-window attention.
 
   Penzai's ``ApplyCausalSlidingWindowAttentionMask`` masks keys ``window`` or
-  more positions back, as Hugging Face does. (Penzai's KV-cache sampling does
-  not apply the window; full-sequence calls do.)
+  more positions back, as Hugging Face does, in full-sequence calls and in
+  Penzai's KV-cache sampling mode (which rebuilds the mask for cached keys).
   """
   return llama_plan(cfg, weights, sliding=True)
 
@@ -305,11 +299,15 @@ def attention_sizes(
 def full_rotary_wavelength(cfg: Config) -> float:
   """The RoPE base wavelength, refusing a partial rotary embedding."""
   theta, fraction = rope(cfg, 10_000.0)
+  _refuse_partial_rotary(cfg, fraction)
+  return theta
+
+
+def _refuse_partial_rotary(cfg: Config, fraction: float) -> None:
   if fraction != 1.0:
     raise cfg.unsupported(
         "partial_rotary_factor", fraction, "Llama-style RoPE covers every dimension"
     )
-  return theta
 
 
 def _head_axes(config: llamalike_common.LlamalikeTransformerConfig) -> tuple[dict[str, int], dict[str, int]]:

@@ -43,13 +43,13 @@ def qwen2_attention(cfg: Config) -> Callable[[int], Attention]:
   marks ``"sliding_attention"``; without ``layer_types`` (configs written by
   transformers 4), to layers ``max_window_layers`` (default 28) and above.
   A layer marked sliding with no window is refused, as transformers fails
-  on it. (Penzai's KV-cache sampling does not apply windows; full-sequence
-  calls do.)
+  on it. (Windows apply in full-sequence calls and in Penzai's KV-cache
+  sampling mode alike.)
   """
   layers = cfg.require("num_hidden_layers")
   use_window = cfg.get("use_sliding_window", False)
   # Absent: transformers' default window; an explicit null: no window.
-  window = cfg.get("sliding_window") if "sliding_window" in cfg.raw else 4096
+  window = cfg.nullable("sliding_window", 4096)
   if not use_window:
     window = None
   first_sliding = cfg.get("max_window_layers", 28)
