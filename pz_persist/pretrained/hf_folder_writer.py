@@ -9,8 +9,6 @@ import collections
 import json
 import math
 import os
-import tempfile
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +21,7 @@ from pz_persist.pretrained.hf_plan import Plan
 from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import stored_layout
 from pz_persist.safety import safe_io
+from pz_persist.storage import commit
 
 ExportError = errors.ExportError
 
@@ -34,7 +33,7 @@ class _Stored:
   def __init__(self, specs: list[TensorSpec], values: list[Any]):
     self.specs, self.values = specs, values
     spec = specs[0]
-    self.shape = spec.stored or spec.shape
+    self.shape = spec.file_shape
     self.dtype = np.dtype(values[0].dtype)
     self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
@@ -58,10 +57,7 @@ def stored_tensors(plan: Plan, slots: Mapping[str, str], values: Mapping[str, An
     for spec in specs:
       label = slots[spec.label]
       value = values[label]
-      shape = list(spec.shape)
-      if spec.take is not None:
-        del shape[spec.take[0]]
-      expected = dict(zip(spec.axes, shape))
+      expected = dict(zip(spec.axes, spec.parameter_shape))
       if dict(value.named_shape) != expected or value.positional_shape:
         raise ExportError(
             f"parameter {label!r} has shape {dict(value.named_shape)} where the config"
@@ -98,14 +94,19 @@ def check_destination(folder: str, overwrite: bool) -> None:
 
 
 def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str, _Stored]],
-                  shard_size: int, overwrite: bool, progress: progress_lib.Progress) -> None:
-  """Writes the files into a new folder beside ``folder``, then renames it
-  into place: an interrupted export leaves ``folder`` as it was."""
-  parent, name = os.path.split(os.path.abspath(folder))
-  os.makedirs(parent, exist_ok=True)
-  # Not mkdtemp: its 0o700 would be the exported folder's mode; this follows the umask.
-  tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex}.export.tmp")
-  os.mkdir(tmp)
+                 shard_size: int, overwrite: bool, progress: progress_lib.Progress) -> None:
+  """Writes the files into a new folder beside ``folder``, then moves it into
+  place the way checkpoints are (`pz_persist.storage.commit.move_into_place`:
+  one rename, or an atomic exchange with the folder it replaces), so an
+  interrupted export leaves ``folder`` as it was and a reader never sees a
+  mix. ``overwrite`` was checked by `check_destination`; if another writer
+  changes ``folder`` meanwhile, nothing is replaced."""
+  path = commit.as_path(os.path.abspath(folder))
+  seen = commit.identity(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # A plain mkdir, not mkdtemp: its 0o700 would be the exported folder's mode.
+  tmp = commit.sibling(path, "export")
+  tmp.mkdir()
   try:
     shards = _shards(tensors, shard_size)
     weight_map = {}
@@ -113,23 +114,21 @@ def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str
     with progress_lib.tracking(progress, f"writing {folder}", total) as tracker:
       for i, shard in enumerate(shards):
         filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        safetensors_io.write_safetensors(os.path.join(tmp, filename), shard,
+        safetensors_io.write_safetensors(os.fspath(tmp / filename), shard,
                                          metadata={"format": "pt"})
         weight_map.update(dict.fromkeys((n for n, _ in shard), filename))
         tracker.advance(sum(t.nbytes for _, t in shard))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    safe_io.write_small_file(os.path.join(tmp, "model.safetensors.index.json"),
+    safe_io.write_small_file(os.fspath(tmp / "model.safetensors.index.json"),
                              json.dumps(index, indent=2).encode())
-    safe_io.write_small_file(os.path.join(tmp, "config.json"),
+    safe_io.write_small_file(os.fspath(tmp / "config.json"),
                              (json.dumps(config, indent=2) + "\n").encode())
-    check_destination(folder, overwrite)  # Again: it may have appeared meanwhile.
-    if os.path.isdir(folder):
-      trash = tempfile.mkdtemp(prefix=f".{name}.", suffix=".replaced.tmp", dir=parent)
-      os.rename(folder, os.path.join(trash, name))
-      os.rename(tmp, folder)
-      safe_io.remove_tree(trash, strict=True)
-    else:
-      os.rename(tmp, folder)
   except BaseException:
     safe_io.remove_tree(tmp)
     raise
+  if not commit.move_into_place(path, tmp, seen):
+    raise errors.ConcurrentSaveError(
+        f"{folder} was created or changed by another writer while this export was"
+        " being written; it was left as that writer made it and this export was"
+        " discarded. Export again (to another folder, or with overwrite=True)."
+    )

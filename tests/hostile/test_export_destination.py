@@ -73,3 +73,33 @@ def test_exported_folder_follows_the_umask(tmp_path, model):
   finally:
     os.umask(mask)
   assert os.stat(tmp_path / "dst").st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_another_writer_puts_there_meanwhile_is_kept(tmp_path, model, monkeypatch,
+                                                              overwrite):
+  """Another writer's folder, created or replaced while the export is being
+  written, is never replaced (even with ``overwrite``, which was about what
+  was there when the export started): the export is discarded with
+  `ConcurrentSaveError`, as a racing checkpoint save is."""
+  from pz_persist.pretrained import safetensors_io  # pylint: disable=import-outside-toplevel
+
+  dst = tmp_path / "dst"
+  if overwrite:
+    dst.mkdir()
+    (dst / "old.txt").write_text("old")
+  original = safetensors_io.write_safetensors
+
+  def other_writer_meanwhile(path, tensors, **kwargs):
+    if dst.exists():
+      (dst / "old.txt").unlink()
+      dst.rmdir()
+    dst.mkdir()
+    (dst / "theirs.txt").write_text("theirs")
+    return original(path, tensors, **kwargs)
+
+  monkeypatch.setattr(safetensors_io, "write_safetensors", other_writer_meanwhile)
+  with pytest.raises(errors.ConcurrentSaveError, match="another writer"):
+    pzp.export_hf(model, dst, overwrite=overwrite)
+  assert os.listdir(dst) == ["theirs.txt"]
+  assert sorted(os.listdir(tmp_path)) == ["dst"]
