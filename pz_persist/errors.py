@@ -62,6 +62,22 @@ class ConcurrentSaveError(CheckpointExistsError):
   """
 
 
+class UnsupportedStorageError(PzPersistError, ValueError):
+  """A path on a storage pz_persist cannot keep checkpoints whole on.
+
+  Only local paths, ``gs://`` and ``s3://`` are supported: on those the
+  commit protocol is known to be atomic (see `pz_persist.storage.object_store`).
+  """
+
+
+class MissingExtraError(PzPersistError, ImportError):
+  """A feature needs an optional package that is not installed.
+
+  The message names the ``pip install 'pz-persist[...]'`` extra that
+  installs it (``[gcs]`` for ``gs://``, ``[s3]`` for ``s3://``).
+  """
+
+
 class NotACheckpointError(PzPersistError, FileNotFoundError):
   """The path is not a pz_persist checkpoint (or does not exist)."""
 

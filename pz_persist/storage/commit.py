@@ -22,6 +22,7 @@ import uuid
 from etils import epath
 
 from pz_persist.safety import safe_io
+from pz_persist.storage import object_store
 
 try:
   import fcntl
@@ -164,9 +165,13 @@ def as_path(path: epath.PathLike) -> epath.Path:
 
   Why absolute: Orbax's OCDBT layer refuses relative directories (its error
   names only the temporary directory), and a notebook's ``save("ckpt", ...)``
-  is the most natural call there is. Remote paths (``gs://...``) are kept.
+  is the most natural call there is. Remote paths (``gs://...``) are kept,
+  once `object_store.check_supported` has accepted them: every entry point
+  passes its path through here, so an unsupported scheme or a missing extra
+  is refused before anything is read or written.
   """
   if not is_local(path):
+    object_store.check_supported(path)
     return epath.Path(path)
   return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 
