@@ -108,8 +108,8 @@ def save(
     raise errors.CheckpointExistsError(
         f"{path} already exists; pass overwrite=True to replace it."
     )
-  if seen is not None:
-    _check_replaceable(path, seen)
+  if seen is not None and seen[0] != "commit":  # A commit: pz_persist's own.
+    _check_replaceable(path)
   with allowlist.scoped_allowance(allow_modules):
     args = v0_handler.PenzaiSave(tree)  # Validates the whole tree now.
   # With several processes (jax.distributed), all write their shards of the
@@ -291,10 +291,8 @@ def find_item(path: epath.PathLike) -> epath.Path:
   return opening.find_item(path)[0]
 
 
-def _check_replaceable(path: epath.Path, seen: commit.Identity) -> None:
+def _check_replaceable(path: epath.Path) -> None:
   """Refuses to replace anything but a pz_persist checkpoint or empty dir."""
-  if seen is not None and seen[0] == "commit":
-    return  # On an object store: a pz_persist checkpoint by its commit object.
   if not path.is_dir():
     raise errors.CheckpointExistsError(
         f"{path} exists and is not a directory; refusing to replace it."

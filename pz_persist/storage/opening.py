@@ -114,9 +114,9 @@ def read(
       before: tuple[Any, ...] = ()
       try:
         pinned = _pin(path, item_directory)
-        before = _identity(path, item, pinned)
+        before = _seen(path, item, pinned)
         item, snapshot = _find(path, item_directory, pinned)
-        before = _identity(path, item, pinned)
+        before = _seen(path, item, pinned)
         if not _walked(snapshot, item):  # Replaced between the walk and now.
           continue
         try:
@@ -187,18 +187,22 @@ def _pin(path: epath.Path, item_directory: bool) -> object_commit.Commit | None:
   return object_commit.current(path)
 
 
-def _identity(
-    path: epath.Path, item: epath.Path | None,
-    pinned: object_commit.Commit | None = None,
+def _seen(
+    path: epath.Path, item: epath.Path | None, pinned: object_commit.Commit | None
 ) -> tuple[Any, ...]:
+  """`_identity`, or for a ``pinned`` commit the commit itself: its folder
+  never changes once published, so only the commit object is watched."""
+  if pinned is not None:
+    return ("pinned", pinned.sequence, pinned.generation)
+  return _identity(path, item)
+
+
+def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
   """Which checkpoint is at ``path`` (and its ``item``, once found) now.
 
   A save replacing it puts new directories there, with new inodes and times,
-  and a new manifest file (see `_manifest_identity`). A ``pinned`` commit's
-  folder never changes once published: only the commit object is watched.
+  and a new manifest file (see `_manifest_identity`).
   """
-  if pinned is not None:
-    return ("pinned", pinned.sequence, pinned.generation)
   if item is None:
     return (commit.identity(path),)
   return (
