@@ -238,6 +238,17 @@ def test_sharded_array_on_s3(s3, registered, tmp_path, monkeypatch):
   assert not list(tmp_path.iterdir())
 
 
+def test_orbax_v1_on_s3(s3, registered):
+  from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
+
+  url = f"{_url(s3)}/ck"
+  tree = {"w": jnp.arange(4.0), "n": np.ones(2, np.int8)}
+  ocp_v1.save_pytree(url, tree)
+  restored = ocp_v1.load_pytree(url)
+  np.testing.assert_array_equal(restored["w"], tree["w"])
+  np.testing.assert_array_equal(restored["n"], tree["n"])
+
+
 def test_the_docstring_example_runs(s3, registered):
   example = pzp.enable_orbax_s3.__doc__.split("Example::", 1)[1]
   code = textwrap.dedent(example).replace("s3://my-bucket", _url(s3))
