@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import os
-import posixpath
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +66,8 @@ s3fs read too, so one setting points arrays and pz_persist's own objects at
 the same store (MinIO, moto, R2, ...)."""
 
 _REGION_VARIABLES = ("AWS_REGION", "AWS_DEFAULT_REGION")
+
+_LOCK = threading.Lock()
 
 
 def enable_orbax_s3() -> None:
@@ -105,13 +107,14 @@ def enable_orbax_s3() -> None:
       checkpointer.save("s3://my-bucket/run1/ck", {"w": np.ones(3)})
       restored = checkpointer.restore("s3://my-bucket/run1/ck")
   """
-  if is_enabled() or _orbax_knows_s3():
-    return
-  for module, name, teach in _PATCHES:
-    original = getattr(module, name)
-    wrapped = teach(original)
-    wrapped.__wrapped_by_pz_persist__ = original  # type: ignore[attr-defined]
-    setattr(module, name, wrapped)
+  with _LOCK:  # Two threads' first s3:// saves must not wrap twice.
+    if is_enabled() or _orbax_knows_s3():
+      return
+    for module, name, teach in _PATCHES:
+      original = getattr(module, name)
+      wrapped = teach(original)
+      wrapped.__wrapped_by_pz_persist__ = original  # type: ignore[attr-defined]
+      setattr(module, name, wrapped)
 
 
 def disable_orbax_s3() -> None:
@@ -120,10 +123,11 @@ def disable_orbax_s3() -> None:
   Does nothing if it was not enabled. A function something else has wrapped
   since is left alone (undoing it would remove that wrap too).
   """
-  for module, name, _ in _PATCHES:
-    original = getattr(getattr(module, name), "__wrapped_by_pz_persist__", None)
-    if original is not None:
-      setattr(module, name, original)
+  with _LOCK:
+    for module, name, _ in _PATCHES:
+      original = getattr(getattr(module, name), "__wrapped_by_pz_persist__", None)
+      if original is not None:
+        setattr(module, name, original)
 
 
 def is_enabled() -> bool:
@@ -190,8 +194,7 @@ def _with_s3(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str,
     if object_store.scheme(text) != "s3":
       return original(directory, *args, **kwargs)
     bucket, _, key = text.split("://", 1)[1].partition("/")
-    # Orbax's own normalisation (os.path.normpath) would eat the "//".
-    key = posixpath.normpath(f"/{key}").lstrip("/")
+    # Orbax normalises the key (os.path.normpath) as it does for gs:// paths.
     spec = original(f"{_PLACEHOLDER_URL}/{key}", *args, **kwargs)
     return _swap_gcs_for_s3(spec, bucket)
 

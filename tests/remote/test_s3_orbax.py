@@ -142,6 +142,21 @@ def test_s3_specs_keep_everything_orbax_adds(registered, tmp_path, monkeypatch):
   assert ts_utils.build_kvstore_tspec("s3://b/run/ck", "w", use_ocdbt=False)["path"] == "run/ck/w"
 
 
+def test_string_bases_are_swapped_too(monkeypatch):
+  """Orbax may name a GCS base as a URL string (its own code allows for it)."""
+  monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+  monkeypatch.setenv("AWS_ENDPOINT_URL", "http://e:1")
+  placeholder = s3_kvstore._PLACEHOLDER_URL  # pylint: disable=protected-access
+  spec = {"driver": "ocdbt", "base": f"{placeholder}/run/ck/",
+          "manifest": {"driver": "kvstack", "layers": [{"base": placeholder}]},
+          "path": "gs://other-bucket/x"}
+  swapped = s3_kvstore._swap_gcs_for_s3(spec, "b")  # pylint: disable=protected-access
+  assert swapped["base"]["path"] == "run/ck/" and swapped["base"]["bucket"] == "b"
+  assert swapped["base"]["endpoint"] == "http://e:1"
+  assert swapped["manifest"]["layers"][0]["base"]["path"] == ""
+  assert swapped["path"] == "gs://other-bucket/x"  # Not the placeholder: kept.
+
+
 def _bases(spec):
   if isinstance(spec, dict):
     if spec.get("driver") in ("s3", "gcs"):
