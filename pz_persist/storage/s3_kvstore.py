@@ -85,13 +85,14 @@ def enable_orbax_s3() -> None:
   also how a `CheckpointManager` there tells finished steps. Local and
   ``gs://`` paths get exactly what Orbax gives them.
 
-  This changes a process-wide Orbax function, which pz_persist never does
-  behind a user's back: plain Orbax users call it themselves, once;
-  pz_persist calls it the first time it is handed an ``s3://`` path (handing
-  it one is the opt-in; since Orbax otherwise refuses every ``s3://`` array
-  and fails to publish any ``s3://`` checkpoint, no working behaviour
-  changes). Calling it again does nothing;
-  `disable_orbax_s3` undoes it.
+  This changes process-wide Orbax functions, which pz_persist never does
+  behind a user's back: plain Orbax users call it themselves, once in every
+  process (on a cluster, each process builds its own specs); pz_persist
+  calls it the first time it is handed an ``s3://`` path (handing it one is
+  the opt-in; since Orbax otherwise refuses every ``s3://`` array and fails
+  to publish any ``s3://`` checkpoint by default, no working behaviour
+  changes).
+  Calling it again does nothing; `disable_orbax_s3` undoes it.
 
   Needs ``s3fs`` for the non-array files Orbax writes through ``etils.epath``:
   ``pip install 'pz-persist[s3]'``.
