@@ -309,3 +309,42 @@ def test_a_missing_extra_is_named():
   )
   assert out.split("\n").count("named gs save") == 1
   assert len([line for line in out.splitlines() if line.startswith("named")]) == 8, out
+
+
+def test_importing_and_local_or_gcs_use_register_nothing(gcs, tmp_path):
+  out = run_python(
+      f"""
+      import numpy as np
+      import pz_persist as pzp
+      from pz_persist.storage import s3_kvstore
+      assert not s3_kvstore.is_enabled()
+      pzp.save({str(tmp_path / "ck")!r}, {{"w": np.arange(3.0)}})
+      pzp.load({str(tmp_path / "ck")!r})
+      try:
+        pzp.inspect("gs://pz-test/absent")
+      except Exception:
+        pass
+      print("enabled", s3_kvstore.is_enabled())
+      """,
+      timeout=120,
+      env=gcs.env,
+  )
+  assert "enabled False" in out
+
+
+@pytest.mark.xfail(strict=False, reason="needs the lead's one-line call in commit.as_path")
+def test_pz_persist_registers_on_its_first_s3_path(s3):
+  url = f"{_url(s3)}/ck"
+  out = run_python(
+      f"""
+      import numpy as np
+      import pz_persist as pzp
+      from pz_persist.storage import s3_kvstore
+      pzp.save({url!r}, {{"w": np.arange(3.0)}})
+      print("enabled", s3_kvstore.is_enabled())
+      print(pzp.load({url!r})["w"].tolist())
+      """,
+      timeout=120,
+      env=s3.env,
+  )
+  assert "enabled True" in out and "[0.0, 1.0, 2.0]" in out
