@@ -48,7 +48,6 @@ from collections.abc import Callable
 from typing import Any
 
 from etils import epath
-from orbax.checkpoint._src.path import atomicity
 from orbax.checkpoint._src.path import atomicity_defaults
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
@@ -144,22 +143,6 @@ def enable_for(path: epath.PathLike) -> None:
   """
   if object_store.scheme(path) == "s3":
     enable_orbax_s3()
-
-
-def temporary_path_class_for(path: epath.PathLike) -> type[atomicity.TemporaryPathBase]:
-  """The Orbax temporary-path class a save at ``path`` should use.
-
-  `CommitFileTemporaryPath` (write in the final place, publish with
-  ``commit_success.txt``) on object stores, where a folder rename is a copy
-  of every object and not atomic; `AtomicRenameTemporaryPath` on local disks.
-  The same answer Orbax's defaults give once `enable_orbax_s3` ran; callers
-  that pass the class explicitly (``temporary_path_class=`` of a
-  checkpointer, a manager's step checks) do not depend on the registration
-  having run, nor on Orbax's defaults staying what they are.
-  """
-  if object_store.is_object_store(path):
-    return atomicity.CommitFileTemporaryPath
-  return atomicity.AtomicRenameTemporaryPath
 
 
 def s3_spec(url: str) -> dict[str, Any]:
