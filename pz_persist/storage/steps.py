@@ -22,6 +22,7 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
+from pz_persist.storage import object_store
 
 _step_paths = ocp.path.step
 
@@ -105,7 +106,10 @@ def list_steps(directory: epath.PathLike) -> list[StepInfo]:
     UnsafeCheckpointError: a file under ``directory`` is a link leading out
       of it, a FIFO or a device (see `containment.check_run_directory`).
     ManifestError: an Orbax metadata file is over its size limit.
+    UnsupportedStorageError: ``directory`` is on a storage other than a
+      local disk, ``gs://`` or ``s3://``.
   """
+  object_store.check_supported(directory)  # Not listed through fsspec first.
   directory = epath.Path(directory)
   containment.check_run_directory(directory)  # Before anything is read.
   steps = []
