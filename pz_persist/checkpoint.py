@@ -130,10 +130,10 @@ def save(
     # On any exception (Ctrl-C included), `writing` stops Orbax's background
     # work and deletes what this save wrote before the exception goes on.
     with leftovers.writing(target, cancel=handler.cancel, primary=primary):
-      with ocp.Checkpointer(
-          ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler}),
-          temporary_path_class=_temporary_path_class(path),
-      ) as checkpointer:
+      # Orbax's default way of writing it: locally a rename of its own
+      # temporary name; on an object store in place, with commit_success.txt
+      # (for s3:// once `commit.as_path` registered S3 with Orbax).
+      with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler})) as checkpointer:
         checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
       if primary:
         with leftovers.interrupts_deferred():  # The move is all or nothing.
@@ -162,19 +162,6 @@ def save(
 
 
 _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
-
-
-def _temporary_path_class(path: epath.Path) -> Any:
-  """Orbax's way of writing the checkpoint directory it is given.
-
-  Locally its default (a temporary name renamed at the end; the directory is
-  already pz_persist's own sibling name). On an object store, in place with
-  a ``commit_success.txt`` file, as Orbax writes on GCS: its rename would
-  copy every object, and pz_persist's commit object is what publishes it.
-  """
-  if commit.is_local(path):
-    return None
-  return ocp.path.atomicity.CommitFileTemporaryPath
 
 
 def _interrupted(path: epath.Path, seen: commit.Identity, outcome: int | None) -> str:

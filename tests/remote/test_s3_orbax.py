@@ -272,7 +272,6 @@ def test_the_docstring_example_runs(s3, registered):
   np.testing.assert_array_equal(scope["restored"]["w"], np.ones(3))
 
 
-@pytest.mark.xfail(strict=False, reason="needs the lead's object-store commit protocol")
 def test_pzp_save_and_load_on_s3(s3, registered):
   url = f"{_url(s3)}/ck"
   tree = {"w": pz.nx.wrap(jnp.arange(6.0).reshape(2, 3)).tag("a", "b"), "n": 3}
@@ -332,7 +331,6 @@ def test_importing_and_local_or_gcs_use_register_nothing(gcs, tmp_path):
   assert "enabled False" in out
 
 
-@pytest.mark.xfail(strict=False, reason="needs the lead's one-line call in commit.as_path")
 def test_pz_persist_registers_on_its_first_s3_path(s3):
   url = f"{_url(s3)}/ck"
   out = run_python(
