@@ -109,26 +109,31 @@ def save(
         f"{path} already exists; pass overwrite=True to replace it."
     )
   if seen is not None:
-    _check_replaceable(path)
+    _check_replaceable(path, seen)
   with allowlist.scoped_allowance(allow_modules):
     args = v0_handler.PenzaiSave(tree)  # Validates the whole tree now.
   # With several processes (jax.distributed), all write their shards of the
   # same checkpoint; only the primary process moves directories.
   primary = ocp.multihost.is_primary_host(0)
-  if primary:
+  if primary and commit.is_local(path):
     path.parent.mkdir(parents=True, exist_ok=True)
     leftovers.remove_dead(path)  # Of earlier saves of ``path`` that died.
   # Always written whole under a name of its own, never at ``path`` directly:
   # Orbax's temporary name (``path.orbax-checkpoint-tmp``) would be shared by
-  # two saves of ``path``, each deleting the other's files.
-  target = commit.sibling(path, "new", _shared_token())
+  # two saves of ``path``, each deleting the other's files. On an object
+  # store that name is a ``gen-*`` folder inside ``path``, published by a
+  # commit object instead of moved (`pz_persist.storage.object_commit`).
+  target = commit.new_location(path, _shared_token())
   handler = v0_handler.PenzaiCheckpointHandler()
   outcome, failure = None, None
   try:
     # On any exception (Ctrl-C included), `writing` stops Orbax's background
     # work and deletes what this save wrote before the exception goes on.
     with leftovers.writing(target, cancel=handler.cancel, primary=primary):
-      with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler})) as checkpointer:
+      with ocp.Checkpointer(
+          ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler}),
+          temporary_path_class=_temporary_path_class(path),
+      ) as checkpointer:
         checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
       if primary:
         with leftovers.interrupts_deferred():  # The move is all or nothing.
@@ -159,6 +164,19 @@ def save(
 _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
 
 
+def _temporary_path_class(path: epath.Path) -> Any:
+  """Orbax's way of writing the checkpoint directory it is given.
+
+  Locally its default (a temporary name renamed at the end; the directory is
+  already pz_persist's own sibling name). On an object store, in place with
+  a ``commit_success.txt`` file, as Orbax writes on GCS: its rename would
+  copy every object, and pz_persist's commit object is what publishes it.
+  """
+  if commit.is_local(path):
+    return None
+  return ocp.path.atomicity.CommitFileTemporaryPath
+
+
 def _interrupted(path: epath.Path, seen: commit.Identity, outcome: int | None) -> str:
   """The one line an interrupted `save` shows: what is at ``path`` now."""
   if outcome == _MOVED:
@@ -169,11 +187,15 @@ def _interrupted(path: epath.Path, seen: commit.Identity, outcome: int | None) -
 
 
 def _shared_token() -> str:
-  """A random name part, the same in every process."""
-  token = np.int64(uuid.uuid4().int % 2**62)
+  """16 random hex digits, the same in every process.
+
+  Two 32-bit halves: JAX's broadcast between processes carries 32-bit
+  integers unless x64 is on, which turned one 62-bit number negative.
+  """
+  halves = np.frombuffer(uuid.uuid4().bytes[:8], np.uint32).astype(np.int32)
   if jax.process_count() > 1:
-    token = ocp.multihost.broadcast_one_to_all(token)
-  return f"{int(token):016x}"
+    halves = np.asarray(ocp.multihost.broadcast_one_to_all(halves))
+  return "".join(f"{int(half) & 0xFFFFFFFF:08x}" for half in halves)
 
 
 def load(
@@ -269,8 +291,10 @@ def find_item(path: epath.PathLike) -> epath.Path:
   return opening.find_item(path)[0]
 
 
-def _check_replaceable(path: epath.Path) -> None:
+def _check_replaceable(path: epath.Path, seen: commit.Identity) -> None:
   """Refuses to replace anything but a pz_persist checkpoint or empty dir."""
+  if seen is not None and seen[0] == "commit":
+    return  # On an object store: a pz_persist checkpoint by its commit object.
   if not path.is_dir():
     raise errors.CheckpointExistsError(
         f"{path} exists and is not a directory; refusing to replace it."

@@ -83,6 +83,11 @@ def _shards(tensors: list[tuple[str, _Stored]], shard_size: int) -> list[list[tu
 
 
 def check_destination(folder: str, overwrite: bool) -> None:
+  if not commit.is_local(folder):
+    raise errors.ArgumentError(
+        f"{folder}: export_hf writes a local folder (serving tools and the Hub"
+        " upload read one); export to a local path, then copy it to the store."
+    )
   if os.path.islink(folder) or (os.path.exists(folder) and not os.path.isdir(folder)):
     raise errors.CheckpointExistsError(
         f"{folder} exists and is not a folder; choose another destination.")

@@ -1,4 +1,12 @@
-"""Directory moves that keep a checkpoint whole: replace, swap, clean up.
+"""Publishing a checkpoint whole: local directory moves, or an object store's commit.
+
+On an object store (``gs://``, ``s3://``) there is no rename; there the
+functions below hand over to `pz_persist.storage.object_commit`, whose
+checkpoints are published by one conditionally created commit object. Callers
+(`pz_persist.save`, `pz_persist.storage.opening`) use the same four calls
+(`identity`, `new_location`, `move_into_place`, `reading`) for both.
+
+Locally:
 
 A checkpoint directory must at every moment be either complete or absent,
 even when processes are killed or several save to one path at once. So every
@@ -22,6 +30,7 @@ import uuid
 from etils import epath
 
 from pz_persist.safety import safe_io
+from pz_persist.storage import object_commit
 from pz_persist.storage import object_store
 
 try:
@@ -68,7 +77,11 @@ def identity(path: epath.Path) -> Identity:
 
   Every save puts a new directory (a new inode, with its own timestamps) at
   the path, so inode and modification/change times tell one from the next.
+  On an object store, every save creates a new commit object, so its
+  sequence and generation do (`object_commit.identity`).
   """
+  if object_store.is_object_store(path):
+    return object_commit.identity(path)
   if not is_local(path):
     return ("exists",) if path.exists() else None
   try:
@@ -76,6 +89,18 @@ def identity(path: epath.Path) -> Identity:
   except FileNotFoundError:
     return None
   return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def new_location(path: epath.Path, token: str) -> epath.Path:
+  """Where a save of ``path`` writes its checkpoint before `move_into_place`.
+
+  Locally a hidden sibling (`sibling`), renamed into place; on an object
+  store a ``gen-<token>`` folder inside ``path``, never moved: publishing
+  names it (`object_commit`). ``token`` is shared by all writing processes.
+  """
+  if object_store.is_object_store(path):
+    return object_commit.new_generation(path, token)
+  return sibling(path, "new", token)
 
 
 def move_into_place(path: epath.Path, new: epath.Path, seen: Identity) -> bool:
@@ -94,7 +119,13 @@ def move_into_place(path: epath.Path, new: epath.Path, seen: Identity) -> bool:
   aside, and if the process dies between the two renames it survives under a
   ``.NAME.pz_persist-old-*`` name next to ``path``. The old one is deleted
   after the lock is released.
+
+  On an object store, ``new`` (from `new_location`) is published instead
+  (`object_commit.publish`), with the same outcome: True, or False with
+  ``new`` deleted when another save published first.
   """
+  if object_store.is_object_store(path):
+    return object_commit.publish(path, new, seen)
   with _parent_locked(path):
     if identity(path) != seen:
       moved, leftover = False, new

@@ -114,6 +114,7 @@ class ObjectInfo:
 def info(path: epath.PathLike) -> ObjectInfo | None:
   """`ObjectInfo` of the object at ``path``; None if there is none."""
   fs = filesystem(path)
+  fs.invalidate_cache(key(path))  # fsspec answers from old listings otherwise.
   try:
     raw = fs.info(key(path))
   except FileNotFoundError:
@@ -164,8 +165,8 @@ def read(path: epath.PathLike, limit: int) -> bytes:
     FileNotFoundError: no such object.
   """
   fs = filesystem(path)
-  with fs.open(key(path), "rb") as f:
-    return f.read(limit + 1)
+  fs.invalidate_cache(key(path))  # Not an old listing's size: one ranged GET.
+  return fs.cat_file(key(path), start=0, end=limit + 1)
 
 
 def names(directory: epath.PathLike, prefix: str = "") -> list[str]:

@@ -36,6 +36,8 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 from pz_persist.storage import containment
+from pz_persist.storage import object_commit
+from pz_persist.storage import object_store
 
 _T = TypeVar("_T")
 
@@ -60,6 +62,8 @@ class OpenItem:
       for `containment.files_unchanged` to compare the files read against.
     identity: `_identity` of ``path`` and ``item`` before the manifest was
       read, to tell whether a save replaced them since.
+    pinned: On an object store, the commit whose checkpoint is read (see
+      `pz_persist.storage.object_commit`); None elsewhere.
   """
 
   path: epath.Path
@@ -68,10 +72,11 @@ class OpenItem:
   digest: bytes
   snapshot: containment.Snapshot | None
   identity: tuple[Any, ...]
+  pinned: object_commit.Commit | None = None
 
   def unchanged(self) -> bool:
     """Whether ``path`` still holds the very checkpoint opened."""
-    return _same(self.path, self.item, self.identity, self.digest)
+    return _same(self.path, self.item, self.identity, self.digest, self.pinned)
 
 
 def read(
@@ -104,12 +109,14 @@ def read(
   path = commit.as_path(path)
   failure = None
   for _ in range(LOAD_ATTEMPTS):
-    item, digest = None, None
+    item, digest, pinned = None, None, None
     with commit.reading(path), _checkpoint_locked(path):
-      before = _identity(path, item)
+      before: tuple[Any, ...] = ()
       try:
-        item, snapshot = _find(path, item_directory)
-        before = _identity(path, item)
+        pinned = _pin(path, item_directory)
+        before = _identity(path, item, pinned)
+        item, snapshot = _find(path, item_directory, pinned)
+        before = _identity(path, item, pinned)
         if not _walked(snapshot, item):  # Replaced between the walk and now.
           continue
         try:
@@ -120,13 +127,15 @@ def read(
           result = damaged_manifest(item, e)
         else:
           digest = hashlib.sha256(data).digest()
-          result = use(OpenItem(path, item, manifest, digest, snapshot, before))
+          result = use(OpenItem(path, item, manifest, digest, snapshot, before, pinned))
       except Exception as e:  # pylint: disable=broad-exception-caught
-        if _same(path, item, before, digest):
+        if before and _same(path, item, before, digest, pinned):
           raise  # The checkpoint did not change: a real error.
+        if not before and pinned is None:
+          raise  # Nothing was read: a real error.
         failure = e
         continue
-      unchanged = _same(path, item, before, digest)
+      unchanged = _same(path, item, before, digest, pinned)
     if unchanged:
       return result
   raise errors.ConcurrentSaveError(
@@ -144,6 +153,8 @@ def _checkpoint_locked(path: epath.Path) -> Any:
   """Also holds the shared lock of the checkpoint holding ``path``, when
   ``path`` is an item inside one: a save swaps that checkpoint (``path``'s
   parent) under the lock of its own parent, not of ``path``'s."""
+  if not commit.is_local(path):
+    return contextlib.nullcontext()  # No locks there (and no request spent).
   checkpoint = path.parent
   if (checkpoint / ORBAX_CHECKPOINT_METADATA).exists():
     return commit.reading(checkpoint)
@@ -167,12 +178,27 @@ def _walked(snapshot: containment.Snapshot | None, item: epath.Path) -> bool:
   return same_root and (st.st_dev, st.st_ino) == snapshot[1:3]
 
 
-def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
+def _pin(path: epath.Path, item_directory: bool) -> object_commit.Commit | None:
+  """On an object store, the current commit of the checkpoint at ``path``,
+  whose ``gen-*`` folder is then read (None: no commit there, e.g. an Orbax
+  step, or a local path)."""
+  if item_directory or not object_store.is_object_store(path):
+    return None
+  return object_commit.current(path)
+
+
+def _identity(
+    path: epath.Path, item: epath.Path | None,
+    pinned: object_commit.Commit | None = None,
+) -> tuple[Any, ...]:
   """Which checkpoint is at ``path`` (and its ``item``, once found) now.
 
   A save replacing it puts new directories there, with new inodes and times,
-  and a new manifest file (see `_manifest_identity`).
+  and a new manifest file (see `_manifest_identity`). A ``pinned`` commit's
+  folder never changes once published: only the commit object is watched.
   """
+  if pinned is not None:
+    return ("pinned", pinned.sequence, pinned.generation)
   if item is None:
     return (commit.identity(path),)
   return (
@@ -196,10 +222,17 @@ def _manifest_identity(item: epath.Path) -> tuple[int, ...] | None:
 
 def _same(
     path: epath.Path, item: epath.Path | None, before: tuple[Any, ...],
-    digest: bytes | None,
+    digest: bytes | None, pinned: object_commit.Commit | None = None,
 ) -> bool:
   """Whether ``path`` still holds what was seen as ``before`` (and, remotely,
-  where nothing else tells files apart, a manifest hashing to ``digest``)."""
+  where nothing else tells files apart, a manifest hashing to ``digest``).
+
+  For a ``pinned`` commit: whether its commit object still exists unchanged,
+  so its folder was not retired while it was read (`Commit.still_current`);
+  a newer commit published meanwhile does not make the read a mix.
+  """
+  if pinned is not None:
+    return pinned.still_current()
   if _identity(path, item) != before:
     return False
   if item is None or digest is None or commit.is_local(item):
@@ -217,12 +250,13 @@ def _manifest_digest(item: epath.Path) -> bytes | None:
 
 
 def _find(
-    path: epath.Path, item_directory: bool
+    path: epath.Path, item_directory: bool, pinned: object_commit.Commit | None
 ) -> tuple[epath.Path, containment.Snapshot | None]:
-  """The item at ``path``, its files checked, and what the check saw of it."""
+  """The item at ``path`` (in the folder ``pinned`` names, if any), its
+  files checked, and what the check saw of it."""
   if item_directory:
     return path, check_item_contained(path)
-  return find_item(path)
+  return _find_item(path if pinned is None else pinned.checkpoint)
 
 
 def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | None]:
@@ -231,11 +265,20 @@ def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | 
   Every file of the checkpoint is checked (`containment.check_contained`) once;
   returns the item and the `containment.Snapshot` of it.
 
+  On an object store, the item is looked for in the folder the current
+  commit names (`object_commit.resolve`).
+
   Raises:
     NotACheckpointError: no item, or several (the message lists them).
     UnsafeCheckpointError: a file reaches outside the checkpoint.
   """
   path = commit.as_path(path)
+  if object_store.is_object_store(path):
+    path = object_commit.resolve(path)
+  return _find_item(path)
+
+
+def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | None]:
   if not path.is_dir():
     raise errors.NotACheckpointError(
         f"{path} is not a pz_persist checkpoint: "

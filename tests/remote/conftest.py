@@ -3,10 +3,13 @@
 ``store`` is parametrized over ``gs`` and ``s3``; ``remote`` gives each test
 a fresh, unique prefix on it (``gs://pz-test/<random>``). A server that
 cannot start skips its tests with the reason; everything else is a failure.
+Servers stop when the test process exits. ``tests/hostile/conftest.py``
+imports these fixtures for the hostile remote tests.
 """
 
 from __future__ import annotations
 
+import atexit
 import uuid
 
 import pytest
@@ -22,16 +25,13 @@ def _emulator(scheme: str) -> emulators.Emulator:
     except Exception as e:  # pylint: disable=broad-exception-caught
       _started[scheme] = f"the {scheme} emulator did not start: {type(e).__name__}: {e}"
   found = _started[scheme]
+  if isinstance(found, emulators.Emulator) and not getattr(found, "_atexit", False):
+    atexit.register(found.stop)  # Also when only tests/hostile imported us.
+    found._atexit = True  # pylint: disable=protected-access
   if isinstance(found, str):
     pytest.skip(found)
   emulators.apply_env(found.env)
   return found
-
-
-def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
-  for found in _started.values():
-    if not isinstance(found, str):
-      found.stop()
 
 
 @pytest.fixture(params=["gs", "s3"])

@@ -1,0 +1,267 @@
+"""The commit protocol on object stores: a checkpoint is published by one object.
+
+Why not the local protocol: it writes a checkpoint under a hidden name and
+renames it into place, but an object store has no rename: gcsfs and s3fs
+"rename" a folder by copying and deleting each object, so two saves mix,
+nest, and cost twice the requests, and a reader sees a checkpoint appear file
+by file. What stores do have is the conditional create (GCS
+``ifGenerationMatch=0``, S3 ``If-None-Match: *``): of several writers
+creating one name, exactly one succeeds. So a checkpoint at ``P`` is::
+
+  P/gen-<token>/                        a whole Orbax checkpoint, written in
+                                        place (never moved): _CHECKPOINT_METADATA,
+                                        the penzai/ item, its arrays
+  P/pz_persist.commit.<sequence>        tiny JSON naming the gen-* folder
+                                        that is the checkpoint; the highest
+                                        sequence is the current one
+
+A save writes its own ``gen-<token>`` folder completely, then *publishes* it
+by creating the commit object one above the sequence it saw when it started
+(1 for a first save), only if that name is still free. Two racing saves of
+one sequence: one creates it and wins; the other gets `False`
+(``ConcurrentSaveError``) and deletes its folder. The winner then retires
+what it replaced: first the old commit object, then the old folder, so
+a folder is only ever deleted once no commit names it.
+
+A reader lists the commit objects (one request), reads the highest and reads
+the folder it names, then checks that this commit object still exists with
+the same generation (GCS) / ETag (S3). If it does, the folder was not
+retired during the read (retiring starts by deleting the commit object), and
+since a gen-* folder never changes once published, what was read is that one
+checkpoint, whole. If not, the read is done again on the new current commit
+(`pz_persist.storage.opening` does that for every reader).
+
+Plain Orbax restores the arrays at the folder the current commit names:
+``ocp.StandardCheckpointer().restore(P + "/gen-<token>/penzai")``.
+
+What it costs over plain Orbax's save of the same tree: one listing, one
+small create, and on overwrite two deletes of the replaced checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from etils import epath
+
+from pz_persist import errors
+from pz_persist.safety import bounded_json
+from pz_persist.storage import object_store
+
+COMMIT_PREFIX = "pz_persist.commit."
+"""Name prefix of commit objects; the rest is the sequence, 20 digits."""
+
+GENERATION_PREFIX = "gen-"
+"""Name prefix of the folders that hold one checkpoint each."""
+
+MAX_COMMIT_BYTES = 4096
+"""Larger commit objects are refused before parsing (pz_persist writes ~70 B)."""
+
+_COMMIT_NAME = re.compile(re.escape(COMMIT_PREFIX) + r"(\d{20})")
+_GENERATION_NAME = re.compile(re.escape(GENERATION_PREFIX) + r"[0-9a-f]{16}")
+_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+  """The commit object that makes a checkpoint current.
+
+  Attributes:
+    path: The checkpoint path (``gs://bucket/ckpt``).
+    sequence: Its sequence number (1 for a first save).
+    generation: The store's generation / ETag of the commit object, which
+      changes if it is ever deleted and written again.
+    checkpoint: The ``gen-*`` folder it names: the Orbax checkpoint.
+  """
+
+  path: epath.Path
+  sequence: int
+  generation: str
+  checkpoint: epath.Path
+
+  @property
+  def object(self) -> epath.Path:
+    return self.path / commit_name(self.sequence)
+
+  def still_current(self) -> bool:
+    """Whether this commit object still exists, unchanged: then its folder
+    has not started being retired (see the module docstring)."""
+    found = object_store.info(self.object)
+    return found is not None and found.generation == self.generation
+
+
+def commit_name(sequence: int) -> str:
+  return f"{COMMIT_PREFIX}{sequence:020d}"
+
+
+def new_generation(path: epath.Path, token: str) -> epath.Path:
+  """Where a save writes its checkpoint before publishing it.
+
+  ``token`` (16 hex digits) is shared by all processes writing it.
+  """
+  return path / f"{GENERATION_PREFIX}{token}"
+
+
+def _sequences(path: epath.Path, listing: list[str] | None = None) -> list[int]:
+  """The sequences of the commit objects at ``path``, in one listing (or
+  from ``listing``, the names at ``path``, when the caller has it)."""
+  found = []
+  if listing is None:
+    listing = object_store.names(path, COMMIT_PREFIX)
+  for name in listing:
+    match = _COMMIT_NAME.fullmatch(name)
+    if match:
+      found.append(int(match.group(1)))
+  return sorted(found)
+
+
+def current(path: epath.PathLike, listing: list[str] | None = None) -> Commit | None:
+  """The current commit of the checkpoint at ``path``; None if it has none.
+
+  ``listing``: the names at ``path``, if the caller has just listed them.
+
+  Raises:
+    ManifestError: the current commit object is not one pz_persist wrote
+      (too large, not JSON, or naming something other than a ``gen-*``
+      folder directly inside ``path``).
+  """
+  path = epath.Path(path)
+  for _ in range(8):  # A commit retired between the listing and its read.
+    sequences, listing = _sequences(path, listing), None
+    if not sequences:
+      return None
+    sequence = sequences[-1]
+    found = _read_commit(path, sequence)
+    if found is not None:
+      return found
+  raise errors.ConcurrentSaveError(
+      f"{path}: its commit objects kept being replaced while being read; try again."
+  )
+
+
+def _read_commit(path: epath.Path, sequence: int) -> Commit | None:
+  """The commit object of ``sequence``; None if it vanished meanwhile."""
+  where = path / commit_name(sequence)
+  found = object_store.info(where)
+  if found is None:
+    return None
+  try:
+    data = object_store.read(where, MAX_COMMIT_BYTES)
+  except FileNotFoundError:
+    return None
+  if len(data) > MAX_COMMIT_BYTES:
+    raise errors.ManifestError(
+        f"{where}: a commit object of over {MAX_COMMIT_BYTES} bytes is not one"
+        " pz_persist wrote; the checkpoint is damaged."
+    )
+  parsed = bounded_json.loads(data, where=str(where), max_nodes=16, max_depth=2)
+  name = parsed.get("checkpoint") if isinstance(parsed, dict) else None
+  if (
+      not isinstance(parsed, dict)
+      or parsed.get("pz_persist_commit") != _FORMAT
+      or not isinstance(name, str)
+      or not _GENERATION_NAME.fullmatch(name)
+  ):
+    raise errors.ManifestError(
+        f"{where}: not a pz_persist commit object (expected"
+        f' {{"pz_persist_commit": {_FORMAT}, "checkpoint": "gen-<16 hex digits>"}});'
+        " the checkpoint is damaged. Its gen-* folders still hold Orbax"
+        " checkpoints; load one by its path."
+    )
+  return Commit(path, sequence, found.generation, path / name)
+
+
+def resolve(path: epath.PathLike) -> epath.Path:
+  """The folder to read the checkpoint at ``path`` from: the one its current
+  commit names, or ``path`` itself if it has no commit (a step of a
+  ``CheckpointManager``, an item directory, or a checkpoint written before
+  this protocol)."""
+  found = current(path)
+  return epath.Path(path) if found is None else found.checkpoint
+
+
+Identity = tuple | None
+"""What `identity` says: ``("commit", sequence, generation)``, ``("exists",)``
+for other files and no commit, or None for nothing (or only orphans)."""
+
+
+def identity(path: epath.PathLike) -> Identity:
+  """What is at ``path`` now, in the terms `publish` needs (one listing,
+  plus one read when there is a commit)."""
+  path = epath.Path(path)
+  listing = object_store.names(path)
+  found = current(path, listing)
+  if found is not None:
+    return ("commit", found.sequence, found.generation)
+  return ("exists",) if _others(listing) else None
+
+
+def _others(listing: list[str]) -> list[str]:
+  return [
+      name for name in listing
+      if not (_COMMIT_NAME.fullmatch(name) or _GENERATION_NAME.fullmatch(name))
+  ]
+
+
+def publish(path: epath.Path, checkpoint: epath.Path, seen: Identity) -> bool:
+  """Makes the complete ``checkpoint`` current, if ``path`` is still ``seen``.
+
+  ``seen`` is `identity` of ``path`` when the save started. Creates the
+  commit object one above it (the first one if it had none), only if no
+  object has that name: if another save published since, it has taken that
+  name, and False is returned (``checkpoint`` is then deleted: the other
+  save won, and its checkpoint is untouched). On success what ``seen`` and
+  older commits named is retired, and so is a checkpoint ``seen`` found
+  written there before this protocol (``("exists",)``), which only
+  ``overwrite=True`` lets a save replace.
+  """
+  sequence = seen[1] + 1 if seen is not None and seen[0] == "commit" else 1
+  record = json.dumps({"pz_persist_commit": _FORMAT, "checkpoint": checkpoint.name})
+  if not object_store.create_if_absent(path / commit_name(sequence), record.encode()):
+    object_store.remove(checkpoint)
+    return False
+  retire_older(path, sequence)
+  if seen == ("exists",):
+    for name in _others(object_store.names(path)):
+      object_store.remove(path / name)
+  return True
+
+
+def retire_older(path: epath.Path, newest: int) -> None:
+  """Deletes the commits below ``newest`` and the folders they name.
+
+  Each commit object goes before its folder, so a reader holding it learns
+  that its folder may be incomplete (`Commit.still_current`). Another save
+  retiring the same ones at once is harmless: deleting is idempotent.
+  """
+  for sequence in _sequences(path):
+    if sequence >= newest:
+      break
+    try:
+      old = _read_commit(path, sequence)
+    except errors.PzPersistError:
+      old = None  # Damaged: its commit object still goes.
+    object_store.remove(path / commit_name(sequence))
+    if old is not None:
+      object_store.remove(old.checkpoint)
+
+
+def orphans(path: epath.PathLike) -> list[epath.Path]:
+  """The ``gen-*`` folders at ``path`` that no current commit names.
+
+  They are what saves killed before publishing (or still writing!) left.
+  Nothing proves their writer is gone (no locks or pids on an object store),
+  so only ``pz-persist clean --force`` deletes them.
+  """
+  path = epath.Path(path)
+  found = current(path)
+  keep = None if found is None else found.checkpoint.name
+  return [
+      path / name
+      for name in object_store.names(path, GENERATION_PREFIX)
+      if _GENERATION_NAME.fullmatch(name) and name != keep
+  ]
+
+
