@@ -45,7 +45,6 @@ import atexit
 import contextlib
 import dataclasses
 import errno
-import importlib
 import json
 import os
 import re
@@ -63,6 +62,7 @@ from pz_persist import errors
 from pz_persist.safety import safe_io
 from pz_persist.safety import terminal
 from pz_persist.storage import commit
+from pz_persist.storage import object_commit
 from pz_persist.storage import object_store
 from pz_persist.storage import steps
 
@@ -337,10 +337,6 @@ _REMOTE_STEP_REASON = (
 def _orphans(path: epath.Path) -> list[Leftover]:
   """The generation folders of the remote checkpoint ``path`` that no commit
   names (`object_commit.orphans`), each with its size (one listing each)."""
-  try:  # Imported here: the commit protocol's module may use this one.
-    object_commit = importlib.import_module("pz_persist.storage.object_commit")
-  except ImportError:  # MERGE: a plain import once object_commit has landed.
-    return []
   return [
       Leftover(name=orphan, entries=(orphan,), nbytes=_remote_size(orphan),
                status="unknown", reason=_ORPHAN_REASON)

@@ -16,19 +16,9 @@ import uuid
 import gcsfs
 import jax.numpy as jnp
 import pytest
-from remote import conftest as remote_conftest
-from remote.conftest import gcs  # noqa: F401  # pylint: disable=unused-import  # A fixture.
 
 import pz_persist as pzp
 from pz_persist.storage import steps
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _stop_emulators_at_exit(request):
-  """Stops the emulators when only tests/hostile runs (tests/remote's
-  conftest, which stops them otherwise, is then not loaded); stopping twice
-  is harmless."""
-  request.config.add_cleanup(lambda: remote_conftest.pytest_sessionfinish(None, 0))
 
 
 class _Killed(Exception):
@@ -51,7 +41,7 @@ def _cut_after(monkeypatch, cut: int) -> list[str]:
   return deleted
 
 
-def test_a_step_cut_anywhere_in_its_deletion_is_never_listed_half(gcs, monkeypatch):  # noqa: F811
+def test_a_step_cut_anywhere_in_its_deletion_is_never_listed_half(gcs, monkeypatch):
   run = f"{gcs.root()}/{uuid.uuid4().hex[:12]}/run"
   # "batch_stats" lists before Orbax's commit marker: deleting in listing
   # order (as Orbax does) would take its files while the step still looks

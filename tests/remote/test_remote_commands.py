@@ -11,6 +11,7 @@ import pytest
 import pz_persist as pzp
 from pz_persist.storage import file_digests
 from pz_persist.storage import leftovers
+from pz_persist.storage import object_commit
 from pz_persist.storage import object_store
 from pz_persist.storage import steps
 from pz_persist.tools import cli
@@ -88,7 +89,6 @@ def test_clean_removes_uncommitted_steps_only_with_force(remote, capsys):
 
 
 def test_clean_lists_orphan_generations_and_removes_them_only_with_force(writable, capsys):
-  object_commit = pytest.importorskip("pz_persist.storage.object_commit")
   path = f"{writable}/ck"
   pzp.save(path, _tree())
   orphan = f"{path}/gen-{'0' * 16}"  # As a killed save leaves it: no commit names it.
