@@ -27,7 +27,7 @@ def _run(capsys, *argv):
 def writable(remote, store) -> str:
   """``remote``, on a store Orbax can write arrays to."""
   if store.scheme == "s3":  # Orbax writes S3 arrays once helper s3's kvstore spec lands.
-    pytest.importorskip("pz_persist.storage.s3_kvstore")
+    pytest.importorskip("pz_persist.storage.s3_kvstore").enable_orbax_s3()
   return remote
 
 
