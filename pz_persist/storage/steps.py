@@ -142,7 +142,10 @@ def list_steps(directory: epath.PathLike) -> list[StepInfo]:
     UnsafeCheckpointError: a file under ``directory`` is a link leading out
       of it, a FIFO or a device (see `containment.check_run_directory`).
     ManifestError: an Orbax metadata file is over its size limit.
+    UnsupportedStorageError: ``directory`` is on a storage other than a
+      local disk, ``gs://`` or ``s3://``.
   """
+  object_store.check_supported(directory)  # Not listed through fsspec first.
   directory = epath.Path(directory)
   if object_store.is_object_store(directory):
     return _remote_steps(directory)

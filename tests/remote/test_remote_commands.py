@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import textwrap
 
 import jax.numpy as jnp
+import model_zoo
 import pytest
 
 import pz_persist as pzp
@@ -192,3 +194,21 @@ def test_convert_to_a_remote_destination(writable, tmp_path, capsys):
   assert code == 2 and f"{dst} exists; pass --overwrite" in err
   assert _run(capsys, "convert", "hf", src, dst, "--quiet", "--overwrite")[0] == 0
   assert type(pzp.load_model(dst)) is type(model)
+
+
+def test_migrate_to_a_remote_destination(writable, tmp_path, capsys, monkeypatch):
+  import test_migrate  # pylint: disable=import-outside-toplevel
+
+  saved = model_zoo.mlp()
+  src = tmp_path / "plain"
+  test_migrate._save_plain(src, test_migrate._params(saved))  # pylint: disable=protected-access
+  (tmp_path / "remote_migrate_models.py").write_text(textwrap.dedent(test_migrate._BUILDER))  # pylint: disable=protected-access
+  monkeypatch.chdir(tmp_path)
+  dst = f"{writable}/native"
+  argv = ["migrate", str(src), dst, "--model", "remote_migrate_models:build"]
+  code, out, err = _run(capsys, *argv)
+  assert code == 0, err
+  assert f"wrote {dst}" in out
+  test_migrate._assert_params(pzp.load_model(dst), test_migrate._params(saved))  # pylint: disable=protected-access
+  code, _, err = _run(capsys, *argv)
+  assert code == 2 and f"{dst} already exists" in err
