@@ -354,7 +354,7 @@ def _remote_inside(directory: epath.Path) -> list[Leftover]:
   found += [
       Leftover(name=step.path, entries=(step.path,), nbytes=step.nbytes,
                status="orbax tmp step", reason=_REMOTE_STEP_REASON)
-      for step in steps.list_steps(directory) if not step.committed
+      for step in steps.list_steps(directory, commit_times=False) if not step.committed
   ]
   return found
 

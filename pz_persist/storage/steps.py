@@ -135,8 +135,13 @@ def _commit_time(path: epath.Path) -> int | None:
   return value if isinstance(value, int) else None
 
 
-def list_steps(directory: epath.PathLike) -> list[StepInfo]:
+def list_steps(directory: epath.PathLike, *, commit_times: bool = True) -> list[StepInfo]:
   """The steps in ``directory``, oldest first.
+
+  Args:
+    directory: The run directory.
+    commit_times: Read each step's commit time from its metadata (one small
+      read per step; False leaves `StepInfo.commit_time_ns` None).
 
   Raises:
     UnsafeCheckpointError: a file under ``directory`` is a link leading out
@@ -148,7 +153,7 @@ def list_steps(directory: epath.PathLike) -> list[StepInfo]:
   object_store.check_supported(directory)  # Not listed through fsspec first.
   directory = epath.Path(directory)
   if object_store.is_object_store(directory):
-    return _remote_steps(directory)
+    return _remote_steps(directory, commit_times)
   containment.check_run_directory(directory)  # Before anything is read.
   steps = []
   for child in directory.iterdir():
@@ -167,7 +172,7 @@ def list_steps(directory: epath.PathLike) -> list[StepInfo]:
                 name for name in items if manifest_lib.has_manifest(child / name)
             ),
             nbytes=_disk_bytes(child),
-            commit_time_ns=_commit_time(child),
+            commit_time_ns=_commit_time(child) if commit_times else None,
         )
     )
   return sorted(steps, key=lambda s: (s.step, not s.committed))
@@ -183,7 +188,7 @@ class _Listed:
   penzai_items: set[str] = dataclasses.field(default_factory=set)
 
 
-def _remote_steps(directory: epath.Path) -> list[StepInfo]:
+def _remote_steps(directory: epath.Path, commit_times: bool) -> list[StepInfo]:
   """`list_steps` of a run on an object store, from one listing of it."""
   listed: dict[str, _Listed] = {}
   for rel, info in object_store.tree(directory).items():
@@ -208,11 +213,11 @@ def _remote_steps(directory: epath.Path) -> list[StepInfo]:
     number, committed = parsed
     if by_marker:
       committed = committed and COMMIT_MARKER in step.files
+    timed = commit_times and _METADATA in step.files
     steps.append(StepInfo(
         step=number, path=directory / name, committed=committed,
         items=tuple(sorted(step.items)), penzai_items=tuple(sorted(step.penzai_items)),
-        nbytes=step.nbytes,
-        commit_time_ns=_commit_time(directory / name) if _METADATA in step.files else None,
+        nbytes=step.nbytes, commit_time_ns=_commit_time(directory / name) if timed else None,
     ))
   return sorted(steps, key=lambda s: (s.step, not s.committed))
 
