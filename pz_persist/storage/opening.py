@@ -16,7 +16,10 @@ could mix the old manifest with new arrays, or fail on files of the old one as
 it is deleted. On a local disk the read holds a shared lock that a save's
 final move waits for; elsewhere (or when the item directory itself was given)
 such a read is detected (what is at the path changed while it was read) and
-done again from the start, at most `LOAD_ATTEMPTS` times.
+done again from the start, at most `LOAD_ATTEMPTS` times. On an object store
+the read pins the current commit and reads the folder it names, which never
+changes once published; it is read again only if that commit was retired
+meanwhile (`pz_persist.storage.object_commit`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ _T = TypeVar("_T")
 
 LOAD_ATTEMPTS = 3
 """How many times a checkpoint that other saves keep replacing is read."""
+
+OBJECT_STORE_LOAD_ATTEMPTS = 10
+"""The same on an object store, where no lock makes a save's publishing wait
+for readers: an attempt is only lost when the commit it read was retired
+during it (an overwrite published *and* deleted it), so only overwrites
+following each other faster than one read could exhaust these."""
 
 ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 """The file Orbax writes at the top of every checkpoint (beside its items)."""
@@ -104,11 +113,12 @@ def read(
 
   Raises:
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `LOAD_ATTEMPTS` attempts.
+      `LOAD_ATTEMPTS` attempts (`OBJECT_STORE_LOAD_ATTEMPTS` on gs:// / s3://).
   """
   path = commit.as_path(path)
   failure = None
-  for _ in range(LOAD_ATTEMPTS):
+  attempts = OBJECT_STORE_LOAD_ATTEMPTS if object_store.is_object_store(path) else LOAD_ATTEMPTS
+  for _ in range(attempts):
     item, digest, pinned = None, None, None
     with commit.reading(path), _checkpoint_locked(path):
       before: tuple[Any, ...] = ()
@@ -139,7 +149,7 @@ def read(
     if unchanged:
       return result
   raise errors.ConcurrentSaveError(
-      f"{path} was replaced by other saves while each of {LOAD_ATTEMPTS}"
+      f"{path} was replaced by other saves while each of {attempts}"
       " attempts to load it was reading it; try again."
   ) from failure
 
