@@ -183,7 +183,7 @@ def resolve(path: epath.PathLike) -> epath.Path:
 
 
 Identity = tuple | None
-"""What `identity` says: ``("commit", sequence, generation)``, ``("exists",)``
+"""What `identity` says: ``("commit", sequence, generation, folder name)``, ``("exists",)``
 for other files and no commit, or None for nothing (or only orphans)."""
 
 
@@ -194,7 +194,7 @@ def identity(path: epath.PathLike) -> Identity:
   listing = object_store.names(path)
   found = current(path, listing)
   if found is not None:
-    return ("commit", found.sequence, found.generation)
+    return ("commit", found.sequence, found.generation, found.checkpoint.name)
   return ("exists",) if _others(listing) else None
 
 
@@ -217,35 +217,43 @@ def publish(path: epath.Path, checkpoint: epath.Path, seen: Identity) -> bool:
   written there before this protocol (``("exists",)``), which only
   ``overwrite=True`` lets a save replace.
   """
-  sequence = seen[1] + 1 if seen is not None and seen[0] == "commit" else 1
+  replaced = seen if seen is not None and seen[0] == "commit" else None
+  sequence = replaced[1] + 1 if replaced else 1
   record = json.dumps({"pz_persist_commit": _FORMAT, "checkpoint": checkpoint.name})
   if not object_store.create_if_absent(path / commit_name(sequence), record.encode()):
     object_store.remove(checkpoint)
     return False
-  retire_older(path, sequence)
+  if sequence > 1:  # Commit 1 created: there is nothing older to retire.
+    retire_older(path, sequence, known={replaced[1]: replaced[3]} if replaced else {})
   if seen == ("exists",):
     for name in _others(object_store.names(path)):
       object_store.remove(path / name)
   return True
 
 
-def retire_older(path: epath.Path, newest: int) -> None:
+def retire_older(path: epath.Path, newest: int, known: dict[int, str] | None = None) -> None:
   """Deletes the commits below ``newest`` and the folders they name.
 
   Each commit object goes before its folder, so a reader holding it learns
   that its folder may be incomplete (`Commit.still_current`). Another save
   retiring the same ones at once is harmless: deleting is idempotent.
+  ``known`` maps sequences to the folder names their commits were read to
+  name (by the save's `identity`), which are then not read again.
   """
+  known = known or {}
   for sequence in _sequences(path):
     if sequence >= newest:
       break
-    try:
-      old = _read_commit(path, sequence)
-    except errors.PzPersistError:
-      old = None  # Damaged: its commit object still goes.
+    name = known.get(sequence)
+    if name is None:
+      try:
+        old = _read_commit(path, sequence)
+      except errors.PzPersistError:
+        old = None  # Damaged: its commit object still goes.
+      name = None if old is None else old.checkpoint.name
     object_store.remove(path / commit_name(sequence))
-    if old is not None:
-      object_store.remove(old.checkpoint)
+    if name is not None:
+      object_store.remove(path / name)
 
 
 def orphans(path: epath.PathLike) -> list[epath.Path]:
