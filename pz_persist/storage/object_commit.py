@@ -19,9 +19,13 @@ A save writes its own ``gen-<token>`` folder completely, then *publishes* it
 by creating the commit object one above the sequence it saw when it started
 (1 for a first save), only if that name is still free. Two racing saves of
 one sequence: one creates it and wins; the other gets `False`
-(``ConcurrentSaveError``) and deletes its folder. The winner then retires
-what it replaced: first the old commit object, then the old folder, so
-a folder is only ever deleted once no commit names it.
+(``ConcurrentSaveError``) and deletes its folder. The winner lists the
+commits once more: a name is free again once its commit was retired, so a
+save whose view was stale (others saved and overwrote since) can create one
+below the current commit; finding a higher one, it undoes its commit and
+loses too. Otherwise it retires what it replaced: first the old commit
+object, then the old folder, so a folder is only ever deleted once no commit
+names it.
 
 A reader lists the commit objects (one request), reads the highest and reads
 the folder it names, then checks that this commit object still exists with
@@ -34,8 +38,9 @@ checkpoint, whole. If not, the read is done again on the new current commit
 Plain Orbax restores the arrays at the folder the current commit names:
 ``ocp.StandardCheckpointer().restore(P + "/gen-<token>/penzai")``.
 
-What it costs over plain Orbax's save of the same tree: one listing, one
-small create, and on overwrite two deletes of the replaced checkpoint.
+What it costs over plain Orbax's save of the same tree: two listings and one
+small create, and on overwrite a read of the current commit and the deletes
+of the replaced checkpoint.
 """
 
 from __future__ import annotations
@@ -223,25 +228,38 @@ def publish(path: epath.Path, checkpoint: epath.Path, seen: Identity) -> bool:
   if not object_store.create_if_absent(path / commit_name(sequence), record.encode()):
     object_store.remove(checkpoint)
     return False
-  if sequence > 1:  # Commit 1 created: there is nothing older to retire.
-    retire_older(path, sequence, known={replaced[1]: replaced[3]} if replaced else {})
+  # A name is free again once its commit was retired: with ``seen`` stale
+  # (others saved and overwrote since), the create above succeeds below the
+  # current commit. A higher commit means this save was overtaken: undone as
+  # a retirement is (commit object, then folder), and lost.
+  sequences = _sequences(path)
+  if sequences and sequences[-1] > sequence:
+    object_store.remove(path / commit_name(sequence))
+    object_store.remove(checkpoint)
+    return False
+  retire_older(path, sequence, known={replaced[1]: replaced[3]} if replaced else {},
+               sequences=sequences)
   if seen == ("exists",):
     for name in _others(object_store.names(path)):
       object_store.remove(path / name)
   return True
 
 
-def retire_older(path: epath.Path, newest: int, known: dict[int, str] | None = None) -> None:
+def retire_older(
+    path: epath.Path, newest: int, known: dict[int, str] | None = None,
+    sequences: list[int] | None = None,
+) -> None:
   """Deletes the commits below ``newest`` and the folders they name.
 
   Each commit object goes before its folder, so a reader holding it learns
   that its folder may be incomplete (`Commit.still_current`). Another save
   retiring the same ones at once is harmless: deleting is idempotent.
   ``known`` maps sequences to the folder names their commits were read to
-  name (by the save's `identity`), which are then not read again.
+  name (by the save's `identity`), which are then not read again;
+  ``sequences``, the commits just listed, saves listing them again.
   """
   known = known or {}
-  for sequence in _sequences(path):
+  for sequence in _sequences(path) if sequences is None else sequences:
     if sequence >= newest:
       break
     name = known.get(sequence)
