@@ -47,6 +47,8 @@ from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.safety.allowlist import allow_modules
 from pz_persist.safety.limits import limits
 from pz_persist.storage.host_memory import tune_host_allocator
+from pz_persist.storage.s3_kvstore import disable_orbax_s3
+from pz_persist.storage.s3_kvstore import enable_orbax_s3
 from pz_persist.storage.sharding import AxisRules
 from pz_persist.tools.diffing import diff
 from pz_persist.tools.migrating import migrate
@@ -74,6 +76,8 @@ __all__ = [
     "allow_modules",
     "assign_variables",
     "diff",
+    "disable_orbax_s3",
+    "enable_orbax_s3",
     "errors",
     "export_hf",
     "export_safetensors",

@@ -108,8 +108,8 @@ def save(
     raise errors.CheckpointExistsError(
         f"{path} already exists; pass overwrite=True to replace it."
     )
-  if seen is not None:
-    _check_replaceable(path, seen)
+  if seen is not None and seen[0] != "commit":  # A commit: pz_persist's own.
+    _check_replaceable(path)
   with allowlist.scoped_allowance(allow_modules):
     args = v0_handler.PenzaiSave(tree)  # Validates the whole tree now.
   # With several processes (jax.distributed), all write their shards of the
@@ -130,10 +130,10 @@ def save(
     # On any exception (Ctrl-C included), `writing` stops Orbax's background
     # work and deletes what this save wrote before the exception goes on.
     with leftovers.writing(target, cancel=handler.cancel, primary=primary):
-      with ocp.Checkpointer(
-          ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler}),
-          temporary_path_class=_temporary_path_class(path),
-      ) as checkpointer:
+      # Orbax's default way of writing it: locally a rename of its own
+      # temporary name; on an object store in place, with commit_success.txt
+      # (for s3:// once `commit.as_path` registered S3 with Orbax).
+      with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler})) as checkpointer:
         checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
       if primary:
         with leftovers.interrupts_deferred():  # The move is all or nothing.
@@ -162,19 +162,6 @@ def save(
 
 
 _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
-
-
-def _temporary_path_class(path: epath.Path) -> Any:
-  """Orbax's way of writing the checkpoint directory it is given.
-
-  Locally its default (a temporary name renamed at the end; the directory is
-  already pz_persist's own sibling name). On an object store, in place with
-  a ``commit_success.txt`` file, as Orbax writes on GCS: its rename would
-  copy every object, and pz_persist's commit object is what publishes it.
-  """
-  if commit.is_local(path):
-    return None
-  return ocp.path.atomicity.CommitFileTemporaryPath
 
 
 def _interrupted(path: epath.Path, seen: commit.Identity, outcome: int | None) -> str:
@@ -244,7 +231,8 @@ def load(
     DisallowedModuleError: it names a class from a module that is not allowed.
     IntegrityError: with ``verify``, arrays do not match their checksums.
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `pz_persist.storage.opening.LOAD_ATTEMPTS` attempts to read it.
+      `pz_persist.storage.opening.LOAD_ATTEMPTS` attempts to read it (10 on
+      an object store, where no lock makes saves wait for readers).
   """
   # Opened as every read is: under the lock a save's final move waits for,
   # and read again if a save replaced the checkpoint meanwhile (`opening`).
@@ -291,10 +279,8 @@ def find_item(path: epath.PathLike) -> epath.Path:
   return opening.find_item(path)[0]
 
 
-def _check_replaceable(path: epath.Path, seen: commit.Identity) -> None:
+def _check_replaceable(path: epath.Path) -> None:
   """Refuses to replace anything but a pz_persist checkpoint or empty dir."""
-  if seen is not None and seen[0] == "commit":
-    return  # On an object store: a pz_persist checkpoint by its commit object.
   if not path.is_dir():
     raise errors.CheckpointExistsError(
         f"{path} exists and is not a directory; refusing to replace it."

@@ -32,6 +32,7 @@ from etils import epath
 from pz_persist.safety import safe_io
 from pz_persist.storage import object_commit
 from pz_persist.storage import object_store
+from pz_persist.storage import s3_kvstore
 
 try:
   import fcntl
@@ -203,6 +204,7 @@ def as_path(path: epath.PathLike) -> epath.Path:
   """
   if not is_local(path):
     object_store.check_supported(path)
+    s3_kvstore.enable_for(path)  # Orbax's arrays on s3:// (the user's opt-in).
     return epath.Path(path)
   return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
 

@@ -10,6 +10,15 @@ files, from the page cache. `pz_persist.verify` checks both. (Orbax's
 ``commit_success.txt`` marker, a timestamp written after the item is complete
 on file systems without atomic rename, is not covered: it holds no data.)
 
+On an object store no digest list is written (a save there would pay a read
+of every file it just wrote): the store records its own checksum of every
+object when it is written (GCS: CRC32C and MD5; S3: the MD5 in a single-part
+upload's ETag). `check_against_store` reads each object back and compares it
+with that checksum: it proves the bytes read are those the store received,
+but, unlike the digest list, not that they are those the save wrote (an
+object written again since has a new store checksum). A checkpoint copied to
+a store with its digest list is checked against the list, as on a disk.
+
 Layout of ``pz_persist.files.json``::
 
   {"format": "pz_persist.files", "algorithm": "xxh3_128",
@@ -18,11 +27,14 @@ Layout of ``pz_persist.files.json``::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
+from collections.abc import Callable
 from typing import Any
 
+import xxhash
 from etils import epath
 
 from pz_persist import errors
@@ -33,6 +45,7 @@ from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import checksums
 from pz_persist.storage import commit
+from pz_persist.storage import object_store
 
 FILENAME = manifest_lib.FILE_DIGESTS_FILENAME
 MAX_BYTES = manifest_lib.MAX_FILE_DIGESTS_BYTES
@@ -97,7 +110,7 @@ def check(
   root = os.fspath(directory)
   path = os.path.join(root, FILENAME)
   if not commit.is_local(directory):
-    return None
+    return _check_remote(directory, tracker)
   try:  # Never following a link, never blocking on a FIFO, bounded.
     raw = safe_io.read_small_file(path, MAX_BYTES, what="file digest list")
   except FileNotFoundError:
@@ -176,3 +189,97 @@ def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:
       raise errors.ManifestError(f"{where}: invalid entry for {rel!r:.200}.")
     files[rel] = (entry[0], entry[1])
   return files
+
+
+# ---- Object stores. ---------------------------------------------------------
+
+
+def _hash_object(directory: epath.Path, rel: str, hasher: Any) -> Any:
+  """Feeds the object ``rel`` of ``directory`` to ``hasher``, in chunks."""
+  fs = object_store.filesystem(directory)
+  with fs.open(f"{object_store.key(directory)}/{rel}", "rb") as f:
+    while chunk := f.read(2**22):
+      hasher.update(chunk)
+  return hasher
+
+
+def _check_remote(
+    directory: epath.Path, tracker: progress_lib.Tracker | None
+) -> tuple[int, list[str]] | None:
+  """`check` of an item on an object store that holds a digest list (one
+  copied there from a disk); None if it holds none."""
+  path = directory / FILENAME
+  try:
+    raw = safe_io.read_small_file(path, MAX_BYTES, what="file digest list")
+  except FileNotFoundError:
+    return None
+  recorded = _parse(raw, where=os.fspath(path))
+  listed = object_store.tree(directory)
+  if tracker is not None:
+    tracker.grow(sum(size for size, _ in recorded.values()))
+  problems = []
+  for rel, (size, digest) in recorded.items():
+    info = listed.get(rel)
+    problem = None
+    if info is None:
+      problem = "missing"
+    elif info.size != size:
+      problem = f"{info.size} bytes, {size} when saved"
+    elif _hash_object(directory, rel, xxhash.xxh3_128()).hexdigest() != digest:
+      problem = "contents changed since it was saved"
+    if problem:
+      problems.append(f"{directory / rel}: {problem}")
+    if tracker is not None:
+      tracker.advance(size)
+  problems += [
+      f"{directory / rel}: not recorded when the checkpoint was saved"
+      for rel in sorted(listed)
+      if rel not in recorded and rel != FILENAME and rel != _ORBAX_MARKER
+  ]  # fmt: skip
+  return len(recorded), problems
+
+
+def _crc32c_hasher() -> Callable[[], Any] | None:
+  """CRC32C hashers if ``google-crc32c`` (which gcsfs installs) is there."""
+  try:
+    import google_crc32c  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return google_crc32c.Checksum
+
+
+def check_against_store(
+    directory: epath.Path, tracker: progress_lib.Tracker | None = None
+) -> tuple[int, list[str], list[str]]:
+  """Reads every object of the remote item ``directory`` back and compares it
+  with the checksum the store recorded when it was written (MD5, else CRC32C).
+
+  Returns:
+    ``(objects checked, problems, unchecked)``: one problem line per object
+    whose bytes differ from the store's checksum, and the objects the store
+    keeps no usable checksum of (an S3 multipart upload's ETag is no MD5),
+    each named.
+  """
+  listed = object_store.tree(directory)
+  crc32c = _crc32c_hasher()
+  if tracker is not None:
+    tracker.grow(sum(info.size for info in listed.values()))
+  checked, problems, unchecked = 0, [], []
+  for rel, info in sorted(listed.items()):
+    stored = info.checksums
+    if "md5" in stored:
+      name, hasher = "MD5", hashlib.md5(usedforsecurity=False)
+    elif "crc32c" in stored and crc32c is not None:
+      name, hasher = "CRC32C", crc32c()
+    else:
+      unchecked.append(f"{directory / rel}")
+      continue
+    expected = stored["md5" if name == "MD5" else "crc32c"]
+    if _hash_object(directory, rel, hasher).digest() != expected:
+      problems.append(
+          f"{directory / rel}: its bytes do not match the store's {name} of it"
+      )
+    checked += 1
+    if tracker is not None:
+      tracker.advance(info.size)
+  return checked, problems, unchecked

@@ -29,8 +29,14 @@ them, and Orbax's temporary steps in a ``CheckpointManager`` directory, on
 the user's word that nothing writes there any more; a family whose writer is
 provably alive is never removed.
 
-Only local paths have leftovers handled here; on remote storage (``gs://``)
-there are no locks or pids to prove anything with.
+On an object store (``gs://``, ``s3://``) a save writes a generation folder
+beside the commit objects and publishes it by creating a commit object
+(`pz_persist.storage.object_commit`); a killed or losing save leaves its
+generation folder, which no commit names (an *orphan*), and a killed
+``CheckpointManager`` step leaves a step without its commit marker. There
+are no locks or pids there to prove a writer gone (a save still running
+looks exactly like a dead one), so these are reported with status
+``"unknown"`` or ``"orbax tmp step"`` and removed only with ``force``.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from pz_persist import errors
 from pz_persist.safety import safe_io
 from pz_persist.safety import terminal
 from pz_persist.storage import commit
+from pz_persist.storage import object_commit
+from pz_persist.storage import object_store
 from pz_persist.storage import steps
 
 try:
@@ -283,10 +291,11 @@ def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) ->
 
 
 def find(path: epath.PathLike) -> list[Leftover]:
-  """Leftovers of saves to the checkpoint path ``path`` (beside it)."""
+  """Leftovers of saves to the checkpoint path ``path`` (beside it; on an
+  object store, its generation folders no commit names)."""
   path = commit.as_path(path)
   if not commit.is_local(path):
-    return []
+    return _orphans(path)
   return _families(path.parent, of=path.name)
 
 
@@ -294,7 +303,9 @@ def find_inside(directory: epath.PathLike) -> list[Leftover]:
   """Leftovers of saves to any path directly inside ``directory``, and Orbax's
   unfinished ``CheckpointManager`` steps there."""
   directory = commit.as_path(directory)
-  if not commit.is_local(directory) or not os.path.isdir(os.fspath(directory)):
+  if not commit.is_local(directory):
+    return _remote_inside(directory)
+  if not os.path.isdir(os.fspath(directory)):
     return []
   found = _families(directory)
   for entry in sorted(os.scandir(os.fspath(directory)), key=lambda e: e.name):
@@ -311,6 +322,45 @@ def find_inside(directory: epath.PathLike) -> list[Leftover]:
 def find_all(path: epath.PathLike) -> list[Leftover]:
   """Leftovers beside ``path`` and, if it is a directory, inside it."""
   return find(path) + find_inside(path)
+
+
+_ORPHAN_REASON = (
+    "no commit names it: a killed or losing save, or one still running (an"
+    " object store cannot tell them apart)"
+)
+_REMOTE_STEP_REASON = (
+    "no commit marker: a step a killed run or retention left, or one still"
+    " being written; Orbax removes it when a CheckpointManager opens this run"
+)
+
+
+def _orphans(path: epath.Path) -> list[Leftover]:
+  """The generation folders of the remote checkpoint ``path`` that no commit
+  names (`object_commit.orphans`), each with its size (one listing each)."""
+  return [
+      Leftover(name=orphan, entries=(orphan,), nbytes=_remote_size(orphan),
+               status="unknown", reason=_ORPHAN_REASON)
+      for orphan in object_commit.orphans(path)
+  ]
+
+
+def _remote_inside(directory: epath.Path) -> list[Leftover]:
+  """`find_inside` on an object store: the orphans of each checkpoint
+  directly inside ``directory``, and its uncommitted steps."""
+  found = []
+  for name in object_store.names(directory):
+    if steps.parse_step_name(name) is None:
+      found += _orphans(directory / name)
+  found += [
+      Leftover(name=step.path, entries=(step.path,), nbytes=step.nbytes,
+               status="orbax tmp step", reason=_REMOTE_STEP_REASON)
+      for step in steps.list_steps(directory, commit_times=False) if not step.committed
+  ]
+  return found
+
+
+def _remote_size(directory: epath.Path) -> int:
+  return sum(info.size for info in object_store.tree(directory).values())
 
 
 def _families(directory: epath.Path, of: str | None = None) -> list[Leftover]:
@@ -435,6 +485,12 @@ def remove(leftover: Leftover, *, force: bool = False) -> bool:
   steps; live ones never. The status is decided again, under the marker's
   lock, just before deleting.
   """
+  if not commit.is_local(leftover.name):
+    if not force:  # Nothing proves a writer gone there (see above).
+      return False
+    for entry in leftover.entries:
+      steps.remove_step(entry)  # Its commit marker first, if it has one.
+    return True
   if leftover.status == "orbax tmp step":
     if not force:
       return False

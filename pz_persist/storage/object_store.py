@@ -195,3 +195,20 @@ def remove(path: epath.PathLike) -> None:
   except FileNotFoundError:
     pass
   fs.invalidate_cache()
+
+
+def tree(directory: epath.PathLike) -> dict[str, ObjectInfo]:
+  """Every object under ``directory``, by its name relative to it, with what
+  the store says of it (size, generation, checksums): one listing (paged by
+  the store), never cached, no request per object."""
+  fs = filesystem(directory)
+  base = key(directory)
+  fs.invalidate_cache()  # Another process may have written since.
+  try:
+    found = fs.find(base, detail=True)
+  except FileNotFoundError:
+    return {}
+  return {
+      name[len(base) + 1:]: _object_info(raw) for name, raw in found.items()
+      if name.startswith(base + "/") and raw.get("type") != "directory"
+  }

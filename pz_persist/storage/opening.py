@@ -16,7 +16,10 @@ could mix the old manifest with new arrays, or fail on files of the old one as
 it is deleted. On a local disk the read holds a shared lock that a save's
 final move waits for; elsewhere (or when the item directory itself was given)
 such a read is detected (what is at the path changed while it was read) and
-done again from the start, at most `LOAD_ATTEMPTS` times.
+done again from the start, at most `LOAD_ATTEMPTS` times. On an object store
+the read pins the current commit and reads the folder it names, which never
+changes once published; it is read again only if that commit was retired
+meanwhile (`pz_persist.storage.object_commit`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ _T = TypeVar("_T")
 
 LOAD_ATTEMPTS = 3
 """How many times a checkpoint that other saves keep replacing is read."""
+
+OBJECT_STORE_LOAD_ATTEMPTS = 10
+"""The same on an object store, where no lock makes a save's publishing wait
+for readers: an attempt is only lost when the commit it read was retired
+during it (an overwrite published *and* deleted it), so only overwrites
+following each other faster than one read could exhaust these."""
 
 ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 """The file Orbax writes at the top of every checkpoint (beside its items)."""
@@ -104,19 +113,20 @@ def read(
 
   Raises:
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `LOAD_ATTEMPTS` attempts.
+      `LOAD_ATTEMPTS` attempts (`OBJECT_STORE_LOAD_ATTEMPTS` on gs:// / s3://).
   """
   path = commit.as_path(path)
   failure = None
-  for _ in range(LOAD_ATTEMPTS):
+  attempts = OBJECT_STORE_LOAD_ATTEMPTS if object_store.is_object_store(path) else LOAD_ATTEMPTS
+  for _ in range(attempts):
     item, digest, pinned = None, None, None
     with commit.reading(path), _checkpoint_locked(path):
       before: tuple[Any, ...] = ()
       try:
         pinned = _pin(path, item_directory)
-        before = _identity(path, item, pinned)
+        before = _seen(path, item, pinned)
         item, snapshot = _find(path, item_directory, pinned)
-        before = _identity(path, item, pinned)
+        before = _seen(path, item, pinned)
         if not _walked(snapshot, item):  # Replaced between the walk and now.
           continue
         try:
@@ -139,7 +149,7 @@ def read(
     if unchanged:
       return result
   raise errors.ConcurrentSaveError(
-      f"{path} was replaced by other saves while each of {LOAD_ATTEMPTS}"
+      f"{path} was replaced by other saves while each of {attempts}"
       " attempts to load it was reading it; try again."
   ) from failure
 
@@ -187,18 +197,22 @@ def _pin(path: epath.Path, item_directory: bool) -> object_commit.Commit | None:
   return object_commit.current(path)
 
 
-def _identity(
-    path: epath.Path, item: epath.Path | None,
-    pinned: object_commit.Commit | None = None,
+def _seen(
+    path: epath.Path, item: epath.Path | None, pinned: object_commit.Commit | None
 ) -> tuple[Any, ...]:
+  """`_identity`, or for a ``pinned`` commit the commit itself: its folder
+  never changes once published, so only the commit object is watched."""
+  if pinned is not None:
+    return ("pinned", pinned.sequence, pinned.generation)
+  return _identity(path, item)
+
+
+def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
   """Which checkpoint is at ``path`` (and its ``item``, once found) now.
 
   A save replacing it puts new directories there, with new inodes and times,
-  and a new manifest file (see `_manifest_identity`). A ``pinned`` commit's
-  folder never changes once published: only the commit object is watched.
+  and a new manifest file (see `_manifest_identity`).
   """
-  if pinned is not None:
-    return ("pinned", pinned.sequence, pinned.generation)
   if item is None:
     return (commit.identity(path),)
   return (

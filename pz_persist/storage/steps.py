@@ -6,6 +6,15 @@ a ``_CHECKPOINT_METADATA`` file recording when it was committed. A step still
 being written has a temporary name (``100.orbax-checkpoint-tmp-...``) and is
 listed as uncommitted. Names are read with Orbax's own step-path utilities
 (``ocp.path.step``), so they mean here what they mean to Orbax.
+
+On an object store (``gs://``, ``s3://``) there is no rename: a step is
+written under its final name and committed by a last, empty
+``commit_success.txt`` object in it (Orbax's `CommitFileTemporaryPath`, its
+default on GCS; `temporary_path_class` gives it for S3 too). A step is
+committed there exactly when that marker is present, so pz_persist and
+Orbax's ``CheckpointManager`` agree on which steps exist, and a step whose
+marker was deleted first (retention, `pz_persist.training.manager`) is gone
+for both at once, whatever is left of its files.
 """
 
 from __future__ import annotations
@@ -16,14 +25,43 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.path import atomicity
+from orbax.checkpoint._src.path import atomicity_defaults
 
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
+from pz_persist.storage import object_store
 
 _step_paths = ocp.path.step
+
+COMMIT_MARKER = atomicity.COMMIT_SUCCESS_FILE
+"""The object Orbax writes last into a step on an object store: the step is
+committed exactly while it exists."""
+
+_METADATA = "_CHECKPOINT_METADATA"
+
+
+def temporary_path_class(directory: epath.PathLike) -> type[Any]:
+  """How Orbax must write and recognize the steps of ``directory``.
+
+  Orbax's own default, except on S3, where Orbax would write a step under a
+  temporary name and "rename" it object by object (a copy and a delete each:
+  a step killed half-way through would look committed under its final
+  name); there, as on GCS, a step is written in place and committed by its
+  `COMMIT_MARKER`.
+  """
+  if object_store.is_object_store(directory):
+    return atomicity.CommitFileTemporaryPath
+  return atomicity_defaults.get_default_temporary_path_class(epath.Path(directory))
+
+
+def committed_by_marker(directory: epath.PathLike) -> bool:
+  """Whether a step of ``directory`` is committed by its `COMMIT_MARKER`
+  (object stores) rather than by its name (a local rename)."""
+  return issubclass(temporary_path_class(directory), atomicity.CommitFileTemporaryPath)
 
 
 def parse_step_name(name: str) -> tuple[int, bool] | None:
@@ -70,10 +108,9 @@ class StepInfo:
 
 
 def _disk_bytes(path: epath.Path) -> int:
-  """Bytes of the files under ``path``; a link counts as itself, not followed."""
+  """Bytes of the files under the local ``path``; a link counts as itself,
+  not followed."""
   local = os.fspath(path)
-  if not safe_io.is_local(local):
-    return sum(p.stat().length for p in path.rglob("*") if p.is_file())
   return sum(
       os.lstat(os.path.join(root, name)).st_size
       for root, _, files in os.walk(local)
@@ -98,15 +135,25 @@ def _commit_time(path: epath.Path) -> int | None:
   return value if isinstance(value, int) else None
 
 
-def list_steps(directory: epath.PathLike) -> list[StepInfo]:
+def list_steps(directory: epath.PathLike, *, commit_times: bool = True) -> list[StepInfo]:
   """The steps in ``directory``, oldest first.
+
+  Args:
+    directory: The run directory.
+    commit_times: Read each step's commit time from its metadata (one small
+      read per step; False leaves `StepInfo.commit_time_ns` None).
 
   Raises:
     UnsafeCheckpointError: a file under ``directory`` is a link leading out
       of it, a FIFO or a device (see `containment.check_run_directory`).
     ManifestError: an Orbax metadata file is over its size limit.
+    UnsupportedStorageError: ``directory`` is on a storage other than a
+      local disk, ``gs://`` or ``s3://``.
   """
+  object_store.check_supported(directory)  # Not listed through fsspec first.
   directory = epath.Path(directory)
+  if object_store.is_object_store(directory):
+    return _remote_steps(directory, commit_times)
   containment.check_run_directory(directory)  # Before anything is read.
   steps = []
   for child in directory.iterdir():
@@ -125,7 +172,67 @@ def list_steps(directory: epath.PathLike) -> list[StepInfo]:
                 name for name in items if manifest_lib.has_manifest(child / name)
             ),
             nbytes=_disk_bytes(child),
-            commit_time_ns=_commit_time(child),
+            commit_time_ns=_commit_time(child) if commit_times else None,
         )
     )
   return sorted(steps, key=lambda s: (s.step, not s.committed))
+
+
+@dataclasses.dataclass
+class _Listed:
+  """What one listing of a run says of one step directory."""
+
+  nbytes: int = 0
+  files: set[str] = dataclasses.field(default_factory=set)
+  items: set[str] = dataclasses.field(default_factory=set)
+  penzai_items: set[str] = dataclasses.field(default_factory=set)
+
+
+def _remote_steps(directory: epath.Path, commit_times: bool) -> list[StepInfo]:
+  """`list_steps` of a run on an object store, from one listing of it."""
+  listed: dict[str, _Listed] = {}
+  for rel, info in object_store.tree(directory).items():
+    top, _, rest = rel.partition("/")
+    if not rest:
+      continue  # An object beside the steps.
+    step = listed.setdefault(top, _Listed())
+    step.nbytes += info.size
+    item, _, inside = rest.partition("/")
+    if not inside:
+      step.files.add(item)
+      continue
+    step.items.add(item)
+    if inside == manifest_lib.MANIFEST_FILENAME:
+      step.penzai_items.add(item)
+  by_marker = committed_by_marker(directory)
+  steps = []
+  for name, step in listed.items():
+    parsed = parse_step_name(name)
+    if parsed is None:
+      continue
+    number, committed = parsed
+    if by_marker:
+      committed = committed and COMMIT_MARKER in step.files
+    timed = commit_times and _METADATA in step.files
+    steps.append(StepInfo(
+        step=number, path=directory / name, committed=committed,
+        items=tuple(sorted(step.items)), penzai_items=tuple(sorted(step.penzai_items)),
+        nbytes=step.nbytes, commit_time_ns=_commit_time(directory / name) if timed else None,
+    ))
+  return sorted(steps, key=lambda s: (s.step, not s.committed))
+
+
+def remove_step(step_dir: epath.Path) -> None:
+  """Deletes the step directory ``step_dir`` on an object store, whole or gone.
+
+  Why the marker first: deleting a step's objects takes one request per
+  object, and a process killed half-way would leave a step that still looks
+  complete to Orbax and to `list_steps` (its `COMMIT_MARKER` intact) but
+  does not restore. With the marker deleted first, one request, the step is
+  uncommitted for every reader from then on; what a killed deletion leaves
+  is an uncommitted step, which Orbax's ``CheckpointManager`` deletes when
+  it next opens the run (``cleanup_tmp_directories``) and ``pz-persist
+  clean --force`` removes.
+  """
+  object_store.remove(step_dir / COMMIT_MARKER)
+  object_store.remove(step_dir)

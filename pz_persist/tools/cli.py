@@ -19,7 +19,9 @@ from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist import version
 from pz_persist.safety import terminal
+from pz_persist.storage import commit
 from pz_persist.storage import leftovers
+from pz_persist.storage import object_store
 from pz_persist.storage import steps
 from pz_persist.tools import diffing
 from pz_persist.tools import verifying
@@ -67,9 +69,14 @@ def _clean(args: argparse.Namespace) -> int:
     _print(f"{verb} {_one_line(leftover.name)} ({terminal.size_text(leftover.nbytes)}):"
           f" {leftover.status}, {leftover.reason}")
   if kept and not args.force and not args.dry_run:
-    _print("kept ones whose writer may still be running; --force also removes"
-          " those not provably live (no marker, another host, Orbax's"
-          " unfinished steps) once you know nothing writes them.")
+    if object_store.is_object_store(args.path):
+      _print("kept them: on an object store nothing proves a save or a step"
+            " finished or dead (no locks, no pids); --force removes them once"
+            " you know nothing writes there any more.")
+    else:
+      _print("kept ones whose writer may still be running; --force also removes"
+            " those not provably live (no marker, another host, Orbax's"
+            " unfinished steps) once you know nothing writes them.")
   return 0
 
 
@@ -153,7 +160,9 @@ def _convert(args: argparse.Namespace) -> int:
 
   from pz_persist import model as model_lib
 
-  if os.path.exists(args.dst) and not args.overwrite:
+  # Before the (long) load: a bad scheme, a missing extra, an existing DST;
+  # local or on an object store alike.
+  if commit.as_path(args.dst).exists() and not args.overwrite:
     raise errors.CheckpointExistsError(
         f"{args.dst} exists; pass --overwrite to replace it."
     )

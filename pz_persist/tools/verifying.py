@@ -7,6 +7,11 @@ Two independent checks, because they answer different questions:
 * every array, read back, against its checksums (`pz_persist.storage.checksums`):
   *which labels are damaged?* Each damaged array is named by label and path.
 
+On an object store, where saves record no file digests, each object is
+instead read back against the checksum the store itself recorded when it was
+written (`file_digests.check_against_store`); the report says which file
+check ran, and names the objects no check covered.
+
 Arrays are read a batch at a time onto the host, so verifying needs memory for
 one batch, not for the model. A checkpoint written before checksums existed
 still verifies its files where it can and lists its arrays as unverified.
@@ -25,6 +30,7 @@ from pz_persist.safety import terminal
 from pz_persist.storage import batching
 from pz_persist.storage import containment
 from pz_persist.storage import file_digests
+from pz_persist.storage import object_store
 from pz_persist.storage import opening
 from pz_persist.storage import reader
 
@@ -40,6 +46,10 @@ class VerifyReport:
       has no digest list, e.g. written by pz_persist before version 2).
     damaged: One line per damaged file or array, naming it.
     unverified: Arrays with no recorded checksums (older checkpoints).
+    objects_checked: On an object store with no digest list: objects read
+      back and compared with the store's own checksums of them (None: that
+      check did not run).
+    objects_unchecked: Objects the store keeps no usable checksum of.
   """
 
   path: str
@@ -47,6 +57,8 @@ class VerifyReport:
   files_checked: int | None
   damaged: tuple[str, ...]
   unverified: tuple[str, ...]
+  objects_checked: int | None = None
+  objects_unchecked: tuple[str, ...] = ()
 
   @property
   def ok(self) -> bool:
@@ -59,11 +71,15 @@ class VerifyReport:
       raise errors.IntegrityError(str(self), damaged=self.damaged)
 
   def __str__(self) -> str:
-    files = (
-        "no file digests recorded" if self.files_checked is None
-        else f"{self.files_checked} files"
-    )  # fmt: skip
-    head = f"{self.path}: {self.arrays_checked} arrays, {files} checked"
+    if self.files_checked is not None:
+      head = f"{self.path}: {self.arrays_checked} arrays, {self.files_checked} files checked"
+    elif self.objects_checked is not None:
+      head = (
+          f"{self.path}: {self.arrays_checked} arrays checked, {self.objects_checked}"
+          " objects against the store's checksums (no file digests on object stores)"
+      )
+    else:
+      head = f"{self.path}: {self.arrays_checked} arrays, no file digests recorded checked"
     lines = [head + (": OK" if self.ok else f": {len(self.damaged)} DAMAGED")]
     # One line per damage, whatever names it holds (file names on disk,
     # paths from the manifest): none can forge a line of its own.
@@ -74,6 +90,13 @@ class VerifyReport:
           " pz_persist recorded them): "
           + ", ".join(_one_line(name) for name in self.unverified[:5])
           + (" ..." if len(self.unverified) > 5 else "")
+      )
+    if self.objects_unchecked:
+      lines.append(
+          f"  {len(self.objects_unchecked)} object(s) have no store checksum to"
+          " compare with (e.g. S3 multipart uploads): "
+          + ", ".join(_one_line(name) for name in self.objects_unchecked[:5])
+          + (" ..." if len(self.objects_unchecked) > 5 else "")
       )
     return "\n".join(lines)
 
@@ -145,9 +168,15 @@ def _verify(
   files_checked = files[0] if files is not None else None
   if files is not None:
     damaged += files[1]
+  objects: tuple[int | None, list[str]] = (None, [])
+  if files is None and object_store.is_object_store(item):
+    count, problems, unchecked = file_digests.check_against_store(item, tracker)
+    objects = (count, unchecked)
+    damaged += problems
   if isinstance(manifest, errors.ManifestError):
     damaged.append(str(manifest))
-    return VerifyReport(str(item), 0, files_checked, tuple(damaged), ())
+    return VerifyReport(str(item), 0, files_checked, tuple(damaged), (),
+                        objects[0], tuple(objects[1]))
   unverified = tuple(
       spec.name for spec in manifest.arrays
       if spec.is_stored and spec.checksums is None
@@ -165,7 +194,8 @@ def _verify(
     checked += len(batch)
     tracker.advance(sum(nbytes[index] for index in batch))
   return VerifyReport(
-      str(item), checked, files_checked, tuple(damaged), unverified
+      str(item), checked, files_checked, tuple(damaged), unverified,
+      objects[0], tuple(objects[1]),
   )
 
 

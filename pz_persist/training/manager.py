@@ -33,18 +33,23 @@ from pz_persist.safety import allowlist
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 from pz_persist.storage import containment
+from pz_persist.storage import object_store
 from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import steps
 from pz_persist.training import optimizers
 
 _RESERVED_ITEMS = frozenset({"metrics", "descriptor", "_CHECKPOINT_METADATA"})
 
 _TRASH = ".pz_persist_deleted"
-"""Where steps dropped by retention are moved before being deleted.
+"""Where steps dropped by retention are moved before being deleted (local runs).
 
 Orbax deletes an old step file by file, in place: a run killed in the middle
 leaves a step directory that still looks complete but is not. Moving the step
 into this directory first is one atomic rename, so a step is either whole or
-gone; the directory is then emptied in the background."""
+gone; the directory is then emptied in the background. On an object store
+there is no rename (Orbax ignores this directory on GCS, and would copy the
+step object by object on S3): there a step's commit marker is deleted first
+instead (`_MarkerFirstDeleter`)."""
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 """Exit status after saving on SIGTERM (the shell's convention for SIGTERM)."""
@@ -119,6 +124,7 @@ class CheckpointManager:
     if keep_every_n_steps is not None:
       kept.append(policies.EveryNSteps(interval_steps=keep_every_n_steps))
     directory = commit.as_path(directory)
+    self._remote = object_store.is_object_store(directory)
     # Before Orbax reads step metadata or moves steps into the trash.
     self._check_run(directory)
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
@@ -133,11 +139,14 @@ class CheckpointManager:
             best_fn=best_fn,
             best_mode=best_mode,
             cleanup_tmp_directories=True,
-            todelete_subdir=_TRASH,
+            todelete_subdir=None if self._remote else _TRASH,
+            temporary_path_class=steps.temporary_path_class(directory),
             create=True,
         ),
         handler_registry=registry,
     )
+    if self._remote:
+      _delete_marker_first(self._manager, directory)
     self._emptying: threading.Thread | None = None
     self._empty_trash_in_background()
     self._sigterm = threading.Event()
@@ -158,7 +167,7 @@ class CheckpointManager:
     containment.check_run_directory(directory)
 
   def _empty_trash(self) -> None:
-    if ocp.multihost.is_primary_host(0):
+    if ocp.multihost.is_primary_host(0) and not self._remote:
       safe_io.empty_directory(self._manager.directory / _TRASH)
 
   def _empty_trash_in_background(self) -> None:
@@ -171,6 +180,8 @@ class CheckpointManager:
 
   def _trash_has_entries(self) -> bool:
     """Whether retention left anything to delete (one directory listing)."""
+    if self._remote:
+      return False  # No trash there; see `_MarkerFirstDeleter`.
     try:
       return next(iter((self._manager.directory / _TRASH).iterdir()), None) is not None
     except OSError:
@@ -358,6 +369,50 @@ class CheckpointManager:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+class _MarkerFirstDeleter:
+  """Orbax's step deleter for runs on object stores: a step whole or gone.
+
+  Orbax deletes a dropped step there object by object, its commit marker
+  among the others in listing order, so a run killed meanwhile (or a reader
+  listing the steps meanwhile) could see a step still committed with files
+  missing. `steps.remove_step` deletes the marker first. Orbax has no public
+  hook for this; its deleter (the `CheckpointDeleter` protocol: ``delete``,
+  ``delete_steps``, ``close``) is swapped by `_delete_marker_first`.
+  """
+
+  def __init__(self, directory: epath.Path):
+    self._directory = directory
+
+  def delete(self, step: int) -> None:
+    if ocp.multihost.is_primary_host(0):  # As Orbax's: one process deletes.
+      steps.remove_step(self._directory / str(step))
+
+  def delete_steps(self, dropped: Iterable[int]) -> None:
+    for step in dropped:
+      self.delete(step)
+
+  def close(self) -> None:
+    pass
+
+
+def _delete_marker_first(manager: ocp.CheckpointManager, directory: epath.Path) -> None:
+  """Makes ``manager`` delete steps with `_MarkerFirstDeleter`.
+
+  Raises:
+    UnsupportedStorageError: this Orbax keeps its deleter elsewhere (a
+      version pz_persist was not tested with): refused rather than leaving
+      Orbax's object-by-object deletion in place unnoticed.
+  """
+  if not hasattr(manager, "_checkpoint_deleter"):
+    raise errors.UnsupportedStorageError(
+        f"{directory}: this orbax-checkpoint ({ocp.__version__}) does not let"
+        " pz_persist delete a dropped step whole-or-gone on an object store;"
+        " use the orbax-checkpoint version pz_persist's requirements name."
+    )
+  manager._checkpoint_deleter.close()  # pylint: disable=protected-access
+  manager._checkpoint_deleter = _MarkerFirstDeleter(directory)  # pylint: disable=protected-access
 
 
 def _metric_getter(name: str):

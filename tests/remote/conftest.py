@@ -13,6 +13,7 @@ import atexit
 import uuid
 
 import pytest
+
 from remote import emulators
 
 _started: dict[str, emulators.Emulator | str] = {}
