@@ -44,16 +44,18 @@ def test_failed_block_leaves_the_previous_object(remote):
 
 def test_a_writer_that_cannot_delete_writes_and_leaves_no_temporary(remote, monkeypatch):
   """Deletes refused, as for a create-only role: the file is written, and no
-  temporary object is left (before, on S3: the rename's delete of the
-  temporary object failed, and the write with it)."""
-  fs = fsspec.filesystem(object_store.scheme(remote))
+  temporary object is left (before: the temporary object's move into place
+  deleted it, which failed, and the write with it; measured on gs://)."""
+  # On the class: fsspec shares one instance per store, and undoing a patch
+  # on it would leave a bound method there, shadowing later tests' patches.
+  fs_class = type(fsspec.filesystem(object_store.scheme(remote)))
 
   def refused(*args, **kwargs):
     raise PermissionError("this writer may create objects, not delete them")
 
   for name in ("rm", "rm_file", "_rm", "_rm_file"):
-    if hasattr(fs, name):
-      monkeypatch.setattr(fs, name, refused)
+    if hasattr(fs_class, name):
+      monkeypatch.setattr(fs_class, name, refused)
   safe_io.write_small_file(f"{remote}/records.json", b"{}")
   monkeypatch.undo()
   assert _objects(remote) == ["records.json"]
