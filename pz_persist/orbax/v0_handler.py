@@ -29,6 +29,7 @@ Every read goes through `pz_persist.storage.reader`, which every other loader us
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -144,6 +145,9 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
         multiprocessing_options=multiprocessing_options,
     )
     self._started: list[ocp.future.Future] = []  # Of the last async_save.
+    # Directory -> whether its save wrote arrays, for `finalize` (which would
+    # otherwise ask the store: a request or more on gs:// and s3://).
+    self._wrote_arrays: dict[str, bool] = {}
     self._arrays = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt,
         use_zarr3=use_zarr3,
@@ -197,6 +201,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
     manifest, stored = args.manifest, args.stored_arrays
     futures: list[ocp.future.Future] = []
+    self._wrote_arrays[os.fspath(directory)] = bool(stored)
     if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
       futures.extend(
           await self._arrays.async_save(directory, args=self._save_args(stored)) or []
@@ -224,6 +229,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves synchronously."""
     manifest, stored = args.manifest, args.stored_arrays
     copies = checksums.host_copies(stored)
+    self._wrote_arrays[os.fspath(directory)] = bool(stored)
     if stored:
       self._arrays.save(directory, args=self._save_args(stored))
     self._write_manifest(directory, manifest, copies)
@@ -253,9 +259,11 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     return opening.read(directory, abstract_tree, item_directory=True)
 
   def finalize(self, directory: epath.Path) -> None:
-    if (directory / "_METADATA").exists() or any(
-        directory.glob("ocdbt.process_*")
-    ):
+    wrote_arrays = self._wrote_arrays.pop(os.fspath(directory), None)
+    if wrote_arrays is None:  # Not saved by this handler: look.
+      wrote_arrays = (directory / "_METADATA").exists() or any(
+          directory.glob("ocdbt.process_*"))
+    if wrote_arrays:
       self._arrays.finalize(directory)
     if self._is_primary():  # Every file is final now: record their digests.
       file_digests.write(directory)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import shutil
 import stat
@@ -232,24 +233,42 @@ def writing_whole(path: epath.PathLike) -> Iterator[BinaryIO]:
   readers look for; on a local disk it is flushed to the device, then renamed
   to ``path`` when the block ends. If the block fails, the temporary file is
   removed and ``path`` is untouched.
+
+  On an object store (``gs://``, ``s3://``) an object appears whole when its
+  upload completes, and a "rename" there is a copy plus a delete: the bytes
+  are kept in memory and uploaded to ``path`` itself in one request when the
+  block ends (nothing is written if it fails). That saves the temporary
+  object's upload, its move (S3: copy and delete) and the existence checks
+  around them: 1 request instead of 10 to 17. Remote callers write small
+  files (manifests, records, configs).
   """
+  if not is_local(path):
+    buffer = io.BytesIO()
+    yield buffer
+    _upload(path, buffer.getvalue())
+    return
   path = epath.Path(path)
   tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
   try:
-    if is_local(path):
-      with open(os.fspath(tmp), "wb") as f:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(os.fspath(tmp), os.fspath(path))
-    else:
-      with tmp.open("wb") as f:
-        yield f
-      tmp.rename(path)
+    with open(os.fspath(tmp), "wb") as f:
+      yield f
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(os.fspath(tmp), os.fspath(path))
   except BaseException:
     with contextlib.suppress(Exception):  # Best effort: the failure matters.
       tmp.unlink(missing_ok=True)
     raise
+
+
+def _upload(path: epath.PathLike, data: bytes) -> None:
+  """Writes the object ``path`` in one request (fsspec's ``pipe_file``: a
+  single upload; a file opened for writing would start a resumable upload,
+  2 requests, and on failure could commit what it had)."""
+  import fsspec  # pylint: disable=import-outside-toplevel
+
+  scheme, name = os.fspath(path).split("://", 1)
+  fsspec.filesystem(scheme).pipe_file(name.rstrip("/"), data)
 
 
 def write_small_file(path: epath.PathLike, data: bytes) -> None:

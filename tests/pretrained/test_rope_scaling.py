@@ -14,6 +14,14 @@ factor of two (plus 0.05 on the maximum, 0.01 on the mean). KV-cache
 sampling in Penzai's ``sampling_mode``, token by token, matches
 transformers' greedy ``generate`` (same tokens, each step's logits within
 1e-4) up to position 10, past the original context.
+
+Slow-only (``pytest -m slow``): the bfloat16 and KV-cache checks of yarn.
+llama3 runs both by default through the same code (`ApplyScaledRoPE` with
+frequencies fixed at load, cast and called the same way at every position;
+yarn differs only in those frequencies and its attention factor, which
+yarn's float32 cases check against transformers); dynamic, whose base grows
+with the position, keeps its KV-cache case. The default suite keeps one
+case per family and per code path.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from pretrained.test_hf import _edit_config
 from pretrained.test_hf import _hf_model
 from pretrained.test_hf import _penzai_logits
 from pretrained.test_hf import _reference_logits
+from pretrained.test_hf import sampling_jitted
 from pz_persist import errors
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 
@@ -144,7 +153,7 @@ def test_float32_logits_match_transformers(saved, loaded, name):
   print(f"{name} float32 max abs diff: {np.abs(logits - reference).max():.3g}")
 
 
-@pytest.mark.parametrize("name", ["llama3", "yarn"])
+@pytest.mark.parametrize("name", ["llama3", pytest.param("yarn", marks=pytest.mark.slow)])
 def test_bfloat16_load_is_as_close_as_transformers_bfloat16(saved, name):
   folder, reference = saved[name]
   hf_bf16 = _reference_logits(
@@ -198,9 +207,9 @@ def _greedy_penzai(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, n
   """Greedy decoding in Penzai's KV-cache sampling mode, one token per call
   after the prompt: (generated tokens, each step's logits)."""
   batch = prompt.shape[0]
-  sampler = sampling_mode.KVCachingTransformerLM.from_uncached(
+  sampler = sampling_jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
       model, cache_len=prompt.shape[1] + steps, batch_axes={"batch": batch}, pad_id=-1
-  )
+  ))
   tokens = pz.nx.wrap(jnp.asarray(prompt), "batch", "seq")
   generated, logits = [], []
   for _ in range(steps):
@@ -211,7 +220,7 @@ def _greedy_penzai(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, n
   return np.stack(generated, 1), np.stack(logits, 1)
 
 
-@pytest.mark.parametrize("name", ["llama3", "dynamic", "yarn"])
+@pytest.mark.parametrize("name", ["llama3", "dynamic", pytest.param("yarn", marks=pytest.mark.slow)])
 def test_kv_cache_sampling_matches_transformers_generate(saved, loaded, name):
   """Token by token past ``original_max_position_embeddings`` (positions 3
   to 10); for dynamic, each step's base grows with the position in both."""
