@@ -124,7 +124,8 @@ def test_reader_during_overwrites_never_fails_never_mixes(store, remote, workers
   finally:
     os.set_blocking(writer.process.stdout.fileno(), True)
   assert line == "done 10", line
-  assert loads > 5 and len(seen) > 2, (loads, seen)  # It did read during the overwrites.
+  # It did read during the overwrites: some load saw neither the first nor the last.
+  assert len(seen - {0.0, 10.0}) >= 1, (loads, seen)
   assert remote_worker.values(pzp.load(path)) == {10.0}
 
 
