@@ -139,10 +139,8 @@ def read(
           digest = hashlib.sha256(data).digest()
           result = use(OpenItem(path, item, manifest, digest, snapshot, before, pinned))
       except Exception as e:  # pylint: disable=broad-exception-caught
-        if before and _same(path, item, before, digest, pinned):
-          raise  # The checkpoint did not change: a real error.
-        if not before and pinned is None:
-          raise  # Nothing was read: a real error.
+        if not before or _same(path, item, before, digest, pinned):
+          raise  # Nothing was opened, or the checkpoint did not change: real.
         failure = e
         continue
       unchanged = _same(path, item, before, digest, pinned)
