@@ -107,28 +107,49 @@ def check(
     resized or changed file; None if the item has no digest file (written by
     an older pz_persist, or on a remote store).
   """
-  root = os.fspath(directory)
-  path = os.path.join(root, FILENAME)
-  if not commit.is_local(directory):
-    return _check_remote(directory, tracker)
+  path = os.fspath(epath.Path(directory) / FILENAME)
   try:  # Never following a link, never blocking on a FIFO, bounded.
     raw = safe_io.read_small_file(path, MAX_BYTES, what="file digest list")
   except FileNotFoundError:
     return None
   recorded = _parse(raw, where=path)
+  if commit.is_local(directory):
+    root = os.fspath(directory)
+    return _compare(
+        recorded, lambda rel, size, digest: _file_problem(
+            os.path.join(root, rel), size, digest),
+        present=_files(root), where=lambda rel: os.path.join(root, rel), tracker=tracker,
+    )
+  listed = object_store.tree(directory)  # A list copied to a store with its files.
+  return _compare(
+      recorded, lambda rel, size, digest: _object_problem(
+          directory, rel, listed.get(rel), size, digest),
+      present=[rel for rel in sorted(listed) if rel != FILENAME],
+      where=lambda rel: f"{directory / rel}", tracker=tracker,
+  )
+
+
+def _compare(
+    recorded: dict[str, tuple[int, str]],
+    problem: Callable[[str, int, str], str | None],
+    *, present: list[str], where: Callable[[str], str],
+    tracker: progress_lib.Tracker | None,
+) -> tuple[int, list[str]]:
+  """`check`'s comparison, on a disk or a store: each recorded file's
+  ``problem(rel, size, digest)``, then the ``present`` files not recorded
+  (Orbax's marker aside), each named by ``where(rel)``."""
   if tracker is not None:
     tracker.grow(sum(size for size, _ in recorded.values()))
   problems = []
   for rel, (size, digest) in recorded.items():
-    full = os.path.join(root, rel)
-    problem = _file_problem(full, size, digest)
-    if problem:
-      problems.append(f"{full}: {problem}")
+    found = problem(rel, size, digest)
+    if found:
+      problems.append(f"{where(rel)}: {found}")
     if tracker is not None:
       tracker.advance(size)
   problems += [
-      f"{os.path.join(root, rel)}: not recorded when the checkpoint was saved"
-      for rel in _files(root) if rel not in recorded and rel != _ORBAX_MARKER
+      f"{where(rel)}: not recorded when the checkpoint was saved"
+      for rel in present if rel not in recorded and rel != _ORBAX_MARKER
   ]  # fmt: skip
   return len(recorded), problems
 
@@ -203,40 +224,19 @@ def _hash_object(directory: epath.Path, rel: str, hasher: Any) -> Any:
   return hasher
 
 
-def _check_remote(
-    directory: epath.Path, tracker: progress_lib.Tracker | None
-) -> tuple[int, list[str]] | None:
-  """`check` of an item on an object store that holds a digest list (one
-  copied there from a disk); None if it holds none."""
-  path = directory / FILENAME
-  try:
-    raw = safe_io.read_small_file(path, MAX_BYTES, what="file digest list")
-  except FileNotFoundError:
-    return None
-  recorded = _parse(raw, where=os.fspath(path))
-  listed = object_store.tree(directory)
-  if tracker is not None:
-    tracker.grow(sum(size for size, _ in recorded.values()))
-  problems = []
-  for rel, (size, digest) in recorded.items():
-    info = listed.get(rel)
-    problem = None
-    if info is None:
-      problem = "missing"
-    elif info.size != size:
-      problem = f"{info.size} bytes, {size} when saved"
-    elif _hash_object(directory, rel, xxhash.xxh3_128()).hexdigest() != digest:
-      problem = "contents changed since it was saved"
-    if problem:
-      problems.append(f"{directory / rel}: {problem}")
-    if tracker is not None:
-      tracker.advance(size)
-  problems += [
-      f"{directory / rel}: not recorded when the checkpoint was saved"
-      for rel in sorted(listed)
-      if rel not in recorded and rel != FILENAME and rel != _ORBAX_MARKER
-  ]  # fmt: skip
-  return len(recorded), problems
+def _object_problem(
+    directory: epath.Path, rel: str, info: object_store.ObjectInfo | None,
+    size: int, digest: str,
+) -> str | None:
+  """What is wrong with the object ``rel`` (listed as ``info``) against its
+  recorded size and digest; None if nothing."""
+  if info is None:
+    return "missing"
+  if info.size != size:
+    return f"{info.size} bytes, {size} when saved"
+  if _hash_object(directory, rel, xxhash.xxh3_128()).hexdigest() != digest:
+    return "contents changed since it was saved"
+  return None
 
 
 def _crc32c_hasher() -> Callable[[], Any] | None:
