@@ -87,19 +87,20 @@ class VerifyReport:
     if self.unverified:
       lines.append(
           f"  {len(self.unverified)} array(s) have no checksums (saved before"
-          " pz_persist recorded them): "
-          + ", ".join(_one_line(name) for name in self.unverified[:5])
-          + (" ..." if len(self.unverified) > 5 else "")
+          f" pz_persist recorded them): {_first_few(self.unverified)}"
       )
     if self.objects_unchecked:
       lines.append(
           f"  {len(self.objects_unchecked)} object(s) have no store checksum to"
-          " compare with (e.g. S3 multipart uploads): "
-          + ", ".join(_one_line(name) for name in self.objects_unchecked[:5])
-          + (" ..." if len(self.objects_unchecked) > 5 else "")
+          f" compare with (e.g. S3 multipart uploads): {_first_few(self.objects_unchecked)}"
       )
     return "\n".join(lines)
 
+
+
+def _first_few(names: tuple[str, ...]) -> str:
+  """The first five ``names``, each on one line of its own, then "..."."""
+  return ", ".join(_one_line(name) for name in names[:5]) + (" ..." if len(names) > 5 else "")
 
 def _one_line(text: str) -> str:
   return terminal.printable(text, newlines=False)
