@@ -19,9 +19,11 @@ import time
 
 import pytest
 from conftest import REPO
+from etils import epath
 from remote import remote_worker
 
 import pz_persist as pzp
+from pz_persist.storage import commit as commit_lib
 from pz_persist.storage import object_commit
 from pz_persist.storage import object_store
 
@@ -154,3 +156,18 @@ def test_sigkill_during_a_remote_save_keeps_the_previous_checkpoint(store, remot
   assert len(orphans) == 1  # What `pz-persist clean --force` removes.
   pzp.save(path, remote_worker.tree(3.0), overwrite=True)  # Saving again works.
   assert remote_worker.values(pzp.load(path)) == {3.0}
+
+
+def test_a_save_whose_view_went_stale_loses_even_where_a_name_is_free_again(remote):
+  """A save that saw no checkpoint, while others saved and overwrote twice
+  (retiring commit 1), could create commit 1 again below the current 3."""
+  stale = commit_lib.identity(epath.Path(remote))
+  pzp.save(remote, remote_worker.tree(1.0))
+  pzp.save(remote, remote_worker.tree(2.0), overwrite=True)
+  pzp.save(remote, remote_worker.tree(3.0), overwrite=True)
+  late = epath.Path(remote) / "gen-00000000000000aa"
+  object_store.write(f"{late}/penzai/x", b"late")
+  assert not commit_lib.move_into_place(epath.Path(remote), late, stale)
+  assert object_store.names(remote) == [
+      object_commit.current(remote).checkpoint.name, object_commit.commit_name(3)]
+  assert remote_worker.values(pzp.load(remote)) == {3.0}
