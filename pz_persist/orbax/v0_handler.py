@@ -40,6 +40,7 @@ from pz_persist.format import checksum_records
 from pz_persist.format import encode
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import checksums
+from pz_persist.storage import direct_write
 from pz_persist.storage import file_digests
 from pz_persist.storage import opening
 from pz_persist.storage import reader
@@ -102,6 +103,12 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     space of trained float weights (their low mantissa bits are noise) and
     halves save and restore speed; checkpoints written compressed (by older
     versions, or with ``use_compression=True``) still load.
+  * ``direct_writes=True``: saves by one process of arrays each whole in host
+    memory or on one device (the usual single-machine save) write Orbax's
+    files themselves (`pz_persist.storage.direct_write`): the same layout,
+    without Orbax's per-array Python (about 1.5 ms per array). Sharded,
+    multi-process, compressed, zarr3 and object-store saves go through
+    Orbax's ``PyTreeCheckpointHandler``.
   * ``direct_reads=True``: loads into one process and onto host memory or a
     single device read each array straight into its final buffer
     (`pz_persist.storage.direct_read`); loads onto a mesh or across processes go
@@ -131,11 +138,16 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       chunk_byte_size: int | None = DEFAULT_CHUNK_BYTES,
       read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
       direct_reads: bool = True,
+      direct_writes: bool = True,
   ):
     if multiprocessing_options is None:  # Orbax's default, one per handler.
       multiprocessing_options = ocp.options.MultiprocessingOptions()
     self._primary_host = multiprocessing_options.primary_host
     self._chunk_byte_size = chunk_byte_size
+    self._direct_writes = direct_writes
+    self._layout = {
+        "use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3, "use_compression": use_compression,
+    }
     self._read_options = reader.ReadOptions(
         read_batch_bytes=read_batch_bytes,
         direct_reads=direct_reads,
@@ -202,6 +214,14 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     manifest, stored = args.manifest, args.stored_arrays
     futures: list[ocp.future.Future] = []
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
+    if self._writes_directly(directory, stored):
+      copies = checksums.host_copies(stored)
+      futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
+          self._write_directly(directory, manifest, stored, copies),
+          name="pz_persist_arrays_and_manifest",
+      ))
+      self._started = futures
+      return futures
     if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
       futures.extend(
           await self._arrays.async_save(directory, args=self._save_args(stored)) or []
@@ -215,6 +235,40 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     )
     self._started = futures
     return futures
+
+  def _writes_directly(self, directory: Any, stored: dict[str, Any]) -> bool:
+    return bool(stored) and self._direct_writes and isinstance(
+        directory, epath.Path
+    ) and direct_write.applies(stored, directory=directory, **self._layout)
+
+  async def _write_directly(
+      self,
+      directory: epath.Path,
+      manifest: manifest_lib.Manifest,
+      stored: dict[str, Any],
+      copies: checksums.HostCopies,
+  ) -> None:
+    self._save_directly(directory, manifest, stored, copies)
+
+  def _save_directly(
+      self,
+      directory: epath.Path,
+      manifest: manifest_lib.Manifest,
+      stored: dict[str, Any],
+      copies: checksums.HostCopies,
+  ) -> None:
+    """Writes the arrays (TensorStore's threads) while this thread hashes
+    them, then commits them, Orbax's metadata files and the manifest."""
+    started = direct_write.start(
+        directory, stored, copies.whole_arrays(), chunk_byte_size=self._chunk_byte_size
+    )
+    try:
+      hashed = with_checksums(manifest, copies.digests())
+    except BaseException:
+      started.abort()
+      raise
+    started.finish()
+    manifest_lib.write(directory, hashed)
 
   def cancel(self) -> None:
     """Asks the background work of the last `async_save` to stop.
@@ -230,6 +284,9 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     manifest, stored = args.manifest, args.stored_arrays
     copies = checksums.host_copies(stored)
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
+    if self._writes_directly(directory, stored):
+      self._save_directly(directory, manifest, stored, copies)
+      return
     if stored:
       self._arrays.save(directory, args=self._save_args(stored))
     self._write_manifest(directory, manifest, copies)

@@ -131,6 +131,20 @@ class HostCopies:
   keys: tuple[str, ...]
   slots: tuple[_Slot, ...]
 
+  def whole_arrays(self) -> dict[str, np.ndarray]:
+    """``{key: host copy}`` when this process holds every array whole (one
+    slice each): what a single-process direct write writes.
+
+    Raises:
+      ValueError: some array is sharded or held by another process.
+    """
+    # One distinct slice per array is the whole array.
+    if len(self.slots) != len(self.keys) or any(
+        slot.local_data is None for slot in self.slots
+    ):
+      raise ValueError("not every array is held whole by this process")
+    return {slot.key: slot.local_data for slot in self.slots}
+
   def digests(self, exchange: str | None = None) -> dict[str, tuple[ShardChecksum, ...]]:
     """Hashes the copies and gathers every process's digests (collective).
 
