@@ -169,12 +169,14 @@ def _raw_chunk_layout(
       create=True, context=ts.Context(),
   ).result()
   array.write(sample).result()
-  written = array.kvstore.list().result()
+  store = array.kvstore
+  assert store is not None  # A zarr array opened on a kvstore has one.
+  written = store.list().result()
   chunk_keys = [key for key in written if not key.endswith(b".zarray")]
   if len(chunk_keys) != 1 or len(written) != 2:
     return None
-  zarray = array.kvstore.read(b".zarray").result().value
-  chunk = array.kvstore.read(chunk_keys[0]).result().value
+  zarray = store.read(b".zarray").result().value
+  chunk = store.read(chunk_keys[0]).result().value
   fields = json.loads(zarray)
   if _zarray_bytes(fields) != zarray or chunk != _c_bytes(sample):
     return None
@@ -291,8 +293,9 @@ def orbax_files(stored: Mapping[str, Any], layouts: Mapping[str, _Layout]) -> di
       if sharding not in serialized:
         described = sharding_metadata.from_jax_sharding(sharding)
         serialized[sharding] = described and described.to_serialized_string()
-      if serialized[sharding] is not None:
-        shardings[base64.urlsafe_b64encode(key.encode()).decode()] = serialized[sharding]
+      described_as = serialized[sharding]
+      if described_as is not None:
+        shardings[base64.urlsafe_b64encode(key.encode()).decode()] = described_as
       array_metadatas.append({"array_metadata": {
           "param_name": key, "write_shape": shape,
           "chunk_shape": list(layouts[key].chunk_shape), "ext_metadata": None,
