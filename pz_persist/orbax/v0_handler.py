@@ -262,11 +262,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     started = direct_write.start(
         directory, stored, copies.whole_arrays(), chunk_byte_size=self._chunk_byte_size
     )
-    try:
-      hashed = with_checksums(manifest, copies.digests())
-    except BaseException:
-      started.abort()
-      raise
+    hashed = with_checksums(manifest, copies.digests())
     started.finish()
     manifest_lib.write(directory, hashed)
 

@@ -12,9 +12,15 @@ arrays each sit whole in host memory or on one device (`applies`):
 
 * every array goes into the same OCDBT store Orbax writes
   (``ocdbt.process_0``, merged into the item's root by Orbax's own
-  ``finalize``), in one TensorStore transaction, through the write spec
-  Orbax itself builds (``build_array_write_spec``: its chunk shapes, its
-  OCDBT configuration), built once per distinct shape and dtype;
+  ``finalize``), through the write spec Orbax itself builds
+  (``build_array_write_spec``: its chunk shapes, its OCDBT configuration),
+  built once per distinct shape and dtype. All writes are issued at once,
+  without a transaction, into data files of `DATA_FILE_BYTES`: TensorStore
+  then writes several files in parallel as the chunks are encoded, where one
+  transaction (Orbax's way) encodes everything first and then writes one
+  2 GiB file (see `DATA_FILE_BYTES`). Atomicity is the checkpoint's, not
+  the store's: the item is written under a temporary name and moved into
+  place whole (`pz_persist.storage.commit`);
 * a small array stored in one chunk is written as its two key-value
   entries (``<key>/.zarray`` and the chunk) with no ``ts.open`` at all. The
   bytes are what the zarr driver writes: `_raw_chunk_layout` has
@@ -56,7 +62,14 @@ entries; larger ones through ``ts.open``, which writes straight from the
 array's memory (``can_reference_source_data_indefinitely``) rather than from a
 ``bytes`` copy, and whose per-array cost is small beside their bytes."""
 
-_PROCESS_SUBDIR = "ocdbt.process_0"
+DATA_FILE_BYTES = 16 * 2**20
+"""OCDBT's target data file size for direct writes (Orbax's default: 2 GiB).
+Measured on 531 MiB in 48 arrays, pz_persist.save then os.sync (2-core VM
+under load, four configurations taking turns, best of two): one transaction
+into 2 GiB files (Orbax's way) 1.38 s; one transaction into 16 MiB files
+1.73 s; no transaction, 64 MiB files 0.82 s; 16 MiB files 0.76 s. Readers do
+not care how many files the store has; it only changes how many TensorStore
+writes at once."""
 
 
 def applies(
@@ -120,6 +133,7 @@ class _Specs:
     info = ocp.type_handlers.ParamInfo(
         name="_", parent_dir=self._directory, is_ocdbt_checkpoint=True,
         use_zarr3=False, use_compression=False, ts_context=self.context,
+        ocdbt_target_data_file_size=DATA_FILE_BYTES,
     )
     built = tensorstore_utils.build_array_write_spec(
         info=info, arg=ocp.SaveArgs(chunk_byte_size=self._chunk_byte_size),
@@ -194,27 +208,22 @@ class Started:
   """Writes under way: `finish` waits for them and writes Orbax's files."""
 
   directory: epath.Path
-  opened: tuple[Any, ...]  # ts.open / write futures to wait for first.
-  transaction: Any
+  writes: tuple[Any, ...]  # TensorStore futures.
   files: dict[str, bytes]
 
   def finish(self) -> None:
-    try:
-      for future in self.opened:
-        future.result()
-    except BaseException:
-      self.abort()
-      raise
-    self.transaction.commit_async().result()
+    """Waits for every array's write, then writes Orbax's metadata files.
+
+    Raises:
+      Whatever TensorStore raised for a write (the save then fails, and its
+      temporary directory is deleted by `pz_persist.storage.leftovers`).
+    """
+    for write in self.writes:
+      write.result()
     for name, data in self.files.items():
       path = self.directory / name
       path.parent.mkdir(parents=True, exist_ok=True)
       path.write_bytes(data)
-
-
-  def abort(self) -> None:
-    """Drops the writes: nothing of the transaction reaches the files."""
-    self.transaction.abort()
 
 
 def start(
@@ -226,50 +235,30 @@ def start(
 ) -> Started:
   """Starts writing ``stored`` (its host copies ``host``) into ``directory``.
 
-  Returns at once; the bytes are written by TensorStore's threads, and
-  `Started.finish` commits them and writes Orbax's metadata files.
+  Returns once every write is issued; TensorStore's threads write the bytes,
+  and `Started.finish` waits for them and writes Orbax's metadata files.
   """
   specs = _Specs(directory, chunk_byte_size)
-  transaction = ts.Transaction(atomic=True)
   layouts = {key: specs.layout(tuple(value.shape), np.dtype(value.dtype))
              for key, value in stored.items()}
   kvstore = None
-  pending: list[Any] = []
+  writes: list[Any] = []
+  opening: list[tuple[Any, np.ndarray]] = []
   for key, layout in layouts.items():
     data = host[key]
     if layout.zarray is not None:
       if kvstore is None:
         kvstore = ts.KvStore.open(
             {**layout.spec["kvstore"], "path": ""}, context=specs.context
-        ).result().with_transaction(transaction)
-      pending.append(kvstore.write(f"{key}/.zarray", layout.zarray))
-      pending.append(kvstore.write(f"{key}/{layout.chunk_key}", _c_bytes(data)))
+        ).result()
+      writes.append(kvstore.write(f"{key}/.zarray", layout.zarray))
+      writes.append(kvstore.write(f"{key}/{layout.chunk_key}", _c_bytes(data)))
     else:
       spec = {**layout.spec, "kvstore": {**layout.spec["kvstore"], "path": key}}
-      pending.append(_open_and_write(spec, data, specs.context, transaction))
-  return Started(
-      directory=directory, opened=tuple(pending),
-      transaction=transaction, files=orbax_files(stored, layouts),
-  )
-
-
-class _OpenAndWrite:
-  """A ``ts.open`` then a write from the array's own memory, as one future."""
-
-  def __init__(self, spec: dict[str, Any], data: np.ndarray, context: Any, transaction: Any):
-    self._data = data
-    self._opening = ts.open(
-        spec, create=True, open=True, context=context, transaction=transaction
-    )
-
-  def result(self) -> None:
-    self._opening.result().write(
-        self._data, can_reference_source_data_indefinitely=True
-    ).result()
-
-
-def _open_and_write(spec, data, context, transaction) -> _OpenAndWrite:
-  return _OpenAndWrite(spec, data, context, transaction)
+      opening.append((ts.open(spec, create=True, open=True, context=specs.context), data))
+  for opened, data in opening:  # All opened at once; each written once open.
+    writes.append(opened.result().write(data, can_reference_source_data_indefinitely=True))
+  return Started(directory=directory, writes=tuple(writes), files=orbax_files(stored, layouts))
 
 
 def orbax_files(stored: Mapping[str, Any], layouts: Mapping[str, _Layout]) -> dict[str, bytes]:
