@@ -91,6 +91,11 @@ def _slots(key: str, value: Any) -> list[_Slot]:
     local = value if jax.process_index() == 0 else None
     return [_Slot(key, index, 0, local)]
   shape = value.shape
+  devices = value.sharding.device_set
+  if len(devices) == 1:  # The commonest case, without the general walk below.
+    (device,) = devices
+    local_whole = value if device.process_index == jax.process_index() else None
+    return [_Slot(key, full_index(shape), device.process_index, local_whole)]
   owners: dict[Index, jax.Device] = {}
   for device, slices in value.sharding.devices_indices_map(shape).items():
     index = _as_index(slices, shape)
