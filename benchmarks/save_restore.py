@@ -23,6 +23,8 @@ bytes of float32. Each method saves and restores the same arrays:
   (`pz_persist.storage.host_memory.release_freed` made a no-op), to measure what it buys.
 * ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
   restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
+* ``orbax_no_template`` (not run by default): the same save, restored
+  without a template (bare arrays in nested dicts and lists).
 * ``safetensors``: ``safetensors.numpy.save_file`` / ``load_file``.
 * ``numpy``: ``np.savez`` / ``np.load`` of every array.
 
@@ -170,7 +172,7 @@ def save_op(method: str, path: str, params):
       with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(path, args=pzp.PenzaiSave(params))
     return op
-  if method == "orbax":
+  if method in ("orbax", "orbax_no_template"):
     import orbax.checkpoint as ocp
 
     def op():
@@ -184,8 +186,12 @@ def save_op(method: str, path: str, params):
   return lambda: np.savez(path, **{k.replace("/", "|"): v for k, v in flat.items()})
 
 
-def restore_op(method: str, path: str, target_bytes: int):
-  """A callable restoring what `save_op` wrote (Orbax gets its template)."""
+def restore_op(method: str, path: str, target_bytes: int, template=None):
+  """A callable restoring what `save_op` wrote.
+
+  ``orbax`` gets ``template`` (default: the abstract `build_params` tree of
+  ``target_bytes``); ``orbax_no_template`` restores without one.
+  """
   if method == "pz_persist":
     import pz_persist as pzp
     return lambda: _block(pzp.load(path))
@@ -199,10 +205,11 @@ def restore_op(method: str, path: str, target_bytes: int):
       with ocp.Checkpointer(handler) as checkpointer:
         _block(checkpointer.restore(path, args=pzp.PenzaiRestore()))
     return op
-  if method == "orbax":
+  if method in ("orbax", "orbax_no_template"):
     import jax
     import orbax.checkpoint as ocp
-    template = jax.eval_shape(lambda: build_params(target_bytes))
+    if method == "orbax" and template is None:
+      template = jax.eval_shape(lambda: build_params(target_bytes))
 
     def op():
       with ocp.StandardCheckpointer() as checkpointer:
