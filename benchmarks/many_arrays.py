@@ -183,6 +183,26 @@ def model_operation(operation: str, directory: str, name: str):
   raise ValueError(operation)
 
 
+def model_rounds(directory: str, rounds: int) -> dict:
+  """The model operations taking turns in one warm process, ``rounds`` times.
+
+  Fresh processes drift by hundreds of milliseconds on a shared machine, more
+  than the 50 ms measured; in one process, each round runs every operation
+  back to back (in rotating order), so a round's difference between
+  ``load_model`` and ``load_arrays`` compares them under the same conditions.
+  """
+  ops = {name: model_operation(name, directory, "model") for name in MODEL_OPERATIONS}
+  for name in MODEL_OPERATIONS:
+    harness.timed_runs(model_operation(name, directory, "tiny"), 1)
+    harness.timed_runs(ops[name], 1)
+  names = list(MODEL_OPERATIONS)
+  times: dict[str, list[float]] = {name: [] for name in names}
+  for index in range(rounds):
+    for name in names[index % len(names):] + names[:index % len(names)]:
+      times[name] += harness.timed_runs(ops[name], 1)
+  return times
+
+
 def worker(method: str, operation: str, path: str, count: int, array_kib: float,
            warm_runs: int) -> dict:
   """One (method, operation) in this process: a warm-up on a tiny tree, the
@@ -215,6 +235,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--skip", default="", help="comma-separated: 'warm' (no repeats in a"
                       " process), 'model' (no model section), 'inspect'")
   parser.add_argument("--model-blocks", type=int, default=64)
+  parser.add_argument("--model-rounds", type=int, default=8,
+                      help="rounds of the model operations taking turns in one process")
   parser.add_argument("--in-process", action="store_true",
                       help="run every operation in this process (quick checks: no fresh figures)")
   parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
@@ -225,6 +247,8 @@ def main(argv=None) -> dict:
     method, operation, path, count, kib, warm_runs = args.worker
     if method == "save_models":  # The model section's checkpoints, in a process of their own.
       print(json.dumps(save_models(path, int(count))))
+    elif method == "model_rounds":
+      print(json.dumps(model_rounds(path, int(count))))
     else:
       print(json.dumps(worker(method, operation, path, int(count), float(kib), int(warm_runs))))
     return {}
@@ -283,6 +307,12 @@ def main(argv=None) -> dict:
         runs["model"][operation].append(run("model", operation, model_dir, 0))
     results["model"] = {"blocks": args.model_blocks, "arrays": sizes["model"],
                         **summarize(runs)["model"]}
+    if args.model_rounds:
+      if args.in_process:
+        results["model"]["rounds"] = model_rounds(model_dir, args.model_rounds)
+      else:
+        results["model"]["rounds"] = harness.run_worker(__file__, [
+            "--worker", "model_rounds", "-", model_dir, str(args.model_rounds), "0", "0"])
     report_model(results["model"])
     shutil.rmtree(model_dir, ignore_errors=True)
   report_targets(results)
@@ -400,6 +430,30 @@ def report_model(model: dict) -> None:
   print("load_model: pzp.load_model(model checkpoint); load_model_tree: pzp.load of it;"
         " load_arrays: pzp.load of the parameters alone (same arrays and labels);"
         " load_model_into: load_model(parameters, into=model); inspect: of the model\n")
+  if "rounds" in model:
+    rounds = model["rounds"]
+    rows = []
+    for operation in MODEL_OPERATIONS:
+      best, median = harness.best_and_median(rounds[operation])
+      row = [operation, f"{best * 1000:.1f} ms", f"{median * 1000:.1f} ms"]
+      if operation in ("load_arrays", "inspect"):
+        row.append("-")
+      else:
+        row.append(f"{model_overhead(rounds, operation) * 1000:+.1f} ms")
+      rows.append(row)
+    harness.print_table(
+        f"The same, taking turns in one warm process ({len(rounds['load_arrays'])} rounds)",
+        ["operation", "best", "median", "median of each round's difference to load_arrays"],
+        rows,
+    )
+
+
+def model_overhead(rounds: dict, operation: str = "load_model") -> float:
+  """Median over rounds of ``operation``'s time minus ``load_arrays``' time."""
+  import statistics
+
+  return statistics.median(
+      mine - arrays for mine, arrays in zip(rounds[operation], rounds["load_arrays"]))
 
 
 def report_targets(results: dict) -> None:
@@ -424,7 +478,11 @@ def report_targets(results: dict) -> None:
       if phase in model["load_model"]:
         added = model["load_model"][phase][0] - model["load_arrays"][phase][0]
         rows.append((f"load_model adds over loading the arrays ({model['blocks']} blocks),"
-                     f" {phase}", added * 1000, 50, False, "ms"))
+                     f" {phase}, best minus best", added * 1000, 50, False, "ms"))
+    if "rounds" in model:
+      rows.append((f"the same, taking turns in one process, median of"
+                   f" {len(model['rounds']['load_arrays'])} rounds",
+                   model_overhead(model["rounds"]) * 1000, 50, False, "ms"))
   if rows:
     harness.print_targets("Issue 19's targets (pz_persist, best runs)", rows)
 

@@ -79,7 +79,7 @@ def test_async_save_benchmark_576mib(tmp_path):
 def test_many_arrays_benchmark_runs_in_process(tmp_path, capsys):
   """Every method, operation, report and target at a tiny size, in this process."""
   results = many_arrays.main(["--counts", "6,12", "--repeats", "1", "--warm-runs", "1",
-                              "--model-blocks", "1", "--in-process", "--dir", str(tmp_path)])
+                              "--model-blocks", "1", "--model-rounds", "2", "--in-process", "--dir", str(tmp_path)])
   assert set(results["counts"]) == {6, 12}
   for summary in results["counts"].values():
     assert {method: set(ops) for method, ops in summary.items()} == {
@@ -93,6 +93,7 @@ def test_many_arrays_benchmark_runs_in_process(tmp_path, capsys):
   assert "How the cost per array grows with the count" in printed
   assert "1-block unstacked transformer" in printed
   assert "Issue 19's targets" in printed and "load_model adds over loading the arrays" in printed
+  assert "taking turns in one warm process (2 rounds)" in printed
 
 
 def test_many_arrays_benchmark_runs_in_fresh_processes(tmp_path, capsys):
