@@ -213,7 +213,7 @@ def print_targets(title: str, rows: list[tuple[str, float, float, bool, str]]) -
   """
 
   def show(value: float, unit: str) -> str:
-    return f"{value:.2f}x" if unit == "x" else f"{value:.3g} {unit}"
+    return f"{value:.2f}x" if unit == "x" else f"{value:.4g} {unit}"
 
   return print_table(title, ["target", "measured", "bound", "verdict"], [
       [name, show(value, unit), ("\u2265 " if at_least else "\u2264 ") + show(bound, unit),
