@@ -258,6 +258,8 @@ def main(argv=None) -> dict:
   unknown = set(methods) - set(METHODS)
   if unknown:
     parser.error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+  if "orbax_no_template" in methods and "orbax" not in methods:
+    parser.error("orbax_no_template restores orbax's checkpoint: add orbax to --methods")
   skip = set(args.skip.split(","))
   warm_runs = 0 if "warm" in skip else args.warm_runs
   directory = args.dir or tempfile.mkdtemp(prefix="pz_persist_many_")
