@@ -161,3 +161,62 @@ def machine_description() -> str:
       f" {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, {platform.platform()},"
       f" Python {platform.python_version()}"
   )
+
+
+def timed_runs(
+    operation: Callable[[], Any], runs: int, *, prepare: Callable[[], Any] | None = None
+) -> list[float]:
+  """Seconds of ``runs`` calls of ``operation`` in this process, in order.
+
+  The first call is the one a fresh process pays; the later ones are what a
+  warm process (a notebook repeating a load or save) pays, with every cache
+  and allocator arena of the library already in place. ``prepare`` runs
+  before each call, untimed (e.g. removing what the previous save wrote).
+  """
+  seconds = []
+  for _ in range(runs):
+    if prepare is not None:
+      prepare()
+    start = time.perf_counter()
+    operation()
+    seconds.append(time.perf_counter() - start)
+  return seconds
+
+
+def synced(operation: Callable[[], Any]) -> Callable[[], None]:
+  """``operation`` followed by ``os.sync()``: a save is only done once its
+  bytes are on disk, whether or not the library fsyncs its own files
+  (Orbax and pz_persist do; safetensors and numpy do not)."""
+
+  def run() -> None:
+    operation()
+    os.sync()
+
+  return run
+
+
+def best_and_median(seconds: list[float]) -> tuple[float, float]:
+  import statistics
+
+  return min(seconds), statistics.median(seconds)
+
+
+def verdict(value: float, bound: float, *, at_least: bool) -> str:
+  """'met' or 'NOT met' for ``value >= bound`` (``at_least``) or ``<= bound``."""
+  return "met" if (value >= bound if at_least else value <= bound) else "NOT met"
+
+
+def print_targets(title: str, rows: list[tuple[str, float, float, bool, str]]) -> str:
+  """Prints a table of targets: (target, measured value, bound, at_least, unit).
+
+  Unit ``x`` formats ratios (``1.23x``); anything else follows the number.
+  """
+
+  def show(value: float, unit: str) -> str:
+    return f"{value:.2f}x" if unit == "x" else f"{value:.4g} {unit}"
+
+  return print_table(title, ["target", "measured", "bound", "verdict"], [
+      [name, show(value, unit), ("\u2265 " if at_least else "\u2264 ") + show(bound, unit),
+       verdict(value, bound, at_least=at_least)]
+      for name, value, bound, at_least, unit in rows
+  ])

@@ -11,6 +11,7 @@ from conftest import REPO
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import async_save  # noqa: E402  pylint: disable=wrong-import-position
 import integrity  # noqa: E402  pylint: disable=wrong-import-position
+import many_arrays  # noqa: E402  pylint: disable=wrong-import-position
 import save_restore  # noqa: E402  pylint: disable=wrong-import-position
 import sharded_restore  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -24,10 +25,19 @@ def _check(results, methods):
 
 
 def test_save_restore_benchmark_runs(tmp_path, capsys):
-  results = save_restore.main(["--size", "2MiB", "--repeats", "1", "--dir", str(tmp_path)])
+  results = save_restore.main(["--size", "2MiB", "--repeats", "1", "--warm-runs", "1",
+                                "--dir", str(tmp_path)])
   _check(results, save_restore.METHODS)
+  assert set(results["warm"]) == set(save_restore.METHODS) - {"numpy"}
+  assert all(len(times["save"]) == len(times["restore"]) == 1
+             for times in results["warm"].values())
+  assert all(entry["save_synced"]["seconds"] >= entry["save"]["seconds"]
+             for entry in results["methods"].values())
   printed = capsys.readouterr().out
   assert "pz_persist's speed relative to each method" in printed
+  assert "Warm process: save + sync and restore" in printed
+  assert "Issue 19's targets" in printed and "save + sync vs orbax, warm (best)" in printed
+  assert "restore vs safetensors, warm (median)" in printed and "restore peak RSS" in printed
   assert "pz_persist.inspect" in printed and "only=" in printed
   only = results["methods"]["pz_persist"]["only"]
   assert only["smallest"]["bytes"] < only["largest"]["bytes"]
@@ -57,12 +67,49 @@ def test_async_save_benchmark_runs(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "async blocked time / sync save time" in printed
   assert "plain Orbax async blocked time" in printed and "Taking turns" in printed
+  assert "Issue 19's async save targets" in printed and "taking turns in one process" in printed
 
 
 @pytest.mark.slow
 def test_async_save_benchmark_576mib(tmp_path):
   results = async_save.main(["--state-size", "576MiB", "--dir", str(tmp_path)])
   assert results["ratio"] > 0
+
+
+def test_many_arrays_benchmark_runs_in_process(tmp_path, capsys):
+  """Every method, operation, report and target at a tiny size, in this process."""
+  results = many_arrays.main(["--counts", "6,12", "--repeats", "1", "--warm-runs", "1",
+                              "--model-blocks", "1", "--model-rounds", "2", "--in-process", "--dir", str(tmp_path)])
+  assert set(results["counts"]) == {6, 12}
+  for summary in results["counts"].values():
+    assert {method: set(ops) for method, ops in summary.items()} == {
+        method: set(ops) for method, ops in many_arrays.OPERATIONS.items()}
+    assert all(entry["fresh"][0] > 0 and entry["warm"][0] > 0
+               for ops in summary.values() for entry in ops.values())
+  assert results["model"]["arrays"] > 1
+  assert set(many_arrays.MODEL_OPERATIONS) <= set(results["model"])
+  printed = capsys.readouterr().out
+  assert "12 arrays: pz_persist's speed relative to each method" in printed
+  assert "How the cost per array grows with the count" in printed
+  assert "1-block unstacked transformer" in printed
+  assert "Issue 19's targets" in printed and "load_model adds over loading the arrays" in printed
+  assert "taking turns in one warm process (2 rounds)" in printed
+
+
+def test_many_arrays_benchmark_runs_in_fresh_processes(tmp_path, capsys):
+  """The workers' command line: one method, no model section, no repeats."""
+  results = many_arrays.main(["--counts", "8", "--repeats", "1", "--methods", "safetensors",
+                              "--skip", "warm,model", "--dir", str(tmp_path)])
+  (summary,) = results["counts"].values()
+  assert set(summary["safetensors"]) == {"save", "load"}
+  assert all("warm" not in entry for entry in summary["safetensors"].values())
+  assert "8 arrays (128.00 KiB)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_many_arrays_benchmark_full(tmp_path):
+  results = many_arrays.main(["--dir", str(tmp_path)])
+  assert set(results["counts"]) == {1000, 4000, 16000}
 
 
 def test_sharded_restore_benchmark_runs(tmp_path, capsys):
