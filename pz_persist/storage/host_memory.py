@@ -22,10 +22,16 @@ opt-in for that.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import functools
 import math
 import mmap
+import os
+import threading
+import time
+import weakref
 
 import numpy as np
 
@@ -91,9 +97,19 @@ ALIGNMENT = 64
 
 _CAN_POPULATE = hasattr(mmap, "MAP_POPULATE")  # Linux.
 
+POOL_SECONDS = 60.0
+"""How long the memory of dead read buffers is kept for the next load (see
+`aligned_empty`): a notebook re-running a load cell within this time gets it
+back instead of new memory."""
+
+_MADV_FREE = getattr(mmap, "MADV_FREE", None)  # Linux 4.5 and later.
+
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   """A new array for a read to fill, its pages already mapped, 64-byte aligned.
+
+  Its contents are undefined (memory of a dead array may be reused): the
+  caller writes every byte before anything reads it.
 
   Why aligned: JAX's CPU backend adopts such a buffer as a device array
   without copying it (NumPy's own allocations, and TensorStore's, are only
@@ -108,14 +124,190 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   cost seconds per GiB on a virtual machine whose memory the host has not
   backed yet (measured on this project's machine: a first load in a fresh
   process 3.4-3.9 s with huge pages, 0.84-0.97 s like this, and safetensors
-  0.85-0.96 s). The mapping is released when the array (or the ``jax.Array``
-  that adopted it) is freed. Elsewhere, an over-allocated NumPy array is used.
+  0.85-0.96 s).
+
+  Why reused: providing new memory is most of a load's time even in a warm
+  process (the kernel zeroes every page, then unmaps the old ones; measured
+  with ``perf``, 40-45% of a warm 512 MiB load), so the mapping of a
+  buffer whose array died is kept for the next buffer of the same size
+  (`_Pool`): a notebook reloading a model gets the previous model's memory
+  back with nothing to zero. See `_Pool` for what that costs and its bounds.
+  Elsewhere than Linux, an over-allocated NumPy array is used.
   """
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
   if _CAN_POPULATE and nbytes:
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    mapping = mmap.mmap(-1, nbytes, flags=flags)
-    return np.frombuffer(mapping, np.uint8).view(dtype).reshape(shape)
+    return _POOL.take(nbytes).view(dtype).reshape(shape)
   raw = np.empty(nbytes + ALIGNMENT, np.uint8)
   start = -raw.ctypes.data % ALIGNMENT
   return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def release_buffers() -> None:
+  """Unmaps the memory kept from dead read buffers now (see `_Pool`),
+  instead of `POOL_SECONDS` after their arrays died."""
+  _POOL.expire(older_than=0.0)
+
+
+class _Pool:
+  """Mappings of dead read buffers, kept for the next buffers of their size.
+
+  A buffer handed out is a NumPy array (the *owner*) over a mapping; every
+  array built on it keeps the owner alive: NumPy views, the ``jax.Array``
+  that adopted it, TensorStore while it writes into it. Only when the owner
+  dies does a ``weakref.finalize`` give the mapping back: memory is never
+  handed out while anything still refers to it.
+
+  Bounds, the cost of the reuse:
+
+  * Time: a mapping not reused within `POOL_SECONDS` of its array's death is
+    unmapped (by a timer thread, started only while something is kept).
+  * Bytes: what is kept never exceeds the bytes handed out in the last
+    `POOL_SECONDS`, about one load's worth: a process that drops models it
+    loaded long ago gets their memory back at once, as before.
+  * Memory pressure: a kept mapping is marked ``MADV_FREE``: its pages stay
+    counted in the process's resident memory, but the kernel may take them
+    whenever it needs memory, without swapping (a later reuse then faults in
+    zeroed pages, which costs what new memory costs).
+
+  So after a load, the previous model's memory (when it died) stays mapped
+  for up to a minute, and the next load of the same shapes in that minute
+  maps nothing new. A fresh process, or a load of other shapes, works as
+  before: the pool is only ever consulted by size.
+
+  The finalizers run wherever an owner dies (any thread, inside garbage
+  collection): they only append to a queue and never wait for the lock;
+  whoever holds the lock empties the queue before and after letting go.
+  """
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._returned: collections.deque[mmap.mmap] = collections.deque()
+    self._free: dict[int, list[tuple[float, mmap.mmap]]] = {}
+    self._free_bytes = 0
+    self._recent: collections.deque[tuple[float, int]] = collections.deque()
+    self._recent_bytes = 0
+    self._timer: threading.Timer | None = None
+
+  def take(self, nbytes: int) -> np.ndarray:
+    """A buffer of ``nbytes`` (uint8), reused or newly mapped and populated."""
+    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    with self._locked():
+      now = time.monotonic()
+      self._recent.append((now, size))
+      self._recent_bytes += size
+      kept = self._free.get(size)
+      mapping = kept.pop()[1] if kept else None
+      if mapping is not None:
+        self._free_bytes -= size
+    if mapping is None:
+      mapping = _new_mapping(size)
+    owner = np.frombuffer(mapping, np.uint8, count=nbytes)
+    weakref.finalize(owner, self._give_back, mapping).atexit = False
+    return owner
+
+  def expire(self, older_than: float = POOL_SECONDS) -> None:
+    """Unmaps kept mappings returned more than ``older_than`` seconds ago."""
+    with self._locked():
+      dropped = self._keep_only(time.monotonic() - older_than)
+    del dropped  # Unmapped here, out of the lock.
+
+  def _give_back(self, mapping: mmap.mmap) -> None:
+    """An owner died (its finalizer): its mapping may serve again."""
+    self._returned.append(mapping)
+    self._settle()
+
+  @contextlib.contextmanager
+  def _locked(self):
+    with self._lock:
+      self._drain()
+      yield
+      self._drain()
+    self._settle()
+
+  def _settle(self) -> None:
+    """Empties what finalizers queued while the lock was taken."""
+    while self._returned and self._lock.acquire(blocking=False):
+      try:
+        self._drain()
+      finally:
+        self._lock.release()
+
+  def _drain(self) -> None:
+    """Keeps or drops every returned mapping (the lock is held)."""
+    now = time.monotonic()
+    while self._recent and self._recent[0][0] < now - POOL_SECONDS:
+      self._recent_bytes -= self._recent.popleft()[1]
+    while self._returned:
+      mapping = self._returned.popleft()
+      size = len(mapping)
+      if self._free_bytes + size > self._recent_bytes:
+        continue  # Dropped: unmapped once its last view is gone.
+      _let_kernel_take(mapping)
+      self._free.setdefault(size, []).append((now, mapping))
+      self._free_bytes += size
+    if self._free and self._timer is None:
+      oldest = min(entry[0] for kept in self._free.values() for entry in kept)
+      self._start_timer(oldest + POOL_SECONDS - now)
+    elif not self._free and self._timer is not None:
+      self._timer.cancel()  # Nothing kept: no thread waits for nothing.
+      self._timer = None
+
+  def _keep_only(self, since: float) -> list[mmap.mmap]:
+    """Stops keeping mappings returned at or before ``since`` (the lock is
+    held); returns them, to be unmapped once the caller lets them go."""
+    dropped = []
+    for size, kept in list(self._free.items()):
+      young = [entry for entry in kept if entry[0] > since]
+      dropped += [mapping for returned, mapping in kept if returned <= since]
+      self._free_bytes -= size * (len(kept) - len(young))
+      if young:
+        self._free[size] = young
+      else:
+        del self._free[size]
+    return dropped
+
+  def _start_timer(self, delay: float) -> None:
+    timer = threading.Timer(max(delay, 0.0) + 0.01, self._on_timer)
+    timer.daemon = True
+    try:
+      timer.start()
+    except RuntimeError:  # Interpreter shutting down: nothing to keep for.
+      self._free.clear()
+      self._free_bytes = 0
+      return
+    self._timer = timer
+
+  def _on_timer(self) -> None:
+    with self._locked():
+      self._timer = None
+      dropped = self._keep_only(time.monotonic() - POOL_SECONDS)
+    del dropped  # Unmapped here, out of the lock.
+
+  def _after_fork(self) -> None:
+    """In a forked child: the parent's timer thread does not exist here."""
+    self._lock = threading.Lock()
+    self._timer = None
+    self._free.clear()
+    self._free_bytes = 0
+
+
+def _new_mapping(size: int) -> mmap.mmap:
+  """``size`` bytes of new memory, every page provided up front."""
+  flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+  return mmap.mmap(-1, size, flags=flags)
+
+
+def _let_kernel_take(mapping: mmap.mmap) -> None:
+  """Marks a kept mapping's pages as reclaimable (``MADV_FREE``), where the
+  kernel has it."""
+  if _MADV_FREE is None:
+    return
+  try:
+    mapping.madvise(_MADV_FREE)
+  except OSError:  # Not supported by this kernel: the pages just stay.
+    pass
+
+
+_POOL = _Pool()
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_POOL._after_fork)  # pylint: disable=protected-access
