@@ -144,7 +144,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def release_buffers() -> None:
   """Unmaps the memory kept from dead read buffers now (see `_Pool`),
-  instead of `POOL_SECONDS` after their arrays died."""
+  instead of up to `POOL_SECONDS` after their arrays died."""
   _POOL.expire(older_than=0.0)
 
 
@@ -160,7 +160,8 @@ class _Pool:
   Bounds, the cost of the reuse:
 
   * Time: a mapping not reused within `POOL_SECONDS` of its array's death is
-    unmapped (by a timer thread, started only while something is kept).
+    unmapped, by a daemon thread that sleeps in between (one per process,
+    started by the first buffer handed out).
   * Bytes: what is kept never exceeds the bytes handed out in the last
     `POOL_SECONDS`, about one load's worth: a process that drops models it
     loaded long ago gets their memory back at once, as before.
@@ -175,8 +176,9 @@ class _Pool:
   before: the pool is only ever consulted by size.
 
   The finalizers run wherever an owner dies (any thread, inside garbage
-  collection): they only append to a queue and never wait for the lock;
-  whoever holds the lock empties the queue before and after letting go.
+  collection): they append to a queue and take the lock only if it is free
+  (never waiting, never starting a thread); whoever holds the lock empties
+  the queue before and after letting go.
   """
 
   def __init__(self) -> None:
@@ -186,7 +188,8 @@ class _Pool:
     self._free_bytes = 0
     self._recent: collections.deque[tuple[float, int]] = collections.deque()
     self._recent_bytes = 0
-    self._timer: threading.Timer | None = None
+    self._expiring: threading.Thread | None = None
+    self._wake = threading.Event()
 
   def take(self, nbytes: int) -> np.ndarray:
     """A buffer of ``nbytes`` (uint8), reused or newly mapped and populated."""
@@ -199,16 +202,23 @@ class _Pool:
       mapping = kept.pop()[1] if kept else None
       if mapping is not None:
         self._free_bytes -= size
+      if self._expiring is None:
+        self._expiring = threading.Thread(
+            target=self._expire_forever, name="pz_persist read buffers", daemon=True
+        )
+        self._expiring.start()
     if mapping is None:
       mapping = _new_mapping(size)
     owner = np.frombuffer(mapping, np.uint8, count=nbytes)
     weakref.finalize(owner, self._give_back, mapping).atexit = False
     return owner
 
-  def expire(self, older_than: float = POOL_SECONDS) -> None:
-    """Unmaps kept mappings returned more than ``older_than`` seconds ago."""
+  def expire(self, older_than: float | None = None) -> None:
+    """Unmaps kept mappings returned more than ``older_than`` seconds ago
+    (default: `POOL_SECONDS`)."""
     with self._locked():
-      dropped = self._keep_only(time.monotonic() - older_than)
+      since = time.monotonic() - (POOL_SECONDS if older_than is None else older_than)
+      dropped = self._keep_only(since)
     del dropped  # Unmapped here, out of the lock.
 
   def _give_back(self, mapping: mmap.mmap) -> None:
@@ -245,12 +255,6 @@ class _Pool:
       _let_kernel_take(mapping)
       self._free.setdefault(size, []).append((now, mapping))
       self._free_bytes += size
-    if self._free and self._timer is None:
-      oldest = min(entry[0] for kept in self._free.values() for entry in kept)
-      self._start_timer(oldest + POOL_SECONDS - now)
-    elif not self._free and self._timer is not None:
-      self._timer.cancel()  # Nothing kept: no thread waits for nothing.
-      self._timer = None
 
   def _keep_only(self, since: float) -> list[mmap.mmap]:
     """Stops keeping mappings returned at or before ``since`` (the lock is
@@ -266,27 +270,26 @@ class _Pool:
         del self._free[size]
     return dropped
 
-  def _start_timer(self, delay: float) -> None:
-    timer = threading.Timer(max(delay, 0.0) + 0.01, self._on_timer)
-    timer.daemon = True
-    try:
-      timer.start()
-    except RuntimeError:  # Interpreter shutting down: nothing to keep for.
-      self._free.clear()
-      self._free_bytes = 0
-      return
-    self._timer = timer
+  def _expire_forever(self) -> None:
+    """The expiring thread: sleeps until the oldest kept mapping is due (or
+    `POOL_SECONDS` when nothing is kept), then unmaps what is due."""
+    while True:
+      self._wake.wait(self._seconds_to_next_expiry())
+      self._wake.clear()
+      self.expire()
 
-  def _on_timer(self) -> None:
+  def _seconds_to_next_expiry(self) -> float:
     with self._locked():
-      self._timer = None
-      dropped = self._keep_only(time.monotonic() - POOL_SECONDS)
-    del dropped  # Unmapped here, out of the lock.
+      returned = [entry[0] for kept in self._free.values() for entry in kept]
+      if not returned:
+        return POOL_SECONDS
+      return max(min(returned) + POOL_SECONDS - time.monotonic(), 0.0) + 0.01
 
   def _after_fork(self) -> None:
-    """In a forked child: the parent's timer thread does not exist here."""
+    """In a forked child: the parent's expiring thread does not exist here."""
     self._lock = threading.Lock()
-    self._timer = None
+    self._wake = threading.Event()
+    self._expiring = None
     self._free.clear()
     self._free_bytes = 0
 
