@@ -1,7 +1,10 @@
 """Host memory for reads: aligned buffers, and freed memory handed back.
 
 Arrays read from disk land in buffers from `aligned_empty`, which JAX's CPU
-backend adopts as device arrays without a copy.
+backend adopts as device arrays without a copy. When such an array dies, its
+memory serves the next buffer of its size for a while (`_Pool`): a process
+loading a model again gets the previous model's memory back instead of
+memory the kernel must zero.
 
 Reading a batch of arrays allocates read buffers that are freed once the
 arrays are built. glibc's allocator keeps freed memory in per-thread arenas,
