@@ -46,6 +46,7 @@ from pz_persist.pretrained.hf_export import export_hf
 from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.safety.allowlist import allow_modules
 from pz_persist.safety.limits import limits
+from pz_persist.storage.host_memory import release_buffers as release_read_buffers
 from pz_persist.storage.host_memory import tune_host_allocator
 from pz_persist.storage.s3_kvstore import disable_orbax_s3
 from pz_persist.storage.s3_kvstore import enable_orbax_s3
@@ -89,6 +90,7 @@ __all__ = [
     "migrate",
     "pretrained",
     "register_handlers",
+    "release_read_buffers",
     "render_html",
     "restore_trainer",
     "save",

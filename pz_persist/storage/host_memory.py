@@ -147,7 +147,16 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 def release_buffers() -> None:
   """Unmaps the memory kept from dead read buffers now (see `_Pool`),
-  instead of up to `POOL_SECONDS` after their arrays died."""
+  instead of up to `POOL_SECONDS` after their arrays died.
+
+  For a process about to need that memory for something else at once (the
+  kernel takes it back by itself under memory pressure anyway).
+
+  Example::
+
+    del model                    # The arrays pz_persist loaded die...
+    pzp.release_read_buffers()   # ...and their memory is unmapped now.
+  """
   _POOL.expire(older_than=0.0)
 
 
