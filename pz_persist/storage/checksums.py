@@ -94,9 +94,9 @@ def _slots(key: str, value: Any) -> list[_Slot]:
   devices = value.sharding.device_set
   if len(devices) == 1:  # The commonest case, without the general walk below.
     (device,) = devices
-    owner: int = device.process_index  # type: ignore[attr-defined]  # jaxlib's Device: no stub.
-    local_whole = value if owner == jax.process_index() else None
-    return [_Slot(key, full_index(shape), owner, local_whole)]
+    holder: int = device.process_index  # type: ignore[attr-defined]  # jaxlib's Device: no stub.
+    local_whole = value if holder == jax.process_index() else None
+    return [_Slot(key, full_index(shape), holder, local_whole)]
   owners: dict[Index, jax.Device] = {}
   for device, slices in value.sharding.devices_indices_map(shape).items():
     index = _as_index(slices, shape)
