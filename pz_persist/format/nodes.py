@@ -14,7 +14,6 @@ Adding a node type is one row here plus its encoding and decode function;
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator
 from typing import Any
 from typing import Literal
@@ -84,9 +83,8 @@ class NodeType:
   tree: bool = True
   axes: tuple[str, Literal["size", "index"]] | None = None
 
-  @functools.cached_property
+  @property
   def field_names(self) -> frozenset[str]:
-    """Its field names; cached, since every node built or read asks."""
     return frozenset(f.name for f in self.fields)
 
   def field(self, name: str) -> Field | None:
