@@ -27,6 +27,7 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -142,7 +143,7 @@ class _Variables:
     self._building.add(ref)
     entry = self._entries[ref]
     entry_where = f"{self._where}[{ref}]"
-    if not isinstance(entry, dict) or set(entry) != nodes.VARIABLE_ENTRY_FIELDS:
+    if not isinstance(entry, dict) or entry.keys() != nodes.VARIABLE_ENTRY_FIELDS:
       raise errors.ManifestError(f"{entry_where}: malformed variable entry.")
     if not isinstance(entry["kind"], str) or entry["kind"] not in nodes.VARIABLE_KINDS:
       raise errors.ManifestError(
@@ -189,7 +190,7 @@ class _Walk:
     node_type = nodes.NODE_TYPES.get(tag)
     if node_type is None or not (node_type.tree if in_tree else node_type.static):
       raise errors.ManifestError(f"{where}: unknown node type {tag!r}.")
-    nodes.check_shape(node, where)
+    nodes.check_shape(node, where, node_type)
     return DECODERS[tag](_At(self, where, depth, in_tree), node)
 
   def labeled(self, node: Node, where: str, depth: int) -> dict[str, Any]:
@@ -204,9 +205,12 @@ class _Walk:
     return {"label": label, "metadata": metadata, "value": value}
 
 
-@dataclasses.dataclass(frozen=True)
-class _At:
-  """Where a node is being decoded: what its decode function is given."""
+class _At(NamedTuple):
+  """Where a node is being decoded: what its decode function is given.
+
+  A named tuple, not a frozen dataclass: one is made for every node, and a
+  frozen dataclass's ``__init__`` costs several times more.
+  """
 
   walk: _Walk
   where: str

@@ -97,14 +97,12 @@ def read(
   """
   use_ocdbt, use_zarr3 = _layout(directory)
   context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+  keys = [spec.key for spec in specs]
   opening = {
-      spec.key: ts.open(
-          _read_spec(directory, spec.key, use_zarr3, use_ocdbt, context),
-          context=context,
-          open=True,
-          read=True,
+      key: ts.open(tspec, context=context, open=True, read=True)
+      for key, tspec in zip(
+          keys, _read_specs(directory, keys, use_zarr3, use_ocdbt, context)
       )
-      for spec in specs
   }
   stores = {key: _result(key, future) for key, future in opening.items()}
   # What TensorStore will trust when it allocates and copies, checked
@@ -172,6 +170,44 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
   if not isinstance(use_zarr3, bool):
     raise errors.ManifestError(f"{path}: use_zarr3 is {use_zarr3!r}, not a bool.")
   return ocp.type_handlers.is_ocdbt_checkpoint(directory), use_zarr3
+
+
+def _read_specs(
+    directory: epath.Path,
+    keys: Sequence[str],
+    use_zarr3: bool,
+    use_ocdbt: bool,
+    context: ts.Context,
+) -> list[dict[str, Any]]:
+  """Orbax's TensorStore read spec of each of ``keys``, in order.
+
+  Why not Orbax's builder for each: it takes ~0.15 ms an array (a few
+  seconds for a tree of 16,000 small arrays), and the specs of one item
+  differ only by the key. Orbax builds the first two; the others are the
+  first with its key replaced, which is used only if it reproduces the
+  second exactly (otherwise Orbax builds every one).
+  """
+  def build(key: str) -> dict[str, Any]:
+    return _read_spec(directory, key, use_zarr3, use_ocdbt, context)
+
+  if len(keys) < 3:
+    return [build(key) for key in keys]
+  first, second = build(keys[0]), build(keys[1])
+  if _rekeyed(first, keys[0], keys[1]) != second:
+    return [first, second] + [build(key) for key in keys[2:]]
+  return [first, second] + [_rekeyed(first, keys[0], key) for key in keys[2:]]
+
+
+def _rekeyed(spec: Any, old: str, new: str) -> Any:
+  """A copy of ``spec`` whose strings ending with the key ``old`` (the key
+  itself, or a path to it) end with ``new`` instead."""
+  if isinstance(spec, dict):
+    return {name: _rekeyed(value, old, new) for name, value in spec.items()}
+  if isinstance(spec, list):
+    return [_rekeyed(value, old, new) for value in spec]
+  if isinstance(spec, str) and spec.endswith(old):
+    return spec[: len(spec) - len(old)] + new
+  return spec
 
 
 def _read_spec(
