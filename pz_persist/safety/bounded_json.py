@@ -32,12 +32,12 @@ from pz_persist import errors
 _CHUNK = 1 << 18
 """Bytes scanned at once (the scan's temporaries are ~30 bytes per byte)."""
 
-_OTHER, _OPEN, _CLOSE, _SEPARATOR, _COLON, _QUOTE, _BACKSLASH = range(7)
+_OTHER, _OPEN, _CLOSE, _SEPARATOR, _QUOTE, _BACKSLASH = range(6)
 
 
 def _byte_classes() -> np.ndarray:
   table = np.full(256, _OTHER, np.uint8)
-  for chars, kind in (("[{", _OPEN), ("]}", _CLOSE), (",", _SEPARATOR), (":", _COLON),
+  for chars, kind in (("[{", _OPEN), ("]}", _CLOSE), (",:", _SEPARATOR),
                       ('"', _QUOTE), ("\\", _BACKSLASH)):
     table[[ord(c) for c in chars]] = kind
   return table
@@ -55,13 +55,7 @@ def structure(data: bytes) -> tuple[int, int]:
   parsing allocates. Depth is the deepest nesting of ``[``/``{``. For
   invalid JSON the counts mean nothing, but the parser refuses it anyway.
   """
-  return _scan(data)[:2]
-
-
-def _scan(data: bytes) -> tuple[int, int, int]:
-  """``(values, depth, keys)``: `structure`'s counts, and the ``:`` outside
-  strings (exactly the object keys of valid JSON, repeated ones included)."""
-  nodes, depth, deepest, keys = 1, 0, 0, 0
+  nodes, depth, deepest = 1, 0, 0
   in_string, backslashes = False, 0  # Carried from one chunk to the next.
   view = np.frombuffer(data, np.uint8)
   for start in range(0, len(view), _CHUNK):
@@ -82,14 +76,12 @@ def _scan(data: bytes) -> tuple[int, int, int]:
     elif in_string:
       continue
     opens, closes = kinds == _OPEN, kinds == _CLOSE
-    colons = int(np.count_nonzero(kinds == _COLON))
-    keys += colons
-    nodes += int(np.count_nonzero(opens)) + int(np.count_nonzero(kinds == _SEPARATOR)) + colons
+    nodes += int(np.count_nonzero(opens)) + int(np.count_nonzero(kinds == _SEPARATOR))
     if opens.any() or closes.any():
       levels = np.cumsum(opens.astype(np.int32) - closes) + depth
       deepest = max(deepest, int(levels.max()))
       depth = int(levels[-1])
-  return nodes, deepest, keys
+  return nodes, deepest
 
 
 def _escape_runs(escaping: np.ndarray, quotes: np.ndarray, carried: int) -> np.ndarray:
@@ -120,17 +112,14 @@ def node_limit(size: int, *, most: int, bytes_per_node: int = 4) -> int:
   return min(most, size // bytes_per_node + 4096)
 
 
-def check(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> int:
+def check(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> None:
   """Refuses JSON with more than ``max_nodes`` values or deeper than
   ``max_depth``, without parsing it (for files another library parses).
-
-  Returns:
-    The object keys the text holds (exact for valid JSON), for `loads`.
 
   Raises:
     ManifestError: naming ``where`` and the limit exceeded.
   """
-  nodes, depth, keys = _scan(data)
+  nodes, depth = structure(data)
   if nodes > max_nodes:
     raise errors.ManifestError(
         f"{where}: {nodes} JSON values in {len(data)} bytes, over the limit of"
@@ -141,7 +130,6 @@ def check(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> int:
         f"{where}: JSON nested {depth} levels deep, over the limit of"
         f" {max_depth}; the file is damaged or forged (refused before parsing)."
     )
-  return keys
 
 
 def read_limited(f: BinaryIO, limit: int) -> bytes:
@@ -234,43 +222,17 @@ def loads(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> Any:
   Raises:
     ManifestError: over a limit, or not valid JSON; naming ``where``.
   """
-  keys = check(data, where=where, max_nodes=max_nodes, max_depth=max_depth)
+  check(data, where=where, max_nodes=max_nodes, max_depth=max_depth)
   try:
-    value = json.loads(data, parse_constant=_refuse_constant)
-    if _keys_in(value) != keys:  # A key repeats: the parse kept one of its values.
-      value = json.loads(
-          data, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys
-      )
+    return json.loads(
+        data, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys
+    )
   except (ValueError, RecursionError) as e:
     raise errors.ManifestError(f"{where}: not valid JSON: {e}") from None
-  return value
 
 
 def _refuse_constant(name: str) -> Any:
   raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _keys_in(value: Any) -> int:
-  """The keys of the objects in a parsed JSON value, counted.
-
-  Why duplicate keys are found this way: fewer keys parsed than the text
-  holds (`_scan`) means one repeats, and the parse is redone with
-  `_unique_keys` to name it. Checking every object with that hook instead
-  costs a Python call per object and a list of pairs per object, which
-  trigger the garbage collector: 3-15x the parse on a 2 MB manifest in a
-  process holding a model (measured), where this walk costs about half
-  the parse.
-  """
-  count = 0
-  stack = [value]
-  while stack:
-    item = stack.pop()
-    if type(item) is dict:
-      count += len(item)
-      stack.extend(item.values())
-    elif type(item) is list:
-      stack.extend(item)
-  return count
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
