@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import base64
 import collections
-import contextlib
 import dataclasses
 import enum
 import functools
 from collections.abc import Callable
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -97,14 +95,18 @@ class _ArrayLabels:
     self._labels = labels  # None: not checked.
     self._held_by: list[str] = []
 
-  @contextlib.contextmanager
-  def holding(self, label: Any) -> Iterator[None]:
-    """Within this, arrays are held by the variable labelled ``label``."""
+  def holding(self, label: Any) -> _ArrayLabels:
+    """``with labels.holding(label)``: within it, arrays are held by the
+    variable labelled ``label``. (Its own ``__enter__`` / ``__exit__``, not
+    a ``contextlib`` generator: it runs for every variable.)"""
     self._held_by.append(nodes.describe_label(label))
-    try:
-      yield
-    finally:
-      self._held_by.pop()
+    return self
+
+  def __enter__(self) -> None:
+    pass
+
+  def __exit__(self, *exc_info: object) -> None:
+    self._held_by.pop()
 
   def check(self, ref: int, where: str) -> None:
     if self._labels is None:

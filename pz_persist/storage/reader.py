@@ -267,10 +267,11 @@ def _place(
   placed: dict[str, Any] = {}
   by_target: dict[jax.sharding.Sharding, list[str]] = collections.defaultdict(list)
   for key, array in host.items():
-    if targets[key] is None:
+    target = targets[key]
+    if target is None:
       placed[key] = array
     else:
-      by_target[targets[key]].append(key)
+      by_target[target].append(key)
   for target, keys in by_target.items():
     arrays = jax.device_put([host[key] for key in keys], target)
     placed.update(zip(keys, arrays))
