@@ -48,6 +48,7 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.errors import ArrayReadError  # Its callers catch it here.
 from pz_persist.format import array_specs as arrays_lib
+from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
 from pz_persist.storage import host_memory
@@ -159,9 +160,11 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
   """``(use_ocdbt, use_zarr3)``: how Orbax laid out the stored arrays."""
   path = directory / "_METADATA"
   try:
-    stored = json.loads(safe_io.read_small_file(
+    data = safe_io.read_small_file(
         path, containment.MAX_ORBAX_TREE_METADATA_BYTES, what="Orbax's metadata"
-    ))
+    )
+    with bounded_json.collector_paused():  # ~20 objects an array, no cycles.
+      stored = json.loads(data)
     use_zarr3 = stored.get("use_zarr3", False)
   except errors.UnsafeCheckpointError:
     raise
@@ -193,21 +196,38 @@ def _read_specs(
   if len(keys) < 3:
     return [build(key) for key in keys]
   first, second = build(keys[0]), build(keys[1])
-  if _rekeyed(first, keys[0], keys[1]) != second:
+  paths = _paths_ending_with(first, keys[0])
+  if _rekeyed(first, paths, keys[0], keys[1]) != second:
     return [first, second] + [build(key) for key in keys[2:]]
-  return [first, second] + [_rekeyed(first, keys[0], key) for key in keys[2:]]
+  return [first, second] + [_rekeyed(first, paths, keys[0], key) for key in keys[2:]]
 
 
-def _rekeyed(spec: Any, old: str, new: str) -> Any:
-  """A copy of ``spec`` whose strings ending with the key ``old`` (the key
-  itself, or a path to it) end with ``new`` instead."""
+def _paths_ending_with(spec: Any, key: str) -> list[tuple[str, ...]]:
+  """The paths (of dict keys) to the strings of ``spec`` that end with
+  ``key``: the key itself, or a path to it."""
   if isinstance(spec, dict):
-    return {name: _rekeyed(value, old, new) for name, value in spec.items()}
-  if isinstance(spec, list):
-    return [_rekeyed(value, old, new) for value in spec]
-  if isinstance(spec, str) and spec.endswith(old):
-    return spec[: len(spec) - len(old)] + new
-  return spec
+    return [
+        (name, *path)
+        for name, value in spec.items()
+        for path in _paths_ending_with(value, key)
+    ]
+  return [()] if isinstance(spec, str) and spec.endswith(key) else []
+
+
+def _rekeyed(
+    spec: dict[str, Any], paths: Sequence[tuple[str, ...]], old: str, new: str
+) -> dict[str, Any]:
+  """``spec`` with the strings at ``paths`` ending with ``new`` instead of
+  ``old``: the dicts on those paths copied, the rest shared (TensorStore
+  only reads a spec)."""
+  out = dict(spec)
+  for path in paths:
+    node = out
+    for name in path[:-1]:
+      node[name] = dict(node[name])
+      node = node[name]
+    node[path[-1]] = node[path[-1]][: len(node[path[-1]]) - len(old)] + new
+  return out
 
 
 def _read_spec(
