@@ -378,7 +378,7 @@ def _dataclass(at: _At, node: Node) -> Any:
       accept=_is_struct_class if is_struct else _is_dataclass_class,
       kind="a pz.Struct class" if is_struct else "a dataclass",
   )
-  names = {f.name for f in dataclasses.fields(cls) if is_struct or f.init}
+  names = _field_names(cls, is_struct)
   values = {}
   for name, value in node["fields"]:
     if not isinstance(name, str) or name not in names or name in values:
@@ -387,6 +387,19 @@ def _dataclass(at: _At, node: Node) -> Any:
       )
     values[name] = at.child(value, f"{at.where}.{name}")
   return at.rebuild(cls, cls.from_attributes if is_struct else cls, **values)
+
+
+_FIELD_NAMES: dict[tuple[type, bool], frozenset[str]] = {}
+
+
+def _field_names(cls: type, is_struct: bool) -> frozenset[str]:
+  """The fields a ``struct`` (all) or ``dataclass`` (its ``__init__``'s)
+  node of ``cls`` may set; cached: every layer of a model asks again."""
+  names = _FIELD_NAMES.get((cls, is_struct))
+  if names is None:
+    names = frozenset(f.name for f in dataclasses.fields(cls) if is_struct or f.init)
+    _FIELD_NAMES[(cls, is_struct)] = names
+  return names
 
 
 @_decodes("enum")
