@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import tensorstore as ts
+from etils import epath
 from penzai import pz
 from treecompare import assert_identical
 
@@ -209,3 +210,36 @@ def test_unreadable_array_names_its_label(ckpt):
 
 def pzp_param(label, data):
   return pz.ParameterValue(label=label, value=pz.nx.wrap(jnp.asarray(data)).tag("n"))
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False])
+@pytest.mark.parametrize("use_zarr3", [True, False])
+def test_read_specs_are_orbaxs_own_for_every_key(tmp_path, use_ocdbt, use_zarr3):
+  # Orbax builds two specs; the others are the first re-keyed. Each must be
+  # exactly the spec Orbax builds for its key, including keys that end or
+  # start like another key, or like the directory's name.
+  directory = epath.Path(tmp_path) / "00000_w"
+  directory.mkdir()
+  keys = ["00000_w", "00001_w", "00002_w_00000_w", "10_w", "00003_00000_w", "x"]
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+  specs = direct_read._read_specs(directory, keys, use_zarr3, use_ocdbt, context)
+  assert specs == [
+      direct_read._read_spec(directory, key, use_zarr3, use_ocdbt, context) for key in keys
+  ]
+
+
+def test_read_specs_are_built_by_orbax_when_rekeying_would_not_reproduce_them(
+    tmp_path, monkeypatch
+):
+  # A spec that depends on its key beyond the key itself (here, its length):
+  # re-keying the first spec does not give the second, so Orbax builds all.
+  real = direct_read._read_spec
+
+  def key_dependent(directory, key, *args):
+    return dict(real(directory, key, *args), extra=len(key))
+
+  monkeypatch.setattr(direct_read, "_read_spec", key_dependent)
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+  keys = ["a", "bb", "ccc", "dddd"]
+  specs = direct_read._read_specs(epath.Path(tmp_path), keys, False, True, context)
+  assert [spec["extra"] for spec in specs] == [1, 2, 3, 4]

@@ -301,12 +301,13 @@ def _valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
     return False
   if not isinstance(index, list) or len(index) != len(shape):
     return False
-  return all(
-      isinstance(pair, list) and len(pair) == 2
-      and all(type(x) is int for x in pair)
-      and 0 <= pair[0] <= pair[1] <= n
-      for pair, n in zip(index, shape)
-  )  # fmt: skip
+  for pair, n in zip(index, shape):  # A loop, not all(): run for every array.
+    if not isinstance(pair, list) or len(pair) != 2:
+      return False
+    start, stop = pair
+    if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= n:
+      return False
+  return True
 
 
 def _checksums_from_json(

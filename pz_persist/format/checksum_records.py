@@ -43,6 +43,8 @@ def tiles(indices: Iterable[Index], shape: tuple[int, ...]) -> bool:
   `compute` records: per dimension, a partition of ``range(n)``.
   """
   indices = list(indices)
+  if len(indices) == 1:  # The commonest case (one unsharded array), quickly.
+    return indices[0] == full_index(shape)
   distinct = set(indices)
   if len(distinct) != len(indices):
     return False

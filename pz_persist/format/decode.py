@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import base64
 import collections
-import contextlib
 import dataclasses
 import enum
 import functools
 from collections.abc import Callable
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -96,14 +95,18 @@ class _ArrayLabels:
     self._labels = labels  # None: not checked.
     self._held_by: list[str] = []
 
-  @contextlib.contextmanager
-  def holding(self, label: Any) -> Iterator[None]:
-    """Within this, arrays are held by the variable labelled ``label``."""
+  def holding(self, label: Any) -> _ArrayLabels:
+    """``with labels.holding(label)``: within it, arrays are held by the
+    variable labelled ``label``. (Its own ``__enter__`` / ``__exit__``, not
+    a ``contextlib`` generator: it runs for every variable.)"""
     self._held_by.append(nodes.describe_label(label))
-    try:
-      yield
-    finally:
-      self._held_by.pop()
+    return self
+
+  def __enter__(self) -> None:
+    pass
+
+  def __exit__(self, *exc_info: object) -> None:
+    self._held_by.pop()
 
   def check(self, ref: int, where: str) -> None:
     if self._labels is None:
@@ -142,7 +145,7 @@ class _Variables:
     self._building.add(ref)
     entry = self._entries[ref]
     entry_where = f"{self._where}[{ref}]"
-    if not isinstance(entry, dict) or set(entry) != nodes.VARIABLE_ENTRY_FIELDS:
+    if not isinstance(entry, dict) or entry.keys() != nodes.VARIABLE_ENTRY_FIELDS:
       raise errors.ManifestError(f"{entry_where}: malformed variable entry.")
     if not isinstance(entry["kind"], str) or entry["kind"] not in nodes.VARIABLE_KINDS:
       raise errors.ManifestError(
@@ -189,7 +192,7 @@ class _Walk:
     node_type = nodes.NODE_TYPES.get(tag)
     if node_type is None or not (node_type.tree if in_tree else node_type.static):
       raise errors.ManifestError(f"{where}: unknown node type {tag!r}.")
-    nodes.check_shape(node, where)
+    nodes.check_shape(node, where, node_type)
     return DECODERS[tag](_At(self, where, depth, in_tree), node)
 
   def labeled(self, node: Node, where: str, depth: int) -> dict[str, Any]:
@@ -204,9 +207,12 @@ class _Walk:
     return {"label": label, "metadata": metadata, "value": value}
 
 
-@dataclasses.dataclass(frozen=True)
-class _At:
-  """Where a node is being decoded: what its decode function is given."""
+class _At(NamedTuple):
+  """Where a node is being decoded: what its decode function is given.
+
+  A named tuple, not a frozen dataclass: one is made for every node, and a
+  frozen dataclass's ``__init__`` costs several times more.
+  """
 
   walk: _Walk
   where: str
@@ -372,7 +378,7 @@ def _dataclass(at: _At, node: Node) -> Any:
       accept=_is_struct_class if is_struct else _is_dataclass_class,
       kind="a pz.Struct class" if is_struct else "a dataclass",
   )
-  names = {f.name for f in dataclasses.fields(cls) if is_struct or f.init}
+  names = _field_names(cls, is_struct)
   values = {}
   for name, value in node["fields"]:
     if not isinstance(name, str) or name not in names or name in values:
@@ -381,6 +387,19 @@ def _dataclass(at: _At, node: Node) -> Any:
       )
     values[name] = at.child(value, f"{at.where}.{name}")
   return at.rebuild(cls, cls.from_attributes if is_struct else cls, **values)
+
+
+_FIELD_NAMES: dict[tuple[type, bool], frozenset[str]] = {}
+
+
+def _field_names(cls: type, is_struct: bool) -> frozenset[str]:
+  """The fields a ``struct`` (all) or ``dataclass`` (its ``__init__``'s)
+  node of ``cls`` may set; cached: every layer of a model asks again."""
+  names = _FIELD_NAMES.get((cls, is_struct))
+  if names is None:
+    names = frozenset(f.name for f in dataclasses.fields(cls) if is_struct or f.init)
+    _FIELD_NAMES[(cls, is_struct)] = names
+  return names
 
 
 @_decodes("enum")

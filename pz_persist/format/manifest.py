@@ -128,6 +128,11 @@ class Manifest:
           f"{where}: manifest is {len(data)} bytes, over the"
           f" {MAX_MANIFEST_BYTES}-byte limit."
       )
+    with bounded_json.collector_paused():  # Many objects, no cycles.
+      return cls._parse(data, where=where)
+
+  @classmethod
+  def _parse(cls, data: bytes, *, where: str) -> Manifest:
     most = bounded_json.node_limit(
         len(data), most=MAX_MANIFEST_NODES, bytes_per_node=MIN_BYTES_PER_NODE
     )

@@ -14,9 +14,11 @@ Adding a node type is one row here plus its encoding and decode function;
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 from typing import Literal
+from typing import NoReturn
 from typing import TypeGuard
 
 from penzai import pz
@@ -83,9 +85,19 @@ class NodeType:
   tree: bool = True
   axes: tuple[str, Literal["size", "index"]] | None = None
 
-  @property
+  @functools.cached_property
   def field_names(self) -> frozenset[str]:
     return frozenset(f.name for f in self.fields)
+
+  @functools.cached_property
+  def keys(self) -> frozenset[str]:
+    """The keys of its JSON object: ``"t"`` and its fields."""
+    return self.field_names | {"t"}
+
+  @functools.cached_property
+  def checked_fields(self) -> tuple[Field, ...]:
+    """Its fields whose JSON `check_shape` checks (a list, pairs, ints)."""
+    return tuple(f for f in self.fields if f.json in ("list", "pairs", "ints"))
 
   def field(self, name: str) -> Field | None:
     return next((f for f in self.fields if f.name == name), None)
@@ -208,26 +220,29 @@ def check_typed(node_: Any, where: str) -> str:
   return tag
 
 
-def check_fields(node_: Any, where: str, names: frozenset[str]) -> None:
-  """Refuses a typed node whose keys are not exactly ``"t"`` and ``names``."""
-  tag = check_typed(node_, where)
-  if set(node_) != {"t", *names}:
-    raise errors.ManifestError(
-        f"{where}: node {tag!r} has fields {sorted(node_)}, expected"
-        f" {sorted({'t', *names})}."
-    )
+def _refuse_fields(node_: Node, tag: str, names: frozenset[str], where: str) -> NoReturn:
+  raise errors.ManifestError(
+      f"{where}: node {tag!r} has fields {sorted(node_)}, expected"
+      f" {sorted({'t', *names})}."
+  )
 
 
-def check_shape(node_: Node, where: str) -> NodeType:
+def check_shape(node_: Node, where: str, node_type: NodeType | None = None) -> NodeType:
   """Checks a node's JSON shape against its table row, once for every tag.
 
   The node's keys must be exactly its type's fields, and each field must hold
   the JSON its row says (a list, a list of pairs, a list of integers); what
-  the values mean is left to the tag's decode function.
+  the values mean is left to the tag's decode function. ``node_type``, when
+  given, is the node's row (the caller looked it up already).
+
+  Every node of a manifest goes through here: it is kept to a dict lookup
+  and one comparison of key sets for the rows holding no list.
   """
-  node_type = NODE_TYPES[node_["t"]]
-  check_fields(node_, where, node_type.field_names)
-  for field in node_type.fields:
+  if node_type is None:
+    node_type = NODE_TYPES[node_["t"]]
+  if node_.keys() != node_type.keys:
+    _refuse_fields(node_, node_type.tag, node_type.field_names, where)
+  for field in node_type.checked_fields:
     _check_json(node_[field.name], field, where)
   return node_type
 

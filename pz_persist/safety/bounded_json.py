@@ -18,9 +18,12 @@ input (parsing itself takes 100-500 ns per byte); nesting deeper than
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 from typing import BinaryIO
 
@@ -224,11 +227,35 @@ def loads(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> Any:
   """
   check(data, where=where, max_nodes=max_nodes, max_depth=max_depth)
   try:
-    return json.loads(
-        data, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys
-    )
+    with collector_paused():
+      return json.loads(
+          data, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys
+      )
   except (ValueError, RecursionError) as e:
     raise errors.ManifestError(f"{where}: not valid JSON: {e}") from None
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+  """Python's cyclic garbage collector paused, if it runs, while JSON is
+  parsed (and, by `pz_persist.format.manifest`, validated into objects).
+
+  Why: parsing allocates a container per object and array (and a list of
+  pairs per object, for `_unique_keys`), which sets off the collector every
+  700 allocations, and every so often a full collection of everything the
+  process holds: in a process holding a model that doubled the parse of a
+  1 MB manifest (measured: 29 ms against 13 ms). Parsed JSON holds no
+  cycles, so the collector finds nothing to free there. It is resumed on the
+  way out, and left alone if the caller had disabled it.
+  """
+  if not gc.isenabled():
+    yield
+    return
+  gc.disable()
+  try:
+    yield
+  finally:
+    gc.enable()
 
 
 def _refuse_constant(name: str) -> Any:

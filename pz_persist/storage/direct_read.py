@@ -48,6 +48,7 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.errors import ArrayReadError  # Its callers catch it here.
 from pz_persist.format import array_specs as arrays_lib
+from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
 from pz_persist.storage import host_memory
@@ -97,14 +98,12 @@ def read(
   """
   use_ocdbt, use_zarr3 = _layout(directory)
   context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+  keys = [spec.key for spec in specs]
   opening = {
-      spec.key: ts.open(
-          _read_spec(directory, spec.key, use_zarr3, use_ocdbt, context),
-          context=context,
-          open=True,
-          read=True,
+      key: ts.open(tspec, context=context, open=True, read=True)
+      for key, tspec in zip(
+          keys, _read_specs(directory, keys, use_zarr3, use_ocdbt, context)
       )
-      for spec in specs
   }
   stores = {key: _result(key, future) for key, future in opening.items()}
   # What TensorStore will trust when it allocates and copies, checked
@@ -161,9 +160,11 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
   """``(use_ocdbt, use_zarr3)``: how Orbax laid out the stored arrays."""
   path = directory / "_METADATA"
   try:
-    stored = json.loads(safe_io.read_small_file(
+    data = safe_io.read_small_file(
         path, containment.MAX_ORBAX_TREE_METADATA_BYTES, what="Orbax's metadata"
-    ))
+    )
+    with bounded_json.collector_paused():  # ~20 objects an array, no cycles.
+      stored = json.loads(data)
     use_zarr3 = stored.get("use_zarr3", False)
   except errors.UnsafeCheckpointError:
     raise
@@ -172,6 +173,61 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
   if not isinstance(use_zarr3, bool):
     raise errors.ManifestError(f"{path}: use_zarr3 is {use_zarr3!r}, not a bool.")
   return ocp.type_handlers.is_ocdbt_checkpoint(directory), use_zarr3
+
+
+def _read_specs(
+    directory: epath.Path,
+    keys: Sequence[str],
+    use_zarr3: bool,
+    use_ocdbt: bool,
+    context: ts.Context,
+) -> list[dict[str, Any]]:
+  """Orbax's TensorStore read spec of each of ``keys``, in order.
+
+  Why not Orbax's builder for each: it takes ~0.15 ms an array (a few
+  seconds for a tree of 16,000 small arrays), and the specs of one item
+  differ only by the key. Orbax builds the first two; the others are the
+  first with its key replaced, which is used only if it reproduces the
+  second exactly (otherwise Orbax builds every one).
+  """
+  def build(key: str) -> dict[str, Any]:
+    return _read_spec(directory, key, use_zarr3, use_ocdbt, context)
+
+  if len(keys) < 3:
+    return [build(key) for key in keys]
+  first, second = build(keys[0]), build(keys[1])
+  paths = _paths_ending_with(first, keys[0])
+  if _rekeyed(first, paths, keys[0], keys[1]) != second:
+    return [first, second] + [build(key) for key in keys[2:]]
+  return [first, second] + [_rekeyed(first, paths, keys[0], key) for key in keys[2:]]
+
+
+def _paths_ending_with(spec: Any, key: str) -> list[tuple[str, ...]]:
+  """The paths (of dict keys) to the strings of ``spec`` that end with
+  ``key``: the key itself, or a path to it."""
+  if isinstance(spec, dict):
+    return [
+        (name, *path)
+        for name, value in spec.items()
+        for path in _paths_ending_with(value, key)
+    ]
+  return [()] if isinstance(spec, str) and spec.endswith(key) else []
+
+
+def _rekeyed(
+    spec: dict[str, Any], paths: Sequence[tuple[str, ...]], old: str, new: str
+) -> dict[str, Any]:
+  """``spec`` with the strings at ``paths`` ending with ``new`` instead of
+  ``old``: the dicts on those paths copied, the rest shared (TensorStore
+  only reads a spec)."""
+  out = dict(spec)
+  for path in paths:
+    node = out
+    for name in path[:-1]:
+      node[name] = dict(node[name])
+      node = node[name]
+    node[path[-1]] = node[path[-1]][: len(node[path[-1]]) - len(old)] + new
+  return out
 
 
 def _read_spec(

@@ -204,3 +204,64 @@ def test_reading_small_json_files_allocates_no_size_limit(ckpt):
   outcome, peak = _measure("", f"pzp.load({str(ckpt)!r}); pzp.verify({str(ckpt)!r})").rsplit("|", 1)
   assert outcome == "no error"
   assert int(peak) < 32 * 2**20, peak
+
+
+def _with_a_repeated_key(rng: random.Random, value):
+  """``value`` as JSON text with one key of one of its objects repeated."""
+  objects = []
+
+  def collect(v):
+    if isinstance(v, dict):
+      objects.append(v)
+    for child in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()):
+      collect(child)
+
+  collect(value)
+  if not objects:
+    return None
+  target = rng.choice(objects)
+  key = rng.choice(list(target))
+  target["\ue000"] = 0  # A placeholder pair, then replaced by the repeated pair.
+  text = json.dumps(value).replace('"\\ue000": 0', json.dumps({key: target[key]})[1:-1])
+  del target["\ue000"]
+  return text.encode()
+
+
+def test_repeated_keys_are_refused_anywhere_whatever_the_strings_hold():
+  # Duplicate keys are found by counting the keys the text holds (the ':'
+  # outside strings) against those parsed: strings full of quotes, colons
+  # and backslashes must neither hide a repeated key nor invent one.
+  rng = random.Random(7)
+  refused = 0
+  for _ in range(300):
+    value = _random_json(rng)
+    text = json.dumps(value).encode()
+    assert bounded_json.loads(text, where="f", max_nodes=10**6, max_depth=99) == value
+    repeated = _with_a_repeated_key(rng, value)
+    if repeated is not None:
+      with pytest.raises(errors.ManifestError, match="f: not valid JSON: duplicate object key"):
+        bounded_json.loads(repeated, where="f", max_nodes=10**6, max_depth=99)
+      refused += 1
+  assert refused > 50
+
+
+def test_parsing_leaves_the_garbage_collector_as_it_found_it():
+  # The collector is paused while JSON is parsed (it only slows the parse):
+  # resumed after a parse and after a refused one, never turned on if it was off.
+  import gc
+
+  assert gc.isenabled()
+  assert bounded_json.loads(b'{"a": [1]}', where="f", max_nodes=99, max_depth=9) == {"a": [1]}
+  assert gc.isenabled()
+  with pytest.raises(errors.ManifestError, match="duplicate"):
+    bounded_json.loads(b'{"a": 1, "a": 2}', where="f", max_nodes=99, max_depth=9)
+  assert gc.isenabled()
+  with pytest.raises(errors.ManifestError, match="not a pz_persist manifest"):
+    manifest_lib.Manifest.loads(b"[1]", where="f")
+  assert gc.isenabled()
+  gc.disable()
+  try:
+    bounded_json.loads(b"[1]", where="f", max_nodes=99, max_depth=9)
+    assert not gc.isenabled()
+  finally:
+    gc.enable()
