@@ -184,16 +184,21 @@ def host_copies(stored: Mapping[str, Any]) -> HostCopies:
   """
   slots = [slot for key, value in stored.items() for slot in _slots(key, value)]
   for slot in slots:
-    if isinstance(slot.local_data, jax.Array):
+    if isinstance(slot.local_data, jax.Array) and not _on_cpu(slot.local_data):
       slot.local_data.copy_to_host_async()
   return HostCopies(
       keys=tuple(stored),
       slots=tuple(
           slot if slot.local_data is None
-          else dataclasses.replace(slot, local_data=np.asarray(slot.local_data))
+          else _Slot(slot.key, slot.index, slot.owner_process, np.asarray(slot.local_data))
           for slot in slots
       ),
   )
+
+
+def _on_cpu(array: jax.Array) -> bool:
+  """Whether ``array`` lives in host memory already (nothing to transfer)."""
+  return all(device.platform == "cpu" for device in array.sharding.device_set)
 
 
 _exchanges = itertools.count()
