@@ -198,7 +198,10 @@ def host_copies(stored: Mapping[str, Any]) -> HostCopies:
 
 def _on_cpu(array: jax.Array) -> bool:
   """Whether ``array`` lives in host memory already (nothing to transfer)."""
-  return all(device.platform == "cpu" for device in array.sharding.device_set)
+  return all(
+      device.platform == "cpu"  # type: ignore[attr-defined]  # jaxlib's Device: no stub.
+      for device in array.sharding.device_set
+  )
 
 
 _exchanges = itertools.count()

@@ -138,7 +138,7 @@ def test_sigkill_during_a_remote_save_keeps_the_previous_checkpoint(store, remot
       "import sys, numpy as np, pz_persist as pzp\n"
       f"sys.path.insert(0, {os.path.join(REPO, 'tests', 'remote')!r})\n"
       "import remote_worker\n"
-      f"pzp.save({path!r}, remote_worker.tree(2.0, arrays=40, size=2**18), overwrite=True)\n"
+      f"pzp.save({path!r}, remote_worker.tree(2.0, arrays=120, size=2**18), overwrite=True)\n"
   )
   process = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ), cwd=REPO)
   try:
@@ -147,7 +147,7 @@ def test_sigkill_during_a_remote_save_keeps_the_previous_checkpoint(store, remot
       assert process.poll() is None, "the save ended before it could be killed"
       assert time.monotonic() < deadline
       time.sleep(0.05)
-    time.sleep(0.3)
+    time.sleep(0.05)  # Mid-save: 30 MiB to write after its folder appears.
     process.send_signal(signal.SIGKILL)
   finally:
     process.wait()
