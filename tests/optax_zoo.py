@@ -11,7 +11,9 @@
                                         digests for what was loaded and for one
                                         more step taken from it
 
-(``--all`` runs every optimizer over the transformer too, not a sample.)
+(``--all`` runs every optimizer over the transformer too, not a sample;
+``--compilation-cache=DIR`` keeps JAX's compiled programs in DIR, see
+`use_compilation_cache`.)
 
 so a test compares the two, bit for bit, without trusting pz_persist for the
 reference. The optimizers are found by enumerating ``optax`` and
@@ -305,15 +307,27 @@ def _selected(params: Any, names: tuple[str, ...] | None) -> dict[str, Any]:
   return found if names is None else {name: found[name] for name in names}
 
 
+def _committed(tree: Any) -> Any:
+  """``tree`` with its JAX arrays placed on the first device, as loading places
+  them: the save process then compiles the very programs the check process
+  runs, and `use_compilation_cache` shares them (uncommitted arrays compile to
+  other programs). Other leaves are left as they are."""
+  device = jax.devices()[0]
+  return jax.tree.map(
+      lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) else x, tree
+  )
+
+
 def save(directory: str, run_all: bool) -> dict[str, Any]:
   import pz_persist as pzp  # pylint: disable=g-import-not-at-top
   report = {}
   for model_name, names in cases(run_all).items():
-    params = model_params(model_name)
+    params = _committed(model_params(model_name))
     states = {}
     for name, tx in _selected(params, names).items():
       own_params = PARAMS_FOR.get(name, lambda p: p)(params)
-      state, new_params = step(name, tx, tx.init(own_params), own_params, 0)
+      initial = _committed(tx.init(own_params))
+      state, new_params = step(name, tx, initial, own_params, 0)
       states[name] = {"state": state, "params": new_params}
       after = step(name, tx, state, new_params, 1)
       report[f"{model_name}/{name}"] = {
@@ -339,6 +353,25 @@ def check(directory: str, run_all: bool) -> dict[str, Any]:
   return report
 
 
+def use_compilation_cache(directory: str) -> None:
+  """Keeps every program JAX compiles in ``directory``, however fast it compiled.
+
+  Why: the steps run eagerly, and compiling dominates the run (about 900
+  programs for the MLP alone). Much of it is the same program compiled again:
+  ``lax.scan`` and ``fori_loop`` bodies (Muon's Newton-Schulz iterations) are
+  new closures at every call, so JAX's in-memory caches miss where this cache,
+  keyed by the program itself, hits; and the check process takes the same steps
+  as the save process. A cached program computes what a fresh compile of it
+  would: the states and steps compared are unchanged.
+  """
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 if __name__ == "__main__":
-  mode, target = sys.argv[1:3]
-  print(json.dumps({"save": save, "check": check}[mode](target, "--all" in sys.argv[3:])))
+  mode, target, *flags = sys.argv[1:]
+  for flag in flags:
+    if flag.startswith("--compilation-cache="):
+      use_compilation_cache(flag.removeprefix("--compilation-cache="))
+  print(json.dumps({"save": save, "check": check}[mode](target, "--all" in flags)))

@@ -52,7 +52,11 @@ def _run(num_processes: int, directory) -> list[dict]:
   return reports
 
 
-@pytest.mark.parametrize("num_processes", [2, 4])
+# Four processes by default: a primary and several others, each holding two
+# devices' shards, which takes every path two processes take (one primary, one
+# other; tests/remote/test_multiprocess_remote.py also runs two, on gs://).
+# Two processes run with -m slow only, to keep the suite's time.
+@pytest.mark.parametrize("num_processes", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_save_and_load_across_processes(num_processes, tmp_path):
   reports = _run(num_processes, tmp_path)
   assert [r["process"] for r in reports] == list(range(num_processes))

@@ -40,9 +40,11 @@ def _run(mode: str, directory, *flags: str) -> dict:
 
 def _reports(tmp_path_factory, *flags: str) -> tuple[dict, dict]:
   """What every state was when saved, and what a fresh process loaded (and
-  computed from it). One process for all: starting JAX dominates otherwise."""
+  computed from it). One process for all: starting JAX dominates otherwise.
+  The two share JAX's compiled programs (compiling dominates the rest)."""
   directory = tmp_path_factory.mktemp("optax_states")
-  return _run("save", directory, *flags), _run("check", directory, *flags)
+  cache = f"--compilation-cache={tmp_path_factory.mktemp('optax_jax_cache')}"
+  return _run("save", directory, *flags, cache), _run("check", directory, *flags, cache)
 
 
 @pytest.fixture(scope="module")
