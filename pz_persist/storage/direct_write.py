@@ -76,7 +76,7 @@ def applies(
     stored: Mapping[str, Any], *, use_ocdbt: bool, use_zarr3: bool,
     use_compression: bool, directory: epath.PathLike,
 ) -> bool:
-  """Whether ``stored`` (key -> array) can be saved by `write`.
+  """Whether ``stored`` (key -> array) can be saved by `start`.
 
   One process, Orbax's default layout (OCDBT, zarr2) without compression, a
   local directory, and every array whole in host memory (NumPy) or on one
@@ -149,7 +149,11 @@ class _Specs:
         and chunk_shape == shape
         and 0 < nbytes <= SMALL_ARRAY_BYTES
     ):
-      raw = _raw_chunk_layout(dtype, len(shape), json.dumps(spec["metadata"], sort_keys=True))
+      other_metadata = {
+          name: value for name, value in spec["metadata"].items()
+          if name not in ("shape", "chunks")
+      }
+      raw = _raw_chunk_layout(dtype, len(shape), json.dumps(other_metadata, sort_keys=True))
       if raw is not None:
         fields, chunk_key = raw
         zarray = _zarray_bytes({**fields, "shape": list(shape), "chunks": list(shape)})
@@ -166,8 +170,9 @@ def _raw_chunk_layout(
     dtype: np.dtype, rank: int, metadata_json: str
 ) -> tuple[dict[str, Any], str] | None:
   """The ``.zarray`` fields and chunk key TensorStore writes for a one-chunk
-  array of ``dtype`` and ``rank`` with Orbax's ``metadata``, if its chunk is
-  the array's raw C-order bytes; else None.
+  array of ``dtype`` and ``rank`` with Orbax's ``metadata`` (all but its
+  shape and chunks), if its chunk is the array's raw C-order bytes; else
+  None.
 
   Asked of TensorStore itself, once per process for each dtype and rank, on
   an in-memory store: so the raw path writes exactly what the zarr driver
