@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import async_save  # noqa: E402  pylint: disable=wrong-import-position
 import integrity  # noqa: E402  pylint: disable=wrong-import-position
 import many_arrays  # noqa: E402  pylint: disable=wrong-import-position
+import per_array_floors  # noqa: E402  pylint: disable=wrong-import-position
 import save_restore  # noqa: E402  pylint: disable=wrong-import-position
 import sharded_restore  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -104,6 +105,14 @@ def test_many_arrays_benchmark_runs_in_fresh_processes(tmp_path, capsys):
   assert set(summary["safetensors"]) == {"save", "load"}
   assert all("warm" not in entry for entry in summary["safetensors"].values())
   assert "8 arrays (128.00 KiB)" in capsys.readouterr().out
+
+
+def test_per_array_floors_benchmark_runs(tmp_path, capsys):
+  results = per_array_floors.main(["--count", "20", "--repeats", "1", "--dir", str(tmp_path)])
+  assert all(seconds > 0 for seconds in results.values())
+  assert {"inspect", "json.loads (C parser, no checks)", "load", "ts.open of every array",
+          "Penzai constructors (pz.Parameter + NamedArray)", "save"} <= set(results)
+  assert "Whole operations and their parts" in capsys.readouterr().out
 
 
 @pytest.mark.slow
