@@ -183,6 +183,33 @@ class _Walk:
     self.labels = _ArrayLabels(labels)
     self.variables = _Variables(variables, variables_where)
     self.build = _Abstract if abstract else _Concrete
+    self._classes: dict[tuple[str, str, str], type[Any]] = {}
+
+  def resolve_class(
+      self, ref: Any, *, where: str, accept: Callable[[Any], bool], kind: str
+  ) -> type[Any]:
+    """`code_references.resolve_class`, once per class and kind in a decoding.
+
+    Why: a model names the same few classes thousands of times (a layer
+    class per block); checking each against the allow-list and finding it
+    again cost a fifth of decoding a 64-block model. Within one decoding the
+    allow-list cannot change, so the first answer is every answer; anything
+    but a reference of exactly two strings is not cached (its error is
+    raised by the check itself).
+    """
+    key = None
+    if (
+        isinstance(ref, dict) and len(ref) == 2
+        and isinstance(ref.get("module"), str) and isinstance(ref.get("qualname"), str)
+    ):  # Exactly what a reference holds: the same strings pass the same checks.
+      key = (ref["module"], ref["qualname"], kind)
+      found = self._classes.get(key)
+      if found is not None:
+        return found
+    cls = code_references.resolve_class(ref, where=where, accept=accept, kind=kind)
+    if key is not None:
+      self._classes[key] = cls
+    return cls
 
   def decode(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
     """Decodes ``node`` as part of a tree (``in_tree``) or a static value."""
@@ -338,7 +365,7 @@ def _sequence(at: _At, node: Node) -> Any:
 @_decodes("namedtuple")
 def _namedtuple(at: _At, node: Node) -> Any:
   items = _items(at, node)
-  cls = code_references.resolve_class(
+  cls = at.walk.resolve_class(
       node["class"], where=at.where, accept=nodes.is_namedtuple_class, kind="a namedtuple"
   )
   if len(items) != len(cls._fields):
@@ -372,7 +399,7 @@ def _dataclass(at: _At, node: Node) -> Any:
   """A layer (rebuilt with ``from_attributes``, which bypasses ``__init__``)
   or another dataclass (rebuilt from its ``__init__`` fields)."""
   is_struct = node["t"] == "struct"
-  cls = code_references.resolve_class(
+  cls = at.walk.resolve_class(
       node["class"],
       where=at.where,
       accept=_is_struct_class if is_struct else _is_dataclass_class,
@@ -404,7 +431,7 @@ def _field_names(cls: type, is_struct: bool) -> frozenset[str]:
 
 @_decodes("enum")
 def _enum(at: _At, node: Node) -> Any:
-  cls = code_references.resolve_class(
+  cls = at.walk.resolve_class(
       node["class"], where=at.where, accept=_is_enum_class, kind="an Enum"
   )
   if not isinstance(node["name"], str) or node["name"] not in cls.__members__:
