@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -220,3 +221,24 @@ def print_targets(title: str, rows: list[tuple[str, float, float, bool, str]]) -
        verdict(value, bound, at_least=at_least)]
       for name, value, bound, at_least, unit in rows
   ])
+
+
+def finish(results: dict, *, json_path: str | None, directory: str | None = None) -> dict:
+  """Writes ``results`` to ``json_path`` (if given) and removes ``directory``
+  (the run's temporary directory, if it made one); returns ``results``."""
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(results, f, indent=1)
+  if directory is not None:
+    shutil.rmtree(directory, ignore_errors=True)
+  return results
+
+
+def best_of(operation: Callable[[], Any], repeats: int) -> float:
+  """The shortest of ``repeats`` timed runs of ``operation``, in seconds."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    operation()
+    times.append(time.perf_counter() - start)
+  return min(times)

@@ -318,12 +318,7 @@ def main(argv=None) -> dict:
     report_model(results["model"])
     shutil.rmtree(model_dir, ignore_errors=True)
   report_targets(results)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
-  if not args.dir:
-    shutil.rmtree(directory, ignore_errors=True)
-  return results
+  return harness.finish(results, json_path=args.json, directory=None if args.dir else directory)
 
 
 def summarize(runs: dict) -> dict:

@@ -52,12 +52,7 @@ from pz_persist.storage import restoring  # noqa: E402  pylint: disable=wrong-im
 
 def best(operation: Callable[[], Any], repeats: int) -> float:
   operation()  # Warm.
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    operation()
-    times.append(time.perf_counter() - start)
-  return min(times)
+  return harness.best_of(operation, repeats)
 
 
 def measure(count: int, array_kib: float, repeats: int, directory: str) -> dict[str, float]:

@@ -286,12 +286,7 @@ def main(argv=None) -> dict:
       runs.append(harness.run_worker(__file__, ["--worker", op, src, dst]))
     results["ops"][op] = min(runs, key=lambda r: r["seconds"])
   report(results)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
-  if not args.dir:
-    shutil.rmtree(directory, ignore_errors=True)
-  return results
+  return harness.finish(results, json_path=args.json, directory=None if args.dir else directory)
 
 
 NAMES = {

@@ -274,10 +274,7 @@ def main(argv=None) -> dict:
       continue
     results["stores"][scheme] = {row: summarize(runs[row]) for row in ROWS if runs.get(row)}
   report(results, args.names)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
-  return results
+  return harness.finish(results, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -367,12 +367,7 @@ def own_work(params) -> dict:
   from pz_persist.storage import restoring
 
   def best(fn, repeats=5):
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      fn()
-      times.append(time.perf_counter() - start)
-    return min(times)
+    return harness.best_of(fn, repeats)
 
   # Encoding, hashing (done in the save's background work since the hashing
   # moved off the critical path, still pz_persist's work) and serializing.
@@ -513,12 +508,7 @@ def main(argv=None) -> dict:
     )
   results["fsync_write_bytes_per_s"] = fsync_write_bandwidth(directory, min(data_bytes, 2**30))
   report(results)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(results, f, indent=1)
-  if not args.dir:
-    shutil.rmtree(directory, ignore_errors=True)
-  return results
+  return harness.finish(results, json_path=args.json, directory=None if args.dir else directory)
 
 
 def report(results: dict) -> None:

@@ -216,9 +216,12 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
     if self._writes_directly(directory, stored):
       copies = checksums.host_copies(stored)
+
+      async def write_directly() -> None:
+        self._save_directly(directory, manifest, stored, copies)
+
       futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
-          self._write_directly(directory, manifest, stored, copies),
-          name="pz_persist_arrays_and_manifest",
+          write_directly(), name="pz_persist_arrays_and_manifest"
       ))
       self._started = futures
       return futures
@@ -240,15 +243,6 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     return bool(stored) and self._direct_writes and isinstance(
         directory, epath.Path
     ) and direct_write.applies(stored, directory=directory, **self._layout)
-
-  async def _write_directly(
-      self,
-      directory: epath.Path,
-      manifest: manifest_lib.Manifest,
-      stored: dict[str, Any],
-      copies: checksums.HostCopies,
-  ) -> None:
-    self._save_directly(directory, manifest, stored, copies)
 
   def _save_directly(
       self,
