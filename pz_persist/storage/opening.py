@@ -28,6 +28,8 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import random
+import time
 from collections.abc import Callable
 from typing import Any
 from typing import TypeVar
@@ -47,11 +49,19 @@ _T = TypeVar("_T")
 LOAD_ATTEMPTS = 3
 """How many times a checkpoint that other saves keep replacing is read."""
 
-OBJECT_STORE_LOAD_ATTEMPTS = 10
+OBJECT_STORE_LOAD_ATTEMPTS = 30
 """The same on an object store, where no lock makes a save's publishing wait
 for readers: an attempt is only lost when the commit it read was retired
 during it (an overwrite published *and* deleted it), so only overwrites
-following each other faster than one read could exhaust these."""
+following each other faster than one read could exhaust these. 10 was
+exhausted once in a clean CI run (a reader against a writer overwriting
+back to back on the 2-core VM, beside the emulator): each lost attempt
+costs one read, and a reader outlasting 30 overwrites in a row is told to
+try again."""
+
+_OBJECT_STORE_RETRY_JITTER_SECONDS = 0.05
+"""Most a reader waits, at random, before reading an object store again:
+so that a reader and a writer that keep colliding fall out of step."""
 
 ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 """The file Orbax writes at the top of every checkpoint (beside its items)."""
@@ -117,8 +127,11 @@ def read(
   """
   path = commit.as_path(path)
   failure = None
-  attempts = OBJECT_STORE_LOAD_ATTEMPTS if object_store.is_object_store(path) else LOAD_ATTEMPTS
-  for _ in range(attempts):
+  on_store = object_store.is_object_store(path)
+  attempts = OBJECT_STORE_LOAD_ATTEMPTS if on_store else LOAD_ATTEMPTS
+  for attempt in range(attempts):
+    if attempt and on_store:
+      time.sleep(random.uniform(0, _OBJECT_STORE_RETRY_JITTER_SECONDS))
     item, digest, pinned = None, None, None
     with commit.reading(path), _checkpoint_locked(path):
       before: tuple[Any, ...] = ()
