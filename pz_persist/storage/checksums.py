@@ -36,11 +36,16 @@ from pz_persist.format.checksum_records import full_index
 
 _DIGEST_BYTES = 16  # xxh3_128
 
+def c_order_bytes(data: Any) -> np.ndarray:
+  """An array's bytes in C order, as a flat uint8 array (a view when it is
+  contiguous already): ml_dtypes (bfloat16, float8...) have no buffer format
+  of their own. What is hashed here and what the direct write stores."""
+  return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
 def digest_of(data: Any) -> str:
   """The hex digest of an array's C-order bytes."""
-  data = np.ascontiguousarray(data)
-  # A uint8 view: ml_dtypes (bfloat16, float8...) have no buffer format.
-  return xxhash.xxh3_128_hexdigest(data.reshape(-1).view(np.uint8))
+  return xxhash.xxh3_128_hexdigest(c_order_bytes(data).data)
 
 
 def file_digest(path: str, *, chunk_bytes: int = 2**20) -> str:

@@ -56,6 +56,8 @@ from etils import epath
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
+from pz_persist.storage import checksums
+
 SMALL_ARRAY_BYTES = 2**20
 """Arrays up to this size, stored in one chunk, are written as raw key-value
 entries; larger ones through ``ts.open``, which writes straight from the
@@ -203,9 +205,8 @@ def _raw_chunk_layout(
 
 
 def _c_bytes(array: np.ndarray) -> bytes:
-  """The array's bytes in C order (a uint8 view: ml_dtypes have no buffer
-  format of their own)."""
-  return np.ascontiguousarray(array).reshape(-1).view(np.uint8).tobytes()
+  """The array's bytes in C order, as the zarr driver stores a raw chunk."""
+  return checksums.c_order_bytes(array).tobytes()
 
 
 @dataclasses.dataclass(frozen=True)
