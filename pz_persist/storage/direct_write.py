@@ -44,7 +44,6 @@ import base64
 import dataclasses
 import functools
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +55,7 @@ from etils import epath
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
+from pz_persist.safety import safe_io
 from pz_persist.storage import checksums
 
 SMALL_ARRAY_BYTES = 2**20
@@ -86,7 +86,7 @@ def applies(
   """
   if jax.process_count() != 1 or not use_ocdbt or use_zarr3 or use_compression:
     return False
-  if "://" in os.fspath(directory):
+  if not safe_io.is_local(directory):
     return False
   return all(_whole_on_one_device(value) for value in stored.values())
 
