@@ -38,6 +38,7 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist.format import casts
 from pz_persist.format import decode
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
@@ -185,33 +186,6 @@ def _target_dtype(
   return target if same_kind and target != current else None
 
 
-def _lossy_cast(x: jax.Array, target: np.dtype) -> str | None:
-  """Why casting ``x`` to ``target`` would change values beyond rounding.
-
-  Rounding a float to a narrower float is what a cast is for; overflowing to
-  infinity, dropping a fraction or an imaginary part, or an integer that does
-  not survive the trip are not.
-  """
-  source = np.dtype(x.dtype)
-  converted = x.astype(target)
-  if jnp.issubdtype(source, jnp.complexfloating) and not jnp.issubdtype(
-      target, jnp.complexfloating
-  ):
-    if bool(jnp.any(jnp.imag(x) != 0)):
-      return "imaginary parts, which would be dropped"
-    x = jnp.real(x)
-  if jnp.issubdtype(source, jnp.inexact) and jnp.issubdtype(target, jnp.inexact):
-    overflow = jnp.isfinite(x) & ~jnp.isfinite(converted)
-    if bool(jnp.any(overflow)):
-      return f"finite values that overflow to inf in {target}"
-    return None
-  if jnp.issubdtype(source, jnp.inexact):  # Float to integer.
-    return f"floating-point values, which {target} would truncate"
-  if x.size and not bool(jnp.all(converted.astype(source) == x)):
-    return f"values that {target} cannot hold exactly"
-  return None
-
-
 def _cast_value(label, value, dtype, allow_lossy, cast, problems):
   """Casts the arrays of a variable's value as ``dtype=`` asks.
 
@@ -228,15 +202,15 @@ def _cast_value(label, value, dtype, allow_lossy, cast, problems):
     if isinstance(x, jax.ShapeDtypeStruct):
       cast.append((label, str(x.dtype), str(target)))
       return jax.ShapeDtypeStruct(x.shape, target)
-    reason = _lossy_cast(jnp.asarray(x), target)
-    if reason and not allow_lossy:
+    reason = None if allow_lossy else casts.check(x, target)
+    if reason:
       problems.append(Mismatch(
-          label, "lossy cast", f"{x.dtype} {reason} (pass allow_lossy=True"
-          " to cast anyway)", str(target),
+          label, "lossy cast", f"{reason} (pass allow_lossy=True to cast anyway)", str(target),
       ))
       return x
     cast.append((label, str(x.dtype), str(target)))
-    return x.astype(target)
+    with np.errstate(all="ignore"):  # NumPy warns of what allow_lossy allowed.
+      return x.astype(target)
 
   return jax.tree.map(cast_array, value)
 

@@ -155,6 +155,15 @@ class BindingError(PzPersistError, ValueError):
     )
 
 
+class LossyCastError(PzPersistError, ValueError):
+  """A dtype cast would change values beyond rounding a float (wrap an
+  integer, overflow a float, turn inf into NaN, drop a fraction...), and
+  ``allow_lossy=True`` was not given. The message names the file and tensor
+  (or label), the dtypes and an offending value. Loading into a model reports
+  the same as a `BindingError` listing every such variable.
+  """
+
+
 class ArrayReadError(PzPersistError):
   """Reading the stored array under ``key`` failed (``cause`` says why).
 

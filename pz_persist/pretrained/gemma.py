@@ -61,6 +61,7 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist.errors import GemmaCheckpointError  # Documented here too.
+from pz_persist.format import casts
 from pz_persist.pretrained import _files
 from pz_persist.storage import commit
 from pz_persist.storage import containment
@@ -165,6 +166,7 @@ def load_gemma(
     *,
     preset: str | Mapping[str, Any] = ...,
     dtype: Any = ...,
+    allow_lossy: bool = ...,
     sharding: sharding_lib.Target = ...,
     upcast_activations_to_float32: bool = ...,
     use_layer_stack: bool = ...,
@@ -179,6 +181,7 @@ def load_gemma(
     *,
     preset: str | Mapping[str, Any] = ...,
     dtype: Any = ...,
+    allow_lossy: bool = ...,
     sharding: sharding_lib.Target = ...,
     upcast_activations_to_float32: bool = ...,
     use_layer_stack: bool = ...,
@@ -192,6 +195,7 @@ def load_gemma(
     *,
     preset: str | Mapping[str, Any] = "auto",
     dtype: Any = None,
+    allow_lossy: bool = False,
     sharding: sharding_lib.Target = None,
     upcast_activations_to_float32: bool = False,
     use_layer_stack: bool = False,
@@ -225,7 +229,11 @@ def load_gemma(
       the ``pz_persist.pretrained.gemma`` logger, and reported (``report``).
     dtype: Cast every array to this dtype while it is read (e.g.
       ``jnp.bfloat16``); the model then computes in it too, as Penzai's
-      converter does with the checkpoint's own dtype.
+      converter does with the checkpoint's own dtype. Floats are rounded to
+      a narrower dtype; a cast that would change values beyond that (a
+      finite value overflowing to inf, inf into a dtype without one) is
+      refused, naming the array.
+    allow_lossy: Cast such arrays anyway.
     sharding: A ``jax.sharding.Sharding`` for every array, or
       `pz_persist.AxisRules` mapping the model's axis names (``embedding``,
       ``neurons``, ``query_heads``, ``head_groups``, ``projection``,
@@ -252,6 +260,8 @@ def load_gemma(
       `pz_persist.safety.limits.allocation_limit` (checked on Orbax's metadata,
       before TensorStore allocates anything).
     IntegrityError: Orbax's metadata or the arrays cannot be read.
+    LossyCastError: ``dtype`` would change an array's values beyond rounding
+      (naming it and a value) and ``allow_lossy`` is False.
   """
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
@@ -262,7 +272,7 @@ def load_gemma(
   name, kwargs, transpose, settings = _resolve_preset(stored, preset, path)
   total = _read_bytes(tree, dtype)
   with progress_lib.tracking(progress, f"loading {path}", total) as tracker:
-    params = _read(path, tree, dtype)
+    params = _read(path, tree, dtype, allow_lossy)
 
     def consumed(array: Any) -> None:
       tracker.advance(array.nbytes)
@@ -414,20 +424,33 @@ def _planned(name: str, meta: Any, dtype: np.dtype | None, path: epath.Path) -> 
   return max(array, chunk_array, key=lambda a: a.nbytes)
 
 
-def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any) -> dict[str, dict[str, np.ndarray]]:
-  """Reads every array once, as NumPy, cast to ``dtype`` by Orbax on read,
-  after checking that they all fit the allocation limit (TensorStore
-  allocates each declared shape before reading a byte)."""
+def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any,
+          allow_lossy: bool = False) -> dict[str, dict[str, np.ndarray]]:
+  """Reads every array once, as NumPy, cast to ``dtype``, after checking
+  that they all fit the allocation limit (TensorStore allocates each
+  declared shape before reading a byte).
+
+  Orbax casts on read where no value can change (`casts.always_exact`) or
+  ``allow_lossy``; the other arrays are read as stored, then checked and
+  cast one by one (`casts.cast`), so a lossy cast is refused, naming the
+  array.
+  """
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   np_dtype = None if dtype is None else np.dtype(dtype)
+
+  def on_read(meta: Any) -> np.dtype | None:
+    if np_dtype is None or allow_lossy or casts.always_exact(_checked_layout(meta)[1], np_dtype):
+      return np_dtype
+    return None
+
   planned = []
   for key, arrays in _flatten(tree).items():
     for leaf, meta in arrays.items():
-      planned.append(_planned(f"{key}/{leaf}", meta, np_dtype, path))
+      planned.append(_planned(f"{key}/{leaf}", meta, on_read(meta), path))
   _files.check_planned_allocation(planned, where=str(path))
   restore_args = jax.tree.map(
-      lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np_dtype), tree
+      lambda meta: ocp.RestoreArgs(restore_type=np.ndarray, dtype=on_read(meta)), tree
   )
   try:
     restored = ocp.PyTreeCheckpointer().restore(
@@ -441,7 +464,14 @@ def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any) -> dict[str, di
         f" damaged or incomplete ({type(e).__name__}: {detail})",
         damaged=(f"{path}: arrays cannot be read",),
     ) from None
-  return _flatten(restored)
+  flat = _flatten(restored)
+  del restored  # Each stored array is dropped as its cast replaces it.
+  if np_dtype is not None:
+    for key, arrays in flat.items():
+      for leaf in arrays:
+        arrays[leaf] = casts.cast(np.asarray(arrays[leaf]), np_dtype, allow_lossy=allow_lossy,
+                                  where=f"{path}: array {key}/{leaf}")
+  return flat
 
 
 def _flatten(tree: Mapping[str, Any]) -> dict[str, dict[str, np.ndarray]]:

@@ -55,6 +55,7 @@ from penzai.models.transformer import model_parts
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist.format import casts
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf_config import Config
@@ -127,6 +128,7 @@ def load_hf(
     path: str | os.PathLike[str],
     *,
     dtype: Any = None,
+    allow_lossy: bool = False,
     sharding: sharding_lib.Target = None,
     progress: progress_lib.Progress = None,
 ) -> model_parts.TransformerLM:
@@ -151,7 +153,12 @@ def load_hf(
       ``model-0000x-of-0000y.safetensors`` files with
       ``model.safetensors.index.json``.
     dtype: Cast every parameter to this dtype, which is also the activation
-      dtype (default: the checkpoint's own floating dtype).
+      dtype (default: the checkpoint's own floating dtype). Floats are
+      rounded to a narrower dtype; a cast that would change values beyond
+      that (a finite value overflowing to inf, inf into float8_e4m3fn,
+      which has none, an integer tensor a float cannot hold exactly) is
+      refused, naming the file and tensor.
+    allow_lossy: Cast such tensors anyway.
     sharding: Where each array goes: a ``jax.sharding.Sharding`` for all
       arrays, or `pz_persist.AxisRules` mapping Penzai axis names
       (``embedding``, ``heads``, ``head_groups``, ``query_heads``,
@@ -181,6 +188,8 @@ def load_hf(
     UnsafeCheckpointError: a file read is a symlink leading out of the folder
       (and out of its Hugging Face cache entry), a FIFO or a device, or the
       model would allocate more than `pz_persist.safety.limits.allocation_limit`.
+    LossyCastError: ``dtype`` would change a tensor's values beyond rounding
+      (naming the file, the tensor and a value) and ``allow_lossy`` is False.
   """
   path = os.fspath(path)
   raw_config = _read_config(path)
@@ -210,7 +219,7 @@ def load_hf(
   with progress_lib.tracking(progress, f"loading {path}", sum(sizes)) as tracker:
     for spec, size in zip(plan.tensors, sizes):
       params.append(pz.Parameter(
-          value=_read(spec, weights.where, weights.dtype, place), label=spec.label))
+          value=_read(spec, weights.where, weights.dtype, place, allow_lossy), label=spec.label))
       tracker.advance(size)
   model = pz.bind_variables(plan.build(), params)
   pz.nn.assert_no_parameter_slots(model)
@@ -228,13 +237,17 @@ def _read(
     where: Mapping[str, safetensors_io.SafetensorsFile],
     dtype: np.dtype,
     place: Callable[[tuple[str, ...], tuple[int, ...], str], jax.sharding.Sharding],
+    allow_lossy: bool = False,
 ) -> pz.nx.NamedArray:
-  """Reads one tensor, lays it out for Penzai, casts it and places it."""
+  """Reads one tensor, lays it out for Penzai, casts it (checked by
+  `pz_persist.format.casts`) and places it."""
   file = where[spec.source]  # `_check_tensors` made sure it is there, of this size.
   # Cast while reading unless a slice is taken or an offset added after (then
   # only the slice is cast, and the offset is added to the stored values).
-  host = file.get(spec.source, dtype=dtype if spec.take is None and not spec.offset else None)
-  host = penzai_layout(spec, host).astype(dtype, copy=False)
+  host = file.get(spec.source, dtype=dtype if spec.take is None and not spec.offset else None,
+                  allow_lossy=allow_lossy)
+  host = casts.cast(penzai_layout(spec, host), dtype, allow_lossy=allow_lossy,
+                    where=f"safetensors file {file.path}, tensor {spec.source!r}")
   data = jax.device_put(host, place(spec.axes, host.shape, spec.label))
   del host
   return pz.nx.NamedArray.wrap(data).tag(*spec.axes)

@@ -41,6 +41,8 @@ class _Stored:
     hosts = [np.asarray(v.unwrap(*spec.axes)) for spec, v in zip(self.specs, self.values)]
     try:
       return stored_layout(self.specs, hosts)
+    except errors.LossyCastError:
+      raise  # Names the tensor and the value already.
     except ValueError as e:
       raise ExportError(f"{e}; they cannot be written as one Hugging Face tensor.") from None
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from penzai.models.transformer import model_parts
 
+from pz_persist.format import casts
 from pz_persist.pretrained.hf_config import Config
 
 
@@ -131,7 +132,8 @@ def penzai_layout(spec: TensorSpec, stored: np.ndarray) -> np.ndarray:
     dim, index = spec.take
     host = np.take(host, index, axis=dim)
   if spec.offset:
-    host = (host.astype(np.float32) + np.float32(spec.offset)).astype(stored.dtype)
+    host = casts.cast(host.astype(np.float32) + np.float32(spec.offset), stored.dtype,
+                      allow_lossy=False, where=f"{spec.source!r} plus {spec.offset}")
   return host
 
 
@@ -174,4 +176,5 @@ def stored_layout(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
 def _unoffset(spec: TensorSpec, value: np.ndarray) -> np.ndarray:
   if not spec.offset:
     return value
-  return (value.astype(np.float32) - np.float32(spec.offset)).astype(value.dtype)
+  return casts.cast(value.astype(np.float32) - np.float32(spec.offset), value.dtype,
+                    allow_lossy=False, where=f"{spec.label!r} minus {spec.offset}")

@@ -39,6 +39,7 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist.errors import SafetensorsFormatError  # Documented here too.
+from pz_persist.format import casts
 from pz_persist.format import variable_kinds
 from pz_persist.pretrained import _files
 from pz_persist.safety import safe_io
@@ -205,8 +206,12 @@ class SafetensorsFile:
   def keys(self) -> list[str]:
     return list(self.entries)
 
-  def get(self, name: str, dtype: Any = None) -> np.ndarray:
+  def get(self, name: str, dtype: Any = None, *, allow_lossy: bool = False) -> np.ndarray:
     """The tensor ``name``, read into a new array (cast to ``dtype`` if given).
+
+    A cast that would change values beyond rounding a float (see
+    `pz_persist.format.casts`) raises `LossyCastError` naming the file and
+    tensor, unless ``allow_lossy``.
 
     A cast streams the stored bytes through a buffer of `CAST_BUFFER_BYTES`
     into the new array, instead of reading the whole stored tensor first:
@@ -227,7 +232,8 @@ class SafetensorsFile:
         if dtype == stored:
           read = f.readinto(out.reshape(-1).view(np.uint8).data)
         else:
-          read = _read_cast(f, out.reshape(-1), stored)
+          where = None if allow_lossy else f"safetensors file {self.path}, tensor {name!r}"
+          read = _read_cast(f, out.reshape(-1), stored, where)
     except OSError as e:
       raise self._error(f"cannot be read ({e})", name) from e
     if read != end - begin:
@@ -239,10 +245,11 @@ CAST_BUFFER_BYTES = 16 * 2**20
 """Stored bytes a cast read holds at once (`SafetensorsFile.get`)."""
 
 
-def _read_cast(f: Any, out: np.ndarray, stored: np.dtype) -> int:
+def _read_cast(f: Any, out: np.ndarray, stored: np.dtype, where: str | None) -> int:
   """Reads ``out.size`` elements of dtype ``stored`` from ``f`` into the flat
-  ``out``, casting piece by piece; returns the bytes read (short if the file
-  ends early)."""
+  ``out``, casting piece by piece, each piece checked by `casts.refuse`
+  (naming ``where``; None: lossy casts allowed); returns the bytes read
+  (short if the file ends early)."""
   step = max(1, CAST_BUFFER_BYTES // stored.itemsize)
   buffer = np.empty(min(step, out.size), stored)
   raw = buffer.view(np.uint8).data
@@ -253,7 +260,10 @@ def _read_cast(f: Any, out: np.ndarray, stored: np.dtype) -> int:
     total += got
     if got != count * stored.itemsize:
       break
-    np.copyto(out[start : start + count], buffer[:count], casting="unsafe")
+    if where is not None:
+      casts.refuse(buffer[:count], out.dtype, where)
+    with np.errstate(all="ignore"):  # What allow_lossy allowed.
+      np.copyto(out[start : start + count], buffer[:count], casting="unsafe")
   return total
 
 

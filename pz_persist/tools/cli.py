@@ -171,11 +171,13 @@ def _convert(args: argparse.Namespace) -> int:
     from pz_persist.pretrained import gemma  # pylint: disable=import-outside-toplevel
 
     preset = {"like": args.preset_like} if args.preset_like else args.preset
-    model = gemma.load_gemma(args.src, preset=preset, dtype=dtype, progress=_progress(args))
+    model = gemma.load_gemma(args.src, preset=preset, dtype=dtype, allow_lossy=args.allow_lossy,
+                             progress=_progress(args))
   else:
     from pz_persist.pretrained import hf  # pylint: disable=import-outside-toplevel
 
-    model = hf.load_hf(args.src, dtype=dtype, progress=_progress(args))
+    model = hf.load_hf(args.src, dtype=dtype, allow_lossy=args.allow_lossy,
+                       progress=_progress(args))
   # Orbax writes the checkpoint in one call: one step, showing the time taken.
   with progress_lib.tracking(_progress(args), f"writing {args.dst}", 1,
                              unit="checkpoint") as tracker:
@@ -318,7 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
   convert.add_argument("format", choices=["gemma", "hf"])
   convert.add_argument("src", help="the checkpoint folder to read")
   convert.add_argument("dst", help="the native checkpoint to write")
-  convert.add_argument("--dtype", help="cast while reading, e.g. bfloat16")
+  convert.add_argument("--dtype", help="cast while reading, e.g. bfloat16 (floats are"
+                       " rounded; a cast changing values beyond that is refused)")
+  convert.add_argument("--allow-lossy", action="store_true",
+                       help="cast with --dtype even where values change beyond rounding")
   convert.add_argument("--overwrite", action="store_true", help="replace DST")
   convert.add_argument(
       "--preset", default="auto",

@@ -1,0 +1,262 @@
+"""Which dtype casts change values, decided from the values, in one place.
+
+Every path that casts arrays on the way in or out goes through `check` (or
+`cast`): ``load_model(dtype=)`` with or without ``into=``, plain Orbax
+checkpoints bound into a model, ``migrate``, the pretrained loaders
+(`load_hf` and `load_gemma` with ``dtype=``) and ``export_hf``'s norm offsets.
+So one rule says what a lossy cast is, and no path can wrap a uint8 200 into
+an int8 -56 while another refuses it.
+
+The rule: a cast may round a float to a narrower float (that is what casting
+bfloat16 weights is for) and nothing else. Refused, unless the caller passes
+``allow_lossy=True``:
+
+* a finite value that overflows the target (to inf, to NaN, or saturating at
+  its largest value, as float4_e2m1fn does), or that the target cannot come
+  near (a negative value or 0 in float8_e8m0fnu);
+* inf in a dtype without inf (float8_e4m3fn makes it NaN), NaN in a dtype
+  without NaN;
+* an integer outside the target's range (two's complement would wrap it),
+  or one a float cannot hold exactly (int32 16777217 in float32);
+* a float with a fraction, inf or NaN, or out of range, into an integer;
+* anything but 0 and 1 into bool;
+* a non-zero imaginary part into a real dtype (complex to complex rounds
+  each part like a float).
+
+Pairs that can never lose anything (widening, bool to anything holding 0 and
+1) are recognised from the dtypes alone and cost nothing; the others are
+checked on the values, on the device the array is on (a ``jax.Array``) or on
+the host (NumPy), without copying them between the two.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pz_persist import errors
+
+LossyCastError = errors.LossyCastError
+
+
+def _kind(dtype: np.dtype) -> str:
+  """``"b"`` (bool), ``"i"`` (any integer), ``"f"`` (real float), ``"c"``
+  (complex); ml_dtypes' types included (their NumPy kind is ``"V"``)."""
+  if dtype == np.bool_:
+    return "b"
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return "c"
+  if jnp.issubdtype(dtype, jnp.floating):
+    return "f"
+  if jnp.issubdtype(dtype, jnp.integer):
+    return "i"
+  raise errors.ArgumentError(f"dtype {dtype} is not a numeric dtype; it cannot be cast.")
+
+
+def _component(dtype: np.dtype) -> np.dtype:
+  """A complex dtype's real part dtype (float32 for complex64)."""
+  return np.dtype(np.float64 if dtype.itemsize == 16 else np.float32)
+
+
+@functools.cache
+def _float_traits(dtype: np.dtype) -> tuple[float, float, float, bool, bool, bool]:
+  """``(max, eps, smallest subnormal, has inf, has NaN, signed)`` of a float dtype."""
+  info = ml_dtypes.finfo(dtype)
+  with np.errstate(all="ignore"):
+    special = np.array([np.inf, np.nan, -1.0], np.float32).astype(dtype).astype(np.float32)
+  return (float(info.max), float(info.eps), float(info.smallest_subnormal),
+          bool(np.isinf(special[0])), bool(np.isnan(special[1])), bool(special[2] == -1.0))
+
+
+def _int_range(dtype: np.dtype) -> tuple[int, int]:
+  info = ml_dtypes.iinfo(dtype)
+  return int(info.min), int(info.max)
+
+
+@functools.cache
+def always_exact(source: np.dtype, target: np.dtype) -> bool:
+  """Whether every value of ``source`` survives the cast to ``target``
+  exactly, so no values need checking (widening casts, bool to a dtype
+  holding 0 and 1)."""
+  source, target = np.dtype(source), np.dtype(target)
+  if source == target:
+    return True
+  s, t = _kind(source), _kind(target)
+  if s == "b":  # 0 and 1: every integer and complex dtype holds them.
+    return t != "f" or _exactly_zero_and_one(target)
+  if t == "c":
+    return s in "if" and always_exact(source, _component(target)) or (
+        s == "c" and always_exact(_component(source), _component(target)))
+  if s == "c" or t == "b":
+    return False
+  if s == "i" and t == "i":
+    lo, hi = _int_range(source)
+    tlo, thi = _int_range(target)
+    return tlo <= lo and hi <= thi
+  if s == "i" and t == "f":
+    lo, hi = _int_range(source)
+    tmax, _, _, _, _, signed = _float_traits(target)
+    return (max(hi, -lo).bit_length() <= ml_dtypes.finfo(target).nmant + 1
+            and float(max(hi, -lo)) <= tmax and (signed or lo == 0)
+            and _exactly_zero_and_one(target))
+  if s == "f" and t == "f":
+    smax, _, ssub, sinf, snan, ssigned = _float_traits(source)
+    tmax, _, tsub, tinf, tnan, tsigned = _float_traits(target)
+    return (ml_dtypes.finfo(target).nmant >= ml_dtypes.finfo(source).nmant
+            and tmax >= smax and tsub <= ssub and (tinf or not sinf)
+            and (tnan or not snan) and (tsigned or not ssigned)
+            and _exactly_zero_and_one(target))
+  return False  # Float to integer.
+
+
+def _exactly_zero_and_one(dtype: np.dtype) -> bool:
+  with np.errstate(all="ignore"):
+    return bool(np.all(np.array([0.0, 1.0], np.float32).astype(dtype).astype(np.float32)
+                       == [0.0, 1.0]))
+
+
+def _lib(x: Any) -> Any:
+  return jnp if isinstance(x, jax.Array) else np
+
+
+def _wide(*dtypes: np.dtype) -> np.dtype:
+  """A float dtype holding every value of ``dtypes`` exactly enough to
+  compare them (float64 where a 64-bit type is involved)."""
+  return np.dtype(np.float64 if max(d.itemsize for d in dtypes) >= 8 else np.float32)
+
+
+def _example(xp: Any, x: Any, bad: Any) -> str:
+  """The first offending value, for the message."""
+  flat = xp.reshape(x, (-1,))
+  index = int(xp.argmax(xp.reshape(bad, (-1,))))
+  return f" (e.g. {np.asarray(flat[index])[()]})"
+
+
+def check(x: Any, target: Any) -> str | None:
+  """Why casting the array ``x`` to ``target`` would change values beyond
+  rounding a float, as a phrase naming them ("uint8 values outside int8's
+  range [-128, 127] (e.g. 200)"); None if the cast is exact or only rounds.
+
+  ``x`` is a NumPy or JAX array (checked where it is). An abstract array
+  (``jax.ShapeDtypeStruct``) has no values: None.
+  """
+  source, target = np.dtype(x.dtype), np.dtype(target)
+  if isinstance(x, jax.ShapeDtypeStruct) or always_exact(source, target) or x.size == 0:
+    return None
+  xp = _lib(x)
+  s, t = _kind(source), _kind(target)
+  if s == "c":
+    if t != "c":
+      bad = xp.imag(x) != 0
+      if bool(xp.any(bad)):
+        return f"{source} values with imaginary parts, which {target} would drop" + _example(
+            xp, x, bad)
+      return _real(xp, xp.real(x), _component(source), target, str(source))
+    return (_real(xp, xp.real(x), _component(source), _component(target), f"{source} real")
+            or _real(xp, xp.imag(x), _component(source), _component(target),
+                     f"{source} imaginary"))
+  if t == "c":
+    return _real(xp, x, source, _component(target), str(source))
+  return _real(xp, x, source, target, str(source))
+
+
+def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> str | None:
+  """`check` for real ``source`` and ``target`` (``what`` names the values)."""
+  if always_exact(source, target):
+    return None
+  s, t = _kind(source), _kind(target)
+  if s == "b":
+    x, source, s = x.astype(np.uint8), np.dtype(np.uint8), "i"
+  if t == "b":
+    bad = (x != 0) & (x != 1)
+    return _reason(xp, x, bad, f"{what} values other than 0 and 1, which bool cannot hold")
+  if t == "i":
+    lo, hi = _int_range(target)
+    if s == "f":
+      wide = x.astype(_wide(source, target))
+      finite = xp.isfinite(wide)
+      return (
+          _reason(xp, x, ~finite, f"{what} inf or NaN values, which {target} cannot hold")
+          or _reason(xp, x, (wide < float(lo)) | (wide >= float(hi) + 1),
+                     f"{what} values outside {target}'s range [{lo}, {hi}]")
+          or _reason(xp, x, xp.floor(wide) != wide,
+                     f"{what} values with a fraction, which {target} would truncate"))
+    slo, shi = _int_range(source)
+    bad = x != x  # All False, where x is.
+    if lo > slo:
+      bad = bad | (x < xp.asarray(lo, source))
+    if hi < shi:
+      bad = bad | (x > xp.asarray(hi, source))
+    return _reason(xp, x, bad, f"{what} values outside {target}'s range [{lo}, {hi}],"
+                   " which it cannot hold exactly (a cast would wrap them around)")
+  with np.errstate(all="ignore"):
+    y = x.astype(target)
+  if s == "i":  # Integer to float: exact, or not at all.
+    slo, shi = _int_range(source)
+    back = y.astype(_wide(source, target))
+    in_range = (back >= float(slo)) & (back < float(shi) + 1)
+    exact = in_range & (xp.where(in_range, back, 0).astype(source) == x)
+    return _reason(xp, x, ~exact, f"{what} values that {target} cannot hold exactly")
+  # Float to float: rounding only.
+  wide = _wide(source, target)
+  xw, back = x.astype(wide), y.astype(wide)
+  tmax, eps, tiny, has_inf, has_nan, _ = _float_traits(target)
+  nan, inf, finite = xp.isnan(xw), xp.isinf(xw), xp.isfinite(xw)
+  reason = (
+      _reason(xp, x, nan & ~xp.isnan(back), f"{what} NaN values, which {target} has no NaN for")
+      or _reason(xp, x, inf & (back != xw), f"{what} inf values, which {target} cannot hold"
+                 + ("" if has_inf else f" (it has no inf; they would become"
+                    f" {'NaN' if has_nan else 'its largest value'})")))
+  if reason:
+    return reason
+  with np.errstate(all="ignore"):
+    error = xp.where(finite, xp.abs(back - xw), 0)
+  lost = finite & (~xp.isfinite(back) | (error > xp.maximum(xp.abs(xw) * eps, tiny)))
+  into = "inf" if has_inf else "NaN" if has_nan else f"{tmax:g} (saturating)"
+  return (
+      _reason(xp, x, lost & (xp.abs(xw) > tmax),
+              f"finite {what} values that overflow to {into} in {target}"
+              f" (largest finite value {tmax:g})")
+      or _reason(xp, x, lost, f"finite {what} values that {target} cannot hold within"
+                 " rounding"))
+
+
+def _reason(xp: Any, x: Any, bad: Any, what: str) -> str | None:
+  if not bool(xp.any(bad)):
+    return None
+  return what + _example(xp, x, bad)
+
+
+def cast(x: Any, target: Any, *, allow_lossy: bool, where: str) -> Any:
+  """``x`` cast to ``target`` after `check` (skipped with ``allow_lossy``).
+
+  Raises:
+    LossyCastError: naming ``where`` (file and tensor, label...), the values
+      and how to cast anyway.
+  """
+  target = np.dtype(target)
+  if np.dtype(x.dtype) == target:
+    return x
+  if not allow_lossy:
+    refuse(x, target, where)
+  with np.errstate(all="ignore"):
+    return x.astype(target)
+
+
+def refuse(x: Any, target: Any, where: str) -> None:
+  """Raises `LossyCastError` if casting ``x`` to ``target`` would change values.
+
+  Raises:
+    LossyCastError: naming ``where``, the values and how to cast anyway.
+  """
+  reason = check(x, target)
+  if reason:
+    raise LossyCastError(
+        f"{where}: casting {x.dtype} to {np.dtype(target)} would change values: it"
+        f" holds {reason}. Pass allow_lossy=True to cast anyway."
+    )
