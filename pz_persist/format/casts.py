@@ -134,7 +134,7 @@ def _example(xp: Any, x: Any, bad: Any) -> str:
   """The first offending value, for the message."""
   flat = xp.reshape(x, (-1,))
   index = int(xp.argmax(xp.reshape(bad, (-1,))))
-  return f" (e.g. {np.asarray(flat[index])[()]})"
+  return f" (e.g. {str(np.asarray(flat[index])[()])})"
 
 
 def check(x: Any, target: Any) -> str | None:
@@ -194,8 +194,7 @@ def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> str
       bad = bad | (x > xp.asarray(hi, source))
     return _reason(xp, x, bad, f"{what} values outside {target}'s range [{lo}, {hi}],"
                    " which it cannot hold exactly (a cast would wrap them around)")
-  with np.errstate(all="ignore"):
-    y = x.astype(target)
+  y = astype(x, target)
   if s == "i":  # Integer to float: exact, or not at all.
     slo, shi = _int_range(source)
     back = y.astype(_wide(source, target))
@@ -226,6 +225,19 @@ def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> str
                  " rounding"))
 
 
+def astype(x: Any, target: Any) -> Any:
+  """``x.astype(target)``, quietly (NumPy warns of what was allowed), and
+  through float32 (or float64) where ml_dtypes has no direct NumPy cast
+  between two of its float types (float8_e5m2fnuz to float8_e8m0fnu)."""
+  with np.errstate(all="ignore"):
+    try:
+      return x.astype(target)
+    except TypeError:
+      if isinstance(x, jax.Array):
+        raise
+      return x.astype(_wide(np.dtype(x.dtype), np.dtype(target))).astype(target)
+
+
 def _reason(xp: Any, x: Any, bad: Any, what: str) -> str | None:
   if not bool(xp.any(bad)):
     return None
@@ -244,8 +256,7 @@ def cast(x: Any, target: Any, *, allow_lossy: bool, where: str) -> Any:
     return x
   if not allow_lossy:
     refuse(x, target, where)
-  with np.errstate(all="ignore"):
-    return x.astype(target)
+  return astype(x, target)
 
 
 def refuse(x: Any, target: Any, where: str) -> None:
