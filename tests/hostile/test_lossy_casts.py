@@ -18,7 +18,6 @@ import fractions
 import math
 
 import hypothesis
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -29,12 +28,11 @@ from hypothesis import strategies as st
 from penzai import pz
 
 import pz_persist as pzp
+from hostile.test_pretrained_hostile import hf_folder
+from hostile.test_pretrained_hostile import llama_tensors
 from pz_persist import errors
 from pz_persist.format import casts
 from pz_persist.pretrained import safetensors_io
-
-from hostile.test_pretrained_hostile import hf_folder
-from hostile.test_pretrained_hostile import llama_tensors
 
 INTS = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
         ml_dtypes.int4, ml_dtypes.uint4]
