@@ -66,6 +66,7 @@ from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import penzai_layout
 from pz_persist.pretrained.hf_weights import Weights
 from pz_persist.pretrained.hf_weights import check_has_weights
+from pz_persist.pretrained.layers import scaled_rope
 from pz_persist.storage import sharding as sharding_lib
 
 # Documented here too (defined in errors, with every error class).
@@ -212,6 +213,8 @@ def load_hf(
   cfg = Config(raw_config, os.path.join(path, "config.json"))
   plan = BUILDERS[model_type](cfg, weights)
   _check_tensors(plan, weights)
+  skeleton = plan.build()  # Built once the weights agree with the config.
+  scaled_rope.check_computable(skeleton, _axis_sizes(plan), cfg.where)
 
   place = _placement(sharding)
   params = []
@@ -221,9 +224,18 @@ def load_hf(
       params.append(pz.Parameter(
           value=_read(spec, weights.where, weights.dtype, place, allow_lossy), label=spec.label))
       tracker.advance(size)
-  model = pz.bind_variables(plan.build(), params)
+  model = pz.bind_variables(skeleton, params)
   pz.nn.assert_no_parameter_slots(model)
   return model
+
+
+def _axis_sizes(plan: Plan) -> dict[str, set[int]]:
+  """Each Penzai axis name of the plan's tensors, and the sizes it has."""
+  sizes: dict[str, set[int]] = {}
+  for spec in plan.tensors:
+    for axis, size in zip(spec.axes, spec.parameter_shape):
+      sizes.setdefault(axis, set()).add(size)
+  return sizes
 
 
 def _stored_bytes(spec: TensorSpec, where: Mapping[str, safetensors_io.SafetensorsFile]) -> int:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -290,3 +291,77 @@ def _default_inverse_frequencies(base: float, dim: int) -> np.ndarray:
 
 def _yarn_mscale(scale: float, mscale: float = 1) -> float:
   return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def check_computable(model: Any, sizes: Mapping[str, set[int]], where: str) -> None:
+  """Refuses RoPE layers whose tables cannot be computed, before any weight
+  is read: a model that loads can be called.
+
+  Why: ``config.json`` values each valid on their own can still break the
+  math (yarn's ramp divides by ``log(rope_theta)``, so ``rope_theta: 1``
+  raised ZeroDivisionError on the first call; dynamic NTK raises the base to
+  ``d / (d - 2)``; a tiny ``rope_theta`` or ``factor`` or a huge ``mscale``
+  makes the tables inf, and every output NaN). So every ``ApplyRoPE``,
+  ``ApplyRoPEToSubset`` and `ApplyScaledRoPE` of ``model`` is evaluated
+  here, as its call will evaluate it, for each size its rotated axis has
+  (``sizes``: axis name to the sizes the weights give it): the rotated size
+  must be even, and the frequencies (or timescales) and yarn's attention
+  factor finite and usable.
+
+  Raises:
+    UnsupportedConfigError: naming ``where`` (the ``config.json``), the
+      rope settings and the head size.
+  """
+  layers = (pz.select(model)
+            .at_instances_of(pz.nn.ApplyRoPE | pz.nn.ApplyRoPEToSubset | ApplyScaledRoPE)
+            .get_sequence())
+  for layer in layers:
+    dims = sorted(sizes.get(layer.embedding_axis, ()))
+    if isinstance(layer, pz.nn.ApplyRoPEToSubset):
+      dims = [layer.rope_subset_size]
+    for dim in dims:
+      problem = _uncomputable(layer, dim)
+      if problem:
+        raise errors.UnsupportedConfigError(
+            f"{where}: {_settings(layer)} cannot be computed for a rotated head size"
+            f" of {dim}: {problem}; the model would fail or compute NaN when called."
+            " Nothing was loaded; the file is damaged or not a Hugging Face config."
+        )
+
+
+def _settings(layer: Any) -> str:
+  """The config values behind ``layer``, as ``config.json`` names them."""
+  text = f"rope_theta={layer.max_wavelength!r}"
+  if isinstance(layer, ApplyScaledRoPE):
+    text += f" with rope_scaling={layer.rope_scaling_config()!r}"
+  return text
+
+
+def _uncomputable(layer: Any, dim: int) -> str | None:
+  """Why ``layer`` cannot rotate an axis of size ``dim``; None if it can."""
+  if dim % 2:
+    return "the rotated size must be even (it is rotated in halves)"
+  if dim == 0:
+    return None  # Nothing rotated (a partial rotary of 0 dimensions).
+  with np.errstate(all="ignore"):
+    try:
+      if not isinstance(layer, ApplyScaledRoPE):  # Penzai's: position / timescale.
+        fraction = 2 * np.arange(0, dim // 2, dtype=np.float32) / np.float32(dim)
+        timescale = np.float32(layer.max_wavelength) ** fraction
+        if not np.all(timescale > 0) or np.any(np.isnan(timescale)):
+          return "a timescale is 0 or NaN in float32, so the angles would be inf or NaN"
+        return None
+      if layer.rope_type == "dynamic" and dim <= 2:
+        return "dynamic scaling raises the base to dim / (dim - 2)"
+      tables = [np.asarray(layer.inverse_frequencies(dim))]
+      if layer.rope_type == "dynamic":
+        limit = layer._required("max_position_embeddings")  # pylint: disable=protected-access
+        tables.append(np.asarray(layer.inverse_frequencies(dim, jnp.asarray(limit * 2))))
+      scaling = layer.attention_scaling()
+    except (ArithmeticError, ValueError) as e:
+      return f"{type(e).__name__}: {e}"
+  if not all(np.all(np.isfinite(table)) for table in tables):
+    return "an inverse frequency is inf or NaN in float32"
+  if not (np.isfinite(np.float32(scaling)) and scaling > 0):
+    return f"the attention factor is {scaling!r} (cos and sin are multiplied by it in float32)"
+  return None
