@@ -159,6 +159,20 @@ def hub_cache_entry(folder: str) -> str | None:
   return None
 
 
+def plain_file_name(name: Any) -> bool:
+  """Whether ``name`` names a file directly in a folder: a non-empty string
+  with no path separator (either OS's), no NUL, and not ``.`` or ``..``.
+
+  Why: an index file (``model.safetensors.index.json``) names the files
+  holding the tensors; ``..``, ``''`` or ``/etc/x`` there would have the
+  loader open the folder itself, its parent or any file, and fail far from
+  the index with a message that does not name it.
+  """
+  return (isinstance(name, str) and name not in ("", ".", "..")
+          and not any(c in name for c in ("/", "\\", "\0", os.sep))
+          and (os.altsep is None or os.altsep not in name))
+
+
 def check_folder_file(folder: str, name: str) -> str | None:
   """The path of ``name`` in ``folder`` if it is a file pz_persist may read,
   None if it does not exist.

@@ -38,10 +38,11 @@ def _open_weights(path: str) -> dict[str, safetensors_io.SafetensorsFile]:
       raise error("is malformed: it needs a 'weight_map' object")
     files: dict[str, safetensors_io.SafetensorsFile] = {}
     for name, filename in weight_map.items():
-      if not isinstance(filename, str) or os.path.basename(filename) != filename:
+      if not _files.plain_file_name(filename):
         raise safetensors_io.SafetensorsFormatError(
-            f"{index_path}: tensor {name!r} maps to {filename!r}, which is not"
-            " a file name in the checkpoint folder."
+            f"{index_path}: tensor {name!r:.200} maps to {filename!r:.200}, which is not"
+            " the name of a file in the checkpoint folder (no path, no separator, not"
+            " empty, '.' or '..'); the index is damaged or forged."
         )
       if filename not in files:
         file_path = _files.check_folder_file(path, filename)

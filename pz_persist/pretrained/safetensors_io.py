@@ -52,6 +52,11 @@ FORMAT_VERSION = 1
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # The limit the safetensors library uses.
 
+MAX_RANK = 64
+"""Most dimensions a tensor may declare: NumPy's own limit on an array."""
+
+_MAX_INDEX = 2**63 - 1  # NumPy refuses shapes whose non-zero dims times itemsize pass it.
+
 # Safetensors dtype codes <-> NumPy dtypes (all little-endian on disk).
 _DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -142,7 +147,14 @@ class SafetensorsFile:
     if not isinstance(shape, list) or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
     ):
-      raise self._error(f"has an invalid shape {shape!r}", name)
+      raise self._error(f"has an invalid shape {shape!r:.200}", name)
+    if len(shape) > MAX_RANK:
+      raise self._error(
+          f"has {len(shape)} dimensions, more than the {MAX_RANK} an array can have", name)
+    if math.prod(max(n, 1) for n in shape) * _DTYPES[code].itemsize > _MAX_INDEX:
+      raise self._error(
+          f"declares a shape {tuple(shape)!r:.200} whose dimensions multiply past what an"
+          " array can index (even with a zero among them, NumPy and JAX refuse it)", name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2

@@ -76,7 +76,7 @@ def raw_safetensors(path, header: dict, data: bytes):
 @pytest.fixture
 def no_reads(monkeypatch):
   """Fails the test if any tensor is read (checks must come first)."""
-  def refuse(self, name, dtype=None):
+  def refuse(self, name, dtype=None, **kwargs):
     raise AssertionError(f"tensor {name!r} was read before the checks")
   monkeypatch.setattr(safetensors_io.SafetensorsFile, "get", refuse)
 
