@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from pz_persist import errors
+from pz_persist.format import casts
 from pz_persist.format import checksum_records
 
 ArrayKind = Literal["jax", "numpy", "numpy_scalar"]
@@ -365,8 +366,18 @@ def to_storage(value: Any, spec: ArraySpec) -> Any:
 
 def from_storage(value: Any, spec: ArraySpec) -> Any:
   """Undoes `to_storage` and restores the recorded kind and weak type."""
-  _, how = _SUBSTITUTES.get(spec.dtype, (spec.dtype, ""))
+  stored_name, how = _SUBSTITUTES.get(spec.dtype, (spec.dtype, ""))
   logical = spec.np_dtype
+  if how == "cast":  # A wider substitute: values past the logical dtype are damage.
+    reason = casts.check(value, logical)
+    if reason:
+      where = spec.label or spec.path or spec.key
+      raise errors.IntegrityError(
+          f"{where}: the stored {stored_name} array of this {spec.dtype} array holds"
+          f" {reason}; the checkpoint is damaged (load with verify=True to check its"
+          " checksums).",
+          damaged=(f"{where}: stored values outside {spec.dtype}",),
+      )
   if how:
     if isinstance(value, jax.Array):
       value = (

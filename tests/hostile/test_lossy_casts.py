@@ -327,3 +327,18 @@ def test_cli_convert(tmp_path):
   assert out.count("EXIT") == 2 and "EXIT 2" in out and "EXIT 0" in out, out
   assert "allow_lossy" in out and NORM in out
   assert (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("logical", ["uint4", "uint2"])
+def test_stored_substitutes_out_of_range_are_damage(logical):
+  """uint4 and uint2 are stored as uint8 and cast back on load; a stored byte
+  past their range (damage a load with verify=False does not see) would
+  wrap around silently: it is an IntegrityError naming the array instead."""
+  from pz_persist.format import array_specs  # pylint: disable=import-outside-toplevel
+
+  spec = array_specs.ArraySpec(key="00000_w", shape=(2,), dtype=logical, kind="numpy", label="w")
+  good = np.array([1, 3], np.uint8)
+  np.testing.assert_array_equal(array_specs.from_storage(good, spec), good.astype(logical))
+  for stored in (np.array([1, 200], np.uint8), jnp.array([1, 200], jnp.uint8)):
+    with pytest.raises(errors.IntegrityError, match=rf"w: the stored uint8 .*{logical}.*e\.g\. 200"):
+      array_specs.from_storage(stored, spec)
