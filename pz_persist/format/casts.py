@@ -120,109 +120,138 @@ def _exactly_zero_and_one(dtype: np.dtype) -> bool:
                        == [0.0, 1.0]))
 
 
-def _lib(x: Any) -> Any:
-  return jnp if isinstance(x, jax.Array) else np
-
-
 def _wide(*dtypes: np.dtype) -> np.dtype:
   """A float dtype holding every value of ``dtypes`` exactly enough to
   compare them (float64 where a 64-bit type is involved)."""
   return np.dtype(np.float64 if max(d.itemsize for d in dtypes) >= 8 else np.float32)
 
 
-def _example(xp: Any, x: Any, bad: Any) -> str:
-  """The first offending value, for the message."""
-  flat = xp.reshape(x, (-1,))
-  index = int(xp.argmax(xp.reshape(bad, (-1,))))
-  return f" (e.g. {str(np.asarray(flat[index])[()])})"
+_CHUNK = 2**22
+"""Elements of a NumPy array checked at once (bounds the temporaries)."""
 
 
 def check(x: Any, target: Any) -> str | None:
   """Why casting the array ``x`` to ``target`` would change values beyond
   rounding a float, as a phrase naming them ("uint8 values outside int8's
-  range [-128, 127] (e.g. 200)"); None if the cast is exact or only rounds.
+  range [-128, 127] ... (e.g. 200)"); None if the cast is exact or only rounds.
 
-  ``x`` is a NumPy or JAX array (checked where it is). An abstract array
-  (``jax.ShapeDtypeStruct``) has no values: None.
+  ``x`` is a NumPy or JAX array, checked where it is: a ``jax.Array`` by one
+  compiled reduction on its own devices (no full-size temporaries; only a few
+  flags come back to the host), a NumPy array piece by piece. An abstract
+  array (``jax.ShapeDtypeStruct``) has no values: None.
   """
   source, target = np.dtype(x.dtype), np.dtype(target)
   if isinstance(x, jax.ShapeDtypeStruct) or always_exact(source, target) or x.size == 0:
     return None
-  xp = _lib(x)
+  if isinstance(x, jax.Array):
+    reduce, messages = _on_device(source, target)
+    fired, examples = jax.device_get(reduce(x))
+    for message, hit, example in zip(messages, fired, examples):
+      if hit:
+        return f"{message} (e.g. {np.asarray(example)[()]!s})"
+    return None
+  flat = np.reshape(x, -1)
+  for start in range(0, flat.size, _CHUNK):
+    piece = flat[start : start + _CHUNK]
+    for message, mask, values in _rules(np, piece, source, target):
+      if mask.any():
+        return f"{message} (e.g. {np.reshape(values, -1)[np.argmax(mask)]!s})"
+  return None
+
+
+@functools.cache
+def _on_device(source: np.dtype, target: np.dtype) -> tuple[Any, list[str]]:
+  """A compiled ``x -> (flags, examples)`` of `_rules` for JAX arrays of
+  ``source``, and the messages of the flags (set when it is traced)."""
+  messages: list[str] = []
+
+  def reduce(x: jax.Array) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    rules = _rules(jnp, x, source, target)
+    messages[:] = [message for message, _, _ in rules]
+    return (tuple(jnp.any(mask) for _, mask, _ in rules),
+            tuple(jnp.reshape(values, -1)[jnp.argmax(jnp.reshape(mask, -1))]
+                  for _, mask, values in rules))
+
+  return jax.jit(reduce), messages
+
+
+Rule = tuple[str, Any, Any]
+"""``(what the values are, mask of them, the array to show one from)``."""
+
+
+def _rules(xp: Any, x: Any, source: np.dtype, target: np.dtype) -> list[Rule]:
+  """The kinds of values that casting ``source`` to ``target`` would change,
+  most telling first, each with its mask over ``x``; any hit refuses."""
   s, t = _kind(source), _kind(target)
   if s == "c":
+    part = _component(source)
+    real, imag = xp.real(x), xp.imag(x)
     if t != "c":
-      bad = xp.imag(x) != 0
-      if bool(xp.any(bad)):
-        return f"{source} values with imaginary parts, which {target} would drop" + _example(
-            xp, x, bad)
-      return _real(xp, xp.real(x), _component(source), target, str(source))
-    return (_real(xp, xp.real(x), _component(source), _component(target), f"{source} real")
-            or _real(xp, xp.imag(x), _component(source), _component(target),
-                     f"{source} imaginary"))
+      return [(f"{source} values with imaginary parts, which {target} would drop",
+               imag != 0, x), *_real(xp, real, part, target, str(source))]
+    return [*_real(xp, real, part, _component(target), f"{source} real"),
+            *_real(xp, imag, part, _component(target), f"{source} imaginary")]
   if t == "c":
     return _real(xp, x, source, _component(target), str(source))
   return _real(xp, x, source, target, str(source))
 
 
-def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> str | None:
-  """`check` for real ``source`` and ``target`` (``what`` names the values)."""
+def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> list[Rule]:
+  """`_rules` for real ``source`` and ``target`` (``what`` names the values)."""
   if always_exact(source, target):
-    return None
+    return []
   s, t = _kind(source), _kind(target)
   if s == "b":
     x, source, s = x.astype(np.uint8), np.dtype(np.uint8), "i"
   if t == "b":
-    bad = (x != 0) & (x != 1)
-    return _reason(xp, x, bad, f"{what} values other than 0 and 1, which bool cannot hold")
+    return [(f"{what} values other than 0 and 1, which bool cannot hold",
+             (x != 0) & (x != 1), x)]
   if t == "i":
     lo, hi = _int_range(target)
     if s == "f":
       wide = x.astype(_wide(source, target))
       finite = xp.isfinite(wide)
-      return (
-          _reason(xp, x, ~finite, f"{what} inf or NaN values, which {target} cannot hold")
-          or _reason(xp, x, (wide < float(lo)) | (wide >= float(hi) + 1),
-                     f"{what} values outside {target}'s range [{lo}, {hi}]")
-          or _reason(xp, x, xp.floor(wide) != wide,
-                     f"{what} values with a fraction, which {target} would truncate"))
+      return [
+          (f"{what} inf or NaN values, which {target} cannot hold", ~finite, x),
+          (f"{what} values outside {target}'s range [{lo}, {hi}]",
+           (wide < float(lo)) | (wide >= float(hi) + 1), x),
+          (f"{what} values with a fraction, which {target} would truncate",
+           finite & (xp.floor(wide) != wide), x),
+      ]
     slo, shi = _int_range(source)
     bad = x != x  # All False, where x is.
     if lo > slo:
       bad = bad | (x < xp.asarray(lo, source))
     if hi < shi:
       bad = bad | (x > xp.asarray(hi, source))
-    return _reason(xp, x, bad, f"{what} values outside {target}'s range [{lo}, {hi}],"
-                   " which it cannot hold exactly (a cast would wrap them around)")
+    return [(f"{what} values outside {target}'s range [{lo}, {hi}], which it cannot hold"
+             " exactly (a cast would wrap them around)", bad, x)]
   y = astype(x, target)
   if s == "i":  # Integer to float: exact, or not at all.
     slo, shi = _int_range(source)
     back = y.astype(_wide(source, target))
     in_range = (back >= float(slo)) & (back < float(shi) + 1)
     exact = in_range & (xp.where(in_range, back, 0).astype(source) == x)
-    return _reason(xp, x, ~exact, f"{what} values that {target} cannot hold exactly")
+    return [(f"{what} values that {target} cannot hold exactly", ~exact, x)]
   # Float to float: rounding only.
   wide = _wide(source, target)
   xw, back = x.astype(wide), y.astype(wide)
   tmax, eps, tiny, has_inf, has_nan, _ = _float_traits(target)
-  nan, inf, finite = xp.isnan(xw), xp.isinf(xw), xp.isfinite(xw)
-  reason = (
-      _reason(xp, x, nan & ~xp.isnan(back), f"{what} NaN values, which {target} has no NaN for")
-      or _reason(xp, x, inf & (back != xw), f"{what} inf values, which {target} cannot hold"
-                 + ("" if has_inf else f" (it has no inf; they would become"
-                    f" {'NaN' if has_nan else 'its largest value'})")))
-  if reason:
-    return reason
+  finite = xp.isfinite(xw)
   with np.errstate(all="ignore"):
     error = xp.where(finite, xp.abs(back - xw), 0)
   lost = finite & (~xp.isfinite(back) | (error > xp.maximum(xp.abs(xw) * eps, tiny)))
   into = "inf" if has_inf else "NaN" if has_nan else f"{tmax:g} (saturating)"
-  return (
-      _reason(xp, x, lost & (xp.abs(xw) > tmax),
-              f"finite {what} values that overflow to {into} in {target}"
-              f" (largest finite value {tmax:g})")
-      or _reason(xp, x, lost, f"finite {what} values that {target} cannot hold within"
-                 " rounding"))
+  return [
+      (f"{what} NaN values, which {target} has no NaN for", xp.isnan(xw) & ~xp.isnan(back), x),
+      (f"{what} inf values, which {target} cannot hold"
+       + ("" if has_inf else f" (it has no inf; they would become"
+          f" {'NaN' if has_nan else 'its largest value'})"),
+       xp.isinf(xw) & (back != xw), x),
+      (f"finite {what} values that overflow to {into} in {target} (largest finite value"
+       f" {tmax:g})", lost & (xp.abs(xw) > tmax), x),
+      (f"finite {what} values that {target} cannot hold within rounding", lost, x),
+  ]
 
 
 def astype(x: Any, target: Any) -> Any:
@@ -236,12 +265,6 @@ def astype(x: Any, target: Any) -> Any:
       if isinstance(x, jax.Array):
         raise
       return x.astype(_wide(np.dtype(x.dtype), np.dtype(target))).astype(target)
-
-
-def _reason(xp: Any, x: Any, bad: Any, what: str) -> str | None:
-  if not bool(xp.any(bad)):
-    return None
-  return what + _example(xp, x, bad)
 
 
 def cast(x: Any, target: Any, *, allow_lossy: bool, where: str) -> Any:
