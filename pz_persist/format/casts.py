@@ -226,17 +226,24 @@ def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> lis
       bad = bad | (x > xp.asarray(hi, source))
     return [(f"{what} values outside {target}'s range [{lo}, {hi}], which it cannot hold"
              " exactly (a cast would wrap them around)", bad, x)]
-  y = astype(x, target)
   if s == "i":  # Integer to float: exact, or not at all.
     slo, shi = _int_range(source)
-    back = y.astype(_wide(source, target))
+    back = astype(x, target).astype(_wide(source, target))
     in_range = (back >= float(slo)) & (back < float(shi) + 1)
     exact = in_range & (xp.where(in_range, back, 0).astype(source) == x)
     return [(f"{what} values that {target} cannot hold exactly", ~exact, x)]
   # Float to float: rounding only.
   wide = _wide(source, target)
-  xw, back = x.astype(wide), y.astype(wide)
-  tmax, eps, tiny, has_inf, has_nan, _ = _float_traits(target)
+  tmax, eps, tiny, has_inf, has_nan, signed = _float_traits(target)
+  if has_inf and has_nan and signed and _exactly_zero_and_one(target):
+    # An IEEE-like target (bfloat16, float16, float8_e5m2...) rounds every
+    # value but those from half an ulp above its largest, which become inf:
+    # one comparison, no cast (the common case: float32 weights to bfloat16).
+    xw = x.astype(wide) if np.dtype(x.dtype) != wide else x
+    limit = tmax * (1 + 2.0 ** -(ml_dtypes.finfo(target).nmant + 1))
+    return [(f"finite {what} values that overflow to inf in {target} (largest finite value"
+             f" {tmax:g})", xp.isfinite(xw) & (xp.abs(xw) >= limit), x)]
+  xw, back = x.astype(wide), astype(x, target).astype(wide)
   finite = xp.isfinite(xw)
   with np.errstate(all="ignore"):
     error = xp.where(finite, xp.abs(back - xw), 0)
