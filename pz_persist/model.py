@@ -143,10 +143,13 @@ def load_model(
       arrays, an integer dtype the integer ones), or ``{label glob: dtype}``
       rules (each casts every array of the labels it matches). The model's
       current dtype then no longer has to match. Narrowing floats is done as
-      asked; a cast that changes values beyond rounding (overflow to inf,
-      float to int, integers out of range or not exactly representable) is
-      refused unless ``allow_lossy=True``.
-    allow_lossy: Allow lossy casts.
+      asked; a cast that changes values beyond rounding, decided from the
+      values by `pz_persist.format.casts` (a finite value overflowing, inf or
+      NaN into a dtype without them, a fraction dropped, an integer out of
+      range or not exactly representable, an imaginary part dropped), is
+      refused, listing each variable and a value, unless ``allow_lossy=True``.
+    allow_lossy: Cast even where values change (integers wrap around, inf
+      becomes NaN in float8_e4m3fn...).
     overlay: The checkpoint holds only some of the model's variables (an
       adapter over a base model): the others keep their values and are not
       reported missing.
