@@ -315,7 +315,7 @@ def check_computable(model: Any, sizes: Mapping[str, set[int]], where: str) -> N
   layers = (pz.select(model)
             .at_instances_of(pz.nn.ApplyRoPE | pz.nn.ApplyRoPEToSubset | ApplyScaledRoPE)
             .get_sequence())
-  for layer in layers:
+  for layer in dict.fromkeys(layers):  # Every block has the same two: once each.
     dims = sorted(sizes.get(layer.embedding_axis, ()))
     if isinstance(layer, pz.nn.ApplyRoPEToSubset):
       dims = [layer.rope_subset_size]
