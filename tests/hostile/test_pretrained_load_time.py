@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import hypothesis
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import run_python
+from hypothesis import strategies as st
 from penzai import pz
 
 import pz_persist as pzp
@@ -192,3 +194,39 @@ def test_cli_convert_names_the_index(tmp_path):
                               "--quiet"]))
       """, timeout=120)
   assert "EXIT 2" in out and "model.safetensors.index.json" in out, out
+
+
+EXTREMES = [1e-300, 1e-30, 0.5, 1, 1.0000001, 2.0, 32.0, 1e4, 1e19, 1e30, 1e39, 1e300]
+
+
+@hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(
+    rope_type=st.sampled_from(["default", "linear", "dynamic", "llama3", "yarn"]),
+    theta=st.sampled_from(EXTREMES), factor=st.sampled_from(EXTREMES),
+    extra=st.fixed_dictionaries({}, optional={
+        "attention_factor": st.sampled_from(EXTREMES), "beta_fast": st.sampled_from(EXTREMES),
+        "beta_slow": st.sampled_from(EXTREMES), "mscale": st.sampled_from(EXTREMES),
+        "mscale_all_dim": st.sampled_from(EXTREMES)}),
+    low=st.sampled_from(EXTREMES), high=st.sampled_from(EXTREMES),
+)
+def test_whatever_loads_can_be_called(tmp_path_factory, rope_type, theta, factor, extra, low,
+                                      high):
+  """Any RoPE settings the schema admits: refused at load, or finite logits."""
+  scaling = {"rope_type": rope_type, "factor": factor}
+  if rope_type in ("llama3", "yarn"):
+    scaling["original_max_position_embeddings"] = 16
+  if rope_type == "llama3":
+    scaling.update(low_freq_factor=low, high_freq_factor=high)
+  if rope_type == "yarn":
+    scaling.update(extra)
+  config = dict(CONFIG, rope_theta=theta, max_position_embeddings=32)
+  if rope_type != "default":
+    config["rope_scaling"] = scaling
+  folder = hf_folder(tmp_path_factory.mktemp("f"), config)
+  try:
+    model = pzp.pretrained.load_hf(folder)
+  except errors.UnsupportedConfigError:
+    return
+  logits = np.asarray(model(TOKENS).unwrap("batch", "seq", "vocabulary"))
+  assert np.all(np.isfinite(logits)), config

@@ -362,6 +362,9 @@ def _uncomputable(layer: Any, dim: int) -> str | None:
       return f"{type(e).__name__}: {e}"
   if not all(np.all(np.isfinite(table)) for table in tables):
     return "an inverse frequency is inf or NaN in float32"
-  if not (np.isfinite(np.float32(scaling)) and scaling > 0):
-    return f"the attention factor is {scaling!r} (cos and sin are multiplied by it in float32)"
+  with np.errstate(all="ignore"):
+    product = np.float32(scaling) ** 2 * np.float32(dim)
+  if not (np.isfinite(product) and scaling > 0):
+    return (f"the attention factor is {scaling!r} (cos and sin are multiplied by it, a"
+            " query-key product by its square, in float32)")
   return None
