@@ -67,6 +67,9 @@ class UnsupportedStorageError(PzPersistError, ValueError):
 
   Only local paths, ``gs://`` and ``s3://`` are supported: on those the
   commit protocol is known to be atomic (see `pz_persist.storage.object_store`).
+  Also raised for a ``gs://`` / ``s3://`` URL that the libraries reading it
+  would resolve differently (``..``, ``.``, empty segments, an upper-case
+  scheme, ``%``, ``?``, ``#``): see `pz_persist.storage.object_store.check_url`.
   """
 
 
