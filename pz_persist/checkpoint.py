@@ -110,6 +110,7 @@ def save(
     )
   if seen is not None and seen[0] != "commit":  # A commit: pz_persist's own.
     _check_replaceable(path)
+  commit.check_publishable(path, seen)
   with allowlist.scoped_allowance(allow_modules):
     args = v0_handler.PenzaiSave(tree)  # Validates the whole tree now.
   # With several processes (jax.distributed), all write their shards of the
