@@ -179,6 +179,17 @@ class SafetensorsFormatError(PzPersistError, ValueError):
   """
 
 
+class FileChangedError(PzPersistError):
+  """A file of a pretrained checkpoint changed while it was being loaded.
+
+  Raised by `pz_persist.pretrained.load_hf` (and `load_safetensors`) when a
+  file read (``config.json``, the index, a safetensors file) was replaced or
+  rewritten during the load: a download or an rsync finishing mid-load would
+  otherwise give a model holding tensors of both versions. Nothing read is
+  returned; the message names the file. Load again once the writer is done.
+  """
+
+
 class GemmaCheckpointError(PzPersistError, ValueError):
   """The checkpoint is not a Gemma checkpoint the installed Penzai can build.
 

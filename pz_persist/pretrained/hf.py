@@ -72,8 +72,9 @@ UnsupportedConfigError = errors.UnsupportedConfigError
 CheckpointFolderError = errors.CheckpointFolderError
 
 
-def _read_config(path: str) -> dict[str, Any]:
-  """``config.json``, read with the limits of `_files.read_json`."""
+def _read_config(path: str, seen: list[tuple[str, _files.Identity]] | None = None) -> dict[str, Any]:
+  """``config.json``, read with the limits of `_files.read_json` (recorded
+  in ``seen``, to be checked unchanged once the load is done)."""
   config_path = _files.check_folder_file(path, "config.json")
   if config_path is None:
     raise CheckpointFolderError(
@@ -83,7 +84,7 @@ def _read_config(path: str) -> dict[str, Any]:
   def error(what: str) -> UnsupportedConfigError:
     return UnsupportedConfigError(f"{config_path} {what}.")
 
-  raw_config = _files.read_json(config_path, _files.MAX_CONFIG_BYTES, error)
+  raw_config = _files.read_json(config_path, _files.MAX_CONFIG_BYTES, error, seen)
   if not isinstance(raw_config, dict):
     raise error("is not a JSON object")
   return raw_config
@@ -181,9 +182,13 @@ def load_hf(
     UnsafeCheckpointError: a file read is a symlink leading out of the folder
       (and out of its Hugging Face cache entry), a FIFO or a device, or the
       model would allocate more than `pz_persist.safety.limits.allocation_limit`.
+    FileChangedError: a file read (``config.json``, the index, a safetensors
+      file) was replaced or rewritten during the load (a download or sync
+      finishing mid-load), naming it; nothing read is returned.
   """
   path = os.fspath(path)
-  raw_config = _read_config(path)
+  seen: list[tuple[str, _files.Identity]] = []
+  raw_config = _read_config(path, seen)
   check_has_weights(path)
   model_type = raw_config.get("model_type")
   if isinstance(model_type, str) and model_type in REFUSED:
@@ -199,19 +204,21 @@ def load_hf(
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
-  weights = Weights(path, dtype)
-  cfg = Config(raw_config, os.path.join(path, "config.json"))
-  plan = BUILDERS[model_type](cfg, weights)
-  _check_tensors(plan, weights)
+  with Weights(path, dtype, seen) as weights:
+    cfg = Config(raw_config, os.path.join(path, "config.json"))
+    plan = BUILDERS[model_type](cfg, weights)
+    _check_tensors(plan, weights)
 
-  place = _placement(sharding)
-  params = []
-  sizes = [_stored_bytes(spec, weights.where) for spec in plan.tensors]
-  with progress_lib.tracking(progress, f"loading {path}", sum(sizes)) as tracker:
-    for spec, size in zip(plan.tensors, sizes):
-      params.append(pz.Parameter(
-          value=_read(spec, weights.where, weights.dtype, place), label=spec.label))
-      tracker.advance(size)
+    place = _placement(sharding)
+    params = []
+    sizes = [_stored_bytes(spec, weights.where) for spec in plan.tensors]
+    with progress_lib.tracking(progress, f"loading {path}", sum(sizes)) as tracker:
+      for spec, size in zip(plan.tensors, sizes):
+        params.append(pz.Parameter(
+            value=_read(spec, weights.where, weights.dtype, place), label=spec.label))
+        tracker.advance(size)
+    # Every file read, still the one read: a model of one version only.
+    weights.check_unchanged()
   model = pz.bind_variables(plan.build(), params)
   pz.nn.assert_no_parameter_slots(model)
   return model
