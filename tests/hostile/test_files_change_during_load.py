@@ -181,3 +181,38 @@ def test_load_gemma_refuses_a_file_replaced_mid_load(tmp_path, monkeypatch):
     pzp.pretrained.load_gemma(path, preset={"like": "gemma2_2b"})
   assert replaced
   np.testing.assert_equal(len(replaced), 1)
+
+
+def test_plain_orbax_loads_refuse_a_file_replaced_mid_load(tmp_path, monkeypatch):
+  """A plain Orbax checkpoint loaded into a model (`load_model(into=)`, and
+  `migrate`, which reads through it): Orbax opens files by path, so every
+  file must still be the one checked once the arrays are read."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  model = pz.nn.Linear.from_config(
+      name="l", init_base_rng=jax.random.key(0), input_axes={"i": 4}, output_axes={"o": 4})
+  plain = str(tmp_path / "plain")
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(plain, pz.unbind_params(model, freeze=True)[1])
+  original = ocp.PyTreeCheckpointHandler.restore
+  replaced: list[str] = []
+
+  def restore(self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    for parent, _, files in sorted(os.walk(plain)):
+      for name in sorted(files):
+        if "ocdbt" in parent and not replaced:
+          _renamed_over(os.path.join(parent, name))
+          replaced.append(name)
+    return out
+
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "restore", restore)
+  for name, call in (
+      ("load_model into", lambda: pzp.load_model(plain, into=model)),
+      ("migrate", lambda: pzp.migrate(plain, tmp_path / "native", model)),
+  ):
+    replaced.clear()
+    with pytest.raises(errors.UnsafeCheckpointError, match="changed while the checkpoint"):
+      call()
+    assert replaced, name
+  assert not (tmp_path / "native").exists()
