@@ -42,6 +42,7 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.orbax import v0_handler
 from pz_persist.safety import allowlist
 from pz_persist.storage import commit
+from pz_persist.storage import destinations
 from pz_persist.storage import leftovers
 from pz_persist.storage import opening
 from pz_persist.storage import restoring
@@ -109,7 +110,8 @@ def save(
         f"{path} already exists; pass overwrite=True to replace it."
     )
   if seen is not None and seen[0] != "commit":  # A commit: pz_persist's own.
-    _check_replaceable(path)
+    destinations.check_replaceable(path, "checkpoint")
+  commit.check_publishable(path, seen)
   with allowlist.scoped_allowance(allow_modules):
     args = v0_handler.PenzaiSave(tree)  # Validates the whole tree now.
   # With several processes (jax.distributed), all write their shards of the
@@ -277,22 +279,3 @@ def find_item(path: epath.PathLike) -> epath.Path:
     NotACheckpointError: no item, or several (the message lists them).
   """
   return opening.find_item(path)[0]
-
-
-def _check_replaceable(path: epath.Path) -> None:
-  """Refuses to replace anything but a pz_persist checkpoint or empty dir."""
-  if not path.is_dir():
-    raise errors.CheckpointExistsError(
-        f"{path} exists and is not a directory; refusing to replace it."
-    )
-  if not any(path.iterdir()):
-    return
-  try:
-    find_item(path)
-  except errors.NotACheckpointError:
-    raise errors.CheckpointExistsError(
-        f"{path} exists and is not a pz_persist checkpoint; refusing to"
-        " replace it even with overwrite=True. Remove it yourself if you mean to."
-    ) from None
-
-

@@ -67,6 +67,9 @@ class UnsupportedStorageError(PzPersistError, ValueError):
 
   Only local paths, ``gs://`` and ``s3://`` are supported: on those the
   commit protocol is known to be atomic (see `pz_persist.storage.object_store`).
+  Also raised for a ``gs://`` / ``s3://`` URL that the libraries reading it
+  would resolve differently (``..``, ``.``, empty segments, an upper-case
+  scheme, ``%``, ``?``, ``#``): see `pz_persist.storage.object_store.check_url`.
   """
 
 
@@ -182,6 +185,17 @@ class SafetensorsFormatError(PzPersistError, ValueError):
 
   The message always names the file (and the tensor, when one is at fault).
   Re-exported as ``pz_persist.pretrained.safetensors_io.SafetensorsFormatError``.
+  """
+
+
+class FileChangedError(PzPersistError):
+  """A file of a pretrained checkpoint changed while it was being loaded.
+
+  Raised by `pz_persist.pretrained.load_hf` (and `load_safetensors`) when a
+  file read (``config.json``, the index, a safetensors file) was replaced or
+  rewritten during the load: a download or an rsync finishing mid-load would
+  otherwise give a model holding tensors of both versions. Nothing read is
+  returned; the message names the file. Load again once the writer is done.
   """
 
 

@@ -184,15 +184,19 @@ def load_into(
         " convert it with pz_persist.migrate) to get a checkpoint that"
         " supports them."
     )
-  containment.check_contained(path)
+  snapshot = containment.check_contained(path)
   containment.check_checkpoint_metadata(item)
-  source = _PlainSource(item, model)
-  return binding.bind(
-      f"{item} (a plain Orbax checkpoint of {source.layout.name}, matched to"
-      " the model's variables by position)",
-      model, source, strict=strict, only=only, dtype=dtype,
-      allow_lossy=allow_lossy, sharding=sharding,
-  )
+  # Orbax opens every file by path: all must still be the ones checked once
+  # the metadata and arrays are read (a copy or sync replacing files
+  # mid-load is refused, never mixed), as for pz_persist's own checkpoints.
+  with containment.files_unchanged(path, before=snapshot):
+    source = _PlainSource(item, model)
+    return binding.bind(
+        f"{item} (a plain Orbax checkpoint of {source.layout.name}, matched to"
+        " the model's variables by position)",
+        model, source, strict=strict, only=only, dtype=dtype,
+        allow_lossy=allow_lossy, sharding=sharding,
+    )
 
 
 def _path_of(keys: Sequence[Any]) -> StoredPath:

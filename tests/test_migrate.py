@@ -326,7 +326,7 @@ def test_migrate_writes_nothing_when_the_model_does_not_fit(ckpt, tmp_path):
 def test_migrate_never_replaces_its_source(ckpt):
   _save_plain(ckpt, _params(model_zoo.mlp()))
   files = sorted(os.listdir(ckpt))
-  with pytest.raises(errors.CheckpointExistsError, match="not a pz_persist checkpoint"):
+  with pytest.raises(errors.ArgumentError, match="the destination is the source itself"):
     pzp.migrate(ckpt, ckpt, _fresh_mlp(), overwrite=True)
   assert sorted(os.listdir(ckpt)) == files
   pzp.load_model(ckpt, into=_fresh_mlp())  # Still whole.

@@ -42,6 +42,7 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import checksums
 from pz_persist.storage import direct_write
 from pz_persist.storage import file_digests
+from pz_persist.storage import object_store
 from pz_persist.storage import opening
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
@@ -211,6 +212,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     writing the manifest is a commit future of its own, which Orbax awaits
     (with the arrays' futures) before `finalize`.
     """
+    object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
     manifest, stored = args.manifest, args.stored_arrays
     futures: list[ocp.future.Future] = []
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
@@ -271,6 +273,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def save(self, directory: epath.Path, args: PenzaiSave) -> None:
     """Saves synchronously."""
+    object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
     manifest, stored = args.manifest, args.stored_arrays
     copies = checksums.host_copies(stored)
     self._wrote_arrays[os.fspath(directory)] = bool(stored)

@@ -54,6 +54,7 @@ from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.orbax import v0_handler
 from pz_persist.storage import checksums
+from pz_persist.storage import object_store
 
 _T = TypeVar("_T")
 
@@ -102,6 +103,7 @@ class PenzaiCheckpointableHandler(
   async def save(
       self, directory: Any, checkpointable: Any
   ) -> Awaitable[None]:
+    object_store.check_supported(directory.path)  # Orbax's entry points skip as_path.
     manifest, stored = v0_handler.encode_unhashed(checkpointable)
     arrays_saved = (
         await self._arrays_handler().save(directory, stored) if stored else None

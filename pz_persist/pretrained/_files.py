@@ -90,6 +90,39 @@ def open_regular(path: str) -> io.BufferedReader:
     raise
 
 
+Identity = tuple[int, int, int, int, int]
+"""What `identity` says of a file: device, inode, size, modification and
+change times (ns). A file replaced (renamed over) has another inode; one
+rewritten in place, another size or times."""
+
+
+def identity(info: os.stat_result) -> Identity:
+  """The `Identity` in ``info`` (an ``os.stat`` / ``os.fstat`` result)."""
+  return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def check_unchanged(path: str, seen: Identity, fd: int | None = None) -> None:
+  """Refuses a load during which ``path`` changed since it was ``seen``.
+
+  Both the open descriptor ``fd`` (if given: rewritten in place) and the
+  name ``path`` (replaced by another file, as a download or ``rsync`` does
+  when it finishes) must still be the very file first read.
+
+  Raises:
+    FileChangedError: naming ``path``.
+  """
+  try:
+    now = [identity(os.stat(path))] + ([identity(os.fstat(fd))] if fd is not None else [])
+  except OSError:
+    now = []
+  if not now or any(found != seen for found in now):
+    raise errors.FileChangedError(
+        f"{path} changed while it was being loaded (it was replaced or rewritten:"
+        " a download or sync still writing it?); what was read is discarded, since"
+        " it could mix both versions. Load again once nothing writes to the folder."
+    )
+
+
 def parse_json(raw: bytes, error: ErrorFactory) -> Any:
   """Parses JSON bytes, refusing invalid UTF-8 or JSON and deep nesting.
 
@@ -119,9 +152,13 @@ def _deeper_than(value: Any, limit: int) -> bool:
   return False
 
 
-def read_json(path: str, max_bytes: int, error: ErrorFactory) -> Any:
+def read_json(path: str, max_bytes: int, error: ErrorFactory,
+              seen: list[tuple[str, Identity]] | None = None) -> Any:
   """Reads a JSON file of at most ``max_bytes`` (a regular file, see
   `open_regular`) and parses it with `parse_json`.
+
+  ``seen``, if given, gets ``(path, identity)`` of the file read, for the
+  caller to `check_unchanged` once its whole load is done.
 
   Raises:
     UnsafeCheckpointError: not a regular file.
@@ -129,11 +166,15 @@ def read_json(path: str, max_bytes: int, error: ErrorFactory) -> Any:
   """
   try:
     with open_regular(path) as f:
+      before = identity(os.fstat(f.fileno()))
       raw = f.read(max_bytes + 1)
+      check_unchanged(path, before, f.fileno())
   except OSError as e:
     raise error(f"cannot be read ({e})") from None
   if len(raw) > max_bytes:
     raise error(f"is over the {max_bytes}-byte limit for this file")
+  if seen is not None:
+    seen.append((path, before))
   return parse_json(raw, error)
 
 

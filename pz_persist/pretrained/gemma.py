@@ -258,7 +258,8 @@ def load_gemma(
     UnsafeCheckpointError: a file of the checkpoint is a symlink leading out
       of it, a FIFO or a device, or the arrays would allocate more than
       `pz_persist.safety.limits.allocation_limit` (checked on Orbax's metadata,
-      before TensorStore allocates anything).
+      before TensorStore allocates anything), or a file of it was replaced,
+      rewritten or added while it was read (nothing read is returned).
     IntegrityError: Orbax's metadata or the arrays cannot be read.
     LossyCastError: ``dtype`` would change an array's values beyond rounding
       (naming it and a value) and ``allow_lossy`` is False.
@@ -266,13 +267,16 @@ def load_gemma(
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
   path = commit.as_path(path)
-  tree = _stored_tree(path)
+  tree, snapshot = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
   _refuse_gemma3(stored, path)
   name, kwargs, transpose, settings = _resolve_preset(stored, preset, path)
   total = _read_bytes(tree, dtype)
   with progress_lib.tracking(progress, f"loading {path}", total) as tracker:
-    params = _read(path, tree, dtype, allow_lossy)
+    # Every file still the one whose metadata was read, once all are read:
+    # a download replacing files mid-load is refused, never mixed.
+    with containment.files_unchanged(path, before=snapshot):
+      params = _read(path, tree, dtype, allow_lossy)
 
     def consumed(array: Any) -> None:
       tracker.advance(array.nbytes)
@@ -310,8 +314,9 @@ def _nbytes(value: Any) -> int:
   return data.nbytes
 
 
-def _stored_tree(path: epath.Path) -> Mapping[str, Any]:
-  """Orbax's metadata of the stored arrays (a nested dict of ``ArrayMetadata``).
+def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], containment.Snapshot | None]:
+  """Orbax's metadata of the stored arrays (a nested dict of ``ArrayMetadata``),
+  and the `containment.Snapshot` of the files it was read from.
 
   The same checks as `pz_persist.load` make first: no file leads outside the
   directory or is a FIFO or device (`containment.check_contained`), the Orbax
@@ -328,7 +333,7 @@ def _stored_tree(path: epath.Path) -> Mapping[str, Any]:
 
   if not path.exists():
     raise errors.NotACheckpointError(f"{path}: no such Gemma checkpoint directory.")
-  containment.check_contained(path)
+  snapshot = containment.check_contained(path)
   containment.check_checkpoint_metadata(path)
   _check_size(path / "_METADATA", containment.MAX_ORBAX_METADATA_BYTES)
   try:
@@ -344,7 +349,7 @@ def _stored_tree(path: epath.Path) -> Mapping[str, Any]:
     raise orbax_metadata_checks.unreadable_stored_metadata(path, e) from None
   tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
   _check_tree(tree, path)
-  return tree
+  return tree, snapshot
 
 
 def _check_size(path: epath.Path, limit: int) -> None:

@@ -74,8 +74,9 @@ UnsupportedConfigError = errors.UnsupportedConfigError
 CheckpointFolderError = errors.CheckpointFolderError
 
 
-def _read_config(path: str) -> dict[str, Any]:
-  """``config.json``, read with the limits of `_files.read_json`."""
+def _read_config(path: str, seen: list[tuple[str, _files.Identity]] | None = None) -> dict[str, Any]:
+  """``config.json``, read with the limits of `_files.read_json` (recorded
+  in ``seen``, to be checked unchanged once the load is done)."""
   config_path = _files.check_folder_file(path, "config.json")
   if config_path is None:
     raise CheckpointFolderError(
@@ -85,7 +86,7 @@ def _read_config(path: str) -> dict[str, Any]:
   def error(what: str) -> UnsupportedConfigError:
     return UnsupportedConfigError(f"{config_path} {what}.")
 
-  raw_config = _files.read_json(config_path, _files.MAX_CONFIG_BYTES, error)
+  raw_config = _files.read_json(config_path, _files.MAX_CONFIG_BYTES, error, seen)
   if not isinstance(raw_config, dict):
     raise error("is not a JSON object")
   return raw_config
@@ -191,9 +192,13 @@ def load_hf(
       model would allocate more than `pz_persist.safety.limits.allocation_limit`.
     LossyCastError: ``dtype`` would change a tensor's values beyond rounding
       (naming the file, the tensor and a value) and ``allow_lossy`` is False.
+    FileChangedError: a file read (``config.json``, the index, a safetensors
+      file) was replaced or rewritten during the load (a download or sync
+      finishing mid-load), naming it; nothing read is returned.
   """
   path = os.fspath(path)
-  raw_config = _read_config(path)
+  seen: list[tuple[str, _files.Identity]] = []
+  raw_config = _read_config(path, seen)
   check_has_weights(path)
   model_type = raw_config.get("model_type")
   if isinstance(model_type, str) and model_type in REFUSED:
@@ -209,21 +214,23 @@ def load_hf(
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
-  weights = Weights(path, dtype)
-  cfg = Config(raw_config, os.path.join(path, "config.json"))
-  plan = BUILDERS[model_type](cfg, weights)
-  _check_tensors(plan, weights)
-  skeleton = plan.build()  # Built once the weights agree with the config.
-  scaled_rope.check_computable(skeleton, _axis_sizes(plan), cfg.where)
+  with Weights(path, dtype, seen) as weights:
+    cfg = Config(raw_config, os.path.join(path, "config.json"))
+    plan = BUILDERS[model_type](cfg, weights)
+    _check_tensors(plan, weights)
+    skeleton = plan.build()  # Built once the weights agree with the config.
+    scaled_rope.check_computable(skeleton, _axis_sizes(plan), cfg.where)
 
-  place = _placement(sharding)
-  params = []
-  sizes = [_stored_bytes(spec, weights.where) for spec in plan.tensors]
-  with progress_lib.tracking(progress, f"loading {path}", sum(sizes)) as tracker:
-    for spec, size in zip(plan.tensors, sizes):
-      params.append(pz.Parameter(
-          value=_read(spec, weights.where, weights.dtype, place, allow_lossy), label=spec.label))
-      tracker.advance(size)
+    place = _placement(sharding)
+    params = []
+    sizes = [_stored_bytes(spec, weights.where) for spec in plan.tensors]
+    with progress_lib.tracking(progress, f"loading {path}", sum(sizes)) as tracker:
+      for spec, size in zip(plan.tensors, sizes):
+        params.append(pz.Parameter(
+            value=_read(spec, weights.where, weights.dtype, place, allow_lossy), label=spec.label))
+        tracker.advance(size)
+    # Every file read, still the one read: a model of one version only.
+    weights.check_unchanged()
   model = pz.bind_variables(skeleton, params)
   pz.nn.assert_no_parameter_slots(model)
   return model

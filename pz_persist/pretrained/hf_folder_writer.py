@@ -22,6 +22,7 @@ from pz_persist.pretrained.hf_plan import TensorSpec
 from pz_persist.pretrained.hf_plan import stored_layout
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
+from pz_persist.storage import destinations
 
 ExportError = errors.ExportError
 
@@ -98,6 +99,8 @@ def check_destination(folder: str, overwrite: bool) -> None:
         f"{folder} exists and is not empty; pass overwrite=True (CLI: --overwrite)"
         " to replace it."
     )
+  # Only a folder an export wrote (its marker, its files and nothing else).
+  destinations.check_replaceable(folder, "hf_export")
 
 
 def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str, _Stored]],
@@ -130,6 +133,9 @@ def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str
                              json.dumps(index, indent=2).encode())
     safe_io.write_small_file(os.fspath(tmp / "config.json"),
                              (json.dumps(config, indent=2) + "\n").encode())
+    # What lets a later overwrite=True tell this folder from anyone else's.
+    safe_io.write_small_file(os.fspath(tmp / destinations.EXPORT_MARKER),
+                             destinations.EXPORT_MARKER_DATA)
   except BaseException:
     safe_io.remove_tree(tmp)
     raise

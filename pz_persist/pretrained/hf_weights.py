@@ -18,12 +18,17 @@ from pz_persist.pretrained import safetensors_io
 CheckpointFolderError = errors.CheckpointFolderError
 
 
-def _open_weights(path: str) -> dict[str, safetensors_io.SafetensorsFile]:
+def _open_weights(
+    path: str, seen: list[tuple[str, _files.Identity]],
+    opened: list[safetensors_io.SafetensorsFile],
+) -> dict[str, safetensors_io.SafetensorsFile]:
   """Opens the safetensors files (headers only): ``{tensor name: file}``.
 
   A sharded checkpoint's ``model.safetensors.index.json`` says which file
   holds which tensor; every tensor it names must really be in that file.
-  Every file is checked by `_files.check_folder_file` before it is opened.
+  Every file is checked by `_files.check_folder_file` before it is opened,
+  and appended to ``opened`` (to be closed whatever happens); the index is
+  recorded in ``seen`` (to be checked unchanged at the end).
   """
   index_path = _files.check_folder_file(path, "model.safetensors.index.json")
   single = _files.check_folder_file(path, "model.safetensors")
@@ -32,7 +37,7 @@ def _open_weights(path: str) -> dict[str, safetensors_io.SafetensorsFile]:
     def error(what: str) -> safetensors_io.SafetensorsFormatError:
       return safetensors_io.SafetensorsFormatError(f"{index_path} {what}.")
 
-    index = _files.read_json(index_path, _files.MAX_INDEX_BYTES, error)
+    index = _files.read_json(index_path, _files.MAX_INDEX_BYTES, error, seen)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
       raise error("is malformed: it needs a 'weight_map' object")
@@ -51,6 +56,7 @@ def _open_weights(path: str) -> dict[str, safetensors_io.SafetensorsFile]:
               f"{index_path} names {filename}, which is missing from {path}."
           )
         files[filename] = safetensors_io.SafetensorsFile(file_path)
+        opened.append(files[filename])
       if name not in files[filename].entries:
         raise safetensors_io.SafetensorsFormatError(
             f"{index_path} puts tensor {name!r} in {files[filename].path}, which"
@@ -59,6 +65,7 @@ def _open_weights(path: str) -> dict[str, safetensors_io.SafetensorsFile]:
       where[name] = files[filename]
   elif single is not None:
     file = safetensors_io.SafetensorsFile(single)
+    opened.append(file)
     where = dict.fromkeys(file.entries, file)
   else:
     raise _no_weights(path)
@@ -84,15 +91,45 @@ def check_has_weights(path: str) -> None:
 class Weights:
   """The folder's safetensors files, opened (headers only) when a builder
   first asks for their tensor names or dtype: after ``config.json`` has been
-  validated on its own, so a broken config is reported as such first."""
+  validated on its own, so a broken config is reported as such first.
 
-  def __init__(self, path: str, dtype: Any):
+  Each file is opened once and every tensor read through that descriptor
+  (`safetensors_io.SafetensorsFile`); `check_unchanged`, once the load is
+  done, refuses it if any file read (``seen``: ``config.json``, the index,
+  the safetensors files) was replaced or rewritten meanwhile. A context
+  manager: the descriptors are closed on leaving it.
+  """
+
+  def __init__(self, path: str, dtype: Any, seen: list[tuple[str, _files.Identity]] | None = None):
     self.path = path
     self._dtype = dtype
+    self._seen = list(seen or [])
+    self._opened: list[safetensors_io.SafetensorsFile] = []
 
   @functools.cached_property
   def where(self) -> dict[str, safetensors_io.SafetensorsFile]:
-    return _open_weights(self.path)
+    return _open_weights(self.path, self._seen, self._opened)
+
+  def check_unchanged(self) -> None:
+    """Raises `FileChangedError` naming a file read that changed since.
+
+    Raises:
+      FileChangedError: naming the file.
+    """
+    for file in self._opened:
+      file.check_unchanged()
+    for file_path, identity in self._seen:
+      _files.check_unchanged(file_path, identity)
+
+  def close(self) -> None:
+    for file in self._opened:
+      file.close()
+
+  def __enter__(self) -> Weights:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
 
   @property
   def names(self) -> set[str]:

@@ -28,6 +28,7 @@ import collections
 import json
 import math
 import os
+import threading
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
@@ -98,21 +99,34 @@ class SafetensorsFile:
   def __init__(self, path: str | os.PathLike[str]):
     self.path = os.fspath(path)
     try:
-      with _files.open_regular(self.path) as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-          raise self._error(f"is {size} bytes long, too short for a header")
-        header_len = int.from_bytes(prefix, "little")
-        if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-          raise self._error(
-              f"declares a {header_len}-byte header but the file is {size}"
-              " bytes long (truncated or not a safetensors file)"
-              if header_len <= _MAX_HEADER_BYTES else
-              f"declares a {header_len}-byte header, over the safetensors"
-              f" limit of {_MAX_HEADER_BYTES} bytes"
-          )
-        raw_header = f.read(header_len)
+      self._file = _files.open_regular(self.path)
+    except OSError as e:
+      raise SafetensorsFormatError(f"cannot read safetensors file {self.path}: {e}") from e
+    self._lock = threading.Lock()
+    try:
+      self.identity = _files.identity(os.fstat(self._file.fileno()))
+      self._read_header()
+    except BaseException:
+      self.close()
+      raise
+
+  def _read_header(self) -> None:
+    size = self.identity[2]
+    f = self._file
+    try:
+      prefix = f.read(8)
+      if len(prefix) < 8:
+        raise self._error(f"is {size} bytes long, too short for a header")
+      header_len = int.from_bytes(prefix, "little")
+      if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+        raise self._error(
+            f"declares a {header_len}-byte header but the file is {size}"
+            " bytes long (truncated or not a safetensors file)"
+            if header_len <= _MAX_HEADER_BYTES else
+            f"declares a {header_len}-byte header, over the safetensors"
+            f" limit of {_MAX_HEADER_BYTES} bytes"
+        )
+      raw_header = f.read(header_len)
     except OSError as e:
       raise SafetensorsFormatError(f"cannot read safetensors file {self.path}: {e}") from e
     header = _files.parse_json(raw_header, lambda what: self._error(f"has a header that {what}"))
@@ -130,6 +144,25 @@ class SafetensorsFile:
     for name, info in header.items():
       self.entries[name] = self._check_entry(name, info, data_size)
     self._check_layout(data_size)
+
+  def check_unchanged(self) -> None:
+    """Refuses what was read if the file changed since it was opened: its
+    descriptor (rewritten in place) or its name (replaced by another file).
+
+    Raises:
+      FileChangedError: naming the file.
+    """
+    _files.check_unchanged(self.path, self.identity, self._file.fileno())
+
+  def close(self) -> None:
+    """Closes the file's one descriptor (reading a tensor after fails)."""
+    self._file.close()
+
+  def __enter__(self) -> SafetensorsFile:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
 
   def _error(self, what: str, name: str | None = None) -> SafetensorsFormatError:
     where = f"safetensors file {self.path}" + (f", tensor {name!r}," if name else "")
@@ -238,14 +271,20 @@ class SafetensorsFile:
     out = host_memory.aligned_empty(shape, dtype)
     if begin == end:
       return out
+    # Through the one descriptor opened with the header, checked before and
+    # after: every tensor comes from the file whose header was validated,
+    # and none from a version that replaced or rewrote it meanwhile.
     try:
-      with _files.open_regular(self.path) as f:
+      with self._lock:
+        self.check_unchanged()
+        f = self._file
         f.seek(self._data_start + begin)
         if dtype == stored:
           read = f.readinto(out.reshape(-1).view(np.uint8).data)
         else:
           where = None if allow_lossy else f"safetensors file {self.path}, tensor {name!r}"
           read = _read_cast(f, out.reshape(-1), stored, where)
+        self.check_unchanged()
     except OSError as e:
       raise self._error(f"cannot be read ({e})", name) from e
     if read != end - begin:
@@ -449,8 +488,13 @@ def load_safetensors(
       invalid axis names); all checked before any tensor is read.
     UnsafeCheckpointError: the file is a FIFO or device, or its tensors would
       allocate more than `pz_persist.safety.limits.allocation_limit`.
+    FileChangedError: the file was replaced or rewritten during the load.
   """
-  file = SafetensorsFile(path)
+  with SafetensorsFile(path) as file:  # Every tensor through its one descriptor.
+    return _load_file(file, into, sharding)
+
+
+def _load_file(file: SafetensorsFile, into: Any, sharding: jax.sharding.Sharding | None) -> Any:
   raw = file.metadata.get(METADATA_KEY)
   if raw is None:
     raise SafetensorsFormatError(

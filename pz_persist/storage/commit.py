@@ -92,6 +92,18 @@ def identity(path: epath.Path) -> Identity:
   return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def check_publishable(path: epath.Path, seen: Identity) -> None:
+  """Refuses, before anything is written, a save `move_into_place` could not
+  publish over ``seen``: on an object store, a commit already at the last
+  sequence (`object_commit.next_sequence`). Locally every save can be.
+
+  Raises:
+    ManifestError: naming the commit object and what to do instead.
+  """
+  if object_store.is_object_store(path):
+    object_commit.next_sequence(path, seen)
+
+
 def new_location(path: epath.Path, token: str) -> epath.Path:
   """Where a save of ``path`` writes its checkpoint before `move_into_place`.
 

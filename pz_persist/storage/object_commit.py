@@ -58,6 +58,12 @@ from pz_persist.storage import object_store
 COMMIT_PREFIX = "pz_persist.commit."
 """Name prefix of commit objects; the rest is the sequence, 20 digits."""
 
+MAX_SEQUENCE = 10**20 - 1
+"""The highest sequence a commit object's name holds (20 digits). Reached
+only by a commit object written by hand: a save a second for three
+trillion years would not get there. A save that would need the next one is
+refused (`next_sequence`): a longer name is one no reader recognises."""
+
 GENERATION_PREFIX = "gen-"
 """Name prefix of the folders that hold one checkpoint each."""
 
@@ -111,15 +117,50 @@ def new_generation(path: epath.Path, token: str) -> epath.Path:
 
 def _sequences(path: epath.Path, listing: list[str] | None = None) -> list[int]:
   """The sequences of the commit objects at ``path``, in one listing (or
-  from ``listing``, the names at ``path``, when the caller has it)."""
+  from ``listing``, the names at ``path``, when the caller has it).
+
+  Raises:
+    ManifestError: a name starts as a commit object's does but is not one
+      (another number of digits: what an earlier pz_persist wrote past
+      `MAX_SEQUENCE`). Passed over, it would hide the current checkpoint
+      behind an older commit or none, and a save would retire it.
+  """
   found = []
   if listing is None:
     listing = object_store.names(path, COMMIT_PREFIX)
   for name in listing:
+    if not name.startswith(COMMIT_PREFIX):
+      continue
     match = _COMMIT_NAME.fullmatch(name)
-    if match:
-      found.append(int(match.group(1)))
+    if match is None:
+      raise errors.ManifestError(
+          f"{path / name}: not a commit object name pz_persist reads"
+          f" ({COMMIT_PREFIX} and 20 digits), so which checkpoint at {path} is"
+          " current cannot be told; the checkpoint is damaged. Its gen-* folders"
+          " still hold Orbax checkpoints: load one by its path, or delete"
+          f" {path} and save again."
+      )
+    found.append(int(match.group(1)))
   return sorted(found)
+
+
+def next_sequence(path: epath.PathLike, seen: Identity) -> int:
+  """The sequence a save publishing over ``seen`` (`identity`) creates.
+
+  Raises:
+    ManifestError: it would be past `MAX_SEQUENCE` (its commit object would
+      have a name no reader recognises); nothing has been written.
+  """
+  sequence = seen[1] + 1 if seen is not None and seen[0] == "commit" else 1
+  if sequence > MAX_SEQUENCE:
+    raise errors.ManifestError(
+        f"{epath.Path(path) / commit_name(sequence - 1)}: the current commit"
+        f" has sequence {sequence - 1}, the highest a commit object's name holds,"
+        " so no save can replace it (pz_persist never counts this high: the"
+        " object was written by hand). Save to another path, or delete"
+        f" {path} and save again."
+    )
+  return sequence
 
 
 def current(path: epath.PathLike, listing: list[str] | None = None) -> Commit | None:
@@ -221,9 +262,17 @@ def publish(path: epath.Path, checkpoint: epath.Path, seen: Identity) -> bool:
   older commits named is retired, and so is a checkpoint ``seen`` found
   written there before this protocol (``("exists",)``), which only
   ``overwrite=True`` lets a save replace.
+
+  Raises:
+    ManifestError: ``seen``'s commit is the last sequence (`next_sequence`);
+      ``checkpoint`` is deleted and ``path`` left as it is.
   """
   replaced = seen if seen is not None and seen[0] == "commit" else None
-  sequence = replaced[1] + 1 if replaced else 1
+  try:
+    sequence = next_sequence(path, seen)
+  except errors.PzPersistError:
+    object_store.remove(checkpoint)
+    raise
   record = json.dumps({"pz_persist_commit": _FORMAT, "checkpoint": checkpoint.name})
   if not object_store.create_if_absent(path / commit_name(sequence), record.encode()):
     object_store.remove(checkpoint)

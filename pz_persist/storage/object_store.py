@@ -49,8 +49,14 @@ def is_object_store(path: epath.PathLike) -> bool:
 def check_supported(path: epath.PathLike) -> None:
   """Refuses a URL pz_persist cannot keep a checkpoint whole on.
 
+  Every path reaches here (`pz_persist.storage.commit.as_path`, and
+  `filesystem` before any request), so this is the one place an object-store
+  URL is held to the one spelling that names the same objects for every
+  library touching it (`check_url`).
+
   Raises:
-    UnsupportedStorageError: a scheme other than ``gs://`` / ``s3://``.
+    UnsupportedStorageError: a scheme other than ``gs://`` / ``s3://``, or a
+      URL `check_url` refuses.
     MissingExtraError: the fsspec package of the scheme is not installed
       (names the ``pip install 'pz-persist[...]'`` that fixes it).
   """
@@ -64,7 +70,58 @@ def check_supported(path: epath.PathLike) -> None:
         " there could not be published atomically. Copy it to a local path"
         " or one of those stores."
     )
+  check_url(os.fspath(path))
   _fsspec_module(kind, os.fspath(path))
+
+
+_URL_SPECIAL = "%?#\\"
+"""Characters one library takes literally and another decodes or cuts at."""
+
+
+def check_url(text: str) -> None:
+  """Refuses an object-store URL whose objects depend on who reads it.
+
+  Why refuse rather than tidy: the same string reaches three libraries.
+  ``etils.epath`` (Orbax's paths) drops ``.`` and empty segments but keeps
+  ``..``; fsspec (commit objects, manifests, listings) keeps ``..`` as a
+  literal key part; TensorStore (the arrays) resolves it, and parses URLs
+  (``%``, ``?``, ``#``). So ``s3://b/p/a/../ck`` put the arrays under
+  ``b/p/ck`` and the rest under ``b/p/a/../ck``: a save reporting success
+  that no load could read. Epath's own mapping is no refuge either: it
+  raises a bare ``KeyError`` for ``S3://``. Only the
+  one spelling all three agree on is accepted: a lower-case scheme, a
+  bucket, then non-empty segments other than ``.`` and ``..``, without
+  ``%``, ``?``, ``#`` or ``\\``; one trailing ``/`` is allowed (every
+  library drops it).
+
+  Raises:
+    UnsupportedStorageError: naming the URL, what is wrong, and the spelling
+      to use instead.
+  """
+  kind, rest = text.split("://", 1)
+  problem = None
+  if kind != kind.lower():
+    problem = f"the scheme must be written in lower case ({kind.lower()}://)"
+  elif any(c in rest for c in _URL_SPECIAL):
+    problem = (
+        "'%', '?', '#' and '\\' are decoded or cut at by some of the libraries"
+        " reading it and taken literally by others"
+    )
+  else:
+    segments = rest[:-1].split("/") if rest.endswith("/") else rest.split("/")
+    if not segments[0]:
+      problem = "it names no bucket (nothing between :// and the next /)"
+    elif any(s in ("", ".", "..") for s in segments):
+      problem = (
+          "empty, '.' and '..' segments are resolved by some of the libraries"
+          " reading it and taken literally by others, so arrays and commit"
+          " objects would land under different prefixes"
+      )
+  if problem is not None:
+    raise errors.UnsupportedStorageError(
+        f"{text}: not an object-store path pz_persist can use: {problem}. Write"
+        f" it as {kind.lower()}://BUCKET/FOLDER/NAME, each segment a plain name."
+    )
 
 
 def _fsspec_module(kind: str, shown: str) -> Any:

@@ -20,6 +20,7 @@ from pz_persist import progress as progress_lib
 from pz_persist import version
 from pz_persist.safety import terminal
 from pz_persist.storage import commit
+from pz_persist.storage import destinations
 from pz_persist.storage import leftovers
 from pz_persist.storage import object_store
 from pz_persist.storage import steps
@@ -160,8 +161,9 @@ def _convert(args: argparse.Namespace) -> int:
 
   from pz_persist import model as model_lib
 
-  # Before the (long) load: a bad scheme, a missing extra, an existing DST;
-  # local or on an object store alike.
+  # Before the (long) load: a bad scheme, a missing extra, an existing DST,
+  # a DST that is (or holds, or is inside) SRC; local or on an object store.
+  destinations.check_apart(commit.as_path(args.dst), [args.src])
   if commit.as_path(args.dst).exists() and not args.overwrite:
     raise errors.CheckpointExistsError(
         f"{args.dst} exists; pass --overwrite to replace it."
@@ -192,6 +194,10 @@ def _export(args: argparse.Namespace) -> int:
   from pz_persist import model as model_lib
   from pz_persist.pretrained import hf_export  # pylint: disable=import-outside-toplevel
 
+  # Before the (long) load: a destination that is (or holds) the source, or
+  # that is not an earlier export's folder; the export checks again.
+  destinations.check_apart(args.dst, [args.src])
+  hf_export.check_destination(args.dst, args.overwrite)
   model = model_lib.load_model(args.src)
   shard_size = args.shard_mib * 2**20 if args.shard_mib else hf_export.DEFAULT_SHARD_BYTES
   hf_export.export_hf(model, args.dst, like=args.like, shard_size=shard_size,

@@ -23,6 +23,7 @@ from pz_persist import binding
 from pz_persist import errors
 from pz_persist import model as model_lib
 from pz_persist.storage import commit
+from pz_persist.storage import destinations
 from pz_persist.storage import sharding as sharding_lib
 
 
@@ -58,7 +59,8 @@ def migrate(
     model: The model as its code builds it: it supplies the labels, axis
       names, shapes and dtypes the checkpoint lacks.
     overwrite: Replace an existing pz_persist checkpoint at ``dst`` (never
-      anything else, so ``src`` cannot be overwritten).
+      anything else; and ``dst`` may never be ``src``, hold it or lie inside
+      it, even through links or relative paths).
     dtype: Cast while loading, as for `load_model`.
     allow_lossy: Allow lossy casts, as for `load_model`.
     sharding: Where arrays are read to, as for `load_model`.
@@ -68,7 +70,13 @@ def migrate(
 
   Returns:
     The loaded model (as saved at ``dst``).
+
+  Raises:
+    ArgumentError: ``dst`` is ``src``, holds it, or lies inside it.
+    CheckpointExistsError: ``dst`` exists and ``overwrite`` is False, or it
+      is neither empty nor a pz_persist checkpoint.
   """
+  destinations.check_apart(commit.as_path(dst), [commit.as_path(src)])
   if not overwrite and commit.identity(commit.as_path(dst)) is not None:
     raise errors.CheckpointExistsError(  # Said before the (long) load.
         f"{dst} already exists; pass overwrite=True to replace it."

@@ -8,6 +8,7 @@ files), a file, or a non-empty folder: each is refused (the folder unless
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from penzai.models.transformer.variants import llamalike_common
@@ -54,12 +55,19 @@ def test_file_destination_is_refused(tmp_path, model, overwrite):
 
 
 def test_overwrite_replaces_only_the_folder(tmp_path, model):
+  """A folder holding a link is not one export wrote: refused, the link and
+  its target kept. An earlier export is replaced, and only it."""
   outside = _sentinel(tmp_path)
   dst = tmp_path / "dst"
   dst.mkdir()
   (dst / "link").symlink_to(outside, target_is_directory=True)
-  pzp.export_hf(model, dst, overwrite=True)
-  assert "config.json" in os.listdir(dst) and "link" not in os.listdir(dst)
+  with pytest.raises(errors.CheckpointExistsError, match="not a folder export_hf wrote"):
+    pzp.export_hf(model, dst, overwrite=True)
+  assert os.listdir(dst) == ["link"] and os.listdir(outside) == ["precious.txt"]
+  os.remove(dst / "link")
+  pzp.export_hf(model, dst, overwrite=True)  # Empty: fine.
+  pzp.export_hf(model, dst, overwrite=True)  # Its own: replaced.
+  assert "config.json" in os.listdir(dst)
   assert os.listdir(outside) == ["precious.txt"]
   assert sorted(os.listdir(tmp_path)) == ["dst", "outside"]
 
@@ -86,14 +94,12 @@ def test_a_folder_another_writer_puts_there_meanwhile_is_kept(tmp_path, model, m
 
   dst = tmp_path / "dst"
   if overwrite:
-    dst.mkdir()
-    (dst / "old.txt").write_text("old")
+    pzp.export_hf(model, dst)  # An earlier export: the one kind replaced.
   original = safetensors_io.write_safetensors
 
   def other_writer_meanwhile(path, tensors, **kwargs):
     if dst.exists():
-      (dst / "old.txt").unlink()
-      dst.rmdir()
+      shutil.rmtree(dst)
     dst.mkdir()
     (dst / "theirs.txt").write_text("theirs")
     return original(path, tensors, **kwargs)

@@ -21,11 +21,11 @@ import pytest
 from conftest import REPO
 
 import pz_persist as pzp
-from pz_persist import checkpoint as checkpoint_lib
 from pz_persist import errors
 from pz_persist.orbax import v0_handler
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
+from pz_persist.storage import destinations
 from pz_persist.storage import direct_read
 
 TRASH = ".pz_persist_deleted"
@@ -204,15 +204,15 @@ def test_overwriting_a_checkpoint_that_gained_links_out_keeps_their_targets(
   before = _listing(outside)
   ckpt = tmp_path / "ckpt"
   pzp.save(ckpt, {"x": np.ones(3)})
-  check = checkpoint_lib._check_replaceable  # pylint: disable=protected-access
+  check = destinations.check_replaceable
 
-  def check_then_plant(path):
-    check(path)  # Inside the item only: a change at the top is a concurrent save.
+  def check_then_plant(path, kind):
+    check(path, kind)  # Inside the item only: a change at the top is a concurrent save.
     (ckpt / "penzai" / "to_dir").symlink_to(outside)
     (ckpt / "penzai" / "to_file").symlink_to(outside / "top.txt")
     (ckpt / "penzai" / "d" / "relative").symlink_to("../../../outside/b")
 
-  monkeypatch.setattr(checkpoint_lib, "_check_replaceable", check_then_plant)
+  monkeypatch.setattr(destinations, "check_replaceable", check_then_plant)
   pzp.save(ckpt, {"x": np.zeros(3)}, overwrite=True)
   assert _listing(outside) == before
   np.testing.assert_array_equal(pzp.load(ckpt)["x"], np.zeros(3))

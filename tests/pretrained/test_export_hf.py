@@ -217,8 +217,12 @@ def test_existing_folder_is_refused_without_overwrite(folders, tmp_path):
   with pytest.raises(errors.CheckpointExistsError, match="overwrite"):
     pzp.export_hf(model, dst)
   assert os.listdir(dst) == ["keep.txt"]
-  pzp.export_hf(model, dst, overwrite=True)
-  assert "keep.txt" not in os.listdir(dst)
+  with pytest.raises(errors.CheckpointExistsError, match="not a folder export_hf wrote"):
+    pzp.export_hf(model, dst, overwrite=True)  # Not its own: never replaced.
+  assert os.listdir(dst) == ["keep.txt"]
+  os.remove(dst / "keep.txt")
+  pzp.export_hf(model, dst)
+  pzp.export_hf(model, dst, overwrite=True)  # An earlier export: replaced.
   np.testing.assert_array_equal(_transformers_logits(dst), reference)
   assert sorted(os.listdir(tmp_path)) == ["dst"]  # No temporary folder left.
 

@@ -1,0 +1,160 @@
+"""The one rule for replacing a destination: only what pz_persist wrote, never the source.
+
+Why one module: ``save``, ``migrate``, ``export_hf`` and the commands that
+wrap them each replace a folder when asked to (``overwrite=True``,
+``--overwrite``), and each used to decide on its own what it may delete.
+``pz-persist export hf project/ckpt project --overwrite`` deleted the
+checkpoint being exported and every other file of ``project``. Here, for all
+of them:
+
+* a destination is replaced only if it is empty, or is what the same kind of
+  writer produced: a pz_persist checkpoint for a save (`check_replaceable`
+  with ``"checkpoint"``), a folder `export_hf` wrote and nothing else for an
+  export (``"hf_export"``: its marker file `EXPORT_MARKER`, and only the
+  files an export writes);
+* a destination is never the source, an ancestor of it, or inside it
+  (`check_apart`), compared after symlinks and relative paths are resolved:
+  replacing the one deletes the other, and writing into the source changes
+  what is being read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from collections.abc import Iterable
+from typing import Literal
+
+from etils import epath
+
+from pz_persist import errors
+from pz_persist.safety import safe_io
+from pz_persist.storage import opening
+
+EXPORT_MARKER = "pz_persist.export.json"
+"""The small file `export_hf` writes into every folder it exports, so that a
+later ``overwrite=True`` can tell its own folder from anyone else's."""
+
+EXPORT_MARKER_DATA = b'{"pz_persist_export": 1}\n'
+
+_EXPORT_FILE = re.compile(
+    r"config\.json|model\.safetensors\.index\.json|model-\d{5}-of-\d{5}\.safetensors"
+)
+
+Kind = Literal["checkpoint", "hf_export"]
+
+
+def check_replaceable(path: epath.PathLike, kind: Kind) -> None:
+  """Refuses to replace ``path`` unless it is absent, empty, or ``kind``'s own.
+
+  Raises:
+    CheckpointExistsError: ``path`` is a file (or, for an export, a link), or
+      a folder holding something other than what ``kind``'s writer writes
+      (the message says what, and that the user must remove it).
+  """
+  if kind == "checkpoint":
+    _check_checkpoint(epath.Path(path))
+  else:
+    _check_export(os.fspath(path))
+
+
+def _check_checkpoint(path: epath.Path) -> None:
+  if not path.is_dir():
+    raise errors.CheckpointExistsError(
+        f"{path} exists and is not a directory; refusing to replace it."
+    )
+  if not any(path.iterdir()):
+    return
+  try:
+    opening.find_item(path)
+  except errors.NotACheckpointError:
+    raise errors.CheckpointExistsError(
+        f"{path} exists and is not a pz_persist checkpoint; refusing to"
+        " replace it even with overwrite=True. Remove it yourself if you mean to."
+    ) from None
+
+
+def is_export_folder(folder: str) -> tuple[bool, str]:
+  """Whether ``folder`` is a folder `export_hf` wrote, untouched since but
+  for its own files; and if not, why (for the message)."""
+  try:
+    marker = safe_io.read_small_file(os.path.join(folder, EXPORT_MARKER), 4096)
+  except FileNotFoundError:
+    return False, f"it has no {EXPORT_MARKER}, the file export_hf writes into its folders"
+  except errors.PzPersistError as e:
+    return False, str(e)
+  try:
+    parsed = json.loads(marker)
+  except ValueError:
+    parsed = None
+  if not isinstance(parsed, dict) or parsed.get("pz_persist_export") != 1:
+    return False, f"its {EXPORT_MARKER} is not one export_hf wrote"
+  others = []
+  for name in sorted(os.listdir(folder)):
+    mode = os.lstat(os.path.join(folder, name)).st_mode
+    if not stat.S_ISREG(mode) or not (name == EXPORT_MARKER or _EXPORT_FILE.fullmatch(name)):
+      others.append(name)
+  if others:
+    return False, f"it also holds {', '.join(others[:5])}, which export_hf did not write"
+  return True, ""
+
+
+def _check_export(folder: str) -> None:
+  if os.path.islink(folder) or (os.path.exists(folder) and not os.path.isdir(folder)):
+    raise errors.CheckpointExistsError(
+        f"{folder} exists and is not a folder; choose another destination.")
+  if not os.path.exists(folder) or not os.listdir(folder):
+    return
+  ours, why = is_export_folder(folder)
+  if not ours:
+    raise errors.CheckpointExistsError(
+        f"{folder} exists and is not a folder export_hf wrote ({why}); refusing"
+        " to replace it even with overwrite=True, since everything in it would be"
+        " deleted. Export to a new or empty folder, or remove it yourself."
+    )
+
+
+def check_apart(destination: epath.PathLike, sources: Iterable[epath.PathLike]) -> None:
+  """Refuses a ``destination`` that is a source, holds one, or lies inside one.
+
+  Local paths are compared after ``~``, relative parts and symlinks are
+  resolved (``os.path.realpath``), so ``./ck``, ``../run/ck`` and a link to
+  it are the same folder; object-store paths as written (`check_supported`
+  has refused every ambiguous spelling).
+
+  Raises:
+    ArgumentError: naming both paths and how they are related.
+  """
+  dst = _comparable(destination)
+  for source in sources:
+    src = _comparable(source)
+    if dst[0] != src[0]:
+      continue  # One local, one on a store: never related.
+    relation = None
+    if dst[1] == src[1]:
+      relation = "is the source itself"
+    elif _inside(src[1], dst[1]):
+      relation = "contains the source"
+    elif _inside(dst[1], src[1]):
+      relation = "lies inside the source"
+    if relation is not None:
+      raise errors.ArgumentError(
+          f"{os.fspath(destination)}: the destination {relation}"
+          f" ({os.fspath(source)}); replacing or writing it would delete or"
+          " change what is being read. Choose a destination outside the source"
+          " (and the source outside the destination)."
+      )
+
+
+def _comparable(path: epath.PathLike) -> tuple[bool, str]:
+  text = os.fspath(path)
+  if not safe_io.is_local(text):
+    return False, text.rstrip("/")
+  return True, os.path.realpath(os.path.expanduser(text))
+
+
+def _inside(path: str, folder: str) -> bool:
+  sep = "/" if "://" in folder else os.sep
+  return path.startswith(folder.rstrip(sep) + sep)
