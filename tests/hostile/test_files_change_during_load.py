@@ -73,8 +73,8 @@ def _after_first_read(monkeypatch, change) -> list[str]:
   original = safetensors_io.SafetensorsFile.get
   done: list[str] = []
 
-  def get(self, name, dtype=None):
-    out = original(self, name, dtype)
+  def get(self, name, dtype=None, **options):
+    out = original(self, name, dtype, **options)
     if not done:
       done.append(name)
       change()
