@@ -100,6 +100,7 @@ def load_model(
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
     progress: progress_lib.Progress = None,
+    auto_labels: binding.AutoLabels = None,
 ) -> Any:
   """Loads a model saved by `save_model`, or binds a checkpoint into a model.
 
@@ -162,6 +163,10 @@ def load_model(
       for one on a terminal or in a notebook once a load has taken a second,
       True, False, or a function called as ``progress(done, total)`` in
       bytes. Plain Orbax checkpoints are read in one Orbax call: no steps.
+    auto_labels: ``"by_position"``: with ``into=``, match the state variables
+      whose labels Penzai drew automatically (``pz.AutoStateVarLabel``, new
+      in every build, so never equal to the saved ones) by their order in
+      the tree: the checkpoint's first to the model's first, and so on.
 
   Returns:
     The model, or ``(model, report)`` when ``strict=False``.
@@ -170,7 +175,7 @@ def load_model(
     if into is None:
       unsupported = {
           "only": only, "rename": rename, "rename_axes": rename_axes,
-          "overlay": overlay or None,
+          "overlay": overlay or None, "auto_labels": auto_labels,
       }
       given = [name for name, value in unsupported.items() if value is not None]
       if given:
@@ -204,6 +209,7 @@ def load_model(
           sharding=sharding,
           verify=verify,
           progress=progress,
+          auto_labels=auto_labels,
       ))
       return model if strict else (model, report)
     except errors.NotACheckpointError as e:

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import enum
 import functools
+import operator
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -408,12 +409,34 @@ def _dataclass(at: _At, node: Node) -> Any:
   names = _field_names(cls, is_struct)
   values = {}
   for name, value in node["fields"]:
-    if not isinstance(name, str) or name not in names or name in values:
+    if name in values:
+      raise errors.ManifestError(f"{at.where}: field {name!r:.100} repeats.")
+    if not isinstance(name, str) or name not in names:
       raise errors.ManifestError(
-          f"{at.where}: {cls.__qualname__} has no field {name!r} (or it repeats)."
+          f"{at.where}: {cls.__qualname__} has no field {name!r:.100}"
+          f"{_class_changed(cls, names)}"
       )
     values[name] = at.child(value, f"{at.where}.{name}")
+  missing = sorted(names - set(values)) if is_struct else []
+  if missing:
+    raise errors.ManifestError(
+        f"{at.where}: the checkpoint sets no field {', '.join(map(repr, missing))}"
+        f" of {cls.__qualname__}{_class_changed(cls, names)}"
+    )
   return at.rebuild(cls, cls.from_attributes if is_struct else cls, **values)
+
+
+def _class_changed(cls: type, names: frozenset[str]) -> str:
+  """The end of a message about a class whose fields are not the saved ones:
+  its code changed since the save (a field renamed, added or removed), so
+  the saved structure cannot be rebuilt, but its variables can be loaded."""
+  return (
+      f" (its fields are now {', '.join(sorted(names)) or 'none'}): its code"
+      " changed since the checkpoint was saved. Build the model with the"
+      " current code and load the checkpoint's variables into it by label:"
+      " pz_persist.load_model(path, into=new_model) (rename= maps labels that"
+      " changed too)."
+  )
 
 
 _FIELD_NAMES: dict[tuple[type, bool], frozenset[str]] = {}
@@ -434,11 +457,18 @@ def _enum(at: _At, node: Node) -> Any:
   cls = at.walk.resolve_class(
       node["class"], where=at.where, accept=_is_enum_class, kind="an Enum"
   )
-  if not isinstance(node["name"], str) or node["name"] not in cls.__members__:
-    raise errors.ManifestError(
-        f"{at.where}: {cls.__qualname__} has no member {node['name']!r}."
-    )
-  return cls[node["name"]]
+  name = node["name"]
+  if isinstance(name, str) and name in cls.__members__:
+    return cls[name]
+  parts = name.split("|") if isinstance(name, str) and name else []
+  if (isinstance(name, str) and issubclass(cls, enum.Flag)
+      and all(part in cls.__members__ for part in parts)):
+    # A combination of flags (``"A|B"``), as `encode` writes one.
+    return functools.reduce(operator.or_, (cls[part] for part in parts), cls(0))
+  raise errors.ManifestError(
+      f"{at.where}: {cls.__qualname__} has no member {name!r:.100} (it has"
+      f" {', '.join(cls.__members__)}); was it renamed since the save?"
+  )
 
 
 @_decodes("dtype")
