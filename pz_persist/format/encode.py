@@ -411,8 +411,9 @@ def _enum_name(member: enum.Enum, where: str) -> str:
   if member.name in cls.__members__:
     return member.name
   if isinstance(member, enum.Flag):
-    parts = [m for m in cls if m.value and m in member]  # Single-bit members.
-    combined = functools.reduce(operator.or_, parts, cls(0))
+    flags = type(member)
+    parts = [m for m in flags if m.value and m in member]  # Single-bit members.
+    combined = functools.reduce(operator.or_, parts, flags(0))
     if combined == member:
       return "|".join(str(m.name) for m in parts)
   raise errors.EncodingError(
