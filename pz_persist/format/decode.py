@@ -35,6 +35,7 @@ from penzai import pz
 from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import code_references
+from pz_persist.format import meshes
 from pz_persist.format import nodes
 
 Node = nodes.Node
@@ -409,7 +410,7 @@ def _dataclass(at: _At, node: Node) -> Any:
   names = _field_names(cls, is_struct)
   values = {}
   for name, value in node["fields"]:
-    if name in values:
+    if isinstance(name, str) and name in values:
       raise errors.ManifestError(f"{at.where}: field {name!r:.100} repeats.")
     if not isinstance(name, str) or name not in names:
       raise errors.ManifestError(
@@ -469,6 +470,30 @@ def _enum(at: _At, node: Node) -> Any:
       f"{at.where}: {cls.__qualname__} has no member {name!r:.100} (it has"
       f" {', '.join(cls.__members__)}); was it renamed since the save?"
   )
+
+
+@_decodes("mesh")
+def _mesh(at: _At, node: Node) -> Any:
+  return meshes.rebuild(
+      node["axes"], node["axis_types"], at.where, abstract=at.walk.build is _Abstract
+  )
+
+
+@_decodes("partition_spec")
+def _partition_spec(at: _At, node: Node) -> Any:
+  return meshes.decode_spec(node["spec"], at.where)
+
+
+@_decodes("named_sharding")
+def _named_sharding(at: _At, node: Node) -> Any:
+  mesh = at.static(node["mesh"], f"{at.where}.mesh")
+  spec = at.static(node["spec"], f"{at.where}.spec")
+  memory_kind = node["memory_kind"]
+  if not meshes.is_mesh(mesh) or not isinstance(spec, jax.sharding.PartitionSpec) or not (
+      memory_kind is None or isinstance(memory_kind, str)):
+    raise errors.ManifestError(f"{at.where}: malformed NamedSharding.")
+  with code_references.running_checkpoint_code(at.where, "cannot rebuild NamedSharding"):
+    return jax.sharding.NamedSharding(mesh, spec, memory_kind=memory_kind)
 
 
 @_decodes("dtype")

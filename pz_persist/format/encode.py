@@ -32,6 +32,7 @@ from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import code_references
 from pz_persist.format import decode as decode_lib
+from pz_persist.format import meshes
 from pz_persist.format import nodes
 
 Node = nodes.Node
@@ -113,6 +114,18 @@ class _Encoder:
     These are the values a model's structure holds besides containers and
     arrays; anything else cannot be saved.
     """
+    if meshes.is_mesh(obj):  # Axis names and sizes; never devices.
+      return nodes.node("mesh", **meshes.mesh_fields(obj, where))
+    if isinstance(obj, jax.sharding.PartitionSpec):
+      return nodes.node("partition_spec", spec=meshes.spec_entries(obj, where))
+    if isinstance(obj, jax.sharding.NamedSharding):
+      return nodes.node(
+          "named_sharding",
+          mesh=self.static(obj.mesh, f"{where}.mesh"),
+          spec=self.static(obj.spec, f"{where}.spec"),
+          memory_kind=obj.memory_kind,
+      )
+    meshes.refuse_sharding(obj, where)
     if isinstance(obj, enum.Enum):
       return nodes.node(
           "enum",
