@@ -53,6 +53,7 @@ def test_inspect_of_a_parameter_tree_counts_parameters(tmp_path, capsys):
 
 def test_inspect_fits_the_terminal_and_groups_constants(tmp_path, capsys, monkeypatch):
   pzp.save_model(tmp_path / "lm", model_zoo.llamalike_transformer())
+  monkeypatch.setenv("COLUMNS", "200")
   wide = _run(capsys, "inspect", str(tmp_path / "lm"))[1]
   assert "tree.body.sublayers" not in wide  # Constants by field name, not by path.
   assert re.search(r"\d+ constants held by layers", wide)
