@@ -144,3 +144,13 @@ def test_the_cli_shows_and_compares_meshes(tmp_path, capsys):
   assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
   out = capsys.readouterr().out
   assert "tree.sublayers[0].mesh: mesh(data=2, model=4) != mesh(data=4, model=2)" in out
+
+
+def test_a_training_run_restores_the_mesh_passed(tmp_path):
+  """``CheckpointManager.restore(mesh=)``: the mesh reaches Orbax's restore."""
+  mesh = jax.make_mesh((2, 4), NAMES, axis_types=AUTO)
+  with pzp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, model=_sharded_mlp(mesh))
+    mine = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), NAMES)
+    assert manager.restore(1, mesh=mine)["model"].sublayers[0].mesh is mine
+    assert manager.restore(1)["model"].sublayers[0].mesh == mesh

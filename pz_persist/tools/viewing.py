@@ -146,7 +146,7 @@ def _narrow(widths: list[int], columns: list[int], cells: list[list[str]], width
   pair = columns[:2]
   room = widths[pair[0]] + (widths[pair[1]] if len(pair) > 1 else 0) - excess()
   if len(pair) == 2 and room >= floors[pair[0]] + floors[pair[1]]:
-    body = cells[1:]
+    body = cells[1::max(1, len(cells) // 1000)]  # A sample of a long table.
     def lines(column: int, w: int) -> list[int]:
       return [len(_wrap(row[column], w)) for row in body]
     first_range = range(floors[pair[0]], min(widths[pair[0]], room - floors[pair[1]]) + 1)
@@ -174,12 +174,13 @@ _INDENT = "  "
 """Before each continuation line of a wrapped cell: it belongs to the row above."""
 
 
-def _wrap(text: str, width: int) -> list[str]:
+@functools.lru_cache(maxsize=2**16)  # Tables repeat cells (axes), and
+def _wrap(text: str, width: int) -> tuple[str, ...]:  # `_narrow` tries widths.
   """``text`` in lines of at most ``width`` characters, broken between
   `_pieces` (a piece wider than ``width`` is split where it must be); lines
   after the first are indented by `_INDENT`."""
   if len(text) <= width:
-    return [text]
+    return (text,)
   lines = [""]
   for piece in _pieces(text, width - len(_INDENT)):
     if len(lines[-1]) + len(piece.rstrip()) > width and lines[-1].strip():
@@ -191,7 +192,7 @@ def _wrap(text: str, width: int) -> list[str]:
       piece = piece[room:]
       lines.append(_INDENT)
     lines[-1] += piece
-  return [line.rstrip() for line in lines]
+  return tuple(line.rstrip() for line in lines)
 
 
 def _count(n: int, noun: str) -> str:
