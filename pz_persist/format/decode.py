@@ -33,6 +33,7 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import code_references
 from pz_persist.format import meshes
@@ -220,7 +221,12 @@ class _Walk:
     tag = nodes.check_typed(node, where)
     node_type = nodes.NODE_TYPES.get(tag)
     if node_type is None or not (node_type.tree if in_tree else node_type.static):
-      raise errors.ManifestError(f"{where}: unknown node type {tag!r}.")
+      raise errors.ManifestError(
+          f"{where}: unknown node type {tag!r:.60}"
+          + ("." if node_type is not None else
+             f"; a newer pz_persist may have written it (this is {version.__version__}):"
+             " upgrade pz_persist to read it.")
+      )
     nodes.check_shape(node, where, node_type)
     return DECODERS[tag](_At(self, where, depth, in_tree), node)
 
