@@ -120,7 +120,7 @@ def test_json_output_escapes_checkpoint_strings(run, capsys, forge):
       _run(capsys, "diff", "--json", str(clean), str(run / "1")),
       _run(capsys, "ls", "--json", str(run)),
   ]
-  for status, output in outputs:
+  for _, output in outputs:
     assert not UNSAFE.search(output) and output.isascii(), output
   listed = json.loads(outputs[3][1])
   assert "item" + ESCAPES in listed["steps"][0]["items"]  # Read back exactly.
