@@ -315,7 +315,9 @@ def items(path: epath.PathLike) -> list[epath.Path]:
     UnsafeCheckpointError: a file of the step reaches outside it.
   """
   path = commit.as_path(path)
-  if object_store.is_object_store(path) or not path.is_dir() or _holds_manifest(path):
+  if object_store.is_object_store(path) and object_commit.current(path) is not None:
+    return [path]  # A checkpoint published by a commit: one item.
+  if not path.is_dir() or _holds_manifest(path):
     return [path]
   found = sorted(
       child for child in path.iterdir()
