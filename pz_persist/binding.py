@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import Literal
 from typing import Protocol
 
 import jax
@@ -123,7 +124,7 @@ class LoadReport:
     if self.mismatched:
       lines.append(f"{len(self.mismatched)} could not be loaded:")
       lines += [f"  {mismatch}" for mismatch in self.mismatched]
-    return lines
+    return lines + _hints(self.missing, self.unexpected)
 
   def __str__(self) -> str:
     lines = [f"loaded {len(self.loaded)} variable(s)", *self.problems()]
@@ -135,6 +136,71 @@ class LoadReport:
       lines.append(f"{len(self.transposed)} transposed to the model's axis order:")
       lines += [f"  {_describe(label)}" for label in self.transposed]
     return "\n".join(lines)
+
+
+def _hints(missing: tuple[Hashable, ...], unexpected: tuple[Hashable, ...]) -> list[str]:
+  """What to do when labels do not match: automatic labels of state
+  variables (never equal between builds), or labels whose prefix changed."""
+  hints = []
+  auto = sum(isinstance(label, pz.AutoStateVarLabel) for label in missing)
+  if auto and any(isinstance(label, pz.AutoStateVarLabel) for label in unexpected):
+    hints.append(
+        f"hint: {auto} of the model's state variables have automatic labels"
+        " (AutoStateVarLabel), which Penzai draws anew each time a model is"
+        " built, so they never match a saved model's. Match them by position"
+        " with load_model(path, into=model, auto_labels='by_position'), or give"
+        " them fixed labels (pz.StateVariable(value, label='...'))."
+    )
+  rule = _prefix_rule(
+      [label for label in missing if isinstance(label, str)],
+      [label for label in unexpected if isinstance(label, str)],
+  )
+  if rule is not None:
+    old, new, count = rule
+    hints.append(
+        f"hint: {count} label(s) not in the model match missing ones once their"
+        f" prefix {old!r} becomes {new!r}: load_model(path, into=model,"
+        f" rename={{{'^' + re.escape(old)!r}: {new!r}}})"
+    )
+  return hints
+
+
+_SEPARATORS = "/."
+
+
+def _prefix_rule(missing: list[str], unexpected: list[str]) -> tuple[str, str, int] | None:
+  """The prefix change (``"mlp/"`` to ``"net/"``) that turns the most
+  checkpoint labels the model lacks into labels it misses, with how many;
+  None if none does. Candidates come from pairing a few of the checkpoint's
+  labels with each missing one and keeping their common ending (from a
+  separator on), so a model of thousands of labels is checked quickly."""
+  wanted = set(missing)
+  best: tuple[str, str, int] | None = None
+  candidates = {
+      pair for label in unexpected[:3] for target in missing[:500]
+      if (pair := _prefixes(label, target)) is not None
+  }
+  for old, new in candidates:
+    count = sum(
+        label.startswith(old) and new + label[len(old):] in wanted for label in unexpected
+    )
+    if count and (best is None or count > best[2]):
+      best = (old, new, count)
+  return best
+
+
+def _prefixes(a: str, b: str) -> tuple[str, str] | None:
+  """The different beginnings of ``a`` and ``b`` before their common ending,
+  which starts after a separator (``mlp/x`` and ``net/x``: ``mlp/``, ``net/``)."""
+  common = 0
+  while common < min(len(a), len(b)) and a[-1 - common] == b[-1 - common]:
+    common += 1
+  cut_a, cut_b = len(a) - common, len(b) - common
+  while cut_a < len(a) and (cut_a and a[cut_a - 1] not in _SEPARATORS):
+    cut_a, cut_b = cut_a + 1, cut_b + 1  # Move the cut after a separator.
+  if cut_a >= len(a) or not a[:cut_a] or a[:cut_a] == b[:cut_b]:
+    return None
+  return a[:cut_a], b[:cut_b]
 
 
 def _globs(only: LabelGlobs | None) -> tuple[str, ...] | None:
@@ -375,6 +441,7 @@ def load_into(
     sharding: sharding_lib.Target = None,
     verify: bool = True,
     progress: progress_lib.Progress = None,
+    auto_labels: AutoLabels = None,
 ) -> tuple[Any, LoadReport]:
   """Loads the variables of the opened checkpoint item into ``model``.
 
@@ -385,6 +452,8 @@ def load_into(
   """
   where = str(opened.item)
   stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(rename))
+  if auto_labels is not None:
+    stored, renamed = _auto_labels_by_position(where, model, stored, renamed, auto_labels)
   return bind(
       where, model, _ManifestSource(opened, stored, rename_axes, progress),
       renamed=renamed, strict=strict, only=only, dtype=dtype,
@@ -473,6 +542,40 @@ def bind(
   if strict and not report.ok:
     raise BindingError(where, report)
   return _rebind(structure, bound, stored, values), report
+
+
+AutoLabels = Literal["by_position"] | None
+"""How state variables with automatic labels are matched (`load_model`)."""
+
+
+def _auto_labels_by_position(
+    where: str,
+    model: Any,
+    stored: dict[Hashable, Any],
+    renamed: tuple[tuple[Hashable, Hashable], ...],
+    how: str,
+) -> tuple[dict[Hashable, Any], tuple[tuple[Hashable, Hashable], ...]]:
+  """The checkpoint's variables with their automatic labels replaced by the
+  model's, the first saved one by the model's first, and so on: Penzai
+  draws a new `AutoStateVarLabel` for each state variable of each build, so
+  a fresh model's never equal a saved one's, while their order (the tree's)
+  does not change between builds of the same code."""
+  if how != "by_position":
+    raise errors.ArgumentError(f"auto_labels={how!r}: the only choice is 'by_position'.")
+  _, _, slots = _model_variables(model)
+  ours = [label for label in slots if isinstance(label, pz.AutoStateVarLabel)]
+  theirs = [label for label in stored if isinstance(label, pz.AutoStateVarLabel)]
+  if len(ours) != len(theirs):
+    raise errors.ArgumentError(
+        f"{where}: auto_labels='by_position' pairs state variables with automatic"
+        f" labels in order, but the checkpoint has {len(theirs)} and the model"
+        f" {len(ours)}; the model is not built as the saved one was."
+    )
+  mapping = dict(zip(theirs, ours))
+  return (
+      {mapping.get(label, label): variable for label, variable in stored.items()},
+      (*renamed, *mapping.items()),
+  )
 
 
 def _checkpoint_variables(manifest, where, rules):

@@ -39,6 +39,7 @@ from etils import epath
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist.format import manifest as manifest_lib
+from pz_persist.format import meshes
 from pz_persist.orbax import v0_handler
 from pz_persist.safety import allowlist
 from pz_persist.storage import commit
@@ -194,8 +195,9 @@ def load(
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
     progress: progress_lib.Progress = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Any:
-  """Loads a tree saved by `save` (or through `PenzaiSave`), with no template.
+  r"""Loads a tree saved by `save` (or through `PenzaiSave`), with no template.
 
   Example::
 
@@ -221,6 +223,12 @@ def load(
       notebook, once a load has taken a second; True: always; False: never;
       or a function called as ``progress(done, total)`` with the bytes read
       (`pz_persist.progress`).
+    mesh: The ``jax.sharding.Mesh`` that device meshes saved in the tree
+      (those of Penzai's ``ConstrainShardingByName`` layers, of
+      ``NamedSharding``\ s) become; it must have their axis names. By default
+      each is rebuilt from its axis names and sizes over the first devices
+      of ``jax.devices()``, and refused (`pz_persist.errors.MeshError`) if
+      there are too few.
 
   Returns:
     The saved tree. Mutable variables come back as new mutable variables
@@ -238,7 +246,7 @@ def load(
   """
   # Opened as every read is: under the lock a save's final move waits for,
   # and read again if a save replaced the checkpoint meanwhile (`opening`).
-  with allowlist.scoped_allowance(allow_modules):
+  with allowlist.scoped_allowance(allow_modules), meshes.using(mesh):
     return opening.read(path, lambda opened: restoring.read_tree(
         opened, sharding=sharding, verify=verify, progress=progress
     ))

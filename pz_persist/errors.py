@@ -167,6 +167,15 @@ class LossyCastError(PzPersistError, ValueError):
   """
 
 
+class MeshError(PzPersistError, ValueError):
+  """A saved device mesh does not fit the devices at hand or the mesh passed.
+
+  A checkpoint keeps a mesh as what it means (axis names and sizes; never
+  devices), rebuilt on load: over this process's devices, or as the
+  ``mesh=`` the load was given (`pz_persist.format.meshes`).
+  """
+
+
 class ArrayReadError(PzPersistError):
   """Reading the stored array under ``key`` failed (``cause`` says why).
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 from etils import epath
 from penzai import pz
 
@@ -30,6 +31,7 @@ from pz_persist import errors
 from pz_persist import plain_orbax
 from pz_persist import progress as progress_lib
 from pz_persist.format import manifest_queries
+from pz_persist.format import meshes
 from pz_persist.safety import allowlist
 from pz_persist.storage import opening
 from pz_persist.storage import restoring
@@ -100,8 +102,10 @@ def load_model(
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
     progress: progress_lib.Progress = None,
+    auto_labels: binding.AutoLabels = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Any:
-  """Loads a model saved by `save_model`, or binds a checkpoint into a model.
+  r"""Loads a model saved by `save_model`, or binds a checkpoint into a model.
 
   Without ``into``, the saved model is rebuilt from the checkpoint alone.
   With ``into=model`` (a freshly built model, or one unbound with
@@ -165,6 +169,16 @@ def load_model(
       for one on a terminal or in a notebook once a load has taken a second,
       True, False, or a function called as ``progress(done, total)`` in
       bytes. Plain Orbax checkpoints are read in one Orbax call: no steps.
+    auto_labels: ``"by_position"``: with ``into=``, match the state variables
+      whose labels Penzai drew automatically (``pz.AutoStateVarLabel``, new
+      in every build, so never equal to the saved ones) by their order in
+      the tree: the checkpoint's first to the model's first, and so on.
+    mesh: Without ``into``: the ``jax.sharding.Mesh`` that the saved model's
+      device meshes (those of ``ConstrainShardingByName`` layers, of
+      ``NamedSharding``\ s) become; it must have their axis names. By
+      default each is rebuilt from its saved axis names and sizes over the
+      first devices of ``jax.devices()``, refused
+      (`pz_persist.errors.MeshError`) if there are too few.
 
   Returns:
     The model, or ``(model, report)`` when ``strict=False``.
@@ -173,14 +187,15 @@ def load_model(
     if into is None:
       unsupported = {
           "only": only, "rename": rename, "rename_axes": rename_axes,
-          "overlay": overlay or None,
+          "overlay": overlay or None, "auto_labels": auto_labels,
       }
       given = [name for name, value in unsupported.items() if value is not None]
       if given:
         raise errors.ArgumentError(f"{', '.join(given)} need into=model.")
-      model = opening.read(path, lambda opened: _restore_model(
-          opened, sharding=sharding, verify=verify, progress=progress
-      ))
+      with meshes.using(mesh):
+        model = opening.read(path, lambda opened: _restore_model(
+            opened, sharding=sharding, verify=verify, progress=progress
+        ))
       if not isinstance(model, pz.Struct):
         raise errors.PzPersistError(
             f"{path} holds a {type(model).__name__}, not a model. Load it with"
@@ -207,6 +222,7 @@ def load_model(
           sharding=sharding,
           verify=verify,
           progress=progress,
+          auto_labels=auto_labels,
       ))
       return model if strict else (model, report)
     except errors.NotACheckpointError as e:

@@ -79,6 +79,14 @@ SAMPLES: dict[str, Any] = {
     "type": {"t": pz.nn.Linear, "x": jnp.ones(1)},
     "function": {"f": jax.nn.relu, "x": jnp.ones(1)},
     "partial": {"p": functools.partial(jax.nn.gelu, approximate=True), "x": jnp.ones(1)},
+    "mesh": {"m": jax.make_mesh((1,), ("data",)), "x": jnp.ones(1)},
+    "partition_spec": {"p": jax.sharding.PartitionSpec(("data", "model"), None), "x": jnp.ones(1)},
+    "named_sharding": {
+        "s": jax.sharding.NamedSharding(
+            jax.make_mesh((1, 1), ("data", "model")), jax.sharding.PartitionSpec("model")
+        ),
+        "x": jnp.ones(1),
+    },
     "array": jnp.ones(2),
     "prng_key": jax.random.key(0),
     "named_array": _named(),

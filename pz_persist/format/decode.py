@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import enum
 import functools
+import operator
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -32,8 +33,10 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import code_references
+from pz_persist.format import meshes
 from pz_persist.format import nodes
 
 Node = nodes.Node
@@ -218,7 +221,12 @@ class _Walk:
     tag = nodes.check_typed(node, where)
     node_type = nodes.NODE_TYPES.get(tag)
     if node_type is None or not (node_type.tree if in_tree else node_type.static):
-      raise errors.ManifestError(f"{where}: unknown node type {tag!r}.")
+      raise errors.ManifestError(
+          f"{where}: unknown node type {tag!r:.60}"
+          + ("." if node_type is not None else
+             f"; a newer pz_persist may have written it (this is {version.__version__}):"
+             " upgrade pz_persist to read it.")
+      )
     nodes.check_shape(node, where, node_type)
     return DECODERS[tag](_At(self, where, depth, in_tree), node)
 
@@ -408,12 +416,34 @@ def _dataclass(at: _At, node: Node) -> Any:
   names = _field_names(cls, is_struct)
   values = {}
   for name, value in node["fields"]:
-    if not isinstance(name, str) or name not in names or name in values:
+    if isinstance(name, str) and name in values:
+      raise errors.ManifestError(f"{at.where}: field {name!r:.100} repeats.")
+    if not isinstance(name, str) or name not in names:
       raise errors.ManifestError(
-          f"{at.where}: {cls.__qualname__} has no field {name!r} (or it repeats)."
+          f"{at.where}: {cls.__qualname__} has no field {name!r:.100}"
+          f"{_class_changed(cls, names)}"
       )
     values[name] = at.child(value, f"{at.where}.{name}")
+  missing = sorted(names - set(values)) if is_struct else []
+  if missing:
+    raise errors.ManifestError(
+        f"{at.where}: the checkpoint sets no field {', '.join(map(repr, missing))}"
+        f" of {cls.__qualname__}{_class_changed(cls, names)}"
+    )
   return at.rebuild(cls, cls.from_attributes if is_struct else cls, **values)
+
+
+def _class_changed(cls: type, names: frozenset[str]) -> str:
+  """The end of a message about a class whose fields are not the saved ones:
+  its code changed since the save (a field renamed, added or removed), so
+  the saved structure cannot be rebuilt, but its variables can be loaded."""
+  return (
+      f" (its fields are now {', '.join(sorted(names)) or 'none'}): its code"
+      " changed since the checkpoint was saved. Build the model with the"
+      " current code and load the checkpoint's variables into it by label:"
+      " pz_persist.load_model(path, into=new_model) (rename= maps labels that"
+      " changed too)."
+  )
 
 
 _FIELD_NAMES: dict[tuple[type, bool], frozenset[str]] = {}
@@ -434,11 +464,42 @@ def _enum(at: _At, node: Node) -> Any:
   cls = at.walk.resolve_class(
       node["class"], where=at.where, accept=_is_enum_class, kind="an Enum"
   )
-  if not isinstance(node["name"], str) or node["name"] not in cls.__members__:
-    raise errors.ManifestError(
-        f"{at.where}: {cls.__qualname__} has no member {node['name']!r}."
-    )
-  return cls[node["name"]]
+  name = node["name"]
+  if isinstance(name, str) and name in cls.__members__:
+    return cls[name]
+  parts = name.split("|") if isinstance(name, str) and name else []
+  if (isinstance(name, str) and issubclass(cls, enum.Flag)
+      and all(part in cls.__members__ for part in parts)):
+    # A combination of flags (``"A|B"``), as `encode` writes one.
+    return functools.reduce(operator.or_, (cls[part] for part in parts), cls(0))
+  raise errors.ManifestError(
+      f"{at.where}: {cls.__qualname__} has no member {name!r:.100} (it has"
+      f" {', '.join(cls.__members__)}); was it renamed since the save?"
+  )
+
+
+@_decodes("mesh")
+def _mesh(at: _At, node: Node) -> Any:
+  return meshes.rebuild(
+      node["axes"], node["axis_types"], at.where, abstract=at.walk.build is _Abstract
+  )
+
+
+@_decodes("partition_spec")
+def _partition_spec(at: _At, node: Node) -> Any:
+  return meshes.decode_spec(node["spec"], at.where)
+
+
+@_decodes("named_sharding")
+def _named_sharding(at: _At, node: Node) -> Any:
+  mesh = at.static(node["mesh"], f"{at.where}.mesh")
+  spec = at.static(node["spec"], f"{at.where}.spec")
+  memory_kind = node["memory_kind"]
+  if not meshes.is_mesh(mesh) or not isinstance(spec, jax.sharding.PartitionSpec) or not (
+      memory_kind is None or isinstance(memory_kind, str)):
+    raise errors.ManifestError(f"{at.where}: malformed NamedSharding.")
+  with code_references.running_checkpoint_code(at.where, "cannot rebuild NamedSharding"):
+    return jax.sharding.NamedSharding(mesh, spec, memory_kind=memory_kind)
 
 
 @_decodes("dtype")

@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import functools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import code_references
 from pz_persist.format import decode as decode_lib
+from pz_persist.format import meshes
 from pz_persist.format import nodes
 
 Node = nodes.Node
@@ -112,10 +114,22 @@ class _Encoder:
     These are the values a model's structure holds besides containers and
     arrays; anything else cannot be saved.
     """
+    if meshes.is_mesh(obj):  # Axis names and sizes; never devices.
+      return nodes.node("mesh", **meshes.mesh_fields(obj, where))
+    if isinstance(obj, jax.sharding.PartitionSpec):
+      return nodes.node("partition_spec", spec=meshes.spec_entries(obj, where))
+    if isinstance(obj, jax.sharding.NamedSharding):
+      return nodes.node(
+          "named_sharding",
+          mesh=self.static(obj.mesh, f"{where}.mesh"),
+          spec=self.static(obj.spec, f"{where}.spec"),
+          memory_kind=obj.memory_kind,
+      )
+    meshes.refuse_sharding(obj, where)
     if isinstance(obj, enum.Enum):
       return nodes.node(
           "enum",
-          name=obj.name,
+          name=_enum_name(obj, where),
           **{"class": code_references.class_reference(type(obj), where=where)},
       )
     if isinstance(obj, np.dtype):
@@ -133,7 +147,12 @@ class _Encoder:
           ],
       )
     if callable(obj):
-      return nodes.node("function", ref=code_references.function_reference(obj, where=where))
+      try:
+        ref = code_references.function_reference(obj, where=where)
+      except errors.EncodingError:
+        _refuse_compiled(obj, where)  # With what to do, if that is what it is.
+        raise
+      return nodes.node("function", ref=ref)
     return self._refuse(obj, where)
 
   def _dataclass(
@@ -395,3 +414,47 @@ def encode_static(value: Any, where: str) -> Node:
   return _Encoder().static(value, where)
 
 
+
+
+def _enum_name(member: enum.Enum, where: str) -> str:
+  """The name an ``enum`` node stores: the member's own, or for a combination
+  of `enum.Flag` members (``Mode.A | Mode.B``) their names joined by ``|``
+  (``"A|B"``; ``""`` for no flag), which the decoder ORs together again."""
+  cls = type(member)
+  if member.name in cls.__members__:
+    return member.name
+  if isinstance(member, enum.Flag):
+    flags = type(member)
+    parts = [m for m in flags if m.value and m in member]  # Single-bit members.
+    combined = functools.reduce(operator.or_, parts, flags(0))
+    if combined == member:
+      return "|".join(str(m.name) for m in parts)
+  raise errors.EncodingError(
+      f"{where}: {member!r:.80} is not a member of {cls.__qualname__} nor a"
+      f" combination of its members ({', '.join(cls.__members__)}), so it could"
+      " not be loaded by name; use one of its members."
+  )
+
+
+def _refuse_compiled(fn: Any, where: str) -> None:
+  """Refuses ``jax.jit(f)`` (or ``jax.pmap(f)``) that cannot be found by name,
+  with what to do instead: its name leads back to the plain ``f``, so loading
+  could not rebuild the compiled wrapper, and saving ``f`` loses nothing.
+  (Functions JAX itself publishes jitted, such as ``jax.nn.silu``, are found
+  by name and saved as they are.)"""
+  wrapped = getattr(fn, "__wrapped__", None)
+  if wrapped is None or not callable(getattr(fn, "lower", None)):
+    return
+  try:  # Its public name (jax.nn.relu), as the plain function would be saved.
+    ref = code_references.function_reference(wrapped, where=where)
+    name = f"{ref['module']}.{ref['qualname']}"
+  except errors.PzPersistError:
+    name = f"{getattr(wrapped, '__module__', '?')}.{getattr(wrapped, '__qualname__', '?')}"
+  raise errors.EncodingError(
+      f"{where}: a jax.jit-compiled function ({name}) cannot be saved: it is"
+      " compiled for one process, and its name leads to the plain function, not"
+      " to it."
+      f" Hold the plain function instead (e.g. pz.nn.Elementwise({name})) and"
+      " compile the whole model's call, jax.jit(lambda model, x: model(x)),"
+      " which compiles the activation with it."
+  )

@@ -144,6 +144,14 @@ NODE_TYPES: dict[str, NodeType] = _types(
         Field("args", "list", holds="static"),
         Field("keywords", "pairs", holds="static", keys="str"),
     )),
+    # Device meshes and shardings, as axis names and sizes (`meshes`).
+    NodeType("mesh", (Field("axes", "pairs", keys="str"), Field("axis_types"))),
+    NodeType("partition_spec", (Field("spec"),)),
+    NodeType("named_sharding", (
+        Field("mesh", "node", holds="static"),
+        Field("spec", "node", holds="static"),
+        Field("memory_kind"),
+    )),
     # Arrays.
     NodeType("array", (Field("ref"),), static=False),
     NodeType("prng_key", (Field("impl"), _DATA), static=False),

@@ -212,8 +212,10 @@ def as_path(path: epath.PathLike) -> epath.Path:
   is the most natural call there is. Remote paths (``gs://...``) are kept,
   once `object_store.check_supported` has accepted them: every entry point
   passes its path through here, so an unsupported scheme or a missing extra
-  is refused before anything is read or written.
+  is refused before anything is read or written, and a ``file://`` URL is
+  the local path it names.
   """
+  path = object_store.file_url_path(path) or path  # file:///a is the local /a.
   if not is_local(path):
     object_store.check_supported(path)
     s3_kvstore.enable_for(path)  # Orbax's arrays on s3:// (the user's opt-in).

@@ -23,6 +23,7 @@ import base64
 import dataclasses
 import importlib
 import os
+import urllib.parse
 from typing import Any
 
 from etils import epath
@@ -39,6 +40,27 @@ def scheme(path: epath.PathLike) -> str | None:
   if "://" not in text:
     return None
   return text.split("://", 1)[0].lower()
+
+
+def file_url_path(path: epath.PathLike) -> str | None:
+  """The local path a ``file://`` URL names (``file:///runs/a`` is
+  ``/runs/a``), which every entry point then treats as the local path it is;
+  None if ``path`` is not a ``file://`` URL.
+
+  Raises:
+    UnsupportedStorageError: the URL names a host (``file://server/...``).
+  """
+  if scheme(path) != "file":
+    return None
+  rest = os.fspath(path).split("://", 1)[1]
+  host, slash, local = rest.partition("/")
+  if host not in ("", "localhost"):
+    raise errors.UnsupportedStorageError(
+        f"{os.fspath(path)}: a file:// URL on host {host!r}; pz_persist reads"
+        " file:// URLs as local paths only (file:///path). Mount it and pass"
+        " the local path."
+    )
+  return urllib.parse.unquote(slash + local)
 
 
 def is_object_store(path: epath.PathLike) -> bool:
@@ -62,6 +84,9 @@ def check_supported(path: epath.PathLike) -> None:
   """
   kind = scheme(path)
   if kind is None:
+    return
+  if kind == "file":
+    file_url_path(path)  # Local: refused only if it names another host.
     return
   if kind not in EXTRAS:
     raise errors.UnsupportedStorageError(

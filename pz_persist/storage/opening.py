@@ -303,6 +303,32 @@ def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | 
   return _find_item(path)
 
 
+def items(path: epath.PathLike) -> list[epath.Path]:
+  """The paths to pass to `read` for what ``path`` holds: ``[path]`` for a
+  checkpoint or its item directory (and for anything `read` will refuse,
+  so that it says why), and each item of a step directory holding several
+  (``RUN/STEP`` of a ``CheckpointManager``), in name order, once the whole
+  directory is checked as `read` checks a checkpoint (`containment`); `read`
+  checks each item again.
+
+  Raises:
+    UnsafeCheckpointError: a file of the step reaches outside it.
+  """
+  path = commit.as_path(path)
+  if object_store.is_object_store(path) and object_commit.current(path) is not None:
+    return [path]  # A checkpoint published by a commit: one item.
+  if not path.is_dir() or _holds_manifest(path):
+    return [path]
+  found = sorted(
+      child for child in path.iterdir()
+      if child.is_dir() and _holds_manifest(child)
+  )
+  if len(found) < 2:
+    return [path]
+  containment.check_contained(path)  # As `read` of the whole: no link out.
+  return found
+
+
 def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | None]:
   if not path.is_dir():
     raise errors.NotACheckpointError(

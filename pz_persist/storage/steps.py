@@ -151,7 +151,7 @@ def list_steps(directory: epath.PathLike, *, commit_times: bool = True) -> list[
       local disk, ``gs://`` or ``s3://``.
   """
   object_store.check_supported(directory)  # Not listed through fsspec first.
-  directory = epath.Path(directory)
+  directory = epath.Path(object_store.file_url_path(directory) or directory)
   if object_store.is_object_store(directory):
     return _remote_steps(directory, commit_times)
   containment.check_run_directory(directory)  # Before anything is read.

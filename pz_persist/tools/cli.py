@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import json
 import os
+import shutil
 import sys
+from typing import Any
 from typing import TextIO
 
 from pz_persist import errors
@@ -23,6 +26,7 @@ from pz_persist.storage import commit
 from pz_persist.storage import destinations
 from pz_persist.storage import leftovers
 from pz_persist.storage import object_store
+from pz_persist.storage import opening
 from pz_persist.storage import steps
 from pz_persist.tools import diffing
 from pz_persist.tools import verifying
@@ -41,12 +45,30 @@ def _one_line(text: str) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-  _print(viewing.describe_checkpoint(args.path))
+  paths = opening.items(args.path)  # A step's items, each in turn.
+  if args.json:
+    _print_json(viewing.JSON_SCHEMA_INSPECT, {
+        "path": str(args.path),
+        "items": [viewing.checkpoint_record(path) for path in paths],
+    })
+    return 0
+  if len(paths) > 1:
+    _print(f"{_one_line(args.path)}: {len(paths)} items"
+           f" ({', '.join(_one_line(path.name) for path in paths)})\n")
+  _print("\n\n".join(viewing.describe_checkpoint(path) for path in paths))
   if args.html:
     out = viewing.render_html(args.path, args.html, arrays=args.arrays)
     _print(f"\nwrote {out}")
   _note_leftovers(leftovers.find(args.path), args.path)
   return 0
+
+
+def _print_json(schema: str, record: dict[str, Any]) -> None:
+  """One JSON object on one line of stdout, ``schema`` first (its name and version: see
+  docs/reference/cli-json.md). ASCII only, so a checkpoint's names cannot
+  send escape sequences to a terminal; no NaN or infinity, so any JSON
+  parser reads it."""
+  print(json.dumps({"schema": schema, **record}, ensure_ascii=True, allow_nan=False))
 
 
 def _note_leftovers(found: list[leftovers.Leftover], where: str) -> None:
@@ -88,6 +110,10 @@ def _number(x: float) -> str:
 def _diff(args: argparse.Namespace) -> int:
   result = diffing.diff(args.a, args.b, batch_bytes=args.batch_mib * 2**20,
                         progress=_progress(args))
+  if args.json:
+    _print_json(diffing.JSON_SCHEMA, {"a": str(args.a), "b": str(args.b),
+                                      **diffing.record(result)})
+    return 0 if result.identical else 1
   sections = [
       ("model structure or labels differ", result.structure),
       ("only in A", result.only_in_a),
@@ -104,7 +130,7 @@ def _diff(args: argparse.Namespace) -> int:
         ["array", "identical", "max |A-B|", "|A-B|", "|A-B|/|B|"],
         [[_one_line(a.name), "yes" if a.identical else "no", _number(a.max_abs), _number(a.l2),
           _number(a.relative_l2)] for a in shown],
-        right=("max |A-B|", "|A-B|", "|A-B|/|B|"),
+        right=("max |A-B|", "|A-B|", "|A-B|/|B|"), width=_width(), wrap=("array",),
     ))
   differing = sum(not a.identical for a in result.arrays)
   if result.identical:
@@ -114,39 +140,83 @@ def _diff(args: argparse.Namespace) -> int:
   return 1
 
 
+def _width() -> int:
+  """The terminal's columns (``COLUMNS`` if set), 120 when not a terminal."""
+  return shutil.get_terminal_size(fallback=(120, 24)).columns
+
+
 def _verify(args: argparse.Namespace) -> int:
-  damaged = 0
+  reports = []
   for path in args.paths:
     report = verifying.verify(path, progress=_progress(args))
-    _print(str(report))
-    damaged += not report.ok
+    reports.append(report)
+    if not args.json:
+      _print(str(report))
+  damaged = sum(not report.ok for report in reports)
+  if args.json:
+    _print_json(verifying.JSON_SCHEMA, {
+        "ok": not damaged,
+        "checkpoints": [report.record() for report in reports],
+    })
   return 1 if damaged else 0
 
 
 def _ls(args: argparse.Namespace) -> int:
   found = steps.list_steps(args.directory)
+  if args.json:
+    _print_json(JSON_SCHEMA_LS, {
+        "directory": str(args.directory),
+        "steps": [
+            {
+                "step": info.step,
+                "path": str(info.path),
+                "committed": info.committed,
+                "items": list(info.items),
+                "pz_persist_items": list(info.penzai_items),
+                "bytes": info.nbytes,
+                "committed_at": _when(info.commit_time_ns, iso=True),
+            }
+            for info in found
+        ],
+        "leftovers": [
+            {"name": str(leftover.name), "bytes": leftover.nbytes, "status": leftover.status}
+            for leftover in leftovers.find_all(args.directory)
+        ],
+    })
+    return 0
   if not found:
     _print(f"no steps in {args.directory}")
     _note_leftovers(leftovers.find_all(args.directory), args.directory)
     return 0
   rows = []
   for info in found:
-    when = "-"
-    if info.commit_time_ns is not None:
-      when = datetime.datetime.fromtimestamp(
-          info.commit_time_ns / 1e9, datetime.UTC
-      ).strftime("%Y-%m-%d %H:%M:%S UTC")
     items = ", ".join(
         _one_line(name) + ("*" if name in info.penzai_items else "")
         for name in info.items
     )
     rows.append([str(info.step), "yes" if info.committed else "no (partial)",
-                 items or "-", terminal.size_text(info.nbytes), when])
+                 items or "-", terminal.size_text(info.nbytes),
+                 _when(info.commit_time_ns) or "-"])
   _print(viewing.format_table(["step", "committed", "items", "size", "committed at"],
-                              rows, right=("step", "size")))
+                              rows, right=("step", "size"), width=_width(),
+                              wrap=("items", "committed at")))
   _print("\n* items written by pz_persist")
   _note_leftovers(leftovers.find_all(args.directory), args.directory)
   return 0
+
+
+JSON_SCHEMA_LS = "pz-persist.ls/1"
+"""The ``schema`` of ``pz-persist ls --json`` (docs/reference/cli-json.md)."""
+
+
+def _when(time_ns: int | None, *, iso: bool = False) -> str | None:
+  """A commit time in UTC: ``2026-11-25 20:37:54 UTC``, or ISO 8601 for JSON."""
+  if time_ns is None:
+    return None
+  when = datetime.datetime.fromtimestamp(time_ns / 1e9, datetime.UTC)
+  if iso:
+    return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+  return when.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _progress(args: argparse.Namespace) -> progress_lib.Progress:
@@ -248,14 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
       "inspect",
       help="table of a checkpoint's arrays (label, axes, shape, dtype, bytes)",
       description="Print a checkpoint's arrays without reading them: label, axis"
-      " names, shape, dtype and size.",
+      " names, shape, dtype and size. Given a step of a run (RUN/STEP), each"
+      " of its items in turn.",
   )
-  inspect.add_argument("path", help="checkpoint directory (or its item directory)")
+  inspect.add_argument("path", help="checkpoint directory (or its item directory, or a step"
+                       " directory RUN/STEP)")
   inspect.add_argument("--html", metavar="OUT", help="also write a treescope HTML view")
   inspect.add_argument(
       "--arrays", action="store_true",
       help="with --html: load the arrays to show value summaries",
   )
+  inspect.add_argument("--json", action="store_true",
+                       help="print JSON (schema pz-persist.inspect/1) instead of tables")
   inspect.set_defaults(run=_inspect)
 
   diff = commands.add_parser(
@@ -274,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="most MiB read from each checkpoint at once (default: %(default)s)",
   )
   diff.add_argument("--quiet", action="store_true", help="no progress bar")
+  diff.add_argument("--json", action="store_true",
+                    help="print JSON (schema pz-persist.diff/1) instead of tables")
   diff.set_defaults(run=_diff)
 
   verify = commands.add_parser(
@@ -285,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
   )
   verify.add_argument("paths", nargs="+", metavar="path")
   verify.add_argument("--quiet", action="store_true", help="no progress bars")
+  verify.add_argument("--json", action="store_true",
+                      help="print JSON (schema pz-persist.verify/1) instead of text")
   verify.set_defaults(run=_verify)
 
   ls = commands.add_parser(
@@ -294,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
       " CheckpointManager's): committed or not, items, size, commit time.",
   )
   ls.add_argument("directory")
+  ls.add_argument("--json", action="store_true",
+                  help="print JSON (schema pz-persist.ls/1) instead of a table")
   ls.set_defaults(run=_ls)
 
   clean = commands.add_parser(
@@ -401,12 +481,16 @@ def main(argv: list[str] | None = None) -> int:
   absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax is chatty.
   try:
     return args.run(args)
-  except (errors.PzPersistError, FileNotFoundError, NotADirectoryError) as e:
-    _print(f"pz-persist: error: {e}", file=sys.stderr)
-    return 2
   except BrokenPipeError:  # Output piped into `head` and cut short: fine.
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+  except errors.PzPersistError as e:
+    _print(f"pz-persist: error: {e}", file=sys.stderr)
+    return 2
+  except OSError as e:  # Not a raw "[Errno 2] ...": the path, then the reason.
+    where = f"{e.filename}: " if e.filename is not None else ""
+    _print(f"pz-persist: error: {where}{(e.strerror or str(e)).lower()}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

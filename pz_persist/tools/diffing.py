@@ -67,6 +67,30 @@ class CheckpointDiff:
     )
 
 
+JSON_SCHEMA = "pz-persist.diff/1"
+"""The ``schema`` of `record`'s output (docs/reference/cli-json.md)."""
+
+
+def record(result: CheckpointDiff) -> dict[str, Any]:
+  """``result`` as JSON-ready data (``pz-persist diff --json``); an infinite
+  ``relative_l2`` (B's array is all zeros, A's is not) is ``null``."""
+  def finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+  return {
+      "identical": result.identical,
+      "structure": list(result.structure),
+      "only_in_a": list(result.only_in_a),
+      "only_in_b": list(result.only_in_b),
+      "changed": list(result.changed),
+      "arrays": [
+          {"name": a.name, "identical": a.identical, "max_abs": finite(a.max_abs),
+           "l2": finite(a.l2), "relative_l2": finite(a.relative_l2)}
+          for a in result.arrays
+      ],
+  }
+
+
 def _array_names(manifest: manifest_lib.Manifest) -> dict[str, int]:
   """Stable names of a checkpoint's arrays: label (+ index) or tree path."""
   counts: dict[str, int] = {}
@@ -106,12 +130,20 @@ class _StructureDiff:
     if tag == "function":
       ref = _dict(node.get("ref"))
       return f"{ref.get('module')}.{ref.get('qualname')}"
+    if tag == "mesh" and nodes.is_pairs(node.get("axes")):
+      return "mesh(" + ", ".join(f"{name}={size}" for name, size in node["axes"]) + ")"
+    if tag == "partition_spec":
+      return f"PartitionSpec{json.dumps(node.get('spec'))[:60]}"
     if tag == "array":
       spec = _entry(self._manifests[side].arrays, node.get("ref"))
       return _shape_text(spec) if spec is not None else "invalid array reference"
     if "v" in node:
       return json.dumps(node["v"])[:60]
     if isinstance(node.get("items"), list):
+      values = [item.get("v") for item in node["items"] if isinstance(item, dict) and "v" in item]
+      shown = json.dumps(values)
+      if len(values) == len(node["items"]) and len(shown) <= 60:
+        return f"{tag} {shown}"  # A short list of plain values: show them.
       return f"{tag} of {len(node['items'])}"
     return str(tag)
 
@@ -132,6 +164,11 @@ class _StructureDiff:
     if not isinstance(a, dict) or not isinstance(b, dict):
       if a != b:
         self._differ(a, b, path)
+      return
+    if (_tag(a) == _tag(b) and nodes.keyed_items(_tag(a))
+        and isinstance(a.get("items"), list) and isinstance(b.get("items"), list)
+        and all(map(_is_pair, [*a["items"], *b["items"]]))):
+      self._compare_keys(a, b, path)  # Entries by key, whatever their number.
       return
     if _tag(a) != _tag(b) or self._describe(a, 0) != self._describe(b, 1):
       self._differ(a, b, path)  # Different class, value, shape or length.
@@ -156,6 +193,27 @@ class _StructureDiff:
         self.found.append(f"{path}.{name}: only in {'A' if name in fields_a else 'B'}")
       else:
         self.compare(fields_a[name], fields_b[name], f"{path}.{name}")
+
+  def _compare_keys(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
+    """A dict's entries matched by key: each key only one side has is named,
+    the values of the others compared (a configuration saved as a dict
+    shows which settings differ, not only that the dicts' sizes do)."""
+    def keyed(node: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+      return {json.dumps(key, sort_keys=True): (key, value) for key, value in node["items"]}
+
+    entries_a, entries_b = keyed(a), keyed(b)
+    for key in dict.fromkeys([*entries_a, *entries_b]):
+      if len(self.found) >= self._limit:
+        return
+      side = entries_a if key in entries_a else entries_b
+      where = f"{path}[{self._describe(side[key][0], 0)}]"
+      if key not in entries_a or key not in entries_b:
+        self.found.append(f"{where}: only in {'A' if key in entries_a else 'B'}")
+      else:
+        self.compare(entries_a[key][1], entries_b[key][1], where)
+    common = [key for key in entries_a if key in entries_b]
+    if common != [key for key in entries_b if key in entries_a] and len(self.found) < self._limit:
+      self.found.append(f"{path}: the same keys in another order")
 
   def _compare_items(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
     keyed = nodes.keyed_items(_tag(a))

@@ -20,6 +20,7 @@ still verifies its files where it can and lists its arrays as unverified.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from etils import epath
 
@@ -33,6 +34,9 @@ from pz_persist.storage import file_digests
 from pz_persist.storage import object_store
 from pz_persist.storage import opening
 from pz_persist.storage import reader
+
+JSON_SCHEMA = "pz-persist.verify/1"
+"""The ``schema`` of ``pz-persist verify --json`` (docs/reference/cli-json.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,19 @@ class VerifyReport:
   def ok(self) -> bool:
     """True if nothing is damaged (unverified arrays do not count)."""
     return not self.damaged
+
+  def record(self) -> dict[str, Any]:
+    """This report as JSON-ready data (``pz-persist verify --json``)."""
+    return {
+        "path": self.path,
+        "ok": self.ok,
+        "arrays_checked": self.arrays_checked,
+        "files_checked": self.files_checked,
+        "objects_checked": self.objects_checked,
+        "damaged": list(self.damaged),
+        "unverified": list(self.unverified),
+        "objects_unchecked": list(self.objects_unchecked),
+    }
 
   def raise_if_damaged(self) -> None:
     """Raises `pz_persist.errors.IntegrityError` naming what is damaged."""

@@ -8,6 +8,7 @@ checkpoint outside a notebook (in a browser, or attached to a report).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import html
 import os
@@ -20,6 +21,7 @@ from etils import epath
 
 from pz_persist import checkpoint
 from pz_persist.format import manifest_queries
+from pz_persist.format import nodes
 from pz_persist.safety import terminal
 from pz_persist.storage import opening
 
@@ -79,45 +81,201 @@ def format_table(
     *,
     right: tuple[str, ...] = (),
     width: int | None = None,
-    shrink: tuple[str, ...] = (),
+    wrap: tuple[str, ...] = (),
 ) -> str:
   """Columns separated by two spaces; those named in ``right`` right-aligned.
 
-  With ``width``, the columns named in ``shrink`` are cut in the middle with
-  "…", in that order (the first as far as needed, down to 12 characters,
-  then the next), until the table fits: a label's start and end say more
-  than its middle.
+  With ``width``, the columns named in ``wrap`` are narrowed until the table
+  fits, and their cells continue on the next lines (indented), broken after a ``/``,
+  a space, ``.`` or ``]`` (before a ``[``): nothing is cut, so no two rows of
+  different labels can look alike, and an axis name is never split unless it
+  alone is wider than the space left.
   """
   cells = [[str(cell) for cell in row] for row in [header, *rows]]
   widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-  for name in shrink if width is not None else ():
-    excess = sum(widths) + 2 * (len(widths) - 1) - (width or 0)  # Not None here.
-    column = header.index(name)
-    target = max(12, widths[column] - excess)
-    if excess <= 0 or target >= widths[column]:
-      continue
-    widths[column] = target
-    for row in cells[1:]:
-      row[column] = _middle_cut(row[column], target)
+  if width is not None:
+    _narrow(widths, [header.index(name) for name in wrap if name in header], cells, width)
   lines = []
   for row in cells:
-    padded = [
-        cell.rjust(w) if name in right else cell.ljust(w)
-        for name, cell, w in zip(header, row, widths)
-    ]
-    lines.append("  ".join(padded).rstrip())
+    wrapped = [_wrap(cell, w) for cell, w in zip(row, widths)]
+    for line in range(max(map(len, wrapped))):
+      padded = [
+          (parts[line] if line < len(parts) else "").rjust(w) if name in right
+          else (parts[line] if line < len(parts) else "").ljust(w)
+          for name, parts, w in zip(header, wrapped, widths)
+      ]
+      lines.append("  ".join(padded).rstrip())
   return "\n".join(lines)
 
 
-def _middle_cut(text: str, width: int) -> str:
+_BREAKS = (re.compile(r"(?<=[/ ])|(?=\[)"), re.compile(r"(?<=[.\]])"))
+"""Where a wrapped cell may continue on the next line: best after a ``/`` or
+a space or before a ``[``; in a piece still too wide, after a ``.`` or ``]``."""
+
+
+def _pieces(text: str, width: int | None = None) -> list[str]:
+  """``text`` split at the first kind of `_BREAKS`; pieces wider than
+  ``width`` split again at the second."""
+  pieces = [piece for piece in _BREAKS[0].split(text) if piece]
+  return [
+      part for piece in pieces
+      for part in ([piece] if width is None or len(piece.rstrip()) <= width
+                   else [p for p in _BREAKS[1].split(piece) if p])
+  ]
+
+
+def _narrow(widths: list[int], columns: list[int], cells: list[list[str]], width: int) -> None:
+  """Narrows ``columns`` (in place) until the table fits ``width``.
+
+  The first two share the room left so that the table has the fewest lines
+  (the others keep their widths while that is enough); no column narrower
+  than its longest unbreakable piece (and the indent of continuation lines)
+  while another way fits, nor than 8.
+  """
+  def excess() -> int:
+    return sum(widths) + 2 * (len(widths) - 1) - width
+
+  if excess() <= 0 or not columns:
+    return
+  floors = {
+      column: len(_INDENT) + max(
+          len(piece.rstrip()) for row in cells for piece in _pieces(row[column], 1)
+      )
+      for column in columns
+  }
+  pair = columns[:2]
+  room = widths[pair[0]] + (widths[pair[1]] if len(pair) > 1 else 0) - excess()
+  if len(pair) == 2 and room >= floors[pair[0]] + floors[pair[1]]:
+    body = cells[1::max(1, len(cells) // 1000)]  # A sample of a long table.
+    def lines(column: int, w: int) -> list[int]:
+      return [len(_wrap(row[column], w)) for row in body]
+    first_range = range(floors[pair[0]], min(widths[pair[0]], room - floors[pair[1]]) + 1)
+    second_lines = {w: lines(pair[1], w) for w in
+                    range(max(floors[pair[1]], room - first_range[-1]), room - first_range[0] + 1)}
+    best = min(
+        first_range,
+        key=lambda w: (sum(map(max, lines(pair[0], w), second_lines[room - w])), -w),
+    )
+    widths[pair[0]], widths[pair[1]] = best, room - best
+    return
+  if len(pair) == 1 and room >= floors[pair[0]]:
+    widths[pair[0]] = room
+    return
+  for floor in (lambda c: floors[c], lambda c: 8):
+    while excess() > 0:
+      shrinkable = [c for c in columns if widths[c] > max(floor(c), 1)]
+      if not shrinkable:
+        break
+      widest = max(shrinkable, key=lambda c: widths[c] - floor(c))
+      widths[widest] -= 1
+
+
+_INDENT = "  "
+"""Before each continuation line of a wrapped cell: it belongs to the row above."""
+
+
+@functools.lru_cache(maxsize=2**16)  # Tables repeat cells (axes), and
+def _wrap(text: str, width: int) -> tuple[str, ...]:  # `_narrow` tries widths.
+  """``text`` in lines of at most ``width`` characters, broken between
+  `_pieces` (a piece wider than ``width`` is split where it must be); lines
+  after the first are indented by `_INDENT`."""
   if len(text) <= width:
-    return text
-  head = (width - 1) // 2
-  return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+    return (text,)
+  lines = [""]
+  for piece in _pieces(text, width - len(_INDENT)):
+    if len(lines[-1]) + len(piece.rstrip()) > width and lines[-1].strip():
+      lines[-1] = lines[-1].rstrip()
+      lines.append(_INDENT)
+    while len(lines[-1]) + len(piece.rstrip()) > width:
+      room = max(1, width - len(lines[-1]))
+      lines[-1] += piece[:room]
+      piece = piece[room:]
+      lines.append(_INDENT)
+    lines[-1] += piece
+  return tuple(line.rstrip() for line in lines)
 
 
 def _count(n: int, noun: str) -> str:
   return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+  """One array of the table: its name (label, or tree path), the part of
+  its tree path that tells it from other arrays of the same label ("" if the
+  label is its own), and what the manifest says of it."""
+
+  name: str
+  where: str
+  row: manifest_queries.ArrayRow
+
+
+def _checkpoint_rows(opened: opening.OpenItem) -> tuple[str, list[_Row], list[_Row]]:
+  """What kind of tree a checkpoint holds, the rows of its table of arrays
+  and the rows of its constants (arrays layers of a model hold outside
+  variables; a plain tree has none: all its arrays are in the table)."""
+  manifest = opened.manifest
+  root = manifest.tree
+  kind = "tree"
+  if root.get("t") == "struct" and isinstance(root.get("class"), dict):
+    kind = f"model {root['class'].get('module')}.{root['class'].get('qualname')}"
+  rows = manifest_queries.array_rows(manifest)
+  is_model = kind != "tree"
+  table = [row for row in rows if row.spec.label is not None or not is_model]
+  constants = [row for row in rows if row.spec.label is None and is_model]
+  names = [
+      nodes.describe_label(row.spec.label) if row.spec.label is not None
+      else _short_path(str(row.spec.path))
+      for row in table
+  ]
+  wheres = [""] * len(table)
+  by_name: dict[str, list[int]] = {}
+  for index, name in enumerate(names):
+    by_name.setdefault(name, []).append(index)
+  for indices in by_name.values():
+    if len(indices) > 1:
+      parts = _distinguishing([str(table[i].spec.path) for i in indices])
+      for index, part in zip(indices, parts):
+        wheres[index] = part
+  return (
+      kind,
+      [_Row(name, where, row) for name, where, row in zip(names, wheres, table)],
+      [_Row(_short_path(str(row.spec.path)), "", row) for row in constants],
+  )
+
+
+_PATH_PARTS = re.compile(r"\.[^.\[\]]+|\[[^\[\]]*\]|^[^.\[\]]+")
+"""The parts of a tree path: ``tree``, ``.mu``, ``[0]``, ``['w']``."""
+
+_WRAPPERS = (".data_array", ".value")
+"""Trailing parts that only say "the data of" a NamedArray or variable."""
+
+
+def _short_path(path: str) -> str:
+  """A tree path without the parts that only unwrap a NamedArray or a
+  variable's value: ``tree['a'].data_array`` is ``tree['a']``."""
+  changed = True
+  while changed:
+    changed = False
+    for suffix in _WRAPPERS:
+      if path.endswith(suffix) and len(path) > len(suffix):
+        path, changed = path[: -len(suffix)], True
+  return path
+
+
+def _distinguishing(paths: list[str]) -> list[str]:
+  """For arrays sharing a label: the part of each tree path that differs
+  from the others (``mu`` and ``nu`` of an Adam state), without the parts
+  all of them share at the start and at the end."""
+  split = [_PATH_PARTS.findall(path) for path in paths]
+  shortest = min(map(len, split))
+  start = 0
+  while start < shortest and len({tuple(s[start:start + 1]) for s in split}) == 1:
+    start += 1
+  end = 0
+  while end < shortest - start and len({s[len(s) - end - 1] for s in split}) == 1:
+    end += 1
+  return ["".join(s[start:len(s) - end]).lstrip(".") or path for s, path in zip(split, paths)]
 
 
 def describe_checkpoint(path: epath.PathLike, *, width: int | None = None) -> str:
@@ -125,60 +283,104 @@ def describe_checkpoint(path: epath.PathLike, *, width: int | None = None) -> st
 
   The header says what was saved (a model's class, or a tree) and how many
   parameters and state variables; the table lists every variable's array
-  (label, axes, shape, dtype, bytes); the small arrays layers hold themselves
-  (``RMSStandardize.epsilon``...) follow, grouped by field name, since a deep
-  model holds hundreds of them under long tree paths. Everything shown is cut
-  to ``width`` columns (the terminal's, by default) and is printable: values
-  from the checkpoint are escaped (`pz_persist.safety.terminal`).
+  (label, axes, shape, dtype, bytes), and in a plain tree every other array
+  by tree path; where a label names several arrays (an optimizer's ``mu``
+  and ``nu``), the column ``in`` shows the part of the tree path that tells
+  them apart. The small arrays a model's layers hold themselves
+  (``RMSStandardize.epsilon``...) follow, grouped by field name, since a
+  deep model holds hundreds of them under long tree paths. Everything fits
+  ``width`` columns (the terminal's, by default): long labels and axes
+  continue on the next line, never cut. Values from the checkpoint are
+  escaped (`pz_persist.safety.terminal`).
   """
   if width is None:
     width = shutil.get_terminal_size(fallback=(120, 24)).columns
   opened = opening.read(path, lambda opened: opened)  # The manifest only.
   item, manifest = opened.item, opened.manifest
   one_line = functools.partial(terminal.printable, newlines=False)
-  rows = manifest_queries.array_rows(manifest)
+  kind, table, constants = _checkpoint_rows(opened)
   held = manifest_queries.variables(manifest, where=str(item))
   parameters = sum(v.kind == "parameter" for v in held)
-  total = sum(row.spec.nbytes for row in rows)
-  root = manifest.tree
-  kind = "tree"
-  if root.get("t") == "struct" and isinstance(root.get("class"), dict):
-    kind = f"model {root['class'].get('module')}.{root['class'].get('qualname')}"
+  every = [*table, *constants]
+  total = sum(r.row.spec.nbytes for r in every)
   mutable = " (mutable)" if manifest.variables else ""
   lines = [
       one_line(item),
       f"  {one_line(kind)}",
       f"  {_count(parameters, 'parameter')},"
       f" {_count(len(held) - parameters, 'state variable')}{mutable}:"
-      f" {terminal.size_text(total)} in {_count(len(rows), 'array')}",
+      f" {terminal.size_text(total)} in {_count(len(every), 'array')}",
       f"  written by {one_line(manifest.writer)} (format {manifest.format_version})",
   ]
-  variable_rows = [row for row in rows if row.spec.label is not None]
-  if variable_rows:
+  if table:
+    repeated = any(r.where for r in table)
+    paths = any(r.row.spec.label is None for r in table)
+    header = [*(["in"] if repeated else []), "label or path" if paths else "label",
+              "axes", "shape", "dtype", "bytes"]
     lines += ["", format_table(
-        ["label", "axes", "shape", "dtype", "bytes"],
+        header,
         [
-            [one_line(row.label), one_line(row.axes_text), _shape_text(row.spec.shape),
-             row.spec.dtype, terminal.size_text(row.spec.nbytes)]
-            for row in variable_rows
+            [*([one_line(r.where)] if repeated else []), one_line(r.name),
+             one_line(r.row.axes_text), _shape_text(r.row.spec.shape),
+             r.row.spec.dtype, terminal.size_text(r.row.spec.nbytes)]
+            for r in table
         ],
-        right=("bytes",), width=width, shrink=("axes", "label"),
+        right=("bytes",), width=width, wrap=(header[-5], "axes", *header[:-5]),
     )]
-  constants = _constant_groups([row for row in rows if row.spec.label is None])
-  if constants:
-    count = sum(group[3] for group in constants)
-    nbytes = sum(group[4] for group in constants)
+  groups = _constant_groups([r.row for r in constants])
+  if groups:
+    count = sum(group[3] for group in groups)
+    nbytes = sum(group[4] for group in groups)
     lines += [
         "",
         f"{_count(count, 'constant')} held by layers ({terminal.size_text(nbytes)}):",
         format_table(
             ["field", "shape", "dtype", "count", "bytes"],
             [[one_line(name), shape, dtype, str(n), terminal.size_text(b)]
-             for name, shape, dtype, n, b in constants],
-            right=("count", "bytes"), width=width, shrink=("field",),
+             for name, shape, dtype, n, b in groups],
+            right=("count", "bytes"), width=width, wrap=("field",),
         ),
     ]
   return "\n".join(lines)
+
+
+JSON_SCHEMA_INSPECT = "pz-persist.inspect/1"
+"""The ``schema`` of `checkpoint_record`'s output (docs/reference/cli-json.md)."""
+
+
+def checkpoint_record(path: epath.PathLike) -> dict[str, Any]:
+  """What `describe_checkpoint` shows, as JSON-ready data: one item of
+  ``pz-persist inspect --json`` (see ``docs/reference/cli-json.md``)."""
+  opened = opening.read(path, lambda opened: opened)  # The manifest only.
+  item, manifest = opened.item, opened.manifest
+  kind, table, constants = _checkpoint_rows(opened)
+  held = manifest_queries.variables(manifest, where=str(item))
+  root_class = manifest.tree.get("class") if kind != "tree" else None
+  return {
+      "path": str(item),
+      "kind": "model" if kind != "tree" else "tree",
+      "class": (f"{root_class.get('module')}.{root_class.get('qualname')}"
+                if isinstance(root_class, dict) else None),
+      "writer": manifest.writer,
+      "format_version": manifest.format_version,
+      "parameters": sum(v.kind == "parameter" for v in held),
+      "state_variables": sum(v.kind != "parameter" for v in held),
+      "mutable": bool(manifest.variables),
+      "bytes": sum(r.row.spec.nbytes for r in [*table, *constants]),
+      "arrays": [
+          {
+              "label": (nodes.describe_label(r.row.spec.label)
+                        if r.row.spec.label is not None else None),
+              "path": str(r.row.spec.path),
+              "axes": [None if a is None else str(a) for a in r.row.axes],
+              "shape": list(r.row.spec.shape),
+              "dtype": r.row.spec.dtype,
+              "bytes": r.row.spec.nbytes,
+              "constant": constant,
+          }
+          for constant, rows in ((False, table), (True, constants)) for r in rows
+      ],
+  }
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:
@@ -195,7 +397,7 @@ def _constant_groups(rows: list[manifest_queries.ArrayRow]) -> list[tuple[str, s
   ``epsilon``), in order of first appearance."""
   groups: dict[tuple[str, str, str], list[int]] = {}
   for row in rows:
-    last = _LAST_NAME.search(str(row.spec.path))
+    last = _LAST_NAME.search(_short_path(str(row.spec.path)))
     name = (last[1] or last[2].strip("'\"")) if last else str(row.spec.path)
     key = (name, _shape_text(row.spec.shape), row.spec.dtype)
     groups.setdefault(key, [0, 0])

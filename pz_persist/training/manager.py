@@ -22,12 +22,14 @@ from collections.abc import Mapping
 from typing import Any
 from typing import Literal
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
+from pz_persist.format import meshes
 from pz_persist.orbax import v0_handler
 from pz_persist.safety import allowlist
 from pz_persist.safety import safe_io
@@ -258,6 +260,7 @@ class CheckpointManager:
       optimizer: Any = None,
       params_item: str = "params",
       opt_state_item: str = "opt_state",
+      mesh: jax.sharding.Mesh | None = None,
   ) -> dict[str, Any]:
     """Restores a step's items, with no template.
 
@@ -280,6 +283,8 @@ class CheckpointManager:
         state item against.
       params_item: The item holding the parameters (for ``optimizer``).
       opt_state_item: The item holding the optimizer state.
+      mesh: The mesh that device meshes saved in the items become (see
+        `pz_persist.load`); by default rebuilt over the devices at hand.
 
     Returns:
       ``{item name: restored tree}``.
@@ -301,7 +306,7 @@ class CheckpointManager:
       raise errors.NotACheckpointError(
           f"step {step} of {self.directory} has no item(s) {unknown}; it has {available}."
       )
-    with allowlist.scoped_allowance(self._allow_modules):
+    with allowlist.scoped_allowance(self._allow_modules), meshes.using(mesh):
       restored = self._manager.restore(
           step,
           args=ocp.args.Composite(

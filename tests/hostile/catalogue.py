@@ -547,6 +547,30 @@ CASES: list[Case] = [
          edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, nested_lists(200))),
          errors.ManifestError,
          r"penzai: tree(\.sublayers\[1\]\.fn(\[0\])+)?: nesting (deeper than \d+|too deep)", DECODING),
+    # Device meshes: axis names and sizes, rebuilt over the devices at hand.
+    Case("mesh_of_a_quadrillion_devices",
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, {
+             "t": "mesh", "axes": [["data", 10**15]], "axis_types": ["Explicit"]})),
+         errors.MeshError,
+         FN_RE + r": the saved mesh \(data=1000000000000000\) needs 1000000000000000 devices",
+         frozenset({LOAD, LOAD_MODEL})),
+    Case("mesh_size_zero",
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, {
+             "t": "mesh", "axes": [["data", 0]], "axis_types": ["Explicit"]})),
+         errors.ManifestError, FN_RE + r": malformed mesh", DECODING),
+    Case("mesh_axis_name_is_a_node",
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, {
+             "t": "mesh", "axes": [[{"t": "str", "v": "x"}, 2]], "axis_types": ["Explicit"]})),
+         errors.ManifestError, FN_RE + r": malformed mesh", DECODING),
+    Case("named_sharding_over_a_non_mesh",
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, {
+             "t": "named_sharding", "mesh": {"t": "int", "v": 3},
+             "spec": {"t": "partition_spec", "spec": [None]}, "memory_kind": None})),
+         errors.ManifestError, FN_RE + r": malformed NamedSharding", DECODING),
+    Case("partition_spec_holds_a_number",
+         edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, {
+             "t": "partition_spec", "spec": [3]})),
+         errors.ManifestError, FN_RE + r": malformed PartitionSpec", DECODING),
     # Code named by the structure.
     Case("function_os_system", set_fn("os", "system"), errors.DisallowedModuleError,
          FN_RE + r": the checkpoint names the function os\.system", DECODING),

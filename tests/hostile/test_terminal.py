@@ -66,7 +66,8 @@ def run(tmp_path):
 
 
 @pytest.mark.parametrize("forge", [_evil_names, _evil_writer, _evil_path])
-def test_checkpoint_strings_are_escaped(run, capsys, forge):
+def test_checkpoint_strings_are_escaped(run, capsys, forge, monkeypatch):
+  monkeypatch.setenv("COLUMNS", "400")  # Long escaped names on one line, to find them.
   clean = run.parent / "clean"
   pzp.save_model(clean, model_zoo.mlp())
   _forge(os.path.join(run, "1", "penzai"), forge)
@@ -103,3 +104,27 @@ def test_printable():
   assert terminal.printable("a\x1b[2Jb\n\tc\u202e") == "a\\x1b[2Jb\n\\x09c\\u202e"
   assert terminal.printable("a\nb", newlines=False) == "a\\x0ab"
   assert terminal.printable("mlp/Affine_0 é ü 日本 🙂") == "mlp/Affine_0 é ü 日本 🙂"
+
+
+@pytest.mark.parametrize("forge", [_evil_names, _evil_path])
+def test_json_output_escapes_checkpoint_strings(run, capsys, forge):
+  """``--json`` output is ASCII: what the checkpoint names arrives as ``\\u``
+  escapes, which a parser reads back exactly and a terminal shows as text."""
+  clean = run.parent / "clean"
+  pzp.save_model(clean, model_zoo.mlp())
+  _forge(os.path.join(run, "1", "penzai"), forge)
+  os.mkdir(os.path.join(run, "1", "item" + ESCAPES))
+  outputs = [
+      _run(capsys, "inspect", "--json", str(run / "1")),
+      _run(capsys, "verify", "--json", str(run / "1")),
+      _run(capsys, "diff", "--json", str(clean), str(run / "1")),
+      _run(capsys, "ls", "--json", str(run)),
+  ]
+  for _, output in outputs:
+    assert not UNSAFE.search(output) and output.isascii(), output
+  listed = json.loads(outputs[3][1])
+  assert "item" + ESCAPES in listed["steps"][0]["items"]  # Read back exactly.
+  if forge is _evil_names:
+    inspected = json.loads(outputs[0][1])
+    assert inspected["items"][0]["class"].endswith("MLP" + ESCAPES)
+    assert "features" + ESCAPES in inspected["items"][0]["arrays"][0]["axes"]

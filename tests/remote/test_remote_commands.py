@@ -212,3 +212,16 @@ def test_migrate_to_a_remote_destination(writable, tmp_path, capsys, monkeypatch
   test_migrate._assert_params(pzp.load_model(dst), test_migrate._params(saved))  # pylint: disable=protected-access
   code, _, err = _run(capsys, *argv)
   assert code == 2 and f"{dst} already exists" in err
+
+
+def test_inspect_of_a_step_shows_its_items(writable, capsys):
+  run = f"{writable}/run"
+  with pzp.CheckpointManager(run) as manager:
+    manager.save(1, params=_tree(), opt_state=_tree(1.0))
+  code, out, err = _run(capsys, "inspect", f"{run}/1")
+  assert code == 0, err
+  assert out.startswith(f"{run}/1: 2 items (opt_state, params)\n")
+  assert f"\n{run}/1/opt_state\n" in out and f"\n{run}/1/params\n" in out
+  code, out, _ = _run(capsys, "inspect", "--json", f"{run}/1")
+  assert code == 0 and [item["path"] for item in json.loads(out)["items"]] == [
+      f"{run}/1/opt_state", f"{run}/1/params"]
