@@ -302,7 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
       "--force", action="store_true",
       help="also remove leftovers whose writer cannot be checked (no marker,"
       " another host or container) and Orbax's unfinished CheckpointManager"
-      " steps; never those of a running writer",
+      " steps; never those of a running writer (a save holding its marker's"
+      " lock, or a CheckpointManager that has the run open)",
   )
   clean.add_argument("--dry-run", action="store_true", help="only list them")
   clean.set_defaults(run=_clean)
