@@ -416,7 +416,7 @@ def with_user_module(build: Builder) -> Builder:
     folder.mkdir(exist_ok=True)
     (folder / f"{USER_MODULE}.py").write_text(
         "from numpy import memmap, save\nfrom os import system\nimport os\n"
-        "class Holder:\n  writer = save\n"
+        "class Holder:\n  writer = save\n  dump = staticmethod(save)\n"
     )
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.setitem(sys.modules, USER_MODULE, importlib.import_module(USER_MODULE))
@@ -708,6 +708,10 @@ CASES: list[Case] = [
     Case("numpy_save_through_an_allowed_class",
          with_user_module(set_fn(USER_MODULE, "Holder.writer")), errors.DisallowedModuleError,
          FN_RE + r": the function numpy\.save may not be named", DECODING),
+    Case("numpy_save_as_a_staticmethod_of_an_allowed_class",
+         with_user_module(set_fn(USER_MODULE, "Holder.dump")), errors.ManifestError,
+         FN_RE + r": numpy\.save does not name <staticmethod.*The checkpoint names it"
+         rf" {USER_MODULE}\.Holder\.dump", DECODING),
     Case("os_system_reexported_by_an_allowed_module",
          with_user_module(set_fn(USER_MODULE, "system")), errors.DisallowedModuleError,
          FN_RE + rf": {USER_MODULE}\.system is defined in module 'posix'", DECODING),
