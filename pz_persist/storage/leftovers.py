@@ -657,6 +657,22 @@ def remove_dead(path: epath.PathLike) -> list[Leftover]:
   return removed
 
 
+def would_remove(leftover: Leftover, *, force: bool = False) -> bool:
+  """Whether `remove` would remove ``leftover`` as it was found (``--dry-run``).
+
+  An uncommitted step is never removed while its run's lock cannot be
+  checked (``"unknown"``): a manager may have opened the run before its lock
+  file was replaced.
+  """
+  if leftover.removable:
+    return True
+  if not force or leftover.status == "live":
+    return False
+  parsed = steps.parse_step_name(leftover.name.name)
+  uncommitted_step = parsed is not None and not parsed[1]
+  return not (uncommitted_step and leftover.status == "unknown" and commit.is_local(leftover.name))
+
+
 def remove(leftover: Leftover, *, force: bool = False) -> bool:
   """Removes one leftover if it may be; True if it was.
 

@@ -65,7 +65,7 @@ def _clean(args: argparse.Namespace) -> int:
     removed = not args.dry_run and leftovers.remove(leftover, force=args.force)
     kept += not removed
     verb = "removed" if removed else "would remove" if args.dry_run and (
-        leftover.removable or args.force and leftover.status != "live") else "kept"
+        leftovers.would_remove(leftover, force=args.force)) else "kept"
     _print(f"{verb} {_one_line(leftover.name)} ({terminal.size_text(leftover.nbytes)}):"
           f" {leftover.status}, {leftover.reason}")
   if kept and not args.force and not args.dry_run:

@@ -267,6 +267,9 @@ def test_clean_force_keeps_a_running_save(tmp_path, capsys, writer):
     writing = sorted(os.listdir(run))
     assert any("tmp" in name for name in writing), writing
     capsys.readouterr()
+    assert cli.main(["clean", "--force", "--dry-run", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "kept" in out and ": live, " in out and "would remove" not in out, out
     assert cli.main(["clean", "--force", str(run)]) == 0
     out = capsys.readouterr().out
     assert "kept" in out and ": live, " in out and "removed" not in out, out
@@ -311,6 +314,7 @@ def test_an_odd_run_lock_blocks_nothing_and_proves_nothing(tmp_path, make, kind)
   (run / "3.orbax-checkpoint-tmp-1").mkdir()
   [found] = leftovers.find_inside(run)
   assert found.status == "unknown" and kind in found.reason, found
+  assert not leftovers.would_remove(found, force=True)
   assert not leftovers.remove(found, force=True)
   assert (run / "3.orbax-checkpoint-tmp-1").is_dir()
   with pytest.raises(  # The run's check of special files, or the lock's own.
