@@ -152,7 +152,7 @@ def test_retention_removes_a_step_in_one_rename(tmp_path, monkeypatch):
       manager.save(step, x=jnp.float32(step))
     manager.wait_until_finished()
     assert manager.all_steps() == [2]
-  assert sorted(p.name for p in run.iterdir()) == [".pz_persist_deleted", "2"]
+  assert sorted(p.name for p in run.iterdir()) == [".pz_persist-run.lock", ".pz_persist_deleted", "2"]
   assert sorted(p.name for p in (run / ".pz_persist_deleted").iterdir()) == ["0", "1"]
   monkeypatch.undo()
   with pzp.CheckpointManager(run) as manager:

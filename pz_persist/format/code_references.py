@@ -18,6 +18,17 @@ or the few `allowlist.IMPORTABLE_MODULES`, or the modules the user allowed;
 and through ``__dict__`` lookups, never ``getattr``, whose module-level
 ``__getattr__`` hooks import submodules (``numpy.testing``) on demand.
 
+Whatever a name finds is judged as itself, where it is defined, never by
+the name that found it (`_judged_as_itself`): loading computes the object's
+own reference, with the very function saving uses, and applies the same
+checks to it. A module re-exporting ``numpy.memmap`` or ``numpy.save``
+(``from numpy import memmap``) therefore lends it nothing, even when the user
+allowed that module; and a name descending through a class finds only what
+the allow-list allows in its own right. No part of a qualified name may be
+private (``gaussian_kde._setattr``, ``__class__``): those reach what a library
+keeps to itself, such as a setter that rewrites ``jax.nn.relu`` or an Enum's
+value for the whole process.
+
 Classes are named for two different purposes, with two different rules:
 
 * The class of a node being rebuilt (a layer, a namedtuple, an Enum, a label
@@ -76,6 +87,16 @@ def _walk(root: Any, qualname: str) -> Any:
 
 def _is_private(module_name: str) -> bool:
   return any(part.startswith("_") for part in module_name.split("."))
+
+
+def private_part(qualname: str) -> str | None:
+  """The first ``_``-prefixed part of ``qualname`` (dunders too), if any.
+
+  Why none may be named: a private attribute is what a library keeps to
+  itself, and some write process-wide state (``gaussian_kde._setattr`` set
+  ``jax.nn.relu.fun`` when a loaded model ran it as an activation).
+  """
+  return next((p for p in qualname.split(".") if p.startswith("_")), None)
 
 
 def _public_home(
@@ -182,6 +203,13 @@ def _check_findable(obj: Any, module_name: str, qualname: str, where: str) -> No
         " is a lambda or is defined inside a function); define it at module"
         " level."
     )
+  part = private_part(qualname)
+  if part is not None:
+    raise errors.DisallowedModuleError(
+        f"{where}: {module_name}.{qualname} has the private name part {part!r},"
+        " and loading refuses private names (a library's private attributes"
+        " include setters of process-wide state); give it a public name."
+    )
   module = sys.modules.get(module_name)
   if module is None or _walk(module, qualname) is not obj:
     raise errors.EncodingError(
@@ -203,9 +231,11 @@ def function_reference(fn: Callable[..., Any], *, where: str) -> Reference:
         " functions can be saved."
     )
   if isinstance(name, str) and _is_private(module_name):
+    library = module_name.split(".")[0]  # jax.nn exports JAX's functions, not NumPy's.
     module_name, qualname = _public_home(
         fn, module_name, qualname, name,
-        (*allowlist.CALLABLE_MODULES, *_public_ancestors(module_name)),
+        (*(m for m in allowlist.CALLABLE_MODULES if m.split(".")[0] == library),
+         *_public_ancestors(module_name)),
     )
   _check_findable(fn, module_name, qualname, where)
   if not _function_allowed(module_name, qualname, fn):
@@ -235,8 +265,12 @@ def _parse(ref: Any, where: str) -> tuple[str, str]:
       or not allowlist.DOTTED_NAME.match(ref["qualname"])
   ):
     raise errors.ManifestError(f"{where}: malformed reference {ref!r:.120}.")
-  if any(part.startswith("__") for part in ref["qualname"].split(".")):
-    raise errors.ManifestError(f"{where}: refusing dunder name {ref['qualname']!r}.")
+  part = private_part(ref["qualname"])
+  if part is not None:
+    raise errors.ManifestError(
+        f"{where}: refusing private name {ref['module']}.{ref['qualname']}"
+        f" (part {part!r}): a checkpoint names public classes and functions only."
+    )
   return ref["module"], ref["qualname"]
 
 
@@ -346,6 +380,7 @@ def resolve_class(
   obj = _find(module_name, qualname, where)
   if not isinstance(obj, type) or not accept(obj):
     raise errors.ManifestError(f"{where}: {module_name}.{qualname} is not {kind}.")
+  _judged_as_itself(class_reference, obj, module_name, qualname, where)
   return obj
 
 
@@ -353,6 +388,7 @@ def resolve_class_value(ref: Any, *, where: str) -> type:
   """A class held as a value; refused unless safe to call (module docstring)."""
   cls = resolve_class(ref, where=where, accept=lambda _: True, kind="a class")
   _check_class_value(cls, ref["module"], ref["qualname"], where)
+  _judged_as_itself(class_value_reference, cls, ref["module"], ref["qualname"], where)
   return cls
 
 
@@ -374,4 +410,35 @@ def resolve_function(ref: Any, *, where: str) -> Callable[..., Any]:
     raise errors.DisallowedModuleError(
         f"{where}: {module_name}.{qualname} may not be named by a checkpoint."
     )
+  _judged_as_itself(function_reference, obj, module_name, qualname, where)
   return obj
+
+
+def _judged_as_itself(
+    reference_of: Callable[..., Reference], obj: Any, module_name: str, qualname: str,
+    where: str,
+) -> None:
+  """Refuses ``obj`` unless saving would name it itself (module docstring).
+
+  Why: a module's namespace holds what it imported as well as what it
+  defines. Checking the name a checkpoint gives let an allowed module lend
+  anything it imported (``numpy.memmap``, ``numpy.save``), and a name
+  descending through a class reach attributes no allow-list rule was about.
+  ``reference_of`` is the function saving names such objects with
+  (`class_reference`, `class_value_reference`, `function_reference`): it
+  derives the name from the object's own ``__module__`` and ``__qualname__``,
+  checks that the name finds that very object again, and applies the
+  allow-list to it, so loading accepts exactly what saving could write.
+  """
+  try:
+    reference_of(obj, where=where)
+  except errors.PzPersistError as e:
+    kind = (
+        errors.DisallowedModuleError
+        if isinstance(e, errors.DisallowedModuleError) else errors.ManifestError
+    )
+    raise kind(
+        f"{e} (The checkpoint names it {module_name}.{qualname}; an object is"
+        " judged as itself, by the module that defines it, never by the module"
+        " that names it.)"
+    ) from None

@@ -124,7 +124,10 @@ CALLABLE_MODULES: tuple[str, ...] = (
 Narrower than `DEFAULT_ALLOWED_MODULES`: a named function runs when the model
 runs (say, as an ``Elementwise`` layer's activation), so by default only
 numerical modules without side effects qualify, plus NumPy ufuncs and the
-modules the user allows.
+modules the user allows. A function counts as one of these modules' only if
+it is theirs: `pz_persist.format.code_references` judges every function by
+where it is defined, so ``jax.numpy.save`` (NumPy's ``numpy.save``,
+re-exported) is NumPy's, not JAX's.
 """
 
 _DENIED_FUNCTION_NAMES = frozenset({
@@ -137,12 +140,19 @@ process-wide print options: never allowed by default."""
 
 
 def is_function_allowed(module_name: str, name: str) -> bool:
-  """Whether a checkpoint may name function ``name`` of ``module_name``."""
+  """Whether a checkpoint may name function ``name`` of ``module_name``.
+
+  By default only module-level functions: a function found through a class
+  (``Class.method``) is a method, whose first argument a ``functools.partial``
+  could bind to a process-wide object (a function, a class, an Enum member)
+  for the method to change.
+  """
   if is_user_allowed(module_name):
     return True
   return (
       _within(module_name, CALLABLE_MODULES)
-      and name.split(".")[-1] not in _DENIED_FUNCTION_NAMES
+      and "." not in name
+      and name not in _DENIED_FUNCTION_NAMES
   )
 
 

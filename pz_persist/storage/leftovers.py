@@ -27,7 +27,15 @@ another host or in another pid namespace are never removed automatically:
 nothing proves their writer is gone. ``pz-persist clean --force`` removes
 them, and Orbax's temporary steps in a ``CheckpointManager`` directory, on
 the user's word that nothing writes there any more; a family whose writer is
-provably alive is never removed.
+provably alive is never removed, nor a temporary step while a
+``CheckpointManager`` has its run open (it holds `RUN_LOCK` from its opening
+to its close: Orbax names the step it is writing like one a killed run left).
+
+A marker is in a directory anyone may write, so it is read like every other
+small file: opened without following a link or waiting on a FIFO, checked to
+be a regular file, at most `_MAX_MARKER_BYTES` of bounded JSON. Anything else
+(a FIFO, a directory, 4,000 nested ``[``) proves nothing: its family's writer
+is ``"unknown"``, never a hang or an exception.
 
 On an object store (``gs://``, ``s3://``) a save writes a generation folder
 beside the commit objects and publishes it by creating a commit object
@@ -59,6 +67,7 @@ from collections.abc import Iterator
 from etils import epath
 
 from pz_persist import errors
+from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.safety import terminal
 from pz_persist.storage import commit
@@ -94,9 +103,10 @@ class Leftover:
     entries: Its files and directories.
     nbytes: Bytes in them.
     status: ``"dead"`` (its writer is gone: safe to remove), ``"live"`` (a
-      process is writing it), ``"unknown"`` (nothing proves either: no
-      marker, another host, another container) or ``"orbax tmp step"`` (a
-      ``CheckpointManager`` step Orbax had not finished).
+      process is writing it, or a ``CheckpointManager`` has its run open),
+      ``"unknown"`` (nothing proves either: no marker, an unreadable one,
+      another host, another container) or ``"orbax tmp step"`` (a
+      ``CheckpointManager`` step Orbax had not finished, no manager open).
     reason: How the status was decided, for people.
   """
 
@@ -308,15 +318,153 @@ def find_inside(directory: epath.PathLike) -> list[Leftover]:
   if not os.path.isdir(os.fspath(directory)):
     return []
   found = _families(directory)
-  for entry in sorted(os.scandir(os.fspath(directory)), key=lambda e: e.name):
-    parsed = steps.parse_step_name(entry.name)
-    if parsed is not None and not parsed[1]:  # An uncommitted step.
-      found.append(Leftover(
-          name=directory / entry.name, entries=(directory / entry.name,),
-          nbytes=_size(entry.path), status="orbax tmp step",
-          reason="Orbax removes it when a CheckpointManager opens this directory",
-      ))
+  uncommitted = [
+      entry for entry in sorted(os.scandir(os.fspath(directory)), key=lambda e: e.name)
+      if (parsed := steps.parse_step_name(entry.name)) is not None and not parsed[1]
+  ]
+  if not uncommitted:
+    return found
+  with run_unused(directory) as unused:
+    status, reason = ("orbax tmp step", _TMP_STEP_REASON) if unused is True else (
+        ("live", _RUN_IN_USE) if unused is False else ("unknown", unused))
+  found += [
+      Leftover(name=directory / entry.name, entries=(directory / entry.name,),
+               nbytes=_size(entry.path), status=status, reason=reason)
+      for entry in uncommitted
+  ]
   return found
+
+
+_TMP_STEP_REASON = "Orbax removes it when a CheckpointManager opens this directory"
+_RUN_IN_USE = (
+    "a CheckpointManager has this run open (it holds the run's lock): a step"
+    " it is writing"
+)
+
+
+# ---- The run lock: a CheckpointManager writing a run directory. -------------
+
+RUN_LOCK = ".pz_persist-run.lock"
+"""The file in a run directory that each open `CheckpointManager` holds a
+shared ``flock`` on, from its opening to its ``close``: the lock of a writer
+of that run's steps (Orbax names a step being written like one a killed run
+left, ``5.orbax-checkpoint-tmp-...``). ``pz-persist clean`` takes it
+exclusively before removing any uncommitted step, and keeps them all while
+a manager holds it."""
+
+_RUN_LOCK_WAIT_SECONDS = 60.0
+
+
+def _open_run_lock(directory: epath.Path, *, create: bool) -> int | None:
+  """A descriptor of ``directory``'s `RUN_LOCK`, or None if it does not exist.
+
+  Opened like every small file pz_persist touches in a directory others may
+  write: never following a link, never blocking on a FIFO, and refused
+  unless it is a regular file.
+
+  Raises:
+    UnsafeCheckpointError: it is a link, a directory, a FIFO or a device.
+  """
+  name = os.fspath(directory / RUN_LOCK)
+  flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | (os.O_CREAT if create else 0)
+  try:
+    fd = os.open(name, flags, 0o644)
+  except FileNotFoundError:
+    if create:
+      raise
+    return None
+  except OSError as e:
+    kind = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}.get(e.errno or 0)
+    if kind is not None:
+      raise errors.UnsafeCheckpointError(
+          f"{name} is {kind}, not a regular file; pz_persist never writes one"
+          " there. Remove it (it is the lock CheckpointManagers of this run hold)."
+      ) from None
+    raise
+  info = os.fstat(fd)
+  if not stat.S_ISREG(info.st_mode):
+    os.close(fd)
+    raise errors.UnsafeCheckpointError(
+        f"{name} is {safe_io.special_kind(info.st_mode)}, not a regular file;"
+        " it is the lock CheckpointManagers of this run hold. Remove it."
+    )
+  return fd
+
+
+def hold_run(directory: epath.PathLike) -> int | None:
+  """Takes a shared hold on the run ``directory`` for an open manager.
+
+  Returns the descriptor to pass to `release_run` (None where there are no
+  locks: object stores, Windows). Waits (at most `_RUN_LOCK_WAIT_SECONDS`)
+  while ``pz-persist clean`` removes the run's uncommitted steps.
+
+  Raises:
+    UnsafeCheckpointError: the lock file is not a regular file.
+    ConcurrentSaveError: a cleaner held the run for the whole wait.
+  """
+  directory = commit.as_path(directory)
+  if fcntl is None or not commit.is_local(directory):
+    return None
+  try:
+    fd = _open_run_lock(directory, create=True)
+  except OSError as e:
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+      return None  # A run this process cannot write (restoring only): no writer.
+    raise
+  assert fd is not None
+  deadline = time.monotonic() + _RUN_LOCK_WAIT_SECONDS
+  while True:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+      return fd
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        return fd  # Locks unsupported here: nothing to hold.
+      if time.monotonic() > deadline:
+        os.close(fd)
+        raise errors.ConcurrentSaveError(
+            f"{directory}: another process has held the run's lock"
+            f" ({RUN_LOCK}) exclusively for {_RUN_LOCK_WAIT_SECONDS:.0f} s"
+            " (pz-persist clean removing its unfinished steps?); try again."
+        ) from None
+      time.sleep(0.05)
+
+
+def release_run(fd: int | None) -> None:
+  """Gives back what `hold_run` took."""
+  if fd is not None:
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def run_unused(directory: epath.Path) -> Iterator[bool | str]:
+  """Holds ``directory``'s run lock exclusively if no manager holds it.
+
+  Yields True (no manager has the run open; none can open it until the
+  block ends), False (one does) or, if the lock file is not a regular file,
+  a string saying so (nothing proves the run unused).
+  """
+  try:  # No locks (Windows): nothing to hold or find held.
+    fd = _open_run_lock(directory, create=False) if fcntl is not None else None
+  except errors.UnsafeCheckpointError as e:
+    yield f"{e}"
+    return
+  except OSError as e:
+    yield f"its run's lock {RUN_LOCK} cannot be opened ({e.strerror})"
+    return
+  if fd is None:
+    yield True
+    return
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        yield False
+        return
+    yield True
+  finally:
+    os.close(fd)
 
 
 def find_all(path: epath.PathLike) -> list[Leftover]:
@@ -402,21 +550,26 @@ def _status(family: epath.Path, directory: epath.Path) -> tuple[str, str]:
   return _writer_status(family, writer)
 
 
-def _writer_status(family: epath.Path, writer: dict | None) -> tuple[str, str]:
-  """Decides from the marker's contents alone (its lock was free)."""
+def _writer_status(family: epath.Path, writer: dict | str | None) -> tuple[str, str]:
+  """Decides from the marker's contents alone (its lock was free).
+
+  ``writer`` is the parsed marker, or why it could not be read (a string).
+  """
+  if isinstance(writer, str):
+    return "unknown", writer
   if not isinstance(writer, dict):
     return "unknown", "no readable writer marker (written by an older pz_persist?)"
   here = _this_writer()
   pid = writer.get("pid")
-  who = f"pid {pid} on {writer.get('host')}"
+  who = f"pid {str(pid)[:40]} on {str(writer.get('host'))[:80]}"
   if writer.get("host") != here["host"]:
     return "unknown", f"written by {who}, another host"
   if writer.get("boot") and here["boot"] and writer["boot"] != here["boot"]:
     return "dead", f"written by {who} before this machine restarted"
   if writer.get("pidns") != here["pidns"]:
     return "unknown", f"written by {who} in another container (pid namespace)"
-  if not isinstance(pid, int):
-    return "unknown", "no pid in its writer marker"
+  if type(pid) is not int or not 0 < pid < _MAX_PID:  # os.kill overflows beyond.
+    return "unknown", "no valid pid in its writer marker"
   if writer.get("abandoned"):
     return "dead", f"an interrupted save of {who}"
   if pid == here["pid"] and writer.get("start") == here["start"]:
@@ -437,14 +590,23 @@ def _marker_locked(family: epath.Path):
   """Yields (lock taken, marker contents) holding the marker's lock if free.
 
   Holding it while the family is deleted keeps two cleaners apart. No marker
-  (or one that cannot be opened) counts as free, with no contents.
+  (or one that cannot be opened) counts as free, with no contents; one that
+  is not a small regular file of bounded JSON counts as free, with a string
+  saying what it is instead (see `_read_marker`): a marker is in a directory
+  anyone may write, and reading it must neither block nor fail.
   """
   try:
-    fd = os.open(os.fspath(_marker(family)), os.O_RDONLY | _NOFOLLOW)
-  except OSError:
-    yield True, None
+    fd = os.open(os.fspath(_marker(family)), os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+  except OSError as e:
+    yield True, ("its writer marker is a symbolic link, which pz_persist never writes"
+                 if e.errno == errno.ELOOP else None)
     return
   try:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+      yield True, (f"its writer marker is {safe_io.special_kind(info.st_mode)},"
+                   " not a regular file")
+      return
     if fcntl is not None:
       try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -453,16 +615,34 @@ def _marker_locked(family: epath.Path):
           yield False, None
           return
         # Locks unsupported here (some network filesystems): markers decide.
-    try:
-      writer = json.loads(os.read(fd, _MAX_MARKER_BYTES))
-    except ValueError:
-      writer = None
-    yield True, writer
+    yield True, _read_marker(fd, info.st_size)
   finally:
     os.close(fd)
 
 
+def _read_marker(fd: int, size: int) -> dict | str | None:
+  """The marker's JSON object, or why it is not one (a string), or None.
+
+  Read like every other small file pz_persist reads: at most
+  `_MAX_MARKER_BYTES`, parsed within `bounded_json`'s limits (a marker of
+  4,000 nested ``[`` raised RecursionError from ``json.loads``).
+  """
+  if size > _MAX_MARKER_BYTES:
+    return f"its writer marker is {size} bytes, over the {_MAX_MARKER_BYTES}-byte limit"
+  try:
+    data = os.read(fd, _MAX_MARKER_BYTES + 1)
+  except OSError as e:
+    return f"its writer marker cannot be read ({e.strerror})"
+  if len(data) > _MAX_MARKER_BYTES:
+    return f"its writer marker is over the {_MAX_MARKER_BYTES}-byte limit"
+  try:
+    return bounded_json.loads(data, where="marker", max_nodes=64, max_depth=4)
+  except errors.ManifestError:
+    return None
+
+
 _MAX_MARKER_BYTES = 4096
+_MAX_PID = 2**31
 
 
 # ---- Removing. --------------------------------------------------------------
@@ -475,6 +655,22 @@ def remove_dead(path: epath.PathLike) -> list[Leftover]:
     if leftover.removable and remove(leftover):
       removed.append(leftover)
   return removed
+
+
+def would_remove(leftover: Leftover, *, force: bool = False) -> bool:
+  """Whether `remove` would remove ``leftover`` as it was found (``--dry-run``).
+
+  An uncommitted step is never removed while its run's lock cannot be
+  checked (``"unknown"``): a manager may have opened the run before its lock
+  file was replaced.
+  """
+  if leftover.removable:
+    return True
+  if not force or leftover.status == "live":
+    return False
+  parsed = steps.parse_step_name(leftover.name.name)
+  uncommitted_step = parsed is not None and not parsed[1]
+  return not (uncommitted_step and leftover.status == "unknown" and commit.is_local(leftover.name))
 
 
 def remove(leftover: Leftover, *, force: bool = False) -> bool:
@@ -491,10 +687,14 @@ def remove(leftover: Leftover, *, force: bool = False) -> bool:
     for entry in leftover.entries:
       steps.remove_step(entry)  # Its commit marker first, if it has one.
     return True
-  if leftover.status == "orbax tmp step":
+  parsed = steps.parse_step_name(leftover.name.name)
+  if parsed is not None and not parsed[1]:  # An uncommitted step (`find_inside`).
     if not force:
       return False
-    delete(leftover.name)
+    with run_unused(leftover.name.parent) as unused:
+      if unused is not True:  # A manager writes this run (or cannot be ruled out).
+        return False
+      delete(leftover.name)
     return True
   role = _family_parts(leftover.name)["role"]  # Before touching anything.
   with _marker_locked(leftover.name) as (locked, writer):
@@ -542,6 +742,7 @@ def summary(leftovers: list[Leftover], where: epath.PathLike) -> str | None:
 # ---- Small helpers. ---------------------------------------------------------
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # Opening a FIFO must not wait for a writer.
 
 
 def _family_parts(family: epath.Path) -> re.Match[str]:

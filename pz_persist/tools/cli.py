@@ -88,7 +88,7 @@ def _clean(args: argparse.Namespace) -> int:
     removed = not args.dry_run and leftovers.remove(leftover, force=args.force)
     kept += not removed
     verb = "removed" if removed else "would remove" if args.dry_run and (
-        leftover.removable or args.force and leftover.status != "live") else "kept"
+        leftovers.would_remove(leftover, force=args.force)) else "kept"
     _print(f"{verb} {_one_line(leftover.name)} ({terminal.size_text(leftover.nbytes)}):"
           f" {leftover.status}, {leftover.reason}")
   if kept and not args.force and not args.dry_run:
@@ -390,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
       "--force", action="store_true",
       help="also remove leftovers whose writer cannot be checked (no marker,"
       " another host or container) and Orbax's unfinished CheckpointManager"
-      " steps; never those of a running writer",
+      " steps; never those of a running writer (a save holding its marker's"
+      " lock, or a CheckpointManager that has the run open)",
   )
   clean.add_argument("--dry-run", action="store_true", help="only list them")
   clean.set_defaults(run=_clean)

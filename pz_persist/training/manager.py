@@ -35,6 +35,7 @@ from pz_persist.safety import allowlist
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 from pz_persist.storage import containment
+from pz_persist.storage import leftovers
 from pz_persist.storage import object_store
 from pz_persist.storage import sharding as sharding_lib
 from pz_persist.storage import steps
@@ -149,6 +150,13 @@ class CheckpointManager:
     )
     if self._remote:
       _delete_marker_first(self._manager, directory)
+    # Held until close: `pz-persist clean` keeps the run's unfinished steps
+    # (the step being written among them) while any manager holds it.
+    try:
+      self._run_hold = leftovers.hold_run(directory)
+    except BaseException:
+      self._manager.close()
+      raise
     self._emptying: threading.Thread | None = None
     self._empty_trash_in_background()
     self._sigterm = threading.Event()
@@ -360,6 +368,8 @@ class CheckpointManager:
     """Waits for the save in flight, releases resources, restores SIGTERM."""
     self._manager.wait_until_finished()
     self._manager.close()
+    leftovers.release_run(self._run_hold)
+    self._run_hold = None
     if self._emptying is not None:
       self._emptying.join()
     try:

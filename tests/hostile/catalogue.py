@@ -376,6 +376,56 @@ def variable0_axes_beside_its_data(m):
   }
 
 
+def _fn(module: str, qualname: str) -> dict:
+  return {"t": "function", "ref": {"module": module, "qualname": qualname}}
+
+
+def _partial(func: dict, *args: dict) -> dict:
+  return {"t": "partial", "func": func, "args": list(args), "keywords": []}
+
+
+def set_fn_node(node: dict) -> Builder:
+  """Makes the Elementwise layer (``tree.sublayers[1].fn``) hold ``node``."""
+  return edit(lambda m: _elementwise(m)["fields"][0].__setitem__(1, node))
+
+
+SETATTR = _fn("jax.scipy.stats", "gaussian_kde._setattr")
+"""``object.__setattr__`` under a public class of an allowed module: as an
+``Elementwise`` activation ``partial(SETATTR, obj, name)`` sets ``obj.name``
+to the activations, process-wide."""
+
+SHARED = {"t": "enum", "name": "SHARED",
+          "class": {"module": "penzai.nn.layer_stack", "qualname": "LayerStackVarBehavior"}}
+
+USER_MODULE = "pz_persist_hostile_reexports"
+"""A module of the user's, allowed by the test, that imports from NumPy and
+os what it does not define (`with_user_module`)."""
+
+
+def with_user_module(build: Builder) -> Builder:
+  """``build``, with `USER_MODULE` importable, imported and allowed (undone
+  after the test by ``monkeypatch``)."""
+
+  def builder(ckpt, monkeypatch):
+    import importlib  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    from pz_persist.safety import allowlist  # pylint: disable=g-import-not-at-top
+
+    folder = ckpt.parent / "user_code"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{USER_MODULE}.py").write_text(
+        "from numpy import memmap, save\nfrom os import system\nimport os\n"
+        "class Holder:\n  writer = save\n  dump = staticmethod(save)\n"
+    )
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setitem(sys.modules, USER_MODULE, importlib.import_module(USER_MODULE))
+    monkeypatch.setattr(allowlist, "_globally_allowed", {USER_MODULE})
+    build(ckpt, monkeypatch)
+
+  return builder
+
+
 MANIFEST_RE = r"penzai/pz_persist\.json"
 ARRAY0_RE = rf"pz_persist\.json: arrays\[0\] \(label '{LABEL0_RE}'\)"
 FN_RE = r"tree\.sublayers\[1\]\.fn"
@@ -577,7 +627,7 @@ CASES: list[Case] = [
     Case("function_builtins_eval", set_fn("builtins", "eval"), errors.DisallowedModuleError,
          FN_RE + r": the checkpoint names the function builtins\.eval", DECODING),
     Case("function_builtins_import", set_fn("builtins", "__import__"),
-         errors.ManifestError, FN_RE + r": refusing dunder name '__import__'", DECODING),
+         errors.ManifestError, FN_RE + r": refusing private name builtins\.__import__", DECODING),
     Case("function_importlib_import_module", set_fn("importlib", "import_module"),
          errors.DisallowedModuleError, FN_RE + r": .*importlib\.import_module", DECODING),
     Case("function_numpy_load", set_fn("numpy", "load"), errors.DisallowedModuleError,
@@ -585,9 +635,9 @@ CASES: list[Case] = [
     Case("function_jax_numpy_save", set_fn("jax.numpy", "save"),
          errors.DisallowedModuleError, FN_RE + r": .*jax\.numpy\.save", DECODING),
     Case("function_through_imported_module", set_fn("penzai.core.struct", "inspect.getsource"),
-         errors.ManifestError,
-         FN_RE + r": penzai\.core\.struct\.inspect\.getsource passes through module 'inspect'",
-         DECODING),
+         errors.DisallowedModuleError,  # Functions of allowed modules are module-level.
+         FN_RE + r": the checkpoint names the function penzai\.core\.struct\.inspect"
+         r"\.getsource, which is not allowed", DECODING),
     Case("function_unimported_module", set_fn("antigravity", "geohash"),
          errors.DisallowedModuleError,
          FN_RE + r": .*antigravity\.geohash.*not imported", DECODING,
@@ -644,6 +694,60 @@ CASES: list[Case] = [
              "func": {"t": "type", "class": {"module": "numpy", "qualname": "memmap"}}})),
          errors.DisallowedModuleError,
          FN_RE + r"\.func: the class numpy\.memmap is held as a value", DECODING),
+    # Names that reach past the allow-list (issue 26): private attributes
+    # reached through a class, and what an allowed module merely imported.
+    Case("private_setattr_rewrites_jax_nn_relu",
+         set_fn_node(_partial(SETATTR, _fn("jax.nn", "relu"), {"t": "str", "v": "fun"})),
+         errors.ManifestError,
+         FN_RE + r"\.func: refusing private name jax\.scipy\.stats\.gaussian_kde\._setattr"
+         r" \(part '_setattr'\)", DECODING),
+    Case("private_setattr_rewrites_an_enum_value",
+         set_fn_node(_partial(SETATTR, SHARED, {"t": "str", "v": "_value_"})),
+         errors.ManifestError, FN_RE + r"\.func: refusing private name .*'_setattr'", DECODING),
+    Case("private_class_attribute", set_class(0, "penzai.nn", "Linear._private"),
+         errors.ManifestError, r"tree\.sublayers\[0\]: refusing private name"
+         r" penzai\.nn\.Linear\._private \(part '_private'\)", DECODING),
+    Case("dunder_class_path", set_class(0, "penzai.nn", "Linear.__class__"),
+         errors.ManifestError, r"tree\.sublayers\[0\]: .*\(part '__class__'\)", DECODING),
+    Case("dunder_globals_path", set_fn("jax.nn", "relu.__globals__"),
+         errors.ManifestError, FN_RE + r": .*\(part '__globals__'\)", DECODING),
+    Case("method_through_a_class", set_fn("jax.scipy.stats", "gaussian_kde.evaluate"),
+         errors.DisallowedModuleError,
+         FN_RE + r": the checkpoint names the function jax\.scipy\.stats\.gaussian_kde"
+         r"\.evaluate, which is not allowed", DECODING),
+    Case("classmethod_through_a_class", set_fn("penzai.nn", "Linear.from_config"),
+         errors.DisallowedModuleError, FN_RE + r": .*penzai\.nn\.Linear\.from_config",
+         DECODING),
+    Case("numpy_memmap_reexported_by_an_allowed_module",
+         with_user_module(set_fn_node(_partial(
+             {"t": "type", "class": {"module": USER_MODULE, "qualname": "memmap"}},
+             {"t": "str", "v": "/tmp/pz_persist_hostile_memmap"}))),
+         errors.DisallowedModuleError,
+         FN_RE + r"\.func: the class numpy\.memmap is held as a value.*The checkpoint"
+         rf" names it {USER_MODULE}\.memmap", DECODING),
+    Case("numpy_save_reexported_by_an_allowed_module",
+         with_user_module(set_fn(USER_MODULE, "save")), errors.DisallowedModuleError,
+         FN_RE + r": the function numpy\.save may not be named.*The checkpoint names it"
+         rf" {USER_MODULE}\.save", DECODING),
+    Case("numpy_save_through_an_allowed_class",
+         with_user_module(set_fn(USER_MODULE, "Holder.writer")), errors.DisallowedModuleError,
+         FN_RE + r": the function numpy\.save may not be named", DECODING),
+    Case("numpy_save_as_a_staticmethod_of_an_allowed_class",
+         with_user_module(set_fn(USER_MODULE, "Holder.dump")), errors.ManifestError,
+         FN_RE + r": numpy\.save does not name <staticmethod.*The checkpoint names it"
+         rf" {USER_MODULE}\.Holder\.dump", DECODING),
+    Case("os_system_reexported_by_an_allowed_module",
+         with_user_module(set_fn(USER_MODULE, "system")), errors.DisallowedModuleError,
+         FN_RE + rf": {USER_MODULE}\.system is defined in module 'posix'", DECODING),
+    Case("os_through_an_allowed_module",
+         with_user_module(set_fn(USER_MODULE, "os.system")), errors.ManifestError,
+         FN_RE + rf": {USER_MODULE}\.os\.system passes through module 'os'", DECODING),
+    Case("partial_of_an_allowed_function_with_a_lent_class",
+         with_user_module(set_fn_node(_partial(
+             _fn("jax.nn", "relu"),
+             {"t": "type", "class": {"module": USER_MODULE, "qualname": "memmap"}}))),
+         errors.DisallowedModuleError,
+         FN_RE + r"\.args: the class numpy\.memmap is held as a value", DECODING),
     # JSON bombs: refused before parsing (see test_parsing.py for memory).
     Case("manifest_node_bomb", raw(lambda b: b[:-1] + b', "x": [' + b"{}," * 300_000 + b"{}]}"),
          errors.ManifestError, MANIFEST_RE + r": \d+ JSON values in \d+ bytes, over the limit"),

@@ -27,6 +27,7 @@ from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 from pz_persist.storage import destinations
 from pz_persist.storage import direct_read
+from pz_persist.storage import leftovers
 
 TRASH = ".pz_persist_deleted"
 SEVEN, OUTSIDE_VALUE = 7.0, 666.0
@@ -98,7 +99,7 @@ def test_a_trash_that_is_not_a_real_directory_is_refused(tmp_path, make_trash):
       manager.save(5, params={"w": np.zeros(2)})
   assert _listing(outside) == before
   assert _listing(run / "0") == step0
-  assert sorted(os.listdir(run)) == sorted(["0", "1", TRASH])
+  assert sorted(os.listdir(run)) == sorted(["0", "1", TRASH, leftovers.RUN_LOCK])
 
 
 @pytest.mark.parametrize("when", ["before_save", "before_close"])
