@@ -188,7 +188,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
   """Writes a native checkpoint of a transformer as a Hugging Face folder."""
   from pz_persist import model as model_lib
-  from pz_persist.pretrained import hf_export  # pylint: disable=import-outside-toplevel
+  from pz_persist.pretrained.hf import export as hf_export  # pylint: disable=import-outside-toplevel
 
   model = model_lib.load_model(args.src)
   shard_size = args.shard_mib * 2**20 if args.shard_mib else hf_export.DEFAULT_SHARD_BYTES

@@ -23,7 +23,7 @@ import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import safety
 from pz_persist.pretrained import safetensors_io
-from pz_persist.pretrained.hf_families import BUILDERS
+from pz_persist.pretrained.hf.families import BUILDERS
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 8, 2, 1, 4, 8, 16, 2
 

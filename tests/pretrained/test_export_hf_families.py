@@ -36,8 +36,8 @@ from pretrained.test_export_hf import _tensors
 from pretrained.test_export_hf import _transformers_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
-from pz_persist.pretrained import hf_config_from_model
-from pz_persist.pretrained import hf_structure_match
+from pz_persist.pretrained.hf import config_from_model as hf_config_from_model
+from pz_persist.pretrained.hf import structure_match as hf_structure_match
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 from pz_persist.tools import cli
 

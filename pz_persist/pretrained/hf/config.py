@@ -1,6 +1,6 @@
 """``config.json`` of a Hugging Face checkpoint, read field by field.
 
-Every family's mapping (`pz_persist.pretrained.hf_families`) reads the config
+Every family's mapping (`pz_persist.pretrained.hf.families`) reads the config
 through `Config`, which checks each field against `SCHEMA` and records what
 was read; `Config.check_all_used` then refuses any field no mapping read that
 is not known to be harmless (`IGNORED_FIELDS`), so a new Hugging Face option

@@ -1,11 +1,11 @@
 """The Hugging Face ``config.json`` a Penzai transformer's structure says.
 
-Export's first step (`pz_persist.pretrained.hf_export.export_hf`): sizes from
+Export's first step (`pz_persist.pretrained.hf.export.export_hf`): sizes from
 the parameter shapes, epsilons from the norm layers, RoPE wavelength and
 scaling from the rotary layers, windows from the mask layers, biases, soft
 caps, the activation and tied embeddings, one function per group of fields
 (`FIELD_GROUPS`). What it derives is then checked by rebuilding the family's
-own load plan from it (`pz_persist.pretrained.hf_structure_match`), so a
+own load plan from it (`pz_persist.pretrained.hf.structure_match`), so a
 wrong guess here is refused there, never written.
 """
 
@@ -24,11 +24,11 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 from pz_persist import errors
-from pz_persist.pretrained.hf_config import IGNORED_FIELDS
-from pz_persist.pretrained.hf_config import TANH_GELU
-from pz_persist.pretrained.hf_families import gpt_neox
-from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
-from pz_persist.pretrained.hf_families.llama import Biases
+from pz_persist.pretrained.hf.config import IGNORED_FIELDS
+from pz_persist.pretrained.hf.config import TANH_GELU
+from pz_persist.pretrained.hf.families import gpt_neox
+from pz_persist.pretrained.hf.families.gemma_native import NATIVE_BUILDERS
+from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 
 ExportError = errors.ExportError
@@ -101,7 +101,7 @@ def family_from_structure(model: Any) -> str:
 
 def _biases(model: Any) -> Biases:
   """Which projections of the first block add a bias (``AddBias`` layers,
-  as `pz_persist.pretrained.hf_families.llama.Biases` places them); the
+  as `pz_persist.pretrained.hf.families.llama.Biases` places them); the
   other blocks are compared with the plan built from these."""
   attention = _attention(model)
   ffw = first_layer(model, model_parts.TransformerFeedForward, "MLP")

@@ -8,16 +8,16 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import gpt_neox
 
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_config import bool_field
-from pz_persist.pretrained.hf_config import lm_head_source
-from pz_persist.pretrained.hf_config import rope
-from pz_persist.pretrained.hf_plan import NEOX_HEAD
-from pz_persist.pretrained.hf_plan import NEOX_LAYERS
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import check_layers
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import lm_head_source
+from pz_persist.pretrained.hf.config import rope
+from pz_persist.pretrained.hf.plan import NEOX_HEAD
+from pz_persist.pretrained.hf.plan import NEOX_LAYERS
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.weights import Weights
 
 _NEOX_ACTIVATIONS = {
     "gelu": "gelu_exact",

@@ -29,7 +29,7 @@ cache). GPT-NeoX refuses scaling.
 A checkpoint folder may come from anyone, so nothing in it is trusted before
 it is checked, and the checks come in an order that builds nothing large:
 ``config.json`` is read with a byte and nesting limit and every field the
-builders use is checked against `pz_persist.pretrained.hf_config.SCHEMA` (sizes are positive integers, never
+builders use is checked against `pz_persist.pretrained.hf.config.SCHEMA` (sizes are positive integers, never
 floats or strings); then the safetensors headers are read (their byte ranges
 must tile each file, as the reference implementation requires); then
 ``num_hidden_layers`` must match the layers the weights hold and every tensor
@@ -57,14 +57,14 @@ from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_families import BUILDERS
-from pz_persist.pretrained.hf_families import REFUSED
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import penzai_layout
-from pz_persist.pretrained.hf_weights import Weights
-from pz_persist.pretrained.hf_weights import check_has_weights
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.families import BUILDERS
+from pz_persist.pretrained.hf.families import REFUSED
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import penzai_layout
+from pz_persist.pretrained.hf.weights import Weights
+from pz_persist.pretrained.hf.weights import check_has_weights
 from pz_persist.storage import sharding as sharding_lib
 
 # Documented here too (defined in errors, with every error class).

@@ -15,12 +15,12 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_families import BUILDERS
-from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
-from pz_persist.pretrained.hf_plan import HEAD_NAMES
-from pz_persist.pretrained.hf_plan import LAYER_PREFIXES
-from pz_persist.pretrained.hf_plan import Plan
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.families import BUILDERS
+from pz_persist.pretrained.hf.families.gemma_native import NATIVE_BUILDERS
+from pz_persist.pretrained.hf.plan import HEAD_NAMES
+from pz_persist.pretrained.hf.plan import LAYER_PREFIXES
+from pz_persist.pretrained.hf.plan import Plan
 
 ExportError = errors.ExportError
 
@@ -40,12 +40,12 @@ def family_plans() -> dict[str, list[Callable[..., Plan]]]:
 
 
 class ModelWeights:
-  """Stands in for `pz_persist.pretrained.hf_weights.Weights`: the plan asks
+  """Stands in for `pz_persist.pretrained.hf.weights.Weights`: the plan asks
   which tensors a folder holds and their dtype; the model answers.
 
   What a plan checks the weights hold before it builds anything: layers under
-  the prefixes `check_layers` counts under (`hf_plan.LAYER_PREFIXES`), and the
-  untied output heads `lm_head_source` asks for (`hf_plan.HEAD_NAMES`); these
+  the prefixes `check_layers` counts under (`plan.LAYER_PREFIXES`), and the
+  untied output heads `lm_head_source` asks for (`plan.HEAD_NAMES`); these
   answer with both, for as many layers as the model has.
   """
 

@@ -28,17 +28,17 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained import gemma as flax_gemma
-from pz_persist.pretrained.hf_config import TANH_GELU
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_config import bool_field
-from pz_persist.pretrained.hf_families.llama import attention_sizes
-from pz_persist.pretrained.hf_families.llama import block_specs
-from pz_persist.pretrained.hf_families.llama import full_rotary_wavelength
-from pz_persist.pretrained.hf_plan import DECODER_LAYERS
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import check_layers
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import TANH_GELU
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.families.llama import attention_sizes
+from pz_persist.pretrained.hf.families.llama import block_specs
+from pz_persist.pretrained.hf.families.llama import full_rotary_wavelength
+from pz_persist.pretrained.hf.plan import DECODER_LAYERS
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers.offset_scale import OffsetScale
 
 _LAYER_TYPES = {"sliding_attention", "full_attention"}
@@ -65,7 +65,7 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
   """Maps a Gemma (or, with ``gemma2``, Gemma 2) checkpoint; with
   ``native``, to Penzai's own Gemma structure (as `load_gemma` builds it:
   each norm a scale ``Linear`` holding ``1 + w``, the one added in float32),
-  which `pz_persist.pretrained.hf_families.gemma_native` names for export."""
+  which `pz_persist.pretrained.hf.families.gemma_native` names for export."""
   hidden, heads, kv_heads, head_dim = attention_sizes(
       cfg, kv_heads_default=4 if gemma2 else 16, head_dim_default=256)
   theta = full_rotary_wavelength(cfg)

@@ -1,6 +1,6 @@
 """Qwen2 and Qwen2.5 checkpoints (``model_type`` ``qwen2``).
 
-Qwen2 is Llama's layout (`pz_persist.pretrained.hf_families.llama`) with a
+Qwen2 is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with a
 bias on the query, key and value projections (none on the output projection
 or in the MLP) and its own way of choosing which layers attend through a
 sliding window.
@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_config import bool_field
-from pz_persist.pretrained.hf_families.llama import Attention
-from pz_persist.pretrained.hf_families.llama import Biases
-from pz_persist.pretrained.hf_families.llama import llama_plan
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.families.llama import Attention
+from pz_persist.pretrained.hf.families.llama import Biases
+from pz_persist.pretrained.hf.families.llama import llama_plan
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.weights import Weights
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -3,20 +3,20 @@
 Penzai's Gemma (``penzai.models.transformer.variants.gemma``, the structure
 `pz_persist.pretrained.load_gemma` returns) keeps ``1 + w`` in each RMS
 norm's scale where Hugging Face stores ``w``; otherwise it is the structure
-`pz_persist.pretrained.hf_families.gemma` builds. These plans are that
+`pz_persist.pretrained.hf.families.gemma` builds. These plans are that
 family's plan with norms of ``offset=1`` (added in float32), so
-`pz_persist.pretrained.hf_export.export_hf` can write such a model back as a
+`pz_persist.pretrained.hf.export.export_hf` can write such a model back as a
 Hugging Face folder by running the plan backwards. They are not in
-`pz_persist.pretrained.hf_families.BUILDERS`: ``load_hf`` reads Gemma
+`pz_persist.pretrained.hf.families.BUILDERS`: ``load_hf`` reads Gemma
 folders into its own layout, whose norms hold the raw ``w`` (bit-exact).
 """
 
 from __future__ import annotations
 
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_families.gemma import gemma_layout_plan
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.families.gemma import gemma_layout_plan
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.weights import Weights
 
 
 def gemma_native_plan(cfg: Config, weights: Weights) -> Plan:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_families import gemma
-from pz_persist.pretrained.hf_families import gpt_neox
-from pz_persist.pretrained.hf_families import llama
-from pz_persist.pretrained.hf_families import qwen2
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.families import gemma
+from pz_persist.pretrained.hf.families import gpt_neox
+from pz_persist.pretrained.hf.families import llama
+from pz_persist.pretrained.hf.families import qwen2
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.weights import Weights
 
 Builder = Callable[[Config, Weights], Plan]
 

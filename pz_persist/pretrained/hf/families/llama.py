@@ -12,19 +12,19 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist.pretrained.hf_config import TANH_GELU
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_config import RopeScaling
-from pz_persist.pretrained.hf_config import bool_field
-from pz_persist.pretrained.hf_config import lm_head_source
-from pz_persist.pretrained.hf_config import rope
-from pz_persist.pretrained.hf_config import scaled_rope
-from pz_persist.pretrained.hf_plan import DECODER_HEAD
-from pz_persist.pretrained.hf_plan import DECODER_LAYERS
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import check_layers
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import TANH_GELU
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import RopeScaling
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import lm_head_source
+from pz_persist.pretrained.hf.config import rope
+from pz_persist.pretrained.hf.config import scaled_rope
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
+from pz_persist.pretrained.hf.plan import DECODER_LAYERS
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 
 # transformers' defaults for a config.json without max_position_embeddings

@@ -9,10 +9,10 @@ config is derived from the model's structure (sizes from parameter shapes,
 epsilons from the norm layers, the RoPE wavelength and scaling from
 ``ApplyRoPE`` / `ApplyScaledRoPE`, the attention windows from the mask
 layers, biases from ``AddBias`` layers, ...), then the family's own load plan
-(`pz_persist.pretrained.hf_families`) is run on that config and its skeleton
+(`pz_persist.pretrained.hf.families`) is run on that config and its skeleton
 is compared with the model, layer by layer and field by field. Only a model
 the plan would rebuild exactly is written, each tensor through
-`pz_persist.pretrained.hf_plan.stored_layout`, the inverse of what
+`pz_persist.pretrained.hf.plan.stored_layout`, the inverse of what
 ``load_hf`` reads through. So whatever the config says, ``load_hf`` of the
 folder gives this model back, and what transformers computes from it is what
 ``load_hf``'s tests check against.
@@ -30,17 +30,17 @@ from penzai.models.transformer import model_parts
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
-from pz_persist.pretrained import hf
-from pz_persist.pretrained.hf_config_from_model import all_layers
-from pz_persist.pretrained.hf_config_from_model import derive_config
-from pz_persist.pretrained.hf_config_from_model import family_from_structure
-from pz_persist.pretrained.hf_config_from_model import first_layer
-from pz_persist.pretrained.hf_folder_writer import check_destination
-from pz_persist.pretrained.hf_folder_writer import stored_tensors
-from pz_persist.pretrained.hf_folder_writer import write_folder
-from pz_persist.pretrained.hf_structure_match import ModelWeights
-from pz_persist.pretrained.hf_structure_match import family_plans
-from pz_persist.pretrained.hf_structure_match import matching_plan
+from pz_persist.pretrained.hf import load as hf
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import derive_config
+from pz_persist.pretrained.hf.config_from_model import family_from_structure
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.folder_writer import check_destination
+from pz_persist.pretrained.hf.folder_writer import stored_tensors
+from pz_persist.pretrained.hf.folder_writer import write_folder
+from pz_persist.pretrained.hf.structure_match import ModelWeights
+from pz_persist.pretrained.hf.structure_match import family_plans
+from pz_persist.pretrained.hf.structure_match import matching_plan
 from pz_persist.pretrained.lora_merge import refuse_lora
 
 ExportError = errors.ExportError
