@@ -85,14 +85,6 @@ DECODER_HEAD = "lm_head.weight"
 """The untied output head of llama-like checkpoints (llama, mistral, qwen2)."""
 NEOX_HEAD = "embed_out.weight"
 """GPT-NeoX's."""
-HEAD_NAMES = (DECODER_HEAD, NEOX_HEAD)
-"""Every untied head a family's plan asks `lm_head_source` for."""
-LAYER_PREFIXES = (DECODER_LAYERS, NEOX_LAYERS)
-"""Every prefix a family's plan passes to `check_layers`; a family with
-another adds it here (`pz_persist.pretrained.hf.export`'s stand-in weights
-hold layers under each)."""
-
-
 def check_layers(cfg: Config, names: set[str], prefix: str, layers: int) -> None:
   """Refuses a ``num_hidden_layers`` other than the layers the weights hold.
 
@@ -100,7 +92,6 @@ def check_layers(cfg: Config, names: set[str], prefix: str, layers: int) -> None
   forged config (``10**9`` layers in 200 bytes) would take hours before the
   first missing tensor is noticed; the weights' own names bound it.
   """
-  assert prefix in LAYER_PREFIXES, f"add {prefix!r} to hf.plan.LAYER_PREFIXES (export_hf needs it)"
   held = sorted({
       int(match.group(1)) for name in names if name.startswith(prefix)
       and (match := _LAYER_NUMBER.match(name, len(prefix)))
