@@ -25,7 +25,8 @@ def test_readme_table_is_rendered_from_the_records():
   """The README's table of families is exactly what the records say (rewrite
   it with ``record.describe(families.FAMILIES)`` after changing a record)."""
   readme = (ROOT / "README.md").read_text()
-  assert record.describe(families.FAMILIES) in readme
+  table = record.describe(families.FAMILIES)
+  assert table in readme, f"README.md's table of families differs; it should read:\n{table}"
 
 
 def test_every_family_is_a_record_of_its_own_module():
@@ -47,13 +48,21 @@ def test_every_family_is_a_record_of_its_own_module():
 @pytest.mark.parametrize("model_type", ["qwen3"])
 def test_a_llama_plus_a_feature_family_is_one_file(model_type):
   """Qwen3 (Llama plus query/key norms) is named in one module of the
-  package and nowhere else: the record is all there is to add."""
+  package, of modest size: the record is all there was to add. (Families
+  added later may import its layers, as Gemma 3 does; nothing else names it.)"""
   if model_type not in families.MODEL_TYPES:
     pytest.skip(f"{model_type} is not a family yet")
-  mentions = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                    if model_type in p.read_text().lower())
-  assert mentions == [f"pretrained/hf/families/{model_type}.py"]
-  lines = (PACKAGE / f"pretrained/hf/families/{model_type}.py").read_text().count("\n")
+  home = f"pretrained/hf/families/{model_type}.py"
+  importing = f"from pz_persist.pretrained.hf.families.{model_type} import "
+  mentions = {}
+  for path in PACKAGE.rglob("*.py"):
+    lines = [line for line in path.read_text().lower().splitlines() if model_type in line]
+    if lines and str(path.relative_to(PACKAGE)) != home:
+      mentions[str(path.relative_to(PACKAGE))] = [
+          line for line in lines if not line.startswith(importing)]
+  assert not {path: lines for path, lines in mentions.items() if lines}
+  assert all(path.startswith("pretrained/hf/families/") for path in mentions)
+  lines = (PACKAGE / home).read_text().count("\n")
   assert lines < 200, f"{model_type}.py has {lines} lines"
 
 

@@ -29,7 +29,6 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist.pretrained import gemma as flax_gemma
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
@@ -70,12 +69,6 @@ def gemma2_plan(cfg: Config, weights: Weights) -> Plan:
   return gemma_layout_plan(cfg, weights, gemma2=True)
 
 
-def gemma3_refusal(model_type: str) -> str:
-  """Why a Gemma 3 ``model_type`` is refused (the words `load_gemma` uses)."""
-  return (f"model_type={model_type!r} is Gemma 3: {flax_gemma.no_gemma3_architecture()}."
-          " pz_persist.pretrained.load_hf reads model_type 'gemma' and 'gemma2'")
-
-
 def gemma_native_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Gemma folder to Penzai's own Gemma (as `load_gemma` builds it)."""
   return gemma_layout_plan(cfg, weights, gemma2=False, native=True)
@@ -99,7 +92,7 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
   hidden, heads, kv_heads, head_dim = attention_sizes(
       cfg, kv_heads_default=4 if gemma2 else 16, head_dim_default=256)
   theta = full_rotary_wavelength(cfg)
-  _check_activation(cfg)
+  check_activation(cfg)
   bool_field(cfg, "attention_bias", False, False, "Penzai's llama-like attention has no biases")
   bool_field(cfg, "use_bidirectional_attention", False, False,
              "Penzai's Gemma attention is causal")
@@ -183,7 +176,7 @@ def with_offset_norms(model: model_parts.TransformerLM) -> model_parts.Transform
   return pz.select(model).at_instances_of(pz.nn.RMSLayerNorm).apply(replace)
 
 
-def _check_activation(cfg: Config) -> None:
+def check_activation(cfg: Config) -> None:
   """Refuses an MLP activation other than the tanh GELU.
 
   transformers reads ``hidden_activation`` for Gemma 2 (and for Gemma
@@ -295,6 +288,4 @@ RECORD = Family(
           " norms keep Hugging Face's `w` (`OffsetScale`)"),
     refuses="bidirectional attention, untied embeddings, attention biases",
     rank=20,
-    refused_model_types={"gemma3": gemma3_refusal("gemma3"),
-                         "gemma3_text": gemma3_refusal("gemma3_text")},
 )
