@@ -176,9 +176,14 @@ def test_multimodal_text_model_exports_as_gemma3_text(saved, tmp_path):
   (the tensors of the text model, renamed), which transformers reads with
   the same logits."""
   folder, _, reference = saved["gemma3"]
-  pzp.export_hf(pzp.pretrained.load_hf(folder), tmp_path / "text")
+  model = pzp.pretrained.load_hf(folder)
+  pzp.export_hf(model, tmp_path / "text")
   config = json.loads((tmp_path / "text" / "config.json").read_text())
   assert (config["model_type"], config["architectures"]) == ("gemma3_text", ["Gemma3ForCausalLM"])
+  pzp.export_hf(model, tmp_path / "like", like=folder)  # Like the multimodal folder: its text_config.
+  liked = json.loads((tmp_path / "like" / "config.json").read_text())
+  assert {key: liked[key] for key in config} == config  # Plus text_config's token ids...
+  assert liked["bos_token_id"] == 2
   theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
   np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.FLOAT32)
   written, original = checks.tensors(tmp_path / "text"), checks.tensors(folder)

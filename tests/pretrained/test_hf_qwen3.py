@@ -10,6 +10,7 @@ logits move far beyond the tolerance.
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -82,6 +83,32 @@ def test_export_gives_back_the_folder(saved, tmp_path, case):
   checks.check_export(model, folder, tmp_path / "like")
   config = checks.check_export(model, folder, tmp_path / "alone", like=False)
   assert config["tie_word_embeddings"] == CASES[case].get("tie_word_embeddings", False)
+
+
+QWEN3_0_6B_CONFIG = {
+    # The Hub's config.json of Qwen/Qwen3-0.6B (transformers 4.51: rope_theta,
+    # rope_scaling null, sliding_window null), with only the sizes shrunk.
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 16, "hidden_act": "silu",
+    "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 64,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 64,
+}
+
+
+def test_the_hubs_qwen3_config(tmp_path):
+  torch.manual_seed(0)
+  model = checks.randomized(transformers.Qwen3ForCausalLM(
+      transformers.Qwen3Config(**QWEN3_0_6B_CONFIG)))
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  (tmp_path / "config.json").write_text(json.dumps(QWEN3_0_6B_CONFIG))
+  reference = checks.reference_logits(
+      transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval())
+  print(f"Qwen/Qwen3-0.6B's config: float32 max abs error"
+        f" {checks.float32_error(tmp_path, reference):.2g}")
 
 
 def test_query_key_norms_bind(saved):

@@ -125,6 +125,10 @@ def export_hf(
   pz.nn.assert_no_parameter_slots(model)
   model = pz.freeze_params(model)  # Parameter values, mutable or not, in place.
   like_config = _like_config(like)
+  read_only = families.MODEL_TYPES.get(like_config.get("model_type"))  # type: ignore[arg-type]
+  if read_only is not None and read_only.written_as:  # A multimodal folder: its text model.
+    text = like_config.get("text_config")
+    like_config = {**(text if isinstance(text, dict) else {}), "model_type": read_only.written_as}
   family = like_config.get("model_type") or families.detect(model)
   plans = family_plans()
   if family not in plans:

@@ -46,12 +46,16 @@ class ModelType:
     exported: Whether `export_hf` writes this ``model_type`` (False for one
       read only, such as a multimodal folder whose text model is written under
       its text ``model_type``).
+    written_as: For one read only: the ``model_type`` `export_hf` writes
+      when ``like`` is of this one (whose ``text_config`` then gives the
+      fields copied).
   """
 
   plan: PlanFn
   architecture: str
   export_plans: tuple[PlanFn, ...] = ()
   exported: bool = True
+  written_as: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

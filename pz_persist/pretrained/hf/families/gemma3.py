@@ -321,7 +321,8 @@ RECORD = Family(
     title="Gemma 3",
     model_types={
         "gemma3_text": ModelType(gemma3_text_plan, "Gemma3ForCausalLM"),
-        "gemma3": ModelType(gemma3_plan, "Gemma3ForConditionalGeneration", exported=False),
+        "gemma3": ModelType(gemma3_plan, "Gemma3ForConditionalGeneration", exported=False,
+                            written_as="gemma3_text"),
     },
     detect=_detect,
     write_config=_write_config,
