@@ -116,6 +116,13 @@ SETUP = {
             with open("Llama-3.2-1B/config.json", "w") as f:
                 json.dump(test_rope_scaling.LLAMA_3_2_CONFIG, f)
     """,
+    "gemma3-download": """
+        # `hf download google/gemma-3-1b-it --local-dir gemma-3-1b-it`, at a tiny size:
+        # the Hub's own config.json with only the sizes shrunk, transformers' safetensors.
+        import test_hf_gemma3
+        if not os.path.exists("gemma-3-1b-it"):
+            test_hf_gemma3.write_gemma_3_1b_it("gemma-3-1b-it")
+    """,
     "converted": """
         from pz_persist.tools import cli
         assert cli.main(["convert", "gemma", os.path.join(ROOT, "kaggle", "gemma2-2b"), "/ckpt/gemma2-2b",

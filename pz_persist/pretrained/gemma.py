@@ -1,4 +1,5 @@
-"""Official Gemma Flax checkpoints (Gemma 1 and 2) into Penzai models.
+"""Official Gemma Flax checkpoints (Gemma 1 and 2) into Penzai models, and
+Gemma 3 checkpoints of the ``gemma`` library (`pz_persist.pretrained.gemma3_flax`).
 
 The conversion itself is Penzai's own
 ``penzai.models.transformer.variants.gemma.gemma_from_pretrained_checkpoint``,
@@ -43,6 +44,7 @@ import dataclasses
 import logging
 import math
 import types
+import typing
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
@@ -63,6 +65,7 @@ from pz_persist import progress as progress_lib
 from pz_persist.errors import GemmaCheckpointError  # Documented here too.
 from pz_persist.format import casts
 from pz_persist.pretrained import _files
+from pz_persist.pretrained import gemma3_flax
 from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
@@ -90,6 +93,8 @@ _TRANSPOSE = "needs_gating_transpose"
 _LEAF_NAMES = ("w", "scale", "input_embedding")
 _GEMMA3_MARKERS = ("query_norm", "key_norm", "q_norm", "k_norm", "siglip",
                    "vision_encoder", "mm_input_projection")
+# Layers of Gemma 3n that neither Gemma 3 nor Penzai's Gemma has.
+_GEMMA3N_MARKERS = ("altup", "laurel", "per_layer")
 
 
 Source = Literal["checkpoint", "preset", "caller", "default"]
@@ -202,7 +207,13 @@ def load_gemma(
     progress: Progress = None,
     report: bool = False,
 ) -> model_parts.TransformerLM | tuple[model_parts.TransformerLM, GemmaReport]:
-  """Loads an official Gemma (1 or 2) Flax checkpoint as a Penzai model.
+  """Loads an official Gemma (1 or 2) Flax checkpoint, or a Gemma 3 one of the
+  ``gemma`` library (``gm.ckpts.save_params``), as a Penzai model.
+
+  Gemma 3 (which Penzai lacks) is built as `load_hf` builds it from the
+  Hugging Face release (`pz_persist.pretrained.gemma3_flax`); its
+  ``preset`` is ``"auto"`` (the library's model of those sizes), a name of
+  ``gemma3_flax.PRESETS`` or ``{"like": name, <setting>: value}``.
 
   Example::
 
@@ -254,7 +265,8 @@ def load_gemma(
 
   Raises:
     GemmaCheckpointError: unknown preset, shapes matching no preset, a
-      Gemma 3 checkpoint, or stored metadata that is not a tree of arrays.
+      later Gemma (3n, 4: named as far as its arrays show), or stored
+      metadata that is not a tree of arrays.
     UnsafeCheckpointError: a file of the checkpoint is a symlink leading out
       of it, a FIFO or a device, or the arrays would allocate more than
       `pz_persist.safety.limits.allocation_limit` (checked on Orbax's metadata,
@@ -264,11 +276,15 @@ def load_gemma(
     LossyCastError: ``dtype`` would change an array's values beyond rounding
       (naming it and a value) and ``allow_lossy`` is False.
   """
+  if isinstance(preset, str) and preset in gemma3_flax.PRESETS:
+    preset = {"like": preset}
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
   path = commit.as_path(path)
   tree, snapshot = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
+  if gemma3_flax.is_gemma3(stored) and not _having(stored, _GEMMA3N_MARKERS):
+    return _load_gemma3(path, tree, stored, preset, dtype, sharding, progress, report)
   _refuse_gemma3(stored, path)
   name, kwargs, transpose, settings = _resolve_preset(stored, preset, path)
   total = _read_bytes(tree, dtype)
@@ -296,6 +312,20 @@ def load_gemma(
         param.value = _place(param.value, sharding, param.label)
         tracker.advance(_nbytes(param.value))
   return (model, settings) if report else model
+
+
+def _load_gemma3(path: epath.Path, tree: Mapping[str, Any], stored: Mapping[str, Any],
+                 preset: Any, dtype: Any, sharding: sharding_lib.Target, progress: Progress,
+                 report: bool) -> Any:
+  """A Gemma 3 checkpoint of the ``gemma`` library (`gemma3_flax`): the
+  settings are resolved and every array checked before anything is read."""
+  config, vision, name, sources = gemma3_flax.config_of(stored, preset, path)
+  with progress_lib.tracking(progress, f"loading {path}", _read_bytes(tree, dtype)) as tracker:
+    params = _read(path, tree, dtype)
+    model = gemma3_flax.load(path, params, config, vision, sharding, tracker)
+  settings = {key: GemmaSetting(value, typing.cast(Source, source))
+              for key, (value, source) in sources.items()}
+  return (model, GemmaReport(f"like {name}", settings)) if report else model
 
 
 def _read_bytes(tree: Mapping[str, Any], dtype: Any) -> int:
@@ -503,13 +533,24 @@ def _flatten(tree: Mapping[str, Any]) -> dict[str, dict[str, np.ndarray]]:
   return flat
 
 
+def _having(params: Mapping[str, Any], markers: tuple[str, ...]) -> list[str]:
+  """The keys of ``params`` naming one of ``markers``."""
+  return [k for k in params if any(m in k.rsplit("/", 1)[-1] or f"/{m}" in k for m in markers)]
+
+
 def _refuse_gemma3(params: Mapping[str, Any], path: Any) -> None:
-  found = [k for k in params if any(m in k.rsplit("/", 1)[-1] or f"/{m}" in k
-                                    for m in _GEMMA3_MARKERS)]
+  """Refuses a checkpoint of a later Gemma, naming the generation only as
+  far as its arrays show it: Gemma 3n by its own layers, otherwise "Gemma 3
+  or later" (query/key norms and a vision encoder are also Gemma 4's)."""
+  later, found = _having(params, _GEMMA3N_MARKERS), _having(params, _GEMMA3_MARKERS)
+  if later:
+    raise GemmaCheckpointError(
+        f"{path} looks like a Gemma 3n checkpoint (it has {later[0]!r}), an architecture"
+        f" pz_persist does not build; {no_gemma3_architecture()}.")
   if found:
     raise GemmaCheckpointError(
-        f"{path} looks like a Gemma 3 checkpoint (it has {found[0]!r}):"
-        f" {no_gemma3_architecture()}."
+        f"{path} looks like a Gemma 3 or later checkpoint (it has {found[0]!r}), but not"
+        f" in the gemma library's Gemma 3 layout: {no_gemma3_architecture()}."
     )
 
 

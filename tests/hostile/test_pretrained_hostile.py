@@ -23,7 +23,7 @@ import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import safety
 from pz_persist.pretrained import safetensors_io
-from pz_persist.pretrained.hf_families import BUILDERS
+from pz_persist.pretrained.hf.families import MODEL_TYPES
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 8, 2, 1, 4, 8, 16, 2
 
@@ -274,7 +274,7 @@ def test_malformed_config_files(tmp_path, no_reads, text):
 
 _GEMMA_FIELDS = {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 _FAMILY_FIELDS = {
-    "gemma": _GEMMA_FIELDS, "gemma2": _GEMMA_FIELDS,
+    "gemma": _GEMMA_FIELDS, "gemma2": _GEMMA_FIELDS, "gemma3_text": _GEMMA_FIELDS,
     "gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None},
 }
 """Changes (None: remove the field) making `CONFIG` acceptable to a family
@@ -286,10 +286,14 @@ def test_huge_layer_count_fails_fast(tmp_path):
   hours (or, in Gemma 2, a list of 10**9 attention types); every family of
   `load_hf` must refuse it before building anything per layer."""
   folders = []
-  for model_type in sorted(BUILDERS):
+  for model_type in sorted(MODEL_TYPES):
     config = dict(CONFIG, model_type=model_type, num_hidden_layers=10**9,
                   **_FAMILY_FIELDS.get(model_type, {}))
     config = {k: v for k, v in config.items() if v is not None}
+    if model_type == "gemma3":  # Multimodal: the text model's config is nested.
+      text = {k: v for k, v in dict(CONFIG, model_type="gemma3_text", num_hidden_layers=10**9,
+                                    **_GEMMA_FIELDS).items() if v is not None}
+      config = {"model_type": "gemma3", "text_config": text}
     folders.append(str(hf_folder(tmp_path / model_type, config)))
   out = run_python(f"""
       import pz_persist as pzp

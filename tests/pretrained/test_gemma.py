@@ -218,13 +218,25 @@ def test_unknown_and_gemma3_presets_are_refused(tmp_path):
     load_gemma(path, preset={"like": "gemma2_2b", "embedding_dim": 32})
 
 
-def test_gemma3_checkpoint_is_refused(tmp_path):
+def test_incomplete_gemma3_checkpoint_is_refused(tmp_path):
+  """Gemma 3's query norms on a tree that lacks the rest of Gemma 3 (a key
+  norm per layer): refused, naming the first array missing."""
   extra = {f"transformer/layer_{i}/attn/_query_norm": {"scale": np.ones(8, np.float32)}
            for i in range(4)}
   extra["transformer/layer_0/attn/_key_norm"] = {"scale": np.ones(8, np.float32)}
   path = write(tmp_path / "ckpt", official_params(GEMMA2, gemma2=True, extra=extra))
-  with pytest.raises(errors.GemmaCheckpointError, match="Gemma 3.*no Gemma 3"):
+  with pytest.raises(errors.GemmaCheckpointError,
+                     match="Gemma 3's query norms but not 'transformer/layer_1/attn/_key_norm'"):
     load_gemma(path, preset={"like": "gemma2_2b"})
+
+
+def test_gemma3n_checkpoint_is_not_called_gemma3(tmp_path):
+  extra = {"transformer/layer_0/altup": {"w": np.ones((2, 8), np.float32)},
+           "transformer/layer_0/attn/_query_norm": {"scale": np.ones(8, np.float32)}}
+  path = write(tmp_path / "ckpt", official_params(GEMMA2, gemma2=True, extra=extra))
+  with pytest.raises(errors.GemmaCheckpointError, match="Gemma 3n checkpoint") as raised:
+    load_gemma(path, preset={"like": "gemma2_2b"})
+  assert "Gemma 3 checkpoint" not in str(raised.value)
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -39,7 +39,6 @@ from penzai.models.transformer import sampling_mode
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.pretrained import gemma as flax_gemma
 from pz_persist.pretrained.layers.offset_scale import OffsetScale
 from pretrained.test_hf import TOKENS
 from pretrained.test_hf import _edit_config
@@ -241,16 +240,6 @@ def test_offset_scale_adds_the_one_in_float32():
   np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(np.float32))
   in_bfloat16 = x * (jnp.bfloat16(1) + w)
   assert not np.array_equal(np.asarray(in_bfloat16, np.float32), want.astype(np.float32))
-
-
-@pytest.mark.parametrize("model_type", ["gemma3", "gemma3_text"])
-def test_gemma3_is_refused_as_load_gemma_refuses_it(saved, tmp_path, model_type):
-  folder = _edit_config(saved["gemma"][0], tmp_path, model_type=model_type)
-  with pytest.raises(errors.UnsupportedConfigError) as info:
-    pzp.pretrained.load_hf(folder)
-  message = str(info.value)
-  assert "config.json" in message and repr(model_type) in message
-  assert flax_gemma.no_gemma3_architecture() in message
 
 
 @pytest.mark.parametrize(
