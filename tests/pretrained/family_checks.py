@@ -270,3 +270,27 @@ def check_modules_bind(saved: Saved, case: Case, what: str, edit: Callable[[Any]
   print(f"without {what}: logits change by {changed:.3g}")
   assert changed > 100 * TOLERANCE["atol"]
   return changed
+
+
+def check_kv_cache_like_transformers(model, hf_model, prompt: int = 3) -> None:
+  """The KV-cache sampler fed the sequences token by token gives the logits
+  transformers gives fed them the same way (its own KV cache): for RoPE
+  whose frequencies depend on the call's largest position (longrope past
+  its original context), where a forward pass over the whole sequence
+  differs from both."""
+  sampler = _jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
+      model, cache_len=TOKENS.shape[1], batch_axes={"batch": TOKENS.shape[0]}, pad_id=-1))
+  ours, theirs = [], []
+  with torch.no_grad():
+    out = hf_model(torch.tensor(TOKENS[:, :prompt]), use_cache=True)
+    theirs.append(out.logits.float().numpy())
+    for i in range(prompt, TOKENS.shape[1]):
+      out = hf_model(torch.tensor(TOKENS[:, i:i + 1]), past_key_values=out.past_key_values,
+                     use_cache=True)
+      theirs.append(out.logits.float().numpy())
+  ours.append(sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, :prompt]), "batch", "seq")))
+  for i in range(prompt, TOKENS.shape[1]):
+    ours.append(sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, i:i + 1]), "batch", "seq")))
+  cached = np.concatenate(
+      [np.asarray(s.untag("batch", "seq", "vocabulary").unwrap(), np.float32) for s in ours], 1)
+  np.testing.assert_allclose(cached, np.concatenate(theirs, 1), **TOLERANCE)

@@ -1,0 +1,150 @@
+"""Phi-3 / Phi-4 / Phi-4-mini (``model_type`` ``phi3``) through `load_hf`
+and `export_hf`, against transformers, with the checks of `family_checks`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import transformers
+from penzai import pz
+
+import pz_persist as pzp
+from pretrained import family_checks as checks
+from pz_persist import errors
+from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
+
+
+def _case(**fields):
+  return checks.Case(transformers.Phi3Config, transformers.Phi3ForCausalLM, fields)
+
+
+def _factors(n: int, seed: int) -> list[float]:
+  return [round(float(x), 4) for x in np.random.default_rng(seed).uniform(1.0, 6.0, n)]
+
+
+CASES = {
+    # Phi-3-mini / Phi-4 style: no scaling, grouped-query attention (the
+    # fused qkv rows are 32 query, 16 key, 16 value), a window on every layer.
+    "phi3": _case(num_key_value_heads=2, sliding_window=3),
+    # Phi-3-128k style: longrope (original context 4 < the 8 test tokens,
+    # so the long factors are used; factor from max_position_embeddings).
+    "phi3_longrope": _case(max_position_embeddings=64, original_max_position_embeddings=4,
+                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                            "short_factor": _factors(4, 0),
+                                            "long_factor": _factors(4, 1)}),
+    # Phi-4-mini style: longrope on 3/4 of each head, tied embeddings, GQA.
+    "phi4_mini": _case(hidden_size=64, num_key_value_heads=2, tie_word_embeddings=True,
+                       max_position_embeddings=64, original_max_position_embeddings=16,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.75,
+                                        "short_factor": _factors(6, 2),
+                                        "long_factor": _factors(6, 3)}),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  return checks.saved_cases(tmp_path_factory, CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_float32_logits_match_transformers(saved, case):
+  checks.check_float32(saved[case], case)
+
+
+@pytest.mark.parametrize("case", ["phi3_longrope"])
+def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, case):
+  checks.check_bfloat16(saved[case], case)
+
+
+@pytest.mark.parametrize("case", ["phi3", "phi4_mini"])
+def test_kv_cache_sampling_matches_the_forward_pass(saved, case):
+  checks.check_kv_cache(pzp.pretrained.load_hf(saved[case].folder))
+
+
+def test_kv_cache_sampling_past_the_original_context_matches_transformers(saved):
+  """Positions 3 to 7 cross longrope's original context (4): the prompt's
+  keys are cached with the short factors' rotation and later ones with the
+  long factors', in transformers' cache as in Penzai's."""
+  case = saved["phi3_longrope"]
+  checks.check_kv_cache_like_transformers(pzp.pretrained.load_hf(case.folder), case.hf_model)
+
+
+def test_save_model_round_trip(saved, tmp_path):
+  checks.check_save_model(saved["phi4_mini"], tmp_path)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_hf_round_trip(saved, tmp_path, case):
+  checks.check_export(saved[case], tmp_path, "phi3" if case != "phi3" else "mistral",
+                      same_fields=("sliding_window", "tie_word_embeddings"))
+
+
+def test_phi3_without_scaling_exports_as_phi3_with_like(saved, tmp_path):
+  """The same math as Mistral's layout: detected as Mistral alone, written
+  as Phi-3 (fused tensors) given ``like``."""
+  checks.check_export(saved["phi3"], tmp_path, "mistral")
+
+
+def test_longrope_binds(saved):
+  """The long factors (the test tokens run past the original context), the
+  short ones, the attention factor and the partial rotary fraction each
+  change transformers' logits."""
+  case, params = CASES["phi3_longrope"], CASES["phi3_longrope"].fields["rope_parameters"]
+  checks.check_feature_binds(saved["phi3_longrope"], case,
+                             rope_parameters=dict(params, long_factor=[1.0] * 4))
+  checks.check_feature_binds(saved["phi3_longrope"], case, rope_parameters=dict(
+      params, attention_factor=1.0))
+  checks.check_feature_binds(saved["phi3_longrope"], case, rope_parameters={
+      "rope_type": "default", "rope_theta": 10000.0})
+  mini, params = CASES["phi4_mini"], CASES["phi4_mini"].fields["rope_parameters"]
+  checks.check_feature_binds(saved["phi4_mini"], mini,
+                             rope_parameters=dict(params, partial_rotary_factor=1.0,
+                                                  short_factor=[1.0] * 8, long_factor=[1.0] * 8))
+
+
+def test_window_binds(saved):
+  checks.check_feature_binds(saved["phi3"], CASES["phi3"], sliding_window=None)
+
+
+def test_fused_tensors_split_by_rows(saved):
+  """The query/key/value rows of ``qkv_proj`` land in Penzai's projections."""
+  folder, hf = saved["phi3"].folder, saved["phi3"].hf_model
+  params = {p.label: p.value for p in pz.unbind_params(pzp.pretrained.load_hf(folder))[1]}
+  qkv = hf.model.layers[1].self_attn.qkv_proj.weight.detach().numpy()
+  key = params["transformer/block_1/attention/key.weights"]
+  np.testing.assert_array_equal(
+      np.asarray(key.unwrap("head_groups", "projection", "embedding")).reshape(16, 32),
+      qkv[32:48])
+  gate_up = hf.model.layers[0].mlp.gate_up_proj.weight.detach().numpy()
+  np.testing.assert_array_equal(
+      np.asarray(params["transformer/block_0/mlp/value_linear.weights"].unwrap(
+          "neurons", "embedding")), gate_up[64:])
+  layers = pz.select(pzp.pretrained.load_hf(saved["phi4_mini"].folder)).at_instances_of(
+      ApplyLongRoPE).get_sequence()
+  assert layers and {layer.rotary_dim for layer in layers} == {12}
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 3,
+                          "long_factor": [1.0] * 4}}, "short_factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                          "long_factor": [1.0, 1.0, 1.0, -2.0]}}, "long_factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                          "long_factor": ["1"] * 4}}, "long_factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                          "long_factor": [1.0] * 4, "original_max_position_embeddings": 8}},
+     "original_max_position_embeddings"),
+    ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                          "long_factor": [1.0] * 4, "beta_fast": 3}}, "beta_fast"),
+    ({"partial_rotary_factor": 0.1}, "partial_rotary_factor"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"resid_pdrop": 2}, "resid_pdrop"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
+    ({"phi_new_feature": 1}, "phi_new_feature"),
+])
+def test_hostile_configs_are_refused(saved, tmp_path, changes, match):
+  folder = checks.edited(saved["phi3_longrope"].folder, tmp_path, **changes)
+  with pytest.raises(errors.UnsupportedConfigError, match=match):
+    pzp.pretrained.load_hf(folder)
