@@ -22,8 +22,19 @@ CASES = {
     # Multi-query: the key norm has no head axis.
     "olmo2_mqa": checks.Case(transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
                              dict(num_key_value_heads=1)),
+    # Layer 0 slides through a 3-token window, layer 1 attends globally
+    # with YaRN; each layer type has its own base.
+    "olmo3": checks.Case(transformers.Olmo3Config, transformers.Olmo3ForCausalLM, dict(
+        num_key_value_heads=2, sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 4}})),
+    # transformers' defaults: every fourth layer global, base 500,000.
+    "olmo3_default_types": checks.Case(transformers.Olmo3Config, transformers.Olmo3ForCausalLM,
+                                       dict(num_hidden_layers=4, sliding_window=2)),
 }
-OLMO2 = ("olmo2", "olmo2_bias_tied", "olmo2_mqa")
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +47,17 @@ def test_float32_logits_match_transformers(saved, case):
   checks.check_float32(saved[case], case)
 
 
-@pytest.mark.parametrize("case", ["olmo2"])
+@pytest.mark.parametrize("case", ["olmo2", "olmo3"])
 def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, case):
   checks.check_bfloat16(saved[case], case)
 
 
-@pytest.mark.parametrize("case", ["olmo2"])
+@pytest.mark.parametrize("case", ["olmo2", "olmo3_default_types"])
 def test_kv_cache_sampling_matches_the_forward_pass(saved, case):
   checks.check_kv_cache(pzp.pretrained.load_hf(saved[case].folder))
 
 
-@pytest.mark.parametrize("case", ["olmo2_bias_tied"])
+@pytest.mark.parametrize("case", ["olmo2_bias_tied", "olmo3"])
 def test_save_model_round_trip(saved, tmp_path, case):
   checks.check_save_model(saved[case], tmp_path)
 
@@ -94,5 +105,52 @@ def test_norm_labels_and_axes(saved):
 ])
 def test_hostile_olmo2_configs_are_refused(saved, tmp_path, changes, match):
   folder = checks.edited(saved["olmo2"].folder, tmp_path, **changes)
+  with pytest.raises(errors.UnsupportedConfigError, match=match):
+    pzp.pretrained.load_hf(folder)
+
+
+def test_olmo3_kv_cache_with_yarn_matches_transformers(saved):
+  case = saved["olmo3"]
+  checks.check_kv_cache_like_transformers(pzp.pretrained.load_hf(case.folder), case.hf_model)
+
+
+def test_olmo3_windows_and_per_type_rope_bind(saved):
+  case, params = CASES["olmo3"], CASES["olmo3"].fields["rope_parameters"]
+  checks.check_feature_binds(saved["olmo3"], case,
+                             layer_types=["full_attention", "full_attention"])
+  checks.check_feature_binds(saved["olmo3"], case, rope_parameters=dict(
+      params, full_attention={"rope_type": "default", "rope_theta": 500000.0}))
+  checks.check_feature_binds(saved["olmo3"], case, rope_parameters=dict(
+      params, sliding_attention={"rope_type": "default", "rope_theta": 500000.0}))
+
+
+def test_olmo3_config_of_transformers_4_loads(saved, tmp_path):
+  """As the Hub's OLMo 3 configs: ``rope_theta`` and
+  ``rope_scaling`` (YaRN) for the full-attention layers only (transformers
+  gives the sliding ones the default base)."""
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+          "attention_factor": 1.2, "beta_fast": 32, "beta_slow": 1}
+  folder = checks.edited(saved["olmo2"].folder, tmp_path, model_type="olmo3",
+                         architectures=["Olmo3ForCausalLM"], rope_parameters=checks.DELETE,
+                         rope_theta=20000.0, rope_scaling=yarn, sliding_window=3,
+                         layer_types=["sliding_attention", "full_attention"])
+  hf = transformers.Olmo3ForCausalLM.from_pretrained(folder).eval()
+  assert hf.config.rope_parameters["full_attention"]["rope_type"] == "yarn"
+  checks.check_float32(checks.Saved(folder, hf, checks.reference_logits(hf)), "olmo3 legacy")
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_parameters"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "longrope"}}}, "rope_type"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": -1}}},
+     "rope_theta"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"mlp_bias": True}, "mlp_bias"),
+])
+def test_hostile_olmo3_configs_are_refused(saved, tmp_path, changes, match):
+  folder = checks.edited(saved["olmo3"].folder, tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
