@@ -1,5 +1,5 @@
 """OLMo 2 and OLMo 3 (``model_type`` ``olmo2``, ``olmo3``) through `load_hf`
-and `export_hf`, against transformers, with the checks of `family_checks`."""
+and `export_hf`, against transformers, with the checks of `hf_family_harness`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import transformers
 from penzai import pz
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
+from pretrained import hf_family_harness as checks
 from pz_persist import errors
 
 CASES = {

@@ -1,5 +1,5 @@
 """SmolLM3 (``model_type`` ``smollm3``) through `load_hf` and `export_hf`,
-against transformers, with the checks of `family_checks`."""
+against transformers, with the checks of `hf_family_harness`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import transformers
 from penzai import pz
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
+from pretrained import hf_family_harness as checks
 from pz_persist import errors
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 
