@@ -76,14 +76,21 @@ def test_save_model_round_trip(saved, tmp_path):
 
 @pytest.mark.parametrize("case", CASES)
 def test_export_hf_round_trip(saved, tmp_path, case):
-  checks.check_export(saved[case], tmp_path, "phi3" if case != "phi3" else "mistral",
-                      same_fields=("sliding_window", "tie_word_embeddings"))
+  checks.check_export(saved[case], tmp_path, "phi3" if case != "phi3" else None,
+                      same_fields=("sliding_window", "tie_word_embeddings", "rope_parameters",
+                                   "original_max_position_embeddings"))
 
 
-def test_phi3_without_scaling_exports_as_phi3_with_like(saved, tmp_path):
-  """The same math as Mistral's layout: detected as Mistral alone, written
-  as Phi-3 (fused tensors) given ``like``."""
-  checks.check_export(saved["phi3"], tmp_path, "mistral")
+def test_phi3_without_longrope_is_mistral_without_like(saved, tmp_path):
+  """Phi-3 without longrope or partial rotary computes what Mistral's layout
+  does: the model alone says Mistral (separate projections), and
+  transformers' Mistral computes the same logits from the export."""
+  model = pzp.pretrained.load_hf(saved["phi3"].folder)
+  pzp.export_hf(model, tmp_path / "alone")
+  assert checks.config(tmp_path / "alone")["model_type"] == "mistral"
+  hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "alone", pad_token_id=0)
+  np.testing.assert_allclose(checks.reference_logits(hf.eval()), saved["phi3"].reference,
+                             atol=1e-5, rtol=1e-5)
 
 
 def test_longrope_binds(saved):

@@ -25,6 +25,7 @@ from pz_persist.pretrained.hf.config_from_model import attention as first_attent
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
+from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
@@ -85,7 +86,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   residual = all_layers(block, pz.nn.Residual)[0].delta.sublayers[-1]
   query = all_layers(first_attention(model).input_to_query, ConstantScale)[0]
   biases = model_biases(model)
-  return {
+  return without_default_head_dim({
       **llamalike_fields(model, like),
       "attention_bias": biases.query_key_value or biases.output,
       "mlp_bias": biases.mlp,
@@ -93,7 +94,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
       "residual_multiplier": residual.by,
       "attention_multiplier": query.by,
       "logits_scaling": body[-1].by,
-  }
+  })
 
 
 RECORD = Family(

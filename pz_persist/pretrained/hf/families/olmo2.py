@@ -32,6 +32,7 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
+from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
@@ -136,7 +137,8 @@ def _detect(model: Any) -> str | None:
 def olmo_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
   """The fields OLMo 2 and 3 write alike."""
   biases = model_biases(model)
-  return {**llamalike_fields(model, like), "attention_bias": biases.query_key_value}
+  return without_default_head_dim(
+      {**llamalike_fields(model, like), "attention_bias": biases.query_key_value})
 
 
 def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:

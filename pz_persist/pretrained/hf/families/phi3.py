@@ -41,6 +41,7 @@ from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families.llama import llama_plan
+from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
@@ -211,8 +212,9 @@ def _detect(model: Any) -> str | None:
 
 def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only phi3.
-  fields = {**size_fields(model), **rms_norm_fields(model), **activation_field(model, like),
-            **tied_field(model, like), "sliding_window": windows(model)[0]}
+  fields = without_default_head_dim({
+      **size_fields(model), **rms_norm_fields(model), **activation_field(model, like),
+      **tied_field(model, like), "sliding_window": windows(model)[0]})
   found = all_layers(model, ApplyLongRoPE)
   if not found:
     return {**fields, **rope_fields(model)}
@@ -222,6 +224,8 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
       "rope_type": "longrope", "rope_theta": float(layer.max_wavelength),
       "short_factor": list(layer.short_factor), "long_factor": list(layer.long_factor),
       "partial_rotary_factor": (layer.rotary_dim or head_dim) / head_dim,
+      # Where transformers 5 writes it too (the top-level one wins on reading).
+      "original_max_position_embeddings": layer.original_max_position_embeddings,
   }
   if layer.factor is not None:
     params["factor"] = layer.factor

@@ -28,6 +28,7 @@ from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families.llama import Attention
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
+from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
@@ -135,7 +136,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   found = windows(model)
   window = next((w for w in found if w is not None), None)
   biases = model_biases(model)
-  return {
+  return without_default_head_dim({
       **llamalike_fields(model, like),
       "no_rope_layers": _uses_rope(model),
       "use_sliding_window": window is not None,
@@ -143,7 +144,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
       "layer_types": layer_types(found),
       "attention_bias": biases.query_key_value or biases.output,
       "mlp_bias": biases.mlp,
-  }
+  })
 
 
 RECORD = Family(
