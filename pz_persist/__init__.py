@@ -42,7 +42,7 @@ from pz_persist.orbax.v0_handler import PenzaiCheckpointHandler
 from pz_persist.orbax.v0_handler import PenzaiRestore
 from pz_persist.orbax.v0_handler import PenzaiSave
 from pz_persist.orbax.v1_handler import PenzaiCheckpointableHandler
-from pz_persist.pretrained.hf_export import export_hf
+from pz_persist.pretrained.hf.export import export_hf
 from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.safety.allowlist import allow_modules
 from pz_persist.safety.limits import limits

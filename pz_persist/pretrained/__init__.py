@@ -13,7 +13,7 @@ from pz_persist.pretrained.gemma import GemmaReport
 from pz_persist.pretrained.gemma import GemmaSetting
 from pz_persist.pretrained.gemma import load_gemma
 from pz_persist.pretrained.hf import load_hf
-from pz_persist.pretrained.hf_export import export_hf
+from pz_persist.pretrained.hf.export import export_hf
 from pz_persist.pretrained.lora_merge import merge_lora
 from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.pretrained.safetensors_io import load_safetensors

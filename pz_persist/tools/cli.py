@@ -188,7 +188,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
   """Writes a native checkpoint of a transformer as a Hugging Face folder."""
   from pz_persist import model as model_lib
-  from pz_persist.pretrained import hf_export  # pylint: disable=import-outside-toplevel
+  from pz_persist.pretrained.hf import export as hf_export  # pylint: disable=import-outside-toplevel
 
   model = model_lib.load_model(args.src)
   shard_size = args.shard_mib * 2**20 if args.shard_mib else hf_export.DEFAULT_SHARD_BYTES
@@ -224,6 +224,9 @@ def _installed(package: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  # The help of convert and export lists the families their records declare.
+  from pz_persist.pretrained.hf import families as hf_families  # pylint: disable=import-outside-toplevel
+
   parser = argparse.ArgumentParser(
       prog="pz-persist",
       description="Look at, compare and list pz_persist (Orbax) checkpoints.",
@@ -311,9 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
       "convert",
       help="convert pretrained weights (Gemma, Hugging Face) to a native checkpoint",
       description="Load pretrained weights once (an official Gemma Flax"
-      " checkpoint, or a Hugging Face Llama/Mistral/Qwen2/Gemma/GPT-NeoX folder) and save"
-      " them as a pz_persist checkpoint, which pz_persist.load_model reloads"
-      " without converting again.",
+      " checkpoint, or a Hugging Face folder of a family load_hf reads:"
+      f" {hf_families.names()}) and save them as a pz_persist checkpoint, which"
+      " pz_persist.load_model reloads without converting again.",
   )
   convert.add_argument("format", choices=["gemma", "hf"])
   convert.add_argument("src", help="the checkpoint folder to read")
@@ -344,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
   export.add_argument("dst", help="the folder to write")
   export.add_argument(
       "--like", metavar="FAMILY_OR_FOLDER",
-      help="hf: the family (llama, mistral, qwen2, gpt_neox, gemma, gemma2) or a Hugging"
-      " Face folder whose family and token ids, architectures... are used"
+      help=f"hf: the model_type ({', '.join(hf_families.EXPORTED)}) or a Hugging"
+      " Face folder whose model_type and token ids, architectures... are used"
       " (default: the family the model's structure shows)",
   )
   export.add_argument("--shard-mib", type=int,

@@ -23,7 +23,7 @@ import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import safety
 from pz_persist.pretrained import safetensors_io
-from pz_persist.pretrained.hf_families import BUILDERS
+from pz_persist.pretrained.hf.families import MODEL_TYPES
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 8, 2, 1, 4, 8, 16, 2
 
@@ -286,7 +286,7 @@ def test_huge_layer_count_fails_fast(tmp_path):
   hours (or, in Gemma 2, a list of 10**9 attention types); every family of
   `load_hf` must refuse it before building anything per layer."""
   folders = []
-  for model_type in sorted(BUILDERS):
+  for model_type in sorted(MODEL_TYPES):
     config = dict(CONFIG, model_type=model_type, num_hidden_layers=10**9,
                   **_FAMILY_FIELDS.get(model_type, {}))
     config = {k: v for k, v in config.items() if v is not None}

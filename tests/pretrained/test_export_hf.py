@@ -38,8 +38,8 @@ from pretrained.test_hf import _hf_model
 from pretrained.test_hf import _penzai_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
-from pz_persist.pretrained import hf_structure_match
-from pz_persist.pretrained import hf_plan
+from pz_persist.pretrained.hf import structure_match as hf_structure_match
+from pz_persist.pretrained.hf import plan as hf_plan
 from pz_persist.tools import cli
 
 CASES = {
@@ -284,13 +284,14 @@ def test_bfloat16_round_trip_is_identical(tmp_path):
 def test_exported_gemma_reads_back_through_the_same_plan(tmp_path, monkeypatch, gemma2):
   """load_hf with the plan export ran backwards gives the model back (the
   norms through ``w + 1`` in float32: within one rounding)."""
-  from pz_persist.pretrained import hf_families
-  from pz_persist.pretrained.hf_families import gemma_native
+  from pz_persist.pretrained.hf import families as hf_families
 
   _, model = _gemma_model(tmp_path, gemma2)
   pzp.export_hf(model, tmp_path / "hf")
   family = "gemma2" if gemma2 else "gemma"
-  monkeypatch.setitem(hf_families.BUILDERS, family, gemma_native.NATIVE_BUILDERS[family])
+  native = hf_families.MODEL_TYPES[family]
+  monkeypatch.setitem(hf_families.MODEL_TYPES, family,
+                      dataclasses.replace(native, plan=native.export_plans[0]))
   back = pzp.pretrained.load_hf(tmp_path / "hf")
   slots = {}
   assert hf_structure_match.first_difference(pz.unbind_params(back)[0], pz.freeze_params(model),

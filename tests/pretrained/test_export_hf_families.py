@@ -36,8 +36,9 @@ from pretrained.test_export_hf import _tensors
 from pretrained.test_export_hf import _transformers_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
-from pz_persist.pretrained import hf_config_from_model
-from pz_persist.pretrained import hf_structure_match
+from pz_persist.pretrained.hf import config_from_model as hf_config_from_model
+from pz_persist.pretrained.hf import families as hf_families
+from pz_persist.pretrained.hf import structure_match as hf_structure_match
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 from pz_persist.tools import cli
 
@@ -210,14 +211,14 @@ def test_a_family_refusing_the_derived_config_is_an_export_error(folders, tmp_pa
 
 @pytest.mark.parametrize("gemma2", [False, True], ids=["gemma", "gemma2"])
 def test_each_gemma_layout_is_written_through_its_own_plan(folders, tmp_path, gemma2):
-  """A Hub Gemma (load_hf: norms hold w) goes through BUILDERS' plan, bit
+  """A Hub Gemma (load_hf: norms hold w) goes through load_hf's plan, bit
   for bit; Penzai's own (load_gemma: norms hold 1 + w) through the native
   plan, whose norms have offset 1."""
   family = "gemma2" if gemma2 else "gemma"
   _, native = test_export_hf._gemma_model(tmp_path, gemma2)
   for model, offset in ((folders[family][2], 0.0), (native, 1.0)):
     model = pz.freeze_params(model)
-    config = hf_config_from_model.derive_config(model, family)
+    config = hf_config_from_model.derive_config(model, family, hf_families.FAMILY_OF[family])
     weights = hf_structure_match.ModelWeights(config["num_hidden_layers"], np.dtype("float32"))
     plan, _ = hf_structure_match.matching_plan(hf_structure_match.family_plans()[family], config,
                                                weights, model, family, str(tmp_path))

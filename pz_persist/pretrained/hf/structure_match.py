@@ -15,44 +15,40 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_families import BUILDERS
-from pz_persist.pretrained.hf_families.gemma_native import NATIVE_BUILDERS
-from pz_persist.pretrained.hf_plan import HEAD_NAMES
-from pz_persist.pretrained.hf_plan import LAYER_PREFIXES
-from pz_persist.pretrained.hf_plan import Plan
+from pz_persist.pretrained.hf import families
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.plan import Plan
 
 ExportError = errors.ExportError
 
 
 def family_plans() -> dict[str, list[Callable[..., Plan]]]:
-  """Every family export can write, with the plans that may describe a
-  model of it: what `load_hf` reads, then Penzai's own Gemma (as
-  `load_gemma` builds it) for ``gemma`` / ``gemma2``."""
-  plans: dict[str, list[Callable[..., Plan]]] = {}
-  for table in (BUILDERS, NATIVE_BUILDERS):
-    for family, plan in table.items():
-      plans.setdefault(family, []).append(plan)
-  return plans
+  """Every ``model_type`` export can write, with the plans that may describe
+  a model of it: what `load_hf` reads, then the record's further layouts
+  (Penzai's own Gemma, as `load_gemma` builds it, for ``gemma`` /
+  ``gemma2``)."""
+  return {name: [model_type.plan, *model_type.export_plans]
+          for name, model_type in families.MODEL_TYPES.items() if model_type.exported}
 
 
 # --- does the family express the model? ---------------------------------------
 
 
 class ModelWeights:
-  """Stands in for `pz_persist.pretrained.hf_weights.Weights`: the plan asks
+  """Stands in for `pz_persist.pretrained.hf.weights.Weights`: the plan asks
   which tensors a folder holds and their dtype; the model answers.
 
   What a plan checks the weights hold before it builds anything: layers under
-  the prefixes `check_layers` counts under (`hf_plan.LAYER_PREFIXES`), and the
-  untied output heads `lm_head_source` asks for (`hf_plan.HEAD_NAMES`); these
-  answer with both, for as many layers as the model has.
+  the prefixes `check_layers` counts under, and the untied output heads
+  `lm_head_source` asks for (every record's `layer_prefixes` and
+  `head_names`); these answer with both, for as many layers as the model has.
   """
 
   def __init__(self, layers: int, dtype: np.dtype):
     self.path = "(the model being exported)"
-    self.names = {f"{prefix}{i}.weight" for prefix in LAYER_PREFIXES for i in range(layers)}
-    self.names |= set(HEAD_NAMES)
+    self.names = {f"{prefix}{i}.weight" for prefix in families.LAYER_PREFIXES
+                  for i in range(layers)}
+    self.names |= set(families.HEAD_NAMES)
     self.dtype = dtype
 
 

@@ -1,30 +1,41 @@
-"""Llama and Mistral checkpoints (``model_type`` ``llama``, ``mistral``)."""
+"""Llama and Mistral checkpoints (``model_type`` ``llama``, ``mistral``), and
+the pieces of Llama's layout that the families built on it share
+(`llama_plan` with its hooks, `Biases`, `model_biases`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
+from typing import Any
 from typing import TypeAlias
 
 from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist.pretrained.hf_config import TANH_GELU
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_config import RopeScaling
-from pz_persist.pretrained.hf_config import bool_field
-from pz_persist.pretrained.hf_config import lm_head_source
-from pz_persist.pretrained.hf_config import rope
-from pz_persist.pretrained.hf_config import scaled_rope
-from pz_persist.pretrained.hf_plan import DECODER_HEAD
-from pz_persist.pretrained.hf_plan import DECODER_LAYERS
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import check_layers
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import TANH_GELU
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import RopeScaling
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import lm_head_source
+from pz_persist.pretrained.hf.config import rope
+from pz_persist.pretrained.hf.config import scaled_rope
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import attention as first_attention
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.config_from_model import llamalike_fields
+from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
+from pz_persist.pretrained.hf.plan import DECODER_LAYERS
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.record import Family
+from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
 
 # transformers' defaults for a config.json without max_position_embeddings
@@ -33,6 +44,16 @@ _MAX_POSITIONS = {False: 2048, True: 4096 * 32}
 
 Attention: TypeAlias = llamalike_common.AttentionType | Sequence[llamalike_common.AttentionType]
 """Penzai's ``attention_type``: one for every layer, or one per layer."""
+
+BlockExtras: TypeAlias = Callable[[str, str, llamalike_common.LlamalikeTransformerConfig],
+                                  list[TensorSpec]]
+"""The specs of a block's parameters beyond Llama's, given the block's
+Penzai prefix (``transformer/block_0/``), its Hugging Face prefix
+(``model.layers.0.``) and Penzai's config."""
+
+Edit: TypeAlias = Callable[[model_parts.TransformerLM, llamalike_common.LlamalikeTransformerConfig],
+                           model_parts.TransformerLM]
+"""A change to the skeleton (layers holding the `BlockExtras` parameters)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +178,10 @@ def llama_plan(
     *,
     attention: Callable[[int], Attention] | None = None,
     biases: Biases | None = None,
+    head_dim_default: int | None = None,
+    max_positions_default: int | None = None,
+    block_extras: BlockExtras | None = None,
+    edit: Edit | None = None,
 ) -> Plan:
   """Maps a Llama (or, with ``sliding``, Mistral) checkpoint to Penzai.
 
@@ -164,7 +189,13 @@ def llama_plan(
   (per-layer attention types given the layer count, instead of the
   ``sliding`` rule; called only once the count is checked against the
   weights, since a forged config may ask for 10**9 layers) and ``biases``
-  (instead of Llama's ``attention_bias`` / ``mlp_bias`` fields).
+  (instead of Llama's ``attention_bias`` / ``mlp_bias`` fields), their
+  transformers defaults for an absent ``head_dim`` (Llama's is
+  ``hidden_size // heads``) and ``max_position_embeddings``, and what they
+  add to Llama's layout: ``block_extras`` gives the specs of a block's
+  further parameters (query/key norms), ``edit`` puts their layers
+  into the skeleton (called once the layer count is checked, on the skeleton
+  with its biases and scaled RoPE).
 
   Scaled RoPE (``rope_scaling`` / ``rope_parameters`` of type ``linear``,
   ``dynamic``, ``llama3`` or ``yarn``, as in Llama 3.x) replaces Penzai's
@@ -178,8 +209,9 @@ def llama_plan(
   head ``h``, which is exactly a (groups, per-group) row-major split.
   """
   hidden, heads, kv_heads, head_dim = attention_sizes(cfg, kv_heads_default=None,
-                                                      head_dim_default=None)
-  theta, fraction, scaling = scaled_rope(cfg, 10_000.0, _MAX_POSITIONS[sliding])
+                                                      head_dim_default=head_dim_default)
+  theta, fraction, scaling = scaled_rope(cfg, 10_000.0,
+                                         max_positions_default or _MAX_POSITIONS[sliding])
   _refuse_partial_rotary(cfg, fraction)
   mlp_variant = _mlp_variant(cfg)
   if biases is None:
@@ -232,12 +264,15 @@ def llama_plan(
         *block_specs(p, s, config),
     ]
     specs += _bias_specs(p, s, biases, config)
+    if block_extras is not None:
+      specs += block_extras(p, s, config)
   bias_specs = tuple(spec for spec in specs if spec.label.endswith(_BIAS_SUFFIX))
 
   def build() -> model_parts.TransformerLM:
     skeleton = _with_biases(
         llamalike_common.build_llamalike_transformer(config, init_base_rng=None), bias_specs)
-    return skeleton if scaling is None else with_scaled_rope(skeleton, scaling)
+    skeleton = skeleton if scaling is None else with_scaled_rope(skeleton, scaling)
+    return skeleton if edit is None else edit(skeleton, config)
 
   return Plan(build, tuple(specs))
 
@@ -354,3 +389,46 @@ def block_specs(p: str, s: str, config: llamalike_common.LlamalikeTransformerCon
       proj(p + "attention/value.weights", s + "self_attn.v_proj.weight", kv_axes),
       proj(p + "attention/output.weights", s + "self_attn.o_proj.weight", q_heads, output=True),
   ]
+
+
+def model_biases(model: Any) -> Biases:
+  """Which projections of the first block of a Penzai model add a bias
+  (``AddBias`` layers, as `Biases` places them); export compares the other
+  blocks with the plan built from these."""
+  attention = first_attention(model)
+  ffw = first_layer(model, model_parts.TransformerFeedForward, "MLP")
+  return Biases(query_key_value=bool(all_layers(attention.input_to_query, pz.nn.AddBias)),
+                output=bool(all_layers(attention.attn_value_to_output, pz.nn.AddBias)),
+                mlp=bool(all_layers(ffw, pz.nn.AddBias)))
+
+
+def _detect(model: Any) -> str | None:
+  """Llama's layout is the default: any llama-like model the records of
+  lower rank did not claim; Mistral if it has a window."""
+  return "mistral" if all_layers(model, pz.nn.ApplyCausalSlidingWindowAttentionMask) else "llama"
+
+
+def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+  fields = llamalike_fields(model, like)
+  if model_type == "mistral":  # No bias fields: Mistral's transformers model has none.
+    fields["sliding_window"] = windows(model)[0]
+  else:
+    biases = model_biases(model)
+    fields.update(attention_bias=biases.query_key_value or biases.output, mlp_bias=biases.mlp)
+  return fields
+
+
+RECORD = Family(
+    title="Llama 1, 2, 3.x; Mistral",
+    model_types={
+        "llama": ModelType(llama_plan, "LlamaForCausalLM"),
+        "mistral": ModelType(mistral_plan, "MistralForCausalLM"),
+    },
+    detect=_detect,
+    write_config=_write_config,
+    adds=("grouped-query attention, tied or untied embeddings, scaled RoPE (`llama3`, `linear`,"
+          " `dynamic`, `yarn`: `ApplyScaledRoPE`), `attention_bias` / `mlp_bias` (`AddBias`);"
+          " Mistral's sliding window"),
+    refuses="other rope types, partial rotary, activations other than SiLU / tanh GELU",
+    rank=90,
+)

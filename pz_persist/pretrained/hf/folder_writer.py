@@ -17,9 +17,9 @@ import numpy as np
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist.pretrained import safetensors_io
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import stored_layout
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import stored_layout
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Gemma, Gemma 2, GPT-NeoX) into Penzai, without torch.
+"""Hugging Face checkpoints into Penzai, without torch (every family of
+`pz_persist.pretrained.hf.families`: Llama, Mistral, Qwen, Gemma, GPT-NeoX...).
 
 Penzai's own converters (``llama_from_huggingface_model`` and friends) take a
 *torch* model: loading a 7B checkpoint that way needs torch, transformers, and
@@ -29,7 +30,7 @@ cache). GPT-NeoX refuses scaling.
 A checkpoint folder may come from anyone, so nothing in it is trusted before
 it is checked, and the checks come in an order that builds nothing large:
 ``config.json`` is read with a byte and nesting limit and every field the
-builders use is checked against `pz_persist.pretrained.hf_config.SCHEMA` (sizes are positive integers, never
+builders use is checked against `pz_persist.pretrained.hf.config.SCHEMA` (sizes are positive integers, never
 floats or strings); then the safetensors headers are read (their byte ranges
 must tile each file, as the reference implementation requires); then
 ``num_hidden_layers`` must match the layers the weights hold and every tensor
@@ -57,14 +58,13 @@ from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_families import BUILDERS
-from pz_persist.pretrained.hf_families import REFUSED
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import penzai_layout
-from pz_persist.pretrained.hf_weights import Weights
-from pz_persist.pretrained.hf_weights import check_has_weights
+from pz_persist.pretrained.hf import families
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import penzai_layout
+from pz_persist.pretrained.hf.weights import Weights
+from pz_persist.pretrained.hf.weights import check_has_weights
 from pz_persist.storage import sharding as sharding_lib
 
 # Documented here too (defined in errors, with every error class).
@@ -87,6 +87,23 @@ def _read_config(path: str) -> dict[str, Any]:
   if not isinstance(raw_config, dict):
     raise error("is not a JSON object")
   return raw_config
+
+
+def unsupported_model_type(model_type: Any) -> str:
+  """Why ``model_type`` is refused: a family's own reason for its next
+  generation (`families.REFUSED`), or the supported families and the
+  nearest one; `load_gemma` is suggested only for a Gemma."""
+  if isinstance(model_type, str) and model_type in families.REFUSED:
+    return families.REFUSED[model_type] + "."
+  shown = f"{model_type!r:.80}"
+  nearest = families.nearest(model_type) if isinstance(model_type, str) else None
+  hint = (f" The nearest supported model_type is {nearest!r}"
+          f" ({families.FAMILY_OF[nearest].title}), a different architecture."
+          if nearest else "")
+  gemma = (" For Gemma's official Flax checkpoints, use pz_persist.pretrained.load_gemma."
+           if isinstance(model_type, str) and model_type.startswith("gemma") else "")
+  return (f"model_type={shown} is not supported; pz_persist.pretrained.load_hf reads the"
+          f" families {families.names()}.{hint}{gemma}")
 
 
 def _check_tensors(plan: Plan, weights: Weights) -> None:
@@ -130,7 +147,11 @@ def load_hf(
     sharding: sharding_lib.Target = None,
     progress: progress_lib.Progress = None,
 ) -> model_parts.TransformerLM:
-  """Loads a Hugging Face Llama, Mistral, Qwen2, Gemma, Gemma 2 or GPT-NeoX checkpoint as a Penzai model.
+  """Loads a Hugging Face checkpoint folder as a Penzai model.
+
+  Its ``model_type`` must be one a family of
+  `pz_persist.pretrained.hf.families` reads (the README's table lists them:
+  Llama, Mistral, Qwen, Gemma, GPT-NeoX...).
 
   Needs neither torch nor transformers: ``config.json`` is read as JSON and
   the weights with a safetensors parser. Tensors are read one at a time
@@ -167,7 +188,7 @@ def load_hf(
 
   Raises:
     UnsupportedConfigError: an unsupported ``model_type`` (the message lists
-      the supported ones) or a configuration field that would change the
+      the supported families and the nearest ``model_type``) or a configuration field that would change the
       model's math, naming the field and its value. Raised before any tensor
       is read.
     UnsupportedConfigError: also for a malformed ``config.json`` (not a JSON
@@ -186,22 +207,16 @@ def load_hf(
   raw_config = _read_config(path)
   check_has_weights(path)
   model_type = raw_config.get("model_type")
-  if isinstance(model_type, str) and model_type in REFUSED:
-    raise UnsupportedConfigError(
-        f"{os.path.join(path, 'config.json')}: {REFUSED[model_type](model_type)}.")
-  if not isinstance(model_type, str) or model_type not in BUILDERS:
-    raise UnsupportedConfigError(
-        f"{os.path.join(path, 'config.json')}: model_type={model_type!r:.80} is not"
-        f" supported; pz_persist.pretrained.load_hf supports {sorted(BUILDERS)}"
-        " (use pz_persist.pretrained.load_gemma for Gemma's Flax checkpoints)."
-    )
+  where = os.path.join(path, "config.json")
+  if not isinstance(model_type, str) or model_type not in families.MODEL_TYPES:
+    raise UnsupportedConfigError(f"{where}: {unsupported_model_type(model_type)}")
   if dtype is not None:
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
   weights = Weights(path, dtype)
-  cfg = Config(raw_config, os.path.join(path, "config.json"))
-  plan = BUILDERS[model_type](cfg, weights)
+  cfg = Config(raw_config, where, families.FAMILY_OF[model_type].fields)
+  plan = families.MODEL_TYPES[model_type].plan(cfg, weights)
   _check_tensors(plan, weights)
 
   place = _placement(sharding)

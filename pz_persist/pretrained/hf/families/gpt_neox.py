@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import gpt_neox
 
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_config import bool_field
-from pz_persist.pretrained.hf_config import lm_head_source
-from pz_persist.pretrained.hf_config import rope
-from pz_persist.pretrained.hf_plan import NEOX_HEAD
-from pz_persist.pretrained.hf_plan import NEOX_LAYERS
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import check_layers
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import lm_head_source
+from pz_persist.pretrained.hf.config import rope
+from pz_persist.pretrained.hf.config_from_model import activation_field
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.config_from_model import number
+from pz_persist.pretrained.hf.config_from_model import rope_fields
+from pz_persist.pretrained.hf.config_from_model import size_fields
+from pz_persist.pretrained.hf.config_from_model import tied_field
+from pz_persist.pretrained.hf.plan import NEOX_HEAD
+from pz_persist.pretrained.hf.plan import NEOX_LAYERS
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.record import Family
+from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import Weights
 
 _NEOX_ACTIVATIONS = {
     "gelu": "gelu_exact",
@@ -133,3 +144,37 @@ def gpt_neox_plan(cfg: Config, weights: Weights) -> Plan:
                       stored=(heads * 3 * head_dim,)),
       ]
   return Plan(build, tuple(specs))
+
+
+def _detect(model: Any) -> str | None:
+  """Penzai's GPT-NeoX: partial rotary embedding and layer norms with a shift."""
+  if all_layers(model, pz.nn.ApplyRoPEToSubset) or all_layers(model, pz.nn.Standardize):
+    return "gpt_neox"
+  return None
+
+
+def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+  del model_type  # Only gpt_neox.
+  return {
+      **size_fields(model, grouped=False),
+      "layer_norm_eps": number(first_layer(model, pz.nn.Standardize, "layer norm").epsilon),
+      **rope_fields(model),
+      **activation_field(model, like, spellings=_NEOX_ACTIVATIONS),
+      **tied_field(model, like),
+      # Fixed by Penzai's GPT-NeoX structure.
+      "attention_bias": True,
+      "use_parallel_residual": True,
+  }
+
+
+RECORD = Family(
+    title="GPT-NeoX, Pythia",
+    model_types={"gpt_neox": ModelType(gpt_neox_plan, "GPTNeoXForCausalLM")},
+    detect=_detect,
+    write_config=_write_config,
+    adds="fused query/key/value, partial rotary, parallel residual",
+    refuses="scaled RoPE, a sequential residual, attention without biases",
+    rank=10,
+    layer_prefixes=(NEOX_LAYERS,),
+    head_names=(NEOX_HEAD,),
+)

@@ -21,24 +21,39 @@ Defaults for absent fields are those of transformers' ``GemmaConfig`` /
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained import gemma as flax_gemma
-from pz_persist.pretrained.hf_config import TANH_GELU
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_config import bool_field
-from pz_persist.pretrained.hf_families.llama import attention_sizes
-from pz_persist.pretrained.hf_families.llama import block_specs
-from pz_persist.pretrained.hf_families.llama import full_rotary_wavelength
-from pz_persist.pretrained.hf_plan import DECODER_LAYERS
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_plan import TensorSpec
-from pz_persist.pretrained.hf_plan import check_layers
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import TANH_GELU
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config_from_model import activation_field
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import attention
+from pz_persist.pretrained.hf.config_from_model import blocks
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.config_from_model import layer_types
+from pz_persist.pretrained.hf.config_from_model import number
+from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
+from pz_persist.pretrained.hf.config_from_model import rope_fields
+from pz_persist.pretrained.hf.config_from_model import size_fields
+from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.llama import attention_sizes
+from pz_persist.pretrained.hf.families.llama import block_specs
+from pz_persist.pretrained.hf.families.llama import full_rotary_wavelength
+from pz_persist.pretrained.hf.plan import DECODER_LAYERS
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.record import Family
+from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers.offset_scale import OffsetScale
 
 _LAYER_TYPES = {"sliding_attention", "full_attention"}
@@ -61,11 +76,26 @@ def gemma3_refusal(model_type: str) -> str:
           " pz_persist.pretrained.load_hf reads model_type 'gemma' and 'gemma2'")
 
 
+def gemma_native_plan(cfg: Config, weights: Weights) -> Plan:
+  """Maps a Gemma folder to Penzai's own Gemma (as `load_gemma` builds it)."""
+  return gemma_layout_plan(cfg, weights, gemma2=False, native=True)
+
+
+def gemma2_native_plan(cfg: Config, weights: Weights) -> Plan:
+  """Maps a Gemma 2 folder to Penzai's own Gemma 2."""
+  return gemma_layout_plan(cfg, weights, gemma2=True, native=True)
+
+
 def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool = False) -> Plan:
   """Maps a Gemma (or, with ``gemma2``, Gemma 2) checkpoint; with
   ``native``, to Penzai's own Gemma structure (as `load_gemma` builds it:
-  each norm a scale ``Linear`` holding ``1 + w``, the one added in float32),
-  which `pz_persist.pretrained.hf_families.gemma_native` names for export."""
+  each norm a scale ``Linear`` holding ``1 + w``, the one added in float32).
+
+  The native plans are not what ``load_hf`` reads (its norms hold the raw
+  ``w``, bit-exact); they are the record's further export plans, so
+  `pz_persist.pretrained.hf.export.export_hf` can write a model from
+  ``load_gemma`` back as a Hugging Face folder by running the plan backwards.
+  """
   hidden, heads, kv_heads, head_dim = attention_sizes(
       cfg, kv_heads_default=4 if gemma2 else 16, head_dim_default=256)
   theta = full_rotary_wavelength(cfg)
@@ -206,3 +236,65 @@ def _attention_types(
       else llamalike_common.AttentionTypeGlobalCausal()
       for kind in types
   )
+
+
+def _detect(model: Any) -> str | None:
+  """Penzai's Gemma decodes with its embedding table; Gemma 2 adds norms
+  after attention and MLP."""
+  if not all_layers(model, pz.nn.EmbeddingDecode):
+    return None
+  return "gemma2" if len(all_layers(blocks(model)[0], pz.nn.RMSLayerNorm)) > 2 else "gemma"
+
+
+def query_pre_attn_scalar(model: Any) -> int | float:
+  """Gemma 2 and 3 scale queries by ``query_pre_attn_scalar ** -0.5``."""
+  rescale = first_layer(attention(model).input_to_query, pz.nn.ConstantRescale, "query scaling")
+  scalar = float(np.asarray(rescale.by, np.float64)) ** -2
+  return round(scalar) if abs(scalar - round(scalar)) < 1e-3 * scalar else scalar
+
+
+def soft_cap_fields(model: Any) -> dict[str, Any]:
+  """Gemma 2's soft caps, written when absent too: a null cap is "off", an
+  absent one a default."""
+  caps = all_layers(attention(model), pz.nn.TanhSoftCap)
+  top = [layer for layer in model.body.sublayers if isinstance(layer, pz.nn.TanhSoftCap)]
+  return {"attn_logit_softcapping": number(caps[0].soft_cap) if caps else None,
+          "final_logit_softcapping": number(top[-1].soft_cap) if top else None}
+
+
+def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+  gemma2 = model_type == "gemma2"
+  fields = {
+      **size_fields(model), **rms_norm_fields(model), **rope_fields(model),
+      **activation_field(model, like, "hidden_activation" if gemma2 else "hidden_act"),
+      # Penzai's Gemma decodes with its embedding table, and has no biases.
+      "tie_word_embeddings": True, "attention_bias": False,
+  }
+  if gemma2:
+    found = windows(model)
+    window = next((w for w in found if w is not None), None)
+    fields.update({
+        "sliding_window": like.get("sliding_window", 4096) if window is None else window,
+        "layer_types": layer_types(found),
+        "query_pre_attn_scalar": query_pre_attn_scalar(model),
+        **soft_cap_fields(model),
+    })
+  return fields
+
+
+RECORD = Family(
+    title="Gemma, Gemma 2",
+    model_types={
+        "gemma": ModelType(gemma_plan, "GemmaForCausalLM", export_plans=(gemma_native_plan,)),
+        "gemma2": ModelType(gemma2_plan, "Gemma2ForCausalLM", export_plans=(gemma2_native_plan,)),
+    },
+    detect=_detect,
+    write_config=_write_config,
+    adds=("the Hub's folders (`google/gemma-2-2b`...): GeGLU, tied and scaled embeddings, Gemma 2's"
+          " post-norms, `query_pre_attn_scalar`, soft caps, sliding / global attention per layer;"
+          " norms keep Hugging Face's `w` (`OffsetScale`)"),
+    refuses="bidirectional attention, untied embeddings, attention biases",
+    rank=20,
+    refused_model_types={"gemma3": gemma3_refusal("gemma3"),
+                         "gemma3_text": gemma3_refusal("gemma3_text")},
+)

@@ -1,7 +1,7 @@
 """How a Hugging Face checkpoint becomes a Penzai model: a skeleton builder
 and one `TensorSpec` per parameter (which tensor, reshaped how).
 
-A family's mapping (`pz_persist.pretrained.hf_families`) returns a `Plan`;
+A family's mapping (`pz_persist.pretrained.hf.families`) returns a `Plan`;
 `pz_persist.pretrained.hf.load_hf` checks every spec against the safetensors
 headers before the skeleton is built or anything is read.
 """
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from penzai.models.transformer import model_parts
 
-from pz_persist.pretrained.hf_config import Config
+from pz_persist.pretrained.hf.config import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +85,6 @@ DECODER_HEAD = "lm_head.weight"
 """The untied output head of llama-like checkpoints (llama, mistral, qwen2)."""
 NEOX_HEAD = "embed_out.weight"
 """GPT-NeoX's."""
-HEAD_NAMES = (DECODER_HEAD, NEOX_HEAD)
-"""Every untied head a family's plan asks `lm_head_source` for."""
-LAYER_PREFIXES = (DECODER_LAYERS, NEOX_LAYERS)
-"""Every prefix a family's plan passes to `check_layers`; a family with
-another adds it here (`pz_persist.pretrained.hf_export`'s stand-in weights
-hold layers under each)."""
-
-
 def check_layers(cfg: Config, names: set[str], prefix: str, layers: int) -> None:
   """Refuses a ``num_hidden_layers`` other than the layers the weights hold.
 
@@ -100,7 +92,6 @@ def check_layers(cfg: Config, names: set[str], prefix: str, layers: int) -> None
   forged config (``10**9`` layers in 200 bytes) would take hours before the
   first missing tensor is noticed; the weights' own names bound it.
   """
-  assert prefix in LAYER_PREFIXES, f"add {prefix!r} to hf_plan.LAYER_PREFIXES (export_hf needs it)"
   held = sorted({
       int(match.group(1)) for name in names if name.startswith(prefix)
       and (match := _LAYER_NUMBER.match(name, len(prefix)))

@@ -1,6 +1,6 @@
 """``config.json`` of a Hugging Face checkpoint, read field by field.
 
-Every family's mapping (`pz_persist.pretrained.hf_families`) reads the config
+Every family's mapping (`pz_persist.pretrained.hf.families`) reads the config
 through `Config`, which checks each field against `SCHEMA` and records what
 was read; `Config.check_all_used` then refuses any field no mapping read that
 is not known to be harmless (`IGNORED_FIELDS`), so a new Hugging Face option
@@ -137,10 +137,14 @@ class Config:
   Hugging Face option is an error rather than a silently different model.
   """
 
-  def __init__(self, raw: Mapping[str, Any], where: str):
+  def __init__(self, raw: Mapping[str, Any], where: str,
+               fields: Mapping[str, tuple[Callable[[Any], bool], str]] | None = None):
+    """``fields``: the family's own fields, checked like `SCHEMA`'s
+    (`pz_persist.pretrained.hf.record.Family.fields`)."""
     self.raw = dict(raw)
     self.where = where
     self.used: set[str] = set()
+    self.schema = {**SCHEMA, **(fields or {})}
 
   def get(self, key: str, default: Any = None) -> Any:
     self.used.add(key)
@@ -165,7 +169,7 @@ class Config:
   def checked(self, key: str, value: Any) -> Any:
     """``value`` if it is what `SCHEMA` says ``key`` (for a nested field
     such as ``rope_parameters.rope_theta``, its last part) must be."""
-    valid, expected = SCHEMA[key.rsplit(".", 1)[-1]]
+    valid, expected = self.schema[key.rsplit(".", 1)[-1]]
     if not valid(value):
       raise self.invalid(key, value, expected)
     return value

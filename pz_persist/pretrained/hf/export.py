@@ -9,10 +9,10 @@ config is derived from the model's structure (sizes from parameter shapes,
 epsilons from the norm layers, the RoPE wavelength and scaling from
 ``ApplyRoPE`` / `ApplyScaledRoPE`, the attention windows from the mask
 layers, biases from ``AddBias`` layers, ...), then the family's own load plan
-(`pz_persist.pretrained.hf_families`) is run on that config and its skeleton
+(its record in `pz_persist.pretrained.hf.families`) is run on that config and its skeleton
 is compared with the model, layer by layer and field by field. Only a model
 the plan would rebuild exactly is written, each tensor through
-`pz_persist.pretrained.hf_plan.stored_layout`, the inverse of what
+`pz_persist.pretrained.hf.plan.stored_layout`, the inverse of what
 ``load_hf`` reads through. So whatever the config says, ``load_hf`` of the
 folder gives this model back, and what transformers computes from it is what
 ``load_hf``'s tests check against.
@@ -30,17 +30,17 @@ from penzai.models.transformer import model_parts
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
-from pz_persist.pretrained import hf
-from pz_persist.pretrained.hf_config_from_model import all_layers
-from pz_persist.pretrained.hf_config_from_model import derive_config
-from pz_persist.pretrained.hf_config_from_model import family_from_structure
-from pz_persist.pretrained.hf_config_from_model import first_layer
-from pz_persist.pretrained.hf_folder_writer import check_destination
-from pz_persist.pretrained.hf_folder_writer import stored_tensors
-from pz_persist.pretrained.hf_folder_writer import write_folder
-from pz_persist.pretrained.hf_structure_match import ModelWeights
-from pz_persist.pretrained.hf_structure_match import family_plans
-from pz_persist.pretrained.hf_structure_match import matching_plan
+from pz_persist.pretrained.hf import families
+from pz_persist.pretrained.hf import load as hf
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import derive_config
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.folder_writer import check_destination
+from pz_persist.pretrained.hf.folder_writer import stored_tensors
+from pz_persist.pretrained.hf.folder_writer import write_folder
+from pz_persist.pretrained.hf.structure_match import ModelWeights
+from pz_persist.pretrained.hf.structure_match import family_plans
+from pz_persist.pretrained.hf.structure_match import matching_plan
 from pz_persist.pretrained.lora_merge import refuse_lora
 
 ExportError = errors.ExportError
@@ -86,19 +86,20 @@ def export_hf(
 
   Args:
     model: A ``TransformerLM`` with the structure of a family `load_hf`
-      reads (``llama``, ``mistral``, ``qwen2``, ``gpt_neox``, ``gemma``,
-      ``gemma2``; with RoPE scaling and biases as `load_hf` builds them),
+      reads (any exported ``model_type`` of
+      `pz_persist.pretrained.hf.families`, with RoPE scaling and biases as
+      `load_hf` builds them),
       or of Penzai's Gemma as `load_gemma` builds it (also written as
       ``gemma`` / ``gemma2``; its norms hold ``1 + w``, so ``w`` is written
       as ``value - 1`` computed in float32, which is not bit-exact in
       bfloat16). Layers may have been cut: ``num_hidden_layers`` follows
       the model.
     folder: The folder to write (created; its parent too).
-    like: The family (``"llama"``, ``"mistral"``, ``"qwen2"``,
-      ``"gpt_neox"``, ``"gemma"``, ``"gemma2"``), or a Hugging Face folder or config dict
-      whose family is used and whose fields that do not change the math
+    like: The ``model_type`` (``"llama"``, ``"qwen2"``, ``"gemma2"``...), or
+      a Hugging Face folder or config dict whose ``model_type`` is used and whose fields that do not change the math
       (token ids, ``architectures``, ``max_position_embeddings``...) are
-      copied. Default: the family the structure shows.
+      copied. Default: the ``model_type`` the structure shows (each family's
+      record recognises its own, `pz_persist.pretrained.hf.families.detect`).
     shard_size: Most bytes per safetensors file (a larger tensor gets a file
       of its own).
     overwrite: Replace ``folder`` if it exists and is not empty.
@@ -124,11 +125,11 @@ def export_hf(
   pz.nn.assert_no_parameter_slots(model)
   model = pz.freeze_params(model)  # Parameter values, mutable or not, in place.
   like_config = _like_config(like)
-  family = like_config.get("model_type") or family_from_structure(model)
+  family = like_config.get("model_type") or families.detect(model)
   plans = family_plans()
   if family not in plans:
     raise ExportError(f"family {family!r} cannot be exported; supported: {sorted(plans)}.")
-  config = derive_config(model, family, like_config)
+  config = derive_config(model, family, families.FAMILY_OF[family], like_config)
   embeddings = first_layer(model, pz.nn.EmbeddingTable, "token embeddings").embeddings.value
   weights = ModelWeights(config["num_hidden_layers"], np.dtype(embeddings.dtype))
   plan, slots = matching_plan(plans[family], config, weights, model, family, folder)

@@ -1,6 +1,6 @@
 """Qwen2 and Qwen2.5 checkpoints (``model_type`` ``qwen2``).
 
-Qwen2 is Llama's layout (`pz_persist.pretrained.hf_families.llama`) with a
+Qwen2 is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with a
 bias on the query, key and value projections (none on the output projection
 or in the MLP) and its own way of choosing which layers attend through a
 sliding window.
@@ -9,16 +9,24 @@ sliding window.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist.pretrained.hf_config import Config
-from pz_persist.pretrained.hf_config import bool_field
-from pz_persist.pretrained.hf_families.llama import Attention
-from pz_persist.pretrained.hf_families.llama import Biases
-from pz_persist.pretrained.hf_families.llama import llama_plan
-from pz_persist.pretrained.hf_plan import Plan
-from pz_persist.pretrained.hf_weights import Weights
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config_from_model import layer_types
+from pz_persist.pretrained.hf.config_from_model import llamalike_fields
+from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.llama import Attention
+from pz_persist.pretrained.hf.families.llama import Biases
+from pz_persist.pretrained.hf.families.llama import llama_plan
+from pz_persist.pretrained.hf.families.llama import model_biases
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.record import Family
+from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import Weights
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -85,3 +93,52 @@ def qwen2_attention(cfg: Config) -> Callable[[int], Attention]:
 def _shown(types: list[str]) -> list[str]:
   """``layer_types`` as an error message shows it (a forged one may be long)."""
   return types if len(types) <= 8 else [*types[:8], "..."]
+
+
+def window_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+  """Qwen2's window and ``layer_types`` (which transformers 5 reads), with
+  ``max_window_layers`` for readers of transformers 4 configs when the
+  sliding layers are the last ones (as that field can say)."""
+  found = windows(model)
+  window = next((w for w in found if w is not None), None)
+  types = layer_types(found)
+  fields: dict[str, Any] = {
+      "use_sliding_window": window is not None,
+      "sliding_window": window,
+      "layer_types": types,
+  }
+  if window is None:  # Then it changes nothing: like's, if any.
+    if "max_window_layers" in like:
+      fields["max_window_layers"] = like["max_window_layers"]
+  elif "full_attention" not in types[(first := types.index("sliding_attention")):]:
+    fields["max_window_layers"] = first
+  return fields
+
+
+def without_default_head_dim(fields: dict[str, Any]) -> dict[str, Any]:
+  """transformers' Qwen2 config has no ``head_dim`` field (its attention
+  falls back to hidden_size // heads): written only when it is another size."""
+  if fields["head_dim"] * fields["num_attention_heads"] == fields["hidden_size"]:
+    del fields["head_dim"]
+  return fields
+
+
+def _detect(model: Any) -> str | None:
+  return "qwen2" if model_biases(model) == Biases(query_key_value=True) else None
+
+
+def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+  del model_type  # Only qwen2.
+  return without_default_head_dim({**llamalike_fields(model, like), **window_fields(model, like)})
+
+
+RECORD = Family(
+    title="Qwen2, Qwen2.5",
+    model_types={"qwen2": ModelType(qwen2_plan, "Qwen2ForCausalLM")},
+    detect=_detect,
+    write_config=_write_config,
+    adds=("query/key/value biases; `use_sliding_window`, `sliding_window`, `max_window_layers`,"
+          " `layer_types` per layer as transformers maps them; scaled RoPE"),
+    refuses="`use_mrope` (Qwen2-VL)",
+    rank=40,
+)

@@ -1,0 +1,111 @@
+"""The record a Hugging Face model family declares: everything loading,
+export, detection, the CLI and the README need to know about it, in one place.
+
+Each module of `pz_persist.pretrained.hf.families` defines one `Family` as
+its ``RECORD``; `pz_persist.pretrained.hf.families` collects them. Nothing
+outside a family's module names the family: `load_hf` dispatches on
+``model_type`` through `Family.model_types`, `export_hf` writes the fields
+`Family.write_config` derives and checks the model against the same plans,
+the family of an exported model is the first record (by `Family.rank`) whose
+`Family.detect` recognises its structure, and the CLI's help and the README's
+table of families are rendered from the records (`describe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
+from pz_persist.pretrained.hf.plan import DECODER_LAYERS
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.weights import Weights
+
+PlanFn = Callable[[Config, Weights], Plan]
+"""Maps a checkpoint's ``config.json`` (and the names in its weights) to a `Plan`."""
+
+Field = tuple[Callable[[Any], bool], str]
+"""A ``config.json`` field's check and what it says a value must be, as in
+`pz_persist.pretrained.hf.config.SCHEMA`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelType:
+  """One ``model_type`` of a family.
+
+  Attributes:
+    plan: How `load_hf` maps a folder of this ``model_type`` to Penzai.
+    architecture: The transformers class ``export_hf`` writes in
+      ``architectures`` (``"LlamaForCausalLM"``).
+    export_plans: Further Penzai layouts `export_hf` accepts for this
+      ``model_type`` besides ``plan``'s (Penzai's own Gemma, as
+      `pz_persist.pretrained.load_gemma` builds it), tried in order.
+    exported: Whether `export_hf` writes this ``model_type`` (False for one
+      read only, such as a multimodal folder whose text model is written under
+      its text ``model_type``).
+  """
+
+  plan: PlanFn
+  architecture: str
+  export_plans: tuple[PlanFn, ...] = ()
+  exported: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A Hugging Face model family, as every part of pz_persist sees it.
+
+  Attributes:
+    title: Its name for people (``"Qwen2 / Qwen2.5"``).
+    model_types: The ``model_type`` values of ``config.json`` it reads, in
+      the order shown.
+    fields: The ``config.json`` fields its plans read beyond the shared ones
+      (`pz_persist.pretrained.hf.config.SCHEMA`), each with its check; a
+      field no plan reads is refused, so a family lists what it reads here
+      or in ``SCHEMA``.
+    detect: The ``model_type`` whose structure a Penzai model has, or None
+      (for `export_hf` without ``like``). Asked in `rank` order, so it may
+      assume the structures of records of lower rank were ruled out.
+    write_config: The ``config.json`` fields of a model of the given
+      ``model_type`` (`pz_persist.pretrained.hf.config_from_model` has the
+      shared pieces); ``like`` is the user's config, whose spelling of a
+      field may be kept when it means the same. The fields that do not change
+      the math, ``model_type``, ``architectures`` and ``dtype`` are added by
+      export itself.
+    adds: What pz_persist reads and builds for it (the README's table).
+    refuses: What it refuses (the README's table).
+    rank: Detection order: lower first (a more specific structure before
+      one it extends).
+    refused_model_types: ``model_type`` values refused with a reason of this
+      family's own (a newer generation it does not read yet), by
+      ``model_type``.
+    layer_prefixes: The prefixes of layer ``i``'s tensors
+      (``model.layers.{i}.``) that its plans count layers under; export's
+      stand-in weights hold layers under every record's prefixes.
+    head_names: The untied output heads its plans may ask for.
+  """
+
+  title: str
+  model_types: Mapping[str, ModelType]
+  detect: Callable[[Any], str | None]
+  write_config: Callable[[Any, str, Mapping[str, Any]], dict[str, Any]]
+  adds: str
+  refuses: str
+  rank: int
+  fields: Mapping[str, Field] = dataclasses.field(default_factory=dict)
+  refused_model_types: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  layer_prefixes: tuple[str, ...] = (DECODER_LAYERS,)
+  head_names: tuple[str, ...] = (DECODER_HEAD,)
+
+
+def describe(families: tuple[Family, ...]) -> str:
+  """The README's table of families, rendered from the records (a test
+  checks that the README holds exactly this)."""
+  rows = ["| `model_type` | family | what pz_persist reads and adds | refused |", "|---|---|---|---|"]
+  for family in families:
+    types = ", ".join(f"`{t}`" for t in family.model_types)
+    rows.append(f"| {types} | {family.title} | {family.adds} | {family.refuses} |")
+  return "\n".join(rows) + "\n"

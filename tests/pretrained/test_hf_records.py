@@ -1,0 +1,104 @@
+"""The family records (`pz_persist.pretrained.hf.record`): one module per
+family declares everything about it, and load, export, detection, the CLI's
+help and the README's table are driven by the records."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+import pz_persist as pzp
+from pz_persist import errors
+from pz_persist.pretrained import safetensors_io
+from pz_persist.pretrained.hf import families
+from pz_persist.pretrained.hf import record
+from pz_persist.tools import cli
+
+ROOT = pathlib.Path(__file__).parents[2]
+PACKAGE = ROOT / "pz_persist"
+
+
+def test_readme_table_is_rendered_from_the_records():
+  """The README's table of families is exactly what the records say (rewrite
+  it with ``record.describe(families.FAMILIES)`` after changing a record)."""
+  readme = (ROOT / "README.md").read_text()
+  assert record.describe(families.FAMILIES) in readme
+
+
+def test_every_family_is_a_record_of_its_own_module():
+  """Every module of the families package with a ``RECORD`` is collected,
+  and every ``model_type`` belongs to one family."""
+  modules = {p.stem for p in (PACKAGE / "pretrained/hf/families").glob("*.py")} - {"__init__"}
+  with_records = {m for m in modules
+                  if "\nRECORD = Family(" in (PACKAGE / f"pretrained/hf/families/{m}.py").read_text()}
+  assert len(families.FAMILIES) == len(with_records) >= 4
+  assert sorted(families.MODEL_TYPES) == sorted(t for f in families.FAMILIES for t in f.model_types)
+  assert len({f.rank for f in families.FAMILIES}) == len(families.FAMILIES), "ranks must differ"
+  for family in families.FAMILIES:
+    assert family.title and family.adds and family.refuses
+    for model_type in family.model_types.values():
+      assert re.fullmatch(r"[A-Za-z0-9]+ForCausalLM|[A-Za-z0-9]+ForConditionalGeneration",
+                          model_type.architecture)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3"])
+def test_a_llama_plus_a_feature_family_is_one_file(model_type):
+  """Qwen3 (Llama plus query/key norms) is named in one module of the
+  package and nowhere else: the record is all there is to add."""
+  if model_type not in families.MODEL_TYPES:
+    pytest.skip(f"{model_type} is not a family yet")
+  mentions = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                    if model_type in p.read_text().lower())
+  assert mentions == [f"pretrained/hf/families/{model_type}.py"]
+  lines = (PACKAGE / f"pretrained/hf/families/{model_type}.py").read_text().count("\n")
+  assert lines < 200, f"{model_type}.py has {lines} lines"
+
+
+def test_cli_help_lists_the_records():
+  parser = cli.build_parser()
+  subcommands = next(a for a in parser._actions if a.dest == "command").choices  # pylint: disable=protected-access
+  export_help = subcommands["export"].format_help()
+  convert_help = subcommands["convert"].format_help()
+  for model_type in families.EXPORTED:  # argparse wraps lines at spaces and hyphens.
+    assert model_type in re.sub(r"\s+", "", export_help)
+  for family in families.FAMILIES:
+    assert family.title.replace(" ", "") in re.sub(r"\s+", "", convert_help)
+
+
+def _folder(path: pathlib.Path, model_type: str) -> pathlib.Path:
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 8}))
+  safetensors_io.write_safetensors(path / "model.safetensors", {})
+  return path
+
+
+@pytest.mark.parametrize("model_type, has_nearest", [
+    ("qwen3_moe", True), ("llama4", True), ("mixtral", True), ("bert", False),
+])
+def test_an_unsupported_model_type_names_the_families_and_the_nearest(tmp_path, model_type,
+                                                                      has_nearest):
+  """The refusal lists every family and, when one is close, the nearest
+  model_type; it sends nobody but Gemma users to load_gemma."""
+  nearest = families.nearest(model_type)
+  assert bool(nearest) == has_nearest
+  with pytest.raises(errors.UnsupportedConfigError) as raised:
+    pzp.pretrained.load_hf(_folder(tmp_path / "m", model_type))
+  message = str(raised.value)
+  assert f"model_type={model_type!r} is not supported" in message
+  for family in families.FAMILIES:
+    assert family.title in message
+  if nearest:
+    assert f"nearest supported model_type is {nearest!r}" in message
+  else:
+    assert "nearest" not in message
+  assert "load_gemma" not in message
+
+
+@pytest.mark.parametrize("model_type", sorted(families.REFUSED))
+def test_a_next_generation_is_refused_with_its_familys_reason(tmp_path, model_type):
+  with pytest.raises(errors.UnsupportedConfigError) as raised:
+    pzp.pretrained.load_hf(_folder(tmp_path / "m", model_type))
+  assert families.REFUSED[model_type] in str(raised.value)
