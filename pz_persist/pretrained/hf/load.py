@@ -248,7 +248,8 @@ def _read(
   file = where[spec.source]  # `_check_tensors` made sure it is there, of this size.
   # Cast while reading unless a slice is taken or an offset added after (then
   # only the slice is cast, and the offset is added to the stored values).
-  host = file.get(spec.source, dtype=dtype if spec.take is None and not spec.offset else None)
+  whole = spec.take is None and spec.rows is None and not spec.offset
+  host = file.get(spec.source, dtype=dtype if whole else None)
   host = penzai_layout(spec, host).astype(dtype, copy=False)
   data = jax.device_put(host, place(spec.axes, host.shape, spec.label))
   del host

@@ -151,7 +151,8 @@ def matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any],
   refusal: errors.PzPersistError | None = None
   for candidate in candidates:
     try:
-      plan = candidate(Config(config, f"config derived for {folder}"), weights)
+      plan = candidate(Config(config, f"config derived for {folder}",
+                              families.FAMILY_OF[family].fields), weights)
       return plan, _check_structure(plan, model, family)
     except errors.UnsupportedConfigError as e:  # A field the family cannot take.
       refusal = refusal or ExportError(
