@@ -48,8 +48,8 @@ TOKENS = np.array([[1, 5, 9, 3, 7, 2, 11, 60], [4, 4, 8, 15, 16, 23, 42, 0]])
 
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 
-COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
-              intermediate_size=64, initializer_range=0.3, pad_token_id=0)
+COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
+              "intermediate_size": 64, "initializer_range": 0.3, "pad_token_id": 0}
 """The tiny size of every case (overridden per case)."""
 
 

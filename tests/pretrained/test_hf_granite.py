@@ -12,8 +12,8 @@ from pretrained import hf_family_harness as checks
 from pz_persist import errors
 from pz_persist.pretrained.layers.constant_scale import ConstantScale
 
-_SCALES = dict(embedding_multiplier=2.5, residual_multiplier=0.6, attention_multiplier=0.2,
-               logits_scaling=1.7)
+_SCALES = {"embedding_multiplier": 2.5, "residual_multiplier": 0.6, "attention_multiplier": 0.2,
+               "logits_scaling": 1.7}
 
 CASES = {
     "granite": checks.Case(transformers.GraniteConfig, transformers.GraniteForCausalLM,

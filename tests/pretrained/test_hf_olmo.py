@@ -15,25 +15,25 @@ from pz_persist import errors
 CASES = {
     # Grouped-query attention: the key norm spans 2 heads, the query norm 4.
     "olmo2": checks.Case(transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
-                         dict(num_key_value_heads=2)),
+                         {"num_key_value_heads": 2}),
     # Multi-head (a "heads" axis), biases on every projection, tied embeddings.
     "olmo2_bias_tied": checks.Case(transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
-                                   dict(attention_bias=True, tie_word_embeddings=True)),
+                                   {"attention_bias": True, "tie_word_embeddings": True}),
     # Multi-query: the key norm has no head axis.
     "olmo2_mqa": checks.Case(transformers.Olmo2Config, transformers.Olmo2ForCausalLM,
-                             dict(num_key_value_heads=1)),
+                             {"num_key_value_heads": 1}),
     # Layer 0 slides through a 3-token window, layer 1 attends globally
     # with YaRN; each layer type has its own base.
-    "olmo3": checks.Case(transformers.Olmo3Config, transformers.Olmo3ForCausalLM, dict(
-        num_key_value_heads=2, sliding_window=3,
-        layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={
+    "olmo3": checks.Case(transformers.Olmo3Config, transformers.Olmo3ForCausalLM, {
+        "num_key_value_heads": 2, "sliding_window": 3,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
-                               "original_max_position_embeddings": 4}})),
+                               "original_max_position_embeddings": 4}}}),
     # transformers' defaults: every fourth layer global, base 500,000.
     "olmo3_default_types": checks.Case(transformers.Olmo3Config, transformers.Olmo3ForCausalLM,
-                                       dict(num_hidden_layers=4, sliding_window=2)),
+                                       {"num_hidden_layers": 4, "sliding_window": 2}),
 }
 
 

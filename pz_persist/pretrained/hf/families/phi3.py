@@ -92,12 +92,13 @@ def _read_rope(cfg: Config):
   and a partial rotary fraction, which Llama's reader refuses); Llama's
   reader is then handed the unscaled base alone. Returns the function
   replacing each of Penzai's ``ApplyRoPE`` layers."""
-  found = {key: cfg.get(key) for key in ("rope_parameters", "rope_scaling")}
-  found = {key: value for key, value in found.items() if value}
+  found: dict[str, dict[str, Any]] = {
+      key: value for key in ("rope_parameters", "rope_scaling") if (value := cfg.get(key))}
   if len(found) == 2 and found["rope_parameters"] != found["rope_scaling"]:
     raise cfg.unsupported("rope_scaling", found["rope_scaling"],
                           "rope_parameters says otherwise; keep one of them")
   key, params = next(iter(found.items()), ("rope_parameters", {}))
+  params = dict(params)  # (A JSON object: `Config.get` checked it.)
   kinds = {params.get(name) for name in ("rope_type", "type")} - {None}
   kind = next(iter(kinds), "default")
   if len(kinds) > 1 or kind not in ("default", *_LONGROPE_NAMES):
@@ -135,9 +136,9 @@ def _read_rope(cfg: Config):
   factors = {}
   for name in ("short_factor", "long_factor"):
     value = params.get(name)
-    if not _numbers(value) or len(value) != rotary_dim // 2:
-      raise cfg.unsupported(f"{key}.{name}", value if not isinstance(value, list) else
-                            f"a list of {len(value)}",
+    if not isinstance(value, list) or not _numbers(value) or len(value) != rotary_dim // 2:
+      shown = f"a list of {len(value)}" if isinstance(value, list) else value
+      raise cfg.unsupported(f"{key}.{name}", shown,
                             f"longrope needs {rotary_dim // 2} positive numbers, one per rotated"
                             " pair of each head")
     factors[name] = tuple(float(v) for v in value)

@@ -118,7 +118,7 @@ def without_rope(model: model_parts.TransformerLM, layers: list[int]) -> model_p
 
 
 def _uses_rope(model: Any) -> list[int]:
-  return [int(bool(all_layers(block, _ROPE_LAYERS))) for block in blocks(model)]
+  return [int(any(all_layers(block, cls) for cls in _ROPE_LAYERS)) for block in blocks(model)]
 
 
 def _shown(values: list[Any]) -> list[Any]:
