@@ -42,9 +42,12 @@ from penzai import pz
 from penzai.models.transformer import sampling_mode
 
 import pz_persist as pzp
+from pretrained.family_checks import SEQUENCES
 
-TOKENS = np.array([[1, 5, 9, 3, 7, 2, 11, 60], [4, 4, 8, 15, 16, 23, 42, 0]])
-"""Two sequences, longer than every test window."""
+TOKENS = SEQUENCES
+"""Three sequences of ten tokens (those of h-records' `family_checks`),
+longer than every test window and than the longrope cases' original
+context."""
 
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 
