@@ -35,14 +35,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import safetensors.numpy
 import torch
 import transformers
 from penzai import pz
 from penzai.models.transformer import sampling_mode
+from penzai.models.transformer.variants import llamalike_common
 
 import pz_persist as pzp
 from pretrained.family_checks import SEQUENCES
+from pz_persist import errors
 
 TOKENS = SEQUENCES
 """Three sequences of ten tokens (those of h-records' `family_checks`),
@@ -304,3 +307,15 @@ def check_kv_cache_like_transformers(model, hf_model, prompt: int = 3) -> None:
   cached = np.concatenate(
       [np.asarray(s.untag("batch", "seq", "vocabulary").unwrap(), np.float32) for s in ours], 1)
   np.testing.assert_allclose(cached, np.concatenate(theirs, 1), **TOLERANCE)
+
+
+def check_refused_before_building(folder, match: str, monkeypatch) -> None:
+  """``load_hf`` refuses ``folder`` with `UnsupportedConfigError` naming
+  ``match``, before any skeleton is built (Penzai's builder is replaced by
+  one that fails the test)."""
+  def no_build(*args, **kwargs):
+    raise AssertionError("a skeleton was built before the config was refused")
+
+  monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", no_build)
+  with pytest.raises(errors.UnsupportedConfigError, match=match):
+    pzp.pretrained.load_hf(folder)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import transformers
 from penzai import pz
 
@@ -151,7 +152,18 @@ def test_fused_tensors_split_by_rows(saved):
     ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
     ({"phi_new_feature": 1}, "phi_new_feature"),
 ])
-def test_hostile_configs_are_refused(saved, tmp_path, changes, match):
+def test_hostile_configs_are_refused(saved, tmp_path, changes, match, monkeypatch):
   folder = checks.edited(saved["phi3_longrope"].folder, tmp_path, **changes)
-  with pytest.raises(errors.UnsupportedConfigError, match=match):
+  checks.check_refused_before_building(folder, match, monkeypatch)
+
+
+def test_fused_tensor_of_the_wrong_size_is_refused_before_reading(saved, tmp_path):
+  """A ``qkv_proj`` with a row too few: named, with the size the config
+  calls for, before anything is read."""
+  folder = checks.edited(saved["phi3"].folder, tmp_path)
+  tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+  tensors["model.layers.1.self_attn.qkv_proj.weight"] = tensors[
+      "model.layers.1.self_attn.qkv_proj.weight"][:-1]
+  safetensors.numpy.save_file(tensors, folder / "model.safetensors")
+  with pytest.raises(errors.SafetensorsFormatError, match=r"qkv_proj.*\(63, 32\).*\(64, 32\)"):
     pzp.pretrained.load_hf(folder)
