@@ -319,3 +319,26 @@ def check_refused_before_building(folder, match: str, monkeypatch) -> None:
   monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", no_build)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
+
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+"""The sizes a Hub ``config.json`` is shrunk to (its other fields kept)."""
+
+
+def hub_saved(tmp_path, hub_config: dict[str, Any]) -> Saved:
+  """A random model of a Hub ``config.json`` (as the Hub has it, written by
+  an older transformers; sizes from `TINY` unless it sets them), saved
+  with that very file."""
+  folder = tmp_path / "hub"
+  folder.mkdir()
+  (folder / "config.json").write_text(json.dumps(hub_config))
+  torch.manual_seed(0)
+  model = randomized(transformers.AutoModelForCausalLM.from_config(
+      transformers.AutoConfig.from_pretrained(folder)).float())  # Weights in float32.
+  model.save_pretrained(tmp_path / "weights", safe_serialization=True)
+  for name in os.listdir(tmp_path / "weights"):
+    if name.endswith(".safetensors"):
+      (folder / name).write_bytes((tmp_path / "weights" / name).read_bytes())
+  return Saved(folder, model, reference_logits(model))

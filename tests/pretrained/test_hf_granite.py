@@ -77,3 +77,17 @@ def test_the_constants_are_layers_holding_the_config_numbers(saved):
 def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, changes, match, monkeypatch):
   folder = checks.edited(saved["granite"].folder, tmp_path, **changes)
   checks.check_refused_before_building(folder, match, monkeypatch)
+
+
+_GRANITE_33_2B = {  # ibm-granite/granite-3.3-2b-instruct, shrunk.
+    "architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attention_multiplier": 0.015625, "embedding_multiplier": 12.0, "hidden_act": "silu",
+    "initializer_range": 0.02, "logits_scaling": 8.0, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "granite", "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.49.0",
+    "use_cache": True, **checks.TINY}
+
+
+def test_hub_config(tmp_path):
+  checks.check_float32(checks.hub_saved(tmp_path, _GRANITE_33_2B), "granite-3.3-2b")

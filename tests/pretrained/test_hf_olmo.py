@@ -151,3 +151,24 @@ def test_olmo3_config_of_transformers_4_loads(saved, tmp_path):
 def test_hostile_olmo3_configs_are_refused(saved, tmp_path, changes, match, monkeypatch):
   folder = checks.edited(saved["olmo3"].folder, tmp_path, **changes)
   checks.check_refused_before_building(folder, match, monkeypatch)
+
+
+_OLMO2_7B = {  # allenai/OLMo-2-1124-7B, shrunk.
+    "architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 4096,
+    "model_type": "olmo2", "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000,
+    "tie_word_embeddings": False, "torch_dtype": "float32",
+    "transformers_version": "4.47.0.dev0", "use_cache": True, **checks.TINY}
+
+_OLMO3_7B = {  # allenai/Olmo-3-7B-Instruct, shrunk to 4 layers (one global).
+    **_OLMO2_7B, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "max_position_embeddings": 65536,
+    "rope_scaling": {"attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1,
+                     "factor": 8.0, "original_max_position_embeddings": 4, "rope_type": "yarn"},
+    "sliding_window": 3, "num_hidden_layers": 4, "transformers_version": "4.57.0"}
+
+
+@pytest.mark.parametrize("name, hub", [("OLMo-2-1124-7B", _OLMO2_7B),
+                                       ("Olmo-3-7B", _OLMO3_7B)])
+def test_hub_configs(tmp_path, name, hub):
+  checks.check_float32(checks.hub_saved(tmp_path, hub), name)

@@ -167,3 +167,29 @@ def test_fused_tensor_of_the_wrong_size_is_refused_before_reading(saved, tmp_pat
   safetensors.numpy.save_file(tensors, folder / "model.safetensors")
   with pytest.raises(errors.SafetensorsFormatError, match=r"qkv_proj.*\(63, 32\).*\(64, 32\)"):
     pzp.pretrained.load_hf(folder)
+
+
+_PHI3_MINI_4K = {  # microsoft/Phi-3-mini-4k-instruct, shrunk.
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+                 "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+    "embd_pdrop": 0.0, "hidden_act": "silu", "initializer_range": 0.02,
+    "max_position_embeddings": 4096, "model_type": "phi3", "original_max_position_embeddings": 4096,
+    "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.2", "use_cache": True, **checks.TINY}
+
+_PHI4_MINI = {  # microsoft/Phi-4-mini-instruct, shrunk (head_dim 16: 12 rotated).
+    **_PHI3_MINI_4K, "hidden_size": 64, "full_attn_mod": 1, "interpolate_factor": 1,
+    "lm_head_bias": False, "mlp_bias": False, "partial_rotary_factor": 0.75,
+    "max_position_embeddings": 131072, "rope_theta": 10000.0, "sliding_window": 262144,
+    "tie_word_embeddings": True,
+    "rope_scaling": {"long_factor": _factors(6, 4), "short_factor": _factors(6, 5),
+                     "type": "longrope"}}
+
+
+@pytest.mark.parametrize("name, hub", [("Phi-3-mini-4k", _PHI3_MINI_4K),
+                                       ("Phi-4-mini", _PHI4_MINI)])
+def test_hub_configs(tmp_path, name, hub):
+  saved = checks.hub_saved(tmp_path, hub)
+  checks.check_float32(saved, name)

@@ -99,3 +99,17 @@ def test_smollm3_defaults_apply_to_absent_fields(saved, tmp_path):
 def test_hostile_configs_are_refused(saved, tmp_path, changes, match, monkeypatch):
   folder = checks.edited(saved["smollm3"].folder, tmp_path, **changes)
   checks.check_refused_before_building(folder, match, monkeypatch)
+
+
+_SMOLLM3_3B = {  # HuggingFaceTB/SmolLM3-3B, shrunk to 4 layers.
+    "architectures": ["SmolLM3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "initializer_range": 0.02, "layer_types": ["full_attention"] * 4,
+    "max_position_embeddings": 65536, "max_window_layers": 28, "mlp_bias": False,
+    "model_type": "smollm3", "no_rope_layer_interval": 4, "no_rope_layers": [1, 1, 1, 0],
+    "pretraining_tp": 2, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 5000000.0,
+    "sliding_window": None, "torch_dtype": "bfloat16", "transformers_version": "4.54.0.dev0",
+    "use_cache": False, "use_sliding_window": False, **checks.TINY, "num_hidden_layers": 4}
+
+
+def test_hub_config(tmp_path):
+  checks.check_float32(checks.hub_saved(tmp_path, _SMOLLM3_3B), "SmolLM3-3B")

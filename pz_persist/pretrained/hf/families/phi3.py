@@ -55,6 +55,7 @@ _LONGROPE_NAMES = ("longrope", "su", "yarn")
 _COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 _LONGROPE_KEYS = {"short_factor", "long_factor", "original_max_position_embeddings", "factor",
                   "attention_factor"}
+_NEUTRAL = {"lm_head_bias": False, "interpolate_factor": 1, "full_attn_mod": 1}
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
@@ -65,6 +66,10 @@ def _numbers(value: Any) -> bool:
       for v in value)
 
 
+def _number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _dropout(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
 
@@ -72,6 +77,15 @@ def _dropout(value: Any) -> bool:
 def phi3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping with Phi-3's fused tensors, RoPE and window."""
   cfg.get("resid_pdrop")  # Dropout: inactive at inference.
+  # The Hub's Phi-3 folders name Microsoft's remote code, which transformers'
+  # own Phi3 class (the reference, and what export writes) replaces.
+  cfg.get("auto_map")
+  # Phi-4-mini's fields of that remote code, which transformers' Phi3 does not
+  # read: accepted at the values that change nothing.
+  for field, neutral in _NEUTRAL.items():
+    value = cfg.get(field, neutral)
+    if value != neutral:
+      raise cfg.unsupported(field, value, f"transformers' Phi-3 computes as if it were {neutral!r}")
   bool_field(cfg, "attention_bias", False, False, "Phi-3's projections have no biases")
   bool_field(cfg, "mlp_bias", False, False, "Phi-3's MLP has no biases")
   rotary = _read_rope(cfg)
@@ -250,5 +264,9 @@ RECORD = Family(
     rank=5,
     fields={"short_factor": (_numbers, "a list of positive numbers"),
             "long_factor": (_numbers, "a list of positive numbers"),
-            "resid_pdrop": (_dropout, "a number in [0, 1]")},
+            "resid_pdrop": (_dropout, "a number in [0, 1]"),
+            "auto_map": (lambda value: isinstance(value, dict), "a JSON object"),
+            "lm_head_bias": (lambda value: isinstance(value, bool), "true or false"),
+            "interpolate_factor": (_number, "a number"),
+            "full_attn_mod": (_number, "a number")},
 )

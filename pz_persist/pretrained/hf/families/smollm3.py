@@ -62,6 +62,9 @@ def defaults(cfg: Config, **fields: Any) -> None:
 def smollm3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping without RoPE in the layers ``no_rope_layers`` says."""
   defaults(cfg, rope_theta=2_000_000.0, tie_word_embeddings=True)
+  # Written by transformers 4's SmolLM3Config (copied from Qwen2's);
+  # transformers 5 reads layer_types instead.
+  cfg.get("max_window_layers")
   layers = cfg.require("num_hidden_layers")
   interval = cfg.get("no_rope_layer_interval", 4)
   flags = cfg.get("no_rope_layers")
