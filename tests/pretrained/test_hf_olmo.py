@@ -46,12 +46,14 @@ def test_float32_logits_match_transformers(saved, case):
   checks.check_float32(saved[case], case)
 
 
-@pytest.mark.parametrize("case", ["olmo2", "olmo3"])
+@pytest.mark.parametrize("case", [
+    "olmo2", pytest.param("olmo3", marks=pytest.mark.slow)])
 def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, case):
   checks.check_bfloat16(saved[case], case)
 
 
-@pytest.mark.parametrize("case", ["olmo2", "olmo3_default_types"])
+@pytest.mark.parametrize("case", [
+    "olmo2", pytest.param("olmo3_default_types", marks=pytest.mark.slow)])
 def test_kv_cache_sampling_matches_the_forward_pass(saved, case):
   checks.check_kv_cache(pzp.pretrained.load_hf(saved[case].folder))
 

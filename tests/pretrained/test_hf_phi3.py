@@ -58,7 +58,8 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, case):
   checks.check_bfloat16(saved[case], case)
 
 
-@pytest.mark.parametrize("case", ["phi3", "phi4_mini"])
+@pytest.mark.parametrize("case", [
+    "phi3", pytest.param("phi4_mini", marks=pytest.mark.slow)])
 def test_kv_cache_sampling_matches_the_forward_pass(saved, case):
   checks.check_kv_cache(pzp.pretrained.load_hf(saved[case].folder))
 

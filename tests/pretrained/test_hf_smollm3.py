@@ -44,7 +44,8 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
   checks.check_bfloat16(saved["smollm3_window"], "smollm3_window")
 
 
-@pytest.mark.parametrize("case", ["smollm3_window", "smollm3_interval_yarn"])
+@pytest.mark.parametrize("case", [
+    "smollm3_window", pytest.param("smollm3_interval_yarn", marks=pytest.mark.slow)])
 def test_kv_cache_sampling_matches_the_forward_pass(saved, case):
   checks.check_kv_cache(pzp.pretrained.load_hf(saved[case].folder))
 
