@@ -74,7 +74,8 @@ def test_the_constants_are_layers_holding_the_config_numbers(saved):
     ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
     ({"granite_new_feature": 1}, "granite_new_feature"),
 ])
-def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, changes, match, monkeypatch):
+def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, changes, match,
+                                                              monkeypatch):
   folder = checks.edited(saved["granite"].folder, tmp_path, **changes)
   checks.check_refused_before_building(folder, match, monkeypatch)
 
