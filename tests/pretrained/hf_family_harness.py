@@ -342,3 +342,24 @@ def hub_saved(tmp_path, hub_config: dict[str, Any]) -> Saved:
     if name.endswith(".safetensors"):
       (folder / name).write_bytes((tmp_path / "weights" / name).read_bytes())
   return Saved(folder, model, reference_logits(model))
+
+
+def check_cli_export_from_native(saved: Saved, tmp_path) -> None:
+  """The layers pz_persist adds survive ``save_model``, and ``pz-persist
+  export hf`` writes the original tensors from that checkpoint alone."""
+  from pz_persist.tools import cli  # pylint: disable=import-outside-toplevel
+  pzp.save_model(tmp_path / "native", pzp.pretrained.load_hf(saved.folder))
+  dst = tmp_path / "hf"
+  assert cli.main(["export", "hf", str(tmp_path / "native"), str(dst), "--quiet"]) == 0
+  assert_same_tensors(tensors(dst), tensors(saved.folder))
+  np.testing.assert_array_equal(reference_logits(transformers.AutoModelForCausalLM.from_pretrained(
+      dst, pad_token_id=0).eval()), saved.reference)
+
+
+def check_bfloat16_export(case: Case, tmp_path) -> None:
+  """A bfloat16 folder comes back bit for bit (no arithmetic on the way)."""
+  src = tmp_path / "bf16"
+  case.make().to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
+  pzp.export_hf(pzp.pretrained.load_hf(src), tmp_path / "out", like=src)
+  assert config(tmp_path / "out")["dtype"] == "bfloat16"
+  assert_same_tensors(tensors(tmp_path / "out"), tensors(src))

@@ -92,3 +92,7 @@ _GRANITE_33_2B = {  # ibm-granite/granite-3.3-2b-instruct, shrunk.
 
 def test_hub_config(tmp_path):
   checks.check_float32(checks.hub_saved(tmp_path, _GRANITE_33_2B), "granite-3.3-2b")
+
+
+def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
+  checks.check_cli_export_from_native(saved["granite_tied_bias"], tmp_path)

@@ -174,3 +174,11 @@ _OLMO3_7B = {  # allenai/Olmo-3-7B-Instruct, shrunk to 4 layers (one global).
                                        ("Olmo-3-7B", _OLMO3_7B)])
 def test_hub_configs(tmp_path, name, hub):
   checks.check_float32(checks.hub_saved(tmp_path, hub), name)
+
+
+def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
+  checks.check_cli_export_from_native(saved["olmo3"], tmp_path)
+
+
+def test_bfloat16_export_is_bit_for_bit(tmp_path):
+  checks.check_bfloat16_export(CASES["olmo2"], tmp_path)

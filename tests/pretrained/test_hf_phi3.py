@@ -194,3 +194,11 @@ _PHI4_MINI = {  # microsoft/Phi-4-mini-instruct, shrunk (head_dim 16: 12 rotated
 def test_hub_configs(tmp_path, name, hub):
   saved = checks.hub_saved(tmp_path, hub)
   checks.check_float32(saved, name)
+
+
+def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
+  checks.check_cli_export_from_native(saved["phi4_mini"], tmp_path)
+
+
+def test_bfloat16_export_is_bit_for_bit(tmp_path):
+  checks.check_bfloat16_export(CASES["phi4_mini"], tmp_path)

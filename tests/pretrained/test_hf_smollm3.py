@@ -114,3 +114,7 @@ _SMOLLM3_3B = {  # HuggingFaceTB/SmolLM3-3B, shrunk to 4 layers.
 
 def test_hub_config(tmp_path):
   checks.check_float32(checks.hub_saved(tmp_path, _SMOLLM3_3B), "SmolLM3-3B")
+
+
+def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
+  checks.check_cli_export_from_native(saved["smollm3"], tmp_path)
