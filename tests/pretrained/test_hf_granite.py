@@ -9,6 +9,7 @@ from penzai import pz
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
+from pz_persist import errors
 from pz_persist.pretrained.layers.constant_scale import ConstantScale
 
 _SCALES = {"embedding_multiplier": 2.5, "residual_multiplier": 0.6, "attention_multiplier": 0.2,
@@ -96,3 +97,13 @@ def test_hub_config(tmp_path):
 
 def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
   checks.check_cli_export_from_native(saved["granite_tied_bias"], tmp_path)
+
+
+def test_a_granite_model_without_its_query_scale_is_refused(saved, tmp_path):
+  """Its query scaling swapped back to Penzai's: named, nothing written."""
+  model = pzp.pretrained.load_hf(saved["granite"].folder)
+  edited = (pz.select(model).at_instances_of(pz.nn.Attention).at(lambda a: a.input_to_query)
+            .at_instances_of(ConstantScale).apply(lambda s: pz.nn.ConstantRescale(by=s.by)))
+  with pytest.raises(errors.ExportError, match="ConstantScale in the query projection"):
+    pzp.export_hf(edited, tmp_path / "out")
+  assert not (tmp_path / "out").exists()

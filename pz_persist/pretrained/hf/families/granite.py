@@ -19,6 +19,7 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.errors import ExportError
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention as first_attention
@@ -84,17 +85,27 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   lookup = next(i for i, layer in enumerate(body) if isinstance(layer, pz.nn.EmbeddingLookup))
   block = next(iter(all_layers(model, model_parts.TransformerBlock)))
   residual = all_layers(block, pz.nn.Residual)[0].delta.sublayers[-1]
-  query = all_layers(first_attention(model).input_to_query, ConstantScale)[0]
+  query = all_layers(first_attention(model).input_to_query, ConstantScale)
   biases = model_biases(model)
   return without_default_head_dim({
       **llamalike_fields(model, like),
       "attention_bias": biases.query_key_value or biases.output,
       "mlp_bias": biases.mlp,
-      "embedding_multiplier": body[lookup + 1].by,
-      "residual_multiplier": residual.by,
-      "attention_multiplier": query.by,
-      "logits_scaling": body[-1].by,
+      "embedding_multiplier": _scale(body[lookup + 1], "after the embedding lookup"),
+      "residual_multiplier": _scale(residual, "at the end of the first residual branch"),
+      "attention_multiplier": _scale(query[0] if query else None, "in the query projection"),
+      "logits_scaling": _scale(body[-1], "after the output head"),
   })
+
+
+def _scale(layer: Any, where: str) -> float:
+  """The number of Granite's `ConstantScale` ``layer``; the model is not
+  Granite's layout if it is not one."""
+  if not isinstance(layer, ConstantScale):
+    raise ExportError(f"the model has no ConstantScale {where} (it has {type(layer).__name__}),"
+                      " so it is not Granite's layout; name the right family with like=, or"
+                      " undo the edit that removed it.")
+  return layer.by
 
 
 RECORD = Family(
