@@ -232,8 +232,17 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
       **tied_field(model, like), "sliding_window": windows(model)[0]})
   found = all_layers(model, ApplyLongRoPE)
   if not found:
-    return {**fields, **rope_fields(model)}
-  layer = found[0]
+    fields.update(rope_fields(model))
+  else:
+    fields.update(_longrope_fields(model, found[0]))
+  if "partial_rotary_factor" in like:  # Written where like has it too (top level).
+    fields["partial_rotary_factor"] = fields["rope_parameters"].get("partial_rotary_factor", 1.0)
+  return fields
+
+
+def _longrope_fields(model: Any, layer: ApplyLongRoPE) -> dict[str, Any]:
+  """``rope_parameters`` and the top-level fields of `ApplyLongRoPE` ``layer``."""
+  fields: dict[str, Any] = {}
   head_dim = projection(first_attention(model).input_to_query)["projection"]
   params: dict[str, Any] = {
       "rope_type": "longrope", "rope_theta": float(layer.max_wavelength),

@@ -129,9 +129,8 @@ def _shown(values: list[Any]) -> list[Any]:
 
 
 def _detect(model: Any) -> str | None:
-  """A block without rotary layers (while others have them)."""
-  uses = _uses_rope(model)
-  return "smollm3" if 0 in uses and 1 in uses else None
+  """A block without rotary layers (Llama's layout has them in every block)."""
+  return "smollm3" if 0 in _uses_rope(model) else None
 
 
 def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
