@@ -28,6 +28,7 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import with_defaults
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import with_scaled_rope
 from pz_persist.pretrained.hf.families.olmo2 import is_post_norm
@@ -46,6 +47,7 @@ _DEFAULT_POSITIONS = 2048  # Olmo3Config's max_position_embeddings.
 def olmo3_plan(cfg: Config, weights: Weights) -> Plan:
   """OLMo 2's mapping with OLMo 3's windows and per-layer-type RoPE."""
   bool_field(cfg, "mlp_bias", False, False, "OLMo's MLP has no biases")
+  with_defaults(cfg, rms_norm_eps=1e-5)
   layers = cfg.require("num_hidden_layers")
   window = cfg.get("sliding_window", 4096)
   types = cfg.get("layer_types")
@@ -65,7 +67,7 @@ def olmo3_plan(cfg: Config, weights: Weights) -> Plan:
                  for kind in kinds(count))
 
   plan = olmo_blocks(llama_plan(cfg, weights, attention=attention),
-                     float(cfg.get("rms_norm_eps", 1e-5)))
+                     float(cfg.get("rms_norm_eps")))
 
   def build() -> model_parts.TransformerLM:
     model = plan.build()

@@ -25,6 +25,7 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import with_defaults
 from pz_persist.pretrained.hf.families.llama import Attention
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
@@ -48,20 +49,9 @@ def _positive_int(value: Any) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def defaults(cfg: Config, **fields: Any) -> None:
-  """The family's transformers defaults for fields ``config.json`` lacks
-  (where they differ from Llama's, which `llama_plan` applies)."""
-  params = cfg.raw.get("rope_parameters") or cfg.raw.get("rope_scaling") or {}
-  for key, value in fields.items():
-    if key == "rope_theta" and isinstance(params, dict) and params.get("rope_theta") is not None:
-      continue
-    if cfg.raw.get(key) is None:
-      cfg.raw[key] = value
-
-
 def smollm3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping without RoPE in the layers ``no_rope_layers`` says."""
-  defaults(cfg, rope_theta=2_000_000.0, tie_word_embeddings=True)
+  with_defaults(cfg, rope_theta=2_000_000.0, tie_word_embeddings=True)
   # Written by transformers 4's SmolLM3Config (copied from Qwen2's);
   # transformers 5 reads layer_types instead.
   cfg.get("max_window_layers")
@@ -72,7 +62,7 @@ def smollm3_plan(cfg: Config, weights: Weights) -> Plan:
     raise cfg.unsupported("no_rope_layers", _shown(flags),
                           f"expected {layers} entries (num_hidden_layers), each 0 or 1")
   attention = _attention(cfg, layers, flags, interval)
-  plan = llama_plan(cfg, weights, attention=attention)
+  plan = llama_plan(cfg, weights, attention=attention, max_positions_default=32768)
 
   def build() -> model_parts.TransformerLM:
     # Called once llama_plan has checked the layer count against the weights.
