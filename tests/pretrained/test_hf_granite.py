@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import transformers
+import treescope
 from penzai import pz
 
 import pz_persist as pzp
@@ -107,3 +108,8 @@ def test_a_granite_model_without_its_query_scale_is_refused(saved, tmp_path):
   with pytest.raises(errors.ExportError, match="ConstantScale in the query projection"):
     pzp.export_hf(edited, tmp_path / "out")
   assert not (tmp_path / "out").exists()
+
+
+def test_constant_scale_renders_in_treescope(saved):
+  text = treescope.render_to_text(pzp.pretrained.load_hf(saved["granite"].folder))
+  assert "ConstantScale(by=2.5" in text and "divide=True" in text

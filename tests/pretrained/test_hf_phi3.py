@@ -7,11 +7,14 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import transformers
+import treescope
 from penzai import pz
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
 from pz_persist import errors
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import stored_layout
 from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
 
 
@@ -205,3 +208,22 @@ def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
 
 def test_bfloat16_export_is_bit_for_bit(tmp_path):
   checks.check_bfloat16_export(CASES["phi4_mini"], tmp_path)
+
+
+def test_row_ranges_must_tile_the_fused_tensor():
+  """Export stacks each projection's rows back into the fused tensor; ranges
+  that overlap or leave a gap describe no tensor and are refused."""
+  def spec(label, rows):
+    return TensorSpec(label, "qkv", (rows[1] - rows[0], 2), ("a", "b"), stored=(6, 2), rows=rows)
+  values = [np.full((2, 2), i, np.float32) for i in range(3)]
+  tiled = [spec("q", (0, 2)), spec("k", (2, 4)), spec("v", (4, 6))]
+  np.testing.assert_array_equal(stored_layout(tiled[::-1], values[::-1]),
+                                np.repeat(np.arange(3, dtype=np.float32), 4).reshape(6, 2))
+  for rows in [((0, 2), (1, 3), (4, 6)), ((0, 2), (2, 4), (5, 7))]:
+    with pytest.raises(ValueError, match="do not cover its 6 rows"):
+      stored_layout([spec(n, r) for n, r in zip("qkv", rows)], values)
+
+
+def test_the_added_layers_render_in_treescope(saved):
+  text = treescope.render_to_text(pzp.pretrained.load_hf(saved["phi4_mini"].folder))
+  assert "ApplyLongRoPE(" in text and "rotary_dim=12" in text
