@@ -143,6 +143,7 @@ def test_olmo3_config_of_transformers_4_loads(saved, tmp_path):
     ({"layer_types": ["sliding_attention"]}, "layer_types"),
     ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
     ({"sliding_window": 0}, "sliding_window"),
+    ({"sliding_window": None}, "sliding_window.*null"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "rope_parameters"),
     ({"rope_parameters": {"full_attention": {"rope_type": "longrope"}}}, "rope_type"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": -1}}},

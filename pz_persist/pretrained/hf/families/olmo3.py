@@ -49,12 +49,16 @@ def olmo3_plan(cfg: Config, weights: Weights) -> Plan:
   bool_field(cfg, "mlp_bias", False, False, "OLMo's MLP has no biases")
   with_defaults(cfg, rms_norm_eps=1e-5)
   layers = cfg.require("num_hidden_layers")
-  window = cfg.get("sliding_window", 4096)
+  window = cfg.nullable("sliding_window", 4096)
   types = cfg.get("layer_types")
   if types is not None and (len(types) != layers or not set(types) <= set(_LAYER_TYPES)):
     shown = types if len(types) <= 8 else [*types[:8], "..."]
     raise cfg.unsupported("layer_types", shown, f"expected {layers} entries (num_hidden_layers),"
                           f" each one of {list(_LAYER_TYPES)}")
+  if window is None and (types is None or "sliding_attention" in types):
+    raise cfg.unsupported("sliding_window", None, "layers are sliding_attention (layer_types:"
+                          f" {'every one but each fourth' if types is None else 'some'}) but"
+                          " the window is null")
   ropes = _ropes(cfg)
 
   def kinds(count: int) -> list[str]:
@@ -62,9 +66,12 @@ def olmo3_plan(cfg: Config, weights: Weights) -> Plan:
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(count)]
 
   def attention(count: int):
-    return tuple(llamalike_common.AttentionTypeSlidingWindowCausal(window)
-                 if kind == "sliding_attention" else llamalike_common.AttentionTypeGlobalCausal()
-                 for kind in kinds(count))
+    def one(kind: str) -> llamalike_common.AttentionType:
+      if kind == "full_attention":
+        return llamalike_common.AttentionTypeGlobalCausal()
+      assert window is not None  # A sliding layer without a window was refused above.
+      return llamalike_common.AttentionTypeSlidingWindowCausal(window)
+    return tuple(one(kind) for kind in kinds(count))
 
   plan = olmo_blocks(llama_plan(cfg, weights, attention=attention),
                      float(cfg.get("rms_norm_eps")))
