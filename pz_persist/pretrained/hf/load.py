@@ -278,8 +278,8 @@ def _read(
   file = where[spec.source]  # `_check_tensors` made sure it is there, of this size.
   # Cast while reading unless a slice is taken or an offset added after (then
   # only the slice is cast, and the offset is added to the stored values).
-  host = file.get(spec.source, dtype=dtype if spec.take is None and not spec.offset else None,
-                  allow_lossy=allow_lossy)
+  whole = spec.take is None and spec.rows is None and not spec.offset
+  host = file.get(spec.source, dtype=dtype if whole else None, allow_lossy=allow_lossy)
   host = casts.cast(penzai_layout(spec, host), dtype, allow_lossy=allow_lossy,
                     where=f"safetensors file {file.path}, tensor {spec.source!r}")
   data = jax.device_put(host, place(spec.axes, host.shape, spec.label))

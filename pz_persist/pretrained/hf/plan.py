@@ -38,6 +38,11 @@ class TensorSpec:
     offset: Added to the stored value, in float32, to make the Penzai value
       (Penzai's own Gemma norms hold ``1 + w`` where Hugging Face stores
       ``w``); 0 for an exact copy.
+    rows: ``(start, stop)``: only these rows of the stored tensor (its first
+      dimension; ``stored`` is the whole tensor's shape) make the parameter,
+      before the reshape to ``shape``. Phi-3 stores the query, key and value
+      projections in one tensor whose parts differ in size (grouped-query
+      attention), which ``take`` cannot split.
   """
 
   label: str
@@ -47,6 +52,7 @@ class TensorSpec:
   take: tuple[int, int] | None = None
   stored: tuple[int, ...] | None = None
   offset: float = 0.0
+  rows: tuple[int, int] | None = None
 
   @property
   def file_shape(self) -> tuple[int, ...]:
@@ -118,6 +124,8 @@ def check_layers(cfg: Config, names: set[str], prefix: str, layers: int) -> None
 def penzai_layout(spec: TensorSpec, stored: np.ndarray) -> np.ndarray:
   """The stored tensor laid out as the Penzai parameter ``spec`` describes
   (its dtype unchanged unless ``spec.offset`` asks for float32 arithmetic)."""
+  if spec.rows is not None:
+    stored = stored[spec.rows[0]:spec.rows[1]]
   host = stored.reshape(spec.shape)
   if spec.take is not None:
     dim, index = spec.take
@@ -142,6 +150,8 @@ def stored_layout(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
       differ (the message names the labels; callers wrap it).
   """
   first = specs[0]
+  if first.rows is not None:
+    return _stacked_rows(specs, values)
   if first.take is None:
     for spec, value in zip(specs[1:], values[1:]):
       if spec.take is not None or value.dtype != values[0].dtype or not np.array_equal(
@@ -169,3 +179,20 @@ def _unoffset(spec: TensorSpec, value: np.ndarray) -> np.ndarray:
     return value
   return casts.cast(value.astype(np.float32) - np.float32(spec.offset), value.dtype,
                     allow_lossy=False, where=f"{spec.label!r} minus {spec.offset}")
+
+
+def _stacked_rows(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> np.ndarray:
+  """The stored tensor whose row ranges ``specs`` read ``values`` from; the
+  ranges must tile its first dimension once."""
+  first = specs[0]
+  shape = first.file_shape
+  parts = sorted(((spec.rows or (-1, -1)), spec.label, _unoffset(spec, value))
+                 for spec, value in zip(specs, values))
+  ends = [0] + [stop for (_, stop), _, _ in parts]
+  if any(start != end for ((start, _), _, _), end in zip(parts, ends)) or ends[-1] != shape[0]:
+    raise ValueError(
+        f"{first.source!r} is fused from {[s.label for s in specs]}, whose rows"
+        f" {[rows for rows, _, _ in parts]} do not cover its {shape[0]} rows once each"
+    )
+  return np.concatenate([value.reshape(stop - start, *shape[1:])
+                         for (start, stop), _, value in parts], axis=0)

@@ -1,0 +1,283 @@
+"""Phi-3, Phi-3.5, Phi-4 and Phi-4-mini checkpoints (``model_type`` ``phi3``).
+
+Phi-3 is Llama's layout (`pz_persist.pretrained.hf.families.llama`) stored
+differently, plus its own RoPE:
+
+- The query, key and value projections are one tensor (``qkv_proj``: the
+  query rows, then the key rows, then the value rows), and the MLP's gate and
+  up projections another (``gate_up_proj``: gate rows, then up rows). Each
+  Penzai projection reads its range of rows (`TensorSpec.rows`), so the model
+  is Penzai's own llama-like one, and export writes the fused tensors back
+  bit for bit.
+- ``rope_type`` ``longrope`` (long-context Phi-3 and Phi-4-mini; ``su`` and
+  ``yarn`` are older names transformers maps to it) becomes
+  `ApplyLongRoPE`; ``partial_rotary_factor`` (Phi-4-mini's 0.75) rotates
+  only a prefix of each head (`ApplyLongRoPE.rotary_dim`, or Penzai's
+  ``ApplyRoPEToSubset`` without longrope). The top-level
+  ``original_max_position_embeddings`` wins over the one in the RoPE dict,
+  as in transformers.
+- ``sliding_window`` (Phi-3-mini-4k's 2047) applies to every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from penzai import pz
+from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import llamalike_common
+
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config_from_model import activation_field
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import attention as first_attention
+from pz_persist.pretrained.hf.config_from_model import projection
+from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
+from pz_persist.pretrained.hf.config_from_model import rope_fields
+from pz_persist.pretrained.hf.config_from_model import size_fields
+from pz_persist.pretrained.hf.config_from_model import tied_field
+from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import with_defaults
+from pz_persist.pretrained.hf.families.llama import llama_plan
+from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.record import Family
+from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import Weights
+from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
+
+_DEFAULT_THETA = 10_000.0
+_DEFAULT_POSITIONS = 4096  # Phi3Config's max_position_embeddings and original_...
+_LONGROPE_NAMES = ("longrope", "su", "yarn")
+_COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+_LONGROPE_KEYS = {"short_factor", "long_factor", "original_max_position_embeddings", "factor",
+                  "attention_factor"}
+_NEUTRAL = {"lm_head_bias": False, "interpolate_factor": 1, "full_attn_mod": 1}
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _numbers(value: Any) -> bool:
+  return isinstance(value, list) and all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+      for v in value)
+
+
+def _number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _dropout(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
+def phi3_plan(cfg: Config, weights: Weights) -> Plan:
+  """Llama's mapping with Phi-3's fused tensors, RoPE and window."""
+  with_defaults(cfg, rms_norm_eps=1e-5)
+  cfg.get("resid_pdrop")  # Dropout: inactive at inference.
+  # The Hub's Phi-3 folders name Microsoft's remote code, which transformers'
+  # own Phi3 class (the reference, and what export writes) replaces.
+  cfg.get("auto_map")
+  # Phi-4-mini's fields of that remote code, which transformers' Phi3 does not
+  # read: accepted at the values that change nothing.
+  for field, neutral in _NEUTRAL.items():
+    value = cfg.get(field, neutral)
+    if value != neutral:
+      raise cfg.unsupported(field, value, f"transformers' Phi-3 computes as if it were {neutral!r}")
+  bool_field(cfg, "attention_bias", False, False, "Phi-3's projections have no biases")
+  bool_field(cfg, "mlp_bias", False, False, "Phi-3's MLP has no biases")
+  rotary = _read_rope(cfg)
+  window = cfg.nullable("sliding_window", None)
+  shared = (llamalike_common.AttentionTypeGlobalCausal() if window is None
+            else llamalike_common.AttentionTypeSlidingWindowCausal(window))
+  plan = llama_plan(cfg, weights, attention=lambda layers: shared)
+  specs = _fused(plan.tensors)
+
+  def build() -> model_parts.TransformerLM:
+    return pz.select(plan.build()).at_instances_of(pz.nn.ApplyRoPE).apply(rotary)
+
+  return Plan(build, specs)
+
+
+def _read_rope(cfg: Config):
+  """Phi-3's RoPE, read here in full (transformers' Phi-3 reads ``longrope``
+  and a partial rotary fraction, which Llama's reader refuses); Llama's
+  reader is then handed the unscaled base alone. Returns the function
+  replacing each of Penzai's ``ApplyRoPE`` layers."""
+  found: dict[str, dict[str, Any]] = {
+      key: value for key in ("rope_parameters", "rope_scaling") if (value := cfg.get(key))}
+  if len(found) == 2 and found["rope_parameters"] != found["rope_scaling"]:
+    raise cfg.unsupported("rope_scaling", found["rope_scaling"],
+                          "rope_parameters says otherwise; keep one of them")
+  key, params = next(iter(found.items()), ("rope_parameters", {}))
+  params = dict(params)  # (A JSON object: `Config.get` checked it.)
+  kinds = {params.get(name) for name in ("rope_type", "type")} - {None}
+  kind = next(iter(kinds), "default")
+  if len(kinds) > 1 or kind not in ("default", *_LONGROPE_NAMES):
+    raise cfg.unsupported(f"{key}.rope_type", params.get("rope_type", params.get("type")),
+                          f"Phi-3's rope types are 'default' and 'longrope' ({_LONGROPE_NAMES})")
+  longrope = kind != "default"
+  allowed = _COMMON_KEYS | (_LONGROPE_KEYS if longrope else set())
+  unknown = sorted(set(params) - allowed)
+  if unknown:
+    raise cfg.unsupported(f"{key}.{unknown[0]}", params[unknown[0]],
+                          f"rope_type {kind!r} reads only {sorted(allowed)}")
+  theta = _agreeing(cfg, key, params, "rope_theta", _DEFAULT_THETA)
+  fraction = _agreeing(cfg, key, params, "partial_rotary_factor", 1.0)
+  # Phi3Config always has the top-level field (default 4096), which wins.
+  original = cfg.get("original_max_position_embeddings", _DEFAULT_POSITIONS)
+  hidden, heads = cfg.require("hidden_size"), cfg.require("num_attention_heads")
+  head_dim = cfg.get("head_dim", hidden // heads)
+  rotary_dim = int(head_dim * fraction)
+  if rotary_dim < 2 or rotary_dim % 2:
+    raise cfg.unsupported("partial_rotary_factor", fraction,
+                          f"it rotates {rotary_dim} of {head_dim} entries; RoPE needs an even"
+                          " number of at least 2")
+  # Llama's reader sees the unscaled base alone.
+  cfg.raw.pop("rope_scaling", None)
+  cfg.raw.pop("partial_rotary_factor", None)
+  cfg.raw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+  subset = None if rotary_dim == head_dim else rotary_dim
+  if not longrope:
+    if subset is None:
+      return lambda layer: layer
+    return lambda layer: pz.nn.ApplyRoPEToSubset(
+        embedding_axis=layer.embedding_axis, max_wavelength=layer.max_wavelength,
+        rope_subset_size=subset, positions_input_name=layer.positions_input_name)
+
+  factors = {}
+  for name in ("short_factor", "long_factor"):
+    value = params.get(name)
+    if not isinstance(value, list) or not _numbers(value) or len(value) != rotary_dim // 2:
+      shown = f"a list of {len(value)}" if isinstance(value, list) else value
+      raise cfg.unsupported(f"{key}.{name}", shown,
+                            f"longrope needs {rotary_dim // 2} positive numbers, one per rotated"
+                            " pair of each head")
+    factors[name] = tuple(float(v) for v in value)
+  inner = params.get("original_max_position_embeddings")
+  if inner is not None and inner != original:
+    raise cfg.unsupported(f"{key}.original_max_position_embeddings", inner,
+                          f"the top-level original_max_position_embeddings={original}, which"
+                          " transformers' Phi-3 uses instead, says otherwise")
+  factor = params.get("factor")
+  factor = None if factor is None else cfg.checked(f"{key}.factor", factor)
+  attention_factor = params.get("attention_factor")
+  if attention_factor is not None:
+    attention_factor = cfg.checked(f"{key}.attention_factor", attention_factor)
+  max_positions = None
+  if factor is None and attention_factor is None:
+    max_positions = cfg.get("max_position_embeddings", _DEFAULT_POSITIONS)
+
+  def longrope_layer(layer: pz.nn.ApplyRoPE) -> ApplyLongRoPE:
+    return ApplyLongRoPE(
+        embedding_axis=layer.embedding_axis, max_wavelength=layer.max_wavelength,
+        positions_input_name=layer.positions_input_name,
+        original_max_position_embeddings=original, factor=factor,
+        attention_factor=attention_factor, max_position_embeddings=max_positions,
+        rotary_dim=subset, **factors)
+
+  return longrope_layer
+
+
+def _agreeing(cfg: Config, key: str, params: Mapping[str, Any], name: str, default: Any) -> Any:
+  """``params[name]``, which must agree with the top-level field ``name``."""
+  inner = params.get(name)
+  inner = None if inner is None else cfg.checked(f"{key}.{name}", inner)
+  outer = cfg.get(name)
+  if inner is not None and outer is not None and inner != outer:
+    raise cfg.unsupported(name, outer, f"{key}.{name}={inner!r} says otherwise")
+  return next((v for v in (inner, outer) if v is not None), default)
+
+
+def _fused(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+  """Llama's specs reading Phi-3's fused tensors: each projection its rows."""
+  out = []
+  offsets: dict[str, int] = {}
+  totals: dict[str, int] = {}
+  for spec in specs:
+    module = spec.source.rsplit(".", 2)[-2]
+    if module in _FUSED:
+      source = spec.source.replace(module, _FUSED[module])
+      rows = (spec.stored or spec.shape)[0]
+      totals[source] = totals.get(source, 0) + rows
+  for spec in specs:
+    module = spec.source.rsplit(".", 2)[-2]
+    if module not in _FUSED:
+      out.append(spec)
+      continue
+    source = spec.source.replace(module, _FUSED[module])
+    stored = spec.stored or spec.shape
+    start = offsets.get(source, 0)
+    offsets[source] = start + stored[0]
+    out.append(TensorSpec(spec.label, source, spec.shape, spec.axes,
+                          stored=(totals[source], *stored[1:]), rows=(start, start + stored[0])))
+  return tuple(out)
+
+
+def _detect(model: Any) -> str | None:
+  """LongRoPE, or a partial rotary embedding on RMS-normed blocks."""
+  if all_layers(model, ApplyLongRoPE):
+    return "phi3"
+  if all_layers(model, pz.nn.ApplyRoPEToSubset) and not all_layers(model, pz.nn.Standardize):
+    return "phi3"
+  return None
+
+
+def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+  del model_type  # Only phi3.
+  fields = without_default_head_dim({
+      **size_fields(model), **rms_norm_fields(model), **activation_field(model, like),
+      **tied_field(model, like), "sliding_window": windows(model)[0]})
+  found = all_layers(model, ApplyLongRoPE)
+  if not found:
+    fields.update(rope_fields(model))
+  else:
+    fields.update(_longrope_fields(model, found[0]))
+  if "partial_rotary_factor" in like:  # Written where like has it too (top level).
+    fields["partial_rotary_factor"] = fields["rope_parameters"].get("partial_rotary_factor", 1.0)
+  return fields
+
+
+def _longrope_fields(model: Any, layer: ApplyLongRoPE) -> dict[str, Any]:
+  """``rope_parameters`` and the top-level fields of `ApplyLongRoPE` ``layer``."""
+  fields: dict[str, Any] = {}
+  head_dim = projection(first_attention(model).input_to_query)["projection"]
+  params: dict[str, Any] = {
+      "rope_type": "longrope", "rope_theta": float(layer.max_wavelength),
+      "short_factor": list(layer.short_factor), "long_factor": list(layer.long_factor),
+      "partial_rotary_factor": (layer.rotary_dim or head_dim) / head_dim,
+      # Where transformers 5 writes it too (the top-level one wins on reading).
+      "original_max_position_embeddings": layer.original_max_position_embeddings,
+  }
+  if layer.factor is not None:
+    params["factor"] = layer.factor
+  if layer.attention_factor is not None:
+    params["attention_factor"] = layer.attention_factor
+  fields.update(rope_parameters=params,
+                original_max_position_embeddings=layer.original_max_position_embeddings)
+  if layer.max_position_embeddings is not None:
+    fields["max_position_embeddings"] = layer.max_position_embeddings
+  return fields
+
+
+RECORD = Family(
+    title="Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
+    model_types={"phi3": ModelType(phi3_plan, "Phi3ForCausalLM")},
+    detect=_detect,
+    write_config=_write_config,
+    adds=("fused `qkv_proj` / `gate_up_proj` read as Penzai's separate projections (and written"
+          " back fused), `longrope` (`ApplyLongRoPE`), partial rotary, a window on every layer"),
+    refuses="rope types other than `default` / `longrope`, biases",
+    rank=5,
+    fields={"short_factor": (_numbers, "a list of positive numbers"),
+            "long_factor": (_numbers, "a list of positive numbers"),
+            "resid_pdrop": (_dropout, "a number in [0, 1]"),
+            "auto_map": (lambda value: isinstance(value, dict), "a JSON object"),
+            "lm_head_bias": (lambda value: isinstance(value, bool), "true or false"),
+            "interpolate_factor": (_number, "a number"),
+            "full_attn_mod": (_number, "a number")},
+)

@@ -1,0 +1,365 @@
+"""The checks every Hugging Face family's test file runs (issue 27, item 5),
+shared so that each family's file lists only its cases and its features.
+
+A case is a tiny random transformers model (every parameter redrawn, norms
+near one, see `randomized`) saved with ``save_pretrained``; `saved_cases`
+builds them once per test module. The checks:
+
+- `check_float32`: ``load_hf``'s logits within 1e-4 (absolute and
+  relative) of transformers' on the two sequences of `TOKENS`; returns the
+  measured maximum error, which the tests print.
+- `check_bfloat16`: a bfloat16 load as far from the float32 logits as
+  transformers' own bfloat16 run (within a factor of two, plus 0.05 on the
+  maximum and 0.01 on the mean, as test_hf.py).
+- `check_kv_cache`: Penzai's KV-cache sampling mode, fed the sequences token
+  by token after a 3-token prompt, gives the forward pass's logits.
+- `check_save_model`: ``save_model`` / ``load_model`` keeps every parameter
+  bit for bit and the logits.
+- `check_export`: ``export_hf`` (with ``like`` and from the model alone)
+  writes the original tensors bit for bit, a config transformers reads as
+  the same class and the same config, and transformers computes exactly
+  the original logits from it.
+- `check_feature_binds`: a feature switched off in transformers' config
+  changes its logits by more than the tolerance (so a loader ignoring the
+  feature would fail `check_float32`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+from penzai import pz
+from penzai.models.transformer import sampling_mode
+from penzai.models.transformer.variants import llamalike_common
+
+import pz_persist as pzp
+from pretrained.family_checks import SEQUENCES
+from pz_persist import errors
+
+TOKENS = SEQUENCES
+"""Three sequences of ten tokens (those of h-records' `family_checks`),
+longer than every test window and than the longrope cases' original
+context."""
+
+TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+
+COMMON = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64,
+              "intermediate_size": 64, "initializer_range": 0.3, "pad_token_id": 0}
+"""The tiny size of every case (overridden per case)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """A tiny transformers model: its config and model classes and fields."""
+
+  config_cls: type
+  model_cls: type
+  fields: dict[str, Any]
+
+  def config(self, **changes: Any) -> Any:
+    return self.config_cls(**dict(COMMON, **dict(self.fields, **changes)))
+
+  def make(self, **changes: Any) -> Any:
+    torch.manual_seed(0)
+    return randomized(self.model_cls(self.config(**changes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  folder: Any
+  hf_model: Any
+  reference: np.ndarray
+
+
+def randomized(model):
+  """``model`` with every parameter redrawn: norms near one, the rest around
+  zero (so a norm or bias put on the wrong axis changes the logits)."""
+  generator = torch.Generator().manual_seed(1)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      noise = torch.randn(param.shape, generator=generator) * 0.3
+      param.copy_(noise + (1.0 if "norm" in name else 0.0))
+  return model.eval()
+
+
+def reference_logits(model, tokens: np.ndarray = TOKENS) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def penzai_logits(model, tokens: np.ndarray = TOKENS) -> np.ndarray:
+  out = model(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
+  return np.asarray(out.untag("batch", "seq", "vocabulary").unwrap().astype(jnp.float32))
+
+
+def saved_cases(tmp_path_factory, cases: dict[str, Case]) -> dict[str, Saved]:
+  result = {}
+  for name, case in cases.items():
+    model = case.make()
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder, safe_serialization=True)
+    result[name] = Saved(folder, model, reference_logits(model))
+  return result
+
+
+def check_float32(saved: Saved, name: str) -> float:
+  logits = penzai_logits(pzp.pretrained.load_hf(saved.folder))
+  assert np.abs(saved.reference).max() > 0.5  # Logits of order one.
+  np.testing.assert_allclose(logits, saved.reference, **TOLERANCE)
+  error = float(np.abs(logits - saved.reference).max())
+  print(f"{name} float32 max abs error: {error:.3g}")
+  return error
+
+
+def check_bfloat16(saved: Saved, name: str) -> None:
+  hf_bf16 = reference_logits(type(saved.hf_model).from_pretrained(saved.folder,
+                                                                  dtype=torch.bfloat16))
+  model = pzp.pretrained.load_hf(saved.folder, dtype=jnp.bfloat16)
+  assert {p.value.dtype for p in pz.unbind_params(model)[1]} == {jnp.dtype(jnp.bfloat16)}
+  ours = np.abs(penzai_logits(model) - saved.reference)
+  theirs = np.abs(hf_bf16 - saved.reference)
+  print(f"{name} bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
+        f" (transformers bfloat16: max {theirs.max():.3g} mean {theirs.mean():.3g})")
+  assert ours.max() <= 2 * theirs.max() + 0.05
+  assert ours.mean() <= 2 * theirs.mean() + 0.01
+
+
+def _jitted(sampler):
+  """``sampler``'s calls compiled whole, its KV cache carried between them."""
+  slots, frozen = pz.unbind_state_vars(sampler, freeze=True)
+
+  @jax.jit
+  def step(state, tokens):
+    variables = [value.unfreeze_as_copy() for value in state]
+    out = pz.bind_variables(slots, variables)(tokens)
+    return out, [variable.freeze() for variable in variables]
+
+  def call(tokens):
+    nonlocal frozen
+    out, frozen = step(frozen, tokens)
+    return out
+
+  return call
+
+
+def check_kv_cache(model, prompt: int = 3) -> None:
+  """The sequences fed to the KV-cache sampler (prompt, then one token per
+  call) give the forward pass's logits at every position after the prompt."""
+  full = penzai_logits(model)
+  sampler = _jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
+      model, cache_len=TOKENS.shape[1], batch_axes={"batch": TOKENS.shape[0]}, pad_id=-1))
+  steps = [sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, :prompt]), "batch", "seq"))]
+  for i in range(prompt, TOKENS.shape[1]):
+    steps.append(sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, i:i + 1]), "batch", "seq")))
+  cached = np.concatenate(
+      [np.asarray(s.untag("batch", "seq", "vocabulary").unwrap(), np.float32) for s in steps], 1)
+  np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
+
+
+def _params(model) -> dict[str, Any]:
+  return {p.label: p.value for p in pz.unbind_params(model)[1]}
+
+
+def check_save_model(saved: Saved, tmp_path) -> None:
+  model = pzp.pretrained.load_hf(saved.folder)
+  pzp.save_model(tmp_path / "native", model)
+  restored = pzp.load_model(tmp_path / "native")
+  before, after = _params(model), _params(restored)
+  assert before.keys() == after.keys()
+  for label, value in before.items():
+    np.testing.assert_array_equal(np.asarray(after[label].data_array),
+                                  np.asarray(value.data_array), err_msg=label)
+  np.testing.assert_array_equal(penzai_logits(restored), penzai_logits(model))
+
+
+def tensors(folder) -> dict[str, np.ndarray]:
+  out = {}
+  for name in os.listdir(folder):
+    if name.endswith(".safetensors"):
+      out.update(safetensors.numpy.load_file(os.path.join(folder, name)))
+  return out
+
+
+def config(folder) -> dict:
+  with open(os.path.join(folder, "config.json")) as f:
+    return json.load(f)
+
+
+def _transformers_config(folder) -> dict:
+  loaded = transformers.AutoConfig.from_pretrained(folder).to_dict()
+  for bookkeeping in ("_name_or_path", "transformers_version"):
+    loaded.pop(bookkeeping, None)
+  return loaded
+
+
+def assert_same_tensors(got: dict, want: dict) -> None:
+  assert sorted(got) == sorted(want)
+  for name in want:
+    assert (got[name].dtype, got[name].shape) == (want[name].dtype, want[name].shape), name
+    assert got[name].tobytes() == want[name].tobytes(), name
+
+
+def check_export(saved: Saved, tmp_path, model_type: str | None,
+                 same_fields: tuple[str, ...] = ()) -> None:
+  """With ``like``: the same tensors, the same transformers config and class,
+  exactly the original logits. Without (unless ``model_type`` is None): the
+  family and ``same_fields`` come from the model alone, and the tensors are
+  the same."""
+  model = pzp.pretrained.load_hf(saved.folder)
+  dst = tmp_path / "like"
+  pzp.export_hf(model, dst, like=saved.folder)
+  assert_same_tensors(tensors(dst), tensors(saved.folder))
+  got, want = _transformers_config(dst), _transformers_config(saved.folder)
+  assert got == want, {k: (got.get(k), want.get(k)) for k in {*got, *want}
+                       if got.get(k) != want.get(k)}
+  exported = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+  assert type(exported) is type(saved.hf_model)
+  np.testing.assert_array_equal(reference_logits(exported), saved.reference)
+  if model_type is None:
+    return
+
+  alone = tmp_path / "alone"
+  pzp.export_hf(model, alone)
+  assert_same_tensors(tensors(alone), tensors(saved.folder))
+  written, original = config(alone), config(saved.folder)
+  assert written["model_type"] == model_type
+  for field in same_fields:
+    assert written.get(field) == original.get(field), (field, written.get(field),
+                                                       original.get(field))
+  # (The token ids are not the model's: the tiny vocabulary needs pad 0.)
+  np.testing.assert_array_equal(reference_logits(transformers.AutoModelForCausalLM.from_pretrained(
+      alone, pad_token_id=0).eval()), saved.reference)
+
+
+def check_feature_binds(saved: Saved, case: Case, **off: Any) -> float:
+  """transformers' logits with ``off`` applied to the config (the same
+  weights) differ from the reference by more than the tolerance; returns
+  that difference."""
+  model = case.model_cls(case.config(**off))
+  model.load_state_dict(saved.hf_model.state_dict())
+  changed = float(np.abs(reference_logits(model.eval()) - saved.reference).max())
+  print(f"without {off}: logits change by {changed:.3g}")
+  assert changed > 100 * TOLERANCE["atol"]
+  return changed
+
+
+def edited(folder, tmp_path, **changes: Any):
+  """A copy of ``folder`` with ``config.json`` edited (``DELETE`` removes a
+  field); the weights copied, not linked."""
+  target = tmp_path / "edited"
+  target.mkdir()
+  for name in os.listdir(folder):
+    if name != "config.json":
+      (target / name).write_bytes((folder / name).read_bytes())
+  raw = config(folder)
+  raw.update(changes)
+  raw = {k: v for k, v in raw.items() if v is not DELETE}
+  (target / "config.json").write_text(json.dumps(raw))
+  return target
+
+
+DELETE = object()
+
+
+def check_modules_bind(saved: Saved, case: Case, what: str, edit: Callable[[Any], None]) -> float:
+  """transformers' logits with ``edit`` applied to a copy of the model (a
+  norm replaced by the identity...) differ from the reference by more than
+  the tolerance; returns that difference."""
+  model = case.model_cls(case.config())
+  model.load_state_dict(saved.hf_model.state_dict())
+  edit(model)
+  changed = float(np.abs(reference_logits(model.eval()) - saved.reference).max())
+  print(f"without {what}: logits change by {changed:.3g}")
+  assert changed > 100 * TOLERANCE["atol"]
+  return changed
+
+
+def check_kv_cache_like_transformers(model, hf_model, prompt: int = 3) -> None:
+  """The KV-cache sampler fed the sequences token by token gives the logits
+  transformers gives fed them the same way (its own KV cache): for RoPE
+  whose frequencies depend on the call's largest position (longrope past
+  its original context), where a forward pass over the whole sequence
+  differs from both."""
+  sampler = _jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
+      model, cache_len=TOKENS.shape[1], batch_axes={"batch": TOKENS.shape[0]}, pad_id=-1))
+  ours, theirs = [], []
+  with torch.no_grad():
+    out = hf_model(torch.tensor(TOKENS[:, :prompt]), use_cache=True)
+    theirs.append(out.logits.float().numpy())
+    for i in range(prompt, TOKENS.shape[1]):
+      out = hf_model(torch.tensor(TOKENS[:, i:i + 1]), past_key_values=out.past_key_values,
+                     use_cache=True)
+      theirs.append(out.logits.float().numpy())
+  ours.append(sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, :prompt]), "batch", "seq")))
+  for i in range(prompt, TOKENS.shape[1]):
+    ours.append(sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, i:i + 1]), "batch", "seq")))
+  cached = np.concatenate(
+      [np.asarray(s.untag("batch", "seq", "vocabulary").unwrap(), np.float32) for s in ours], 1)
+  np.testing.assert_allclose(cached, np.concatenate(theirs, 1), **TOLERANCE)
+
+
+def check_refused_before_building(folder, match: str, monkeypatch) -> None:
+  """``load_hf`` refuses ``folder`` with `UnsupportedConfigError` naming
+  ``match``, before any skeleton is built (Penzai's builder is replaced by
+  one that fails the test)."""
+  def no_build(*args, **kwargs):
+    raise AssertionError("a skeleton was built before the config was refused")
+
+  monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", no_build)
+  with pytest.raises(errors.UnsupportedConfigError, match=match):
+    pzp.pretrained.load_hf(folder)
+
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+"""The sizes a Hub ``config.json`` is shrunk to (its other fields kept)."""
+
+
+def hub_saved(tmp_path, hub_config: dict[str, Any]) -> Saved:
+  """A random model of a Hub ``config.json`` (as the Hub has it, written by
+  an older transformers; sizes from `TINY` unless it sets them), saved
+  with that very file."""
+  folder = tmp_path / "hub"
+  folder.mkdir()
+  (folder / "config.json").write_text(json.dumps(hub_config))
+  torch.manual_seed(0)
+  model = randomized(transformers.AutoModelForCausalLM.from_config(
+      transformers.AutoConfig.from_pretrained(folder)).float())  # Weights in float32.
+  model.save_pretrained(tmp_path / "weights", safe_serialization=True)
+  for name in os.listdir(tmp_path / "weights"):
+    if name.endswith(".safetensors"):
+      (folder / name).write_bytes((tmp_path / "weights" / name).read_bytes())
+  return Saved(folder, model, reference_logits(model))
+
+
+def check_cli_export_from_native(saved: Saved, tmp_path) -> None:
+  """The layers pz_persist adds survive ``save_model``, and ``pz-persist
+  export hf`` writes the original tensors from that checkpoint alone."""
+  from pz_persist.tools import cli  # pylint: disable=import-outside-toplevel
+  pzp.save_model(tmp_path / "native", pzp.pretrained.load_hf(saved.folder))
+  dst = tmp_path / "hf"
+  assert cli.main(["export", "hf", str(tmp_path / "native"), str(dst), "--quiet"]) == 0
+  assert_same_tensors(tensors(dst), tensors(saved.folder))
+  np.testing.assert_array_equal(reference_logits(transformers.AutoModelForCausalLM.from_pretrained(
+      dst, pad_token_id=0).eval()), saved.reference)
+
+
+def check_bfloat16_export(case: Case, tmp_path) -> None:
+  """A bfloat16 folder comes back bit for bit (no arithmetic on the way)."""
+  src = tmp_path / "bf16"
+  case.make().to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
+  pzp.export_hf(pzp.pretrained.load_hf(src), tmp_path / "out", like=src)
+  assert config(tmp_path / "out")["dtype"] == "bfloat16"
+  assert_same_tensors(tensors(tmp_path / "out"), tensors(src))
