@@ -116,6 +116,6 @@ RECORD = Family(
     adds=("Llama's layout with `embedding_multiplier`, `residual_multiplier`,"
           " `attention_multiplier` and `logits_scaling` (`ConstantScale`)"),
     refuses="what Llama refuses; Granite MoE and hybrid models (other `model_type`s)",
-    rank=15,
+    rank=12,
     fields=dict.fromkeys(_MULTIPLIERS, (_positive_number, "a positive finite number")),
 )
