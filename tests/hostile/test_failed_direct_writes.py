@@ -3,13 +3,16 @@
 
 The path has its own stages (issuing the writes, waiting for them, Orbax's
 metadata files, the manifest); an error or Ctrl-C in each must end like one
-in Orbax's path: the old checkpoint loads and verifies, and the next save
-removes what the failed one left.
+in Orbax's path: the old checkpoint loads and verifies. And since no write
+of the failed save outlives it (every write it issued has ended before the
+error goes on, `direct_write.settle`), nothing of it is left at all: no
+late write can create again what was deleted, or be deleted under the next
+save (a hidden folder that stayed after the next save, on a loaded machine).
 """
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,15 +44,42 @@ def test_the_previous_checkpoint_survives(tmp_path, monkeypatch, stage, error):
   def fail(*args, **kwargs):
     raise error(f"injected at {stage}")
 
+  slow = _SlowWrite()
+  real_start = direct_write.start
+
+  def start(*args, **kwargs):  # One more write, still under way when the stage fails.
+    started = real_start(*args, **kwargs)
+    return dataclasses.replace(started, writes=(*started.writes, slow))
+
+  monkeypatch.setattr(direct_write, "start", start)
   monkeypatch.setattr(module, name, fail)
   with pytest.raises(error):
     pzp.save(path, NEW, overwrite=True)
   monkeypatch.undo()
-  for thread in threading.enumerate():  # The failed save's trash, deleted in the background.
-    if thread.name == "pz_persist_delete":
-      thread.join(60)
+  if stage not in ("issuing a raw write", "Orbax's metadata files"):  # Not inside `start`.
+    assert slow.waited, "the save gave up while one of its writes was under way"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # At once: nothing in the background.
   assert_identical(pzp.load(path), OLD)
   pzp.verify(path)
-  pzp.save(path, NEW, overwrite=True)  # Removes what the failed save left.
+  pzp.save(path, NEW, overwrite=True)
   assert_identical(pzp.load(path), NEW)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+class _SlowWrite:
+  """A write that ends only once the save waits for it (a TensorStore future's
+  ``exception`` / ``result`` / ``done``): records whether the save waited."""
+
+  def __init__(self):
+    self.waited = False
+
+  def exception(self, *args, **kwargs):
+    self.waited = True
+    return None
+
+  def result(self, *args, **kwargs):
+    self.waited = True
+    return None
+
+  def done(self) -> bool:
+    return self.waited
