@@ -210,7 +210,9 @@ def _cancel_background(
     cancel: Callable[[], object], started_after: set[threading.Thread]
 ) -> bool:
   """Stops Orbax's background work of an unfinished save; returns whether
-  every write it started has ended (what ``cancel`` said).
+  every write it started has ended: ``cancel`` said so, and Orbax's threads
+  of the save (which also create directories and write metadata files) have
+  all ended.
 
   Its threads (those started since ``started_after``) stop within
   milliseconds once cancelled; waiting for them keeps them from logging
@@ -221,8 +223,7 @@ def _cancel_background(
     settled = bool(cancel())
   except Exception:  # pylint: disable=broad-exception-caught
     settled = False
-  _join_orbax_threads(started_after, timeout=_JOIN_SECONDS)
-  return settled
+  return _join_orbax_threads(started_after, timeout=_JOIN_SECONDS) and settled
 
 
 def _abandon(target: epath.Path, marker_fd: int, *, settled: bool) -> tuple[epath.Path, ...]:
@@ -322,18 +323,22 @@ _JOIN_SECONDS = 3.0
 milliseconds; TensorStore's own writes are not waited for)."""
 
 
-def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) -> None:
-  """Waits (at most ``timeout`` s in all) for Orbax's save threads started since."""
+def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) -> bool:
+  """Waits (at most ``timeout`` s in all) for Orbax's save threads started
+  since; returns whether they all ended (False if they cannot be told)."""
   try:
     from orbax.checkpoint._src.futures import future as orbax_future  # pylint: disable=import-outside-toplevel
     kind = orbax_future._SignalingThread  # pylint: disable=protected-access
   except (ImportError, AttributeError):
-    return  # Another Orbax: the placeholder file still stops late writes.
+    return False  # Another Orbax: the placeholder file still stops late writes.
   deadline = time.monotonic() + timeout
+  ended = True
   for thread in threading.enumerate():
     if isinstance(thread, kind) and thread not in started_after:
       # Thread.join itself: Orbax's join raises once cancelled, still running.
       threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+      ended = ended and not thread.is_alive()
+  return ended
 
 
 # ---- Finding leftovers. -----------------------------------------------------
