@@ -83,3 +83,46 @@ class _SlowWrite:
 
   def done(self) -> bool:
     return self.waited
+
+
+def _through_manager(tmp_path):
+  with pzp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, params=NEW)
+    manager.wait_until_finished()
+
+
+def _through_orbax_checkpointer(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  with ocp.AsyncCheckpointer(pzp.PenzaiCheckpointHandler()) as checkpointer:
+    checkpointer.save(tmp_path / "c", args=pzp.PenzaiSave(NEW))
+    checkpointer.wait_until_finished()
+
+
+def _through_save_model(tmp_path):
+  import model_zoo  # pylint: disable=import-outside-toplevel
+
+  pzp.save_model(tmp_path / "m", model_zoo.mlp())
+
+
+@pytest.mark.parametrize("entry", [_through_manager, _through_orbax_checkpointer, _through_save_model],
+                         ids=["CheckpointManager", "ocp.AsyncCheckpointer", "save_model"])
+def test_no_write_outlives_a_failed_save_on_any_entry_point(tmp_path, monkeypatch, entry):
+  """The save's background work waits for every write it issued before it
+  ends, whichever entry point started it, so no write lands after the error."""
+  slow = _SlowWrite()
+  real_start = direct_write.start
+
+  def start(*args, **kwargs):
+    started = real_start(*args, **kwargs)
+    return dataclasses.replace(started, writes=(*started.writes, slow))
+
+  def fail(*args, **kwargs):
+    assert not slow.waited  # Fails before the writes were waited for.
+    raise OSError("injected while waiting for the writes")
+
+  monkeypatch.setattr(direct_write, "start", start)
+  monkeypatch.setattr(direct_write.Started, "finish", fail)
+  with pytest.raises(Exception, match="injected while waiting for the writes"):
+    entry(tmp_path)
+  assert slow.waited
