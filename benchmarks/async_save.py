@@ -16,7 +16,9 @@ async to sync blocked time (issue 19's target: at most 5%) and of
 pz_persist's async blocked time to plain Orbax's (the target is at most 1),
 the latter also measured taking turns in one process (``--paired-rounds``),
 which is steadier on a shared machine; a summary states each target's ratio,
-met or not.
+met or not. With ``--numpy``, every save is given the state as NumPy arrays
+(views of the JAX arrays' host buffers, as ``np.asarray`` returns them):
+what a save costs when it must copy its mutable inputs before returning.
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ def build_state(state_bytes: int):
   return params, optimizer, optimizer.init(params)
 
 
+def as_given(tree):
+  """The tree as the saves are given it: NumPy views with ``--numpy``."""
+  if os.environ.get("PZ_PERSIST_BENCH_NUMPY") != "1":
+    return tree
+  import jax
+
+  return jax.tree.map(np.asarray, tree)
+
+
 def worker(mode: str, directory: str, state_bytes: int, saves: int, steps_between: int) -> dict:
   import jax
   import optax
@@ -82,12 +93,13 @@ def worker(mode: str, directory: str, state_bytes: int, saves: int, steps_betwee
 
     def save_step(step, params, opt_state):
       manager.save(step, args=ocp.args.Composite(
-          params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state)))
+          params=ocp.args.StandardSave(as_given(params)),
+          opt_state=ocp.args.StandardSave(as_given(opt_state))))
   else:
     manager = pzp.CheckpointManager(directory, async_save=(mode == "async"), max_to_keep=2)
 
     def save_step(step, params, opt_state):
-      manager.save(step, params=params, opt_state=opt_state)
+      manager.save(step, params=as_given(params), opt_state=as_given(opt_state))
   with harness.PeakRss() as rss:
     start = time.perf_counter()
     for save in range(saves):
@@ -124,6 +136,7 @@ def paired(directory: str, state_bytes: int, rounds: int) -> dict:
 
   params, _, opt_state = build_state(state_bytes)
   jax.block_until_ready((params, opt_state))
+  params, opt_state = as_given(params), as_given(opt_state)
   ours = pzp.CheckpointManager(os.path.join(directory, "pz_persist"), max_to_keep=1)
   theirs = ocp.CheckpointManager(
       os.path.join(directory, "orbax"),
@@ -155,8 +168,12 @@ def main(argv=None) -> dict:
   parser.add_argument("--dir", default=None)
   parser.add_argument("--paired-rounds", type=int, default=8,
                       help="rounds of pz_persist and plain Orbax async saves taking turns")
+  parser.add_argument("--numpy", action="store_true",
+                      help="give every save the state as NumPy arrays (copied before it returns)")
   parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.numpy:
+    os.environ["PZ_PERSIST_BENCH_NUMPY"] = "1"  # Read by the workers.
   if args.worker:
     mode, directory, nbytes, saves, between = args.worker
     if mode == "paired":
@@ -169,7 +186,8 @@ def main(argv=None) -> dict:
   directory = args.dir or tempfile.mkdtemp(prefix="pz_persist_async_")
   print(f"# async_save benchmark, {time.strftime('%Y-%m-%d %H:%M')}")
   print(harness.machine_description())
-  print(f"state: parameters + Adam moments, {harness.format_size(state_bytes)};"
+  print(f"state: parameters + Adam moments{' as NumPy arrays' if args.numpy else ''},"
+        f" {harness.format_size(state_bytes)};"
         f" {args.saves} saves, {args.steps_between} training steps apart\n")
   results = {}
   for mode in ("sync", "async", "orbax"):

@@ -129,10 +129,11 @@ def save(
   target = commit.new_location(path, _shared_token())
   handler = v0_handler.PenzaiCheckpointHandler()
   outcome, failure = None, None
+  state = leftovers.Writing(target)
   try:
     # On any exception (Ctrl-C included), `writing` stops Orbax's background
     # work and deletes what this save wrote before the exception goes on.
-    with leftovers.writing(target, cancel=handler.cancel, primary=primary):
+    with leftovers.writing(target, cancel=handler.cancel, primary=primary) as state:
       # Orbax's default way of writing it: locally a rename of its own
       # temporary name; on an object store in place, with commit_success.txt
       # (for s3:// once `commit.as_path` registered S3 with Orbax).
@@ -146,7 +147,7 @@ def save(
           except Exception as e:  # pylint: disable=broad-exception-caught
             outcome, failure = _FAILED, e  # Raised once the others know.
   except KeyboardInterrupt:
-    raise errors.save_interrupted(_interrupted(path, seen, outcome)) from None
+    raise errors.save_interrupted(_interrupted(path, seen, outcome, state.left)) from None
   outcome = _MOVED if outcome is None else outcome  # Others: the primary tells.
   if jax.process_count() > 1:  # Also keeps the others waiting for the move.
     outcome = int(ocp.multihost.broadcast_one_to_all(np.int32(outcome)))
@@ -167,13 +168,23 @@ def save(
 _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
 
 
-def _interrupted(path: epath.Path, seen: commit.Identity, outcome: int | None) -> str:
-  """The one line an interrupted `save` shows: what is at ``path`` now."""
+def _interrupted(
+    path: epath.Path, seen: commit.Identity, outcome: int | None,
+    left: tuple[epath.Path, ...] = (),
+) -> str:
+  """The one line an interrupted `save` shows: what is at ``path`` now, and
+  what of the save stays beside it (``left``, see `leftovers.Writing`)."""
   if outcome == _MOVED:
     return (f"pz_persist.save({str(path)!r}) was interrupted once complete:"
             " the new checkpoint is in place.")
   kept = f"{path} is unchanged" if seen is not None else f"nothing was written at {path}"
-  return f"pz_persist.save({str(path)!r}) interrupted; it removed what it had written and {kept}."
+  said = f"pz_persist.save({str(path)!r}) interrupted; {kept}"
+  if not left:
+    return f"{said} and it removed everything it had written."
+  names = ", ".join(entry.name for entry in left)
+  return (f"{said}; it removed what it had written but for {names} beside it (its writes"
+          f" still under way fail there), which the next save of {path} or"
+          f" `pz-persist clean {path}` removes.")
 
 
 def _shared_token() -> str:

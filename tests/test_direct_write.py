@@ -116,13 +116,13 @@ def test_other_saves_keep_orbax_path(tmp_path, monkeypatch, case):
 def test_a_save_with_a_failed_hash_writes_nothing(tmp_path, monkeypatch):
   from pz_persist.storage import checksums  # pylint: disable=import-outside-toplevel
 
-  def fail(self, exchange=None):
+  def fail(self, exchange=None, stop=None):
     raise RuntimeError("hashing failed (injected)")
 
   monkeypatch.setattr(checksums.HostCopies, "digests", fail)
   with pytest.raises(RuntimeError, match="hashing failed"):
     pzp.save(tmp_path / "ck", {"a": jnp.ones(3)})
-  assert not (tmp_path / "ck").exists()
+  assert list(tmp_path.iterdir()) == []  # Nor anything hidden beside it.
   with pytest.raises(errors.PzPersistError):
     pzp.load(tmp_path / "ck")
 

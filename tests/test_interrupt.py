@@ -29,6 +29,7 @@ from penzai import pz
 import pz_persist as pzp
 from pz_persist.orbax import v0_handler
 from pz_persist.storage import commit
+from pz_persist.storage import direct_write
 from pz_persist.storage import leftovers
 from pz_persist.tools import cli
 
@@ -107,13 +108,12 @@ def test_sigint_stops_the_save_prints_one_line_and_cleans_up(tmp_path):
   assert "saved" not in out, "the interrupt came after the save; nothing was tested"
   assert process.returncode == -signal.SIGINT  # A shell loop sees Ctrl-C.
   assert len(err.splitlines()) == 1, err  # Not Orbax's threads' tracebacks.
-  assert f"pz_persist.save('{path}') interrupted" in err and f"{path} is unchanged" in err
+  assert f"pz_persist.save('{path}') interrupted; {path} is unchanged" in err
+  # Every write had ended before the save gave up, so all it wrote is gone,
+  # its marker too, as the message says.
+  assert "it removed everything it had written" in err
+  assert _hidden(tmp_path) == []
   _assert_holds(path, 1.0)
-  # Only an empty placeholder and the marker remain (they keep TensorStore's
-  # late writes out); the next save removes them.
-  assert sum(l.nbytes for l in leftovers.find(path)) < 4096
-  assert all(l.removable for l in leftovers.find(path))
-  assert not any(os.path.isdir(tmp_path / n) for n in _hidden(tmp_path))
   pzp.save(path, _tree(3.0), overwrite=True)
   assert _hidden(tmp_path) == []
 
@@ -136,15 +136,61 @@ def test_keyboard_interrupt_mid_save_in_process(tmp_path, monkeypatch):
       f"KeyboardInterrupt: {raised.value}"
   ]
   assert "interrupted" in str(raised.value) and "\n" not in str(raised.value)
+  assert "removed everything it had written" in str(raised.value)
   monkeypatch.undo()
-  _wait_for_deletions()
+  assert _hidden(tmp_path) == []  # Removed before the interrupt went on.
   _assert_holds(path, 1.0)
-  found = leftovers.find(path)
-  assert sum(l.nbytes for l in found) < 4096  # Placeholder and marker.
-  assert [l.reason for l in found if not l.removable] == []
   pzp.save(path, _tree(3.0), overwrite=True)
   assert _hidden(tmp_path) == []
   _assert_holds(path, 3.0)
+
+
+def test_interrupt_while_the_marker_is_written_leaves_nothing(tmp_path, monkeypatch):
+  """Ctrl-C as the save creates its marker: held back until the marker is
+  whole, then the save is abandoned like any other and the marker removed."""
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree(1.0))
+  real = leftovers._this_writer  # pylint: disable=protected-access
+
+  def interrupted():
+    os.kill(os.getpid(), signal.SIGINT)  # Arrives while the marker is made.
+    return real()
+
+  monkeypatch.setattr(leftovers, "_this_writer", interrupted)
+  with pytest.raises(KeyboardInterrupt, match="removed everything it had written"):
+    pzp.save(path, _tree(2.0), overwrite=True)
+  monkeypatch.undo()
+  assert _hidden(tmp_path) == []
+  _assert_holds(path, 1.0)
+
+
+def test_when_late_writes_cannot_be_ruled_out_the_message_says_what_stays(tmp_path, monkeypatch):
+  """Orbax's own array writer: its writes cannot be followed from pz_persist,
+  so an empty placeholder and the marker stay, and the one line says so."""
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree(1.0))
+  monkeypatch.setattr(direct_write, "applies", lambda *args, **kwargs: False)
+  started = v0_handler.PenzaiCheckpointHandler.async_save
+
+  async def interrupted(self, *args, **kwargs):
+    await started(self, *args, **kwargs)  # Orbax's writes under way.
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(v0_handler.PenzaiCheckpointHandler, "async_save", interrupted)
+  with pytest.raises(KeyboardInterrupt) as raised:
+    pzp.save(path, _tree(2.0, size=2**20), overwrite=True)
+  monkeypatch.undo()
+  message = str(raised.value)
+  stays = [n for n in _hidden(tmp_path) if not n.endswith(".pz_persist-deleting")]
+  assert len(stays) == 2 and all(n in message for n in stays), (stays, message)
+  assert any(n.endswith(".orbax-checkpoint-tmp") for n in stays)
+  assert any(n.endswith(leftovers.MARKER_SUFFIX) for n in stays)
+  assert f"the next save of {path} or `pz-persist clean {path}` removes" in message
+  assert "\n" not in message
+  _wait_for_deletions()
+  _assert_holds(path, 1.0)
+  pzp.save(path, _tree(3.0), overwrite=True)
+  assert _hidden(tmp_path) == []  # As the message promised.
 
 
 def _wait_for_deletions() -> None:

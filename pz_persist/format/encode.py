@@ -364,9 +364,30 @@ class _Encoder:
         label=label,
     )
     self.arrays.append(spec)
-    self.values.append(arrays_lib.to_storage(obj, spec) if spec.is_stored else None)
+    self.values.append(_snapshot(arrays_lib.to_storage(obj, spec), obj) if spec.is_stored else None)
     self.originals.append(obj)
     return nodes.node("array", ref=index)
+
+
+def _snapshot(value: Any, given: Any) -> Any:
+  """``value`` (what is stored of the array ``given``), made safe from later
+  changes to ``given``.
+
+  Why here: every save path (`pz_persist.save`, ``save_model``, the manager,
+  `PenzaiSave` in Orbax's own checkpointers, the v1 handler, the
+  mutable-variable ``TypeHandler``) encodes its tree through `encode` before
+  it returns, and an async save writes and hashes the arrays afterwards, in
+  the background. A NumPy array is mutable: ``w[:] = 7`` after ``save``
+  returned would otherwise change what is written (and what is hashed, so
+  the checksum would not even notice). JAX arrays are immutable and need no
+  copy; a NumPy array is copied unless the storage conversion already made a
+  fresh array of its own (a widening cast), so at most one copy is made.
+  """
+  if isinstance(value, jax.Array):
+    return value
+  if value is given or np.may_share_memory(value, given):
+    return np.array(value, copy=True)
+  return value
 
 
 def encode(tree: Any, root: str = "tree") -> EncodedTree:

@@ -128,8 +128,7 @@ class Manifest:
           f"{where}: manifest is {len(data)} bytes, over the"
           f" {MAX_MANIFEST_BYTES}-byte limit."
       )
-    with bounded_json.collector_paused():  # Many objects, no cycles.
-      return cls._parse(data, where=where)
+    return cls._parse(data, where=where)
 
   @classmethod
   def _parse(cls, data: bytes, *, where: str) -> Manifest:

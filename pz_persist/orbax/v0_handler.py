@@ -28,8 +28,10 @@ Every read goes through `pz_persist.storage.reader`, which every other loader us
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
+import threading
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -158,6 +160,8 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
         multiprocessing_options=multiprocessing_options,
     )
     self._started: list[ocp.future.Future] = []  # Of the last async_save.
+    self._direct: list[_DirectWork] = []  # Its direct write, if it makes one.
+    self._orbax_writes = False  # Whether it had Orbax's handler write arrays.
     # Directory -> whether its save wrote arrays, for `finalize` (which would
     # otherwise ask the store: a request or more on gs:// and s3://).
     self._wrote_arrays: dict[str, bool] = {}
@@ -215,19 +219,27 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
     manifest, stored = args.manifest, args.stored_arrays
     futures: list[ocp.future.Future] = []
+    self._started, self._direct, self._orbax_writes = futures, [], False
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
     if self._writes_directly(directory, stored):
       copies = checksums.host_copies(stored)
+      work = _DirectWork()
+      self._direct.append(work)
 
       async def write_directly() -> None:
-        self._save_directly(directory, manifest, stored, copies)
+        if not work.begin():  # Abandoned before it began.
+          raise concurrent.futures.CancelledError()
+        try:
+          self._save_directly(directory, manifest, stored, copies, stop=work.stop)
+        finally:
+          work.ended.set()
 
       futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
           write_directly(), name="pz_persist_arrays_and_manifest"
       ))
-      self._started = futures
       return futures
     if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
+      self._orbax_writes = True
       futures.extend(
           await self._arrays.async_save(directory, args=self._save_args(stored)) or []
       )
@@ -238,7 +250,6 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
             name="pz_persist_manifest",
         )
     )
-    self._started = futures
     return futures
 
   def _writes_directly(self, directory: Any, stored: dict[str, Any]) -> bool:
@@ -252,35 +263,53 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       manifest: manifest_lib.Manifest,
       stored: dict[str, Any],
       copies: checksums.HostCopies,
+      stop: threading.Event | None = None,
   ) -> None:
     """Writes the arrays (TensorStore's threads) while this thread hashes
-    them, then commits them, Orbax's metadata files and the manifest."""
+    them, then commits them, Orbax's metadata files and the manifest.
+
+    Every write it started has ended when it returns or raises, even when
+    hashing was stopped (``stop``, set by `cancel`) or a write failed: see
+    `pz_persist.storage.direct_write.settle`.
+    """
     started = direct_write.start(
         directory, stored, copies.whole_arrays(), chunk_byte_size=self._chunk_byte_size
     )
-    hashed = with_checksums(manifest, copies.digests())
-    started.finish()
+    try:
+      hashed = with_checksums(manifest, copies.digests(stop=stop))
+      started.finish()
+    finally:
+      direct_write.settle(started.writes)
     manifest_lib.write(directory, hashed)
 
-  def cancel(self) -> None:
-    """Asks the background work of the last `async_save` to stop.
+  def cancel(self) -> bool:
+    """Stops the background work of the last `async_save`; returns whether
+    every array write it started has ended.
 
-    For a save interrupted or failed midway (see `pz_persist.save`): its
-    futures are not returned to pz_persist by Orbax's checkpointer.
+    For a save interrupted or failed midway (see `pz_persist.save`, whose
+    cleanup needs to know whether a write may still land): its futures are
+    not returned to pz_persist by Orbax's checkpointer. A direct write stops
+    hashing and waits for the writes it already issued (at most
+    `SETTLE_SECONDS`); writes Orbax's own handler issued cannot be followed
+    from here, so a save that had Orbax write arrays returns False.
     """
     for started in self._started:
       started.cancel()
+    ended = [work.abandon(SETTLE_SECONDS) for work in self._direct]  # Each one stopped.
+    return all(ended) and not self._orbax_writes
 
   def save(self, directory: epath.Path, args: PenzaiSave) -> None:
     """Saves synchronously."""
     object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
     manifest, stored = args.manifest, args.stored_arrays
     copies = checksums.host_copies(stored)
+    self._started, self._direct, self._orbax_writes = [], [], False
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
     if self._writes_directly(directory, stored):
       self._save_directly(directory, manifest, stored, copies)
       return
     if stored:
+      self._orbax_writes = True
       self._arrays.save(directory, args=self._save_args(stored))
     self._write_manifest(directory, manifest, copies)
 
@@ -320,6 +349,45 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def close(self) -> None:
     self._arrays.close()
+
+
+SETTLE_SECONDS = 120.0
+"""How long `PenzaiCheckpointHandler.cancel` waits for a direct write's
+issued writes to end: far above what the rest of a local write takes; only
+there so that a hung disk cannot hang the interrupted save for ever."""
+
+
+class _DirectWork:
+  """One direct write running in Orbax's background thread: how `cancel`
+  stops it and learns that it ended.
+
+  The thread may not have begun when the save is abandoned (Orbax's thread
+  then never runs it): `begin` and `abandon` agree under a lock on which of
+  the two came first, so `ended` is set in both cases.
+  """
+
+  def __init__(self) -> None:
+    self.stop = threading.Event()
+    self.ended = threading.Event()
+    self._lock = threading.Lock()
+    self._began = False
+
+  def begin(self) -> bool:
+    """Called by the work as it starts; False if it was abandoned already."""
+    with self._lock:
+      if self.stop.is_set():
+        self.ended.set()
+        return False
+      self._began = True
+      return True
+
+  def abandon(self, timeout: float) -> bool:
+    """Stops the work; True once it ended (within ``timeout`` seconds)."""
+    with self._lock:
+      self.stop.set()
+      if not self._began:
+        self.ended.set()  # It will not begin now.
+    return self.ended.wait(timeout)
 
 
 def abstract_tree(opened: opening.OpenItem) -> Any:

@@ -16,11 +16,13 @@ reads whole arrays, its own part when it reads shards.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import itertools
 import os
 import stat
+import threading
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
@@ -156,7 +158,9 @@ class HostCopies:
       raise ValueError("not every array is held whole by this process")
     return {slot.key: slot.local_data for slot in self.slots}
 
-  def digests(self, exchange: str | None = None) -> dict[str, tuple[ShardChecksum, ...]]:
+  def digests(
+      self, exchange: str | None = None, stop: threading.Event | None = None
+  ) -> dict[str, tuple[ShardChecksum, ...]]:
     """Hashes the copies and gathers every process's digests (collective).
 
     Args:
@@ -164,9 +168,18 @@ class HostCopies:
         for saves whose digests are exchanged in background threads, where
         two items' exchanges may start in different orders in different
         processes. None: numbered in call order (one thread only).
+      stop: Set when the save was abandoned (Ctrl-C): hashing stops before
+        the next slice (hashing 1 GiB takes a second or more under load, all
+        of it spent before the interrupted save could end).
+
+    Raises:
+      concurrent.futures.CancelledError: ``stop`` was set (single-process
+        saves only: with several, every process must take part).
     """
     digests = np.zeros((len(self.slots), _DIGEST_BYTES), np.uint8)
     for i, slot in enumerate(self.slots):
+      if stop is not None and stop.is_set():
+        raise concurrent.futures.CancelledError("the save was abandoned")
       if slot.local_data is not None:
         digests[i] = np.frombuffer(bytes.fromhex(digest_of(slot.local_data)), np.uint8)
     if jax.process_count() > 1 and self.slots:

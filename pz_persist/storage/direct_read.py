@@ -48,7 +48,6 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.errors import ArrayReadError  # Its callers catch it here.
 from pz_persist.format import array_specs as arrays_lib
-from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
 from pz_persist.storage import host_memory
@@ -163,8 +162,7 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
     data = safe_io.read_small_file(
         path, containment.MAX_ORBAX_TREE_METADATA_BYTES, what="Orbax's metadata"
     )
-    with bounded_json.collector_paused():  # ~20 objects an array, no cycles.
-      stored = json.loads(data)
+    stored = json.loads(data)
     use_zarr3 = stored.get("use_zarr3", False)
   except errors.UnsafeCheckpointError:
     raise

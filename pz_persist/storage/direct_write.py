@@ -40,11 +40,14 @@ Orbax's path.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import dataclasses
 import functools
 import json
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -222,14 +225,35 @@ class Started:
 
     Raises:
       Whatever TensorStore raised for a write (the save then fails, and its
-      temporary directory is deleted by `pz_persist.storage.leftovers`).
+      temporary directory is deleted by `pz_persist.storage.leftovers`), once
+      every other write has ended too (`settle`).
     """
+    settle(self.writes)
     for write in self.writes:
       write.result()
     for name, data in self.files.items():
       path = self.directory / name
       path.parent.mkdir(parents=True, exist_ok=True)
       path.write_bytes(data)
+
+
+def settle(writes: Sequence[Any]) -> None:
+  """Waits until every TensorStore future in ``writes`` has ended, whether it
+  succeeded or failed; raises nothing of theirs.
+
+  Why every one, even after one failed: a write still under way when the save
+  gives up goes on in TensorStore's threads. It recreates directories the
+  cleanup deleted (or a next save's cleanup did), and when it ends it lets go
+  of the array it wrote from, which takes Python's lock from a TensorStore
+  thread: after the interpreter began to exit, that kills the process
+  ("terminate called without an active exception", SIGABRT) instead of the
+  exit status the program asked for. So no write outlives the save that
+  started it. (A TensorStore ``cancel`` only detaches the future; the write
+  itself goes on, so it is no substitute for waiting.)
+  """
+  for write in writes:
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+      write.exception()  # Blocks until it ended; returns its error, if any.
 
 
 def start(
@@ -250,21 +274,27 @@ def start(
   kvstore = None
   writes: list[Any] = []
   opening: list[tuple[Any, np.ndarray]] = []
-  for key, layout in layouts.items():
-    data = host[key]
-    if layout.zarray is not None:
-      if kvstore is None:
-        kvstore = ts.KvStore.open(
-            {**layout.spec["kvstore"], "path": ""}, context=specs.context
-        ).result()
-      writes.append(kvstore.write(f"{key}/.zarray", layout.zarray))
-      writes.append(kvstore.write(f"{key}/{layout.chunk_key}", _c_bytes(data)))
-    else:
-      spec = {**layout.spec, "kvstore": {**layout.spec["kvstore"], "path": key}}
-      opening.append((ts.open(spec, create=True, open=True, context=specs.context), data))
-  for opened, data in opening:  # All opened at once; each written once open.
-    writes.append(opened.result().write(data, can_reference_source_data_indefinitely=True))
-  return Started(directory=directory, writes=tuple(writes), files=orbax_files(stored, layouts))
+  try:
+    for key, layout in layouts.items():
+      data = host[key]
+      if layout.zarray is not None:
+        if kvstore is None:
+          kvstore = ts.KvStore.open(
+              {**layout.spec["kvstore"], "path": ""}, context=specs.context
+          ).result()
+        writes.append(kvstore.write(f"{key}/.zarray", layout.zarray))
+        writes.append(kvstore.write(f"{key}/{layout.chunk_key}", _c_bytes(data)))
+      else:
+        spec = {**layout.spec, "kvstore": {**layout.spec["kvstore"], "path": key}}
+        opening.append((ts.open(spec, create=True, open=True, context=specs.context), data))
+    for opened, data in opening:  # All opened at once; each written once open.
+      writes.append(opened.result().write(data, can_reference_source_data_indefinitely=True))
+    files = orbax_files(stored, layouts)
+  except BaseException:
+    # Nothing issued so far may outlive the failed save (see `settle`).
+    settle(writes + [opened for opened, _ in opening])
+    raise
+  return Started(directory=directory, writes=tuple(writes), files=files)
 
 
 def orbax_files(stored: Mapping[str, Any], layouts: Mapping[str, _Layout]) -> dict[str, bytes]:

@@ -124,40 +124,64 @@ class Leftover:
 # ---- Writing: the marker of a save in progress, and abandoning it. ----------
 
 
+@dataclasses.dataclass
+class Writing:
+  """What `writing` yields; after an abandoned save, what of it stays.
+
+  Attributes:
+    target: The family being written.
+    left: Filled when the save was abandoned: the entries that stay beside
+      the checkpoint (an empty placeholder and the marker, when a write of
+      the save might still land: see `_abandon`); empty when everything it
+      wrote was removed.
+  """
+
+  target: epath.Path
+  left: tuple[epath.Path, ...] = ()
+
+
 @contextlib.contextmanager
 def writing(
-    target: epath.Path, *, cancel: Callable[[], None], primary: bool = True
-) -> Iterator[None]:
+    target: epath.Path, *, cancel: Callable[[], object], primary: bool = True
+) -> Iterator[Writing]:
   """Marks ``target`` as being written by this process while the block runs.
 
   The marker is created and locked before anything of ``target`` exists, so
-  no cleaner ever mistakes the family of a running save for a dead one. If
-  the block raises (an error, or Ctrl-C), the save is abandoned (`_abandon`,
-  with ``cancel`` stopping Orbax's background work) before the exception
-  goes on; otherwise the marker is removed (the family itself was moved into
-  place or deleted by then). Only the primary process marks and deletes: the
-  others write into the directory it created.
+  no cleaner ever mistakes the family of a running save for a dead one; it
+  is made whole with Ctrl-C held back, so an interrupt never leaves a marker
+  that nothing removes. If the block raises (an error, or Ctrl-C), the save
+  is abandoned before the exception goes on: ``cancel`` stops Orbax's
+  background work and returns True if every write the save started has
+  ended (`pz_persist.orbax.v0_handler.PenzaiCheckpointHandler.cancel`), and
+  `_abandon` deletes the family, marker included, or, if a write might still
+  land, leaves an empty placeholder and the marker (recorded in the yielded
+  `Writing`'s ``left``). Otherwise the marker is removed (the family itself
+  was moved into place or deleted by then). Only the primary process marks
+  and deletes: the others write into the directory it created.
   """
   started_after = set(threading.enumerate())
   local = primary and commit.is_local(target)
   marker, fd = _marker(target), None
-  if local:
-    fd = os.open(os.fspath(marker), os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+  state = Writing(target)
   with _writing_lock:
     _writing.add(os.fspath(target))
   try:
-    if fd is not None:
-      if fcntl is not None:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # A new file: nobody else holds it.
-      os.write(fd, json.dumps(_this_writer()).encode())
     try:
-      yield
+      if local:
+        with interrupts_deferred():  # The marker exists only whole, with fd set.
+          fd = os.open(
+              os.fspath(marker), os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644
+          )
+          if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # A new file: nobody else holds it.
+          os.write(fd, json.dumps(_this_writer()).encode())
+      yield state
     except BaseException:
       with interrupts_deferred():  # A second Ctrl-C must not stop the cleanup.
-        _cancel_background(cancel, started_after)
+        settled = _cancel_background(cancel, started_after)
         if fd is not None:
-          _abandon(target, fd)
-        elif primary:  # Remote: no placeholder can be put; delete what is there.
+          state.left = _abandon(target, fd, settled=settled)
+        elif primary and not local:  # Remote: no placeholder can be put.
           commit.remove_unfinished(target)
       raise
     if fd is not None:
@@ -193,34 +217,56 @@ def interrupts_deferred() -> Iterator[None]:
 
 
 def _cancel_background(
-    cancel: Callable[[], None], started_after: set[threading.Thread]
-) -> None:
-  """Stops Orbax's background work of an unfinished save.
+    cancel: Callable[[], object], started_after: set[threading.Thread]
+) -> bool:
+  """Stops Orbax's background work of an unfinished save; returns whether
+  every write it started has ended: ``cancel`` said so, and Orbax's threads
+  of the save (which also create directories and write metadata files) have
+  all ended.
 
   Its threads (those started since ``started_after``) stop within
   milliseconds once cancelled; waiting for them keeps them from logging
   tracebacks about the files deleted under them, and the interpreter's exit
   from waiting for them.
   """
-  with contextlib.suppress(Exception):
-    cancel()
-  _join_orbax_threads(started_after, timeout=_JOIN_SECONDS)
+  try:
+    settled = bool(cancel())
+  except Exception:  # pylint: disable=broad-exception-caught
+    settled = False
+  return _join_orbax_threads(started_after, timeout=_JOIN_SECONDS) and settled
 
 
-def _abandon(target: epath.Path, marker_fd: int) -> None:
-  """Deletes what an unfinished save to ``target`` wrote.
+def _abandon(target: epath.Path, marker_fd: int, *, settled: bool) -> tuple[epath.Path, ...]:
+  """Deletes what an unfinished save to ``target`` wrote; returns what stays.
 
-  Why not a plain delete: TensorStore's writes already under way cannot be
-  cancelled; they go on after the save's error or interrupt (for as long as
-  the rest of the save would have taken) and create again the directories
-  deleted under them (a plain delete left GBs behind). So Orbax's temporary
-  directory is renamed away and an empty file put in its place, where every
-  late write fails at once; then what was renamed is deleted (see
-  `_delete_soon`). The empty placeholder stays, with the marker, now saying
-  "abandoned" and unlocked, for `remove_dead` (the next save of the path, or
-  ``pz-persist clean``).
+  When every write of the save has ended (``settled``), nothing can land
+  any more: the whole family is deleted, marker included, before the save's
+  exception goes on (deleting is quick once no write holds a file), and
+  nothing stays.
+
+  Otherwise (writes Orbax's own handler issued, which cannot be followed
+  from here, or a direct write that did not end in time) TensorStore's
+  writes under way go on after the save's error or interrupt and would
+  create again the directories deleted under them (a plain delete left GBs
+  behind). So Orbax's temporary directory is renamed away and an empty file
+  put in its place, where every late write fails at once; then what was
+  renamed is deleted (see `_delete_soon`). The empty placeholder stays, with
+  the marker, now saying "abandoned" and unlocked, for `remove_dead` (the
+  next save of the path, or ``pz-persist clean``); they are returned.
   """
   marker = _marker(target)
+  if settled:
+    left = []
+    for entry in _family_entries(target):
+      if os.fspath(entry) != os.fspath(marker):
+        try:
+          delete(entry)
+        except OSError:
+          left.append(entry)
+    if not left:
+      _unlink(marker)
+      return ()
+    return (*left, marker)
   trashes = []
   for entry in _family_entries(target):
     if os.fspath(entry) == os.fspath(marker):
@@ -238,13 +284,17 @@ def _abandon(target: epath.Path, marker_fd: int) -> None:
     if entry.name.startswith(target.name + _TMP_SUFFIX):
       with contextlib.suppress(OSError):
         os.close(os.open(os.fspath(entry), os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644))
-  if not any(e.name.startswith(target.name + _TMP_SUFFIX) for e in _family_entries(target)):
+  placeholders = tuple(
+      e for e in _family_entries(target) if e.name.startswith(target.name + _TMP_SUFFIX)
+  )
+  if not placeholders:
     trashes.append(marker)  # No placeholder: nothing left to guard.
   else:
     with contextlib.suppress(OSError):
       os.ftruncate(marker_fd, 0)
       os.pwrite(marker_fd, json.dumps(dict(_this_writer(), abandoned=True)).encode(), 0)
   _delete_soon(trashes)
+  return (*placeholders, marker) if placeholders else ()
 
 
 def _delete_soon(entries: list[epath.Path]) -> None:
@@ -283,18 +333,22 @@ _JOIN_SECONDS = 3.0
 milliseconds; TensorStore's own writes are not waited for)."""
 
 
-def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) -> None:
-  """Waits (at most ``timeout`` s in all) for Orbax's save threads started since."""
+def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) -> bool:
+  """Waits (at most ``timeout`` s in all) for Orbax's save threads started
+  since; returns whether they all ended (False if they cannot be told)."""
   try:
     from orbax.checkpoint._src.futures import future as orbax_future  # pylint: disable=import-outside-toplevel
     kind = orbax_future._SignalingThread  # pylint: disable=protected-access
   except (ImportError, AttributeError):
-    return  # Another Orbax: the placeholder file still stops late writes.
+    return False  # Another Orbax: the placeholder file still stops late writes.
   deadline = time.monotonic() + timeout
+  ended = True
   for thread in threading.enumerate():
     if isinstance(thread, kind) and thread not in started_after:
       # Thread.join itself: Orbax's join raises once cancelled, still running.
       threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+      ended = ended and not thread.is_alive()
+  return ended
 
 
 # ---- Finding leftovers. -----------------------------------------------------

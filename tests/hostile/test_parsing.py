@@ -243,25 +243,3 @@ def test_repeated_keys_are_refused_anywhere_whatever_the_strings_hold():
         bounded_json.loads(repeated, where="f", max_nodes=10**6, max_depth=99)
       refused += 1
   assert refused > 50
-
-
-def test_parsing_leaves_the_garbage_collector_as_it_found_it():
-  # The collector is paused while JSON is parsed (it only slows the parse):
-  # resumed after a parse and after a refused one, never turned on if it was off.
-  import gc
-
-  assert gc.isenabled()
-  assert bounded_json.loads(b'{"a": [1]}', where="f", max_nodes=99, max_depth=9) == {"a": [1]}
-  assert gc.isenabled()
-  with pytest.raises(errors.ManifestError, match="duplicate"):
-    bounded_json.loads(b'{"a": 1, "a": 2}', where="f", max_nodes=99, max_depth=9)
-  assert gc.isenabled()
-  with pytest.raises(errors.ManifestError, match="not a pz_persist manifest"):
-    manifest_lib.Manifest.loads(b"[1]", where="f")
-  assert gc.isenabled()
-  gc.disable()
-  try:
-    bounded_json.loads(b"[1]", where="f", max_nodes=99, max_depth=9)
-    assert not gc.isenabled()
-  finally:
-    gc.enable()
