@@ -97,7 +97,12 @@ html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,
 }
-html_static_path: list[str] = []
+# The theme's first-visit mode; without one it logs "Got invalid theme mode" to
+# the console. Light, since treescope renders on a white background.
+html_context = {"default_mode": "light"}
+html_static_path = ["_static"]
+# Without an icon, browsers ask the host for /favicon.ico (a 404 in the console).
+html_favicon = "_static/favicon.svg"
 
 
 def _drop_missing_optional_pages(app, docname, source) -> None:
