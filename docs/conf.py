@@ -10,9 +10,10 @@ a reader moving between the four finds the same layout, the same API pages
 and notebooks that render treescope's interactive output as in Jupyter.
 
 Notebooks are rendered from their committed outputs, not executed again:
-``tests/test_notebooks.py`` executes each one and fails when the committed
-outputs are stale (``notebooks/execute.py`` refreshes them), so executing them
-here would only repeat minutes of work on every build.
+``tests/test_notebooks.py`` executes every notebook in the test suite, and
+``notebooks/execute.py`` saves them with their outputs; executing them here
+too would add minutes of model building to every docs build (which takes
+about 25 s on two cores as it is) for the same renderings.
 """
 
 from __future__ import annotations
