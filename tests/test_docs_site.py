@@ -211,6 +211,16 @@ def test_api_reference_documents_every_public_name(site):
   assert missing == []
 
 
+def test_every_public_name_has_an_example():
+  """The API page's section of each public name holds a Python example (which
+  `tests/test_readme.py` runs with the page's other snippets)."""
+  with open(os.path.join(REPO, "docs", "reference", "api.md"), encoding="utf-8") as f:
+    sections = f.read().split("\n### ")[1:]
+  examples = {s.split("`")[1]: "```python\n" in s for s in sections}
+  assert set(examples) == set(pz_persist.__all__)
+  assert [name for name, has in examples.items() if not has] == []
+
+
 def test_cli_reference_has_every_command(site):
   from pz_persist.tools import cli
 
