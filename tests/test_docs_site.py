@@ -118,16 +118,36 @@ EXPAND_FIRST_FOLDED = """(() => {
 })()"""
 
 
-def test_notebook_treescope_rendering_expands_on_click(server, browser):
-  _look(browser, f"{server}/notebooks/quickstart.html")
+def _render_every_treescope_output(browser) -> int:
+  """Scrolls to each treescope output (treescope renders one once it nears
+  the viewport) and waits until it has rendered; returns how many there are."""
   containers = browser.evaluate("document.querySelectorAll('treescope-container').length")
-  assert containers >= 3
-  # Treescope renders a container once it is near the viewport: scroll to each.
   for i in range(containers):
     browser.evaluate(f"document.querySelectorAll('treescope-container')[{i}].scrollIntoView()")
     browser.wait_for(
         f"document.querySelectorAll('treescope-container')[{i}].shadowRoot"
         ".querySelector('.treescope_root') !== null", f"treescope output {i} to render")
+  return containers
+
+
+@pytest.mark.parametrize(
+    "notebook", ["quickstart", "model_surgery", "sharded_loading", "training_resume"])
+def test_every_notebook_page_renders(server, browser, notebook):
+  _look(browser, f"{server}/notebooks/{notebook}.html")
+  containers = _render_every_treescope_output(browser)
+  assert containers >= (0 if notebook == "training_resume" else 1)
+  if notebook == "training_resume":  # Its plot, as an image that loaded.
+    browser.evaluate(
+        "[...document.images].find(i => i.src.includes('_images/')).scrollIntoView()")
+    browser.wait_for(
+        "[...document.images].some(i => i.src.includes('_images/') && i.naturalWidth > 0)",
+        "the notebook's plot to load")
+  assert browser.errors() == []
+
+
+def test_notebook_treescope_rendering_expands_on_click(server, browser):
+  _look(browser, f"{server}/notebooks/quickstart.html")
+  assert _render_every_treescope_output(browser) >= 3
   target = browser.evaluate(EXPAND_FIRST_FOLDED)
   assert target, "no folded treescope node to expand on the quick start notebook"
   for kind in ("mousePressed", "mouseReleased"):  # A person's click.
