@@ -106,15 +106,27 @@ html_static_path = ["_static"]
 html_favicon = "_static/favicon.svg"
 
 
+OPTIONAL_PAGE = "reference/cli-json"
+"""The ``--json`` schemas of the CLI, written with the CLI in another change."""
+
+
 def _drop_missing_optional_pages(app, docname, source) -> None:
-  """Leaves ``reference/cli-json`` out of the index's table of contents while
-  that page (the ``--json`` schemas, written with the CLI) is not in this
-  checkout, instead of failing the build with a missing-document warning."""
-  if docname != "index":
+  """Leaves the lines naming `OPTIONAL_PAGE` (in the index's table of contents
+  and the CLI reference) out while that page is not in this checkout, instead
+  of failing the build with a missing-document warning."""
+  if docname not in ("index", "reference/cli"):
     return
-  if not os.path.exists(os.path.join(HERE, "reference", "cli-json.md")):
-    source[0] = source[0].replace("reference/cli-json\n", "")
+  if not os.path.exists(os.path.join(HERE, OPTIONAL_PAGE + ".md")):
+    source[0] = "\n".join(
+        line for line in source[0].split("\n") if "cli-json" not in line)
+
+
+def _reread_index(app, env, added, changed, removed) -> list[str]:
+  """The pages that name `OPTIONAL_PAGE` depend on whether it exists, which
+  their own text does not show: read them again on every build."""
+  return ["index", "reference/cli"]
 
 
 def setup(app) -> None:
   app.connect("source-read", _drop_missing_optional_pages)
+  app.connect("env-get-outdated", _reread_index)
