@@ -9,6 +9,7 @@ uncaught exceptions.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ class Browser:
          f"--user-data-dir={self._profile}", "--window-size=1280,900", "about:blank"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+    atexit.register(self._stop_process)  # Even if the caller never reaches close().
     port = self._wait_for_port()
     targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10))
     page = next(t for t in targets if t["type"] == "page")
@@ -143,14 +145,18 @@ class Browser:
     with open(path, "wb") as f:
       f.write(base64.b64decode(data))
 
-  def close(self) -> None:
-    try:
-      self._ws.close()
-    finally:
+  def _stop_process(self) -> None:
+    if self._process.poll() is None:
       self._process.terminate()
       try:
         self._process.wait(timeout=10)
       except subprocess.TimeoutExpired:
         self._process.kill()
         self._process.wait()
-      shutil.rmtree(self._profile, ignore_errors=True)
+    shutil.rmtree(self._profile, ignore_errors=True)
+
+  def close(self) -> None:
+    try:
+      self._ws.close()
+    finally:
+      self._stop_process()
