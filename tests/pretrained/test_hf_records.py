@@ -1,6 +1,6 @@
 """The family records (`pz_persist.pretrained.hf.record`): one module per
 family declares everything about it, and load, export, detection, the CLI's
-help and the README's table are driven by the records."""
+help and the pretrained guide's table are driven by the records."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ ROOT = pathlib.Path(__file__).parents[2]
 PACKAGE = ROOT / "pz_persist"
 
 
-def test_readme_table_is_rendered_from_the_records():
-  """The README's table of families is exactly what the records say (rewrite
-  it with ``record.describe(families.FAMILIES)`` after changing a record)."""
-  readme = (ROOT / "README.md").read_text()
+def test_guide_table_is_rendered_from_the_records():
+  """The pretrained guide's table of families is exactly what the records say
+  (rewrite it with ``record.describe(families.FAMILIES)`` after changing a
+  record)."""
+  guide = (ROOT / "docs/guides/pretrained.md").read_text()
   table = record.describe(families.FAMILIES)
-  assert table in readme, f"README.md's table of families differs; it should read:\n{table}"
+  assert table in guide, (
+      f"docs/guides/pretrained.md's table of families differs; it should read:\n{table}")
 
 
 def test_every_family_is_a_record_of_its_own_module():

@@ -1,5 +1,5 @@
 """The record a Hugging Face model family declares: everything loading,
-export, detection, the CLI and the README need to know about it, in one place.
+export, detection, the CLI and the pretrained guide need to know about it, in one place.
 
 Each module of `pz_persist.pretrained.hf.families` defines one `Family` as
 its ``RECORD``; `pz_persist.pretrained.hf.families` collects them. Nothing
@@ -79,8 +79,8 @@ class Family:
       field may be kept when it means the same. The fields that do not change
       the math, ``model_type``, ``architectures`` and ``dtype`` are added by
       export itself.
-    adds: What pz_persist reads and builds for it (the README's table).
-    refuses: What it refuses (the README's table).
+    adds: What pz_persist reads and builds for it (the pretrained guide's table (docs/guides/pretrained.md)).
+    refuses: What it refuses (the guide's table).
     rank: Detection order: lower first (a more specific structure before
       one it extends).
     refused_model_types: ``model_type`` values refused with a reason of this
@@ -106,8 +106,8 @@ class Family:
 
 
 def describe(families: tuple[Family, ...]) -> str:
-  """The README's table of families, rendered from the records (a test
-  checks that the README holds exactly this)."""
+  """The table of families in docs/guides/pretrained.md, rendered from the
+  records (a test checks that the guide holds exactly this)."""
   rows = ["| `model_type` | family | what pz_persist reads and adds | refused |", "|---|---|---|---|"]
   for family in families:
     types = ", ".join(f"`{t}`" for t in family.model_types)

@@ -6,7 +6,7 @@ files, never a name read from a checkpoint), so adding a family is adding one
 module; a module without ``RECORD`` holds shared code. Everything else reads
 the tables built here: `MODEL_TYPES` (``load_hf``'s dispatch), `REFUSED`,
 `detect` (``export_hf`` without ``like``) and `FAMILIES` (the CLI's help and
-the README's table).
+the pretrained guide's table (docs/guides/pretrained.md)).
 """
 
 from __future__ import annotations
