@@ -7,7 +7,7 @@ outside a family's module names the family: `load_hf` dispatches on
 ``model_type`` through `Family.model_types`, `export_hf` writes the fields
 `Family.write_config` derives and checks the model against the same plans,
 the family of an exported model is the first record (by `Family.rank`) whose
-`Family.detect` recognises its structure, and the CLI's help and the README's
+`Family.detect` recognises its structure, and the CLI's help and the pretrained guide's
 table of families are rendered from the records (`describe`).
 """
 
