@@ -64,7 +64,7 @@ def _python(value):
 
 def _kept(v, r, target) -> bool:
   """Whether the cast of one value ``v`` to ``r`` (in ``target``) keeps it, as
-  the README promises: exactly, except a float may round to a narrower float."""
+  the saving-and-loading guide promises: exactly, except a float may round to a narrower float."""
   if _kind(target) != "f" or isinstance(v, int):
     return r == v  # Exact (Fraction, int and float compare exactly; nan != nan).
   if isinstance(v, float):  # inf or nan.

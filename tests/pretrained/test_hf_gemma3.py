@@ -123,7 +123,7 @@ def test_the_hubs_gemma_3_1b_it_config(tmp_path):
   reference = _reference_of(tmp_path / "gemma-3-1b-it")
   error = checks.float32_error(tmp_path / "gemma-3-1b-it", reference)
   print(f"google/gemma-3-1b-it's config: float32 max abs error {error:.2g}")
-  model = pzp.pretrained.load_hf(tmp_path / "gemma-3-1b-it")  # (The README samples from it.)
+  model = pzp.pretrained.load_hf(tmp_path / "gemma-3-1b-it")  # (The pretrained guide samples from it.)
   config = checks.check_export(model, tmp_path / "gemma-3-1b-it", tmp_path / "out")
   assert config["layer_types"].count("full_attention") == 1
   assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000

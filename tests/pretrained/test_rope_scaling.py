@@ -341,7 +341,7 @@ LLAMA_3_2_CONFIG = {
 
 
 def test_llama_3_2_hub_config_loads(tmp_path):
-  """The README's example checkpoint: every field of the Hub's config.json
+  """The pretrained guide's example checkpoint: every field of the Hub's config.json
   is understood, and the logits are transformers' (the default theta of
   500000 and factor 32 scale the lowest frequencies even at 8 tokens)."""
   torch.manual_seed(0)

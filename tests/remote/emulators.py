@@ -92,7 +92,7 @@ def start_gcs(bucket: str = BUCKET) -> Emulator:
       "TENSORSTORE_GCS_HTTP_URL": url,  # TensorStore (Orbax's arrays)
       "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # TensorStore: no credentials
       # gcsfs probes the bucket type (HNS) first; without credentials the probe
-      # retries for minutes. The README's "Cloud storage" section says so too.
+      # retries for minutes. The cloud storage guide (docs/guides/cloud-storage.md) says so too.
       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
   }
 
