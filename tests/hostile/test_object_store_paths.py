@@ -11,18 +11,16 @@ written or read; this file holds every entry point to it, on both emulators.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 from orbax.checkpoint import v1 as ocp_v1
-from penzai import pz
 
 import pz_persist as pzp
+from hostile.path_entry_points import TREE
+from hostile.path_entry_points import entry_points
 from pz_persist import errors
 from pz_persist.storage import object_store
-
-_TREE = {"w": pz.nx.wrap(jnp.arange(4.0)).tag("x")}
 
 
 def _variants(remote: str) -> list[str]:
@@ -44,28 +42,10 @@ def _variants(remote: str) -> list[str]:
   ]
 
 
-def _entry_points(url: str, local: str):
-  """(name, call) of every library way to name a checkpoint path."""
-  return [
-      ("save", lambda: pzp.save(url, _TREE)),
-      ("save overwrite", lambda: pzp.save(url, _TREE, overwrite=True)),
-      ("save_model", lambda: pzp.save_model(url, pz.nn.Identity())),
-      ("load", lambda: pzp.load(url)),
-      ("inspect", lambda: pzp.inspect(url)),
-      ("verify", lambda: pzp.verify(url)),
-      ("load_model", lambda: pzp.load_model(url)),
-      ("diff (first)", lambda: pzp.diff(url, local)),
-      ("diff (second)", lambda: pzp.diff(local, url)),
-      ("migrate (source)", lambda: pzp.migrate(url, local + "_m", pz.nn.Identity())),
-      ("migrate (destination)", lambda: pzp.migrate(local, url, pz.nn.Identity())),
-      ("CheckpointManager", lambda: pzp.CheckpointManager(url)),
-  ]
-
-
 @pytest.fixture(scope="module")
 def local_checkpoint(tmp_path_factory) -> str:
   path = str(tmp_path_factory.mktemp("paths") / "ck")
-  pzp.save(path, _TREE)
+  pzp.save(path, TREE)
   return path
 
 
@@ -75,7 +55,7 @@ def _written(remote: str) -> dict:
 
 def test_every_entry_point_refuses_an_ambiguous_object_store_path(remote, local_checkpoint):
   for url in _variants(remote):
-    for name, call in _entry_points(url, local_checkpoint):
+    for name, call in entry_points(url, local_checkpoint):
       with pytest.raises(errors.UnsupportedStorageError, match="not an object-store path") as e:
         call()
       assert url in str(e.value) and "BUCKET/FOLDER/NAME" in str(e.value), (name, url)
@@ -107,13 +87,13 @@ def test_orbax_entry_points_refuse_an_ambiguous_object_store_path(remote):
   for url in [variants[i] for i in (0, 1, 5, 6, 7, 8)]:
     with pytest.raises(errors.UnsupportedStorageError, match="not an object-store path"):
       with ocp.Checkpointer(pzp.PenzaiCheckpointHandler()) as checkpointer:
-        checkpointer.save(url, args=pzp.PenzaiSave(_TREE))
+        checkpointer.save(url, args=pzp.PenzaiSave(TREE))
     handler = pzp.PenzaiCheckpointHandler()  # What Orbax calls once its checks pass.
     for call in (handler.restore, handler.metadata):
       with pytest.raises(errors.UnsupportedStorageError, match="not an object-store path"):
         call(epath.Path(url))
     with pytest.raises(errors.UnsupportedStorageError, match="not an object-store path"):
-      ocp_v1.save_checkpointables(url + "v1", {"model": _TREE})  # Not v0's folder.
+      ocp_v1.save_checkpointables(url + "v1", {"model": TREE})  # Not v0's folder.
     written = [k for k in _written(remote) if "ocdbt" in k or "pz_persist" in k or "zarr" in k]
     assert written == [], url
 
@@ -121,8 +101,8 @@ def test_orbax_entry_points_refuse_an_ambiguous_object_store_path(remote):
 def test_the_plain_spellings_still_work(remote):
   """What is refused is only ever an ambiguous spelling: the plain one, with
   or without one trailing slash, saves and loads."""
-  pzp.save(f"{remote}/p/ck", _TREE)
+  pzp.save(f"{remote}/p/ck", TREE)
   assert float(pzp.load(f"{remote}/p/ck/")["w"].unwrap("x")[3]) == 3.0
-  pzp.save(f"{remote}/p/ck2/", _TREE)
+  pzp.save(f"{remote}/p/ck2/", TREE)
   assert float(pzp.load(f"{remote}/p/ck2")["w"].unwrap("x")[3]) == 3.0
   assert sorted({k.split("/")[1] for k in _written(remote)}) == ["ck", "ck2"]

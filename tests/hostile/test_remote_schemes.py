@@ -11,40 +11,20 @@ not written through fsspec without atomicity. Enforced in one place,
 from __future__ import annotations
 
 import fsspec
-import jax.numpy as jnp
 import pytest
-from penzai import pz
 
 import pz_persist as pzp
+from hostile.path_entry_points import TREE
+from hostile.path_entry_points import entry_points
 from pz_persist import errors
 
 SCHEMES = ["memory", "hf", "az", "abfs", "http", "ftp"]
-
-_TREE = {"w": pz.nx.wrap(jnp.arange(4.0)).tag("x")}
-
-
-def _entry_points(url: str, local: str):
-  """(name, call) of every public way to name a checkpoint path."""
-  return [
-      ("save", lambda: pzp.save(url, _TREE)),
-      ("save overwrite", lambda: pzp.save(url, _TREE, overwrite=True)),
-      ("save_model", lambda: pzp.save_model(url, pz.nn.Identity())),
-      ("load", lambda: pzp.load(url)),
-      ("inspect", lambda: pzp.inspect(url)),
-      ("verify", lambda: pzp.verify(url)),
-      ("load_model", lambda: pzp.load_model(url)),
-      ("diff (first)", lambda: pzp.diff(url, local)),
-      ("diff (second)", lambda: pzp.diff(local, url)),
-      ("migrate (source)", lambda: pzp.migrate(url, local + "_m", pz.nn.Identity())),
-      ("migrate (destination)", lambda: pzp.migrate(local, url, pz.nn.Identity())),
-      ("CheckpointManager", lambda: pzp.CheckpointManager(url)),
-  ]
 
 
 @pytest.fixture(scope="module")
 def local_checkpoint(tmp_path_factory) -> str:
   path = str(tmp_path_factory.mktemp("schemes") / "ck")
-  pzp.save(path, _TREE)
+  pzp.save(path, TREE)
   return path
 
 
@@ -54,7 +34,7 @@ def test_every_entry_point_refuses_an_unsupported_scheme(kind, local_checkpoint,
   memory = fsspec.filesystem("memory")
   before = set(memory.store)
   url = f"{kind}://bucket/run/ck"
-  for name, call in _entry_points(url, local_checkpoint):
+  for name, call in entry_points(url, local_checkpoint):
     with pytest.raises(errors.UnsupportedStorageError, match=f"{kind}://") as raised:
       call()
     assert "gs://" in str(raised.value) and "s3://" in str(raised.value), name
