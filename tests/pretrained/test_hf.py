@@ -99,6 +99,29 @@ def test_float32_logits_match_transformers(saved, family):
   assert all(p.value.dtype == jnp.float32 for p in params)
 
 
+def test_each_stored_tensor_is_read_once_and_counted_once(saved, monkeypatch):
+  """GPT-NeoX's fused ``query_key_value`` fills three Penzai parameters: it is
+  read from its file once, not once per parameter, and progress counts the
+  file's tensor bytes once (done == total == their sum)."""
+  folder, _ = saved["gpt_neox"]
+  reads: list[str] = []
+  original = safetensors_io.SafetensorsFile.get
+
+  def get(self, name, dtype=None, **options):
+    reads.append(name)
+    return original(self, name, dtype, **options)
+
+  monkeypatch.setattr(safetensors_io.SafetensorsFile, "get", get)
+  seen: list[tuple[int, int]] = []
+  pzp.pretrained.load_hf(folder, progress=lambda done, total: seen.append((done, total)))
+  assert any("query_key_value" in name for name in reads)
+  assert len(reads) == len(set(reads)), sorted(n for n in set(reads) if reads.count(n) > 1)
+  with safetensors_io.SafetensorsFile(os.path.join(folder, "model.safetensors")) as file:
+    stored = sum(end - begin for name, (_, _, begin, end) in file.entries.items()
+                 if name in reads)
+  assert seen[-1] == (stored, stored)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
 def test_bfloat16_load_is_as_close_as_transformers_bfloat16(saved, family):
   """bfloat16 weights and activations: compared with the float32 logits, the

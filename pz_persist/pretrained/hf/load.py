@@ -43,9 +43,11 @@ snapshot, inside its cache entry (`pz_persist.pretrained._files`).
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -238,12 +240,12 @@ def load_hf(
 
     place = _placement(sharding)
     params = []
-    sizes = [_stored_bytes(spec, weights.where) for spec in plan.tensors]
-    with progress_lib.tracking(progress, f"loading {path}", sum(sizes)) as tracker:
-      for spec, size in zip(plan.tensors, sizes):
+    total = sum(_stored_bytes(source, weights.where) for source in _sources(plan.tensors))
+    with progress_lib.tracking(progress, f"loading {path}", total) as tracker:
+      reads = _StoredReads(plan.tensors, weights.where, tracker.advance)
+      for spec in plan.tensors:
         params.append(pz.Parameter(
-            value=_read(spec, weights.where, weights.dtype, place, allow_lossy), label=spec.label))
-        tracker.advance(size)
+            value=_read(spec, reads, weights.dtype, place, allow_lossy), label=spec.label))
     # Every file read, still the one read: a model of one version only.
     weights.check_unchanged()
   model = pz.bind_variables(skeleton, params)
@@ -260,26 +262,75 @@ def _axis_sizes(plan: Plan) -> dict[str, set[int]]:
   return sizes
 
 
-def _stored_bytes(spec: TensorSpec, where: Mapping[str, safetensors_io.SafetensorsFile]) -> int:
-  """Bytes of the stored tensor ``spec`` reads (for progress)."""
-  _, _, begin, end = where[spec.source].entries[spec.source]
+def _sources(specs: Sequence[TensorSpec]) -> list[str]:
+  """The stored tensors ``specs`` read, each once, in order."""
+  return list(dict.fromkeys(spec.source for spec in specs))
+
+
+def _stored_bytes(source: str, where: Mapping[str, safetensors_io.SafetensorsFile]) -> int:
+  """Bytes of the stored tensor ``source`` (for progress)."""
+  _, _, begin, end = where[source].entries[source]
   return end - begin
+
+
+def _whole(spec: TensorSpec) -> bool:
+  """Whether ``spec`` is its stored tensor as it is (cast while reading);
+  otherwise a part is taken or an offset added, after reading the stored
+  values as they are."""
+  return spec.take is None and spec.rows is None and not spec.offset
+
+
+class _StoredReads:
+  """Each stored tensor read from its file once per load.
+
+  Why: several parameters can be parts of one fused tensor (GPT-NeoX's
+  ``query_key_value``, Phi-3's ``qkv_proj`` and ``gate_up_proj``); read per
+  parameter, it was read from disk once for each. Here the stored values are
+  held only until the last parameter taking a part of them has done so, and
+  progress advances by each stored tensor's bytes once, on its first read.
+  """
+
+  def __init__(self, specs: Sequence[TensorSpec],
+               where: Mapping[str, safetensors_io.SafetensorsFile],
+               advance: Callable[[int], None]):
+    self.where = where
+    self._advance = advance
+    self._parts_left = collections.Counter(spec.source for spec in specs if not _whole(spec))
+    self._held: dict[str, np.ndarray] = {}
+    self._counted: set[str] = set()
+
+  def get(self, spec: TensorSpec, dtype: np.dtype, allow_lossy: bool) -> np.ndarray:
+    """The stored tensor ``spec`` reads: cast to ``dtype`` while reading if
+    `_whole`, else as stored (shared by the parts of one fused tensor)."""
+    source = spec.source
+    if _whole(spec):
+      host = self.where[source].get(source, dtype=dtype, allow_lossy=allow_lossy)
+    else:
+      if source not in self._held:
+        self._held[source] = self.where[source].get(source)
+      host = self._held[source]
+      self._parts_left[source] -= 1
+      if not self._parts_left[source]:
+        del self._held[source]  # Its last part: nothing holds it any more.
+    if source not in self._counted:
+      self._counted.add(source)
+      self._advance(_stored_bytes(source, self.where))
+    return host
 
 
 def _read(
     spec: TensorSpec,
-    where: Mapping[str, safetensors_io.SafetensorsFile],
+    reads: _StoredReads,
     dtype: np.dtype,
     place: Callable[[tuple[str, ...], tuple[int, ...], str], jax.sharding.Sharding],
     allow_lossy: bool = False,
 ) -> pz.nx.NamedArray:
   """Reads one tensor, lays it out for Penzai, casts it (checked by
   `pz_persist.format.casts`) and places it."""
-  file = where[spec.source]  # `_check_tensors` made sure it is there, of this size.
-  # Cast while reading unless a slice is taken or an offset added after (then
-  # only the slice is cast, and the offset is added to the stored values).
-  whole = spec.take is None and spec.rows is None and not spec.offset
-  host = file.get(spec.source, dtype=dtype if whole else None, allow_lossy=allow_lossy)
+  file = reads.where[spec.source]  # `_check_tensors` made sure it is there, of this size.
+  # Cast while reading unless a part is taken or an offset added after (then
+  # only the part is cast, and the offset is added to the stored values).
+  host = reads.get(spec, dtype, allow_lossy)
   host = casts.cast(penzai_layout(spec, host), dtype, allow_lossy=allow_lossy,
                     where=f"safetensors file {file.path}, tensor {spec.source!r}")
   data = jax.device_put(host, place(spec.axes, host.shape, spec.label))
