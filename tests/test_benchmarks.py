@@ -9,6 +9,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import accelerator  # noqa: E402  pylint: disable=wrong-import-position
 import async_save  # noqa: E402  pylint: disable=wrong-import-position
 import integrity  # noqa: E402  pylint: disable=wrong-import-position
 import many_arrays  # noqa: E402  pylint: disable=wrong-import-position
@@ -42,6 +43,17 @@ def test_save_restore_benchmark_runs(tmp_path, capsys):
   assert "pz_persist.inspect" in printed and "only=" in printed
   only = results["methods"]["pz_persist"]["only"]
   assert only["smallest"]["bytes"] < only["largest"]["bytes"]
+
+
+def test_accelerator_benchmark_runs(tmp_path, capsys):
+  """Runs on the CPU here (the default device); on a GPU machine the same
+  script restores onto the GPU and checks every array landed there."""
+  results = accelerator.main(["--size", "1MiB", "--repeats", "1", "--warm-runs", "1",
+                              "--dir", str(tmp_path)])
+  assert set(results["methods"]) == set(accelerator.METHODS)
+  assert all(entry["fresh"][0] > 0 and entry["warm"][0] > 0
+             for entry in results["methods"].values())
+  assert "restore onto" in capsys.readouterr().out
 
 
 def test_transformer_shapes_reach_the_requested_size():
