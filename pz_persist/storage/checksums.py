@@ -198,20 +198,48 @@ def host_copies(stored: Mapping[str, Any]) -> HostCopies:
   All device-to-host transfers are started before the first is waited for,
   so they overlap. On the CPU backend a "copy" is a view of the array's own
   buffer (no bytes move), which JAX keeps alive and unchanged for the view
-  even if the array is deleted or donated afterwards.
+  even if the array is deleted or donated afterwards. On an accelerator with
+  pinned host memory (GPUs) each slice is copied into pinned memory, which the
+  DMA engine fills directly: measured on an H200, 576 MiB of fresh arrays took
+  0.40-0.48 s through `copy_to_host_async` into pageable memory and 0.012 s
+  into pinned memory (``benchmarks/async_save.py``), and this copy is the part
+  of an async save that blocks the training loop. Orbax makes the same choice
+  for its own saves on GPUs.
   """
   slots = [slot for key, value in stored.items() for slot in _slots(key, value)]
-  for slot in slots:
-    if isinstance(slot.local_data, jax.Array) and not _on_cpu(slot.local_data):
-      slot.local_data.copy_to_host_async()
+  transfers = [_start_transfer(slot.local_data) for slot in slots]
   return HostCopies(
       keys=tuple(stored),
       slots=tuple(
           slot if slot.local_data is None
-          else _Slot(slot.key, slot.index, slot.owner_process, np.asarray(slot.local_data))
-          for slot in slots
+          else _Slot(slot.key, slot.index, slot.owner_process, np.asarray(transfer))
+          for slot, transfer in zip(slots, transfers)
       ),
   )
+
+
+def _start_transfer(data: Any) -> Any:
+  """Starts copying ``data`` (a slice this process hashes) to host memory;
+  returns what `np.asarray` then waits on (``data`` itself unless it moved)."""
+  if not isinstance(data, jax.Array) or _on_cpu(data):
+    return data
+  pinned = _pinned_sharding(data)
+  if pinned is not None:
+    return jax.device_put(data, pinned)
+  data.copy_to_host_async()
+  return data
+
+
+def _pinned_sharding(data: jax.Array) -> Any:
+  """``data``'s sharding in pinned host memory, or None where its devices have none."""
+  try:
+    if not all(any(memory.kind == "pinned_host"
+                   for memory in device.addressable_memories())  # type: ignore[attr-defined]
+               for device in data.sharding.device_set):
+      return None
+    return data.sharding.with_memory_kind("pinned_host")
+  except (AttributeError, NotImplementedError, ValueError):  # Shardings without memory kinds.
+    return None
 
 
 def _on_cpu(array: jax.Array) -> bool:
