@@ -12,10 +12,10 @@ an unsigned byte ``e`` meaning ``2 ** (e - 127)``). gpt-oss stores a weight
 
 transformers' ``GptOssExperts`` holds the transpose of that ``W``
 (``gate_up_proj``: ``[experts, hidden, 2 * intermediate]``), so `dequantize`
-returns ``[experts, columns, rows]``. Every MXFP4 value times a power of two
-is exact in float32 while the exponent stays within float32's range; a scale
-that would leave it (``e`` below 127 - 126 - 2 or above 127 + 127 - 2) is
-refused rather than flushed or overflowed.
+returns ``[experts, columns, rows]``. Every FP4 value times a power of two
+is exact in float32 (subnormal for the smallest scales), as
+transformers' ``ldexp`` computes it; the scale byte 255 (E8M0's NaN) and a
+product beyond float32's range are refused rather than read as NaN or inf.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 """The 16 FP4 E2M1 values, by code (sign bit 8)."""
 
-_LOWEST, _HIGHEST = 127 - 126 + 1, 127 + 127 - 2
-"""The scale bytes whose every product with an FP4 value is a normal float32:
-the smallest nonzero FP4 value is 2**-1, the largest below 2**3."""
+_NAN = 255
+"""E8M0's one special value: not a number."""
 
 
 def blocks_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -48,8 +47,8 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, where: str) -> np.ndarray
   ``scales`` store (module docstring).
 
   Raises:
-    SafetensorsFormatError: a scale outside the exactly representable range
-      (naming ``where``, the tensor, and the value).
+    SafetensorsFormatError: a NaN scale, a value beyond float32, or blocks and
+      scales that do not fit (naming ``where``).
   """
   if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
     raise errors.SafetensorsFormatError(
@@ -58,17 +57,20 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, where: str) -> np.ndarray
     raise errors.SafetensorsFormatError(
         f"{where}: MXFP4 blocks {blocks.shape} and scales {scales.shape} do not fit"
         f" (blocks [experts, rows, groups, {BLOCK // 2}], scales [experts, rows, groups]).")
-  if scales.size and (scales.min() < _LOWEST or scales.max() > _HIGHEST):
-    bad = int(scales.min() if scales.min() < _LOWEST else scales.max())
+  if scales.size and scales.max() == _NAN:
     raise errors.SafetensorsFormatError(
-        f"{where}: an MXFP4 scale byte is {bad}, i.e. 2**{bad - 127}, whose products with FP4"
-        f" values leave float32's normal range (bytes {_LOWEST}..{_HIGHEST} are exact); the"
-        " tensor is damaged or not MXFP4.")
+        f"{where}: an MXFP4 scale byte is 255, E8M0's NaN; the tensor is damaged or not"
+        " MXFP4.")
   experts, rows, groups, _ = blocks.shape
   values = np.empty((experts, rows, groups, BLOCK), np.float32)
   values[..., 0::2] = _FP4[blocks & 0x0F]
   values[..., 1::2] = _FP4[blocks >> 4]
-  values *= np.exp2(scales.astype(np.float32) - 127.0)[..., None]
+  with np.errstate(over="ignore"):
+    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None]).astype(np.float32)
+  if not np.isfinite(values).all():
+    raise errors.SafetensorsFormatError(
+        f"{where}: MXFP4 values times their scales exceed float32's range (scale bytes up to"
+        f" {int(scales.max())}); the tensor is damaged or not MXFP4.")
   return np.ascontiguousarray(values.reshape(experts, rows, groups * BLOCK).transpose(0, 2, 1))
 
 
@@ -81,7 +83,7 @@ def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   grouped = weight.transpose(0, 2, 1).reshape(experts, rows, columns // BLOCK, BLOCK)
   top = np.abs(grouped).max(axis=-1)
   exponent = np.where(top > 0, np.ceil(np.log2(np.maximum(top, 1e-30) / 6.0)), 0)
-  exponent = np.clip(exponent, _LOWEST - 127, _HIGHEST - 127)
+  exponent = np.clip(exponent, -127, 127)
   scaled = grouped / np.exp2(exponent)[..., None]
   codes = np.abs(scaled[..., None] - _FP4).argmin(axis=-1).astype(np.uint8)
   blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)

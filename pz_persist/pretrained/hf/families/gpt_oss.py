@@ -28,6 +28,7 @@ gpt-oss is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +39,14 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
-from pz_persist.pretrained.hf.config_from_model import llamalike_fields
+from pz_persist.pretrained.hf.config_from_model import attention
+from pz_persist.pretrained.hf.config_from_model import blocks
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.config_from_model import named_shape
+from pz_persist.pretrained.hf.config_from_model import projection
+from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
+from pz_persist.pretrained.hf.config_from_model import rope_fields
+from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families import gpt_oss_moe
 from pz_persist.pretrained.hf.families.llama import Attention
@@ -95,8 +103,7 @@ def gpt_oss_plan(cfg: Config, weights: Weights) -> Plan:
                     block_extras=extras, edit=edit)
   # Llama's dense MLP is replaced by the experts: its tensors are not read.
   tensors = tuple(spec for spec in plan.tensors if spec.label.rsplit("/", 2)[-2] != "mlp")
-  moe.report(weights)
-  return Plan(plan.build, tensors)
+  return Plan(plan.build, tensors, views=tuple(moe.views))
 
 
 def _default_rope(cfg: Config) -> None:
@@ -163,19 +170,34 @@ def _detect(model: Any) -> str | None:
   return "gpt_oss" if all_layers(model, SoftmaxWithSinks) else None
 
 
+def attention_size_fields(model: Any) -> dict[str, Any]:
+  """The sizes of a llama-like model whose MLPs may be mixtures of experts
+  (so not read from its first MLP): embedding, vocabulary, heads, key/value
+  heads, head width and layer count."""
+  embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
+  attn = attention(model)
+  query, key = projection(attn.input_to_query), projection(attn.input_to_key)
+
+  def heads(shape: dict[str, int]) -> int:
+    return math.prod(n for axis, n in shape.items()
+                     if axis in ("heads", "head_groups", "query_heads"))
+
+  return {"hidden_size": embed["embedding"], "vocab_size": embed["vocabulary"],
+          "num_attention_heads": heads(query), "num_key_value_heads": heads(key),
+          "head_dim": query["projection"], "num_hidden_layers": len(blocks(model))}
+
+
 def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only gpt_oss.
   found = windows(model)
   window = next((w for w in found if w is not None), None)
-  fields = llamalike_fields(model, like)
-  fields.pop("intermediate_size", None)
   return {
-      **fields,
-      **gpt_oss_moe.config_fields(model),
+      **attention_size_fields(model), **rms_norm_fields(model), **rope_fields(model),
+      **tied_field(model, like), **gpt_oss_moe.config_fields(model),
       "layer_types": ["full_attention" if w is None else "sliding_attention" for w in found],
       "sliding_window": like.get("sliding_window", 128) if window is None else window,
       "attention_bias": model_biases(model).output,
-      "hidden_act": like.get("hidden_act", "silu"),
+      "hidden_act": "silu",  # Read (Llama's plan), never used: the experts clamp their own.
   }
 
 
@@ -197,5 +219,7 @@ RECORD = Family(
         "router_aux_loss_coef": _NON_NEGATIVE,
         "output_router_logits": _BOOLEAN,
         "quantization_config": _OBJECT,
+        "experts_per_token": _POSITIVE_INT,
+        "initial_context_length": _POSITIVE_INT,
     },
 )

@@ -42,11 +42,14 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
+from pz_persist.pretrained.hf.config_from_model import activation_field
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
-from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
+from pz_persist.pretrained.hf.families.gpt_oss import attention_size_fields
 from pz_persist.pretrained.hf.families import llama4_moe
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.plan import Plan
@@ -273,7 +276,49 @@ def _detect(model: Any) -> str | None:
 
 def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # llama4 (multimodal) is read, never written.
-  raise NotImplementedError
+  per_block = blocks(model)
+  rope = [bool(all_layers(b, ApplyInterleavedRoPE)) for b in per_block]
+  chunks = [[m.chunk_size for m in all_layers(b, ApplyChunkedCausalAttentionMask)]
+            for b in per_block]
+  tuning = all_layers(model, TemperatureTuning)
+  qk_norms = [n for a in all_layers(model, pz.nn.Attention)
+              for n in all_layers(a.input_to_key, pz.nn.RMSStandardize)]
+  experts = llama4_moe.moe_layers(model)
+  dense = [b for b, layer in zip(per_block, experts) if layer is None]
+  fields = {
+      **attention_size_fields(model), **rms_norm_fields(model), **tied_field(model, like),
+      **llama4_moe.config_fields(model),
+      "hidden_act": _activation(model, like),
+      "attention_bias": False,
+      "no_rope_layers": [int(r) for r in rope],
+      "layer_types": ["chunked_attention" if c else "full_attention" for c in chunks],
+      "attention_chunk_size": next((c[0] for c in chunks if c),
+                                   like.get("attention_chunk_size", 8192)),
+      # Fields no layer shows (no layer of their kind): like's, else transformers' default.
+      "use_qk_norm": bool(qk_norms) if any(rope) else like.get("use_qk_norm", True),
+      "attn_temperature_tuning": bool(tuning) if not all(rope) else like.get(
+          "attn_temperature_tuning", True),
+      "floor_scale": number(tuning[0].floor_scale) if tuning else like.get("floor_scale", 8192),
+      "attn_scale": number(tuning[0].attn_scale) if tuning else like.get("attn_scale", 0.1),
+  }
+  if any(rope):
+    fields.update(rope_fields(model))
+  else:  # No layer rotates: the RoPE fields change nothing.
+    fields["rope_parameters"] = like.get("rope_parameters") or {"rope_theta": _THETA,
+                                                                "rope_type": "default"}
+  if dense:
+    ffw = first_layer(dense[0], model_parts.TransformerFeedForward, "MLP")
+    fields["intermediate_size_mlp"] = named_shape(first_layer(ffw, pz.nn.Linear, "MLP"))["neurons"]
+  else:
+    fields["intermediate_size_mlp"] = like.get("intermediate_size_mlp", 16384)
+  if "intermediate_size" not in fields:
+    fields["intermediate_size"] = like.get("intermediate_size", 8192)
+  return fields
+
+
+def _activation(model: Any, like: Mapping[str, Any]) -> str:
+  """``hidden_act``: the dense and shared MLPs' (Llama's plan: SiLU or tanh GELU)."""
+  return activation_field(model, like)["hidden_act"]
 
 
 RECORD = Family(

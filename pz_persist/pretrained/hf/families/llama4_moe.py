@@ -1,38 +1,62 @@
-"""Llama 4's mixture-of-experts layers: config fields, tensors, the layer in
-place of a block's MLP, and the fields export writes. (No ``RECORD``.)"""
+"""Llama 4's mixture-of-experts layers: their tensors, the layer in place of
+a block's MLP, and the fields export writes back. (Shared code of the llama4
+family: no ``RECORD``.)
+
+A block of ``moe_layers`` gets a
+`pz_persist.pretrained.layers.mixture_of_experts.MixtureOfExperts`
+(``transformer/block_{i}/moe/...``): a bias-free router ``Linear`` from
+``embedding`` to ``experts``; the top ``num_experts_per_tok`` logits chosen
+and their sigmoid (``score="sigmoid"``: sigmoid is increasing, so choosing by
+it chooses by the logits) multiplying each chosen expert's *input*
+(``weight_inputs``), the others' input zero (bias-free SwiGLU experts give
+zero for it); plus the shared expert, a SwiGLU MLP of the experts' width
+(``intermediate_size``), always added.
+
+transformers keeps the experts' gate and up projections in one tensor
+``feed_forward.experts.gate_up_proj`` ``[experts, hidden, 2 *
+intermediate]``, gate first then up (``chunk(2, dim=-1)``), and
+``down_proj`` ``[experts, intermediate, hidden]``: read as they are (the
+gate and up halves by `TensorSpec.take`), as the Hub's folders and
+transformers 5's ``save_pretrained`` both hold them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.layers import mixture_of_experts as moe_lib
 
 
 @dataclasses.dataclass
 class Llama4Moe:
+  """Llama 4's experts as the config describes them (``width``:
+  ``intermediate_size``, set once read)."""
+
   experts: int
   top_k: int
   width: int = 0
 
   def specs(self, p: str, s: str, config: llamalike_common.LlamalikeTransformerConfig
             ) -> list[TensorSpec]:
+    """Block ``p``'s router, experts and shared expert, from layer ``s``."""
     e, h, n = self.experts, config.embedding_dim, self.width
     m, q = s + "feed_forward.", p + "moe/"
+    axes = ("experts", "embedding", "neurons")
     return [
         TensorSpec(q + "router.weights", m + "router.weight", (e, h), ("experts", "embedding")),
-        TensorSpec(q + "gating_linear.weights", m + "experts.gate_up_proj", (e, h, 2, n),
-                   ("experts", "embedding", "neurons"), take=(2, 0), stored=(e, h, 2 * n)),
-        TensorSpec(q + "value_linear.weights", m + "experts.gate_up_proj", (e, h, 2, n),
-                   ("experts", "embedding", "neurons"), take=(2, 1), stored=(e, h, 2 * n)),
-        TensorSpec(q + "out_linear.weights", m + "experts.down_proj", (e, n, h),
+        TensorSpec(q + "experts/gate.weights", m + "experts.gate_up_proj", (e, h, 2, n), axes,
+                   take=(2, 0), stored=(e, h, 2 * n)),
+        TensorSpec(q + "experts/up.weights", m + "experts.gate_up_proj", (e, h, 2, n), axes,
+                   take=(2, 1), stored=(e, h, 2 * n)),
+        TensorSpec(q + "experts/down.weights", m + "experts.down_proj", (e, n, h),
                    ("experts", "neurons", "embedding")),
         TensorSpec(q + "shared/gating_linear.weights", m + "shared_expert.gate_proj.weight",
                    (n, h), ("neurons", "embedding")),
@@ -45,14 +69,23 @@ class Llama4Moe:
   def edit_block(self, block: model_parts.TransformerBlock, i: int,
                  config: llamalike_common.LlamalikeTransformerConfig
                  ) -> model_parts.TransformerBlock:
-    del config
-    q = f"transformer/block_{i}/moe/"
-    names = ("router.weights", "gating_linear.weights", "value_linear.weights",
-             "out_linear.weights", "shared/gating_linear.weights",
-             "shared/value_linear.weights", "shared/out_linear.weights")
-    moe = _PendingMoe(*(pz.ParameterSlot(q + name) for name in names), top_k=self.top_k)
+    """``block`` (number ``i``) with its MLP replaced by the experts."""
+    name = f"transformer/block_{i}/moe"
+    dtype = config.parameter_dtype
+    router = moe_lib.TopKRouter(
+        logits=moe_lib.router_linear(f"{name}/router", self.experts, config.embedding_dim,
+                                     dtype=dtype),
+        num_experts=self.experts, top_k=self.top_k, score="sigmoid")
+    experts = moe_lib.experts_mlp(
+        f"{name}/experts", self.experts, config.embedding_dim, self.width,
+        activation="silu" if config.mlp_variant == "swiglu" else "gelu_tanh",
+        inputs_have_experts=True, dtype=dtype)
+    shared = llamalike_common.build_llamalike_feedforward(
+        f"{name}/shared", None, dataclasses.replace(config, mlp_hidden_dim=self.width))
+    layer = moe_lib.MixtureOfExperts(router=router, experts=experts, weight_inputs=True,
+                                     shared=shared)
     return pz.select(block).at_instances_of(model_parts.TransformerFeedForward).apply(
-        lambda _: model_parts.TransformerFeedForward([moe]))
+        lambda _: model_parts.TransformerFeedForward([layer]))
 
 
 def read_config(cfg: Config) -> Llama4Moe:
@@ -64,37 +97,22 @@ def read_config(cfg: Config) -> Llama4Moe:
   return Llama4Moe(experts, top_k)
 
 
+def moe_layers(model: Any) -> list[moe_lib.MixtureOfExperts | None]:
+  """Each block's mixture of experts, or None for a dense block."""
+  from pz_persist.pretrained.hf.config_from_model import blocks  # pylint: disable=import-outside-toplevel
+  return [next(iter(all_layers(block, moe_lib.MixtureOfExperts)), None)
+          for block in blocks(model)]
+
+
 def config_fields(model: Any) -> dict[str, Any]:
-  raise NotImplementedError
-
-
-def _dot(a: pz.nx.NamedArray, b: pz.nx.NamedArray, axis: str) -> pz.nx.NamedArray:
-  return pz.nx.nmap(jnp.dot)(a.untag(axis), b.untag(axis))
-
-
-@pz.pytree_dataclass
-class _PendingMoe(pz.nn.Layer):
-  router: pz.ParameterLike[pz.nx.NamedArray]
-  gating: pz.ParameterLike[pz.nx.NamedArray]
-  value: pz.ParameterLike[pz.nx.NamedArray]
-  out: pz.ParameterLike[pz.nx.NamedArray]
-  s_gating: pz.ParameterLike[pz.nx.NamedArray]
-  s_value: pz.ParameterLike[pz.nx.NamedArray]
-  s_out: pz.ParameterLike[pz.nx.NamedArray]
-  top_k: int = dataclasses.field(metadata={"pytree_node": False})
-
-  def __call__(self, x: pz.nx.NamedArray, **_unused) -> pz.nx.NamedArray:
-    logits = _dot(self.router.value, x, "embedding")
-
-    def route(row: jax.Array) -> jax.Array:
-      top, idx = jax.lax.top_k(row, self.top_k)
-      return jnp.zeros_like(row).at[idx].set(jax.nn.sigmoid(top))
-
-    scores = pz.nx.nmap(route)(logits.untag("experts")).tag("experts")
-    xs = x * scores
-    act = pz.nx.nmap(jax.nn.silu)(_dot(xs, self.gating.value, "embedding"))
-    hidden = act * _dot(xs, self.value.value, "embedding")
-    out = pz.nx.nmap(jnp.sum)(_dot(hidden, self.out.value, "neurons").untag("experts"))
-    shared = pz.nx.nmap(jax.nn.silu)(_dot(x, self.s_gating.value, "embedding")) * _dot(
-        x, self.s_value.value, "embedding")
-    return _dot(shared, self.s_out.value, "neurons") + out
+  """``moe_layers``, the experts' count, choice and width (None-free only
+  when some block has experts)."""
+  layers = moe_layers(model)
+  found = [layer for layer in layers if layer is not None]
+  fields: dict[str, Any] = {"moe_layers": [i for i, layer in enumerate(layers) if layer]}
+  if found:
+    router = found[0].router
+    down = all_layers(found[0].experts, pz.nn.Linear)[-1].weights.value.named_shape
+    fields.update(num_local_experts=router.num_experts, num_experts_per_tok=router.top_k,
+                  intermediate_size=down["neurons"])
+  return fields
