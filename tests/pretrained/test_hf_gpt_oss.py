@@ -131,13 +131,14 @@ def test_mxfp4_dequantisation_is_transformers_bit_for_bit(saved):
   np.testing.assert_array_equal(down, reference.model.layers[1].mlp.experts.down_proj.detach())
 
 
+@pytest.mark.slow
 def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
   folder, _, reference = saved["gpt_oss"]
   ours, theirs = checks.bfloat16_errors(folder, transformers.GptOssForCausalLM, reference)
   print(f"gpt_oss bfloat16: ours {ours:.3g}, transformers' {theirs:.3g}")
 
 
-@pytest.mark.parametrize("case", ["gpt_oss", "mxfp4"])
+@pytest.mark.parametrize("case", ["gpt_oss", pytest.param("mxfp4", marks=pytest.mark.slow)])
 def test_kv_cache_sampling_matches_a_forward_pass(saved, case):
   checks.check_kv_cache_sampling(_load(saved[case][0]))
 
