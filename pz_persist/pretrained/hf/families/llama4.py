@@ -104,12 +104,10 @@ def llama4_text_plan(cfg: Config, weights: Weights, root: str = "") -> Plan:
   bool_field(cfg, "attention_bias", False, False, "Llama 4's attention has no biases")
   cfg.get("router_aux_loss_coef")  # Training only.
   cfg.get("output_router_logits")  # Training only.
-  jitter = cfg.get("router_jitter_noise", 0.0)
-  if jitter:
-    cfg.get("router_jitter_noise")  # Noise added in training only; transformers ignores it.
+  cfg.get("router_jitter_noise")  # Training only: transformers' router never adds it.
   use_qk_norm = cfg.get("use_qk_norm", True)
   tuning = cfg.get("attn_temperature_tuning", True)
-  floor_scale = float(cfg.get("floor_scale", 8192))
+  floor_scale = cfg.get("floor_scale", 8192)
   attn_scale = float(cfg.get("attn_scale", 0.1))
   chunk = cfg.nullable("attention_chunk_size", 8192)
   moe = llama4_moe.read_config(cfg)
@@ -298,7 +296,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
       "use_qk_norm": bool(qk_norms) if any(rope) else like.get("use_qk_norm", True),
       "attn_temperature_tuning": bool(tuning) if not all(rope) else like.get(
           "attn_temperature_tuning", True),
-      "floor_scale": number(tuning[0].floor_scale) if tuning else like.get("floor_scale", 8192),
+      "floor_scale": _whole(tuning[0].floor_scale) if tuning else like.get("floor_scale", 8192),
       "attn_scale": number(tuning[0].attn_scale) if tuning else like.get("attn_scale", 0.1),
   }
   if any(rope):
@@ -309,11 +307,17 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   if dense:
     ffw = first_layer(dense[0], model_parts.TransformerFeedForward, "MLP")
     fields["intermediate_size_mlp"] = named_shape(first_layer(ffw, pz.nn.Linear, "MLP"))["neurons"]
-  else:
-    fields["intermediate_size_mlp"] = like.get("intermediate_size_mlp", 16384)
+  else:  # Every layer has experts: the dense width the skeleton was built with.
+    fields["intermediate_size_mlp"] = model.metadata.mlp_hidden_dim
   if "intermediate_size" not in fields:
     fields["intermediate_size"] = like.get("intermediate_size", 8192)
   return fields
+
+
+def _whole(value: Any) -> int | float:
+  """``floor_scale`` as transformers' config takes it: an integer when whole."""
+  value = number(value)
+  return int(value) if value.is_integer() else value
 
 
 def _activation(model: Any, like: Mapping[str, Any]) -> str:
