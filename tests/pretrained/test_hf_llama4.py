@@ -174,8 +174,8 @@ def test_chunks_bind(saved, tmp_path):
 def test_interleaved_rope_binds(saved):
   """Rotating halves (Penzai's and Llama's convention) instead of pairs
   gives other logits: transformers' Llama 4 pairs adjacent dimensions."""
-  from transformers.models.llama4 import modeling_llama4  # pylint: disable=import-outside-toplevel
   from transformers.models.llama import modeling_llama  # pylint: disable=import-outside-toplevel
+  from transformers.models.llama4 import modeling_llama4  # pylint: disable=import-outside-toplevel
   _, model, reference = saved["llama4_text"]
 
   def halves(xq, xk, freqs_cis):

@@ -219,8 +219,8 @@ def config_fields(model: Any) -> dict[str, Any]:
   """The experts' fields of an exported model (from its first layer)."""
   layer = all_layers(model, moe_lib.MixtureOfExperts)[0]
   router = layer.router
-  gates = [g for g in all_layers(layer.experts, moe_lib.ClampedSwiGLUGate)]
-  down = [lin for lin in all_layers(layer.experts, pz.nn.Linear)][-1].weights.value.named_shape
+  gates = all_layers(layer.experts, moe_lib.ClampedSwiGLUGate)
+  down = all_layers(layer.experts, pz.nn.Linear)[-1].weights.value.named_shape
   return {"num_local_experts": router.num_experts, "num_experts_per_tok": router.top_k,
           "intermediate_size": down["neurons"], "swiglu_alpha": number(gates[0].alpha),
           "swiglu_limit": number(gates[0].limit)}

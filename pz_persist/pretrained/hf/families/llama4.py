@@ -33,6 +33,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
+from typing import cast
 
 from penzai import pz
 from penzai.models.transformer import model_parts
@@ -40,17 +41,17 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
-from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import first_layer
 from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
-from pz_persist.pretrained.hf.families.gpt_oss import attention_size_fields
 from pz_persist.pretrained.hf.families import llama4_moe
+from pz_persist.pretrained.hf.families.gpt_oss import attention_size_fields
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
@@ -143,7 +144,8 @@ def llama4_text_plan(cfg: Config, weights: Weights, root: str = "") -> Plan:
       new.append(block)
     return selected.set_sequence(new)
 
-  plan = llama_plan(cfg, _Named(weights, names), attention=attention, head_dim_default=128,
+  seen = cast(Weights, _Named(weights, names))  # What Llama's plan asks of it.
+  plan = llama_plan(cfg, seen, attention=attention, head_dim_default=128,
                     max_positions_default=131_072, block_extras=extras, edit=edit)
   layers = kinds[0]
   tensors = []
