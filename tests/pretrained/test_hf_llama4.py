@@ -39,14 +39,13 @@ CASES = {
     "llama4_text": {"num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4,
                     "num_experts_per_tok": 2, "interleave_moe_layer_step": 2,
                     "no_rope_layers": [1, 0]},
-    # Scout's shape: every layer MoE (top 1), llama3-scaled RoPE with Scout's
-    # equal low/high frequency factors, NoPE from no_rope_layer_interval, no
-    # query/key norms, multi-head attention.
+    # Scout's shape: every layer MoE (top 1), llama3-scaled RoPE, NoPE from
+    # no_rope_layer_interval, no query/key norms, multi-head attention.
     "llama4_scout": {"num_hidden_layers": 2, "num_key_value_heads": 4, "num_local_experts": 3,
                      "num_experts_per_tok": 1, "no_rope_layer_interval": 2, "use_qk_norm": False,
                      "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0,
-                                         "factor": 16.0, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 1.0,
+                                         "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 8}},
 }
 
@@ -137,6 +136,43 @@ def test_multimodal_exports_its_text_model(saved, tmp_path):
   np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.FLOAT32)
 
 
+SCOUT_TEXT_CONFIG = {
+    # The text_config of meta-llama/Llama-4-Scout-17B-16E's config.json
+    # (transformers 4.51: attn_temperature_tuning 4, for_llm_compressor,
+    # rope_theta and rope_scaling, every layer MoE), sizes shrunk to 2 layers.
+    "attention_bias": False, "attention_chunk_size": 4, "attention_dropout": 0.0,
+    "attn_scale": 0.5, "attn_temperature_tuning": 4, "bos_token_id": 200000,
+    "eos_token_id": [200001, 200007, 200008], "floor_scale": 2, "for_llm_compressor": False,
+    "head_dim": 8, "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02,
+    "interleave_moe_layer_step": 1, "intermediate_size": 16, "intermediate_size_mlp": 24,
+    "max_position_embeddings": 262144, "model_type": "llama4_text", "moe_layers": [0, 1],
+    "no_rope_layers": [1, 0], "num_attention_heads": 4, "num_experts_per_tok": 1,
+    "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 3,
+    "output_router_logits": False, "pad_token_id": 0, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True, "vocab_size": 64,
+}
+
+
+def test_the_hubs_scout_config(tmp_path):
+  """transformers 5 refuses the Hub's ``attn_temperature_tuning: 4`` (it
+  wants a bool; transformers 4.51, which wrote it, took any true value): the
+  reference is built with ``true``, the folder keeps the Hub's config."""
+  torch.manual_seed(0)
+  fields = {k: v for k, v in SCOUT_TEXT_CONFIG.items()
+            if k not in ("for_llm_compressor", "model_type", "torch_dtype")}
+  model = checks.randomized(transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+      **dict(fields, attn_temperature_tuning=True))))
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  reference = checks.reference_logits(model)
+  (tmp_path / "config.json").write_text(json.dumps(
+      dict(SCOUT_TEXT_CONFIG, architectures=["Llama4ForCausalLM"])))
+  print(f"meta-llama/Llama-4-Scout-17B-16E's text config: float32 max abs error"
+        f" {checks.float32_error(tmp_path, reference):.2g}")
+
+
 def _without(model, edit):
   model = copy.deepcopy(model)
   with torch.no_grad():
@@ -207,6 +243,7 @@ def test_interleaved_rope_binds(saved):
     ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
     ({"num_local_experts": 0}, "num_local_experts"),
     ({"use_qk_norm": "yes"}, "use_qk_norm"),
+    ({"attn_temperature_tuning": -1}, "attn_temperature_tuning"),
 ])
 def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, monkeypatch,
                                                               changes, match):

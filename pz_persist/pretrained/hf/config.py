@@ -306,12 +306,10 @@ def _scaling(cfg: Config, key: str, params: Mapping[str, Any], rope_type: str,
   for field in sorted(required):
     if field not in fields:
       raise cfg.unsupported(f"{key}.{field}", None, f"rope_type {rope_type!r} requires it")
-  # Equal factors (Llama 4 Scout's 1.0 and 1.0) leave no band to blend:
-  # frequencies are divided by ``factor`` or kept, as transformers computes them.
-  if rope_type == "llama3" and fields["high_freq_factor"] < fields["low_freq_factor"]:
+  if rope_type == "llama3" and fields["high_freq_factor"] <= fields["low_freq_factor"]:
     raise cfg.unsupported(
         f"{key}.high_freq_factor", fields["high_freq_factor"],
-        f"must be at least low_freq_factor={fields['low_freq_factor']}",
+        f"must be greater than low_freq_factor={fields['low_freq_factor']}",
     )
   return RopeScaling(rope_type, fields)
 

@@ -210,10 +210,8 @@ class ApplyScaledRoPE(pz.nn.Layer):
     scaled = np.where(wavelength > old_context / low, inv_freq / np.float32(factor), inv_freq)
     with np.errstate(divide="ignore", invalid="ignore"):  # high == low: never selected.
       smooth = (np.float32(old_context) / wavelength - np.float32(low)) / np.float32(high - low)
-      smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
     medium = ~(wavelength < old_context / high) & ~(wavelength > old_context / low)
-    if high == low:  # No band between (Llama 4 Scout): nothing is blended.
-      medium = np.zeros_like(medium)
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
   def _yarn(self, dim: int, factor: float) -> np.ndarray:

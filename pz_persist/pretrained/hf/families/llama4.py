@@ -107,7 +107,10 @@ def llama4_text_plan(cfg: Config, weights: Weights, root: str = "") -> Plan:
   cfg.get("output_router_logits")  # Training only.
   cfg.get("router_jitter_noise")  # Training only: transformers' router never adds it.
   use_qk_norm = cfg.get("use_qk_norm", True)
-  tuning = cfg.get("attn_temperature_tuning", True)
+  # transformers 4.51 wrote the Hub's configs with a number here (Scout: 4),
+  # used as a truth value; transformers 5 wants a bool. Both are read.
+  tuning = bool(cfg.get("attn_temperature_tuning", True))
+  cfg.get("for_llm_compressor")  # The Hub's configs hold it; only llm-compressor reads it.
   floor_scale = cfg.get("floor_scale", 8192)
   attn_scale = float(cfg.get("attn_scale", 0.1))
   chunk = cfg.nullable("attention_chunk_size", 8192)
@@ -351,7 +354,9 @@ RECORD = Family(
         "no_rope_layers": _FLAGS,
         "no_rope_layer_interval": _POSITIVE_INT,
         "attention_chunk_size": _POSITIVE_INT,
-        "attn_temperature_tuning": _BOOLEAN,
+        "attn_temperature_tuning": (lambda v: isinstance(v, bool) or _INDEX[0](v),
+                                    "true, false or a non-negative integer"),
+        "for_llm_compressor": _BOOLEAN,
         "floor_scale": _NUMBER,
         "attn_scale": _NUMBER,
         "num_local_experts": _POSITIVE_INT,
