@@ -27,7 +27,6 @@ gpt-oss is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with:
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -59,8 +58,6 @@ from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers.attention_sinks import SoftmaxWithSinks
-
-_log = logging.getLogger("pz_persist.pretrained.hf")
 
 _TYPES = ("sliding_attention", "full_attention")
 _THETA = 150_000.0
