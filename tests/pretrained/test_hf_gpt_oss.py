@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import warnings
 
@@ -21,6 +22,8 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
+from conftest import REPO
+from conftest import run_python
 
 import pz_persist as pzp
 from pretrained import family_checks as checks
@@ -314,3 +317,34 @@ def test_mxfp4_scale_out_of_range_is_refused():
   with pytest.raises(errors.SafetensorsFormatError, match="255, E8M0.s NaN"):
     quantized_mxfp4.dequantize(np.zeros((1, 1, 1, 16), np.uint8), np.full((1, 1, 1), 255,
                                                                           np.uint8), "here")
+
+
+@pytest.mark.slow
+def test_experts_shard_over_a_mesh_axis(saved, tmp_path):
+  """``AxisRules`` puts ``experts`` on a mesh axis of two (host) devices: each
+  device holds half of every expert parameter (the MXFP4-decoded ones too),
+  the sinks follow the heads, and the logits are the unsharded ones."""
+  folder, _, reference = saved["mxfp4"]
+  out = run_python(f"""
+      import warnings
+      import jax, numpy as np
+      import pz_persist as pzp
+      from penzai import pz
+      from pretrained import family_checks as checks
+      warnings.simplefilter("ignore")
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+      model = pzp.pretrained.load_hf({str(folder)!r}, sharding=pzp.AxisRules(
+          mesh, {{"experts": "x", "head_groups": "x"}}))
+      params = {{p.label: p.value for p in pz.unbind_params(model)[1]}}
+      for label in ("transformer/block_0/moe/experts/gate.weights",
+                    "transformer/block_1/moe/router.weights",
+                    "transformer/block_0/attention/softmax.sinks"):
+        shards = params[label].data_array.addressable_shards
+        print(label, len({{s.device for s in shards}}), shards[0].data.shape)
+      np.save({str(tmp_path / "sharded.npy")!r}, checks.penzai_logits(model))
+      """, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}, timeout=300)
+  assert "gate.weights 2 (2, 32, 32)" in out, out
+  assert "router.weights 2 (2, 32)" in out, out
+  assert "softmax.sinks 2 (1, 2)" in out, out
+  np.testing.assert_allclose(np.load(tmp_path / "sharded.npy"), reference, **checks.FLOAT32)
