@@ -119,7 +119,6 @@ def llama4_text_plan(cfg: Config, weights: Weights, root: str = "") -> Plan:
   dense_width = cfg.get("intermediate_size_mlp", 16384)
   moe.width = cfg.require("intermediate_size")
   raw["intermediate_size"] = dense_width  # Llama's plan builds the dense MLPs.
-  cfg.used.add("intermediate_size_mlp")
   kinds: list[_Layers] = []
   names = weights.names if not root else {
       n.removeprefix(root) for n in weights.names if n.startswith(root)}
