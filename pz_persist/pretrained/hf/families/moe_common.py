@@ -138,20 +138,31 @@ def read_experts(cfg: Config, count_key: str, neurons_key: str, aliases: Sequenc
 
 def check_experts(cfg: Config, names: set[str], experts: Experts, key: str) -> None:
   """Refuses an expert count other than the experts the weights hold (the
-  first layer with experts, per-expert layout), before anything is built:
-  the specs grow with it, so a forged count must not reach them."""
+  first layer with experts), before anything is built: the stacked views
+  list every expert, so a forged count (10**9) must not reach them. A folder
+  of transformers 5's fused layout is left to its shape checks (its specs
+  do not grow with the count)."""
   if not experts.layers:
     return
   s = f"model.layers.{experts.layers[0]}."
   prefix = f"{s}{experts.names.block}.experts."
   pattern = re.compile(re.escape(prefix) + r"(\d{1,9})\.")
   held = sorted({int(m.group(1)) for name in names if (m := pattern.match(name))})
+  count = experts.num_experts
+  if len(held) == count and held[-1] == count - 1:  # Sorted and distinct: 0..count-1.
+    return
   if not held:
-    return  # The fused layout (its shapes are checked) or none: the specs say which is missing.
-  if held != list(range(experts.num_experts)):
-    shown = f"experts 0..{held[-1]}" if held == list(range(len(held))) else f"experts {held[:10]}"
-    raise cfg.invalid(key, experts.num_experts, "a positive integer matching the weights",
-                      f" but layer {experts.layers[0]} holds {shown}")
+    if experts.names.fused(s, "gate_up_proj") in names:
+      return
+    raise errors.SafetensorsFormatError(
+        f"{cfg.where}: the checkpoint holds no experts for layer {experts.layers[0]}: neither"
+        f" {experts.names.per_expert(s, 0, experts.names.gate)!r} and the other experts'"
+        f" tensors (the Hub's layout) nor {experts.names.fused(s, 'gate_up_proj')!r}"
+        " (transformers 5's); the config says this layer has a mixture of experts.")
+  shown = (f"experts 0..{held[-1]}" if held[-1] == len(held) - 1
+           else f"experts {held[:10]}{'...' if len(held) > 10 else ''}")
+  raise cfg.invalid(key, count, "a positive integer matching the weights",
+                    f" but layer {experts.layers[0]} holds {shown}")
 
 
 def _specs(p: str, s: str, experts: Experts, hidden: int, names: set[str]
