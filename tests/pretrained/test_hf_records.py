@@ -87,7 +87,7 @@ def _folder(path: pathlib.Path, model_type: str) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("model_type, has_nearest", [
-    ("qwen3_moe", True), ("llama4", True), ("mixtral", True), ("bert", False),
+    ("qwen3_moe", True), ("llama5", True), ("mixtral", True), ("bert", False),
 ])
 def test_an_unsupported_model_type_names_the_families_and_the_nearest(tmp_path, model_type,
                                                                       has_nearest):
