@@ -104,7 +104,7 @@ def save(
       background writing and deleted what it wrote (see
       `pz_persist.storage.leftovers`), and says so in one line.
   """
-  path = commit.as_path(path)
+  path = commit.open_path(path)
   seen = commit.identity(path)  # Moved into place only if still this.
   if seen is not None and not overwrite:
     raise errors.CheckpointExistsError(

@@ -125,7 +125,7 @@ def read(
     ConcurrentSaveError: other saves replaced the checkpoint during each of
       `LOAD_ATTEMPTS` attempts (`OBJECT_STORE_LOAD_ATTEMPTS` on gs:// / s3://).
   """
-  path = commit.as_path(path)
+  path = commit.open_path(path)
   failure = None
   on_store = object_store.is_object_store(path)
   attempts = OBJECT_STORE_LOAD_ATTEMPTS if on_store else LOAD_ATTEMPTS
@@ -297,7 +297,7 @@ def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | 
     NotACheckpointError: no item, or several (the message lists them).
     UnsafeCheckpointError: a file reaches outside the checkpoint.
   """
-  path = commit.as_path(path)
+  path = commit.open_path(path)
   if object_store.is_object_store(path):
     path = object_commit.resolve(path)
   return _find_item(path)
@@ -314,7 +314,7 @@ def items(path: epath.PathLike) -> list[epath.Path]:
   Raises:
     UnsafeCheckpointError: a file of the step reaches outside it.
   """
-  path = commit.as_path(path)
+  path = commit.open_path(path)
   if object_store.is_object_store(path) and object_commit.current(path) is not None:
     return [path]  # A checkpoint published by a commit: one item.
   if not path.is_dir() or _holds_manifest(path):

@@ -51,7 +51,7 @@ from etils import epath
 from orbax.checkpoint._src.path import atomicity_defaults
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
-from pz_persist.storage import object_store
+from pz_persist.storage.stores import urls
 
 _PLACEHOLDER_BUCKET = "pz-persist-s3-placeholder"
 """The bucket Orbax's builder is shown in place of the S3 one: a valid GCS
@@ -141,7 +141,7 @@ def enable_for(path: epath.PathLike) -> None:
   What pz_persist's entry points call on every path they are handed, so the
   registration happens exactly when a user first names an S3 checkpoint.
   """
-  if object_store.scheme(path) == "s3":
+  if urls.scheme(path) == "s3":
     enable_orbax_s3()
 
 
@@ -175,7 +175,7 @@ def _with_s3(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str,
   @functools.wraps(original)
   def build_kvstore_tspec(directory: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     text = os.fspath(directory)
-    if object_store.scheme(text) != "s3":
+    if urls.scheme(text) != "s3":
       return original(directory, *args, **kwargs)
     bucket, _, key = text.split("://", 1)[1].partition("/")
     # Orbax normalises the key (os.path.normpath) as it does for gs:// paths.
@@ -210,7 +210,7 @@ def _swap_gcs_for_s3(spec: Any, bucket: str) -> Any:
 def _as_gcs(path: Any) -> Any:
   """``path`` spelled ``gs://`` (under the placeholder bucket) if it is S3."""
   text = os.fspath(path)
-  if object_store.scheme(text) != "s3":
+  if urls.scheme(text) != "s3":
     return path
   return epath.Path(f"{_PLACEHOLDER_URL}/{text.split('://', 1)[1]}")
 

@@ -126,7 +126,7 @@ class CheckpointManager:
       ))
     if keep_every_n_steps is not None:
       kept.append(policies.EveryNSteps(interval_steps=keep_every_n_steps))
-    directory = commit.as_path(directory)
+    directory = commit.open_path(directory)
     self._remote = object_store.is_object_store(directory)
     # Before Orbax reads step metadata or moves steps into the trash.
     self._check_run(directory)
