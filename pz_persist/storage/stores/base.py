@@ -148,6 +148,12 @@ class Store(abc.ABC):
   def info(self, path: epath.PathLike) -> ObjectInfo | None:
     """`ObjectInfo` of the file at ``path``; None if there is none (or a folder)."""
 
+  def has_entry(self, path: epath.PathLike) -> bool:
+    """Whether anything is at ``path`` that a reader must look at: a file
+    (locally also a link, a FIFO or a folder, never followed, so that it is
+    refused by name rather than taken for nothing)."""
+    return self.info(path) is not None
+
   @abc.abstractmethod
   def names(self, directory: epath.PathLike, prefix: str = "") -> list[str]:
     """Names directly inside ``directory`` starting with ``prefix`` (files and

@@ -94,6 +94,9 @@ class LocalStore(base.Store):
       return None
     return _info(st)
 
+  def has_entry(self, path: epath.PathLike) -> bool:
+    return os.path.lexists(os.fspath(path))
+
   def names(self, directory: epath.PathLike, prefix: str = "") -> list[str]:
     try:
       found = os.listdir(os.fspath(directory))
