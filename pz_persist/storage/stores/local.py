@@ -69,6 +69,8 @@ class LocalStore(base.Store):
     return safe_io.read_small_file(path, limit)
 
   def write_whole(self, path: epath.PathLike, data: bytes) -> None:
+    """Folders are made as needed (object stores have none to make)."""
+    os.makedirs(os.path.dirname(os.fspath(path)), exist_ok=True)
     safe_io.write_small_file(path, data)
 
   def create_if_absent(self, path: epath.PathLike, data: bytes) -> bool:
@@ -76,7 +78,7 @@ class LocalStore(base.Store):
     name, and the file it names is already whole."""
     path = epath.Path(path)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    safe_io.write_small_file(tmp, data)
+    self.write_whole(tmp, data)
     try:
       os.link(os.fspath(tmp), os.fspath(path))
     except FileExistsError:
