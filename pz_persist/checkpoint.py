@@ -48,6 +48,7 @@ from pz_persist.storage import leftovers
 from pz_persist.storage import opening
 from pz_persist.storage import restoring
 from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import stores
 
 ITEM_NAME = "penzai"
 """Name of the Orbax item `save` writes the tree to."""
@@ -104,7 +105,7 @@ def save(
       background writing and deleted what it wrote (see
       `pz_persist.storage.leftovers`), and says so in one line.
   """
-  path = commit.open_path(path)
+  store, path = stores.open_path(path)
   seen = commit.identity(path)  # Moved into place only if still this.
   if seen is not None and not overwrite:
     raise errors.CheckpointExistsError(
@@ -118,7 +119,7 @@ def save(
   # With several processes (jax.distributed), all write their shards of the
   # same checkpoint; only the primary process moves directories.
   primary = ocp.multihost.is_primary_host(0)
-  if primary and commit.is_local(path):
+  if primary and store.renames:  # Into a sibling, renamed into place.
     path.parent.mkdir(parents=True, exist_ok=True)
     leftovers.remove_dead(path)  # Of earlier saves of ``path`` that died.
   # Always written whole under a name of its own, never at ``path`` directly:

@@ -66,6 +66,13 @@ def normalise(path: epath.PathLike) -> epath.Path:
   return for_path(path).normalise(path)
 
 
+def place(path: epath.PathLike) -> tuple[base.Store, tuple[str, ...]]:
+  """The store of ``path`` and where on it ``path`` is (`base.Store.place`)."""
+  path = local_path(path)
+  store = for_path(path)
+  return store, store.place(path)
+
+
 def open_path(path: epath.PathLike) -> tuple[base.Store, epath.Path]:
   """The store of ``path`` and ``path`` normalised, made ready for Orbax
   (`base.Store.open`): what an entry point handing ``path`` to Orbax calls."""

@@ -28,6 +28,8 @@ from typing import ClassVar
 
 from etils import epath
 
+from pz_persist.storage.stores import urls
+
 Identity = tuple | None
 """What a path held when looked at: None if nothing, else a value that changes
 whenever a save puts another checkpoint there (see `Store.identity`)."""
@@ -107,6 +109,24 @@ class Store(abc.ABC):
   """Whether `file_identity` tells every rewrite of a file (inodes and
   times). Where not, a reader compares the manifest's bytes instead."""
 
+  renames: ClassVar[bool] = False
+  """Whether a folder is renamed in one step. Where it is, a checkpoint or an
+  Orbax step is written under a temporary name and renamed into place, and a
+  dropped step is moved into a trash; where not, both are written in place
+  and published by a marker (a commit object; Orbax's
+  ``commit_success.txt``), and deleted marker first."""
+
+  has_locks: ClassVar[bool] = False
+  """Whether files can be locked, so that a save's marker and a run's lock
+  prove a writer alive or dead (`pz_persist.storage.leftovers`). Where not,
+  nothing proves a writer gone: leftovers are the commit protocol's
+  `orphans`, removed only when the user vouches for them."""
+
+  keeps_checksums: ClassVar[bool] = False
+  """Whether the store records checksums of what it was sent (`ObjectInfo`),
+  which ``verify`` compares an item's files against where pz_persist
+  recorded no digests of its own."""
+
   # ---- Paths. ---------------------------------------------------------------
 
   @abc.abstractmethod
@@ -114,6 +134,11 @@ class Store(abc.ABC):
     """``path`` as the one spelling every library reads alike; refuses one
     that has none (`errors.UnsupportedStorageError`) or whose extra is not
     installed (`errors.MissingExtraError`). Changes nothing process-wide."""
+
+  def place(self, path: epath.PathLike) -> tuple[str, ...]:
+    """Where ``path`` is, as segments: two paths naming one place have equal
+    places, and a place inside another starts with its segments."""
+    return (str(self.scheme), *urls.key(path).split("/"))
 
   def open(self, path: epath.PathLike) -> epath.Path:
     """`normalise`, and this store made ready for Orbax to write and read

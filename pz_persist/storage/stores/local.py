@@ -53,6 +53,14 @@ class LocalStore(base.Store):
 
   scheme = None
   identifies_files = True
+  renames = True
+  has_locks = True
+
+  def place(self, path: epath.PathLike) -> tuple[str, ...]:
+    """After ``~``, relative parts and symlinks are resolved, so ``./ck``,
+    ``../run/ck`` and a link to it are one place."""
+    real = os.path.realpath(os.path.expanduser(os.fspath(path)))
+    return tuple(part for part in real.split(os.sep) if part)
 
   def normalise(self, path: epath.PathLike) -> epath.Path:
     """``path`` with ``~`` expanded, made absolute.

@@ -77,6 +77,8 @@ class ObjectStore(base.Store):
 class FsspecStore(ObjectStore):
   """An object store reached through fsspec."""
 
+  keeps_checksums = True
+
   package: ClassVar[str]
   """The fsspec package its scheme needs (``gcsfs``)."""
 
