@@ -114,7 +114,7 @@ def as_path(path: epath.PathLike) -> epath.Path:
 
 def open_path(path: epath.PathLike) -> epath.Path:
   """`as_path`, and the path's store made ready for Orbax to write and read
-  it (`stores.base.Store.open`): on ``s3://`` that teaches Orbax S3
+  it (`stores.base.Store.prepare`): on ``s3://`` that teaches Orbax S3
   (`pz_persist.enable_orbax_s3`), explicitly, the first time an entry point
   that hands the path to Orbax is given one."""
   return stores.open_path(path)[1]

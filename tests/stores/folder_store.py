@@ -17,6 +17,7 @@ import os
 import pathlib
 import shutil
 import uuid
+from typing import BinaryIO
 
 from etils import epath
 
@@ -64,6 +65,9 @@ class FolderStore(objects.ObjectStore):
     finally:
       staged.unlink()
     return True
+
+  def open(self, path: epath.PathLike) -> BinaryIO:
+    return open(self._file(path), "rb")  # pylint: disable=consider-using-with
 
   def write_whole(self, path: epath.PathLike, data: bytes) -> None:
     target = self._file(path)

@@ -45,6 +45,18 @@ def test_a_written_file_reads_back_whole(root):
     store.read(epath.Path(root) / "absent", 100)
 
 
+def test_a_large_file_is_read_in_pieces(root):
+  store = _store(root)
+  path = epath.Path(root) / "large"
+  data = os.urandom(3 * 2**20 + 5)
+  store.write_whole(path, data)
+  with store.open(path) as f:
+    pieces = iter(lambda: f.read(2**20), b"")
+    assert b"".join(pieces) == data
+  with pytest.raises(FileNotFoundError):
+    store.open(epath.Path(root) / "absent").close()
+
+
 def test_read_never_returns_more_than_limit_plus_one(root):
   store = _store(root)
   path = epath.Path(root) / "big"

@@ -75,10 +75,10 @@ def place(path: epath.PathLike) -> tuple[base.Store, tuple[str, ...]]:
 
 def open_path(path: epath.PathLike) -> tuple[base.Store, epath.Path]:
   """The store of ``path`` and ``path`` normalised, made ready for Orbax
-  (`base.Store.open`): what an entry point handing ``path`` to Orbax calls."""
+  (`base.Store.prepare`): what an entry point handing ``path`` to Orbax calls."""
   path = local_path(path)
   store = for_path(path)
-  return store, store.open(path)
+  return store, store.prepare(path)
 
 
 def register(scheme: str, store: base.Store) -> Callable[[], None]:

@@ -11,8 +11,8 @@ a save's ``store``). A kind of storage is one module implementing this class;
 `tests/test_stores.py` holds every implementation to the same contract.
 
 The operations are the few the commit protocol, the readers and the cleaners
-need: normalise a path (`normalise`, `open`); whole small objects (`read`,
-`write_whole`, `create_if_absent`, `info`); listings (`names`, `tree`);
+need: normalise a path (`normalise`, `prepare`); files (`read`, `open`,
+`write_whole`, `create_if_absent`, `info`, `has_entry`); listings (`names`, `tree`);
 `remove`; the reader's lock (`lock`); and publishing a checkpoint whole
 (`identity`, `check_publishable`, `new_location`, `commit`, `pin`,
 `resolve`).
@@ -24,6 +24,7 @@ import abc
 import contextlib
 import dataclasses
 from typing import Any
+from typing import BinaryIO
 from typing import ClassVar
 
 from etils import epath
@@ -140,7 +141,7 @@ class Store(abc.ABC):
     places, and a place inside another starts with its segments."""
     return (str(self.scheme), *urls.key(path).split("/"))
 
-  def open(self, path: epath.PathLike) -> epath.Path:
+  def prepare(self, path: epath.PathLike) -> epath.Path:
     """`normalise`, and this store made ready for Orbax to write and read
     ``path`` (installs what Orbax needs, where it needs anything: `s3`)."""
     return self.normalise(path)
@@ -152,6 +153,15 @@ class Store(abc.ABC):
     """The bytes of the small file ``path``; never more than ``limit + 1``
     are read (a larger file is refused or returned cut: the caller, seeing
     more than ``limit``, refuses it).
+
+    Raises:
+      FileNotFoundError: no such file.
+    """
+
+  @abc.abstractmethod
+  def open(self, path: epath.PathLike) -> BinaryIO:
+    """The file ``path`` opened for reading in pieces (to hash a large one);
+    locally never through a link.
 
     Raises:
       FileNotFoundError: no such file.

@@ -23,6 +23,7 @@ import os
 import stat
 import uuid
 from collections.abc import Iterator
+from typing import BinaryIO
 
 from etils import epath
 
@@ -75,6 +76,10 @@ class LocalStore(base.Store):
 
   def read(self, path: epath.PathLike, limit: int) -> bytes:
     return safe_io.read_small_file(path, limit)
+
+  def open(self, path: epath.PathLike) -> BinaryIO:
+    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    return os.fdopen(fd, "rb")
 
   def write_whole(self, path: epath.PathLike, data: bytes) -> None:
     """Folders are made as needed (object stores have none to make)."""

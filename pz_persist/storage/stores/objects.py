@@ -16,6 +16,7 @@ import abc
 import importlib
 import os
 from typing import Any
+from typing import BinaryIO
 from typing import ClassVar
 
 from etils import epath
@@ -143,6 +144,9 @@ class FsspecStore(ObjectStore):
     fs = self.filesystem(path)
     fs.invalidate_cache(urls.key(path))  # Not an old listing's size: one ranged GET.
     return fs.cat_file(urls.key(path), start=0, end=limit + 1)
+
+  def open(self, path: epath.PathLike) -> BinaryIO:
+    return self.filesystem(path).open(urls.key(path), "rb")
 
   def names(self, directory: epath.PathLike, prefix: str = "") -> list[str]:
     """In one listing, never cached (another process may have written since)."""

@@ -18,7 +18,7 @@ class S3Store(objects.FsspecStore):
   package = "s3fs"
   extra = "s3"
 
-  def open(self, path: epath.PathLike) -> epath.Path:
+  def prepare(self, path: epath.PathLike) -> epath.Path:
     """Also teaches Orbax ``s3://`` (`s3_kvstore.enable_orbax_s3`), which it
     refuses for arrays and cannot publish by default: handing pz_persist an
     ``s3://`` path is the user's opt-in, and no working behaviour changes."""
