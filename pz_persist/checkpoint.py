@@ -48,6 +48,7 @@ from pz_persist.storage import leftovers
 from pz_persist.storage import opening
 from pz_persist.storage import restoring
 from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import stores
 
 ITEM_NAME = "penzai"
 """Name of the Orbax item `save` writes the tree to."""
@@ -104,21 +105,21 @@ def save(
       background writing and deleted what it wrote (see
       `pz_persist.storage.leftovers`), and says so in one line.
   """
-  path = commit.as_path(path)
-  seen = commit.identity(path)  # Moved into place only if still this.
+  store, path = stores.open_path(path)  # Chosen once, for the whole save.
+  seen = store.identity(path)  # Moved into place only if still this.
   if seen is not None and not overwrite:
     raise errors.CheckpointExistsError(
         f"{path} already exists; pass overwrite=True to replace it."
     )
   if seen is not None and seen[0] != "commit":  # A commit: pz_persist's own.
     destinations.check_replaceable(path, "checkpoint")
-  commit.check_publishable(path, seen)
+  store.check_publishable(path, seen)
   with allowlist.scoped_allowance(allow_modules):
     args = v0_handler.PenzaiSave(tree)  # Validates the whole tree now.
   # With several processes (jax.distributed), all write their shards of the
   # same checkpoint; only the primary process moves directories.
   primary = ocp.multihost.is_primary_host(0)
-  if primary and commit.is_local(path):
+  if primary and store.renames:  # Into a sibling, renamed into place.
     path.parent.mkdir(parents=True, exist_ok=True)
     leftovers.remove_dead(path)  # Of earlier saves of ``path`` that died.
   # Always written whole under a name of its own, never at ``path`` directly:
@@ -126,7 +127,7 @@ def save(
   # two saves of ``path``, each deleting the other's files. On an object
   # store that name is a ``gen-*`` folder inside ``path``, published by a
   # commit object instead of moved (`pz_persist.storage.object_commit`).
-  target = commit.new_location(path, _shared_token())
+  target = store.new_location(path, _shared_token())
   handler = v0_handler.PenzaiCheckpointHandler()
   outcome, failure = None, None
   state = leftovers.Writing(target)
@@ -136,7 +137,7 @@ def save(
     with leftovers.writing(target, cancel=handler.cancel, primary=primary) as state:
       # Orbax's default way of writing it: locally a rename of its own
       # temporary name; on an object store in place, with commit_success.txt
-      # (for s3:// once `commit.as_path` registered S3 with Orbax).
+      # (for s3:// once `stores.open_path` registered S3 with Orbax).
       with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler})) as checkpointer:
         checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
       if primary:

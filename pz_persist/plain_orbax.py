@@ -116,7 +116,7 @@ def find_item(path: epath.PathLike) -> epath.Path | None:
   Raises:
     NotACheckpointError: several item directories qualify (it names them).
   """
-  path = commit.as_path(path)
+  path = commit.open_path(path)
   if not path.is_dir():
     return None
   if _is_plain_item(path):

@@ -240,8 +240,7 @@ def _refuse_downgrade(directory: epath.PathLike, manifest: Manifest, *, where: s
   if manifest.format_version >= 2:
     return
   digests = epath.Path(directory) / FILE_DIGESTS_FILENAME
-  present = os.path.lexists(digests) if safe_io.is_local(digests) else digests.exists()
-  if present:
+  if safe_io.lexists(digests):
     raise errors.ManifestError(
         f"{where}: format {manifest.format_version} (no checksums) beside"
         f" {FILE_DIGESTS_FILENAME}, which only writers of checksummed formats"
@@ -258,12 +257,9 @@ def check_file(directory: epath.PathLike) -> None:
   directory for a missing file; this names the problem first.
   """
   path = os.fspath(manifest_path(directory))
-  if not safe_io.is_local(path):
-    return
-  try:
-    mode = os.stat(path).st_mode
-  except OSError:
-    return  # Missing or unreadable: `read` says so.
+  mode = safe_io.local_mode(path)
+  if mode is None:
+    return  # Missing, unreadable (`read` says so) or remote.
   if stat.S_ISDIR(mode):
     raise errors.ManifestError(f"{path} is a directory, not a manifest file.")
   if not stat.S_ISREG(mode):

@@ -280,7 +280,7 @@ def load_gemma(
     preset = {"like": preset}
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
-  path = commit.as_path(path)
+  path = commit.open_path(path)
   tree, snapshot = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
   if gemma3_flax.is_gemma3(stored) and not _having(stored, _GEMMA3N_MARKERS):

@@ -62,6 +62,26 @@ def is_local(path: epath.PathLike) -> bool:
   return "://" not in os.fspath(path)
 
 
+def lexists(path: epath.PathLike) -> bool:
+  """Whether anything is at ``path``; locally a link, FIFO or folder too,
+  never followed (remotely: an object or a prefix)."""
+  if not is_local(path):
+    return epath.Path(path).exists()
+  return os.path.lexists(os.fspath(path))
+
+
+def local_mode(path: epath.PathLike) -> int | None:
+  """``path``'s ``st_mode`` (what a link leads to); None if there is nothing,
+  it cannot be looked at, or it is remote (where FIFOs, devices and folders
+  standing for files do not exist)."""
+  if not is_local(path):
+    return None
+  try:
+    return os.stat(os.fspath(path)).st_mode
+  except OSError:
+    return None
+
+
 def remove_tree(path: epath.PathLike, *, strict: bool = False) -> None:
   """Deletes ``path`` and everything under it, and nothing a link leads to.
 

@@ -32,6 +32,7 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.safety import safe_io
 from pz_persist.storage import opening
+from pz_persist.storage import stores
 
 EXPORT_MARKER = "pz_persist.export.json"
 """The small file `export_hf` writes into every folder it exports, so that a
@@ -122,16 +123,16 @@ def check_apart(destination: epath.PathLike, sources: Iterable[epath.PathLike]) 
   Local paths are compared after ``~``, relative parts and symlinks are
   resolved (``os.path.realpath``), so ``./ck``, ``../run/ck`` and a link to
   it are the same folder; object-store paths as written (`check_supported`
-  has refused every ambiguous spelling).
+  has refused every ambiguous spelling): `stores.base.Store.place`.
 
   Raises:
     ArgumentError: naming both paths and how they are related.
   """
-  dst = _comparable(destination)
+  dst = stores.place(destination)
   for source in sources:
-    src = _comparable(source)
-    if dst[0] != src[0]:
-      continue  # One local, one on a store: never related.
+    src = stores.place(source)
+    if dst[0] is not src[0]:
+      continue  # On two stores: never related.
     relation = None
     if dst[1] == src[1]:
       relation = "is the source itself"
@@ -148,13 +149,5 @@ def check_apart(destination: epath.PathLike, sources: Iterable[epath.PathLike]) 
       )
 
 
-def _comparable(path: epath.PathLike) -> tuple[bool, str]:
-  text = os.fspath(path)
-  if not safe_io.is_local(text):
-    return False, text.rstrip("/")
-  return True, os.path.realpath(os.path.expanduser(text))
-
-
-def _inside(path: str, folder: str) -> bool:
-  sep = "/" if "://" in folder else os.sep
-  return path.startswith(folder.rstrip(sep) + sep)
+def _inside(path: tuple[str, ...], folder: tuple[str, ...]) -> bool:
+  return len(path) > len(folder) and path[:len(folder)] == folder

@@ -46,6 +46,7 @@ from pz_persist.safety import safe_io
 from pz_persist.storage import checksums
 from pz_persist.storage import commit
 from pz_persist.storage import object_store
+from pz_persist.storage import stores
 
 FILENAME = manifest_lib.FILE_DIGESTS_FILENAME
 MAX_BYTES = manifest_lib.MAX_FILE_DIGESTS_BYTES
@@ -217,8 +218,7 @@ def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:
 
 def _hash_object(directory: epath.Path, rel: str, hasher: Any) -> Any:
   """Feeds the object ``rel`` of ``directory`` to ``hasher``, in chunks."""
-  fs = object_store.filesystem(directory)
-  with fs.open(f"{object_store.key(directory)}/{rel}", "rb") as f:
+  with stores.for_path(directory).open(directory / rel) as f:
     while chunk := f.read(2**22):
       hasher.update(chunk)
   return hasher

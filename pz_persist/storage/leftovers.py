@@ -71,9 +71,8 @@ from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.safety import terminal
 from pz_persist.storage import commit
-from pz_persist.storage import object_commit
-from pz_persist.storage import object_store
 from pz_persist.storage import steps
+from pz_persist.storage import stores
 
 try:
   import fcntl
@@ -160,7 +159,7 @@ def writing(
   and deletes: the others write into the directory it created.
   """
   started_after = set(threading.enumerate())
-  local = primary and commit.is_local(target)
+  local = primary and stores.for_path(target).has_locks  # Else no marker to hold.
   marker, fd = _marker(target), None
   state = Writing(target)
   with _writing_lock:
@@ -357,18 +356,18 @@ def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) ->
 def find(path: epath.PathLike) -> list[Leftover]:
   """Leftovers of saves to the checkpoint path ``path`` (beside it; on an
   object store, its generation folders no commit names)."""
-  path = commit.as_path(path)
-  if not commit.is_local(path):
-    return _orphans(path)
+  store, path = stores.for_path(path), commit.as_path(path)
+  if not store.has_locks:
+    return _orphans(store, path)
   return _families(path.parent, of=path.name)
 
 
 def find_inside(directory: epath.PathLike) -> list[Leftover]:
   """Leftovers of saves to any path directly inside ``directory``, and Orbax's
   unfinished ``CheckpointManager`` steps there."""
-  directory = commit.as_path(directory)
-  if not commit.is_local(directory):
-    return _remote_inside(directory)
+  store, directory = stores.for_path(directory), commit.as_path(directory)
+  if not store.has_locks:
+    return _remote_inside(store, directory)
   if not os.path.isdir(os.fspath(directory)):
     return []
   found = _families(directory)
@@ -457,7 +456,7 @@ def hold_run(directory: epath.PathLike) -> int | None:
     ConcurrentSaveError: a cleaner held the run for the whole wait.
   """
   directory = commit.as_path(directory)
-  if fcntl is None or not commit.is_local(directory):
+  if fcntl is None or not stores.for_path(directory).has_locks:
     return None
   try:
     fd = _open_run_lock(directory, create=True)
@@ -536,33 +535,30 @@ _REMOTE_STEP_REASON = (
 )
 
 
-def _orphans(path: epath.Path) -> list[Leftover]:
+def _orphans(store: stores.Store, path: epath.Path) -> list[Leftover]:
   """The generation folders of the remote checkpoint ``path`` that no commit
-  names (`object_commit.orphans`), each with its size (one listing each)."""
+  names (`stores.base.Store.orphans`), each with its size (one listing each)."""
   return [
-      Leftover(name=orphan, entries=(orphan,), nbytes=_remote_size(orphan),
+      Leftover(name=orphan, entries=(orphan,),
+               nbytes=sum(info.size for info in store.tree(orphan).values()),
                status="unknown", reason=_ORPHAN_REASON)
-      for orphan in object_commit.orphans(path)
+      for orphan in store.orphans(path)
   ]
 
 
-def _remote_inside(directory: epath.Path) -> list[Leftover]:
+def _remote_inside(store: stores.Store, directory: epath.Path) -> list[Leftover]:
   """`find_inside` on an object store: the orphans of each checkpoint
   directly inside ``directory``, and its uncommitted steps."""
   found = []
-  for name in object_store.names(directory):
+  for name in store.names(directory):
     if steps.parse_step_name(name) is None:
-      found += _orphans(directory / name)
+      found += _orphans(store, directory / name)
   found += [
       Leftover(name=step.path, entries=(step.path,), nbytes=step.nbytes,
                status="orbax tmp step", reason=_REMOTE_STEP_REASON)
       for step in steps.list_steps(directory, commit_times=False) if not step.committed
   ]
   return found
-
-
-def _remote_size(directory: epath.Path) -> int:
-  return sum(info.size for info in object_store.tree(directory).values())
 
 
 def _families(directory: epath.Path, of: str | None = None) -> list[Leftover]:
@@ -724,7 +720,10 @@ def would_remove(leftover: Leftover, *, force: bool = False) -> bool:
     return False
   parsed = steps.parse_step_name(leftover.name.name)
   uncommitted_step = parsed is not None and not parsed[1]
-  return not (uncommitted_step and leftover.status == "unknown" and commit.is_local(leftover.name))
+  return not (
+      uncommitted_step and leftover.status == "unknown"
+      and stores.for_path(leftover.name).has_locks
+  )
 
 
 def remove(leftover: Leftover, *, force: bool = False) -> bool:
@@ -735,7 +734,7 @@ def remove(leftover: Leftover, *, force: bool = False) -> bool:
   steps; live ones never. The status is decided again, under the marker's
   lock, just before deleting.
   """
-  if not commit.is_local(leftover.name):
+  if not stores.for_path(leftover.name).has_locks:
     if not force:  # Nothing proves a writer gone there (see above).
       return False
     for entry in leftover.entries:

@@ -19,12 +19,13 @@ such a read is detected (what is at the path changed while it was read) and
 done again from the start, at most `LOAD_ATTEMPTS` times. On an object store
 the read pins the current commit and reads the folder it names, which never
 changes once published; it is read again only if that commit was retired
-meanwhile (`pz_persist.storage.object_commit`).
+meanwhile (`pz_persist.storage.stores.commits`). Which of these a path gets
+is its store's (`pz_persist.storage.stores`), chosen once and carried in
+`OpenItem.store`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import os
@@ -39,31 +40,19 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
-from pz_persist.storage import commit
 from pz_persist.storage import containment
-from pz_persist.storage import object_commit
-from pz_persist.storage import object_store
+from pz_persist.storage import stores
 
 _T = TypeVar("_T")
 
-LOAD_ATTEMPTS = 3
-"""How many times a checkpoint that other saves keep replacing is read."""
+LOAD_ATTEMPTS = stores.LOCAL.load_attempts
+"""How many times a checkpoint that other saves keep replacing is read
+(each store says: `stores.base.Store.load_attempts`)."""
 
-OBJECT_STORE_LOAD_ATTEMPTS = 30
-"""The same on an object store, where no lock makes a save's publishing wait
-for readers: an attempt is only lost when the commit it read was retired
-during it (an overwrite published *and* deleted it), so only overwrites
-following each other faster than one read could exhaust these. 10 was
-exhausted once in a clean CI run (a reader against a writer overwriting
-back to back on the 2-core VM, beside the emulator): each lost attempt
-costs one read, and a reader outlasting 30 overwrites in a row is told to
-try again."""
+OBJECT_STORE_LOAD_ATTEMPTS = stores.objects.ObjectStore.load_attempts
+"""The same on an object store (`stores.objects.ObjectStore.load_attempts`)."""
 
-_OBJECT_STORE_RETRY_JITTER_SECONDS = 0.05
-"""Most a reader waits, at random, before reading an object store again:
-so that a reader and a writer that keep colliding fall out of step."""
-
-ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+ORBAX_CHECKPOINT_METADATA = stores.local.ORBAX_CHECKPOINT_METADATA
 """The file Orbax writes at the top of every checkpoint (beside its items)."""
 
 
@@ -82,7 +71,8 @@ class OpenItem:
     identity: `_identity` of ``path`` and ``item`` before the manifest was
       read, to tell whether a save replaced them since.
     pinned: On an object store, the commit whose checkpoint is read (see
-      `pz_persist.storage.object_commit`); None elsewhere.
+      `pz_persist.storage.stores.commits`); None elsewhere.
+    store: The store ``path`` is on, chosen once (`stores.for_path`).
   """
 
   path: epath.Path
@@ -91,11 +81,12 @@ class OpenItem:
   digest: bytes
   snapshot: containment.Snapshot | None
   identity: tuple[Any, ...]
-  pinned: object_commit.Commit | None = None
+  pinned: stores.base.Commit | None = None
+  store: stores.Store = stores.LOCAL
 
   def unchanged(self) -> bool:
     """Whether ``path`` still holds the very checkpoint opened."""
-    return _same(self.path, self.item, self.identity, self.digest, self.pinned)
+    return _same(self.store, self.path, self.item, self.identity, self.digest, self.pinned)
 
 
 def read(
@@ -107,7 +98,7 @@ def read(
 ) -> _T:
   """Opens the item at ``path`` and returns ``use(opened)``, never a mix.
 
-  ``use`` runs under the shared lock (`commit.reading`). If it fails or
+  ``use`` runs under the shared lock (`stores.base.Store.reading`). If it fails or
   returns while what is at ``path`` changed (a save replaced the checkpoint),
   its result or error is discarded and everything is done again from the
   start; an error raised while nothing changed is a real one, raised at once.
@@ -125,18 +116,17 @@ def read(
     ConcurrentSaveError: other saves replaced the checkpoint during each of
       `LOAD_ATTEMPTS` attempts (`OBJECT_STORE_LOAD_ATTEMPTS` on gs:// / s3://).
   """
-  path = commit.as_path(path)
+  store, path = stores.open_path(path)
   failure = None
-  on_store = object_store.is_object_store(path)
-  attempts = OBJECT_STORE_LOAD_ATTEMPTS if on_store else LOAD_ATTEMPTS
+  attempts = store.load_attempts
   for attempt in range(attempts):
-    if attempt and on_store:
-      time.sleep(random.uniform(0, _OBJECT_STORE_RETRY_JITTER_SECONDS))
+    if attempt and store.retry_jitter_seconds:
+      time.sleep(random.uniform(0, store.retry_jitter_seconds))
     item, digest, pinned = None, None, None
-    with commit.reading(path), _checkpoint_locked(path):
+    with store.reading(path):
       before: tuple[Any, ...] = ()
       try:
-        pinned = _pin(path, item_directory)
+        pinned = None if item_directory else store.pin(path)
         before = _seen(path, item, pinned)
         item, snapshot = _find(path, item_directory, pinned)
         before = _seen(path, item, pinned)
@@ -150,13 +140,13 @@ def read(
           result = damaged_manifest(item, e)
         else:
           digest = hashlib.sha256(data).digest()
-          result = use(OpenItem(path, item, manifest, digest, snapshot, before, pinned))
+          result = use(OpenItem(path, item, manifest, digest, snapshot, before, pinned, store))
       except Exception as e:  # pylint: disable=broad-exception-caught
-        if not before or _same(path, item, before, digest, pinned):
+        if not before or _same(store, path, item, before, digest, pinned):
           raise  # Nothing was opened, or the checkpoint did not change: real.
         failure = e
         continue
-      unchanged = _same(path, item, before, digest, pinned)
+      unchanged = _same(store, path, item, before, digest, pinned)
     if unchanged:
       return result
   raise errors.ConcurrentSaveError(
@@ -168,18 +158,6 @@ def read(
 def read_manifest(path: epath.PathLike) -> manifest_lib.Manifest:
   """The validated manifest of the checkpoint at ``path`` (reads no arrays)."""
   return read(path, lambda opened: opened.manifest)
-
-
-def _checkpoint_locked(path: epath.Path) -> Any:
-  """Also holds the shared lock of the checkpoint holding ``path``, when
-  ``path`` is an item inside one: a save swaps that checkpoint (``path``'s
-  parent) under the lock of its own parent, not of ``path``'s."""
-  if not commit.is_local(path):
-    return contextlib.nullcontext()  # No locks there (and no request spent).
-  checkpoint = path.parent
-  if (checkpoint / ORBAX_CHECKPOINT_METADATA).exists():
-    return commit.reading(checkpoint)
-  return contextlib.nullcontext()
 
 
 def _walked(snapshot: containment.Snapshot | None, item: epath.Path) -> bool:
@@ -199,17 +177,8 @@ def _walked(snapshot: containment.Snapshot | None, item: epath.Path) -> bool:
   return same_root and (st.st_dev, st.st_ino) == snapshot[1:3]
 
 
-def _pin(path: epath.Path, item_directory: bool) -> object_commit.Commit | None:
-  """On an object store, the current commit of the checkpoint at ``path``,
-  whose ``gen-*`` folder is then read (None: no commit there, e.g. an Orbax
-  step, or a local path)."""
-  if item_directory or not object_store.is_object_store(path):
-    return None
-  return object_commit.current(path)
-
-
 def _seen(
-    path: epath.Path, item: epath.Path | None, pinned: object_commit.Commit | None
+    path: epath.Path, item: epath.Path | None, pinned: stores.base.Commit | None
 ) -> tuple[Any, ...]:
   """`_identity`, or for a ``pinned`` commit the commit itself: its folder
   never changes once published, so only the commit object is watched."""
@@ -222,32 +191,22 @@ def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
   """Which checkpoint is at ``path`` (and its ``item``, once found) now.
 
   A save replacing it puts new directories there, with new inodes and times,
-  and a new manifest file (see `_manifest_identity`).
+  and a new manifest file (`stores.base.Store.file_identity`, where the store
+  tells files apart).
   """
+  store = stores.for_path(path)
   if item is None:
-    return (commit.identity(path),)
+    return (store.identity(path),)
   return (
-      commit.identity(path),
-      commit.identity(item),
-      _manifest_identity(item),
+      store.identity(path),
+      store.identity(item),
+      store.file_identity(manifest_lib.manifest_path(item)),
   )
 
 
-def _manifest_identity(item: epath.Path) -> tuple[int, ...] | None:
-  """The manifest file's device, inode, times and size (None remotely, or if
-  missing): every save writes a new file, so the manifest is not read again."""
-  if not commit.is_local(item):
-    return None
-  try:
-    st = os.lstat(os.fspath(manifest_lib.manifest_path(item)))
-  except OSError:
-    return None
-  return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
-
-
 def _same(
-    path: epath.Path, item: epath.Path | None, before: tuple[Any, ...],
-    digest: bytes | None, pinned: object_commit.Commit | None = None,
+    store: stores.Store, path: epath.Path, item: epath.Path | None, before: tuple[Any, ...],
+    digest: bytes | None, pinned: stores.base.Commit | None = None,
 ) -> bool:
   """Whether ``path`` still holds what was seen as ``before`` (and, remotely,
   where nothing else tells files apart, a manifest hashing to ``digest``).
@@ -260,7 +219,7 @@ def _same(
     return pinned.still_current()
   if _identity(path, item) != before:
     return False
-  if item is None or digest is None or commit.is_local(item):
+  if item is None or digest is None or store.identifies_files:
     return True
   return _manifest_digest(item) == digest
 
@@ -275,7 +234,7 @@ def _manifest_digest(item: epath.Path) -> bytes | None:
 
 
 def _find(
-    path: epath.Path, item_directory: bool, pinned: object_commit.Commit | None
+    path: epath.Path, item_directory: bool, pinned: stores.base.Commit | None
 ) -> tuple[epath.Path, containment.Snapshot | None]:
   """The item at ``path`` (in the folder ``pinned`` names, if any), its
   files checked, and what the check saw of it."""
@@ -291,16 +250,14 @@ def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | 
   returns the item and the `containment.Snapshot` of it.
 
   On an object store, the item is looked for in the folder the current
-  commit names (`object_commit.resolve`).
+  commit names (`stores.base.Store.resolve`).
 
   Raises:
     NotACheckpointError: no item, or several (the message lists them).
     UnsafeCheckpointError: a file reaches outside the checkpoint.
   """
-  path = commit.as_path(path)
-  if object_store.is_object_store(path):
-    path = object_commit.resolve(path)
-  return _find_item(path)
+  store, path = stores.open_path(path)
+  return _find_item(store.resolve(path))
 
 
 def items(path: epath.PathLike) -> list[epath.Path]:
@@ -314,8 +271,8 @@ def items(path: epath.PathLike) -> list[epath.Path]:
   Raises:
     UnsafeCheckpointError: a file of the step reaches outside it.
   """
-  path = commit.as_path(path)
-  if object_store.is_object_store(path) and object_commit.current(path) is not None:
+  store, path = stores.open_path(path)
+  if store.pin(path) is not None:
     return [path]  # A checkpoint published by a commit: one item.
   if not path.is_dir() or _holds_manifest(path):
     return [path]
@@ -381,9 +338,7 @@ def _holds_manifest(directory: epath.Path) -> bool:
   the directory look like no checkpoint at all; found here, it is refused by
   name instead (by `containment.check_contained` or `manifest.read`).
   """
-  if not commit.is_local(directory):
-    return manifest_lib.has_manifest(directory)
-  return os.path.lexists(os.fspath(manifest_lib.manifest_path(directory)))
+  return stores.for_path(directory).has_entry(manifest_lib.manifest_path(directory))
 
 
 def check_item_contained(directory: epath.Path) -> containment.Snapshot | None:
@@ -399,9 +354,7 @@ def check_item_contained(directory: epath.Path) -> containment.Snapshot | None:
     The `containment.Snapshot` of ``directory``.
   """
   snapshot = containment.check_contained(directory)
-  if not commit.is_local(directory):
-    return snapshot
-  path = os.fspath(directory)
+  path = os.fspath(directory)  # Remote: never a link, so done below.
   parent = os.path.dirname(os.path.abspath(path))
   if os.path.islink(path) and os.path.exists(
       os.path.join(parent, ORBAX_CHECKPOINT_METADATA)

@@ -51,8 +51,6 @@ from etils import epath
 from orbax.checkpoint._src.path import atomicity_defaults
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
-from pz_persist.storage import object_store
-
 _PLACEHOLDER_BUCKET = "pz-persist-s3-placeholder"
 """The bucket Orbax's builder is shown in place of the S3 one: a valid GCS
 bucket name, so Orbax's spec resolution never warns about an S3 name."""
@@ -141,8 +139,15 @@ def enable_for(path: epath.PathLike) -> None:
   What pz_persist's entry points call on every path they are handed, so the
   registration happens exactly when a user first names an S3 checkpoint.
   """
-  if object_store.scheme(path) == "s3":
+  if _is_s3(path):
     enable_orbax_s3()
+
+
+def _is_s3(path: epath.PathLike) -> bool:
+  """Whether ``path`` is an ``s3://`` URL (Orbax hands these wrappers every
+  path it builds a spec for; `stores.s3.S3Store` is what installs them)."""
+  text = os.fspath(path)
+  return "://" in text and text.split("://", 1)[0].lower() == "s3"
 
 
 def s3_spec(url: str) -> dict[str, Any]:
@@ -175,7 +180,7 @@ def _with_s3(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str,
   @functools.wraps(original)
   def build_kvstore_tspec(directory: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     text = os.fspath(directory)
-    if object_store.scheme(text) != "s3":
+    if not _is_s3(text):
       return original(directory, *args, **kwargs)
     bucket, _, key = text.split("://", 1)[1].partition("/")
     # Orbax normalises the key (os.path.normpath) as it does for gs:// paths.
@@ -210,7 +215,7 @@ def _swap_gcs_for_s3(spec: Any, bucket: str) -> Any:
 def _as_gcs(path: Any) -> Any:
   """``path`` spelled ``gs://`` (under the placeholder bucket) if it is S3."""
   text = os.fspath(path)
-  if object_store.scheme(text) != "s3":
+  if not _is_s3(text):
     return path
   return epath.Path(f"{_PLACEHOLDER_URL}/{text.split('://', 1)[1]}")
 

@@ -34,6 +34,7 @@ from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
 from pz_persist.storage import object_store
+from pz_persist.storage import stores
 
 _step_paths = ocp.path.step
 
@@ -53,7 +54,7 @@ def temporary_path_class(directory: epath.PathLike) -> type[Any]:
   name); there, as on GCS, a step is written in place and committed by its
   `COMMIT_MARKER`.
   """
-  if object_store.is_object_store(directory):
+  if not stores.for_path(directory).renames:
     return atomicity.CommitFileTemporaryPath
   return atomicity_defaults.get_default_temporary_path_class(epath.Path(directory))
 
@@ -150,10 +151,11 @@ def list_steps(directory: epath.PathLike, *, commit_times: bool = True) -> list[
     UnsupportedStorageError: ``directory`` is on a storage other than a
       local disk, ``gs://`` or ``s3://``.
   """
-  object_store.check_supported(directory)  # Not listed through fsspec first.
-  directory = epath.Path(object_store.file_url_path(directory) or directory)
-  if object_store.is_object_store(directory):
-    return _remote_steps(directory, commit_times)
+  store = stores.for_path(directory)
+  stores.normalise(directory)  # Refused before anything is listed.
+  directory = epath.Path(stores.local_path(directory))
+  if not store.renames:  # Committed by marker: all told by one listing.
+    return _remote_steps(store, directory, commit_times)
   containment.check_run_directory(directory)  # Before anything is read.
   steps = []
   for child in directory.iterdir():
@@ -188,10 +190,12 @@ class _Listed:
   penzai_items: set[str] = dataclasses.field(default_factory=set)
 
 
-def _remote_steps(directory: epath.Path, commit_times: bool) -> list[StepInfo]:
+def _remote_steps(
+    store: stores.Store, directory: epath.Path, commit_times: bool
+) -> list[StepInfo]:
   """`list_steps` of a run on an object store, from one listing of it."""
   listed: dict[str, _Listed] = {}
-  for rel, info in object_store.tree(directory).items():
+  for rel, info in store.tree(directory).items():
     top, _, rest = rel.partition("/")
     if not rest:
       continue  # An object beside the steps.

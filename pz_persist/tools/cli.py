@@ -25,9 +25,9 @@ from pz_persist.safety import terminal
 from pz_persist.storage import commit
 from pz_persist.storage import destinations
 from pz_persist.storage import leftovers
-from pz_persist.storage import object_store
 from pz_persist.storage import opening
 from pz_persist.storage import steps
+from pz_persist.storage import stores
 from pz_persist.tools import diffing
 from pz_persist.tools import verifying
 from pz_persist.tools import viewing
@@ -92,7 +92,7 @@ def _clean(args: argparse.Namespace) -> int:
     _print(f"{verb} {_one_line(leftover.name)} ({terminal.size_text(leftover.nbytes)}):"
           f" {leftover.status}, {leftover.reason}")
   if kept and not args.force and not args.dry_run:
-    if object_store.is_object_store(args.path):
+    if not stores.for_path(args.path).has_locks:
       _print("kept them: on an object store nothing proves a save or a step"
             " finished or dead (no locks, no pids); --force removes them once"
             " you know nothing writes there any more.")

@@ -31,9 +31,9 @@ from pz_persist.safety import terminal
 from pz_persist.storage import batching
 from pz_persist.storage import containment
 from pz_persist.storage import file_digests
-from pz_persist.storage import object_store
 from pz_persist.storage import opening
 from pz_persist.storage import reader
+from pz_persist.storage import stores
 
 JSON_SCHEMA = "pz-persist.verify/1"
 """The ``schema`` of ``pz-persist verify --json`` (docs/reference/cli-json.md)."""
@@ -187,7 +187,7 @@ def _verify(
   if files is not None:
     damaged += files[1]
   objects: tuple[int | None, list[str]] = (None, [])
-  if files is None and object_store.is_object_store(item):
+  if files is None and stores.for_path(item).keeps_checksums:
     count, problems, unchecked = file_digests.check_against_store(item, tracker)
     objects = (count, unchecked)
     damaged += problems

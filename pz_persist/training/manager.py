@@ -36,9 +36,9 @@ from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import leftovers
-from pz_persist.storage import object_store
 from pz_persist.storage import sharding as sharding_lib
 from pz_persist.storage import steps
+from pz_persist.storage import stores
 from pz_persist.training import optimizers
 
 _RESERVED_ITEMS = frozenset({"metrics", "descriptor", "_CHECKPOINT_METADATA"})
@@ -126,8 +126,8 @@ class CheckpointManager:
       ))
     if keep_every_n_steps is not None:
       kept.append(policies.EveryNSteps(interval_steps=keep_every_n_steps))
-    directory = commit.as_path(directory)
-    self._remote = object_store.is_object_store(directory)
+    directory = commit.open_path(directory)
+    self._remote = not stores.for_path(directory).renames  # Steps written in place.
     # Before Orbax reads step metadata or moves steps into the trash.
     self._check_run(directory)
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()

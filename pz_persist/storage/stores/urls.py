@@ -1,0 +1,99 @@
+"""Reading a path's kind from its spelling: the scheme, and URL checks.
+
+Why apart from the stores: choosing a store (`stores.for_path`) needs the
+scheme before any store exists, and every object store holds its URLs to the
+same one spelling (`check_url`).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+
+from etils import epath
+
+from pz_persist import errors
+
+
+def scheme(path: epath.PathLike) -> str | None:
+  """``"gs"`` / ``"s3"`` / another URL scheme of ``path``; None if local."""
+  text = os.fspath(path)
+  if "://" not in text:
+    return None
+  return text.split("://", 1)[0].lower()
+
+
+def file_url_path(path: epath.PathLike) -> str | None:
+  """The local path a ``file://`` URL names (``file:///runs/a`` is
+  ``/runs/a``), which every entry point then treats as the local path it is;
+  None if ``path`` is not a ``file://`` URL.
+
+  Raises:
+    UnsupportedStorageError: the URL names a host (``file://server/...``).
+  """
+  if scheme(path) != "file":
+    return None
+  rest = os.fspath(path).split("://", 1)[1]
+  host, slash, local = rest.partition("/")
+  if host not in ("", "localhost"):
+    raise errors.UnsupportedStorageError(
+        f"{os.fspath(path)}: a file:// URL on host {host!r}; pz_persist reads"
+        " file:// URLs as local paths only (file:///path). Mount it and pass"
+        " the local path."
+    )
+  return urllib.parse.unquote(slash + local)
+
+
+_URL_SPECIAL = "%?#\\"
+"""Characters one library takes literally and another decodes or cuts at."""
+
+
+def check_url(text: str) -> None:
+  """Refuses an object-store URL whose objects depend on who reads it.
+
+  Why refuse rather than tidy: the same string reaches three libraries.
+  ``etils.epath`` (Orbax's paths) drops ``.`` and empty segments but keeps
+  ``..``; fsspec (commit objects, manifests, listings) keeps ``..`` as a
+  literal key part; TensorStore (the arrays) resolves it, and parses URLs
+  (``%``, ``?``, ``#``). So ``s3://b/p/a/../ck`` put the arrays under
+  ``b/p/ck`` and the rest under ``b/p/a/../ck``: a save reporting success
+  that no load could read. Epath's own mapping is no refuge either: it
+  raises a bare ``KeyError`` for ``S3://``. Only the
+  one spelling all three agree on is accepted: a lower-case scheme, a
+  bucket, then non-empty segments other than ``.`` and ``..``, without
+  ``%``, ``?``, ``#`` or ``\\``; one trailing ``/`` is allowed (every
+  library drops it).
+
+  Raises:
+    UnsupportedStorageError: naming the URL, what is wrong, and the spelling
+      to use instead.
+  """
+  kind, rest = text.split("://", 1)
+  problem = None
+  if kind != kind.lower():
+    problem = f"the scheme must be written in lower case ({kind.lower()}://)"
+  elif any(c in rest for c in _URL_SPECIAL):
+    problem = (
+        "'%', '?', '#' and '\\' are decoded or cut at by some of the libraries"
+        " reading it and taken literally by others"
+    )
+  else:
+    segments = rest[:-1].split("/") if rest.endswith("/") else rest.split("/")
+    if not segments[0]:
+      problem = "it names no bucket (nothing between :// and the next /)"
+    elif any(s in ("", ".", "..") for s in segments):
+      problem = (
+          "empty, '.' and '..' segments are resolved by some of the libraries"
+          " reading it and taken literally by others, so arrays and commit"
+          " objects would land under different prefixes"
+      )
+  if problem is not None:
+    raise errors.UnsupportedStorageError(
+        f"{text}: not an object-store path pz_persist can use: {problem}. Write"
+        f" it as {kind.lower()}://BUCKET/FOLDER/NAME, each segment a plain name."
+    )
+
+
+def key(path: epath.PathLike) -> str:
+  """``bucket/name`` of the object-store URL ``path``."""
+  return os.fspath(path).split("://", 1)[1].rstrip("/")
