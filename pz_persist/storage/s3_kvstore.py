@@ -1,6 +1,6 @@
 """``s3://`` for Orbax's array handler: the TensorStore S3 kvstore spec.
 
-Why this module exists: Orbax 0.12.8 writes and reads arrays through
+Why this module exists: Orbax (0.12.x) writes and reads arrays through
 TensorStore, and its one spec builder
 (``build_kvstore_tspec``, private to Orbax; `orbax_seam` holds the wrap)
 knows ``gs://`` and local paths only. An ``s3://bucket/ck`` directory is
@@ -31,12 +31,16 @@ published by path: ``gs://`` gets `CommitFileTemporaryPath` (write in place,
 then ``commit_success.txt``; a step counts as finished only with that file),
 every other path `AtomicRenameTemporaryPath` (write a ``*.orbax-checkpoint-tmp``
 folder, then rename it). S3 has no rename: ``s3fs`` copies every object, and
-with Orbax 0.12.8's ``etils`` it then fails on the folder itself (``NoSuchKey``),
+with the ``etils`` Orbax 0.12 uses, it then fails on the folder itself (``NoSuchKey``),
 leaving both copies and the save failed. So `enable_orbax_s3` also wraps
 Orbax's two default-class functions
 (``ocp.path.atomicity_defaults``) to answer for ``s3://`` what
 they answer for ``gs://``; an explicit ``temporary_path_class`` or
-``AtomicityOptions`` still wins, as on GCS.
+``AtomicityOptions`` still wins, as on GCS. pz_persist's own saves pass
+``temporary_path_class`` (`pz_persist.storage.steps.temporary_path_class`,
+Orbax's public hook), so only Orbax's own entry points need these two wraps.
+Every wrap goes through `pz_persist.storage.orbax_seam`, which holds each
+wrapped function's contract.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ _LOCK = threading.Lock()
 def enable_orbax_s3() -> None:
   """Lets Orbax's array handler write and read ``s3://`` checkpoints.
 
-  Plain Orbax 0.12.8 refuses every ``s3://`` path ("Checkpoint path should be
+  Plain Orbax (0.12.x) refuses every ``s3://`` path ("Checkpoint path should be
   absolute"); after this call its TensorStore spec builder gives S3 paths the
   TensorStore ``s3`` kvstore driver, with the endpoint from
   ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and the region from
