@@ -27,7 +27,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-SUPPORTED_ORBAX = ">=0.12.3,<0.13"
+SUPPORTED_ORBAX = ">=0.12.5,<0.13"
 """The orbax-checkpoint versions pz_persist is tested with (as pyproject.toml
 says): what a failing private name's message asks for."""
 

@@ -21,6 +21,7 @@ from conftest import run_python
 from etils import epath
 from orbax.checkpoint._src.path import atomicity
 from orbax.checkpoint._src.path import atomicity_defaults
+from orbax.checkpoint._src.serialization import ocdbt_process_spec
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 from penzai import pz
 from treecompare import assert_identical
@@ -31,17 +32,7 @@ from pz_persist.storage import s3_kvstore
 
 pytestmark = pytest.mark.timeout(300)
 
-try:  # The keyword arguments Orbax's callers pass build_kvstore_tspec since 0.12.5.
-  from orbax.checkpoint._src.serialization import ocdbt_process_spec
-  _WRITE = ts_utils.OcdbtKvStoreWriteOptions(mode=ts_utils.OcdbtWriteMode.WRITE)
-except (ImportError, AttributeError):  # An older Orbax (pyproject.toml allows it).
-  ocdbt_process_spec = None
-
-_with_write_options = pytest.mark.skipif(
-    ocdbt_process_spec is None,
-    reason=f"orbax-checkpoint {ocp.__version__}: build_kvstore_tspec takes no OCDBT write"
-    " options (these cases are the ones newer Orbax callers pass)",
-)
+_WRITE = ts_utils.OcdbtKvStoreWriteOptions(mode=ts_utils.OcdbtWriteMode.WRITE)
 
 
 @pytest.fixture
@@ -97,7 +88,6 @@ def _answers(tmp: str) -> list:
   return specs + classes
 
 
-@_with_write_options
 def test_nothing_changes_for_local_and_gcs_paths(tmp_path, unregistered):
   plain = _answers(str(tmp_path))
   pzp.enable_orbax_s3()
@@ -129,7 +119,6 @@ def test_enable_for_registers_on_s3_paths_only(unregistered):
   assert s3_kvstore.is_enabled()
 
 
-@_with_write_options
 def test_s3_specs_keep_everything_orbax_adds(registered, tmp_path, monkeypatch):
   monkeypatch.setenv("AWS_ENDPOINT_URL", "http://store.example:9000")
   monkeypatch.setenv("AWS_REGION", "eu-west-3")
