@@ -426,7 +426,8 @@ def _delete_marker_first(manager: ocp.CheckpointManager, directory: epath.Path) 
     raise errors.UnsupportedStorageError(
         f"{directory}: this orbax-checkpoint ({ocp.__version__}) does not let"
         " pz_persist delete a dropped step whole-or-gone on an object store;"
-        " use the orbax-checkpoint version pz_persist's requirements name."
+        " install a version it supports: pip install"
+        f" 'orbax-checkpoint{orbax_seam.SUPPORTED_ORBAX}'."
     )
   orbax_seam.replace_step_deleter(manager, _MarkerFirstDeleter(directory))
 
