@@ -247,3 +247,25 @@ def test_sharding_metadata_is_what_orbax_records(tmp_path):
         "what Orbax's handler writes in _sharding (ocp.metadata's ShardingMetadata)",
         "the _sharding file (storage.direct_write)",
     )
+
+
+def test_orbax_save_threads_pass_on_a_keyboard_interrupt(tmp_path, monkeypatch):
+  """A save whose background work is interrupted must fail, not look done:
+  Orbax's save threads pass on a BaseException raised in them (since 0.12.5,
+  the lower bound in pyproject.toml; before, the thread dropped it)."""
+  from pz_persist.format import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt("injected in the save's background work")
+
+  monkeypatch.setattr(manifest_lib, "write", interrupted)
+  try:
+    pzp.save(tmp_path / "ck", {"w": jnp.ones(3)})
+  except KeyboardInterrupt:
+    pass
+  else:
+    pytest.fail(_broken(
+        "how Orbax's save threads (_SignalingThread) pass on a BaseException raised in them",
+        "failing an interrupted save (checkpoint.save, storage.leftovers)",
+    ))
+  assert not (tmp_path / "ck").exists()
