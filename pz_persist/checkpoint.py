@@ -48,6 +48,7 @@ from pz_persist.storage import leftovers
 from pz_persist.storage import opening
 from pz_persist.storage import restoring
 from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import steps
 from pz_persist.storage import stores
 
 ITEM_NAME = "penzai"
@@ -135,10 +136,14 @@ def save(
     # On any exception (Ctrl-C included), `writing` stops Orbax's background
     # work and deletes what this save wrote before the exception goes on.
     with leftovers.writing(target, cancel=handler.cancel, primary=primary) as state:
-      # Orbax's default way of writing it: locally a rename of its own
-      # temporary name; on an object store in place, with commit_success.txt
-      # (for s3:// once `stores.open_path` registered S3 with Orbax).
-      with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler})) as checkpointer:
+      # Orbax's own ways of writing it, chosen here through its public hook
+      # (`steps.temporary_path_class`): locally a rename of its own temporary
+      # name; on an object store in place, with commit_success.txt (for s3://
+      # once `stores.open_path` registered S3 with Orbax).
+      with ocp.Checkpointer(
+          ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler}),
+          temporary_path_class=steps.temporary_path_class(target),
+      ) as checkpointer:
         checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
       if primary:
         with leftovers.interrupts_deferred():  # The move is all or nothing.

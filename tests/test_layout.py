@@ -12,6 +12,7 @@ import ast
 import importlib
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,29 @@ def test_no_import_runs_back_up():
       if target != part and LAYERS[target] >= LAYERS[part]:
         upward.append(f"{module} -> {imported}")
   assert not upward, "imports that run back up:\n" + "\n".join(upward)
+
+
+_PRIVATE_ORBAX = re.compile(r"^orbax\.checkpoint(\.experimental\.v1)?\._src(\.|$)")
+
+
+def test_only_the_seam_touches_private_orbax_names():
+  """Every private Orbax name is in `storage/orbax_seam.py`, with its
+  contract test (tests/test_orbax_seam.py): an import of Orbax's ``_src``
+  modules, or a string naming one, anywhere else fails here."""
+  found = []
+  for path, module in _modules():
+    if module == "pz_persist.storage.orbax_seam":
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = []
+      if isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+      elif isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        names = [node.value]
+      found += [f"{module}: {name}" for name in names if _PRIVATE_ORBAX.match(name)]
+  assert not found, "private Orbax names outside orbax_seam:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("module", [

@@ -44,10 +44,6 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import v1 as ocp_v1
-
-# Orbax exports no accessor for the active v1 Context; handlers are built by
-# Orbax inside it, so read it once there (orbax-checkpoint is pinned).
-from orbax.checkpoint.experimental.v1._src.context.context import get_context
 from penzai import pz
 
 from pz_persist import errors
@@ -55,6 +51,7 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.orbax import v0_handler
 from pz_persist.storage import checksums
 from pz_persist.storage import object_store
+from pz_persist.storage import orbax_seam
 
 _T = TypeVar("_T")
 
@@ -90,7 +87,8 @@ class PenzaiCheckpointableHandler(
   """
 
   def __init__(self, *, context: ocp_v1.Context | None = None):
-    self._context = context if context is not None else get_context()
+    # Built by Orbax inside the caller's Context: read it once here.
+    self._context = context if context is not None else orbax_seam.active_v1_context()
 
   def _arrays_handler(self) -> ocp_v1.handlers.PyTreeHandler:
     return ocp_v1.handlers.PyTreeHandler(context=self._context)

@@ -55,11 +55,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
-from orbax.checkpoint._src.metadata import sharding as sharding_metadata
-from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from pz_persist.safety import safe_io
 from pz_persist.storage import checksums
+from pz_persist.storage import orbax_seam
 
 SMALL_ARRAY_BYTES = 2**20
 """Arrays up to this size, stored in one chunk, are written as raw key-value
@@ -140,7 +139,7 @@ class _Specs:
         use_zarr3=False, use_compression=False, ts_context=self.context,
         ocdbt_target_data_file_size=DATA_FILE_BYTES,
     )
-    built = tensorstore_utils.build_array_write_spec(
+    built = orbax_seam.build_array_write_spec(
         info=info, arg=ocp.SaveArgs(chunk_byte_size=self._chunk_byte_size),
         global_shape=shape, local_shape=shape, dtype=dtype, use_ocdbt=True,
         process_index=0,
@@ -297,6 +296,16 @@ def start(
   return Started(directory=directory, writes=tuple(writes), files=files)
 
 
+def _sharding_metadata(sharding: Any) -> Any:
+  """How Orbax's array handler describes ``sharding`` in ``_sharding`` (None
+  for a kind it does not describe), through Orbax's public metadata classes."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return ocp.metadata.NamedShardingMetadata.from_jax_sharding(sharding)
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return ocp.metadata.SingleDeviceShardingMetadata.from_jax_sharding(sharding)
+  return None
+
+
 def orbax_files(stored: Mapping[str, Any], layouts: Mapping[str, _Layout]) -> dict[str, bytes]:
   """``_METADATA``, ``_sharding`` and ``array_metadatas/process_0`` as Orbax
   writes them for the flat tree ``stored`` (what its restore reads to
@@ -316,7 +325,7 @@ def orbax_files(stored: Mapping[str, Any], layouts: Mapping[str, _Layout]) -> di
       value_metadata["write_shape"] = shape
       sharding = value.sharding
       if sharding not in serialized:
-        described = sharding_metadata.from_jax_sharding(sharding)
+        described = _sharding_metadata(sharding)
         serialized[sharding] = described and described.to_serialized_string()
       described_as = serialized[sharding]
       if described_as is not None:

@@ -71,6 +71,7 @@ from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.safety import terminal
 from pz_persist.storage import commit
+from pz_persist.storage import orbax_seam
 from pz_persist.storage import steps
 from pz_persist.storage import stores
 
@@ -336,9 +337,8 @@ def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) ->
   """Waits (at most ``timeout`` s in all) for Orbax's save threads started
   since; returns whether they all ended (False if they cannot be told)."""
   try:
-    from orbax.checkpoint._src.futures import future as orbax_future  # pylint: disable=import-outside-toplevel
-    kind = orbax_future._SignalingThread  # pylint: disable=protected-access
-  except (ImportError, AttributeError):
+    kind = orbax_seam.orbax_save_threads()
+  except AttributeError:
     return False  # Another Orbax: the placeholder file still stops late writes.
   deadline = time.monotonic() + timeout
   ended = True

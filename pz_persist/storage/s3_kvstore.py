@@ -1,8 +1,8 @@
 """``s3://`` for Orbax's array handler: the TensorStore S3 kvstore spec.
 
-Why this module exists: Orbax 0.12.8 writes and reads arrays through
+Why this module exists: Orbax (0.12.x) writes and reads arrays through
 TensorStore, and its one spec builder
-(``orbax.checkpoint._src.serialization.tensorstore_utils.build_kvstore_tspec``)
+(``build_kvstore_tspec``, private to Orbax; `orbax_seam` holds the wrap)
 knows ``gs://`` and local paths only. An ``s3://bucket/ck`` directory is
 normalised to the relative path ``s3:/bucket/ck`` and refused ("Checkpoint
 path should be absolute"), or, without OCDBT, silently turned into a local
@@ -31,12 +31,16 @@ published by path: ``gs://`` gets `CommitFileTemporaryPath` (write in place,
 then ``commit_success.txt``; a step counts as finished only with that file),
 every other path `AtomicRenameTemporaryPath` (write a ``*.orbax-checkpoint-tmp``
 folder, then rename it). S3 has no rename: ``s3fs`` copies every object, and
-with Orbax 0.12.8's ``etils`` it then fails on the folder itself (``NoSuchKey``),
+with the ``etils`` Orbax 0.12 uses, it then fails on the folder itself (``NoSuchKey``),
 leaving both copies and the save failed. So `enable_orbax_s3` also wraps
 Orbax's two default-class functions
-(``orbax.checkpoint._src.path.atomicity_defaults``) to answer for ``s3://`` what
+(``ocp.path.atomicity_defaults``) to answer for ``s3://`` what
 they answer for ``gs://``; an explicit ``temporary_path_class`` or
-``AtomicityOptions`` still wins, as on GCS.
+``AtomicityOptions`` still wins, as on GCS. pz_persist's own saves pass
+``temporary_path_class`` (`pz_persist.storage.steps.temporary_path_class`,
+Orbax's public hook), so only Orbax's own entry points need these two wraps.
+Every wrap goes through `pz_persist.storage.orbax_seam`, which holds each
+wrapped function's contract.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ from collections.abc import Callable
 from typing import Any
 
 from etils import epath
-from orbax.checkpoint._src.path import atomicity_defaults
-from orbax.checkpoint._src.serialization import tensorstore_utils
+
+from pz_persist.storage import orbax_seam
 
 _PLACEHOLDER_BUCKET = "pz-persist-s3-placeholder"
 """The bucket Orbax's builder is shown in place of the S3 one: a valid GCS
@@ -70,7 +74,7 @@ _LOCK = threading.Lock()
 def enable_orbax_s3() -> None:
   """Lets Orbax's array handler write and read ``s3://`` checkpoints.
 
-  Plain Orbax 0.12.8 refuses every ``s3://`` path ("Checkpoint path should be
+  Plain Orbax (0.12.x) refuses every ``s3://`` path ("Checkpoint path should be
   absolute"); after this call its TensorStore spec builder gives S3 paths the
   TensorStore ``s3`` kvstore driver, with the endpoint from
   ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` and the region from
@@ -108,11 +112,8 @@ def enable_orbax_s3() -> None:
   with _LOCK:  # Two threads' first s3:// saves must not wrap twice.
     if is_enabled() or _orbax_knows_s3():
       return
-    for module, name, teach in _PATCHES:
-      original = getattr(module, name)
-      wrapped = teach(original)
-      wrapped.__wrapped_by_pz_persist__ = original  # type: ignore[attr-defined]
-      setattr(module, name, wrapped)
+    for name, teach in _PATCHES:
+      orbax_seam.wrap(name, teach)
 
 
 def disable_orbax_s3() -> None:
@@ -122,15 +123,13 @@ def disable_orbax_s3() -> None:
   since is left alone (undoing it would remove that wrap too).
   """
   with _LOCK:
-    for module, name, _ in _PATCHES:
-      original = getattr(getattr(module, name), "__wrapped_by_pz_persist__", None)
-      if original is not None:
-        setattr(module, name, original)
+    for name, _ in _PATCHES:
+      orbax_seam.unwrap(name)
 
 
 def is_enabled() -> bool:
   """Whether `enable_orbax_s3` has wrapped Orbax's functions."""
-  return hasattr(tensorstore_utils.build_kvstore_tspec, "__wrapped_by_pz_persist__")
+  return orbax_seam.is_wrapped("build_kvstore_tspec")
 
 
 def enable_for(path: epath.PathLike) -> None:
@@ -231,19 +230,19 @@ def _with_s3_as_gcs(original: Callable[..., Any]) -> Callable[..., Any]:
   return answer
 
 
-_PATCHES: tuple[tuple[Any, str, Callable[..., Callable[..., Any]]], ...] = (
-    (tensorstore_utils, "build_kvstore_tspec", _with_s3),
-    (atomicity_defaults, "get_default_temporary_path_class", _with_s3_as_gcs),
-    (atomicity_defaults, "get_item_default_temporary_path_class", _with_s3_as_gcs),
+_PATCHES: tuple[tuple[str, Callable[..., Callable[..., Any]]], ...] = (
+    ("build_kvstore_tspec", _with_s3),
+    ("get_default_temporary_path_class", _with_s3_as_gcs),
+    ("get_item_default_temporary_path_class", _with_s3_as_gcs),
 )
-"""Every Orbax function `enable_orbax_s3` wraps: (module, name, wrapper).
-Orbax calls each through its module attribute, so a wrap reaches every caller."""
+"""Every Orbax function `enable_orbax_s3` wraps (through `orbax_seam`, which
+says where each lives): (name, wrapper)."""
 
 
 def _orbax_knows_s3() -> bool:
   """Whether this Orbax already builds S3 specs (then there is nothing to do)."""
   try:
-    spec = tensorstore_utils.build_kvstore_tspec("s3://bucket/probe", use_ocdbt=False)
+    spec = orbax_seam.orbax_function("build_kvstore_tspec")("s3://bucket/probe", use_ocdbt=False)
   except ValueError:
     return False
   return isinstance(spec, dict) and spec.get("driver") == "s3"

@@ -25,8 +25,6 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint._src.path import atomicity
-from orbax.checkpoint._src.path import atomicity_defaults
 
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
@@ -37,8 +35,9 @@ from pz_persist.storage import object_store
 from pz_persist.storage import stores
 
 _step_paths = ocp.path.step
+_atomicity = ocp.path.atomicity  # Public: Orbax exports it as orbax.checkpoint.path.atomicity.
 
-COMMIT_MARKER = atomicity.COMMIT_SUCCESS_FILE
+COMMIT_MARKER = _atomicity.COMMIT_SUCCESS_FILE
 """The object Orbax writes last into a step on an object store: the step is
 committed exactly while it exists."""
 
@@ -55,14 +54,14 @@ def temporary_path_class(directory: epath.PathLike) -> type[Any]:
   `COMMIT_MARKER`.
   """
   if not stores.for_path(directory).renames:
-    return atomicity.CommitFileTemporaryPath
-  return atomicity_defaults.get_default_temporary_path_class(epath.Path(directory))
+    return _atomicity.CommitFileTemporaryPath
+  return ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(directory))
 
 
 def committed_by_marker(directory: epath.PathLike) -> bool:
   """Whether a step of ``directory`` is committed by its `COMMIT_MARKER`
   (object stores) rather than by its name (a local rename)."""
-  return issubclass(temporary_path_class(directory), atomicity.CommitFileTemporaryPath)
+  return issubclass(temporary_path_class(directory), _atomicity.CommitFileTemporaryPath)
 
 
 def parse_step_name(name: str) -> tuple[int, bool] | None:

@@ -36,6 +36,7 @@ from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import leftovers
+from pz_persist.storage import orbax_seam
 from pz_persist.storage import sharding as sharding_lib
 from pz_persist.storage import steps
 from pz_persist.storage import stores
@@ -394,7 +395,8 @@ class _MarkerFirstDeleter:
   listing the steps meanwhile) could see a step still committed with files
   missing. `steps.remove_step` deletes the marker first. Orbax has no public
   hook for this; its deleter (the `CheckpointDeleter` protocol: ``delete``,
-  ``delete_steps``, ``close``) is swapped by `_delete_marker_first`.
+  ``delete_steps``, ``close``) is swapped by `_delete_marker_first`, through
+  `orbax_seam.replace_step_deleter`.
   """
 
   def __init__(self, directory: epath.Path):
@@ -420,14 +422,14 @@ def _delete_marker_first(manager: ocp.CheckpointManager, directory: epath.Path) 
       version pz_persist was not tested with): refused rather than leaving
       Orbax's object-by-object deletion in place unnoticed.
   """
-  if not hasattr(manager, "_checkpoint_deleter"):
+  if not orbax_seam.has_step_deleter(manager):
     raise errors.UnsupportedStorageError(
         f"{directory}: this orbax-checkpoint ({ocp.__version__}) does not let"
         " pz_persist delete a dropped step whole-or-gone on an object store;"
-        " use the orbax-checkpoint version pz_persist's requirements name."
+        " install a version it supports: pip install"
+        f" 'orbax-checkpoint{orbax_seam.SUPPORTED_ORBAX}'."
     )
-  manager._checkpoint_deleter.close()  # pylint: disable=protected-access
-  manager._checkpoint_deleter = _MarkerFirstDeleter(directory)  # pylint: disable=protected-access
+  orbax_seam.replace_step_deleter(manager, _MarkerFirstDeleter(directory))
 
 
 def _metric_getter(name: str):
