@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +53,15 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import blocks
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.config_from_model import layer_types
+from pz_persist.pretrained.hf.config_from_model import named_shape
+from pz_persist.pretrained.hf.config_from_model import number
+from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
+from pz_persist.pretrained.hf.config_from_model import size_fields
+from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families.gemma import check_activation
 from pz_persist.pretrained.hf.families.llama import attention_sizes
 from pz_persist.pretrained.hf.families.llama import block_specs
@@ -513,13 +523,106 @@ _MULTIMODAL_FIELDS = ("boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token
 
 
 def _detect(model: Any) -> str | None:
-  """Penzai models holding Gemma 4's own layers."""
-  del model
-  return None
+  """Penzai models holding Gemma 4's layer scalars."""
+  return "gemma4_text" if all_layers(model, ple.ScalarScale) else None
 
 
 def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
-  raise NotImplementedError
+  del model_type  # gemma4 (multimodal) is read, never written.
+  found = blocks(model)
+  kinds = layer_types(windows(model))
+  attentions = [first_layer(b, pz.nn.Attention, "attention") for b in found]
+
+  def sizes(kind: str) -> tuple[int, int] | None:
+    for kv_kind, attn in zip(kinds, attentions):
+      if kv_kind == kind and not isinstance(attn.input_to_key, kv_sharing.SharedKV):
+        shape = named_shape(first_layer(attn.input_to_key, pz.nn.Linear, "key projection"))
+        return shape["projection"], math.prod(
+            size for axis, size in shape.items() if axis in ("heads", "head_groups")) or 1
+    return None
+
+  local, global_ = sizes(SLIDING), sizes(FULL)
+  shared = sum(isinstance(a.input_to_key, kv_sharing.SharedKV) for a in attentions)
+  keys_are_values = any(_values_are_keys(a) for a in attentions)
+  fields = size_fields(model, grouped=False)
+  if local is not None:
+    fields.update(head_dim=local[0], num_key_value_heads=local[1])
+  else:
+    fields.update(head_dim=like.get("head_dim", 256),
+                  num_key_value_heads=like.get("num_key_value_heads", 4))
+  if global_ is not None:
+    fields["global_head_dim"] = global_[0]
+    if keys_are_values:
+      fields["num_global_key_value_heads"] = global_[1]
+  widths = [named_shape(first_layer(b, pz.nn.Linear, "MLP"))["neurons"]
+            for b in (first_layer(x, model_parts.TransformerFeedForward, "MLP") for x in found)]
+  double = shared > 0 and widths[-1] == 2 * fields["intermediate_size"]
+  per_layer = all_layers(model, ple.PerLayerInputs)
+  if per_layer:
+    table = named_shape(per_layer[0].table.table)
+    fields.update(hidden_size_per_layer_input=table[ple.EMBEDDING_AXIS],
+                  vocab_size_per_layer_input=table["vocabulary"])
+  else:
+    fields.update(hidden_size_per_layer_input=0,
+                  vocab_size_per_layer_input=like.get("vocab_size_per_layer_input",
+                                                      fields["vocab_size"]))
+  experts = all_layers(model, gemma4_moe.Gemma4Experts)
+  if experts:
+    shape = dict(experts[0].gate.value.named_shape)
+    fields.update(enable_moe_block=True, num_experts=shape["experts"],
+                  top_k_experts=experts[0].top_k, moe_intermediate_size=shape["neurons"])
+  else:
+    fields["enable_moe_block"] = False
+  caps = all_layers(model, pz.nn.TanhSoftCap)
+  window = next((w for w in windows(model) if w is not None), None)
+  return {
+      **fields, **rms_norm_fields(model),
+      "hidden_activation": "gelu_pytorch_tanh",
+      "rope_parameters": _rope_parameters(found, kinds, like),
+      "layer_types": kinds,
+      "sliding_window": like.get("sliding_window", 512) if window is None else window,
+      "attention_k_eq_v": keys_are_values,
+      "num_kv_shared_layers": shared,
+      "use_double_wide_mlp": double or bool(like.get("use_double_wide_mlp", False)
+                                            and shared == 0),
+      "final_logit_softcapping": number(caps[0].soft_cap) if caps else None,
+      "tie_word_embeddings": True, "attention_bias": False,
+  }
+
+
+def _values_are_keys(attn: pz.nn.Attention) -> bool:
+  """Whether the values come from the key projection (one shared parameter)."""
+  if isinstance(attn.input_to_key, kv_sharing.SharedKV):
+    return False
+  key = first_layer(attn.input_to_key, pz.nn.Linear, "key projection")
+  value = first_layer(attn.input_to_value, pz.nn.Linear, "value projection")
+  return bool(key.weights.label == value.weights.label)
+
+
+def _rope_parameters(found: list[Any], kinds: list[str],
+                     like: Mapping[str, Any]) -> dict[str, Any]:
+  like_rope = like.get("rope_parameters") or {}
+  defaults = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+              FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                     "rope_theta": 1_000_000.0}}
+  out = {}
+  for kind in _TYPES:
+    if kind not in kinds:  # No layer of this type: like's, else the default.
+      out[kind] = like_rope.get(kind, defaults[kind])
+      continue
+    block = found[kinds.index(kind)]
+    proportional = all_layers(block, ApplyProportionalRoPE)
+    if proportional:
+      r = proportional[0]
+      params = {"rope_type": "proportional", "rope_theta": float(r.max_wavelength),
+                "partial_rotary_factor": r.rotated_fraction}
+      if r.factor != 1.0:
+        params["factor"] = r.factor
+    else:
+      params = {"rope_type": "default",
+                "rope_theta": float(first_layer(block, pz.nn.ApplyRoPE, "RoPE").max_wavelength)}
+    out[kind] = params
+  return out
 
 
 RECORD = Family(
