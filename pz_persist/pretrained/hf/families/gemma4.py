@@ -650,7 +650,7 @@ RECORD = Family(
         "top_k_experts": _POSITIVE_INT, "moe_intermediate_size": _POSITIVE_INT,
         "per_layer_config": _OBJECT, "use_bidirectional_attention": _STRING,
         "text_config": _OBJECT, "vision_config": _OBJECT, "audio_config": _OBJECT,
-        **{field: _INDEX for field in _MULTIMODAL_FIELDS},
+        **dict.fromkeys(_MULTIMODAL_FIELDS, _INDEX),
     },
     layer_prefixes=(_TEXT + "layers.", _MULTIMODAL_TEXT + "layers."),
 )
