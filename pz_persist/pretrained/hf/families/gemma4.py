@@ -24,7 +24,8 @@ gemma3`), each built from Penzai's layers here:
   (`pz_persist.pretrained.layers.per_layer_inputs`);
 - each layer's output is multiplied by its ``layer_scalar``;
 - with ``enable_moe_block`` (26B-A4B) each layer adds a mixture of experts
-  beside its dense MLP (`pz_persist.pretrained.layers.gemma4_moe`).
+  beside its dense MLP (`pz_persist.pretrained.hf.families.gemma4_moe`, on the shared
+  `pz_persist.pretrained.layers.mixture_of_experts`).
 
 transformers 5 writes the global layers' sizes as ``per_layer_config``
 (keyed by layer index); the Hub's configs as ``global_head_dim`` and
@@ -62,6 +63,7 @@ from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families import gemma4_moe
 from pz_persist.pretrained.hf.families.gemma import check_activation
 from pz_persist.pretrained.hf.families.llama import attention_sizes
 from pz_persist.pretrained.hf.families.llama import block_specs
@@ -73,8 +75,8 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers import gemma4_moe
 from pz_persist.pretrained.layers import kv_sharing
+from pz_persist.pretrained.layers import mixture_of_experts as mixture
 from pz_persist.pretrained.layers import per_layer_inputs as ple
 from pz_persist.pretrained.layers.proportional_rope import ApplyProportionalRoPE
 
@@ -566,11 +568,12 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
     fields.update(hidden_size_per_layer_input=0,
                   vocab_size_per_layer_input=like.get("vocab_size_per_layer_input",
                                                       fields["vocab_size"]))
-  experts = all_layers(model, gemma4_moe.Gemma4Experts)
+  experts = all_layers(model, mixture.MixtureOfExperts)
   if experts:
-    shape = dict(experts[0].gate.value.named_shape)
-    fields.update(enable_moe_block=True, num_experts=shape["experts"],
-                  top_k_experts=experts[0].top_k, moe_intermediate_size=shape["neurons"])
+    router = experts[0].router
+    gate = named_shape(first_layer(experts[0].experts, pz.nn.Linear, "expert gate"))
+    fields.update(enable_moe_block=True, num_experts=gate["experts"],
+                  top_k_experts=router.top_k, moe_intermediate_size=gate["neurons"])
   else:
     fields["enable_moe_block"] = False
   caps = all_layers(model, pz.nn.TanhSoftCap)
