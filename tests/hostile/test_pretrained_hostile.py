@@ -277,6 +277,9 @@ _GEMMA_FIELDS = {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 _FAMILY_FIELDS = {
     "gemma": _GEMMA_FIELDS, "gemma2": _GEMMA_FIELDS, "gemma3_text": _GEMMA_FIELDS,
     "gemma4_text": {**_GEMMA_FIELDS, "rope_theta": None},  # Keyed by layer type.
+    "ministral3": {"rope_theta": None, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}},
     "gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
