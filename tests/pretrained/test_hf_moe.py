@@ -202,6 +202,13 @@ def test_routing_features_bind(saved, case, changes):
       "atol"]
 
 
+def test_window_binds(saved):
+  """Mixtral's window (on every layer) changes transformers' logits."""
+  reference = saved["mixtral_window"][2]
+  unwindowed = _reference_with("mixtral_window", sliding_window=None)
+  assert np.abs(unwindowed - reference).max() > 100 * checks.FLOAT32["atol"]
+
+
 def test_dense_layers_bind(saved, tmp_path):
   """``mlp_only_layers`` makes layer 1 dense: the folder holds its dense
   MLP, and a config calling it routed is refused for its missing experts."""
