@@ -95,6 +95,9 @@ _GEMMA3_MARKERS = ("query_norm", "key_norm", "q_norm", "k_norm", "siglip",
                    "vision_encoder", "mm_input_projection")
 # Layers of Gemma 3n that neither Gemma 3 nor Penzai's Gemma has.
 _GEMMA3N_MARKERS = ("altup", "laurel", "per_layer")
+# Every block of the gemma library's Gemma 4 has a learned output scale (its
+# E2B/E4B also have per-layer inputs, which Gemma 3n's markers would match).
+_GEMMA4_MARKERS = ("skip_scale",)
 
 
 Source = Literal["checkpoint", "preset", "caller", "default"]
@@ -540,8 +543,16 @@ def _having(params: Mapping[str, Any], markers: tuple[str, ...]) -> list[str]:
 
 def _refuse_gemma3(params: Mapping[str, Any], path: Any) -> None:
   """Refuses a checkpoint of a later Gemma, naming the generation only as
-  far as its arrays show it: Gemma 3n by its own layers, otherwise "Gemma 3
-  or later" (query/key norms and a vision encoder are also Gemma 4's)."""
+  far as its arrays show it: Gemma 4 by its blocks' ``skip_scale`` (sending
+  the user to `load_hf`), Gemma 3n by its own layers, otherwise "Gemma 3 or
+  later"."""
+  gemma4 = _having(params, _GEMMA4_MARKERS)
+  if gemma4:
+    raise GemmaCheckpointError(
+        f"{path} looks like a Gemma 4 checkpoint of the gemma library (it has"
+        f" {gemma4[0]!r}), which load_gemma does not read yet; pz_persist builds Gemma 4 from"
+        " the Hugging Face folders on the Hub (google/gemma-4-*):"
+        " pz_persist.pretrained.load_hf.")
   later, found = _having(params, _GEMMA3N_MARKERS), _having(params, _GEMMA3_MARKERS)
   if later:
     raise GemmaCheckpointError(

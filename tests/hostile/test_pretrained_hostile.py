@@ -276,6 +276,10 @@ def test_malformed_config_files(tmp_path, no_reads, text):
 _GEMMA_FIELDS = {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 _FAMILY_FIELDS = {
     "gemma": _GEMMA_FIELDS, "gemma2": _GEMMA_FIELDS, "gemma3_text": _GEMMA_FIELDS,
+    "gemma4_text": {**_GEMMA_FIELDS, "rope_theta": None},  # Keyed by layer type.
+    "ministral3": {"rope_theta": None, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}},
     "gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
@@ -293,10 +297,12 @@ def test_huge_layer_count_fails_fast(tmp_path):
     config = dict(CONFIG, model_type=model_type, num_hidden_layers=10**9,
                   **_FAMILY_FIELDS.get(model_type, {}))
     config = {k: v for k, v in config.items() if v is not None}
-    if model_type == "gemma3":  # Multimodal: the text model's config is nested.
-      text = {k: v for k, v in dict(CONFIG, model_type="gemma3_text", num_hidden_layers=10**9,
-                                    **_GEMMA_FIELDS).items() if v is not None}
-      config = {"model_type": "gemma3", "text_config": text}
+    if model_type in ("gemma3", "gemma4"):  # Multimodal: the text model's config is nested.
+      text = {k: v for k, v in dict(CONFIG, model_type=f"{model_type}_text",
+                                    num_hidden_layers=10**9,
+                                    **_FAMILY_FIELDS[f"{model_type}_text"]).items()
+              if v is not None}
+      config = {"model_type": model_type, "text_config": text}
     folders.append(str(hf_folder(tmp_path / model_type, config)))
   out = run_python(f"""
       import pz_persist as pzp

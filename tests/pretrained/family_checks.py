@@ -20,10 +20,10 @@ import safetensors.numpy
 import torch
 import transformers
 from penzai import pz
-from penzai.models.transformer import sampling_mode
 
 import pz_persist as pzp
 from pretrained.test_hf import sampling_jitted
+from pz_persist.pretrained.layers.kv_sharing import kv_caching_lm
 
 SEQUENCES = np.array([
     [1, 5, 9, 3, 7, 2, 11, 60, 33, 17],
@@ -84,7 +84,7 @@ def check_kv_cache_sampling(model, prompt: np.ndarray = SEQUENCES[:, :4], steps:
   """Greedy KV-cache sampling gives, at each step, the logits a forward pass
   over the whole sequence gives at that position (float32)."""
   batch = prompt.shape[0]
-  sampler = sampling_jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
+  sampler = sampling_jitted(kv_caching_lm(  # from_uncached, each cache sized by its layer.
       model, cache_len=prompt.shape[1] + steps, batch_axes={"batch": batch}, pad_id=-1))
   tokens, sequence, cached = prompt, prompt, []
   for _ in range(steps):

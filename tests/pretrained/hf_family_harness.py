@@ -46,6 +46,7 @@ from penzai.models.transformer.variants import llamalike_common
 import pz_persist as pzp
 from pretrained.family_checks import SEQUENCES
 from pz_persist import errors
+from pz_persist.pretrained.layers.kv_sharing import kv_caching_lm
 
 TOKENS = SEQUENCES
 """Three sequences of ten tokens (those of h-records' `family_checks`),
@@ -157,7 +158,7 @@ def check_kv_cache(model, prompt: int = 3) -> None:
   """The sequences fed to the KV-cache sampler (prompt, then one token per
   call) give the forward pass's logits at every position after the prompt."""
   full = penzai_logits(model)
-  sampler = _jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
+  sampler = _jitted(kv_caching_lm(  # from_uncached, each cache sized by its layer.
       model, cache_len=TOKENS.shape[1], batch_axes={"batch": TOKENS.shape[0]}, pad_id=-1))
   steps = [sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, :prompt]), "batch", "seq"))]
   for i in range(prompt, TOKENS.shape[1]):

@@ -239,6 +239,18 @@ def test_gemma3n_checkpoint_is_not_called_gemma3(tmp_path):
   assert "Gemma 3 checkpoint" not in str(raised.value)
 
 
+def test_gemma4_checkpoint_is_sent_to_load_hf(tmp_path):
+  """The gemma library's Gemma 4 (every block has ``skip_scale``; E2B/E4B
+  per-layer inputs too, which are not Gemma 3n's) is named as such."""
+  extra = {"transformer/layer_0": {"skip_scale": np.ones(1, np.float32)},
+           "transformer/layer_0/per_layer_input_gate": {"w": np.ones((8, 2), np.float32)},
+           "transformer/layer_0/attn/query_norm": {"scale": np.ones(8, np.float32)}}
+  path = write(tmp_path / "ckpt", official_params(GEMMA2, gemma2=True, extra=extra))
+  with pytest.raises(errors.GemmaCheckpointError, match="Gemma 4 checkpoint") as raised:
+    load_gemma(path, preset={"like": "gemma2_2b"})
+  assert "load_hf" in str(raised.value) and "3n" not in str(raised.value)
+
+
 def test_not_a_checkpoint(tmp_path):
   with pytest.raises(pzp.errors.NotACheckpointError):
     load_gemma(tmp_path / "missing")

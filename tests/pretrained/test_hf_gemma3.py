@@ -276,8 +276,7 @@ def test_hostile_multimodal_configs_are_refused(saved, tmp_path, changes, match)
 
 
 @pytest.mark.parametrize("model_type, generation", [
-    ("gemma3n", "Gemma 3n"), ("gemma3n_text", "Gemma 3n"), ("gemma4", "Gemma 4"),
-    ("gemma4_text", "Gemma 4"),
+    ("gemma3n", "Gemma 3n"), ("gemma3n_text", "Gemma 3n"),
 ])
 def test_later_gemmas_get_the_gemma_message(saved, tmp_path, model_type, generation):
   folder = _edited_copy(saved["gemma3_text"][0], tmp_path, model_type=model_type)

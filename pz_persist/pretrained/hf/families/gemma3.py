@@ -313,8 +313,8 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
 
 def _refusal(model_type: str, generation: str) -> str:
   return (f"model_type={model_type!r} is {generation}, whose architecture pz_persist does not"
-          " build yet; pz_persist.pretrained.load_hf reads Gemma 1, 2 and 3 (model_type 'gemma',"
-          " 'gemma2', 'gemma3_text', 'gemma3')")
+          " build yet; pz_persist.pretrained.load_hf reads Gemma 1, 2, 3 and 4 (model_type 'gemma',"
+          " 'gemma2', 'gemma3_text', 'gemma3', 'gemma4_text', 'gemma4')")
 
 
 RECORD = Family(
@@ -329,7 +329,7 @@ RECORD = Family(
     adds=("`gemma3_text` (270M, 1B) and the text model of `gemma3` folders (4B-27B; the vision"
           " tower is not read, and the load says so): Gemma 2's layout with query/key norms,"
           " local and global layers with their own RoPE bases, linear scaling on global layers"),
-    refuses="bidirectional attention (EmbeddingGemma), Gemma 3n, Gemma 4",
+    refuses="bidirectional attention (EmbeddingGemma), Gemma 3n",
     rank=15,
     fields={
         "rope_local_base_freq": _NUMBER,
@@ -342,9 +342,6 @@ RECORD = Family(
         "eoi_token_index": _INDEX,
         "image_token_index": _INDEX,
     },
-    refused_model_types={
-        **{t: _refusal(t, "Gemma 3n") for t in ("gemma3n", "gemma3n_text")},
-        **{t: _refusal(t, "Gemma 4") for t in ("gemma4", "gemma4_text")},
-    },
+    refused_model_types={t: _refusal(t, "Gemma 3n") for t in ("gemma3n", "gemma3n_text")},
     layer_prefixes=(_TEXT + "layers.", _MULTIMODAL_TEXT + "layers."),
 )
