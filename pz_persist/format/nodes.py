@@ -200,23 +200,19 @@ releases. (The three rows marked 0.6.0 were added within format 2, before
 this rule.)
 """
 
-BASE_FORMAT = 2
-"""The format every manifest written now declares at least: the first with
-checksums (`pz_persist.format.manifest.FIRST_FORMAT_WITH_CHECKSUMS`)."""
-
 _NEWEST_NODE_FORMAT = max(node_type.format for node_type in NODE_TYPES.values())
 
 
-def format_needed(tree: Any, variables: Any = ()) -> int:
+def format_needed(tree: Any, variables: Any = (), *, at_least: int) -> int:
   """The manifest format a tree's nodes need: the newest ``format`` of the
-  node types it holds, and at least `BASE_FORMAT`.
+  node types it holds, and at least ``at_least``.
 
-  Free while no node type is newer than `BASE_FORMAT` (no walk at all);
+  Free while no node type is newer than ``at_least`` (no walk at all);
   afterwards one walk of the JSON, only on save.
   """
-  if _NEWEST_NODE_FORMAT <= BASE_FORMAT:
-    return BASE_FORMAT
-  needed = BASE_FORMAT
+  if _NEWEST_NODE_FORMAT <= at_least:
+    return at_least
+  needed = at_least
   pending = [tree, list(variables)]
   while pending:
     value = pending.pop()

@@ -56,12 +56,12 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import variable_kinds
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage import checksums
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
 from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import writer
 
 _RECORDS_PREFIX = "pz_persist_variables-"
 _TYPESTR = "pz_persist.variable"
@@ -152,9 +152,15 @@ class VariableTypeHandler(type_handlers.TypeHandler):
       encoded_of[info.name] = (variable, encoded, names)
       records[info.name] = None  # Filled below, in this order.
     # Every process computes them (they exchange the digests of shards).
-    sums = checksums.compute(stored)
+    sums = writer.hash_now(stored)
     for name, (variable, encoded, names) in encoded_of.items():
       records[name] = _record(variable, encoded, names, sums)
+    manifest = writer.leaves_manifest(
+        [(info.name, records[info.name].get("same_as", info.name)) for info in infos],
+        {name: (variable_kinds.kind_of(variable), encoded, names)
+         for name, (variable, encoded, names) in encoded_of.items()},
+        sums,
+    )
     futures = []
     if stored:
       futures.extend(
@@ -162,19 +168,23 @@ class VariableTypeHandler(type_handlers.TypeHandler):
       )
     futures.append(
         ocp.future.CommitFutureAwaitingContractedSignals(
-            self._write_records(infos[0], records),
+            self._write_records(infos[0], records, manifest),
             name="pz_persist_variable_records",
         )
     )
     return futures
 
   async def _write_records(
-      self, info: type_handlers.ParamInfo, records: dict[str, Any]
+      self, info: type_handlers.ParamInfo, records: dict[str, Any],
+      manifest: manifest_lib.Manifest,
   ) -> None:
+    """The records Orbax's restore reads (through `deserialize`), and the
+    manifest every other reader reads (`writer.leaves_manifest`)."""
     await info.await_path_creation()
     if ocp.multihost.is_primary_host(0):
       path = info.parent_dir / f"{_RECORDS_PREFIX}{uuid.uuid4().hex}.json"
       safe_io.write_small_file(path, json.dumps(records, allow_nan=False).encode())
+      writer.write_manifest(info.parent_dir, manifest)
 
   async def deserialize(
       self,

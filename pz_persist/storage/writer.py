@@ -39,6 +39,8 @@ import os
 import threading
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
 
@@ -89,7 +91,9 @@ def encode(tree: Any) -> Encoded:
   encoded = encode_lib.encode(tree)
   manifest = manifest_lib.Manifest(
       tree=encoded.tree, variables=tuple(encoded.variables), arrays=tuple(encoded.arrays),
-      format_version=nodes.format_needed(encoded.tree, encoded.variables),
+      format_version=nodes.format_needed(
+          encoded.tree, encoded.variables, at_least=manifest_lib.WRITTEN_FORMAT
+      ),
   )
   return Encoded(manifest, encoded.stored_arrays())
 
@@ -111,6 +115,79 @@ def with_checksums(
       dataclasses.replace(spec, checksums=sums[spec.key]) if spec.key in sums else spec
       for spec in manifest.arrays
   ))
+
+
+def leaves_manifest(
+    leaves: Sequence[tuple[str, str]],
+    variables: Mapping[str, tuple[str, encode_lib.EncodedTree, Mapping[str, str]]],
+    sums: Mapping[str, tuple[checksum_records.ShardChecksum, ...]],
+) -> manifest_lib.Manifest:
+  """The manifest of an item whose mutable variables Orbax's own
+  ``PyTreeCheckpointHandler`` saved leaf by leaf, through pz_persist's type
+  handler (`pz_persist.orbax.variable_type_handler`).
+
+  Why: so that `pz_persist.load`, ``inspect``, ``load_model(path, into=)``,
+  ``migrate`` and the command read such an item like any other. Its tree is
+  ``{leaf name: variable}`` (a variable held by two leaves is one variable);
+  its arrays keep the names Orbax stored them under (``.``-joined leaf names,
+  which need format 3, `manifest.FIRST_FORMAT_WITH_LEAF_KEYS`), so the
+  arrays are written once, by Orbax.
+
+  Args:
+    leaves: ``(leaf name, name of the variable it holds)``, every leaf in order.
+    variables: Variable name -> (its kind, its frozen value as encoded, the
+      storage name of each of its stored arrays by encoded key).
+    sums: The checksums of the stored arrays, by storage name.
+  """
+  entries: list[dict[str, Any]] = []
+  arrays: list[Any] = []
+  ref_of: dict[str, int] = {}
+  for name, (kind, encoded, names) in variables.items():
+    if encoded.variables or encoded.tree.get("t") not in nodes.VALUE_TAGS:
+      raise AssertionError(f"leaf {name!r}: not one frozen variable value")
+    base = len(arrays)
+    for index, spec in enumerate(encoded.arrays):
+      if spec.key in names:
+        arrays.append(dataclasses.replace(
+            spec, key=names[spec.key], checksums=sums[names[spec.key]]))
+      else:  # Not stored (no data): a key of its own all the same.
+        arrays.append(dataclasses.replace(spec, key=f"{name}.pz_unstored{index}"))
+    value = encoded.tree
+    ref_of[name] = len(entries)
+    entries.append({
+        "kind": kind, "label": value["label"], "metadata": value["metadata"],
+        "value": _arrays_from(value["value"], base),
+    })
+  tree = nodes.node("dict", items=[
+      [nodes.node("str", v=leaf), nodes.node("variable", ref=ref_of[variable])]
+      for leaf, variable in leaves
+  ])
+  return manifest_lib.Manifest(
+      tree=tree, variables=tuple(entries), arrays=tuple(arrays),
+      format_version=manifest_lib.FIRST_FORMAT_WITH_LEAF_KEYS,
+  )
+
+
+def _arrays_from(node: Any, base: int) -> Any:
+  """``node`` with every array reference moved up by ``base``."""
+  if isinstance(node, list):
+    return [_arrays_from(value, base) for value in node]
+  if not isinstance(node, dict):
+    return node
+  if nodes.tag_of(node) == "array":
+    return {**node, "ref": node["ref"] + base}
+  return {key: _arrays_from(value, base) for key, value in node.items()}
+
+
+def hash_now(stored: dict[str, Any]) -> dict[str, tuple[checksum_records.ShardChecksum, ...]]:
+  """The checksums of ``stored``, computed now (every process: the digests
+  of shards are exchanged)."""
+  return checksums.compute(stored)
+
+
+def write_manifest(directory: epath.Path, manifest: manifest_lib.Manifest) -> None:
+  """Writes a manifest whose checksums are recorded (the primary process)."""
+  manifest_lib.write(directory, manifest)
 
 
 # ---- Writing. ----------------------------------------------------------------
