@@ -155,9 +155,9 @@ class Manifest:
     if found > FORMAT_VERSION:
       raise errors.FormatVersionError(
           f"{where} was written by {raw.get('writer', 'a newer pz_persist')!s:.60}"
-          f" in manifest format {found}, which a pz_persist reading format {found} is"
-          f" needed to read; this pz_persist ({version.__version__}) reads formats 1 to"
-          f" {FORMAT_VERSION}. Upgrade with: pip install -U pz-persist"
+          f" in manifest format {found}: it needs a pz_persist that reads format {found};"
+          f" this pz_persist ({version.__version__}) reads formats 1 to {FORMAT_VERSION}."
+          " Upgrade with: pip install -U pz-persist"
       )
     if set(raw) != _FIELDS:
       raise errors.ManifestError(
