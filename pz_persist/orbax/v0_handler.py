@@ -17,10 +17,13 @@ template::
     mngr.wait_until_finished()
     restored = mngr.restore(step).params  # NamedArrays, labels, metadata back.
 
-The arrays are written by Orbax's own ``PyTreeCheckpointHandler`` (TensorStore,
-OCDBT, async, multi-process), as a flat ``{key: array}`` tree, so plain Orbax
-without pz_persist still restores them; the manifest written beside them by
-the primary process is what rebuilds the Penzai tree. Loads into one process
+Saving is `pz_persist.storage.writer`'s, as for every save: the arrays are
+written in Orbax's own layout (by Orbax's ``PyTreeCheckpointHandler``:
+TensorStore, OCDBT, async, multi-process; or, for one process, by
+`pz_persist.storage.direct_write`, file for file the same), as a flat
+``{key: array}`` tree, so plain Orbax without pz_persist still restores them;
+the manifest written beside them by the primary process is what rebuilds the
+Penzai tree. This handler only adapts Orbax's calls to the writer's. Loads into one process
 (host memory or one device) read the same files through the same TensorStore
 specs, but straight into their final buffers (`pz_persist.storage.direct_read`).
 Every read goes through `pz_persist.storage.reader`, which every other loader uses too.

@@ -136,7 +136,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
         records[info.name] = {"same_as": first_name_of[id(variable)]}
         continue
       first_name_of[id(variable)] = info.name
-      encoded = encode.encode(variable.freeze(), root=f"leaf {info.name!r}")
+      encoded = writer.encode_variable(variable, leaf=info.name)
       pairs = [
           (spec, value)
           for spec, value in zip(encoded.arrays, encoded.values)

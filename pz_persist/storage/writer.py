@@ -98,6 +98,12 @@ def encode(tree: Any) -> Encoded:
   return Encoded(manifest, encoded.stored_arrays())
 
 
+def encode_variable(variable: Any, *, leaf: str) -> encode_lib.EncodedTree:
+  """One mutable variable's frozen value, validated and encoded as the type
+  handler records it (`leaves_manifest` makes its manifest entry)."""
+  return encode_lib.encode(variable.freeze(), root=f"leaf {leaf!r}")
+
+
 def encode_hashed(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
   """`encode`, with the checksums of every stored array (per distinct shard)
   computed now; in a multi-process save every process must call this, in the
