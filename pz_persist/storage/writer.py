@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 import threading
+import uuid
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -44,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -51,6 +54,8 @@ from pz_persist.format import checksum_records
 from pz_persist.format import encode as encode_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
+from pz_persist.format import variable_kinds
+from pz_persist.safety import safe_io
 from pz_persist.storage import checksums
 from pz_persist.storage import direct_write
 from pz_persist.storage import file_digests
@@ -98,12 +103,6 @@ def encode(tree: Any) -> Encoded:
   return Encoded(manifest, encoded.stored_arrays())
 
 
-def encode_variable(variable: Any, *, leaf: str) -> encode_lib.EncodedTree:
-  """One mutable variable's frozen value, validated and encoded as the type
-  handler records it (`leaves_manifest` makes its manifest entry)."""
-  return encode_lib.encode(variable.freeze(), root=f"leaf {leaf!r}")
-
-
 def encode_hashed(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
   """`encode`, with the checksums of every stored array (per distinct shard)
   computed now; in a multi-process save every process must call this, in the
@@ -121,6 +120,109 @@ def with_checksums(
       dataclasses.replace(spec, checksums=sums[spec.key]) if spec.key in sums else spec
       for spec in manifest.arrays
   ))
+
+
+# ---- Variables saved leaf by leaf (the type handler). ----------------------
+
+RECORDS_PREFIX = "pz_persist_variables-"
+"""The type handler's records files: ``pz_persist_variables-<uuid>.json``."""
+
+
+def leaf_array_name(leaf_name: str, index: int, count: int) -> str:
+  """The name Orbax stores a variable's ``index``-th stored array under, of
+  ``count``: a one-array variable (the usual case) stores it under the leaf's
+  own name, so plain Orbax reads it as an array."""
+  return leaf_name if count == 1 else f"{leaf_name}.pz{index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSave:
+  """What the type handler saves of the mutable variables of one Orbax item.
+
+  Attributes:
+    stored: Storage name -> array, for Orbax's own ``jax.Array`` handler.
+    leaf_of_array: Storage name -> the leaf holding it (for its ``ParamInfo``).
+    records: The records file's content, ``{leaf name: record}``, read by the
+      type handler's restore (inside Orbax's).
+    manifest: The item's manifest, read by every other reader
+      (`leaves_manifest`).
+  """
+
+  stored: dict[str, Any]
+  leaf_of_array: dict[str, str]
+  records: dict[str, Any]
+  manifest: manifest_lib.Manifest
+
+  def write(self, directory: epath.Path) -> None:
+    """Writes the records and the manifest (the primary process), once the
+    item's directory exists."""
+    path = directory / f"{RECORDS_PREFIX}{uuid.uuid4().hex}.json"
+    safe_io.write_small_file(path, json.dumps(self.records, allow_nan=False).encode())
+    manifest_lib.write(directory, self.manifest)
+
+
+def encode_leaves(leaves: Sequence[tuple[str, Any]]) -> LeafSave:
+  """Encodes and hashes the mutable variables Orbax's ``PyTreeCheckpointHandler``
+  hands the type handler, as ``(leaf name, variable)`` pairs, in order.
+
+  Each variable is saved frozen; a variable held by several leaves is saved
+  once, the others record ``{"same_as": leaf}``. Every process computes the
+  checksums (they exchange the digests of shards).
+
+  Raises:
+    EncodingError: a variable cannot be saved (the message names its leaf).
+  """
+  records: dict[str, Any] = {}
+  first_name_of: dict[int, str] = {}
+  stored: dict[str, Any] = {}
+  leaf_of_array: dict[str, str] = {}
+  encoded_of: dict[str, tuple[Any, encode_lib.EncodedTree, dict[str, str]]] = {}
+  for leaf, variable in leaves:
+    if id(variable) in first_name_of:
+      records[leaf] = {"same_as": first_name_of[id(variable)]}
+      continue
+    first_name_of[id(variable)] = leaf
+    encoded = encode_lib.encode(variable.freeze(), root=f"leaf {leaf!r}")
+    pairs = [
+        (spec, value) for spec, value in zip(encoded.arrays, encoded.values) if spec.is_stored
+    ]
+    names = {}
+    for index, (spec, value) in enumerate(pairs):
+      name = leaf_array_name(leaf, index, len(pairs))
+      # Penzai variables hold jax.Arrays; anything else is made one.
+      stored[name] = value if spec.kind == "jax" else jax.numpy.asarray(value)
+      leaf_of_array[name] = leaf
+      names[spec.key] = name
+    encoded_of[leaf] = (variable, encoded, names)
+    records[leaf] = None  # Filled below, in this order.
+  sums = checksums.compute(stored)
+  for leaf, (variable, encoded, names) in encoded_of.items():
+    records[leaf] = _record(variable, encoded, names, sums)
+  manifest = leaves_manifest(
+      [(leaf, records[leaf].get("same_as", leaf)) for leaf, _ in leaves],
+      {leaf: (variable_kinds.kind_of(variable), encoded, names)
+       for leaf, (variable, encoded, names) in encoded_of.items()},
+      sums,
+  )
+  return LeafSave(stored, leaf_of_array, records, manifest)
+
+
+def _record(
+    variable: Any,
+    encoded: encode_lib.EncodedTree,
+    names: Mapping[str, str],
+    sums: Mapping[str, tuple[checksum_records.ShardChecksum, ...]],
+) -> dict[str, Any]:
+  """The JSON record of one variable, with its arrays' checksums."""
+  return {
+      "kind": variable_kinds.kind_of(variable),
+      "tree": encoded.tree,
+      "arrays": [
+          dataclasses.replace(spec, checksums=sums[names[spec.key]]).to_json()
+          if spec.key in names else spec.to_json()
+          for spec in encoded.arrays
+      ],
+  }
 
 
 def leaves_manifest(
@@ -183,17 +285,6 @@ def _arrays_from(node: Any, base: int) -> Any:
   if nodes.tag_of(node) == "array":
     return {**node, "ref": node["ref"] + base}
   return {key: _arrays_from(value, base) for key, value in node.items()}
-
-
-def hash_now(stored: dict[str, Any]) -> dict[str, tuple[checksum_records.ShardChecksum, ...]]:
-  """The checksums of ``stored``, computed now (every process: the digests
-  of shards are exchanged)."""
-  return checksums.compute(stored)
-
-
-def write_manifest(directory: epath.Path, manifest: manifest_lib.Manifest) -> None:
-  """Writes a manifest whose checksums are recorded (the primary process)."""
-  manifest_lib.write(directory, manifest)
 
 
 # ---- Writing. ----------------------------------------------------------------
