@@ -1,8 +1,9 @@
 """The one writer of pz_persist items: the twin of `pz_persist.storage.reader`.
 
-Every save of a tree, whichever entry point started it (`pz_persist.save`,
+Every save, whichever entry point started it (`pz_persist.save`,
 `CheckpointManager`, `PenzaiSave` in Orbax's own checkpointers, Orbax's v1
-API), goes through here, so every save writes the same files::
+API, the type handler), goes through here, so every save writes the same
+files::
 
   item/
     pz_persist.json         the manifest, with a checksum per stored shard
@@ -27,8 +28,12 @@ What this module owns, in order:
    the item is final: in `Writer.finalize` for Orbax's v0 API, at the end of
    the v1 save (whose array writer finalizes inside its own awaitable).
 
-The Orbax handlers in `pz_persist.orbax` only adapt Orbax's calling
-conventions to `Writer`'s.
+The mutable-variable ``TypeHandler`` saves through `encode_leaves` (Orbax's
+``PyTreeCheckpointHandler`` writes and finalizes that item itself): its
+records, and a manifest of its variables, so every reader reads it too; it
+has no digest list, as Orbax finalizes the item after the type handler's last
+word. The Orbax handlers in `pz_persist.orbax` only adapt Orbax's calling
+conventions to this module's.
 """
 
 from __future__ import annotations
