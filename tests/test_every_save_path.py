@@ -3,7 +3,8 @@
 One model is saved by each way there is to save it (`pzp.save`, Orbax's v0
 ``Checkpointer`` and ``AsyncCheckpointer`` around `PenzaiCheckpointHandler`,
 `PenzaiSave` inside ``ocp.args.Composite`` in Orbax's own checkpointers and
-``CheckpointManager``, `pzp.CheckpointManager`, Orbax's v1 API, and Orbax's
+``CheckpointManager``, `pzp.CheckpointManager`, Orbax's v1 API (sync and
+async), and Orbax's
 ``PyTreeCheckpointer`` with the registered type handler), then read back by
 every entry point: `pzp.verify` (every array against its checksum, every file
 against its digest), the ``pz-persist verify`` command, `pzp.load`,
@@ -69,6 +70,10 @@ def _v1(path, model):
   ocp_v1.save_checkpointables(path, {"model": model})
 
 
+def _v1_async(path, model):
+  ocp_v1.save_checkpointables_async(path, {"model": model}).result()
+
+
 def _type_handler(path, model):
   with ocp.PyTreeCheckpointer() as checkpointer:
     checkpointer.save(path, model)
@@ -83,6 +88,7 @@ SAVE_PATHS = {
     "PenzaiSave in ocp.CheckpointManager": _orbax_manager,
     "pzp.CheckpointManager": _pzp_manager,
     "v1 save_checkpointables": _v1,
+    "v1 save_checkpointables_async": _v1_async,
     "type handler (PyTreeCheckpointer)": _type_handler,
 }
 
