@@ -611,7 +611,8 @@ class _ManifestSource:
   def _value(self, variable: manifest_queries.Variable, arrays, **kwargs) -> Any:
     value = decode.decode(
         variable.value, self._manifest.variables, arrays,
-        root=variable.location.joined(".value"), **kwargs,
+        root=variable.location.joined(".value"),
+        format_version=self._manifest.format_version, writer=self._manifest.writer, **kwargs,
     )
     return _rename_axes(value, self._rename_axes)
 

@@ -188,7 +188,7 @@ def test_manifest_records_what_the_issue_asks(ckpt):
   )
   pzp.save(ckpt, [value])
   manifest = json.loads((ckpt / "penzai" / "pz_persist.json").read_text())
-  assert manifest["format"] == "pz_persist" and manifest["format_version"] == pzp.format.manifest.FORMAT_VERSION
+  assert manifest["format"] == "pz_persist" and manifest["format_version"] == pzp.format.manifest.WRITTEN_FORMAT
   node = manifest["tree"]["items"][0]
   assert node["t"] == "parameter_value"
   assert node["label"] == {"t": "str", "v": "w"}

@@ -229,8 +229,14 @@ class ArraySpec:
     return out
 
   @classmethod
-  def from_json(cls, data: Any, *, where: str) -> ArraySpec:
-    """Parses and validates one ``arrays`` entry of a manifest."""
+  def from_json(cls, data: Any, *, where: str, leaf_keys: bool = False) -> ArraySpec:
+    """Parses and validates one ``arrays`` entry of a manifest.
+
+    ``leaf_keys``: the key may also be an Orbax leaf name, parts of
+    ``[A-Za-z0-9_-]`` joined by ``.`` (format 3: items Orbax's
+    ``PyTreeCheckpointHandler`` saved through pz_persist's type handler),
+    never with an empty part, so never ``.``, ``..`` or a path.
+    """
     if not isinstance(data, dict):
       raise errors.ManifestError(f"{where}: array entry must be an object.")
     for name in ("label", "path"):  # Say which array, as far as it says.
@@ -247,8 +253,10 @@ class ArraySpec:
           f" key, shape, dtype, kind and optionally {sorted(allowed - {'key', 'shape', 'dtype', 'kind'})}."
       )
     key, shape, kind = data["key"], data["shape"], data["kind"]
-    if not isinstance(key, str) or _KEY_HINT.search(key) or not key:
-      raise errors.ManifestError(f"{where}: invalid array key {key!r}.")
+    if not isinstance(key, str) or not all(
+        part and not _KEY_HINT.search(part) for part in (key.split(".") if leaf_keys else [key])
+    ):
+      raise errors.ManifestError(f"{where}: invalid array key {key!r:.200}.")
     if not isinstance(shape, list) or not all(
         type(d) is int and d >= 0 for d in shape
     ):

@@ -36,8 +36,12 @@ from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import code_references
+from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import meshes
 from pz_persist.format import nodes
+
+_READS_FORMAT = manifest_lib.FORMAT_VERSION
+
 
 Node = nodes.Node
 
@@ -181,8 +185,11 @@ class _Walk:
       abstract: bool,
       labels: Sequence[str | None] | None = None,
       variables_where: errors.Location | str = "variables",
+      format_version: int | None = None,
+      writer: str | None = None,
   ):
     self.arrays = arrays
+    self.written = (format_version, writer)  # The manifest's, for `unknown_node`.
     self.labels = _ArrayLabels(labels)
     self.variables = _Variables(variables, variables_where)
     self.build = _Abstract if abstract else _Concrete
@@ -220,13 +227,13 @@ class _Walk:
       raise errors.ManifestError(f"{where}: nesting deeper than {nodes.MAX_DEPTH}.")
     tag = nodes.check_typed(node, where)
     node_type = nodes.NODE_TYPES.get(tag)
-    if node_type is None or not (node_type.tree if in_tree else node_type.static):
-      raise errors.ManifestError(
-          f"{where}: unknown node type {tag!r:.60}"
-          + ("." if node_type is not None else
-             f"; a newer pz_persist may have written it (this is {version.__version__}):"
-             " upgrade pz_persist to read it.")
+    if node_type is None:
+      raise nodes.unknown_node(
+          tag, where, format_version=self.written[0], writer=self.written[1],
+          reader_version=version.__version__, reader_format=_READS_FORMAT,
       )
+    if not (node_type.tree if in_tree else node_type.static):
+      raise errors.ManifestError(f"{where}: unknown node type {tag!r:.60}.")
     nodes.check_shape(node, where, node_type)
     return DECODERS[tag](_At(self, where, depth, in_tree), node)
 
@@ -633,6 +640,8 @@ def decode(
     abstract: bool = False,
     root: errors.Location | str = "tree",
     labels: Sequence[str | None] | None = None,
+    format_version: int | None = None,
+    writer: str | None = None,
 ) -> Any:
   """Rebuilds the saved tree from its JSON and its (restored) arrays.
 
@@ -647,16 +656,20 @@ def decode(
       file's variables table is then named too) or a plain name.
     labels: The manifest's ``label`` of each array, if given checked against
       the label of the variable (or frozen value) that holds the array.
+    format_version, writer: The manifest's, so that a node type this
+      pz_persist does not know is reported as needing a newer release or as
+      damage (`pz_persist.format.nodes.unknown_node`).
 
   Raises:
     ManifestError: a node is malformed or disagrees with its arrays.
+    FormatVersionError: a node type is newer than this pz_persist.
   """
   variables_where: errors.Location | str = "variables"
   if isinstance(root, errors.Location) and root.file is not None:
     variables_where = errors.Location(root.file, "variables")
   walk = _Walk(
       arrays, variables, abstract=abstract, labels=labels,
-      variables_where=variables_where,
+      variables_where=variables_where, format_version=format_version, writer=writer,
   )
   try:
     return walk.decode(tree, str(root), 0, True)

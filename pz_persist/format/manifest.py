@@ -8,7 +8,7 @@ reading any array data. Layout::
 
   {
     "format": "pz_persist",
-    "format_version": 2,
+    "format_version": 2,  # or 3, see FORMAT_VERSION
     "writer": "pz_persist 0.6.0",
     "tree": {...},        # typed JSON node of the saved tree
     "variables": [...],   # mutable variables, referenced from the tree
@@ -45,15 +45,26 @@ the manifest once every other file is final (`pz_persist.storage.file_digests`).
 MAX_FILE_DIGESTS_BYTES = 64 * 2**20
 """Larger digest files are refused before parsing."""
 FORMAT_NAME = "pz_persist"
-FORMAT_VERSION = 2
-"""The newest manifest format this library writes and reads.
+FORMAT_VERSION = 3
+"""The newest manifest format this library reads (and writes where needed).
 
 Version 2 added per-array ``checksums``, which every stored array of a
 version 2 manifest must have; version 1 manifests (no checksums) still load,
-and `pz_persist.verify` says their arrays are unverifiable.
+and `pz_persist.verify` says their arrays are unverifiable. Version 3 allows
+array keys that are Orbax leaf names (`FIRST_FORMAT_WITH_LEAF_KEYS`); only
+items whose variables Orbax's ``PyTreeCheckpointHandler`` saved through
+pz_persist's type handler declare it. Every other manifest declares the
+format its nodes need (`pz_persist.format.nodes.format_needed`): 2 today.
 """
 
 FIRST_FORMAT_WITH_CHECKSUMS = 2
+
+WRITTEN_FORMAT = 2
+"""The format a manifest declares unless what it holds needs a newer one
+(a newer node type, `pz_persist.format.nodes.format_needed`; leaf keys)."""
+
+FIRST_FORMAT_WITH_LEAF_KEYS = 3
+"""Array keys may be Orbax's ``.``-joined leaf names from this format on."""
 
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 """Larger manifests are refused before parsing (a model has ~1 KiB per array)."""
@@ -96,7 +107,7 @@ class Manifest:
   variables: tuple[Any, ...]
   arrays: tuple[arrays_lib.ArraySpec, ...]
   writer: str = f"pz_persist {version.__version__}"
-  format_version: int = FORMAT_VERSION
+  format_version: int = WRITTEN_FORMAT
 
   def to_json(self) -> dict[str, Any]:
     return {
@@ -144,8 +155,8 @@ class Manifest:
     if found > FORMAT_VERSION:
       raise errors.FormatVersionError(
           f"{where} was written by {raw.get('writer', 'a newer pz_persist')!s:.60}"
-          f" in manifest format {found}; this pz_persist"
-          f" ({version.__version__}) reads formats up to {FORMAT_VERSION}."
+          f" in manifest format {found}: it needs a pz_persist that reads format {found};"
+          f" this pz_persist ({version.__version__}) reads formats 1 to {FORMAT_VERSION}."
           " Upgrade with: pip install -U pz-persist"
       )
     if set(raw) != _FIELDS:
@@ -159,7 +170,10 @@ class Manifest:
     if arrays_lib.CONTROL_CHARS.search(raw["writer"]):
       raise errors.ManifestError(f"{where}: invalid writer {raw['writer']!r:.100}.")
     specs = tuple(
-        arrays_lib.ArraySpec.from_json(entry, where=f"{where}: arrays[{i}]")
+        arrays_lib.ArraySpec.from_json(
+            entry, where=f"{where}: arrays[{i}]",
+            leaf_keys=found >= FIRST_FORMAT_WITH_LEAF_KEYS,
+        )
         for i, entry in enumerate(raw["arrays"])
     )
     if found >= FIRST_FORMAT_WITH_CHECKSUMS:

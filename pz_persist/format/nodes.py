@@ -77,6 +77,9 @@ class NodeType:
     axes: For named arrays, the field of ``[axis name, n]`` pairs and what
       ``n`` is: ``"size"`` (the last dimensions, in order) or ``"index"`` (a
       dimension of the data array).
+    format: The manifest format that introduced it: a manifest holding it
+      declares at least this ``format_version`` (see `format_needed`).
+    since: The pz_persist release that first wrote it.
   """
 
   tag: str
@@ -84,6 +87,8 @@ class NodeType:
   static: bool = True
   tree: bool = True
   axes: tuple[str, Literal["size", "index"]] | None = None
+  format: int = 1
+  since: str = "0.1.0"
 
   @functools.cached_property
   def field_names(self) -> frozenset[str]:
@@ -145,13 +150,17 @@ NODE_TYPES: dict[str, NodeType] = _types(
         Field("keywords", "pairs", holds="static", keys="str"),
     )),
     # Device meshes and shardings, as axis names and sizes (`meshes`).
-    NodeType("mesh", (Field("axes", "pairs", keys="str"), Field("axis_types"))),
-    NodeType("partition_spec", (Field("spec"),)),
+    # Added within format 2 (before node types raised the format they need).
+    NodeType(
+        "mesh", (Field("axes", "pairs", keys="str"), Field("axis_types")),
+        format=2, since="0.6.0",
+    ),
+    NodeType("partition_spec", (Field("spec"),), format=2, since="0.6.0"),
     NodeType("named_sharding", (
         Field("mesh", "node", holds="static"),
         Field("spec", "node", holds="static"),
         Field("memory_kind"),
-    )),
+    ), format=2, since="0.6.0"),
     # Arrays.
     NodeType("array", (Field("ref"),), static=False),
     NodeType("prng_key", (Field("impl"), _DATA), static=False),
@@ -179,7 +188,94 @@ NODE_TYPES: dict[str, NodeType] = _types(
     NodeType("state_variable_slot", (_LABEL,), static=False),
     NodeType("variable", (Field("ref"),), static=False),
 )
-"""Every node type, by tag."""
+"""Every node type, by tag.
+
+A new node type is a new manifest format: its row's ``format`` is one above
+the newest format so far (`pz_persist.format.manifest.FORMAT_VERSION`, raised
+with it), so a manifest holding it declares that format and an older reader
+refuses it by its number, saying which format it needs
+(`pz_persist.errors.FormatVersionError`), instead of meeting a tag it does not
+know. Manifests that do not hold it keep their format and load in older
+releases. (The three rows marked 0.6.0 were added within format 2, before
+this rule.)
+"""
+
+_NEWEST_NODE_FORMAT = max(node_type.format for node_type in NODE_TYPES.values())
+
+
+def format_needed(tree: Any, variables: Any = (), *, at_least: int) -> int:
+  """The manifest format a tree's nodes need: the newest ``format`` of the
+  node types it holds, and at least ``at_least``.
+
+  Free while no node type is newer than ``at_least`` (no walk at all);
+  afterwards one walk of the JSON, only on save.
+  """
+  if _NEWEST_NODE_FORMAT <= at_least:
+    return at_least
+  needed = at_least
+  pending = [tree, list(variables)]
+  while pending:
+    value = pending.pop()
+    if isinstance(value, dict):
+      node_type = NODE_TYPES.get(tag_of(value) or "")
+      if node_type is not None:
+        needed = max(needed, node_type.format)
+      pending.extend(value.values())
+    elif isinstance(value, list):
+      pending.extend(value)
+  return needed
+
+
+def unknown_node(
+    tag: str, where: str, *, format_version: int | None, writer: str | None,
+    reader_version: str, reader_format: int,
+) -> errors.ManifestError:
+  """The error for a tag this pz_persist does not know, in a manifest of
+  ``format_version`` written by ``writer``.
+
+  A newer writer that added the tag (within a format, as 0.6.0 did) is told
+  apart from damage by the writer's release: then the checkpoint needs that
+  release, and the message says which one and which formats this one reads
+  (`errors.FormatVersionError`). Otherwise the manifest declares a format
+  this pz_persist reads, whose node types it knows: the tag is damage.
+  """
+  reads = (f"this pz_persist ({reader_version}) reads manifest formats 1 to {reader_format}"
+           f" and their {len(NODE_TYPES)} node types")
+  written = release_of(writer)
+  if written is not None and written > release_tuple(reader_version):
+    declared = f" in manifest format {format_version}" if format_version is not None else ""
+    return errors.FormatVersionError(
+        f"{where}: node type {tag!r:.60} is not one this pz_persist knows: the checkpoint"
+        f" was written by pz_persist {'.'.join(map(str, written))}{declared} and needs"
+        f" that release or a later one to read it; {reads}."
+        " Upgrade with: pip install -U pz-persist"
+    )
+  declared = (f"manifest format {format_version}" if format_version is not None
+              else "this manifest format")
+  return errors.ManifestError(
+      f"{where}: unknown node type {tag!r:.60}: not a node type of {declared}"
+      + (f" (written by {writer!s:.60})" if writer else "")
+      + f"; {reads}. The manifest is damaged or was edited; a checkpoint needing"
+      " newer node types declares a newer format."
+  )
+
+
+def release_of(writer: str | None) -> tuple[int, ...] | None:
+  """The release numbers of a manifest's ``writer`` (``"pz_persist 0.6.0"``),
+  or None if it names none."""
+  if not isinstance(writer, str) or not writer.startswith("pz_persist "):
+    return None
+  return release_tuple(writer[len("pz_persist "):])
+
+
+def release_tuple(text: str) -> tuple[int, ...]:
+  """``"0.6.0"`` (or ``"0.6.0.dev1"``) as ``(0, 6, 0)``: its leading numbers."""
+  numbers = []
+  for part in text.split("."):
+    if not part.isdigit():
+      break
+    numbers.append(int(part))
+  return tuple(numbers)
 
 VARIABLE_ENTRY_FIELDS = frozenset({"kind", "label", "metadata", "value"})
 """The keys of an entry of the manifest's variables table."""

@@ -17,10 +17,13 @@ template::
     mngr.wait_until_finished()
     restored = mngr.restore(step).params  # NamedArrays, labels, metadata back.
 
-The arrays are written by Orbax's own ``PyTreeCheckpointHandler`` (TensorStore,
-OCDBT, async, multi-process), as a flat ``{key: array}`` tree, so plain Orbax
-without pz_persist still restores them; the manifest written beside them by
-the primary process is what rebuilds the Penzai tree. Loads into one process
+Saving is `pz_persist.storage.writer`'s, as for every save: the arrays are
+written in Orbax's own layout (by Orbax's ``PyTreeCheckpointHandler``:
+TensorStore, OCDBT, async, multi-process; or, for one process, by
+`pz_persist.storage.direct_write`, file for file the same), as a flat
+``{key: array}`` tree, so plain Orbax without pz_persist still restores them;
+the manifest written beside them by the primary process is what rebuilds the
+Penzai tree. This handler only adapts Orbax's calls to the writer's. Loads into one process
 (host memory or one device) read the same files through the same TensorStore
 specs, but straight into their final buffers (`pz_persist.storage.direct_read`).
 Every read goes through `pz_persist.storage.reader`, which every other loader uses too.
@@ -28,66 +31,29 @@ Every read goes through `pz_persist.storage.reader`, which every other loader us
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import os
-import threading
 from typing import Any
 
 import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import progress as progress_lib
-from pz_persist.format import checksum_records
-from pz_persist.format import encode
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import checksums
-from pz_persist.storage import direct_write
-from pz_persist.storage import file_digests
 from pz_persist.storage import object_store
 from pz_persist.storage import opening
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
 from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import writer
 
-DEFAULT_CHUNK_BYTES = 4 * 2**20
-"""Arrays are stored in chunks of about this size, so that a process reading
-a shard decodes little beyond it (one whole-array chunk would be decoded in
-full by every process that reads any part of it)."""
-
+DEFAULT_CHUNK_BYTES = writer.DEFAULT_CHUNK_BYTES
 DEFAULT_READ_BATCH_BYTES = reader.DEFAULT_READ_BATCH_BYTES
 LOAD_PROGRESS_DELAY = reader.LOAD_PROGRESS_DELAY
+SETTLE_SECONDS = writer.SETTLE_SECONDS
 
-
-def encode_manifest(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
-  """Validates and encodes ``tree``; returns its manifest and stored arrays.
-
-  The manifest records a checksum of every stored array (per distinct shard);
-  in a multi-process save every process must call this, in the same order.
-  """
-  manifest, stored = encode_unhashed(tree)
-  return with_checksums(manifest, checksums.compute(stored)), stored
-
-
-def encode_unhashed(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
-  """Validates and encodes ``tree``: its manifest without checksums yet (see
-  `with_checksums`), and its stored arrays. Reads no array's bytes."""
-  encoded = encode.encode(tree)
-  manifest = manifest_lib.Manifest(
-      tree=encoded.tree, variables=tuple(encoded.variables), arrays=tuple(encoded.arrays)
-  )
-  return manifest, encoded.stored_arrays()
-
-
-def with_checksums(
-    manifest: manifest_lib.Manifest,
-    sums: dict[str, tuple[checksum_records.ShardChecksum, ...]],
-) -> manifest_lib.Manifest:
-  """``manifest`` with the checksums of its stored arrays recorded."""
-  return dataclasses.replace(manifest, arrays=tuple(
-      dataclasses.replace(spec, checksums=sums[spec.key]) if spec.key in sums else spec
-      for spec in manifest.arrays
-  ))
+# Kept for callers of the encoding helpers here before `writer` owned them.
+encode_manifest = writer.encode_hashed
+with_checksums = writer.with_checksums
 
 
 TYPESTR = "pz_persist.orbax_v0.PenzaiCheckpointHandler"
@@ -145,12 +111,6 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   ):
     if multiprocessing_options is None:  # Orbax's default, one per handler.
       multiprocessing_options = ocp.options.MultiprocessingOptions()
-    self._primary_host = multiprocessing_options.primary_host
-    self._chunk_byte_size = chunk_byte_size
-    self._direct_writes = direct_writes
-    self._layout = {
-        "use_ocdbt": use_ocdbt, "use_zarr3": use_zarr3, "use_compression": use_compression,
-    }
     self._read_options = reader.ReadOptions(
         read_batch_bytes=read_batch_bytes,
         direct_reads=direct_reads,
@@ -159,12 +119,6 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
         restore_concurrent_gb=restore_concurrent_gb,
         multiprocessing_options=multiprocessing_options,
     )
-    self._started: list[ocp.future.Future] = []  # Of the last async_save.
-    self._direct: list[_DirectWork] = []  # Its direct write, if it makes one.
-    self._orbax_writes = False  # Whether it had Orbax's handler write arrays.
-    # Directory -> whether its save wrote arrays, for `finalize` (which would
-    # otherwise ask the store: a request or more on gs:// and s3://).
-    self._wrote_arrays: dict[str, bool] = {}
     self._arrays = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt,
         use_zarr3=use_zarr3,
@@ -173,145 +127,35 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
         restore_concurrent_gb=restore_concurrent_gb,
         multiprocessing_options=multiprocessing_options,
     )
-
-  def _save_args(self, stored: dict[str, Any]) -> ocp.args.PyTreeSave:
-    options = ocp.SaveArgs(chunk_byte_size=self._chunk_byte_size)
-    return ocp.args.PyTreeSave(stored, save_args=dict.fromkeys(stored, options))
-
-  def _is_primary(self) -> bool:
-    return ocp.multihost.is_primary_host(self._primary_host)
-
-  def _write_manifest(
-      self,
-      directory: epath.Path,
-      manifest: manifest_lib.Manifest,
-      copies: checksums.HostCopies,
-  ) -> None:
-    """Hashes the host copies (every process: the digests are exchanged)
-    and writes the manifest with them (the primary process)."""
-    manifest = with_checksums(manifest, copies.digests(exchange=str(directory)))
-    if self._is_primary():
-      manifest_lib.write(directory, manifest)
-
-  async def _hash_and_write_manifest(
-      self,
-      directory: epath.Path,
-      manifest: manifest_lib.Manifest,
-      copies: checksums.HostCopies,
-  ) -> None:
-    self._write_manifest(directory, manifest, copies)
+    self._writer = writer.Writer(
+        _OrbaxArrays(self._arrays, chunk_byte_size),
+        writer.WriteOptions(
+            chunk_byte_size=chunk_byte_size, direct_writes=direct_writes,
+            use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, use_compression=use_compression,
+            primary_host=multiprocessing_options.primary_host,
+        ),
+    )
 
   async def async_save(
       self,
       directory: epath.Path,
       args: PenzaiSave,
   ) -> list[ocp.future.Future]:
-    """Starts saving; arrays are copied off the devices before this returns.
-
-    Why the checksums are computed in the background: hashing every array
-    (and, with several processes, exchanging the digests) would hold the
-    training loop for as long again as Orbax's own blocking part. Only host
-    copies of what this process hashes are taken here (on the CPU backend,
-    views of the arrays' own buffers: nothing is copied); hashing them and
-    writing the manifest is a commit future of its own, which Orbax awaits
-    (with the arrays' futures) before `finalize`.
-    """
+    """Starts saving (`pz_persist.storage.writer.Writer.start`); arrays are
+    copied off the devices before this returns, hashed in the background."""
     object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
-    manifest, stored = args.manifest, args.stored_arrays
-    futures: list[ocp.future.Future] = []
-    self._started, self._direct, self._orbax_writes = futures, [], False
-    self._wrote_arrays[os.fspath(directory)] = bool(stored)
-    if self._writes_directly(directory, stored):
-      copies = checksums.host_copies(stored)
-      work = _DirectWork()
-      self._direct.append(work)
+    return await self._writer.start(directory, args.encoded)
 
-      async def write_directly() -> None:
-        if not work.begin():  # Abandoned before it began.
-          raise concurrent.futures.CancelledError()
-        try:
-          self._save_directly(directory, manifest, stored, copies, stop=work.stop)
-        finally:
-          work.ended.set()
-
-      futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
-          write_directly(), name="pz_persist_arrays_and_manifest"
-      ))
-      return futures
-    if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
-      self._orbax_writes = True
-      futures.extend(
-          await self._arrays.async_save(directory, args=self._save_args(stored)) or []
-      )
-    copies = checksums.host_copies(stored)
-    futures.append(
-        ocp.future.CommitFutureAwaitingContractedSignals(
-            self._hash_and_write_manifest(directory, manifest, copies),
-            name="pz_persist_manifest",
-        )
-    )
-    return futures
-
-  def _writes_directly(self, directory: Any, stored: dict[str, Any]) -> bool:
-    return bool(stored) and self._direct_writes and isinstance(
-        directory, epath.Path
-    ) and direct_write.applies(stored, directory=directory, **self._layout)
-
-  def _save_directly(
-      self,
-      directory: epath.Path,
-      manifest: manifest_lib.Manifest,
-      stored: dict[str, Any],
-      copies: checksums.HostCopies,
-      stop: threading.Event | None = None,
-  ) -> None:
-    """Writes the arrays (TensorStore's threads) while this thread hashes
-    them, then commits them, Orbax's metadata files and the manifest.
-
-    Every write it started has ended when it returns or raises, even when
-    hashing was stopped (``stop``, set by `cancel`) or a write failed: see
-    `pz_persist.storage.direct_write.settle`.
-    """
-    started = direct_write.start(
-        directory, stored, copies.whole_arrays(), chunk_byte_size=self._chunk_byte_size
-    )
-    try:
-      hashed = with_checksums(manifest, copies.digests(stop=stop))
-      started.finish()
-    finally:
-      direct_write.settle(started.writes)
-    manifest_lib.write(directory, hashed)
+  def save(self, directory: epath.Path, args: PenzaiSave) -> None:
+    """Saves synchronously (`pz_persist.storage.writer.Writer.write`)."""
+    object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
+    self._writer.write(directory, args.encoded)
 
   def cancel(self) -> bool:
     """Stops the background work of the last `async_save`; returns whether
-    every array write it started has ended.
-
-    For a save interrupted or failed midway (see `pz_persist.save`, whose
-    cleanup needs to know whether a write may still land): its futures are
-    not returned to pz_persist by Orbax's checkpointer. A direct write stops
-    hashing and waits for the writes it already issued (at most
-    `SETTLE_SECONDS`); writes Orbax's own handler issued cannot be followed
-    from here, so a save that had Orbax write arrays returns False.
-    """
-    for started in self._started:
-      started.cancel()
-    ended = [work.abandon(SETTLE_SECONDS) for work in self._direct]  # Each one stopped.
-    return all(ended) and not self._orbax_writes
-
-  def save(self, directory: epath.Path, args: PenzaiSave) -> None:
-    """Saves synchronously."""
-    object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
-    manifest, stored = args.manifest, args.stored_arrays
-    copies = checksums.host_copies(stored)
-    self._started, self._direct, self._orbax_writes = [], [], False
-    self._wrote_arrays[os.fspath(directory)] = bool(stored)
-    if self._writes_directly(directory, stored):
-      self._save_directly(directory, manifest, stored, copies)
-      return
-    if stored:
-      self._orbax_writes = True
-      self._arrays.save(directory, args=self._save_args(stored))
-    self._write_manifest(directory, manifest, copies)
+    every array write it started has ended (`pz_persist.storage.writer.Writer.cancel`,
+    for `pz_persist.save`'s cleanup)."""
+    return self._writer.cancel()
 
   def restore(
       self,
@@ -338,56 +182,33 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     return opening.read(directory, abstract_tree, item_directory=True)
 
   def finalize(self, directory: epath.Path) -> None:
-    wrote_arrays = self._wrote_arrays.pop(os.fspath(directory), None)
-    if wrote_arrays is None:  # Not saved by this handler: look.
-      wrote_arrays = (directory / "_METADATA").exists() or any(
-          directory.glob("ocdbt.process_*"))
-    if wrote_arrays:
-      self._arrays.finalize(directory)
-    if self._is_primary():  # Every file is final now: record their digests.
-      file_digests.write(directory)
+    """Orbax's finalize of the arrays, then the file digests."""
+    self._writer.finalize(directory)
 
   def close(self) -> None:
     self._arrays.close()
 
 
-SETTLE_SECONDS = 120.0
-"""How long `PenzaiCheckpointHandler.cancel` waits for a direct write's
-issued writes to end: far above what the rest of a local write takes; only
-there so that a hung disk cannot hang the interrupted save for ever."""
+class _OrbaxArrays:
+  """Orbax's ``PyTreeCheckpointHandler`` as the writer's `writer.ArrayWriter`:
+  each stored array in chunks of about ``chunk_byte_size``."""
 
+  def __init__(self, handler: ocp.PyTreeCheckpointHandler, chunk_byte_size: int | None):
+    self._handler = handler
+    self._chunk_byte_size = chunk_byte_size
 
-class _DirectWork:
-  """One direct write running in Orbax's background thread: how `cancel`
-  stops it and learns that it ended.
+  def _args(self, stored: dict[str, Any]) -> ocp.args.PyTreeSave:
+    options = ocp.SaveArgs(chunk_byte_size=self._chunk_byte_size)
+    return ocp.args.PyTreeSave(stored, save_args=dict.fromkeys(stored, options))
 
-  The thread may not have begun when the save is abandoned (Orbax's thread
-  then never runs it): `begin` and `abandon` agree under a lock on which of
-  the two came first, so `ended` is set in both cases.
-  """
+  async def async_save(self, directory: epath.Path, stored: dict[str, Any]) -> list[Any]:
+    return await self._handler.async_save(directory, args=self._args(stored)) or []
 
-  def __init__(self) -> None:
-    self.stop = threading.Event()
-    self.ended = threading.Event()
-    self._lock = threading.Lock()
-    self._began = False
+  def save(self, directory: epath.Path, stored: dict[str, Any]) -> None:
+    self._handler.save(directory, args=self._args(stored))
 
-  def begin(self) -> bool:
-    """Called by the work as it starts; False if it was abandoned already."""
-    with self._lock:
-      if self.stop.is_set():
-        self.ended.set()
-        return False
-      self._began = True
-      return True
-
-  def abandon(self, timeout: float) -> bool:
-    """Stops the work; True once it ended (within ``timeout`` seconds)."""
-    with self._lock:
-      self.stop.set()
-      if not self._began:
-        self.ended.set()  # It will not begin now.
-    return self.ended.wait(timeout)
+  def finalize(self, directory: epath.Path) -> None:
+    self._handler.finalize(directory)
 
 
 def abstract_tree(opened: opening.OpenItem) -> Any:
@@ -409,20 +230,25 @@ class PenzaiSave(ocp.args.CheckpointArgs):
   Attributes:
     item: Any tree pz_persist saves: NamedArrays, Parameter / StateVariable
       values (mutable or frozen), arrays, scalars, strings, None, containers.
-    manifest: The tree's manifest, without checksums yet (computed).
-    stored_arrays: The ``{key: array}`` tree Orbax writes (computed).
+    encoded: The tree's manifest (without checksums yet) and the arrays
+      Orbax writes (`pz_persist.storage.writer.encode`).
   """
 
   item: Any
-  manifest: manifest_lib.Manifest = dataclasses.field(
-      init=False, repr=False, compare=False
-  )
-  stored_arrays: dict[str, Any] = dataclasses.field(
-      init=False, repr=False, compare=False
-  )
+  encoded: writer.Encoded = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
-    self.manifest, self.stored_arrays = encode_unhashed(self.item)
+    self.encoded = writer.encode(self.item)
+
+  @property
+  def manifest(self) -> manifest_lib.Manifest:
+    """The tree's manifest, without checksums yet."""
+    return self.encoded.manifest
+
+  @property
+  def stored_arrays(self) -> dict[str, Any]:
+    """The ``{key: array}`` tree Orbax writes."""
+    return self.encoded.stored
 
 
 @ocp.args.register_with_handler(PenzaiCheckpointHandler, for_restore=True)

@@ -24,9 +24,10 @@ checkpointable::
 The abstract tree ``ocp.checkpointables_metadata`` returns is accepted too
 (its arrays may carry one ``sharding`` for all).
 
-The on-disk layout is the same as the v0 handler's: Orbax's own pytree handler
-writes the arrays, the primary process writes the manifest once the directory
-exists. Loading is the v0 handler's restore, whose arrays are read by the one
+The on-disk layout is the same as the v0 handler's, written by the same
+writer (`pz_persist.storage.writer`): Orbax's own v1 pytree handler writes the
+arrays, the primary process writes the manifest once the directory exists and
+the file digests once the arrays are final. Loading is the v0 handler's restore, whose arrays are read by the one
 array reader every loader goes through (`pz_persist.storage.reader.read_arrays`): the
 same containment, size, stored-metadata, allocation and checksum checks as
 `pz_persist.load`, and the same direct reads.
@@ -47,11 +48,10 @@ from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
 
 from pz_persist import errors
-from pz_persist.format import manifest as manifest_lib
 from pz_persist.orbax import v0_handler
-from pz_persist.storage import checksums
 from pz_persist.storage import object_store
 from pz_persist.storage import orbax_seam
+from pz_persist.storage import writer
 
 _T = TypeVar("_T")
 
@@ -93,31 +93,30 @@ class PenzaiCheckpointableHandler(
   def _arrays_handler(self) -> ocp_v1.handlers.PyTreeHandler:
     return ocp_v1.handlers.PyTreeHandler(context=self._context)
 
-  def _is_primary(self) -> bool:
-    return ocp_v1.multihost.is_primary_host(
-        self._context.multiprocessing_options.primary_host
-    )
-
   async def save(
       self, directory: Any, checkpointable: Any
   ) -> Awaitable[None]:
+    """Starts saving through `pz_persist.storage.writer`, with Orbax's v1
+    ``PyTreeHandler`` writing the arrays (it finalizes them inside its own
+    awaitable); the manifest and the file digests follow, as for every save."""
     object_store.check_supported(directory.path)  # Orbax's entry points skip as_path.
-    manifest, stored = v0_handler.encode_unhashed(checkpointable)
+    encoded = writer.encode(checkpointable)
     arrays_saved = (
-        await self._arrays_handler().save(directory, stored) if stored else None
+        await self._arrays_handler().save(directory, encoded.stored)
+        if encoded.stored else None
     )
-    copies = checksums.host_copies(stored)  # Hashed in the background.
-    is_primary = self._is_primary()
+    return self._writer().finish_after(encoded, arrays_saved, directory.await_creation)
 
-    async def finish() -> None:
-      if arrays_saved is not None:
-        await arrays_saved
-      path = await directory.await_creation()
-      hashed = v0_handler.with_checksums(manifest, copies.digests(exchange=str(path)))
-      if is_primary:
-        manifest_lib.write(path, hashed)
-
-    return finish()
+  def _writer(self) -> writer.Writer:
+    """The one writer, told the primary process of this handler's Context;
+    its arrays are Orbax's v1 ``PyTreeHandler``'s (`finish_after`)."""
+    return writer.Writer(
+        None,
+        writer.WriteOptions(
+            direct_writes=False,
+            primary_host=self._context.multiprocessing_options.primary_host,
+        ),
+    )
 
   def _v0_handler(self) -> v0_handler.PenzaiCheckpointHandler:
     """The v0 handler, configured from this handler's v1 Context.

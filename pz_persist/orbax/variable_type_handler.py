@@ -15,7 +15,12 @@ Registering `VariableTypeHandler` (done on import) lets Orbax's
 Each variable is saved frozen: its arrays go through Orbax's own ``jax.Array``
 handler (a variable holding one array stores it under the leaf's own name, so
 plain Orbax can read it as an array), and its label, metadata and axis names
-go into a small JSON record written by the primary process. Restoring rebuilds
+go into a small JSON record written by the primary process, beside the item's
+manifest (format 3: ``{leaf name: variable}``, the arrays under the names Orbax
+stored them under), so `pz_persist.load`, ``inspect``, ``load_model(path,
+into=model)``, ``migrate`` and the command read the item too. Saving is
+`pz_persist.storage.writer.encode_leaves`'s: this handler adapts it to Orbax's
+``TypeHandler`` calls. Restoring rebuilds
 a mutable variable of the same class; leaves that were the same variable object
 when saved are the same object after restoring, so shared parameters stay
 shared.
@@ -35,8 +40,6 @@ until every array has been read and checked. (``StandardCheckpointHandler`` refu
 from __future__ import annotations
 
 import dataclasses
-import json
-import uuid
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -50,28 +53,24 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
-from pz_persist.format import checksum_records
-from pz_persist.format import encode
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import variable_kinds
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage import checksums
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
 from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import writer
 
-_RECORDS_PREFIX = "pz_persist_variables-"
+_RECORDS_PREFIX = writer.RECORDS_PREFIX
 _TYPESTR = "pz_persist.variable"
 _KINDS = {name: kind.value_class for name, kind in variable_kinds.KINDS.items()}
 _RECORD_FIELDS = {"kind", "tree", "arrays"}
 
 
-def _array_name(leaf_name: str, index: int, count: int) -> str:
-  # A one-array variable (the usual case) stores it under the leaf's own name.
-  return leaf_name if count == 1 else f"{leaf_name}.pz{index}"
+_array_name = writer.leaf_array_name
 
 
 def _renamed(info: type_handlers.ParamInfo, name: str) -> type_handlers.ParamInfo:
@@ -126,55 +125,28 @@ class VariableTypeHandler(type_handlers.TypeHandler):
       infos: Sequence[type_handlers.ParamInfo],
       args: Sequence[type_handlers.SaveArgs] | None = None,
   ) -> Sequence[ocp.future.Future]:
-    encoded_of: dict[str, tuple[Any, encode.EncodedTree, dict[str, str]]] = {}
-    records: dict[str, Any] = {}
-    first_name_of: dict[int, str] = {}
-    stored: dict[str, Any] = {}  # Storage name -> array, as Orbax writes it.
-    array_infos = []
-    for variable, info in zip(values, infos):
-      if id(variable) in first_name_of:
-        records[info.name] = {"same_as": first_name_of[id(variable)]}
-        continue
-      first_name_of[id(variable)] = info.name
-      encoded = encode.encode(variable.freeze(), root=f"leaf {info.name!r}")
-      pairs = [
-          (spec, value)
-          for spec, value in zip(encoded.arrays, encoded.values)
-          if spec.is_stored
-      ]
-      names = {}
-      for index, (spec, value) in enumerate(pairs):
-        name = _array_name(info.name, index, len(pairs))
-        # Penzai variables hold jax.Arrays; anything else is made one.
-        stored[name] = value if spec.kind == "jax" else jax.numpy.asarray(value)
-        array_infos.append(_renamed(info, name))
-        names[spec.key] = name
-      encoded_of[info.name] = (variable, encoded, names)
-      records[info.name] = None  # Filled below, in this order.
-    # Every process computes them (they exchange the digests of shards).
-    sums = checksums.compute(stored)
-    for name, (variable, encoded, names) in encoded_of.items():
-      records[name] = _record(variable, encoded, names, sums)
+    """Saves through `pz_persist.storage.writer.encode_leaves`: Orbax's own
+    ``jax.Array`` handler writes the arrays under the leaves' names; the
+    primary process writes the records and the manifest."""
+    saved = writer.encode_leaves([(info.name, value) for value, info in zip(values, infos)])
+    info_of = {info.name: info for info in infos}
     futures = []
-    if stored:
-      futures.extend(
-          await self._array_handler().serialize(list(stored.values()), array_infos)
-      )
+    if saved.stored:
+      futures.extend(await self._array_handler().serialize(
+          list(saved.stored.values()),
+          [_renamed(info_of[saved.leaf_of_array[name]], name) for name in saved.stored],
+      ))
     futures.append(
         ocp.future.CommitFutureAwaitingContractedSignals(
-            self._write_records(infos[0], records),
-            name="pz_persist_variable_records",
+            self._write_records(infos[0], saved), name="pz_persist_variable_records",
         )
     )
     return futures
 
-  async def _write_records(
-      self, info: type_handlers.ParamInfo, records: dict[str, Any]
-  ) -> None:
+  async def _write_records(self, info: type_handlers.ParamInfo, saved: writer.LeafSave) -> None:
     await info.await_path_creation()
     if ocp.multihost.is_primary_host(0):
-      path = info.parent_dir / f"{_RECORDS_PREFIX}{uuid.uuid4().hex}.json"
-      safe_io.write_small_file(path, json.dumps(records, allow_nan=False).encode())
+      saved.write(info.parent_dir)
 
   async def deserialize(
       self,
@@ -254,24 +226,6 @@ class VariableTypeHandler(type_handlers.TypeHandler):
         name: [next(values) for _ in variable.specs]
         for name, variable in saved.items()
     }
-
-
-def _record(
-    variable: Any,
-    encoded: encode.EncodedTree,
-    names: Mapping[str, str],
-    sums: Mapping[str, tuple[checksum_records.ShardChecksum, ...]],
-) -> dict[str, Any]:
-  """The JSON record of one variable, with its arrays' checksums."""
-  return {
-      "kind": variable_kinds.kind_of(variable),
-      "tree": encoded.tree,
-      "arrays": [
-          dataclasses.replace(spec, checksums=sums[names[spec.key]]).to_json()
-          if spec.key in names else spec.to_json()
-          for spec in encoded.arrays
-      ],
-  }
 
 
 def _manifest(

@@ -156,6 +156,7 @@ def read_arrays(
       if options.direct_reads and direct_read.applies(read.targets):
         stored = _read_directly(directory, read, verifier, tracker)
       else:
+        _check_orbax_readable(manifest, where)
         stored = _read_through_orbax(directory, read, verifier, tracker, options)
       verifier.raise_if_damaged()
     return values(manifest, stored, where=where, placed=read.placed, refs=refs)
@@ -276,6 +277,24 @@ def _place(
     arrays = jax.device_put([host[key] for key in keys], target)
     placed.update(zip(keys, arrays))
   return {key: placed[key] for key in host}
+
+
+def _check_orbax_readable(manifest: manifest_lib.Manifest, where: str) -> None:
+  """Refuses the Orbax path for an item Orbax's ``PyTreeCheckpointHandler``
+  saved through pz_persist's type handler (array keys that are leaf names):
+  Orbax's own tree of that item names the variables, not their arrays, so a
+  restore by key cannot find them; a direct read (one process, onto the host
+  or one device) reads their files by name.
+  """
+  if manifest.format_version >= manifest_lib.FIRST_FORMAT_WITH_LEAF_KEYS:
+    raise errors.PzPersistError(
+        f"{where}: its variables were saved leaf by leaf by Orbax's"
+        " PyTreeCheckpointHandler (pz_persist's type handler), which pz_persist reads"
+        " into one process, onto the host or one device, only. Load it without a"
+        " sharding over several devices (then place it with jax.device_put), restore"
+        " it with ocp.PyTreeCheckpointer().restore(path, item=model), or save it"
+        " again with pz_persist.save to shard it on load."
+    )
 
 
 def _read_through_orbax(

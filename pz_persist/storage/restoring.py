@@ -59,6 +59,7 @@ def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str
   return decode_lib.decode(
       manifest.tree, manifest.variables, values, root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
+      format_version=manifest.format_version, writer=manifest.writer,
   )
 
 
@@ -73,4 +74,5 @@ def abstract_tree(manifest: manifest_lib.Manifest, *, where: str) -> Any:
       abstract=True,
       root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
+      format_version=manifest.format_version, writer=manifest.writer,
   )

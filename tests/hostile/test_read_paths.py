@@ -297,7 +297,9 @@ TYPE_HANDLER_CASES = [
     ("data_file_fifo", _data_file_fifo, errors.UnsafeCheckpointError,
      r"c/d/\w+ is a FIFO, not a regular file"),
     ("records_over_size_limit", _records_over_limit, errors.ManifestError,
-     RECORDS + r": pz_persist variable record is \d+ bytes, over the 100-byte limit"),
+     # The records or the manifest of the variables beside them: both are bounded.
+     r"(" + RECORDS + r": pz_persist variable record|c/pz_persist\.json: manifest) is \d+"
+     r" bytes, over the 100-byte limit"),
     ("records_not_json", _raw(b"\x89PNG\r\n"), errors.ManifestError,
      RECORDS + ": not valid JSON"),
     ("records_nan", _raw(b'{"again": NaN}'), errors.ManifestError,
