@@ -33,6 +33,7 @@ than silently forget the past).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -169,14 +170,15 @@ class GatedDeltaNet(pz.nn.Layer):
       past = state
     kernel = {name: getattr(self, f"{name}_conv").value.untag(*axes[name], TAPS)
               for name in _STATE_KEYS}
-    out, conv_state, recurrent = pz.nx.nmap(self._mix)(
+    out, conv_state, recurrent = _mix_named(
         {name: streams[name].untag("seq", *axes[name]) for name in _STATE_KEYS},
         gate.untag("seq", *VALUE_AXES), write.untag("seq", "value_heads"),
         decay.untag("seq", "value_heads"), kernel,
         {name: past[name].untag(TAPS, *axes[name]) for name in _STATE_KEYS},
         past["recurrent"].untag("value_heads", "key_projection", "value_projection"),
         self.log_decay_rate.value.untag("value_heads"), self.decay_bias.value.untag("value_heads"),
-        self.norm_scale.value.untag("value_projection"))
+        self.norm_scale.value.untag("value_projection"), norm_epsilon=self.norm_epsilon,
+        activation=self.conv_activation)
     outputs = self.output(out.tag("seq", *VALUE_AXES))
     if state is None:
       return outputs, None
@@ -184,49 +186,61 @@ class GatedDeltaNet(pz.nn.Layer):
     new_state["recurrent"] = recurrent.tag("value_heads", "key_projection", "value_projection")
     return outputs, new_state
 
-  def _mix(self, streams, gate, write, decay, kernel, conv_past, recurrent, log_rate, bias, scale):
-    """One sequence, positional axes: ``streams[name]`` is [seq, heads,
-    dim], ``kernel[name]`` [heads, dim, taps], ``conv_past[name]`` [taps - 1,
-    heads, dim], ``recurrent`` [value_heads, key_dim, value_dim]."""
-    length = gate.shape[0]
-    # float32 at least (float64 when the model is: a check of the math, not of rounding).
-    f32 = jnp.promote_types(gate.dtype, jnp.float32)
-    mixed, conv_state = {}, {}
-    for name in _STATE_KEYS:
-      taps = kernel[name].shape[-1]
-      joined = jnp.concatenate([conv_past[name].astype(streams[name].dtype), streams[name]], 0)
-      # Tap j of the kernel multiplies the input taps - 1 - j tokens back
-      # (a loop over the few taps, not over tokens).
-      total = sum(kernel[name][..., j] * joined[j:j + length] for j in range(taps))
-      mixed[name] = self.conv_activation(total).astype(streams[name].dtype)
-      conv_state[name] = joined[joined.shape[0] - (taps - 1):].astype(f32)
-    query, key, value = (mixed[name].astype(f32) for name in _STATE_KEYS)
-    query = _l2_normalized(query) * (query.shape[-1] ** -0.5)
-    key = _l2_normalized(key)
-    group = value.shape[1] // query.shape[1]
-    query, key = jnp.repeat(query, group, axis=1), jnp.repeat(key, group, axis=1)
-    beta = jax.nn.sigmoid(write.astype(f32))
-    g = -jnp.exp(log_rate.astype(f32)) * jax.nn.softplus(
-        decay.astype(f32) + bias.astype(f32))
-
-    def step(state, token):
-      q, k, v, g_t, beta_t = token
-      state = state * jnp.exp(g_t)[:, None, None]
-      predicted = jnp.einsum("hk,hkv->hv", k, state)
-      delta = (v - predicted) * beta_t[:, None]
-      state = state + k[:, :, None] * delta[:, None, :]
-      return state, jnp.einsum("hk,hkv->hv", q, state)
-
-    final, out = jax.lax.scan(step, recurrent.astype(f32), (query, key, value, g, beta))
-    dtype = gate.dtype
-    out = out.astype(dtype).astype(f32)
-    normed = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + self.norm_epsilon)
-    gated = (scale * normed.astype(dtype)).astype(f32) * jax.nn.silu(
-        gate.astype(f32))
-    return gated.astype(dtype), conv_state, final
-
   def treescope_color(self) -> str:
     return "#a58de0"
+
+
+@functools.partial(jax.jit, static_argnames=("norm_epsilon", "activation"))
+def _mix_named(*args, norm_epsilon: float, activation: Any):
+  """`_mix` over every batch axis, compiled once per shape and reused by
+  every layer and call (the scan's body is otherwise traced and compiled
+  anew at each eager call)."""
+  return pz.nx.nmap(functools.partial(_mix, norm_epsilon=norm_epsilon, activation=activation))(
+      *args)
+
+
+def _mix(streams, gate, write, decay, kernel, conv_past, recurrent, log_rate, bias, scale, *,
+         norm_epsilon, activation):
+  """One sequence, positional axes: ``streams[name]`` is [seq, heads,
+  dim], ``kernel[name]`` [heads, dim, taps], ``conv_past[name]`` [taps - 1,
+  heads, dim], ``recurrent`` [value_heads, key_dim, value_dim]."""
+  length = gate.shape[0]
+  # float32 at least (float64 when the model is: a check of the math, not of rounding).
+  f32 = jnp.promote_types(gate.dtype, jnp.float32)
+  mixed, conv_state = {}, {}
+  for name in _STATE_KEYS:
+    taps = kernel[name].shape[-1]
+    joined = jnp.concatenate([conv_past[name].astype(streams[name].dtype), streams[name]], 0)
+    # Tap j of the kernel multiplies the input taps - 1 - j tokens back
+    # (a loop over the few taps, not over tokens).
+    total = sum(kernel[name][..., j] * joined[j:j + length] for j in range(taps))
+    mixed[name] = activation(total).astype(streams[name].dtype)
+    conv_state[name] = joined[joined.shape[0] - (taps - 1):].astype(f32)
+  query, key, value = (mixed[name].astype(f32) for name in _STATE_KEYS)
+  query = _l2_normalized(query) * (query.shape[-1] ** -0.5)
+  key = _l2_normalized(key)
+  group = value.shape[1] // query.shape[1]
+  query, key = jnp.repeat(query, group, axis=1), jnp.repeat(key, group, axis=1)
+  beta = jax.nn.sigmoid(write.astype(f32))
+  g = -jnp.exp(log_rate.astype(f32)) * jax.nn.softplus(
+      decay.astype(f32) + bias.astype(f32))
+
+  def step(state, token):
+    q, k, v, g_t, beta_t = token
+    state = state * jnp.exp(g_t)[:, None, None]
+    predicted = jnp.einsum("hk,hkv->hv", k, state)
+    delta = (v - predicted) * beta_t[:, None]
+    state = state + k[:, :, None] * delta[:, None, :]
+    return state, jnp.einsum("hk,hkv->hv", q, state)
+
+  final, out = jax.lax.scan(step, recurrent.astype(f32), (query, key, value, g, beta))
+  dtype = gate.dtype
+  out = out.astype(dtype).astype(f32)
+  normed = out * jax.lax.rsqrt(jnp.mean(out * out, axis=-1, keepdims=True) + norm_epsilon)
+  gated = (scale * normed.astype(dtype)).astype(f32) * jax.nn.silu(
+      gate.astype(f32))
+  return gated.astype(dtype), conv_state, final
+
 
 
 def _l2_normalized(x: jax.Array) -> jax.Array:

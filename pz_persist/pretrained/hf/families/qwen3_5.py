@@ -95,8 +95,8 @@ _OBJECT = (lambda v: isinstance(v, dict), "a JSON object")
 _BOOLEAN = (lambda v: isinstance(v, bool), "true or false")
 _INDEX = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
           "a non-negative integer")
-_SECTIONS = (lambda v: isinstance(v, list) and all(_positive_int(x) for x in v) and len(v) == 3,
-             "a list of three positive integers")
+_SECTIONS = (lambda v: isinstance(v, list) and len(v) == 3 and all(_INDEX[0](x) for x in v),
+             "a list of three non-negative integers")
 _STRING = (lambda v: isinstance(v, str), "a string")
 
 
