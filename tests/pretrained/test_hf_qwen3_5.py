@@ -35,7 +35,6 @@ from penzai import pz
 from penzai.models.transformer import sampling_mode
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
 from pretrained import hf_family_harness as harness
 from pretrained.test_hf_qwen2 import _edited_copy
 from pz_persist import errors

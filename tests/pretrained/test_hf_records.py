@@ -43,7 +43,7 @@ def test_every_family_is_a_record_of_its_own_module():
   for family in families.FAMILIES:
     assert family.title and family.adds and family.refuses
     for model_type in family.model_types.values():
-      assert re.fullmatch(r"[A-Za-z0-9]+ForCausalLM|[A-Za-z0-9]+ForConditionalGeneration",
+      assert re.fullmatch(r"[A-Za-z0-9_]+ForCausalLM|[A-Za-z0-9_]+ForConditionalGeneration",
                           model_type.architecture)
 
 
@@ -58,7 +58,9 @@ def test_a_llama_plus_a_feature_family_is_one_file(model_type):
   importing = f"from pz_persist.pretrained.hf.families.{model_type} import "
   mentions = {}
   for path in PACKAGE.rglob("*.py"):
-    lines = [line for line in path.read_text().lower().splitlines() if model_type in line]
+    # The word, not a longer name holding it (``qwen3_5``, ``Qwen3.5``, ``Qwen3-Next``).
+    word = re.compile(rf"\b{model_type}\b(?![._-]\w)")
+    lines = [line for line in path.read_text().lower().splitlines() if word.search(line)]
     if lines and str(path.relative_to(PACKAGE)) != home:
       mentions[str(path.relative_to(PACKAGE))] = [
           line for line in lines if not line.startswith(importing)]

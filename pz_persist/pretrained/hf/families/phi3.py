@@ -221,7 +221,7 @@ def _fused(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
 
 def _detect(model: Any) -> str | None:
   """LongRoPE, or a partial rotary embedding on RMS-normed blocks whose norms
-  multiply by ``w`` (not Gemma's and Qwen3.5's ``1 + w``: `OffsetScale`)."""
+  multiply by ``w`` (not by ``1 + w``, `OffsetScale`, as Gemma's do)."""
   if all_layers(model, OffsetScale):
     return None
   if all_layers(model, ApplyLongRoPE):

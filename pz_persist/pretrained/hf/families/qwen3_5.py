@@ -13,7 +13,7 @@ Qwen3.5 mixes two kinds of layers, as ``layer_types`` says (by default three
   rows (`TensorSpec.rows`, as Phi-3's fused projections) into the layer's
   named parameters (``key_heads`` / ``value_heads``, ``key_projection`` /
   ``value_projection``, ``conv_taps``), and written back fused.
-- ``full_attention``: Qwen3's attention (query/key RMS norms over each head)
+- ``full_attention``: attention with query/key RMS norms over each head
   with an output gate: ``q_proj`` holds, per head, the query's rows then the
   gate's (read with `TensorSpec.take`), and ``sigmoid(gate)`` multiplies
   the attention's output, per head and dimension, before ``o_proj``. In
@@ -262,7 +262,7 @@ def _rope(cfg: Config, head_dim: int) -> tuple[float, int]:
                           f"Qwen3.5 reads only {sorted(_ROPE_KEYS)}")
   kinds = {params.get(k) for k in ("rope_type", "type")} - {None}
   if kinds - {"default"}:
-    raise cfg.unsupported("rope_parameters.rope_type", sorted(kinds)[0],
+    raise cfg.unsupported("rope_parameters.rope_type", sorted(map(str, kinds - {"default"}))[0],
                           "Qwen3.5's RoPE is of type 'default'")
   if "mrope_section" in params:
     cfg.checked("rope_parameters.mrope_section", params["mrope_section"])
@@ -317,7 +317,7 @@ def _query_head_axes(config: llamalike_common.LlamalikeTransformerConfig) -> dic
 
 def _gated_attention_specs(p: str, s: str, config: llamalike_common.LlamalikeTransformerConfig,
                            llama: list[TensorSpec]) -> list[TensorSpec]:
-  """Qwen3's attention specs, the query and its gate read from ``q_proj``:
+  """The query/key-normed attention's specs, the query and its gate read from ``q_proj``:
   per head, ``head_dim`` query rows then ``head_dim`` gate rows."""
   heads = _query_head_axes(config)
   hidden, head_dim = config.embedding_dim, config.projection_dim
@@ -467,9 +467,10 @@ RECORD = Family(
     write_config=_write_config,
     adds=("gated DeltaNet linear-attention layers (`GatedDeltaNet`: causal conv, delta-rule"
           " recurrence as a scan, gated RMS norm; its state carried by `kv_caching_lm`) beside"
-          " Qwen3 attention with a sigmoid output gate, partial RoPE, `1 + w` norms; the text"
+          " query/key-normed attention with a sigmoid output gate, partial RoPE, `1 + w` norms; the text"
           " model of `qwen3_5` folders (vision tower and MTP head not read)"),
-    refuses="other rope types, attention biases, activations other than SiLU",
+    refuses=("the mixture-of-experts variant (`qwen3_5_moe`) and Qwen3-Next (`qwen3_next`) for now;"
+             " other rope types, attention biases, activations other than SiLU"),
     rank=32,
     fields={
         "linear_conv_kernel_dim": _POSITIVE_INT,
@@ -490,6 +491,16 @@ RECORD = Family(
         "video_token_id": _INDEX,
         "vision_start_token_id": _INDEX,
         "vision_end_token_id": _INDEX,
+    },
+    refused_model_types={
+        **{t: (f"model_type={t!r} is Qwen3.5's mixture-of-experts variant, which pz_persist"
+               " does not build yet (its gated DeltaNet and gated attention layers are read for"
+               " the dense 'qwen3_5_text' / 'qwen3_5'; its experts need the mixture-of-experts"
+               " layer)") for t in ("qwen3_5_moe", "qwen3_5_moe_text")},
+        "qwen3_next": ("model_type='qwen3_next' is Qwen3-Next, whose fused in_proj_qkvz /"
+                       " in_proj_ba layout and mixture of experts pz_persist does not read yet;"
+                       " pz_persist.pretrained.load_hf reads its successor Qwen3.5 / 3.6"
+                       " (model_type 'qwen3_5_text', 'qwen3_5')"),
     },
     layer_prefixes=(_TEXT + "layers.", _MULTIMODAL_TEXT + "layers."),
 )

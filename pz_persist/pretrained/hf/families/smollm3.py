@@ -121,8 +121,8 @@ def _shown(values: list[Any]) -> list[Any]:
 
 def _detect(model: Any) -> str | None:
   """An attention block without rotary layers (Llama's layout has them in
-  every block; a block with no ``Attention`` at all, such as Qwen3.5's
-  linear-attention blocks, is not a NoPE layer)."""
+  every block; a block with no ``Attention`` at all, such as a
+  linear-attention block, is not a NoPE layer)."""
   attends = [bool(all_layers(block, pz.nn.Attention)) for block in blocks(model)]
   return "smollm3" if any(a and not r for a, r in zip(attends, _uses_rope(model))) else None
 
