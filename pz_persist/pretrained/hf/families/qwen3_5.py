@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,8 +55,10 @@ from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import lm_head_source
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
+from pz_persist.pretrained.hf.config_from_model import first_layer
+from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
-from pz_persist.pretrained.hf.config_from_model import size_fields
+from pz_persist.pretrained.hf.config_from_model import projection
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.families.gemma import with_offset_norms
 from pz_persist.pretrained.hf.families.llama import block_specs
@@ -410,7 +413,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
            for block in blocks(model)]
   fields: dict[str, Any] = {"layer_types": types, "hidden_act": "silu", "attention_bias": False}
   if "full_attention" in types:
-    fields.update(size_fields(model))
+    fields.update(_attention_sizes(model))
     rope = (all_layers(model, pz.nn.ApplyRoPEToSubset) + all_layers(model, pz.nn.ApplyRoPE))[0]
     rotary = getattr(rope, "rope_subset_size", fields["head_dim"])
     rope_parameters = {"rope_type": "default", "rope_theta": float(rope.max_wavelength),
@@ -441,16 +444,33 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
         "linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
         "linear_value_head_dim", "linear_conv_kernel_dim")})
   fields.update(tied_field(model, like))
+  dense = [ffw for ffw in all_layers(model, model_parts.TransformerFeedForward)
+           if all_layers(ffw, pz.nn.Linear) and "neurons" in dict(
+               all_layers(ffw, pz.nn.Linear)[0].weights.value.named_shape)]
+  if dense:  # (A mixture of experts' variant has none: its family writes its sizes.)
+    fields["intermediate_size"] = dict(
+        all_layers(dense[0], pz.nn.Linear)[0].weights.value.named_shape)["neurons"]
   return fields
 
 
-def _sizes_without_attention(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
-  from pz_persist.pretrained.hf.config_from_model import first_layer  # pylint: disable=import-outside-toplevel
-  from pz_persist.pretrained.hf.config_from_model import named_shape  # pylint: disable=import-outside-toplevel
+def _attention_sizes(model: Any) -> dict[str, Any]:
+  """The sizes of a model with attention layers (the MLP's are written
+  apart: a mixture of experts' variant has no dense MLP)."""
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
-  ffw = first_layer(model, model_parts.TransformerFeedForward, "MLP")
+  attn = first_layer(model, pz.nn.Attention, "attention")
+  query, key = projection(attn.input_to_query), projection(attn.input_to_key)
+
+  def heads(shape: dict[str, int]) -> int:
+    return math.prod(n for a, n in shape.items() if a in ("heads", "head_groups", "query_heads"))
+
   return {"hidden_size": embed["embedding"], "vocab_size": embed["vocabulary"],
-          "intermediate_size": named_shape(first_layer(ffw, pz.nn.Linear, "MLP"))["neurons"],
+          "num_attention_heads": heads(query), "num_key_value_heads": heads(key),
+          "head_dim": query["projection"], "num_hidden_layers": len(blocks(model))}
+
+
+def _sizes_without_attention(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+  embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
+  return {"hidden_size": embed["embedding"], "vocab_size": embed["vocabulary"],
           "num_hidden_layers": len(blocks(model)),
           **{k: like.get(k, _DEFAULTS[k])
              for k in ("num_attention_heads", "num_key_value_heads", "head_dim")}}
@@ -469,8 +489,9 @@ RECORD = Family(
           " recurrence as a scan, gated RMS norm; its state carried by `kv_caching_lm`) beside"
           " query/key-normed attention with a sigmoid output gate, partial RoPE, `1 + w` norms; the text"
           " model of `qwen3_5` folders (vision tower and MTP head not read)"),
-    refuses=("the mixture-of-experts variant (`qwen3_5_moe`) and Qwen3-Next (`qwen3_next`) for now;"
-             " other rope types, attention biases, activations other than SiLU"),
+    refuses=("multimodal mixture-of-experts folders (`qwen3_5_moe`) and Qwen3-Next"
+             " (`qwen3_next`) for now; other rope types, attention biases, activations other"
+             " than SiLU"),
     rank=32,
     fields={
         "linear_conv_kernel_dim": _POSITIVE_INT,
@@ -493,10 +514,9 @@ RECORD = Family(
         "vision_end_token_id": _INDEX,
     },
     refused_model_types={
-        **{t: (f"model_type={t!r} is Qwen3.5's mixture-of-experts variant, which pz_persist"
-               " does not build yet (its gated DeltaNet and gated attention layers are read for"
-               " the dense 'qwen3_5_text' / 'qwen3_5'; its experts need the mixture-of-experts"
-               " layer)") for t in ("qwen3_5_moe", "qwen3_5_moe_text")},
+        "qwen3_5_moe": ("model_type='qwen3_5_moe' is a multimodal Qwen3.5 mixture-of-experts"
+                        " folder, whose text model (under model.language_model.) pz_persist does"
+                        " not read yet; the text-only model_type 'qwen3_5_moe_text' is read"),
         "qwen3_next": ("model_type='qwen3_next' is Qwen3-Next, whose fused in_proj_qkvz /"
                        " in_proj_ba layout and mixture of experts pz_persist does not read yet;"
                        " pz_persist.pretrained.load_hf reads its successor Qwen3.5 / 3.6"
