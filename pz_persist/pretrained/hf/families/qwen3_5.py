@@ -207,6 +207,13 @@ def qwen3_5_plan(cfg: Config, weights: Weights) -> Plan:
   ``text_config``, the tensors under ``model.language_model.``, the head
   ``lm_head.weight``; the vision tower and the multi-token-prediction head
   are left unread, and reported."""
+  return multimodal_plan(cfg, weights, "qwen3_5_text", qwen3_5_text_plan, RECORD.fields)
+
+
+def multimodal_plan(cfg: Config, weights: Weights, text_type: str, text_plan: Any,
+                    fields: Mapping[str, Any]) -> Plan:
+  """The plan of the text model (``text_type``, mapped by ``text_plan``) of a
+  multimodal Qwen3.5 folder (dense or mixture of experts)."""
   text = cfg.require("text_config")
   cfg.get("vision_config")  # The vision tower's, which is not built.
   for field in ("image_token_id", "video_token_id", "vision_start_token_id",
@@ -214,12 +221,12 @@ def qwen3_5_plan(cfg: Config, weights: Weights) -> Plan:
     cfg.get(field)  # Image tokens: a text-only model never sees them.
   tied = cfg.get("tie_word_embeddings", False)
   cfg.check_all_used()
-  text_cfg = Config(text, f"{cfg.where} (text_config)", RECORD.fields)
-  text_type = text_cfg.get("model_type", "qwen3_5_text")
-  if text_type != "qwen3_5_text":
-    raise text_cfg.unsupported("model_type", text_type,
-                               "a qwen3_5 folder's text model is 'qwen3_5_text'")
-  plan = qwen3_5_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT, tied=tied)
+  text_cfg = Config(text, f"{cfg.where} (text_config)", fields)
+  found = text_cfg.get("model_type", text_type)
+  if found != text_type:
+    raise text_cfg.unsupported("model_type", found,
+                               f"this folder's text model is {text_type!r}")
+  plan = text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT, tied=tied)
   unread = sorted(name for name in weights.names
                   if not name.startswith(_MULTIMODAL_TEXT) and name != DECODER_HEAD)
   if unread:
@@ -489,9 +496,8 @@ RECORD = Family(
           " recurrence as a scan, gated RMS norm; its state carried by `kv_caching_lm`) beside"
           " query/key-normed attention with a sigmoid output gate, partial RoPE, `1 + w` norms; the text"
           " model of `qwen3_5` folders (vision tower and MTP head not read)"),
-    refuses=("multimodal mixture-of-experts folders (`qwen3_5_moe`) and Qwen3-Next"
-             " (`qwen3_next`) for now; other rope types, attention biases, activations other"
-             " than SiLU"),
+    refuses=("Qwen3-Next (`qwen3_next`, its fused projections) for now; other rope types,"
+             " attention biases, activations other than SiLU"),
     rank=32,
     fields={
         "linear_conv_kernel_dim": _POSITIVE_INT,
@@ -514,9 +520,6 @@ RECORD = Family(
         "vision_end_token_id": _INDEX,
     },
     refused_model_types={
-        "qwen3_5_moe": ("model_type='qwen3_5_moe' is a multimodal Qwen3.5 mixture-of-experts"
-                        " folder, whose text model (under model.language_model.) pz_persist does"
-                        " not read yet; the text-only model_type 'qwen3_5_moe_text' is read"),
         "qwen3_next": ("model_type='qwen3_next' is Qwen3-Next, whose fused in_proj_qkvz /"
                        " in_proj_ba layout and mixture of experts pz_persist does not read yet;"
                        " pz_persist.pretrained.load_hf reads its successor Qwen3.5 / 3.6"

@@ -12,8 +12,7 @@ SwiGLU expert of ``shared_expert_intermediate_size`` whose output is
 multiplied by ``sigmoid(shared_expert_gate(x))`` (one logit per token).
 
 The text model inside multimodal ``qwen3_5_moe`` folders (tensors under
-``model.language_model.``) is refused for now: the shared expert loader
-reads experts under ``model.layers.`` only.
+``model.language_model.``) is read too, as `qwen3_5` reads ``qwen3_5``'s.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import Stacked
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers import mixture_of_experts as moe
 
@@ -52,8 +52,10 @@ _DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads"
 the dense model's."""
 
 
-def qwen3_5_moe_text_plan(cfg: Config, weights: Weights) -> Plan:
-  """Qwen3.5's plan with every MLP a mixture of experts and a gated shared expert."""
+def qwen3_5_moe_text_plan(cfg: Config, weights: Weights, root: str = "model.",
+                          tied: bool | None = None) -> Plan:
+  """Qwen3.5's plan with every MLP a mixture of experts and a gated shared
+  expert, the text model's tensors under ``root``."""
   for key, default in _DEFAULTS.items():
     if cfg.raw.get(key) is None:
       cfg.raw[key] = default
@@ -64,16 +66,24 @@ def qwen3_5_moe_text_plan(cfg: Config, weights: Weights) -> Plan:
   # MLPs are all replaced before anything is allocated).
   if cfg.raw.get("intermediate_size") is None:
     cfg.raw["intermediate_size"] = neurons
-  plan = qwen3_5.qwen3_5_text_plan(cfg, weights)
+  plan = qwen3_5.qwen3_5_text_plan(cfg, weights, root=root, tied=tied)
   layers = cfg.require("num_hidden_layers")
   hidden = cfg.require("hidden_size")
   experts = Experts(count, top_k, neurons, True, tuple(range(layers)), ExpertNames())
+  # The experts' shared loader names layers ``model.layers.{i}.``: it is
+  # given the names as if under that root, and its specs are moved back.
+  names = {_LAYERS + n[len(root) + len("layers."):] if n.startswith(root + "layers.") else n
+           for n in weights.names}
   if isinstance(weights, Weights):  # A folder's (export's stand-in holds no expert tensors:
-    check_experts(cfg, weights.names, experts, "num_experts")  # the model gave the count).
-  plan = with_experts(plan, experts, hidden, weights.names, softmax_router(normalize_always=True))
+    check_experts(cfg, names, experts, "num_experts")  # the model gave the count).
+  routed = with_experts(plan, experts, hidden, names, softmax_router(normalize_always=True))
+  plan = Plan(routed.build, tuple(_moved(spec, root) if spec.label.split("/")[2:3] == ["mlp"]
+                                  else spec for spec in routed.tensors),
+              tuple(Stacked(_rooted(v.name, root), tuple(_rooted(p, root) for p in v.parts))
+                    if isinstance(v, Stacked) else v for v in routed.views))
   specs = list(plan.tensors)
   for i in range(layers):
-    m, s = f"transformer/block_{i}/mlp/", f"model.layers.{i}.mlp."
+    m, s = f"transformer/block_{i}/mlp/", f"{root}layers.{i}.mlp."
     specs += [
         TensorSpec(f"{m}shared/gate.weights", f"{s}shared_expert.gate_proj.weight",
                    (shared, hidden), ("neurons", "embedding")),
@@ -96,6 +106,25 @@ def qwen3_5_moe_text_plan(cfg: Config, weights: Weights) -> Plan:
     return pz.select(routed_build()).at_instances_of(moe.MixtureOfExperts).apply(add_shared)
 
   return Plan(build, tuple(specs), plan.views)
+
+
+_LAYERS = "model.layers."
+
+
+def _rooted(name: str, root: str) -> str:
+  return root + "layers." + name[len(_LAYERS):] if name.startswith(_LAYERS) else name
+
+
+def _moved(spec: TensorSpec, root: str) -> TensorSpec:
+  return dataclasses.replace(spec, source=_rooted(spec.source, root))
+
+
+def qwen3_5_moe_plan(cfg: Config, weights: Weights) -> Plan:
+  """The text model of a ``qwen3_5_moe`` (multimodal) folder: the config in
+  ``text_config``, tensors under ``model.language_model.``; the vision tower
+  and the multi-token-prediction head are not read, and reported."""
+  return qwen3_5.multimodal_plan(cfg, weights, "qwen3_5_moe_text", qwen3_5_moe_text_plan,
+                                 RECORD.fields)
 
 
 def _shared_mlp(name: str) -> pz.nn.Sequential:
@@ -136,13 +165,17 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
 
 RECORD = Family(
     title="Qwen3.5 / Qwen3.6 MoE",
-    model_types={"qwen3_5_moe_text": ModelType(qwen3_5_moe_text_plan, "Qwen3_5MoeForCausalLM")},
+    model_types={
+        "qwen3_5_moe_text": ModelType(qwen3_5_moe_text_plan, "Qwen3_5MoeForCausalLM"),
+        "qwen3_5_moe": ModelType(qwen3_5_moe_plan, "Qwen3_5MoeForConditionalGeneration",
+                                 exported=False, written_as="qwen3_5_moe_text"),
+    },
     detect=_detect,
     write_config=_write_config,
     adds=("Qwen3.5's layers with a `MixtureOfExperts` in every block: softmax router, top-k"
           " renormalised, experts on an `experts` axis, a shared SwiGLU expert gated by"
-          " `sigmoid(shared_expert_gate)`"),
-    refuses="the text model of multimodal `qwen3_5_moe` folders (for now); what Qwen3.5 refuses",
+          " `sigmoid(shared_expert_gate)`; the text model of `qwen3_5_moe` folders"),
+    refuses="what Qwen3.5 refuses",
     rank=31,
     fields={**qwen3_5.RECORD.fields,
             "num_experts": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
