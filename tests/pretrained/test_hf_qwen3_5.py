@@ -456,3 +456,27 @@ def test_moe_multimodal_folder_gives_and_exports_the_text_model(tmp_path):
   theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
   np.testing.assert_allclose(harness.reference_logits(theirs), saved.reference,
                              **harness.TOLERANCE)
+
+
+def test_delta_net_heads_shard_by_axis_name(saved):
+  """`pz_persist.AxisRules` puts the DeltaNet's ``value_heads`` and
+  ``key_heads`` on mesh axes (8 CPU devices); the sharded model computes
+  what the unsharded one does."""
+  assert jax.device_count() == 8
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("keys", "values"))
+  rules = pzp.AxisRules(mesh, {"key_heads": "keys", "value_heads": "values"})
+  folder = saved["hybrid"].folder
+  sharded = pzp.pretrained.load_hf(folder, sharding=rules)
+  found = 0
+  for param in pz.unbind_params(sharded)[1]:
+    axes = tuple(param.value.named_axes)
+    spec = param.value.data_array.sharding.spec
+    for axis, mesh_axis in (("key_heads", "keys"), ("value_heads", "values")):
+      if axis in axes:
+        found += 1
+        assert spec[axes.index(axis)] == mesh_axis, param.label
+  assert found == 3 * (4 + 8)  # Three DeltaNet layers: 4 key-head and 8 value-head parameters.
+  tokens = pz.nx.wrap(jnp.asarray(harness.TOKENS), "batch", "seq")
+  logits = jax.jit(lambda m, t: m(t))(pz.freeze_params(sharded), tokens)
+  np.testing.assert_allclose(np.asarray(logits.untag("batch", "seq", "vocabulary").unwrap()),
+                             saved["hybrid"].reference, **harness.TOLERANCE)
