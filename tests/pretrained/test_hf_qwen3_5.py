@@ -458,6 +458,7 @@ def test_moe_multimodal_folder_gives_and_exports_the_text_model(tmp_path):
                              **harness.TOLERANCE)
 
 
+@pytest.mark.slow
 def test_delta_net_heads_shard_by_axis_name(saved):
   """`pz_persist.AxisRules` puts the DeltaNet's ``value_heads`` and
   ``key_heads`` on mesh axes (8 CPU devices); the sharded model computes
