@@ -18,6 +18,7 @@ The text model inside multimodal ``qwen3_5_moe`` folders (tensors under
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,8 +75,9 @@ def qwen3_5_moe_text_plan(cfg: Config, weights: Weights, root: str = "model.",
   # given the names as if under that root, and its specs are moved back.
   names = {_LAYERS + n[len(root) + len("layers."):] if n.startswith(root + "layers.") else n
            for n in weights.names}
-  if isinstance(weights, Weights):  # A folder's (export's stand-in holds no expert tensors:
-    check_experts(cfg, names, experts, "num_experts")  # the model gave the count).
+  check_experts(cfg, types.SimpleNamespace(names=names,
+                                           stand_in=getattr(weights, "stand_in", False)),
+                experts, "num_experts")
   routed = with_experts(plan, experts, hidden, names, softmax_router(normalize_always=True))
   plan = Plan(routed.build, tuple(_moved(spec, root) if spec.label.split("/")[2:3] == ["mlp"]
                                   else spec for spec in routed.tensors),
