@@ -481,3 +481,19 @@ def test_delta_net_heads_shard_by_axis_name(saved):
   logits = jax.jit(lambda m, t: m(t))(pz.freeze_params(sharded), tokens)
   np.testing.assert_allclose(np.asarray(logits.untag("batch", "seq", "vocabulary").unwrap()),
                              saved["hybrid"].reference, **harness.TOLERANCE)
+
+
+def test_top_level_rope_fields_of_older_configs(saved, tmp_path):
+  """``rope_theta``, ``partial_rotary_factor`` and the mrope fields at the
+  top level, without ``rope_parameters`` (as some Hub configs have them):
+  read as transformers reads them."""
+  folder = _edited_copy(saved["hybrid"].folder, tmp_path,
+                        rope_theta=1e5, partial_rotary_factor=0.5, mrope_section=[1, 1, 0],
+                        mrope_interleaved=True)
+  raw = harness.config(folder)
+  raw.pop("rope_parameters", None)
+  (folder / "config.json").write_text(json.dumps(raw))
+  theirs = transformers.Qwen3_5ForCausalLM.from_pretrained(folder).eval()
+  assert theirs.config.rope_parameters["partial_rotary_factor"] == 0.5
+  harness.check_float32(harness.Saved(folder, theirs, harness.reference_logits(theirs)),
+                        "top-level rope fields")
