@@ -303,6 +303,9 @@ def test_huge_layer_count_fails_fast(tmp_path):
                                     **_FAMILY_FIELDS[f"{model_type}_text"]).items()
               if v is not None}
       config = {"model_type": model_type, "text_config": text}
+    if model_type in ("qwen3_5", "qwen3_5_moe"):  # Multimodal too.
+      text = dict(CONFIG, model_type=f"{model_type}_text", num_hidden_layers=10**9)
+      config = {"model_type": model_type, "text_config": text}
     folders.append(str(hf_folder(tmp_path / model_type, config)))
   out = run_python(f"""
       import pz_persist as pzp

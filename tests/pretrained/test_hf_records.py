@@ -43,7 +43,7 @@ def test_every_family_is_a_record_of_its_own_module():
   for family in families.FAMILIES:
     assert family.title and family.adds and family.refuses
     for model_type in family.model_types.values():
-      assert re.fullmatch(r"[A-Za-z0-9]+ForCausalLM|[A-Za-z0-9]+ForConditionalGeneration",
+      assert re.fullmatch(r"[A-Za-z0-9_]+ForCausalLM|[A-Za-z0-9_]+ForConditionalGeneration",
                           model_type.architecture)
 
 

@@ -147,8 +147,11 @@ def gpt_neox_plan(cfg: Config, weights: Weights) -> Plan:
 
 
 def _detect(model: Any) -> str | None:
-  """Penzai's GPT-NeoX: partial rotary embedding and layer norms with a shift."""
-  if all_layers(model, pz.nn.ApplyRoPEToSubset) or all_layers(model, pz.nn.Standardize):
+  """Penzai's GPT-NeoX: layer norms with a shift, or a partial rotary
+  embedding without RMS norms (which later families with partial rotary
+  have)."""
+  if all_layers(model, pz.nn.Standardize) or (
+      all_layers(model, pz.nn.ApplyRoPEToSubset) and not all_layers(model, pz.nn.RMSStandardize)):
     return "gpt_neox"
   return None
 

@@ -49,6 +49,7 @@ from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
+from pz_persist.pretrained.layers.offset_scale import OffsetScale
 
 _DEFAULT_THETA = 10_000.0
 _DEFAULT_POSITIONS = 4096  # Phi3Config's max_position_embeddings and original_...
@@ -219,7 +220,10 @@ def _fused(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
 
 
 def _detect(model: Any) -> str | None:
-  """LongRoPE, or a partial rotary embedding on RMS-normed blocks."""
+  """LongRoPE, or a partial rotary embedding on RMS-normed blocks whose norms
+  multiply by ``w`` (not by ``1 + w``, `OffsetScale`, as Gemma's do)."""
+  if all_layers(model, OffsetScale):
+    return None
   if all_layers(model, ApplyLongRoPE):
     return "phi3"
   if all_layers(model, pz.nn.ApplyRoPEToSubset) and not all_layers(model, pz.nn.Standardize):

@@ -111,7 +111,8 @@ def without_rope(model: model_parts.TransformerLM, layers: list[int]) -> model_p
 
 
 def _uses_rope(model: Any) -> list[int]:
-  return [int(any(all_layers(block, cls) for cls in _ROPE_LAYERS)) for block in blocks(model)]
+  return [int(any(all_layers(block, cls) for cls in (*_ROPE_LAYERS, pz.nn.ApplyRoPEToSubset)))
+          for block in blocks(model)]
 
 
 def _shown(values: list[Any]) -> list[Any]:
@@ -119,8 +120,11 @@ def _shown(values: list[Any]) -> list[Any]:
 
 
 def _detect(model: Any) -> str | None:
-  """A block without rotary layers (Llama's layout has them in every block)."""
-  return "smollm3" if 0 in _uses_rope(model) else None
+  """An attention block without rotary layers (Llama's layout has them in
+  every block; a block with no ``Attention`` at all, such as a
+  linear-attention block, is not a NoPE layer)."""
+  attends = [bool(all_layers(block, pz.nn.Attention)) for block in blocks(model)]
+  return "smollm3" if any(a and not r for a, r in zip(attends, _uses_rope(model))) else None
 
 
 def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,188 @@
+"""Qwen3.5 / 3.6 mixture-of-experts text models (``model_type``
+``qwen3_5_moe_text``: Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B's text model).
+
+Qwen3.5's layers (`pz_persist.pretrained.hf.families.qwen3_5`: gated
+DeltaNet beside gated attention) with a mixture of experts in place of every
+MLP (`pz_persist.pretrained.layers.mixture_of_experts.MixtureOfExperts`): a
+softmax router over ``num_experts``, the top ``num_experts_per_tok`` always
+renormalised over the chosen (transformers' ``Qwen3_5MoeTopKRouter``
+divides by their sum whatever ``norm_topk_prob`` says, and the config has no
+such field), SwiGLU experts of ``moe_intermediate_size``, plus a shared
+SwiGLU expert of ``shared_expert_intermediate_size`` whose output is
+multiplied by ``sigmoid(shared_expert_gate(x))`` (one logit per token).
+
+The text model inside multimodal ``qwen3_5_moe`` folders (tensors under
+``model.language_model.``) is read too, as `qwen3_5` reads ``qwen3_5``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from penzai import pz
+
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import named_shape
+from pz_persist.pretrained.hf.families import qwen3_5
+from pz_persist.pretrained.hf.families.moe_common import TRAINING_ONLY
+from pz_persist.pretrained.hf.families.moe_common import ExpertNames
+from pz_persist.pretrained.hf.families.moe_common import Experts
+from pz_persist.pretrained.hf.families.moe_common import check_experts
+from pz_persist.pretrained.hf.families.moe_common import mixtures
+from pz_persist.pretrained.hf.families.moe_common import read_experts
+from pz_persist.pretrained.hf.families.moe_common import read_training_only
+from pz_persist.pretrained.hf.families.moe_common import softmax_router
+from pz_persist.pretrained.hf.families.moe_common import with_experts
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.record import Family
+from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import Stacked
+from pz_persist.pretrained.hf.weights import Weights
+from pz_persist.pretrained.layers import mixture_of_experts as moe
+
+_DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
+             "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+             "num_experts_per_tok": 8, "num_experts": 256}
+"""transformers' ``Qwen3_5MoeTextConfig`` defaults where they differ from
+the dense model's."""
+
+
+def qwen3_5_moe_text_plan(cfg: Config, weights: Weights, root: str = "model.",
+                          tied: bool | None = None) -> Plan:
+  """Qwen3.5's plan with every MLP a mixture of experts and a gated shared
+  expert, the text model's tensors under ``root``."""
+  for key, default in _DEFAULTS.items():
+    if cfg.raw.get(key) is None:
+      cfg.raw[key] = default
+  count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size")
+  shared = cfg.require("shared_expert_intermediate_size")
+  read_training_only(cfg)
+  # No dense MLP: the dense plan's placeholder size is the experts' (its
+  # MLPs are all replaced before anything is allocated).
+  if cfg.raw.get("intermediate_size") is None:
+    cfg.raw["intermediate_size"] = neurons
+  plan = qwen3_5.qwen3_5_text_plan(cfg, weights, root=root, tied=tied)
+  layers = cfg.require("num_hidden_layers")
+  hidden = cfg.require("hidden_size")
+  experts = Experts(count, top_k, neurons, True, tuple(range(layers)), ExpertNames())
+  # The experts' shared loader names layers ``model.layers.{i}.``: it is
+  # given the names as if under that root, and its specs are moved back.
+  names = {_LAYERS + n[len(root) + len("layers."):] if n.startswith(root + "layers.") else n
+           for n in weights.names}
+  check_experts(cfg, types.SimpleNamespace(names=names,
+                                           stand_in=getattr(weights, "stand_in", False)),
+                experts, "num_experts")
+  routed = with_experts(plan, experts, hidden, names, softmax_router(normalize_always=True))
+  plan = Plan(routed.build, tuple(_moved(spec, root) if spec.label.split("/")[2:3] == ["mlp"]
+                                  else spec for spec in routed.tensors),
+              tuple(Stacked(_rooted(v.name, root), tuple(_rooted(p, root) for p in v.parts))
+                    if isinstance(v, Stacked) else v for v in routed.views))
+  specs = list(plan.tensors)
+  for i in range(layers):
+    m, s = f"transformer/block_{i}/mlp/", f"{root}layers.{i}.mlp."
+    specs += [
+        TensorSpec(f"{m}shared/gate.weights", f"{s}shared_expert.gate_proj.weight",
+                   (shared, hidden), ("neurons", "embedding")),
+        TensorSpec(f"{m}shared/up.weights", f"{s}shared_expert.up_proj.weight",
+                   (shared, hidden), ("neurons", "embedding")),
+        TensorSpec(f"{m}shared/down.weights", f"{s}shared_expert.down_proj.weight",
+                   (hidden, shared), ("embedding", "neurons")),
+        TensorSpec(f"{m}shared_gate.weights", f"{s}shared_expert_gate.weight", (hidden,),
+                   ("embedding",), stored=(1, hidden)),
+    ]
+  routed_build = plan.build
+
+  def build():
+    def add_shared(layer: moe.MixtureOfExperts) -> moe.MixtureOfExperts:
+      name = layer.router.logits.weights.label.removesuffix("/router.weights")
+      return dataclasses.replace(layer, shared=_shared_mlp(f"{name}/shared"),
+                                 shared_gate=pz.nn.Linear(
+                                     weights=pz.ParameterSlot(f"{name}/shared_gate.weights"),
+                                     in_axis_names=("embedding",), out_axis_names=()))
+    return pz.select(routed_build()).at_instances_of(moe.MixtureOfExperts).apply(add_shared)
+
+  return Plan(build, tuple(specs), plan.views)
+
+
+_LAYERS = "model.layers."
+
+
+def _rooted(name: str, root: str) -> str:
+  return root + "layers." + name[len(_LAYERS):] if name.startswith(_LAYERS) else name
+
+
+def _moved(spec: TensorSpec, root: str) -> TensorSpec:
+  return dataclasses.replace(spec, source=_rooted(spec.source, root))
+
+
+def qwen3_5_moe_plan(cfg: Config, weights: Weights) -> Plan:
+  """The text model of a ``qwen3_5_moe`` (multimodal) folder: the config in
+  ``text_config``, tensors under ``model.language_model.``; the vision tower
+  and the multi-token-prediction head are not read, and reported."""
+  return qwen3_5.multimodal_plan(cfg, weights, "qwen3_5_moe_text", qwen3_5_moe_text_plan,
+                                 RECORD.fields)
+
+
+def _shared_mlp(name: str) -> pz.nn.Sequential:
+  """A SwiGLU MLP over ``embedding`` with slots ``{name}/gate.weights``,
+  ``up``, ``down``."""
+  def linear(part: str, inputs: str, outputs: str) -> pz.nn.Linear:
+    return pz.nn.Linear(weights=pz.ParameterSlot(f"{name}/{part}.weights"),
+                        in_axis_names=(inputs,), out_axis_names=(outputs,))
+  return pz.nn.Sequential([
+      pz.nn.BranchAndMultiplyTogether(branches=[
+          pz.nn.NamedGroup("gate", [linear("gate", "embedding", "neurons"),
+                                    pz.nn.Elementwise(jax.nn.silu)]),
+          pz.nn.NamedGroup("up", [linear("up", "embedding", "neurons")]),
+      ]),
+      linear("down", "neurons", "embedding"),
+  ])
+
+
+def _detect(model: Any) -> str | None:
+  """Qwen3.5's gated DeltaNet layers with mixtures of experts."""
+  if qwen3_5.RECORD.detect(model) and any(layer is not None for layer in mixtures(model)):
+    return "qwen3_5_moe_text"
+  return None
+
+
+def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+  del model_type  # Only qwen3_5_moe_text.
+  fields = qwen3_5.RECORD.write_config(model, "qwen3_5_text", like)
+  fields.pop("intermediate_size", None)
+  first = next(layer for layer in mixtures(model) if layer is not None)
+  gate = named_shape(all_layers(first.experts, pz.nn.Linear)[0])
+  shared = named_shape(all_layers(first.shared, pz.nn.Linear)[0])
+  fields.update(num_experts=gate["experts"], moe_intermediate_size=gate["neurons"],
+                num_experts_per_tok=first.router.top_k,
+                shared_expert_intermediate_size=shared["neurons"])
+  return fields
+
+
+RECORD = Family(
+    title="Qwen3.5 / Qwen3.6 MoE",
+    model_types={
+        "qwen3_5_moe_text": ModelType(qwen3_5_moe_text_plan, "Qwen3_5MoeForCausalLM"),
+        "qwen3_5_moe": ModelType(qwen3_5_moe_plan, "Qwen3_5MoeForConditionalGeneration",
+                                 exported=False, written_as="qwen3_5_moe_text"),
+    },
+    detect=_detect,
+    write_config=_write_config,
+    adds=("Qwen3.5's layers with a `MixtureOfExperts` in every block: softmax router, top-k"
+          " renormalised, experts on an `experts` axis, a shared SwiGLU expert gated by"
+          " `sigmoid(shared_expert_gate)`; the text model of `qwen3_5_moe` folders"),
+    refuses="what Qwen3.5 refuses",
+    rank=31,
+    fields={**qwen3_5.RECORD.fields,
+            "num_experts": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
+            "num_experts_per_tok": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
+            "moe_intermediate_size": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
+            "shared_expert_intermediate_size": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
+            **TRAINING_ONLY},
+)
