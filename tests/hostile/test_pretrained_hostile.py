@@ -297,10 +297,10 @@ def test_huge_layer_count_fails_fast(tmp_path):
     config = dict(CONFIG, model_type=model_type, num_hidden_layers=10**9,
                   **_FAMILY_FIELDS.get(model_type, {}))
     config = {k: v for k, v in config.items() if v is not None}
-    if model_type in ("gemma3", "gemma4"):  # Multimodal: the text model's config is nested.
+    if model_type in ("gemma3", "gemma4", "llama4"):  # Multimodal: a nested text config.
       text = {k: v for k, v in dict(CONFIG, model_type=f"{model_type}_text",
                                     num_hidden_layers=10**9,
-                                    **_FAMILY_FIELDS[f"{model_type}_text"]).items()
+                                    **_FAMILY_FIELDS.get(f"{model_type}_text", {})).items()
               if v is not None}
       config = {"model_type": model_type, "text_config": text}
     if model_type in ("qwen3_5", "qwen3_5_moe"):  # Multimodal too.
