@@ -16,6 +16,7 @@ their weights the *unbiased* scores, divided by their sum (plus 1e-20) if
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,11 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.pretrained.hf.weights import Weights
+
+Source = Callable[..., str]
+"""``src(stored name, stored shape, parts=None)``: the tensor a spec reads
+for a stored matrix (or the stack of the stored ``parts``), FP8 ones
+dequantised (`pz_persist.pretrained.hf.quantized_fp8.source`)."""
 
 _PROJECTIONS = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
 
@@ -44,10 +49,11 @@ class Routing:
   normalize: bool
   scale: float
 
-  def specs(self, p: str, s: str, weights: Weights) -> list[TensorSpec]:
+  def specs(self, p: str, s: str, src: Source) -> list[TensorSpec]:
     """The tensors of MoE block ``p`` (Penzai) from layer ``s``: the router
     and its correction bias, each expert's three matrices stacked on a new
-    ``experts`` dimension (`Weights.stacked`), the shared experts."""
+    ``experts`` dimension (a `pz_persist.pretrained.hf.weights.stacked`
+    view), the shared experts."""
     h, e, n = self.hidden, self.experts, self.neurons
     specs = [
         TensorSpec(f"{p}mlp/router.weights", f"{s}mlp.gate.weight", (e, h),
@@ -58,8 +64,8 @@ class Routing:
     for part, hf in _PROJECTIONS:
       stored = (n, h) if part != "down" else (h, n)
       axes = ("neurons", "embedding") if part != "down" else ("embedding", "neurons")
-      source = weights.stacked(f"{s}mlp.experts.{hf}.weight",
-                               [f"{s}mlp.experts.{i}.{hf}.weight" for i in range(e)])
+      source = src(f"{s}mlp.experts.{hf}.weight", stored,
+                   [f"{s}mlp.experts.{i}.{hf}.weight" for i in range(e)])
       specs.append(TensorSpec(f"{p}mlp/experts/{part}.weights", source, (e, *stored),
                               ("experts", *axes)))
     width = n * self.shared
@@ -67,7 +73,7 @@ class Routing:
       stored = (width, h) if part != "down" else (h, width)
       axes = ("neurons", "embedding") if part != "down" else ("embedding", "neurons")
       specs.append(TensorSpec(f"{p}mlp/shared/{part}.weights",
-                              f"{s}mlp.shared_experts.{hf}.weight", stored, axes))
+                              src(f"{s}mlp.shared_experts.{hf}.weight", stored), stored, axes))
     return specs
 
   def layer(self, name: str, dtype: Any) -> pz.nn.Layer:

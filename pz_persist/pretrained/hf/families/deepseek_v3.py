@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.pretrained.hf import quantized_fp8
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import lm_head_source
 from pz_persist.pretrained.hf.config import scaled_rope
@@ -51,6 +53,7 @@ from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
+from pz_persist.pretrained.hf.families.deepseek_moe import Source
 from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.families.deepseek_moe import routing_fields
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
@@ -118,6 +121,7 @@ FIELDS = {
 }
 """The ``config.json`` fields DeepSeek-V3's plan reads beyond the shared ones."""
 
+_LAYER_NUMBER = re.compile(r"(\d{1,9})\.")
 _LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a / kv_a norms ignore rms_norm_eps.
 _MAX_POSITIONS = 4096  # DeepseekV3Config's max_position_embeddings.
 
@@ -190,51 +194,54 @@ def softmax_scale(sizes: Sizes, rope_layer: Any) -> float:
   return scale
 
 
-def mla_specs(p: str, s: str, sizes: Sizes) -> list[TensorSpec]:
-  """The attention tensors of block ``p`` (Penzai) from layer ``s``."""
+def mla_specs(p: str, s: str, sizes: Sizes, src: Source) -> list[TensorSpec]:
+  """The attention tensors of block ``p`` (Penzai) from layer ``s``; each
+  matrix read through ``src`` (FP8 ones dequantised)."""
   h, heads = sizes.hidden, sizes.heads
   qk, attn = sizes.nope + sizes.rope, f"{s}self_attn."
   specs = [
-      TensorSpec(f"{p}attention/kv_a.weights", attn + "kv_a_proj_with_mqa.weight",
+      TensorSpec(f"{p}attention/kv_a.weights", src(attn + "kv_a_proj_with_mqa.weight", (sizes.kv_rank + sizes.rope, h)),
                  (sizes.kv_rank + sizes.rope, h), ("projection", "embedding")),
       TensorSpec(f"{p}attention/kv_a_norm/scale.weights", attn + "kv_a_layernorm.weight",
                  (sizes.kv_rank,), ("kv_latent",)),
-      TensorSpec(f"{p}attention/output.weights", attn + "o_proj.weight",
+      TensorSpec(f"{p}attention/output.weights",
+                 src(attn + "o_proj.weight", (h, heads * sizes.value)),
                  (h, heads, sizes.value), ("embedding", "heads", "projection"),
                  stored=(h, heads * sizes.value)),
   ]
   kv_b = (heads, sizes.nope + sizes.value, sizes.kv_rank)
   for name, part in (("key_up", (1, 0, sizes.nope)),
                      ("value_up", (1, sizes.nope, sizes.nope + sizes.value))):
-    specs.append(TensorSpec(f"{p}attention/{name}.weights", attn + "kv_b_proj.weight", kv_b,
+    source = src(attn + "kv_b_proj.weight", (heads * kv_b[1], sizes.kv_rank))
+    specs.append(TensorSpec(f"{p}attention/{name}.weights", source, kv_b,
                             ("heads", "projection", "kv_latent"),
                             stored=(heads * kv_b[1], sizes.kv_rank), part=part))
   if sizes.q_rank is None:
-    specs.append(TensorSpec(f"{p}attention/query.weights", attn + "q_proj.weight",
+    specs.append(TensorSpec(f"{p}attention/query.weights", src(attn + "q_proj.weight", (heads * qk, h)),
                             (heads, qk, h), ("heads", "projection", "embedding"),
                             stored=(heads * qk, h)))
   else:
     specs += [
-        TensorSpec(f"{p}attention/q_a.weights", attn + "q_a_proj.weight",
+        TensorSpec(f"{p}attention/q_a.weights", src(attn + "q_a_proj.weight", (sizes.q_rank, h)),
                    (sizes.q_rank, h), ("q_latent", "embedding")),
         TensorSpec(f"{p}attention/q_a_norm/scale.weights", attn + "q_a_layernorm.weight",
                    (sizes.q_rank,), ("q_latent",)),
-        TensorSpec(f"{p}attention/query.weights", attn + "q_b_proj.weight",
+        TensorSpec(f"{p}attention/query.weights",
+                   src(attn + "q_b_proj.weight", (heads * qk, sizes.q_rank)),
                    (heads, qk, sizes.q_rank), ("heads", "projection", "q_latent"),
                    stored=(heads * qk, sizes.q_rank)),
     ]
   return specs
 
 
-def dense_mlp_specs(p: str, s: str, hidden: int, neurons: int, source: str = "mlp.",
-                    name: str = "mlp") -> list[TensorSpec]:
+def dense_mlp_specs(p: str, s: str, hidden: int, neurons: int, src: Source) -> list[TensorSpec]:
   """A SwiGLU MLP's three matrices (``gate_proj``, ``up_proj``, ``down_proj``)."""
   return [
-      TensorSpec(f"{p}{name}/gating_linear.weights", f"{s}{source}gate_proj.weight",
+      TensorSpec(f"{p}mlp/gating_linear.weights", src(f"{s}mlp.gate_proj.weight", (neurons, hidden)),
                  (neurons, hidden), ("neurons", "embedding")),
-      TensorSpec(f"{p}{name}/value_linear.weights", f"{s}{source}up_proj.weight",
+      TensorSpec(f"{p}mlp/value_linear.weights", src(f"{s}mlp.up_proj.weight", (neurons, hidden)),
                  (neurons, hidden), ("neurons", "embedding")),
-      TensorSpec(f"{p}{name}/out_linear.weights", f"{s}{source}down_proj.weight",
+      TensorSpec(f"{p}mlp/out_linear.weights", src(f"{s}mlp.down_proj.weight", (hidden, neurons)),
                  (hidden, neurons), ("embedding", "neurons")),
   ]
 
@@ -336,6 +343,7 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
     raise cfg.unsupported("partial_rotary_factor", fraction,
                           "DeepSeek-V3's RoPE part is qk_rope_head_dim, rotated whole")
   moe = read_routing(cfg, sizes.hidden)
+  quantization = quantized_fp8.read_quantization(cfg)
   tied = cfg.get("tie_word_embeddings", False)
   mtp = cfg.get("num_nextn_predict_layers", 1)
   cfg.check_all_used()
@@ -345,6 +353,17 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD, "model.embed_tokens.weight")
   dtype = weights.dtype
   h = sizes.hidden
+  views: list[Any] = []
+  sources: dict[str, str] = {}
+
+  def src(name: str, shape: tuple[int, int], parts: list[str] | None = None) -> str:
+    """The tensor to read for stored matrix ``name`` (a stack of ``parts``
+    if given), dequantised if stored FP8; each view declared once."""
+    if name not in sources:
+      sources[name] = quantized_fp8.source(weights, quantization, parts or [name], shape, views,
+                                           stack=name if parts else None)
+    return sources[name]
+
   specs = [
       TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
                  (sizes.vocab, h), ("vocabulary", "embedding")),
@@ -359,12 +378,12 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
                    (h,), ("embedding",)),
         TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
                    (h,), ("embedding",)),
-        *mla_specs(p, s, sizes),
+        *mla_specs(p, s, sizes, src),
     ]
     if i < sizes.dense_layers:
-      specs += dense_mlp_specs(p, s, h, sizes.intermediate)
+      specs += dense_mlp_specs(p, s, h, sizes.intermediate, src)
     else:
-      specs += moe.specs(p, s, weights)
+      specs += moe.specs(p, s, src)
   layer = rope_layer(theta, scaling)
   scale = softmax_scale(sizes, layer)
 
@@ -398,13 +417,14 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
     scaled_rope_layer.check_computable(model, {"rotary": {sizes.rope}}, cfg.where)
     return model
 
-  return Plan(build, tuple(specs))
+  return Plan(build, tuple(specs), tuple(views))
 
 
 def _is_mtp(name: str, layers: int, mtp: int) -> bool:
   """Whether ``name`` belongs to a multi-token prediction layer (layers
   ``layers .. layers + mtp - 1``), which the causal LM does not run."""
-  return any(name.startswith(f"{DECODER_LAYERS}{layers + k}.") for k in range(mtp))
+  match = _LAYER_NUMBER.match(name, len(DECODER_LAYERS)) if name.startswith(DECODER_LAYERS) else None
+  return match is not None and layers <= int(match.group(1)) < layers + mtp
 
 
 def _detect(model: Any) -> str | None:
