@@ -218,6 +218,13 @@ class GemmaCheckpointError(PzPersistError, ValueError):
   """
 
 
+class DequantizedWeightsWarning(UserWarning):
+  """`pz_persist.pretrained.load_hf` read quantised tensors (MXFP4, FP8
+  block-scaled) and dequantised them: the message says which and into what.
+  `pz_persist.export_hf` writes such a model dense (its ``config.json``
+  without ``quantization_config``) and warns the same way."""
+
+
 class UnsupportedConfigError(PzPersistError, ValueError):
   """A Hugging Face ``config.json`` asks for something Penzai cannot build.
 

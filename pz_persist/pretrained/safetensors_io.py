@@ -266,11 +266,25 @@ class SafetensorsFile:
     """
     if name not in self.entries:
       raise self._error(f"has no tensor {name!r}")
+    stored, shape, _, _ = self.entries[name]
+    out = host_memory.aligned_empty(shape, stored if dtype is None else np.dtype(dtype))
+    self.read_into(name, out, allow_lossy=allow_lossy)
+    return out
+
+  def read_into(self, name: str, out: np.ndarray, *, allow_lossy: bool = False) -> None:
+    """Reads the tensor ``name`` into ``out``, a C-contiguous array of its
+    shape (cast to ``out.dtype`` as `get` does): several tensors can fill
+    one preallocated buffer (a stack of per-expert tensors,
+    `pz_persist.pretrained.hf.weights.stacked`) without a copy each."""
+    if name not in self.entries:
+      raise self._error(f"has no tensor {name!r}")
     stored, shape, begin, end = self.entries[name]
-    dtype = stored if dtype is None else np.dtype(dtype)
-    out = host_memory.aligned_empty(shape, dtype)
+    if out.shape != shape or not out.flags.c_contiguous:
+      raise ValueError(f"read_into({name!r}) needs a C-contiguous array of shape {shape},"
+                       f" not {out.shape}")
+    dtype = out.dtype
     if begin == end:
-      return out
+      return
     # Through the one descriptor opened with the header, checked before and
     # after: every tensor comes from the file whose header was validated,
     # and none from a version that replaced or rewrote it meanwhile.
@@ -289,7 +303,6 @@ class SafetensorsFile:
       raise self._error(f"cannot be read ({e})", name) from e
     if read != end - begin:
       raise self._error(f"ended after {read} of {end - begin} bytes (truncated?)", name)
-    return out
 
 
 CAST_BUFFER_BYTES = 16 * 2**20

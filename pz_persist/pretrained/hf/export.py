@@ -21,6 +21,7 @@ folder gives this model back, and what transformers computes from it is what
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,6 +65,19 @@ def _like_config(like: Any) -> dict[str, Any]:
       f"like={like!r} is neither a family ({sorted(family_plans())}), a Hugging Face"
       " folder nor a config dict."
   )
+
+
+def _say_dequantized(like: Mapping[str, Any]) -> None:
+  """Warns that ``like``'s ``quantization_config`` is not written: the
+  model holds dequantised values (`load_hf` decoded them), written dense."""
+  text = like.get("text_config")
+  quantized = like.get("quantization_config") or (
+      isinstance(text, Mapping) and text.get("quantization_config"))
+  if quantized:
+    method = quantized.get("quant_method") if isinstance(quantized, Mapping) else None
+    warnings.warn(errors.DequantizedWeightsWarning(
+        f"like= has a quantization_config (quant_method={method!r:.40}); export_hf writes"
+        " the model's dequantised weights dense, and the config without it."), stacklevel=3)
 
 
 def export_hf(
@@ -125,6 +139,7 @@ def export_hf(
   pz.nn.assert_no_parameter_slots(model)
   model = pz.freeze_params(model)  # Parameter values, mutable or not, in place.
   like_config = _like_config(like)
+  _say_dequantized(like_config)
   read_only = families.MODEL_TYPES.get(like_config.get("model_type"))  # type: ignore[arg-type]
   if read_only is not None and read_only.written_as:  # A multimodal folder: its text model.
     text = like_config.get("text_config")

@@ -20,6 +20,7 @@ from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import stored_layout
+from pz_persist.pretrained.hf.weights import Stacked
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 from pz_persist.storage import destinations
@@ -48,13 +49,16 @@ class _Stored:
       raise ExportError(f"{e}; they cannot be written as one Hugging Face tensor.") from None
 
 
-def stored_tensors(plan: Plan, slots: Mapping[str, str], values: Mapping[str, Any]) -> list[tuple[str, _Stored]]:
+def stored_tensors(plan: Plan, slots: Mapping[str, str],
+                   values: Mapping[str, Any]) -> list[tuple[str, Any]]:
   """``(Hugging Face name, tensor)`` in plan order, each value checked
-  against its spec's shape first."""
+  against its spec's shape first; a `Stacked` view is written as its parts
+  (transformers' per-expert tensors), bit for bit."""
+  views = {view.name: view for view in plan.views}
   by_source: dict[str, list[TensorSpec]] = collections.defaultdict(list)
   for spec in plan.tensors:
     by_source[spec.source].append(spec)
-  out = []
+  out: list[tuple[str, Any]] = []
   for source, specs in by_source.items():
     found = []
     for spec in specs:
@@ -68,13 +72,39 @@ def stored_tensors(plan: Plan, slots: Mapping[str, str], values: Mapping[str, An
             " layers disagree about its sizes."
         )
       found.append(value)
-    out.append((source, _Stored(specs, found)))
+    whole = _Stored(specs, found)
+    stack = views.get(source)
+    if isinstance(stack, Stacked):  # Written back as its parts, under their own names.
+      out += [(part, _StackedPart(whole, i)) for i, part in enumerate(stack.parts)]
+    else:  # A stored tensor, or a Decoded view: its dense values under its name.
+      out.append((source, whole))
   return out
 
 
-def _shards(tensors: list[tuple[str, _Stored]], shard_size: int) -> list[list[tuple[str, _Stored]]]:
+class _StackedPart:
+  """Part ``index`` of a `Stacked` view's tensor: the whole is laid out when
+  its first part is written and dropped after its last (parts are written
+  in order, so the host holds one stacked tensor at a time)."""
+
+  def __init__(self, whole: _Stored, index: int):
+    self.whole, self.index = whole, index
+    self.shape = whole.shape[1:]
+    self.dtype = whole.dtype
+    self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    whole = self.whole
+    cached = getattr(whole, "_laid_out", None)
+    if cached is None:
+      cached = whole._laid_out = np.asarray(whole)  # type: ignore[attr-defined]
+    if self.index == whole.shape[0] - 1:
+      whole._laid_out = None  # type: ignore[attr-defined]
+    return np.ascontiguousarray(cached[self.index])
+
+
+def _shards(tensors: list[tuple[str, Any]], shard_size: int) -> list[list[tuple[str, Any]]]:
   """Consecutive groups of at most ``shard_size`` bytes (a larger tensor alone)."""
-  shards: list[list[tuple[str, _Stored]]] = [[]]
+  shards: list[list[tuple[str, Any]]] = [[]]
   size = 0
   for name, tensor in tensors:
     if shards[-1] and size + tensor.nbytes > shard_size:
@@ -103,7 +133,7 @@ def check_destination(folder: str, overwrite: bool) -> None:
   destinations.check_replaceable(folder, "hf_export")
 
 
-def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str, _Stored]],
+def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str, Any]],
                  shard_size: int, overwrite: bool, progress: progress_lib.Progress) -> None:
   """Writes the files into a new folder beside ``folder``, then moves it into
   place the way checkpoints are (`pz_persist.storage.commit.move_into_place`:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -234,6 +235,7 @@ def load_hf(
   with Weights(path, dtype, seen) as weights:
     cfg = Config(raw_config, where, families.FAMILY_OF[model_type].fields)
     plan = families.MODEL_TYPES[model_type].plan(cfg, weights)
+    weights.add_views(plan.views)
     _check_tensors(plan, weights)
     skeleton = plan.build()  # Built once the weights agree with the config.
     scaled_rope.check_computable(skeleton, _axis_sizes(plan), cfg.where)
@@ -248,9 +250,24 @@ def load_hf(
             value=_read(spec, reads, weights.dtype, place, allow_lossy), label=spec.label))
     # Every file read, still the one read: a model of one version only.
     weights.check_unchanged()
+    _say_decoded(weights, path)
   model = pz.bind_variables(skeleton, params)
   pz.nn.assert_no_parameter_slots(model)
   return model
+
+
+def _say_decoded(weights: Weights, path: str) -> None:
+  """Says, as a `DequantizedWeightsWarning`, which tensors were stored
+  quantised and what they were loaded as: the model holds their decoded
+  values, not the stored bits, and `export_hf` writes it dense."""
+  decoded = weights.decoded()
+  if not decoded:
+    return
+  kinds = sorted({view.description for view in decoded})
+  warnings.warn(errors.DequantizedWeightsWarning(
+      f"{path}: {len(decoded)} tensors were stored quantised ({'; '.join(kinds)}) and were"
+      f" loaded dequantised as {weights.dtype} (e.g. {decoded[0].name!r}); export_hf writes"
+      " them dense, without quantization_config."), stacklevel=3)
 
 
 def _axis_sizes(plan: Plan) -> dict[str, set[int]]:

@@ -18,6 +18,7 @@ from penzai.models.transformer import model_parts
 
 from pz_persist.format import casts
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.weights import View
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,15 @@ class Plan:
   The skeleton is built only once every tensor of ``tensors`` has been
   checked against the safetensors headers (`pz_persist.pretrained.hf.load_hf`): its size comes
   from ``config.json``, which must not be trusted until the weights agree.
+
+  ``views`` are tensors computed from stored ones (`pz_persist.pretrained.hf.weights.stacked`
+  per-expert tensors, `pz_persist.pretrained.hf.weights.decoded` quantised ones), named
+  as a spec's ``source`` like a stored tensor.
   """
 
   build: Callable[[], model_parts.TransformerLM]
   tensors: tuple[TensorSpec, ...]
+  views: tuple[View, ...] = ()
 
 
 _LAYER_NUMBER = re.compile(r"(\d{1,9})\.")

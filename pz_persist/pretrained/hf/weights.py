@@ -3,17 +3,22 @@ until a tensor is read)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from pz_persist import errors
+from pz_persist.format import casts
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
+from pz_persist.storage import host_memory
 
 CheckpointFolderError = errors.CheckpointFolderError
 
@@ -135,6 +140,22 @@ class Weights:
   def names(self) -> set[str]:
     return set(self.where)
 
+  def add_views(self, views: Sequence[View]) -> None:
+    """Makes each of a plan's ``views`` readable by name, as a stored tensor
+    is, once its parts are checked against the headers (nothing is read)."""
+    added = {}
+    for view in views:
+      if view.name in added:
+        raise safetensors_io.SafetensorsFormatError(
+            f"{view.name!r} is declared twice by the plan for {self.path} (a bug).")
+      added[view.name] = _view_file(view, self.where, self.path)
+    self.where.update(added)  # type: ignore[arg-type]
+
+  def decoded(self) -> list[Decoded]:
+    """The `Decoded` views added: what was stored quantised."""
+    return [file.view for file in self.where.values()
+            if isinstance(file, _ViewFile) and isinstance(file.view, Decoded)]
+
   @functools.cached_property
   def dtype(self) -> np.dtype:
     """The requested dtype, or the checkpoint's own floating dtype."""
@@ -148,3 +169,136 @@ def stored_float_dtype(where: Mapping[str, safetensors_io.SafetensorsFile]) -> n
     if jnp.issubdtype(stored, jnp.floating):
       return stored
   return np.dtype(np.float32)
+
+
+# --- stored views: tensors a plan computes from several stored ones ----------
+#
+# A family's plan declares them (`Plan.views`) and names one as the ``source``
+# of a `TensorSpec` like any stored tensor; `Weights.add_views` checks their
+# parts against the headers and puts a `_ViewFile` answering for each in
+# `Weights.where`, so the rest of `load_hf` (the size checks, progress,
+# reading) treats it as one more stored tensor. `export_hf` writes a
+# `Stacked` view back as its parts and a `Decoded` one as its dense result
+# (`pz_persist.pretrained.hf.folder_writer`).
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+  """A tensor stacked, on a new first dimension, from stored tensors of one
+  dtype and shape (transformers' per-expert tensors
+  ``...experts.{e}.gate_proj.weight`` of a mixture of experts).
+
+  Attributes:
+    name: The name the plan's specs read it by (not a stored tensor's).
+    parts: The stored tensors, in stacking order.
+  """
+
+  name: str
+  parts: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+  """A tensor computed from several stored tensors: quantised storage
+  (MXFP4 blocks and scales; FP8 weights and their block scales).
+
+  Attributes:
+    name: The name the plan's specs read it by, and the name `export_hf`
+      writes the dense result under.
+    parts: The stored tensors ``decode`` needs.
+    shape: The decoded tensor's shape.
+    dtype: The decoded tensor's dtype (before the load's own cast).
+    decode: ``{part name: array as stored} -> array`` of ``shape`` and ``dtype``.
+    description: What was decoded, for people (``"MXFP4 (blocks of 32,
+      E8M0 scales)"``).
+  """
+
+  name: str
+  parts: tuple[str, ...]
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  decode: Callable[[dict[str, np.ndarray]], np.ndarray]
+  description: str
+
+
+View = Stacked | Decoded
+"""A tensor a plan declares as computed from stored ones."""
+
+
+def stacked(name: str, parts: Sequence[str]) -> Stacked:
+  """A `Stacked` view ``name`` of the stored tensors ``parts``."""
+  return Stacked(name, tuple(parts))
+
+
+def decoded(name: str, parts: Sequence[str], shape: Sequence[int], dtype: Any,
+            decode: Callable[[dict[str, np.ndarray]], np.ndarray], description: str) -> Decoded:
+  """A `Decoded` view ``name`` of the stored tensors ``parts``."""
+  return Decoded(name, tuple(parts), tuple(int(n) for n in shape), np.dtype(dtype), decode,
+                 description)
+
+
+class _ViewFile:
+  """Answers for one view as a `safetensors_io.SafetensorsFile` answers for
+  its tensors (``entries``, ``path``, ``get``), reading the parts from their
+  own files. Its entry's byte range spans the parts' stored bytes (for
+  progress); its dtype and shape are the view's."""
+
+  def __init__(self, view: View, where: Mapping[str, safetensors_io.SafetensorsFile],
+               dtype: np.dtype, shape: tuple[int, ...]):
+    self.view = view
+    self._parts = [(part, where[part]) for part in view.parts]
+    stored = sum(file.entries[part][3] - file.entries[part][2] for part, file in self._parts)
+    self.entries = {view.name: (dtype, shape, 0, stored)}
+    self.path = self._parts[0][1].path if self._parts else "(no file)"
+
+  def get(self, name: str, dtype: Any = None, *, allow_lossy: bool = False) -> np.ndarray:
+    stored, shape, _, _ = self.entries[name]
+    dtype = stored if dtype is None else np.dtype(dtype)
+    view = self.view
+    if isinstance(view, Stacked):
+      # One buffer, each part read straight into its slice (cast while read).
+      out = host_memory.aligned_empty(shape, dtype)
+      for i, (part, file) in enumerate(self._parts):
+        file.read_into(part, out[i], allow_lossy=allow_lossy)
+      return out
+    arrays = {part: file.get(part) for part, file in self._parts}
+    result = np.asarray(view.decode(arrays))
+    del arrays
+    if result.shape != view.shape or result.dtype != view.dtype:
+      raise safetensors_io.SafetensorsFormatError(
+          f"{self.path}: decoding {view.description} into {view.name!r} gave"
+          f" {result.dtype}{list(result.shape)}, not the {view.dtype}{list(view.shape)} declared;"
+          " the decoder and the plan disagree (a bug: please report it).")
+    return casts.cast(result, dtype, allow_lossy=allow_lossy,
+                      where=f"{view.description} tensor {view.name!r} decoded from {self.path}")
+
+
+def _view_file(view: View, where: Mapping[str, safetensors_io.SafetensorsFile],
+               folder: str) -> _ViewFile:
+  """Checks a view's parts against the headers (present; for `Stacked`,
+  one dtype and shape) before anything is read."""
+  if view.name in where:
+    raise safetensors_io.SafetensorsFormatError(
+        f"{where[view.name].path} holds a tensor {view.name!r}, and the checkpoint also holds"
+        f" the parts {list(view.parts[:3])}... that it would be made from; a folder holds one"
+        " layout or the other: it is damaged or two checkpoints were mixed.")
+  if not view.parts:
+    raise safetensors_io.SafetensorsFormatError(f"{view.name!r} is made from no tensors.")
+  for part in view.parts:
+    if part not in where:
+      files = sorted({f.path for f in where.values()})
+      raise safetensors_io.SafetensorsFormatError(
+          f"tensor {part!r} (a part of {view.name!r}) is in none of the checkpoint's files"
+          f" {files[:4]}{'...' if len(files) > 4 else ''} in {folder}.")
+  if isinstance(view, Decoded):
+    return _ViewFile(view, where, view.dtype, view.shape)
+  first = view.parts[0]
+  dtype, shape = where[first].entries[first][:2]
+  for part in view.parts[1:]:
+    other = where[part].entries[part][:2]
+    if other != (dtype, shape):
+      raise safetensors_io.SafetensorsFormatError(
+          f"safetensors file {where[part].path}, tensor {part!r}: {other[0]}{list(other[1])}"
+          f" where {first!r} is {dtype}{list(shape)}; the parts of {view.name!r} must have one"
+          " dtype and shape.")
+  return _ViewFile(view, where, dtype, (len(view.parts), *shape))

@@ -1,0 +1,305 @@
+"""A mixture-of-experts feed-forward layer with named axes, for the MoE
+checkpoints `pz_persist.pretrained.load_hf` reads (Qwen3-MoE, Mixtral,
+Qwen3.5-MoE, gpt-oss, Llama 4, DeepSeek-V3, GLM-4.5, Gemma 4).
+
+Penzai has no mixture of experts; this one is built from its own pieces so
+that treescope shows it and `pz_persist.AxisRules` shards it like the rest:
+
+* the router is a ``pz.nn.Linear`` from ``embedding`` to ``experts`` (with
+  an ``AddBias`` for gpt-oss, or any layer giving logits over ``experts``:
+  Gemma 4 normalises and scales the router's input first);
+* `TopKRouter` turns the logits into one weight per expert per token, zero
+  for the experts not chosen; how is data (its fields), covering every
+  family's rule: softmax over all experts then top-k (optionally
+  renormalised over the k), top-k of the logits then a softmax over the k
+  (gpt-oss), sigmoid scores with a selection-only bias and group-limited
+  choice times a scaling factor (DeepSeek-V3 / GLM-4.5), sigmoid of the
+  chosen logits (Llama 4), a learned per-expert scale (Gemma 4);
+* the experts are a Penzai gated MLP (``BranchAndMultiplyTogether`` of a
+  gate and a value branch, then an output ``Linear``) whose ``Linear``
+  weights carry an ``experts`` axis: ``[experts, embedding, neurons]`` and
+  ``[experts, neurons, embedding]``, optional ``AddBias`` over
+  ``[experts, neurons]`` / ``[experts, embedding]``; the activation is a
+  layer of its own (SiLU, tanh or exact GELU as ``pz.nn.Elementwise``,
+  gpt-oss's clamped SwiGLU as `ClampedSwiGLUGate` / `ClampedLinearUp`);
+* optional shared experts (a plain Penzai MLP) added for every token,
+  optionally times a sigmoid gate (a ``Linear`` from ``embedding`` to no
+  axis).
+
+How it computes (inference): every expert runs on every token and the
+outputs are summed with the router's weights, zero for the experts not
+chosen (a *dense masked sum*). Why: it is an ordinary named-axis einsum over
+``experts``, so with ``experts`` sharded over a mesh axis each device runs
+only its own experts on every token and one sum over devices combines them
+(expert parallelism without all-to-all, and no gathered copy of the
+weights); it matches transformers' per-expert loop to float32 rounding (a
+zero weight times a finite output adds exactly zero); and it compiles to a
+fixed shape for Penzai's KV-cache sampling. Its cost is ``experts / k``
+times the FLOPs of running only the chosen experts, which is what a tiny
+or sharded model can afford; it is not the layer for serving a large MoE
+on one device. No load-balancing loss is computed (inference only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from penzai import pz
+
+Score = Literal["softmax", "sigmoid", "softmax_of_chosen"]
+"""How `TopKRouter` turns logits into scores: ``softmax`` over all experts
+(Qwen3-MoE, Mixtral, Gemma 4), ``sigmoid`` of each (DeepSeek-V3, GLM-4.5,
+Llama 4), or the logits themselves chosen then a ``softmax`` over the k
+chosen (gpt-oss)."""
+
+Activation = Literal["silu", "gelu_tanh", "gelu", "clamped_swiglu"]
+"""The experts' gate activations `experts_mlp` builds."""
+
+
+def _static(default: Any = dataclasses.MISSING) -> Any:
+  return dataclasses.field(default=default, metadata={"pytree_node": False})
+
+
+@pz.pytree_dataclass
+class TopKRouter(pz.nn.Layer):
+  """Maps a token's activations to one weight per expert (named axis
+  ``experts``), zero for the experts not chosen.
+
+  For each token: ``scores = score(logits)`` (in float32); the experts are
+  chosen by the top ``top_k`` of ``scores + selection_bias`` among the
+  experts of the ``top_groups`` best groups (when ``groups > 1``: the
+  experts split into ``groups`` equal consecutive groups, a group ranked by
+  the sum of its ``group_score_k`` best biased scores); the chosen experts'
+  weights are their *unbiased* scores (a softmax over the chosen for
+  ``softmax_of_chosen``), divided by their sum plus ``normalize_epsilon`` if
+  ``normalize``, times ``scale``, times ``expert_scale`` of the expert.
+  The result is cast to the activations' dtype.
+
+  Attributes:
+    logits: A layer giving the router logits over ``experts`` (a
+      ``pz.nn.Linear`` from ``embedding``, maybe followed by an
+      ``AddBias``, or a ``Sequential`` that prepares its input first).
+    num_experts: The size of ``experts``.
+    top_k: Experts chosen per token.
+    score: `Score`.
+    normalize: Renormalise the chosen weights to sum to one.
+    normalize_epsilon: Added to that sum (DeepSeek-V3 adds 1e-20).
+    scale: Multiplies the chosen weights (DeepSeek's
+      ``routed_scaling_factor``).
+    groups: Expert groups for group-limited choice (1: none).
+    top_groups: Groups kept (DeepSeek's ``topk_group``).
+    group_score_k: Best scores summed to rank a group (2 in DeepSeek-V3).
+    selection_bias: Added to the scores for choosing only (DeepSeek-V3's
+      ``e_score_correction_bias``), over ``experts``; or None.
+    expert_scale: Multiplies each chosen expert's weight (Gemma 4's
+      ``per_expert_scale``), over ``experts``; or None.
+  """
+
+  logits: pz.nn.Layer
+  num_experts: int = _static()
+  top_k: int = _static()
+  score: Score = _static("softmax")
+  normalize: bool = _static(False)
+  normalize_epsilon: float = _static(0.0)
+  scale: float = _static(1.0)
+  groups: int = _static(1)
+  top_groups: int = _static(1)
+  group_score_k: int = _static(2)
+  selection_bias: pz.ParameterLike[pz.nx.NamedArray] | None = None
+  expert_scale: pz.ParameterLike[pz.nx.NamedArray] | None = None
+
+  def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
+    logits = self.logits(inputs, **side_inputs)
+    extras = [p.value.untag("experts") if p is not None else None
+              for p in (self.selection_bias, self.expert_scale)]
+    weights = pz.nx.nmap(self._route)(logits.untag("experts"), *extras)
+    return weights.tag("experts").astype(inputs.dtype)
+
+  def _route(self, logits: jax.Array, bias: jax.Array | None,
+             expert_scale: jax.Array | None) -> jax.Array:
+    """One token's dense weights from its logits (all 1-D over experts)."""
+    logits = logits.astype(jnp.float32)
+    if self.score == "softmax":
+      scores = jax.nn.softmax(logits)
+    elif self.score == "sigmoid":
+      scores = jax.nn.sigmoid(logits)
+    else:
+      scores = logits
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if self.groups > 1:
+      per_group = self.num_experts // self.groups
+      grouped = choice.reshape(self.groups, per_group)
+      group_scores = jax.lax.top_k(grouped, self.group_score_k)[0].sum(axis=-1)
+      _, kept = jax.lax.top_k(group_scores, self.top_groups)
+      keep = jnp.zeros(self.groups, bool).at[kept].set(True)
+      choice = jnp.where(jnp.repeat(keep, per_group), choice, -jnp.inf)
+    _, chosen = jax.lax.top_k(choice, self.top_k)
+    weights = scores[chosen]
+    if self.score == "softmax_of_chosen":
+      weights = jax.nn.softmax(weights)
+    if self.normalize:
+      weights = weights / (weights.sum() + self.normalize_epsilon)
+    if self.scale != 1.0:
+      weights = weights * self.scale
+    if expert_scale is not None:
+      weights = weights * expert_scale.astype(jnp.float32)[chosen]
+    return jnp.zeros_like(scores).at[chosen].set(weights)
+
+
+@pz.pytree_dataclass
+class ClampedSwiGLUGate(pz.nn.Layer):
+  """gpt-oss's gate activation: ``g = min(x, limit)``, ``g * sigmoid(alpha * g)``."""
+
+  alpha: float = _static()
+  limit: float = _static()
+
+  def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
+    def gate(x):
+      x = jnp.minimum(x, self.limit)
+      return x * jax.nn.sigmoid(x * self.alpha)
+    return pz.nx.nmap(gate)(inputs)
+
+
+@pz.pytree_dataclass
+class ClampedLinearUp(pz.nn.Layer):
+  """gpt-oss's value branch after its projection: ``clip(x, -limit, limit) + 1``."""
+
+  limit: float = _static()
+
+  def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
+    return pz.nx.nmap(lambda x: jnp.clip(x, -self.limit, self.limit) + 1)(inputs)
+
+
+@pz.pytree_dataclass
+class MixtureOfExperts(pz.nn.Layer):
+  """A routed mixture of experts, plus optional shared experts.
+
+  ``out = sum over experts of weights[e] * experts(x)[e]`` where ``weights =
+  router(x)`` (zero for experts not chosen); with ``weight_inputs`` (Llama 4)
+  the weight multiplies the expert's *input* instead: ``sum over e of
+  experts(weights[e] * x)[e]``. ``expert_input`` (Gemma 4's separate norm)
+  transforms the experts' input but not the router's. Then ``shared(x)``
+  is added, times ``sigmoid(shared_gate(x))`` if there is a gate.
+
+  Attributes:
+    router: A `TopKRouter`.
+    experts: A layer from ``embedding`` (and ``experts`` when
+      ``weight_inputs``) to ``[..., experts, embedding]`` (`experts_mlp`).
+    weight_inputs: Whether the routing weight scales the input (Llama 4).
+    expert_input: Applied to the input of the experts only, or None.
+    shared: Shared experts (a plain MLP over ``embedding``), or None.
+    shared_gate: Gives the shared experts' gate logit (no new axis), or None.
+  """
+
+  router: pz.nn.Layer
+  experts: pz.nn.Layer
+  weight_inputs: bool = _static(False)
+  expert_input: pz.nn.Layer | None = None
+  shared: pz.nn.Layer | None = None
+  shared_gate: pz.nn.Layer | None = None
+
+  def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
+    weights = self.router(inputs, **side_inputs)
+    routed_in = inputs if self.expert_input is None else self.expert_input(inputs, **side_inputs)
+    if self.weight_inputs:
+      outputs = self.experts(routed_in * weights, **side_inputs)
+      out = outputs.untag("experts").sum().astype(inputs.dtype)
+    else:
+      outputs = self.experts(routed_in, **side_inputs)
+      out = pz.nn.contract("experts", outputs, weights).astype(inputs.dtype)
+    if self.shared is not None:
+      shared = self.shared(inputs, **side_inputs)
+      if self.shared_gate is not None:
+        shared = shared * pz.nx.nmap(jax.nn.sigmoid)(self.shared_gate(inputs, **side_inputs))
+      out = out + shared
+    return out
+
+  def treescope_color(self) -> str:
+    return "#c7a4e0"
+
+
+def _activation(activation: Activation, alpha: float, limit: float
+                ) -> tuple[list[pz.nn.Layer], list[pz.nn.Layer]]:
+  """The layers after the gate and after the value projection."""
+  if activation == "silu":
+    return [pz.nn.Elementwise(jax.nn.silu)], []
+  if activation == "gelu_tanh":
+    return [pz.nn.Elementwise(functools.partial(jax.nn.gelu, approximate=True))], []
+  if activation == "gelu":
+    return [pz.nn.Elementwise(functools.partial(jax.nn.gelu, approximate=False))], []
+  if activation == "clamped_swiglu":
+    return [ClampedSwiGLUGate(alpha=alpha, limit=limit)], [ClampedLinearUp(limit=limit)]
+  raise ValueError(f"unknown expert activation {activation!r}")
+
+
+def experts_mlp(
+    name: str,
+    num_experts: int,
+    embedding_dim: int,
+    neurons: int,
+    *,
+    activation: Activation = "silu",
+    biases: bool = False,
+    inputs_have_experts: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    dtype: Any = jnp.float32,
+) -> pz.nn.Sequential:
+  """The experts' gated MLP, with parameter slots (no values) named
+  ``{name}/gate.weights``, ``{name}/up.weights``, ``{name}/down.weights``
+  (and ``{name}/gate_bias.bias``... with ``biases``).
+
+  Weights: gate and up ``[experts, embedding, neurons]``, down ``[experts,
+  neurons, embedding]``. With ``inputs_have_experts`` (Llama 4, whose input
+  is scaled per expert) the input carries ``experts``; otherwise it is
+  broadcast over it.
+  """
+  experts = {"experts": num_experts}
+  axes = ({"parallel_axes": experts} if inputs_have_experts
+          else {"parallel_broadcast_axes": experts})
+
+  def project(part: str, size_in: dict[str, int], size_out: dict[str, int],
+              parallel: dict[str, Any]) -> list[pz.nn.Layer]:
+    layers: list[pz.nn.Layer] = [pz.nn.Linear.from_config(
+        name=f"{name}/{part}", init_base_rng=None, input_axes=size_in, output_axes=size_out,
+        dtype=dtype, **parallel)]
+    if biases:
+      layers.append(pz.nn.AddBias.from_config(name=f"{name}/{part}_bias", init_base_rng=None,
+                                              biased_axes={**experts, **size_out}, dtype=dtype))
+    return layers
+
+  after_gate, after_up = _activation(activation, alpha, limit)
+  embedding, hidden = {"embedding": embedding_dim}, {"neurons": neurons}
+  return pz.nn.Sequential([
+      pz.nn.BranchAndMultiplyTogether(branches=[
+          pz.nn.NamedGroup("gate", [*project("gate", embedding, hidden, axes), *after_gate]),
+          pz.nn.NamedGroup("up", [*project("up", embedding, hidden, axes), *after_up]),
+      ]),
+      *project("down", hidden, embedding, {"parallel_axes": experts}),
+  ])
+
+
+def router_linear(name: str, num_experts: int, embedding_dim: int, *, bias: bool = False,
+                  dtype: Any = jnp.float32) -> pz.nn.Layer:
+  """The router's ``Linear`` from ``embedding`` to ``experts``
+  (``{name}.weights``), with an ``AddBias`` (``{name}_bias.bias``) if ``bias``."""
+  linear = pz.nn.Linear.from_config(name=name, init_base_rng=None,
+                                    input_axes={"embedding": embedding_dim},
+                                    output_axes={"experts": num_experts}, dtype=dtype)
+  if not bias:
+    return linear
+  return pz.nn.Sequential([linear, pz.nn.AddBias.from_config(
+      name=f"{name}_bias", init_base_rng=None, biased_axes={"experts": num_experts},
+      dtype=dtype)])
+
+
+def expert_vector(name: str, num_experts: int, dtype: Any = jnp.float32) -> pz.ParameterSlot:
+  """A parameter slot over ``experts`` (a router's ``selection_bias`` or
+  ``expert_scale``), labelled ``name``."""
+  del num_experts, dtype  # The slot is filled by the loader with the stored values.
+  return pz.ParameterSlot(name)
