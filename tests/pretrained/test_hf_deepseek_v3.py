@@ -153,7 +153,7 @@ def test_yarn_mscale_binds(saved):
 _BLOCK = (8, 16)  # Rows, columns: smaller than the matrices, not dividing all of them.
 
 
-def _quantized_folder(saved_case: harness.Saved, target):
+def _quantized_folder(saved_case: harness.Saved, target, **replaced):
   """``saved_case``'s folder with every matrix but the embeddings, router and
   head stored as DeepSeek's FP8 (float8_e4m3fn plus a float32
   ``weight_scale_inv`` per block); returns the folder and the dequantised
@@ -175,6 +175,7 @@ def _quantized_folder(saved_case: harness.Saved, target):
     out[name], out[name + "_scale_inv"] = fp8, scale
     dense[name] = fp8.astype(np.float32) * full
   target.mkdir()
+  out.update(replaced)
   safetensors.numpy.save_file(out, str(target / "model.safetensors"), metadata={"format": "pt"})
   config = harness.config(saved_case.folder)
   config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
@@ -247,13 +248,19 @@ def test_quantization_configs_are_refused(saved, tmp_path, monkeypatch, quantiza
 
 
 def test_fp8_scale_of_the_wrong_shape_is_refused_before_reading(saved, tmp_path):
-  folder, _ = _quantized_folder(saved["deepseek_v3"], tmp_path / "fp8")
-  stored = harness.tensors(folder)
   name = "model.layers.0.self_attn.q_b_proj.weight_scale_inv"
-  stored[name] = np.ones((1, 1), np.float32)
-  safetensors.numpy.save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
-  with pytest.raises(errors.PzPersistError, match="weight_scale_inv"):
+  folder, _ = _quantized_folder(saved["deepseek_v3"], tmp_path / "fp8",
+                                **{name: np.ones((1, 1), np.float32)})
+  with pytest.raises(errors.PzPersistError, match="weight_scale_inv.*expected float32"):
     pzp.pretrained.load_hf(folder)
+
+
+def test_fp8_folder_loads_in_its_other_tensors_dtype(saved, tmp_path):
+  """Without ``dtype``, an FP8 folder loads in the dtype of its unquantised
+  tensors (the Hub's: bfloat16; here float32), never float8."""
+  folder, _ = _quantized_folder(saved["deepseek_v3"], tmp_path / "fp8")
+  model = pzp.pretrained.load_hf(folder)
+  assert {value.dtype for value in harness._params(model).values()} == {np.dtype(np.float32)}
 
 
 # --- hostile configs ----------------------------------------------------------
@@ -270,7 +277,7 @@ def _refused_before_building(folder, match, monkeypatch):
 
 @pytest.mark.parametrize("changes, match", [
     ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
-    ({"num_nextn_predict_layers": 10**9, "num_hidden_layers": 2}, "num_hidden_layers"),
+    ({"num_nextn_predict_layers": 10**9, "num_hidden_layers": 10**9}, "num_hidden_layers"),
     ({"q_lora_rank": 0}, "q_lora_rank"),
     ({"kv_lora_rank": "16"}, "kv_lora_rank"),
     ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),

@@ -463,8 +463,8 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   fields["qk_head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
   fields["head_dim"] = fields["qk_rope_head_dim"]
   if first_dense is not None:
-    fields["intermediate_size"] = named_shape(first_layer(first_dense, pz.nn.Linear, "MLP"))[
-        "neurons"]
+    ffw = first_layer(first_dense, model_parts.TransformerFeedForward, "MLP")
+    fields["intermediate_size"] = named_shape(first_layer(ffw, pz.nn.Linear, "MLP"))["neurons"]
   else:
     fields["intermediate_size"] = like.get("intermediate_size", 1)
   fields.update(routing_fields(model, like, len(dense)))
