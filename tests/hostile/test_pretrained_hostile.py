@@ -276,6 +276,8 @@ _GEMMA_FIELDS = {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 _FAMILY_FIELDS = {
     "gemma": _GEMMA_FIELDS, "gemma2": _GEMMA_FIELDS, "gemma3_text": _GEMMA_FIELDS,
     "gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None},
+    "deepseek_v3": {"num_key_value_heads": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
+                    "qk_nope_head_dim": 4, "v_head_dim": 4},
 }
 """Changes (None: remove the field) making `CONFIG` acceptable to a family
 other than Llama's, so that only its layer count is wrong."""
