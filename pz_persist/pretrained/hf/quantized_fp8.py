@@ -127,9 +127,8 @@ def source(weights: Any, quantization: BlockFp8 | None, names: list[str],
   if not quantized:
     if stack is None:
       return names[0]
-    view = weights_lib.stacked(stack, names)
-    views.append(view)
-    return view.name
+    views.append(weights_lib.stacked(stack, names))
+    return stack
   if quantization is None:
     raise _refuse(where, quantized[0], "float8_e4m3fn, but config.json has no quantization_config")
   if len(quantized) != len(names):
@@ -157,7 +156,6 @@ def source(weights: Any, quantization: BlockFp8 | None, names: list[str],
     return matrices[0] if stack is None else np.stack(matrices)
 
   full = shape if stack is None else (len(names), *shape)
-  view = weights_lib.decoded(f"{stack or names[0]} (dequantised)", parts, full, target, decode,
-                             quantization.describe())
-  views.append(view)
-  return view.name
+  name = f"{stack or names[0]} (dequantised)"
+  views.append(weights_lib.decoded(name, parts, full, target, decode, quantization.describe()))
+  return name
