@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -328,3 +329,55 @@ def test_multi_token_prediction_layers_are_left_unread(saved, tmp_path):
       {**harness.config(case.folder), "num_nextn_predict_layers": 0}))
   with pytest.raises(errors.UnsupportedConfigError, match="num_hidden_layers"):
     pzp.pretrained.load_hf(target)
+
+
+DEEPSEEK_V3_CONFIG = {
+    # The Hub's config.json of deepseek-ai/DeepSeek-V3 (transformers 4.33 style:
+    # rope_theta and a legacy yarn rope_scaling, remote-code fields), its sizes
+    # shrunk and its quantization_config left out (the FP8 tests have it).
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1,
+    "ep_size": 1, "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 32,
+    "initializer_range": 0.02, "intermediate_size": 48, "kv_lora_rank": 16,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 16,
+    "moe_layer_freq": 1, "n_group": 4, "n_routed_experts": 8, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 2,
+    "num_hidden_layers": 2, "num_key_value_heads": 4, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40,
+                                            "mscale": 1.0, "mscale_all_dim": 1.0,
+                                            "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 2, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": True,
+    "v_head_dim": 8, "vocab_size": 64, "pad_token_id": 0,
+}
+
+
+def test_the_hubs_deepseek_v3_config(tmp_path):
+  saved = harness.hub_saved(tmp_path, DEEPSEEK_V3_CONFIG)
+  print(f"deepseek-ai/DeepSeek-V3's config: float32 max abs error"
+        f" {harness.check_float32(saved, 'DeepSeek-V3 hub'):.3g}")
+  pzp.export_hf(pzp.pretrained.load_hf(saved.folder), tmp_path / "out", like=saved.folder)
+  harness.assert_same_tensors(harness.tensors(tmp_path / "out"), harness.tensors(saved.folder))
+
+
+def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
+  """A bfloat16 load is, on average, as far from the float32 logits as
+  transformers' own bfloat16 run (within a factor of two plus 0.01, as
+  `harness.check_bfloat16`). Not the maximum: where two experts nearly tie,
+  bfloat16 rounding in earlier layers decides the choice, differently in the
+  two implementations, and a token that changed experts moves by O(1) (here
+  1.66 against transformers' 0.38; the MoE layer alone, fed the same
+  bfloat16 input, is closer to float32 than transformers': 0.088 against
+  0.17)."""
+  case = saved["deepseek_v3"]
+  hf_bf16 = harness.reference_logits(type(case.hf_model).from_pretrained(
+      case.folder, dtype=torch.bfloat16))
+  model = pzp.pretrained.load_hf(case.folder, dtype=jnp.bfloat16)
+  ours = np.abs(harness.penzai_logits(model) - case.reference)
+  theirs = np.abs(hf_bf16 - case.reference)
+  print(f"bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
+        f" (transformers bfloat16: max {theirs.max():.3g} mean {theirs.mean():.3g})")
+  assert ours.mean() <= 2 * theirs.mean() + 0.01

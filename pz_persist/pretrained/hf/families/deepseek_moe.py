@@ -20,6 +20,7 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
 from penzai import pz
 
 from pz_persist.pretrained.hf.config import Config
@@ -79,8 +80,13 @@ class Routing:
   def layer(self, name: str, dtype: Any) -> pz.nn.Layer:
     """The Penzai layer of MoE block ``name``'s MLP."""
     from pz_persist.pretrained.layers import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
+    # transformers computes the router's logits in float32 (its weight kept in
+    # float32, the activations cast): the same here, from the stored weight.
+    logits = pz.nn.Sequential([pz.nn.CastToDType(jnp.float32),
+                               moe.router_linear(f"{name}/router", self.experts, self.hidden,
+                                                 dtype=dtype)])
     router = moe.TopKRouter(
-        logits=moe.router_linear(f"{name}/router", self.experts, self.hidden, dtype=dtype),
+        logits=logits,
         num_experts=self.experts, top_k=self.top_k, score="sigmoid", normalize=self.normalize,
         normalize_epsilon=1e-20 if self.normalize else 0.0, scale=self.scale,
         groups=self.groups, top_groups=self.top_groups, group_score_k=2,
