@@ -118,9 +118,17 @@ def shared_mlp(name: str, hidden: int, neurons: int, dtype: Any) -> pz.nn.Sequen
   ])
 
 
-def read_routing(cfg: Config, hidden: int) -> Routing:
-  """The routing fields, checked against each other as transformers uses
-  them (a group needs two experts; the choice must fit the kept groups)."""
+DEEPSEEK_DEFAULTS = {"n_routed_experts": 256, "n_group": 8, "topk_group": 4,
+                     "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                     "n_shared_experts": 1, "routed_scaling_factor": 2.5}
+"""``DeepseekV3Config``'s defaults for an absent field."""
+
+
+def read_routing(cfg: Config, hidden: int,
+                 defaults: Mapping[str, Any] = DEEPSEEK_DEFAULTS) -> Routing:
+  """The routing fields (``defaults``: the family's transformers defaults),
+  checked against each other as transformers uses them (a group needs two
+  experts; the choice must fit the kept groups)."""
   cfg.expect("scoring_func", {"sigmoid"}, "sigmoid",
              why="; DeepSeek-V3's router scores are sigmoids")
   cfg.expect("topk_method", {"noaux_tc"}, "noaux_tc",
@@ -129,10 +137,10 @@ def read_routing(cfg: Config, hidden: int) -> Routing:
   for ignored in ("aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
                   "router_aux_loss_coef", "auto_map"):
     cfg.get(ignored)  # Training, parallelism or remote code: not the forward pass.
-  experts = cfg.get("n_routed_experts", 256)
-  groups = cfg.get("n_group", 8)
-  top_groups = cfg.get("topk_group", 4)
-  top_k = cfg.get("num_experts_per_tok", 8)
+  experts = cfg.get("n_routed_experts", defaults["n_routed_experts"])
+  groups = cfg.get("n_group", defaults["n_group"])
+  top_groups = cfg.get("topk_group", defaults["topk_group"])
+  top_k = cfg.get("num_experts_per_tok", defaults["num_experts_per_tok"])
   if experts % groups or experts // groups < 2:
     raise cfg.unsupported("n_group", groups, f"must split n_routed_experts={experts} into"
                           " groups of two experts or more (a group is ranked by its best two)")
@@ -141,10 +149,11 @@ def read_routing(cfg: Config, hidden: int) -> Routing:
   if top_k > top_groups * (experts // groups):
     raise cfg.unsupported("num_experts_per_tok", top_k, f"at most the {top_groups * (experts // groups)}"
                           " experts of the topk_group groups kept")
-  return Routing(hidden=hidden, experts=experts, neurons=cfg.get("moe_intermediate_size", 2048),
-                 shared=cfg.get("n_shared_experts", 1), top_k=top_k, groups=groups,
-                 top_groups=top_groups, normalize=cfg.get("norm_topk_prob", True),
-                 scale=float(cfg.get("routed_scaling_factor", 2.5)))
+  return Routing(hidden=hidden, experts=experts,
+                 neurons=cfg.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+                 shared=cfg.get("n_shared_experts", defaults["n_shared_experts"]), top_k=top_k,
+                 groups=groups, top_groups=top_groups, normalize=cfg.get("norm_topk_prob", True),
+                 scale=float(cfg.get("routed_scaling_factor", defaults["routed_scaling_factor"])))
 
 
 def routing_fields(model: Any, like: Mapping[str, Any], dense_layers: int) -> dict[str, Any]:

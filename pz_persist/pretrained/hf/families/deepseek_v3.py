@@ -348,8 +348,7 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   mtp = cfg.get("num_nextn_predict_layers", 1)
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
-  main_layers = {name for name in weights.names if not _is_mtp(name, sizes.layers, mtp)}
-  check_layers(cfg, main_layers, DECODER_LAYERS, sizes.layers)
+  check_layers(cfg, main_layers(weights.names, sizes.layers, mtp), DECODER_LAYERS, sizes.layers)
   head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD, "model.embed_tokens.weight")
   dtype = weights.dtype
   h = sizes.hidden
@@ -420,11 +419,16 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(build, tuple(specs), tuple(views))
 
 
-def _is_mtp(name: str, layers: int, mtp: int) -> bool:
-  """Whether ``name`` belongs to a multi-token prediction layer (layers
+def main_layers(names: set[str], layers: int, mtp: int) -> set[str]:
+  """``names`` without those of the multi-token prediction layers (layers
   ``layers .. layers + mtp - 1``), which the causal LM does not run."""
-  match = _LAYER_NUMBER.match(name, len(DECODER_LAYERS)) if name.startswith(DECODER_LAYERS) else None
-  return match is not None and layers <= int(match.group(1)) < layers + mtp
+
+  def is_mtp(name: str) -> bool:
+    match = (_LAYER_NUMBER.match(name, len(DECODER_LAYERS)) if name.startswith(DECODER_LAYERS)
+             else None)
+    return match is not None and layers <= int(match.group(1)) < layers + mtp
+
+  return {name for name in names if not is_mtp(name)}
 
 
 def _detect(model: Any) -> str | None:
