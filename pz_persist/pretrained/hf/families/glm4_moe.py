@@ -2,7 +2,7 @@
 
 GLM-4.5 is Llama's attention (`pz_persist.pretrained.hf.families.llama`:
 grouped-query, ``attention_bias`` on the query, key and value projections
-only) with Qwen3's optional query/key norms (``use_qk_norm``), RoPE on the
+only) with optional per-head query/key RMS norms (``use_qk_norm``), RoPE on the
 first ``partial_rotary_factor`` of each head (default one half: Penzai's
 ``ApplyRoPEToSubset``), and DeepSeek-V3's mixture of experts
 (`pz_persist.pretrained.hf.families.deepseek_moe`: group-limited sigmoid
