@@ -76,9 +76,10 @@ def raw_safetensors(path, header: dict, data: bytes):
 @pytest.fixture
 def no_reads(monkeypatch):
   """Fails the test if any tensor is read (checks must come first)."""
-  def refuse(self, name, dtype=None, **kwargs):
+  def refuse(self, name, *args, **kwargs):
     raise AssertionError(f"tensor {name!r} was read before the checks")
   monkeypatch.setattr(safetensors_io.SafetensorsFile, "get", refuse)
+  monkeypatch.setattr(safetensors_io.SafetensorsFile, "read_into", refuse)
 
 
 def test_the_tiny_folder_is_valid(tmp_path):
@@ -278,6 +279,8 @@ _FAMILY_FIELDS = {
     "gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None},
     "deepseek_v3": {"num_key_value_heads": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 4, "v_head_dim": 4},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
 }
 """Changes (None: remove the field) making `CONFIG` acceptable to a family
 other than Llama's, so that only its layer count is wrong."""
@@ -566,3 +569,85 @@ def test_same_size_but_other_shape_is_refused(tmp_path, no_reads):
   folder = hf_folder(tmp_path / "f", tensors=tensors)
   with pytest.raises(errors.SafetensorsFormatError, match="q_proj.*does not fit"):
     pzp.pretrained.load_hf(folder)
+
+
+# --- mixtures of experts: per-expert tensors stacked by a view -------------
+
+EXPERTS = 4
+MIXTRAL = dict(CONFIG, model_type="mixtral", num_local_experts=EXPERTS, num_experts_per_tok=2)
+
+
+def mixtral_tensors() -> dict[str, np.ndarray]:
+  """`llama_tensors` with each layer's MLP replaced by Mixtral's experts."""
+  rng = np.random.default_rng(1)
+  tensors = {k: v for k, v in llama_tensors().items() if ".mlp." not in k}
+  for i in range(LAYERS):
+    s = f"model.layers.{i}.block_sparse_moe."
+    tensors[s + "gate.weight"] = rng.normal(size=(EXPERTS, HIDDEN)).astype(np.float32)
+    for e in range(EXPERTS):
+      for part, shape in (("w1", (MLP, HIDDEN)), ("w3", (MLP, HIDDEN)), ("w2", (HIDDEN, MLP))):
+        tensors[f"{s}experts.{e}.{part}.weight"] = rng.normal(size=shape).astype(np.float32)
+  return tensors
+
+
+def test_the_tiny_mixtral_is_valid(tmp_path):
+  model = pzp.pretrained.load_hf(hf_folder(tmp_path / "ok", MIXTRAL, mixtral_tensors()))
+  params = {p.label: p.value for p in pz.unbind_params(model)[1]}
+  assert params["transformer/block_1/mlp/experts/down.weights"].named_shape == {
+      "experts": EXPERTS, "embedding": HIDDEN, "neurons": MLP}
+
+
+_EXPERT = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+
+
+@pytest.mark.parametrize("change, match", [
+    ("missing", f"{_EXPERT}' .a part of"),
+    ("shape", f"{_EXPERT}.*must have one dtype and shape"),
+    ("dtype", f"{_EXPERT}.*must have one dtype and shape"),
+    ("both_layouts", "one layout or the other"),
+    ("extra_expert", "num_local_experts.*experts \\[0, 1, 2, 3, 7\\]"),
+])
+def test_expert_tensors_are_checked_before_reading(tmp_path, no_reads, change, match):
+  """Every part of a stacked view is checked against the headers (present,
+  one dtype and shape, the folder holding one layout) and the expert count
+  against the weights, before anything is built or read."""
+  tensors = mixtral_tensors()
+  if change == "missing":
+    del tensors[_EXPERT]
+  elif change == "shape":
+    tensors[_EXPERT] = np.zeros((MLP + 1, HIDDEN), np.float32)
+  elif change == "dtype":
+    tensors[_EXPERT] = tensors[_EXPERT].astype(np.float16)
+  elif change == "both_layouts":
+    tensors["model.layers.0.block_sparse_moe.experts.w1.weight"] = np.zeros(
+        (EXPERTS, MLP, HIDDEN), np.float32)
+  else:
+    tensors["model.layers.0.block_sparse_moe.experts.7.w1.weight"] = np.zeros(
+        (MLP, HIDDEN), np.float32)
+  folder = hf_folder(tmp_path / change, MIXTRAL, tensors)
+  with pytest.raises(errors.PzPersistError, match=match):
+    pzp.pretrained.load_hf(folder)
+
+
+def test_huge_expert_count_fails_fast(tmp_path):
+  """A config asking for 10**9 experts (per layer, per projection: the
+  stacked views list every part) is refused from the weights' names before
+  any list of parts is built."""
+  qwen = {k.replace("block_sparse_moe", "mlp").replace(".w1.", ".gate_proj.").replace(
+      ".w3.", ".up_proj.").replace(".w2.", ".down_proj."): v for k, v in mixtral_tensors().items()}
+  folders = [str(hf_folder(tmp_path / name, config, tensors)) for name, config, tensors in (
+      ("mixtral", dict(MIXTRAL, num_local_experts=10**9), mixtral_tensors()),
+      ("qwen3_moe", dict(CONFIG, model_type="qwen3_moe", num_experts=10**9,
+                         num_experts_per_tok=2, moe_intermediate_size=MLP), qwen))]
+  out = run_python(f"""
+      import pz_persist as pzp
+      from pz_persist import errors
+      for folder in {folders!r}:
+        try:
+          pzp.pretrained.load_hf(folder)
+        except errors.PzPersistError as e:
+          print("REFUSED", e)
+      """, timeout=120)
+  refusals = [line for line in out.splitlines() if line.startswith("REFUSED")]
+  assert len(refusals) == 2, out
+  assert all("1000000000" in r for r in refusals), out

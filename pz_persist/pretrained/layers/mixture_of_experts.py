@@ -117,12 +117,37 @@ class TopKRouter(pz.nn.Layer):
     logits = self.logits(inputs, **side_inputs)
     extras = [p.value.untag("experts") if p is not None else None
               for p in (self.selection_bias, self.expert_scale)]
-    weights = pz.nx.nmap(self._route)(logits.untag("experts"), *extras)
+    rule = (self.num_experts, self.top_k, self.score, self.normalize, self.normalize_epsilon,
+            self.scale, self.groups, self.top_groups, self.group_score_k)
+    weights = pz.nx.nmap(functools.partial(_route, rule))(logits.untag("experts"), *extras)
     return weights.tag("experts").astype(inputs.dtype)
 
-  def _route(self, logits: jax.Array, bias: jax.Array | None,
-             expert_scale: jax.Array | None) -> jax.Array:
-    """One token's dense weights from its logits (all 1-D over experts)."""
+
+@functools.partial(jax.jit, static_argnums=0)
+def _route(rule: tuple[Any, ...], logits: jax.Array, bias: jax.Array | None,
+           expert_scale: jax.Array | None) -> jax.Array:
+  """One token's dense weights from its logits (all 1-D over experts), by
+  the `TopKRouter` fields in ``rule``. Compiled once per rule: also fast
+  when the model is called eagerly, outside ``jax.jit``."""
+  return _Rule(*rule).route(logits, bias, expert_scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+  """`TopKRouter`'s static fields (see there)."""
+
+  num_experts: int
+  top_k: int
+  score: Score
+  normalize: bool
+  normalize_epsilon: float
+  scale: float
+  groups: int
+  top_groups: int
+  group_score_k: int
+
+  def route(self, logits: jax.Array, bias: jax.Array | None,
+            expert_scale: jax.Array | None) -> jax.Array:
     logits = logits.astype(jnp.float32)
     if self.score == "softmax":
       scores = jax.nn.softmax(logits)

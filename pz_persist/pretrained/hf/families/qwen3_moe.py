@@ -1,0 +1,161 @@
+"""Qwen3-MoE checkpoints (``model_type`` ``qwen3_moe``: Qwen3-30B-A3B,
+Qwen3-235B-A22B, Qwen3-Coder).
+
+Qwen3's attention (query/key RMS norms, `pz_persist.pretrained.hf.families.qwen3`)
+with a mixture of experts in place of the MLP in layer ``i`` when ``i`` is
+not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (every
+layer in the published models), the others keeping a dense MLP of
+``intermediate_size``. The router is a softmax over ``num_experts`` experts,
+the top ``num_experts_per_tok`` chosen, renormalised over them if
+``norm_topk_prob``; each expert a SwiGLU MLP of ``moe_intermediate_size``
+(`pz_persist.pretrained.layers.mixture_of_experts`).
+
+Unlike Qwen2/Qwen3, transformers' Qwen3-MoE applies ``sliding_window`` to
+every layer when ``use_sliding_window`` is set (``max_window_layers``, which
+the Hub's configs carry, is read by nothing and ignored here too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+from penzai import pz
+from penzai.models.transformer.variants import llamalike_common
+
+from pz_persist import errors
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import attention
+from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import with_defaults
+from pz_persist.pretrained.hf.families.llama import Biases
+from pz_persist.pretrained.hf.families.llama import llama_plan
+from pz_persist.pretrained.hf.families.llama import model_biases
+from pz_persist.pretrained.hf.families.moe_common import BOOLEAN
+from pz_persist.pretrained.hf.families.moe_common import LAYER_LIST
+from pz_persist.pretrained.hf.families.moe_common import NON_NEGATIVE_INT
+from pz_persist.pretrained.hf.families.moe_common import POSITIVE_INT
+from pz_persist.pretrained.hf.families.moe_common import TRAINING_ONLY
+from pz_persist.pretrained.hf.families.moe_common import ExpertNames
+from pz_persist.pretrained.hf.families.moe_common import Experts
+from pz_persist.pretrained.hf.families.moe_common import check_experts
+from pz_persist.pretrained.hf.families.moe_common import expert_fields
+from pz_persist.pretrained.hf.families.moe_common import mixtures
+from pz_persist.pretrained.hf.families.moe_common import read_experts
+from pz_persist.pretrained.hf.families.moe_common import read_training_only
+from pz_persist.pretrained.hf.families.moe_common import softmax_routed
+from pz_persist.pretrained.hf.families.moe_common import softmax_router
+from pz_persist.pretrained.hf.families.moe_common import with_experts
+from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
+from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
+from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.record import Family
+from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import Weights
+
+FIELDS = {
+    "num_experts": POSITIVE_INT,
+    "num_local_experts": POSITIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT,
+    "norm_topk_prob": BOOLEAN,
+    "decoder_sparse_step": POSITIVE_INT,
+    "mlp_only_layers": LAYER_LIST,
+    "max_window_layers": NON_NEGATIVE_INT,
+    **TRAINING_ONLY,
+}
+
+
+def moe_layers(cfg: Config) -> Callable[[int], tuple[int, ...]]:
+  """The layers with experts, as transformers' ``Qwen3MoeDecoderLayer``
+  decides, given the layer count (called once it is checked against the
+  weights; the fields are read here)."""
+  step = cfg.get("decoder_sparse_step", 1)
+  dense = cfg.get("mlp_only_layers") or []
+
+  def routed(layers: int) -> tuple[int, ...]:
+    if any(i >= layers for i in dense):
+      raise cfg.unsupported("mlp_only_layers", dense, f"the layers are 0..{layers - 1}")
+    return tuple(i for i in range(layers) if i not in set(dense) and (i + 1) % step == 0)
+
+  return routed
+
+
+def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
+  """Maps a Qwen3-MoE checkpoint (transformers' ``Qwen3MoeConfig`` defaults)."""
+  with_defaults(cfg, intermediate_size=6144)
+  experts_count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size",
+                                               aliases=("num_local_experts",))
+  normalize = cfg.get("norm_topk_prob", False)
+  read_training_only(cfg)
+  cfg.get("max_window_layers")  # transformers' Qwen3-MoE reads it nowhere.
+  # One window for every layer, or none.
+  use_window = cfg.get("use_sliding_window", False)
+  window = cfg.nullable("sliding_window", 4096) if use_window else None
+  cfg.used.add("sliding_window")
+  kind = (llamalike_common.AttentionTypeGlobalCausal() if window is None
+          else llamalike_common.AttentionTypeSlidingWindowCausal(window))
+  routed = moe_layers(cfg)
+  bias = cfg.get("attention_bias", False)
+  plan = llama_plan(cfg, weights, attention=lambda count: kind,
+                    biases=Biases(query_key_value=bias, output=bias),
+                    max_positions_default=32768, block_extras=query_key_norm_specs,
+                    edit=with_query_key_norms)
+  # llama_plan checked num_hidden_layers against the weights.
+  experts = Experts(experts_count, top_k, neurons, normalize,
+                    routed(cfg.require("num_hidden_layers")), ExpertNames())
+  check_experts(cfg, weights.names, experts, "num_experts")
+  return with_experts(plan, experts, cfg.require("hidden_size"), weights.names,
+                      softmax_router())
+
+
+def _detect(model: Any) -> str | None:
+  """Qwen3's query norms and softmax-routed mixtures of experts."""
+  found = [layer for layer in mixtures(model) if layer is not None]
+  if (found and all(softmax_routed(layer) for layer in found)
+      and all_layers(attention(model).input_to_query, pz.nn.RMSLayerNorm)):
+    return "qwen3_moe"
+  return None
+
+
+def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+  del model_type  # Only qwen3_moe.
+  fields = expert_fields(model, like)
+  experts, neurons = fields.pop("_experts"), fields.pop("_neurons")
+  found = mixtures(model)
+  found_windows = set(windows(model))
+  if len(found_windows) > 1:
+    raise errors.ExportError(
+        "the model's blocks attend through different windows; Qwen3-MoE has one window"
+        f" for every layer or none (found {sorted(found_windows, key=str)}).")
+  window = found_windows.pop()
+  count_key = "num_local_experts" if "num_local_experts" in like else "num_experts"
+  routed = tuple(i for i, layer in enumerate(found) if layer is not None)
+  step, dense = like.get("decoder_sparse_step"), like.get("mlp_only_layers") or []
+  if not (isinstance(step, int) and step > 0 and isinstance(dense, list) and routed == tuple(
+      i for i in range(len(found)) if i not in dense and (i + 1) % step == 0)):
+    step, dense = 1, [i for i, layer in enumerate(found) if layer is None]  # like's, if they fit.
+  fields.update({
+      count_key: experts, "moe_intermediate_size": neurons, "decoder_sparse_step": step,
+      "mlp_only_layers": dense,
+      "use_sliding_window": window is not None, "sliding_window": window,
+      "attention_bias": model_biases(model).output,
+  })
+  return fields
+
+
+RECORD = Family(
+    title="Qwen3-MoE",
+    model_types={"qwen3_moe": ModelType(qwen3_moe_plan, "Qwen3MoeForCausalLM")},
+    detect=_detect,
+    write_config=_write_config,
+    adds=("Qwen3's attention with a mixture of experts (`MixtureOfExperts`: softmax router,"
+          " top-k, `norm_topk_prob`; experts on an `experts` axis, read from the Hub's"
+          " per-expert tensors or transformers 5's fused ones); `decoder_sparse_step`,"
+          " `mlp_only_layers` dense layers; one window for every layer"),
+    refuses="an MLP bias, other rope types, a window on some layers only",
+    rank=33,
+    fields=FIELDS,
+)
