@@ -279,6 +279,8 @@ def _refused_before_building(folder, match, monkeypatch):
 @pytest.mark.parametrize("changes, match", [
     ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
     ({"num_nextn_predict_layers": 10**9, "num_hidden_layers": 10**9}, "num_hidden_layers"),
+    ({"n_routed_experts": 10**9, "n_group": 1, "topk_group": 1}, "n_routed_experts"),
+    ({"n_routed_experts": 16}, "n_routed_experts.*experts 0..7"),
     ({"q_lora_rank": 0}, "q_lora_rank"),
     ({"kv_lora_rank": "16"}, "kv_lora_rank"),
     ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),

@@ -126,6 +126,7 @@ def test_the_hubs_glm_4_5_air_config(tmp_path):
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
                           "original_max_position_embeddings": 16,
                           "partial_rotary_factor": 0.5}}, "rope_type"),
+    ({"n_routed_experts": 10**9, "n_group": 1}, "n_routed_experts"),
     ({"n_group": 3}, "n_group"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ({"scoring_func": "softmax"}, "scoring_func"),

@@ -16,6 +16,7 @@ their weights the *unbiased* scores, divided by their sum (plus 1e-20) if
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -176,3 +177,24 @@ def routing_fields(model: Any, like: Mapping[str, Any], dense_layers: int) -> di
                 n_group=router.groups, topk_group=router.top_groups,
                 norm_topk_prob=router.normalize, routed_scaling_factor=router.scale)
   return fields
+
+
+def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int) -> None:
+  """Refuses an ``n_routed_experts`` other than the experts layer ``layer``
+  (the first with experts) holds, before any list of experts is made: a
+  forged count (10**9) must not reach the per-expert specs."""
+  prefix = f"model.layers.{layer}.mlp.experts."
+  pattern = re.compile(re.escape(prefix) + r"(\d{1,9})\.")
+  held = sorted({int(m.group(1)) for name in names if (m := pattern.match(name))})
+  if len(held) == experts and held[-1] == experts - 1:  # Sorted and distinct: 0..experts-1.
+    return
+  if not held:
+    found = "no per-expert tensors"
+    if any(name.startswith(prefix) for name in names):
+      found += " (experts fused in one tensor, a layout DeepSeek-V3 folders do not have)"
+  elif held[-1] == len(held) - 1:
+    found = f"experts 0..{held[-1]}"
+  else:
+    found = f"experts {held[:10]}{'...' if len(held) > 10 else ''}"
+  raise cfg.invalid("n_routed_experts", experts, "a positive integer matching the weights",
+                    f" but layer {layer} holds {found} ({prefix}{{e}}.gate_proj.weight...)")

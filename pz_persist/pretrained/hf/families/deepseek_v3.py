@@ -54,6 +54,7 @@ from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.families.deepseek_moe import Source
+from pz_persist.pretrained.hf.families.deepseek_moe import check_expert_count
 from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.families.deepseek_moe import routing_fields
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
@@ -349,6 +350,8 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, main_layers(weights.names, sizes.layers, mtp), DECODER_LAYERS, sizes.layers)
+  if sizes.dense_layers < sizes.layers:
+    check_expert_count(cfg, weights.names, sizes.dense_layers, moe.experts)
   head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD, "model.embed_tokens.weight")
   dtype = weights.dtype
   h = sizes.hidden

@@ -25,6 +25,7 @@ from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
+from pz_persist.pretrained.hf.families.deepseek_moe import check_expert_count
 from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.families.deepseek_moe import routing_fields
 from pz_persist.pretrained.hf.families.deepseek_v3 import FIELDS as DEEPSEEK_FIELDS
@@ -124,6 +125,8 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
     views.append(stacked(name, parts))
     return name
 
+  if dense < layers:  # Once llama_plan has checked the layers against the weights.
+    check_expert_count(cfg, weights.names, dense, routing.experts)
   moe_blocks = tuple(f"transformer/block_{i}/mlp/" for i in range(dense, layers))
   specs = [spec for spec in plan.tensors if not spec.label.startswith(moe_blocks)]
   for i in range(dense, layers):
