@@ -350,7 +350,7 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, main_layers(weights.names, sizes.layers, mtp), DECODER_LAYERS, sizes.layers)
-  if sizes.dense_layers < sizes.layers:
+  if sizes.dense_layers < sizes.layers and isinstance(weights, Weights):  # Not export's stand-in.
     check_expert_count(cfg, weights.names, sizes.dense_layers, moe.experts)
   head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD, "model.embed_tokens.weight")
   dtype = weights.dtype
