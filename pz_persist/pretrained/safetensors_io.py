@@ -271,38 +271,59 @@ class SafetensorsFile:
     self.read_into(name, out, allow_lossy=allow_lossy)
     return out
 
+  def read_many_into(self, items: Iterable[tuple[str, np.ndarray]], *,
+                     allow_lossy: bool = False) -> None:
+    """`read_into` for each ``(name, out)``, the file checked unchanged once
+    before and once after them all (not around each): a stack of 128
+    experts' tensors read from one file pays two checks, not 256."""
+    items = list(items)
+    for name, out in items:
+      self._check_out(name, out)
+    with self._lock:
+      self.check_unchanged()
+      for name, out in items:
+        self._read_unlocked(name, out, allow_lossy)
+      self.check_unchanged()
+
+  def _check_out(self, name: str, out: np.ndarray) -> None:
+    if name not in self.entries:
+      raise self._error(f"has no tensor {name!r}")
+    shape = self.entries[name][1]
+    if out.shape != shape or not out.flags.c_contiguous:
+      raise ValueError(f"read_into({name!r}) needs a C-contiguous array of shape {shape},"
+                       f" not {out.shape}")
+
+  def _read_unlocked(self, name: str, out: np.ndarray, allow_lossy: bool) -> None:
+    """Reads ``name`` into ``out`` (checked by `_check_out`), holding the lock."""
+    stored, _, begin, end = self.entries[name]
+    if begin == end:
+      return
+    try:
+      f = self._file
+      f.seek(self._data_start + begin)
+      if out.dtype == stored:
+        read = f.readinto(out.reshape(-1).view(np.uint8).data)
+      else:
+        where = None if allow_lossy else f"safetensors file {self.path}, tensor {name!r}"
+        read = _read_cast(f, out.reshape(-1), stored, where)
+    except OSError as e:
+      raise self._error(f"cannot be read ({e})", name) from e
+    if read != end - begin:
+      raise self._error(f"ended after {read} of {end - begin} bytes (truncated?)", name)
+
   def read_into(self, name: str, out: np.ndarray, *, allow_lossy: bool = False) -> None:
     """Reads the tensor ``name`` into ``out``, a C-contiguous array of its
     shape (cast to ``out.dtype`` as `get` does): several tensors can fill
     one preallocated buffer (a stack of per-expert tensors,
     `pz_persist.pretrained.hf.weights.stacked`) without a copy each."""
-    if name not in self.entries:
-      raise self._error(f"has no tensor {name!r}")
-    stored, shape, begin, end = self.entries[name]
-    if out.shape != shape or not out.flags.c_contiguous:
-      raise ValueError(f"read_into({name!r}) needs a C-contiguous array of shape {shape},"
-                       f" not {out.shape}")
-    dtype = out.dtype
-    if begin == end:
-      return
+    self._check_out(name, out)
     # Through the one descriptor opened with the header, checked before and
     # after: every tensor comes from the file whose header was validated,
     # and none from a version that replaced or rewrote it meanwhile.
-    try:
-      with self._lock:
-        self.check_unchanged()
-        f = self._file
-        f.seek(self._data_start + begin)
-        if dtype == stored:
-          read = f.readinto(out.reshape(-1).view(np.uint8).data)
-        else:
-          where = None if allow_lossy else f"safetensors file {self.path}, tensor {name!r}"
-          read = _read_cast(f, out.reshape(-1), stored, where)
-        self.check_unchanged()
-    except OSError as e:
-      raise self._error(f"cannot be read ({e})", name) from e
-    if read != end - begin:
-      raise self._error(f"ended after {read} of {end - begin} bytes (truncated?)", name)
+    with self._lock:
+      self.check_unchanged()
+      self._read_unlocked(name, out, allow_lossy)
+      self.check_unchanged()
 
 
 CAST_BUFFER_BYTES = 16 * 2**20

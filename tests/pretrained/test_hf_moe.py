@@ -130,8 +130,8 @@ def test_transformers_fused_layout_is_read_too(saved, loaded, tmp_path):
   np.testing.assert_allclose(checks.penzai_logits(model), reference, **checks.FLOAT32)
 
 
-@pytest.mark.parametrize("case", [pytest.param("qwen3_moe", marks=pytest.mark.slow),
-                                  "mixtral_window"])
+@pytest.mark.parametrize("case", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow),
+                                  pytest.param("mixtral_window", marks=pytest.mark.slow)])
 def test_kv_cache_sampling_matches_a_forward_pass(loaded, case):
   checks.check_kv_cache_sampling(loaded[case])
 
@@ -217,8 +217,9 @@ MIXTRAL_8X7B_CONFIG = {
 }
 
 
-@pytest.mark.parametrize("hub_config", [QWEN3_30B_A3B_CONFIG, MIXTRAL_8X7B_CONFIG],
-                         ids=["Qwen3-30B-A3B", "Mixtral-8x7B"])
+@pytest.mark.parametrize("hub_config", [
+    pytest.param(QWEN3_30B_A3B_CONFIG, id="Qwen3-30B-A3B"),
+    pytest.param(MIXTRAL_8X7B_CONFIG, id="Mixtral-8x7B", marks=pytest.mark.slow)])
 def test_the_hubs_configs(tmp_path, hub_config):
   model_cls = getattr(transformers, hub_config["architectures"][0])
   torch.manual_seed(0)

@@ -258,10 +258,14 @@ class _ViewFile:
     dtype = stored if dtype is None else np.dtype(dtype)
     view = self.view
     if isinstance(view, Stacked):
-      # One buffer, each part read straight into its slice (cast while read).
+      # One buffer, each part read straight into its slice (cast while
+      # read), each file checked unchanged once around all its parts.
       out = host_memory.aligned_empty(shape, dtype)
+      by_file: dict[int, tuple[Any, list[tuple[str, np.ndarray]]]] = {}
       for i, (part, file) in enumerate(self._parts):
-        file.read_into(part, out[i], allow_lossy=allow_lossy)
+        by_file.setdefault(id(file), (file, []))[1].append((part, out[i]))
+      for file, items in by_file.values():
+        file.read_many_into(items, allow_lossy=allow_lossy)
       return out
     arrays = {part: file.get(part) for part, file in self._parts}
     result = np.asarray(view.decode(arrays))
@@ -296,6 +300,8 @@ def _view_file(view: View, where: Mapping[str, safetensors_io.SafetensorsFile],
     return _ViewFile(view, where, view.dtype, view.shape)
   first = view.parts[0]
   dtype, shape = where[first].entries[first][:2]
+  if len({where[part].entries[part][:2] for part in view.parts}) == 1:
+    return _ViewFile(view, where, dtype, (len(view.parts), *shape))
   for part in view.parts[1:]:
     other = where[part].entries[part][:2]
     if other != (dtype, shape):

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from penzai import pz
 from penzai.models.transformer import model_parts
 
@@ -221,8 +222,8 @@ def with_experts(plan: Plan, experts: Experts, hidden: int, names: set[str],
     skeleton = dtype_of()
 
     def replace(ffw: model_parts.TransformerFeedForward) -> Any:
-      label = first_layer(ffw, pz.nn.Linear, "MLP").weights.label
-      match = _BLOCK.match(label)
+      slots = jax.tree_util.tree_leaves(ffw, is_leaf=lambda x: isinstance(x, pz.ParameterSlot))
+      match = _BLOCK.match(slots[0].label) if slots else None
       if not match or int(match.group(1)) not in moe_layers:
         return ffw
       name = f"{match.group(0)}mlp"
