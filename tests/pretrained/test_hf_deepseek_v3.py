@@ -242,6 +242,7 @@ def test_fp8_dequantise_matches_numpy():
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
      "activation_scheme"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "group_size": 4}, "group_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e8m0fnu"}, "scale_fmt"),
 ])
 def test_quantization_configs_are_refused(saved, tmp_path, monkeypatch, quantization, match):
   folder = harness.edited(saved["deepseek_v3"].folder, tmp_path, quantization_config=quantization)
@@ -365,6 +366,7 @@ def test_the_hubs_deepseek_v3_config(tmp_path):
   harness.assert_same_tensors(harness.tensors(tmp_path / "out"), harness.tensors(saved.folder))
 
 
+@pytest.mark.slow
 def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
   """A bfloat16 load is, on average, as far from the float32 logits as
   transformers' own bfloat16 run (within a factor of two plus 0.01, as
@@ -383,3 +385,19 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
   print(f"bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
         f" (transformers bfloat16: max {theirs.max():.3g} mean {theirs.mean():.3g})")
   assert ours.mean() <= 2 * theirs.mean() + 0.01
+
+
+def test_axis_rules_place_heads_latents_and_experts(saved):
+  """``AxisRules`` shard the latent attention by ``heads`` and the experts by
+  ``experts``; the sharded model computes the same logits."""
+  import jax  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+  rules = pzp.AxisRules(mesh, {"heads": "model", "experts": "data", "q_latent": "data"})
+  model = pzp.pretrained.load_hf(saved["deepseek_v3"].folder, sharding=rules)
+  params = harness._params(model)
+  key_up = params["transformer/block_0/attention/key_up.weights"]
+  assert "model" in key_up.data_array.sharding.spec
+  experts = params["transformer/block_1/mlp/experts/gate.weights"]
+  assert "data" in experts.data_array.sharding.spec
+  np.testing.assert_allclose(harness.penzai_logits(model), saved["deepseek_v3"].reference,
+                             **harness.TOLERANCE)

@@ -16,7 +16,8 @@ quantise activations at run time) is accepted as ``"dynamic"`` and has no
 effect here (the model computes in the load's dtype with the dequantised
 weights, as transformers' ``dequantize=True`` does);
 ``modules_to_not_convert`` / ``ignored_layers``, when given, must be lists of
-names. Which tensors are quantised is what the files say: an ``F8_E4M3``
+names; DeepSeek-V3.1's ``scale_fmt: "ue8m0"`` (its scales are powers of two,
+still stored as float32) is accepted. Which tensors are quantised is what the files say: an ``F8_E4M3``
 weight needs its ``weight_scale_inv`` (header-checked: shape as above,
 float32), a weight stored otherwise is read as it is.
 
@@ -82,13 +83,18 @@ def read_quantization(cfg: Config) -> BlockFp8 | None:
                  for b in block)):
     raise cfg.unsupported(f"{key}.weight_block_size", block,
                           "expected two positive block sizes, rows then columns ([128, 128])")
+  scale_fmt = config.get("scale_fmt")
+  if scale_fmt not in (None, "ue8m0"):
+    raise cfg.unsupported(f"{key}.scale_fmt", scale_fmt,
+                          "only DeepSeek-V3.1's 'ue8m0' (scales that are powers of two, stored as"
+                          " float32 like any other) is read")
   for names in ("modules_to_not_convert", "ignored_layers"):
     listed = config.get(names)
     if listed is not None and not (isinstance(listed, list)
                                    and all(isinstance(n, str) for n in listed)):
       raise cfg.unsupported(f"{key}.{names}", listed, "expected a list of module names")
   unknown = sorted(set(config) - {"quant_method", "fmt", "activation_scheme", "weight_block_size",
-                                  "modules_to_not_convert", "ignored_layers"})
+                                  "modules_to_not_convert", "ignored_layers", "scale_fmt"})
   if unknown:
     raise cfg.unsupported(f"{key}.{unknown[0]}", config[unknown[0]],
                           "not a field of FP8 block-scaled quantisation that pz_persist reads")
