@@ -401,3 +401,12 @@ def test_axis_rules_place_heads_latents_and_experts(saved):
   assert "data" in experts.data_array.sharding.spec
   np.testing.assert_allclose(harness.penzai_logits(model), saved["deepseek_v3"].reference,
                              **harness.TOLERANCE)
+
+
+def test_deepseek_v2_is_refused_saying_why(tmp_path):
+  folder = tmp_path / "v2"
+  folder.mkdir()
+  (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v2"}))
+  safetensors.numpy.save_file({}, str(folder / "model.safetensors"))
+  with pytest.raises(errors.UnsupportedConfigError, match="DeepSeek-V2.*router"):
+    pzp.pretrained.load_hf(folder)

@@ -491,4 +491,10 @@ RECORD = Family(
              " sigmoid / `noaux_tc`, `moe_layer_freq` other than 1"),
     rank=6,
     fields=FIELDS,
+    refused_model_types={
+        "deepseek_v2": ("model_type='deepseek_v2' is DeepSeek-V2 / V2.5, whose router (softmax"
+                        " scores, greedy or group-limited choice without a correction bias)"
+                        " pz_persist does not build yet; pz_persist.pretrained.load_hf reads its"
+                        " latent attention in DeepSeek-V3 (model_type 'deepseek_v3')"),
+    },
 )
