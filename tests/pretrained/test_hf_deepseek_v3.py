@@ -410,3 +410,10 @@ def test_deepseek_v2_is_refused_saying_why(tmp_path):
   safetensors.numpy.save_file({}, str(folder / "model.safetensors"))
   with pytest.raises(errors.UnsupportedConfigError, match="DeepSeek-V2.*router"):
     pzp.pretrained.load_hf(folder)
+
+
+def test_cli_export_from_a_saved_model(saved, tmp_path):
+  """The latent-attention and expert layers survive ``save_model`` /
+  ``load_model`` (allow-listed), and ``pz-persist export hf`` writes the
+  original tensors from that checkpoint alone."""
+  harness.check_cli_export_from_native(saved["deepseek_v3"], tmp_path)
