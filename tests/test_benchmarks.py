@@ -194,3 +194,34 @@ def test_pretrained_benchmark_writes_llama3_rope_scaling(tmp_path):
   layers = pz.select(model).at_instances_of(scaled_rope.ApplyScaledRoPE).get_sequence()
   assert layers and {layer.rope_type for layer in layers} == {"llama3"}
   assert {layer.max_wavelength for layer in layers} == {500_000.0}
+
+
+def _load_moe_benchmark():
+  import importlib.util  # pylint: disable=import-outside-toplevel
+
+  spec = importlib.util.spec_from_file_location(
+      "load_moe_benchmark", os.path.join(REPO, "benchmarks", "load_moe.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_load_moe_benchmark_runs(tmp_path, capsys):
+  """A tiny run: every operation measured in its own process, and the
+  ratios against reading the safetensors alone printed."""
+  results = _load_moe_benchmark().main([
+      "--experts", "4", "--layers", "2", "--hidden", "16", "--neurons", "8", "--repeats", "2",
+      "--dir", str(tmp_path)])
+  assert set(results["ops"]) == {"safetensors_numpy", "safe_open", "load_hf"}
+  assert results["tensors"] == 3 + 2 * (9 + 3 * 4)
+  assert all(entry["fresh"] > 0 and entry["warm"] > 0 for entry in results["ops"].values())
+  assert results["ratio_safetensors_numpy_warm"] > 0
+  printed = capsys.readouterr().out
+  assert "load_hf / safetensors_numpy (warm)" in printed
+
+
+@pytest.mark.slow
+def test_load_moe_benchmark_128_experts_48_layers(tmp_path):
+  results = _load_moe_benchmark().main(["--dir", str(tmp_path)])
+  assert results["tensors"] == 3 + 48 * (9 + 3 * 128)
+  assert results["ratio_safetensors_numpy_warm"] > 0

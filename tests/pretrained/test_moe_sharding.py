@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO
-from penzai import pz
-
-import pz_persist as pzp
 from hostile.test_pretrained_hostile import MIXTRAL
 from hostile.test_pretrained_hostile import hf_folder
 from hostile.test_pretrained_hostile import mixtral_tensors
+from penzai import pz
+
+import pz_persist as pzp
 
 TIMEOUT = 300
 

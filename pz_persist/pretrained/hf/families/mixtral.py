@@ -61,7 +61,7 @@ def mixtral_plan(cfg: Config, weights: Weights) -> Plan:
                     max_positions_default=4096 * 32)
   layers = cfg.require("num_hidden_layers")  # Checked against the weights by llama_plan.
   experts = Experts(experts_count, top_k, neurons, True, tuple(range(layers)), NAMES)
-  check_experts(cfg, weights.names, experts, "num_local_experts")
+  check_experts(cfg, weights, experts, "num_local_experts")
   return with_experts(plan, experts, cfg.require("hidden_size"), weights.names,
                       softmax_router(normalize_always=True))
 

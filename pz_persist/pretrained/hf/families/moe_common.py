@@ -137,14 +137,15 @@ def read_experts(cfg: Config, count_key: str, neurons_key: str, aliases: Sequenc
   return experts, top_k, cfg.require(neurons_key)
 
 
-def check_experts(cfg: Config, names: set[str], experts: Experts, key: str) -> None:
+def check_experts(cfg: Config, weights: Any, experts: Experts, key: str) -> None:
   """Refuses an expert count other than the experts the weights hold (the
   first layer with experts), before anything is built: the stacked views
   list every expert, so a forged count (10**9) must not reach them. A folder
   of transformers 5's fused layout is left to its shape checks (its specs
   do not grow with the count)."""
-  if not experts.layers:
+  if not experts.layers or getattr(weights, "stand_in", False):  # Export: the model's own.
     return
+  names = weights.names
   s = f"model.layers.{experts.layers[0]}."
   prefix = f"{s}{experts.names.block}.experts."
   pattern = re.compile(re.escape(prefix) + r"(\d{1,9})\.")
@@ -291,7 +292,7 @@ def expert_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
   routed = [layer for layer in found if layer is not None]
   if not routed:
     raise ExportError("the model has no MixtureOfExperts layer, so it is not a mixture of"
-                      " experts; export it as its dense family (like='qwen3', 'mistral').")
+                      " experts; export it as its dense family (name it with like=).")
   first = routed[0]
   router = first.router
   if not softmax_routed(first) or not isinstance(router, moe.TopKRouter):

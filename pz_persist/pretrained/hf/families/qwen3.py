@@ -96,6 +96,6 @@ RECORD = Family(
     write_config=_write_config,
     adds=("query/key RMS norms (`RMSLayerNorm` after each projection); Qwen2's sliding-window"
           " fields; tied or untied embeddings; scaled RoPE"),
-    refuses="mixture of experts (`qwen3_moe`), an MLP bias, other rope types",
+    refuses="an MLP bias, other rope types (its mixture of experts is `qwen3_moe`)",
     rank=35,
 )

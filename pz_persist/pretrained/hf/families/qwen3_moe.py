@@ -1,8 +1,8 @@
 """Qwen3-MoE checkpoints (``model_type`` ``qwen3_moe``: Qwen3-30B-A3B,
 Qwen3-235B-A22B, Qwen3-Coder).
 
-Qwen3's attention (query/key RMS norms, `pz_persist.pretrained.hf.families.qwen3`)
-with a mixture of experts in place of the MLP in layer ``i`` when ``i`` is
+The dense family's attention (query/key RMS norms, its module's
+`query_key_norm_specs` / `with_query_key_norms`) with a mixture of experts in place of the MLP in layer ``i`` when ``i`` is
 not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0`` (every
 layer in the published models), the others keeping a dense MLP of
 ``intermediate_size``. The router is a softmax over ``num_experts`` experts,
@@ -10,7 +10,7 @@ the top ``num_experts_per_tok`` chosen, renormalised over them if
 ``norm_topk_prob``; each expert a SwiGLU MLP of ``moe_intermediate_size``
 (`pz_persist.pretrained.layers.mixture_of_experts`).
 
-Unlike Qwen2/Qwen3, transformers' Qwen3-MoE applies ``sliding_window`` to
+Unlike the dense models' (and Qwen2's), transformers' Qwen3-MoE applies ``sliding_window`` to
 every layer when ``use_sliding_window`` is set (``max_window_layers``, which
 the Hub's configs carry, is read by nothing and ignored here too).
 """
@@ -106,13 +106,13 @@ def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
   # llama_plan checked num_hidden_layers against the weights.
   experts = Experts(experts_count, top_k, neurons, normalize,
                     routed(cfg.require("num_hidden_layers")), ExpertNames())
-  check_experts(cfg, weights.names, experts, "num_experts")
+  check_experts(cfg, weights, experts, "num_experts")
   return with_experts(plan, experts, cfg.require("hidden_size"), weights.names,
                       softmax_router())
 
 
 def _detect(model: Any) -> str | None:
-  """Qwen3's query norms and softmax-routed mixtures of experts."""
+  """Query/key norms and softmax-routed mixtures of experts."""
   found = [layer for layer in mixtures(model) if layer is not None]
   if (found and all(softmax_routed(layer) for layer in found)
       and all_layers(attention(model).input_to_query, pz.nn.RMSLayerNorm)):
@@ -151,7 +151,7 @@ RECORD = Family(
     model_types={"qwen3_moe": ModelType(qwen3_moe_plan, "Qwen3MoeForCausalLM")},
     detect=_detect,
     write_config=_write_config,
-    adds=("Qwen3's attention with a mixture of experts (`MixtureOfExperts`: softmax router,"
+    adds=("query/key RMS norms with a mixture of experts (`MixtureOfExperts`: softmax router,"
           " top-k, `norm_topk_prob`; experts on an `experts` axis, read from the Hub's"
           " per-expert tensors or transformers 5's fused ones); `decoder_sparse_step`,"
           " `mlp_only_layers` dense layers; one window for every layer"),
