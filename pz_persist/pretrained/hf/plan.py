@@ -44,6 +44,12 @@ class TensorSpec:
       before the reshape to ``shape``. Phi-3 stores the query, key and value
       projections in one tensor whose parts differ in size (grouped-query
       attention), which ``take`` cannot split.
+    part: ``(dimension, start, stop)``: only this range of one dimension of
+      the reshaped tensor makes the parameter (that dimension keeps its
+      place, of size ``stop - start``). DeepSeek's ``kv_b_proj`` holds each
+      head's key rows then its value rows, of different sizes, so the keys
+      and the values of all heads are a range of the dimension after the
+      heads, which neither ``rows`` nor ``take`` reach.
   """
 
   label: str
@@ -54,6 +60,7 @@ class TensorSpec:
   stored: tuple[int, ...] | None = None
   offset: float = 0.0
   rows: tuple[int, int] | None = None
+  part: tuple[int, int, int] | None = None
 
   @property
   def file_shape(self) -> tuple[int, ...]:
@@ -63,7 +70,10 @@ class TensorSpec:
   @property
   def parameter_shape(self) -> tuple[int, ...]:
     """The Penzai parameter's shape, over ``axes`` (``shape`` without the
-    dimension ``take`` removes)."""
+    dimension ``take`` removes, ``part``'s range of its dimension)."""
+    if self.part is not None:
+      dim, start, stop = self.part
+      return self.shape[:dim] + (stop - start,) + self.shape[dim + 1:]
     if self.take is None:
       return self.shape
     return self.shape[:self.take[0]] + self.shape[self.take[0] + 1:]
@@ -133,6 +143,9 @@ def penzai_layout(spec: TensorSpec, stored: np.ndarray) -> np.ndarray:
   if spec.rows is not None:
     stored = stored[spec.rows[0]:spec.rows[1]]
   host = stored.reshape(spec.shape)
+  if spec.part is not None:
+    dim, start, stop = spec.part
+    host = host[(slice(None),) * dim + (slice(start, stop),)]
   if spec.take is not None:
     dim, index = spec.take
     host = np.take(host, index, axis=dim)
@@ -158,6 +171,8 @@ def stored_layout(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
   first = specs[0]
   if first.rows is not None:
     return _stacked_rows(specs, values)
+  if first.part is not None:
+    return _joined_parts(specs, values)
   if first.take is None:
     for spec, value in zip(specs[1:], values[1:]):
       if spec.take is not None or value.dtype != values[0].dtype or not np.array_equal(
@@ -202,3 +217,21 @@ def _stacked_rows(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
     )
   return np.concatenate([value.reshape(stop - start, *shape[1:])
                          for (start, stop), _, value in parts], axis=0)
+
+
+def _joined_parts(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> np.ndarray:
+  """The stored tensor whose ranges (`TensorSpec.part`) ``specs`` read
+  ``values`` from; the ranges must tile their dimension once."""
+  first = specs[0]
+  dim = first.part[0] if first.part is not None else 0
+  parts = sorted(((spec.part or (-1, -1, -1)), spec.label, _unoffset(spec, value))
+                 for spec, value in zip(specs, values))
+  ends = [0] + [stop for (_, _, stop), _, _ in parts]
+  if (any(part[0] != dim or part[1] != end for (part, _, _), end in zip(parts, ends))
+      or ends[-1] != first.shape[dim]):
+    raise ValueError(
+        f"{first.source!r} is fused from {[s.label for s in specs]}, whose ranges"
+        f" {[part for part, _, _ in parts]} do not cover dimension {dim} ({first.shape[dim]})"
+        " once each"
+    )
+  return np.concatenate([value for _, _, value in parts], axis=dim).reshape(first.file_shape)

@@ -163,10 +163,12 @@ class Weights:
 
 
 def stored_float_dtype(where: Mapping[str, safetensors_io.SafetensorsFile]) -> np.dtype:
-  """The checkpoint's floating dtype (of its first floating tensor)."""
+  """The checkpoint's floating dtype (of its first floating tensor wider
+  than a byte: float8 tensors are quantised storage, as in DeepSeek-V3's
+  FP8 folders, whose other tensors are bfloat16)."""
   for name, file in where.items():
     stored = file.entries[name][0]
-    if jnp.issubdtype(stored, jnp.floating):
+    if jnp.issubdtype(stored, jnp.floating) and stored.itemsize > 1:
       return stored
   return np.dtype(np.float32)
 

@@ -72,7 +72,7 @@ def detect(model: Any) -> str | None:
 
 def nearest(model_type: str) -> str | None:
   """The supported ``model_type`` closest to an unsupported one (a prefix of
-  it, else the closest of the same stem: ``mixtral`` -> ``mistral``), for the
+  it, else the closest of the same stem: ``olmoe`` -> ``olmo3``), for the
   refusal's message; None if none is close."""
   by_prefix = [t for t in MODEL_TYPES if model_type.startswith(t)]
   if by_prefix:

@@ -50,6 +50,7 @@ from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
 from pz_persist.pretrained.layers.offset_scale import OffsetScale
+from pz_persist.pretrained.layers.mixture_of_experts import MixtureOfExperts
 
 _DEFAULT_THETA = 10_000.0
 _DEFAULT_POSITIONS = 4096  # Phi3Config's max_position_embeddings and original_...
@@ -221,12 +222,14 @@ def _fused(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
 
 def _detect(model: Any) -> str | None:
   """LongRoPE, or a partial rotary embedding on RMS-normed blocks whose norms
-  multiply by ``w`` (not by ``1 + w``, `OffsetScale`, as Gemma's do)."""
+  multiply by ``w`` (not by ``1 + w``, `OffsetScale`, as Gemma's do) and that
+  hold no experts (GLM-4.5 has partial rotary and experts)."""
   if all_layers(model, OffsetScale):
     return None
   if all_layers(model, ApplyLongRoPE):
     return "phi3"
-  if all_layers(model, pz.nn.ApplyRoPEToSubset) and not all_layers(model, pz.nn.Standardize):
+  if (all_layers(model, pz.nn.ApplyRoPEToSubset) and not all_layers(model, pz.nn.Standardize)
+      and not all_layers(model, MixtureOfExperts)):
     return "phi3"
   return None
 

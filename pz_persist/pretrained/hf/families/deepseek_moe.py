@@ -1,0 +1,200 @@
+"""DeepSeek-V3's mixture of experts (and GLM-4.5's, the same rule), read from
+``config.json`` and mapped onto
+`pz_persist.pretrained.layers.mixture_of_experts`.
+
+The rule (transformers' ``DeepseekV3TopkRouter``): sigmoid scores of the
+router logits (float32); ``e_score_correction_bias`` added for choosing
+only; the experts split into ``n_group`` consecutive groups, each ranked by
+the sum of its two best biased scores, the ``topk_group`` best kept; the
+``num_experts_per_tok`` best biased scores of the kept experts chosen;
+their weights the *unbiased* scores, divided by their sum (plus 1e-20) if
+``norm_topk_prob``, times ``routed_scaling_factor``. Then
+``n_shared_experts`` shared experts, one SwiGLU MLP of
+``moe_intermediate_size * n_shared_experts``, always added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from penzai import pz
+
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import named_shape
+from pz_persist.pretrained.hf.plan import TensorSpec
+
+Source = Callable[..., str]
+"""``src(stored name, stored shape, parts=None)``: the tensor a spec reads
+for a stored matrix (or the stack of the stored ``parts``), FP8 ones
+dequantised (`pz_persist.pretrained.hf.quantized_fp8.source`)."""
+
+_PROJECTIONS = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """A checked DeepSeek-style routing: sizes and rule."""
+
+  hidden: int
+  experts: int
+  neurons: int
+  shared: int
+  top_k: int
+  groups: int
+  top_groups: int
+  normalize: bool
+  scale: float
+
+  def specs(self, p: str, s: str, src: Source) -> list[TensorSpec]:
+    """The tensors of MoE block ``p`` (Penzai) from layer ``s``: the router
+    and its correction bias, each expert's three matrices stacked on a new
+    ``experts`` dimension (a `pz_persist.pretrained.hf.weights.stacked`
+    view), the shared experts."""
+    h, e, n = self.hidden, self.experts, self.neurons
+    specs = [
+        TensorSpec(f"{p}mlp/router.weights", f"{s}mlp.gate.weight", (e, h),
+                   ("experts", "embedding")),
+        TensorSpec(f"{p}mlp/router/selection_bias", f"{s}mlp.gate.e_score_correction_bias",
+                   (e,), ("experts",)),
+    ]
+    for part, hf in _PROJECTIONS:
+      stored = (n, h) if part != "down" else (h, n)
+      axes = ("neurons", "embedding") if part != "down" else ("embedding", "neurons")
+      source = src(f"{s}mlp.experts.{hf}.weight", stored,
+                   [f"{s}mlp.experts.{i}.{hf}.weight" for i in range(e)])
+      specs.append(TensorSpec(f"{p}mlp/experts/{part}.weights", source, (e, *stored),
+                              ("experts", *axes)))
+    width = n * self.shared
+    for part, hf in _PROJECTIONS:
+      stored = (width, h) if part != "down" else (h, width)
+      axes = ("neurons", "embedding") if part != "down" else ("embedding", "neurons")
+      specs.append(TensorSpec(f"{p}mlp/shared/{part}.weights",
+                              src(f"{s}mlp.shared_experts.{hf}.weight", stored), stored, axes))
+    return specs
+
+  def layer(self, name: str, dtype: Any) -> pz.nn.Layer:
+    """The Penzai layer of MoE block ``name``'s MLP."""
+    from pz_persist.pretrained.layers import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
+    # transformers computes the router's logits in float32 (its weight kept in
+    # float32, the activations cast): the same here, from the stored weight.
+    logits = pz.nn.Sequential([pz.nn.CastToDType(jnp.float32),
+                               moe.router_linear(f"{name}/router", self.experts, self.hidden,
+                                                 dtype=dtype)])
+    router = moe.TopKRouter(
+        logits=logits,
+        num_experts=self.experts, top_k=self.top_k, score="sigmoid", normalize=self.normalize,
+        normalize_epsilon=1e-20 if self.normalize else 0.0, scale=self.scale,
+        groups=self.groups, top_groups=self.top_groups, group_score_k=2,
+        selection_bias=moe.expert_vector(f"{name}/router/selection_bias", self.experts, dtype))
+    return moe.MixtureOfExperts(
+        router=router,
+        experts=moe.experts_mlp(f"{name}/experts", self.experts, self.hidden, self.neurons,
+                                activation="silu", dtype=dtype),
+        shared=shared_mlp(f"{name}/shared", self.hidden, self.neurons * self.shared, dtype))
+
+
+def shared_mlp(name: str, hidden: int, neurons: int, dtype: Any) -> pz.nn.Sequential:
+  """A SwiGLU MLP (``{name}/gate``, ``/up``, ``/down``), as a plain
+  ``Sequential`` (not a ``TransformerFeedForward``: it is part of one)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def linear(part: str, inputs: dict[str, int], outputs: dict[str, int]) -> pz.nn.Linear:
+    return pz.nn.Linear.from_config(name=f"{name}/{part}", init_base_rng=None,
+                                    input_axes=inputs, output_axes=outputs, dtype=dtype)
+
+  embedding, hidden_axes = {"embedding": hidden}, {"neurons": neurons}
+  return pz.nn.Sequential([
+      pz.nn.BranchAndMultiplyTogether(branches=[
+          pz.nn.NamedGroup("gate", [linear("gate", embedding, hidden_axes),
+                                    pz.nn.Elementwise(jax.nn.silu)]),
+          linear("up", embedding, hidden_axes),
+      ]),
+      linear("down", hidden_axes, embedding),
+  ])
+
+
+DEEPSEEK_DEFAULTS = {"n_routed_experts": 256, "n_group": 8, "topk_group": 4,
+                     "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                     "n_shared_experts": 1, "routed_scaling_factor": 2.5}
+"""``DeepseekV3Config``'s defaults for an absent field."""
+
+
+def read_routing(cfg: Config, hidden: int,
+                 defaults: Mapping[str, Any] = DEEPSEEK_DEFAULTS) -> Routing:
+  """The routing fields (``defaults``: the family's transformers defaults),
+  checked against each other as transformers uses them (a group needs two
+  experts; the choice must fit the kept groups)."""
+  cfg.expect("scoring_func", {"sigmoid"}, "sigmoid",
+             why="; DeepSeek-V3's router scores are sigmoids")
+  cfg.expect("topk_method", {"noaux_tc"}, "noaux_tc",
+             why="; transformers' DeepSeek-V3 router implements the noaux_tc choice only")
+  cfg.expect("moe_layer_freq", {1}, 1, why="; every layer from first_k_dense_replace on is MoE")
+  for ignored in ("aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
+                  "router_aux_loss_coef", "auto_map"):
+    cfg.get(ignored)  # Training, parallelism or remote code: not the forward pass.
+  experts = cfg.get("n_routed_experts", defaults["n_routed_experts"])
+  groups = cfg.get("n_group", defaults["n_group"])
+  top_groups = cfg.get("topk_group", defaults["topk_group"])
+  top_k = cfg.get("num_experts_per_tok", defaults["num_experts_per_tok"])
+  if experts % groups or experts // groups < 2:
+    raise cfg.unsupported("n_group", groups, f"must split n_routed_experts={experts} into"
+                          " groups of two experts or more (a group is ranked by its best two)")
+  if top_groups > groups:
+    raise cfg.unsupported("topk_group", top_groups, f"at most n_group={groups}")
+  if top_k > top_groups * (experts // groups):
+    raise cfg.unsupported("num_experts_per_tok", top_k, f"at most the {top_groups * (experts // groups)}"
+                          " experts of the topk_group groups kept")
+  return Routing(hidden=hidden, experts=experts,
+                 neurons=cfg.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+                 shared=cfg.get("n_shared_experts", defaults["n_shared_experts"]), top_k=top_k,
+                 groups=groups, top_groups=top_groups, normalize=cfg.get("norm_topk_prob", True),
+                 scale=float(cfg.get("routed_scaling_factor", defaults["routed_scaling_factor"])))
+
+
+def routing_fields(model: Any, like: Mapping[str, Any], dense_layers: int) -> dict[str, Any]:
+  """The routing fields of ``model`` (its first MoE layer's), for export;
+  ``like``'s where the model has no MoE layer."""
+  from pz_persist.pretrained.layers import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
+  keys = ("n_routed_experts", "moe_intermediate_size", "n_shared_experts", "num_experts_per_tok",
+          "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
+  fields: dict[str, Any] = {"first_k_dense_replace": dense_layers}
+  layers = all_layers(model, moe.MixtureOfExperts)
+  if not layers:
+    fields.update({key: like[key] for key in keys if key in like})
+    return fields
+  layer = layers[0]
+  router = layer.router
+  neurons = named_shape(all_layers(layer.experts, pz.nn.Linear)[0])["neurons"]
+  shared = named_shape(all_layers(layer.shared, pz.nn.Linear)[0])["neurons"]
+  fields.update(n_routed_experts=router.num_experts, moe_intermediate_size=neurons,
+                n_shared_experts=max(shared // neurons, 1), num_experts_per_tok=router.top_k,
+                n_group=router.groups, topk_group=router.top_groups,
+                norm_topk_prob=router.normalize, routed_scaling_factor=router.scale)
+  return fields
+
+
+def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int) -> None:
+  """Refuses an ``n_routed_experts`` other than the experts layer ``layer``
+  (the first with experts) holds, before any list of experts is made: a
+  forged count (10**9) must not reach the per-expert specs."""
+  prefix = f"model.layers.{layer}.mlp.experts."
+  pattern = re.compile(re.escape(prefix) + r"(\d{1,9})\.")
+  held = sorted({int(m.group(1)) for name in names if (m := pattern.match(name))})
+  if len(held) == experts and held[-1] == experts - 1:  # Sorted and distinct: 0..experts-1.
+    return
+  if not held:
+    found = "no per-expert tensors"
+    if any(name.startswith(prefix) for name in names):
+      found += " (experts fused in one tensor, a layout DeepSeek-V3 folders do not have)"
+  elif held[-1] == len(held) - 1:
+    found = f"experts 0..{held[-1]}"
+  else:
+    found = f"experts {held[:10]}{'...' if len(held) > 10 else ''}"
+  raise cfg.invalid("n_routed_experts", experts, "a positive integer matching the weights",
+                    f" but layer {layer} holds {found} ({prefix}{{e}}.gate_proj.weight...)")
