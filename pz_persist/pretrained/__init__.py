@@ -17,6 +17,7 @@ from pz_persist.pretrained.hf.export import export_hf
 from pz_persist.pretrained.lora_merge import merge_lora
 from pz_persist.pretrained.safetensors_io import export_safetensors
 from pz_persist.pretrained.safetensors_io import load_safetensors
+from pz_persist.pretrained.sampling import kv_caching_lm
 
-__all__ = ["GemmaReport", "GemmaSetting", "export_hf", "export_safetensors", "load_gemma",
-           "load_hf", "load_safetensors", "merge_lora"]
+__all__ = ["GemmaReport", "GemmaSetting", "export_hf", "export_safetensors", "kv_caching_lm",
+           "load_gemma", "load_hf", "load_safetensors", "merge_lora"]

@@ -23,7 +23,7 @@ from penzai import pz
 
 import pz_persist as pzp
 from pretrained.test_hf import sampling_jitted
-from pz_persist.pretrained.layers.kv_sharing import kv_caching_lm
+from pz_persist.pretrained.sampling import kv_caching_lm
 
 SEQUENCES = np.array([
     [1, 5, 9, 3, 7, 2, 11, 60, 33, 17],

@@ -46,7 +46,7 @@ from penzai.models.transformer.variants import llamalike_common
 import pz_persist as pzp
 from pretrained.family_checks import SEQUENCES
 from pz_persist import errors
-from pz_persist.pretrained.layers.kv_sharing import kv_caching_lm
+from pz_persist.pretrained.sampling import kv_caching_lm
 
 TOKENS = SEQUENCES
 """Three sequences of ten tokens (those of h-records' `family_checks`),

@@ -98,7 +98,7 @@ def test_float32_logits_match_transformers(saved, case):
     "gemma4_text", *(pytest.param(case, marks=pytest.mark.slow) for case in CASES
                      if case != "gemma4_text")])
 def test_kv_cache_sampling_matches_a_forward_pass(saved, case):
-  """Through `kv_sharing.kv_caching_lm` (the global layers' caches have
+  """Through `pz_persist.pretrained.kv_caching_lm` (the global layers' caches have
   their own head sizes); the layers reusing keys and values keep a copy of
   the producing layer's cache."""
   checks.check_kv_cache_sampling(pzp.pretrained.load_hf(saved[case][0]))

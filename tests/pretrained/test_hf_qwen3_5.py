@@ -40,7 +40,7 @@ from pretrained.test_hf_qwen2 import _edited_copy
 from pz_persist import errors
 from pz_persist.pretrained.layers import mixture_of_experts as moe
 from pz_persist.pretrained.layers.gated_delta_net import GatedDeltaNet
-from pz_persist.pretrained.layers.gated_delta_net import kv_caching_lm
+from pz_persist.pretrained.sampling import kv_caching_lm
 
 _COMMON = {"hidden_size": 32, "num_attention_heads": 4, "vocab_size": 64, "intermediate_size": 64,
            "pad_token_id": 0, "linear_key_head_dim": 8, "linear_value_head_dim": 8}

@@ -24,7 +24,7 @@ the same function rearranged; tests/pretrained/test_hf_qwen3_5.py measures the
 difference). Its state after the last token, and the convolution's last
 ``conv_taps - 1`` inputs, are what sampling carries from one call to the next:
 `CachingGatedDeltaNet` holds them in a ``pz.StateVariable``, and
-`kv_caching_lm` puts a model with these layers into Penzai's KV-cache sampling
+`pz_persist.pretrained.kv_caching_lm` puts a model with these layers into Penzai's KV-cache sampling
 mode (``KVCachingTransformerLM.from_uncached`` converts only
 ``pz.nn.Attention`` layers, and the uncached layer refuses to run there rather
 than silently forget the past).
@@ -39,8 +39,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from penzai import pz
-from penzai.models.transformer import model_parts
-from penzai.models.transformer import sampling_mode
 
 from pz_persist import errors
 
@@ -132,7 +130,7 @@ class GatedDeltaNet(pz.nn.Layer):
           "A GatedDeltaNet layer is running inside Penzai's KV-cache sampling mode without"
           " its recurrent state: KVCachingTransformerLM.from_uncached converts only"
           " pz.nn.Attention layers, so each call would forget the tokens before it. Build"
-          " the sampler with pz_persist.pretrained.layers.gated_delta_net.kv_caching_lm"
+          " the sampler with pz_persist.pretrained.kv_caching_lm"
           "(model, cache_len, batch_axes) instead."
       )
     outputs, _ = self.run(inputs, None)
@@ -279,24 +277,3 @@ class CachingGatedDeltaNet(pz.nn.Layer):
     self.state.value = state
     return outputs
 
-
-def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],
-                  pad_id: int = 0, variable_name_prefix: str = "sampler"
-                  ) -> sampling_mode.KVCachingTransformerLM:
-  """``KVCachingTransformerLM.from_uncached`` for a model with
-  `GatedDeltaNet` layers: its attention layers cache keys and values as
-  Penzai's do, its DeltaNet layers carry their state (`CachingGatedDeltaNet`).
-
-  Padding tokens (``pad_id``) are skipped by the attention layers' masks
-  but, as in transformers without an attention mask, still pass through
-  the recurrence: sample without padding inside a sequence.
-  """
-  sampler = sampling_mode.KVCachingTransformerLM.from_uncached(
-      model, cache_len=cache_len, batch_axes=batch_axes, pad_id=pad_id,
-      variable_name_prefix=variable_name_prefix)
-  selected = pz.select(sampler.body).at_instances_of(GatedDeltaNet)
-  caching = {
-      path: CachingGatedDeltaNet.from_uncached(
-          layer, batch_axes, label=f"{variable_name_prefix}/delta_state_{i}")
-      for i, (path, layer) in enumerate(selected.selected_by_path.items())}
-  return dataclasses.replace(sampler, body=selected.set_by_path(caching))

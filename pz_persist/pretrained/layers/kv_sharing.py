@@ -4,7 +4,7 @@ In Gemma 4 the last ``num_kv_shared_layers`` decoder layers compute no keys
 or values of their own: each attends with its own queries over the keys and
 values of the last earlier layer of its attention type (sliding or full).
 In Penzai each layer stays a plain ``pz.nn.Attention``, so the KV-cache
-sampling mode (``KVCachingTransformerLM.from_uncached``, or `kv_caching_lm`
+sampling mode (``KVCachingTransformerLM.from_uncached``, or `pz_persist.pretrained.kv_caching_lm`
 where layers differ in head sizes) converts every one of them as usual:
 
 - the producing layer's key and value paths end in `PublishKV`, an identity
@@ -26,8 +26,6 @@ import dataclasses
 from typing import Any
 
 from penzai import pz
-from penzai.models.transformer import model_parts
-from penzai.models.transformer import sampling_mode
 
 SIDE_INPUT = "shared_kv"
 
@@ -52,7 +50,7 @@ class SharedKV(pz.nn.Layer):
   Attributes:
     slot: The mailbox slot (``"sliding_attention/key"``...).
     axes: The named axes of what it returns besides the sequence (for
-      `kv_caching_lm`, which sizes this layer's cache from them).
+      `pz_persist.pretrained.kv_caching_lm`, which sizes this layer's cache from them).
   """
 
   slot: str = dataclasses.field(metadata={"pytree_node": False})
@@ -75,7 +73,9 @@ class SharesKV(pz.nn.Layer):
 
 def key_axes(attention: pz.nn.Attention) -> dict[str, int]:
   """The named axes (besides the sequence and batch) of ``attention``'s
-  keys: its first key ``Linear``'s outputs, or a `SharedKV`'s."""
+  keys: its first key ``Linear``'s outputs, or a `SharedKV`'s; empty where
+  its keys come from no projection of its own (DeepSeek's latent attention
+  caches the latent, which Penzai's metadata sizes)."""
   for layer in pz.select(attention.input_to_key).at_instances_of(
       pz.nn.Linear | SharedKV).get_sequence():
     if isinstance(layer, SharedKV):
@@ -83,24 +83,5 @@ def key_axes(attention: pz.nn.Attention) -> dict[str, int]:
     return {name: size for name, size in layer.weights.value.named_shape.items()
             if name in layer.out_axis_names} if not isinstance(
                 layer.weights, pz.ParameterSlot) else {}
-  raise ValueError("an attention layer without a key projection")
+  return {}
 
-
-def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],
-                  pad_id: int = 0, variable_name_prefix: str = "sampler"
-                  ) -> sampling_mode.KVCachingTransformerLM:
-  """``KVCachingTransformerLM.from_uncached``, with each layer's cache sized
-  from that layer's own keys (Gemma 4's global layers have larger heads, and
-  may have fewer, than its sliding ones; Penzai sizes every cache from the
-  model's metadata)."""
-  sizes = [key_axes(attn) for attn in
-           pz.select(model.body).at_instances_of(pz.nn.Attention).get_sequence()]
-  sampler = sampling_mode.KVCachingTransformerLM.from_uncached(
-      model, cache_len=cache_len, batch_axes=batch_axes, pad_id=pad_id,
-      variable_name_prefix=variable_name_prefix)
-  caches = pz.select(sampler.body).at_instances_of(pz.nn.KVCachingAttention).get_sequence()
-  dtype = model.metadata.activation_dtype
-  for cache, axes in zip(caches, sizes):
-    shape = {**batch_axes, "seq": cache_len, **axes}
-    cache.kv_cache.value = (pz.nx.zeros(shape, dtype=dtype), pz.nx.zeros(shape, dtype=dtype))
-  return sampler

@@ -30,7 +30,7 @@ gemma3`), each built from Penzai's layers here:
 transformers 5 writes the global layers' sizes as ``per_layer_config``
 (keyed by layer index); the Hub's configs as ``global_head_dim`` and
 ``num_global_key_value_heads``. Both are read. Layers of different head
-sizes need `pz_persist.pretrained.layers.kv_sharing.kv_caching_lm` for
+sizes need `pz_persist.pretrained.kv_caching_lm` for
 KV-cache sampling (Penzai sizes every cache from the model's metadata).
 
 A ``gemma4`` folder holds the text model under ``model.language_model.``

@@ -28,7 +28,7 @@ Qwen3.5 mixes two kinds of layers, as ``layer_types`` says (by default three
 
 Every RMS norm but the DeltaNet's output norm multiplies by ``1 + w`` in
 float32 (`OffsetScale`, as Gemma's). Sampling needs the DeltaNet layers'
-state: use `pz_persist.pretrained.layers.gated_delta_net.kv_caching_lm`
+state: use `pz_persist.pretrained.kv_caching_lm`
 instead of ``KVCachingTransformerLM.from_uncached`` (which the layers
 refuse, rather than forget the past).
 

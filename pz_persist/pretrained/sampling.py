@@ -1,0 +1,61 @@
+"""Penzai's KV-cache sampling for every model `load_hf` builds.
+
+Why not ``KVCachingTransformerLM.from_uncached`` alone: Penzai sizes every
+layer's cache from the model's metadata (one head count, one head size) and
+converts only `pz.nn.Attention` layers. Gemma 4's global layers have larger
+heads, and may have fewer, than its sliding ones, and Qwen3.5's gated DeltaNet
+layers carry a recurrent state instead of keys and values; either would
+sample wrongly or not at all. `kv_caching_lm` is ``from_uncached`` with both
+mended, and equals it for every other model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from penzai import pz
+from penzai.models.transformer import model_parts
+from penzai.models.transformer import sampling_mode
+
+from pz_persist.pretrained.layers.gated_delta_net import CachingGatedDeltaNet
+from pz_persist.pretrained.layers.gated_delta_net import GatedDeltaNet
+from pz_persist.pretrained.layers.kv_sharing import key_axes
+
+
+def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],
+                  pad_id: int = 0, variable_name_prefix: str = "sampler"
+                  ) -> sampling_mode.KVCachingTransformerLM:
+  """``model`` in Penzai's KV-cache sampling mode (the arguments of
+  ``KVCachingTransformerLM.from_uncached``).
+
+  Each attention layer's cache is sized from that layer's own keys; each
+  `GatedDeltaNet` layer becomes a `CachingGatedDeltaNet` carrying its
+  convolution and recurrent state. Padding tokens (``pad_id``) are skipped by
+  the attention layers' masks but, as in transformers without an attention
+  mask, still pass through a DeltaNet recurrence: sample such models without
+  padding inside a sequence.
+
+  Example::
+
+    from penzai.models.transformer import simple_decoding_loop
+    sampler = pz_persist.pretrained.kv_caching_lm(model, cache_len=64, batch_axes={"batch": 1})
+    tokens = simple_decoding_loop.temperature_sample_pyloop(
+        sampler, prompt=prompt, rng=jax.random.key(0), max_sampling_steps=16)
+  """
+  sizes = [key_axes(attention) for attention in
+           pz.select(model.body).at_instances_of(pz.nn.Attention).get_sequence()]
+  sampler = sampling_mode.KVCachingTransformerLM.from_uncached(
+      model, cache_len=cache_len, batch_axes=batch_axes, pad_id=pad_id,
+      variable_name_prefix=variable_name_prefix)
+  caches = pz.select(sampler.body).at_instances_of(pz.nn.KVCachingAttention).get_sequence()
+  dtype = model.metadata.activation_dtype
+  for cache, axes in zip(caches, sizes):
+    if axes:
+      shape = {**batch_axes, "seq": cache_len, **axes}
+      cache.kv_cache.value = (pz.nx.zeros(shape, dtype=dtype), pz.nx.zeros(shape, dtype=dtype))
+  delta_nets = pz.select(sampler.body).at_instances_of(GatedDeltaNet)
+  caching = {
+      path: CachingGatedDeltaNet.from_uncached(
+          layer, batch_axes, label=f"{variable_name_prefix}/delta_state_{i}")
+      for i, (path, layer) in enumerate(delta_nets.selected_by_path.items())}
+  return dataclasses.replace(sampler, body=delta_nets.set_by_path(caching))
