@@ -187,6 +187,13 @@ def config_of(stored: Mapping[str, Mapping[str, Any]], preset: Any, path: Any
     value = settings[key]
     if not isinstance(value, int) or isinstance(value, bool) or value < (key != "kv_shared_layers"):
       raise _error(path, f"setting {key}={value!r} must be a positive integer.")
+  for key in ("local_base_frequency", "global_base_frequency", "global_rope_proportion",
+              "final_logit_softcap"):
+    value = settings[key]
+    if not ((value is None and key == "final_logit_softcap")
+            or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0)):
+      raise _error(path, f"setting {key}={value!r} must be a positive number"
+                   + (" or None." if key == "final_logit_softcap" else "."))
   kinds = [gemma4.FULL if (i + 1) % every == 0 else gemma4.SLIDING for i in range(layers)]
   if kinds[-1] != gemma4.FULL:
     raise _error(path, f"with global_every={every}, the last of {layers} layers is not global,"

@@ -22,6 +22,7 @@ from pretrained import family_checks as checks
 from pretrained import test_hf_gemma4 as hf_cases
 from pretrained.test_gemma3_flax import save_params
 from pz_persist import errors
+from pz_persist.tools import cli
 
 
 def library_params(model, rng: np.random.Generator | None = None) -> dict:
@@ -155,7 +156,7 @@ def test_settings_the_arrays_do_not_show_bind(written):
     pzp.pretrained.load_gemma(ckpt, preset=dict(PRESETS["gemma4_text"], kv_shared_layers=0))
 
 
-def test_unknown_sizes_and_damaged_trees_are_refused(tmp_path):
+def test_unknown_sizes_and_damaged_trees_are_refused(tmp_path, capsys):
   model = hf_cases._text_model("gemma4_text_k_eq_v")  # pylint: disable=protected-access
   params = library_params(model)
   save_params(params, tmp_path / "tiny")
@@ -183,3 +184,13 @@ def test_unknown_sizes_and_damaged_trees_are_refused(tmp_path):
     save_params(tree, tmp_path / name)
     with pytest.raises(errors.GemmaCheckpointError, match=named):
       pzp.pretrained.load_gemma(tmp_path / name, preset=PRESETS["gemma4_text_k_eq_v"])
+  # The CLI's `convert gemma` goes through the same checks, and writes nothing.
+  assert cli.main(["convert", "gemma", str(tmp_path / "foreign"), str(tmp_path / "out"),
+                   "--preset-like", "gemma4_31b"]) == 2
+  assert "layer_1/attn/v_einsum" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()
+  # Settings of the wrong kind are refused before anything is read.
+  for bad in ({"global_rope_proportion": "half"}, {"global_every": 0},
+              {"final_logit_softcap": True}):
+    with pytest.raises(errors.GemmaCheckpointError, match=next(iter(bad))):
+      pzp.pretrained.load_gemma(tmp_path / "tiny", preset=dict(_TINY, **bad))
