@@ -194,3 +194,73 @@ def test_unknown_sizes_and_damaged_trees_are_refused(tmp_path, capsys):
               {"final_logit_softcap": True}):
     with pytest.raises(errors.GemmaCheckpointError, match=next(iter(bad))):
       pzp.pretrained.load_gemma(tmp_path / "tiny", preset=dict(_TINY, **bad))
+
+
+def _library_shapes(layers: int, embed: int, heads: int, kv: int, global_kv: int | None,
+                    every: int, shared: int, ple: int, experts: int = 0,
+                    hidden: int = 0, double: bool = False) -> dict:
+  """The flattened metadata `load_gemma` reads for a full-size library
+  Gemma 4 (shapes only: nothing allocated), as its configs declare them."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def a(*shape):
+    return {"w": jax.ShapeDtypeStruct(shape, np.float32)}
+
+  def n(size):
+    return {"scale": jax.ShapeDtypeStruct((size,), np.float32)}
+
+  vocab, stored = 262_144, {}
+  stored["transformer/embedder"] = {"input_embedding": jax.ShapeDtypeStruct((vocab, embed),
+                                                                             np.float32)}
+  stored["transformer/final_norm"] = n(embed)
+  if ple:
+    stored.update({"transformer/embedder/per_layer_embeddings": a(vocab, layers, ple),
+                   "transformer/embedder/per_layer_model_projection": a(embed, layers, ple),
+                   "transformer/embedder/per_layer_projection_norm": n(ple)})
+  for i in range(layers):
+    p = f"transformer/layer_{i}/"
+    full = (i + 1) % every == 0
+    dim = 512 if full else 256
+    width = hidden * (2 if double and i >= layers - shared else 1)
+    stored.update({p + "skip_scale": a(1), p + "attn/q_einsum": a(heads, embed, dim),
+                   p + "attn/attn_vec_einsum": a(heads, dim, embed),
+                   p + "attn/query_norm": n(dim), p + "attn/key_norm": n(dim),
+                   p + "pre_attention_norm": n(embed), p + "post_attention_norm": n(embed),
+                   p + "pre_ffw_norm": n(embed), p + "post_ffw_norm": n(embed)})
+    if full and global_kv:
+      stored[p + "attn/k_einsum"] = a(global_kv, embed, dim)
+    else:
+      stored[p + "attn/kv_einsum"] = a(2, kv, embed, dim)
+    dense = p + ("mlp2/" if experts else "mlp/")
+    stored.update({dense + "gating_einsum": a(2, width, embed), dense + "linear": a(width, embed)})
+    if ple:
+      stored.update({p + "per_layer_input_gate": a(embed, ple),
+                     p + "per_layer_projection": a(ple, embed),
+                     p + "post_per_layer_input_norm": n(embed)})
+    if experts:
+      stored.update({p + k: n(embed) for k in ("pre_ffw2_norm", "post_ffw2_norm",
+                                               "post_ffw1_norm")})
+      stored.update({p + "mlp/router_logits": a(embed, experts), p + "mlp/router_scale": a(embed),
+                     p + "mlp/per_expert_scale": a(experts),
+                     p + "mlp/gating_einsum": a(experts, 2, 704, embed),
+                     p + "mlp/linear": a(experts, 704, embed)})
+  return stored
+
+
+def test_auto_recognises_the_library_models_at_full_size():
+  """`preset="auto"` on the library's E2B and 26B-A4B shapes (from its
+  configs, gemma/gm/nn/gemma4/_gemma4.py): the settings the arrays do not
+  show come from the right model, and the sizes from the arrays."""
+  from pz_persist.pretrained import gemma4_flax  # pylint: disable=import-outside-toplevel
+
+  e2b = _library_shapes(35, 1536, 8, 1, None, 5, 20, 256, hidden=6144, double=True)
+  config, _, name, _ = gemma4_flax.config_of(e2b, "auto", "e2b")
+  assert name == "gemma4_e2b"
+  assert (config["num_kv_shared_layers"], config["use_double_wide_mlp"],
+          config["hidden_size_per_layer_input"], config["sliding_window"]) == (20, True, 256, 512)
+  assert config["layer_types"][4] == "full_attention" and config["global_head_dim"] == 512
+  moe = _library_shapes(30, 2816, 16, 8, 2, 6, 0, 0, experts=128, hidden=2112)
+  config, _, name, _ = gemma4_flax.config_of(moe, "auto", "26b")
+  assert name == "gemma4_26b_a4b"
+  assert (config["num_experts"], config["top_k_experts"], config["moe_intermediate_size"],
+          config["num_global_key_value_heads"], config["attention_k_eq_v"]) == (128, 8, 704, 2, True)
