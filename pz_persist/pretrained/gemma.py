@@ -1,5 +1,6 @@
 """Official Gemma Flax checkpoints (Gemma 1 and 2) into Penzai models, and
-Gemma 3 checkpoints of the ``gemma`` library (`pz_persist.pretrained.gemma3_flax`).
+Gemma 3 and Gemma 4 checkpoints of the ``gemma`` library
+(`pz_persist.pretrained.gemma3_flax`, `pz_persist.pretrained.gemma4_flax`).
 
 The conversion itself is Penzai's own
 ``penzai.models.transformer.variants.gemma.gemma_from_pretrained_checkpoint``,
@@ -66,6 +67,7 @@ from pz_persist.errors import GemmaCheckpointError  # Documented here too.
 from pz_persist.format import casts
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import gemma3_flax
+from pz_persist.pretrained import gemma4_flax
 from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
@@ -210,13 +212,14 @@ def load_gemma(
     progress: Progress = None,
     report: bool = False,
 ) -> model_parts.TransformerLM | tuple[model_parts.TransformerLM, GemmaReport]:
-  """Loads an official Gemma (1 or 2) Flax checkpoint, or a Gemma 3 one of the
-  ``gemma`` library (``gm.ckpts.save_params``), as a Penzai model.
+  """Loads an official Gemma (1 or 2) Flax checkpoint, or a Gemma 3 or Gemma 4
+  one of the ``gemma`` library (``gm.ckpts.save_params``), as a Penzai model.
 
-  Gemma 3 (which Penzai lacks) is built as `load_hf` builds it from the
-  Hugging Face release (`pz_persist.pretrained.gemma3_flax`); its
-  ``preset`` is ``"auto"`` (the library's model of those sizes), a name of
-  ``gemma3_flax.PRESETS`` or ``{"like": name, <setting>: value}``.
+  Gemma 3 and Gemma 4 (which Penzai lacks) are built as `load_hf` builds
+  them from the Hugging Face releases (`pz_persist.pretrained.gemma3_flax`,
+  `pz_persist.pretrained.gemma4_flax`); their ``preset`` is ``"auto"`` (the
+  library's model of those sizes), a name of ``gemma3_flax.PRESETS`` /
+  ``gemma4_flax.PRESETS`` or ``{"like": name, <setting>: value}``.
 
   Example::
 
@@ -268,7 +271,8 @@ def load_gemma(
 
   Raises:
     GemmaCheckpointError: unknown preset, shapes matching no preset, a
-      later Gemma (3n, 4: named as far as its arrays show), or stored
+      later Gemma (3n: named as far as its arrays show), a Gemma 3 or 4
+      tree with a foreign, missing or misshapen array (named), or stored
       metadata that is not a tree of arrays.
     UnsafeCheckpointError: a file of the checkpoint is a symlink leading out
       of it, a FIFO or a device, or the arrays would allocate more than
@@ -279,15 +283,19 @@ def load_gemma(
     LossyCastError: ``dtype`` would change an array's values beyond rounding
       (naming it and a value) and ``allow_lossy`` is False.
   """
-  if isinstance(preset, str) and preset in gemma3_flax.PRESETS:
+  if isinstance(preset, str) and (preset in gemma3_flax.PRESETS or preset in gemma4_flax.PRESETS):
     preset = {"like": preset}
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
   path = commit.open_path(path)
   tree, snapshot = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
+  if gemma4_flax.is_gemma4(stored):
+    return _load_library(gemma4_flax, path, tree, stored, preset, dtype, sharding, progress,
+                         report)
   if gemma3_flax.is_gemma3(stored) and not _having(stored, _GEMMA3N_MARKERS):
-    return _load_gemma3(path, tree, stored, preset, dtype, sharding, progress, report)
+    return _load_library(gemma3_flax, path, tree, stored, preset, dtype, sharding, progress,
+                         report)
   _refuse_gemma3(stored, path)
   name, kwargs, transpose, settings = _resolve_preset(stored, preset, path)
   total = _read_bytes(tree, dtype)
@@ -317,15 +325,16 @@ def load_gemma(
   return (model, settings) if report else model
 
 
-def _load_gemma3(path: epath.Path, tree: Mapping[str, Any], stored: Mapping[str, Any],
-                 preset: Any, dtype: Any, sharding: sharding_lib.Target, progress: Progress,
-                 report: bool) -> Any:
-  """A Gemma 3 checkpoint of the ``gemma`` library (`gemma3_flax`): the
-  settings are resolved and every array checked before anything is read."""
-  config, vision, name, sources = gemma3_flax.config_of(stored, preset, path)
+def _load_library(module: Any, path: epath.Path, tree: Mapping[str, Any],
+                  stored: Mapping[str, Any], preset: Any, dtype: Any,
+                  sharding: sharding_lib.Target, progress: Progress, report: bool) -> Any:
+  """A Gemma 3 or Gemma 4 checkpoint of the ``gemma`` library (``module``:
+  `gemma3_flax` or `gemma4_flax`): the settings are resolved and every
+  array checked before anything is read."""
+  config, media, name, sources = module.config_of(stored, preset, path)
   with progress_lib.tracking(progress, f"loading {path}", _read_bytes(tree, dtype)) as tracker:
     params = _read(path, tree, dtype)
-    model = gemma3_flax.load(path, params, config, vision, sharding, tracker)
+    model = module.load(path, params, config, media, sharding, tracker)
   settings = {key: GemmaSetting(value, typing.cast(Source, source))
               for key, (value, source) in sources.items()}
   return (model, GemmaReport(f"like {name}", settings)) if report else model
@@ -543,16 +552,15 @@ def _having(params: Mapping[str, Any], markers: tuple[str, ...]) -> list[str]:
 
 def _refuse_gemma3(params: Mapping[str, Any], path: Any) -> None:
   """Refuses a checkpoint of a later Gemma, naming the generation only as
-  far as its arrays show it: Gemma 4 by its blocks' ``skip_scale`` (sending
-  the user to `load_hf`), Gemma 3n by its own layers, otherwise "Gemma 3 or
-  later"."""
+  far as its arrays show it: an incomplete Gemma 4 by its blocks'
+  ``skip_scale``, Gemma 3n by its own layers, otherwise "Gemma 3 or later"."""
   gemma4 = _having(params, _GEMMA4_MARKERS)
-  if gemma4:
+  if gemma4:  # Complete ones have 'transformer/layer_0/skip_scale' (`gemma4_flax`).
     raise GemmaCheckpointError(
         f"{path} looks like a Gemma 4 checkpoint of the gemma library (it has"
-        f" {gemma4[0]!r}), which load_gemma does not read yet; pz_persist builds Gemma 4 from"
-        " the Hugging Face folders on the Hub (google/gemma-4-*):"
-        " pz_persist.pretrained.load_hf.")
+        f" {gemma4[0]!r}) but has no 'transformer/layer_0/skip_scale': it is not a complete"
+        " Gemma 4 checkpoint (load_gemma reads the library's Gemma 4 trees, and load_hf the"
+        " Hugging Face folders on the Hub, google/gemma-4-*).")
   later, found = _having(params, _GEMMA3N_MARKERS), _having(params, _GEMMA3_MARKERS)
   if later:
     raise GemmaCheckpointError(

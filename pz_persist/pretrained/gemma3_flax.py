@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import typing
+from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,7 @@ from penzai import pz
 from pz_persist import errors
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.families import gemma3
+from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import penzai_layout
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.storage import sharding as sharding_lib
@@ -230,10 +232,20 @@ def load(path: Any, params: Mapping[str, Mapping[str, np.ndarray]], config: dict
     _log.warning("%s: %d arrays of the vision encoder are not used: the model is Gemma 3's"
                  " text model.", path, vision)
   arrays = _hf_arrays(params, config["num_hidden_layers"])
+  return bind_plan(path, arrays, lambda standin: gemma3.gemma3_text_plan(
+      Config(config, f"{path} (Gemma 3 settings)", gemma3.RECORD.fields), standin),
+      sharding, tracker)
+
+
+def bind_plan(path: Any, arrays: Mapping[str, np.ndarray],
+              plan_of: Callable[[Weights], Plan], sharding: sharding_lib.Target,
+              tracker: Any) -> Any:
+  """The model of the plan ``plan_of`` makes for ``arrays`` (Hugging Face's
+  names and layouts), each parameter placed as ``sharding`` says; shared by
+  the gemma library's Gemma 3 and Gemma 4 loaders."""
   dtype = np.dtype(arrays["model.embed_tokens.weight"].dtype)
   standin = typing.cast(Weights, _Arrays(path, arrays, dtype))  # Names and dtype: all it reads.
-  plan = gemma3.gemma3_text_plan(Config(config, f"{path} (Gemma 3 settings)",
-                                        gemma3.RECORD.fields), standin)
+  plan = plan_of(standin)
   place = (sharding.sharding if isinstance(sharding, sharding_lib.AxisRules) else None)
   values = []
   for spec in plan.tensors:
@@ -249,5 +261,3 @@ def load(path: Any, params: Mapping[str, Mapping[str, np.ndarray]], config: dict
   model = pz.bind_variables(plan.build(), values)
   pz.nn.assert_no_parameter_slots(model)
   return model
-
-

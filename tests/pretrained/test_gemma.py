@@ -239,16 +239,21 @@ def test_gemma3n_checkpoint_is_not_called_gemma3(tmp_path):
   assert "Gemma 3 checkpoint" not in str(raised.value)
 
 
-def test_gemma4_checkpoint_is_sent_to_load_hf(tmp_path):
-  """The gemma library's Gemma 4 (every block has ``skip_scale``; E2B/E4B
-  per-layer inputs too, which are not Gemma 3n's) is named as such."""
+def test_incomplete_gemma4_checkpoint_is_named(tmp_path):
+  """A tree with Gemma 4's ``skip_scale`` (and per-layer inputs, which are
+  not Gemma 3n's) but not its other blocks is named as an incomplete Gemma 4
+  (complete ones load: tests/pretrained/test_gemma4_flax.py)."""
   extra = {"transformer/layer_0": {"skip_scale": np.ones(1, np.float32)},
            "transformer/layer_0/per_layer_input_gate": {"w": np.ones((8, 2), np.float32)},
            "transformer/layer_0/attn/query_norm": {"scale": np.ones(8, np.float32)}}
   path = write(tmp_path / "ckpt", official_params(GEMMA2, gemma2=True, extra=extra))
-  with pytest.raises(errors.GemmaCheckpointError, match="Gemma 4 checkpoint") as raised:
+  with pytest.raises(errors.GemmaCheckpointError, match="not a complete Gemma 4") as raised:
     load_gemma(path, preset={"like": "gemma2_2b"})
-  assert "load_hf" in str(raised.value) and "3n" not in str(raised.value)
+  assert "3n" not in str(raised.value)
+  extra = {"transformer/layer_1": {"skip_scale": np.ones(1, np.float32)}}
+  path = write(tmp_path / "later", official_params(GEMMA2, gemma2=True, extra=extra))
+  with pytest.raises(errors.GemmaCheckpointError, match="layer_0/skip_scale"):
+    load_gemma(path, preset={"like": "gemma2_2b"})
 
 
 def test_not_a_checkpoint(tmp_path):
