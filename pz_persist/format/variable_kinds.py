@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from typing import Literal
 
 from penzai import pz
 
 from pz_persist import errors
+
+KindName = Literal["parameter", "state_variable"]
+"""How checkpoints name a kind."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,7 @@ class Kind:
     slot_class: Its slot in an unbound model (``pz.ParameterSlot``).
   """
 
-  name: str
+  name: KindName
   value_class: type[pz.AbstractVariableValue]
   variable_class: type
   slot_class: type
