@@ -45,8 +45,8 @@ from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.storage import opening
+from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import reader
-from pz_persist.storage import sharding as sharding_lib
 
 LabelGlobs = str | Sequence[str]
 RenameRules = Mapping[str, str] | Sequence[tuple[str, str]]

@@ -46,8 +46,8 @@ from pz_persist.storage import commit
 from pz_persist.storage import destinations
 from pz_persist.storage import leftovers
 from pz_persist.storage import opening
+from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import restoring
-from pz_persist.storage import sharding as sharding_lib
 
 ITEM_NAME = "penzai"
 """Name of the Orbax item `save` writes the tree to."""

@@ -60,7 +60,7 @@ from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import file_digests
 from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import placements as sharding_lib
 
 _ORBAX_METADATA = "_METADATA"
 

@@ -46,9 +46,9 @@ from pz_persist.storage import direct_write
 from pz_persist.storage import file_digests
 from pz_persist.storage import object_store
 from pz_persist.storage import opening
+from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
-from pz_persist.storage import sharding as sharding_lib
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 """Arrays are stored in chunks of about this size, so that a process reading

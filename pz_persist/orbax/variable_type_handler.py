@@ -59,9 +59,9 @@ from pz_persist.safety import safe_io
 from pz_persist.storage import checksums
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
+from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
-from pz_persist.storage import sharding as sharding_lib
 
 _RECORDS_PREFIX = "pz_persist_variables-"
 _TYPESTR = "pz_persist.variable"

@@ -69,7 +69,7 @@ from pz_persist.pretrained import gemma3_flax
 from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import placements as sharding_lib
 
 __all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 

@@ -53,7 +53,7 @@ from pz_persist.storage import containment
 from pz_persist.storage import direct_read
 from pz_persist.storage import host_memory
 from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import placements as sharding_lib
 
 DEFAULT_READ_BATCH_BYTES = 64 * 2**20
 """Arrays are read in batches of about this many bytes (of this process's
@@ -119,7 +119,7 @@ def read_arrays(
     directory: The item directory (holding the manifest and Orbax's files).
     manifest: Its manifest, already read and validated.
     sharding: Where ``jax.Array`` values go: one ``Sharding``,
-      `pz_persist.AxisRules`, a `pz_persist.storage.sharding.PerArray` mapping
+      `pz_persist.AxisRules`, a `pz_persist.storage.placements.PerArray` mapping
       (each array's own placement, by manifest index), or None for the
       first local device. Arrays saved as NumPy arrays stay NumPy arrays.
     refs: Indices into ``manifest.arrays`` to read (default: all).

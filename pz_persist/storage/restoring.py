@@ -14,8 +14,8 @@ from pz_persist import progress as progress_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import opening
+from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import reader
-from pz_persist.storage import sharding as sharding_lib
 
 
 def read_tree(

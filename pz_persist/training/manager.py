@@ -37,7 +37,7 @@ from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import leftovers
 from pz_persist.storage import object_store
-from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import steps
 from pz_persist.training import optimizers
 

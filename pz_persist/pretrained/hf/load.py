@@ -69,7 +69,7 @@ from pz_persist.pretrained.hf.plan import penzai_layout
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.hf.weights import check_has_weights
 from pz_persist.pretrained.layers import scaled_rope
-from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import placements as sharding_lib
 
 # Documented here too (defined in errors, with every error class).
 UnsupportedConfigError = errors.UnsupportedConfigError
