@@ -39,13 +39,14 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import casts
 from pz_persist.format import decode
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.storage import opening
-from pz_persist.storage import placements as sharding_lib
+from pz_persist.storage import placements
 from pz_persist.storage import reader
 
 LabelGlobs = str | Sequence[str]
@@ -631,7 +632,7 @@ class _ManifestSource:
       )
     return {label: self._value(self.stored[label], arrays) for label in labels}
 
-  def _model_placements(self, labels, bound) -> sharding_lib.PerArray:
+  def _model_placements(self, labels, bound) -> placements.PerArray:
     """Where to read each array of ``labels`` so that it lands where the
     model's own array is, by manifest index.
 

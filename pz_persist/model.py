@@ -34,11 +34,11 @@ from pz_persist import checkpoint
 from pz_persist import errors
 from pz_persist import plain_orbax
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import manifest_queries
 from pz_persist.format import meshes
 from pz_persist.safety import allowlist
 from pz_persist.storage import opening
-from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import restoring
 
 

@@ -34,7 +34,7 @@ LAYERS = {
     "errors": 0, "version": 0,
     "safety": 1,
     "format": 2,
-    "progress": 3,
+    "progress": 3, "sharding": 3,
     "storage": 4,
     "orbax": 5,
     "checkpoint": 6, "binding": 6,

@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import checksum_records
 from pz_persist.format import encode
 from pz_persist.format import manifest as manifest_lib
@@ -46,7 +47,6 @@ from pz_persist.storage import direct_write
 from pz_persist.storage import file_digests
 from pz_persist.storage import object_store
 from pz_persist.storage import opening
-from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
 

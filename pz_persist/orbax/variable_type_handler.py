@@ -49,6 +49,7 @@ from orbax.checkpoint.metadata import value as value_metadata
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import checksum_records
 from pz_persist.format import encode
@@ -59,7 +60,6 @@ from pz_persist.safety import safe_io
 from pz_persist.storage import checksums
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import placements as sharding_lib
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
 

@@ -62,6 +62,7 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.errors import GemmaCheckpointError  # Documented here too.
 from pz_persist.format import casts
 from pz_persist.pretrained import _files
@@ -69,7 +70,6 @@ from pz_persist.pretrained import gemma3_flax
 from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import placements as sharding_lib
 
 __all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 

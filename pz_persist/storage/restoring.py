@@ -11,10 +11,11 @@ from typing import Any
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import opening
-from pz_persist.storage import placements as sharding_lib
+from pz_persist.storage import placements
 from pz_persist.storage import reader
 
 
@@ -47,7 +48,7 @@ def assemble(
 ) -> Any:
   """The saved tree, from its manifest and its stored arrays (by storage key,
   as `pz_persist.storage.reader` returns them before conversion)."""
-  placed = sharding_lib.placements(manifest, None)
+  placed = placements.placements(manifest, None)
   return decode(
       manifest, reader.values(manifest, stored, where=where, placed=placed), where=where
   )

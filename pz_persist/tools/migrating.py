@@ -22,9 +22,9 @@ from penzai import pz
 from pz_persist import binding
 from pz_persist import errors
 from pz_persist import model as model_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.storage import commit
 from pz_persist.storage import destinations
-from pz_persist.storage import placements as sharding_lib
 
 
 def migrate(
