@@ -96,6 +96,7 @@ def test_no_import_runs_back_up():
     "pz_persist.errors", "pz_persist.safety", "pz_persist.pretrained",
     "pz_persist.pretrained.hf", "pz_persist.pretrained.gemma",
     "pz_persist.pretrained.safetensors_io", "pz_persist.demo", "pz_persist.progress",
+    "pz_persist.sharding",
 ])
 def test_documented_module_paths_import(module):
   importlib.import_module(module)
@@ -202,3 +203,21 @@ def test_one_table_of_variable_kinds():
       if name in path.read_text()
   ]
   assert not second_tables, second_tables
+
+
+def test_every_collected_test_has_one_layer(request):
+  """tests/conftest.py gives each test one of unit / integration / process,
+  by its rule: checked on every test collected with this one."""
+  layers = {}
+  for item in request.session.items:
+    marks = [m for m in ("unit", "integration", "process") if item.get_closest_marker(m)]
+    assert len(marks) == 1, f"{item.nodeid}: {marks}"
+    layers[item.nodeid] = marks[0]
+  this = request.node.nodeid
+  assert layers[this] == "unit"
+  starts_one = this.replace(
+      "test_every_collected_test_has_one_layer",
+      "test_import_leaves_pretrained_and_tools_until_first_use",
+  )
+  if starts_one in layers:  # It calls run_python: found as a process test.
+    assert layers[starts_one] == "process"
