@@ -149,7 +149,7 @@ def _hints(missing: tuple[Hashable, ...], unexpected: tuple[Hashable, ...]) -> l
         f"hint: {auto} of the model's state variables have automatic labels"
         " (AutoStateVarLabel), which Penzai draws anew each time a model is"
         " built, so they never match a saved model's. Match them by position"
-        " with load_model(path, into=model, auto_labels='by_position'), or give"
+        " with load_into(path, model, auto_labels='by_position'), or give"
         " them fixed labels (pz.StateVariable(value, label='...'))."
     )
   rule = _prefix_rule(
@@ -160,7 +160,7 @@ def _hints(missing: tuple[Hashable, ...], unexpected: tuple[Hashable, ...]) -> l
     old, new, count = rule
     hints.append(
         f"hint: {count} label(s) not in the model match missing ones once their"
-        f" prefix {old!r} becomes {new!r}: load_model(path, into=model,"
+        f" prefix {old!r} becomes {new!r}: load_into(path, model,"
         f" rename={{{'^' + re.escape(old)!r}: {new!r}}})"
     )
   return hints

@@ -441,7 +441,7 @@ def _class_changed(cls: type, names: frozenset[str]) -> str:
       f" (its fields are now {', '.join(sorted(names)) or 'none'}): its code"
       " changed since the checkpoint was saved. Build the model with the"
       " current code and load the checkpoint's variables into it by label:"
-      " pz_persist.load_model(path, into=new_model) (rename= maps labels that"
+      " pz_persist.load_into(path, new_model) (rename= maps labels that"
       " changed too)."
   )
 
