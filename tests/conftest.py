@@ -53,7 +53,9 @@ def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> s
 #   (`run_python`, `subprocess`, `multiprocessing`, the headless browser...).
 # * integration: the whole stack, end to end: every test of the modules named
 #   in INTEGRATION_MODULES (pretrained families, the README, notebooks,
-#   benchmarks, training runs, the commit protocol under load), and every
+#   benchmarks, training runs, the commit protocol under load, the process's
+#   read buffers over time, hostile cases run through every read entry
+#   point), and every
 #   test of a folder in INTEGRATION_FOLDERS.
 # * unit: the rest: one module, or one save and load, in this interpreter
 #   (never a test marked slow: `-m unit` replaces the default `-m 'not slow'`).
@@ -77,6 +79,8 @@ INTEGRATION_MODULES = frozenset({
     "test_pretrained_hostile", "test_pretrained_load_time", "test_pretrained_guesses",
     "test_remote_commit", "test_remote_steps", "test_fuzz", "test_catalogue", "test_migrate",
     "test_cli", "test_cli_terminal", "test_kill", "test_interrupt", "test_multiprocess",
+    "test_buffer_reuse",  # The process's read buffers, released on a timer, over many loads.
+    "test_read_paths", "test_files_change_during_load",  # Every read entry point, per case.
 })
 """Modules (by file name, in any folder) whose every test is an integration test."""
 
