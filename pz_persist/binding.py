@@ -39,14 +39,15 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import casts
 from pz_persist.format import decode
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.storage import opening
+from pz_persist.storage import placements
 from pz_persist.storage import reader
-from pz_persist.storage import sharding as sharding_lib
 
 LabelGlobs = str | Sequence[str]
 RenameRules = Mapping[str, str] | Sequence[tuple[str, str]]
@@ -148,7 +149,7 @@ def _hints(missing: tuple[Hashable, ...], unexpected: tuple[Hashable, ...]) -> l
         f"hint: {auto} of the model's state variables have automatic labels"
         " (AutoStateVarLabel), which Penzai draws anew each time a model is"
         " built, so they never match a saved model's. Match them by position"
-        " with load_model(path, into=model, auto_labels='by_position'), or give"
+        " with load_into(path, model, auto_labels='by_position'), or give"
         " them fixed labels (pz.StateVariable(value, label='...'))."
     )
   rule = _prefix_rule(
@@ -159,7 +160,7 @@ def _hints(missing: tuple[Hashable, ...], unexpected: tuple[Hashable, ...]) -> l
     old, new, count = rule
     hints.append(
         f"hint: {count} label(s) not in the model match missing ones once their"
-        f" prefix {old!r} becomes {new!r}: load_model(path, into=model,"
+        f" prefix {old!r} becomes {new!r}: load_into(path, model,"
         f" rename={{{'^' + re.escape(old)!r}: {new!r}}})"
     )
   return hints
@@ -632,7 +633,7 @@ class _ManifestSource:
       )
     return {label: self._value(self.stored[label], arrays) for label in labels}
 
-  def _model_placements(self, labels, bound) -> sharding_lib.PerArray:
+  def _model_placements(self, labels, bound) -> placements.PerArray:
     """Where to read each array of ``labels`` so that it lands where the
     model's own array is, by manifest index.
 

@@ -38,6 +38,7 @@ from etils import epath
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import meshes
 from pz_persist.orbax import v0_handler
@@ -47,7 +48,6 @@ from pz_persist.storage import destinations
 from pz_persist.storage import leftovers
 from pz_persist.storage import opening
 from pz_persist.storage import restoring
-from pz_persist.storage import sharding as sharding_lib
 from pz_persist.storage import steps
 from pz_persist.storage import stores
 

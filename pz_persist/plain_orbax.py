@@ -51,6 +51,7 @@ from penzai import pz
 
 from pz_persist import binding
 from pz_persist import errors
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
@@ -60,7 +61,7 @@ from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import file_digests
 from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import placements
 
 _ORBAX_METADATA = "_METADATA"
 
@@ -377,7 +378,7 @@ class _PlainSource:
         )
         specs.append(spec)
         targets[path] = (spec, target)
-    sizes = {s.key: sharding_lib.local_bytes(s, t) for s, t in targets.values()}
+    sizes = {s.key: placements.local_bytes(s, t) for s, t in targets.values()}
     limits.check_allocation(specs, sizes, where=str(self._item))
     arrays = self._restore(targets) if targets else {}
     return {

@@ -23,7 +23,7 @@ import pytest
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import progress
-from pz_persist.storage import sharding
+from pz_persist import sharding
 
 _ROOT = pathlib.Path(pzp.__file__).parent
 

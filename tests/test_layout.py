@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import run_python
 from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
 
@@ -35,7 +36,7 @@ LAYERS = {
     "errors": 0, "version": 0,
     "safety": 1,
     "format": 2,
-    "progress": 3,
+    "progress": 3, "sharding": 3,
     "storage": 4,
     "orbax": 5,
     "checkpoint": 6, "binding": 6,
@@ -119,6 +120,7 @@ def test_only_the_seam_touches_private_orbax_names():
     "pz_persist.errors", "pz_persist.safety", "pz_persist.pretrained",
     "pz_persist.pretrained.hf", "pz_persist.pretrained.gemma",
     "pz_persist.pretrained.safetensors_io", "pz_persist.demo", "pz_persist.progress",
+    "pz_persist.sharding",
 ])
 def test_documented_module_paths_import(module):
   importlib.import_module(module)
@@ -212,3 +214,73 @@ def test_only_the_stores_tell_kinds_of_storage_apart():
       f"these ask which kind of storage a path is on: {grown}; ask its Store"
       " (storage.stores.for_path) what differs instead"
   )
+
+
+def test_import_leaves_pretrained_and_tools_until_first_use():
+  """Most programs save and load: `import pz_persist` does not import the
+  pretrained families or the tools (PEP 562 `__getattr__` does, on first use)."""
+  out = run_python("""
+      import sys
+      import pz_persist as pzp
+      def heavy():
+        return sorted(m for m in sys.modules
+                      if m.startswith(("pz_persist.pretrained", "pz_persist.tools")))
+      print(heavy())
+      assert pzp.load_hf is pzp.pretrained.load_hf
+      pzp.verify
+      print(bool(heavy()), "pz_persist.tools.verifying" in sys.modules)
+  """)
+  assert out.splitlines() == ["[]", "True True"]
+
+
+def test_pretrained_entry_points_are_top_level_beside_export_hf():
+  for name in ("load_hf", "load_gemma", "load_safetensors", "export_hf", "export_safetensors"):
+    assert name in pzp.__all__, name
+    assert getattr(pzp, name) is getattr(pzp.pretrained, name), name
+  assert set(dir(pzp)) >= set(pzp.__all__)
+  assert all(getattr(pzp, name) is not None for name in pzp.__all__)
+  with pytest.raises(AttributeError, match="no_such_name"):
+    pzp.no_such_name  # noqa: B018  # pylint: disable=pointless-statement
+
+
+def test_public_names_live_where_their_names_say():
+  from pz_persist import sharding  # pylint: disable=import-outside-toplevel
+
+  assert pzp.AxisRules is sharding.AxisRules
+  assert pzp.load_into.__module__ == "pz_persist.model"
+  assert not hasattr(importlib.import_module("pz_persist.storage.placements"), "AxisRules")
+
+
+def test_one_table_of_variable_kinds():
+  """`format/variable_kinds.py` is the one table: the node table holds a
+  value and a slot node per kind, and no module keeps a second map."""
+  from pz_persist.format import nodes  # pylint: disable=import-outside-toplevel
+  from pz_persist.format import variable_kinds  # pylint: disable=import-outside-toplevel
+
+  for kind in variable_kinds.KINDS.values():
+    assert {kind.value_tag, kind.slot_tag} <= set(nodes.NODE_TYPES), kind.name
+  second_tables = [
+      f"{path.relative_to(PACKAGE)}: {name}"
+      for path, _ in _modules() if path.name != "variable_kinds.py"
+      for name in ("pz.StateVariableSlot:", "pz.StateVariableValue:", '"state_variable": pz.')
+      if name in path.read_text()
+  ]
+  assert not second_tables, second_tables
+
+
+def test_every_collected_test_has_one_layer(request):
+  """tests/conftest.py gives each test one of unit / integration / process,
+  by its rule: checked on every test collected with this one."""
+  layers = {}
+  for item in request.session.items:
+    marks = [m for m in ("unit", "integration", "process") if item.get_closest_marker(m)]
+    assert len(marks) == 1, f"{item.nodeid}: {marks}"
+    layers[item.nodeid] = marks[0]
+  this = request.node.nodeid
+  assert layers[this] == "unit"
+  starts_one = this.replace(
+      "test_every_collected_test_has_one_layer",
+      "test_import_leaves_pretrained_and_tools_until_first_use",
+  )
+  if starts_one in layers:  # It calls run_python: found as a process test.
+    assert layers[starts_one] == "process"

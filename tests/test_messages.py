@@ -64,7 +64,7 @@ def test_a_renamed_field_of_a_layer_suggests_loading_into_the_new_model(tmp_path
     pzp.load_model(tmp_path / "ckpt", allow_modules=[name])
   message = str(caught.value)
   assert "tree.sublayers[0]: Scale has no field 'factor' (its fields are now weight)" in message
-  assert "pz_persist.load_model(path, into=new_model)" in message
+  assert "pz_persist.load_into(path, new_model)" in message
 
   fresh = pz.nn.Sequential([new.Scale(pz.Parameter(value=pz.nx.zeros({"x": 3}), label="scale/w"))])
   loaded = pzp.load_model(tmp_path / "ckpt", into=fresh)  # As the message says.
@@ -78,10 +78,10 @@ def test_a_changed_label_prefix_suggests_rename(tmp_path):
   with pytest.raises(errors.BindingError) as caught:
     pzp.load_model(tmp_path / "mlp", into=net)
   hint = re.search(r"hint: 4 label\(s\) not in the model match missing ones once their prefix"
-                   r" 'mlp/' becomes 'net/': load_model\(path, into=model, rename=(\{.*\})\)",
+                   r" 'mlp/' becomes 'net/': load_into\(path, model, rename=(\{.*\})\)",
                    str(caught.value))
   assert hint, str(caught.value)
-  loaded = pzp.load_model(tmp_path / "mlp", into=net, rename=eval(hint[1]))  # noqa: S307 (ours)
+  loaded = pzp.load_into(tmp_path / "mlp", net, rename=eval(hint[1]))  # noqa: S307 (ours)
   x = model_zoo.mlp_input()
   np.testing.assert_array_equal(loaded(x).data_array, model_zoo.mlp()(x).data_array)
 

@@ -217,7 +217,7 @@ def test_a_checkpoint_of_something_else(ckpt):
 def test_loading_without_a_model_says_how(ckpt):
   _save_plain(ckpt, _params(model_zoo.mlp()))
   for load in (pzp.load, pzp.load_model):
-    with pytest.raises(errors.NotACheckpointError, match=r"load_model\(path, into=model\)"):
+    with pytest.raises(errors.NotACheckpointError, match=r"load_into\(path, model\)"):
       load(ckpt)
 
 

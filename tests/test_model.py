@@ -167,7 +167,7 @@ def test_manifest_naming_a_harmful_function_is_refused(ckpt):
 
 def test_load_model_of_a_plain_tree_says_what_to_do(ckpt):
   pzp.save(ckpt, {"x": jnp.ones(2)})
-  with pytest.raises(errors.PzPersistError, match="into=model"):
+  with pytest.raises(errors.PzPersistError, match=r"load_into\(path, model\)"):
     pzp.load_model(ckpt)
 
 

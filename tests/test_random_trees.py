@@ -20,6 +20,8 @@ from pz_persist.format import encode
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.safety import allowlist
+from pz_persist.storage import placements
+from pz_persist.storage import reader
 from pz_persist.storage import restoring
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
@@ -218,7 +220,11 @@ def _in_memory_round_trip(tree):
         format_version=1,
     )
     parsed = manifest_lib.Manifest.loads(manifest.dumps(), where="memory")
-    return restoring.assemble(parsed, encoded.stored_arrays(), where="memory")
+    values = reader.values(
+        parsed, encoded.stored_arrays(), where="memory",
+        placed=placements.placements(parsed, None),
+    )
+    return restoring.decode(parsed, values, where="memory")
 
 
 @hypothesis.settings(max_examples=150, deadline=None)

@@ -39,6 +39,7 @@ from pz_persist.format import code_references
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import meshes
 from pz_persist.format import nodes
+from pz_persist.format import variable_kinds
 
 _READS_FORMAT = manifest_lib.FORMAT_VERSION
 
@@ -87,8 +88,7 @@ class _Abstract:
   def variable(kind: str, fields: dict[str, Any]) -> Any:
     # A mutable variable converts its value with jnp.asarray, which a
     # ShapeDtypeStruct cannot go through: abstract trees show frozen values.
-    cls = pz.ParameterValue if kind == "parameter" else pz.StateVariableValue
-    return cls(**fields)
+    return variable_kinds.value_class(kind)(**fields)
 
 
 class _ArrayLabels:
@@ -154,7 +154,7 @@ class _Variables:
     entry_where = f"{self._where}[{ref}]"
     if not isinstance(entry, dict) or entry.keys() != nodes.VARIABLE_ENTRY_FIELDS:
       raise errors.ManifestError(f"{entry_where}: malformed variable entry.")
-    if not isinstance(entry["kind"], str) or entry["kind"] not in nodes.VARIABLE_KINDS:
+    if not isinstance(entry["kind"], str) or entry["kind"] not in variable_kinds.KINDS:
       raise errors.ManifestError(
           f"{entry_where}: unknown variable kind {entry['kind']!r}."
       )
@@ -448,7 +448,7 @@ def _class_changed(cls: type, names: frozenset[str]) -> str:
       f" (its fields are now {', '.join(sorted(names)) or 'none'}): its code"
       " changed since the checkpoint was saved. Build the model with the"
       " current code and load the checkpoint's variables into it by label:"
-      " pz_persist.load_model(path, into=new_model) (rename= maps labels that"
+      " pz_persist.load_into(path, new_model) (rename= maps labels that"
       " changed too)."
   )
 
@@ -608,13 +608,13 @@ def _named_array_view(at: _At, node: Node) -> Any:
 
 @_decodes("parameter_value", "state_variable_value")
 def _value(at: _At, node: Node) -> Any:
-  cls = pz.ParameterValue if node["t"] == "parameter_value" else pz.StateVariableValue
+  cls = variable_kinds.BY_VALUE_TAG[node["t"]].value_class
   return cls(**at.walk.labeled(node, at.where, at.depth))
 
 
 @_decodes("parameter_slot", "state_variable_slot")
 def _slot(at: _At, node: Node) -> Any:
-  cls = pz.ParameterSlot if node["t"] == "parameter_slot" else pz.StateVariableSlot
+  cls = variable_kinds.BY_SLOT_TAG[node["t"]].slot_class
   label = at.static(node["label"], f"{at.where}.label")
   return cls(label=check_label(label, at.where))
 
@@ -678,5 +678,5 @@ def decode(
 
 
 def decode_static(node: Any, where: str) -> Any:
-  """Decodes a plain Python value encoded by `encode.encode_static`."""
+  """Decodes a plain Python value (no arrays) stored as typed JSON (a label, metadata)."""
   return _Walk((), (), abstract=False).decode(node, where, 0, False)

@@ -34,19 +34,14 @@ from pz_persist.format import code_references
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import meshes
 from pz_persist.format import nodes
+from pz_persist.format import variable_kinds
 
 Node = nodes.Node
 PRNG_IMPLS = nodes.PRNG_IMPLS
 
-_VALUE_CLASSES: dict[type, str] = {
-    pz.ParameterValue: "parameter_value",
-    pz.StateVariableValue: "state_variable_value",
-}
-_SLOT_CLASSES: dict[type, str] = {
-    pz.ParameterSlot: "parameter_slot",
-    pz.StateVariableSlot: "state_variable_slot",
-}
-_VARIABLE_KINDS: dict[type, str] = {cls: kind for kind, cls in nodes.VARIABLE_KINDS.items()}
+_VALUE_CLASSES: dict[type, str] = {k.value_class: k.value_tag for k in variable_kinds.KINDS.values()}
+_SLOT_CLASSES: dict[type, str] = {k.slot_class: k.slot_tag for k in variable_kinds.KINDS.values()}
+_VARIABLE_KINDS: dict[type, str] = {k.variable_class: k.name for k in variable_kinds.KINDS.values()}
 def _encode_float(x: float) -> float | str:
   # JSON has no NaN or infinities; spell them out rather than emit invalid JSON.
   return x if math.isfinite(x) else repr(x)
@@ -428,13 +423,6 @@ def _check_decodable(encoded: EncodedTree, originals: list[Any], root: str) -> N
         f"{e} This value could be written but never loaded, so it is not"
         " saved."
     ) from None
-
-
-def encode_static(value: Any, where: str) -> Node:
-  """Encodes a plain Python value (no arrays) as typed JSON."""
-  return _Encoder().static(value, where)
-
-
 
 
 def _enum_name(member: enum.Enum, where: str) -> str:

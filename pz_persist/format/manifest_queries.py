@@ -20,11 +20,12 @@ from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
+from pz_persist.format import variable_kinds
 from pz_persist.safety import terminal
 
 Node = dict[str, Any]
 
-_VALUE_TAGS = nodes.VALUE_TAGS
+_BY_VALUE_TAG = variable_kinds.BY_VALUE_TAG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,7 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
     )
 
   for index, entry in enumerate(manifest.variables):
-    if not isinstance(entry, dict) or entry.get("kind") not in tuple(nodes.VARIABLE_KINDS):
+    if not isinstance(entry, dict) or entry.get("kind") not in tuple(variable_kinds.KINDS):
       raise errors.ManifestError(f"{where}: variables[{index}] is malformed.")
     before = len(found)
     add(entry["kind"], entry, where, f"variables[{index}]")
@@ -131,8 +132,8 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
           " unique."
       )
   for node in walk(manifest.tree, where=f"{where}: tree"):
-    if isinstance(node.get("t"), str) and node["t"] in _VALUE_TAGS:
-      add(_VALUE_TAGS[node["t"]], node, where, "tree")
+    if isinstance(node.get("t"), str) and node["t"] in _BY_VALUE_TAG:
+      add(_BY_VALUE_TAG[node["t"]].name, node, where, "tree")
   return list(found.values())
 
 

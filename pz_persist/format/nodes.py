@@ -280,17 +280,6 @@ def release_tuple(text: str) -> tuple[int, ...]:
 VARIABLE_ENTRY_FIELDS = frozenset({"kind", "label", "metadata", "value"})
 """The keys of an entry of the manifest's variables table."""
 
-VARIABLE_KINDS: dict[str, type] = {
-    "parameter": pz.Parameter,
-    "state_variable": pz.StateVariable,
-}
-"""The ``kind`` of a variables-table entry, and the class it rebuilds."""
-
-VALUE_TAGS: dict[str, Literal["parameter", "state_variable"]] = {
-    "parameter_value": "parameter",
-    "state_variable_value": "state_variable",
-}
-"""Tags of frozen variable values, and the variable kind each one is."""
 
 
 def node(tag: str, **fields: Any) -> Node:

@@ -1,21 +1,27 @@
 """The two kinds of Penzai variables, as checkpoints name them, and their classes.
 
 A checkpoint records each variable's kind as ``"parameter"`` or
-``"state_variable"``; Penzai has three classes for each (the frozen value,
-the mutable variable and the slot an unbound model holds). This table is the
-one place that maps between them, so that the encoder, the decoder, binding,
-the catalog, the Orbax handlers and the safetensors export agree, and a new
-kind would be added once.
+``"state_variable"``, and tags its frozen values and slots
+``"parameter_value"`` / ``"parameter_slot"`` (and the same for state
+variables); Penzai has three classes for each (the frozen value, the mutable
+variable and the slot an unbound model holds). This table is the one place
+that maps between them, so that the node table, the encoder, the decoder,
+binding, the catalog, the Orbax handlers and the safetensors export agree, and
+a new kind would be added once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from typing import Literal
 
 from penzai import pz
 
 from pz_persist import errors
+
+KindName = Literal["parameter", "state_variable"]
+"""How checkpoints name a kind."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +35,20 @@ class Kind:
     slot_class: Its slot in an unbound model (``pz.ParameterSlot``).
   """
 
-  name: str
+  name: KindName
   value_class: type[pz.AbstractVariableValue]
   variable_class: type
   slot_class: type
+
+  @property
+  def value_tag(self) -> str:
+    """The node tag of its frozen values (``"parameter_value"``)."""
+    return f"{self.name}_value"
+
+  @property
+  def slot_tag(self) -> str:
+    """The node tag of its slots (``"parameter_slot"``)."""
+    return f"{self.name}_slot"
 
 
 KINDS: dict[str, Kind] = {
@@ -44,10 +60,11 @@ KINDS: dict[str, Kind] = {
 }
 """Every kind, by the name checkpoints give it."""
 
+BY_VALUE_TAG: dict[str, Kind] = {kind.value_tag: kind for kind in KINDS.values()}
+"""Every kind, by the node tag of its frozen values."""
 
-def is_kind(name: Any) -> bool:
-  """Whether ``name``, read from a checkpoint (any JSON value), names a kind."""
-  return isinstance(name, str) and name in KINDS
+BY_SLOT_TAG: dict[str, Kind] = {kind.slot_tag: kind for kind in KINDS.values()}
+"""Every kind, by the node tag of its slots."""
 
 
 def kind_of(obj: Any) -> str:

@@ -38,12 +38,12 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import object_store
 from pz_persist.storage import opening
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
-from pz_persist.storage import sharding as sharding_lib
 from pz_persist.storage import writer
 
 DEFAULT_CHUNK_BYTES = writer.DEFAULT_CHUNK_BYTES

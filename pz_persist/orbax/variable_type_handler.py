@@ -52,6 +52,7 @@ from orbax.checkpoint.metadata import value as value_metadata
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import variable_kinds
@@ -61,7 +62,6 @@ from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
-from pz_persist.storage import sharding as sharding_lib
 from pz_persist.storage import writer
 
 _RECORDS_PREFIX = writer.RECORDS_PREFIX

@@ -63,6 +63,7 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.errors import GemmaCheckpointError  # Documented here too.
 from pz_persist.format import casts
 from pz_persist.pretrained import _files
@@ -71,7 +72,6 @@ from pz_persist.pretrained import gemma4_flax
 from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import sharding as sharding_lib
 
 __all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 

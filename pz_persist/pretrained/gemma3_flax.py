@@ -33,12 +33,12 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist import sharding as sharding_lib
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.families import gemma3
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import penzai_layout
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.storage import sharding as sharding_lib
 
 _log = logging.getLogger("pz_persist.pretrained.gemma")
 

@@ -50,10 +50,10 @@ from typing import Any
 import numpy as np
 
 from pz_persist import errors
+from pz_persist import sharding as sharding_lib
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.families import gemma4
-from pz_persist.storage import sharding as sharding_lib
 
 _log = logging.getLogger("pz_persist.pretrained.gemma")
 

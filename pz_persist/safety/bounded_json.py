@@ -189,24 +189,6 @@ def read_file(path: epath.PathLike, *, max_bytes: int) -> bytes:
   return data
 
 
-def load_file(
-    path: epath.PathLike, *, max_bytes: int, max_nodes: int, max_depth: int
-) -> Any:
-  """Reads and parses a JSON file from a checkpoint, within every limit
-  (its size, `node_limit` of ``max_nodes``, ``max_depth``).
-
-  For any reader of a checkpoint's JSON files; the caller makes sure the
-  path is a regular file inside the checkpoint (`pz_persist.safety`).
-
-  Raises:
-    ManifestError: over a limit or not valid JSON, naming the file.
-    OSError: it cannot be read.
-  """
-  data = read_file(path, max_bytes=max_bytes)
-  most = node_limit(len(data), most=max_nodes)
-  return loads(data, where=str(path), max_nodes=most, max_depth=max_depth)
-
-
 def loads(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> Any:
   """Parses JSON from a checkpoint within the given limits.
 

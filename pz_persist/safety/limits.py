@@ -46,11 +46,6 @@ _limits: contextvars.ContextVar[Limits] = contextvars.ContextVar(
 _UNSET: Any = object()
 
 
-def current_limits() -> Limits:
-  """The limits in force here: the innermost `limits` block's, or defaults."""
-  return _limits.get()
-
-
 @contextlib.contextmanager
 def limits(*, max_allocation_bytes: int | None = _UNSET) -> Iterator[Limits]:
   """Sets load limits for the ``with`` block, in this thread or task only.

@@ -321,7 +321,7 @@ def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | Non
         " It is an Orbax checkpoint written without pz_persist; restore it with"
         " orbax.checkpoint and a template or, if it holds a Penzai model's"
         " parameters (saved from pz.unbind_params(model, freeze=True)), load it"
-        " with pz_persist.load_model(path, into=model) or convert it with"
+        " with pz_persist.load_into(path, model) or convert it with"
         " pz_persist.migrate."
     )
   raise errors.NotACheckpointError(

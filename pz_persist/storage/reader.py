@@ -43,6 +43,7 @@ from etils import epath
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
@@ -53,7 +54,7 @@ from pz_persist.storage import containment
 from pz_persist.storage import direct_read
 from pz_persist.storage import host_memory
 from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import sharding as sharding_lib
+from pz_persist.storage import placements
 
 DEFAULT_READ_BATCH_BYTES = 64 * 2**20
 """Arrays are read in batches of about this many bytes (of this process's
@@ -105,7 +106,7 @@ def read_arrays(
     directory: epath.Path,
     manifest: manifest_lib.Manifest,
     *,
-    sharding: sharding_lib.Target | sharding_lib.PerArray = None,
+    sharding: sharding_lib.Target | placements.PerArray = None,
     refs: Collection[int] | None = None,
     verify: bool = True,
     to_host: bool = False,
@@ -119,7 +120,7 @@ def read_arrays(
     directory: The item directory (holding the manifest and Orbax's files).
     manifest: Its manifest, already read and validated.
     sharding: Where ``jax.Array`` values go: one ``Sharding``,
-      `pz_persist.AxisRules`, a `pz_persist.storage.sharding.PerArray` mapping
+      `pz_persist.AxisRules`, a `pz_persist.storage.placements.PerArray` mapping
       (each array's own placement, by manifest index), or None for the
       first local device. Arrays saved as NumPy arrays stay NumPy arrays.
     refs: Indices into ``manifest.arrays`` to read (default: all).
@@ -190,7 +191,7 @@ def plan(
     manifest: manifest_lib.Manifest,
     *,
     where: str,
-    sharding: sharding_lib.Target | sharding_lib.PerArray = None,
+    sharding: sharding_lib.Target | placements.PerArray = None,
     refs: Collection[int] | None = None,
     to_host: bool = False,
 ) -> Plan:
@@ -198,14 +199,14 @@ def plan(
   load that would change values (`check_loadable`) or exceed the allocation
   limit (`pz_persist.safety.limits.check_allocation`)."""
   check_loadable(manifest, where, refs)
-  placed = sharding_lib.placements(manifest, sharding)
+  placed = placements.placements(manifest, sharding)
   targets = {
       spec.key: None if to_host else placed[index]
       for index, spec in enumerate(manifest.arrays)
       if spec.is_stored and (refs is None or index in refs)
   }
   wanted = [spec for spec in manifest.arrays if spec.key in targets]
-  sizes = {spec.key: sharding_lib.local_bytes(spec, targets[spec.key]) for spec in wanted}
+  sizes = {spec.key: placements.local_bytes(spec, targets[spec.key]) for spec in wanted}
   limits.check_allocation(wanted, sizes, where=where)
   return Plan(manifest, where, refs, placed, targets, sizes, wanted)
 

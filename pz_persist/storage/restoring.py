@@ -5,17 +5,16 @@ Reading the arrays is `pz_persist.storage.reader`'s.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import opening
 from pz_persist.storage import reader
-from pz_persist.storage import sharding as sharding_lib
 
 
 def read_tree(
@@ -40,17 +39,6 @@ def read_tree(
         options=options or reader.ReadOptions(), snapshot=opened.snapshot,
     )
   return decode(manifest, values, where=str(directory))
-
-
-def assemble(
-    manifest: manifest_lib.Manifest, stored: Mapping[str, Any], *, where: str
-) -> Any:
-  """The saved tree, from its manifest and its stored arrays (by storage key,
-  as `pz_persist.storage.reader` returns them before conversion)."""
-  placed = sharding_lib.placements(manifest, None)
-  return decode(
-      manifest, reader.values(manifest, stored, where=where, placed=placed), where=where
-  )
 
 
 def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str) -> Any:

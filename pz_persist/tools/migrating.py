@@ -22,9 +22,9 @@ from penzai import pz
 from pz_persist import binding
 from pz_persist import errors
 from pz_persist import model as model_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.storage import commit
 from pz_persist.storage import destinations
-from pz_persist.storage import sharding as sharding_lib
 
 
 def migrate(
@@ -40,7 +40,7 @@ def migrate(
 ) -> Any:
   """Converts the checkpoint at ``src`` into a native checkpoint at ``dst``.
 
-  Loads ``src`` into ``model`` with ``load_model(src, into=model)`` (strict:
+  Loads ``src`` into ``model`` with ``load_into(src, model)`` (strict:
   any missing, extra or mismatched array raises
   `pz_persist.BindingError`, and nothing is written), then saves the loaded
   model with `pz_persist.save_model`. ``src`` is left as it is.
@@ -81,8 +81,8 @@ def migrate(
     raise errors.CheckpointExistsError(  # Said before the (long) load.
         f"{dst} already exists; pass overwrite=True to replace it."
     )
-  loaded = model_lib.load_model(
-      src, into=model, dtype=dtype, allow_lossy=allow_lossy, sharding=sharding,
+  loaded = model_lib.load_into(
+      src, model, dtype=dtype, allow_lossy=allow_lossy, sharding=sharding,
       allow_modules=allow_modules,
   )
   model_lib.save_model(dst, loaded, overwrite=overwrite, allow_modules=allow_modules)

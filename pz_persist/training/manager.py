@@ -28,6 +28,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from pz_persist import errors
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import meshes
 from pz_persist.orbax import v0_handler
@@ -37,7 +38,6 @@ from pz_persist.storage import commit
 from pz_persist.storage import containment
 from pz_persist.storage import leftovers
 from pz_persist.storage import orbax_seam
-from pz_persist.storage import sharding as sharding_lib
 from pz_persist.storage import steps
 from pz_persist.storage import stores
 from pz_persist.training import optimizers

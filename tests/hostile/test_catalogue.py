@@ -26,7 +26,7 @@ LOADERS = {
     catalogue.LOAD: lambda path, model: pzp.load(path),
     catalogue.INSPECT: lambda path, model: pzp.inspect(path),
     catalogue.LOAD_MODEL: lambda path, model: pzp.load_model(path),
-    catalogue.INTO: lambda path, model: pzp.load_model(path, into=model),
+    catalogue.INTO: lambda path, model: pzp.load_into(path, model),
 }
 
 

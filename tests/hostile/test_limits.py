@@ -34,7 +34,8 @@ def test_a_load_beyond_the_scoped_limit_is_refused(small):
     handler = pzp.PenzaiCheckpointHandler(direct_reads=False)  # Orbax's path.
     with pytest.raises(errors.UnsafeCheckpointError, match=REFUSED):
       handler.restore(small / checkpoint.ITEM_NAME, pzp.PenzaiRestore())
-  assert limits.current_limits() == limits.Limits()  # Reset on leaving.
+  with pzp.limits() as after:  # No argument: the limits in force, unchanged.
+    assert after == limits.Limits()  # Reset on leaving.
   np.testing.assert_array_equal(pzp.load(small)["w"], np.ones(100, np.float32))
 
 

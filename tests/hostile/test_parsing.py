@@ -182,20 +182,27 @@ def test_duplicate_keys_are_refused():
     bounded_json.loads(b'{"a": 1, "a": 2}', where="f.json", max_nodes=99, max_depth=9)
 
 
-def test_load_file_applies_every_limit(tmp_path):
+def test_a_json_file_is_read_within_every_limit(tmp_path):
+  """As readers of a checkpoint's JSON files do: its size bounded by
+  `read_file`, then its values and nesting by `loads`."""
   path = tmp_path / "config.json"
+
+  def load(max_bytes=100, max_nodes=10, max_depth=2):
+    data = bounded_json.read_file(path, max_bytes=max_bytes)
+    most = bounded_json.node_limit(len(data), most=max_nodes)
+    return bounded_json.loads(data, where=str(path), max_nodes=most, max_depth=max_depth)
+
   path.write_bytes(b'{"a": [1, 2]}')
-  limits = dict(max_bytes=100, max_nodes=10, max_depth=2)
-  assert bounded_json.load_file(path, **limits) == {"a": [1, 2]}
+  assert load() == {"a": [1, 2]}
   path.write_bytes(b"[" + b" " * 200 + b"]")
   with pytest.raises(errors.ManifestError, match="config.json: over the 100-byte limit"):
-    bounded_json.load_file(path, **limits)
+    load()
   path.write_bytes(b"[[[1]]]")
   with pytest.raises(errors.ManifestError, match="config.json: JSON nested 3 levels"):
-    bounded_json.load_file(path, **limits)
+    load()
   path.write_bytes(b"[" + b"0," * 5000 + b"0]")
   with pytest.raises(errors.ManifestError, match=r"config.json: 5002 JSON values"):
-    bounded_json.load_file(path, **dict(limits, max_bytes=10**6, max_nodes=100))
+    load(max_bytes=10**6, max_nodes=100)
 
 
 def test_reading_small_json_files_allocates_no_size_limit(ckpt):

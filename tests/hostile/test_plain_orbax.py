@@ -61,7 +61,18 @@ def _data_files(path):
 
 
 def test_the_valid_one_loads(plain):
-  pzp.load_model(plain, into=_fresh())  # The cases below are damaged copies.
+  """The undamaged copy (the cases below damage it) loads every saved value
+  into the model, in both spellings, and leaves the model passed in as it was."""
+  model = _fresh()
+  before = _values(model)
+  saved = _values(model_zoo.mlp())
+  assert not all(np.array_equal(a, b) for a, b in zip(before, saved))  # Else nothing shows.
+  for loaded in (pzp.load_into(plain, model), pzp.load_model(plain, into=model)):
+    values = _values(loaded)
+    assert len(values) == len(saved)
+    for got, want in zip(values, saved):
+      np.testing.assert_array_equal(got, want)
+  assert all(np.array_equal(a, b) for a, b in zip(_values(model), before))
 
 
 def test_symlink_out_of_the_checkpoint(plain, tmp_path):

@@ -374,9 +374,19 @@ def _hub_snapshot(root, name="models--org--tiny", sub=""):
 
 @pytest.mark.parametrize("sub", ["", "text_model"])
 def test_hub_cache_snapshot_loads(tmp_path, sub):
+  """Symlinks into the cache's blobs are followed, to the very tensors: the
+  snapshot loads the same model as a plain folder of the same files."""
   snapshot = _hub_snapshot(tmp_path, sub=sub)
-  model = pzp.pretrained.load_hf(snapshot)
-  assert model is not None
+  from_cache = pz.unbind_params(pzp.load_hf(snapshot), freeze=True)[1]
+  plain = pz.unbind_params(pzp.load_hf(hf_folder(tmp_path / "plain")), freeze=True)[1]
+  assert [p.label for p in from_cache] == [p.label for p in plain]
+  assert "transformer/block_1/attention/query.weights" in {p.label for p in from_cache}
+  for cached, direct in zip(from_cache, plain):
+    assert cached.value.named_shape == direct.value.named_shape, cached.label
+    np.testing.assert_array_equal(
+        np.asarray(cached.value.unwrap(*cached.value.named_shape)),
+        np.asarray(direct.value.unwrap(*direct.value.named_shape)), err_msg=cached.label,
+    )
 
 
 def test_symlink_out_of_the_folder_is_refused(tmp_path):

@@ -59,6 +59,7 @@ from penzai.models.transformer import model_parts
 
 from pz_persist import errors
 from pz_persist import progress as progress_lib
+from pz_persist import sharding as sharding_lib
 from pz_persist.format import casts
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
@@ -70,7 +71,6 @@ from pz_persist.pretrained.hf.plan import penzai_layout
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.hf.weights import check_has_weights
 from pz_persist.pretrained.layers import scaled_rope
-from pz_persist.storage import sharding as sharding_lib
 
 # Documented here too (defined in errors, with every error class).
 UnsupportedConfigError = errors.UnsupportedConfigError

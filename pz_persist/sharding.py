@@ -30,9 +30,6 @@ from typing import Any
 import jax
 
 from pz_persist import errors
-from pz_persist.format import array_specs as arrays_lib
-from pz_persist.format import manifest as manifest_lib
-from pz_persist.format import manifest_queries
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -103,62 +100,7 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
 Target = jax.sharding.Sharding | AxisRules | None
 """Where arrays go: one sharding for all, axis rules, or None (first device)."""
 
-PerArray = Mapping[int, jax.sharding.Sharding | None]
-"""Where each array goes, by its index in the manifest: its own sharding, or
-None for a NumPy array on the host; arrays not in it go to the first device.
-For a load into a model (`pz_persist.load_model` with ``into=``), which knows
-where each of its arrays is."""
-
 
 def default_sharding() -> jax.sharding.Sharding:
   """Where a jax.Array goes when the caller did not say: the first local device."""
   return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-
-def placements(
-    manifest: manifest_lib.Manifest, target: Target | PerArray
-) -> list[jax.sharding.Sharding | None]:
-  """Where each array of the manifest goes: a sharding, or None for NumPy."""
-  if isinstance(target, Mapping):
-    default = default_sharding()
-    return [
-        target.get(index, default) if spec.kind == "jax" else None
-        for index, spec in enumerate(manifest.arrays)
-    ]
-  if not isinstance(target, AxisRules):
-    sharding = target or default_sharding()
-    return [sharding if spec.kind == "jax" else None for spec in manifest.arrays]
-  names = manifest_queries.axis_names(manifest)
-  result: list[jax.sharding.Sharding | None] = []
-  for index, spec in enumerate(manifest.arrays):
-    if spec.kind != "jax":
-      result.append(None)
-      continue
-    dims = names.get(index, (None,) * len(spec.shape))
-    result.append(target.sharding(dims, spec.shape, what=_describe(spec)))
-  return result
-
-
-def _describe(spec: arrays_lib.ArraySpec) -> str:
-  return f"{spec.path} (label {spec.label!r})" if spec.label else spec.path
-
-
-def local_bytes(spec: arrays_lib.ArraySpec, sharding: jax.sharding.Sharding | None) -> int:
-  """Bytes of one array that this process's devices hold (None: NumPy)."""
-  if sharding is None:
-    return spec.nbytes
-  devices = set(sharding.addressable_devices)
-  elements = sum(
-      math.prod(len(range(*s.indices(n))) for s, n in zip(index, spec.shape))
-      for device, index in sharding.devices_indices_map(spec.shape).items()
-      if device in devices
-  )
-  return elements * spec.np_dtype.itemsize
-
-
-def shard_bytes(manifest: manifest_lib.Manifest, target: Target) -> int:
-  """Bytes of the arrays this process's devices hold after a restore."""
-  return sum(
-      local_bytes(spec, sharding)
-      for spec, sharding in zip(manifest.arrays, placements(manifest, target))
-  )

@@ -1,0 +1,35 @@
+"""Static checks of the public API's types, run by ``mypy`` (CI), never by pytest.
+
+Each ``assert_type`` fails type checking if a signature loses precision:
+`load_model` and `load_into` return the model (of the type given to
+`load_into`) or ``(model, report)`` by ``strict``; never ``Any``.
+"""
+
+from __future__ import annotations
+
+from typing import assert_type
+
+from penzai import pz
+
+import pz_persist as pzp
+
+
+class Model:
+  """Stands for a model class: Penzai ships no type information (to mypy its
+  classes are ``Any``), so a class of this file shows what is kept."""
+
+
+def check(path: str, model: Model, flag: bool) -> None:
+  assert_type(pzp.load_model(path), pz.Struct)
+  assert_type(pzp.load_model(path, strict=False), tuple[pz.Struct, pzp.LoadReport])
+  assert_type(pzp.load_into(path, model), Model)
+  assert_type(pzp.load_into(path, model, strict=False), tuple[Model, pzp.LoadReport])
+  assert_type(
+      pzp.load_into(path, model, strict=flag),
+      Model | tuple[Model, pzp.LoadReport],
+  )
+  # The older spelling keeps the model's type too.
+  assert_type(pzp.load_model(path, into=model), Model)
+  assert_type(
+      pzp.load_model(path, into=model, strict=False), tuple[Model, pzp.LoadReport]
+  )
