@@ -364,6 +364,8 @@ def own_work(params) -> dict:
   """
   import pz_persist as pzp
   from pz_persist.format import manifest as manifest_lib
+  from pz_persist.storage import placements
+  from pz_persist.storage import reader
   from pz_persist.storage import restoring
 
   def best(fn, repeats=5):
@@ -373,13 +375,16 @@ def own_work(params) -> dict:
   # moved off the critical path, still pz_persist's work) and serializing.
   manifest, stored = pzp.orbax.v0_handler.encode_manifest(params)
   data = manifest.dumps()
+
+  def decode():
+    parsed = manifest_lib.Manifest.loads(data, where="bench")
+    values = reader.values(parsed, stored, where="bench",
+                           placed=placements.placements(parsed, None))
+    return restoring.decode(parsed, values, where="bench")
+
   return {
       "save_seconds": best(lambda: pzp.orbax.v0_handler.encode_manifest(params)[0].dumps()),
-      "load_seconds": best(
-          lambda: restoring.assemble(
-              manifest_lib.Manifest.loads(data, where="bench"), stored, where="bench"
-          )
-      ),
+      "load_seconds": best(decode),
       "manifest_bytes": len(data),
   }
 

@@ -256,7 +256,7 @@ def leaves_manifest(
   arrays: list[Any] = []
   ref_of: dict[str, int] = {}
   for name, (kind, encoded, names) in variables.items():
-    if encoded.variables or encoded.tree.get("t") not in nodes.VALUE_TAGS:
+    if encoded.variables or encoded.tree.get("t") not in variable_kinds.BY_VALUE_TAG:
       raise AssertionError(f"leaf {name!r}: not one frozen variable value")
     base = len(arrays)
     for index, spec in enumerate(encoded.arrays):
