@@ -144,7 +144,7 @@ def test_every_save_path_is_read_by_every_entry_point(tmp_path, save, capsys):
   migrated = pzp.migrate(item, tmp_path / "migrated", _fresh())
   assert_same_outputs(migrated(model_zoo.mlp_input()), model(model_zoo.mlp_input()))
   if save == TYPE_HANDLER:  # Orbax's tree of it records no classes: no model.
-    with pytest.raises(pzp.errors.PzPersistError, match="into="):
+    with pytest.raises(pzp.errors.PzPersistError, match="load_into"):
       pzp.load_model(item)
   else:
     whole = pzp.load_model(item)
