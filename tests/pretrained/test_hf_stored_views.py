@@ -91,6 +91,10 @@ def test_decoded_view(tmp_path, rng):
                                            "int8 rows")])
     np.testing.assert_array_equal(weights.where["w"].get("w"), q * s)
     assert [v.name for v in weights.decoded()] == ["w"]
+    from pz_persist.pretrained.hf import load  # pylint: disable=import-outside-toplevel
+    with pytest.warns(errors.DequantizedWeightsWarning, match="1 tensors were stored quantised"
+                      r" \(int8 rows\)"):
+      load._say_decoded(weights, folder)  # pylint: disable=protected-access
   with weights_lib.Weights(folder, None) as weights:
     weights.add_views([weights_lib.decoded("w", ["w.q", "w.s"], (4, 7), np.float32, decode,
                                            "int8 rows")])
@@ -114,3 +118,23 @@ def test_export_writes_stacked_parts_bit_for_bit(tmp_path, rng):
     assert got.dtype == parts[n].dtype
     np.testing.assert_array_equal(got.view(np.uint16), parts[n].view(np.uint16))
   back.close()
+
+
+def test_export_like_a_quantised_config_warns_and_writes_it_dense(tmp_path):
+  """``like=`` a quantised folder's config: the model holds dequantised
+  values, so export says so and writes no ``quantization_config``."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  from hostile.test_pretrained_hostile import MIXTRAL  # pylint: disable=import-outside-toplevel
+  from hostile.test_pretrained_hostile import hf_folder  # pylint: disable=import-outside-toplevel
+  from hostile.test_pretrained_hostile import mixtral_tensors  # pylint: disable=import-outside-toplevel
+
+  import pz_persist as pzp  # pylint: disable=import-outside-toplevel
+
+  model = pzp.pretrained.load_hf(hf_folder(tmp_path / "hf", MIXTRAL, mixtral_tensors()))
+  like = dict(MIXTRAL, quantization_config={"quant_method": "fp8", "weight_block_size": [128,
+                                                                                          128]})
+  with pytest.warns(errors.DequantizedWeightsWarning, match="quant_method='fp8'"):
+    pzp.export_hf(model, tmp_path / "out", like=like)
+  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert "quantization_config" not in config and config["model_type"] == "mixtral"
