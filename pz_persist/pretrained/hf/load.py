@@ -232,7 +232,7 @@ def load_hf(
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
-  with _files.collection_paused(), Weights(path, dtype, seen) as weights:
+  with Weights(path, dtype, seen) as weights:
     cfg = Config(raw_config, where, families.FAMILY_OF[model_type].fields)
     plan = families.MODEL_TYPES[model_type].plan(cfg, weights)
     weights.add_views(plan.views)
