@@ -123,14 +123,19 @@ def check_unchanged(path: str, seen: Identity, fd: int | None = None) -> None:
     )
 
 
-def parse_json(raw: bytes, error: ErrorFactory) -> Any:
+def parse_json(raw: bytes, error: ErrorFactory,
+               object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
   """Parses JSON bytes, refusing invalid UTF-8 or JSON and deep nesting.
+
+  ``object_pairs_hook`` (as `json.loads`'s) may turn objects into something
+  else as they are parsed; what it makes that is not a dict or list is not
+  looked into by the depth check (so it must hold no nested JSON).
 
   Raises:
     What ``error`` makes, saying what is wrong.
   """
   try:
-    value = json.loads(raw.decode("utf-8"))
+    value = json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
   except RecursionError:
     raise error(f"nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
   except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError.
