@@ -124,10 +124,10 @@ def check_unchanged(path: str, seen: Identity, fd: int | None = None) -> None:
 
 
 def parse_json(raw: bytes, error: ErrorFactory,
-               object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+               object_hook: Callable[[dict[str, Any]], Any] | None = None) -> Any:
   """Parses JSON bytes, refusing invalid UTF-8 or JSON and deep nesting.
 
-  ``object_pairs_hook`` (as `json.loads`'s) may turn objects into something
+  ``object_hook`` (as `json.loads`'s) may turn objects into something
   else as they are parsed; what it makes that is not a dict or list is not
   looked into by the depth check (so it must hold no nested JSON).
 
@@ -135,7 +135,7 @@ def parse_json(raw: bytes, error: ErrorFactory,
     What ``error`` makes, saying what is wrong.
   """
   try:
-    value = json.loads(raw.decode("utf-8"), object_pairs_hook=object_pairs_hook)
+    value = json.loads(raw.decode("utf-8"), object_hook=object_hook)
   except RecursionError:
     raise error(f"nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
   except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError.
