@@ -48,6 +48,15 @@ def _open_weights(
       raise error("is malformed: it needs a 'weight_map' object")
     files: dict[str, safetensors_io.SafetensorsFile] = {}
     for name, filename in weight_map.items():
+      # Each file name checked and opened on its first mention only (an
+      # index of a mixture of experts names a few files 20,000 times).
+      file = files.get(filename) if type(filename) is str else None
+      if file is not None:
+        if name not in file.entries:
+          raise safetensors_io.SafetensorsFormatError(
+              f"{index_path} puts tensor {name!r} in {file.path}, which does not hold it.")
+        where[name] = file
+        continue
       if not _files.plain_file_name(filename):
         raise safetensors_io.SafetensorsFormatError(
             f"{index_path}: tensor {name!r:.200} maps to {filename!r:.200}, which is not"
@@ -64,9 +73,7 @@ def _open_weights(
         opened.append(files[filename])
       if name not in files[filename].entries:
         raise safetensors_io.SafetensorsFormatError(
-            f"{index_path} puts tensor {name!r} in {files[filename].path}, which"
-            " does not hold it."
-        )
+            f"{index_path} puts tensor {name!r} in {files[filename].path}, which does not hold it.")
       where[name] = files[filename]
   elif single is not None:
     file = safetensors_io.SafetensorsFile(single)
