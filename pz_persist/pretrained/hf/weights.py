@@ -281,7 +281,7 @@ class _ViewFile:
       # read), each file checked unchanged once around all its parts.
       out = host_memory.aligned_empty(shape, dtype)
       for file, indices, names in self._groups:
-        file.read_many_into(zip(names, (out[i] for i in indices)), allow_lossy=allow_lossy)
+        file.read_stack_into(names, indices, out, allow_lossy=allow_lossy)
       return out
     arrays = {part: file.get(part) for file, _, names in self._groups for part in names}
     result = np.asarray(view.decode(arrays))
