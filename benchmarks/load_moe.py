@@ -20,11 +20,15 @@ the others a warm one's):
   ``get_tensor`` of each tensor;
 * ``load_hf``: `pz_persist.pretrained.load_hf`, which stacks each layer's
   experts into one parameter per projection (a ``weights.stacked`` view: one
-  buffer, each expert read into its slice) and builds the Penzai model.
+  buffer, each expert read into its slice) and builds the Penzai model;
+* the floors, parts of ``load_hf`` timed alone (each bounds it from below):
+  ``headers`` (every header parsed and validated), ``skeleton`` (the Penzai
+  model built from the plan, no reads), ``bind`` (the parameters bound into
+  it).
 
 Printed: time and peak RSS above the process's baseline for each (fresh and
-warm), and ``load_hf``'s ratio to each reader alone; the target is at most
-1.5x ``safetensors.numpy.load_file``.
+warm), ``load_hf``'s ratio to each reader alone (the target is at most
+1.5x ``safetensors.numpy.load_file``) and the sum of reading and the floors.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import harness  # noqa: E402  pylint: disable=wrong-import-position
 
-OPS = ("safetensors_numpy", "safe_open", "load_hf")
+OPS = ("safetensors_numpy", "safe_open", "headers", "skeleton", "bind", "load_hf")
+FLOORS = ("headers", "skeleton", "bind")
+"""Parts of ``load_hf`` measured alone: each bounds it from below."""
 TARGET = 1.5
 """``load_hf`` within this factor of ``safetensors.numpy.load_file`` (issue 28)."""
 
@@ -133,6 +139,8 @@ def operation(op: str, src: str):
             out[name] = f.get_tensor(name)
       return out
     return run
+  if op in FLOORS:
+    return _floor(op, src)
   if op == "load_hf":
     import jax  # pylint: disable=import-outside-toplevel
     from penzai import pz  # pylint: disable=import-outside-toplevel
@@ -144,6 +152,47 @@ def operation(op: str, src: str):
       jax.block_until_ready([p.value for p in pz.unbind_params(model)[1]])
     return run
   raise ValueError(op)
+
+
+def _floor(op: str, src: str):
+  """One part of ``load_hf`` alone, with what it needs prepared untimed:
+
+  * ``headers``: every safetensors file opened, its header parsed and
+    validated (what ``load_hf`` does before any read), and closed;
+  * ``skeleton``: the Penzai model built from the plan, with no reads
+    (config and headers already checked);
+  * ``bind``: the loaded parameters bound into that skeleton.
+  """
+  # pylint: disable=import-outside-toplevel
+  from pz_persist.pretrained import safetensors_io
+  from pz_persist.pretrained.hf import families
+  from pz_persist.pretrained.hf import load as hf_load
+  from pz_persist.pretrained.hf.config import Config
+  from pz_persist.pretrained.hf.weights import Weights
+
+  if op == "headers":
+    def run():
+      for file in _files(src):
+        safetensors_io.SafetensorsFile(file).close()
+    return run
+  with open(os.path.join(src, "config.json")) as f:
+    raw = json.load(f)
+  where = os.path.join(src, "config.json")
+  with Weights(src, None, []) as weights:
+    cfg = Config(raw, where, families.FAMILY_OF[raw["model_type"]].fields)
+    plan = families.MODEL_TYPES[raw["model_type"]].plan(cfg, weights)
+    weights.add_views(plan.views)
+  if op == "skeleton":
+    return plan.build
+  from penzai import pz
+  skeleton = plan.build()
+  params = pz.unbind_params(hf_load.load_hf(src, progress=False))[1]
+  bind = getattr(hf_load, "_bind", None)
+  if bind is None:  # Before load_hf bound in one pass (to measure older versions).
+    def bind(skeleton, params):
+      pz.nn.assert_no_parameter_slots(model := pz.bind_variables(skeleton, params))
+      return model
+  return lambda: bind(skeleton, params)
 
 
 def worker(op: str, src: str, repeats: int) -> dict:
@@ -200,6 +249,9 @@ NAMES = {
     "safetensors_numpy": "`safetensors.numpy.load_file` (arrays only)",
     "safe_open": "`safetensors.safe_open` + `get_tensor` each (arrays only)",
     "load_hf": "`pzp.pretrained.load_hf` (the Penzai model, experts stacked)",
+    "headers": "floor: headers parsed and validated alone (no reads)",
+    "skeleton": "floor: the Penzai skeleton built alone (no reads)",
+    "bind": "floor: the parameters bound into the skeleton alone",
 }
 
 
@@ -220,6 +272,12 @@ def report(results: dict) -> None:
       results[f"ratio_{reader}_{kind}"] = ratio
       rows.append((f"load_hf / {reader} ({kind})", ratio, TARGET, False, "x"))
   harness.print_targets("load_hf against reading the safetensors alone", rows)
+  for kind in ("fresh", "warm"):
+    floor = ops["safetensors_numpy"][kind] + sum(ops[op][kind] for op in FLOORS)
+    results[f"floor_{kind}"] = floor
+    print(f"sum of the floors ({kind}): reading + headers + skeleton + bind = {floor:.3f} s,"
+          f" {floor / ops['safetensors_numpy'][kind]:.2f}x reading alone; load_hf is"
+          f" {load[kind] / floor:.2f}x that sum")
 
 
 if __name__ == "__main__":

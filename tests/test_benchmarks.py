@@ -224,12 +224,15 @@ def test_load_moe_benchmark_runs(tmp_path, capsys):
   results = _load_moe_benchmark().main([
       "--experts", "4", "--layers", "2", "--hidden", "16", "--neurons", "8", "--repeats", "2",
       "--dir", str(tmp_path)])
-  assert set(results["ops"]) == {"safetensors_numpy", "safe_open", "load_hf"}
+  assert set(results["ops"]) == {"safetensors_numpy", "safe_open", "headers", "skeleton",
+                                 "bind", "load_hf"}
+  assert results["floor_warm"] > results["ops"]["safetensors_numpy"]["warm"]
   assert results["tensors"] == 3 + 2 * (9 + 3 * 4)
   assert all(entry["fresh"] > 0 and entry["warm"] > 0 for entry in results["ops"].values())
   assert results["ratio_safetensors_numpy_warm"] > 0
   printed = capsys.readouterr().out
   assert "load_hf / safetensors_numpy (warm)" in printed
+  assert "sum of the floors (warm)" in printed
 
 
 @pytest.mark.slow

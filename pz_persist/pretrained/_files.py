@@ -27,9 +27,7 @@ pretrained loaders are the only readers of these formats.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import io
 import json
 import math
@@ -37,7 +35,6 @@ import os
 import stat
 from collections.abc import Callable
 from collections.abc import Iterable
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -126,38 +123,19 @@ def check_unchanged(path: str, seen: Identity, fd: int | None = None) -> None:
     )
 
 
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-  """Pauses Python's cyclic garbage collector while a load runs (if it was
-  enabled), collecting nothing meanwhile.
-
-  Why: a checkpoint of a mixture of experts has tens of thousands of
-  tensors; their header entries, specs and views are hundreds of thousands
-  of small objects that live until the load ends, and each of the
-  collector's full passes, triggered by those allocations, scans every
-  object of the process again: measured on `benchmarks/load_moe.py` (128
-  experts x 48 layers), a third to half of ``load_hf``'s time. The load makes
-  no garbage cycles worth collecting early; the collector runs as usual
-  afterwards (and on its next pass collects whatever the load left).
-  """
-  paused = gc.isenabled()
-  if paused:
-    gc.disable()
-  try:
-    yield
-  finally:
-    if paused:
-      gc.enable()
-
-
-def parse_json(raw: bytes, error: ErrorFactory) -> Any:
+def parse_json(raw: bytes, error: ErrorFactory,
+               object_hook: Callable[[dict[str, Any]], Any] | None = None) -> Any:
   """Parses JSON bytes, refusing invalid UTF-8 or JSON and deep nesting.
+
+  ``object_hook`` (as `json.loads`'s) may turn objects into something
+  else as they are parsed; what it makes that is not a dict or list is not
+  looked into by the depth check (so it must hold no nested JSON).
 
   Raises:
     What ``error`` makes, saying what is wrong.
   """
   try:
-    value = json.loads(raw.decode("utf-8"))
+    value = json.loads(raw.decode("utf-8"), object_hook=object_hook)
   except RecursionError:
     raise error(f"nests JSON deeper than {MAX_JSON_DEPTH} levels") from None
   except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError.

@@ -123,6 +123,44 @@ def test_safetensors_ranges_must_tile_the_file(tmp_path, header, data, match):
     pzp.pretrained.load_safetensors(path)
 
 
+@pytest.mark.parametrize("entry, data, match", [
+    # Well-typed entries (parsed into compact tuples) with wrong values.
+    ({"dtype": "F31", "shape": [2], "data_offsets": [0, 8]}, bytes(8), "has dtype 'F31'"),
+    ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, bytes(8), "bytes of data"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, bytes(8), "invalid data offsets"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}, bytes(8), "invalid data offsets"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, bytes(4), "truncated"),
+    ({"dtype": "F32", "shape": [1] * 65, "data_offsets": [0, 4]}, bytes(4), "65 dimensions"),
+    ({"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}, b"", "multiply"),
+    # Ill-typed ones (left as JSON objects).
+    ({"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}, bytes(8), "invalid shape"),
+    ({"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}, bytes(8), "invalid shape"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8.0]}, bytes(8), "invalid data offsets"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 4, 8]}, bytes(8), "invalid data offsets"),
+    ({"dtype": "F32", "shape": [2], "offsets": [0, 8]}, bytes(8), "malformed header entry"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1}, bytes(8), "malformed"),
+    ({"dtype": 32, "shape": [2], "data_offsets": [0, 8]}, bytes(8), "has dtype 32"),
+])
+def test_safetensors_header_entries_are_checked(tmp_path, entry, data, match):
+  """Each header entry is checked whether it is parsed into a compact tuple
+  (well-typed) or left as a JSON object, and the error names the tensor."""
+  header = {"ok": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            "bad": {**entry, **({"data_offsets": [o + 4 for o in entry["data_offsets"]]}
+                                if isinstance(entry.get("data_offsets"), list)
+                                and all(type(o) is int for o in entry["data_offsets"]) else {})}}
+  path = raw_safetensors(tmp_path / "x.safetensors", header, bytes(4) + data)
+  with pytest.raises(errors.SafetensorsFormatError, match=match) as info:
+    safetensors_io.SafetensorsFile(path)
+  assert "'bad'" in str(info.value)
+
+
+def test_metadata_shaped_like_an_entry_is_refused(tmp_path):
+  header = {"__metadata__": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+  with pytest.raises(errors.SafetensorsFormatError, match="str-to-str"):
+    safetensors_io.SafetensorsFile(raw_safetensors(tmp_path / "x.safetensors", header, bytes(4)))
+
+
 def test_reference_safetensors_agrees_on_what_is_invalid(tmp_path):
   """The reference implementation refuses the aliased file too."""
   import safetensors.numpy  # pylint: disable=import-outside-toplevel

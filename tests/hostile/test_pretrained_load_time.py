@@ -182,6 +182,23 @@ def test_index_entries_must_be_plain_file_names(tmp_path, no_reads, name):  # no
     pzp.pretrained.load_hf(folder)
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["first_mention", "later_mention"])
+def test_index_must_put_each_tensor_where_it_is(tmp_path, no_reads, first):  # noqa: F811
+  """A tensor the index puts in a file that does not hold it is refused,
+  whether it is that file's first mention (the file is opened then) or a
+  later one (the file already open)."""
+  folder = hf_folder(tmp_path / "f")
+  weight_map = {"model.embed_tokens.weight": "model.safetensors",
+                "model.layers.99.mlp.up_proj.weight": "model.safetensors"}
+  if first:
+    weight_map = dict(reversed(list(weight_map.items())))
+  (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  with pytest.raises(errors.SafetensorsFormatError,
+                     match=r"index\.json puts tensor 'model\.layers\.99\.mlp\.up_proj\.weight'"
+                           r" in .*model\.safetensors, which does not hold it"):
+    pzp.pretrained.load_hf(folder)
+
+
 def test_cli_convert_names_the_index(tmp_path):
   folder = hf_folder(tmp_path / "f")
   (folder / "model.safetensors.index.json").write_text(

@@ -91,6 +91,10 @@ def test_decoded_view(tmp_path, rng):
                                            "int8 rows")])
     np.testing.assert_array_equal(weights.where["w"].get("w"), q * s)
     assert [v.name for v in weights.decoded()] == ["w"]
+    from pz_persist.pretrained.hf import load  # pylint: disable=import-outside-toplevel
+    with pytest.warns(errors.DequantizedWeightsWarning, match="1 tensors were stored quantised"
+                      r" \(int8 rows\)"):
+      load._say_decoded(weights, folder)  # pylint: disable=protected-access
   with weights_lib.Weights(folder, None) as weights:
     weights.add_views([weights_lib.decoded("w", ["w.q", "w.s"], (4, 7), np.float32, decode,
                                            "int8 rows")])
@@ -114,3 +118,49 @@ def test_export_writes_stacked_parts_bit_for_bit(tmp_path, rng):
     assert got.dtype == parts[n].dtype
     np.testing.assert_array_equal(got.view(np.uint16), parts[n].view(np.uint16))
   back.close()
+
+
+def test_export_like_a_quantised_config_warns_and_writes_it_dense(tmp_path):
+  """``like=`` a quantised folder's config: the model holds dequantised
+  values, so export says so and writes no ``quantization_config``."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  from hostile.test_pretrained_hostile import MIXTRAL  # pylint: disable=import-outside-toplevel
+  from hostile.test_pretrained_hostile import hf_folder  # pylint: disable=import-outside-toplevel
+  from hostile.test_pretrained_hostile import mixtral_tensors  # pylint: disable=import-outside-toplevel
+
+  import pz_persist as pzp  # pylint: disable=import-outside-toplevel
+
+  model = pzp.pretrained.load_hf(hf_folder(tmp_path / "hf", MIXTRAL, mixtral_tensors()))
+  like = dict(MIXTRAL, quantization_config={"quant_method": "fp8", "weight_block_size": [128,
+                                                                                          128]})
+  with pytest.warns(errors.DequantizedWeightsWarning, match="quant_method='fp8'"):
+    pzp.export_hf(model, tmp_path / "out", like=like)
+  config = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert "quantization_config" not in config and config["model_type"] == "mixtral"
+
+
+def test_read_stack_into_checks_rows_before_reading(tmp_path, rng):
+  """`SafetensorsFile.read_stack_into` reads each part into its row, and
+  refuses rows of another shape, a row out of the buffer or an unknown
+  tensor before reading any part."""
+  parts = _experts(rng)
+  path = tmp_path / "x.safetensors"
+  safetensors_io.write_safetensors(path, parts)
+  names = [f"m.experts.{e}.w" for e in (2, 0)]
+  with safetensors_io.SafetensorsFile(path) as file:
+    out = np.full((3, 3, 5), -1.0, np.float32)
+    file.read_stack_into(names, [0, 2], out)
+    np.testing.assert_array_equal(out[0], parts[names[0]])
+    np.testing.assert_array_equal(out[2], parts[names[1]])
+    assert (out[1] == -1).all()
+    before = out.copy()
+    for bad_names, indices, buffer, match in [
+        (names, [0, 1], np.zeros((2, 5, 3), np.float32), "rows of shape"),
+        (names, [0, 3], out, r"row 3 of 3"),
+        ([names[0], "m.experts.9.w"], [0, 1], out, "no tensor 'm.experts.9.w'"),
+        (names, [0], out, "an index per name"),
+    ]:
+      with pytest.raises((ValueError, errors.SafetensorsFormatError), match=match):
+        file.read_stack_into(bad_names, indices, buffer)
+    np.testing.assert_array_equal(out, before)  # Nothing read by a refused call.

@@ -312,9 +312,11 @@ def check_computable(model: Any, sizes: Mapping[str, set[int]], where: str) -> N
     UnsupportedConfigError: naming ``where`` (the ``config.json``), the
       rope settings and the head size.
   """
-  layers = (pz.select(model)
-            .at_instances_of(pz.nn.ApplyRoPE | pz.nn.ApplyRoPEToSubset | ApplyScaledRoPE)
-            .get_sequence())
+  kinds = (pz.nn.ApplyRoPE, pz.nn.ApplyRoPEToSubset, ApplyScaledRoPE)
+  # The outermost instances, as ``pz.select(model).at_instances_of(...)``
+  # finds them, from one flatten (a selection rebuilds the whole tree).
+  leaves = jax.tree_util.tree_leaves(model, is_leaf=lambda node: isinstance(node, kinds))
+  layers = [leaf for leaf in leaves if isinstance(leaf, kinds)]
   for layer in dict.fromkeys(layers):  # Every block has the same two: once each.
     dims = sorted(sizes.get(layer.embedding_axis, ()))
     if isinstance(layer, pz.nn.ApplyRoPEToSubset):
