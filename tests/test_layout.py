@@ -233,6 +233,33 @@ def test_import_leaves_pretrained_and_tools_until_first_use():
   assert out.splitlines() == ["[]", "True True"]
 
 
+def test_a_converted_model_loads_in_a_process_that_never_imported_pretrained(tmp_path):
+  """`import pz_persist` leaves `pz_persist.pretrained` unimported, and
+  loading imports only listed modules: the pretrained layers a converted
+  model names are listed, so `load_model` finds them in a fresh process
+  (the README's convert-once, reload-fast path)."""
+  from pz_persist.safety import allowlist  # pylint: disable=import-outside-toplevel
+
+  layers = PACKAGE / "pretrained" / "layers"
+  for path in layers.glob("*.py"):
+    if path.stem != "__init__":
+      assert allowlist.may_import(f"pz_persist.pretrained.layers.{path.stem}"), path.stem
+  run_python(f"""
+      import pz_persist as pzp
+      from penzai import pz
+      from pz_persist.pretrained.layers.constant_scale import ConstantScale
+      pzp.save_model({str(tmp_path / "m")!r}, pz.nn.Sequential([ConstantScale(by=2.0)]))
+  """)
+  out = run_python(f"""
+      import sys
+      import pz_persist as pzp
+      assert "pz_persist.pretrained" not in sys.modules
+      model = pzp.load_model({str(tmp_path / "m")!r})
+      print(type(model.sublayers[0]).__name__, model.sublayers[0].by)
+  """)
+  assert out.split() == ["ConstantScale", "2.0"]
+
+
 def test_pretrained_entry_points_are_top_level_beside_export_hf():
   for name in ("load_hf", "load_gemma", "load_safetensors", "export_hf", "export_safetensors"):
     assert name in pzp.__all__, name

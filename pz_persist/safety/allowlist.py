@@ -170,6 +170,7 @@ IMPORTABLE_MODULES: tuple[str, ...] = (
     "penzai.toolshed.save_intermediates",
     "penzai.toolshed.sharding_util",
     "optax",
+    "pz_persist.pretrained.layers",
 )
 """Modules loading may import when a checkpoint names one not imported yet.
 
@@ -178,8 +179,10 @@ because a checkpoint names it: a reference is found in the modules already
 imported (``sys.modules``, where finding it runs nothing), in these modules,
 whose import only defines layers and optimizer states (checked by reading
 them: ``penzai.toolshed.patch_ipdb``, ``token_visualization`` and
-``unflaxify`` are left out, as they import or patch IPython and Flax), or in
-the modules the user allows. Any other module, such as an unimported part of
+``unflaxify`` are left out, as they import or patch IPython and Flax), and
+pz_persist's own pretrained layers (a converted model names them, and
+``import pz_persist`` no longer imports `pz_persist.pretrained` until it is
+used), or in the modules the user allows. Any other module, such as an unimported part of
 JAX or NumPy (``numpy.f2py.__main__`` runs the f2py tool when imported), is
 refused: the message says to import it first, or to allow it.
 """
