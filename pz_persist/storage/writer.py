@@ -16,8 +16,9 @@ What this module owns, in order:
    (`pz_persist.format.encode`, which copies NumPy values: a save writes the
    tree as it was called with);
 2. the host copies hashed later (`pz_persist.storage.checksums.host_copies`:
-   on the CPU backend views of the arrays' own buffers), taken before the
-   blocking part of an async save returns;
+   views of the arrays' own buffers on the CPU backend, copies into pinned
+   host memory on GPUs), taken before the blocking part of an async save
+   returns;
 3. the choice between `pz_persist.storage.direct_write` (one process, whole
    arrays, local) and Orbax's own array writer, which each Orbax adapter
    hands in (`ArrayWriter`: the v0 ``PyTreeCheckpointHandler`` or the v1
