@@ -156,17 +156,19 @@ def _recording(calls):
 
 @pytest.fixture
 def wrapped():
-  """Wraps Orbax functions for one test; every wrap is undone after it."""
-  names = []
+  """Wraps Orbax functions for one test; every wrap is undone after it, back
+  to the function Orbax called before (which an earlier test's
+  `enable_orbax_s3` may have wrapped already: wraps stack)."""
+  before = {}
 
   def wrap(name, teach):
+    before.setdefault(name, orbax_seam.orbax_function(name))
     orbax_seam.wrap(name, teach)
-    names.append(name)
 
   yield wrap
-  for name in names:
+  for name, function in before.items():
     orbax_seam.unwrap(name)
-    assert not orbax_seam.is_wrapped(name)
+    assert orbax_seam.orbax_function(name) is function
 
 
 def test_build_kvstore_tspec_is_what_orbax_writes_arrays_with(tmp_path, wrapped):
