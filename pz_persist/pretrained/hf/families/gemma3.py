@@ -30,7 +30,6 @@ exported as ``gemma3_text``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +37,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf import multimodal
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import rope
@@ -66,8 +66,6 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-
-_log = logging.getLogger("pz_persist.pretrained.hf")
 
 _TYPES = ("sliding_attention", "full_attention")
 _TEXT = "model."  # gemma3_text's tensors: model.layers.0...
@@ -169,18 +167,10 @@ def gemma3_plan(cfg: Config, weights: Weights) -> Plan:
   bool_field(cfg, "tie_word_embeddings", True, True,
              "Penzai's Gemma ties the output projection to the embedding table")
   cfg.check_all_used()
-  text_cfg = Config(text, f"{cfg.where} (text_config)", RECORD.fields)
-  text_type = text_cfg.get("model_type", "gemma3_text")
-  if text_type != "gemma3_text":
-    raise text_cfg.unsupported("model_type", text_type, "a gemma3 folder's text model is"
-                               " 'gemma3_text'")
+  text_cfg = multimodal.text_config(cfg, text, "gemma3", "gemma3_text", RECORD.fields)
   plan = gemma3_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT)
-  unread = sorted(name for name in weights.names if not name.startswith(_MULTIMODAL_TEXT))
-  if unread:
-    groups = sorted({name.split(".", 1)[0] for name in unread})
-    _log.warning("%s: %d tensors of the vision tower and projector (%s) are not read:"
-                 " load_hf builds Gemma 3's text model only.", weights.path, len(unread),
-                 ", ".join(f"{group}.*" for group in groups))
+  multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL_TEXT),
+                           "the vision tower and projector", "Gemma 3's text model only")
   return plan
 
 

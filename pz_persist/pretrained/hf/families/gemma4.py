@@ -41,7 +41,6 @@ so); its text model is exported as ``gemma4_text``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -52,6 +51,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf import multimodal
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -79,8 +79,6 @@ from pz_persist.pretrained.layers import kv_sharing
 from pz_persist.pretrained.layers import mixture_of_experts as mixture
 from pz_persist.pretrained.layers import per_layer_inputs as ple
 from pz_persist.pretrained.layers.proportional_rope import ApplyProportionalRoPE
-
-_log = logging.getLogger("pz_persist.pretrained.hf")
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _TYPES = (SLIDING, FULL)
@@ -504,18 +502,11 @@ def gemma4_plan(cfg: Config, weights: Weights) -> Plan:
   bool_field(cfg, "tie_word_embeddings", True, True,
              "Gemma 4 ties the output projection to the embedding table")
   cfg.check_all_used()
-  text_cfg = Config(text, f"{cfg.where} (text_config)", RECORD.fields)
-  text_type = text_cfg.get("model_type", "gemma4_text")
-  if text_type != "gemma4_text":
-    raise text_cfg.unsupported("model_type", text_type,
-                               "a gemma4 folder's text model is 'gemma4_text'")
+  text_cfg = multimodal.text_config(cfg, text, "gemma4", "gemma4_text", RECORD.fields)
   plan = gemma4_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT)
-  unread = sorted(name for name in weights.names if not name.startswith(_MULTIMODAL_TEXT))
-  if unread:
-    groups = sorted({".".join(name.split(".", 2)[:2]) for name in unread})
-    _log.warning("%s: %d tensors of the vision and audio towers and their embedders (%s) are"
-                 " not read: load_hf builds Gemma 4's text model only.", weights.path,
-                 len(unread), ", ".join(f"{group}.*" for group in groups))
+  multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL_TEXT),
+                           "the vision and audio towers and their embedders",
+                           "Gemma 4's text model only")
   return plan
 
 

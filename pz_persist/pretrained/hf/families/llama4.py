@@ -30,7 +30,6 @@ as ``llama4_text``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from typing import Any
 from typing import cast
@@ -39,6 +38,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf import multimodal
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import activation_field
@@ -62,8 +62,6 @@ from pz_persist.pretrained.layers.llama4_attention import ApplyChunkedCausalAtte
 from pz_persist.pretrained.layers.llama4_attention import ApplyInterleavedRoPE
 from pz_persist.pretrained.layers.llama4_attention import TemperatureTuning
 from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
-
-_log = logging.getLogger("pz_persist.pretrained.hf")
 
 _TYPES = ("chunked_attention", "full_attention")
 _THETA = 500_000.0
@@ -252,20 +250,12 @@ def llama4_plan(cfg: Config, weights: Weights) -> Plan:
     cfg.get(field)  # Image tokens: a text-only model never sees them.
   tied = cfg.get("tie_word_embeddings", False)
   cfg.check_all_used()
-  text_cfg = Config(text, f"{cfg.where} (text_config)", RECORD.fields)
-  text_type = text_cfg.get("model_type", "llama4_text")
-  if text_type != "llama4_text":
-    raise text_cfg.unsupported("model_type", text_type, "a llama4 folder's text model is"
-                               " 'llama4_text'")
+  text_cfg = multimodal.text_config(cfg, text, "llama4", "llama4_text", RECORD.fields)
   if tied and text_cfg.raw.get("tie_word_embeddings") is None:
     text_cfg.raw["tie_word_embeddings"] = tied
   plan = llama4_text_plan(text_cfg, weights, root=_MULTIMODAL)
-  unread = sorted(name for name in weights.names if not name.startswith(_MULTIMODAL))
-  if unread:
-    groups = sorted({name.split(".", 1)[0] for name in unread})
-    _log.warning("%s: %d tensors of the vision tower and projector (%s) are not read:"
-                 " load_hf builds Llama 4's text model only.", weights.path, len(unread),
-                 ", ".join(f"{group}.*" for group in groups))
+  multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL),
+                           "the vision tower and projector", "Llama 4's text model only")
   return plan
 
 

@@ -40,7 +40,6 @@ multi-token-prediction head (``mtp.``): neither is read, and the load says so.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +49,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf import multimodal
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import lm_head_source
@@ -72,8 +72,6 @@ from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.layers.gated_delta_net import GatedDeltaNet
-
-_log = logging.getLogger("pz_persist.pretrained.hf")
 
 _TYPES = ("linear_attention", "full_attention")
 _TEXT = "model."
@@ -221,20 +219,11 @@ def multimodal_plan(cfg: Config, weights: Weights, text_type: str, text_plan: An
     cfg.get(field)  # Image tokens: a text-only model never sees them.
   tied = cfg.get("tie_word_embeddings", False)
   cfg.check_all_used()
-  text_cfg = Config(text, f"{cfg.where} (text_config)", fields)
-  found = text_cfg.get("model_type", text_type)
-  if found != text_type:
-    raise text_cfg.unsupported("model_type", found,
-                               f"this folder's text model is {text_type!r}")
+  text_cfg = multimodal.text_config(cfg, text, text_type.removesuffix("_text"), text_type, fields)
   plan = text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT, tied=tied)
-  unread = sorted(name for name in weights.names
-                  if not name.startswith(_MULTIMODAL_TEXT) and name != DECODER_HEAD)
-  if unread:
-    groups = sorted({".".join(name.split(".", 2)[:2]) if name.startswith("model.")
-                     else name.split(".", 1)[0] for name in unread})
-    _log.warning("%s: %d tensors (%s) are not read: load_hf builds Qwen3.5's text model only"
-                 " (no vision tower, no multi-token-prediction head).", weights.path,
-                 len(unread), ", ".join(f"{group}.*" for group in groups))
+  multimodal.report_unread(
+      weights, lambda name: name.startswith(_MULTIMODAL_TEXT) or name == DECODER_HEAD, "",
+      "Qwen3.5's text model only (no vision tower, no multi-token-prediction head)")
   return plan
 
 
