@@ -50,6 +50,7 @@ from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families import gpt_oss_moe
 from pz_persist.pretrained.hf.families.llama import Attention
 from pz_persist.pretrained.hf.families.llama import Biases
+from pz_persist.pretrained.hf.families.llama import head_axes
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
 from pz_persist.pretrained.hf.plan import Plan
@@ -84,7 +85,7 @@ def gpt_oss_plan(cfg: Config, weights: Weights) -> Plan:
 
   def extras(p: str, s: str, config: llamalike_common.LlamalikeTransformerConfig
              ) -> list[TensorSpec]:
-    heads = _query_head_axes(config)
+    heads, _ = head_axes(config)
     sinks.append(p + "attention/softmax.sinks")
     return [TensorSpec(p + "attention/softmax.sinks", s + "self_attn.sinks",
                        tuple(heads.values()), tuple(heads),
@@ -138,15 +139,6 @@ def _attention(cfg: Config) -> Callable[[int], Attention]:
     raise cfg.unsupported("layer_types", types[:8], f"each one of {list(_TYPES)}")
   return per_layer
 
-
-def _query_head_axes(config: llamalike_common.LlamalikeTransformerConfig) -> dict[str, int]:
-  """The query's head axes, as Penzai's llama-like attention names them."""
-  groups, per_group = config.num_kv_heads, config.query_head_multiplier
-  if per_group == 1:
-    return {"heads": groups}
-  if groups == 1:
-    return {"query_heads": per_group}
-  return {"head_groups": groups, "query_heads": per_group}
 
 
 def with_sinks(model: model_parts.TransformerLM, labels: list[str]) -> model_parts.TransformerLM:

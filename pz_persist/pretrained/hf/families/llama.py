@@ -114,7 +114,7 @@ def _bias_specs(
   """The bias tensors of block ``prefix`` (Hugging Face names under
   ``source``), each shaped like its projection's output."""
   hidden, head_dim, mlp = config.embedding_dim, config.projection_dim, config.mlp_hidden_dim
-  q_heads, kv_axes = _head_axes(config)
+  q_heads, kv_axes = head_axes(config)
 
   def bias(name: str, hf_name: str, axes: dict[str, int]) -> TensorSpec:
     return TensorSpec(prefix + name + _BIAS_SUFFIX, source + hf_name + ".bias",
@@ -345,7 +345,7 @@ def _refuse_partial_rotary(cfg: Config, fraction: float) -> None:
     )
 
 
-def _head_axes(config: llamalike_common.LlamalikeTransformerConfig) -> tuple[dict[str, int], dict[str, int]]:
+def head_axes(config: llamalike_common.LlamalikeTransformerConfig) -> tuple[dict[str, int], dict[str, int]]:
   """The head axes of the query (and output) and of the key/value projections.
 
   Penzai's llama-like attention drops a head axis of size one: ``heads``
@@ -364,12 +364,12 @@ def block_specs(p: str, s: str, config: llamalike_common.LlamalikeTransformerCon
   """The MLP and attention matrices of block ``p`` (Penzai) from layer ``s``
   (Hugging Face), the same for every llama-like family."""
   hidden, head_dim, mlp = config.embedding_dim, config.projection_dim, config.mlp_hidden_dim
-  q_heads, kv_axes = _head_axes(config)
+  q_heads, kv_axes = head_axes(config)
 
-  def proj(label: str, source: str, head_axes: dict[str, int], output: bool = False) -> TensorSpec:
+  def proj(label: str, source: str, heads: dict[str, int], output: bool = False) -> TensorSpec:
     """An attention matrix: (heads..., projection, embedding) or its transpose."""
-    shape = (*head_axes.values(), head_dim)
-    axes = (*head_axes, "projection")
+    shape = (*heads.values(), head_dim)
+    axes = (*heads, "projection")
     fused = math.prod(shape)
     if output:
       return TensorSpec(label, source, (hidden, *shape), ("embedding", *axes),

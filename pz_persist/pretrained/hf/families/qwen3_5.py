@@ -62,6 +62,7 @@ from pz_persist.pretrained.hf.config_from_model import projection
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.families.gemma import with_offset_norms
 from pz_persist.pretrained.hf.families.llama import block_specs
+from pz_persist.pretrained.hf.families.llama import head_axes
 from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
 from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
@@ -303,22 +304,12 @@ def _layer_types(cfg: Config, layers: int):
   return kinds
 
 
-def _query_head_axes(config: llamalike_common.LlamalikeTransformerConfig) -> dict[str, int]:
-  """The query's head axes in Penzai's llama-like attention (an axis of
-  size one dropped)."""
-  groups, per_group = config.num_kv_heads, config.query_head_multiplier
-  if per_group == 1:
-    return {"heads": groups}
-  if groups == 1:
-    return {"query_heads": per_group}
-  return {"head_groups": groups, "query_heads": per_group}
-
 
 def _gated_attention_specs(p: str, s: str, config: llamalike_common.LlamalikeTransformerConfig,
                            llama: list[TensorSpec]) -> list[TensorSpec]:
   """The query/key-normed attention's specs, the query and its gate read from ``q_proj``:
   per head, ``head_dim`` query rows then ``head_dim`` gate rows."""
-  heads = _query_head_axes(config)
+  heads, _ = head_axes(config)
   hidden, head_dim = config.embedding_dim, config.projection_dim
   fused = (config.num_kv_heads * config.query_head_multiplier * 2 * head_dim, hidden)
   shape = (*heads.values(), 2, head_dim, hidden)
