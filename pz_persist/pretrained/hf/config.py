@@ -66,63 +66,68 @@ def _string_list(value: Any) -> bool:
   return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
 
-_POSITIVE_INT = (_positive_int, "a positive integer")
-_POSITIVE_NUMBER = (_positive_number, "a positive finite number")
+POSITIVE_INT = (_positive_int, "a positive integer")
+POSITIVE_NUMBER = (_positive_number, "a positive finite number")
 _FRACTION = (_fraction, "a number in (0, 1]")
-_BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
-_STRING = (lambda value: isinstance(value, str), "a string")
-_OBJECT = (lambda value: isinstance(value, dict), "a JSON object")
-_NON_NEGATIVE_INT = (_non_negative_int, "a non-negative integer")
+BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
+STRING = (lambda value: isinstance(value, str), "a string")
+OBJECT = (lambda value: isinstance(value, dict), "a JSON object")
+NON_NEGATIVE_INT = (_non_negative_int, "a non-negative integer")
 _STRING_LIST = (_string_list, "a list of strings")
+NON_NEGATIVE_NUMBER = (lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
+                       and 0 <= value < float("inf"), "a non-negative finite number")
+ANY = (lambda value: True, "anything")
+"""The field checks above are shared by the families' own ``fields``: a check
+and what it says a value must be."""
 
 SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "model_type": _STRING,
-    "hidden_size": _POSITIVE_INT,
-    "num_attention_heads": _POSITIVE_INT,
-    "num_key_value_heads": _POSITIVE_INT,
-    "head_dim": _POSITIVE_INT,
-    "intermediate_size": _POSITIVE_INT,
-    "num_hidden_layers": _POSITIVE_INT,
-    "vocab_size": _POSITIVE_INT,
-    "sliding_window": _POSITIVE_INT,
-    "rms_norm_eps": _POSITIVE_NUMBER,
-    "layer_norm_eps": _POSITIVE_NUMBER,
-    "rope_theta": _POSITIVE_NUMBER,
-    "rotary_emb_base": _POSITIVE_NUMBER,
+    "model_type": STRING,
+    "hidden_size": POSITIVE_INT,
+    "num_attention_heads": POSITIVE_INT,
+    "num_key_value_heads": POSITIVE_INT,
+    "head_dim": POSITIVE_INT,
+    "intermediate_size": POSITIVE_INT,
+    "num_hidden_layers": POSITIVE_INT,
+    "vocab_size": POSITIVE_INT,
+    "sliding_window": POSITIVE_INT,
+    "rms_norm_eps": POSITIVE_NUMBER,
+    "layer_norm_eps": POSITIVE_NUMBER,
+    "rope_theta": POSITIVE_NUMBER,
+    "rotary_emb_base": POSITIVE_NUMBER,
     "rotary_pct": _FRACTION,
     "partial_rotary_factor": _FRACTION,
-    "tie_word_embeddings": _BOOLEAN,
-    "attention_bias": _BOOLEAN,
-    "mlp_bias": _BOOLEAN,
-    "use_parallel_residual": _BOOLEAN,
-    "hidden_act": _STRING,
-    "rope_scaling": _OBJECT,
-    "rope_parameters": _OBJECT,
-    "rope_type": _STRING,
-    "type": _STRING,
-    "use_sliding_window": _BOOLEAN,
-    "max_window_layers": _NON_NEGATIVE_INT,
+    "tie_word_embeddings": BOOLEAN,
+    "attention_bias": BOOLEAN,
+    "mlp_bias": BOOLEAN,
+    "use_parallel_residual": BOOLEAN,
+    "hidden_act": STRING,
+    "rope_scaling": OBJECT,
+    "rope_parameters": OBJECT,
+    "rope_type": STRING,
+    "type": STRING,
+    "use_sliding_window": BOOLEAN,
+    "max_window_layers": NON_NEGATIVE_INT,
     "layer_types": _STRING_LIST,
-    "use_mrope": _BOOLEAN,
+    "use_mrope": BOOLEAN,
     # Gemma / Gemma 2.
-    "hidden_activation": _STRING,
-    "use_bidirectional_attention": _BOOLEAN,
-    "query_pre_attn_scalar": _POSITIVE_NUMBER,
-    "attn_logit_softcapping": _POSITIVE_NUMBER,
-    "final_logit_softcapping": _POSITIVE_NUMBER,
-    "sliding_window_size": _POSITIVE_INT,
+    "hidden_activation": STRING,
+    "use_bidirectional_attention": BOOLEAN,
+    "query_pre_attn_scalar": POSITIVE_NUMBER,
+    "attn_logit_softcapping": POSITIVE_NUMBER,
+    "final_logit_softcapping": POSITIVE_NUMBER,
+    "sliding_window_size": POSITIVE_INT,
     # RoPE scaling (the keys of `scaled_rope.SCALING_KEYS`).
-    "max_position_embeddings": _POSITIVE_INT,
-    "factor": _POSITIVE_NUMBER,
-    "original_max_position_embeddings": _POSITIVE_INT,
-    "low_freq_factor": _POSITIVE_NUMBER,
-    "high_freq_factor": _POSITIVE_NUMBER,
-    "attention_factor": _POSITIVE_NUMBER,
-    "beta_fast": _POSITIVE_NUMBER,
-    "beta_slow": _POSITIVE_NUMBER,
-    "mscale": _POSITIVE_NUMBER,
-    "mscale_all_dim": _POSITIVE_NUMBER,
-    "truncate": _BOOLEAN,
+    "max_position_embeddings": POSITIVE_INT,
+    "factor": POSITIVE_NUMBER,
+    "original_max_position_embeddings": POSITIVE_INT,
+    "low_freq_factor": POSITIVE_NUMBER,
+    "high_freq_factor": POSITIVE_NUMBER,
+    "attention_factor": POSITIVE_NUMBER,
+    "beta_fast": POSITIVE_NUMBER,
+    "beta_slow": POSITIVE_NUMBER,
+    "mscale": POSITIVE_NUMBER,
+    "mscale_all_dim": POSITIVE_NUMBER,
+    "truncate": BOOLEAN,
 }
 """What each ``config.json`` field the builders read must be (a JSON null
 means "absent, use the default"). Sizes are positive integers: a float is

@@ -43,6 +43,9 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 from pz_persist.pretrained.hf import quantized_fp8
+from pz_persist.pretrained.hf.config import ANY
+from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import STRING
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import lm_head_source
 from pz_persist.pretrained.hf.config import scaled_rope
@@ -86,9 +89,6 @@ def _positive_number(value: Any) -> bool:
 _POSITIVE_INT = (_positive_int, "a positive integer")
 _NON_NEGATIVE_INT = (_non_negative_int, "a non-negative integer")
 _POSITIVE_NUMBER = (_positive_number, "a positive finite number")
-_BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
-_STRING = (lambda value: isinstance(value, str), "a string")
-_ANY = (lambda value: True, "anything")
 
 FIELDS = {
     "q_lora_rank": _POSITIVE_INT,
@@ -97,7 +97,7 @@ FIELDS = {
     "qk_nope_head_dim": _POSITIVE_INT,
     "qk_head_dim": _POSITIVE_INT,
     "v_head_dim": _POSITIVE_INT,
-    "rope_interleave": _BOOLEAN,
+    "rope_interleave": BOOLEAN,
     "first_k_dense_replace": _NON_NEGATIVE_INT,
     "moe_intermediate_size": _POSITIVE_INT,
     "n_routed_experts": _POSITIVE_INT,
@@ -106,18 +106,18 @@ FIELDS = {
     "n_group": _POSITIVE_INT,
     "topk_group": _POSITIVE_INT,
     "routed_scaling_factor": _POSITIVE_NUMBER,
-    "norm_topk_prob": _BOOLEAN,
+    "norm_topk_prob": BOOLEAN,
     "num_nextn_predict_layers": _NON_NEGATIVE_INT,
     "moe_layer_freq": _POSITIVE_INT,
-    "scoring_func": _STRING,
-    "topk_method": _STRING,
+    "scoring_func": STRING,
+    "topk_method": STRING,
     # Training or parallelism only: read, and without effect on the forward pass.
-    "aux_loss_alpha": _ANY,
-    "seq_aux": _ANY,
-    "ep_size": _ANY,
-    "output_router_logits": _ANY,
-    "router_aux_loss_coef": _ANY,
-    "auto_map": _ANY,
+    "aux_loss_alpha": ANY,
+    "seq_aux": ANY,
+    "ep_size": ANY,
+    "output_router_logits": ANY,
+    "router_aux_loss_coef": ANY,
+    "auto_map": ANY,
     "quantization_config": (lambda value: isinstance(value, dict), "a JSON object"),
 }
 """The ``config.json`` fields DeepSeek-V3's plan reads beyond the shared ones."""

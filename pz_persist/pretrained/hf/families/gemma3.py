@@ -38,6 +38,10 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
+from pz_persist.pretrained.hf.config import OBJECT
+from pz_persist.pretrained.hf.config import POSITIVE_INT
+from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import rope
@@ -70,13 +74,6 @@ from pz_persist.pretrained.hf.weights import Weights
 _TYPES = ("sliding_attention", "full_attention")
 _TEXT = "model."  # gemma3_text's tensors: model.layers.0...
 _MULTIMODAL_TEXT = "language_model.model."  # gemma3's text model.
-_POSITIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                 "a positive integer")
-_INDEX = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-          "a non-negative integer")
-_OBJECT = (lambda v: isinstance(v, dict), "a JSON object")
-_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"),
-           "a positive finite number")
 
 
 _SIZE_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -322,15 +319,15 @@ RECORD = Family(
     refuses="bidirectional attention (EmbeddingGemma), Gemma 3n",
     rank=15,
     fields={
-        "rope_local_base_freq": _NUMBER,
-        "sliding_window_pattern": _POSITIVE_INT,
-        "_sliding_window_pattern": _POSITIVE_INT,
-        "text_config": _OBJECT,
-        "vision_config": _OBJECT,
-        "mm_tokens_per_image": _POSITIVE_INT,
-        "boi_token_index": _INDEX,
-        "eoi_token_index": _INDEX,
-        "image_token_index": _INDEX,
+        "rope_local_base_freq": POSITIVE_NUMBER,
+        "sliding_window_pattern": POSITIVE_INT,
+        "_sliding_window_pattern": POSITIVE_INT,
+        "text_config": OBJECT,
+        "vision_config": OBJECT,
+        "mm_tokens_per_image": POSITIVE_INT,
+        "boi_token_index": NON_NEGATIVE_INT,
+        "eoi_token_index": NON_NEGATIVE_INT,
+        "image_token_index": NON_NEGATIVE_INT,
     },
     refused_model_types={t: _refusal(t, "Gemma 3n") for t in ("gemma3n", "gemma3n_text")},
     layer_prefixes=(_TEXT + "layers.", _MULTIMODAL_TEXT + "layers."),

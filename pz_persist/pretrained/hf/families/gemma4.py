@@ -52,6 +52,11 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
+from pz_persist.pretrained.hf.config import OBJECT
+from pz_persist.pretrained.hf.config import POSITIVE_INT
+from pz_persist.pretrained.hf.config import STRING
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -84,14 +89,6 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 _TYPES = (SLIDING, FULL)
 _TEXT = "model."
 _MULTIMODAL_TEXT = "model.language_model."
-_POSITIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                 "a positive integer")
-_INDEX = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-          "a non-negative integer")
-_OBJECT = (lambda v: isinstance(v, dict), "a JSON object")
-_BOOL = (lambda v: isinstance(v, bool), "true or false")
-_STRING = (lambda v: isinstance(v, str), "a string")
-_ANY = (lambda v: True, "anything")
 
 _SIZE_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
                   "num_attention_heads": 8, "vocab_size": 262_144}
@@ -637,14 +634,14 @@ RECORD = Family(
             " that is not global",
     rank=13,
     fields={
-        "attention_k_eq_v": _BOOL, "use_double_wide_mlp": _BOOL, "enable_moe_block": _BOOL,
-        "num_kv_shared_layers": _INDEX, "hidden_size_per_layer_input": _INDEX,
-        "vocab_size_per_layer_input": _POSITIVE_INT, "global_head_dim": _POSITIVE_INT,
-        "num_global_key_value_heads": _POSITIVE_INT, "num_experts": _POSITIVE_INT,
-        "top_k_experts": _POSITIVE_INT, "moe_intermediate_size": _POSITIVE_INT,
-        "per_layer_config": _OBJECT, "use_bidirectional_attention": _STRING,
-        "text_config": _OBJECT, "vision_config": _OBJECT, "audio_config": _OBJECT,
-        **dict.fromkeys(_MULTIMODAL_FIELDS, _INDEX),
+        "attention_k_eq_v": BOOLEAN, "use_double_wide_mlp": BOOLEAN, "enable_moe_block": BOOLEAN,
+        "num_kv_shared_layers": NON_NEGATIVE_INT, "hidden_size_per_layer_input": NON_NEGATIVE_INT,
+        "vocab_size_per_layer_input": POSITIVE_INT, "global_head_dim": POSITIVE_INT,
+        "num_global_key_value_heads": POSITIVE_INT, "num_experts": POSITIVE_INT,
+        "top_k_experts": POSITIVE_INT, "moe_intermediate_size": POSITIVE_INT,
+        "per_layer_config": OBJECT, "use_bidirectional_attention": STRING,
+        "text_config": OBJECT, "vision_config": OBJECT, "audio_config": OBJECT,
+        **dict.fromkeys(_MULTIMODAL_FIELDS, NON_NEGATIVE_INT),
     },
     layer_prefixes=(_TEXT + "layers.", _MULTIMODAL_TEXT + "layers."),
 )

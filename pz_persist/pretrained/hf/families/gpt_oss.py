@@ -36,6 +36,11 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import NON_NEGATIVE_NUMBER
+from pz_persist.pretrained.hf.config import OBJECT
+from pz_persist.pretrained.hf.config import POSITIVE_INT
+from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -65,15 +70,6 @@ _THETA = 150_000.0
 _YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "truncate": False, "original_max_position_embeddings": 4096}
 """transformers' ``GptOssConfig`` RoPE when a config names none."""
-
-_POSITIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                 "a positive integer")
-_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-           and 0 < v < float("inf"), "a positive finite number")
-_NON_NEGATIVE = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                 and 0 <= v < float("inf"), "a non-negative finite number")
-_BOOLEAN = (lambda v: isinstance(v, bool), "true or false")
-_OBJECT = (lambda v: isinstance(v, dict), "a JSON object")
 
 
 def gpt_oss_plan(cfg: Config, weights: Weights) -> Plan:
@@ -140,7 +136,6 @@ def _attention(cfg: Config) -> Callable[[int], Attention]:
   return per_layer
 
 
-
 def with_sinks(model: model_parts.TransformerLM, labels: list[str]) -> model_parts.TransformerLM:
   """``model`` with each block's attention softmax taking the sinks of
   parameter ``labels[i]`` (block ``i``)."""
@@ -201,14 +196,14 @@ RECORD = Family(
     refuses="other `quantization_config` methods, MXFP4 on modules other than the experts",
     rank=8,
     fields={
-        "num_local_experts": _POSITIVE_INT,
-        "num_experts_per_tok": _POSITIVE_INT,
-        "swiglu_alpha": _NUMBER,
-        "swiglu_limit": _NUMBER,
-        "router_aux_loss_coef": _NON_NEGATIVE,
-        "output_router_logits": _BOOLEAN,
-        "quantization_config": _OBJECT,
-        "experts_per_token": _POSITIVE_INT,
-        "initial_context_length": _POSITIVE_INT,
+        "num_local_experts": POSITIVE_INT,
+        "num_experts_per_tok": POSITIVE_INT,
+        "swiglu_alpha": POSITIVE_NUMBER,
+        "swiglu_limit": POSITIVE_NUMBER,
+        "router_aux_loss_coef": NON_NEGATIVE_NUMBER,
+        "output_router_logits": BOOLEAN,
+        "quantization_config": OBJECT,
+        "experts_per_token": POSITIVE_INT,
+        "initial_context_length": POSITIVE_INT,
     },
 )

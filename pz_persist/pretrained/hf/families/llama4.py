@@ -39,6 +39,12 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
+from pz_persist.pretrained.hf.config import NON_NEGATIVE_NUMBER
+from pz_persist.pretrained.hf.config import OBJECT
+from pz_persist.pretrained.hf.config import POSITIVE_INT
+from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import activation_field
@@ -67,17 +73,7 @@ _TYPES = ("chunked_attention", "full_attention")
 _THETA = 500_000.0
 _MULTIMODAL = "language_model."
 
-_POSITIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                 "a positive integer")
-_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-           and 0 < v < float("inf"), "a positive finite number")
-_NON_NEGATIVE = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                 and 0 <= v < float("inf"), "a non-negative finite number")
-_BOOLEAN = (lambda v: isinstance(v, bool), "true or false")
-_OBJECT = (lambda v: isinstance(v, dict), "a JSON object")
-_INDEX = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-          "a non-negative integer")
-_INDICES = (lambda v: isinstance(v, list) and all(_INDEX[0](i) for i in v),
+_INDICES = (lambda v: isinstance(v, list) and all(NON_NEGATIVE_INT[0](i) for i in v),
             "a list of non-negative integers")
 _FLAGS = (lambda v: isinstance(v, list) and all(i in (0, 1) and not isinstance(i, bool)
                                                  for i in v), "a list of 0s and 1s")
@@ -336,28 +332,28 @@ RECORD = Family(
     refuses="attention biases",
     rank=14,
     fields={
-        "intermediate_size_mlp": _POSITIVE_INT,
+        "intermediate_size_mlp": POSITIVE_INT,
         "moe_layers": _INDICES,
-        "interleave_moe_layer_step": _POSITIVE_INT,
-        "use_qk_norm": _BOOLEAN,
+        "interleave_moe_layer_step": POSITIVE_INT,
+        "use_qk_norm": BOOLEAN,
         "no_rope_layers": _FLAGS,
-        "no_rope_layer_interval": _POSITIVE_INT,
-        "attention_chunk_size": _POSITIVE_INT,
-        "attn_temperature_tuning": (lambda v: isinstance(v, bool) or _INDEX[0](v),
+        "no_rope_layer_interval": POSITIVE_INT,
+        "attention_chunk_size": POSITIVE_INT,
+        "attn_temperature_tuning": (lambda v: isinstance(v, bool) or NON_NEGATIVE_INT[0](v),
                                     "true, false or a non-negative integer"),
-        "for_llm_compressor": _BOOLEAN,
-        "floor_scale": _NUMBER,
-        "attn_scale": _NUMBER,
-        "num_local_experts": _POSITIVE_INT,
-        "num_experts_per_tok": _POSITIVE_INT,
-        "router_aux_loss_coef": _NON_NEGATIVE,
-        "router_jitter_noise": _NON_NEGATIVE,
-        "output_router_logits": _BOOLEAN,
-        "text_config": _OBJECT,
-        "vision_config": _OBJECT,
-        "boi_token_index": _INDEX,
-        "eoi_token_index": _INDEX,
-        "image_token_index": _INDEX,
+        "for_llm_compressor": BOOLEAN,
+        "floor_scale": POSITIVE_NUMBER,
+        "attn_scale": POSITIVE_NUMBER,
+        "num_local_experts": POSITIVE_INT,
+        "num_experts_per_tok": POSITIVE_INT,
+        "router_aux_loss_coef": NON_NEGATIVE_NUMBER,
+        "router_jitter_noise": NON_NEGATIVE_NUMBER,
+        "output_router_logits": BOOLEAN,
+        "text_config": OBJECT,
+        "vision_config": OBJECT,
+        "boi_token_index": NON_NEGATIVE_INT,
+        "eoi_token_index": NON_NEGATIVE_INT,
+        "image_token_index": NON_NEGATIVE_INT,
     },
     layer_prefixes=("model.layers.", _MULTIMODAL + "model.layers."),
     head_names=("lm_head.weight", _MULTIMODAL + "lm_head.weight"),

@@ -29,6 +29,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 from pz_persist import errors
+from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -48,11 +49,6 @@ from pz_persist.pretrained.layers import mixture_of_experts as moe
 
 ExportError = errors.ExportError
 
-POSITIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                "a positive integer")
-NON_NEGATIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                    "a non-negative integer")
-BOOLEAN = (lambda v: isinstance(v, bool), "true or false")
 NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
 LAYER_LIST = (lambda v: isinstance(v, list) and all(
     isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v),

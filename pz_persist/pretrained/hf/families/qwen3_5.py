@@ -50,6 +50,10 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
+from pz_persist.pretrained.hf.config import OBJECT
+from pz_persist.pretrained.hf.config import STRING
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import lm_head_source
@@ -93,13 +97,8 @@ def _positive_int(value: Any) -> bool:
 
 
 _POSITIVE_INT = (_positive_int, "a positive integer")
-_OBJECT = (lambda v: isinstance(v, dict), "a JSON object")
-_BOOLEAN = (lambda v: isinstance(v, bool), "true or false")
-_INDEX = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-          "a non-negative integer")
-_SECTIONS = (lambda v: isinstance(v, list) and len(v) == 3 and all(_INDEX[0](x) for x in v),
+_SECTIONS = (lambda v: isinstance(v, list) and len(v) == 3 and all(NON_NEGATIVE_INT[0](x) for x in v),
              "a list of three non-negative integers")
-_STRING = (lambda v: isinstance(v, str), "a string")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +303,6 @@ def _layer_types(cfg: Config, layers: int):
   return kinds
 
 
-
 def _gated_attention_specs(p: str, s: str, config: llamalike_common.LlamalikeTransformerConfig,
                            llama: list[TensorSpec]) -> list[TensorSpec]:
   """The query/key-normed attention's specs, the query and its gate read from ``q_proj``:
@@ -486,18 +484,18 @@ RECORD = Family(
         "linear_num_key_heads": _POSITIVE_INT,
         "linear_num_value_heads": _POSITIVE_INT,
         "full_attention_interval": _POSITIVE_INT,
-        "attn_output_gate": _BOOLEAN,
-        "mtp_num_hidden_layers": _INDEX,
-        "mtp_use_dedicated_embeddings": _BOOLEAN,
-        "mamba_ssm_dtype": _STRING,
+        "attn_output_gate": BOOLEAN,
+        "mtp_num_hidden_layers": NON_NEGATIVE_INT,
+        "mtp_use_dedicated_embeddings": BOOLEAN,
+        "mamba_ssm_dtype": STRING,
         "mrope_section": _SECTIONS,
-        "mrope_interleaved": _BOOLEAN,
-        "text_config": _OBJECT,
-        "vision_config": _OBJECT,
-        "image_token_id": _INDEX,
-        "video_token_id": _INDEX,
-        "vision_start_token_id": _INDEX,
-        "vision_end_token_id": _INDEX,
+        "mrope_interleaved": BOOLEAN,
+        "text_config": OBJECT,
+        "vision_config": OBJECT,
+        "image_token_id": NON_NEGATIVE_INT,
+        "video_token_id": NON_NEGATIVE_INT,
+        "vision_start_token_id": NON_NEGATIVE_INT,
+        "vision_end_token_id": NON_NEGATIVE_INT,
     },
     refused_model_types={
         "qwen3_next": ("model_type='qwen3_next' is Qwen3-Next, whose fused in_proj_qkvz /"

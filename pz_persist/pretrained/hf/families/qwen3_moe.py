@@ -25,6 +25,9 @@ from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
+from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
+from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -33,10 +36,7 @@ from pz_persist.pretrained.hf.families.family_defaults import with_defaults
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
-from pz_persist.pretrained.hf.families.moe_common import BOOLEAN
 from pz_persist.pretrained.hf.families.moe_common import LAYER_LIST
-from pz_persist.pretrained.hf.families.moe_common import NON_NEGATIVE_INT
-from pz_persist.pretrained.hf.families.moe_common import POSITIVE_INT
 from pz_persist.pretrained.hf.families.moe_common import TRAINING_ONLY
 from pz_persist.pretrained.hf.families.moe_common import ExpertNames
 from pz_persist.pretrained.hf.families.moe_common import Experts
