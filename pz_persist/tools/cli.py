@@ -28,6 +28,7 @@ from pz_persist.storage import leftovers
 from pz_persist.storage import opening
 from pz_persist.storage import steps
 from pz_persist.storage import stores
+from pz_persist.tools import diff_view
 from pz_persist.tools import diffing
 from pz_persist.tools import verifying
 from pz_persist.tools import viewing
@@ -110,29 +111,22 @@ def _number(x: float) -> str:
 def _diff(args: argparse.Namespace) -> int:
   result = diffing.diff(args.a, args.b, batch_bytes=args.batch_mib * 2**20,
                         progress=_progress(args))
+  if args.html:
+    out = result.save_html(args.html)
   if args.json:
     _print_json(diffing.JSON_SCHEMA, {"a": str(args.a), "b": str(args.b),
                                       **diffing.record(result)})
     return 0 if result.identical else 1
-  sections = [
-      ("model structure or labels differ", result.structure),
-      ("only in A", result.only_in_a),
-      ("only in B", result.only_in_b),
-      ("shape or dtype differs", result.changed),
-  ]
-  for title, lines in sections:
-    if lines:
-      _print(f"{title}:")
-      _print("\n".join(f"  {_one_line(line)}" for line in lines))
-  shown = [a for a in result.arrays if args.all or not a.identical]
-  if shown:
-    _print(viewing.format_table(
-        ["array", "identical", "max |A-B|", "|A-B|", "|A-B|/|B|"],
-        [[_one_line(a.name), "yes" if a.identical else "no", _number(a.max_abs), _number(a.l2),
-          _number(a.relative_l2)] for a in shown],
-        right=("max |A-B|", "|A-B|", "|A-B|/|B|"), width=_width(), wrap=("array",),
-    ))
+  if not result.identical or args.all:
+    # The table escapes the checkpoint's text itself; only its own colour
+    # codes are left as they are (on a terminal only).
+    color = diff_view.use_colour(sys.stdout)
+    text = result.table(width=_width(), color=color, every_array=args.all)
+    print(text if color else terminal.printable(text))
+    _print()
   differing = sum(not a.identical for a in result.arrays)
+  if args.html:
+    _print(f"wrote {out}")
   if result.identical:
     _print(f"identical: {len(result.arrays)} array(s) compared")
     return 0
@@ -338,10 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
   diff = commands.add_parser(
       "diff",
       help="compare two checkpoints (structure and values)",
-      description="Compare checkpoints A and B: structure, labels, shapes and"
-      " dtypes, then the values of each array (max and L2 norm of the"
-      " difference), reading a bounded batch of arrays at a time. Exits 0 if"
-      " identical, 1 if they differ.",
+      description="Compare checkpoints A and B as one tree matched by path:"
+      " layers wrapped, added, removed or replaced, labels, metadata, axis names,"
+      " shapes and dtypes, then the values of each array (max and relative norm"
+      " of the difference, fraction of elements changed), reading a bounded"
+      " batch of arrays at a time. Exits 0 if identical, 1 if they differ.",
   )
   diff.add_argument("a")
   diff.add_argument("b")
@@ -352,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
   )
   diff.add_argument("--quiet", action="store_true", help="no progress bar")
   diff.add_argument("--json", action="store_true",
-                    help="print JSON (schema pz-persist.diff/1) instead of tables")
+                    help="print JSON (schema pz-persist.diff/2) instead of tables")
+  diff.add_argument("--html", metavar="OUT.html",
+                    help="also write the diff as a self-contained treescope HTML page")
   diff.set_defaults(run=_diff)
 
   verify = commands.add_parser(

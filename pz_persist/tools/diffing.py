@@ -1,8 +1,14 @@
-"""Comparing two checkpoints: structure, labels, shapes, and array values.
+"""Comparing two models or checkpoints: structure, labels, shapes, and array values.
 
-Two large checkpoints must never sit in memory together, so arrays are read in
-batches of bounded size from each side (Orbax reads only the requested arrays),
-compared, and dropped before the next batch.
+Each side is a model in memory, a checkpoint path or an opened handle
+(`pz_persist.tools.diff_sides`); the two trees are matched as a person means
+it (`pz_persist.tools.diff_tree`: wrappers added, blocks cut, classes
+replaced, labels, metadata and axis names), and the result renders as one
+treescope tree, an HTML file or a terminal table
+(`pz_persist.tools.diff_view`). Two large checkpoints must never sit in
+memory together, so arrays are read in batches of bounded size from each
+side (Orbax reads only the requested arrays), compared in bounded pieces,
+and dropped before the next batch.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.storage import batching
-from pz_persist.storage import opening
-from pz_persist.storage import reader
+from pz_persist.tools import diff_sides
+from pz_persist.tools import diff_tree
 
 DEFAULT_BATCH_BYTES = 256 * 2**20
 """Most array bytes read from each checkpoint at once."""
@@ -40,6 +46,7 @@ class ArrayDiff:
     max_abs: Largest absolute difference.
     l2: Euclidean norm of the difference.
     relative_l2: ``l2`` divided by the norm of B's array (0 if both are zero).
+    fraction_changed: Fraction of the elements whose values differ.
   """
 
   name: str
@@ -47,37 +54,102 @@ class ArrayDiff:
   max_abs: float
   l2: float
   relative_l2: float
+  fraction_changed: float = 0.0
 
 
 @dataclasses.dataclass
 class CheckpointDiff:
-  """Everything that differs between checkpoints A and B."""
+  """Everything that differs between A and B (models or checkpoints).
+
+  Renders in treescope by itself (in a notebook, or with
+  ``treescope.display``) as one tree: unchanged parts folded, changed arrays
+  highlighted with their statistics, added, removed and replaced structure
+  marked in colour and words. `to_html` / `save_html` write the same tree as
+  a self-contained HTML file, `table` as text for a terminal.
+
+  Attributes:
+    only_in_a: Array names (labels, or tree paths) only A has.
+    only_in_b: Array names only B has.
+    changed: Arrays of both whose shape or dtype differs, as text.
+    structure: Where the saved structures differ, by tree path, as text.
+    arrays: The arrays of both compared by value.
+    tree: The tree of differences (`pz_persist.tools.diff_tree.DiffNode`).
+    a: How A is named (its path, or its class).
+    b: How B is named.
+  """
 
   only_in_a: list[str] = dataclasses.field(default_factory=list)
   only_in_b: list[str] = dataclasses.field(default_factory=list)
   changed: list[str] = dataclasses.field(default_factory=list)
   structure: list[str] = dataclasses.field(default_factory=list)
   arrays: list[ArrayDiff] = dataclasses.field(default_factory=list)
+  tree: diff_tree.DiffNode | None = None
+  a: str = "A"
+  b: str = "B"
 
   @property
   def identical(self) -> bool:
     return not (
         self.only_in_a or self.only_in_b or self.changed or self.structure
         or any(not a.identical for a in self.arrays)
+        or (self.tree is not None and self.tree.status != "unchanged")
     )
 
+  def changes(self) -> list[diff_tree.DiffNode]:
+    """Every node of `tree` that is not unchanged, parents first."""
+    return [] if self.tree is None else [
+        n for n in self.tree.walk() if n.status != "unchanged"]
 
-JSON_SCHEMA = "pz-persist.diff/1"
-"""The ``schema`` of `record`'s output (docs/reference/cli-json.md)."""
+  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+    from pz_persist.tools import diff_view  # pylint: disable=import-outside-toplevel
+    return diff_view.treescope_repr(self, path, subtree_renderer)
+
+  def to_html(self) -> str:
+    """The diff as one self-contained HTML page (nothing fetched)."""
+    from pz_persist.tools import diff_view  # pylint: disable=import-outside-toplevel
+    return diff_view.to_html(self)
+
+  def save_html(self, path: epath.PathLike) -> epath.Path:
+    """Writes `to_html` to ``path``; returns the path written."""
+    written = epath.Path(path)
+    written.parent.mkdir(parents=True, exist_ok=True)
+    written.write_text(self.to_html(), encoding="utf-8")
+    return written
+
+  def table(self, width: int | None = None, *, color: bool = False,
+            every_array: bool = False) -> str:
+    """The diff as text: one row per change, fitting ``width`` columns (the
+    terminal's by default); ``every_array`` lists unchanged arrays too."""
+    from pz_persist.tools import diff_view  # pylint: disable=import-outside-toplevel
+    return diff_view.table(self, width=width, color=color, every_array=every_array)
+
+  def __str__(self) -> str:
+    return self.table(width=100)
+
+
+JSON_SCHEMA = "pz-persist.diff/2"
+"""The ``schema`` of `record`'s output (docs/reference/cli-json.md). Version
+2 added ``changes`` and ``fraction_changed``; version 1's fields are unchanged."""
 
 
 def record(result: CheckpointDiff) -> dict[str, Any]:
   """``result`` as JSON-ready data (``pz-persist diff --json``); an infinite
   ``relative_l2`` (B's array is all zeros, A's is not) is ``null``."""
-  def finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
+  finite = diff_tree.finite
+
+  def stats(node: diff_tree.DiffNode) -> dict[str, Any] | None:
+    if node.stats is None:
+      return None
+    s = node.stats
+    return {"identical": s.identical, "max_abs": finite(s.max_abs), "l2": finite(s.l2),
+            "relative_l2": finite(s.relative_l2), "fraction_changed": s.fraction_changed}
 
   return {
+      "changes": [
+          {"path": n.path, "status": n.status, "kind": n.kind, "summary": n.summary,
+           "notes": list(n.notes), "stats": stats(n)}
+          for n in result.changes()
+      ],
       "identical": result.identical,
       "structure": list(result.structure),
       "only_in_a": list(result.only_in_a),
@@ -85,7 +157,8 @@ def record(result: CheckpointDiff) -> dict[str, Any]:
       "changed": list(result.changed),
       "arrays": [
           {"name": a.name, "identical": a.identical, "max_abs": finite(a.max_abs),
-           "l2": finite(a.l2), "relative_l2": finite(a.relative_l2)}
+           "l2": finite(a.l2), "relative_l2": finite(a.relative_l2),
+           "fraction_changed": a.fraction_changed}
           for a in result.arrays
       ],
   }
@@ -93,17 +166,7 @@ def record(result: CheckpointDiff) -> dict[str, Any]:
 
 def _array_names(manifest: manifest_lib.Manifest) -> dict[str, int]:
   """Stable names of a checkpoint's arrays: label (+ index) or tree path."""
-  counts: dict[str, int] = {}
-  names = {}
-  for index, spec in enumerate(manifest.arrays):
-    if spec.label is None:
-      name = spec.path
-    else:
-      position = counts.get(spec.label, 0)
-      counts[spec.label] = position + 1
-      name = spec.label if position == 0 else f"{spec.label}[{position}]"
-    names[name] = index
-  return names
+  return {name: index for index, name in diff_tree.array_names(manifest).items()}
 
 
 def _shape_text(spec: arrays_lib.ArraySpec) -> str:
@@ -263,93 +326,135 @@ def structure_differences(
   return walker.found
 
 
-def _compare(name: str, a: Any, b: Any) -> ArrayDiff:
-  if jax.dtypes.issubdtype(getattr(a, "dtype", None), jax.dtypes.prng_key):
-    a, b = jax.random.key_data(a), jax.random.key_data(b)
+
+
+COMPARE_ELEMENTS = 1 << 20
+"""Elements compared at once within one array: the float64 differences of a
+piece, not of the whole array, are all a comparison holds."""
+
+
+def compare_values(a: Any, b: Any) -> diff_tree.ArrayStats:
+  """How two host arrays of one shape differ, in bounded pieces."""
   a, b = np.asarray(a), np.asarray(b)
-  identical = a.tobytes() == b.tobytes()
-  if identical or a.size == 0:
-    return ArrayDiff(name, identical, 0.0, 0.0, 0.0)
-  wide = np.complex128 if np.iscomplexobj(a) else np.float64
-  difference = a.astype(wide) - b.astype(wide)
-  l2 = float(np.linalg.norm(difference.ravel()))
-  norm_b = float(np.linalg.norm(b.astype(wide).ravel()))
-  return ArrayDiff(
-      name,
-      False,
-      float(np.max(np.abs(difference))),
-      l2,
-      l2 / norm_b if norm_b else math.inf,
+  if a.dtype == b.dtype and a.tobytes() == b.tobytes():
+    return diff_tree.ArrayStats(True)
+  if a.size == 0:
+    return diff_tree.ArrayStats(a.dtype == b.dtype)
+  wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+  flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+  max_abs, squares, norm_b, changed = 0.0, 0.0, 0.0, 0
+  for start in range(0, a.size, COMPARE_ELEMENTS):
+    x = flat_a[start:start + COMPARE_ELEMENTS]
+    y = flat_b[start:start + COMPARE_ELEMENTS]
+    if x.dtype == y.dtype:
+      differs = x != y
+    else:
+      differs = x.astype(wide) != y.astype(wide)
+    if np.issubdtype(x.dtype, np.inexact):
+      differs &= ~(np.isnan(x.astype(wide)) & np.isnan(y.astype(wide)))
+    changed += int(np.count_nonzero(differs))
+    wide_y = y.astype(wide)
+    difference = np.abs(x.astype(wide) - wide_y)
+    max_abs = float(np.max([max_abs, np.max(difference)]))
+    squares += float(np.sum(difference.real ** 2))
+    norm_b += float(np.sum(np.abs(wide_y) ** 2))
+  l2, norm = math.sqrt(squares), math.sqrt(norm_b)
+  return diff_tree.ArrayStats(
+      False, max_abs, l2, l2 / norm if norm else (0.0 if l2 == 0 else math.inf),
+      changed / a.size,
   )
 
 
+def _host(value: Any) -> Any:
+  if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+    value = jax.random.key_data(value)
+  return np.asarray(value)
+
+
 def diff(
-    path_a: epath.PathLike,
-    path_b: epath.PathLike,
+    a: Any,
+    b: Any,
     *,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: progress_lib.Progress = None,
 ) -> CheckpointDiff:
-  """Compares checkpoints A and B, reading at most ``batch_bytes`` at a time.
+  """Compares A and B, each a model, a checkpoint path or an opened handle.
+
+  The result renders in treescope as one tree of differences (in a
+  notebook, by itself); ``result.save_html(path)`` writes it as a
+  self-contained HTML file, ``result.table()`` as text.
 
   Example::
 
     result = pzp.diff("/tmp/run/100/params", "/tmp/run/200/params")
     for array in result.arrays:
       print(array.name, array.max_abs, array.relative_l2)
+    pzp.diff(model, edited_model)         # in a notebook: the tree of changes
 
   Args:
-    path_a: Checkpoint A (a checkpoint directory or its item directory).
-    path_b: Checkpoint B.
-    batch_bytes: Most array bytes read from each checkpoint at once.
+    a: A: a Penzai model or any tree pz_persist can save, a checkpoint path
+      (a checkpoint directory or its item directory), or an opened handle.
+    b: B, the same.
+    batch_bytes: Most array bytes read from each side at once.
     progress: None (default): a bar on stderr if it is a terminal or in a
       notebook; True: always; False: never; or a function called as
       ``progress(done, total)`` with bytes of A's arrays compared
       (`pz_persist.progress`).
   """
-  # Each opened as every read is (`opening`): never a mix of two saves.
-  return opening.read(path_a, lambda a: opening.read(
-      path_b, lambda b: _diff(a, b, batch_bytes, progress)
+  # A path stays opened as every read opens one (`opening`): never a mix of
+  # two saves.
+  return diff_sides.with_side(a, lambda side_a: diff_sides.with_side(
+      b, lambda side_b: _diff(side_a, side_b, batch_bytes, progress)
   ))
 
 
 def _diff(
-    a: opening.OpenItem,
-    b: opening.OpenItem,
+    a: diff_sides.Side,
+    b: diff_sides.Side,
     batch_bytes: int,
     progress: progress_lib.Progress,
 ) -> CheckpointDiff:
-  """`diff` of two opened items."""
-  items = [a.item, b.item]
+  """`diff` of two opened sides."""
   manifests = [a.manifest, b.manifest]
-  snapshots = [a.snapshot, b.snapshot]
-  result = CheckpointDiff()
+  result = CheckpointDiff(a=a.description, b=b.description)
   result.structure = structure_differences(a.manifest, b.manifest)
   names_a, names_b = (_array_names(m) for m in manifests)
   result.only_in_a = [n for n in names_a if n not in names_b]
   result.only_in_b = [n for n in names_b if n not in names_a]
-  common = []
   for name in (n for n in names_a if n in names_b):
     spec_a = manifests[0].arrays[names_a[name]]
     spec_b = manifests[1].arrays[names_b[name]]
     if (spec_a.shape, spec_a.dtype) != (spec_b.shape, spec_b.dtype):
       result.changed.append(f"{name}: {_shape_text(spec_a)} != {_shape_text(spec_b)}")
-    else:
-      common.append(name)
 
-  sizes = {n: manifests[0].arrays[names_a[n]].nbytes for n in common}
-  description = f"comparing {items[0]} with {items[1]}"
+  by_index = diff_tree.array_names(manifests[0]), diff_tree.array_names(manifests[1])
+  result.tree = diff_tree.Matcher(a.manifest, b.manifest, by_index).build()
+  leaves: dict[tuple[int, int], list[diff_tree.DiffNode]] = {}
+  for node in result.tree.walk():
+    ref_a, ref_b = node.refs
+    if ref_a is not None and ref_b is not None and (
+        manifests[0].arrays[ref_a].shape == manifests[1].arrays[ref_b].shape):
+      leaves.setdefault((ref_a, ref_b), []).append(node)
+  pairs = list(leaves)
+  sizes = {pair: manifests[0].arrays[pair[0]].nbytes for pair in pairs}
+  description = f"comparing {a.description} with {b.description}"
   with progress_lib.tracking(progress, description, sum(sizes.values())) as tracker:
-    for batch in batching.batches(common, sizes.__getitem__, batch_bytes):
-      values = [
-          reader.read_arrays(item, manifest, refs={names[n] for n in batch},
-                             snapshot=snapshot)
-          for item, manifest, names, snapshot in zip(
-              items, manifests, (names_a, names_b), snapshots)
-      ]
-      result.arrays.extend(
-          _compare(n, values[0][names_a[n]], values[1][names_b[n]]) for n in batch
-      )
-      del values
-      tracker.advance(sum(sizes[n] for n in batch))
+    for batch in batching.batches(pairs, sizes.__getitem__, batch_bytes):
+      values_a = a.read([pair[0] for pair in batch])
+      values_b = b.read([pair[1] for pair in batch])
+      for pair in batch:
+        stats = compare_values(_host(values_a[pair[0]]), _host(values_b[pair[1]]))
+        for node in leaves[pair]:
+          node.stats = stats
+        spec_a, spec_b = manifests[0].arrays[pair[0]], manifests[1].arrays[pair[1]]
+        if spec_a.dtype == spec_b.dtype:
+          name = by_index[0][pair[0]]
+          if by_index[1][pair[1]] != name:
+            name = f"{name} -> {by_index[1][pair[1]]}"
+          result.arrays.append(ArrayDiff(
+              name, stats.identical, stats.max_abs, stats.l2, stats.relative_l2,
+              stats.fraction_changed))
+      del values_a, values_b
+      tracker.advance(sum(sizes[pair] for pair in batch))
+  result.tree.settle()
   return result

@@ -1,0 +1,250 @@
+"""Showing a diff: one treescope tree, a self-contained HTML page, a terminal table.
+
+The tree is built from treescope's public rendering parts
+(`treescope.rendering_parts`): unchanged subtrees are foldables that start
+collapsed (one click opens them), changed ones start expanded; a changed
+array's line is highlighted with its statistics; added, removed and replaced
+structure is coloured *and* says so in a word (colour alone is not
+enough). Every text taken from a checkpoint (labels, metadata, class names,
+tree paths) goes through treescope's text parts, which escape it for HTML,
+or through `pz_persist.safety.terminal` for the terminal: nothing a
+checkpoint holds is ever run or trusted as markup.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import shutil
+import sys
+from typing import TYPE_CHECKING
+from typing import Any
+
+import treescope
+from treescope import rendering_parts as parts
+
+from pz_persist.safety import terminal
+from pz_persist.tools import diff_tree
+from pz_persist.tools import viewing
+
+if TYPE_CHECKING:
+  from pz_persist.tools import diffing
+
+STYLES = {
+    "changed": "background-color: #ffe08a; color: #5c3b00; border-radius: 3px; padding: 0 3px",
+    "added": "background-color: #c9f2c7; color: #0b4d12; border-radius: 3px; padding: 0 3px",
+    "removed": "background-color: #ffd0d0; color: #7a0b0b; border-radius: 3px; padding: 0 3px;"
+               " text-decoration: line-through",
+    "replaced": "background-color: #e4d4ff; color: #3d1a78; border-radius: 3px; padding: 0 3px",
+    "note": "color: #8a4b00; font-style: italic",
+    "unchanged": "color: #7a7a7a",
+}
+"""CSS of each mark (the HTML test reads the computed colours back)."""
+
+ARRAY_HIGHLIGHT = STYLES["changed"]
+"""The style of a changed array's line and statistics."""
+
+_WORDS = {"added": "added", "removed": "removed", "replaced": "replaced",
+          "changed": "changed", "unchanged": "unchanged"}
+
+_ANSI = {"changed": "33", "added": "32", "removed": "31", "replaced": "35"}
+
+
+def stats_text(stats: diff_tree.ArrayStats) -> str:
+  """An array's statistics as one short text."""
+  if stats.identical:
+    return "identical values"
+  return (f"max |A-B| {_number(stats.max_abs)}, |A-B|/|B| {_number(stats.relative_l2)},"
+          f" {_percent(stats.fraction_changed)} of elements changed")
+
+
+def _number(x: float) -> str:
+  return f"{x:.3g}"
+
+
+def _percent(x: float) -> str:
+  if x in (0.0, 1.0):
+    return f"{x:.0%}"
+  return f"{x * 100:.3g}%"
+
+
+def _styled(text: str, status: str) -> Any:
+  return parts.custom_style(parts.text(text), STYLES[status])
+
+
+def _line(node: diff_tree.DiffNode) -> Any:
+  """The first line of a node: key, kind, status word, summary, notes, stats."""
+  pieces: list[Any] = []
+  if node.key:
+    pieces.append(parts.text(f"{node.key}: "))
+  if node.status in ("added", "removed", "replaced"):
+    pieces.append(_styled(f"{_WORDS[node.status]} ", node.status))
+  pieces.append(parts.custom_style(parts.text(node.kind), "font-weight: bold"))
+  if node.summary:
+    pieces.append(parts.text(f" {node.summary}"))
+  if node.shared:
+    pieces.append(parts.custom_style(
+        parts.text(f"  (shared: the same variable as {node.shared})"), STYLES["unchanged"]))
+  for note in node.notes:
+    pieces.append(parts.text("  "))
+    pieces.append(_styled(note, "note"))
+  if node.stats is not None and not node.stats.identical:
+    pieces.append(parts.text("  "))
+    pieces.append(_styled(f"changed: {stats_text(node.stats)}", "changed"))
+  elif node.status == "changed" and not node.children:
+    pieces.append(parts.text("  "))
+    pieces.append(_styled("changed", "changed"))
+  elif node.status == "changed":
+    pieces.append(parts.custom_style(parts.text("  changed inside"), STYLES["note"]))
+  elif node.status == "unchanged" and node.children:
+    pieces.append(parts.custom_style(parts.text("  unchanged"), STYLES["unchanged"]))
+  return parts.siblings(*pieces)
+
+
+def _render(node: diff_tree.DiffNode) -> Any:
+  line = _line(node)
+  if not node.children:
+    return parts.build_one_line_tree_node(line)
+  expand = (parts.ExpandState.COLLAPSED if node.status in ("unchanged",)
+            else parts.ExpandState.EXPANDED)
+  return parts.build_foldable_tree_node_from_children(
+      prefix=parts.siblings(line, " {"),
+      children=[_render(child) for child in node.children],
+      suffix="}",
+      expand_state=expand,
+  )
+
+
+def top_changes(result: diffing.CheckpointDiff) -> list[diff_tree.DiffNode]:
+  """The changes worth a line each: not the nodes inside an added, removed or
+  replaced subtree (its root says it), nor containers only changed inside."""
+  if result.tree is None:
+    return []
+  return [
+      node for node in result.tree.walk()
+      if node.status != "unchanged" and not _parent_has(result.tree, node) and (
+          not node.children or node.notes or node.status != "changed")
+  ]
+
+
+def _header(result: diffing.CheckpointDiff) -> str:
+  if result.identical:
+    return f"no differences: {result.a} and {result.b} ({len(result.arrays)} arrays compared)"
+  counts: dict[str, int] = {}
+  for node in top_changes(result):
+    counts[node.status] = counts.get(node.status, 0) + 1
+  differing = sum(not a.identical for a in result.arrays)
+  summary = [f"{differing} of {len(result.arrays)} compared arrays differ"]
+  summary += [f"{counts[s]} {s}" for s in ("added", "removed", "replaced") if counts.get(s)]
+  if counts.get("changed"):
+    summary.append(f"{counts['changed']} changed")
+  return f"A: {result.a}\nB: {result.b}\n" + ", ".join(summary)
+
+
+def treescope_repr(result: diffing.CheckpointDiff, path: str | None,
+                   subtree_renderer: Any) -> Any:
+  """The whole diff as one treescope tree (``CheckpointDiff.__treescope_repr__``)."""
+  del subtree_renderer
+  header = [parts.build_one_line_tree_node(parts.text(line))
+            for line in _header(result).rstrip("; ").split("\n")]
+  if result.tree is None:
+    return parts.build_one_line_tree_node(parts.text(_header(result).replace("\n", "; ")),
+                                          path=path)
+  return parts.build_foldable_tree_node_from_children(
+      prefix=parts.siblings(parts.custom_style(parts.text("pz_persist diff"),
+                                               "font-weight: bold"), " "),
+      children=[*header, _render(result.tree)],
+      suffix="",
+      path=path,
+      expand_state=parts.ExpandState.EXPANDED,
+  )
+
+
+def to_html(result: diffing.CheckpointDiff) -> str:
+  """A self-contained page: treescope's inline scripts and styles, no network."""
+  body = treescope.render_to_html(result, roundtrip_mode=False, compressed=False)
+  title = html.escape(f"pz_persist diff: {result.a} vs {result.b}")
+  return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+          f"<title>{title}</title></head>\n<body>\n{body}\n</body></html>\n")
+
+
+def _stats_cells(node: diff_tree.DiffNode) -> list[str]:
+  if node.stats is None or node.stats.identical:
+    return ["", "", ""]
+  s = node.stats
+  return [_number(s.max_abs), _number(s.relative_l2), _percent(s.fraction_changed)]
+
+
+def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bool = False,
+          every_array: bool = False) -> str:
+  """One row per change (and per array with ``every_array``), fitting ``width``."""
+  if width is None:
+    width = shutil.get_terminal_size(fallback=(120, 24)).columns
+  one_line = lambda text: terminal.printable(text, newlines=False)  # noqa: E731
+  if result.tree is None:
+    return one_line(_header(result))
+  rows, statuses = [], []
+  shown = {id(node) for node in top_changes(result)}
+  for node in result.tree.walk():
+    if id(node) not in shown and not (every_array and node.stats is not None):
+      continue
+    what = " ".join(filter(None, [node.kind, node.summary, *node.notes]))
+    if node.stats is not None and node.stats.identical:
+      what += " (identical)"
+    rows.append([node.status, one_line(node.path), one_line(what), *_stats_cells(node)])
+    statuses.append(node.status)
+  lines = [one_line(line) for line in _header(result).split("\n")]
+  if rows:
+    header = ["status", "path", "what", "max|A-B|", "rel", "changed"]
+    text = viewing.format_table(header, rows, right=("max|A-B|", "rel", "changed"), width=width,
+                                wrap=("what", "path"))
+    if color:
+      text = _colour(text, statuses)
+    lines += ["", text]
+  return "\n".join(lines)
+
+
+def _parent_has(root: diff_tree.DiffNode, node: diff_tree.DiffNode) -> bool:
+  """Whether ``node`` lies inside an ancestor of the same added/removed status."""
+  parents = _parents(root)
+  parent = parents.get(id(node))
+  while parent is not None:
+    if parent.status == "replaced" or (
+        parent.status == node.status and node.status in ("added", "removed")):
+      return True
+    parent = parents.get(id(parent))
+  return False
+
+
+_PARENTS: dict[int, tuple[diff_tree.DiffNode, dict[int, diff_tree.DiffNode]]] = {}
+
+
+def _parents(root: diff_tree.DiffNode) -> dict[int, diff_tree.DiffNode]:
+  cached = _PARENTS.get(id(root))
+  if cached is not None and cached[0] is root:
+    return cached[1]
+  parents = {id(child): node for node in root.walk() for child in node.children}
+  _PARENTS.clear()
+  _PARENTS[id(root)] = (root, parents)
+  return parents
+
+
+def _colour(text: str, statuses: list[str]) -> str:
+  """The status word of each row coloured (continuation lines start with spaces)."""
+  out, row = [], -1  # Row -1 is the table's header.
+  for line in text.split("\n"):
+    if line and not line.startswith(" "):
+      row += 1
+    status = statuses[row] if 0 <= row < len(statuses) else ""
+    if status in _ANSI and line.startswith(status):
+      line = f"\x1b[{_ANSI[status]}m{status}\x1b[0m{line[len(status):]}"
+    out.append(line)
+  return "\n".join(out)
+
+
+def use_colour(stream: Any = None) -> bool:
+  """Colours only on a terminal, and never with ``NO_COLOR`` set or ``TERM=dumb``."""
+  stream = stream or sys.stdout
+  isatty = getattr(stream, "isatty", None)
+  return bool(isatty and isatty()) and "NO_COLOR" not in os.environ and (
+      os.environ.get("TERM") != "dumb")
