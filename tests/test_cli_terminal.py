@@ -128,11 +128,13 @@ def test_diff_of_two_configurations_names_each_setting(tmp_path, capsys):
                             "seed": 3})
   code, out, _ = _run(capsys, "diff", str(tmp_path / "a"), str(tmp_path / "b"))
   assert code == 1
-  assert 'tree["lr"]: 0.1 != 0.2' in out
-  assert 'tree["layers"]: list [64, 64] != list [64, 64, 64]' in out
-  assert 'tree["adam"]["b1"]: 0.9 != 0.95' in out
-  assert 'tree["seed"]: only in B' in out
-  assert '"name"' not in out
+  rows = [line.split() for line in out.splitlines()]
+  assert ["changed", "tree['lr']", "float", "0.1", "->", "0.2"] in rows
+  assert ["changed", "tree['layers']", "list", "2", "items", "->", "3"] in rows
+  assert ["added", "tree['layers'][2]", "int", "64"] in rows
+  assert ["changed", "tree['adam']['b1']", "float", "0.9", "->", "0.95"] in rows
+  assert ["added", "tree['seed']", "int", "3"] in rows
+  assert "'name'" not in out
 
 
 def _documented_fields() -> set[str]:
@@ -173,6 +175,9 @@ def test_json_of_each_command_follows_its_documented_schema(run, tmp_path, capsy
   diff = json.loads(outputs["diff"][1])
   w = next(a for a in diff["arrays"] if a["name"] == "tree['w']")
   assert w["relative_l2"] is None and w["max_abs"] == 1.0  # B is zeros: infinite, so null.
+  assert w["fraction_changed"] == 1.0
+  change = next(c for c in diff["changes"] if c["path"] == "tree['w']")
+  assert change["status"] == "changed" and change["stats"]["max_abs"] == 1.0
   steps = json.loads(outputs["ls"][1])["steps"]
   assert steps[0]["step"] == 7 and steps[0]["pz_persist_items"] == ["model", "opt_state", "params"]
   assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", steps[0]["committed_at"])

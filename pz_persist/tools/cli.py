@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   diff.add_argument("--quiet", action="store_true", help="no progress bar")
   diff.add_argument("--json", action="store_true",
-                    help="print JSON (schema pz-persist.diff/2) instead of tables")
+                    help="print JSON (schema pz-persist.diff/1) instead of tables")
   diff.add_argument("--html", metavar="OUT.html",
                     help="also write the diff as a self-contained treescope HTML page")
   diff.set_defaults(run=_diff)

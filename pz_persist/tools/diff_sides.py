@@ -47,9 +47,9 @@ class Side(Protocol):
   description: str
   manifest: manifest_lib.Manifest
 
-  def read(self, refs: Collection[int]) -> dict[int, np.ndarray]:
-    """The arrays of ``manifest.arrays`` at ``refs``, as host NumPy arrays
-    in their logical dtype (PRNG keys as their key data)."""
+  def read(self, refs: Collection[int]) -> dict[int, Any]:
+    """The arrays of ``manifest.arrays`` at ``refs`` in their logical dtype
+    (NumPy or JAX arrays; the diff copies each to the host to compare it)."""
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ class ModelSide:
   manifest: manifest_lib.Manifest
   values: list[Any]
 
-  def read(self, refs: Collection[int]) -> dict[int, np.ndarray]:
+  def read(self, refs: Collection[int]) -> dict[int, Any]:
     found = {}
     for ref in refs:
       spec = self.manifest.arrays[ref]
@@ -68,7 +68,7 @@ class ModelSide:
       if value is None:  # Zero-size arrays are not stored.
         found[ref] = np.zeros(spec.shape, spec.np_dtype)
       else:
-        found[ref] = np.asarray(arrays_lib.from_storage(value, spec))
+        found[ref] = arrays_lib.from_storage(value, spec)
     return found
 
 
@@ -83,12 +83,11 @@ class PathSide:
   def manifest(self) -> manifest_lib.Manifest:
     return self.opened.manifest
 
-  def read(self, refs: Collection[int]) -> dict[int, np.ndarray]:
+  def read(self, refs: Collection[int]) -> dict[int, Any]:
     values = reader.read_arrays(
-        self.opened.item, self.opened.manifest, refs=set(refs), to_host=True,
-        snapshot=self.opened.snapshot,
+        self.opened.item, self.opened.manifest, refs=set(refs), snapshot=self.opened.snapshot,
     )
-    return {ref: np.asarray(values[ref]) for ref in refs}
+    return {ref: values[ref] for ref in refs}
 
 
 _FACTORIES: list[tuple[type, Callable[[Any], Side]]] = []

@@ -188,7 +188,8 @@ def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bo
   for node in result.tree.walk():
     if id(node) not in shown and not (every_array and node.stats is not None):
       continue
-    what = " ".join(filter(None, [node.kind, node.summary, *node.notes]))
+    label = f"{node.name}:" if node.name and node.name != node.path else ""
+    what = " ".join(filter(None, [label, node.kind, node.summary, *node.notes]))
     if node.stats is not None and node.stats.identical:
       what += " (identical)"
     rows.append([node.status, one_line(node.path), one_line(what), *_stats_cells(node)])

@@ -127,9 +127,10 @@ class CheckpointDiff:
     return self.table(width=100)
 
 
-JSON_SCHEMA = "pz-persist.diff/2"
-"""The ``schema`` of `record`'s output (docs/reference/cli-json.md). Version
-2 added ``changes`` and ``fraction_changed``; version 1's fields are unchanged."""
+JSON_SCHEMA = "pz-persist.diff/1"
+"""The ``schema`` of `record`'s output (docs/reference/cli-json.md). Fields
+are only added within a version (``changes`` and ``fraction_changed`` were);
+none is removed or changes meaning."""
 
 
 def record(result: CheckpointDiff) -> dict[str, Any]:
