@@ -351,11 +351,14 @@ def compare_values(a: Any, b: Any) -> diff_tree.ArrayStats:
       differs = x != y
     else:
       differs = x.astype(wide) != y.astype(wide)
-    if np.issubdtype(x.dtype, np.inexact):
-      differs &= ~(np.isnan(x.astype(wide)) & np.isnan(y.astype(wide)))
+    if np.issubdtype(x.dtype, np.inexact) and np.issubdtype(y.dtype, np.inexact):
+      differs &= ~(np.isnan(x) & np.isnan(y))
     changed += int(np.count_nonzero(differs))
-    wide_y = y.astype(wide)
-    difference = np.abs(x.astype(wide) - wide_y)
+    wide_x, wide_y = x.astype(wide), y.astype(wide)
+    difference = np.abs(wide_x - wide_y)
+    if np.issubdtype(x.dtype, np.inexact) or np.issubdtype(y.dtype, np.inexact):
+      difference[np.isnan(wide_x) & np.isnan(wide_y)] = 0  # NaN on both sides: no change.
+      wide_y = np.where(np.isnan(wide_y), 0, wide_y)
     max_abs = float(np.max([max_abs, np.max(difference)]))
     squares += float(np.sum(difference.real ** 2))
     norm_b += float(np.sum(np.abs(wide_y) ** 2))
