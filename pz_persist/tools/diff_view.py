@@ -72,14 +72,16 @@ def _styled(text: str, status: str) -> Any:
   return parts.custom_style(parts.text(text), STYLES[status])
 
 
-def _line(node: diff_tree.DiffNode) -> Any:
-  """The first line of a node: key, kind, status word, summary, notes, stats."""
+def _line(node: diff_tree.DiffNode, inherited: bool) -> Any:
+  """The first line of a node: key, kind, status word, summary, notes, stats.
+  Inside an added or removed subtree (``inherited``) only its root says so."""
   pieces: list[Any] = []
   if node.key:
     pieces.append(parts.text(f"{node.key}: "))
-  if node.status in ("added", "removed", "replaced"):
+  if node.status in ("added", "removed", "replaced") and not inherited:
     pieces.append(_styled(f"{_WORDS[node.status]} ", node.status))
-  pieces.append(parts.custom_style(parts.text(node.kind), "font-weight: bold"))
+  colour = {"added": "; color: #0b6b17", "removed": "; color: #9a1111"}.get(node.status, "")
+  pieces.append(parts.custom_style(parts.text(node.kind), "font-weight: bold" + colour))
   if node.summary:
     pieces.append(parts.text(f" {node.summary}"))
   if node.shared:
@@ -101,16 +103,29 @@ def _line(node: diff_tree.DiffNode) -> Any:
   return parts.siblings(*pieces)
 
 
-def _render(node: diff_tree.DiffNode) -> Any:
-  line = _line(node)
+def _render(node: diff_tree.DiffNode, parent_status: str = "") -> Any:
+  """A node: one line, or a foldable whose children show only when it is
+  expanded (folded, it reads ``{...}``: an unchanged block stays one short
+  line until clicked)."""
+  inherited = node.status in ("added", "removed") and parent_status in (node.status, "replaced")
+  line = _line(node, inherited)
   if not node.children:
     return parts.build_one_line_tree_node(line)
-  expand = (parts.ExpandState.COLLAPSED if node.status in ("unchanged",)
+  whole = node.status in ("added", "removed") and all(
+      n.status == node.status for n in node.walk())  # Nothing inside to compare.
+  expand = (parts.ExpandState.COLLAPSED if node.status == "unchanged" or whole
             else parts.ExpandState.EXPANDED)
-  return parts.build_foldable_tree_node_from_children(
-      prefix=parts.siblings(line, " {"),
-      children=[_render(child) for child in node.children],
-      suffix="}",
+  return parts.build_custom_foldable_tree_node(
+      label=parts.siblings(line, " {"),
+      contents=parts.siblings(
+          parts.fold_condition(
+              collapsed=parts.text("...}"),
+              expanded=parts.siblings(
+                  parts.indented_children(
+                      [_render(child, node.status) for child in node.children]),
+                  "}"),
+          ),
+      ),
       expand_state=expand,
   )
 
