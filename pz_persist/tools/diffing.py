@@ -83,7 +83,7 @@ class CheckpointDiff:
   changed: list[str] = dataclasses.field(default_factory=list)
   structure: list[str] = dataclasses.field(default_factory=list)
   arrays: list[ArrayDiff] = dataclasses.field(default_factory=list)
-  tree: diff_tree.DiffNode | None = None
+  tree: diff_tree.DiffNode | None = dataclasses.field(default=None, repr=False)
   a: str = "A"
   b: str = "B"
 
