@@ -63,7 +63,7 @@ def test_model_surgery(tmp_path):
   assert "adapter overlay matches: True" in text
   # pzp.diff after each edit: the adapters added, the block cut, the weights
   # edited with their statistics, and no difference from the saved model.
-  assert "LowRankAdapter" in text and "wraps the Linear" in text
+  assert "8 LowRankAdapter(s) added, each wrapping its Linear; base weights unchanged: True" in text
   assert "removed  tree.body.sublayers[1]  TransformerBlock" in text
   assert "query.weights: max |A-B| 0.153, |A-B|/|B| 0.333, 100% of elements changed" in text
   assert "no differences: TransformerLM in memory and" in text and "identical: True" in text
