@@ -58,8 +58,8 @@ def page(tmp_path_factory) -> str:
 
 ROOT = "document.querySelector('treescope-container').shadowRoot"
 
-SPANS_WITH = """((text) => [...%s.querySelectorAll('span')]
-  .filter(s => s.children.length === 0 && s.textContent.startsWith(text)))""" % ROOT
+SPANS_WITH = """((text) => [...ROOT.querySelectorAll('span')]
+  .filter(s => s.children.length === 0 && s.textContent.startsWith(text)))""".replace("ROOT", ROOT)
 
 
 def _rgb(css: str) -> str:
@@ -100,7 +100,7 @@ def test_added_adapter_is_marked_in_colour_and_words(browser, page):
 
 
 FOLDED_UNCHANGED = """(() => {
-  const root = %s;
+  const root = ROOT;
   const toggles = [...root.querySelectorAll('.foldable_node_toggle')].filter(t => !t.checked);
   for (const toggle of toggles) {
     const node = toggle.parentElement;
@@ -112,7 +112,7 @@ FOLDED_UNCHANGED = """(() => {
     return {x: box.left + 2, y: box.top + 8};
   }
   return null;
-})()""" % ROOT
+})()""".replace("ROOT", ROOT)
 
 
 def test_folded_unchanged_block_expands_on_click(browser, page):

@@ -45,7 +45,9 @@ class Side(Protocol):
   """
 
   description: str
-  manifest: manifest_lib.Manifest
+
+  @property
+  def manifest(self) -> manifest_lib.Manifest: ...
 
   def read(self, refs: Collection[int]) -> dict[int, Any]:
     """The arrays of ``manifest.arrays`` at ``refs`` in their logical dtype

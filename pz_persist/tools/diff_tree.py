@@ -452,7 +452,7 @@ class Matcher:
     items_a, items_b = entries(a), entries(b)
     result = DiffNode(key, path_b, "unchanged", self._kind(b))
     for name in dict.fromkeys([*items_b, *items_a]):
-      shown = items_b.get(name, items_a.get(name))
+      shown = items_b[name] if name in items_b else items_a[name]
       child_key = f"[{static_text(shown[0], 40)}]"
       if name not in items_a:
         result.children.append(self.one_side(items_b[name][1], child_key, path_b + child_key,

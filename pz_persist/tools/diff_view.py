@@ -198,7 +198,8 @@ def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bo
   one_line = lambda text: terminal.printable(text, newlines=False)  # noqa: E731
   if result.tree is None:
     return one_line(_header(result))
-  rows, statuses = [], []
+  rows: list[list[str]] = []
+  statuses: list[str] = []
   shown = {id(node) for node in top_changes(result)}
   for node in result.tree.walk():
     if id(node) not in shown and not (every_array and node.stats is not None):
