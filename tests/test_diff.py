@@ -241,3 +241,22 @@ def test_hostile_labels_and_metadata_are_only_text(tmp_path, capsys):
   code = cli.main(["diff", "--quiet", "--json", str(tmp_path / "a"), str(tmp_path / "b")])
   out = capsys.readouterr().out
   assert code == 1 and out.isascii() and "\x1b" not in out
+
+
+def test_coloured_table_colours_each_rows_own_status():
+  model = model_zoo.mlp()
+  swapped = pz.select(model).at_instances_of(pz.nn.Elementwise).apply(lambda _: pz.nn.Identity())
+  edited = _with_params(swapped, lambda p: dataclasses.replace(p, value=p.value + 1)
+                        if p.label.endswith("bias") else p)
+  result = pzp.diff(model, edited, progress=False)
+  plain = result.table(width=100).splitlines()
+  coloured = result.table(width=100, color=True).splitlines()
+  assert len(plain) == len(coloured)
+  codes = {"changed": "33", "replaced": "35"}
+  for line, shown in zip(plain, coloured):
+    word = line.split(" ", 1)[0]
+    if word in codes:
+      assert shown == f"\x1b[{codes[word]}m{word}\x1b[0m{line[len(word):]}"
+    else:
+      assert shown == line
+  assert sum(line.startswith("\x1b[") for line in coloured) == 3  # 2 biases, 1 replaced

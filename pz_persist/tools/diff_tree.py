@@ -372,6 +372,15 @@ class Matcher:
       # Plain values (a function swapped for a partial): changed, not replaced.
       return DiffNode(key, path_b, "unchanged", kind_b,
                       notes=[f"{static_text(a)} -> {static_text(b)}"])
+    if _tag(a) == _tag(b) and _tag(a) in ("struct", "dataclass") and nodes.is_pairs(
+        a.get("fields")) and nodes.is_pairs(b.get("fields")) and (
+        [name for name, _ in a["fields"]] == [name for name, _ in b["fields"]]):
+      # Another class with the same fields (a renamed or swapped class of the
+      # same shape): replaced, and its fields still compared one by one.
+      result = self._fields(a, b, key, path_a, path_b)
+      result.status = "replaced"
+      result.notes.append(f"was {kind_a}")
+      return result
     result = DiffNode(key, path_b, "replaced", kind_b)
     result.notes.append(f"was {kind_a}")
     result.children = [

@@ -226,9 +226,8 @@ def _parent_has(root: diff_tree.DiffNode, node: diff_tree.DiffNode) -> bool:
   parents = _parents(root)
   parent = parents.get(id(node))
   while parent is not None:
-    if parent.status == "replaced" or (
-        parent.status == node.status and node.status in ("added", "removed")):
-      return True
+    if node.status in ("added", "removed") and parent.status in (node.status, "replaced"):
+      return True  # Its root (or the replaced node holding was / now) says it.
     parent = parents.get(id(parent))
   return False
 
@@ -248,7 +247,7 @@ def _parents(root: diff_tree.DiffNode) -> dict[int, diff_tree.DiffNode]:
 
 def _colour(text: str, statuses: list[str]) -> str:
   """The status word of each row coloured (continuation lines start with spaces)."""
-  out, row = [], -1  # Row -1 is the table's header.
+  out, row = [], -2  # The table's header line is row -1.
   for line in text.split("\n"):
     if line and not line.startswith(" "):
       row += 1

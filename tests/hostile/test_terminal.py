@@ -128,3 +128,34 @@ def test_json_output_escapes_checkpoint_strings(run, capsys, forge):
     inspected = json.loads(outputs[0][1])
     assert inspected["items"][0]["class"].endswith("MLP" + ESCAPES)
     assert "features" + ESCAPES in inspected["items"][0]["arrays"][0]["axes"]
+
+
+def _evil_markup(manifest: dict) -> None:
+  """Markup and escapes where a diff's tree shows them: a class name, a label."""
+  manifest["tree"]["class"]["qualname"] = "MLP<script>alert(1)</script>" + ESCAPES
+  label = "mlp/<img src=x onerror=alert(2)>\x9b2J\u202e"
+  manifest["variables"][0]["label"]["v"] = label
+  manifest["arrays"][0]["label"] = label
+
+
+def test_diff_html_and_coloured_table_show_checkpoint_text_as_text(run, capsys, monkeypatch):
+  """``pz-persist diff --html`` and ``CheckpointDiff.to_html``: no markup from
+  the checkpoint; the table on a terminal (coloured): only its own colour
+  codes, each around a status word at the start of a row."""
+  from pz_persist.tools import diff_view  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setenv("COLUMNS", "400")
+  clean = run.parent / "clean"
+  pzp.save_model(clean, model_zoo.mlp())
+  _forge(os.path.join(run, "1", "penzai"), _evil_markup)
+  page = run.parent / "diff.html"
+  status, output = _run(capsys, "diff", str(clean), str(run / "1"), "--html", str(page))
+  assert status == 1 and not UNSAFE.search(output), output
+  for text in (page.read_text(), pzp.diff(clean, run / "1", progress=False).to_html()):
+    assert "<script>alert(1)" not in text and "<img src=x" not in text
+    assert "&lt;script&gt;alert(1)" in text and "&lt;img src=x" in text
+  monkeypatch.setattr(diff_view, "use_colour", lambda stream=None: True)
+  status, output = _run(capsys, "diff", str(clean), str(run / "1"))
+  own = re.compile(r"^\x1b\[3[1235]m(changed|added|removed|replaced)\x1b\[0m", re.M)
+  assert status == 1 and own.search(output)
+  assert not UNSAFE.search(own.sub("", output)), output
