@@ -28,6 +28,7 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.safety import allowlist
+from pz_persist.tools import diff_tree
 from pz_persist.tools import diffing
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
@@ -206,6 +207,31 @@ def test_diff_sees_a_changed_array_under_each_node_type(tag):
   b = dataclasses.replace(a, tree=copy.deepcopy(a.tree), arrays=changed)
   differences = diffing.structure_differences(a, b)
   assert differences and all(",7]" in d for d in differences), differences
+
+
+@pytest.mark.parametrize("tag", sorted(nodes.NODE_TYPES))
+def test_diff_tree_reaches_every_array_under_each_node_type(tag):
+  """The tree `pzp.diff` renders (`diff_tree.Matcher`) reaches every array
+  below any node type as a leaf to compare, and notes a changed shape there."""
+  encoded = _encoded(tag)
+  a = _manifest(encoded)
+  names = diff_tree.array_names(a)
+  same = diff_tree.Matcher(a, a, (names, names)).build()
+  same.settle()
+  assert same.status == "unchanged"
+  assert {n.refs for n in same.walk() if n.refs != (None, None)} == {
+      (i, i) for i in range(len(encoded.arrays))}
+  if not encoded.arrays:
+    return
+  changed = tuple(
+      dataclasses.replace(spec, shape=(*spec.shape, 7)) for spec in encoded.arrays
+  )
+  b = dataclasses.replace(a, tree=copy.deepcopy(a.tree), arrays=changed)
+  tree = diff_tree.Matcher(a, b, (names, diff_tree.array_names(b))).build()
+  leaves = [n for n in tree.walk() if n.refs != (None, None)]
+  assert len(leaves) == len(encoded.arrays)
+  assert all(any(note.startswith("shape") and ", 7]" in note for note in n.notes)
+             for n in leaves), [n.notes for n in leaves]
 
 
 def test_node_refuses_fields_the_table_does_not_list():
