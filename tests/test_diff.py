@@ -24,7 +24,10 @@ from penzai import pz
 from penzai.toolshed import lora
 
 import pz_persist as pzp
+from pz_persist.storage import opening
+from pz_persist.storage import reader
 from pz_persist.tools import cli
+from pz_persist.tools import diff_sides
 from pz_persist.tools import diff_view
 from pz_persist.tools import diffing
 
@@ -260,3 +263,31 @@ def test_coloured_table_colours_each_rows_own_status():
     else:
       assert shown == line
   assert sum(line.startswith("\x1b[") for line in coloured) == 3  # 2 biases, 1 replaced
+
+
+class _Handle:
+  """Stands in for an opened lazy handle: its structure, and reads by index."""
+
+  def __init__(self, path):
+    self.opened = opening.read(path, lambda opened: opened)
+    self.reads: list[set[int]] = []
+
+  def __pz_persist_diff_side__(self):
+    def read(refs):
+      self.reads.append(set(refs))
+      return reader.read_arrays(self.opened.item, self.opened.manifest, refs=set(refs))
+
+    return diff_sides.FunctionSide(f"handle of {self.opened.item}", self.opened.manifest, read)
+
+
+def test_an_opened_handle_plugs_in_with_one_small_adapter(tmp_path):
+  model = model_zoo.mlp()
+  edited = _with_params(model, lambda p: dataclasses.replace(p, value=p.value + 1)
+                        if p.label.endswith("bias") else p)
+  pzp.save_model(tmp_path / "m", model)
+  handle = _Handle(tmp_path / "m")
+  result = pzp.diff(handle, edited, progress=False, batch_bytes=1)
+  assert [a.name for a in result.arrays if not a.identical] == [
+      "mlp/Affine_0/AddBias.bias", "mlp/Affine_1/AddBias.bias"]
+  assert result.a.startswith("handle of") and all(len(r) == 1 for r in handle.reads)
+  assert pzp.diff(model, handle, progress=False).identical

@@ -19,6 +19,8 @@ import dataclasses
 import os
 from collections.abc import Callable
 from collections.abc import Collection
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
 from typing import TypeVar
@@ -89,6 +91,24 @@ class PathSide:
     values = reader.read_arrays(
         self.opened.item, self.opened.manifest, refs=set(refs), snapshot=self.opened.snapshot,
     )
+    return {ref: values[ref] for ref in refs}
+
+
+@dataclasses.dataclass
+class FunctionSide:
+  """A side from its parts, for an adapter of a few lines: a lazy handle's
+  ``__pz_persist_diff_side__`` returns
+  ``FunctionSide(str(self.path), manifest, lambda refs: read_arrays(refs))``
+  with its reads kept under its own lock and verification."""
+
+  description: str
+  manifest: manifest_lib.Manifest
+  reads: Callable[[Collection[int]], Mapping[int, Any] | Sequence[Any]]
+  """Returns the arrays at ``refs`` by index: a mapping, or a list indexed
+  like ``manifest.arrays`` (what `pz_persist.storage.reader.read_arrays` returns)."""
+
+  def read(self, refs: Collection[int]) -> dict[int, Any]:
+    values = self.reads(refs)
     return {ref: values[ref] for ref in refs}
 
 
