@@ -291,3 +291,9 @@ def test_an_opened_handle_plugs_in_with_one_small_adapter(tmp_path):
       "mlp/Affine_0/AddBias.bias", "mlp/Affine_1/AddBias.bias"]
   assert result.a.startswith("handle of") and all(len(r) == 1 for r in handle.reads)
   assert pzp.diff(model, handle, progress=False).identical
+
+
+def test_a_side_that_cannot_be_saved_says_which_and_why(tmp_path):
+  with pytest.raises(pzp.errors.EncodingError, match=r"pzp.diff compares what pz_persist can"
+                     r" save, and B \(a dict\) cannot be: tree\['f'\]: cannot save a value"):
+    pzp.diff(model_zoo.mlp(), {"f": object()}, progress=False)

@@ -28,6 +28,7 @@ from typing import TypeVar
 import numpy as np
 from etils import epath
 
+from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import encode as encode_lib
 from pz_persist.format import manifest as manifest_lib
@@ -128,9 +129,10 @@ def is_path(obj: Any) -> bool:
   return isinstance(obj, (str, os.PathLike))
 
 
-def with_side(obj: Any, use: Callable[[Side], T]) -> T:
-  """Runs ``use`` with ``obj``'s side; a path stays opened (locked, pinned)
-  until ``use`` returns, so a diff never sees a mix of two saves."""
+def with_side(obj: Any, use: Callable[[Side], T], name: str = "A") -> T:
+  """Runs ``use`` with ``obj``'s side (``name``: A or B, for messages); a
+  path stays opened (locked, pinned) until ``use`` returns, so a diff never
+  sees a mix of two saves."""
   if is_path(obj):
     return opening.read(obj, lambda opened: use(PathSide(str(opened.item), opened)))
   adapter = getattr(obj, "__pz_persist_diff_side__", None)
@@ -139,13 +141,20 @@ def with_side(obj: Any, use: Callable[[Side], T]) -> T:
   for kind, factory in _FACTORIES:
     if isinstance(obj, kind):
       return use(factory(obj))
-  return use(model_side(obj))
+  return use(model_side(obj, name))
 
 
-def model_side(obj: Any) -> ModelSide:
+def model_side(obj: Any, name: str = "A") -> ModelSide:
   """``obj`` encoded as `pz_persist.save` would encode it (the same checks:
   what cannot be saved cannot be diffed either, and says why)."""
-  encoded = encode_lib.encode(obj)
+  try:
+    encoded = encode_lib.encode(obj)
+  except errors.EncodingError as e:
+    raise errors.EncodingError(
+        f"pzp.diff compares what pz_persist can save, and {name} (a"
+        f" {type(obj).__name__}) cannot be: {e} Pass a checkpoint path, or a"
+        " model or tree pz_persist.save accepts."
+    ) from None
   manifest = manifest_lib.Manifest(
       tree=encoded.tree, variables=tuple(encoded.variables), arrays=tuple(encoded.arrays)
   )

@@ -408,8 +408,8 @@ def diff(
   # A path stays opened as every read opens one (`opening`): never a mix of
   # two saves.
   return diff_sides.with_side(a, lambda side_a: diff_sides.with_side(
-      b, lambda side_b: _diff(side_a, side_b, batch_bytes, progress)
-  ))
+      b, lambda side_b: _diff(side_a, side_b, batch_bytes, progress), "B"
+  ), "A")
 
 
 def _diff(
