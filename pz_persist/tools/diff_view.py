@@ -135,9 +135,11 @@ def top_changes(result: diffing.CheckpointDiff) -> list[diff_tree.DiffNode]:
   replaced subtree (its root says it), nor containers only changed inside."""
   if result.tree is None:
     return []
+  every = result.tree.walk()
+  parents = {id(child): node for node in every for child in node.children}
   return [
-      node for node in result.tree.walk()
-      if node.status != "unchanged" and not _parent_has(result.tree, node) and (
+      node for node in every
+      if node.status != "unchanged" and not _inside_its_root(node, parents) and (
           not node.children or node.notes or node.status != "changed")
   ]
 
@@ -221,28 +223,16 @@ def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bo
   return "\n".join(lines)
 
 
-def _parent_has(root: diff_tree.DiffNode, node: diff_tree.DiffNode) -> bool:
-  """Whether ``node`` lies inside an ancestor of the same added/removed status."""
-  parents = _parents(root)
+def _inside_its_root(node: diff_tree.DiffNode,
+                     parents: dict[int, diff_tree.DiffNode]) -> bool:
+  """Whether ``node`` (added or removed) lies in a subtree whose root says
+  so already: an ancestor of its status, or a replaced node's was / now."""
   parent = parents.get(id(node))
   while parent is not None:
     if node.status in ("added", "removed") and parent.status in (node.status, "replaced"):
-      return True  # Its root (or the replaced node holding was / now) says it.
+      return True
     parent = parents.get(id(parent))
   return False
-
-
-_PARENTS: dict[int, tuple[diff_tree.DiffNode, dict[int, diff_tree.DiffNode]]] = {}
-
-
-def _parents(root: diff_tree.DiffNode) -> dict[int, diff_tree.DiffNode]:
-  cached = _PARENTS.get(id(root))
-  if cached is not None and cached[0] is root:
-    return cached[1]
-  parents = {id(child): node for node in root.walk() for child in node.children}
-  _PARENTS.clear()
-  _PARENTS[id(root)] = (root, parents)
-  return parents
 
 
 def _colour(text: str, statuses: list[str]) -> str:
