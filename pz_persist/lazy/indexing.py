@@ -115,8 +115,9 @@ def parse_index(
     parts = list(index) if isinstance(index, tuple) else [index]
     if sum(part is Ellipsis for part in parts) > 1:
       raise errors.ArgumentError(f"{who}: an index may hold one ... only.")
-    if Ellipsis in parts:
-      at = parts.index(Ellipsis)
+    dots = [at for at, part in enumerate(parts) if part is Ellipsis]
+    if dots:
+      at = dots[0]
       fill = rank - (len(parts) - 1)
       if fill < 0:
         raise _too_many(who, len(parts) - 1, rank)
