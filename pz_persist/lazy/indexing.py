@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from pz_persist import errors
 from pz_persist.format import nodes
@@ -130,12 +133,8 @@ def parse_index(
   kept: list[int] = []
   for dim, (part, n) in enumerate(zip(per_dim, shape)):
     axis = _axis_text(axes, dim)
-    if isinstance(part, bool) or not isinstance(part, int | slice) and not hasattr(part, "__index__"):
-      raise errors.ArgumentError(
-          f"{who}: the index of {axis} is {part!r:.80}; use an int or a slice with a"
-          " positive step (lists, arrays and None are not read lazily: read the"
-          " slice around them, then index it)."
-      )
+    if not isinstance(part, slice):
+      part = _as_int(part, axis, who)
     if isinstance(part, slice):
       if part.step is not None and part.step <= 0:
         raise errors.ArgumentError(
@@ -148,7 +147,7 @@ def parse_index(
       local.append(slice(0, stop - start, step))
       kept.append(dim)
     else:
-      at = int(part.__index__())
+      at = part
       if not -n <= at < n:
         raise errors.ArgumentError(
             f"{who}: index {at} is out of range for {axis}, of size {n}."
@@ -157,6 +156,19 @@ def parse_index(
       box.append((at, at + 1))
       local.append(0)
   return Index(tuple(box), tuple(local), tuple(kept))
+
+
+def _as_int(part: Any, axis: str, who: str) -> int:
+  try:
+    if isinstance(part, bool | np.bool_):
+      raise TypeError
+    return operator.index(part)
+  except TypeError:
+    raise errors.ArgumentError(
+        f"{who}: the index of {axis} is {part!r:.80}; use an int or a slice with a"
+        " positive step (lists, arrays and None are not read lazily: read the"
+        " slice around them, then index it)."
+    ) from None
 
 
 def _too_many(who: str, given: int, rank: int) -> errors.ArgumentError:
