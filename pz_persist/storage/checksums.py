@@ -40,8 +40,8 @@ _DIGEST_BYTES = 16  # xxh3_128
 
 TILE_BYTES = 16 * 2**20
 """An array held whole that is larger than this gets one checksum per tile of
-about this many bytes along its leading axis (rows ``[k*r, (k+1)*r)``, every
-other dimension whole), not one over the whole array.
+at most this many bytes along its leading axis (rows ``[k*r, (k+1)*r)``, ``r``
+a power of two, every other dimension whole), not one over the whole array.
 
 Why: a reader of a slice (`pz_persist.open`'s ``read``) must hash every
 recorded slice it touches; with one digest per array, verifying one row of a
@@ -99,7 +99,9 @@ def tile_rows(shape: tuple[int, ...], itemsize: int) -> int | None:
     row_bytes *= int(n)
   if row_bytes == 0 or row_bytes * shape[0] <= TILE_BYTES:
     return None
-  rows = max(1, TILE_BYTES // row_bytes)
+  # A power of two: Orbax chunks a tile by divisors of its dimensions
+  # (`direct_write`), and a prime number of rows would leave one-row chunks.
+  rows = 1 << max(0, (TILE_BYTES // row_bytes).bit_length() - 1)
   return rows if rows < shape[0] else None
 
 

@@ -19,7 +19,7 @@ import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 
-ROWS, COLS = 4096, 1536  # Two checksum tiles: rows [0, 2730) and [2730, 4096).
+ROWS, COLS = 4096, 1536  # Two checksum tiles: rows [0, 2048) and [2048, 4096).
 LABEL = "embedder.embeddings"
 
 
@@ -50,7 +50,7 @@ def _edit_checksums(ckpt: pathlib.Path, fn) -> None:
                  id="tiles_overlapping"),
     pytest.param(lambda sums: [{**sums[0], "index": [[0, 2000], [0, COLS]]}, sums[1]],
                  id="tiles_with_a_gap"),
-    pytest.param(lambda sums: [{**sums[0], "index": [[0, 2730], [0, 1000]]}, sums[1]],
+    pytest.param(lambda sums: [{**sums[0], "index": [[0, 2048], [0, 1000]]}, sums[1]],
                  id="a_tile_narrower_than_the_array"),
 ])
 def test_tile_records_that_do_not_tile_the_array_are_refused(ckpt, forge):
@@ -71,8 +71,8 @@ def test_a_lying_tile_digest_fails_only_the_reads_that_touch_it(ckpt):
         np.asarray(first.data_array),
         np.arange(100 * COLS, 104 * COLS, dtype=np.float32).reshape(4, COLS),
     )
-    for index in [slice(2729, 2731), 4000, {"embedding": 0}, ()]:
-      with pytest.raises(errors.IntegrityError, match=rf"{LABEL}.*\[2730:4096, 0:1536\] differ"):
+    for index in [slice(2047, 2049), 4000, {"embedding": 0}, ()]:
+      with pytest.raises(errors.IntegrityError, match=rf"{LABEL}.*\[2048:4096, 0:1536\] differ"):
         opened.read(LABEL, index)
     with pytest.raises(errors.IntegrityError, match=LABEL):
       opened[LABEL]
@@ -102,11 +102,11 @@ def test_a_grid_on_other_axes_is_verified_cell_by_cell(ckpt):
 
 
 def test_a_slice_is_bounded_by_its_own_box_not_the_whole_array(ckpt):
-  with pzp.open(ckpt) as opened, pzp.limits(max_allocation_bytes=12 * 2**20):
+  with pzp.open(ckpt) as opened, pzp.limits(max_allocation_bytes=8 * 2**20):
     with pytest.raises(errors.UnsafeCheckpointError, match=LABEL):
       opened[LABEL]  # 24 MiB.
     with pytest.raises(errors.UnsafeCheckpointError, match=LABEL):
-      opened.read(LABEL, 0)  # A verified row reads its 16 MiB tile.
+      opened.read(LABEL, 0)  # A verified row reads its 12 MiB tile.
     row = opened.read(LABEL, 0, verify=False)  # 6 KiB.
   assert row.named_shape == {"embedding": COLS}
 
