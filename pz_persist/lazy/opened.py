@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterable
@@ -95,13 +96,10 @@ def open_checkpoint(
   return OpenedCheckpoint(opened, allowed, verify)
 
 
-def _checked(opened: opening.OpenItem) -> tuple[opening.OpenItem, Any, list[Any]]:
-  """The opened item, its abstract tree and its variables: all that the
-  manifest says, decoded (and so checked) once, as `inspect` does."""
-  where = str(opened.item)
-  abstract = restoring.abstract_tree(opened.manifest, where=where)
-  variables = manifest_queries.variables(opened.manifest, where=where)
-  return opened, abstract, variables
+def _checked(opened: opening.OpenItem) -> tuple[opening.OpenItem, Any]:
+  """The opened item and its abstract tree: the manifest decoded (and so
+  checked) once, as `inspect` does."""
+  return opened, restoring.abstract_tree(opened.manifest, where=str(opened.item))
 
 
 class OpenedCheckpoint:
@@ -118,14 +116,24 @@ class OpenedCheckpoint:
   """
 
   def __init__(self, opened: Any, allow_modules: tuple[str, ...] = (), verify: bool = True):
-    item, abstract, variables = opened
+    item, abstract = opened
     self._opened: opening.OpenItem = item
     self._allow = allow_modules
     self._verify = verify
     self._closed = False
     self.tree = abstract
-    self._variables = {variable.label: variable for variable in variables}
-    self._axes = manifest_queries.axis_names(item.manifest)
+
+  @functools.cached_property
+  def _variables(self) -> dict[Hashable, manifest_queries.Variable]:
+    """The variables by label, from the manifest (on first use: `open` costs
+    what `inspect` costs)."""
+    where = str(self._opened.item)
+    found = manifest_queries.variables(self._opened.manifest, where=where)
+    return {variable.label: variable for variable in found}
+
+  @functools.cached_property
+  def _axes(self) -> dict[int, tuple[Any, ...]]:
+    return manifest_queries.axis_names(self._opened.manifest)
 
   # ---- What the manifest says. -------------------------------------------
 
