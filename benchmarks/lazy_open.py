@@ -35,6 +35,8 @@ each side does:
   partial_restore=True))`` with the storage keys of the layer's arrays, which
   reads only those arrays (bare NumPy arrays, no names, no checksums). Orbax
   has no slice read: its ``slice`` row restores the whole embedding array.
+* ``inspect``, ``render_inspect``: ``pzp.inspect(path)`` and its treescope
+  HTML, what ``open`` and ``render`` are measured against.
 * ``load_all``: ``pzp.load(path)`` of everything, for scale (fresh only).
 
 Files are read from a warm page cache (just written) unless ``--cold``
@@ -141,6 +143,11 @@ def _operation(side: str, op: str, directory: str):
       return lambda: treescope.render_to_html(pzp.open(path))
     if op == "load_all":
       return lambda: pzp.load(path)
+    if op == "inspect":
+      return lambda: pzp.inspect(path)
+    if op == "render_inspect":
+      import treescope
+      return lambda: treescope.render_to_html(pzp.inspect(path))
     ckpt = pzp.open(path)  # Opened once, untimed: the notebook reads from it.
     if op == "layer":
       return lambda: ckpt.load(only=f"layer_{LAYER:02d}")
@@ -211,7 +218,8 @@ def _worker(side: str, op: str, directory: str, warm_runs: int) -> dict:
 # ---- The run. ------------------------------------------------------------------
 
 RUNS = [
-    ("pz_persist", "open"), ("pz_persist", "render"),
+    ("pz_persist", "open"), ("pz_persist", "inspect"), ("pz_persist", "render"),
+    ("pz_persist", "render_inspect"),
     ("pz_persist", "layer"), ("pz_persist", "layer_each"), ("floor", "layer"), ("safetensors", "layer"), ("orbax", "layer"),
     ("pz_persist", "slice"), ("pz_persist", "slice_unverified"), ("floor", "slice"),
     ("safetensors", "slice"), ("orbax", "slice"),
@@ -280,6 +288,10 @@ def _report(measured: dict, built: dict) -> None:
       ratios.append([f"pz_persist {mine} / {other} {op}",
                      f"{a['fresh'] / b['fresh']:.2f}x",
                      f"{a['warm'] / b['warm']:.2f}x" if a["warm"] and b["warm"] else "-"])
+  for mine, other in (("open", "inspect"), ("render", "render_inspect")):
+    a, b = measured[("pz_persist", mine)], measured[("pz_persist", other)]
+    ratios.append([f"pz_persist {mine} / {other}", f"{a['fresh'] / b['fresh']:.2f}x",
+                   f"{a['warm'] / b['warm']:.2f}x"])
   full = measured[("pz_persist", "load_all")]["fresh"]
   layer = measured[("pz_persist", "layer")]["fresh"]
   ratios.append(["pz_persist layer / load_all (fresh)", f"{layer / full:.3f}x",
