@@ -86,8 +86,13 @@ def test_open_reads_no_array_and_renders(saved, no_array_reads):
     assert ckpt.nbytes_of("embedder") == ROWS * COLS * 4
     text = repr(ckpt)
     assert "26 variables" in text and "MiB" in text
+    sizes = ckpt.sizes()
+    assert list(sizes)[0] == "embedder.embeddings" and sizes["embedder.embeddings"] == "24.0 MiB"
+    assert sizes["block_3"] == "128 B" and sizes["block_3.scale"] == "12 B"
+    assert sizes["(no label)"] == "4 B"
     rendered = treescope.render_to_text(ckpt)
     assert "vocabulary" in rendered and "block_11/mlp.w" in rendered
+    assert "'block_3': '128 B'" in rendered
     assert "float32" in rendered
     assert "<html" not in treescope.render_to_html(ckpt)[:0]  # Renders as HTML too.
 

@@ -49,6 +49,9 @@ from pz_persist.storage import slices
 
 _T = TypeVar("_T")
 
+_MAX_SIZE_GROUPS = 32
+"""How many label groups (`OpenedCheckpoint.sizes`) the rendering lists."""
+
 
 def open_checkpoint(
     path: epath.PathLike,
@@ -157,6 +160,26 @@ class OpenedCheckpoint:
     """The bytes of the arrays of the variables ``only`` selects."""
     return sum(self._opened.manifest.arrays[ref].nbytes for ref in self._refs(only))
 
+  def sizes(self) -> dict[str, str]:
+    """The bytes of the arrays under each group of labels, readable, largest
+    first; what the treescope rendering shows beside the tree. A group is
+    the labels' first ``/``-separated parts, as many as it takes to make
+    more than one group (``"transformer/block_3"`` when every label starts
+    with ``transformer/``). From the manifest alone; arrays outside
+    variables count under ``"(no label)"``."""
+    labels = [spec.label for spec in self._opened.manifest.arrays]
+    parts = [label.split("/") if label else None for label in labels]
+    depth = 1
+    while depth < max((len(p) - 1 for p in parts if p), default=0) and len(
+        {"/".join(p[:depth]) for p in parts if p}) < 2:
+      depth += 1
+    totals: dict[str, int] = {}
+    for spec, split in zip(self._opened.manifest.arrays, parts):
+      group = "/".join(split[:depth]) if split else "(no label)"
+      totals[group] = totals.get(group, 0) + spec.nbytes
+    ordered = sorted(totals.items(), key=lambda item: -item[1])
+    return {group: _size_text(n) for group, n in ordered}
+
   def __len__(self) -> int:
     return len(self._variables)
 
@@ -182,12 +205,16 @@ class OpenedCheckpoint:
     array is read."""
     from treescope import repr_lib  # pylint: disable=import-outside-toplevel
 
+    sizes = self.sizes()
+    if len(sizes) > _MAX_SIZE_GROUPS:  # A long flat list tells nothing: the largest.
+      sizes = dict(list(sizes.items())[:_MAX_SIZE_GROUPS]) | {"...": f"{len(sizes)} groups"}
     return repr_lib.render_object_constructor(
         object_type=type(self),
         attributes={
             "path": str(self.path),
             "variables": len(self),
             "size": _size_text(self.nbytes),
+            "sizes": sizes,
             "tree": self.tree,
         },
         path=path,
