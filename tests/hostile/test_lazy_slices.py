@@ -9,6 +9,7 @@ return something false. (Every case of the catalogue also runs through
 from __future__ import annotations
 
 import json
+import re
 import pathlib
 
 import numpy as np
@@ -130,3 +131,31 @@ def test_a_missing_label_lists_close_matches(ckpt):
       opened.read("embedder.embedings", 0)
     with pytest.raises(errors.UnknownLabelError, match=r"no variable labelled 'zzz'"):
       opened["zzz"]
+
+
+def test_a_damaged_tile_is_named_by_every_reader(ckpt, capsys):
+  """Bytes changed in one tile: the library's load, verify, the CLI's verify and
+  a lazy read all name the label and the tile; a lazy read elsewhere is exact."""
+  from pz_persist.tools import cli  # pylint: disable=import-outside-toplevel
+
+  needle = np.arange(3000 * COLS, 3001 * COLS, dtype=np.float32).tobytes()[:64]
+  for path in sorted((ckpt / "penzai").rglob("*")):
+    data = path.read_bytes() if path.is_file() else b""
+    if needle in data:
+      at = data.index(needle) + 8
+      path.write_bytes(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:])
+      break
+  else:
+    raise AssertionError("row 3000 not found in the data files")
+  tile = rf"{LABEL}.*\[2048:4096, 0:1536\]"
+  with pytest.raises(errors.IntegrityError, match=tile):
+    pzp.load(ckpt)
+  report = pzp.verify(ckpt)
+  assert any(re.search(tile, line) for line in report.damaged), report.damaged
+  assert cli.main(["verify", str(ckpt)]) != 0
+  assert re.search(tile, capsys.readouterr().out)
+  with pzp.open(ckpt) as opened:
+    with pytest.raises(errors.IntegrityError, match=tile):
+      opened.read(LABEL, 3000)
+    assert np.array_equal(np.asarray(opened.read(LABEL, 2047).data_array),
+                          np.arange(2047 * COLS, 2048 * COLS, dtype=np.float32))
