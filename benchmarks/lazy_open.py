@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402  # pylint: disable=wrong-import-position
 
 VOCAB = 32000
-LAYER = 7
+LAYER = 7  # The layer read (the last one of smaller trees).
 SLICE = (1000, 1100)
 NAMES = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.up", "mlp.down")
 
@@ -83,8 +83,13 @@ def _shapes(d: int) -> dict[str, tuple[tuple[int, int], tuple[str, str]]]:
   }
 
 
-def _layer_labels() -> list[str]:
-  return [f"layer_{LAYER:02d}/{name}" for name in NAMES]
+def _layer(directory: str) -> int:
+  with open(os.path.join(directory, "layer.txt")) as f:
+    return int(f.read())
+
+
+def _layer_labels(directory: str) -> list[str]:
+  return [f"layer_{_layer(directory):02d}/{name}" for name in NAMES]
 
 
 # ---- Workers (each in a fresh process). ---------------------------------------
@@ -114,13 +119,15 @@ def _build(directory: str, size: int, layers: int) -> dict:
           for i in range(layers)
       ],
   }
+  with open(os.path.join(directory, "layer.txt"), "w") as f:
+    f.write(str(min(LAYER, layers - 1)))
   start = time.perf_counter()
   pzp.save(os.path.join(directory, "pz"), tree)
   saved = time.perf_counter() - start
   safetensors.numpy.save_file(flat, os.path.join(directory, "model.safetensors"))
   os.sync()
   total = sum(a.nbytes for a in flat.values())
-  layer = sum(flat[label].nbytes for label in _layer_labels())
+  layer = sum(flat[label].nbytes for label in _layer_labels(directory))
   return {"d": d, "bytes": total, "layer_bytes": layer, "arrays": len(flat),
           "slice_bytes": (SLICE[1] - SLICE[0]) * d * 4, "save_seconds": saved}
 
@@ -134,7 +141,8 @@ def _operation(side: str, op: str, directory: str):
 
   path = os.path.join(directory, "pz")
   item = os.path.join(path, "penzai")
-  labels = _layer_labels()
+  labels = _layer_labels(directory)
+  prefix = labels[0].split("/")[0]
   if side == "pz_persist":
     if op == "open":
       return lambda: pzp.open(path)
@@ -150,7 +158,7 @@ def _operation(side: str, op: str, directory: str):
       return lambda: treescope.render_to_html(pzp.inspect(path))
     ckpt = pzp.open(path)  # Opened once, untimed: the notebook reads from it.
     if op == "layer":
-      return lambda: ckpt.load(only=f"layer_{LAYER:02d}")
+      return lambda: ckpt.load(only=prefix)
     if op == "layer_each":
       return lambda: [ckpt[label] for label in labels]
     if op == "slice":
@@ -227,7 +235,7 @@ RUNS = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--size", default="2GiB")
   parser.add_argument("--layers", type=int, default=32)
@@ -236,7 +244,7 @@ def main() -> None:
   parser.add_argument("--cold", action="store_true", help="drop the page cache before each run")
   parser.add_argument("--json", default=None)
   parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.worker:
     side, op, directory, warm_runs = args.worker
     if side == "build":
@@ -244,7 +252,7 @@ def main() -> None:
     else:
       result = _worker(side, op, directory, int(warm_runs))
     print(json.dumps(result))
-    return
+    return result
   directory = tempfile.mkdtemp(prefix="lazy_open_", dir=args.dir)
   results: dict = {"machine": harness.machine_description()}
   try:
@@ -267,6 +275,7 @@ def main() -> None:
     _report(measured, built)
   finally:
     harness.finish(results, json_path=args.json, directory=directory)
+  return results
 
 
 def _report(measured: dict, built: dict) -> None:
