@@ -301,6 +301,7 @@ def test_a_deleted_manager_step_is_reported_as_replaced(tmp_path):
     ckpt["block_0/mlp.w"]
 
 
+@pytest.mark.filterwarnings("ignore:Sharding info not provided")  # Orbax's, with no template.
 def test_tiles_are_chunked_to_match_and_plain_orbax_restores_them(saved):
   """The direct write chunks a tiled array so no chunk crosses a tile (a slice
   reads the chunks of its tiles only), in files plain Orbax still restores."""
@@ -319,3 +320,10 @@ def test_tiles_are_chunked_to_match_and_plain_orbax_restores_them(saved):
   assert np.array_equal(
       restored[embed.key], np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
   )
+
+
+def test_load_reports_progress_of_what_it_reads(saved):
+  seen = []
+  with pzp.open(saved) as ckpt:
+    ckpt.load(only="embedder", progress=lambda done, total: seen.append((done, total)))
+  assert seen and seen[-1] == (ROWS * COLS * 4, ROWS * COLS * 4)

@@ -333,7 +333,7 @@ class OpenedCheckpoint:
     where = str(self._opened.item)
 
     def read() -> Any:
-      values = self._read_arrays(refs, verify, sharding=sharding)
+      values = self._read_arrays(refs, verify, sharding=sharding, progress=progress)
       whole = len(refs) == len(manifest.arrays)
       filled = [
           value if index in refs else spec.abstract()
@@ -377,13 +377,19 @@ class OpenedCheckpoint:
     return {ref for label in self.select(only) for ref in self._variables[label].refs}
 
   def _read_arrays(
-      self, refs: set[int], verify: bool | None, *, sharding: sharding_lib.Target = None
+      self, refs: set[int], verify: bool | None, *, sharding: sharding_lib.Target = None,
+      progress: progress_lib.Progress = False,
   ) -> list[Any]:
-    return reader.read_arrays(
-        self._opened.item, self._opened.manifest, sharding=sharding, refs=refs,
-        verify=self._verify if verify is None else verify,
-        snapshot=self._opened.snapshot,
-    )
+    """The arrays of ``refs`` (aligned with the manifest; None elsewhere),
+    read by the one reader every load uses."""
+    item = self._opened.item
+    with progress_lib.tracking(progress, f"reading {item}",
+                               delay=reader.LOAD_PROGRESS_DELAY) as tracker:
+      return reader.read_arrays(
+          item, self._opened.manifest, sharding=sharding, refs=refs,
+          verify=self._verify if verify is None else verify, tracker=tracker,
+          snapshot=self._opened.snapshot,
+      )
 
   def _guarded(self, read: Callable[[], _T]) -> _T:
     """``read()``, never of a checkpoint other than the one opened.
