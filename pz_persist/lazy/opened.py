@@ -73,9 +73,9 @@ def open_checkpoint(
     import pz_persist as pzp
     from penzai import pz
 
-    pzp.save("/tmp/lazy_demo", {
-        "embed": pz.nx.wrap(np.ones((1000, 16), np.float32), "vocabulary", "embedding"),
-    }, overwrite=True)
+    table = pz.nx.wrap(np.ones((1000, 16), np.float32), "vocabulary", "embedding")
+    pzp.save("/tmp/lazy_demo", [pz.ParameterValue(value=table, label="embed")],
+             overwrite=True)
     with pzp.open("/tmp/lazy_demo") as ckpt:
       print(ckpt)                               # Nothing read yet.
       rows = ckpt.read("embed", {"vocabulary": slice(0, 100)})
@@ -107,7 +107,15 @@ def _checked(opened: opening.OpenItem) -> tuple[opening.OpenItem, Any]:
 
 class OpenedCheckpoint:
   """A checkpoint opened by `pz_persist.open`: its structure now, its arrays
-  when asked (see `pz_persist.open` for an example).
+  when asked.
+
+  Example::
+
+    ckpt = pzp.open("/tmp/lazy_demo")
+    ckpt.sizes()                          # bytes by group of labels; nothing read
+    table = ckpt["embed"]                 # one variable, verified
+    part = ckpt.load(only="embed")        # the tree, that variable read
+    tree = ckpt.load()                    # everything: pzp.load("/tmp/lazy_demo")
 
   Attributes:
     path: The path it was opened from.
