@@ -39,6 +39,8 @@ from pz_persist.checkpoint import inspect
 from pz_persist.checkpoint import load
 from pz_persist.checkpoint import save
 from pz_persist.errors import PzPersistError
+from pz_persist.lazy.opened import OpenedCheckpoint
+from pz_persist.lazy.opened import open_checkpoint as open  # pylint: disable=redefined-builtin
 from pz_persist.model import load_into
 from pz_persist.model import load_model
 from pz_persist.model import save_model
@@ -112,6 +114,7 @@ __all__ = [
     "CheckpointManager",
     "LoadReport",
     "Mismatch",
+    "OpenedCheckpoint",
     "PenzaiCheckpointHandler",
     "PenzaiCheckpointableHandler",
     "PenzaiRestore",
@@ -137,6 +140,7 @@ __all__ = [
     "load_model",
     "load_safetensors",
     "migrate",
+    "open",
     "pretrained",
     "register_handlers",
     "release_read_buffers",

@@ -116,6 +116,26 @@ class UnsafeCheckpointError(ManifestError):
   """
 
 
+class CheckpointReplacedError(PzPersistError):
+  """The checkpoint a `pz_persist.open` handle was opened on was replaced
+  (saved again, or its `CheckpointManager` step replaced or deleted) since.
+
+  Raised by the handle's reads, so that it never returns a mix of the old
+  checkpoint and the new one; open the path again to read the new one.
+  """
+
+
+class UnknownLabelError(PzPersistError, KeyError):
+  """A label asked of a `pz_persist.open` handle is not in the checkpoint.
+
+  Also a `KeyError` (``handle[label]`` is a lookup); the message lists the
+  closest labels the checkpoint has.
+  """
+
+  def __str__(self) -> str:  # KeyError's would quote the message.
+    return str(self.args[0]) if self.args else ""
+
+
 class WrongItemsError(PzPersistError, ValueError):
   """A step's items are not the ones a helper expects.
 

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import accelerator  # noqa: E402  pylint: disable=wrong-import-position
 import async_save  # noqa: E402  pylint: disable=wrong-import-position
 import integrity  # noqa: E402  pylint: disable=wrong-import-position
+import lazy_open  # noqa: E402  pylint: disable=wrong-import-position
 import many_arrays  # noqa: E402  pylint: disable=wrong-import-position
 import per_array_floors  # noqa: E402  pylint: disable=wrong-import-position
 import save_restore  # noqa: E402  pylint: disable=wrong-import-position
@@ -240,3 +241,19 @@ def test_load_moe_benchmark_128_experts_48_layers(tmp_path):
   results = _load_moe_benchmark().main(["--dir", str(tmp_path)])
   assert results["tensors"] == 3 + 48 * (9 + 3 * 128)
   assert results["ratio_safetensors_numpy_warm"] > 0
+
+
+def test_lazy_open_benchmark_runs(tmp_path, capsys):
+  results = lazy_open.main(["--size", "12MiB", "--layers", "2", "--warm-runs", "1",
+                            "--dir", str(tmp_path)])
+  assert set(results["runs"]) == {f"{side}/{op}" for side, op in lazy_open.RUNS}
+  assert all(run["fresh"] > 0 for run in results["runs"].values())
+  assert results["data"]["layer_bytes"] < results["data"]["bytes"]
+  printed = capsys.readouterr().out
+  assert "pz_persist layer / floor layer" in printed and "pz_persist layer / orbax layer" in printed
+
+
+@pytest.mark.slow
+def test_lazy_open_benchmark_2gib(tmp_path):
+  results = lazy_open.main(["--size", "2GiB", "--dir", str(tmp_path)])
+  assert results["data"]["bytes"] >= 2**30

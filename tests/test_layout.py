@@ -39,7 +39,7 @@ LAYERS = {
     "progress": 3, "sharding": 3,
     "storage": 4,
     "orbax": 5,
-    "checkpoint": 6, "binding": 6,
+    "checkpoint": 6, "binding": 6, "lazy": 6,
     "plain_orbax": 7,
     "model": 8, "training": 8,
     "pretrained": 9,

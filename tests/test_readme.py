@@ -153,6 +153,7 @@ PAGES = [
     "README.md",
     "docs/guides/quickstart.md",
     "docs/guides/saving-and-loading.md",
+    "docs/guides/lazy-open.md",
     "docs/guides/whole-models.md",
     "docs/guides/from-orbax.md",
     "docs/guides/sharding.md",

@@ -38,6 +38,20 @@ from pz_persist.format.checksum_records import full_index
 
 _DIGEST_BYTES = 16  # xxh3_128
 
+TILE_BYTES = 16 * 2**20
+"""An array held whole that is larger than this gets one checksum per tile of
+at most this many bytes along its leading axis (rows ``[k*r, (k+1)*r)``, ``r``
+a power of two, every other dimension whole), not one over the whole array.
+
+Why: a reader of a slice (`pz_persist.open`'s ``read``) must hash every
+recorded slice it touches; with one digest per array, verifying one row of a
+2 GiB embedding meant reading the whole table. Tiles along the leading axis are
+contiguous in C order, so hashing them costs what hashing the whole array
+costs, and they still cut the array into a grid (`checksum_records.tiles`), so
+every reader that checks whole arrays checks them all. The direct write stores
+such arrays in chunks that divide a tile (`pz_persist.storage.direct_write`), so
+the tiles a slice overlaps are exactly the chunks read."""
+
 def c_order_bytes(data: Any) -> np.ndarray:
   """An array's bytes in C order, as a flat uint8 array (a view when it is
   contiguous already): ml_dtypes (bfloat16, float8...) have no buffer format
@@ -75,6 +89,38 @@ def file_digest(path: str, *, chunk_bytes: int = 2**20) -> str:
   return hasher.hexdigest()
 
 
+def tile_rows(shape: tuple[int, ...], itemsize: int) -> int | None:
+  """Rows per checksum tile of a whole array of ``shape`` (`TILE_BYTES`), or
+  None when it gets one checksum (small, a scalar, or a single row)."""
+  if not shape or shape[0] < 2 or itemsize <= 0:
+    return None
+  row_bytes = itemsize
+  for n in shape[1:]:
+    row_bytes *= int(n)
+  if row_bytes == 0 or row_bytes * shape[0] <= TILE_BYTES:
+    return None
+  # A power of two: Orbax chunks a tile by divisors of its dimensions
+  # (`direct_write`), and a prime number of rows would leave one-row chunks.
+  rows = 1 << max(0, (TILE_BYTES // row_bytes).bit_length() - 1)
+  return rows if rows < shape[0] else None
+
+
+def tile_indices(index: Index, rows: int | None) -> list[Index]:
+  """``index`` cut into tiles of ``rows`` along its first dimension (itself
+  when ``rows`` is None)."""
+  if rows is None or not index:
+    return [index]
+  (start, stop), rest = index[0], index[1:]
+  return [((at, min(at + rows, stop)), *rest) for at in range(start, stop, rows)]
+
+
+def _itemsize(value: Any) -> int:
+  try:
+    return np.dtype(value.dtype).itemsize
+  except TypeError:  # An extended dtype: never stored as such.
+    return 0
+
+
 def _as_index(slices: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
   return tuple(
       (s.indices(n)[0], s.indices(n)[1]) for s, n in zip(slices, shape)
@@ -89,6 +135,7 @@ class _Slot:
   index: Index
   owner_process: int
   local_data: Any  # The slice's data if this process hashes it, else None.
+  tile_rows: int | None = None  # Hashed in tiles of this many rows (`tile_rows`).
 
 
 def _slots(key: str, value: Any) -> list[_Slot]:
@@ -96,14 +143,15 @@ def _slots(key: str, value: Any) -> list[_Slot]:
   if not isinstance(value, jax.Array):  # NumPy: the primary process hashes it.
     index = full_index(np.shape(value))
     local = value if jax.process_index() == 0 else None
-    return [_Slot(key, index, 0, local)]
+    return [_Slot(key, index, 0, local, tile_rows(np.shape(value), _itemsize(value)))]
   shape = value.shape
   devices = value.sharding.device_set
   if len(devices) == 1:  # The commonest case, without the general walk below.
     (device,) = devices
     holder: int = device.process_index  # type: ignore[attr-defined]  # jaxlib's Device: no stub.
     local_whole = value if holder == jax.process_index() else None
-    return [_Slot(key, full_index(shape), holder, local_whole)]
+    rows = tile_rows(shape, _itemsize(value))
+    return [_Slot(key, full_index(shape), holder, local_whole, rows)]
   owners: dict[Index, jax.Device] = {}
   for device, slices in value.sharding.devices_indices_map(shape).items():
     index = _as_index(slices, shape)
@@ -117,7 +165,8 @@ def _slots(key: str, value: Any) -> list[_Slot]:
     owner = owners[index]
     shard = local.get(owner)
     data = shard.data if shard is not None else None
-    slots.append(_Slot(key, index, owner.process_index, data))
+    rows = tile_rows(shape, _itemsize(value)) if index == full_index(shape) else None
+    slots.append(_Slot(key, index, owner.process_index, data, rows))
   return slots
 
 
@@ -176,19 +225,25 @@ class HostCopies:
       concurrent.futures.CancelledError: ``stop`` was set (single-process
         saves only: with several, every process must take part).
     """
-    digests = np.zeros((len(self.slots), _DIGEST_BYTES), np.uint8)
-    for i, slot in enumerate(self.slots):
+    # Every process cuts every slot alike (from its shape and dtype alone).
+    pieces = [(slot, index) for slot in self.slots
+              for index in tile_indices(slot.index, slot.tile_rows)]
+    digests = np.zeros((len(pieces), _DIGEST_BYTES), np.uint8)
+    for i, (slot, index) in enumerate(pieces):
       if stop is not None and stop.is_set():
         raise concurrent.futures.CancelledError("the save was abandoned")
       if slot.local_data is not None:
-        digests[i] = np.frombuffer(bytes.fromhex(digest_of(slot.local_data)), np.uint8)
-    if jax.process_count() > 1 and self.slots:
+        data = slot.local_data
+        if slot.tile_rows is not None:  # Rows of the whole array: a view.
+          data = np.asarray(data)[index[0][0]:index[0][1]]
+        digests[i] = np.frombuffer(bytes.fromhex(digest_of(data)), np.uint8)
+    if jax.process_count() > 1 and pieces:
       gathered = _exchange(digests, exchange)
-      owners = np.array([slot.owner_process for slot in self.slots])
-      digests = gathered[owners, np.arange(len(self.slots))]
+      owners = np.array([slot.owner_process for slot, _ in pieces])
+      digests = gathered[owners, np.arange(len(pieces))]
     result: dict[str, list[ShardChecksum]] = {key: [] for key in self.keys}
-    for slot, raw in zip(self.slots, digests):
-      result[slot.key].append(ShardChecksum(slot.index, bytes(raw).hex()))
+    for (slot, index), raw in zip(pieces, digests):
+      result[slot.key].append(ShardChecksum(index, bytes(raw).hex()))
     return {key: tuple(sums) for key, sums in result.items()}
 
 
@@ -212,7 +267,7 @@ def host_copies(stored: Mapping[str, Any]) -> HostCopies:
       keys=tuple(stored),
       slots=tuple(
           slot if slot.local_data is None
-          else _Slot(slot.key, slot.index, slot.owner_process, np.asarray(transfer))
+          else dataclasses.replace(slot, local_data=np.asarray(transfer))
           for slot, transfer in zip(slots, transfers)
       ),
   )

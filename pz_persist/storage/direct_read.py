@@ -235,3 +235,17 @@ def _read_spec(
       name=key, parent_dir=directory, use_zarr3=use_zarr3, ts_context=context
   )
   return ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt)
+
+
+def open_array(directory: epath.Path, key: str) -> Any:
+  """The opened TensorStore of one stored array (Orbax's read spec), for a
+  reader of part of it (`pz_persist.storage.slices`); inside
+  `containment.files_unchanged`, like `read`.
+
+  Raises:
+    ArrayReadError: TensorStore cannot open the array's files.
+  """
+  use_ocdbt, use_zarr3 = _layout(directory)
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+  spec = _read_spec(directory, key, use_zarr3, use_ocdbt, context)
+  return _result(key, ts.open(spec, context=context, open=True, read=True))

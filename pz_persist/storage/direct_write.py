@@ -139,10 +139,14 @@ class _Specs:
         use_zarr3=False, use_compression=False, ts_context=self.context,
         ocdbt_target_data_file_size=DATA_FILE_BYTES,
     )
+    # An array hashed in tiles of rows (`checksums.tile_rows`) is chunked as
+    # Orbax chunks one tile, so no chunk crosses a tile: a slice read reads
+    # the chunks of the tiles it overlaps and no others.
+    rows = checksums.tile_rows(shape, dtype.itemsize)
     built = orbax_seam.build_array_write_spec(
         info=info, arg=ocp.SaveArgs(chunk_byte_size=self._chunk_byte_size),
-        global_shape=shape, local_shape=shape, dtype=dtype, use_ocdbt=True,
-        process_index=0,
+        global_shape=shape, local_shape=shape if rows is None else (rows, *shape[1:]),
+        dtype=dtype, use_ocdbt=True, process_index=0,
     )
     spec = built.json
     chunk_shape = tuple(built.metadata.chunk_shape)

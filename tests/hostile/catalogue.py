@@ -5,7 +5,11 @@ Each case is a small builder that takes a fresh, valid checkpoint (the MLP of
 error loading it must raise and a regex its message must match: the message
 has to name the file, label or tree path at fault. `test_catalogue.py` runs
 every case through every way of loading (``pzp.load``, ``pzp.inspect``,
-``pzp.load_model`` and ``pzp.load_model(path, into=model)``).
+``pzp.load_model``, ``pzp.load_model(path, into=model)``, and lazily:
+``pzp.open`` then the handle's ``load()``, which must refuse whatever
+``pzp.load`` refuses, and ``pzp.open`` then ``handle[label]`` and
+``handle.read(label, index)`` of every variable, each of which must read or
+refuse with a pz_persist error).
 
 ``entry_points`` says which of those must refuse the case. Elsewhere the case
 may be harmless (``inspect`` reads no array file; binding into a model reads
@@ -31,6 +35,8 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import file_digests
 
 LOAD, INSPECT, LOAD_MODEL, INTO = "load", "inspect", "load_model", "into"
+LAZY = "open"  # pzp.open(path).load(): refuses every case LOAD refuses.
+LAZY_PARTS = "open_parts"  # pzp.open(path)[label] and .read: read or refuse.
 ALL = frozenset({LOAD, INSPECT, LOAD_MODEL, INTO})
 READING = frozenset({LOAD, LOAD_MODEL, INTO})  # Cases about the array files.
 DECODING = frozenset({LOAD, INSPECT, LOAD_MODEL})  # Cases about the tree.

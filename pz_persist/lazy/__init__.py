@@ -1,0 +1,2 @@
+"""Checkpoints opened lazily (`pz_persist.open`): the structure at once, the
+arrays when asked."""
