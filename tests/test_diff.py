@@ -293,6 +293,22 @@ def test_an_opened_handle_plugs_in_with_one_small_adapter(tmp_path):
   assert pzp.diff(model, handle, progress=False).identical
 
 
+def test_a_handle_from_pzp_open_is_a_side_read_through_its_own_checks(tmp_path):
+  model = model_zoo.mlp()
+  edited = _with_params(model, lambda p: dataclasses.replace(p, value=p.value + 1)
+                        if p.label.endswith("bias") else p)
+  pzp.save_model(tmp_path / "m", model)
+  with pzp.open(tmp_path / "m") as ckpt:
+    result = pzp.diff(ckpt, edited, progress=False, batch_bytes=1)
+    assert [a.name for a in result.arrays if not a.identical] == [
+        "mlp/Affine_0/AddBias.bias", "mlp/Affine_1/AddBias.bias"]
+    assert result.a == str(ckpt.path)
+    assert pzp.diff(model, ckpt, progress=False).identical
+    pzp.save_model(tmp_path / "m", edited, overwrite=True)  # Replaced under the handle.
+    with pytest.raises(pzp.errors.CheckpointReplacedError):
+      pzp.diff(ckpt, model, progress=False)
+
+
 def test_a_side_that_cannot_be_saved_says_which_and_why(tmp_path):
   with pytest.raises(pzp.errors.EncodingError, match=r"pzp.diff compares what pz_persist can"
                      r" save, and B \(a dict\) cannot be: tree\['f'\]: cannot save a value"):

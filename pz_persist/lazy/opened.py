@@ -399,6 +399,13 @@ class OpenedCheckpoint:
           snapshot=self._opened.snapshot,
       )
 
+  def __pz_persist_diff_side__(self) -> _DiffSide:
+    """What `pz_persist.diff` reads of this checkpoint (a diff `Side`): its
+    manifest, and its arrays by manifest index, under this handle's checks
+    (replacement, lock, verification), so a diff of a handle sees what
+    reading the handle would."""
+    return _DiffSide(str(self.path), self._opened.manifest, self)
+
   def _guarded(self, read: Callable[[], _T]) -> _T:
     """``read()``, never of a checkpoint other than the one opened.
 
@@ -478,3 +485,17 @@ def _size_text(n: int) -> str:
       return f"{n / size:.1f} {unit}"
   return f"{n} B"
 
+
+@dataclasses.dataclass(frozen=True)
+class _DiffSide:
+  """`OpenedCheckpoint` as one side of `pz_persist.diff` (the `Side` protocol
+  of `pz_persist.tools.diff_sides`, which sits above this module)."""
+
+  description: str
+  manifest: Any
+  handle: OpenedCheckpoint
+
+  def read(self, refs: Iterable[int]) -> dict[int, Any]:
+    wanted = set(refs)
+    values = self.handle._guarded(lambda: self.handle._read_arrays(wanted, None))
+    return {ref: values[ref] for ref in wanted}
