@@ -139,6 +139,11 @@ def static_text(node: Any, limit: int = _TEXT) -> str:
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _static_key(value: Any) -> str:
+  """A mesh axis name or size as stored (plain JSON, never a node)."""
+  return value if isinstance(value, str) else json.dumps(value)[:_TEXT]
+
+
 def _static(node: Any, depth: int) -> str:
   tag = _tag(node)
   if depth > 8:
@@ -170,6 +175,13 @@ def _static(node: Any, depth: int) -> str:
     return f"partial({', '.join([_static(node.get('func'), depth + 1), *args])})"
   if tag == "dtype":
     return str(node.get("name"))
+  if tag == "mesh" and nodes.is_pairs(node.get("axes")):
+    return "mesh(" + ", ".join(f"{_static_key(n)}={_static_key(s)}" for n, s in node["axes"]) + ")"
+  if tag == "partition_spec":
+    return f"PartitionSpec{json.dumps(node.get('spec'))[:_TEXT]}"
+  if tag == "named_sharding":
+    return (f"NamedSharding({_static(node.get('mesh'), depth + 1)},"
+            f" {_static(node.get('spec'), depth + 1)})")
   if isinstance(node, dict) and "v" in node:
     return json.dumps(node["v"])
   return json.dumps(node, sort_keys=True)[:_TEXT] if not isinstance(node, dict) else str(tag)
