@@ -117,6 +117,9 @@ def _check_shape_size(shape: list[int], where: str) -> None:
     )
 
 
+check_shape_size = _check_shape_size
+
+
 def dtype_name(dtype: Any, *, where: str) -> str:
   """The manifest name of ``dtype``; raises if pz_persist cannot store it."""
   dtype = np.dtype(dtype)
@@ -292,6 +295,22 @@ class ArraySpec:
         checksums=_checksums_from_json(data.get("checksums"), tuple(shape), where),
     )
 
+  @classmethod
+  def trusted(
+      cls, key: str, shape: tuple[int, ...], dtype: str, kind: ArrayKind, weak_type: bool,
+      path: str, label: str | None,
+      checksums: tuple[checksum_records.ShardChecksum, ...] | None,
+  ) -> ArraySpec:
+    """A spec of fields its caller validated (`pz_persist.format.compact`,
+    column by column), built without the frozen ``__init__``, which costs
+    several times more, once per array."""
+    spec = object.__new__(cls)
+    spec.__dict__.update(
+        key=key, shape=shape, dtype=dtype, kind=kind, weak_type=weak_type, path=path,
+        label=label, checksums=checksums,
+    )
+    return spec
+
   def abstract(self) -> jax.ShapeDtypeStruct:
     """The array as a ``jax.ShapeDtypeStruct`` (what `inspect` returns)."""
     return jax.ShapeDtypeStruct(self.shape, self.np_dtype, weak_type=self.weak_type)
@@ -317,6 +336,9 @@ def _valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
     if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= n:
       return False
   return True
+
+
+valid_checksum_entry = _valid_checksum_entry
 
 
 def _checksums_from_json(

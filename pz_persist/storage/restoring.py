@@ -48,6 +48,7 @@ def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str
       manifest.tree, manifest.variables, values, root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
       format_version=manifest.format_version, writer=manifest.writer,
+      shared=manifest.shared,
   )
 
 
@@ -63,4 +64,5 @@ def abstract_tree(manifest: manifest_lib.Manifest, *, where: str) -> Any:
       root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
       format_version=manifest.format_version, writer=manifest.writer,
+      shared=manifest.shared,
   )
