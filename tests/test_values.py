@@ -8,6 +8,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import manifest_json
 import pytest
 from penzai import pz
 from penzai.nn import layer_stack
@@ -187,7 +188,7 @@ def test_manifest_records_what_the_issue_asks(ckpt):
       metadata={"lr_scale": 0.5},
   )
   pzp.save(ckpt, [value])
-  manifest = json.loads((ckpt / "penzai" / "pz_persist.json").read_text())
+  manifest = manifest_json.read(ckpt / "penzai" / "pz_persist.json")
   assert manifest["format"] == "pz_persist" and manifest["format_version"] == pzp.format.manifest.WRITTEN_FORMAT
   node = manifest["tree"]["items"][0]
   assert node["t"] == "parameter_value"

@@ -168,9 +168,11 @@ def _static_keys(node: Any) -> list[Any]:
 
 def to_json(
     tree: Node, variables: Sequence[Any], arrays: Sequence[arrays_lib.ArraySpec], *,
-    writer: str, leaf_keys: bool,
+    writer: str, leaf_keys: bool, format_version: int = 4,
 ) -> dict[str, Any]:
-  """The format 4 JSON of a manifest's content (held as format 3 nodes)."""
+  """The format 4 JSON of a manifest's content (held as format 3 nodes);
+  ``format_version`` is what it declares (4, or what a newer node type
+  needs)."""
   out = _Writer()
   out.count(tree)
   for entry in variables:
@@ -185,7 +187,7 @@ def to_json(
   tables = out.tables
   return {
       "format": "pz_persist",
-      "format_version": 4,
+      "format_version": format_version,
       "writer": writer,
       "leaf_keys": leaf_keys,
       "types": list(tables.types),

@@ -129,7 +129,7 @@ class Manifest:
     if self.format_version >= FIRST_COMPACT_FORMAT:
       return compact.to_json(
           self.tree, self.variables, self.arrays, writer=self.writer,
-          leaf_keys=self.leaf_keys,
+          leaf_keys=self.leaf_keys, format_version=self.format_version,
       )
     return {
         "format": FORMAT_NAME,

@@ -22,6 +22,7 @@ import pathlib
 import shutil
 from collections.abc import Callable
 
+import manifest_json
 import pytest
 
 from pz_persist import errors
@@ -82,7 +83,7 @@ def outside(ckpt: pathlib.Path) -> pathlib.Path:
 
 
 def read_manifest(ckpt: pathlib.Path) -> dict:
-  return json.loads(manifest_file(ckpt).read_text())
+  return manifest_json.read(manifest_file(ckpt))
 
 
 def write_manifest(ckpt: pathlib.Path, data: dict) -> None:
