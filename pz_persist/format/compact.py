@@ -406,9 +406,9 @@ def parse(raw: dict[str, Any], *, where: str, reader_format: int) -> Parsed:
     raise errors.ManifestError(f"{where}: leaf_keys must be true or false.")
   arrays = array_specs(raw["arrays"], where=where, leaf_keys=leaf_keys)
   reader = _Reader(raw, where, reader_format)
+  if type(raw["tree"]) is not list:
+    raise reader.error("tree", "must be a node ([type, fields...]), not a reference")
   tree = reader.expand(raw["tree"], "tree", 0)
-  if not isinstance(tree, dict):
-    raise reader.error("tree", "must be a node, not a reference to a shared entry")
   variables = reader.variables(raw["variables"])
   reader.check_all_used()
   return Parsed(
