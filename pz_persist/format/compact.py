@@ -11,7 +11,8 @@ Format 4 writes the same content (``docs/format-spec.md`` is normative):
 
 * a node is a JSON list ``[type, field, ...]``: ``type`` indexes the
   manifest's ``types`` table (the node tags it uses), the fields follow in
-  the order of their row in `pz_persist.format.nodes.NODE_TYPES`;
+  the order of their row in `pz_persist.format.nodes.NODE_TYPES`; a JSON
+  string is a ``str`` node (labels, names, dict keys);
 * a ``class`` field indexes the ``classes`` table (``[module, qualname]``);
 * any node may be an integer instead, indexing the ``shared`` table: static
   values that occur more than once (metadata dicts, axis names, layer
@@ -22,10 +23,10 @@ Format 4 writes the same content (``docs/format-spec.md`` is normative):
 Only lists and four small objects remain, so parsing costs no Python call
 per value, and validation runs per distinct table entry or over a whole
 column at once (one regular expression over the joined column) rather than
-per array. Reading expands the compact nodes back into the typed JSON of
-format 3 (`expand`), so every reader of nodes (the decoder, the catalog,
-the viewer, the diff) has one form to read; shared entries expand to one
-object, which the decoder recognises and decodes once.
+per array. The decoder reads the compact nodes directly, through the
+tables (`Tables.shallow`), decoding each shared entry once; the tools that
+walk typed JSON (the catalog, the viewer, the diff) get the typed JSON of
+formats 1 to 3 on demand (`Tables.expand`, `Manifest.tree`).
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ class _Writer:
         self.tables.shared_nodes[index] = self.node(node, share=False)
       return index
     tag = node["t"]
+    if tag == "str":  # A string stands for itself.
+      return node["v"]
     out: list[Any] = [self.tables.type_index(tag)]
     for field in nodes.NODE_TYPES[tag].fields:  # Within a shared entry, nothing shared.
       value = node[field.name]
@@ -231,20 +234,83 @@ def _checksums_json(spec: arrays_lib.ArraySpec) -> Any:
 # Reading.
 
 
+class Tables:
+  """A checked format 4 manifest's tables, and its nodes read through them.
+
+  The decoder reads compact nodes directly (`shallow`: one temporary object
+  per node, freed once the node is decoded), so loading allocates nothing
+  per node that outlives the load; tools that walk the typed JSON of
+  formats 1 to 3 get it from `expand`, on demand.
+  """
+
+  def __init__(self, types: list[tuple[str, nodes.NodeType]], classes: list[dict[str, str]],
+               shared: list[Any]):
+    self.types = types
+    self.classes = classes
+    self.shared = shared
+    self._expanded_shared: dict[int, Any] = {}
+
+  def shallow(self, node: Any) -> Node:
+    """The typed node of a checked compact node, its children left compact."""
+    if type(node) is str:
+      return {"t": "str", "v": node}
+    tag, node_type = self.types[node[0]]
+    out: Node = {"t": tag}
+    for field, value in zip(node_type.fields, node[1:]):
+      out[field.name] = self.classes[value] if field.name == "class" else value
+    return out
+
+  def expand(self, node: Any) -> Any:
+    """The typed JSON of formats 1 to 3 of a checked compact node, whole
+    (a shared entry expands to one object wherever it is used)."""
+    if type(node) is int:
+      found = self._expanded_shared.get(node)
+      if found is None:
+        found = self._expanded_shared[node] = self.expand(self.shared[node])
+      return found
+    out = self.shallow(node)
+    if type(node) is str:
+      return out
+    for field in self.types[node[0]][1].fields:
+      value, name = out[field.name], field.name
+      if field.json == "node":
+        out[name] = self.expand(value)
+      elif field.json == "list":
+        out[name] = [self.expand(v) for v in value]
+      elif field.json == "pairs":
+        out[name] = [[self.expand(k) if field.keys == "static" else k,
+                      self.expand(v) if field.holds else v] for k, v in value]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Parsed:
-  """A format 4 manifest's content, as format 3 nodes and array specs."""
+  """A checked format 4 manifest: its compact tree and variables, its
+  tables and its array specs."""
 
-  tree: Node
-  variables: tuple[Any, ...]
+  tree: Any
+  variables: tuple[list[Any], ...]
+  tables: Tables
   arrays: tuple[arrays_lib.ArraySpec, ...]
   writer: str
   leaf_keys: bool
-  shared: frozenset[int]
+
+  def variable_entries(self) -> list[dict[str, Any]]:
+    """The variables table as the decoder reads it (nodes left compact)."""
+    return [{"kind": e[0], "label": e[1], "metadata": e[2], "value": e[3]}
+            for e in self.variables]
+
+  def expanded(self) -> tuple[Node, tuple[Any, ...]]:
+    """The tree and variables as the typed JSON of formats 1 to 3."""
+    expand = self.tables.expand
+    return expand(self.tree), tuple(
+        {"kind": e[0], "label": expand(e[1]), "metadata": expand(e[2]), "value": expand(e[3])}
+        for e in self.variables)
 
 
-class _Reader:
-  """Checks a format 4 manifest's tables and expands its nodes."""
+class _Checker:
+  """Checks a format 4 manifest's tables and every node, allocating nothing
+  per node: what `Tables.shallow` then trusts."""
 
   def __init__(self, raw: dict[str, Any], where: str, reader_format: int):
     self.where = where
@@ -256,17 +322,12 @@ class _Reader:
     self.used_types: set[int] = set()
     self.used_classes: set[int] = set()
     self.used_shared: set[int] = set()
-    self.shared: list[Node] = []
     shared = raw["shared"]
     if not isinstance(shared, list):
       raise self.error("shared", "must be a list")
-    self._shared_raw = shared
+    self.shared = shared
     for i, entry in enumerate(shared):
-      node = self.expand(entry, f"shared[{i}]", 0, in_shared=True)
-      if not _all_static(node, {}):
-        raise self.error(f"shared[{i}]", "holds a node that is no static value"
-                         " (an array or a variable); only static values are shared")
-      self.shared.append(node)
+      self.check(entry, f"shared[{i}]", 0, in_shared=True)
 
   def error(self, field: str, problem: str) -> errors.ManifestError:
     return errors.ManifestError(
@@ -305,73 +366,72 @@ class _Reader:
       raise self.error("classes", "repeats a class")
     return out
 
-  def expand(self, node: Any, where: str, depth: int, in_shared: bool = False) -> Any:
-    """The format 3 node of a compact node (``where`` names it for errors)."""
+  def check(self, node: Any, where: str, depth: int, in_shared: bool = False) -> None:
+    """Checks a compact node (``where`` names it for errors)."""
     if depth > nodes.MAX_DEPTH:
       raise self.error(where, f"nests deeper than {nodes.MAX_DEPTH} levels")
-    if type(node) is int:
+    kind = type(node)
+    if kind is str:
+      return
+    if kind is int:
       if in_shared:
         raise self.error(where, "refers to a shared entry from a shared entry")
       if not 0 <= node < len(self.shared):
         raise self.error(where, f"refers to shared[{node}], which does not exist"
                          f" ({len(self.shared)} shared entries)")
       self.used_shared.add(node)
-      return self.shared[node]
-    if type(node) is not list or not node or type(node[0]) is not int:
+      return
+    if kind is not list or not node or type(node[0]) is not int:
       raise self.error(where, f"is {str(node)[:80]}, not a node ([type, fields...])")
     index = node[0]
     if not 0 <= index < len(self.types):
       raise self.error(where, f"has type {index}, not an index of types")
     self.used_types.add(index)
     tag, node_type = self.types[index]
+    if in_shared and not node_type.static:
+      raise self.error(where, f"is a {tag} node: a shared entry holds static values only"
+                       " (no array or variable)")
     fields = node_type.fields
     if len(node) != len(fields) + 1:
       raise self.error(where, f"is a {tag} node with {len(node) - 1} fields,"
                        f" expected {len(fields)} ({', '.join(f.name for f in fields)})")
-    out: dict[str, Any] = {"t": tag}
     below = depth + 1
-    for field, value in zip(fields, node[1:]):
-      name = field.name
+    for position, field in enumerate(fields, 1):
+      value, name = node[position], field.name
       if name == "class":
         if type(value) is not int or not 0 <= value < len(self.classes):
           raise self.error(f"{where}.class", f"is {value!r:.40}, not an index of classes")
         self.used_classes.add(value)
-        out[name] = self.classes[value]
       elif field.json == "node":
-        out[name] = self.expand(value, f"{where}.{name}", below, in_shared)
+        self.check(value, f"{where}.{name}", below, in_shared)
       elif field.json == "list":
         if type(value) is not list:
           raise self.error(f"{where}.{name}", "must be a list")
-        out[name] = [self.expand(v, f"{where}.{name}[{i}]", below, in_shared)
-                     for i, v in enumerate(value)]
+        for i, v in enumerate(value):
+          self.check(v, f"{where}.{name}[{i}]", below, in_shared)
       elif field.json == "pairs":
         if not nodes.is_pairs(value):
           raise self.error(f"{where}.{name}", "must be a list of pairs")
         static_keys, holds = field.keys == "static", bool(field.holds)
-        out[name] = [
-            [self.expand(k, f"{where}.{name}[{i}][0]", below, in_shared) if static_keys else k,
-             self.expand(v, f"{where}.{name}[{i}][1]", below, in_shared) if holds else v]
-            for i, (k, v) in enumerate(value)
-        ]
-      else:
-        out[name] = value
-    return out
+        for i, (k, v) in enumerate(value):
+          if static_keys:
+            self.check(k, f"{where}.{name}[{i}][0]", below, in_shared)
+          if holds:
+            self.check(v, f"{where}.{name}[{i}][1]", below, in_shared)
+      elif field.json == "ints":
+        if type(value) is not list or not all(type(v) is int for v in value):
+          raise self.error(f"{where}.{name}", "must be a list of integers")
 
-  def variables(self, entries: Any) -> tuple[Any, ...]:
+  def variables(self, entries: Any) -> tuple[list[Any], ...]:
     if not isinstance(entries, list):
       raise self.error("variables", "must be a list")
-    out = []
     for i, entry in enumerate(entries):
       where = f"variables[{i}]"
       if type(entry) is not list or len(entry) != 4:
         raise self.error(where, "must be [kind, label, metadata, value]")
-      out.append({
-          "kind": entry[0],
-          "label": self.expand(entry[1], f"{where}.label", 1),
-          "metadata": self.expand(entry[2], f"{where}.metadata", 1),
-          "value": self.expand(entry[3], f"{where}.value", 1),
-      })
-    return tuple(out)
+      for name, node in zip(("label", "metadata", "value"), entry[1:]):
+        self.check(node, f"{where}.{name}", 1)
+    return tuple(entries)
 
   def check_all_used(self) -> None:
     """Refuses table entries no node uses: every entry is then checked when
@@ -386,7 +446,7 @@ class _Reader:
 
 
 def parse(raw: dict[str, Any], *, where: str, reader_format: int) -> Parsed:
-  """Validates a parsed format 4 manifest as a whole and expands it.
+  """Validates a parsed format 4 manifest as a whole.
 
   ``reader_format``: the newest format this pz_persist reads, for messages.
 
@@ -405,15 +465,16 @@ def parse(raw: dict[str, Any], *, where: str, reader_format: int) -> Parsed:
   if not isinstance(leaf_keys, bool):
     raise errors.ManifestError(f"{where}: leaf_keys must be true or false.")
   arrays = array_specs(raw["arrays"], where=where, leaf_keys=leaf_keys)
-  reader = _Reader(raw, where, reader_format)
+  checker = _Checker(raw, where, reader_format)
   if type(raw["tree"]) is not list:
-    raise reader.error("tree", "must be a node ([type, fields...]), not a reference")
-  tree = reader.expand(raw["tree"], "tree", 0)
-  variables = reader.variables(raw["variables"])
-  reader.check_all_used()
+    raise checker.error("tree", "must be a node ([type, fields...]), not a reference")
+  checker.check(raw["tree"], "tree", 0)
+  variables = checker.variables(raw["variables"])
+  checker.check_all_used()
   return Parsed(
-      tree=tree, variables=variables, arrays=arrays, writer=raw["writer"],
-      leaf_keys=leaf_keys, shared=frozenset(id(node) for node in reader.shared),
+      tree=raw["tree"], variables=variables,
+      tables=Tables(checker.types, checker.classes, checker.shared),
+      arrays=arrays, writer=raw["writer"], leaf_keys=leaf_keys,
   )
 
 

@@ -188,10 +188,10 @@ class _Walk:
       variables_where: errors.Location | str = "variables",
       format_version: int | None = None,
       writer: str | None = None,
-      shared: frozenset[int] = frozenset(),
+      tables: Any = None,
   ):
     self.arrays = arrays
-    self.shared = shared
+    self.tables = tables  # A format 4 manifest's (`compact.Tables`), else None.
     self._decoded_shared: dict[tuple[int, bool], Any] = {}
     self.written = (format_version, writer)  # The manifest's, for `unknown_node`.
     self.labels = _ArrayLabels(labels)
@@ -227,12 +227,29 @@ class _Walk:
 
   def decode(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
     """Decodes ``node`` as part of a tree (``in_tree``) or a static value."""
-    if self.shared and id(node) in self.shared:
-      return self._shared_node(node, where, depth, in_tree)
+    if self.tables is not None and type(node) is not dict:
+      return self._compact(node, where, depth, in_tree)
     return self._decode(node, where, depth, in_tree)
 
-  def _shared_node(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
-    """A shared entry of a format 4 manifest (`pz_persist.format.compact`):
+  def _compact(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
+    """A node of a format 4 manifest: a string, a shared entry's index, or
+    ``[type, fields...]``, whose shape `pz_persist.format.compact` checked
+    with the manifest (its fields, lists and pairs): only what depends on
+    where it is used (depth, tree or static) is checked here."""
+    if depth > nodes.MAX_DEPTH:
+      raise errors.ManifestError(f"{where}: nesting deeper than {nodes.MAX_DEPTH}.")
+    kind = type(node)
+    if kind is str:  # A str node, tree or static alike.
+      return node
+    if kind is int:
+      return self._shared_node(node, where, depth, in_tree)
+    tag, node_type = self.tables.types[node[0]]
+    if not (node_type.tree if in_tree else node_type.static):
+      raise errors.ManifestError(f"{where}: unknown node type {tag!r:.60}.")
+    return DECODERS[tag](_At(self, where, depth, in_tree), self.tables.shallow(node))
+
+  def _shared_node(self, index: int, where: str, depth: int, in_tree: bool) -> Any:
+    """Shared entry ``index`` of a format 4 manifest (`pz_persist.format.compact`):
     decoded the first time it is met (where, in a tree or static, and at
     what depth, checked as for an inline node), then reused.
 
@@ -242,13 +259,14 @@ class _Walk:
     one. Immutable values are reused as they are; what `_fresh` cannot tell
     immutable (a layer, a partial) is decoded again.
     """
-    key = (id(node), in_tree)
+    key = (index, in_tree)
+    node = self.tables.shared[index]
     if key in self._decoded_shared:
       value = _fresh(self._decoded_shared[key])
       if value is not _AGAIN:
         return value
-      return self._decode(node, where, depth, in_tree)
-    value = self._decode(node, where, depth, in_tree)
+      return self._compact(node, where, depth, in_tree)
+    value = self._compact(node, where, depth, in_tree)
     self._decoded_shared[key] = value
     fresh = _fresh(value)
     return value if fresh is _AGAIN else fresh
@@ -707,7 +725,7 @@ def decode(
     labels: Sequence[str | None] | None = None,
     format_version: int | None = None,
     writer: str | None = None,
-    shared: frozenset[int] = frozenset(),
+    tables: Any = None,
 ) -> Any:
   """Rebuilds the saved tree from its JSON and its (restored) arrays.
 
@@ -725,7 +743,9 @@ def decode(
     format_version, writer: The manifest's, so that a node type this
       pz_persist does not know is reported as needing a newer release or as
       damage (`pz_persist.format.nodes.unknown_node`).
-    shared: The manifest's ``shared``: nodes decoded once (format 4).
+    tables: A format 4 manifest's tables (`pz_persist.format.compact.Tables`,
+      from `Manifest.decodable`), when ``tree`` and ``variables`` hold its
+      compact nodes.
 
   Raises:
     ManifestError: a node is malformed or disagrees with its arrays.
@@ -737,7 +757,7 @@ def decode(
   walk = _Walk(
       arrays, variables, abstract=abstract, labels=labels,
       variables_where=variables_where, format_version=format_version, writer=writer,
-      shared=shared,
+      tables=tables,
   )
   try:
     return walk.decode(tree, str(root), 0, True)

@@ -118,12 +118,38 @@ class Manifest:
   leaf_keys: bool = False
   """Whether the array keys are Orbax leaf names (items Orbax's
   ``PyTreeCheckpointHandler`` saved through pz_persist's type handler)."""
-  shared: frozenset[int] = dataclasses.field(
-      default=frozenset(), compare=False, repr=False
-  )
-  """The ``id`` of each node of ``tree`` and ``variables`` that stands for a
-  shared entry of a format 4 manifest (the same object wherever it is used):
-  the decoder decodes each once (`pz_persist.format.decode`)."""
+  compact: compact.Parsed | None = dataclasses.field(default=None, compare=False, repr=False)
+  """A format 4 manifest as read: its compact nodes and tables, which the
+  decoder reads directly (`decodable`). ``tree`` and ``variables`` are then
+  expanded into the typed JSON of formats 1 to 3 only when asked for."""
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for an attribute the instance lacks: the tree and
+    # variables of a format 4 manifest, until first asked for.
+    parsed = self.__dict__.get("compact")
+    if name not in ("tree", "variables") or parsed is None:
+      raise AttributeError(name)
+    self.__dict__["tree"], self.__dict__["variables"] = parsed.expanded()
+    return self.__dict__[name]
+
+  @classmethod
+  def from_compact(cls, parsed: compact.Parsed, format_version: int) -> Manifest:
+    """The manifest of a checked format 4 manifest; its ``tree`` and
+    ``variables`` are expanded when first read (the decoder needs neither)."""
+    manifest = object.__new__(cls)
+    manifest.__dict__.update(
+        arrays=parsed.arrays, writer=parsed.writer, format_version=format_version,
+        leaf_keys=parsed.leaf_keys, compact=parsed,
+    )
+    return manifest
+
+  def decodable(self) -> tuple[Any, Any, compact.Tables | None]:
+    """``(tree, variables, tables)`` as `pz_persist.format.decode.decode`
+    reads them: a format 4 manifest's compact nodes and tables, else the
+    typed JSON."""
+    if self.compact is not None:
+      return self.compact.tree, self.compact.variable_entries(), self.compact.tables
+    return self.tree, self.variables, None
 
   def to_json(self) -> dict[str, Any]:
     if self.format_version >= FIRST_COMPACT_FORMAT:
@@ -181,12 +207,8 @@ class Manifest:
           " Upgrade with: pip install -U pz-persist"
       )
     if found >= FIRST_COMPACT_FORMAT:
-      parsed = compact.parse(raw, where=where, reader_format=FORMAT_VERSION)
-      return cls(
-          tree=parsed.tree, variables=parsed.variables, arrays=parsed.arrays,
-          writer=parsed.writer, format_version=found, leaf_keys=parsed.leaf_keys,
-          shared=parsed.shared,
-      )
+      return cls.from_compact(
+          compact.parse(raw, where=where, reader_format=FORMAT_VERSION), found)
     if set(raw) != _FIELDS:
       raise errors.ManifestError(
           f"{where}: manifest fields {sorted(raw)}, expected {sorted(_FIELDS)}."

@@ -783,8 +783,9 @@ CASES: list[Case] = [
     # JSON bombs: refused before parsing (see test_parsing.py for memory).
     # Format 4 (`pz_persist.format.compact`): its tables, columns and references.
     # The MLP's manifest: types[0] struct, [1] list, [2] variable, [3] tuple,
-    # [4] str, [5] function, [6] dict, [7] named_array, [8] array; shared[3]
-    # the empty tuple, [4] the empty metadata dict, [5] axis name "features".
+    # [4] function, [5] dict, [6] named_array, [7] array (strings are bare);
+    # shared[3] the empty tuple, [4] the empty metadata dict, [5] the axis
+    # name "features".
     Case("f4_type_index_out_of_range", edit4(_set(("tree", 0), 99)), errors.ManifestError,
          MANIFEST_RE + r": tree has type 99, not an index of types"),
     Case("f4_type_index_negative", edit4(_set(("tree", 0), -1)), errors.ManifestError,
@@ -817,8 +818,9 @@ CASES: list[Case] = [
          errors.ManifestError, r"unknown dtype 'object'", DECODING),
     Case("f4_shared_bad_axis_name", edit4(_set(("shared", 5), [1, []])),
          errors.ManifestError, r"axis name \[\] is unhashable", DECODING),
-    Case("f4_shared_holds_an_array", edit4(_set(("shared", 5), [8, 0])),
-         errors.ManifestError, MANIFEST_RE + r": shared\[5\] holds a node that is no static value"),
+    Case("f4_shared_holds_an_array", edit4(_set(("shared", 5), [7, 0])),
+         errors.ManifestError,
+         MANIFEST_RE + r": shared\[5\] is a array node: a shared entry holds static values only"),
     Case("f4_shared_refers_to_shared", edit4(_set(("shared", 0), [3, [5]])),
          errors.ManifestError,
          MANIFEST_RE + r": shared\[0\]\.items\[0\] refers to a shared entry from a shared entry"),
