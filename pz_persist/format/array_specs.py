@@ -154,7 +154,7 @@ def storage_key(index: int, hint: str) -> str:
   return f"{index:05d}_{hint}" if hint else f"{index:05d}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ArraySpec:
   """What the manifest says about one stored array.
 
@@ -304,12 +304,13 @@ class ArraySpec:
   ) -> ArraySpec:
     """A spec of fields its caller validated (`pz_persist.format.compact`,
     column by column), built without the frozen ``__init__``, which costs
-    several times more, once per array."""
+    several times more, once per array. (Slotted: one object per array for
+    the garbage collector to walk, not two.)"""
     spec = object.__new__(cls)
-    spec.__dict__.update(
-        key=key, shape=shape, dtype=dtype, kind=kind, weak_type=weak_type, path=path,
-        label=label, checksums=checksums,
-    )
+    for name, value in (("key", key), ("shape", shape), ("dtype", dtype), ("kind", kind),
+                        ("weak_type", weak_type), ("path", path), ("label", label),
+                        ("checksums", checksums)):
+      _set(spec, name, value)
     return spec
 
   def abstract(self) -> jax.ShapeDtypeStruct:
@@ -335,6 +336,9 @@ def abstract_values(specs: Sequence[ArraySpec]) -> list[jax.ShapeDtypeStruct]:
       value = made[key] = spec.abstract()
     out.append(value)
   return out
+
+
+_set = object.__setattr__
 
 
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}")

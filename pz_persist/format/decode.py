@@ -329,6 +329,14 @@ def _fresh(value: Any) -> Any:
     return kind(items)
   if isinstance(value, _REUSABLE):
     return value
+  if dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+    # A frozen layer (``RenameAxes``) or dataclass label: reused whole when
+    # every field is reused as it is (a dict field makes it decoded again).
+    for field in dataclasses.fields(value):
+      item = getattr(value, field.name)
+      if _fresh(item) is not item:
+        return _AGAIN
+    return value
   return _AGAIN
 
 
@@ -765,6 +773,7 @@ def decode(
     raise errors.ManifestError(f"{root}: nesting too deep to decode.") from None
 
 
-def decode_static(node: Any, where: str) -> Any:
-  """Decodes a plain Python value (no arrays) stored as typed JSON (a label, metadata)."""
-  return _Walk((), (), abstract=False).decode(node, where, 0, False)
+def decode_static(node: Any, where: str, tables: Any = None) -> Any:
+  """Decodes a plain Python value (no arrays) stored as typed JSON (a label,
+  metadata); ``tables``: a format 4 manifest's, for its compact nodes."""
+  return _Walk((), (), abstract=False, tables=tables).decode(node, where, 0, False)
