@@ -192,7 +192,7 @@ class _Walk:
   ):
     self.arrays = arrays
     self.tables = tables  # A format 4 manifest's (`compact.Tables`), else None.
-    self._decoded_shared: dict[tuple[int, bool], Any] = {}
+    self._decoded_shared: dict[tuple[int, bool], tuple[Any, bool]] = {}
     self.written = (format_version, writer)  # The manifest's, for `unknown_node`.
     self.labels = _ArrayLabels(labels)
     self.variables = _Variables(variables, variables_where)
@@ -261,14 +261,18 @@ class _Walk:
     """
     key = (index, in_tree)
     node = self.tables.shared[index]
-    if key in self._decoded_shared:
-      value = _fresh(self._decoded_shared[key])
+    found = self._decoded_shared.get(key)
+    if found is not None:
+      value, immutable = found
+      if immutable:  # Known at its first decoding: no walk of it again.
+        return value
+      value = _fresh(value)
       if value is not _AGAIN:
         return value
       return self._compact(node, where, depth, in_tree)
     value = self._compact(node, where, depth, in_tree)
-    self._decoded_shared[key] = value
     fresh = _fresh(value)
+    self._decoded_shared[key] = (value, fresh is value)
     return value if fresh is _AGAIN else fresh
 
   def _decode(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
@@ -329,7 +333,8 @@ def _fresh(value: Any) -> Any:
     return kind(items)
   if isinstance(value, _REUSABLE):
     return value
-  if dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+  params = vars(type(value)).get("__dataclass_params__")
+  if params is not None and params.frozen:
     # A frozen layer (``RenameAxes``) or dataclass label: reused whole when
     # every field is reused as it is (a dict field makes it decoded again).
     for field in dataclasses.fields(value):

@@ -33,7 +33,7 @@ from etils import epath
 from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
-from pz_persist.format import compact
+from pz_persist.format import compact as compact_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 
@@ -118,7 +118,7 @@ class Manifest:
   leaf_keys: bool = False
   """Whether the array keys are Orbax leaf names (items Orbax's
   ``PyTreeCheckpointHandler`` saved through pz_persist's type handler)."""
-  compact: compact.Parsed | None = dataclasses.field(default=None, compare=False, repr=False)
+  compact: compact_lib.Parsed | None = dataclasses.field(default=None, compare=False, repr=False)
   """A format 4 manifest as read: its compact nodes and tables, which the
   decoder reads directly (`decodable`). ``tree`` and ``variables`` are then
   expanded into the typed JSON of formats 1 to 3 only when asked for."""
@@ -133,7 +133,7 @@ class Manifest:
     return self.__dict__[name]
 
   @classmethod
-  def from_compact(cls, parsed: compact.Parsed, format_version: int) -> Manifest:
+  def from_compact(cls, parsed: compact_lib.Parsed, format_version: int) -> Manifest:
     """The manifest of a checked format 4 manifest; its ``tree`` and
     ``variables`` are expanded when first read (the decoder needs neither)."""
     manifest = object.__new__(cls)
@@ -143,7 +143,7 @@ class Manifest:
     )
     return manifest
 
-  def decodable(self) -> tuple[Any, Any, compact.Tables | None]:
+  def decodable(self) -> tuple[Any, Any, compact_lib.Tables | None]:
     """``(tree, variables, tables)`` as `pz_persist.format.decode.decode`
     reads them: a format 4 manifest's compact nodes and tables, else the
     typed JSON."""
@@ -153,7 +153,7 @@ class Manifest:
 
   def to_json(self) -> dict[str, Any]:
     if self.format_version >= FIRST_COMPACT_FORMAT:
-      return compact.to_json(
+      return compact_lib.to_json(
           self.tree, self.variables, self.arrays, writer=self.writer,
           leaf_keys=self.leaf_keys, format_version=self.format_version,
       )
@@ -208,7 +208,7 @@ class Manifest:
       )
     if found >= FIRST_COMPACT_FORMAT:
       return cls.from_compact(
-          compact.parse(raw, where=where, reader_format=FORMAT_VERSION), found)
+          compact_lib.parse(raw, where=where, reader_format=FORMAT_VERSION), found)
     if set(raw) != _FIELDS:
       raise errors.ManifestError(
           f"{where}: manifest fields {sorted(raw)}, expected {sorted(_FIELDS)}."
