@@ -118,10 +118,14 @@ class Manifest:
   leaf_keys: bool = False
   """Whether the array keys are Orbax leaf names (items Orbax's
   ``PyTreeCheckpointHandler`` saved through pz_persist's type handler)."""
-  compact: compact_lib.Parsed | None = dataclasses.field(default=None, compare=False, repr=False)
+  compact: compact_lib.Parsed | None = dataclasses.field(
+      default=None, init=False, compare=False, repr=False
+  )
   """A format 4 manifest as read: its compact nodes and tables, which the
   decoder reads directly (`decodable`). ``tree`` and ``variables`` are then
-  expanded into the typed JSON of formats 1 to 3 only when asked for."""
+  expanded into the typed JSON of formats 1 to 3 only when asked for. Not
+  an argument: a manifest built or replaced (``dataclasses.replace``) holds
+  its own ``tree`` and ``variables``, never another's compact form."""
 
   def __getattr__(self, name: str) -> Any:
     # Only reached for an attribute the instance lacks: the tree and
