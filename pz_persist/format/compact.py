@@ -249,15 +249,20 @@ class Tables:
     self.classes = classes
     self.shared = shared
     self._expanded_shared: dict[int, Any] = {}
+    self._rows = [
+        (tag, tuple(f.name for f in node_type.fields), node_type.field("class") is not None)
+        for tag, node_type in types
+    ]
 
   def shallow(self, node: Any) -> Node:
     """The typed node of a checked compact node, its children left compact."""
     if type(node) is str:
       return {"t": "str", "v": node}
-    tag, node_type = self.types[node[0]]
-    out: Node = {"t": tag}
-    for field, value in zip(node_type.fields, node[1:]):
-      out[field.name] = self.classes[value] if field.name == "class" else value
+    tag, names, has_class = self._rows[node[0]]
+    out: Node = dict(zip(names, node[1:]))
+    out["t"] = tag
+    if has_class:
+      out["class"] = self.classes[out["class"]]
     return out
 
   def expand(self, node: Any) -> Any:
@@ -268,7 +273,8 @@ class Tables:
       if found is None:
         found = self._expanded_shared[node] = self.expand(self.shared[node])
       return found
-    out = self.shallow(node)
+    shallow = self.shallow(node)
+    out = {"t": shallow.pop("t"), **shallow}  # As formats 1 to 3 write it: "t" first.
     if type(node) is str:
       return out
     for field in self.types[node[0]][1].fields:
