@@ -296,10 +296,9 @@ def main(argv=None) -> dict:
     results["counts"][count] = summarize(runs)
     report_count(count, args.array_kib, results["counts"][count])
     if "pz_persist" in methods and "floors" not in skip:
-      results["counts"][count]["floors"] = harness.run_worker(__file__, [
-          "--worker", "floors", "-", checkpoint_path(count_dir, "pz_persist"), str(count),
-          "0", "0"])
-      report_floors(f"{count} arrays", results["counts"][count]["floors"])
+      results.setdefault("floors", {})[count] = floors_of(
+          checkpoint_path(count_dir, "pz_persist"), in_process=args.in_process)
+      report_floors(f"{count} arrays", results["floors"][count])
     shutil.rmtree(count_dir, ignore_errors=True)
   if len(counts) > 1:
     report_growth(results["counts"])
@@ -325,13 +324,20 @@ def main(argv=None) -> dict:
             "--worker", "model_rounds", "-", model_dir, str(args.model_rounds), "0", "0"])
     report_model(results["model"])
     if "floors" not in skip:
-      results["model"]["floors"] = harness.run_worker(__file__, [
-          "--worker", "floors", "-", os.path.join(model_dir, "model_model"), "0", "0", "0"])
+      results["model"]["floors"] = floors_of(
+          os.path.join(model_dir, "model_model"), in_process=args.in_process)
       report_floors(f"the {args.model_blocks}-block model", results["model"]["floors"])
     shutil.rmtree(model_dir, ignore_errors=True)
   report_targets(results)
   report_issue_31(results)
   return harness.finish(results, json_path=args.json, directory=None if args.dir else directory)
+
+
+def floors_of(path: str, *, in_process: bool) -> dict:
+  """`manifest_floors` of ``path``, in a fresh process unless ``in_process``."""
+  if in_process:
+    return manifest_floors(path)
+  return harness.run_worker(__file__, ["--worker", "floors", "-", path, "0", "0", "0"])
 
 
 def manifest_floors(path: str) -> dict:

@@ -32,7 +32,6 @@ formats 1 to 3 on demand (`Tables.expand`, `Manifest.tree`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -57,9 +56,22 @@ ARRAY_COLUMNS = frozenset({
 })
 """The keys of a format 4 arrays table, all required."""
 
-MIN_SHARED_BYTES = 8
-"""Static values whose JSON is shorter are written inline (a reference costs
-a few bytes itself)."""
+MIN_SHARED_CHARS = 3
+"""Strings shorter than this are written inline, even when repeated (a
+reference costs a few bytes itself)."""
+
+
+def _frozen(value: Any) -> Any:
+  """A hashable form of typed JSON: equal forms, equal JSON (types kept
+  apart: ``1``, ``1.0`` and ``true`` are different JSON)."""
+  kind = type(value)
+  if kind is str:
+    return value
+  if kind is dict:
+    return ("{", *((k, _frozen(v)) for k, v in value.items()))
+  if kind is list:
+    return ("[", *map(_frozen, value))
+  return (kind, value)
 
 
 # Writing.
@@ -69,7 +81,7 @@ a few bytes itself)."""
 class _Tables:
   types: dict[str, int] = dataclasses.field(default_factory=dict)
   classes: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
-  shared: dict[str, int] = dataclasses.field(default_factory=dict)
+  shared: dict[Any, int] = dataclasses.field(default_factory=dict)
   shared_nodes: list[Any] = dataclasses.field(default_factory=list)
 
   def type_index(self, tag: str) -> int:
@@ -80,15 +92,41 @@ class _Tables:
     return self.classes.setdefault(key, len(self.classes))
 
 
+def _subnodes(node: Node) -> list[Any]:
+  """Every node a typed node holds directly (children, static values, static
+  pair keys), for the writer's walks (its nodes are the encoder's: valid)."""
+  out: list[Any] = []
+  for name, json_kind, holds, static_keys in _WALKED_FIELDS[node["t"]]:
+    value = node[name]
+    if json_kind == "node":
+      out.append(value)
+    elif json_kind == "list":
+      out.extend(value)
+    else:  # Pairs.
+      for key, item in value:
+        if static_keys:
+          out.append(key)
+        if holds:
+          out.append(item)
+  return out
+
+
+_WALKED_FIELDS = {
+    tag: tuple(
+        (f.name, f.json, bool(f.holds), f.keys == "static") for f in node_type.fields
+        if (f.json in ("node", "list") and f.holds) or f.json == "pairs"
+    )
+    for tag, node_type in nodes.NODE_TYPES.items()
+}
+
+
 def _all_static(node: Any, memo: dict[int, bool]) -> bool:
   """Whether every node of ``node`` may stand in a static value."""
   found = memo.get(id(node))
   if found is None:
     node_type = nodes.NODE_TYPES.get(nodes.tag_of(node) or "")
     found = node_type is not None and node_type.static and all(
-        _all_static(child, memo) for holds in ("child", "static")
-        for child in nodes.children(node, holds)
-    )
+        _all_static(child, memo) for child in _subnodes(node))
     memo[id(node)] = found
   return found
 
@@ -100,29 +138,33 @@ class _Writer:
   def __init__(self) -> None:
     self.tables = _Tables()
     self._static: dict[int, bool] = {}
-    self._text: dict[int, str] = {}
-    self._counts: dict[str, int] = {}
+    self._keys: dict[int, Any] = {}
+    self._counts: dict[Any, int] = {}
 
-  def _key(self, node: Any) -> str | None:
-    """The JSON text of a static sub-tree worth sharing, else None."""
-    if not isinstance(node, dict) or not _all_static(node, self._static):
+  def _key(self, node: Any) -> Any:
+    """A hashable key of a static sub-tree worth sharing (equal keys: equal
+    JSON), else None."""
+    if not isinstance(node, dict):
       return None
-    text = self._text.get(id(node))
-    if text is None:
-      text = json.dumps(node, separators=(",", ":"), allow_nan=False)
-      self._text[id(node)] = text
-    return text if len(text) >= MIN_SHARED_BYTES else None
+    key = self._keys.get(id(node), self)
+    if key is self:
+      if node.get("t") == "str" and type(node.get("v")) is str:
+        # Written as a bare string: shared only where a reference is shorter.
+        key = node["v"] if len(node["v"]) >= MIN_SHARED_CHARS else None
+      elif _all_static(node, self._static):
+        key = _frozen(node)
+      else:
+        key = None
+      self._keys[id(node)] = key
+    return key
 
   def count(self, node: Any) -> None:
     key = self._key(node)
     if key is not None:
       self._counts[key] = self._counts.get(key, 0) + 1
       return
-    for holds in ("child", "static"):
-      for child in nodes.children(node, holds):
-        self.count(child)
-    for key_node in _static_keys(node):
-      self.count(key_node)
+    for child in _subnodes(node):
+      self.count(child)
 
   def node(self, node: Node, *, share: bool = True) -> Any:
     key = self._key(node) if share else None
@@ -155,18 +197,6 @@ class _Writer:
       else:
         out.append(value)
     return out
-
-
-def _static_keys(node: Any) -> list[Any]:
-  """The static key nodes of a node's pairs (dict keys, axis names)."""
-  node_type = nodes.NODE_TYPES.get(nodes.tag_of(node) or "")
-  if node_type is None:
-    return []
-  return [
-      pair[0] for field in node_type.fields
-      if field.json == "pairs" and field.keys == "static"
-      for pair in node[field.name]
-  ]
 
 
 def to_json(
