@@ -232,7 +232,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--warm-runs", type=int, default=2,
                       help="runs after the first in each process (the warm figures)")
   parser.add_argument("--methods", default=",".join(METHODS))
-  parser.add_argument("--skip", default="", help="comma-separated: 'warm' (no repeats in a"
+  parser.add_argument("--skip", default="", help="comma-separated: 'floors' (no issue 31"
+                      " floors), 'warm' (no repeats in a"
                       " process), 'model' (no model section), 'inspect'")
   parser.add_argument("--model-blocks", type=int, default=64)
   parser.add_argument("--model-rounds", type=int, default=8,
@@ -249,6 +250,8 @@ def main(argv=None) -> dict:
       print(json.dumps(save_models(path, int(count))))
     elif method == "model_rounds":
       print(json.dumps(model_rounds(path, int(count))))
+    elif method == "floors":
+      print(json.dumps(manifest_floors(path)))
     else:
       print(json.dumps(worker(method, operation, path, int(count), float(kib), int(warm_runs))))
     return {}
@@ -292,6 +295,10 @@ def main(argv=None) -> dict:
             runs[method][operation].append(run(method, operation, path, count))
     results["counts"][count] = summarize(runs)
     report_count(count, args.array_kib, results["counts"][count])
+    if "pz_persist" in methods and "floors" not in skip:
+      results.setdefault("floors", {})[count] = floors_of(
+          checkpoint_path(count_dir, "pz_persist"), in_process=args.in_process)
+      report_floors(f"{count} arrays", results["floors"][count])
     shutil.rmtree(count_dir, ignore_errors=True)
   if len(counts) > 1:
     report_growth(results["counts"])
@@ -316,9 +323,137 @@ def main(argv=None) -> dict:
         results["model"]["rounds"] = harness.run_worker(__file__, [
             "--worker", "model_rounds", "-", model_dir, str(args.model_rounds), "0", "0"])
     report_model(results["model"])
+    if "floors" not in skip:
+      results["model"]["floors"] = floors_of(
+          os.path.join(model_dir, "model_model"), in_process=args.in_process)
+      report_floors(f"the {args.model_blocks}-block model", results["model"]["floors"])
     shutil.rmtree(model_dir, ignore_errors=True)
   report_targets(results)
+  report_issue_31(results)
   return harness.finish(results, json_path=args.json, directory=None if args.dir else directory)
+
+
+def floors_of(path: str, *, in_process: bool) -> dict:
+  """`manifest_floors` of ``path``, in a fresh process unless ``in_process``."""
+  if in_process:
+    return manifest_floors(path)
+  return harness.run_worker(__file__, ["--worker", "floors", "-", path, "0", "0", "0"])
+
+
+def manifest_floors(path: str) -> dict:
+  """What the manifest of the checkpoint at ``path`` costs, part by part, in
+  one warm process (best of 7, milliseconds): issue 31's floors.
+
+  * ``json_loads``: Python's C JSON parser on the manifest's bytes, no checks
+    (the floor of any JSON manifest of this size and layout);
+  * ``manifest``: the manifest read and validated whole (`Manifest.loads`);
+  * ``decode``: the abstract tree decoded from the parsed manifest;
+  * ``inspect``: `pzp.inspect` whole (opening, lock, manifest, decode);
+  * ``inspect_gc_off``: the same with Python's cyclic garbage collector
+    paused (the benchmark's own process only): how much of ``inspect`` is
+    the collector walking the process's objects while the tree is built;
+  * ``constructors``: the abstract values alone, built through Penzai's
+    public constructors (``pz.ParameterValue``, ``NamedArray``) from the
+    parsed manifest: what building the tree costs with no checks at all.
+  """
+  import gc
+
+  import jax
+  from penzai import pz
+
+  import pz_persist as pzp
+  from pz_persist.format import manifest as manifest_lib
+  from pz_persist.storage import restoring
+
+  item = os.path.join(path, "penzai")
+  with open(os.path.join(item, manifest_lib.MANIFEST_FILENAME), "rb") as f:
+    data = f.read()
+  manifest = manifest_lib.Manifest.loads(data, where=item)
+
+  def best(fn, n=7):
+    times = []
+    for _ in range(n):
+      start = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - start)
+    return min(times) * 1000
+
+  def constructors():
+    out = []
+    for spec in manifest.arrays:
+      axes = {f"a{i}": n for i, n in enumerate(spec.shape)}
+      out.append(pz.ParameterValue(
+          value=pz.nx.NamedArray(named_axes=axes, data_array=jax.ShapeDtypeStruct(
+              spec.shape, spec.np_dtype)),
+          label=spec.label, metadata={}))
+    return out
+
+  out = {
+      "bytes": len(data), "arrays": len(manifest.arrays),
+      "format_version": manifest.format_version,
+      "json_loads": best(lambda: json.loads(data)),
+      "manifest": best(lambda: manifest_lib.Manifest.loads(data, where=item)),
+      "decode": best(lambda: restoring.abstract_tree(manifest, where=item)),
+      "inspect": best(lambda: pzp.inspect(path)),
+      "constructors": best(constructors),
+  }
+  gc.disable()
+  try:
+    out["inspect_gc_off"] = best(lambda: pzp.inspect(path))
+  finally:
+    gc.enable()
+  return out
+
+
+def report_floors(what: str, floors: dict) -> None:
+  harness.print_table(
+      f"Issue 31: the manifest of {what}, part by part (one warm process, best of 7)",
+      ["manifest format", "bytes", "bytes per array", "json.loads", "manifest read and checked",
+       "decode (abstract tree)", "inspect", "inspect, collector paused",
+       "Penzai constructors alone"],
+      [(floors["format_version"], floors["bytes"],
+        f"{floors['bytes'] / max(1, floors['arrays']):.0f}",
+        *(f"{floors[k]:.1f} ms" for k in ("json_loads", "manifest", "decode", "inspect",
+                                           "inspect_gc_off", "constructors")))],
+  )
+
+
+def report_issue_31(results: dict) -> None:
+  """Issue 31's targets for the manifest: inspect and load_model's overhead."""
+  rows = []
+  for count, summary in results["counts"].items():
+    inspect = summary.get("pz_persist", {}).get("inspect", {})
+    for phase in ("fresh", "warm"):
+      if phase in inspect:
+        rows.append((f"{count}: inspect, {phase}, best", inspect[phase][0] * 1000, 50, False,
+                     "ms"))
+  if "model" in results:
+    model = results["model"]
+    for phase in ("fresh", "warm"):
+      if phase in model["load_model"]:
+        added = model["load_model"][phase][0] - model["load_arrays"][phase][0]
+        rows.append((f"load_model over load of the arrays ({model['blocks']} blocks), {phase},"
+                     " best minus best", added * 1000, 50, False, "ms"))
+    if "rounds" in model:
+      rows.append(("the same, taking turns in one process, median of rounds",
+                   model_overhead(model["rounds"]) * 1000, 50, False, "ms"))
+    floors = model.get("floors")
+    if floors and "fresh" in model["load_model"]:
+      # The model's checkpoint holds arrays the parameters' does not (layers'
+      # scalars: epsilons, scales, masked values): reading them is per-array
+      # load cost, not structure; counted at load_arrays' own per-array cost.
+      extra = floors["arrays"] - model["arrays"]
+      per_array = model["load_arrays"]["fresh"][0] / max(1, model["arrays"])
+      added = model["load_model"]["fresh"][0] - model["load_arrays"]["fresh"][0]
+      print(f"The model's checkpoint holds {extra} arrays beyond the parameters'"
+            f" ({floors['arrays']} against {model['arrays']}): reading them at load_arrays'"
+            f" per-array cost is ~{extra * per_array * 1000:.0f} ms of load_model's fresh"
+            f" {added * 1000:.0f} ms; the structure's share is the rest,"
+            f" ~{(added - extra * per_array) * 1000:.0f} ms (its manifest checked in"
+            f" {floors['manifest']:.0f} ms and decoded, abstract, in {floors['decode']:.0f} ms"
+            " above).\n")
+  if rows:
+    harness.print_targets("Issue 31's targets (pz_persist, best runs)", rows)
 
 
 def summarize(runs: dict) -> dict:

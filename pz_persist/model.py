@@ -486,5 +486,5 @@ def _restore_model(opened: opening.OpenItem, **read_args: Any) -> Any:
   Why checked first: Penzai refuses a model whose variables share a label;
   checked on the manifest, before any array is read.
   """
-  manifest_queries.variables(opened.manifest, where=str(opened.item))
+  manifest_queries.check_variable_labels(opened.manifest, where=str(opened.item))
   return restoring.read_tree(opened, **read_args)

@@ -108,6 +108,9 @@ def test_many_arrays_benchmark_runs_in_process(tmp_path, capsys):
   assert "1-block unstacked transformer" in printed
   assert "Issue 19's targets" in printed and "load_model adds over loading the arrays" in printed
   assert "taking turns in one warm process (2 rounds)" in printed
+  assert "Issue 31's targets" in printed and "Issue 31: the manifest of 12 arrays" in printed
+  assert set(results["floors"]) == {6, 12} and results["floors"][12]["format_version"] == 4
+  assert "beyond the parameters'" in printed
 
 
 def test_many_arrays_benchmark_runs_in_fresh_processes(tmp_path, capsys):

@@ -7,6 +7,7 @@ import os
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+import manifest_json
 import pytest
 from penzai import pz
 
@@ -123,7 +124,7 @@ def test_several_items_must_be_chosen(tmp_path):
 
 def _edit_manifest(ckpt, edit):
   path = ckpt / "penzai" / "pz_persist.json"
-  data = json.loads(path.read_text())
+  data = manifest_json.read(path)
   edit(data)
   path.write_text(json.dumps(data))
 

@@ -128,10 +128,11 @@ def test_every_save_path_is_read_by_every_entry_point(tmp_path, save, capsys):
   assert report.ok and report.arrays_checked == 4, report
   if save == TYPE_HANDLER:  # Orbax finalizes that item after pz_persist's last word.
     assert report.files_checked is None
-    assert manifest["format_version"] == manifest_lib.FIRST_FORMAT_WITH_LEAF_KEYS
+    assert manifest["format_version"] == manifest_lib.WRITTEN_FORMAT and manifest["leaf_keys"]
   else:
     assert report.files_checked and (item / manifest_lib.FILE_DIGESTS_FILENAME).is_file()
     assert manifest["format_version"] == manifest_lib.WRITTEN_FORMAT
+    assert manifest["leaf_keys"] is False
   assert cli.main(["verify", str(item)]) == 0
   assert "OK" in capsys.readouterr().out
 

@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import model_zoo
+import manifest_json
 import pytest
 
 import pz_persist as pzp
@@ -35,7 +36,7 @@ def _forge(tmp_path, *, format_version: int, writer_name: str) -> str:
   path = tmp_path / "c"
   pzp.save(path, model_zoo.mlp())
   manifest_file = path / "penzai" / manifest_lib.MANIFEST_FILENAME
-  manifest = json.loads(manifest_file.read_text())
+  manifest = manifest_json.read(manifest_file)
   manifest["variables"][0]["value"] = {"t": "quantized_array", "ref": 0, "bits": 4}
   manifest["format_version"] = format_version
   manifest["writer"] = writer_name

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import model_zoo
 import numpy as np
+import manifest_json
 import pytest
 from penzai import pz
 from treecompare import assert_identical
@@ -34,7 +35,7 @@ def _params():
 
 
 def _manifest(path):
-  return json.loads((path / "penzai" / "pz_persist.json").read_text())
+  return manifest_json.read(path / "penzai" / "pz_persist.json")
 
 
 def _write_manifest(path, data):
@@ -196,7 +197,7 @@ def test_manager_restore_checks_checksums(tmp_path):
     manager.wait_until_finished()
   (item,) = glob.glob(str(tmp_path / "run" / "1" / "params"))
   path = os.path.join(item, "pz_persist.json")
-  manifest = json.loads(open(path).read())
+  manifest = manifest_json.read(path)
   manifest["arrays"][1]["checksums"][0]["xxh3_128"] = "3" * 32
   with open(path, "w") as f:
     json.dump(manifest, f)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import model_zoo
 import numpy as np
+import manifest_json
 import pytest
 from penzai import pz
 from penzai.toolshed import sharding_util
@@ -34,7 +35,7 @@ def _sharded_mlp(mesh):
 
 
 def _manifest(path):
-  return json.loads((path / "penzai" / "pz_persist.json").read_text())
+  return manifest_json.read(path / "penzai" / "pz_persist.json")
 
 
 def _nodes(value, tag):
@@ -128,7 +129,7 @@ def test_shardings_that_name_devices_are_refused(ckpt):
 def test_malformed_meshes_are_refused(ckpt, axes, types, problem):
   pzp.save(ckpt, {"mesh": jax.make_mesh((2,), ("data",)), "x": jnp.ones(2)})
   manifest_path = ckpt / "penzai" / "pz_persist.json"
-  manifest = json.loads(manifest_path.read_text())
+  manifest = manifest_json.read(manifest_path)
   node = _nodes(manifest["tree"], "mesh")[0]
   node["axes"], node["axis_types"] = axes, types
   manifest_path.write_text(json.dumps(manifest))

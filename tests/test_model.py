@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import model_zoo
 import numpy as np
+import manifest_json
 import pytest
 import surgery
 import treescope
@@ -113,7 +114,7 @@ def test_user_layer_needs_its_module_allowed(ckpt):
 
 def _rewrite_manifest(ckpt, edit):
   path = ckpt / "penzai" / "pz_persist.json"
-  manifest = json.loads(path.read_text())
+  manifest = manifest_json.read(path)
   edit(manifest)
   path.write_text(json.dumps(manifest))
 
@@ -191,7 +192,7 @@ def test_lora_model_in_bfloat16_with_skeleton_arrays(ckpt):
       rank=2, init_base_rng=jax.random.key(3),
   )
   pzp.save_model(ckpt, model)
-  manifest = json.loads((ckpt / "penzai" / "pz_persist.json").read_text())
+  manifest = manifest_json.read(ckpt / "penzai" / "pz_persist.json")
   skeleton = [a for a in manifest["arrays"] if "label" not in a]
   assert any(a["path"].endswith(".epsilon") for a in skeleton)
   assert_same_outputs(pzp.load_model(ckpt)(model_zoo.tokens()), model(model_zoo.tokens()))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 from typing import Literal
 
@@ -117,6 +118,9 @@ def _check_shape_size(shape: list[int], where: str) -> None:
     )
 
 
+check_shape_size = _check_shape_size
+
+
 def dtype_name(dtype: Any, *, where: str) -> str:
   """The manifest name of ``dtype``; raises if pz_persist cannot store it."""
   dtype = np.dtype(dtype)
@@ -150,7 +154,7 @@ def storage_key(index: int, hint: str) -> str:
   return f"{index:05d}_{hint}" if hint else f"{index:05d}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ArraySpec:
   """What the manifest says about one stored array.
 
@@ -292,9 +296,49 @@ class ArraySpec:
         checksums=_checksums_from_json(data.get("checksums"), tuple(shape), where),
     )
 
+  @classmethod
+  def trusted(
+      cls, key: str, shape: tuple[int, ...], dtype: str, kind: ArrayKind, weak_type: bool,
+      path: str, label: str | None,
+      checksums: tuple[checksum_records.ShardChecksum, ...] | None,
+  ) -> ArraySpec:
+    """A spec of fields its caller validated (`pz_persist.format.compact`,
+    column by column), built without the frozen ``__init__``, which costs
+    several times more, once per array. (Slotted: one object per array for
+    the garbage collector to walk, not two.)"""
+    spec = object.__new__(cls)
+    for name, value in (("key", key), ("shape", shape), ("dtype", dtype), ("kind", kind),
+                        ("weak_type", weak_type), ("path", path), ("label", label),
+                        ("checksums", checksums)):
+      _set(spec, name, value)
+    return spec
+
   def abstract(self) -> jax.ShapeDtypeStruct:
     """The array as a ``jax.ShapeDtypeStruct`` (what `inspect` returns)."""
     return jax.ShapeDtypeStruct(self.shape, self.np_dtype, weak_type=self.weak_type)
+
+
+def abstract_values(specs: Sequence[ArraySpec]) -> list[jax.ShapeDtypeStruct]:
+  """`ArraySpec.abstract` of each spec, one ``jax.ShapeDtypeStruct`` per
+  distinct (shape, dtype, weak type) within the call.
+
+  Why: building a ``ShapeDtypeStruct`` costs ~5 us (JAX checks its dtype),
+  a third of decoding 4,000 arrays' abstract tree; arrays of one layer
+  repeat the same few shapes. They are immutable stand-ins, so one object
+  may stand for equal arrays of one tree (a new call makes new ones).
+  """
+  made: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}
+  out = []
+  for spec in specs:
+    key = (spec.shape, spec.dtype, spec.weak_type)
+    value = made.get(key)
+    if value is None:
+      value = made[key] = spec.abstract()
+    out.append(value)
+  return out
+
+
+_set = object.__setattr__
 
 
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}")
@@ -317,6 +361,9 @@ def _valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
     if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= n:
       return False
   return True
+
+
+valid_checksum_entry = _valid_checksum_entry
 
 
 def _checksums_from_json(

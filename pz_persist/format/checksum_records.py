@@ -15,7 +15,7 @@ Index = tuple[tuple[int, int], ...]
 """A slice of an array: ``(start, stop)`` per dimension."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class ShardChecksum:
   """The hash of one stored slice of an array.
 

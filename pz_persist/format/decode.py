@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import functools
 import operator
+import types
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -187,8 +188,11 @@ class _Walk:
       variables_where: errors.Location | str = "variables",
       format_version: int | None = None,
       writer: str | None = None,
+      tables: Any = None,
   ):
     self.arrays = arrays
+    self.tables = tables  # A format 4 manifest's (`compact.Tables`), else None.
+    self._decoded_shared: dict[tuple[int, bool], tuple[Any, bool]] = {}
     self.written = (format_version, writer)  # The manifest's, for `unknown_node`.
     self.labels = _ArrayLabels(labels)
     self.variables = _Variables(variables, variables_where)
@@ -223,6 +227,55 @@ class _Walk:
 
   def decode(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
     """Decodes ``node`` as part of a tree (``in_tree``) or a static value."""
+    if self.tables is not None and type(node) is not dict:
+      return self._compact(node, where, depth, in_tree)
+    return self._decode(node, where, depth, in_tree)
+
+  def _compact(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
+    """A node of a format 4 manifest: a string, a shared entry's index, or
+    ``[type, fields...]``, whose shape `pz_persist.format.compact` checked
+    with the manifest (its fields, lists and pairs): only what depends on
+    where it is used (depth, tree or static) is checked here."""
+    if depth > nodes.MAX_DEPTH:
+      raise errors.ManifestError(f"{where}: nesting deeper than {nodes.MAX_DEPTH}.")
+    kind = type(node)
+    if kind is str:  # A str node, tree or static alike.
+      return node
+    if kind is int:
+      return self._shared_node(node, where, depth, in_tree)
+    tag, node_type = self.tables.types[node[0]]
+    if not (node_type.tree if in_tree else node_type.static):
+      raise errors.ManifestError(f"{where}: unknown node type {tag!r:.60}.")
+    return DECODERS[tag](_At(self, where, depth, in_tree), self.tables.shallow(node))
+
+  def _shared_node(self, index: int, where: str, depth: int, in_tree: bool) -> Any:
+    """Shared entry ``index`` of a format 4 manifest (`pz_persist.format.compact`):
+    decoded the first time it is met (where, in a tree or static, and at
+    what depth, checked as for an inline node), then reused.
+
+    Why a copy: the entry stands for equal values written inline in
+    formats 1 to 3, which loaded as distinct objects; a metadata dict shared
+    by 4,000 parameters must stay 4,000 dicts, so that changing one changes
+    one. Immutable values are reused as they are; what `_fresh` cannot tell
+    immutable (a layer, a partial) is decoded again.
+    """
+    key = (index, in_tree)
+    node = self.tables.shared[index]
+    found = self._decoded_shared.get(key)
+    if found is not None:
+      value, immutable = found
+      if immutable:  # Known at its first decoding: no walk of it again.
+        return value
+      value = _fresh(value)
+      if value is not _AGAIN:
+        return value
+      return self._compact(node, where, depth, in_tree)
+    value = self._compact(node, where, depth, in_tree)
+    fresh = _fresh(value)
+    self._decoded_shared[key] = (value, fresh is value)
+    return value if fresh is _AGAIN else fresh
+
+  def _decode(self, node: Any, where: str, depth: int, in_tree: bool) -> Any:
     if depth > nodes.MAX_DEPTH:
       raise errors.ManifestError(f"{where}: nesting deeper than {nodes.MAX_DEPTH}.")
     tag = nodes.check_typed(node, where)
@@ -247,6 +300,49 @@ class _Walk:
     with self.labels.holding(label):
       value = self.decode(node["value"], f"{where}.value", depth + 1, True)
     return {"label": label, "metadata": metadata, "value": value}
+
+
+_AGAIN = object()
+"""What `_fresh` returns for a value it cannot copy: decode it again."""
+
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_REUSABLE = (enum.Enum, type, np.generic, np.dtype, types.FunctionType,
+             types.BuiltinFunctionType, np.ufunc)
+
+
+def _fresh(value: Any) -> Any:
+  """``value`` as a new object wherever it is mutable (dicts, lists, sets),
+  sharing its immutable parts; `_AGAIN` if it holds anything else."""
+  kind = type(value)
+  if kind in _ATOMS:
+    return value
+  if kind is dict or kind is collections.OrderedDict:
+    out = kind()
+    for key, item in value.items():
+      copy = _fresh(item)
+      if copy is _AGAIN:
+        return _AGAIN
+      out[key] = copy
+    return out
+  if kind in (list, tuple, set, frozenset):
+    items = [_fresh(item) for item in value]
+    if any(item is _AGAIN for item in items):
+      return _AGAIN
+    if kind in (tuple, frozenset) and all(a is b for a, b in zip(items, value)):
+      return value
+    return kind(items)
+  if isinstance(value, _REUSABLE):
+    return value
+  params = vars(type(value)).get("__dataclass_params__")
+  if params is not None and params.frozen:
+    # A frozen layer (``RenameAxes``) or dataclass label: reused whole when
+    # every field is reused as it is (a dict field makes it decoded again).
+    for field in dataclasses.fields(value):
+      item = getattr(value, field.name)
+      if _fresh(item) is not item:
+        return _AGAIN
+    return value
+  return _AGAIN
 
 
 class _At(NamedTuple):
@@ -642,6 +738,7 @@ def decode(
     labels: Sequence[str | None] | None = None,
     format_version: int | None = None,
     writer: str | None = None,
+    tables: Any = None,
 ) -> Any:
   """Rebuilds the saved tree from its JSON and its (restored) arrays.
 
@@ -659,6 +756,9 @@ def decode(
     format_version, writer: The manifest's, so that a node type this
       pz_persist does not know is reported as needing a newer release or as
       damage (`pz_persist.format.nodes.unknown_node`).
+    tables: A format 4 manifest's tables (`pz_persist.format.compact.Tables`,
+      from `Manifest.decodable`), when ``tree`` and ``variables`` hold its
+      compact nodes.
 
   Raises:
     ManifestError: a node is malformed or disagrees with its arrays.
@@ -670,6 +770,7 @@ def decode(
   walk = _Walk(
       arrays, variables, abstract=abstract, labels=labels,
       variables_where=variables_where, format_version=format_version, writer=writer,
+      tables=tables,
   )
   try:
     return walk.decode(tree, str(root), 0, True)
@@ -677,6 +778,7 @@ def decode(
     raise errors.ManifestError(f"{root}: nesting too deep to decode.") from None
 
 
-def decode_static(node: Any, where: str) -> Any:
-  """Decodes a plain Python value (no arrays) stored as typed JSON (a label, metadata)."""
-  return _Walk((), (), abstract=False).decode(node, where, 0, False)
+def decode_static(node: Any, where: str, tables: Any = None) -> Any:
+  """Decodes a plain Python value (no arrays) stored as typed JSON (a label,
+  metadata); ``tables``: a format 4 manifest's, for its compact nodes."""
+  return _Walk((), (), abstract=False, tables=tables).decode(node, where, 0, False)

@@ -8,7 +8,7 @@ reading any array data. Layout::
 
   {
     "format": "pz_persist",
-    "format_version": 2,  # or 3, see FORMAT_VERSION
+    "format_version": 2,  # or 3; format 4: pz_persist.format.compact
     "writer": "pz_persist 0.6.0",
     "tree": {...},        # typed JSON node of the saved tree
     "variables": [...],   # mutable variables, referenced from the tree
@@ -33,6 +33,7 @@ from etils import epath
 from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
+from pz_persist.format import compact as compact_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 
@@ -45,23 +46,29 @@ the manifest once every other file is final (`pz_persist.storage.file_digests`).
 MAX_FILE_DIGESTS_BYTES = 64 * 2**20
 """Larger digest files are refused before parsing."""
 FORMAT_NAME = "pz_persist"
-FORMAT_VERSION = 3
-"""The newest manifest format this library reads (and writes where needed).
+FORMAT_VERSION = 4
+"""The newest manifest format this library reads (and the one it writes).
 
 Version 2 added per-array ``checksums``, which every stored array of a
 version 2 manifest must have; version 1 manifests (no checksums) still load,
 and `pz_persist.verify` says their arrays are unverifiable. Version 3 allows
 array keys that are Orbax leaf names (`FIRST_FORMAT_WITH_LEAF_KEYS`); only
 items whose variables Orbax's ``PyTreeCheckpointHandler`` saved through
-pz_persist's type handler declare it. Every other manifest declares the
-format its nodes need (`pz_persist.format.nodes.format_needed`): 2 today.
+pz_persist's type handler declared it. Version 4 writes the same content
+compactly (`pz_persist.format.compact`: tables of node types, classes and
+shared static values, positional nodes, a columnar arrays table; its
+``leaf_keys`` says whether array keys are leaf names). Every save writes 4
+(or the format its nodes need, `pz_persist.format.nodes.format_needed`).
 """
 
 FIRST_FORMAT_WITH_CHECKSUMS = 2
 
-WRITTEN_FORMAT = 2
+WRITTEN_FORMAT = 4
 """The format a manifest declares unless what it holds needs a newer one
-(a newer node type, `pz_persist.format.nodes.format_needed`; leaf keys)."""
+(a newer node type, `pz_persist.format.nodes.format_needed`)."""
+
+FIRST_COMPACT_FORMAT = 4
+"""Manifests of this format on are written compactly (`pz_persist.format.compact`)."""
 
 FIRST_FORMAT_WITH_LEAF_KEYS = 3
 """Array keys may be Orbax's ``.``-joined leaf names from this format on."""
@@ -108,8 +115,52 @@ class Manifest:
   arrays: tuple[arrays_lib.ArraySpec, ...]
   writer: str = f"pz_persist {version.__version__}"
   format_version: int = WRITTEN_FORMAT
+  leaf_keys: bool = False
+  """Whether the array keys are Orbax leaf names (items Orbax's
+  ``PyTreeCheckpointHandler`` saved through pz_persist's type handler)."""
+  compact: compact_lib.Parsed | None = dataclasses.field(
+      default=None, init=False, compare=False, repr=False
+  )
+  """A format 4 manifest as read: its compact nodes and tables, which the
+  decoder reads directly (`decodable`). ``tree`` and ``variables`` are then
+  expanded into the typed JSON of formats 1 to 3 only when asked for. Not
+  an argument: a manifest built or replaced (``dataclasses.replace``) holds
+  its own ``tree`` and ``variables``, never another's compact form."""
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for an attribute the instance lacks: the tree and
+    # variables of a format 4 manifest, until first asked for.
+    parsed = self.__dict__.get("compact")
+    if name not in ("tree", "variables") or parsed is None:
+      raise AttributeError(name)
+    self.__dict__["tree"], self.__dict__["variables"] = parsed.expanded()
+    return self.__dict__[name]
+
+  @classmethod
+  def from_compact(cls, parsed: compact_lib.Parsed, format_version: int) -> Manifest:
+    """The manifest of a checked format 4 manifest; its ``tree`` and
+    ``variables`` are expanded when first read (the decoder needs neither)."""
+    manifest = object.__new__(cls)
+    manifest.__dict__.update(
+        arrays=parsed.arrays, writer=parsed.writer, format_version=format_version,
+        leaf_keys=parsed.leaf_keys, compact=parsed,
+    )
+    return manifest
+
+  def decodable(self) -> tuple[Any, Any, compact_lib.Tables | None]:
+    """``(tree, variables, tables)`` as `pz_persist.format.decode.decode`
+    reads them: a format 4 manifest's compact nodes and tables, else the
+    typed JSON."""
+    if self.compact is not None:
+      return self.compact.tree, self.compact.variable_entries(), self.compact.tables
+    return self.tree, self.variables, None
 
   def to_json(self) -> dict[str, Any]:
+    if self.format_version >= FIRST_COMPACT_FORMAT:
+      return compact_lib.to_json(
+          self.tree, self.variables, self.arrays, writer=self.writer,
+          leaf_keys=self.leaf_keys, format_version=self.format_version,
+      )
     return {
         "format": FORMAT_NAME,
         "format_version": self.format_version,
@@ -159,6 +210,9 @@ class Manifest:
           f" this pz_persist ({version.__version__}) reads formats 1 to {FORMAT_VERSION}."
           " Upgrade with: pip install -U pz-persist"
       )
+    if found >= FIRST_COMPACT_FORMAT:
+      return cls.from_compact(
+          compact_lib.parse(raw, where=where, reader_format=FORMAT_VERSION), found)
     if set(raw) != _FIELDS:
       raise errors.ManifestError(
           f"{where}: manifest fields {sorted(raw)}, expected {sorted(_FIELDS)}."
@@ -192,6 +246,7 @@ class Manifest:
         arrays=specs,
         writer=raw["writer"],
         format_version=found,
+        leaf_keys=found >= FIRST_FORMAT_WITH_LEAF_KEYS,
     )
 
 

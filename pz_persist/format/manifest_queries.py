@@ -137,6 +137,33 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
   return list(found.values())
 
 
+def check_variable_labels(manifest: manifest_lib.Manifest, *, where: str) -> None:
+  """Refuses two mutable variables with one label, as `variables` does, from
+  the variables table alone (for a format 4 manifest, its compact labels:
+  neither the tree nor the variables' values are expanded or walked).
+
+  Why: ``load_model`` checks this before reading any array (Penzai refuses
+  such a model); walking the whole tree for it cost as much as decoding it.
+  """
+  _, entries, tables = manifest.decodable()
+  seen: dict[Hashable, int] = {}
+  for index, entry in enumerate(entries):
+    if not isinstance(entry, dict) or entry.get("kind") not in tuple(variable_kinds.KINDS):
+      raise errors.ManifestError(f"{where}: variables[{index}] is malformed.")
+    place = f"{where}: variables[{index}]"
+    label = decode_lib.decode_static(entry.get("label"), f"{place}.label", tables)
+    problem = arrays_lib.label_problem(label)
+    if problem:
+      raise errors.ManifestError(f"{place}: label {label!r:.100} {problem}.")
+    if label in seen:
+      text = nodes.describe_label(label)
+      raise errors.ManifestError(
+          f"{place} has label {text!r:.100}, like variables[{seen[label]}] (label"
+          f" {text!r:.100}); labels of variables must be unique."
+      )
+    seen[label] = index
+
+
 def all_nodes(manifest: manifest_lib.Manifest) -> Iterator[Node]:
   """Every node of the tree and of the mutable variables' values."""
   yield from walk(manifest.tree)

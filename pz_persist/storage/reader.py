@@ -287,7 +287,7 @@ def _check_orbax_readable(manifest: manifest_lib.Manifest, where: str) -> None:
   restore by key cannot find them; a direct read (one process, onto the host
   or one device) reads their files by name.
   """
-  if manifest.format_version >= manifest_lib.FIRST_FORMAT_WITH_LEAF_KEYS:
+  if manifest.leaf_keys:
     raise errors.PzPersistError(
         f"{where}: its variables were saved leaf by leaf by Orbax's"
         " PyTreeCheckpointHandler (pz_persist's type handler), which pz_persist reads"

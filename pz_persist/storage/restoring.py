@@ -11,6 +11,7 @@ from typing import Any
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
+from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.storage import opening
@@ -44,23 +45,25 @@ def read_tree(
 def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str) -> Any:
   """The saved tree, from its manifest and its arrays (see
   `pz_persist.storage.reader.values`)."""
+  tree, variables, tables = manifest.decodable()
   return decode_lib.decode(
-      manifest.tree, manifest.variables, values, root=errors.Location(where, "tree"),
+      tree, variables, values, root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
-      format_version=manifest.format_version, writer=manifest.writer,
+      format_version=manifest.format_version, writer=manifest.writer, tables=tables,
   )
 
 
 def abstract_tree(manifest: manifest_lib.Manifest, *, where: str) -> Any:
   """The saved tree with ``jax.ShapeDtypeStruct`` in place of every array."""
   # NumPy scalars have no abstract form of their own: a 0-d struct stands in.
-  values = [spec.abstract() for spec in manifest.arrays]
+  values = arrays_lib.abstract_values(manifest.arrays)
+  tree, variables, tables = manifest.decodable()
   return decode_lib.decode(
-      manifest.tree,
-      manifest.variables,
+      tree,
+      variables,
       values,
       abstract=True,
       root=errors.Location(where, "tree"),
       labels=[spec.label for spec in manifest.arrays],
-      format_version=manifest.format_version, writer=manifest.writer,
+      format_version=manifest.format_version, writer=manifest.writer, tables=tables,
   )

@@ -244,7 +244,7 @@ def leaves_manifest(
   ``migrate`` and the command read such an item like any other. Its tree is
   ``{leaf name: variable}`` (a variable held by two leaves is one variable);
   its arrays keep the names Orbax stored them under (``.``-joined leaf names,
-  which need format 3, `manifest.FIRST_FORMAT_WITH_LEAF_KEYS`), so the
+  which the manifest says with ``leaf_keys``), so the
   arrays are written once, by Orbax.
 
   Args:
@@ -278,7 +278,7 @@ def leaves_manifest(
   ])
   return manifest_lib.Manifest(
       tree=tree, variables=tuple(entries), arrays=tuple(arrays),
-      format_version=manifest_lib.FIRST_FORMAT_WITH_LEAF_KEYS,
+      format_version=manifest_lib.WRITTEN_FORMAT, leaf_keys=True,
   )
 
 

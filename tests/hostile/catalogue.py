@@ -26,6 +26,7 @@ import pathlib
 import shutil
 from collections.abc import Callable
 
+import manifest_json
 import pytest
 
 from pz_persist import errors
@@ -88,7 +89,7 @@ def outside(ckpt: pathlib.Path) -> pathlib.Path:
 
 
 def read_manifest(ckpt: pathlib.Path) -> dict:
-  return json.loads(manifest_file(ckpt).read_text())
+  return manifest_json.read(manifest_file(ckpt))
 
 
 def write_manifest(ckpt: pathlib.Path, data: dict) -> None:
@@ -142,6 +143,37 @@ def set_shape(index: int, shape: list) -> Builder:
       pair[1] = size
 
   return as_format_1(fn)
+
+
+def edit4(fn: Callable[[dict], object]) -> Builder:
+  """A builder applying ``fn`` to the manifest as written (format 4's
+  compact layout, `pz_persist.format.compact`), not to its expanded form."""
+
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    data = json.loads(manifest_file(ckpt).read_text())
+    assert data["format_version"] == 4, "the valid checkpoint is format 4"
+    fn(data)
+    manifest_file(ckpt).write_text(json.dumps(data))
+
+  return build
+
+
+def _set(path: tuple, value) -> Callable[[dict], None]:
+  """``data[path[0]][path[1]]... = value``."""
+  def fn(data):
+    for key in path[:-1]:
+      data = data[key]
+    data[path[-1]] = value
+  return fn
+
+
+def _nested(depth: int) -> list:
+  """A list node (type 1 of the MLP's manifest) nested ``depth`` deep."""
+  node: list = [1, []]
+  for _ in range(depth):
+    node = [1, [node]]
+  return node
 
 
 def raw(transform: Callable[[bytes], bytes]) -> Builder:
@@ -497,10 +529,10 @@ CASES: list[Case] = [
          ARRAY0_RE + r": invalid shape \[True, 16\]"),
     Case("shape_negative", edit_array(0, shape=[-8, 16]), errors.ManifestError,
          ARRAY0_RE + r": invalid shape \[-8, 16\]"),
-    Case("shape_nan", raw(lambda b: b.replace(b'"shape":[8,16]', b'"shape":[NaN,16]', 1)),
+    Case("shape_nan", raw(lambda b: b.replace(b'[8,16]', b'[NaN,16]', 1)),
          errors.ManifestError, MANIFEST_RE + ": not valid JSON.*NaN"),
     Case("shape_infinity",
-         raw(lambda b: b.replace(b'"shape":[8,16]', b'"shape":[Infinity,16]', 1)),
+         raw(lambda b: b.replace(b'[8,16]', b'[Infinity,16]', 1)),
          errors.ManifestError, MANIFEST_RE + ": not valid JSON.*Infinity"),
     Case("shape_rank_over_limit", edit_array(0, shape=[1] * 100), errors.ManifestError,
          ARRAY0_RE + ": 100 dimensions"),
@@ -755,6 +787,111 @@ CASES: list[Case] = [
          errors.DisallowedModuleError,
          FN_RE + r"\.args: the class numpy\.memmap is held as a value", DECODING),
     # JSON bombs: refused before parsing (see test_parsing.py for memory).
+    # Format 4 (`pz_persist.format.compact`): its tables, columns and references.
+    # The MLP's manifest: types[0] struct, [1] list, [2] variable, [3] tuple,
+    # [4] function, [5] dict, [6] named_array, [7] array (strings are bare);
+    # shared[3] the empty tuple, [4] the empty metadata dict, [5] the axis
+    # name "features".
+    Case("f4_type_index_out_of_range", edit4(_set(("tree", 0), 99)), errors.ManifestError,
+         MANIFEST_RE + r": tree has type 99, not an index of types"),
+    Case("f4_type_index_negative", edit4(_set(("tree", 0), -1)), errors.ManifestError,
+         MANIFEST_RE + r": tree has type -1, not an index of types"),
+    Case("f4_type_unknown", edit4(_set(("types", 5), "pickle")), errors.ManifestError,
+         MANIFEST_RE + r": types\[5\]: unknown node type 'pickle'"),
+    Case("f4_type_repeated", edit4(_set(("types", 5), "struct")), errors.ManifestError,
+         MANIFEST_RE + r": types repeats a node type"),
+    Case("f4_shared_index_out_of_range", edit4(_set(("variables", 0, 2), 99)),
+         errors.ManifestError,
+         MANIFEST_RE + r": variables\[0\]\.metadata refers to shared\[99\], which does not exist"),
+    Case("f4_shared_index_negative", edit4(_set(("variables", 0, 2), -1)),
+         errors.ManifestError,
+         MANIFEST_RE + r": variables\[0\]\.metadata refers to shared\[-1\]"),
+    Case("f4_class_index_out_of_range", edit4(_set(("tree", 1), 50)), errors.ManifestError,
+         MANIFEST_RE + r": tree\.class is 50, not an index of classes"),
+    Case("f4_class_not_allowed", edit4(_set(("classes", 0), ["subprocess", "Popen"])),
+         errors.DisallowedModuleError, r"the checkpoint names subprocess\.Popen", DECODING),
+    Case("f4_class_unimported_module", edit4(_set(("classes", 5), ["antigravity", "Fly"])),
+         errors.DisallowedModuleError, r"antigravity\.Fly.*not imported", DECODING,
+         unimported="antigravity"),
+    Case("f4_class_not_two_strings", edit4(_set(("classes", 0), ["penzai", 3])),
+         errors.ManifestError, MANIFEST_RE + r": classes\[0\] is \['penzai', 3\]"),
+    Case("f4_table_entry_unused",
+         edit4(lambda m: m["classes"].append(["penzai.nn.grouping", "Sequential"])),
+         errors.ManifestError, MANIFEST_RE + r": classes\[6\] is used by no node"),
+    Case("f4_shared_bad_dtype",
+         edit4(lambda m: (m["types"].append("dtype"),
+                          m["shared"].__setitem__(5, [len(m["types"]) - 1, "object"]))),
+         errors.ManifestError, r"unknown dtype 'object'", DECODING),
+    Case("f4_shared_bad_axis_name", edit4(_set(("shared", 5), [1, []])),
+         errors.ManifestError, r"axis name \[\] is unhashable", DECODING),
+    Case("f4_shared_holds_an_array", edit4(_set(("shared", 5), [7, 0])),
+         errors.ManifestError,
+         MANIFEST_RE + r": shared\[5\] is a array node: a shared entry holds static values only"),
+    Case("f4_shared_refers_to_shared", edit4(_set(("shared", 0), [3, [5]])),
+         errors.ManifestError,
+         MANIFEST_RE + r": shared\[0\]\.items\[0\] refers to a shared entry from a shared entry"),
+    Case("f4_tree_is_a_reference", edit4(_set(("tree",), 2)), errors.ManifestError,
+         MANIFEST_RE + r": tree must be a node"),
+    Case("f4_node_with_a_field_too_many", edit4(lambda m: m["tree"].append(1)),
+         errors.ManifestError,
+         MANIFEST_RE + r": tree is a struct node with 3 fields, expected 2 \(class, fields\)"),
+    Case("f4_node_not_a_list", edit4(_set(("variables", 0, 1), {"t": "str", "v": "x"})),
+         errors.ManifestError, MANIFEST_RE + r": variables\[0\]\.label is \{"),
+    Case("f4_depth_bomb", edit4(_set(("variables", 0, 2), _nested(150))),
+         errors.ManifestError, MANIFEST_RE + r": variables\[0\]\.metadata.* nests deeper than 100"),
+    Case("f4_variable_contains_itself", edit4(_set(("variables", 0, 3), [2, 0])),
+         errors.ManifestError, r"variable 0 contains itself", DECODING),
+    Case("f4_variable_not_four_fields", edit4(lambda m: m["variables"][0].pop()),
+         errors.ManifestError,
+         MANIFEST_RE + r": variables\[0\] must be \[kind, label, metadata, value\]"),
+    Case("f4_array_reference_out_of_range", edit4(_set(("variables", 0, 3, 2, 1), 99)),
+         errors.ManifestError, r"invalid array reference 99", DECODING),
+    Case("f4_columns_disagree", edit4(lambda m: m["arrays"]["key"].pop()),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.key must be a list of 4 entries"),
+    Case("f4_count_far_beyond_the_data", edit4(_set(("arrays", "count"), 10**15)),
+         errors.ManifestError,
+         MANIFEST_RE + r": arrays\.key must be a list of 1000000000000000 entries"),
+    Case("f4_count_negative", edit4(_set(("arrays", "count"), -4)), errors.ManifestError,
+         MANIFEST_RE + r": arrays\.count is -4, not a count"),
+    Case("f4_array_column_missing", edit4(lambda m: m["arrays"].pop("checksums")),
+         errors.ManifestError, MANIFEST_RE + r": arrays must be an object of the columns"),
+    Case("f4_duplicate_array_keys",
+         edit4(lambda m: m["arrays"]["key"].__setitem__(1, m["arrays"]["key"][0])),
+         errors.ManifestError, MANIFEST_RE + r": arrays 0 and 1 share the storage key"),
+    Case("f4_array_key_is_a_path", edit4(_set(("arrays", "key", 2), "../../etc")),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.key\[2\] is an invalid array key"),
+    Case("f4_leaf_key_without_leaf_keys", edit4(_set(("arrays", "key", 2), "a.b")),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.key\[2\] is an invalid array key 'a\.b'"),
+    Case("f4_shape_index_out_of_range", edit4(_set(("arrays", "shape", 3), 9)),
+         errors.ManifestError,
+         MANIFEST_RE + r": arrays\.shape\[3\] is 9, not an index of its table of 4 entries"),
+    Case("f4_shape_table_negative_size", edit4(_set(("arrays", "shapes", 1), [-16])),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.shapes\[1\] is an invalid shape"),
+    Case("f4_dtype_table_bad_dtype", edit4(_set(("arrays", "dtypes", 0), "object")),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.dtypes\[0\]: unknown dtype 'object'"),
+    Case("f4_kind_table_bad_kind", edit4(_set(("arrays", "kinds", 0), "pickle")),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.kinds\[0\] is an unknown array kind"),
+    Case("f4_label_with_control_characters",
+         edit4(_set(("arrays", "label", 1), "mlp\x1b[2J")),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.label\[1\] is an invalid label"),
+    Case("f4_weak_type_out_of_range", edit4(_set(("arrays", "weak_type"), [7])),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.weak_type must list"),
+    Case("f4_checksum_missing", edit4(_set(("arrays", "checksums", 0), None)),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.checksums\[0\] is missing"),
+    Case("f4_checksum_not_a_digest", edit4(_set(("arrays", "checksums", 2), "zz" * 16)),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.checksums\[2\] is not an xxh3_128 digest"),
+    Case("f4_checksum_slices_overlap",
+         edit4(_set(("arrays", "checksums", 1), [[[[0, 16]], "0" * 32], [[[0, 16]], "1" * 32]])),
+         errors.ManifestError, MANIFEST_RE + r": arrays\.checksums\[1\]: the checksums' slices"),
+    Case("f4_leaf_keys_not_a_boolean", edit4(_set(("leaf_keys",), "yes")),
+         errors.ManifestError, MANIFEST_RE + r": leaf_keys must be true or false"),
+    Case("f4_extra_field", edit4(_set(("pickle",), "gASV")), errors.ManifestError,
+         MANIFEST_RE + r": manifest fields .*'pickle'.*\(format 4\)"),
+    Case("f4_claims_format_5", edit4(_set(("format_version",), 5)), errors.FormatVersionError,
+         MANIFEST_RE + r".*manifest format 5: it needs a pz_persist that reads format 5;.* reads"
+         r" formats 1 to 4"),
+    Case("f4_truncated", raw(lambda b: b[: b.index(b'"arrays"')]), errors.ManifestError,
+         MANIFEST_RE + ": not valid JSON"),
     Case("manifest_node_bomb", raw(lambda b: b[:-1] + b', "x": [' + b"{}," * 300_000 + b"{}]}"),
          errors.ManifestError, MANIFEST_RE + r": \d+ JSON values in \d+ bytes, over the limit"),
     Case("orbax_metadata_node_bomb",

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import model_zoo
 import numpy as np
+import manifest_json
 import pytest
 from conftest import REPO
 from penzai import pz
@@ -241,7 +242,7 @@ def test_inspect_reports_the_refusal_as_json(tmp_path):
   ckpt = tmp_path / "ckpt"
   pzp.save_model(ckpt, model_zoo.mlp())
   catalogue.set_fn_node(_GADGETS["relu_rewritten"])(ckpt, None)
-  data = json.loads((ckpt / "penzai" / "pz_persist.json").read_text())
+  data = manifest_json.read(ckpt / "penzai" / "pz_persist.json")
   assert catalogue._elementwise(data)["fields"][0][1]["t"] == "partial"  # pylint: disable=protected-access
   with pytest.raises(errors.ManifestError, match="refusing private name"):
     pzp.inspect(ckpt)

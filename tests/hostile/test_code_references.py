@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import model_zoo
 import numpy as np
+import manifest_json
 import pytest
 from conftest import REPO
 from penzai import pz
@@ -189,7 +190,7 @@ def test_code_run_for_a_checkpoint_never_exits_the_process(mlp_checkpoint, tmp_p
   labels.mkdir()
   labels_ckpt = labels / "ckpt"
   pzp.save(labels_ckpt, {"label": pz.ScopedStateVarLabel(group="g", index=0)})
-  data = json.loads((labels_ckpt / "penzai" / "pz_persist.json").read_text())
+  data = manifest_json.read(labels_ckpt / "penzai" / "pz_persist.json")
   data["tree"]["items"][0][1]["class"] = {"module": "exiting_labels", "qualname": "Label"}
   (labels_ckpt / "penzai" / "pz_persist.json").write_text(json.dumps(data))
   result = _run(f"""

@@ -12,6 +12,7 @@ import json
 
 import model_zoo
 import orbax.checkpoint as ocp
+import manifest_json
 import pytest
 
 import pz_persist as pzp
@@ -41,7 +42,7 @@ def _type_handler_item(tmp_path, key: str, *, format_version: int | None = None)
   with ocp.PyTreeCheckpointer() as checkpointer:
     checkpointer.save(path, model_zoo.mlp())
   manifest_file = path / manifest_lib.MANIFEST_FILENAME
-  manifest = json.loads(manifest_file.read_text())
+  manifest = manifest_json.read(manifest_file)
   manifest["arrays"][0]["key"] = key
   if format_version is not None:
     manifest["format_version"] = format_version
@@ -74,6 +75,6 @@ def test_the_real_leaf_keys_load(tmp_path):
   path = tmp_path / "c"
   with ocp.PyTreeCheckpointer() as checkpointer:
     checkpointer.save(path, model_zoo.mlp())
-  keys = [spec["key"] for spec in json.loads((path / manifest_lib.MANIFEST_FILENAME).read_text())["arrays"]]
+  keys = [spec["key"] for spec in manifest_json.read(path / manifest_lib.MANIFEST_FILENAME)["arrays"]]
   assert keys and all("." in key for key in keys)
   assert pzp.verify(path).ok

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import model_zoo
 import numpy as np
 import orbax.checkpoint as ocp
+import manifest_json
 import pytest
 from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
@@ -66,7 +67,7 @@ def _change_one_float(directory: pathlib.Path) -> None:
 
 def _change_checksum(item: pathlib.Path, label: str) -> None:
   path = item / manifest_lib.MANIFEST_FILENAME
-  manifest = json.loads(path.read_text())
+  manifest = manifest_json.read(path)
   entry = next(e for e in manifest["arrays"] if e["label"] == label)
   entry["checksums"][0]["xxh3_128"] = "0" * 32
   path.write_text(json.dumps(manifest))

@@ -14,6 +14,7 @@ import os
 import re
 
 import model_zoo
+import manifest_json
 import pytest
 
 import pz_persist as pzp
@@ -29,7 +30,7 @@ and reverse what follows."""
 def _forge(item: str, fn) -> None:
   path = os.path.join(item, "pz_persist.json")
   with open(path) as f:
-    manifest = json.load(f)
+    manifest = manifest_json.expanded(f.read().encode())
   fn(manifest)
   with open(path, "w") as f:
     json.dump(manifest, f)

@@ -17,6 +17,7 @@ import json
 import os
 
 import model_zoo
+import manifest_json
 import pytest
 
 import pz_persist as pzp
@@ -108,7 +109,7 @@ def _edit_manifest(ckpt, fn, *, drop_file_digests: bool = True) -> None:
   """Edits the manifest; by default also deletes the file digest list, as
   whoever edits the manifest (whose digest it records) would."""
   with open(_manifest(ckpt)) as f:
-    data = json.load(f)
+    data = manifest_json.expanded(f.read().encode())
   fn(data)
   with open(_manifest(ckpt), "w") as f:
     json.dump(data, f)
