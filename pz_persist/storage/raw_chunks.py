@@ -157,7 +157,7 @@ class RawStore:
         failed.append(spec)
         return nbytes
       out = slabs.take(nbytes)
-      memoryview(out)[:] = result.value
+      out.data[:] = result.value
       on_read(spec, out.view(spec.storage_dtype).reshape(spec.shape))
       return nbytes
 

@@ -206,7 +206,16 @@ def plan(
       if spec.is_stored and (refs is None or index in refs)
   }
   wanted = [spec for spec in manifest.arrays if spec.key in targets]
-  sizes = {spec.key: placements.local_bytes(spec, targets[spec.key]) for spec in wanted}
+  # Once per distinct shape, dtype and target: a sharding's device map costs
+  # microseconds, and a tree of many small arrays repeats a few shapes.
+  distinct: dict[tuple[Any, ...], int] = {}
+  sizes = {}
+  for spec in wanted:
+    target = targets[spec.key]
+    shape_of = (spec.shape, spec.dtype, target)
+    if shape_of not in distinct:
+      distinct[shape_of] = placements.local_bytes(spec, target)
+    sizes[spec.key] = distinct[shape_of]
   limits.check_allocation(wanted, sizes, where=where)
   return Plan(manifest, where, refs, placed, targets, sizes, wanted)
 
