@@ -9,10 +9,16 @@ same checkpoint of N small arrays (best of ``--repeats``):
   them (no checks: the floor of any JSON manifest of this size), the same
   parse with pz_persist's checks (size and depth scan, duplicate keys, the
   array table), and decoding the tree;
-* ``load``: opening every array with TensorStore (the per-array part of
-  reading a TensorStore array; Orbax's format is one), handing every host
-  array to JAX (one ``device_put``), and building the Penzai values through
-  their public constructors (``pz.Parameter``, ``NamedArray``);
+* ``load``: what the read of the arrays costs (`reader.read_arrays`, all of
+  it, and the direct read alone), and its parts: opening every array with
+  TensorStore (what the ``ts.open`` path pays per array, and the raw-chunk
+  path skips), the raw-chunk path's batched reads of every ``.zarray`` and
+  then of every chunk from the item's OCDBT key-value store (plain
+  ``KvStore.read`` calls, nothing else: the floor of reading two entries an
+  array through TensorStore), hashing every array alone (xxHash3-128, the
+  checksums), handing every host array to JAX (one ``device_put``), and
+  building the Penzai values through their public constructors
+  (``pz.Parameter``, ``NamedArray``);
 * ``save``: encoding and validating the tree, and safetensors'
   ``save_file`` / ``load_file`` of the same arrays for reference.
 
@@ -46,7 +52,9 @@ import many_arrays  # noqa: E402  pylint: disable=wrong-import-position
 import pz_persist as pzp  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.format import encode  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.format import manifest as manifest_lib  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.storage import checksums  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.storage import direct_read  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.storage import reader  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.storage import restoring  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -75,6 +83,20 @@ def measure(count: int, array_kib: float, repeats: int, directory: str) -> dict[
     for future in futures:
       future.result()
 
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+  first_spec = direct_read._read_spec(  # pylint: disable=protected-access
+      epath.Path(item), specs[0].key, False, True, context)
+  kvstore = ts.KvStore.open({**first_spec["kvstore"], "path": ""}, context=context).result()
+  chunk_key = ".".join("0" * len(specs[0].shape)) or "0"
+
+  def read_entries(suffix):
+    futures = [kvstore.read(f"{spec.key}/{suffix}") for spec in specs]
+    return [future.result().value for future in futures]
+
+  def hash_every_array():
+    for array in host:
+      checksums.digest_of(array)
+
   def build_penzai_values():  # What decoding builds for each array.
     return [
         pz.ParameterValue(label=f"p{i}", value=pz.nx.NamedArray(
@@ -101,7 +123,16 @@ def measure(count: int, array_kib: float, repeats: int, directory: str) -> dict[
       "decode the abstract tree": best(
           lambda: restoring.abstract_tree(manifest, where="m"), repeats),
       "load": best(lambda: pzp.load(path), repeats),
+      "reader.read_arrays (read, verify, place)": best(
+          lambda: jax.block_until_ready(reader.read_arrays(epath.Path(item), manifest)), repeats),
+      "direct_read.read (host arrays, unverified)": best(
+          lambda: direct_read.read(epath.Path(item), specs, where="m"), repeats),
       "ts.open of every array": best(open_every_array, repeats),
+      "KvStore.read of every .zarray (one batch)": best(
+          lambda: read_entries(".zarray"), repeats),
+      "KvStore.read of every chunk (one batch)": best(
+          lambda: read_entries(chunk_key), repeats),
+      "xxh3_128 of every array (checksums alone)": best(hash_every_array, repeats),
       "jax.device_put of every host array (one call)": best(
           lambda: jax.block_until_ready(jax.device_put(host, jax.devices()[0])), repeats),
       "Penzai constructors (pz.Parameter + NamedArray)": best(build_penzai_values, repeats),
