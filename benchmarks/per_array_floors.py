@@ -18,7 +18,10 @@ same checkpoint of N small arrays (best of ``--repeats``):
   array through TensorStore), hashing every array alone (xxHash3-128, the
   checksums), handing every host array to JAX (one ``device_put``), and
   building the Penzai values through their public constructors
-  (``pz.Parameter``, ``NamedArray``);
+  (``pz.Parameter``, ``NamedArray``), and the time Python's cyclic garbage
+  collector spends inside one load (its collections, timed through
+  ``gc.callbacks``: pz_persist may not pause the collector, see
+  ``tests/hostile/test_collector_state.py``);
 * ``save``: encoding and validating the tree, and safetensors'
   ``save_file`` / ``load_file`` of the same arrays for reference.
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import shutil
@@ -97,6 +101,31 @@ def measure(count: int, array_kib: float, repeats: int, directory: str) -> dict[
     for array in host:
       checksums.digest_of(array)
 
+  def collector_time_in_one_load():
+    """Seconds the cyclic collector ran during the fastest of ``repeats`` loads."""
+    started, spent = [0.0], [0.0]
+
+    def timing(phase, info):
+      del info
+      if phase == "start":
+        started[0] = time.perf_counter()
+      else:
+        spent[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(timing)
+    try:
+      fastest = None
+      for _ in range(repeats):
+        spent[0] = 0.0
+        begin = time.perf_counter()
+        pzp.load(path)
+        took = time.perf_counter() - begin
+        if fastest is None or took < fastest[0]:
+          fastest = (took, spent[0])
+      return fastest[1] if fastest else 0.0
+    finally:
+      gc.callbacks.remove(timing)
+
   def build_penzai_values():  # What decoding builds for each array.
     return [
         pz.ParameterValue(label=f"p{i}", value=pz.nx.NamedArray(
@@ -123,6 +152,7 @@ def measure(count: int, array_kib: float, repeats: int, directory: str) -> dict[
       "decode the abstract tree": best(
           lambda: restoring.abstract_tree(manifest, where="m"), repeats),
       "load": best(lambda: pzp.load(path), repeats),
+      "cyclic garbage collector inside the fastest load": collector_time_in_one_load(),
       "reader.read_arrays (read, verify, place)": best(
           lambda: jax.block_until_ready(reader.read_arrays(epath.Path(item), manifest)), repeats),
       "direct_read.read (host arrays, unverified)": best(
