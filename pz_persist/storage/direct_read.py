@@ -9,7 +9,10 @@ in a warm process, against 0.4-0.5 s for the same files read here.
 
 This module reads the same files, through the same TensorStore specs Orbax
 builds (``ocp.type_handlers.get_json_tspec_read``), so the format, its
-checks and its errors are unchanged; only the destination differs. Each
+checks and its errors are unchanged; only the destination differs. Small
+arrays stored as one raw chunk skip ``ts.open`` altogether: they are read as
+the item's OCDBT key-value entries (`pz_persist.storage.raw_chunks`), and
+anything that is not exactly that layout falls back to ``ts.open`` here. Each
 array's chunks are copied by TensorStore directly into a 64-byte aligned
 buffer from `pz_persist.storage.host_memory.aligned_empty`, which then becomes the
 ``jax.Array`` (or stays the NumPy array) without another copy. Peak memory
