@@ -99,15 +99,17 @@ class RawStore:
 
   def __init__(self, kvstore: ts.KvStore):
     self._kvstore = kvstore
-    self._verdicts: dict[tuple[bytes, tuple[int, ...], str], str | None] = {}
+    self._verdicts: dict[bytes, tuple[tuple[int, ...], np.dtype, str | None]] = {}
 
   def plan(self, specs: Sequence[arrays_lib.ArraySpec]) -> dict[str, str]:
     """``{storage key: chunk key}`` of the arrays of ``specs`` stored as one
     raw chunk of the manifest's shape and stored dtype, by their ``.zarray``
     (all read at once). The others are left out."""
-    reads = [(spec, self._kvstore.read(f"{spec.key}/.zarray")) for spec in specs]
+    # Futures in a list beside ``specs``, not in pairs: a load of many small
+    # arrays makes the cyclic collector run often enough as it is.
+    reads = [self._kvstore.read(f"{spec.key}/.zarray") for spec in specs]
     chunks = {}
-    for spec, future in reads:
+    for spec, future in zip(specs, reads):
       try:
         result = future.result()
       except Exception:  # pylint: disable=broad-exception-caught  # ts.open reports it.
@@ -123,10 +125,14 @@ class RawStore:
     """The chunk key if ``zarray`` is exactly the ``.zarray`` of a raw
     single-chunk array of ``spec``'s shape and stored dtype, else None."""
     dtype = spec.storage_dtype
-    cache_key = (zarray, spec.shape, dtype.str + dtype.name)
-    if cache_key not in self._verdicts:
-      self._verdicts[cache_key] = _raw_chunk_key(zarray, spec.shape, dtype)
-    return self._verdicts[cache_key]
+    # By the bytes alone (no key tuple per array): the arrays of one item
+    # mostly share a few .zarray entries and specs.
+    known = self._verdicts.get(zarray)
+    if known is not None and known[0] == spec.shape and known[1] is dtype:
+      return known[2]
+    verdict = _raw_chunk_key(zarray, spec.shape, dtype)
+    self._verdicts[zarray] = (spec.shape, dtype, verdict)
+    return verdict
 
   def read(
       self,
@@ -143,11 +149,12 @@ class RawStore:
     """
     slabs = _Slabs(sum(_aligned(_stored_bytes(spec)) for spec in specs))
     failed: list[arrays_lib.ArraySpec] = []
-    in_flight: collections.deque[tuple[arrays_lib.ArraySpec, Any]] = collections.deque()
+    waiting: collections.deque[arrays_lib.ArraySpec] = collections.deque()
+    futures: collections.deque[Any] = collections.deque()  # Beside ``waiting``.
     flying = 0
 
     def finish() -> int:
-      spec, future = in_flight.popleft()
+      spec, future = waiting.popleft(), futures.popleft()
       nbytes = _stored_bytes(spec)
       try:
         result = future.result()
@@ -162,11 +169,12 @@ class RawStore:
       return nbytes
 
     for spec in specs:
-      in_flight.append((spec, self._kvstore.read(chunks[spec.key])))
+      waiting.append(spec)
+      futures.append(self._kvstore.read(chunks[spec.key]))
       flying += _stored_bytes(spec)
       while flying > IN_FLIGHT_BYTES:
         flying -= finish()
-    while in_flight:
+    while waiting:
       finish()
     return failed
 
