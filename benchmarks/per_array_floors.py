@@ -9,10 +9,19 @@ same checkpoint of N small arrays (best of ``--repeats``):
   them (no checks: the floor of any JSON manifest of this size), the same
   parse with pz_persist's checks (size and depth scan, duplicate keys, the
   array table), and decoding the tree;
-* ``load``: opening every array with TensorStore (the per-array part of
-  reading a TensorStore array; Orbax's format is one), handing every host
-  array to JAX (one ``device_put``), and building the Penzai values through
-  their public constructors (``pz.Parameter``, ``NamedArray``);
+* ``load``: what the read of the arrays costs (`reader.read_arrays`, all of
+  it, and the direct read alone), and its parts: opening every array with
+  TensorStore (what the ``ts.open`` path pays per array, and the raw-chunk
+  path skips), the raw-chunk path's batched reads of every ``.zarray`` and
+  then of every chunk from the item's OCDBT key-value store (plain
+  ``KvStore.read`` calls, nothing else: the floor of reading two entries an
+  array through TensorStore), hashing every array alone (xxHash3-128, the
+  checksums), handing every host array to JAX (one ``device_put``), and
+  building the Penzai values through their public constructors
+  (``pz.Parameter``, ``NamedArray``), and the time Python's cyclic garbage
+  collector spends inside one load (its collections, timed through
+  ``gc.callbacks``: pz_persist may not pause the collector, see
+  ``tests/hostile/test_collector_state.py``);
 * ``save``: encoding and validating the tree, and safetensors'
   ``save_file`` / ``load_file`` of the same arrays for reference.
 
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import shutil
@@ -46,7 +56,9 @@ import many_arrays  # noqa: E402  pylint: disable=wrong-import-position
 import pz_persist as pzp  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.format import encode  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.format import manifest as manifest_lib  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.storage import checksums  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.storage import direct_read  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.storage import reader  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.storage import restoring  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -75,6 +87,45 @@ def measure(count: int, array_kib: float, repeats: int, directory: str) -> dict[
     for future in futures:
       future.result()
 
+  context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+  first_spec = direct_read._read_spec(  # pylint: disable=protected-access
+      epath.Path(item), specs[0].key, False, True, context)
+  kvstore = ts.KvStore.open({**first_spec["kvstore"], "path": ""}, context=context).result()
+  chunk_key = ".".join("0" * len(specs[0].shape)) or "0"
+
+  def read_entries(suffix):
+    futures = [kvstore.read(f"{spec.key}/{suffix}") for spec in specs]
+    return [future.result().value for future in futures]
+
+  def hash_every_array():
+    for array in host:
+      checksums.digest_of(array)
+
+  def collector_time_in_one_load():
+    """Seconds the cyclic collector ran during the fastest of ``repeats`` loads."""
+    started, spent = [0.0], [0.0]
+
+    def timing(phase, info):
+      del info
+      if phase == "start":
+        started[0] = time.perf_counter()
+      else:
+        spent[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(timing)
+    try:
+      fastest = None
+      for _ in range(repeats):
+        spent[0] = 0.0
+        begin = time.perf_counter()
+        pzp.load(path)
+        took = time.perf_counter() - begin
+        if fastest is None or took < fastest[0]:
+          fastest = (took, spent[0])
+      return fastest[1] if fastest else 0.0
+    finally:
+      gc.callbacks.remove(timing)
+
   def build_penzai_values():  # What decoding builds for each array.
     return [
         pz.ParameterValue(label=f"p{i}", value=pz.nx.NamedArray(
@@ -101,7 +152,17 @@ def measure(count: int, array_kib: float, repeats: int, directory: str) -> dict[
       "decode the abstract tree": best(
           lambda: restoring.abstract_tree(manifest, where="m"), repeats),
       "load": best(lambda: pzp.load(path), repeats),
+      "cyclic garbage collector inside the fastest load": collector_time_in_one_load(),
+      "reader.read_arrays (read, verify, place)": best(
+          lambda: jax.block_until_ready(reader.read_arrays(epath.Path(item), manifest)), repeats),
+      "direct_read.read (host arrays, unverified)": best(
+          lambda: direct_read.read(epath.Path(item), specs, where="m"), repeats),
       "ts.open of every array": best(open_every_array, repeats),
+      "KvStore.read of every .zarray (one batch)": best(
+          lambda: read_entries(".zarray"), repeats),
+      "KvStore.read of every chunk (one batch)": best(
+          lambda: read_entries(chunk_key), repeats),
+      "xxh3_128 of every array (checksums alone)": best(hash_every_array, repeats),
       "jax.device_put of every host array (one call)": best(
           lambda: jax.block_until_ready(jax.device_put(host, jax.devices()[0])), repeats),
       "Penzai constructors (pz.Parameter + NamedArray)": best(build_penzai_values, repeats),

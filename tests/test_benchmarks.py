@@ -125,8 +125,11 @@ def test_many_arrays_benchmark_runs_in_fresh_processes(tmp_path, capsys):
 
 def test_per_array_floors_benchmark_runs(tmp_path, capsys):
   results = per_array_floors.main(["--count", "20", "--repeats", "1", "--dir", str(tmp_path)])
-  assert all(seconds > 0 for seconds in results.values())
+  collector = "cyclic garbage collector inside the fastest load"
+  assert results[collector] >= 0  # A load of 20 arrays may not collect at all.
+  assert all(seconds > 0 for name, seconds in results.items() if name != collector)
   assert {"inspect", "json.loads (C parser, no checks)", "load", "ts.open of every array",
+          "KvStore.read of every chunk (one batch)", "reader.read_arrays (read, verify, place)",
           "Penzai constructors (pz.Parameter + NamedArray)", "save"} <= set(results)
   assert "Whole operations and their parts" in capsys.readouterr().out
 

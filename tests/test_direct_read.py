@@ -90,21 +90,67 @@ def test_direct_and_orbax_paths_give_identical_trees(ckpt, monkeypatch):
   assert len(calls) == 1, "direct_reads=False must not take it"
 
 
+def _opened_by_tensorstore(monkeypatch) -> list[str]:
+  """The keys of the arrays `direct_read` opens with ``ts.open`` (the others
+  it reads as raw chunks: `pz_persist.storage.raw_chunks`)."""
+  opened: list[str] = []
+  real = direct_read._open  # pylint: disable=protected-access
+
+  def spy(directory, specs, *args):
+    opened.extend(spec.label or spec.path for spec in specs)
+    return real(directory, specs, *args)
+
+  monkeypatch.setattr(direct_read, "_open", spy)
+  return opened
+
+
+@pytest.mark.parametrize("direct_writes", [True, False], ids=["direct_write", "orbax_write"])
+def test_small_arrays_are_read_as_raw_chunks(ckpt, monkeypatch, direct_writes):
+  # Every dtype and rank of the tree, whether pz_persist's direct write or
+  # Orbax's own TensorStore write stored them: only the large multi-chunk
+  # array is opened by TensorStore; the rest load bit for bit without it.
+  tree = _tree()
+  handler = pzp.PenzaiCheckpointHandler(direct_writes=direct_writes)
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(ckpt, args=pzp.PenzaiSave(tree))
+  opened = _opened_by_tensorstore(monkeypatch)
+  assert_identical(pzp.load(ckpt), tree)
+  assert opened == ["big"]
+
+
+def test_compressed_small_arrays_are_opened_by_tensorstore(ckpt, monkeypatch):
+  tree = {"a": jnp.arange(64.0), "b": np.arange(8, dtype=np.int8)}
+  handler = pzp.PenzaiCheckpointHandler(use_compression=True)
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(ckpt, args=pzp.PenzaiSave(tree))
+  opened = _opened_by_tensorstore(monkeypatch)
+  assert_identical(pzp.load(ckpt), tree)
+  assert sorted(opened) == ["tree['a']", "tree['b']"]
+
+
 def test_arrays_are_adopted_without_a_copy_on_cpu(ckpt, monkeypatch):
-  pzp.save(ckpt, {"a": jnp.arange(4096.0), "b": jnp.ones((64, 64), jnp.bfloat16)})
+  # Small arrays (read as raw chunks, into shared buffers) and a large one
+  # (read by TensorStore into its own buffer).
+  pzp.save(ckpt, {"a": jnp.arange(4096.0), "b": jnp.ones((64, 64), jnp.bfloat16),
+                  "c": jnp.arange(300_000.0)})
   buffers = []
   real = host_memory.aligned_empty
 
   def recording(shape, dtype):
     out = real(shape, dtype)
-    buffers.append(out.ctypes.data)
+    buffers.append((out.ctypes.data, out.nbytes))
     return out
 
   monkeypatch.setattr(host_memory, "aligned_empty", recording)
   loaded = pzp.load(ckpt)
-  assert all(address % host_memory.ALIGNMENT == 0 for address in buffers)
-  # The jax.Arrays are the very buffers TensorStore read into.
-  assert sorted(x.unsafe_buffer_pointer() for x in loaded.values()) == sorted(buffers)
+  assert all(address % host_memory.ALIGNMENT == 0 for address, _ in buffers)
+  # The jax.Arrays are in the very buffers the reads filled, aligned.
+  for name, value in loaded.items():
+    pointer = value.unsafe_buffer_pointer()
+    assert pointer % host_memory.ALIGNMENT == 0, name
+    assert any(start <= pointer and pointer + value.nbytes <= start + size
+               for start, size in buffers), name
+  assert len(buffers) == 2  # One shared by the small arrays, one for "c".
 
 
 def test_only_the_selected_arrays_are_read(ckpt, monkeypatch):

@@ -9,7 +9,10 @@ in a warm process, against 0.4-0.5 s for the same files read here.
 
 This module reads the same files, through the same TensorStore specs Orbax
 builds (``ocp.type_handlers.get_json_tspec_read``), so the format, its
-checks and its errors are unchanged; only the destination differs. Each
+checks and its errors are unchanged; only the destination differs. Small
+arrays stored as one raw chunk skip ``ts.open`` altogether: they are read as
+the item's OCDBT key-value entries (`pz_persist.storage.raw_chunks`), and
+anything that is not exactly that layout falls back to ``ts.open`` here. Each
 array's chunks are copied by TensorStore directly into a 64-byte aligned
 buffer from `pz_persist.storage.host_memory.aligned_empty`, which then becomes the
 ``jax.Array`` (or stays the NumPy array) without another copy. Peak memory
@@ -52,6 +55,7 @@ from pz_persist.safety import safe_io
 from pz_persist.storage import containment
 from pz_persist.storage import host_memory
 from pz_persist.storage import orbax_metadata_checks
+from pz_persist.storage import raw_chunks
 
 IN_FLIGHT_BYTES = 64 * 2**20
 """Arrays whose reads run at once, by bytes: enough to keep TensorStore's
@@ -97,18 +101,36 @@ def read(
   """
   use_ocdbt, use_zarr3 = _layout(directory)
   context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
-  keys = [spec.key for spec in specs]
-  opening = {
-      key: ts.open(tspec, context=context, open=True, read=True)
-      for key, tspec in zip(
-          keys, _read_specs(directory, keys, use_zarr3, use_ocdbt, context)
-      )
-  }
+  arrays: dict[str, np.ndarray] = {}
+
+  def done(spec: arrays_lib.ArraySpec, out: np.ndarray) -> None:
+    arrays[spec.key] = out
+    if on_read is not None:
+      on_read(spec, out)
+
+  # Small arrays stored as one raw chunk: read as key-value entries, with
+  # no ts.open (see `raw_chunks`); their .zarray checked before the rest open.
+  small = [spec for spec in specs if raw_chunks.small(spec)]
+  raw_store, chunks = None, {}
+  if small and use_ocdbt and not use_zarr3:
+    first = small[0].key
+    raw_store = raw_chunks.open_store(
+        _read_spec(directory, first, use_zarr3, use_ocdbt, context), first, context
+    )
+    if raw_store is not None:
+      chunks = raw_store.plan(small)
+  rest = [spec for spec in specs if spec.key not in chunks]
+  opening = _open(directory, rest, use_zarr3, use_ocdbt, context)
+  if raw_store is not None and chunks:
+    unread = raw_store.read([spec for spec in small if spec.key in chunks], chunks, done)
+    if unread:  # Left to ts.open, which says what is wrong with them.
+      opening.update(_open(directory, unread, use_zarr3, use_ocdbt, context))
+      rest = [spec for spec in specs if spec.key in opening]
   stores = {key: _result(key, future) for key, future in opening.items()}
   # What TensorStore will trust when it allocates and copies, checked
-  # against the manifest before a byte of array data is allocated.
+  # against the manifest before a byte of these arrays' data is allocated.
   orbax_metadata_checks.check_stored_metadata(
-      specs,
+      rest,
       {
           key: types.SimpleNamespace(
               shape=store.shape,
@@ -121,20 +143,17 @@ def read(
       },
       where=where,
   )
-  arrays = {}
 
   def finish(flight: tuple[arrays_lib.ArraySpec, np.ndarray, Any]) -> int:
     spec, out, copy = flight
     _result(spec.key, copy)
-    if on_read is not None:
-      on_read(spec, out)
+    done(spec, out)
     return out.nbytes
 
   in_flight: collections.deque[tuple[arrays_lib.ArraySpec, np.ndarray, Any]] = collections.deque()
   flying_bytes = 0
-  for spec in specs:
+  for spec in rest:
     out = host_memory.aligned_empty(spec.shape, spec.storage_dtype)
-    arrays[spec.key] = out
     copy = ts.array(out, copy=False, write=True).write(stores.pop(spec.key))
     in_flight.append((spec, out, copy))
     flying_bytes += out.nbytes
@@ -143,7 +162,22 @@ def read(
   while in_flight:
     finish(in_flight.popleft())
   host_memory.release_freed()
-  return arrays
+  return {spec.key: arrays[spec.key] for spec in specs}
+
+
+def _open(
+    directory: epath.Path,
+    specs: Sequence[arrays_lib.ArraySpec],
+    use_zarr3: bool,
+    use_ocdbt: bool,
+    context: ts.Context,
+) -> dict[str, Any]:
+  """``ts.open`` of each of ``specs``' arrays, started: ``{key: future}``."""
+  keys = [spec.key for spec in specs]
+  return {
+      key: ts.open(tspec, context=context, open=True, read=True)
+      for key, tspec in zip(keys, _read_specs(directory, keys, use_zarr3, use_ocdbt, context))
+  }
 
 
 def _result(key: str, future: Any) -> Any:

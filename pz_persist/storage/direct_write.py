@@ -23,7 +23,7 @@ arrays each sit whole in host memory or on one device (`applies`):
   place whole (`pz_persist.storage.commit`);
 * a small array stored in one chunk is written as its two key-value
   entries (``<key>/.zarray`` and the chunk) with no ``ts.open`` at all. The
-  bytes are what the zarr driver writes: `_raw_chunk_layout` has
+  bytes are what the zarr driver writes: `raw_chunk_layout` has
   TensorStore encode a sample of each dtype and rank once per process and
   takes this path only if the sample's chunk is the array's own C-order
   bytes and its ``.zarray`` is reproduced exactly; otherwise the array goes
@@ -161,20 +161,20 @@ class _Specs:
           name: value for name, value in spec["metadata"].items()
           if name not in ("shape", "chunks")
       }
-      raw = _raw_chunk_layout(dtype, len(shape), json.dumps(other_metadata, sort_keys=True))
+      raw = raw_chunk_layout(dtype, len(shape), json.dumps(other_metadata, sort_keys=True))
       if raw is not None:
         fields, chunk_key = raw
-        zarray = _zarray_bytes({**fields, "shape": list(shape), "chunks": list(shape)})
+        zarray = zarray_bytes({**fields, "shape": list(shape), "chunks": list(shape)})
     return _Layout(spec, chunk_shape, zarray, chunk_key)
 
 
-def _zarray_bytes(fields: Mapping[str, Any]) -> bytes:
+def zarray_bytes(fields: Mapping[str, Any]) -> bytes:
   """A ``.zarray`` as TensorStore writes it: compact, keys sorted."""
   return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 @functools.lru_cache(maxsize=256)
-def _raw_chunk_layout(
+def raw_chunk_layout(
     dtype: np.dtype, rank: int, metadata_json: str
 ) -> tuple[dict[str, Any], str] | None:
   """The ``.zarray`` fields and chunk key TensorStore writes for a one-chunk
@@ -205,7 +205,7 @@ def _raw_chunk_layout(
   zarray = store.read(b".zarray").result().value
   chunk = store.read(chunk_keys[0]).result().value
   fields = json.loads(zarray)
-  if _zarray_bytes(fields) != zarray or chunk != _c_bytes(sample):
+  if zarray_bytes(fields) != zarray or chunk != _c_bytes(sample):
     return None
   return fields, chunk_keys[0].decode()
 

@@ -12,11 +12,16 @@ here holds for every one of them. In order, a read:
    for it, and refuses sizes beyond the allocation limit (`plan`);
 3. checks the stored metadata (shapes, dtypes, chunk shapes) against the
    manifest before any array data is allocated: the direct path checks what
-   TensorStore opened, the Orbax path what Orbax's metadata says;
+   TensorStore opened, or for a small array read as its raw chunk
+   (`pz_persist.storage.raw_chunks`) that its ``.zarray`` is byte for byte the
+   one TensorStore writes for the manifest's shape and dtype; the Orbax path
+   checks what Orbax's metadata says;
 4. reads the arrays, either straight into their final buffers
-   (`pz_persist.storage.direct_read`: one process, host memory or single devices) or
-   through Orbax's restore in batches of bounded size (meshes, several
-   processes), each process reading only its own shards;
+   (`pz_persist.storage.direct_read`: one process, host memory or single
+   devices; small arrays stored as one raw chunk as key-value entries of the
+   item's OCDBT store, many at once) or through Orbax's restore in batches
+   of bounded size (meshes, several processes), each process reading only
+   its own shards;
 5. checks the bytes read against the manifest's checksums (one `_Verifier`
    for both paths: as each array is read on the direct path, overlapped with
    the next reads; batch by batch on the Orbax path);
@@ -206,7 +211,16 @@ def plan(
       if spec.is_stored and (refs is None or index in refs)
   }
   wanted = [spec for spec in manifest.arrays if spec.key in targets]
-  sizes = {spec.key: placements.local_bytes(spec, targets[spec.key]) for spec in wanted}
+  # Once per distinct shape, dtype and target: a sharding's device map costs
+  # microseconds, and a tree of many small arrays repeats a few shapes.
+  distinct: dict[tuple[Any, ...], int] = {}
+  sizes = {}
+  for spec in wanted:
+    target = targets[spec.key]
+    shape_of = (spec.shape, spec.dtype, target)
+    if shape_of not in distinct:
+      distinct[shape_of] = placements.local_bytes(spec, target)
+    sizes[spec.key] = distinct[shape_of]
   limits.check_allocation(wanted, sizes, where=where)
   return Plan(manifest, where, refs, placed, targets, sizes, wanted)
 

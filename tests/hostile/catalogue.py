@@ -252,6 +252,55 @@ def set_zarray_shape(shape: list[int], field: str = "shape") -> Builder:
   return build
 
 
+def _array0_store(ckpt: pathlib.Path):
+  """The item's OCDBT key-value store, and the keys of arrays[0]'s
+  ``.zarray`` and chunk in it ([8, 16] float32: one raw chunk, ``0.0``)."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+
+  kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item(ckpt)}/"}).result()
+  zarray = next(k for k in kv.list().result() if k.startswith(b"00000_") and k.endswith(b"/.zarray"))
+  return kv, zarray, zarray[: -len(b".zarray")] + b"0.0"
+
+
+def lie_in_zarray(**fields) -> Builder:
+  """Rewrites arrays[0]'s ``.zarray`` with ``fields`` changed, in the very
+  form TensorStore writes (compact, keys sorted), so that only its content
+  differs from what the raw-chunk read (`pz_persist.storage.raw_chunks`)
+  accepts byte for byte."""
+
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    kv, key, _ = _array0_store(ckpt)
+    meta = json.loads(kv.read(key).result().value)
+    meta.update(fields)
+    kv.write(key, json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()).result()
+
+  return build
+
+
+def change_chunk(transform: Callable[[bytes], bytes | None]) -> Builder:
+  """Rewrites arrays[0]'s chunk (its raw bytes) as ``transform`` returns it;
+  None deletes it."""
+
+  def build(ckpt, monkeypatch):
+    del monkeypatch
+    kv, _, key = _array0_store(ckpt)
+    data = transform(kv.read(key).result().value)
+    if data is None:
+      kv.delete_range(ts_range(key)).result()
+    else:
+      kv.write(key, data).result()
+
+  return build
+
+
+def ts_range(key: bytes):
+  """The key range of exactly ``key``."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+
+  return ts.KvStore.KeyRange(key, key + b"\x00")
+
+
 def both(*builders: Builder) -> Builder:
   def build(ckpt, monkeypatch):
     for b in builders:
@@ -706,6 +755,39 @@ CASES: list[Case] = [
          r"penzai: .*(cannot be read|damaged)", READING),
     Case("ocdbt_manifest_missing", ocdbt_manifest_missing, DAMAGED,
          r"penzai: .*(cannot be read|damaged)", READING),
+    # Small arrays are read as raw OCDBT entries (storage.raw_chunks): a
+    # .zarray in TensorStore's own form that lies, and chunks of the wrong
+    # length, are left to TensorStore's array driver, which refuses them.
+    Case("raw_zarray_says_int32", lie_in_zarray(dtype="<i4"), errors.ManifestError,
+         rf"label '{LABEL0_RE}'.* should be float32\[8, 16\] by the manifest, but the"
+         r" stored array is int32\[8, 16\]", READING),
+    Case("raw_zarray_says_float64", lie_in_zarray(dtype="<f8"), errors.ManifestError,
+         rf"label '{LABEL0_RE}'.* should be float32\[8, 16\] by the manifest, but the"
+         r" stored array is float64\[8, 16\]", READING),
+    Case("raw_zarray_other_shape", lie_in_zarray(shape=[16, 8], chunks=[16, 8]),
+         errors.ManifestError,
+         rf"label '{LABEL0_RE}'.* should be float32\[8, 16\] by the manifest, but the"
+         r" stored array is float32\[16, 8\]", READING),
+    Case("raw_zarray_fortran_order", lie_in_zarray(order="F"), errors.IntegrityError,
+         rf"label '{LABEL0_RE}'.*differ", READING),
+    Case("raw_zarray_big_endian", lie_in_zarray(dtype=">f4"), errors.IntegrityError,
+         rf"label '{LABEL0_RE}'.*differ", READING),
+    Case("raw_zarray_compressed", lie_in_zarray(compressor={"id": "zstd", "level": 1}),
+         errors.IntegrityError, rf"cannot read the stored array\(s\) of label '{LABEL0_RE}'",
+         READING),
+    Case("raw_zarray_other_separator", lie_in_zarray(dimension_separator="/"),
+         errors.IntegrityError, rf"cannot read the stored array\(s\) of label '{LABEL0_RE}'",
+         READING),
+    Case("raw_chunk_short", change_chunk(lambda b: b[:-4]), errors.IntegrityError,
+         rf"cannot read the stored array\(s\) of label '{LABEL0_RE}'", READING),
+    Case("raw_chunk_long", change_chunk(lambda b: b + bytes(4)), errors.IntegrityError,
+         rf"cannot read the stored array\(s\) of label '{LABEL0_RE}'", READING),
+    Case("raw_chunk_empty", change_chunk(lambda b: b""), errors.IntegrityError,
+         rf"cannot read the stored array\(s\) of label '{LABEL0_RE}'", READING),
+    Case("raw_chunk_missing", change_chunk(lambda b: None), errors.IntegrityError,
+         rf"cannot read the stored array\(s\) of label '{LABEL0_RE}'", READING),
+    Case("raw_chunk_flipped", change_chunk(flip_middle), errors.IntegrityError,
+         rf"label '{LABEL0_RE}'.*differ", READING),
     # Files that are not what they seem.
     Case("data_dir_symlink_outside", data_dir_symlink_outside, errors.UnsafeCheckpointError,
          r"penzai/d is a symlink to .*outside/d, outside the checkpoint"),

@@ -23,7 +23,12 @@ from conftest import run_python
 import pz_persist as pzp
 from pz_persist.storage import host_memory
 
-_SHAPES = {"w": (64, 256), "v": (3, 1000), "n": (32, 128)}  # "n" stays NumPy.
+_SHAPES = {"w": (64, 256), "v": (3, 1000), "n": (32, 128), "big": (640, 512)}
+""""n" stays NumPy. The small arrays are read as raw chunks into one shared
+buffer (`pz_persist.storage.raw_chunks`), "big" (over 1 MiB) by TensorStore
+into its own: so a load makes `_PER_LOAD` mappings, and both read paths'
+buffers are reused."""
+_PER_LOAD = 2
 
 
 def _tree(seed: int) -> dict:
@@ -87,12 +92,12 @@ def _collect():
 def test_the_memory_of_a_dead_result_serves_the_next_load(checkpoints, new_mappings):
   (first_path, _), (second_path, second_values) = checkpoints
   first = pzp.load(first_path)
-  assert len(new_mappings) == len(_SHAPES)
+  assert len(new_mappings) == _PER_LOAD
   addresses = _addresses(first)
   del first
   _collect()
   second = pzp.load(second_path)
-  assert len(new_mappings) == len(_SHAPES), "the dead result's memory was not reused"
+  assert len(new_mappings) == _PER_LOAD, "the dead result's memory was not reused"
   assert _addresses(second) == addresses
   _assert_values(second, second_values)
 
@@ -103,18 +108,18 @@ def test_a_result_still_held_is_not_overwritten_by_the_next_load(checkpoints, ne
   (first_path, first_values), (second_path, second_values) = checkpoints
   first = pzp.load(first_path)
   second = pzp.load(second_path)
-  assert len(new_mappings) == 2 * len(_SHAPES)
+  assert len(new_mappings) == 2 * _PER_LOAD
   assert not _addresses(first) & _addresses(second)
   second["n"][...] = 0.0  # The NumPy array is writable: no write may reach the first.
   _collect()
   third = pzp.load(second_path)  # Nothing has died: all new memory again.
-  assert len(new_mappings) == 3 * len(_SHAPES)
+  assert len(new_mappings) == 3 * _PER_LOAD
   _assert_values(first, first_values)
   _assert_values(third, second_values)
   del second
   _collect()
   fourth = pzp.load(first_path)  # Now the second result's memory serves.
-  assert len(new_mappings) == 3 * len(_SHAPES)
+  assert len(new_mappings) == 3 * _PER_LOAD
   _assert_values(first, first_values)
   _assert_values(third, second_values)
   _assert_values(fourth, first_values)
@@ -127,14 +132,14 @@ def test_memory_a_view_still_uses_is_not_reused(checkpoints, new_mappings):
   first = pzp.load(first_path)
   views = {"w": np.asarray(first["w"]), "n": first["n"][1:]}
   assert views["w"].ctypes.data == first["w"].unsafe_buffer_pointer()  # A view indeed.
-  adopted = {"v": first["v"]}  # The jax.Array alone, without the tree.
+  adopted = {"v": first["v"], "big": first["big"]}  # The jax.Arrays alone, without the tree.
   del first
   _collect()
   second = pzp.load(second_path)
-  assert len(new_mappings) == 2 * len(_SHAPES)
+  assert len(new_mappings) == 2 * _PER_LOAD
   np.testing.assert_array_equal(views["w"], first_values["w"])
   np.testing.assert_array_equal(views["n"], first_values["n"][1:])
-  _assert_values(adopted, {"v": first_values["v"]})
+  _assert_values(adopted, {"v": first_values["v"], "big": first_values["big"]})
   _assert_values(second, second_values)
 
 
@@ -145,7 +150,7 @@ def test_release_buffers_gives_the_memory_back(checkpoints, new_mappings):
   _collect()
   host_memory.release_buffers()
   second = pzp.load(path)
-  assert len(new_mappings) == 2 * len(_SHAPES), "released memory was reused"
+  assert len(new_mappings) == 2 * _PER_LOAD, "released memory was reused"
   _assert_values(second, values)
 
 
@@ -165,7 +170,7 @@ def test_memory_is_kept_for_a_bounded_time(checkpoints, new_mappings, monkeypatc
     time.sleep(0.1)
   assert pool._free_bytes == 0  # pylint: disable=protected-access
   second = pzp.load(path)
-  assert len(new_mappings) == 2 * len(_SHAPES)
+  assert len(new_mappings) == 2 * _PER_LOAD
   _assert_values(second, values)
 
 

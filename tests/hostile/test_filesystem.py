@@ -28,6 +28,7 @@ from pz_persist.storage import commit
 from pz_persist.storage import destinations
 from pz_persist.storage import direct_read
 from pz_persist.storage import leftovers
+from pz_persist.storage import raw_chunks
 
 TRASH = ".pz_persist_deleted"
 SEVEN, OUTSIDE_VALUE = 7.0, 666.0
@@ -364,11 +365,14 @@ def test_read_small_file_refuses_what_is_not_a_small_regular_file(tmp_path):
 # Item 9: a data file swapped for a link between the check and TensorStore's open.
 
 
-def _saved_sevens(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
-  """A checkpoint of sevens, the data file holding them, and an outside copy of
-  that file whose sevens are 666s (a forged file TensorStore reads happily)."""
+def _saved_sevens(
+    tmp_path: pathlib.Path, count: int = 4096
+) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+  """A checkpoint of ``count`` sevens (a multiple of 4096), the data file
+  holding them, and an outside copy of that file whose sevens are 666s (a
+  forged file TensorStore reads happily)."""
   ckpt = tmp_path / "ckpt"
-  pzp.save(ckpt, {"x": np.full(4096, SEVEN)})
+  pzp.save(ckpt, {"x": np.full(count, SEVEN)})
   pattern = np.float64(SEVEN).tobytes() * 4096
   (data,) = [
       p for p in (ckpt / "penzai").rglob("*") if p.is_file() and pattern in p.read_bytes()
@@ -392,10 +396,16 @@ def _swap(data: pathlib.Path, forged: pathlib.Path, whole_dir: bool) -> None:
     data.symlink_to(forged)
 
 
+_LARGE = 4096 * 40
+"""Sevens over 1 MiB: read through ``ts.open``, not as a raw chunk."""
+
+
 @pytest.mark.parametrize("whole_dir", [False, True])
-@pytest.mark.parametrize("path", ["direct", "orbax"])
+@pytest.mark.parametrize("path", ["direct", "raw", "orbax"])
 def test_a_file_swapped_after_the_check_is_never_returned(tmp_path, monkeypatch, path, whole_dir):
-  ckpt, data, forged = _saved_sevens(tmp_path)
+  # direct: a large array, through ts.open; raw: a small one, read as raw
+  # OCDBT entries (`raw_chunks`); orbax: Orbax's restore.
+  ckpt, data, forged = _saved_sevens(tmp_path, _LARGE if path == "direct" else 4096)
   swapped = []
 
   def swap_once():
@@ -411,6 +421,15 @@ def test_a_file_swapped_after_the_check_is_never_returned(tmp_path, monkeypatch,
       return open_store(*args, **kwargs)
 
     monkeypatch.setattr(direct_read.ts, "open", swap_then_open)
+    load = lambda: pzp.load(ckpt, verify=False)
+  elif path == "raw":  # Right before the chunks are read.
+    read_chunks = raw_chunks.RawStore.read
+
+    def swap_then_read(self, *args, **kwargs):
+      swap_once()
+      return read_chunks(self, *args, **kwargs)
+
+    monkeypatch.setattr(raw_chunks.RawStore, "read", swap_then_read)
     load = lambda: pzp.load(ckpt, verify=False)
   else:
     restore = ocp.PyTreeCheckpointHandler.restore
@@ -428,19 +447,20 @@ def test_a_file_swapped_after_the_check_is_never_returned(tmp_path, monkeypatch,
   assert swapped
 
 
-def test_a_file_swapped_for_a_link_inside_is_refused_too(tmp_path, monkeypatch):
+@pytest.mark.parametrize("count", [_LARGE, 4096], ids=["direct", "raw"])
+def test_a_file_swapped_for_a_link_inside_is_refused_too(tmp_path, monkeypatch, count):
   """A swap that stays inside is still a swap: what was read is not trusted."""
-  ckpt, data, _ = _saved_sevens(tmp_path)
+  ckpt, data, _ = _saved_sevens(tmp_path, count)
   moved = data.parent / "moved"
-  open_store = direct_read.ts.open
+  layout = direct_read._layout  # pylint: disable=protected-access
 
-  def swap_then_open(*args, **kwargs):
+  def swap_then_read(directory):  # Before either read path opens anything.
     if not moved.exists():
       os.rename(data, moved)
       data.symlink_to("moved")
-    return open_store(*args, **kwargs)
+    return layout(directory)
 
-  monkeypatch.setattr(direct_read.ts, "open", swap_then_open)
+  monkeypatch.setattr(direct_read, "_layout", swap_then_read)
   with pytest.raises(errors.UnsafeCheckpointError, match="changed while the checkpoint was being read"):
     pzp.load(ckpt, verify=False)
-  np.testing.assert_array_equal(pzp.load(ckpt)["x"], np.full(4096, SEVEN))  # Unharmed now.
+  np.testing.assert_array_equal(pzp.load(ckpt)["x"], np.full(count, SEVEN))  # Unharmed now.

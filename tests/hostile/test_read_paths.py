@@ -141,6 +141,28 @@ def test_changed_float_is_refused_by_the_type_handler(tmp_path):
     checkpointer.restore(tmp_path / "c")
 
 
+@pytest.mark.parametrize(
+    "case", [c for c in catalogue.CASES if c.name.startswith("raw_")], ids=lambda c: c.name
+)
+def test_damaged_raw_chunks_are_refused_by_checkpoint_manager(case, tmp_path, monkeypatch):
+  """The raw-chunk read of small arrays (`pz_persist.storage.raw_chunks`)
+  through Orbax v0: a ``CheckpointManager`` restoring with
+  `pzp.PenzaiRestore` and with no arguments (v1 and pz_persist's own loaders
+  run the whole catalogue)."""
+  model = model_zoo.mlp()
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=ocp.args.Composite(penzai=pzp.PenzaiSave(model)))
+    manager.wait_until_finished()
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    assert_identical(manager.restore(1).penzai, model)
+  case.build(tmp_path / "run" / "1", monkeypatch)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    with pytest.raises(case.error, match=case.match):
+      manager.restore(1, args=ocp.args.Composite(penzai=pzp.PenzaiRestore()))
+    with pytest.raises(case.error, match=case.match):
+      manager.restore(1)
+
+
 # The hostile catalogue, through Orbax v1.
 
 # Cases v1 cannot meet as pzp.load does: Orbax itself reads
