@@ -1,3 +1,3 @@
 """The library version (the manifest format has its own, FORMAT_VERSION)."""
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"

@@ -9,7 +9,7 @@ reading any array data. Layout::
   {
     "format": "pz_persist",
     "format_version": 2,  # or 3; format 4: pz_persist.format.compact
-    "writer": "pz_persist 0.6.0",
+    "writer": "pz_persist 0.7.0",
     "tree": {...},        # typed JSON node of the saved tree
     "variables": [...],   # mutable variables, referenced from the tree
     "arrays": [...]       # one entry per array, see ArraySpec.to_json
