@@ -24,6 +24,24 @@ def ckpt(tmp_path):
   return tmp_path / "ckpt"
 
 
+@pytest.fixture
+def tensorstore_opens(monkeypatch) -> list[str]:
+  """The labels (or paths) of the arrays `pz_persist.storage.direct_read` opens
+  with ``ts.open``, as they are opened; the others it reads as raw chunks
+  (`pz_persist.storage.raw_chunks`)."""
+  from pz_persist.storage import direct_read  # pylint: disable=import-outside-toplevel
+
+  opened: list[str] = []
+  real = direct_read._open  # pylint: disable=protected-access
+
+  def spy(directory, specs, *args):
+    opened.extend(spec.label or spec.path for spec in specs)
+    return real(directory, specs, *args)
+
+  monkeypatch.setattr(direct_read, "_open", spy)
+  return opened
+
+
 def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> str:
   """Runs ``code`` in a fresh interpreter; returns stdout, raising on failure."""
   full_env = dict(os.environ, **(env or {}))

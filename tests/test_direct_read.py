@@ -90,22 +90,9 @@ def test_direct_and_orbax_paths_give_identical_trees(ckpt, monkeypatch):
   assert len(calls) == 1, "direct_reads=False must not take it"
 
 
-def _opened_by_tensorstore(monkeypatch) -> list[str]:
-  """The keys of the arrays `direct_read` opens with ``ts.open`` (the others
-  it reads as raw chunks: `pz_persist.storage.raw_chunks`)."""
-  opened: list[str] = []
-  real = direct_read._open  # pylint: disable=protected-access
-
-  def spy(directory, specs, *args):
-    opened.extend(spec.label or spec.path for spec in specs)
-    return real(directory, specs, *args)
-
-  monkeypatch.setattr(direct_read, "_open", spy)
-  return opened
-
 
 @pytest.mark.parametrize("direct_writes", [True, False], ids=["direct_write", "orbax_write"])
-def test_small_arrays_are_read_as_raw_chunks(ckpt, monkeypatch, direct_writes):
+def test_small_arrays_are_read_as_raw_chunks(ckpt, tensorstore_opens, direct_writes):
   # Every dtype and rank of the tree, whether pz_persist's direct write or
   # Orbax's own TensorStore write stored them: only the large multi-chunk
   # array is opened by TensorStore; the rest load bit for bit without it.
@@ -113,19 +100,17 @@ def test_small_arrays_are_read_as_raw_chunks(ckpt, monkeypatch, direct_writes):
   handler = pzp.PenzaiCheckpointHandler(direct_writes=direct_writes)
   with ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(ckpt, args=pzp.PenzaiSave(tree))
-  opened = _opened_by_tensorstore(monkeypatch)
   assert_identical(pzp.load(ckpt), tree)
-  assert opened == ["big"]
+  assert tensorstore_opens == ["big"]
 
 
-def test_compressed_small_arrays_are_opened_by_tensorstore(ckpt, monkeypatch):
+def test_compressed_small_arrays_are_opened_by_tensorstore(ckpt, tensorstore_opens):
   tree = {"a": jnp.arange(64.0), "b": np.arange(8, dtype=np.int8)}
   handler = pzp.PenzaiCheckpointHandler(use_compression=True)
   with ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(ckpt, args=pzp.PenzaiSave(tree))
-  opened = _opened_by_tensorstore(monkeypatch)
   assert_identical(pzp.load(ckpt), tree)
-  assert sorted(opened) == ["tree['a']", "tree['b']"]
+  assert sorted(tensorstore_opens) == ["tree['a']", "tree['b']"]
 
 
 def test_arrays_are_adopted_without_a_copy_on_cpu(ckpt, monkeypatch):

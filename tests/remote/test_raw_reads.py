@@ -38,17 +38,6 @@ def _tree():
   }
 
 
-def _opened_by_tensorstore(monkeypatch) -> list[str]:
-  opened: list[str] = []
-  real = direct_read._open  # pylint: disable=protected-access
-
-  def spy(directory, specs, *args):
-    opened.extend(spec.label or spec.path for spec in specs)
-    return real(directory, specs, *args)
-
-  monkeypatch.setattr(direct_read, "_open", spy)
-  return opened
-
 
 def _chunk_store(path: str):
   """The item's OCDBT store, and the chunk key of the array labelled "small"."""
@@ -60,12 +49,11 @@ def _chunk_store(path: str):
   return kvstore, f"{key}/0"
 
 
-def test_small_arrays_load_as_raw_chunks(writable, monkeypatch):
+def test_small_arrays_load_as_raw_chunks(writable, tensorstore_opens):
   path = f"{writable}/ckpt"
   pzp.save(path, _tree())
-  opened = _opened_by_tensorstore(monkeypatch)
   assert_identical(pzp.load(path), _tree())
-  assert opened == ["tree['large']"]
+  assert tensorstore_opens == ["tree['large']"]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
