@@ -103,11 +103,12 @@ class _ArrayLabels:
     self._labels = labels  # None: not checked.
     self._held_by: list[str] = []
 
-  def holding(self, label: Any) -> _ArrayLabels:
-    """``with labels.holding(label)``: within it, arrays are held by the
-    variable labelled ``label``. (Its own ``__enter__`` / ``__exit__``, not
-    a ``contextlib`` generator: it runs for every variable.)"""
-    self._held_by.append(nodes.describe_label(label))
+  def holding(self, described: str) -> _ArrayLabels:
+    """``with labels.holding(described)``: within it, arrays are held by the
+    variable whose label `nodes.describe_label` describes as ``described``.
+    (Its own ``__enter__`` / ``__exit__``, not a ``contextlib`` generator: it
+    runs for every variable.)"""
+    self._held_by.append(described)
     return self
 
   def __enter__(self) -> None:
@@ -242,11 +243,47 @@ class _Walk:
     if kind is str:  # A str node, tree or static alike.
       return node
     if kind is int:
+      found = self._decoded_shared.get((node, in_tree))
+      if found is not None and found[1]:  # Immutable: reused (`_shared_node`).
+        return found[0]
       return self._shared_node(node, where, depth, in_tree)
     tag, node_type = self.tables.types[node[0]]
     if not (node_type.tree if in_tree else node_type.static):
       raise errors.ManifestError(f"{where}: unknown node type {tag!r:.60}.")
+    # The nodes met once per array, decoded from their fields without the
+    # typed node `Tables.shallow` builds (the order of their rows' fields).
+    if tag == "array":
+      return self.array(node[1], where)
+    if tag == "named_array":
+      return _named_array_of(_At(self, where, depth, in_tree), node[1], node[2])
+    if tag == "parameter_value" or tag == "state_variable_value":
+      return variable_kinds.BY_VALUE_TAG[tag].value_class(
+          **self.labeled_parts(node[1], node[2], node[3], where, depth))
     return DECODERS[tag](_At(self, where, depth, in_tree), self.tables.shallow(node))
+
+  def known(self, node: Any, depth: int, in_tree: bool) -> Any:
+    """What `decode` returns for ``node`` at ``depth`` if that needs no
+    work (a format 4 string, or an immutable shared value already decoded),
+    else `_UNKNOWN`: lets the commonest nodes skip the walk, and the text
+    naming where they are."""
+    if self.tables is None or depth > nodes.MAX_DEPTH:
+      return _UNKNOWN
+    kind = type(node)
+    if kind is str:
+      return node
+    if kind is int:
+      found = self._decoded_shared.get((node, in_tree))
+      if found is not None and found[1]:
+        return found[0]
+    return _UNKNOWN
+
+  def array(self, ref: Any, where: str) -> Any:
+    """The array ``ref`` of an ``array`` node, checked against the arrays
+    table and against the variable holding it."""
+    if type(ref) is not int or not 0 <= ref < len(self.arrays):
+      raise errors.ManifestError(f"{where}: invalid array reference {ref!r}.")
+    self.labels.check(ref, where)
+    return self.arrays[ref]
 
   def _shared_node(self, index: int, where: str, depth: int, in_tree: bool) -> Any:
     """Shared entry ``index`` of a format 4 manifest (`pz_persist.format.compact`):
@@ -292,15 +329,28 @@ class _Walk:
 
   def labeled(self, node: Node, where: str, depth: int) -> dict[str, Any]:
     """The label, metadata and value of a variable or frozen value."""
-    label = check_label(self.decode(node["label"], f"{where}.label", depth + 1, False), where)
-    where = f"{where} (label {nodes.describe_label(label)!r})"
-    metadata = self.decode(node["metadata"], f"{where}.metadata", depth + 1, False)
+    return self.labeled_parts(node["label"], node["metadata"], node["value"], where, depth)
+
+  def labeled_parts(
+      self, label_node: Any, metadata_node: Any, value_node: Any, where: str, depth: int
+  ) -> dict[str, Any]:
+    """`labeled`, from the node's three fields."""
+    label = self.known(label_node, depth + 1, False)
+    if label is _UNKNOWN:
+      label = self.decode(label_node, f"{where}.label", depth + 1, False)
+    check_label(label, where)
+    described = nodes.describe_label(label)
+    where = f"{where} (label {described!r})"
+    metadata = self.decode(metadata_node, f"{where}.metadata", depth + 1, False)
     if not isinstance(metadata, dict):
       raise errors.ManifestError(f"{where}: metadata must be a dict.")
-    with self.labels.holding(label):
-      value = self.decode(node["value"], f"{where}.value", depth + 1, True)
+    with self.labels.holding(described):
+      value = self.decode(value_node, f"{where}.value", depth + 1, True)
     return {"label": label, "metadata": metadata, "value": value}
 
+
+_UNKNOWN = object()
+"""What `_Walk.known` returns for a node it leaves to `_Walk.decode`."""
 
 _AGAIN = object()
 """What `_fresh` returns for a value it cannot copy: decode it again."""
@@ -366,7 +416,9 @@ class _At(NamedTuple):
     return self.walk.decode(node, where, self.depth + 1, False)
 
   def axis_name(self, node: Any) -> Any:
-    name = self.static(node, f"{self.where} axis name")
+    name = self.walk.known(node, self.depth + 1, False)
+    if name is _UNKNOWN:
+      name = self.static(node, f"{self.where} axis name")
     try:
       hash(name)
     except TypeError:
@@ -639,11 +691,7 @@ def _partial(at: _At, node: Node) -> Any:
 
 @_decodes("array")
 def _array(at: _At, node: Node) -> Any:
-  ref, arrays = node["ref"], at.walk.arrays
-  if type(ref) is not int or not 0 <= ref < len(arrays):
-    raise errors.ManifestError(f"{at.where}: invalid array reference {ref!r}.")
-  at.walk.labels.check(ref, at.where)
-  return arrays[ref]
+  return at.walk.array(node["ref"], at.where)
 
 
 @_decodes("prng_key")
@@ -669,15 +717,20 @@ def _fitting(named: Any, where: str) -> Any:
 
 @_decodes("named_array")
 def _named_array(at: _At, node: Node) -> Any:
+  return _named_array_of(at, node["axes"], node["data"])
+
+
+def _named_array_of(at: _At, axes_node: Any, data_node: Any) -> Any:
+  """A ``named_array`` node, from its fields."""
   axes = collections.OrderedDict()
-  for name_node, size in node["axes"]:
+  for name_node, size in axes_node:
     name = at.axis_name(name_node)
     if name in axes or type(size) is not int or size < 0:
       raise errors.ManifestError(
           f"{at.where}: axis {name!r} repeats or has an invalid size {size!r}."
       )
     axes[name] = size
-  data = at.child(node["data"], f"{at.where}.data_array")
+  data = at.child(data_node, f"{at.where}.data_array")
   return _fitting(pz.nx.NamedArray(named_axes=axes, data_array=data), at.where)
 
 
