@@ -423,7 +423,11 @@ class _Checker:
     return plans
 
   def fast(self, root: Any, depth: int, in_shared: bool = False) -> bool:
-    """`check` without naming where: whether ``root`` passes it.
+    """`fast_all` of one node."""
+    return self.fast_all([root], depth, in_shared)
+
+  def fast_all(self, roots: list[Any], depth: int, in_shared: bool = False) -> bool:
+    """`check` without naming where: whether all ``roots`` pass it.
 
     Why a second walk: building each node's location text
     (``tree.fields[3][1]``) and one call per node cost as much as the checks
@@ -432,13 +436,15 @@ class _Checker:
     names where. It passes nothing `check` refuses and records the same
     table entries as used; what it leaves to `check` (anything at the
     deepest level), `check` decides."""
-    if type(root) is str:
-      return depth <= nodes.MAX_DEPTH
     plans, shared_count, class_count = self.plans, len(self.shared), len(self.classes)
     used_shared, used_types, used_classes = self.used_shared, self.used_types, self.used_classes
-    stack = [(root, depth)]
+    stack = [(root, depth) for root in roots]
     while stack:
       node, depth = stack.pop()
+      if type(node) is str:
+        if depth > nodes.MAX_DEPTH:
+          return False
+        continue
       if type(node) is int:
         if in_shared or not 0 <= node < shared_count or depth > nodes.MAX_DEPTH:
           return False
@@ -562,11 +568,13 @@ class _Checker:
     if not isinstance(entries, list):
       raise self.error("variables", "must be a list")
     for i, entry in enumerate(entries):
-      where = f"variables[{i}]"
       if type(entry) is not list or len(entry) != 4:
-        raise self.error(where, "must be [kind, label, metadata, value]")
+        raise self.error(f"variables[{i}]", "must be [kind, label, metadata, value]")
+    if self.fast_all([node for entry in entries for node in entry[1:]], 1):
+      return tuple(entries)
+    for i, entry in enumerate(entries):  # Which one, named.
       for name, node in zip(("label", "metadata", "value"), entry[1:]):
-        self.check_fast(node, f"{where}.{name}", 1)
+        self.check(node, f"variables[{i}].{name}", 1)
     return tuple(entries)
 
   def check_all_used(self) -> None:

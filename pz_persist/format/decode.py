@@ -298,17 +298,19 @@ class _Walk:
     """
     key = (index, in_tree)
     node = self.tables.shared[index]
+    # A layer written as a ``struct`` node is copied as that node rebuilds it.
+    struct = type(node) is list and self.tables.types[node[0]][0] == "struct"
     found = self._decoded_shared.get(key)
     if found is not None:
       value, immutable = found
       if immutable:  # Known at its first decoding: no walk of it again.
         return value
-      value = _fresh(value)
+      value = _fresh(value, struct)
       if value is not _AGAIN:
         return value
       return self._compact(node, where, depth, in_tree)
     value = self._compact(node, where, depth, in_tree)
-    fresh = _fresh(value)
+    fresh = _fresh(value, struct)
     self._decoded_shared[key] = (value, fresh is value)
     return value if fresh is _AGAIN else fresh
 
@@ -357,13 +359,31 @@ _AGAIN = object()
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _REUSABLE = (enum.Enum, type, np.generic, np.dtype, types.FunctionType,
-             types.BuiltinFunctionType, np.ufunc)
+             types.BuiltinFunctionType, np.ufunc, type(jax.nn.silu))
+"""Values reused as they are: immutable, or code found by reference (a
+function, including a jitted one such as ``jax.nn.silu``)."""
 
 
-def _fresh(value: Any) -> Any:
+def _fresh(value: Any, struct: bool = False) -> Any:
   """``value`` as a new object wherever it is mutable (dicts, lists, sets),
-  sharing its immutable parts; `_AGAIN` if it holds anything else."""
+  sharing its immutable parts; `_AGAIN` if it holds anything else.
+
+  ``struct``: ``value`` was decoded from a ``struct`` node, so a layer
+  holding mutable fields (``NamedEinsum``'s axis dicts) is rebuilt as
+  `_dataclass` rebuilds it (``from_attributes``) from copies of its fields,
+  without decoding it again."""
   kind = type(value)
+  if struct and isinstance(value, pz.Struct):
+    fields = {}
+    for field in dataclasses.fields(value):
+      item = getattr(value, field.name)
+      copy = _fresh(item)
+      if copy is _AGAIN:
+        return _AGAIN
+      fields[field.name] = copy
+    if all(fields[name] is getattr(value, name) for name in fields):
+      return value
+    return kind.from_attributes(**fields)
   if kind in _ATOMS:
     return value
   if kind is dict or kind is collections.OrderedDict:
@@ -430,10 +450,7 @@ class _At(NamedTuple):
   def rebuild(self, cls: type, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``make(*args, **kwargs)``, building a ``cls``: the class's own checks
     may refuse the values, with any exception."""
-    with code_references.running_checkpoint_code(
-        self.where, f"cannot rebuild {cls.__qualname__}"
-    ):
-      return make(*args, **kwargs)
+    return code_references.call_checkpoint_code(self.where, cls, make, *args, **kwargs)
 
 
 DecodeFunction = Callable[[_At, Node], Any]
