@@ -93,7 +93,9 @@ class _Abstract:
 
 
 class _ArrayLabels:
-  """Checks that each array is held by the variable the arrays table names.
+  """Checks that each array is held by the variable the arrays table names
+  (`_Walk.labeled_parts` pushes each variable's described label on
+  ``held_by`` while decoding its value).
 
   Tools print the arrays table's labels; they must be the labels of the
   variables that hold the arrays, not whatever the file claims.
@@ -101,26 +103,13 @@ class _ArrayLabels:
 
   def __init__(self, labels: Sequence[str | None] | None):
     self._labels = labels  # None: not checked.
-    self._held_by: list[str] = []
-
-  def holding(self, described: str) -> _ArrayLabels:
-    """``with labels.holding(described)``: within it, arrays are held by the
-    variable whose label `nodes.describe_label` describes as ``described``.
-    (Its own ``__enter__`` / ``__exit__``, not a ``contextlib`` generator: it
-    runs for every variable.)"""
-    self._held_by.append(described)
-    return self
-
-  def __enter__(self) -> None:
-    pass
-
-  def __exit__(self, *exc_info: object) -> None:
-    self._held_by.pop()
+    self.held_by: list[str] = []
+    """The described labels of the variables around the node decoded."""
 
   def check(self, ref: int, where: str) -> None:
     if self._labels is None:
       return
-    held_by = self._held_by[-1] if self._held_by else None
+    held_by = self.held_by[-1] if self.held_by else None
     if self._labels[ref] != held_by:
       raise errors.ManifestError(
           f"{where}: arrays[{ref}] is labelled"
@@ -273,8 +262,12 @@ class _Walk:
       return node
     if kind is int:
       found = self._decoded_shared.get((node, in_tree))
-      if found is not None and found[1]:
-        return found[0]
+      if found is not None:  # As `_shared_node` returns it again.
+        if found[1]:
+          return found[0]
+        value = _fresh(found[0])
+        if value is not _AGAIN:
+          return value
     return _UNKNOWN
 
   def array(self, ref: Any, where: str) -> Any:
@@ -343,11 +336,17 @@ class _Walk:
     check_label(label, where)
     described = nodes.describe_label(label)
     where = f"{where} (label {described!r})"
-    metadata = self.decode(metadata_node, f"{where}.metadata", depth + 1, False)
+    metadata = self.known(metadata_node, depth + 1, False)
+    if metadata is _UNKNOWN:
+      metadata = self.decode(metadata_node, f"{where}.metadata", depth + 1, False)
     if not isinstance(metadata, dict):
       raise errors.ManifestError(f"{where}: metadata must be a dict.")
-    with self.labels.holding(described):
+    held_by = self.labels.held_by
+    held_by.append(described)  # (`_ArrayLabels.holding`, without a context manager.)
+    try:
       value = self.decode(value_node, f"{where}.value", depth + 1, True)
+    finally:
+      held_by.pop()
     return {"label": label, "metadata": metadata, "value": value}
 
 
