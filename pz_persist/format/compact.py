@@ -460,6 +460,8 @@ class _Checker:
       _, static, fields = plans[index]
       if (in_shared and not static) or len(node) != len(fields) + 1:
         return False
+      if not fields or (len(fields) == 1 and fields[0][0] == _OTHER):
+        continue  # Nothing to check inside (an ``array`` node's reference).
       children: list[Any] = []
       for (code, static_keys, holds), value in zip(fields, node[1:]):
         if code == _NODE:
