@@ -75,3 +75,68 @@ def test_the_tree_is_expanded_only_when_asked(tmp_path):
   assert "tree" not in vars(manifest)  # Loading and inspecting never ask.
   pzp.inspect(tmp_path / "c")
   assert manifest.tree["t"] == "list" and "tree" in vars(manifest)
+
+
+def _mutations(value, rng, count):
+  """``count`` copies of ``value`` (JSON), each with one random list element
+  replaced by a value a damaged manifest might hold there."""
+  import copy
+
+  slots = []
+
+  def walk(node):
+    if isinstance(node, list):
+      for i, item in enumerate(node):
+        slots.append((node, i))
+        walk(item)
+
+  walk(value)
+  out = []
+  for _ in range(count if slots else 0):
+    target = rng.randrange(len(slots))
+    replacement = rng.choice([-1, 0, 1, 7, 999, True, None, 1.5, "x", [], [0], [99], [[0]]])
+    copied = copy.deepcopy(value)
+    slots.clear()
+    walk(copied)
+    node, i = slots[target]
+    node[i] = replacement
+    out.append(copied)
+  return out
+
+
+def test_the_fast_node_check_passes_exactly_what_the_naming_check_passes(tmp_path):
+  """`_Checker.fast` (no location text) decides what `_Checker.check` decides
+  on damaged trees, variables and shared entries: a manifest it passes is
+  never refused by the check that names where, and one it refuses is."""
+  import random
+
+  from pz_persist import errors
+  from pz_persist.format import compact
+
+  tree = [
+      pz.ParameterValue(
+          value=pz.nx.wrap(jnp.zeros((2, 3)), "rows", "cols"), label=f"w{i}",
+          metadata={"lr_scale": 0.5, "tags": ("a", "b"), "n": None},
+      )
+      for i in range(3)
+  ]
+  state = pz.StateVariable(jnp.zeros(()), label="count", metadata={"k": [1, 2]})
+  pzp.save_model(tmp_path / "c", pz.nn.Sequential([pz.nn.Identity(), *tree, state]))
+  raw = json.loads((tmp_path / "c" / "penzai" / manifest_lib.MANIFEST_FILENAME).read_text())
+  assert raw["variables"] and raw["shared"]
+  checker = compact._Checker(raw, "m", 4)  # pylint: disable=protected-access
+  rng = random.Random(0)
+  decided = {True: 0, False: 0}
+  roots = [(raw["tree"], 0, False), (raw["variables"][0][3], 1, False)]
+  roots += [(entry, 0, True) for entry in raw["shared"]]
+  for root, depth, in_shared in roots:
+    for damaged in [root, *_mutations(root, rng, 150)]:
+      fast = checker.fast(damaged, depth, in_shared)
+      try:
+        checker.check(damaged, "node", depth, in_shared)
+        passed = True
+      except errors.ManifestError:
+        passed = False
+      assert fast == passed, damaged
+      decided[passed] += 1
+  assert decided[True] > 10 and decided[False] > 10, decided

@@ -307,10 +307,14 @@ class ArraySpec:
     several times more, once per array. (Slotted: one object per array for
     the garbage collector to walk, not two.)"""
     spec = object.__new__(cls)
-    for name, value in (("key", key), ("shape", shape), ("dtype", dtype), ("kind", kind),
-                        ("weak_type", weak_type), ("path", path), ("label", label),
-                        ("checksums", checksums)):
-      _set(spec, name, value)
+    _set(spec, "key", key)
+    _set(spec, "shape", shape)
+    _set(spec, "dtype", dtype)
+    _set(spec, "kind", kind)
+    _set(spec, "weak_type", weak_type)
+    _set(spec, "path", path)
+    _set(spec, "label", label)
+    _set(spec, "checksums", checksums)
     return spec
 
   def abstract(self) -> jax.ShapeDtypeStruct:

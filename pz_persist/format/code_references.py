@@ -289,7 +289,29 @@ def running_checkpoint_code(where: str, what: str) -> Iterator[None]:
   except (errors.PzPersistError, KeyboardInterrupt):
     raise
   except BaseException as e:  # pylint: disable=broad-exception-caught
-    raise errors.ManifestError(f"{where}: {what}: {type(e).__name__}: {e}") from e
+    raise checkpoint_code_error(where, what, e) from e
+
+
+def call_checkpoint_code(
+    where: str, cls: type, make: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+  """``make(*args, **kwargs)``, building a ``cls``, within
+  `running_checkpoint_code` (``what``: "cannot rebuild <class>").
+
+  Why not the context manager itself: the decoder rebuilds every layer of a
+  model through here, and entering a generator-based context manager cost
+  more than the constructor it guards."""
+  try:
+    return make(*args, **kwargs)
+  except (errors.PzPersistError, KeyboardInterrupt):
+    raise
+  except BaseException as e:  # pylint: disable=broad-exception-caught
+    raise checkpoint_code_error(where, f"cannot rebuild {cls.__qualname__}", e) from e
+
+
+def checkpoint_code_error(where: str, what: str, e: BaseException) -> errors.ManifestError:
+  """What `running_checkpoint_code` raises for ``e``."""
+  return errors.ManifestError(f"{where}: {what}: {type(e).__name__}: {e}")
 
 
 def _import(module_name: str, qualname: str, where: str) -> types.ModuleType:

@@ -344,6 +344,10 @@ class Parsed:
         for e in self.variables)
 
 
+_OTHER, _CLASS, _NODE, _LIST, _PAIRS, _INTS = range(6)
+"""What `_Checker.fast` checks of a field."""
+
+
 class _Checker:
   """Checks a format 4 manifest's tables and every node, allocating nothing
   per node: what `Tables.shallow` then trusts."""
@@ -362,8 +366,9 @@ class _Checker:
     if not isinstance(shared, list):
       raise self.error("shared", "must be a list")
     self.shared = shared
+    self.plans = self._plans()
     for i, entry in enumerate(shared):
-      self.check(entry, f"shared[{i}]", 0, in_shared=True)
+      self.check_fast(entry, f"shared[{i}]", 0, in_shared=True)
 
   def error(self, field: str, problem: str) -> errors.ManifestError:
     return errors.ManifestError(
@@ -401,6 +406,109 @@ class _Checker:
     if len({(r["module"], r["qualname"]) for r in out}) != len(out):
       raise self.error("classes", "repeats a class")
     return out
+
+  def _plans(self) -> list[tuple[str, bool, tuple[tuple[int, bool, bool], ...]]]:
+    """Per type index: its tag, whether it is static, and per field what
+    `fast` checks (`_CLASS`, `_NODE`, `_LIST`, `_PAIRS`, `_INTS` or nothing,
+    whether pair keys are nodes, whether pair values are)."""
+    plans = []
+    for tag, node_type in self.types:
+      fields = []
+      for field in node_type.fields:
+        code = (_CLASS if field.name == "class" else _NODE if field.json == "node"
+                else _LIST if field.json == "list" else _PAIRS if field.json == "pairs"
+                else _INTS if field.json == "ints" else _OTHER)
+        fields.append((code, field.keys == "static", bool(field.holds)))
+      plans.append((tag, node_type.static, tuple(fields)))
+    return plans
+
+  def fast(self, root: Any, depth: int, in_shared: bool = False) -> bool:
+    """`fast_all` of one node."""
+    return self.fast_all([root], depth, in_shared)
+
+  def fast_all(self, roots: list[Any], depth: int, in_shared: bool = False) -> bool:
+    """`check` without naming where: whether all ``roots`` pass it.
+
+    Why a second walk: building each node's location text
+    (``tree.fields[3][1]``) and one call per node cost as much as the checks
+    themselves; this one walks with a stack, checks strings and references
+    in line, and a manifest that fails it is checked again by `check`, which
+    names where. It passes nothing `check` refuses and records the same
+    table entries as used; what it leaves to `check` (anything at the
+    deepest level), `check` decides."""
+    plans, shared_count, class_count = self.plans, len(self.shared), len(self.classes)
+    used_shared, used_types, used_classes = self.used_shared, self.used_types, self.used_classes
+    stack = [(root, depth) for root in roots]
+    while stack:
+      node, depth = stack.pop()
+      if type(node) is str:
+        if depth > nodes.MAX_DEPTH:
+          return False
+        continue
+      if type(node) is int:
+        if in_shared or not 0 <= node < shared_count or depth > nodes.MAX_DEPTH:
+          return False
+        used_shared.add(node)
+        continue
+      if type(node) is not list or not node or type(node[0]) is not int or (
+          depth >= nodes.MAX_DEPTH):
+        return False  # (At the deepest level, left to `check`.)
+      index = node[0]
+      if not 0 <= index < len(plans):
+        return False
+      used_types.add(index)
+      _, static, fields = plans[index]
+      if (in_shared and not static) or len(node) != len(fields) + 1:
+        return False
+      if not fields or (len(fields) == 1 and fields[0][0] == _OTHER):
+        continue  # Nothing to check inside (an ``array`` node's reference).
+      children: list[Any] = []
+      for (code, static_keys, holds), value in zip(fields, node[1:]):
+        if code == _NODE:
+          children.append(value)
+        elif code == _LIST:
+          if type(value) is not list:
+            return False
+          children.extend(value)
+        elif code == _PAIRS:
+          if type(value) is not list:
+            return False
+          for pair in value:
+            if type(pair) is not list or len(pair) != 2:
+              return False
+            if static_keys:
+              children.append(pair[0])
+            if holds:
+              children.append(pair[1])
+        elif code == _CLASS:
+          if type(value) is not int or not 0 <= value < class_count:
+            return False
+          used_classes.add(value)
+        elif code == _INTS:
+          if type(value) is not list:
+            return False
+          for v in value:
+            if type(v) is not int:
+              return False
+      below = depth + 1
+      for child in children:
+        kind = type(child)
+        if kind is str:
+          continue
+        if kind is int:
+          if in_shared or not 0 <= child < shared_count:
+            return False
+          used_shared.add(child)
+        else:
+          stack.append((child, below))
+    return True
+
+  def check_fast(self, node: Any, where: str, depth: int, in_shared: bool = False) -> None:
+    """`check`: `fast` first, `check` itself (naming where) if that fails.
+    (`fast` never passes what `check` refuses; what it leaves to `check`,
+    `check` decides.)"""
+    if not self.fast(node, depth, in_shared):
+      self.check(node, where, depth, in_shared)
 
   def check(self, node: Any, where: str, depth: int, in_shared: bool = False) -> None:
     """Checks a compact node (``where`` names it for errors)."""
@@ -462,11 +570,13 @@ class _Checker:
     if not isinstance(entries, list):
       raise self.error("variables", "must be a list")
     for i, entry in enumerate(entries):
-      where = f"variables[{i}]"
       if type(entry) is not list or len(entry) != 4:
-        raise self.error(where, "must be [kind, label, metadata, value]")
+        raise self.error(f"variables[{i}]", "must be [kind, label, metadata, value]")
+    if self.fast_all([node for entry in entries for node in entry[1:]], 1):
+      return tuple(entries)
+    for i, entry in enumerate(entries):  # Which one, named.
       for name, node in zip(("label", "metadata", "value"), entry[1:]):
-        self.check(node, f"{where}.{name}", 1)
+        self.check(node, f"variables[{i}].{name}", 1)
     return tuple(entries)
 
   def check_all_used(self) -> None:
@@ -504,7 +614,7 @@ def parse(raw: dict[str, Any], *, where: str, reader_format: int) -> Parsed:
   checker = _Checker(raw, where, reader_format)
   if type(raw["tree"]) is not list:
     raise checker.error("tree", "must be a node ([type, fields...]), not a reference")
-  checker.check(raw["tree"], "tree", 0)
+  checker.check_fast(raw["tree"], "tree", 0)
   variables = checker.variables(raw["variables"])
   checker.check_all_used()
   return Parsed(

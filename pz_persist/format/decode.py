@@ -93,7 +93,9 @@ class _Abstract:
 
 
 class _ArrayLabels:
-  """Checks that each array is held by the variable the arrays table names.
+  """Checks that each array is held by the variable the arrays table names
+  (`_Walk.labeled_parts` pushes each variable's described label on
+  ``held_by`` while decoding its value).
 
   Tools print the arrays table's labels; they must be the labels of the
   variables that hold the arrays, not whatever the file claims.
@@ -101,25 +103,13 @@ class _ArrayLabels:
 
   def __init__(self, labels: Sequence[str | None] | None):
     self._labels = labels  # None: not checked.
-    self._held_by: list[str] = []
-
-  def holding(self, label: Any) -> _ArrayLabels:
-    """``with labels.holding(label)``: within it, arrays are held by the
-    variable labelled ``label``. (Its own ``__enter__`` / ``__exit__``, not
-    a ``contextlib`` generator: it runs for every variable.)"""
-    self._held_by.append(nodes.describe_label(label))
-    return self
-
-  def __enter__(self) -> None:
-    pass
-
-  def __exit__(self, *exc_info: object) -> None:
-    self._held_by.pop()
+    self.held_by: list[str] = []
+    """The described labels of the variables around the node decoded."""
 
   def check(self, ref: int, where: str) -> None:
     if self._labels is None:
       return
-    held_by = self._held_by[-1] if self._held_by else None
+    held_by = self.held_by[-1] if self.held_by else None
     if self._labels[ref] != held_by:
       raise errors.ManifestError(
           f"{where}: arrays[{ref}] is labelled"
@@ -242,11 +232,51 @@ class _Walk:
     if kind is str:  # A str node, tree or static alike.
       return node
     if kind is int:
+      found = self._decoded_shared.get((node, in_tree))
+      if found is not None and found[1]:  # Immutable: reused (`_shared_node`).
+        return found[0]
       return self._shared_node(node, where, depth, in_tree)
     tag, node_type = self.tables.types[node[0]]
     if not (node_type.tree if in_tree else node_type.static):
       raise errors.ManifestError(f"{where}: unknown node type {tag!r:.60}.")
+    # The nodes met once per array, decoded from their fields without the
+    # typed node `Tables.shallow` builds (the order of their rows' fields).
+    if tag == "array":
+      return self.array(node[1], where)
+    if tag == "named_array":
+      return _named_array_of(_At(self, where, depth, in_tree), node[1], node[2])
+    if tag == "parameter_value" or tag == "state_variable_value":
+      return variable_kinds.BY_VALUE_TAG[tag].value_class(
+          **self.labeled_parts(node[1], node[2], node[3], where, depth))
     return DECODERS[tag](_At(self, where, depth, in_tree), self.tables.shallow(node))
+
+  def known(self, node: Any, depth: int, in_tree: bool) -> Any:
+    """What `decode` returns for ``node`` at ``depth`` if that needs no
+    work (a format 4 string, or an immutable shared value already decoded),
+    else `_UNKNOWN`: lets the commonest nodes skip the walk, and the text
+    naming where they are."""
+    if self.tables is None or depth > nodes.MAX_DEPTH:
+      return _UNKNOWN
+    kind = type(node)
+    if kind is str:
+      return node
+    if kind is int:
+      found = self._decoded_shared.get((node, in_tree))
+      if found is not None:  # As `_shared_node` returns it again.
+        if found[1]:
+          return found[0]
+        value = _fresh(found[0])
+        if value is not _AGAIN:
+          return value
+    return _UNKNOWN
+
+  def array(self, ref: Any, where: str) -> Any:
+    """The array ``ref`` of an ``array`` node, checked against the arrays
+    table and against the variable holding it."""
+    if type(ref) is not int or not 0 <= ref < len(self.arrays):
+      raise errors.ManifestError(f"{where}: invalid array reference {ref!r}.")
+    self.labels.check(ref, where)
+    return self.arrays[ref]
 
   def _shared_node(self, index: int, where: str, depth: int, in_tree: bool) -> Any:
     """Shared entry ``index`` of a format 4 manifest (`pz_persist.format.compact`):
@@ -261,17 +291,19 @@ class _Walk:
     """
     key = (index, in_tree)
     node = self.tables.shared[index]
+    # A layer written as a ``struct`` node is copied as that node rebuilds it.
+    struct = type(node) is list and self.tables.types[node[0]][0] == "struct"
     found = self._decoded_shared.get(key)
     if found is not None:
       value, immutable = found
       if immutable:  # Known at its first decoding: no walk of it again.
         return value
-      value = _fresh(value)
+      value = _fresh(value, struct)
       if value is not _AGAIN:
         return value
       return self._compact(node, where, depth, in_tree)
     value = self._compact(node, where, depth, in_tree)
-    fresh = _fresh(value)
+    fresh = _fresh(value, struct)
     self._decoded_shared[key] = (value, fresh is value)
     return value if fresh is _AGAIN else fresh
 
@@ -292,28 +324,65 @@ class _Walk:
 
   def labeled(self, node: Node, where: str, depth: int) -> dict[str, Any]:
     """The label, metadata and value of a variable or frozen value."""
-    label = check_label(self.decode(node["label"], f"{where}.label", depth + 1, False), where)
-    where = f"{where} (label {nodes.describe_label(label)!r})"
-    metadata = self.decode(node["metadata"], f"{where}.metadata", depth + 1, False)
+    return self.labeled_parts(node["label"], node["metadata"], node["value"], where, depth)
+
+  def labeled_parts(
+      self, label_node: Any, metadata_node: Any, value_node: Any, where: str, depth: int
+  ) -> dict[str, Any]:
+    """`labeled`, from the node's three fields."""
+    label = self.known(label_node, depth + 1, False)
+    if label is _UNKNOWN:
+      label = self.decode(label_node, f"{where}.label", depth + 1, False)
+    check_label(label, where)
+    described = nodes.describe_label(label)
+    where = f"{where} (label {described!r})"
+    metadata = self.known(metadata_node, depth + 1, False)
+    if metadata is _UNKNOWN:
+      metadata = self.decode(metadata_node, f"{where}.metadata", depth + 1, False)
     if not isinstance(metadata, dict):
       raise errors.ManifestError(f"{where}: metadata must be a dict.")
-    with self.labels.holding(label):
-      value = self.decode(node["value"], f"{where}.value", depth + 1, True)
+    held_by = self.labels.held_by
+    held_by.append(described)  # (`_ArrayLabels.holding`, without a context manager.)
+    try:
+      value = self.decode(value_node, f"{where}.value", depth + 1, True)
+    finally:
+      held_by.pop()
     return {"label": label, "metadata": metadata, "value": value}
 
+
+_UNKNOWN = object()
+"""What `_Walk.known` returns for a node it leaves to `_Walk.decode`."""
 
 _AGAIN = object()
 """What `_fresh` returns for a value it cannot copy: decode it again."""
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _REUSABLE = (enum.Enum, type, np.generic, np.dtype, types.FunctionType,
-             types.BuiltinFunctionType, np.ufunc)
+             types.BuiltinFunctionType, np.ufunc, type(jax.nn.silu))
+"""Values reused as they are: immutable, or code found by reference (a
+function, including a jitted one such as ``jax.nn.silu``)."""
 
 
-def _fresh(value: Any) -> Any:
+def _fresh(value: Any, struct: bool = False) -> Any:
   """``value`` as a new object wherever it is mutable (dicts, lists, sets),
-  sharing its immutable parts; `_AGAIN` if it holds anything else."""
+  sharing its immutable parts; `_AGAIN` if it holds anything else.
+
+  ``struct``: ``value`` was decoded from a ``struct`` node, so a layer
+  holding mutable fields (``NamedEinsum``'s axis dicts) is rebuilt as
+  `_dataclass` rebuilds it (``from_attributes``) from copies of its fields,
+  without decoding it again."""
   kind = type(value)
+  if struct and isinstance(value, pz.Struct):
+    fields = {}
+    for field in dataclasses.fields(value):
+      item = getattr(value, field.name)
+      copy = _fresh(item)
+      if copy is _AGAIN:
+        return _AGAIN
+      fields[field.name] = copy
+    if all(fields[name] is getattr(value, name) for name in fields):
+      return value
+    return kind.from_attributes(**fields)
   if kind in _ATOMS:
     return value
   if kind is dict or kind is collections.OrderedDict:
@@ -366,7 +435,9 @@ class _At(NamedTuple):
     return self.walk.decode(node, where, self.depth + 1, False)
 
   def axis_name(self, node: Any) -> Any:
-    name = self.static(node, f"{self.where} axis name")
+    name = self.walk.known(node, self.depth + 1, False)
+    if name is _UNKNOWN:
+      name = self.static(node, f"{self.where} axis name")
     try:
       hash(name)
     except TypeError:
@@ -378,10 +449,7 @@ class _At(NamedTuple):
   def rebuild(self, cls: type, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``make(*args, **kwargs)``, building a ``cls``: the class's own checks
     may refuse the values, with any exception."""
-    with code_references.running_checkpoint_code(
-        self.where, f"cannot rebuild {cls.__qualname__}"
-    ):
-      return make(*args, **kwargs)
+    return code_references.call_checkpoint_code(self.where, cls, make, *args, **kwargs)
 
 
 DecodeFunction = Callable[[_At, Node], Any]
@@ -639,11 +707,7 @@ def _partial(at: _At, node: Node) -> Any:
 
 @_decodes("array")
 def _array(at: _At, node: Node) -> Any:
-  ref, arrays = node["ref"], at.walk.arrays
-  if type(ref) is not int or not 0 <= ref < len(arrays):
-    raise errors.ManifestError(f"{at.where}: invalid array reference {ref!r}.")
-  at.walk.labels.check(ref, at.where)
-  return arrays[ref]
+  return at.walk.array(node["ref"], at.where)
 
 
 @_decodes("prng_key")
@@ -669,15 +733,20 @@ def _fitting(named: Any, where: str) -> Any:
 
 @_decodes("named_array")
 def _named_array(at: _At, node: Node) -> Any:
+  return _named_array_of(at, node["axes"], node["data"])
+
+
+def _named_array_of(at: _At, axes_node: Any, data_node: Any) -> Any:
+  """A ``named_array`` node, from its fields."""
   axes = collections.OrderedDict()
-  for name_node, size in node["axes"]:
+  for name_node, size in axes_node:
     name = at.axis_name(name_node)
     if name in axes or type(size) is not int or size < 0:
       raise errors.ManifestError(
           f"{at.where}: axis {name!r} repeats or has an invalid size {size!r}."
       )
     axes[name] = size
-  data = at.child(node["data"], f"{at.where}.data_array")
+  data = at.child(data_node, f"{at.where}.data_array")
   return _fitting(pz.nx.NamedArray(named_axes=axes, data_array=data), at.where)
 
 

@@ -59,7 +59,7 @@ def structure(data: bytes) -> tuple[int, int]:
   in_string, backslashes = False, 0  # Carried from one chunk to the next.
   view = np.frombuffer(data, np.uint8)
   for start in range(0, len(view), _CHUNK):
-    kinds = _CLASSES[view[start:start + _CHUNK]]
+    kinds = _CLASSES.take(view[start:start + _CHUNK])
     quotes = np.flatnonzero(kinds == _QUOTE)
     escaping = kinds == _BACKSLASH
     if backslashes or escaping.any():
@@ -75,10 +75,13 @@ def structure(data: bytes) -> tuple[int, int]:
       kinds = np.where(outside, kinds, _OTHER)
     elif in_string:
       continue
-    opens, closes = kinds == _OPEN, kinds == _CLOSE
+    opens = kinds == _OPEN
     nodes += int(np.count_nonzero(opens)) + int(np.count_nonzero(kinds == _SEPARATOR))
-    if opens.any() or closes.any():
-      levels = np.cumsum(opens.astype(np.int32) - closes) + depth
+    # The depth after each bracket (the deepest is after an opening one):
+    # summed over the brackets alone, not over every byte.
+    brackets = np.flatnonzero(opens | (kinds == _CLOSE))
+    if len(brackets):
+      levels = np.cumsum(np.where(opens[brackets], 1, -1)) + depth
       deepest = max(deepest, int(levels.max()))
       depth = int(levels[-1])
   return nodes, deepest
