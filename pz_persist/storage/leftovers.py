@@ -328,9 +328,13 @@ def _unlink(name: epath.Path) -> None:
     os.unlink(os.fspath(name))
 
 
-_JOIN_SECONDS = 3.0
-"""How long an abandoned save waits for Orbax's cancelled threads (they stop within
-milliseconds; TensorStore's own writes are not waited for)."""
+_JOIN_SECONDS = 10.0
+"""The longest an abandoned save waits for Orbax's cancelled threads. They stop
+within milliseconds once cancelled, and the wait ends when they do; the bound
+only matters on a starved machine, where 3 s proved too short (CI's version
+step, two CPU-bound processes beside it: the threads outlived it, so a
+placeholder was left for the next save to clean instead of nothing).
+TensorStore's own writes are not waited for."""
 
 
 def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) -> bool:
