@@ -110,6 +110,13 @@ class Browser:
       raise RuntimeError(f"{expression[:80]}: {result['exceptionDetails']}")
     return result["result"].get("value")
 
+  def click(self, target: dict[str, Any]) -> None:
+    """Clicks at ``target``'s ``x`` and ``y`` as a person does: a mouse
+    press and release there (not a synthetic ``click()`` in JavaScript)."""
+    for kind in ("mousePressed", "mouseReleased"):
+      self.call("Input.dispatchMouseEvent", type=kind, x=target["x"], y=target["y"],
+                button="left", clickCount=1)
+
   def wait_for(self, expression: str, what: str) -> Any:
     """Evaluates ``expression`` until it is truthy (the page's scripts run
     asynchronously); fails after the browser's timeout."""

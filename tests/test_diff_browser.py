@@ -121,9 +121,7 @@ def test_folded_unchanged_block_expands_on_click(browser, page):
   assert "mlp/Affine_0/Linear.weights" not in before  # Folded: inside an unchanged block.
   target = browser.evaluate(FOLDED_UNCHANGED)
   assert target, "no folded unchanged block"
-  for kind in ("mousePressed", "mouseReleased"):  # A person's click.
-    browser.call("Input.dispatchMouseEvent", type=kind, x=target["x"], y=target["y"],
-                 button="left", clickCount=1)
+  browser.click(target)  # A person's click.
   assert browser.wait_for("window.__pzToggle.checked", "the block to expand")
   after = browser.evaluate(f"{ROOT}.querySelector('.treescope_root').innerText")
   assert len(after) > len(before)

@@ -150,9 +150,7 @@ def test_notebook_treescope_rendering_expands_on_click(server, browser):
   assert _render_every_treescope_output(browser) >= 3
   target = browser.evaluate(EXPAND_FIRST_FOLDED)
   assert target, "no folded treescope node to expand on the quick start notebook"
-  for kind in ("mousePressed", "mouseReleased"):  # A person's click.
-    browser.call("Input.dispatchMouseEvent", type=kind, x=target["x"], y=target["y"],
-                 button="left", clickCount=1)
+  browser.click(target)  # A person's click.
   assert browser.wait_for("window.__pzToggle.checked", "the node to expand")
   grown = browser.evaluate(
       "window.__pzToggle.getRootNode().querySelector('.treescope_root').innerText.length")

@@ -139,9 +139,17 @@ def static_text(node: Any, limit: int = _TEXT) -> str:
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _static_key(value: Any) -> str:
-  """A mesh axis name or size as stored (plain JSON, never a node)."""
-  return value if isinstance(value, str) else json.dumps(value)[:_TEXT]
+def sharding_text(node: Any, limit: int) -> str | None:
+  """A ``mesh`` node by its axes (``mesh(data=2, model=4)``) or a
+  ``partition_spec`` by its entries, as text; None for any other node. The
+  tree's notes and `pz_persist.tools.diffing.structure_differences` both
+  name meshes this way."""
+  tag = _tag(node)
+  if tag == "mesh" and nodes.is_pairs(node.get("axes")):
+    return "mesh(" + ", ".join(f"{name}={size}" for name, size in node["axes"]) + ")"
+  if tag == "partition_spec":
+    return f"PartitionSpec{json.dumps(node.get('spec'))[:limit]}"
+  return None
 
 
 def _static(node: Any, depth: int) -> str:
@@ -175,10 +183,9 @@ def _static(node: Any, depth: int) -> str:
     return f"partial({', '.join([_static(node.get('func'), depth + 1), *args])})"
   if tag == "dtype":
     return str(node.get("name"))
-  if tag == "mesh" and nodes.is_pairs(node.get("axes")):
-    return "mesh(" + ", ".join(f"{_static_key(n)}={_static_key(s)}" for n, s in node["axes"]) + ")"
-  if tag == "partition_spec":
-    return f"PartitionSpec{json.dumps(node.get('spec'))[:_TEXT]}"
+  sharding = sharding_text(node, _TEXT)
+  if sharding is not None:
+    return sharding
   if tag == "named_sharding":
     return (f"NamedSharding({_static(node.get('mesh'), depth + 1)},"
             f" {_static(node.get('spec'), depth + 1)})")

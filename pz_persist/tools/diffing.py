@@ -194,10 +194,9 @@ class _StructureDiff:
     if tag == "function":
       ref = _dict(node.get("ref"))
       return f"{ref.get('module')}.{ref.get('qualname')}"
-    if tag == "mesh" and nodes.is_pairs(node.get("axes")):
-      return "mesh(" + ", ".join(f"{name}={size}" for name, size in node["axes"]) + ")"
-    if tag == "partition_spec":
-      return f"PartitionSpec{json.dumps(node.get('spec'))[:60]}"
+    sharding = diff_tree.sharding_text(node, 60)
+    if sharding is not None:
+      return sharding
     if tag == "array":
       spec = _entry(self._manifests[side].arrays, node.get("ref"))
       return _shape_text(spec) if spec is not None else "invalid array reference"
