@@ -77,7 +77,8 @@ class MissingExtraError(PzPersistError, ImportError):
   """A feature needs an optional package that is not installed.
 
   The message names the ``pip install 'pz-persist[...]'`` extra that
-  installs it (``[gcs]`` for ``gs://``, ``[s3]`` for ``s3://``).
+  installs it (``[gcs]`` for ``gs://``, ``[s3]`` for ``s3://``), and what
+  to run in a clone of the repository (`pz_persist.version.install_command`).
   """
 
 

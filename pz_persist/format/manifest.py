@@ -208,7 +208,7 @@ class Manifest:
           f"{where} was written by {raw.get('writer', 'a newer pz_persist')!s:.60}"
           f" in manifest format {found}: it needs a pz_persist that reads format {found};"
           f" this pz_persist ({version.__version__}) reads formats 1 to {FORMAT_VERSION}."
-          " Upgrade with: pip install -U pz-persist"
+          f" Upgrade with: {version.install_command(upgrade=True)}"
       )
     if found >= FIRST_COMPACT_FORMAT:
       return cls.from_compact(

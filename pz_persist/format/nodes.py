@@ -24,6 +24,7 @@ from typing import TypeGuard
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist import version
 
 Node = dict[str, Any]
 
@@ -248,7 +249,7 @@ def unknown_node(
         f"{where}: node type {tag!r:.60} is not one this pz_persist knows: the checkpoint"
         f" was written by pz_persist {'.'.join(map(str, written))}{declared} and needs"
         f" that release or a later one to read it; {reads}."
-        " Upgrade with: pip install -U pz-persist"
+        f" Upgrade with: {version.install_command(upgrade=True)}"
     )
   declared = (f"manifest format {format_version}" if format_version is not None
               else "this manifest format")

@@ -22,6 +22,7 @@ from typing import ClassVar
 from etils import epath
 
 from pz_persist import errors
+from pz_persist import version
 from pz_persist.storage.stores import base
 from pz_persist.storage.stores import commits
 from pz_persist.storage.stores import urls
@@ -100,7 +101,7 @@ class FsspecStore(ObjectStore):
       raise errors.MissingExtraError(
           f"{os.fspath(path)}: {self.scheme}:// paths need the {self.package}"
           f" package, which is not installed ({e}). Install it with:"
-          f" pip install 'pz-persist[{self.extra}]'"
+          f" {version.install_command(self.extra)}"
       ) from None
 
   def filesystem(self, path: epath.PathLike) -> Any:
