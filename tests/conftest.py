@@ -74,9 +74,16 @@ def run_python(code: str, *, timeout: float = 300, env: dict | None = None) -> s
 #   benchmarks, training runs, the commit protocol under load, the process's
 #   read buffers over time, hostile cases run through every read entry
 #   point), and every
-#   test of a folder in INTEGRATION_FOLDERS.
+#   test of a folder in INTEGRATION_FOLDERS; and every test that builds or
+#   runs a transformer (TRANSFORMER_CALLS, found as the process calls are, and
+#   in the builders it is parametrized with): compiling one, layer by layer,
+#   takes seconds, which the quick run cannot spend on each.
 # * unit: the rest: one module, or one save and load, in this interpreter
 #   (never a test marked slow: `-m unit` replaces the default `-m 'not slow'`).
+#
+# A run that can select no integration or process test (`pytest -m unit`) does
+# not even import the modules whose every test is one (`pytest_ignore_collect`):
+# they import torch and transformers, and would only be deselected.
 
 PROCESS_FIXTURES = frozenset({"store", "gcs", "s3", "remote"})
 """Fixtures that start servers (tests/remote/conftest.py: the emulators)."""
@@ -86,6 +93,13 @@ PROCESS_CALLS = (
     "sys.executable", "docs_browser", "os.fork", "os.kill(",
 )
 """What, in a test's source or a helper it calls, starts or signals a process."""
+
+TRANSFORMER_CALLS = (
+    "llamalike_transformer(", "gemma_style_transformer(", "sampling_model(",
+    "edited_transformer(", "build_llamalike_transformer(",
+)
+"""What, in a test's source, a helper it calls or a builder it is
+parametrized with, builds a transformer (tests/model_zoo.py, tests/surgery.py)."""
 
 INTEGRATION_FOLDERS = frozenset({"pretrained", "remote"})
 """Folders of tests/ whose every test is an integration test."""
@@ -105,26 +119,41 @@ INTEGRATION_MODULES = frozenset({
 LAYER_MARKERS = ("unit", "integration", "process")
 
 
+_sources: dict[object, str] = {}
+
+
 def _source(obj) -> str:
+  """``obj``'s source, once per object (parametrized tests share a function)."""
   import inspect  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   try:
-    return inspect.getsource(obj)
+    return _sources[obj]
+  except (KeyError, TypeError):
+    pass
+  try:
+    text = inspect.getsource(obj)
   except (OSError, TypeError):
-    return ""
+    text = ""
+  try:
+    _sources[obj] = text
+  except TypeError:  # Unhashable: not cached.
+    pass
+  return text
 
 
-_process_helpers_by_module: dict[str, frozenset[str]] = {}
+_helpers_by_module: dict[tuple[str, tuple[str, ...]], frozenset[str]] = {}
 
 
-def _process_helpers(module) -> frozenset[str]:
-  """The names of the module's functions that start a process, directly or
-  through another such function of the module (to a fixed point)."""
-  if module.__name__ not in _process_helpers_by_module:
+def _helpers_calling(module, calls: tuple[str, ...]) -> frozenset[str]:
+  """The names of the module's functions whose source holds one of
+  ``calls``, directly or through another such function of the module (to a
+  fixed point)."""
+  key = (module.__name__, calls)
+  if key not in _helpers_by_module:
     functions = {
         name: _source(value) for name, value in vars(module).items()
         if callable(value) and getattr(value, "__module__", None) == module.__name__
     }
-    helpers = {name for name, text in functions.items() if any(c in text for c in PROCESS_CALLS)}
+    helpers = {name for name, text in functions.items() if any(c in text for c in calls)}
     while True:
       more = {
           name for name, text in functions.items()
@@ -133,29 +162,71 @@ def _process_helpers(module) -> frozenset[str]:
       if not more:
         break
       helpers |= more
-    _process_helpers_by_module[module.__name__] = frozenset(helpers)
-  return _process_helpers_by_module[module.__name__]
+    _helpers_by_module[key] = frozenset(helpers)
+  return _helpers_by_module[key]
+
+
+def _calls(item, calls: tuple[str, ...]) -> bool:
+  """Whether ``item``'s test function, a fixture or helper of its module it
+  uses, or a callable it is parametrized with holds one of ``calls``."""
+  function = getattr(item, "function", None)
+  text = _source(function) if function is not None else ""
+  if any(c in text for c in calls):
+    return True
+  module = getattr(item, "module", None)
+  if module is not None:
+    helpers = _helpers_calling(module, calls)
+    if set(item.fixturenames) & helpers or any(f"{h}(" in text for h in helpers):
+      return True
+  callspec = getattr(item, "callspec", None)
+  values = list(callspec.params.values()) if callspec is not None else []
+  while values:
+    value = values.pop()
+    if isinstance(value, (tuple, list)):
+      values.extend(value)
+    elif callable(value) and any(c in _source(value) for c in calls):
+      return True
+  return False
+
+
+def _integration_only(path) -> bool:
+  """Whether every test of the module (or folder) at ``path`` is an
+  integration test by name alone."""
+  stem = path.stem if path.suffix == ".py" else path.name
+  return stem in INTEGRATION_MODULES or bool(INTEGRATION_FOLDERS & set(path.parent.parts[-1:])) or (
+      path.suffix != ".py" and path.name in INTEGRATION_FOLDERS)
 
 
 def layer_of(item) -> str:
   """The layer marker the rule gives ``item`` (see the table above)."""
   if PROCESS_FIXTURES & set(item.fixturenames):
     return "process"
-  function = getattr(item, "function", None)
-  module = getattr(item, "module", None)
-  text = _source(function) if function is not None else ""
-  if any(c in text for c in PROCESS_CALLS):
+  if _calls(item, PROCESS_CALLS):
     return "process"
-  if module is not None:
-    helpers = _process_helpers(module)
-    if set(item.fixturenames) & helpers or any(f"{h}(" in text for h in helpers):
-      return "process"
-  path = item.path
   if item.get_closest_marker("slow") is not None:  # Long: never in the quick run.
     return "integration"
-  if path.stem in INTEGRATION_MODULES or INTEGRATION_FOLDERS & set(path.parent.parts[-1:]):
+  if _integration_only(item.path):
+    return "integration"
+  if _calls(item, TRANSFORMER_CALLS):
     return "integration"
   return "unit"
+
+
+def pytest_ignore_collect(collection_path, config):
+  """Skips a module or folder whose every test is an integration or process
+  test when the run's ``-m`` selects neither (``pytest -m unit``)."""
+  markexpr = config.getoption("markexpr", "")
+  if not markexpr or not _integration_only(collection_path):
+    return None
+  from _pytest.mark.expression import Expression  # pylint: disable=import-outside-toplevel
+
+  try:
+    expression = Expression.compile(markexpr)
+  except Exception:  # pylint: disable=broad-except
+    return None  # Let pytest report a malformed expression.
+  could_select = any(expression.evaluate(lambda name, layer=layer: name == layer)
+                     for layer in ("integration", "process"))
+  return None if could_select else True
 
 
 def pytest_collection_modifyitems(config, items):

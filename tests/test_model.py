@@ -38,9 +38,8 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_model_round_trip(name, ckpt):
-  build, make_input = MODELS[name]
+@pytest.mark.parametrize("build,make_input", MODELS.values(), ids=MODELS)
+def test_model_round_trip(build, make_input, ckpt):
   model = build()
   pzp.save_model(ckpt, model)
 
