@@ -4,8 +4,8 @@ Run ``python -m pz_persist.demo [--out DIR]``. It builds a small llamalike
 transformer, saves it whole with `pz_persist.save_model`, prints the
 checkpoint's table of arrays, loads it back with `pz_persist.load_model` (no
 template, no model code), prints the restored model, checks that its outputs
-are bit-identical, and writes a treescope HTML view of it you can open in a
-browser.
+are bit-identical, writes a treescope HTML view of it you can open in a
+browser, and says what to try next (`next_steps`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import shlex
 import sys
 from typing import Any
 
@@ -43,6 +44,37 @@ def build_model() -> pz.nn.Layer:
   return llamalike_common.build_llamalike_transformer(
       config, init_base_rng=jax.random.key(0), name="transformer"
   )
+
+
+NEXT_IN_THE_REPOSITORY = (
+    ("notebooks/quickstart.ipynb", "save, inspect and load, open lazily, in treescope"),
+    ("notebooks/model_surgery.ipynb", "edit a model, save it whole, reload it, diff it"),
+    ("notebooks/training_resume.ipynb", "stop and resume training exactly"),
+    ("notebooks/sharded_loading.ipynb", "load onto a device mesh by axis names"),
+    ("docs/guides/quickstart.md", "the guides begin here (all of them: docs/index.md)"),
+)
+"""What to read after the demo, by path in the repository (the README lists
+the same): the notebooks render in Jupyter, on GitHub and on the docs site."""
+
+
+def next_steps(checkpoint: pathlib.Path) -> str:
+  """What to try after the demo: commands on the checkpoint it saved, which
+  work wherever pz_persist is installed, then the notebooks and guides."""
+  try:
+    where = str(checkpoint.relative_to(pathlib.Path.cwd()))
+  except ValueError:
+    where = str(checkpoint)
+  quoted = shlex.quote(where)
+  commands = (
+      (f"pz-persist inspect {quoted}", "its table again, from the shell; no array read"),
+      (f"pz-persist verify {quoted}", "every file and array against its checksum"),
+  )
+  width = max(len(text) for text, _ in commands + NEXT_IN_THE_REPOSITORY)
+  lines = ["What to try next:"]
+  lines += [f"  {text:<{width}}  {what}" for text, what in commands]
+  lines.append("In the repository (a clone, or its page on GitHub):")
+  lines += [f"  {text:<{width}}  {what}" for text, what in NEXT_IN_THE_REPOSITORY]
+  return "\n".join(lines)
 
 
 def _outline(layer: Any, where: str = "model", depth: int = 0) -> list[str]:
@@ -93,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
   html = pzp.render_html(restored, out / "restored.html")
   print(f"Treescope view of the restored model: {html}")
+  print(f"\n{next_steps(checkpoint)}")
   return 0 if identical else 1
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 
 from conftest import REPO
+
+from pz_persist import demo
+from pz_persist.tools import cli
 
 
 def test_demo_runs_and_fits_a_terminal(tmp_path):
@@ -21,3 +25,9 @@ def test_demo_runs_and_fits_a_terminal(tmp_path):
   assert "stacked_sublayers: TransformerBlock" in out  # The restored model's outline.
   assert max(map(len, out.splitlines())) <= 160, "a line too wide for a terminal"
   assert (tmp_path / "demo" / "restored.html").is_file()
+  assert out.rstrip().endswith(demo.next_steps(tmp_path / "demo" / "checkpoint"))
+  # The commands it suggests work on what it saved.
+  for line in out.splitlines():
+    if line.startswith("  pz-persist "):
+      command = shlex.split(line.split("  ")[1])
+      assert cli.main(command[1:]) == 0, line
