@@ -6,8 +6,14 @@ demo that only works beside the sources). So the repository's package sources
 (copied without build outputs, tests, notebooks or docs) are built by ``python -m build``
 (an sdist, then the wheel from that sdist), checked by ``twine check``, and the
 wheel is installed into a fresh virtual environment (its dependencies from
-this environment's packages: ``--system-site-packages``, no network) where the
+this environment's packages, no network) where the
 demo runs in an empty directory, importing pz_persist from the wheel.
+
+The fresh environment sees exactly the packages of the interpreter running the
+tests (a ``.pth`` file naming its site directories), never a download: that
+interpreter may itself be a virtual environment (the README's ``pip install -e
+'.[test]' && pytest`` in a venv, which CI runs), whose packages
+``--system-site-packages`` would miss (it names the base interpreter's).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import site
 import subprocess
 import sys
 
@@ -35,6 +42,31 @@ def _run(args: list[str], cwd: str, env: dict[str, str] | None = None) -> str:
   return result.stdout
 
 
+def _site_directories() -> list[str]:
+  """Where this interpreter finds installed packages: a venv's own (and its
+  base's, if it was made with ``--system-site-packages``), the user's."""
+  found = list(site.getsitepackages())
+  if site.ENABLE_USER_SITE:
+    found.append(site.getusersitepackages())
+  return [d for d in found if os.path.isdir(d)]
+
+
+def _venv_seeing_this_interpreters_packages(venv: str, cwd: str) -> str:
+  """A fresh virtual environment whose interpreter imports what this one
+  does: its site directories, named in a ``.pth`` file, after the venv's own.
+
+  Plain directory lines, so the ``.pth`` files inside them (an editable
+  install of this checkout) are not run there: pz_persist comes only from
+  what is installed into the venv. Returns its ``python``."""
+  _run([sys.executable, "-m", "venv", venv], cwd=cwd)
+  python = os.path.join(venv, "bin", "python")
+  own = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+             cwd=cwd).strip()
+  with open(os.path.join(own, "_outer_site_packages.pth"), "w", encoding="utf-8") as f:
+    f.write("".join(f"{d}\n" for d in _site_directories()))
+  return python
+
+
 def test_wheel_builds_passes_twine_and_runs_the_demo_installed(tmp_path):
   source = str(tmp_path / "src")
   shutil.copytree(REPO, source, ignore=_NOT_SOURCE)
@@ -49,9 +81,8 @@ def test_wheel_builds_passes_twine_and_runs_the_demo_installed(tmp_path):
   assert out.count("PASSED") == 2, out
 
   venv = str(tmp_path / "venv")
-  _run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=str(tmp_path))
-  python = os.path.join(venv, "bin", "python")
   env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+  python = _venv_seeing_this_interpreters_packages(venv, str(tmp_path))
   _run([python, "-m", "pip", "install", "--no-index", "--no-build-isolation", "--quiet",
         wheels[0]], cwd=str(tmp_path), env=env)
   elsewhere = tmp_path / "user"
