@@ -96,10 +96,11 @@ PROCESS_CALLS = (
 
 TRANSFORMER_CALLS = (
     "llamalike_transformer(", "gemma_style_transformer(", "sampling_model(",
-    "edited_transformer(", "build_llamalike_transformer(",
+    "edited_transformer(", "build_llamalike_transformer(", "_hf_model(",
 )
 """What, in a test's source, a helper it calls or a builder it is
-parametrized with, builds a transformer (tests/model_zoo.py, tests/surgery.py)."""
+parametrized with, builds a transformer: Penzai's (tests/model_zoo.py,
+tests/surgery.py) or transformers' in torch (tests/pretrained/test_hf.py)."""
 
 INTEGRATION_FOLDERS = frozenset({"pretrained", "remote"})
 """Folders of tests/ whose every test is an integration test."""
