@@ -214,3 +214,14 @@ def test_what_the_demo_says_to_try_next_exists_and_the_readme_names_it(tmp_path,
   assert "pz-persist inspect pz_persist_demo/checkpoint" in text
   assert "pz-persist inspect pz_persist_demo/checkpoint" in readme
   assert max(map(len, text.splitlines())) <= 100
+
+
+def test_the_readme_and_the_quick_start_guide_state_the_same_times():
+  """The two pages that say how long the tests take say the same."""
+  texts = _texts()
+  patterns = (r"runs the test suite \(about ([\w-]+) minutes on two cores: ([\d:]+) of",
+              r"`pytest -m unit` \(([^)]*)\)")
+  for pattern in patterns:
+    found = [re.findall(pattern, " ".join(texts[page].split()))  # Lines wrap differently.
+             for page in ("README.md", os.path.join("docs", "guides", "quickstart.md"))]
+    assert found[0] and found[0] == found[1], (pattern, found)

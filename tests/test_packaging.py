@@ -32,7 +32,7 @@ import pz_persist
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git", "build", "dist", "_build", "*.egg-info", "__pycache__", ".hypothesis",
     ".pytest_cache", "pz_persist_demo", "results", "notebooks", "benchmarks", "tests",
-    "docs",
+    "docs", ".venv", "venv",  # The README's virtual environment, in the clone.
 )
 
 
