@@ -178,7 +178,7 @@ def writing(
       yield state
     except BaseException:
       with interrupts_deferred():  # A second Ctrl-C must not stop the cleanup.
-        settled = _cancel_background(cancel, started_after)
+        settled = cancel_background(cancel, started_after)
         if fd is not None:
           state.left = _abandon(target, fd, settled=settled)
         elif primary and not local:  # Remote: no placeholder can be put.
@@ -216,13 +216,14 @@ def interrupts_deferred() -> Iterator[None]:
     raise KeyboardInterrupt
 
 
-def _cancel_background(
+def cancel_background(
     cancel: Callable[[], object], started_after: set[threading.Thread]
 ) -> bool:
   """Stops Orbax's background work of an unfinished save; returns whether
   every write it started has ended: ``cancel`` said so, and Orbax's threads
   of the save (which also create directories and write metadata files) have
-  all ended.
+  all ended. For `writing`, and for an interrupted `CheckpointManager` save
+  (`pz_persist.training.interrupted`).
 
   Its threads (those started since ``started_after``) stop within
   milliseconds once cancelled; waiting for them keeps them from logging
