@@ -797,6 +797,46 @@ def summary(leftovers: list[Leftover], where: epath.PathLike) -> str | None:
   )
 
 
+def only_trace(path: epath.PathLike) -> str:
+  """What unfinished saves of ``path`` left, for the error saying that no
+  checkpoint is there ('' if they left nothing).
+
+  Why: a killed save leaves its family under hidden names beside the path
+  (hundreds of MB of them), and a load saying only that the path does not
+  exist sends the user looking for a checkpoint that was never finished.
+  This says how much is left, where, and what removes it. Also Orbax's
+  unfinished step of a ``CheckpointManager`` run (``RUN/2`` asked for, only
+  ``RUN/2.orbax-checkpoint-tmp`` there). Never raises: it only adds to an
+  error already on its way.
+  """
+  try:
+    path = commit.as_path(path)
+    found = find(path)
+    steps_left = [
+        leftover for leftover in find_inside(path.parent)
+        if leftover.name.name.startswith(path.name + _TMP_SUFFIX)
+    ] if stores.for_path(path).has_locks else []
+  except (OSError, errors.PzPersistError):
+    return ""
+  found += steps_left
+  if not found:
+    return ""
+  cleaned = path.parent if steps_left else path  # Steps are cleaned from their run.
+  size = terminal.size_text(sum(leftover.nbytes for leftover in found))
+  names = ", ".join(leftover.name.name for leftover in found)
+  saves = "an interrupted save" if len(found) == 1 else f"{len(found)} interrupted saves"
+  if any(leftover.status == "live" for leftover in found):
+    fix = (" A save of it may still be running (its writer holds it): wait for it, or"
+           f" stop it and run `pz-persist clean {cleaned}`.")
+  elif all(leftover.removable for leftover in found):
+    fix = f" Nothing of it can be loaded; `pz-persist clean {cleaned}` removes it."
+  else:
+    fix = (" Nothing of it can be loaded; once no process writes there,"
+           f" `pz-persist clean --force {cleaned}` removes it (nothing proves its writer"
+           " gone, so plain `pz-persist clean` keeps it).")
+  return f" Its only trace is {saves} that never finished: {size} left in {names} in {path.parent}.{fix}"
+
+
 # ---- Small helpers. ---------------------------------------------------------
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -391,7 +391,7 @@ class CheckpointManager:
     As `pz_persist.save` does: Orbax's background work is cancelled and
     waited for (so no write lands after this, and none runs as a script
     exits), and an unfinished step is deleted only once every write to it
-    has ended; otherwise Orbax removes it when the run is next opened.
+    has ended; otherwise it stays for ``pz-persist clean --force``.
     """
     unsaved, self._in_flight = self._in_flight, []
     if not unsaved:
@@ -451,7 +451,8 @@ def _interrupted_line(
   if lost and left:
     said.append(
         f"{_steps_text(lost)} not saved: its unfinished {', '.join(p.name for p in left)}"
-        " is removed when the run is next opened (its writes still under way fail there)"
+        f" stays, which `pz-persist clean --force {directory}` removes once this"
+        " process has ended"
     )
   elif lost:
     said.append(f"{_steps_text(lost)} not saved, and what it had written was removed")
