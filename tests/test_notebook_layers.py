@@ -14,9 +14,9 @@ import sys
 
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from orbax.checkpoint import v1 as ocp_v1
 import pytest
 from conftest import run_python
+from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
 
 import pz_persist as pzp
@@ -148,7 +148,7 @@ def test_a_name_that_is_not_a_struct_class_is_refused(defined, ckpt):
     pzp.load_model(ckpt, allow_modules=["__main__"])
 
 
-def test_every_entry_point_finds_it_or_says_it_is_not_defined(defined, tmp_path):
+def test_every_entry_point_finds_it_or_says_it_is_not_defined(defined, tmp_path, monkeypatch):
   """The rule lives where every decoder resolves names: pzp.load, inspect,
   open, the manager and Orbax's handlers all meet the same two outcomes."""
   cls = _main_class("NbScale", {"scale": pz.Parameter})
@@ -171,9 +171,8 @@ def test_every_entry_point_finds_it_or_says_it_is_not_defined(defined, tmp_path)
   }
   for name, load in loads.items():
     assert type(load()) is cls, name
-  defined("NbScale", None)
-  delattr(sys.modules["__main__"], "NbScale")
-  for name, load in loads.items():
+  monkeypatch.delattr(sys.modules["__main__"], "NbScale")  # A kernel that has not run the cell.
+  for load in loads.values():
     with pytest.raises(errors.NotDefinedError, match=r"__main__\.NbScale is not defined in this"
                        r" process: run the cell that defines it, or move it into a module"):
       load()
@@ -212,3 +211,20 @@ def test_main_is_never_imported(monkeypatch, defined, ckpt):
   with pytest.raises(errors.NotDefinedError, match=r"__main__\.NbScale is not defined"):
     pzp.load_model(ckpt, allow_modules=["__main__"])
   assert "__main__" not in imported
+
+
+def test_a_function_defined_in_the_notebook_is_found_or_named(defined, ckpt, monkeypatch):
+  """An activation defined in a cell: the same two outcomes as a class."""
+
+  def my_activation(x):
+    return x * 2
+
+  my_activation.__module__, my_activation.__qualname__ = "__main__", "my_activation"
+  defined("my_activation", my_activation)
+  model = pz.nn.Sequential([pz.nn.Elementwise(my_activation)])
+  pzp.save_model(ckpt, model, allow_modules=["__main__"])
+  assert pzp.load_model(ckpt, allow_modules=["__main__"]).sublayers[0].fn is my_activation
+  monkeypatch.delattr(sys.modules["__main__"], "my_activation")  # A new kernel.
+  with pytest.raises(errors.NotDefinedError, match=r"tree\.sublayers\[0\]\.fn: __main__\."
+                     r"my_activation is not defined in this process: run the cell"):
+    pzp.load_model(ckpt, allow_modules=["__main__"])
