@@ -254,13 +254,17 @@ class CheckpointManager:
     if not self._in_flight:
       self._threads_before = set(threading.enumerate())
     self._in_flight.append(step)
-    with interrupted.one_line(self._abandon):
-      saved = self._manager.save(
-          step,
-          args=ocp.args.Composite(**args),
-          metrics=dict(metrics) if metrics is not None else None,
-          force=force or preempted,
-      )
+    try:
+      with interrupted.one_line(self._abandon):
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(**args),
+            metrics=dict(metrics) if metrics is not None else None,
+            force=force or preempted,
+        )
+    except Exception:
+      self._in_flight = []  # A failed save is not in flight.
+      raise
     # Orbax waited for the saves before this one; this one goes on if async.
     self._in_flight = [step] if saved and self._manager.is_saving_in_progress() else []
     if preempted:
@@ -447,7 +451,7 @@ def _interrupted_line(
   said = [f"pz_persist.CheckpointManager({str(directory)!r}).save interrupted;"
           f" {_steps_text(committed)} intact there"]
   if whole:
-    said.append(f"{_steps_text(whole)} saved whole before the interrupt")
+    said.append(f"{_steps_text(whole)} saved whole all the same (its writes had finished)")
   if lost and left:
     said.append(
         f"{_steps_text(lost)} not saved: its unfinished {', '.join(p.name for p in left)}"
