@@ -47,6 +47,16 @@ class DisallowedModuleError(PzPersistError):
   """
 
 
+class NotDefinedError(PzPersistError, NameError):
+  """A checkpoint names a class or function of ``__main__`` (a notebook
+  cell, the script being run) that this process has not defined.
+
+  Loading never runs code to define it: it looks the name up among what the
+  running ``__main__`` already holds. Run the cell that defines it (or move
+  it into a module) and load again. See docs/guides/notebooks.md.
+  """
+
+
 class CheckpointExistsError(PzPersistError, FileExistsError):
   """The destination already exists and ``overwrite=True`` was not given."""
 

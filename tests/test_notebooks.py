@@ -103,3 +103,15 @@ def test_committed_notebooks_carry_their_outputs():
     assert all(cell.get("execution_count") for cell in code), f"{name} is not executed"
     assert "treescope" in _outputs(notebook).lower() or name == "training_resume.ipynb", name
     assert os.path.getsize(path) < 2 * 2**20, f"{name} is over 2 MiB"
+
+
+def test_notebook_layers(tmp_path):
+  text = _outputs(_execute("notebook_layers.ipynb", tmp_path))
+  assert "module of MyScale: __main__" in text
+  assert "written: False" in text and "saved; written: True" in text
+  assert "MyScale defined there: False" in text
+  assert ("tree.sublayers[0]: __main__.MyScale is not defined in this process: run the cell that"
+          " defines it, or move it into a module") in text
+  assert "MyScale defined in __main__" in text
+  assert "outputs in the second kernel match this one's: True" in text
+  assert "renderings identical: True" in text

@@ -155,6 +155,7 @@ PAGES = [
     "docs/guides/saving-and-loading.md",
     "docs/guides/lazy-open.md",
     "docs/guides/whole-models.md",
+    "docs/guides/notebooks.md",
     "docs/guides/from-orbax.md",
     "docs/guides/sharding.md",
     "docs/guides/training.md",

@@ -138,7 +138,8 @@ def class_reference(cls: type, *, where: str) -> Reference:
     raise errors.DisallowedModuleError(
         f"{where}: {module_name}.{qualname} is defined in module"
         f" {module_name!r}, which is not allow-listed, so loading this"
-        f" checkpoint would have to import it. {allowlist.hint(module_name)}"
+        f" checkpoint would have to {_find_or_import(module_name)} it."
+        f" {allowlist.hint(module_name)}"
     )
   _check_findable(cls, module_name, qualname, where)
   _check_nameable(module_name, qualname, where)
@@ -332,6 +333,8 @@ def _import(module_name: str, qualname: str, where: str) -> types.ModuleType:
   module = sys.modules.get(module_name)
   if isinstance(module, types.ModuleType):
     return module
+  if module_name == allowlist.MAIN_MODULE:  # Importing it anew would run a program.
+    raise _not_defined(module_name, qualname, where)
   if not allowlist.may_import(module_name):
     raise errors.DisallowedModuleError(
         f"{where}: the checkpoint names {module_name}.{qualname}; module"
@@ -358,6 +361,8 @@ def _find(module_name: str, qualname: str, where: str) -> Any:
   obj: Any = _import(module_name, qualname, where)  # A module, then its attributes.
   for part in qualname.split("."):
     obj = _own_attribute(obj, part)
+    if obj is None and module_name == allowlist.MAIN_MODULE:
+      raise _not_defined(module_name, qualname, where)
     if obj is None:
       return None
     if isinstance(obj, types.ModuleType):
@@ -375,6 +380,30 @@ def _find(module_name: str, qualname: str, where: str) -> Any:
         f" which is not allow-listed. {allowlist.hint(str(home))}"
     )
   return obj
+
+
+def _find_or_import(module_name: str) -> str:
+  return "find" if module_name == allowlist.MAIN_MODULE else "import"
+
+
+def _looked_in(module_name: str) -> str:
+  return "looked in" if module_name == allowlist.MAIN_MODULE else "imported"
+
+
+def _not_defined(module_name: str, qualname: str, where: str) -> errors.NotDefinedError:
+  """The error for a name of ``__main__`` this process has not defined.
+
+  Why a message of its own: a class defined in a notebook cell is found again
+  only in a kernel that has run that cell (loading looks it up in the running
+  ``__main__`` and never runs code to define it), so the fix is the user's,
+  and it is one of two.
+  """
+  return errors.NotDefinedError(
+      f"{where}: {module_name}.{qualname} is not defined in this process: run the"
+      " cell that defines it, or move it into a module (the checkpoint names it,"
+      " and loading only looks it up among what this notebook or script has"
+      " defined; see docs/guides/notebooks.md)."
+  )
 
 
 def resolve_class(
@@ -396,7 +425,7 @@ def resolve_class(
   if not allowlist.is_allowed(module_name):
     raise errors.DisallowedModuleError(
         f"{where}: the checkpoint names {module_name}.{qualname}; module"
-        f" {module_name!r} is not allow-listed, so it was not imported."
+        f" {module_name!r} is not allow-listed, so it was not {_looked_in(module_name)}."
         f" {allowlist.hint(module_name)}"
     )
   obj = _find(module_name, qualname, where)
@@ -422,7 +451,7 @@ def resolve_function(ref: Any, *, where: str) -> Callable[..., Any]:
   ):
     raise errors.DisallowedModuleError(
         f"{where}: the checkpoint names the function {module_name}.{qualname},"
-        " which is not allowed, so its module was not imported."
+        f" which is not allowed, so its module was not {_looked_in(module_name)}."
         f" {allowlist.hint(module_name)}"
     )
   obj = _find(module_name, qualname, where)

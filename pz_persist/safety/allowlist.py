@@ -242,9 +242,27 @@ def may_import(module_name: str) -> bool:
   return is_user_allowed(module_name) or _within(module_name, IMPORTABLE_MODULES)
 
 
+MAIN_MODULE = "__main__"
+"""What a notebook cell or the script being run defines lives in this module.
+
+A checkpoint may name it only with the user's opt-in
+(``allow_modules=["__main__"]``), on save and again on load, and loading only
+ever looks names up in the running ``__main__``: it is never imported, since
+importing ``__main__`` anew would run a program
+(`pz_persist.format.code_references`)."""
+
+
 def hint(module_name: str) -> str:
   """How to allow ``module_name``, for error messages."""
   top = module_name.split(".")[0]
+  if top == MAIN_MODULE:
+    return (
+        "'__main__' holds what a notebook or the running script defines: if you"
+        " trust it, pass allow_modules=['__main__'] (to the save and to the load);"
+        " loading then finds such a class only among those this process has"
+        " defined, so run the cell that defines it first, or move it into a module"
+        " (docs/guides/notebooks.md)."
+    )
   return (
       f"If you trust it, call pz_persist.allow_modules({top!r}) or pass"
       f" allow_modules=[{top!r}]."

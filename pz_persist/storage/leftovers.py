@@ -178,7 +178,7 @@ def writing(
       yield state
     except BaseException:
       with interrupts_deferred():  # A second Ctrl-C must not stop the cleanup.
-        settled = _cancel_background(cancel, started_after)
+        settled = cancel_background(cancel, started_after)
         if fd is not None:
           state.left = _abandon(target, fd, settled=settled)
         elif primary and not local:  # Remote: no placeholder can be put.
@@ -216,13 +216,14 @@ def interrupts_deferred() -> Iterator[None]:
     raise KeyboardInterrupt
 
 
-def _cancel_background(
+def cancel_background(
     cancel: Callable[[], object], started_after: set[threading.Thread]
 ) -> bool:
   """Stops Orbax's background work of an unfinished save; returns whether
   every write it started has ended: ``cancel`` said so, and Orbax's threads
   of the save (which also create directories and write metadata files) have
-  all ended.
+  all ended. For `writing`, and for an interrupted `CheckpointManager` save
+  (`pz_persist.training.interrupted`).
 
   Its threads (those started since ``started_after``) stop within
   milliseconds once cancelled; waiting for them keeps them from logging
@@ -794,6 +795,46 @@ def summary(leftovers: list[Leftover], where: epath.PathLike) -> str | None:
       f" {where} ({terminal.size_text(nbytes)}, {dead} removable now); see"
       f" `pz-persist clean {where}`"
   )
+
+
+def only_trace(path: epath.PathLike) -> str:
+  """What unfinished saves of ``path`` left, for the error saying that no
+  checkpoint is there ('' if they left nothing).
+
+  Why: a killed save leaves its family under hidden names beside the path
+  (hundreds of MB of them), and a load saying only that the path does not
+  exist sends the user looking for a checkpoint that was never finished.
+  This says how much is left, where, and what removes it. Also Orbax's
+  unfinished step of a ``CheckpointManager`` run (``RUN/2`` asked for, only
+  ``RUN/2.orbax-checkpoint-tmp`` there). Never raises: it only adds to an
+  error already on its way.
+  """
+  try:
+    path = commit.as_path(path)
+    found = find(path)
+    steps_left = [
+        leftover for leftover in find_inside(path.parent)
+        if leftover.name.name.startswith(path.name + _TMP_SUFFIX)
+    ] if stores.for_path(path).has_locks else []
+  except (OSError, errors.PzPersistError):
+    return ""
+  found += steps_left
+  if not found:
+    return ""
+  cleaned = path.parent if steps_left else path  # Steps are cleaned from their run.
+  size = terminal.size_text(sum(leftover.nbytes for leftover in found))
+  names = ", ".join(leftover.name.name for leftover in found)
+  saves = "an interrupted save" if len(found) == 1 else f"{len(found)} interrupted saves"
+  if any(leftover.status == "live" for leftover in found):
+    fix = (" A save of it may still be running (its writer holds it): wait for it, or"
+           f" stop it and run `pz-persist clean {cleaned}`.")
+  elif all(leftover.removable for leftover in found):
+    fix = f" Nothing of it can be loaded; `pz-persist clean {cleaned}` removes it."
+  else:
+    fix = (" Nothing of it can be loaded; once no process writes there,"
+           f" `pz-persist clean --force {cleaned}` removes it (nothing proves its writer"
+           " gone, so plain `pz-persist clean` keeps it).")
+  return f" Its only trace is {saves} that never finished: {size} left in {names} in {path.parent}.{fix}"
 
 
 # ---- Small helpers. ---------------------------------------------------------

@@ -41,6 +41,7 @@ from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
+from pz_persist.storage import leftovers
 from pz_persist.storage import stores
 
 _T = TypeVar("_T")
@@ -291,6 +292,7 @@ def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | Non
     raise errors.NotACheckpointError(
         f"{path} is not a pz_persist checkpoint: "
         + ("it is not a directory." if path.exists() else "it does not exist.")
+        + leftovers.only_trace(path)
     )
   if _holds_manifest(path):
     snapshot = check_item_contained(path)

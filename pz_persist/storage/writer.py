@@ -346,9 +346,10 @@ class Writer:
     None where Orbax's writer starts and finalizes them itself (`finish_after`)."""
     self._arrays = arrays
     self._options = options or WriteOptions()
-    self._started: list[ocp.future.Future] = []  # Of the last `start`.
-    self._direct: list[_DirectWork] = []  # Its direct write, if it makes one.
-    self._orbax_writes = False  # Whether it had Orbax's writer write arrays.
+    # Directory -> its `start` not yet finalized, for `cancel`. Why every
+    # one, not only the last: a CheckpointManager's items (params,
+    # opt_state) are saved by one handler, so by one writer.
+    self._unfinished: dict[str, _Started] = {}
     # Directory -> whether its save wrote arrays, for `finalize` (which would
     # otherwise ask the store: a request or more on gs:// and s3://).
     self._wrote_arrays: dict[str, bool] = {}
@@ -361,9 +362,10 @@ class Writer:
       raise AssertionError("this writer's arrays are written by Orbax's own save")
     return self._arrays
 
-  def _begin(self, directory: Any, stored: dict[str, Any]) -> None:
-    self._started, self._direct, self._orbax_writes = [], [], False
+  def _begin(self, directory: Any, stored: dict[str, Any]) -> _Started:
+    started = self._unfinished[os.fspath(directory)] = _Started()
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
+    return started
 
   def writes_directly(self, directory: Any, stored: dict[str, Any]) -> bool:
     """Whether the arrays of ``stored`` are written by `direct_write`."""
@@ -387,13 +389,12 @@ class Writer:
     (with the arrays' futures) before `finalize`.
     """
     manifest, stored = encoded.manifest, encoded.stored
-    self._begin(directory, stored)
-    futures: list[ocp.future.Future] = []
-    self._started = futures
+    begun = self._begin(directory, stored)
+    futures = begun.futures
     if self.writes_directly(directory, stored):
       copies = checksums.host_copies(stored)
       work = _DirectWork()
-      self._direct.append(work)
+      begun.direct.append(work)
 
       async def write_directly() -> None:
         if not work.begin():  # Abandoned before it began.
@@ -408,7 +409,7 @@ class Writer:
       ))
       return futures
     if stored:  # Orbax refuses an empty tree; a tree of scalars has no arrays.
-      self._orbax_writes = True
+      begun.orbax_writes = True
       futures.extend(await self._orbax().async_save(directory, stored) or [])
     copies = checksums.host_copies(stored)
 
@@ -424,12 +425,12 @@ class Writer:
     """Saves synchronously (`finalize` still follows)."""
     manifest, stored = encoded.manifest, encoded.stored
     copies = checksums.host_copies(stored)
-    self._begin(directory, stored)
+    begun = self._begin(directory, stored)
     if self.writes_directly(directory, stored):
       self._write_directly(directory, manifest, stored, copies)
       return
     if stored:
-      self._orbax_writes = True
+      begun.orbax_writes = True
       self._orbax().save(directory, stored)
     self._write_manifest(directory, manifest, copies)
 
@@ -499,8 +500,8 @@ class Writer:
     manifest_lib.write(directory, hashed)
 
   def cancel(self) -> bool:
-    """Stops the background work of the last `start`; returns whether every
-    array write it started has ended.
+    """Stops the background work of every `start` not yet finalized;
+    returns whether every array write they started has ended.
 
     For a save interrupted or failed midway (see `pz_persist.save`, whose
     cleanup needs to know whether a write may still land): its futures are
@@ -509,14 +510,18 @@ class Writer:
     `SETTLE_SECONDS`); writes Orbax's own writer issued cannot be followed
     from here, so a save that had Orbax write arrays returns False.
     """
-    for started in self._started:
-      started.cancel()
-    ended = [work.abandon(SETTLE_SECONDS) for work in self._direct]  # Each one stopped.
-    return all(ended) and not self._orbax_writes
+    unfinished = list(self._unfinished.values())
+    self._unfinished.clear()
+    for begun in unfinished:
+      for future in begun.futures:
+        future.cancel()
+    ended = [work.abandon(SETTLE_SECONDS) for begun in unfinished for work in begun.direct]
+    return all(ended) and not any(begun.orbax_writes for begun in unfinished)
 
   def finalize(self, directory: epath.Path) -> None:
     """Orbax's finalize of the arrays, if any were written, then the file
     digests (the primary process), once every file of the item is final."""
+    self._unfinished.pop(os.fspath(directory), None)
     wrote_arrays = self._wrote_arrays.pop(os.fspath(directory), None)
     if wrote_arrays is None:  # Not saved by this writer: look.
       wrote_arrays = (directory / "_METADATA").exists() or any(
@@ -525,6 +530,15 @@ class Writer:
       self._orbax().finalize(directory)
     if self.is_primary():
       file_digests.write(directory)
+
+
+@dataclasses.dataclass
+class _Started:
+  """One `start` (or `write`) of the writer, until it is finalized."""
+
+  futures: list[ocp.future.Future] = dataclasses.field(default_factory=list)
+  direct: list[_DirectWork] = dataclasses.field(default_factory=list)  # Its direct write.
+  orbax_writes: bool = False  # Whether it had Orbax's writer write arrays.
 
 
 class _DirectWork:

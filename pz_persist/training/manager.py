@@ -14,6 +14,7 @@ preemptible machine is about to be taken away.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -40,6 +41,7 @@ from pz_persist.storage import leftovers
 from pz_persist.storage import orbax_seam
 from pz_persist.storage import steps
 from pz_persist.storage import stores
+from pz_persist.training import interrupted
 from pz_persist.training import optimizers
 
 _RESERVED_ITEMS = frozenset({"metrics", "descriptor", "_CHECKPOINT_METADATA"})
@@ -132,7 +134,9 @@ class CheckpointManager:
     # Before Orbax reads step metadata or moves steps into the trash.
     self._check_run(directory)
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add(None, v0_handler.PenzaiSave, v0_handler.PenzaiCheckpointHandler())
+    # Kept: an interrupted save is cancelled through it (`_abandon`).
+    self._save_handler = v0_handler.PenzaiCheckpointHandler()
+    registry.add(None, v0_handler.PenzaiSave, self._save_handler)
     registry.add(None, v0_handler.PenzaiRestore, v0_handler.PenzaiCheckpointHandler())
     self._manager = ocp.CheckpointManager(
         directory,
@@ -160,6 +164,8 @@ class CheckpointManager:
       raise
     self._emptying: threading.Thread | None = None
     self._empty_trash_in_background()
+    self._in_flight: list[int] = []  # Steps whose save has not ended yet.
+    self._threads_before: set[threading.Thread] = set()  # When the first began.
     self._sigterm = threading.Event()
     self._previous_handler = None
     if save_on_sigterm:
@@ -245,12 +251,22 @@ class CheckpointManager:
     with allowlist.scoped_allowance(self._allow_modules):
       args = {name: v0_handler.PenzaiSave(tree) for name, tree in items.items()}
     safe_io.check_own_directory(self.directory / _TRASH)  # Retention moves there.
-    saved = self._manager.save(
-        step,
-        args=ocp.args.Composite(**args),
-        metrics=dict(metrics) if metrics is not None else None,
-        force=force or preempted,
-    )
+    if not self._in_flight:
+      self._threads_before = set(threading.enumerate())
+    self._in_flight.append(step)
+    try:
+      with interrupted.one_line(self._abandon):
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(**args),
+            metrics=dict(metrics) if metrics is not None else None,
+            force=force or preempted,
+        )
+    except Exception:
+      self._in_flight = []  # A failed save is not in flight.
+      raise
+    # Orbax waited for the saves before this one; this one goes on if async.
+    self._in_flight = [step] if saved and self._manager.is_saving_in_progress() else []
     if preempted:
       self.close()
       print(f"pz_persist: SIGTERM received; saved step {step} and exiting.", file=sys.stderr)
@@ -362,12 +378,45 @@ class CheckpointManager:
     return self._manager.metrics(step)
 
   def wait_until_finished(self) -> None:
-    """Blocks until the save in flight (if any) is complete."""
-    self._manager.wait_until_finished()
+    """Blocks until the save in flight (if any) is complete.
+
+    Interrupted (Ctrl-C), it stops that save instead, and says in one line
+    which steps are intact (see `pz_persist.training.interrupted`).
+    """
+    with interrupted.one_line(self._abandon):
+      self._manager.wait_until_finished()
+    self._in_flight = []
+
+  def _abandon(self) -> str | None:
+    """Stops the saves in flight after Ctrl-C, removes what they left of
+    their steps, and returns the line saying what is intact (None if no
+    save was in flight).
+
+    As `pz_persist.save` does: Orbax's background work is cancelled and
+    waited for (so no write lands after this, and none runs as a script
+    exits), and an unfinished step is deleted only once every write to it
+    has ended; otherwise it stays for ``pz-persist clean --force``.
+    """
+    unsaved, self._in_flight = self._in_flight, []
+    if not unsaved:
+      return None
+    settled = leftovers.cancel_background(self._save_handler.cancel, self._threads_before)
+    with contextlib.suppress(Exception):  # Its error is the cancellation.
+      self._manager.wait_until_finished()  # Its finalize thread, ended by it.
+    self._manager.reload()
+    found = steps.list_steps(self.directory, commit_times=False)
+    committed = sorted(info.step for info in found if info.committed)
+    left = [info.path for info in found if not info.committed and info.step in unsaved]
+    if settled and not self._remote and ocp.multihost.is_primary_host(0):
+      for path in left:
+        with contextlib.suppress(OSError):
+          leftovers.delete(path)
+      left = [path for path in left if path.exists()]
+    return _interrupted_line(self.directory, unsaved, committed, left)
 
   def close(self) -> None:
     """Waits for the save in flight, releases resources, restores SIGTERM."""
-    self._manager.wait_until_finished()
+    self.wait_until_finished()
     self._manager.close()
     leftovers.release_run(self._run_hold)
     self._run_hold = None
@@ -385,6 +434,33 @@ class CheckpointManager:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+def _steps_text(numbers: list[int]) -> str:
+  if not numbers:
+    return "no step"
+  return f"step{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}"
+
+
+def _interrupted_line(
+    directory: epath.Path, unsaved: list[int], committed: list[int], left: list[epath.Path]
+) -> str:
+  """The one line an interrupted `CheckpointManager` save shows."""
+  whole = [step for step in unsaved if step in committed]
+  lost = [step for step in unsaved if step not in committed]
+  said = [f"pz_persist.CheckpointManager({str(directory)!r}).save interrupted;"
+          f" {_steps_text(committed)} intact there"]
+  if whole:
+    said.append(f"{_steps_text(whole)} saved whole all the same (its writes had finished)")
+  if lost and left:
+    said.append(
+        f"{_steps_text(lost)} not saved: its unfinished {', '.join(p.name for p in left)}"
+        f" stays, which `pz-persist clean --force {directory}` removes once this"
+        " process has ended"
+    )
+  elif lost:
+    said.append(f"{_steps_text(lost)} not saved, and what it had written was removed")
+  return "; ".join(said) + "."
 
 
 class _MarkerFirstDeleter:

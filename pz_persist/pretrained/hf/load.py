@@ -136,6 +136,12 @@ def _check_tensors(plan: Plan, weights: Weights) -> None:
           f" for {spec.label!r})."
       )
     planned.append(_files.PlannedArray(spec.label, weights.dtype, spec.parameter_shape))
+  # Dequantising allocates more than its result while it runs, one tensor at
+  # a time: the largest such working set is part of the total checked.
+  working = max((view.working_bytes for view in weights.decoded()), default=0)
+  if working:
+    planned.append(_files.PlannedArray(
+        "(working memory of dequantising one tensor)", np.dtype(np.uint8), (working,)))
   _files.check_planned_allocation(planned, where=weights.path)
 
 

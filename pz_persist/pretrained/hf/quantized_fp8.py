@@ -101,11 +101,40 @@ def read_quantization(cfg: Config) -> BlockFp8 | None:
   return BlockFp8((block[0], block[1]))
 
 
-def dequantize(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-  """``weight`` (float8_e4m3fn, 2-D) times its block's scale, in float32."""
+def dequantize(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
+               out: np.ndarray | None = None) -> np.ndarray:
+  """``weight`` (float8_e4m3fn, 2-D) times its block's scale, computed in
+  float32; into ``out`` (of ``weight``'s shape, any float dtype: each value
+  rounded once, as ``.astype`` rounds) if given, else a new float32 array.
+
+  Why one row of blocks at a time: the scales are spread over the weight's
+  own columns, one row of blocks at a time, never over whole blocks. Spreading
+  them over whole blocks (``np.repeat`` by the block size) allocated
+  ``b0 x b1`` floats per scale: 16 GiB for a 48x32 weight under
+  ``weight_block_size: [65536, 65536]``. Here nothing allocated depends on
+  the block size beyond the weight's own shape (`working_bytes`).
+  """
   rows, cols = weight.shape
-  scales = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
-  return weight.astype(np.float32) * scales[:rows, :cols]
+  result = np.empty((rows, cols), np.float32) if out is None else out
+  columns = np.arange(cols) // block[1]  # Each column's block.
+  for i in range(-(-rows // block[0])):  # The scales' rows (header-checked).
+    lo, hi = i * block[0], min((i + 1) * block[0], rows)
+    chunk = weight[lo:hi].astype(np.float32)
+    chunk *= scale_inv[i, columns].astype(np.float32)
+    result[lo:hi] = chunk
+    del chunk  # Before the next one is made: one row of blocks at a time.
+  return result
+
+
+def working_bytes(shape: tuple[int, int], block: tuple[int, int], count: int = 1) -> int:
+  """At most what dequantising ``count`` weights of ``shape`` allocates
+  besides the result: the parts as read (float8 weights, float32 scales) and
+  `dequantize`'s intermediates (one row of blocks in float32, the columns'
+  block indices and one row of scales), for the load's allocation check."""
+  rows, cols = shape
+  scales = -(-rows // block[0]) * -(-cols // block[1])
+  parts = count * (rows * cols * FP8.itemsize + scales * 4)
+  return parts + min(block[0], rows) * cols * 4 + cols * (8 + 4)
 
 
 def _refuse(where: Any, name: str, what: str) -> Exception:
@@ -156,12 +185,16 @@ def source(weights: Any, quantization: BlockFp8 | None, names: list[str],
   target = weights.dtype if np.dtype(weights.dtype) != FP8 else np.dtype(np.float32)
   block = quantization.block
 
-  def decode(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-    matrices = [dequantize(arrays[name], arrays[name + SCALE_SUFFIX], block).astype(target)
-                for name in names]
-    return matrices[0] if stack is None else np.stack(matrices)
-
   full = shape if stack is None else (len(names), *shape)
+
+  def decode(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    out = np.empty(full, target)  # Each matrix dequantised straight into it.
+    for i, name in enumerate(names):
+      dequantize(arrays[name], arrays[name + SCALE_SUFFIX], block,
+                 out=out if stack is None else out[i])
+    return out
+
   name = f"{stack or names[0]} (dequantised)"
-  views.append(weights_lib.decoded(name, parts, full, target, decode, quantization.describe()))
+  views.append(weights_lib.decoded(name, parts, full, target, decode, quantization.describe(),
+                                   working_bytes(shape, block, len(names))))
   return name

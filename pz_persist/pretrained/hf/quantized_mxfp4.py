@@ -65,13 +65,26 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, where: str) -> np.ndarray
   values = np.empty((experts, rows, groups, BLOCK), np.float32)
   values[..., 0::2] = _FP4[blocks & 0x0F]
   values[..., 1::2] = _FP4[blocks >> 4]
-  with np.errstate(over="ignore"):
-    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None]).astype(np.float32)
+  with np.errstate(over="ignore"):  # In place: `working_bytes` counts one float32 copy.
+    np.ldexp(values, (scales.astype(np.int32) - 127)[..., None], out=values)
   if not np.isfinite(values).all():
     raise errors.SafetensorsFormatError(
         f"{where}: MXFP4 values times their scales exceed float32's range (scale bytes up to"
         f" {int(scales.max())}); the tensor is damaged or not MXFP4.")
   return np.ascontiguousarray(values.reshape(experts, rows, groups * BLOCK).transpose(0, 2, 1))
+
+
+def working_bytes(shape: tuple[int, ...]) -> int:
+  """At most what `dequantize` of a weight of ``shape`` (``[experts, columns,
+  rows]``) allocates besides the load's own parameter, for the load's
+  allocation check: the blocks and scales as read (17 bytes per 32 values),
+  the float32 values and the float32 result they are transposed into (8 bytes
+  a value; the smaller transients, a nibble lookup or the finiteness check,
+  come and go before the transpose), and the scale exponents (4 bytes per
+  block). The float32 result counts even when the load's dtype is float32:
+  an upper bound is what the check needs."""
+  count = int(np.prod(shape, dtype=np.int64))
+  return count // BLOCK * (BLOCK // 2 + 1) + count * 8 + count // BLOCK * 4
 
 
 def quantize(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -220,6 +220,10 @@ class Decoded:
     decode: ``{part name: array as stored} -> array`` of ``shape`` and ``dtype``.
     description: What was decoded, for people (``"MXFP4 (blocks of 32,
       E8M0 scales)"``).
+    working_bytes: At most what ``decode`` allocates besides its result (the
+      parts as read, its intermediates), derived from the checked shapes
+      only: the load's allocation check counts it (`pz_persist.pretrained.hf.load`),
+      so the total it checks covers the intermediates too.
   """
 
   name: str
@@ -228,6 +232,7 @@ class Decoded:
   dtype: np.dtype
   decode: Callable[[dict[str, np.ndarray]], np.ndarray]
   description: str
+  working_bytes: int
 
 
 View = Stacked | Decoded
@@ -240,10 +245,11 @@ def stacked(name: str, parts: Sequence[str]) -> Stacked:
 
 
 def decoded(name: str, parts: Sequence[str], shape: Sequence[int], dtype: Any,
-            decode: Callable[[dict[str, np.ndarray]], np.ndarray], description: str) -> Decoded:
+            decode: Callable[[dict[str, np.ndarray]], np.ndarray], description: str,
+            working_bytes: int) -> Decoded:
   """A `Decoded` view ``name`` of the stored tensors ``parts``."""
   return Decoded(name, tuple(parts), tuple(int(n) for n in shape), np.dtype(dtype), decode,
-                 description)
+                 description, int(working_bytes))
 
 
 class _ViewFile:

@@ -128,7 +128,8 @@ class GptOssMoe:
     def decode(parts: dict[str, np.ndarray]) -> np.ndarray:
       return quantized_mxfp4.dequantize(parts[blocks], parts[scales], f"{self.where}: {name!r}")
 
-    return weights_lib.decoded(name, (blocks, scales), shape, np.float32, decode, _MXFP4)
+    return weights_lib.decoded(name, (blocks, scales), shape, np.float32, decode, _MXFP4,
+                               quantized_mxfp4.working_bytes(shape))
 
   def edit(self, model: model_parts.TransformerLM,
            config: llamalike_common.LlamalikeTransformerConfig) -> model_parts.TransformerLM:
