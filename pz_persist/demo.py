@@ -23,6 +23,7 @@ from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 import pz_persist as pzp
+from pz_persist.storage import destinations
 from pz_persist.tools import viewing
 
 
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   out = pathlib.Path(args.out).resolve()
   checkpoint = out / "checkpoint"
+  for written in (checkpoint, out / "restored.html"):  # The destination rule
+    destinations.check_output(written)  # (never inside a checkpoint), first.
 
   model = build_model()
   _, params = pz.unbind_params(model, freeze=True)
