@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
       "--out", default="pz_persist_demo", help="directory for the checkpoint and HTML"
   )
   args = parser.parse_args(argv)
-  out = pathlib.Path(args.out).resolve()
+  out = pathlib.Path(destinations.check_output(args.out)).resolve()  # file:// too.
   checkpoint = out / "checkpoint"
   for written in (checkpoint, out / "restored.html"):  # The destination rule
     destinations.check_output(written)  # (never inside a checkpoint), first.

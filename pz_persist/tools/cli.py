@@ -279,6 +279,9 @@ def _migrate(args: argparse.Namespace) -> int:
   and writes it as a native checkpoint."""
   from pz_persist.tools import migrating
 
+  # The destination rule before the user's code builds the model (and again
+  # in `migrate`, for every caller).
+  destinations.check_output(args.dst, [args.src])
   if os.getcwd() not in sys.path:  # As `python -m` would: the user's modules.
     sys.path.insert(0, os.getcwd())
   model = migrating.build_model(args.model)
