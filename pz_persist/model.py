@@ -473,7 +473,8 @@ def load_model(
         " pz_persist.load_into(path, model)."
     )
   if dtype is not None:
-    model = binding.cast_model(model, dtype, allow_lossy=allow_lossy)
+    model = binding.cast_model(model, dtype, allow_lossy=allow_lossy,
+                               where=str(opening.checkpoint_path(path)))
   if strict:
     return model
   _, variables = pz.unbind_variables(model)
