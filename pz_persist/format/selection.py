@@ -18,22 +18,19 @@ from collections.abc import Sequence
 
 from pz_persist import errors
 
-SEPARATORS = "/."
-"""Where a label's parts end (``block_1/attn.w``)."""
-
 _SYNTAX = re.compile(r"[\^$*?+()\[\]{}|\\]")
 """Glob and regex syntax, dropped from a pattern before it is compared with
 names (``mpl/*`` is compared as ``mpl/``)."""
 
 
 def close_matches(wanted: str, names: Sequence[str], n: int = 5) -> list[str]:
-  """The names (or groups of them: each name's beginnings up to a separator,
+  """The names (or groups of them: each name's beginnings up to a ``/``,
   ``mlp/``, ``mlp/Affine_0/``) most like ``wanted``, best first."""
   text = _SYNTAX.sub("", wanted)
   candidates = dict.fromkeys(names)
   for name in names:
     for at, char in enumerate(name[:-1]):
-      if char in SEPARATORS:
+      if char == "/":
         candidates.setdefault(name[: at + 1])
   return difflib.get_close_matches(text, list(candidates), n=n, cutoff=0.5)
 
