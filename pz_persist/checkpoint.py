@@ -206,7 +206,7 @@ def _shared_token() -> str:
 
 
 def load(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     sharding: sharding_lib.Target = None,
     verify: bool = True,
@@ -270,7 +270,7 @@ def load(
 
 
 def inspect(
-    path: epath.PathLike, *, allow_modules: Iterable[str] | None = None
+    path: opening.PathOrHandle, *, allow_modules: Iterable[str] | None = None
 ) -> Any:
   """The saved tree with ``jax.ShapeDtypeStruct`` for arrays; reads no arrays.
 

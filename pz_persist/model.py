@@ -97,7 +97,7 @@ ModelT = TypeVar("ModelT")
 
 @overload
 def load_into(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     model: ModelT,
     *,
     strict: Literal[True] = True,
@@ -117,7 +117,7 @@ def load_into(
 
 @overload
 def load_into(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     model: ModelT,
     *,
     strict: Literal[False],
@@ -137,7 +137,7 @@ def load_into(
 
 @overload
 def load_into(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     model: ModelT,
     *,
     strict: bool,
@@ -156,7 +156,7 @@ def load_into(
 
 
 def load_into(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     model: ModelT,
     *,
     strict: bool = True,
@@ -279,7 +279,7 @@ def load_into(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: None = None,
     strict: Literal[True] = True,
@@ -295,7 +295,7 @@ def load_model(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: None = None,
     strict: Literal[False],
@@ -311,7 +311,7 @@ def load_model(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: ModelT,
     strict: Literal[True] = True,
@@ -331,7 +331,7 @@ def load_model(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: ModelT,
     strict: Literal[False],
@@ -351,7 +351,7 @@ def load_model(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: ModelT | None = None,
     strict: bool = True,
@@ -374,7 +374,7 @@ def load_model(
 
 
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: ModelT | None = None,
     strict: bool = True,

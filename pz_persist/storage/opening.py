@@ -91,7 +91,7 @@ class OpenItem:
 
 
 def read(
-    path: epath.PathLike,
+    path: PathOrHandle,
     use: Callable[[OpenItem], _T],
     *,
     item_directory: bool = False,
@@ -173,6 +173,10 @@ class OpenedHandle(Protocol):
   def __pz_persist_read__(self, use: Callable[[OpenItem], _T]) -> _T:
     """``use`` of the item it opened, under its own checks (closed,
     replaced since, the shared lock), as its own reads are."""
+
+
+PathOrHandle = epath.PathLike | OpenedHandle
+"""What a loader takes for its checkpoint: a path, or an opened handle."""
 
 
 def opened_handle(obj: Any) -> OpenedHandle | None:

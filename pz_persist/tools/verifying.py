@@ -124,7 +124,7 @@ def _one_line(text: str) -> str:
 
 
 def verify(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     read_batch_bytes: int = reader.DEFAULT_READ_BATCH_BYTES,
     progress: progress_lib.Progress = None,

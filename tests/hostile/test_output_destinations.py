@@ -35,7 +35,6 @@ from typing import Any
 
 import jax
 import pytest
-from penzai.models.transformer.variants import llamalike_common
 
 import pz_persist as pzp
 from pz_persist import errors
@@ -43,7 +42,6 @@ from pz_persist.tools import cli
 
 _BUILD = """
 import jax
-from penzai.models.transformer.variants import llamalike_common
 
 def build():
   config = llamalike_common.LlamalikeTransformerConfig(
@@ -309,57 +307,59 @@ REVIEWED = {
 each may (file: qualified function)."""
 
 
+class _Writes(ast.NodeVisitor):
+  """Collects, into ``found``, each function of one module holding a
+  file-writing call, with the names of everything it calls."""
+
+  def __init__(self, relative: str, source: str, found: dict[str, set[str]]):
+    self.relative, self.source, self.found = relative, source, found
+    self.stack: list[tuple[str, set[str]]] = []
+
+  def _scope(self, node):
+    self.stack.append((node.name, set()))
+    self.generic_visit(node)
+    name, calls = self.stack.pop()
+    if isinstance(node, ast.ClassDef):
+      return
+    qualified = ".".join([*(n for n, _ in self.stack), name])
+    if "<write>" in calls:
+      self.found[f"{self.relative}:{qualified}"] = calls
+    if self.stack:  # A nested function's calls are its parent's too.
+      self.stack[-1][1].update(calls)
+
+  visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scope
+
+  def visit_Call(self, node):
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    owner = (func.value.id if isinstance(func, ast.Attribute)
+             and isinstance(func.value, ast.Name) else None)
+    writes = name in _WRITE_CALLS or name in _WRITE_CALLS_OF.get(owner or "", ())
+    if name == "open":
+      text = ast.get_source_segment(self.source, node) or ""
+      if owner == "os":
+        writes = any(flag in text for flag in ("O_CREAT", "O_WRONLY", "O_RDWR"))
+      else:
+        modes = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)] + [
+            k.value.value for k in node.keywords
+            if k.arg == "mode" and isinstance(k.value, ast.Constant)]
+        writes = any(isinstance(m, str) and set(m) & set("wax+") for m in modes)
+    if name == "save" and "checkpointer" in ast.unparse(func).lower():
+      writes = True  # Orbax writing a checkpoint.
+    if self.stack and name:
+      self.stack[-1][1].add(name)
+      if writes:
+        self.stack[-1][1].add("<write>")
+    self.generic_visit(node)
+
+
 def _writing_functions() -> dict[str, set[str]]:
-  """``file:function`` of each function holding a file-writing call, with
-  the names of everything it calls."""
+  """``file:function`` of each function of the package holding a
+  file-writing call, with the names of everything it calls."""
   found: dict[str, set[str]] = {}
   for path in sorted(_PACKAGE.rglob("*.py")):
     source = path.read_text()
-    relative = path.relative_to(_PACKAGE).as_posix()
-
-    class Visitor(ast.NodeVisitor):
-      def __init__(self):
-        self.stack: list[tuple[str, set[str]]] = []
-        self.writes = False
-
-      def _scope(self, node):
-        self.stack.append((node.name, set()))
-        self.generic_visit(node)
-        name, calls = self.stack.pop()
-        if isinstance(node, ast.ClassDef):
-          return
-        qualified = ".".join([*(n for n, _ in self.stack), name])
-        if calls & {"<write>"}:
-          found[f"{relative}:{qualified}"] = calls
-        if self.stack:  # A nested function's calls are its parent's too.
-          self.stack[-1][1].update(calls)
-
-      visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scope
-
-      def visit_Call(self, node):
-        func = node.func
-        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-        owner = (func.value.id if isinstance(func, ast.Attribute)
-                 and isinstance(func.value, ast.Name) else None)
-        writes = name in _WRITE_CALLS or name in _WRITE_CALLS_OF.get(owner or "", ())
-        if name == "open":
-          text = ast.get_source_segment(source, node) or ""
-          if owner == "os":
-            writes = any(flag in text for flag in ("O_CREAT", "O_WRONLY", "O_RDWR"))
-          else:
-            modes = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)] + [
-                k.value.value for k in node.keywords
-                if k.arg == "mode" and isinstance(k.value, ast.Constant)]
-            writes = any(isinstance(m, str) and set(m) & set("wax+") for m in modes)
-        if name == "save" and "checkpointer" in ast.unparse(func).lower():
-          writes = True  # Orbax writing a checkpoint.
-        if self.stack and name:
-          self.stack[-1][1].add(name)
-          if writes:
-            self.stack[-1][1].add("<write>")
-        self.generic_visit(node)
-
-    Visitor().visit(ast.parse(source))
+    _Writes(path.relative_to(_PACKAGE).as_posix(), source, found).visit(ast.parse(source))
   return found
 
 
