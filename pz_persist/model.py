@@ -201,13 +201,18 @@ def load_into(
     print(report)
 
   Args:
-    path: A checkpoint directory (or its item directory).
+    path: A checkpoint directory (or its item directory), or a
+      `pz_persist.open` handle (the checkpoint it opened is read).
     model: The model to load the checkpoint's variables into, by label.
     strict: Raise `pz_persist.binding.BindingError`, listing every missing,
       unexpected or mismatched variable, if the checkpoint does not fit. With
       False, load what fits and return ``(model, report)``.
     only: Label globs (``fnmatch``): load only the model variables they
-      match; the model keeps its other values.
+      match; the model keeps its other values. Each glob must match a label
+      of the checkpoint (as ``rename`` made them), and ``[]`` selects
+      nothing: refused (`pz_persist.errors.UnknownLabelError` with the
+      closest labels; `ArgumentError`), as is each ``rename`` rule,
+      ``rename_axes`` key and ``dtype`` rule that matches nothing.
     rename: Regex rules ``{pattern: replacement}`` applied in order to the
       checkpoint's labels to get the model's labels.
     rename_axes: ``{stored name: model name}`` for renamed axes. Stored axes
@@ -409,7 +414,8 @@ def load_model(
     model = pzp.load_model("/tmp/mlp_lora")
 
   Args:
-    path: A checkpoint directory (or its item directory).
+    path: A checkpoint directory (or its item directory), or a
+      `pz_persist.open` handle (the checkpoint it opened is read).
     into: The older spelling of `load_into`: a model to load the
       checkpoint's variables into, by label.
     strict: With False, return ``(model, report)`` (the report lists every

@@ -45,6 +45,7 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
 from pz_persist.storage import opening
 from pz_persist.storage import stores
+from pz_persist.storage.stores import urls
 
 EXPORT_MARKER = "pz_persist.export.json"
 """The small file `export_hf` writes into every folder it exports, so that a
@@ -189,8 +190,8 @@ def check_output(
   path = stores.normalise(destination)  # Refuses a NUL, a bad scheme, a remote host.
   roots = [root for root in (opening.checkpoint_path(s) for s in sources) if root is not None]
   check_apart(destination, roots)
+  _check_outside_checkpoints(destination, path)
   if safe_io.is_local(path):
-    _check_outside_checkpoints(destination, os.path.realpath(os.fspath(path)))
     _check_no_hard_link(destination, os.fspath(path), roots)
   if file and path.is_dir():
     raise errors.ArgumentError(
@@ -232,23 +233,28 @@ _CHECKPOINT_FILES = (manifest_lib.MANIFEST_FILENAME, opening.ORBAX_CHECKPOINT_ME
 Orbax checkpoint or step): nothing a user names is written inside it."""
 
 
-def _check_outside_checkpoints(destination: epath.PathLike, real: str) -> None:
-  """Refuses a local ``real`` path lying inside a checkpoint, read or not:
-  a file added there is one `pz_persist.verify` reports as damage, and one
-  over its files breaks it."""
-  folder = os.path.dirname(real)
-  while True:
-    for name in _CHECKPOINT_FILES:
-      if os.path.lexists(os.path.join(folder, name)):
-        raise errors.ArgumentError(
-            f"{os.fspath(destination)}: the destination lies inside the checkpoint"
-            f" {folder} (it holds {name}); writing there would change or damage"
-            " it. Choose a destination outside every checkpoint."
-        )
-    parent = os.path.dirname(folder)
-    if parent == folder:
-      return
-    folder = parent
+def _check_outside_checkpoints(destination: epath.PathLike, path: epath.Path) -> None:
+  """Refuses a ``path`` lying inside a checkpoint, read or not: a file added
+  there is one `pz_persist.verify` reports as damage, and one over its files
+  breaks it. Locally after links are resolved; on an object store each
+  folder above is asked for a manifest, Orbax's metadata or a commit object
+  (a few requests: outputs are written there rarely)."""
+  store = stores.for_path(path)
+  if safe_io.is_local(path):
+    path = epath.Path(os.path.realpath(os.fspath(path)))
+  folder = path.parent
+  # Up to the root, or on an object store up to the bucket.
+  while folder != folder.parent and (safe_io.is_local(folder) or "/" in urls.key(folder)):
+    found = next((name for name in _CHECKPOINT_FILES if store.has_entry(folder / name)), None)
+    if found is None and store.pin(folder) is not None:
+      found = "a commit object"
+    if found is not None:
+      raise errors.ArgumentError(
+          f"{os.fspath(destination)}: the destination lies inside the checkpoint"
+          f" {folder} (it holds {found}); writing there would change or damage"
+          " it. Choose a destination outside every checkpoint."
+      )
+    folder = folder.parent
 
 
 def _check_no_hard_link(destination: epath.PathLike, path: str, roots: list[Any]) -> None:

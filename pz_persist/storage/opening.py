@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 from typing import Protocol
+from typing import TypeAlias
 from typing import TypeVar
 
 from etils import epath
@@ -175,7 +176,7 @@ class OpenedHandle(Protocol):
     replaced since, the shared lock), as its own reads are."""
 
 
-PathOrHandle = epath.PathLike | OpenedHandle
+PathOrHandle: TypeAlias = epath.PathLike | OpenedHandle
 """What a loader takes for its checkpoint: a path, or an opened handle."""
 
 

@@ -42,6 +42,7 @@ from pz_persist.tools import cli
 
 _BUILD = """
 import jax
+from penzai.models.transformer.variants import llamalike_common
 
 def build():
   config = llamalike_common.LlamalikeTransformerConfig(
@@ -434,3 +435,25 @@ def test_every_cli_output_is_exercised():
            if argv.startswith("cli ")}
   assert outputs <= tried, f"command outputs not in WRITERS: {sorted(outputs - tried)}"
   assert "--out" in inspect.getsource(demo.main)  # test_the_demo_never_writes_inside_a_checkpoint
+
+
+def test_object_store_outputs_follow_the_rule(remote):
+  """On gs:// and s3:// too: never into the checkpoints compared (however
+  the commit objects lay them out), nor into any other checkpoint there."""
+  from etils import epath  # pylint: disable=import-outside-toplevel
+
+  tree = {"w": jax.numpy.arange(3.0)}
+  source, other = f"{remote}/A", f"{remote}/other"
+  pzp.save(source, tree)
+  pzp.save(other, tree)
+  result = pzp.diff(source, source)
+  for out in (f"{source}/penzai/pz_persist.json", f"{source}/view.html", source, f"{source}/",
+              remote, f"{other}/view.html", f"{other}/penzai/view.html"):
+    with pytest.raises(errors.ArgumentError, match="Choose a destination outside") as raised:
+      result.save_html(out)
+    assert out in str(raised.value)
+    with pytest.raises(errors.ArgumentError, match="Choose a destination outside"):
+      pzp.export_safetensors(pzp.open(source), out)
+  assert pzp.verify(source).ok and pzp.verify(other).ok
+  written = result.save_html(f"{remote}/views/diff.html")
+  assert "<html" in epath.Path(written).read_text()

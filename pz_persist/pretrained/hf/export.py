@@ -146,8 +146,8 @@ def export_hf(
   # The destination rule: never over, inside or around the like= folder read
   # (nor inside any checkpoint); then only an earlier export is replaced.
   given = os.fspath(folder)
-  folder = os.fspath(destinations.check_output(folder, like_sources(like)))
-  check_destination(folder, overwrite)
+  target = os.fspath(destinations.check_output(folder, like_sources(like)))
+  check_destination(target, overwrite)
   if not isinstance(model, model_parts.TransformerLM):
     raise ExportError(f"export_hf writes Penzai TransformerLM models, not {type(model).__name__}.")
   refuse_lora(model)
@@ -166,7 +166,7 @@ def export_hf(
   config = derive_config(model, family, families.FAMILY_OF[family], like_config)
   embeddings = first_layer(model, pz.nn.EmbeddingTable, "token embeddings").embeddings.value
   weights = ModelWeights(config["num_hidden_layers"], np.dtype(embeddings.dtype))
-  plan, slots = matching_plan(plans[family], config, weights, model, family, folder)
+  plan, slots = matching_plan(plans[family], config, weights, model, family, target)
   values = {p.label: p.value for p in all_layers(model, pz.ParameterValue)}
-  write_folder(folder, config, stored_tensors(plan, slots, values), shard_size, overwrite, progress)
+  write_folder(target, config, stored_tensors(plan, slots, values), shard_size, overwrite, progress)
   return given
