@@ -48,6 +48,7 @@ from pz_persist.safety import safe_io
 from pz_persist.storage import destinations
 from pz_persist.storage import host_memory
 from pz_persist.storage import opening
+from pz_persist.storage import stores
 
 METADATA_KEY = "pz_persist"
 """The ``__metadata__`` key under which `export_safetensors` stores its JSON."""
@@ -482,8 +483,7 @@ def write_safetensors(
     offset += nbytes
   raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
   raw += b" " * (-len(raw) % 8)  # The format aligns the data buffer to 8 bytes.
-  target = os.fspath(path)
-  with safe_io.writing_whole(os.path.abspath(target) if safe_io.is_local(target) else target) as f:
+  with safe_io.writing_whole(stores.normalise(path)) as f:  # Absolute; file:// local.
     f.write(len(raw).to_bytes(8, "little"))
     f.write(raw)
     for _, array in items:

@@ -45,7 +45,6 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
 from pz_persist.storage import opening
 from pz_persist.storage import stores
-from pz_persist.storage.stores import urls
 
 EXPORT_MARKER = "pz_persist.export.json"
 """The small file `export_hf` writes into every folder it exports, so that a
@@ -191,7 +190,7 @@ def check_output(
   roots = [root for root in (opening.checkpoint_path(s) for s in sources) if root is not None]
   check_apart(destination, roots)
   _check_outside_checkpoints(destination, path)
-  if safe_io.is_local(path):
+  if stores.for_path(path).identifies_files:  # Where files have inodes: hard links.
     _check_no_hard_link(destination, os.fspath(path), roots)
   if file and path.is_dir():
     raise errors.ArgumentError(
@@ -219,12 +218,7 @@ def write_output(
   path = check_output(destination, sources, file=True)
   if isinstance(data, str):
     data = data.encode("utf-8")
-  if safe_io.is_local(path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with safe_io.writing_whole(path) as f:
-      f.write(data)
-  else:
-    stores.for_path(path).write_whole(path, data)
+  stores.for_path(path).write_whole(path, data)  # Folders made as needed.
   return path
 
 
@@ -240,11 +234,7 @@ def _check_outside_checkpoints(destination: epath.PathLike, path: epath.Path) ->
   folder above is asked for a manifest, Orbax's metadata or a commit object
   (a few requests: outputs are written there rarely)."""
   store = stores.for_path(path)
-  if safe_io.is_local(path):
-    path = epath.Path(os.path.realpath(os.fspath(path)))
-  folder = path.parent
-  # Up to the root, or on an object store up to the bucket.
-  while folder != folder.parent and (safe_io.is_local(folder) or "/" in urls.key(folder)):
+  for folder in stores.folders_above(path):
     found = next((name for name in _CHECKPOINT_FILES if store.has_entry(folder / name)), None)
     if found is None and store.pin(folder) is not None:
       found = "a commit object"
@@ -254,7 +244,6 @@ def _check_outside_checkpoints(destination: epath.PathLike, path: epath.Path) ->
           f" {folder} (it holds {found}); writing there would change or damage"
           " it. Choose a destination outside every checkpoint."
       )
-    folder = folder.parent
 
 
 def _check_no_hard_link(destination: epath.PathLike, path: str, roots: list[Any]) -> None:
@@ -287,7 +276,7 @@ def _files_of(root: Any) -> Iterable[str]:
   file under it, or under its checkpoint when it is an item directory (the
   folder above holds Orbax's metadata)."""
   local = stores.local_path(root)
-  if not safe_io.is_local(local):
+  if not stores.for_path(local).identifies_files:  # No hard links there.
     return
   top = os.path.realpath(os.fspath(local))
   if os.path.isfile(top):

@@ -160,11 +160,17 @@ _LABELS = ["mlp/Affine_0/Linear.weights", "mlp/Affine_0/AddBias.bias",
            "mlp/Affine_1/Linear.weights", "mlp/Affine_1/AddBias.bias"]
 _PIECES = st.sampled_from(["mlp", "mpl", "/", "Affine_", "0", "1", "2", "*", "?", ".", "Linear",
                            "weights", "AddBias", "bias", "[01]"])
-_GLOBS = st.lists(st.lists(_PIECES, min_size=1, max_size=6).map("".join), min_size=1,
-                  max_size=3)
+_CUT = st.sampled_from(_LABELS).flatmap(
+    lambda label: st.integers(0, len(label)).map(lambda at: label[:at] + "*"))
+"""A label's beginning and ``*``: matches it (and perhaps others)."""
+_TYPO = st.tuples(_CUT, st.integers(0, 20), st.sampled_from("xA/.")).map(
+    lambda t: t[0][:t[1]] + t[2] + t[0][t[1] + 1:])
+"""The same with one character changed: matches something or nothing."""
+_GLOBS = st.lists(st.one_of(_CUT, _TYPO, st.lists(_PIECES, min_size=1, max_size=6).map("".join)),
+                  min_size=1, max_size=3)
 
 
-@hypothesis.settings(max_examples=60, deadline=None,
+@hypothesis.settings(max_examples=80, deadline=None,
                      suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
 @hypothesis.given(globs=_GLOBS)
 def test_only_loads_exactly_what_every_glob_matches_or_refuses(saved, globs):
@@ -172,6 +178,7 @@ def test_only_loads_exactly_what_every_glob_matches_or_refuses(saved, globs):
   exactly when one matches nothing; otherwise exactly the labels some glob
   matches are loaded, the others kept."""
   empty = [glob for glob in globs if not fnmatch.filter(_LABELS, glob)]
+  hypothesis.event("refused" if empty else "loaded")
   model = model_zoo.mlp()
   if empty:
     with pytest.raises(errors.UnknownLabelError, match=re.escape(f"only={empty[0]!r} ")):
