@@ -30,6 +30,7 @@ from pz_persist.format import nodes
 from pz_persist.storage import batching
 from pz_persist.storage import destinations
 from pz_persist.storage import opening
+from pz_persist.storage import stores
 from pz_persist.tools import diff_sides
 from pz_persist.tools import diff_tree
 
@@ -418,7 +419,11 @@ def diff(
   result = diff_sides.with_side(a, lambda side_a: diff_sides.with_side(
       b, lambda side_b: _diff(side_a, side_b, batch_bytes, progress), "B"
   ), "A")
-  result.sources = tuple(x for x in (a, b) if opening.checkpoint_path(x) is not None)
+  # Made absolute now: a later save_html (perhaps from another working
+  # directory) compares its destination with the very checkpoints compared.
+  result.sources = tuple(
+      stores.normalise(path) for path in map(opening.checkpoint_path, (a, b)) if path is not None
+  )
   return result
 
 

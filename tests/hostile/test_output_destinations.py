@@ -457,3 +457,15 @@ def test_object_store_outputs_follow_the_rule(remote):
   assert pzp.verify(source).ok and pzp.verify(other).ok
   written = result.save_html(f"{remote}/views/diff.html")
   assert "<html" in epath.Path(written).read_text()
+
+
+def test_a_diff_remembers_its_sources_from_where_it_was_made(env, tmp_path, monkeypatch):
+  """Compared by relative paths, then saved from another working directory:
+  the sources are the checkpoints compared, not what the names mean later."""
+  monkeypatch.chdir(env["root"])
+  result = pzp.diff("A", "B")
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(errors.ArgumentError, match="lies inside the source"):
+    result.save_html(os.path.join(env["A"], "view.html"))
+  result.save_html("A")  # ./A here is no source: written.
+  assert (tmp_path / "A").is_file()
