@@ -44,6 +44,7 @@ from pz_persist.format import casts
 from pz_persist.format import decode
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
+from pz_persist.format import selection
 from pz_persist.format import variable_kinds
 from pz_persist.storage import opening
 from pz_persist.storage import placements
@@ -99,6 +100,8 @@ class LoadReport:
     renamed: ``(checkpoint label, model label)`` pairs changed by ``rename=``.
     transposed: Model labels whose stored axes were reordered to fit.
     cast: ``(model label, from dtype, to dtype)`` for each cast done.
+    matched: Labels both the checkpoint and the model have (within
+      ``only``), loaded or not: what the hints weigh the mismatch against.
   """
 
   loaded: tuple[Hashable, ...] = ()
@@ -108,6 +111,7 @@ class LoadReport:
   renamed: tuple[tuple[Hashable, Hashable], ...] = ()
   transposed: tuple[Hashable, ...] = ()
   cast: tuple[tuple[Hashable, str, str], ...] = ()
+  matched: tuple[Hashable, ...] = ()
 
   @property
   def ok(self) -> bool:
@@ -125,7 +129,7 @@ class LoadReport:
     if self.mismatched:
       lines.append(f"{len(self.mismatched)} could not be loaded:")
       lines += [f"  {mismatch}" for mismatch in self.mismatched]
-    return lines + _hints(self.missing, self.unexpected)
+    return lines + _hints(self.missing, self.unexpected, self.matched)
 
   def __str__(self) -> str:
     lines = [f"loaded {len(self.loaded)} variable(s)", *self.problems()]
@@ -139,9 +143,15 @@ class LoadReport:
     return "\n".join(lines)
 
 
-def _hints(missing: tuple[Hashable, ...], unexpected: tuple[Hashable, ...]) -> list[str]:
+def _hints(
+    missing: tuple[Hashable, ...], unexpected: tuple[Hashable, ...],
+    matched: tuple[Hashable, ...] = (),
+) -> list[str]:
   """What to do when labels do not match: automatic labels of state
-  variables (never equal between builds), or labels whose prefix changed."""
+  variables (never equal between builds); labels whose prefix changed, when
+  one prefix change explains most of the mismatch; otherwise, when the two
+  have few labels in common, whether this is the model's checkpoint at all
+  (a rename= guessed from a few similar endings would only mislead)."""
   hints = []
   auto = sum(isinstance(label, pz.AutoStateVarLabel) for label in missing)
   if auto and any(isinstance(label, pz.AutoStateVarLabel) for label in unexpected):
@@ -156,14 +166,32 @@ def _hints(missing: tuple[Hashable, ...], unexpected: tuple[Hashable, ...]) -> l
       [label for label in missing if isinstance(label, str)],
       [label for label in unexpected if isinstance(label, str)],
   )
-  if rule is not None:
+  if rule is not None and 2 * rule[2] > max(len(missing), len(unexpected)):
     old, new, count = rule
     hints.append(
         f"hint: {count} label(s) not in the model match missing ones once their"
         f" prefix {old!r} becomes {new!r}: load_into(path, model,"
         f" rename={{{'^' + re.escape(old)!r}: {new!r}}})"
     )
+  elif unexpected and not hints and 2 * len(matched) < len(matched) + len(unexpected):
+    hints.append(_foreign_hint(len(matched), len(matched) + len(unexpected),
+                               len(matched) + len(missing) if missing else None))
   return hints
+
+
+def _foreign_hint(common: int, checkpoint: int, model: int | None) -> str:
+  """The hint for a checkpoint sharing few labels with the model: perhaps
+  another model's (``model``: how many labels the model has; None if unknown,
+  as with ``overlay``)."""
+  share = "none" if not common else f"only {common}"
+  counts = (f"the checkpoint has {checkpoint} label(s) and the model {model}, {share} of"
+            " them in both" if model is not None
+            else f"the checkpoint has {checkpoint} label(s), {share} of them in the model")
+  return (
+      f"hint: {counts}, and no one change of label prefix explains the difference:"
+      " is this the checkpoint of this model? `pz-persist inspect PATH` lists its"
+      " labels and the class it was saved from."
+  )
 
 
 _SEPARATORS = "/."
@@ -204,10 +232,31 @@ def _prefixes(a: str, b: str) -> tuple[str, str] | None:
   return a[:cut_a], b[:cut_b]
 
 
-def _globs(only: LabelGlobs | None) -> tuple[str, ...] | None:
+def _globs(only: LabelGlobs | None, where: str) -> tuple[str, ...] | None:
   if only is None:
     return None
-  return (only,) if isinstance(only, str) else tuple(only)
+  globs = (only,) if isinstance(only, str) else tuple(only)
+  if not globs:
+    raise selection.empty(where, "only")
+  return globs
+
+
+def _check_selectors(
+    where: str, stored: Mapping[Hashable, Any], globs: tuple[str, ...] | None,
+    dtype: DTypeRules | None,
+) -> None:
+  """Refuses each ``only=`` glob and ``dtype=`` rule matching no label the
+  checkpoint has (as ``rename=`` made them): it would load, or cast, nothing."""
+  names = [_describe(label) for label in stored]
+  rules = [(f"only={glob!r}", glob) for glob in globs or ()]
+  if isinstance(dtype, Mapping):
+    rules += [(f"the dtype= rule {glob!r}", glob) for glob in dtype]
+  for option, glob in rules:
+    if not any(fnmatch.fnmatchcase(name, glob) for name in names):
+      raise selection.unmatched(
+          where, f"{option} matches no label of this checkpoint (labels are matched"
+          " whole, as fnmatch globs)", glob, names,
+          listed_by=" (pz_persist.open(path).labels lists them)")
 
 
 def _selected(label: Hashable, globs: tuple[str, ...] | None) -> bool:
@@ -453,6 +502,7 @@ def load_into(
   """
   where = str(opened.item)
   stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(rename))
+  _check_axis_names(where, opened.manifest, rename_axes)
   if auto_labels is not None:
     stored, renamed = _auto_labels_by_position(where, model, stored, renamed, auto_labels)
   return bind(
@@ -460,6 +510,21 @@ def load_into(
       renamed=renamed, strict=strict, only=only, dtype=dtype,
       allow_lossy=allow_lossy, overlay=overlay, sharding=sharding, verify=verify,
   )
+
+
+def _check_axis_names(where: str, manifest: Any, rename_axes: Mapping[Any, Any] | None) -> None:
+  """Refuses each ``rename_axes=`` key that is no axis name of the
+  checkpoint: it would rename nothing."""
+  if not rename_axes:
+    return
+  stored = {axis for axes in manifest_queries.axis_names(manifest).values()
+            for axis in axes if axis is not None}
+  for name in rename_axes:
+    if name not in stored:
+      raise selection.unmatched(
+          where, f"rename_axes={{{name!r}: ...}} names no axis of this checkpoint",
+          str(name), sorted(map(str, stored)), noun="axis names",
+          listed_by=" (pz_persist.inspect(path) shows them)")
 
 
 class Source(Protocol):
@@ -511,21 +576,23 @@ def bind(
   """
   stored = source.stored
   structure, bound, slots = _model_variables(model)
-  globs = _globs(only)
+  globs = _globs(only, where)
+  _check_selectors(where, stored, globs, dtype)
   wanted = [label for label in slots if _selected(label, globs)]
   missing = () if overlay else tuple(label for label in wanted if label not in stored)
   unexpected = tuple(
       label for label in stored if _selected(label, globs) and label not in slots
   )
 
+  matched = tuple(label for label in wanted if label in stored)
   # Everything that needs no array data is checked first: one error lists all.
   plan = _Plan(source, dtype)
-  for label in (name for name in wanted if name in stored):
+  for label in matched:
     plan.check(label, stored[label], slots[label], bound.get(label))
   if strict and (missing or unexpected or plan.problems):
     raise BindingError(where, LoadReport(
         missing=missing, unexpected=unexpected, mismatched=tuple(plan.problems),
-        renamed=renamed, transposed=tuple(plan.transposed),
+        renamed=renamed, transposed=tuple(plan.transposed), matched=matched,
     ))
 
   values, cast = plan.read(
@@ -539,6 +606,7 @@ def bind(
       renamed=renamed,
       transposed=tuple(label for label in plan.transposed if label in values),
       cast=tuple(cast),
+      matched=matched,
   )
   if strict and not report.ok:
     raise BindingError(where, report)
@@ -580,10 +648,25 @@ def _auto_labels_by_position(
 
 
 def _checkpoint_variables(manifest, where, rules):
-  """The checkpoint's variables by (renamed) label, and the renames done."""
+  """The checkpoint's variables by (renamed) label, and the renames done.
+
+  Raises:
+    UnknownLabelError: a ``rename=`` rule matches no label (as the rules
+      before it left them): it would rename nothing.
+  """
   by_label: dict[Hashable, manifest_queries.Variable] = {}
   renamed = []
-  for variable in manifest_queries.variables(manifest, where=where):
+  variables = manifest_queries.variables(manifest, where=where)
+  labels = [variable.label for variable in variables]
+  for index, (pattern, replacement) in enumerate(rules):
+    texts = [label for label in labels if isinstance(label, str)]
+    if not any(pattern.search(label) for label in texts):
+      raise selection.unmatched(
+          where, f"the rename= rule {pattern.pattern!r} matches no label of this"
+          f" checkpoint{' (as the rules before it renamed them)' if index else ''}",
+          pattern.pattern, texts, listed_by=" (pz_persist.open(path).labels lists them)")
+    labels = [_rename(label, [(pattern, replacement)]) for label in labels]
+  for variable in variables:
     label = _rename(variable.label, rules)
     if label != variable.label:
       renamed.append((variable.label, label))
@@ -725,9 +808,13 @@ def _rebind(structure, bound, stored, values) -> Any:
   return pz.bind_variables(structure, variables)
 
 
-def cast_model(model: Any, dtype: DTypeRules, *, allow_lossy: bool = False) -> Any:
-  """``model`` with its variables' arrays cast as ``dtype=`` asks (checked)."""
+def cast_model(
+    model: Any, dtype: DTypeRules, *, allow_lossy: bool = False, where: str = "the model"
+) -> Any:
+  """``model`` with its variables' arrays cast as ``dtype=`` asks (checked;
+  ``where``: the checkpoint it was loaded from, for messages)."""
   structure, variables = pz.unbind_variables(model)
+  _check_selectors(where, {var.label: var for var in variables}, None, dtype)
   cast: list = []
   problems: list[Mismatch] = []
   new = []
@@ -782,6 +869,7 @@ def assign_variables(tree: Any, values: Iterable[pz.AbstractVariableValue]) -> N
       missing=tuple(label for label in targets if label not in incoming),
       unexpected=tuple(label for label in incoming if label not in targets),
       mismatched=tuple(problems),
+      matched=tuple(label for label in targets if label in incoming),
   )
   if not report.ok:
     raise BindingError("the values to assign", report)

@@ -206,7 +206,7 @@ def _shared_token() -> str:
 
 
 def load(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     sharding: sharding_lib.Target = None,
     verify: bool = True,
@@ -222,7 +222,8 @@ def load(
     model = pz.bind_variables(unbound_mlp, params)
 
   Args:
-    path: A checkpoint directory, or the item directory inside one.
+    path: A checkpoint directory, the item directory inside one, or a
+      `pz_persist.open` handle (the checkpoint it opened is read).
     sharding: Where ``jax.Array`` values go: a ``jax.sharding.Sharding``, or
       `pz_persist.AxisRules` to shard each array over a mesh by its axis
       names (default: the first local device).
@@ -270,7 +271,7 @@ def load(
 
 
 def inspect(
-    path: epath.PathLike, *, allow_modules: Iterable[str] | None = None
+    path: opening.PathOrHandle, *, allow_modules: Iterable[str] | None = None
 ) -> Any:
   """The saved tree with ``jax.ShapeDtypeStruct`` for arrays; reads no arrays.
 
@@ -285,7 +286,8 @@ def inspect(
     print(abstract[0].label, abstract[0].value.named_axes)
 
   Args:
-    path: A checkpoint directory, or the item directory inside one.
+    path: A checkpoint directory, the item directory inside one, or a
+      `pz_persist.open` handle (the checkpoint it opened is read).
     allow_modules: As for `load`.
   """
   with allowlist.scoped_allowance(allow_modules):

@@ -24,6 +24,7 @@ from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 import pz_persist as pzp
+from pz_persist.storage import destinations
 from pz_persist.tools import viewing
 
 
@@ -100,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
       "--out", default="pz_persist_demo", help="directory for the checkpoint and HTML"
   )
   args = parser.parse_args(argv)
-  out = pathlib.Path(args.out).resolve()
+  out = pathlib.Path(destinations.check_output(args.out)).resolve()  # file:// too.
   checkpoint = out / "checkpoint"
+  for written in (checkpoint, out / "restored.html"):  # The destination rule
+    destinations.check_output(written)  # (never inside a checkpoint), first.
 
   model = build_model()
   _, params = pz.unbind_params(model, freeze=True)

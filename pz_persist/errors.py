@@ -137,7 +137,9 @@ class CheckpointReplacedError(PzPersistError):
 
 
 class UnknownLabelError(PzPersistError, KeyError):
-  """A label asked of a `pz_persist.open` handle is not in the checkpoint.
+  """A label asked of a `pz_persist.open` handle is not in the checkpoint, or
+  a selector (``only=``, ``rename=``, ``rename_axes=``, ``dtype=`` rules)
+  matches none of its labels or axis names.
 
   Also a `KeyError` (``handle[label]`` is a lookup); the message lists the
   closest labels the checkpoint has.

@@ -97,7 +97,7 @@ ModelT = TypeVar("ModelT")
 
 @overload
 def load_into(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     model: ModelT,
     *,
     strict: Literal[True] = True,
@@ -117,7 +117,7 @@ def load_into(
 
 @overload
 def load_into(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     model: ModelT,
     *,
     strict: Literal[False],
@@ -137,7 +137,7 @@ def load_into(
 
 @overload
 def load_into(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     model: ModelT,
     *,
     strict: bool,
@@ -156,7 +156,7 @@ def load_into(
 
 
 def load_into(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     model: ModelT,
     *,
     strict: bool = True,
@@ -201,13 +201,18 @@ def load_into(
     print(report)
 
   Args:
-    path: A checkpoint directory (or its item directory).
+    path: A checkpoint directory (or its item directory), or a
+      `pz_persist.open` handle (the checkpoint it opened is read).
     model: The model to load the checkpoint's variables into, by label.
     strict: Raise `pz_persist.binding.BindingError`, listing every missing,
       unexpected or mismatched variable, if the checkpoint does not fit. With
       False, load what fits and return ``(model, report)``.
     only: Label globs (``fnmatch``): load only the model variables they
-      match; the model keeps its other values.
+      match; the model keeps its other values. Each glob must match a label
+      of the checkpoint (as ``rename`` made them), and ``[]`` selects
+      nothing: refused (`pz_persist.errors.UnknownLabelError` with the
+      closest labels; `ArgumentError`), as is each ``rename`` rule,
+      ``rename_axes`` key and ``dtype`` rule that matches nothing.
     rename: Regex rules ``{pattern: replacement}`` applied in order to the
       checkpoint's labels to get the model's labels.
     rename_axes: ``{stored name: model name}`` for renamed axes. Stored axes
@@ -279,7 +284,7 @@ def load_into(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: None = None,
     strict: Literal[True] = True,
@@ -295,7 +300,7 @@ def load_model(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: None = None,
     strict: Literal[False],
@@ -311,7 +316,7 @@ def load_model(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: ModelT,
     strict: Literal[True] = True,
@@ -331,7 +336,7 @@ def load_model(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: ModelT,
     strict: Literal[False],
@@ -351,7 +356,7 @@ def load_model(
 
 @overload
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: ModelT | None = None,
     strict: bool = True,
@@ -374,7 +379,7 @@ def load_model(
 
 
 def load_model(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     into: ModelT | None = None,
     strict: bool = True,
@@ -409,7 +414,8 @@ def load_model(
     model = pzp.load_model("/tmp/mlp_lora")
 
   Args:
-    path: A checkpoint directory (or its item directory).
+    path: A checkpoint directory (or its item directory), or a
+      `pz_persist.open` handle (the checkpoint it opened is read).
     into: The older spelling of `load_into`: a model to load the
       checkpoint's variables into, by label.
     strict: With False, return ``(model, report)`` (the report lists every
@@ -473,7 +479,8 @@ def load_model(
         " pz_persist.load_into(path, model)."
     )
   if dtype is not None:
-    model = binding.cast_model(model, dtype, allow_lossy=allow_lossy)
+    model = binding.cast_model(model, dtype, allow_lossy=allow_lossy,
+                               where=str(opening.checkpoint_path(path)))
   if strict:
     return model
   _, variables = pz.unbind_variables(model)

@@ -4,7 +4,6 @@ array (`parse_index`), each refused by name when it cannot be met."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import operator
 from collections.abc import Callable
 from collections.abc import Hashable
@@ -17,6 +16,7 @@ import numpy as np
 
 from pz_persist import errors
 from pz_persist.format import nodes
+from pz_persist.format import selection
 
 Selection = Hashable | Iterable[Hashable] | Callable[[Hashable], bool] | None
 """What ``OpenedCheckpoint.load(only=...)`` selects: a label, a prefix of labels
@@ -29,13 +29,10 @@ _SEPARATORS = "/."
 
 def unknown_label(label: Any, labels: Sequence[Hashable], where: str) -> errors.UnknownLabelError:
   """The error for a label the checkpoint does not have, with close matches."""
-  texts = [nodes.describe_label(known) for known in labels]
-  close = difflib.get_close_matches(nodes.describe_label(label), texts, n=5, cutoff=0.5)
-  hint = (f" Close matches: {', '.join(repr(t) for t in close)}." if close
-          else f" It has {len(texts)} labels (see .labels).")
-  return errors.UnknownLabelError(
-      f"{where}: no variable labelled {nodes.describe_label(label)!r:.200} in this"
-      f" checkpoint.{hint}"
+  text = nodes.describe_label(label)
+  return selection.unmatched(
+      where, f"no variable labelled {text!r:.200} in this checkpoint", text,
+      [nodes.describe_label(known) for known in labels], listed_by=" (see .labels)",
   )
 
 
@@ -43,17 +40,26 @@ def select(only: Any, labels: Sequence[Hashable], where: str) -> list[Hashable]:
   """The labels of ``labels`` that ``only`` selects, in checkpoint order.
 
   Raises:
-    UnknownLabelError: a label or prefix of ``only`` selects nothing.
+    UnknownLabelError: a label or prefix of ``only``, or the predicate
+      ``only``, selects nothing.
+    ArgumentError: ``only`` is an empty list.
   """
   if only is None:
     return list(labels)
   if callable(only) and not _is_label(only, labels):
     predicate: Callable[[Hashable], bool] = only
-    return [label for label in labels if predicate(label)]
+    chosen_by = [label for label in labels if predicate(label)]
+    if not chosen_by:
+      raise selection.unmatched(  # Nothing to compare a predicate with: a count.
+          where, f"the predicate only={only!r:.80} selects no label of this checkpoint",
+          "", [nodes.describe_label(label) for label in labels], listed_by=" (see .labels)")
+    return chosen_by
   if _is_label(only, labels) or isinstance(only, str) or not isinstance(only, Iterable):
     wanted: list[Any] = [only]
   else:
     wanted = list(only)
+    if not wanted:
+      raise selection.empty(where, "only")
   chosen: set[Hashable] = set()
   for one in wanted:
     matched = [label for label in labels if _matches(one, label)]
@@ -188,7 +194,7 @@ def _dim_of(name: Any, axes: Sequence[Any], rank: int, who: str) -> int:
   if type(name) is int and -rank <= name < rank and (not axes or axes[name] is None):
     return name % rank
   named = [a for a in axes if a is not None]
-  close = difflib.get_close_matches(str(name), [str(a) for a in named], n=3, cutoff=0.5)
+  close = selection.close_matches(str(name), [str(a) for a in named], n=3)
   hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
   return_axes = ", ".join(repr(a) for a in named) or "none (index it by position)"
   raise errors.ArgumentError(

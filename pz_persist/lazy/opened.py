@@ -406,6 +406,12 @@ class OpenedCheckpoint:
     reading the handle would."""
     return _DiffSide(str(self.path), self._opened.manifest, self)
 
+  def __pz_persist_read__(self, use: Callable[[opening.OpenItem], _T]) -> _T:
+    """What `pz_persist.storage.opening.read` does with this handle given for
+    a path (``pzp.load(handle)``, ``pzp.verify(handle)``...): ``use`` of the
+    checkpoint opened, under this handle's checks (closed, replaced, lock)."""
+    return self._guarded(lambda: use(self._opened))
+
   def _guarded(self, read: Callable[[], _T]) -> _T:
     """``read()``, never of a checkpoint other than the one opened.
 

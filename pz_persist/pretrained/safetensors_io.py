@@ -45,7 +45,10 @@ from pz_persist.format import casts
 from pz_persist.format import variable_kinds
 from pz_persist.pretrained import _files
 from pz_persist.safety import safe_io
+from pz_persist.storage import destinations
 from pz_persist.storage import host_memory
+from pz_persist.storage import opening
+from pz_persist.storage import stores
 
 METADATA_KEY = "pz_persist"
 """The ``__metadata__`` key under which `export_safetensors` stores its JSON."""
@@ -480,7 +483,7 @@ def write_safetensors(
     offset += nbytes
   raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
   raw += b" " * (-len(raw) % 8)  # The format aligns the data buffer to 8 bytes.
-  with safe_io.writing_whole(os.path.abspath(os.fspath(path))) as f:
+  with safe_io.writing_whole(stores.normalise(path)) as f:  # Absolute; file:// local.
     f.write(len(raw).to_bytes(8, "little"))
     f.write(raw)
     for _, array in items:
@@ -517,15 +520,22 @@ def export_safetensors(model_or_path: Any, out: str | os.PathLike[str]) -> None:
 
   Args:
     model_or_path: A Penzai model (any tree of variables), or the path of a
-      pz_persist checkpoint written by `pz_persist.save_model`.
-    out: The safetensors file to write (replaced if it exists).
+      pz_persist checkpoint written by `pz_persist.save_model` (or a
+      `pz_persist.open` handle of one).
+    out: The safetensors file to write (replaced if it exists): never over,
+      inside or around the checkpoint read, nor inside any checkpoint (the
+      destination rule, `pz_persist.storage.destinations.check_output`).
 
   Raises:
     EncodingError: a label that is not a string (safetensors names tensors by
       string), an axis name that is not a string, or an unsupported dtype;
       raised before anything is written.
+    ArgumentError: ``out`` breaks the destination rule (nothing is read or
+      written).
   """
-  if isinstance(model_or_path, (str, os.PathLike)):
+  source = [model_or_path] if opening.checkpoint_path(model_or_path) is not None else []
+  out = destinations.check_output(out, source, file=True)  # Before the (long) load.
+  if source:
     from pz_persist import model as model_lib
 
     model_or_path = model_lib.load_model(model_or_path)

@@ -16,6 +16,16 @@ of them:
   (`check_apart`), compared after symlinks and relative paths are resolved:
   replacing the one deletes the other, and writing into the source changes
   what is being read.
+
+Every file or folder a user names for pz_persist to write (the HTML of
+``diff`` and ``inspect``, `pz_persist.render_html`, ``export_safetensors``,
+``export_hf``, ``migrate``, the command's ``convert``/``export``/``migrate``
+destinations and ``--html``, the demo's ``--out``) goes through
+`check_output` (files: `write_output`), the destination rule: never over,
+inside or around a checkpoint being read, nor inside any checkpoint at all,
+however the path is spelled (links, relative parts, ``..``, ``file://``
+URLs, trailing slashes) and never through a hard link to a file of the
+source. A refused write has written nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +35,13 @@ import os
 import re
 import stat
 from collections.abc import Iterable
+from typing import Any
 from typing import Literal
 
 from etils import epath
 
 from pz_persist import errors
+from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
 from pz_persist.storage import opening
 from pz_persist.storage import stores
@@ -151,3 +163,128 @@ def check_apart(destination: epath.PathLike, sources: Iterable[epath.PathLike]) 
 
 def _inside(path: tuple[str, ...], folder: tuple[str, ...]) -> bool:
   return len(path) > len(folder) and path[:len(folder)] == folder
+
+
+def check_output(
+    destination: epath.PathLike, sources: Iterable[Any] = (), *, file: bool = False
+) -> epath.Path:
+  """The destination rule for a file or folder a user names: where it may go.
+
+  Args:
+    destination: What the user named (a path, ``file://`` URL, ``gs://``...).
+    sources: What the writer reads: checkpoint paths, `pz_persist.open`
+      handles, other folders read (a ``like=`` folder); anything else (a
+      model in memory) is no source and is skipped.
+
+  Returns:
+    ``destination`` normalised (``~`` expanded, made absolute, a ``file://``
+    URL as its local path): the path to write.
+
+  Raises:
+    ArgumentError: ``destination`` holds a NUL, is a source, holds one, lies
+      inside one, lies inside any pz_persist or Orbax checkpoint, is a hard
+      link to a file of a source, or (``file``) is a folder; the message
+      names the file and what to do.
+  """
+  path = stores.normalise(destination)  # Refuses a NUL, a bad scheme, a remote host.
+  roots = [root for root in (opening.checkpoint_path(s) for s in sources) if root is not None]
+  check_apart(destination, roots)
+  _check_outside_checkpoints(destination, path)
+  if stores.for_path(path).identifies_files:  # Where files have inodes: hard links.
+    _check_no_hard_link(destination, os.fspath(path), roots)
+  if file and path.is_dir():
+    raise errors.ArgumentError(
+        f"{os.fspath(destination)}: the destination is a folder; name a file to"
+        " write (e.g. a name ending in .html or .safetensors inside it)."
+    )
+  return path
+
+
+def write_output(
+    destination: epath.PathLike, data: bytes | str, sources: Iterable[Any] = ()
+) -> epath.Path:
+  """Writes the file ``destination`` (a ``str`` as UTF-8) under `check_output`.
+
+  Written whole or not at all (`safe_io.writing_whole`: aside, then renamed
+  over ``destination``), so a link or hard link at ``destination`` is
+  replaced, never written through. Its parent folders are created.
+
+  Returns:
+    The path written.
+
+  Raises:
+    ArgumentError: as `check_output`, or ``destination`` is a folder.
+  """
+  path = check_output(destination, sources, file=True)
+  if isinstance(data, str):
+    data = data.encode("utf-8")
+  stores.for_path(path).write_whole(path, data)  # Folders made as needed.
+  return path
+
+
+_CHECKPOINT_FILES = (manifest_lib.MANIFEST_FILENAME, opening.ORBAX_CHECKPOINT_METADATA)
+"""A folder holding one of these is a checkpoint (a pz_persist item, or an
+Orbax checkpoint or step): nothing a user names is written inside it."""
+
+
+def _check_outside_checkpoints(destination: epath.PathLike, path: epath.Path) -> None:
+  """Refuses a ``path`` lying inside a checkpoint, read or not: a file added
+  there is one `pz_persist.verify` reports as damage, and one over its files
+  breaks it. Locally after links are resolved; on an object store each
+  folder above is asked for a manifest, Orbax's metadata or a commit object
+  (a few requests: outputs are written there rarely)."""
+  store = stores.for_path(path)
+  for folder in stores.folders_above(path):
+    found = next((name for name in _CHECKPOINT_FILES if store.has_entry(folder / name)), None)
+    if found is None and store.pin(folder) is not None:
+      found = "a commit object"
+    if found is not None:
+      raise errors.ArgumentError(
+          f"{os.fspath(destination)}: the destination lies inside the checkpoint"
+          f" {folder} (it holds {found}); writing there would change or damage"
+          " it. Choose a destination outside every checkpoint."
+      )
+
+
+def _check_no_hard_link(destination: epath.PathLike, path: str, roots: list[Any]) -> None:
+  """Refuses an existing ``path`` that is a hard link to a file of a local
+  source: the same file under another name (links are looked for only when
+  the file has several names, so this costs nothing otherwise)."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    return
+  if st.st_nlink < 2 or not stat.S_ISREG(st.st_mode):
+    return
+  for root in roots:
+    for file in _files_of(root):
+      try:
+        other = os.stat(file, follow_symlinks=False)
+      except OSError:
+        continue
+      if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+        raise errors.ArgumentError(
+            f"{os.fspath(destination)}: the destination is a hard link to"
+            f" {file}, a file of the source ({os.fspath(root)}); writing it"
+            " would change what is being read. Choose another destination,"
+            " or remove that link first."
+        )
+
+
+def _files_of(root: Any) -> Iterable[str]:
+  """The files of the local source ``root``: itself if a file, else every
+  file under it, or under its checkpoint when it is an item directory (the
+  folder above holds Orbax's metadata)."""
+  local = stores.local_path(root)
+  if not stores.for_path(local).identifies_files:  # No hard links there.
+    return
+  top = os.path.realpath(os.fspath(local))
+  if os.path.isfile(top):
+    yield top
+    return
+  parent = os.path.dirname(top)
+  if os.path.lexists(os.path.join(parent, opening.ORBAX_CHECKPOINT_METADATA)):
+    top = parent
+  for folder, _, files in os.walk(top):
+    for name in files:
+      yield os.path.join(folder, name)

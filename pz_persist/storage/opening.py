@@ -33,6 +33,8 @@ import random
 import time
 from collections.abc import Callable
 from typing import Any
+from typing import Protocol
+from typing import TypeAlias
 from typing import TypeVar
 
 from etils import epath
@@ -91,7 +93,7 @@ class OpenItem:
 
 
 def read(
-    path: epath.PathLike,
+    path: PathOrHandle,
     use: Callable[[OpenItem], _T],
     *,
     item_directory: bool = False,
@@ -117,6 +119,9 @@ def read(
     ConcurrentSaveError: other saves replaced the checkpoint during each of
       `LOAD_ATTEMPTS` attempts (`OBJECT_STORE_LOAD_ATTEMPTS` on gs:// / s3://).
   """
+  handle = opened_handle(path)
+  if handle is not None:  # `pz_persist.open`'s handle: the checkpoint it opened.
+    return handle.__pz_persist_read__(use)
   store, path = stores.open_path(path)
   failure = None
   attempts = store.load_attempts
@@ -154,6 +159,48 @@ def read(
       f"{path} was replaced by other saves while each of {attempts}"
       " attempts to load it was reading it; try again."
   ) from failure
+
+
+class OpenedHandle(Protocol):
+  """What `read` accepts in place of a path: a checkpoint already opened
+  (`pz_persist.open`'s `pz_persist.OpenedCheckpoint`).
+
+  Attributes:
+    path: The path it was opened from.
+  """
+
+  @property
+  def path(self) -> epath.Path: ...
+
+  def __pz_persist_read__(self, use: Callable[[OpenItem], _T]) -> _T:
+    """``use`` of the item it opened, under its own checks (closed,
+    replaced since, the shared lock), as its own reads are."""
+
+
+PathOrHandle: TypeAlias = epath.PathLike | OpenedHandle
+"""What a loader takes for its checkpoint: a path, or an opened handle."""
+
+
+def opened_handle(obj: Any) -> OpenedHandle | None:
+  """``obj`` if it is an opened checkpoint handle, else None.
+
+  Why here: `read` is where every loader's path argument arrives, so a
+  handle given for a path (``pzp.load(pzp.open(path))``) is accepted in
+  this one place by ``load``, ``load_into``, ``load_model``, ``inspect``,
+  ``verify`` and ``diff``, and reads the checkpoint the handle opened,
+  never one saved over it since.
+  """
+  return obj if callable(getattr(obj, "__pz_persist_read__", None)) else None
+
+
+def checkpoint_path(obj: Any) -> epath.PathLike | None:
+  """The path ``obj`` names a checkpoint by: ``obj`` itself for a string or
+  path object, a handle's `OpenedHandle.path`; None for anything else (a
+  model in memory)."""
+  if isinstance(obj, (str, os.PathLike)):
+    return obj
+  handle = opened_handle(obj)
+  return None if handle is None else handle.path
 
 
 def read_manifest(path: epath.PathLike) -> manifest_lib.Manifest:

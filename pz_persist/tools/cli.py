@@ -22,7 +22,6 @@ from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist import version
 from pz_persist.safety import terminal
-from pz_persist.storage import commit
 from pz_persist.storage import destinations
 from pz_persist.storage import leftovers
 from pz_persist.storage import opening
@@ -46,6 +45,8 @@ def _one_line(text: str) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+  if args.html:  # The destination rule, before anything is read or printed.
+    destinations.check_output(args.html, [args.path], file=True)
   paths = opening.items(args.path)  # A step's items, each in turn.
   if args.json:
     _print_json(viewing.JSON_SCHEMA_INSPECT, {
@@ -109,6 +110,8 @@ def _number(x: float) -> str:
 
 
 def _diff(args: argparse.Namespace) -> int:
+  if args.html:  # The destination rule, before the (long) comparison.
+    destinations.check_output(args.html, [args.a, args.b], file=True)
   result = diffing.diff(args.a, args.b, batch_bytes=args.batch_mib * 2**20,
                         progress=_progress(args))
   if args.html:
@@ -227,8 +230,8 @@ def _convert(args: argparse.Namespace) -> int:
 
   # Before the (long) load: a bad scheme, a missing extra, an existing DST,
   # a DST that is (or holds, or is inside) SRC; local or on an object store.
-  destinations.check_apart(commit.as_path(args.dst), [args.src])
-  if commit.as_path(args.dst).exists() and not args.overwrite:
+  dst = destinations.check_output(args.dst, [args.src])
+  if dst.exists() and not args.overwrite:
     raise errors.CheckpointExistsError(
         f"{args.dst} exists; pass --overwrite to replace it."
     )
@@ -260,8 +263,8 @@ def _export(args: argparse.Namespace) -> int:
 
   # Before the (long) load: a destination that is (or holds) the source, or
   # that is not an earlier export's folder; the export checks again.
-  destinations.check_apart(args.dst, [args.src])
-  hf_export.check_destination(args.dst, args.overwrite)
+  dst = os.fspath(destinations.check_output(args.dst, [args.src, *hf_export.like_sources(args.like)]))
+  hf_export.check_destination(dst, args.overwrite)
   model = model_lib.load_model(args.src)
   shard_size = args.shard_mib * 2**20 if args.shard_mib else hf_export.DEFAULT_SHARD_BYTES
   hf_export.export_hf(model, args.dst, like=args.like, shard_size=shard_size,
@@ -276,6 +279,9 @@ def _migrate(args: argparse.Namespace) -> int:
   and writes it as a native checkpoint."""
   from pz_persist.tools import migrating
 
+  # The destination rule before the user's code builds the model (and again
+  # in `migrate`, for every caller).
+  destinations.check_output(args.dst, [args.src])
   if os.getcwd() not in sys.path:  # As `python -m` would: the user's modules.
     sys.path.insert(0, os.getcwd())
   model = migrating.build_model(args.model)

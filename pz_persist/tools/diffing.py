@@ -28,6 +28,9 @@ from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.storage import batching
+from pz_persist.storage import destinations
+from pz_persist.storage import opening
+from pz_persist.storage import stores
 from pz_persist.tools import diff_sides
 from pz_persist.tools import diff_tree
 
@@ -76,6 +79,8 @@ class CheckpointDiff:
     tree: The tree of differences (`pz_persist.tools.diff_tree.DiffNode`).
     a: How A is named (its path, or its class).
     b: How B is named.
+    sources: The checkpoints compared (paths, or `pz_persist.open` handles;
+      not models): `save_html` never writes over, inside or around them.
   """
 
   only_in_a: list[str] = dataclasses.field(default_factory=list)
@@ -86,6 +91,7 @@ class CheckpointDiff:
   tree: diff_tree.DiffNode | None = dataclasses.field(default=None, repr=False)
   a: str = "A"
   b: str = "B"
+  sources: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
   @property
   def identical(self) -> bool:
@@ -110,11 +116,15 @@ class CheckpointDiff:
     return diff_view.to_html(self)
 
   def save_html(self, path: epath.PathLike) -> epath.Path:
-    """Writes `to_html` to ``path``; returns the path written."""
-    written = epath.Path(path)
-    written.parent.mkdir(parents=True, exist_ok=True)
-    written.write_text(self.to_html(), encoding="utf-8")
-    return written
+    """Writes `to_html` to ``path``; returns the path written.
+
+    Raises:
+      ArgumentError: ``path`` is over, inside or around a checkpoint compared
+        (or inside any checkpoint): the destination rule,
+        `pz_persist.storage.destinations.write_output`. Nothing is written.
+    """
+    destinations.check_output(path, self.sources, file=True)  # Before rendering a large page.
+    return destinations.write_output(path, self.to_html(), self.sources)
 
   def table(self, width: int | None = None, *, color: bool = False,
             every_array: bool = False) -> str:
@@ -406,9 +416,15 @@ def diff(
   """
   # A path stays opened as every read opens one (`opening`): never a mix of
   # two saves.
-  return diff_sides.with_side(a, lambda side_a: diff_sides.with_side(
+  result = diff_sides.with_side(a, lambda side_a: diff_sides.with_side(
       b, lambda side_b: _diff(side_a, side_b, batch_bytes, progress), "B"
   ), "A")
+  # Made absolute now: a later save_html (perhaps from another working
+  # directory) compares its destination with the very checkpoints compared.
+  result.sources = tuple(
+      stores.normalise(path) for path in map(opening.checkpoint_path, (a, b)) if path is not None
+  )
+  return result
 
 
 def _diff(

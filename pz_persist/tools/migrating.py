@@ -72,12 +72,14 @@ def migrate(
     The loaded model (as saved at ``dst``).
 
   Raises:
-    ArgumentError: ``dst`` is ``src``, holds it, or lies inside it.
+    ArgumentError: ``dst`` is ``src``, holds it, lies inside it or inside any
+      checkpoint (the destination rule,
+      `pz_persist.storage.destinations.check_output`).
     CheckpointExistsError: ``dst`` exists and ``overwrite`` is False, or it
       is neither empty nor a pz_persist checkpoint.
   """
-  destinations.check_apart(commit.as_path(dst), [commit.as_path(src)])
-  if not overwrite and commit.identity(commit.as_path(dst)) is not None:
+  dst = destinations.check_output(dst, [src])  # The destination rule, before the load.
+  if not overwrite and commit.identity(dst) is not None:
     raise errors.CheckpointExistsError(  # Said before the (long) load.
         f"{dst} already exists; pass overwrite=True to replace it."
     )

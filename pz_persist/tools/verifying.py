@@ -124,7 +124,7 @@ def _one_line(text: str) -> str:
 
 
 def verify(
-    path: epath.PathLike,
+    path: opening.PathOrHandle,
     *,
     read_batch_bytes: int = reader.DEFAULT_READ_BATCH_BYTES,
     progress: progress_lib.Progress = None,
@@ -142,7 +142,8 @@ def verify(
     assert report.ok
 
   Args:
-    path: A checkpoint directory, or the item directory inside one.
+    path: A checkpoint directory, the item directory inside one, or a
+      `pz_persist.open` handle (the checkpoint it opened is read).
     read_batch_bytes: About how many bytes of arrays to hold at once.
     progress: None (default): a bar on stderr if it is a terminal or in a
       notebook; True: always; False: never; or a function called as

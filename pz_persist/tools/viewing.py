@@ -23,7 +23,9 @@ from pz_persist import checkpoint
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.safety import terminal
+from pz_persist.storage import destinations
 from pz_persist.storage import opening
+from pz_persist.storage import stores
 
 
 def render_html(
@@ -41,9 +43,13 @@ def render_html(
     pzp.render_html("/tmp/mlp_lora", "/tmp/checkpoint.html", arrays=False)
 
   Args:
-    obj_or_path: A Python object (model, tree) or a checkpoint path (a
-      ``pathlib.Path`` / ``epath.Path``, or a string naming a directory).
-    out: The HTML file to write.
+    obj_or_path: A Python object (model, tree), a checkpoint path (a
+      ``pathlib.Path`` / ``epath.Path``, or a string naming a directory), or
+      a `pz_persist.open` handle (read as its path would be).
+    out: The HTML file to write: never over, inside or around the checkpoint
+      read, nor inside any checkpoint (the destination rule,
+      `pz_persist.storage.destinations.write_output`; refused with
+      `pz_persist.errors.ArgumentError` before anything is read).
     arrays: For a checkpoint path: load the arrays, so the view shows their
       summaries (mean, spread, range). With False only the manifest is read
       and arrays show as shapes and dtypes.
@@ -54,25 +60,29 @@ def render_html(
     The path written.
   """
   value, title = obj_or_path, type(obj_or_path).__name__
-  if _is_path(obj_or_path):
+  sources = [obj_or_path] if _is_path(obj_or_path) else []
+  destinations.check_output(out, sources, file=True)  # Before the (long) load.
+  if sources:
     value = (checkpoint.load if arrays else checkpoint.inspect)(obj_or_path)
-    title = os.fspath(obj_or_path)
+    title = os.fspath(opening.checkpoint_path(obj_or_path) or title)
   body = treescope.render_to_html(value, roundtrip_mode=False, compressed=compress)
-  written = epath.Path(out)
-  written.parent.mkdir(parents=True, exist_ok=True)
-  written.write_text(
+  return destinations.write_output(
+      out,
       "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
       f"<title>{html.escape(title)} - pz_persist</title></head>\n"
       f"<body>\n{body}\n</body></html>\n",
-      encoding="utf-8",
+      sources,
   )
-  return written
 
 
 def _is_path(obj: Any) -> bool:
-  if isinstance(obj, os.PathLike):
+  """Whether `render_html` reads ``obj`` as a checkpoint: a path object, a
+  string naming a folder, or an opened handle."""
+  if isinstance(obj, os.PathLike) or opening.opened_handle(obj) is not None:
     return True
-  return isinstance(obj, str) and epath.Path(obj).is_dir()
+  if not isinstance(obj, str) or "\0" in obj:  # Text to show, not a path.
+    return False
+  return epath.Path(stores.local_path(obj)).is_dir()
 
 
 def format_table(

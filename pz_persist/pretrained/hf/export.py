@@ -43,6 +43,8 @@ from pz_persist.pretrained.hf.structure_match import ModelWeights
 from pz_persist.pretrained.hf.structure_match import family_plans
 from pz_persist.pretrained.hf.structure_match import matching_plan
 from pz_persist.pretrained.lora_merge import refuse_lora
+from pz_persist.storage import destinations
+from pz_persist.storage import stores
 
 ExportError = errors.ExportError
 
@@ -65,6 +67,16 @@ def _like_config(like: Any) -> dict[str, Any]:
       f"like={like!r} is neither a family ({sorted(family_plans())}), a Hugging Face"
       " folder nor a config dict."
   )
+
+
+def like_sources(like: Any) -> list[Any]:
+  """The folder ``like`` names, if it names one (a family name or a dict
+  is read from nothing): what an export reads besides the model."""
+  if isinstance(like, (str, os.PathLike)) and not (isinstance(like, str) and like in family_plans()):
+    local = stores.local_path(like)
+    if os.path.isdir(os.fspath(local)):
+      return [like]
+  return []
 
 
 def _say_dequantized(like: Mapping[str, Any]) -> None:
@@ -129,10 +141,13 @@ def export_hf(
     CheckpointExistsError: ``folder`` exists, is not empty and
       ``overwrite`` is False.
   """
-  folder = os.fspath(folder)
   if not isinstance(shard_size, int) or shard_size <= 0:
     raise errors.ArgumentError(f"shard_size={shard_size!r} must be a positive number of bytes.")
-  check_destination(folder, overwrite)
+  # The destination rule: never over, inside or around the like= folder read
+  # (nor inside any checkpoint); then only an earlier export is replaced.
+  given = os.fspath(folder)
+  target = os.fspath(destinations.check_output(folder, like_sources(like)))
+  check_destination(target, overwrite)
   if not isinstance(model, model_parts.TransformerLM):
     raise ExportError(f"export_hf writes Penzai TransformerLM models, not {type(model).__name__}.")
   refuse_lora(model)
@@ -151,7 +166,7 @@ def export_hf(
   config = derive_config(model, family, families.FAMILY_OF[family], like_config)
   embeddings = first_layer(model, pz.nn.EmbeddingTable, "token embeddings").embeddings.value
   weights = ModelWeights(config["num_hidden_layers"], np.dtype(embeddings.dtype))
-  plan, slots = matching_plan(plans[family], config, weights, model, family, folder)
+  plan, slots = matching_plan(plans[family], config, weights, model, family, target)
   values = {p.label: p.value for p in all_layers(model, pz.ParameterValue)}
-  write_folder(folder, config, stored_tensors(plan, slots, values), shard_size, overwrite, progress)
-  return folder
+  write_folder(target, config, stored_tensors(plan, slots, values), shard_size, overwrite, progress)
+  return given

@@ -73,6 +73,17 @@ def place(path: epath.PathLike) -> tuple[base.Store, tuple[str, ...]]:
   return store, store.place(path)
 
 
+def folders_above(path: epath.PathLike) -> list[epath.Path]:
+  """The folders holding ``path``, nearest first: locally after ``~``,
+  relative parts and links are resolved, up to ``/``; on an object store up
+  to, not including, the bucket."""
+  store, where = place(path)
+  if store.scheme is None:
+    return [epath.Path(os.sep + os.sep.join(where[:n])) for n in range(len(where) - 1, -1, -1)]
+  return [epath.Path(f"{store.scheme}://" + "/".join(where[1:n]))
+          for n in range(len(where) - 1, 2, -1)]
+
+
 def open_path(path: epath.PathLike) -> tuple[base.Store, epath.Path]:
   """The store of ``path`` and ``path`` normalised, made ready for Orbax
   (`base.Store.prepare`): what an entry point handing ``path`` to Orbax calls."""

@@ -16,8 +16,13 @@ from pz_persist import errors
 
 
 def scheme(path: epath.PathLike) -> str | None:
-  """``"gs"`` / ``"s3"`` / another URL scheme of ``path``; None if local."""
+  """``"gs"`` / ``"s3"`` / another URL scheme of ``path``; None if local.
+
+  Every entry point asks this of its path first (`stores.for_path`), so a
+  NUL is refused here, once, for all of them (`check_no_nul`).
+  """
   text = os.fspath(path)
+  check_no_nul(text, text)
   if "://" not in text:
     return None
   return text.split("://", 1)[0].lower()
@@ -41,7 +46,28 @@ def file_url_path(path: epath.PathLike) -> str | None:
         " file:// URLs as local paths only (file:///path). Mount it and pass"
         " the local path."
     )
-  return urllib.parse.unquote(slash + local)
+  decoded = urllib.parse.unquote(slash + local)
+  check_no_nul(decoded, os.fspath(path))
+  return decoded
+
+
+def check_no_nul(text: str, given: str) -> None:
+  """Refuses a path holding a NUL character.
+
+  Why here: no file system stores one, and Python's ``os`` functions raise
+  a bare ``ValueError`` ("embedded null byte") wherever the path first
+  reaches them; a ``file://`` URL's ``%00`` becomes one once decoded. One
+  check on the path as given and on the path a URL decodes to covers both.
+
+  Raises:
+    ArgumentError: naming the path as given (``repr``: a NUL does not print).
+  """
+  if "\0" in text:
+    raise errors.ArgumentError(
+        f"{given!r}: a path cannot hold a NUL character"
+        f"{' (%00 in a file:// URL decodes to one)' if text != given else ''};"
+        " no file system stores one. Remove it from the path."
+    )
 
 
 _URL_SPECIAL = "%?#\\"
