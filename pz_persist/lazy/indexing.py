@@ -86,11 +86,15 @@ class Index:
     box: ``(start, stop)`` per stored dimension: what must be read.
     local: What to index the box with (steps, and ints dropping dimensions).
     kept: Which stored dimensions the result keeps, in order.
+    scalar: Whether NumPy would give a scalar rather than an array: every
+      dimension indexed by an int (a dict naming them all, or a tuple with
+      no ``...``; ``()`` on a 0-d array too).
   """
 
   box: tuple[tuple[int, int], ...]
   local: tuple[Any, ...]
   kept: tuple[int, ...]
+  scalar: bool = False
 
   @property
   def empty(self) -> bool:
@@ -152,6 +156,7 @@ def parse_index(
             " int or a slice (leave a dimension out to keep it whole)."
         )
       per_dim[dim] = part
+    scalar = bool(given)
   else:
     parts = list(index) if isinstance(index, tuple) else [index]
     if sum(part is Ellipsis for part in parts) > 1:
@@ -166,6 +171,7 @@ def parse_index(
     if len(parts) > rank:
       raise _too_many(who, len(parts), rank)
     per_dim = parts + [slice(None)] * (rank - len(parts))
+    scalar = not dots
   box: list[tuple[int, int]] = []
   local: list[Any] = []
   kept: list[int] = []
@@ -194,7 +200,7 @@ def parse_index(
       at %= n
       box.append((at, at + 1))
       local.append(0)
-  return Index(tuple(box), tuple(local), tuple(kept))
+  return Index(tuple(box), tuple(local), tuple(kept), scalar=scalar and not kept)
 
 
 def _slice_parts(part: slice, axis: str, who: str) -> slice:

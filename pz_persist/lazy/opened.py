@@ -249,7 +249,7 @@ class OpenedCheckpoint:
 
     return self._guarded(read)
 
-  def read(self, label: Hashable, index: Any = (), *, verify: bool | None = None) -> Any:
+  def read(self, label: Hashable, index: Any = ..., *, verify: bool | None = None) -> Any:
     """Part of the one array of the variable ``label``, reading only the
     bytes that part needs (and, verified, the checksum tiles it overlaps):
     what ``ckpt[label]`` indexed by ``index`` would be.
@@ -262,8 +262,9 @@ class OpenedCheckpoint:
         negative ones too; slices with any non-zero step, bounds clipped;
         ``...``), or a dict by axis name and, for positional axes, by
         position as ``positional_shape`` counts them, e.g.
-        ``{"vocabulary": slice(0, 100)}``. ``()``, ``...`` and ``{}`` select
-        the whole value.
+        ``{"vocabulary": slice(0, 100)}``. ``...`` (the default) and ``{}``
+        select the whole value; ``()`` too, but on a 0-d NumPy array it
+        gives a NumPy scalar, as NumPy does.
       verify: Check what is read against its checksums (default: the
         handle's). A checkpoint saved before 0.7 records one checksum per
         array: a verified read of part of it reads the whole array, an
@@ -273,9 +274,9 @@ class OpenedCheckpoint:
       The part as ``ckpt[label]`` holds it: a ``NamedArray`` stays a
       ``NamedArray`` and a ``NamedArrayView`` a view (its positional axes in
       their logical order), keeping the names of the dimensions not indexed
-      by an int; an array keeps its kind (``jax.Array``, or NumPy: a NumPy
-      array indexed by ints in every dimension gives a NumPy scalar, as
-      NumPy does); dtypes are the saved ones.
+      by an int; an array keeps its kind (``jax.Array``; NumPy, where ints
+      in every dimension and no ``...`` give a NumPy scalar, as NumPy
+      does; a NumPy scalar stays one); dtypes are the saved ones.
 
     Raises:
       UnknownLabelError: no such label (close matches listed).
@@ -317,8 +318,7 @@ class OpenedCheckpoint:
       if not (isinstance(part, np.ndarray) and part.flags.c_contiguous
               and part.nbytes == box.nbytes):
         part = np.array(part, order="C")  # Its own memory: never a view pinning the box.
-      return _as_saved(part, spec, shaped, parsed.kept,
-                       dropped=len(parsed.kept) < len(spec.shape))
+      return _as_saved(part, spec, shaped, parsed.kept, scalar=parsed.scalar)
 
     return self._guarded(read)
 
@@ -508,7 +508,7 @@ class OpenedCheckpoint:
 
 def _as_saved(
     data: np.ndarray, spec: arrays_lib.ArraySpec, shaped: Any, kept: tuple[int, ...],
-    *, dropped: bool,
+    *, scalar: bool,
 ) -> Any:
   """Stored bytes of part of an array as the value was saved (``shaped``,
   its abstract value): its dtype and kind and, for a named array, the same
@@ -540,8 +540,8 @@ def _as_saved(
         },
         data_array=value,
     )
-  if spec.kind == "numpy" and dropped and not kept:
-    return value[()]  # NumPy's own: ints in every dimension give a scalar.
+  if spec.kind == "numpy" and scalar:
+    return value[()]  # As NumPy indexes: ints in every dimension give a scalar.
   return value
 
 
