@@ -95,15 +95,20 @@ def label_problem(label: Any) -> str | None:
 MAX_RANK = 32
 """Most dimensions an array may declare (NumPy 1's own limit)."""
 
-MAX_ELEMENTS = 2**62
-"""Most elements an array may declare: more cannot even be addressed."""
+MAX_ELEMENTS = 2**59 - 1
+"""Most elements an array may declare, counting only its non-zero dimensions
+(a zero-size array still has to be made: NumPy refuses a shape whose non-zero
+dimensions multiply, times the item size, past 2**63 - 1 bytes, even when
+another dimension is 0). At 16 bytes an element (``complex128``, the widest
+dtype) this is the most any array can hold and still be indexed."""
 
 
 def _check_shape_size(shape: list[int], where: str) -> None:
   """Refuses shapes no array can have, before anything multiplies them.
 
-  Why: shapes come from the checkpoint; a rank beyond NumPy's limit or an
-  element count beyond 64-bit sizes would otherwise surface later as a NumPy
+  Why: shapes come from the checkpoint; a rank beyond NumPy's limit, or
+  non-zero dimensions whose product is beyond 64-bit sizes (in a zero-size
+  array too: ``[0, 2**70]``), would otherwise surface later as a NumPy
   ``ValueError`` or a silently wrapped size. Sizes that are merely too large
   for this machine are refused when read (`pz_persist.safety`).
   """
@@ -111,10 +116,13 @@ def _check_shape_size(shape: list[int], where: str) -> None:
     raise errors.ManifestError(
         f"{where}: {len(shape)} dimensions, over the limit of {MAX_RANK}."
     )
-  if math.prod(shape) > MAX_ELEMENTS:
+  elements = math.prod(d for d in shape if d)
+  if elements > MAX_ELEMENTS:
+    empty = " (a zero-size array must still be made)" if 0 in shape else ""
     raise errors.UnsafeCheckpointError(
-        f"{where}: shape {shape} declares {math.prod(shape)} elements, more"
-        f" than any array can have (2**62); refusing it."
+        f"{where}: shape {shape!r:.200} declares {elements:.3g} elements in its"
+        f" non-zero dimensions{empty}, more than any array can have (2**59);"
+        " refusing it."
     )
 
 

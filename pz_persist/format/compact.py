@@ -692,7 +692,8 @@ def array_specs(
   for i, shape in enumerate(shapes):
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
       raise errors.ManifestError(f"{where}: arrays.shapes[{i}] is an invalid shape {shape!r:.100}.")
-    arrays_lib.check_shape_size(shape, f"{where}: arrays.shapes[{i}]")
+    which = f" (label {labels[i]!r:.100})" if i < len(labels) and labels[i] else ""
+    arrays_lib.check_shape_size(shape, f"{where}: arrays.shapes[{i}]{which}")
   dtypes = [arrays_lib.dtype_from_name(name, where=f"{where}: arrays.dtypes[{i}]").name
             for i, name in enumerate(_table(table, "dtypes", where))]
   kinds = _table(table, "kinds", where)

@@ -166,10 +166,10 @@ def parse_index(
       at = dots[0]
       fill = rank - (len(parts) - 1)
       if fill < 0:
-        raise _too_many(who, len(parts) - 1, rank)
+        raise _too_many(who, len(parts) - 1, axes)
       parts = parts[:at] + [slice(None)] * fill + parts[at + 1:]
     if len(parts) > rank:
-      raise _too_many(who, len(parts), rank)
+      raise _too_many(who, len(parts), axes)
     per_dim = parts + [slice(None)] * (rank - len(parts))
     scalar = not dots
   box: list[tuple[int, int]] = []
@@ -237,9 +237,11 @@ def _as_int(part: Any, axis: str, who: str) -> int:
     ) from None
 
 
-def _too_many(who: str, given: int, rank: int) -> errors.ArgumentError:
+def _too_many(who: str, given: int, axes: Sequence[Any]) -> errors.ArgumentError:
+  dims = ", ".join(_axis_text(axes, dim) for dim in range(len(axes))) or "none"
   return errors.ArgumentError(
-      f"{who}: {given} indexes given for an array of {rank} dimension(s)."
+      f"{who}: {given} indexes given for an array of {len(axes)} dimension(s)"
+      f" ({dims})."
   )
 
 
