@@ -95,12 +95,14 @@ def label_problem(label: Any) -> str | None:
 MAX_RANK = 32
 """Most dimensions an array may declare (NumPy 1's own limit)."""
 
-MAX_ELEMENTS = 2**59 - 1
-"""Most elements an array may declare, counting only its non-zero dimensions
-(a zero-size array still has to be made: NumPy refuses a shape whose non-zero
-dimensions multiply, times the item size, past 2**63 - 1 bytes, even when
-another dimension is 0). At 16 bytes an element (``complex128``, the widest
-dtype) this is the most any array can hold and still be indexed."""
+MAX_ELEMENTS = 2**62
+"""Most elements an array may declare, counting its non-zero dimensions only
+(a zero-size array must still be made): more cannot even be addressed."""
+
+MAX_ARRAY_BYTES = 2**63 - 1
+"""Most bytes the non-zero dimensions of an array may declare: NumPy refuses
+to make an array whose non-zero dimensions multiply, times the item size,
+past this (a ``ValueError``), even one of zero size (``[0, 2**70]``)."""
 
 
 def _check_shape_size(shape: list[int], where: str) -> None:
@@ -118,10 +120,27 @@ def _check_shape_size(shape: list[int], where: str) -> None:
     )
   elements = math.prod(d for d in shape if d)
   if elements > MAX_ELEMENTS:
-    empty = " (a zero-size array must still be made)" if 0 in shape else ""
     raise errors.UnsafeCheckpointError(
-        f"{where}: shape {shape!r:.200} declares {elements:.3g} elements in its"
-        f" non-zero dimensions{empty}, more than any array can have (2**59);"
+        f"{where}: shape {shape} declares {elements} elements{_NONZERO_TEXT[0 in shape]},"
+        " more than any array can have (2**62); refusing it."
+    )
+
+
+_NONZERO_TEXT = {False: "", True: " in its non-zero dimensions (a zero-size array must still"
+                                  " be made)"}
+
+
+def check_representable(shape: Sequence[int], dtype: np.dtype, where: str) -> None:
+  """Refuses a shape and dtype whose non-zero dimensions declare more bytes
+  than any array can hold (`MAX_ARRAY_BYTES`), zero-size arrays included:
+  every array a manifest declares can then be made (``np.zeros``), and the
+  loader's own arithmetic on its bytes never overflows."""
+  stored = SUPPORTED_DTYPES[storage_dtype_name(dtype.name)]
+  nbytes = math.prod(d for d in shape if d) * max(dtype.itemsize, stored.itemsize)
+  if nbytes > MAX_ARRAY_BYTES:
+    raise errors.UnsafeCheckpointError(
+        f"{where}: shape {list(shape)} of {dtype.name} declares {nbytes} bytes"
+        f"{_NONZERO_TEXT[0 in shape]}, more than any array can hold (2**63 - 1);"
         " refusing it."
     )
 
@@ -275,6 +294,7 @@ class ArraySpec:
       raise errors.ManifestError(f"{where}: invalid shape {shape!r:.100}.")
     _check_shape_size(shape, where)
     dtype = dtype_from_name(data["dtype"], where=where).name
+    check_representable(shape, SUPPORTED_DTYPES[dtype], where)
     if data.get("stored_dtype", storage_dtype_name(dtype)) != storage_dtype_name(dtype):
       raise errors.ManifestError(
           f"{where}: stored dtype {data['stored_dtype']!r} does not match"

@@ -712,6 +712,13 @@ def array_specs(
     if kind == scalar and shapes[shape]:
       raise errors.ManifestError(
           f"{where}: arrays.kinds: a NumPy scalar must have shape [], not {shapes[shape]}.")
+  first_of: dict[tuple[int, int], int] = {}
+  for i, pair in enumerate(zip(shape_of, dtype_of)):
+    first_of.setdefault(pair, i)
+  for (shape, dtype), i in first_of.items():  # Once per distinct shape and dtype.
+    which = f" (label {labels[i]!r:.100})" if labels[i] else ""
+    arrays_lib.check_representable(
+        shapes[shape], arrays_lib.SUPPORTED_DTYPES[dtypes[dtype]], f"{where}: arrays[{i}]{which}")
   weak = table["weak_type"]
   if type(weak) is not list or not _all_of(weak, (int,)) or weak != sorted(set(weak)) or (
       weak and not (0 <= weak[0] and weak[-1] < count)):
