@@ -640,7 +640,7 @@ CASES: list[Case] = [
          rf"label '{LABEL0_RE}'.* is stored in chunks of \[1048576, 1048576\], which do not"
          r" fit its shape \[8, 16\]", READING),
     Case("huge_shape_in_manifest_and_orbax_metadata",
-         both(set_shape(0, [2**31, 2**31]), set_zarray_shape([2**31, 2**31])),
+         both(set_shape(0, [2**30, 2**30]), set_zarray_shape([2**30, 2**30])),
          errors.UnsafeCheckpointError, r"would allocate \d+ bytes",
          frozenset({LOAD, LOAD_MODEL})),
     Case("allocation_over_limit", allocation_over_limit, errors.UnsafeCheckpointError,
