@@ -289,17 +289,19 @@ class OpenedCheckpoint:
     variable = self._variable(label)
     who = f"{self._opened.item}: {variable.label_text!r}"
     stored = list(variable.refs)
-    if not stored and indexing.is_whole(index):
+    shaped, alone = self._shaped(variable, stored[0]) if len(stored) == 1 else (None, False)
+    if indexing.is_whole(index) and not alone:  # A value around (or without) its array.
       return self.value(label, verify=verify)
-    if len(stored) != 1:
-      what = f"holds {len(stored)} arrays" if stored else "holds no array (a Python value)"
+    if shaped is None:
+      what = (f"holds {len(stored)} arrays" if len(stored) > 1
+              else "holds no array (a Python value)" if not stored
+              else "holds its array inside another value (a PRNG key, say)")
       raise errors.ArgumentError(
-          f"{who} {what}; read(label, index) reads part of one."
-          " Use ckpt[label] for the whole value."
+          f"{who} {what}; read(label, index) reads part of one array or named"
+          " array. Use ckpt[label] (or read(label)) for the whole value."
       )
     ref = stored[0]
     spec = self._opened.manifest.arrays[ref]
-    shaped = self._shaped(variable, ref, who)
     axes, positional = _dims_of(shaped, len(spec.shape))
     parsed = indexing.parse_index(index, spec.shape, axes, who=who, positional=positional)
     verify = self._verify if verify is None else verify
@@ -394,15 +396,13 @@ class OpenedCheckpoint:
     except (KeyError, TypeError):
       raise indexing.unknown_label(label, self.labels, str(self._opened.item)) from None
 
-  def _shaped(self, variable: manifest_queries.Variable, ref: int, who: str) -> Any:
-    """The abstract value of ``variable`` holding the one array ``ref``: the
+  def _shaped(self, variable: manifest_queries.Variable, ref: int) -> tuple[Any, bool]:
+    """The abstract form of the one array ``ref`` of ``variable``: the
     ``NamedArray``, ``NamedArrayView`` or ``jax.ShapeDtypeStruct`` that
-    ``self[label]`` would fill, decoded (and so checked) as a load decodes it.
-
-    Raises:
-      ArgumentError: the array is not a value of its own (a PRNG key, say),
-        so a part of it is not what the loaded value holds.
-    """
+    ``self[label]`` would fill, decoded (and so checked) as a load decodes it,
+    and whether it is the whole value (not inside a container). None where
+    the array is not a value of its own (a PRNG key, say), so a part of it is
+    not what the loaded value holds."""
     from penzai import pz  # pylint: disable=import-outside-toplevel
 
     manifest = self._opened.manifest
@@ -426,11 +426,8 @@ class OpenedCheckpoint:
       array = found[0].data_array if named else found[0]
       if (isinstance(array, jax.ShapeDtypeStruct) and tuple(array.shape) == spec.shape
           and np.dtype(array.dtype) == spec.np_dtype):
-        return found[0]
-    raise errors.ArgumentError(
-        f"{who} holds its array as a {type(value).__name__}, not as an array or"
-        " named array; use ckpt[label] for the whole value."
-    )
+        return found[0], found[0] is value
+    return None, False
 
   def _refs(self, only: indexing.Selection) -> set[int]:
     return {ref for label in self.select(only) for ref in self._variables[label].refs}

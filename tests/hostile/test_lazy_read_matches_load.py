@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from penzai import pz
 
 import pz_persist as pzp
@@ -310,3 +311,23 @@ def test_numpy_scalars_and_zero_d_arrays_keep_their_shape(tmp_path):
     assert_same(ckpt.read("z", ()), np.int8(3), "z[()]")  # As NumPy: a scalar.
     assert_same(ckpt.read("b"), ml_dtypes.bfloat16(1.5), "b")
     assert ckpt.read("p") == 0.25 and ckpt.read("p", {}) == 0.25
+
+
+def test_a_whole_read_of_any_value_is_the_value(tmp_path):
+  """Values that are not one array (a PRNG key, containers, several arrays):
+  ``read(label)`` is ``ckpt[label]``; an index into them is refused by label."""
+  tree = {"k": pz.ParameterValue(value=jax.random.key(3), label="k"),
+          "t": pz.ParameterValue(value=(np.ones(2), np.zeros(3)), label="t"),
+          "d": pz.ParameterValue(value={"w": np.arange(6.0).reshape(2, 3)}, label="d")}
+  pzp.save(tmp_path / "c", tree)
+  with pzp.open(tmp_path / "c") as ckpt:
+    for label in ("k", "t", "d"):
+      for whole in (..., {}, ()):
+        got, want = ckpt.read(label, whole), ckpt[label]
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    assert jax.random.key_data(ckpt.read("k")).tolist() == jax.random.key_data(
+        jax.random.key(3)).tolist()
+    assert np.array_equal(ckpt.read("d", slice(1, 2)), np.arange(3.0, 6.0).reshape(1, 3))
+    for label in ("k", "t"):
+      with pytest.raises(pzp.errors.ArgumentError, match=rf"'{label}' holds .*ckpt\[label\]"):
+        ckpt.read(label, 0)
