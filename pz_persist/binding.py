@@ -692,7 +692,7 @@ class _ManifestSource:
     self._abstract_arrays = [spec.abstract() for spec in manifest.arrays]
     self.stored = stored
 
-  def _value(self, variable: manifest_queries.Variable, arrays, **kwargs) -> Any:
+  def _value(self, variable: manifest_queries.Variable, arrays, **kwargs: Any) -> Any:
     value = decode.decode(
         variable.value, self._manifest.variables, arrays,
         root=variable.location.joined(".value"),
@@ -714,7 +714,8 @@ class _ManifestSource:
           self._item, self._manifest, sharding=sharding, refs=refs, verify=verify,
           tracker=tracker, snapshot=self._snapshot,
       )
-    return {label: self._value(self.stored[label], arrays) for label in labels}
+    handed: dict[int, str] = {}  # One array at one place, across the variables too.
+    return {label: self._value(self.stored[label], arrays, handed=handed) for label in labels}
 
   def _model_placements(self, labels, bound) -> placements.PerArray:
     """Where to read each array of ``labels`` so that it lands where the

@@ -114,19 +114,21 @@ def test_compressed_small_arrays_are_opened_by_tensorstore(ckpt, tensorstore_ope
 
 
 def test_arrays_are_adopted_without_a_copy_on_cpu(ckpt, monkeypatch):
-  # Small arrays (read as raw chunks, into shared buffers) and a large one
-  # (read by TensorStore into its own buffer).
+  # Small arrays (read as raw chunks, each into heap memory of its own) and a
+  # large one (read by TensorStore into its own mapping).
   pzp.save(ckpt, {"a": jnp.arange(4096.0), "b": jnp.ones((64, 64), jnp.bfloat16),
                   "c": jnp.arange(300_000.0)})
   buffers = []
-  real = host_memory.aligned_empty
 
-  def recording(shape, dtype):
-    out = real(shape, dtype)
-    buffers.append((out.ctypes.data, out.nbytes))
-    return out
+  def recording(real):
+    def allocate(*args):
+      out = real(*args)
+      buffers.append((out.ctypes.data, out.nbytes))
+      return out
+    return allocate
 
-  monkeypatch.setattr(host_memory, "aligned_empty", recording)
+  monkeypatch.setattr(host_memory, "aligned_empty", recording(host_memory.aligned_empty))
+  monkeypatch.setattr(host_memory, "aligned_heap", recording(host_memory.aligned_heap))
   loaded = pzp.load(ckpt)
   assert all(address % host_memory.ALIGNMENT == 0 for address, _ in buffers)
   # The jax.Arrays are in the very buffers the reads filled, aligned.
@@ -135,7 +137,7 @@ def test_arrays_are_adopted_without_a_copy_on_cpu(ckpt, monkeypatch):
     assert pointer % host_memory.ALIGNMENT == 0, name
     assert any(start <= pointer and pointer + value.nbytes <= start + size
                for start, size in buffers), name
-  assert len(buffers) == 2  # One shared by the small arrays, one for "c".
+  assert len(buffers) == 3  # One of its own for each array.
 
 
 def test_only_the_selected_arrays_are_read(ckpt, monkeypatch):

@@ -129,6 +129,7 @@ def test_load_is_load_and_only_reads_the_selection(saved, monkeypatch):
 @pytest.mark.parametrize("index", [
     (), 0, -1, slice(10, 20), (slice(None, None, 7), 3), (Ellipsis, slice(5, 9)),
     {"vocabulary": slice(0, 100)}, {"embedding": 5}, {"vocabulary": slice(4000, 5000, 3)},
+    slice(None, None, -1), (slice(3000, 1000, -7), slice(-3, None)),
     (slice(2000, 2100), slice(None, None, 2)), slice(9000, 10000),
 ])
 def test_read_a_slice(saved, index):
@@ -155,7 +156,9 @@ def test_read_keeps_names_kinds_and_views(saved):
     assert isinstance(scale, jax.Array)
     assert np.array_equal(scale, loaded["blocks"][4]["scale"].value[1:3])
     stored = np.asarray(loaded["view"].value.data_array)
-    assert isinstance(ckpt.read("positional", (1, slice(0, 2))), jax.Array)  # No name left.
+    unnamed = ckpt.read("positional", (1, slice(0, 2)))  # No name left: still a view.
+    assert isinstance(unnamed, pz.nx.NamedArrayView) and unnamed.named_shape == {}
+    assert isinstance(unnamed.data_array, jax.Array)
     view = ckpt.read("positional", (slice(0, 1), 1))
     assert view.named_shape == {"a": 1} and view.positional_shape == (4,)
     assert np.array_equal(np.asarray(view.data_array), stored[0:1, 1])
@@ -233,7 +236,8 @@ def test_one_digest_per_array_reads_the_whole_array_when_verified(tmp_path, monk
     ("embedder.embeddings", 5000, r"embedder\.embeddings.*index 5000 is out of range for axis 'vocabulary'"),
     ("embedder.embeddings", -5000, r"out of range for axis 'vocabulary'"),
     ("embedder.embeddings", (0, 0, 0), r"3 indexes given for an array of 2"),
-    ("embedder.embeddings", slice(None, None, -1), r"axis 'vocabulary'.*step -1.*positive"),
+    ("embedder.embeddings", slice(None, None, 0), r"axis 'vocabulary'.*step 0"),
+    ("embedder.embeddings", slice(0.5, 3), r"axis 'vocabulary'.*must be ints"),
     ("embedder.embeddings", [1, 2], r"axis 'vocabulary'.*\[1, 2\].*int or a slice"),
     ("embedder.embeddings", (Ellipsis, Ellipsis), r"one \.\.\."),
     ("embedder.embeddings", None, r"None"),

@@ -96,14 +96,21 @@ MAX_RANK = 32
 """Most dimensions an array may declare (NumPy 1's own limit)."""
 
 MAX_ELEMENTS = 2**62
-"""Most elements an array may declare: more cannot even be addressed."""
+"""Most elements an array may declare, counting its non-zero dimensions only
+(a zero-size array must still be made): more cannot even be addressed."""
+
+MAX_ARRAY_BYTES = 2**63 - 1
+"""Most bytes the non-zero dimensions of an array may declare: NumPy refuses
+to make an array whose non-zero dimensions multiply, times the item size,
+past this (a ``ValueError``), even one of zero size (``[0, 2**70]``)."""
 
 
 def _check_shape_size(shape: list[int], where: str) -> None:
   """Refuses shapes no array can have, before anything multiplies them.
 
-  Why: shapes come from the checkpoint; a rank beyond NumPy's limit or an
-  element count beyond 64-bit sizes would otherwise surface later as a NumPy
+  Why: shapes come from the checkpoint; a rank beyond NumPy's limit, or
+  non-zero dimensions whose product is beyond 64-bit sizes (in a zero-size
+  array too: ``[0, 2**70]``), would otherwise surface later as a NumPy
   ``ValueError`` or a silently wrapped size. Sizes that are merely too large
   for this machine are refused when read (`pz_persist.safety`).
   """
@@ -111,10 +118,30 @@ def _check_shape_size(shape: list[int], where: str) -> None:
     raise errors.ManifestError(
         f"{where}: {len(shape)} dimensions, over the limit of {MAX_RANK}."
     )
-  if math.prod(shape) > MAX_ELEMENTS:
+  elements = math.prod(d for d in shape if d)
+  if elements > MAX_ELEMENTS:
     raise errors.UnsafeCheckpointError(
-        f"{where}: shape {shape} declares {math.prod(shape)} elements, more"
-        f" than any array can have (2**62); refusing it."
+        f"{where}: shape {shape} declares {elements} elements{_NONZERO_TEXT[0 in shape]},"
+        " more than any array can have (2**62); refusing it."
+    )
+
+
+_NONZERO_TEXT = {False: "", True: " in its non-zero dimensions (a zero-size array must still"
+                                  " be made)"}
+
+
+def check_representable(shape: Sequence[int], dtype: np.dtype, where: str) -> None:
+  """Refuses a shape and dtype whose non-zero dimensions declare more bytes
+  than any array can hold (`MAX_ARRAY_BYTES`), zero-size arrays included:
+  every array a manifest declares can then be made (``np.zeros``), and the
+  loader's own arithmetic on its bytes never overflows."""
+  stored = SUPPORTED_DTYPES[storage_dtype_name(dtype.name)]
+  nbytes = math.prod(d for d in shape if d) * max(dtype.itemsize, stored.itemsize)
+  if nbytes > MAX_ARRAY_BYTES:
+    raise errors.UnsafeCheckpointError(
+        f"{where}: shape {list(shape)} of {dtype.name} declares {nbytes} bytes"
+        f"{_NONZERO_TEXT[0 in shape]}, more than any array can hold (2**63 - 1);"
+        " refusing it."
     )
 
 
@@ -267,6 +294,7 @@ class ArraySpec:
       raise errors.ManifestError(f"{where}: invalid shape {shape!r:.100}.")
     _check_shape_size(shape, where)
     dtype = dtype_from_name(data["dtype"], where=where).name
+    check_representable(shape, SUPPORTED_DTYPES[dtype], where)
     if data.get("stored_dtype", storage_dtype_name(dtype)) != storage_dtype_name(dtype):
       raise errors.ManifestError(
           f"{where}: stored dtype {data['stored_dtype']!r} does not match"

@@ -692,7 +692,8 @@ def array_specs(
   for i, shape in enumerate(shapes):
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
       raise errors.ManifestError(f"{where}: arrays.shapes[{i}] is an invalid shape {shape!r:.100}.")
-    arrays_lib.check_shape_size(shape, f"{where}: arrays.shapes[{i}]")
+    which = f" (label {labels[i]!r:.100})" if i < len(labels) and labels[i] else ""
+    arrays_lib.check_shape_size(shape, f"{where}: arrays.shapes[{i}]{which}")
   dtypes = [arrays_lib.dtype_from_name(name, where=f"{where}: arrays.dtypes[{i}]").name
             for i, name in enumerate(_table(table, "dtypes", where))]
   kinds = _table(table, "kinds", where)
@@ -711,6 +712,13 @@ def array_specs(
     if kind == scalar and shapes[shape]:
       raise errors.ManifestError(
           f"{where}: arrays.kinds: a NumPy scalar must have shape [], not {shapes[shape]}.")
+  first_of: dict[tuple[int, int], int] = {}
+  for i, pair in enumerate(zip(shape_of, dtype_of)):
+    first_of.setdefault(pair, i)
+  for (shape, dtype), i in first_of.items():  # Once per distinct shape and dtype.
+    which = f" (label {labels[i]!r:.100})" if labels[i] else ""
+    arrays_lib.check_representable(
+        shapes[shape], arrays_lib.SUPPORTED_DTYPES[dtypes[dtype]], f"{where}: arrays[{i}]{which}")
   weak = table["weak_type"]
   if type(weak) is not list or not _all_of(weak, (int,)) or weak != sorted(set(weak)) or (
       weak and not (0 <= weak[0] and weak[-1] < count)):

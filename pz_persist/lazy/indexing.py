@@ -92,34 +92,77 @@ class Index:
     box: ``(start, stop)`` per stored dimension: what must be read.
     local: What to index the box with (steps, and ints dropping dimensions).
     kept: Which stored dimensions the result keeps, in order.
+    scalar: Whether NumPy would give a scalar rather than an array: every
+      dimension indexed by an int (a dict naming them all, or a tuple with
+      no ``...``; ``()`` on a 0-d array too).
   """
 
   box: tuple[tuple[int, int], ...]
   local: tuple[Any, ...]
   kept: tuple[int, ...]
+  scalar: bool = False
+
+  @property
+  def empty(self) -> bool:
+    """Whether the part holds no element (nothing needs reading)."""
+    return any(stop == start for start, stop in self.box)
+
+
+def is_whole(index: Any) -> bool:
+  """Whether ``index`` selects the whole value, whatever it is (a scalar
+  too): ``()``, ``...``, ``(...,)`` or ``{}``."""
+  if isinstance(index, Mapping):
+    return not index
+  return index is Ellipsis or (
+      type(index) is tuple and len(index) <= 1 and all(part is Ellipsis for part in index))
 
 
 def parse_index(
-    index: Any, shape: tuple[int, ...], axes: Sequence[Any], *, who: str
+    index: Any,
+    shape: tuple[int, ...],
+    axes: Sequence[Any],
+    *,
+    who: str,
+    positional: Sequence[int] | None = None,
 ) -> Index:
-  """Resolves ``index`` (NumPy style over the stored dimensions, or a dict by
-  axis name, or position, for named arrays) against ``shape``.
+  """Resolves ``index`` against ``shape``: NumPy style over the stored
+  dimensions (a tuple, or one part), or a dict by axis name and by position.
 
-  ``axes`` names each stored dimension (None: positional). Ints may be
-  negative; slices follow NumPy (bounds clipped) but only with positive
-  steps; ``...`` stands for the dimensions not given.
+  ``axes`` names each stored dimension (None: positional); ``positional``
+  lists the stored dimensions of the positional axes in their logical order
+  (a ``NamedArrayView``'s ``data_axis_for_logical_axis``; default: the
+  unnamed dimensions in order), which a dict's int keys count, negative ones
+  from the end. Ints (NumPy's too) may be negative; slices follow NumPy:
+  bounds clipped, any non-zero step, negative ones included; ``...`` stands
+  for the dimensions not given.
 
   Raises:
-    ArgumentError: an unknown axis name, an int out of range, a negative or
-      zero step, too many indexes, or an index of another kind; each message
-      names ``who`` (the label) and the axis.
+    ArgumentError: an unknown axis name or position, one dimension indexed
+      twice, an int out of range, a zero step, too many indexes, or an index
+      or bound of another kind (None, bools, floats, str, lists, arrays); each
+      message names ``who`` (the label) and the axis.
   """
   rank = len(shape)
+  if positional is None:
+    positional = [dim for dim in range(rank) if axes[dim] is None]
   if isinstance(index, Mapping):
     per_dim: list[Any] = [slice(None)] * rank
-    for name, part in index.items():
-      dim = _dim_of(name, axes, rank, who)
+    given: dict[int, Any] = {}
+    for key, part in index.items():
+      dim = _dim_of(key, axes, positional, who)
+      if dim in given:
+        raise errors.ArgumentError(
+            f"{who}: {_axis_text(axes, dim)} is indexed twice, as {given[dim]!r:.40}"
+            f" and as {key!r:.40}; give one index per dimension."
+        )
+      given[dim] = key
+      if part is Ellipsis:
+        raise errors.ArgumentError(
+            f"{who}: the index of {_axis_text(axes, dim)} is ...; in a dict, give an"
+            " int or a slice (leave a dimension out to keep it whole)."
+        )
       per_dim[dim] = part
+    scalar = bool(given)
   else:
     parts = list(index) if isinstance(index, tuple) else [index]
     if sum(part is Ellipsis for part in parts) > 1:
@@ -129,31 +172,33 @@ def parse_index(
       at = dots[0]
       fill = rank - (len(parts) - 1)
       if fill < 0:
-        raise _too_many(who, len(parts) - 1, rank)
+        raise _too_many(who, len(parts) - 1, axes)
       parts = parts[:at] + [slice(None)] * fill + parts[at + 1:]
     if len(parts) > rank:
-      raise _too_many(who, len(parts), rank)
+      raise _too_many(who, len(parts), axes)
     per_dim = parts + [slice(None)] * (rank - len(parts))
+    scalar = not dots
   box: list[tuple[int, int]] = []
   local: list[Any] = []
   kept: list[int] = []
   for dim, (part, n) in enumerate(zip(per_dim, shape)):
     axis = _axis_text(axes, dim)
-    if not isinstance(part, slice):
-      part = _as_int(part, axis, who)
     if isinstance(part, slice):
-      if part.step is not None and part.step <= 0:
-        raise errors.ArgumentError(
-            f"{who}: the slice of {axis} has step {part.step}; only positive steps"
-            " are read (read it with a positive step, then reverse it: x[::-1])."
-        )
-      start, stop, step = part.indices(n)
-      stop = max(start, stop)
-      box.append((start, stop))
-      local.append(slice(0, stop - start, step))
+      start, stop, step = _slice_parts(part, axis, who).indices(n)
+      count = len(range(start, stop, step))
+      if count == 0:
+        box.append((0, 0))
+        local.append(slice(0, 0))
+      else:
+        last = start + step * (count - 1)
+        low = min(start, last)
+        box.append((low, max(start, last) + 1))
+        first = start - low
+        end = first + step * count
+        local.append(slice(first, end if end >= 0 else None, step))
       kept.append(dim)
     else:
-      at = part
+      at = _as_int(part, axis, who)
       if not -n <= at < n:
         raise errors.ArgumentError(
             f"{who}: index {at} is out of range for {axis}, of size {n}."
@@ -161,25 +206,48 @@ def parse_index(
       at %= n
       box.append((at, at + 1))
       local.append(0)
-  return Index(tuple(box), tuple(local), tuple(kept))
+  return Index(tuple(box), tuple(local), tuple(kept), scalar=scalar and not kept)
+
+
+def _slice_parts(part: slice, axis: str, who: str) -> slice:
+  """``part`` with its bounds and step as Python ints (NumPy's ints too)."""
+  try:
+    bounds = [None if value is None else _index_int(value)
+              for value in (part.start, part.stop, part.step)]
+  except TypeError:
+    raise errors.ArgumentError(
+        f"{who}: the slice of {axis} is {part!r:.120}; its start, stop and step must"
+        " be ints or None."
+    ) from None
+  if bounds[2] == 0:
+    raise errors.ArgumentError(f"{who}: the slice of {axis} has step 0.")
+  return slice(*bounds)
+
+
+def _index_int(value: Any) -> int:
+  """``value`` as an int if it is one (``operator.index``), bools refused."""
+  if isinstance(value, bool | np.bool_):
+    raise TypeError(value)
+  return operator.index(value)
 
 
 def _as_int(part: Any, axis: str, who: str) -> int:
   try:
-    if isinstance(part, bool | np.bool_):
-      raise TypeError
-    return operator.index(part)
+    return _index_int(part)
   except TypeError:
     raise errors.ArgumentError(
-        f"{who}: the index of {axis} is {part!r:.80}; use an int or a slice with a"
-        " positive step (lists, arrays and None are not read lazily: read the"
-        " slice around them, then index it)."
+        f"{who}: the index of {axis} is {part!r:.80}; use an int or a slice"
+        " (None, bools, floats, str, lists and arrays are not read lazily: index"
+        " named axes with a dict by name, or read the slice around them, then"
+        " index it)."
     ) from None
 
 
-def _too_many(who: str, given: int, rank: int) -> errors.ArgumentError:
+def _too_many(who: str, given: int, axes: Sequence[Any]) -> errors.ArgumentError:
+  dims = ", ".join(_axis_text(axes, dim) for dim in range(len(axes))) or "none"
   return errors.ArgumentError(
-      f"{who}: {given} indexes given for an array of {rank} dimension(s)."
+      f"{who}: {given} indexes given for an array of {len(axes)} dimension(s)"
+      f" ({dims})."
   )
 
 
@@ -188,15 +256,28 @@ def _axis_text(axes: Sequence[Any], dim: int) -> str:
   return f"axis {name!r} (dimension {dim})" if name is not None else f"dimension {dim}"
 
 
-def _dim_of(name: Any, axes: Sequence[Any], rank: int, who: str) -> int:
-  if name in axes and name is not None:
-    return list(axes).index(name)
-  if type(name) is int and -rank <= name < rank and (not axes or axes[name] is None):
-    return name % rank
+def _dim_of(key: Any, axes: Sequence[Any], positional: Sequence[int], who: str) -> int:
+  """The stored dimension a dict key names: an axis name, or an int counting
+  the positional axes (negative ones from the end)."""
   named = [a for a in axes if a is not None]
-  close = selection.close_matches(str(name), [str(a) for a in named], n=3)
+  try:
+    if key is not None and key in named:
+      return list(axes).index(key)
+  except TypeError:  # An unhashable or incomparable key names no axis.
+    pass
+  if not isinstance(key, bool | np.bool_) and isinstance(key, int | np.integer):
+    at = int(key)
+    if -len(positional) <= at < len(positional):
+      return positional[at]
+    raise errors.ArgumentError(
+        f"{who}: no positional axis {at}; it has {len(positional)} positional"
+        f" ax{'i' if len(positional) == 1 else 'e'}s"
+        + (f" and named axes {', '.join(repr(a) for a in named)} (index those by name)."
+           if named else ".")
+    )
+  close = selection.close_matches(str(key), [str(a) for a in named], n=3)
   hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
   return_axes = ", ".join(repr(a) for a in named) or "none (index it by position)"
   raise errors.ArgumentError(
-      f"{who}: no axis {name!r:.80}; its named axes are {return_axes}.{hint}"
+      f"{who}: no axis {key!r:.80}; its named axes are {return_axes}.{hint}"
   )

@@ -40,6 +40,7 @@ from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import manifest_queries
+from pz_persist.format import nodes
 from pz_persist.lazy import indexing
 from pz_persist.safety import allowlist
 from pz_persist.storage import opening
@@ -141,10 +142,6 @@ class OpenedCheckpoint:
     where = str(self._opened.item)
     found = manifest_queries.variables(self._opened.manifest, where=where)
     return {variable.label: variable for variable in found}
-
-  @functools.cached_property
-  def _axes(self) -> dict[int, tuple[Any, ...]]:
-    return manifest_queries.axis_names(self._opened.manifest)
 
   # ---- What the manifest says. -------------------------------------------
 
@@ -252,51 +249,66 @@ class OpenedCheckpoint:
 
     return self._guarded(read)
 
-  def read(self, label: Hashable, index: Any = (), *, verify: bool | None = None) -> Any:
+  def read(self, label: Hashable, index: Any = ..., *, verify: bool | None = None) -> Any:
     """Part of the one array of the variable ``label``, reading only the
-    bytes that part needs (and, verified, the checksum tiles it overlaps).
+    bytes that part needs (and, verified, the checksum tiles it overlaps):
+    what ``ckpt[label]`` indexed by ``index`` would be.
 
     Args:
-      label: A variable whose value holds one array (a ``NamedArray``, an
-        array).
-      index: NumPy style over the stored dimensions (ints, slices with
-        positive steps, ``...``), or for a named array a dict by axis name,
-        e.g. ``{"vocabulary": slice(0, 100)}`` (positional dimensions by
-        their position).
+      label: A variable whose value holds one array (a ``NamedArray``, a
+        ``NamedArrayView``, an array, a NumPy scalar), or a Python scalar
+        (then ``index`` must select it whole).
+      index: NumPy style over the stored dimensions (ints, NumPy's too,
+        negative ones too; slices with any non-zero step, bounds clipped;
+        ``...``), or a dict by axis name and, for positional axes, by
+        position as ``positional_shape`` counts them, e.g.
+        ``{"vocabulary": slice(0, 100)}``. ``...`` (the default) and ``{}``
+        select the whole value; ``()`` too, but on a 0-d NumPy array it
+        gives a NumPy scalar, as NumPy does.
       verify: Check what is read against its checksums (default: the
         handle's). A checkpoint saved before 0.7 records one checksum per
         array: a verified read of part of it reads the whole array, an
         unverified one (``verify=False``) only the part.
 
     Returns:
-      For a named array, a ``NamedArray`` (or ``NamedArrayView``) of the
-      part, keeping the axis names of the dimensions not indexed by an int;
-      otherwise the part as the array was saved (``jax.Array`` on the first
-      device, or NumPy).
+      The part as ``ckpt[label]`` holds it: a ``NamedArray`` stays a
+      ``NamedArray`` and a ``NamedArrayView`` a view (its positional axes in
+      their logical order), keeping the names of the dimensions not indexed
+      by an int; an array keeps its kind (``jax.Array``; NumPy, where ints
+      in every dimension and no ``...`` give a NumPy scalar, as NumPy
+      does; a NumPy scalar stays one); dtypes are the saved ones.
 
     Raises:
       UnknownLabelError: no such label (close matches listed).
       ArgumentError: the variable holds several arrays, or the index names
-        an unknown axis, is out of range or has a negative step.
+        an unknown axis, indexes a dimension twice, is out of range, has a
+        zero step or is of another kind (None, bools, floats, str, lists,
+        arrays).
       IntegrityError: a tile read does not match its checksum.
     """
     variable = self._variable(label)
     who = f"{self._opened.item}: {variable.label_text!r}"
     stored = list(variable.refs)
-    if len(stored) != 1:
+    shaped, alone = self._shaped(variable, stored[0]) if len(stored) == 1 else (None, False)
+    if indexing.is_whole(index) and not alone:  # A value around (or without) its array.
+      return self.value(label, verify=verify)
+    if shaped is None:
+      what = (f"holds {len(stored)} arrays" if len(stored) > 1
+              else "holds no array (a Python value)" if not stored
+              else "holds its array inside another value (a PRNG key, say)")
       raise errors.ArgumentError(
-          f"{who} holds {len(stored)} arrays; read(label, index) reads part of one."
-          " Use ckpt[label] for the whole value."
+          f"{who} {what}; read(label, index) reads part of one array or named"
+          " array. Use ckpt[label] (or read(label)) for the whole value."
       )
     ref = stored[0]
     spec = self._opened.manifest.arrays[ref]
-    axes = self._axes.get(ref, (None,) * len(spec.shape))
-    parsed = indexing.parse_index(index, spec.shape, axes, who=who)
+    axes, positional = _dims_of(shaped, len(spec.shape))
+    parsed = indexing.parse_index(index, spec.shape, axes, who=who, positional=positional)
     verify = self._verify if verify is None else verify
 
     def read() -> Any:
-      if not spec.is_stored or 0 in (stop - start for start, stop in parsed.box):
-        data = np.zeros(tuple(b - a for a, b in parsed.box), spec.storage_dtype)
+      if not spec.is_stored or parsed.empty:
+        data = box = np.zeros(tuple(b - a for a, b in parsed.box), spec.storage_dtype)
       else:
         box, at = slices.read_box(
             self._opened.item, spec, parsed.box, verify=verify,
@@ -304,8 +316,11 @@ class OpenedCheckpoint:
         )
         data = box[tuple(slice(a - b0, a - b0 + (b - a))
                          for (a, b), (b0, _) in zip(parsed.box, at))]
-      return _as_saved(np.ascontiguousarray(data[parsed.local]), spec,
-                       tuple(axes[dim] for dim in parsed.kept))
+      part = data[parsed.local]
+      if not (isinstance(part, np.ndarray) and part.flags.c_contiguous
+              and part.nbytes == box.nbytes):
+        part = np.array(part, order="C")  # Its own memory: never a view pinning the box.
+      return _as_saved(part, spec, shaped, parsed.kept, scalar=parsed.scalar)
 
     return self._guarded(read)
 
@@ -380,6 +395,39 @@ class OpenedCheckpoint:
       return self._variables[label]
     except (KeyError, TypeError):
       raise indexing.unknown_label(label, self.labels, str(self._opened.item)) from None
+
+  def _shaped(self, variable: manifest_queries.Variable, ref: int) -> tuple[Any, bool]:
+    """The abstract form of the one array ``ref`` of ``variable``: the
+    ``NamedArray``, ``NamedArrayView`` or ``jax.ShapeDtypeStruct`` that
+    ``self[label]`` would fill, decoded (and so checked) as a load decodes it,
+    and whether it is the whole value (not inside a container). None where
+    the array is not a value of its own (a PRNG key, say), so a part of it is
+    not what the loaded value holds."""
+    from penzai import pz  # pylint: disable=import-outside-toplevel
+
+    manifest = self._opened.manifest
+    spec = manifest.arrays[ref]
+    arrays: list[Any] = [None] * len(manifest.arrays)
+    arrays[ref] = spec.abstract()
+    with allowlist.scoped_allowance(self._allow):
+      value = decode_lib.decode(
+          variable.value, manifest.variables, arrays, abstract=True,
+          root=errors.Location(str(self._opened.item), variable.location.tree_path,
+                               variable.label),
+          format_version=manifest.format_version, writer=manifest.writer,
+      )
+    # Named arrays whose data does not fit their axes (optax's states) are
+    # only structures holding an array (`nodes.named_array_problem`).
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=nodes.fits_its_axes)
+    found = [leaf for leaf in leaves
+             if nodes.fits_its_axes(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
+    if len(found) == 1:
+      named = isinstance(found[0], pz.nx.NamedArrayBase)
+      array = found[0].data_array if named else found[0]
+      if (isinstance(array, jax.ShapeDtypeStruct) and tuple(array.shape) == spec.shape
+          and np.dtype(array.dtype) == spec.np_dtype):
+        return found[0], found[0] is value
+    return None, False
 
   def _refs(self, only: indexing.Selection) -> set[int]:
     return {ref for label in self.select(only) for ref in self._variables[label].refs}
@@ -461,28 +509,60 @@ class OpenedCheckpoint:
     )
 
 
-def _as_saved(data: np.ndarray, spec: arrays_lib.ArraySpec, axes: tuple[Any, ...]) -> Any:
-  """Stored bytes of part of an array as the array was saved: its dtype and
-  kind and, where its dimensions are named, a NamedArray (or view)."""
+def _as_saved(
+    data: np.ndarray, spec: arrays_lib.ArraySpec, shaped: Any, kept: tuple[int, ...],
+    *, scalar: bool,
+) -> Any:
+  """Stored bytes of part of an array as the value was saved (``shaped``,
+  its abstract value): its dtype and kind and, for a named array, the same
+  class with the axes of the ``kept`` stored dimensions, in their order."""
   part = dataclasses.replace(spec, shape=data.shape)
   value = jax.device_put(data) if spec.kind == "jax" else data
   value = arrays_lib.from_storage(value, part)
-  if all(axis is None for axis in axes):
-    return value
   from penzai import pz  # pylint: disable=import-outside-toplevel
 
-  positional = [dim for dim, axis in enumerate(axes) if axis is None]
-  if positional == list(range(len(positional))):
-    return pz.nx.NamedArray(
-        named_axes=collections.OrderedDict((axis, n) for axis, n in zip(axes, data.shape) if axis is not None),
+  if isinstance(shaped, pz.nx.NamedArray | pz.nx.NamedArrayView):
+    new_dim = {dim: at for at, dim in enumerate(kept)}
+    if isinstance(shaped, pz.nx.NamedArray):
+      first_named = len(shaped.positional_shape)
+      names = list(shaped.named_axes)
+      return pz.nx.NamedArray(
+          named_axes=collections.OrderedDict(
+              (names[dim - first_named], data.shape[new_dim[dim]])
+              for dim in kept if dim >= first_named
+          ),
+          data_array=value,
+      )
+    return pz.nx.NamedArrayView(
+        data_shape=data.shape,
+        data_axis_for_logical_axis=tuple(
+            new_dim[dim] for dim in shaped.data_axis_for_logical_axis if dim in new_dim),
+        data_axis_for_name={
+            name: new_dim[dim] for name, dim in shaped.data_axis_for_name.items()
+            if dim in new_dim
+        },
         data_array=value,
     )
-  return pz.nx.NamedArrayView(
-      data_shape=data.shape,
-      data_axis_for_logical_axis=tuple(positional),
-      data_axis_for_name={axis: dim for dim, axis in enumerate(axes) if axis is not None},
-      data_array=value,
-  )
+  if spec.kind == "numpy" and scalar:
+    return value[()]  # As NumPy indexes: ints in every dimension give a scalar.
+  return value
+
+
+def _dims_of(shaped: Any, rank: int) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+  """The axis name of each stored dimension of ``shaped`` (None:
+  positional), and the stored dimensions of its positional axes in their
+  logical order."""
+  from penzai import pz  # pylint: disable=import-outside-toplevel
+
+  if isinstance(shaped, pz.nx.NamedArrayView):
+    names: list[Any] = [None] * rank
+    for name, dim in shaped.data_axis_for_name.items():
+      names[dim] = name
+    return tuple(names), tuple(shaped.data_axis_for_logical_axis)
+  if isinstance(shaped, pz.nx.NamedArray):
+    first_named = len(shaped.positional_shape)
+    return (None,) * first_named + tuple(shaped.named_axes), tuple(range(first_named))
+  return (None,) * rank, tuple(range(rank))
 
 
 def _size_text(n: int) -> str:

@@ -140,9 +140,22 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
   if _CAN_POPULATE and nbytes:
     return _POOL.take(nbytes).view(dtype).reshape(shape)
+  return aligned_heap(nbytes).view(dtype).reshape(shape)
+
+
+def aligned_heap(nbytes: int) -> np.ndarray:
+  """``nbytes`` (uint8) of 64-byte aligned memory of its own, from the C
+  heap (NumPy's allocator): freed when the array dies, whatever else lives.
+
+  For small arrays (`pz_persist.storage.raw_chunks`): a mapping of their own
+  would cost more than reading them (about 7 us), and a mapping shared by
+  many would be held whole by any one of them a user keeps (keeping one
+  16 KiB array from each of 40 loads held 640 MiB of 16 MiB mappings). Heap
+  memory costs a pointer bump and is held per array.
+  """
   raw = np.empty(nbytes + ALIGNMENT, np.uint8)
   start = -raw.ctypes.data % ALIGNMENT
-  return raw[start : start + nbytes].view(dtype).reshape(shape)
+  return raw[start : start + nbytes]
 
 
 def release_buffers() -> None:

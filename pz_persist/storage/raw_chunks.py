@@ -21,10 +21,12 @@ its mirror on the read side, for any writer's checkpoint (Orbax's own too):
   pass). So the stored metadata is checked against the manifest before the
   array's memory is allocated, as on the ``ts.open`` path;
 * the chunks are read in batches of concurrent reads (`RawStore.read`),
-  each copied into 64-byte aligned memory shared by many arrays (`_Slabs`),
-  which a CPU ``jax.Array`` adopts without another copy; a chunk that is not
-  exactly the array's length (or is missing, or cannot be read) is left to
-  the ``ts.open`` path;
+  each copied into 64-byte aligned heap memory of its own
+  (`pz_persist.storage.host_memory.aligned_heap`), which a CPU ``jax.Array``
+  adopts without another copy and which is freed with its array alone (an
+  array a user keeps holds its own bytes, not a buffer shared with the rest
+  of its load); a chunk that is not exactly the array's length (or is
+  missing, or cannot be read) is left to the ``ts.open`` path;
 * everything else (large, chunked, compressed, zarr3, not OCDBT, a
   ``.zarray`` that differs in any byte) goes through ``ts.open`` as before,
   which raises the errors that name the array (a stored shape or dtype
@@ -55,12 +57,6 @@ from pz_persist.storage import host_memory
 MAX_ZARRAY_BYTES = 4096
 """A ``.zarray`` longer than this is left to ``ts.open`` (TensorStore's own
 are about 150 bytes)."""
-
-SLAB_BYTES = 16 * 2**20
-"""Aligned memory is taken this many bytes at a time and shared by the small
-arrays read into it: one mapping for hundreds of arrays instead of one each
-(about 7 us an array). The cost: memory of a slab is given back only once
-every array in it died, so an array kept alone keeps up to this much."""
 
 IN_FLIGHT_BYTES = 64 * 2**20
 """Chunk bytes read at once before the oldest are copied out (bounds the
@@ -147,7 +143,6 @@ class RawStore:
       The specs whose chunk was not read: missing, unreadable, or not the
       array's length (the ``ts.open`` path reads them and says what is wrong).
     """
-    slabs = _Slabs(sum(_aligned(_stored_bytes(spec)) for spec in specs))
     failed: list[arrays_lib.ArraySpec] = []
     waiting: collections.deque[arrays_lib.ArraySpec] = collections.deque()
     futures: collections.deque[Any] = collections.deque()  # Beside ``waiting``.
@@ -163,7 +158,7 @@ class RawStore:
       if result is None or result.state != "value" or len(result.value) != nbytes:
         failed.append(spec)
         return nbytes
-      out = slabs.take(nbytes)
+      out = host_memory.aligned_heap(nbytes)
       out.data[:] = result.value
       on_read(spec, out.view(spec.storage_dtype).reshape(spec.shape))
       return nbytes
@@ -201,31 +196,3 @@ def _raw_chunk_key(zarray: bytes, shape: tuple[int, ...], dtype: np.dtype) -> st
   expected, chunk_key = layout
   written = direct_write.zarray_bytes({**expected, "shape": list(shape), "chunks": list(shape)})
   return chunk_key if written == zarray else None
-
-
-def _aligned(nbytes: int) -> int:
-  return -(-nbytes // host_memory.ALIGNMENT) * host_memory.ALIGNMENT
-
-
-class _Slabs:
-  """64-byte aligned pieces of shared buffers (from `pz_persist.storage.
-  host_memory.aligned_empty`, `SLAB_BYTES` each or what is left of ``total``
-  aligned bytes): each piece is a view that keeps its buffer alive, and a
-  buffer goes back to `host_memory`'s pool once no piece of it is alive (a
-  reload of the same arrays asks for the same sizes, and gets it back)."""
-
-  def __init__(self, total: int) -> None:
-    self._left = total
-    self._buffer = np.empty(0, np.uint8)
-    self._used = 0
-
-  def take(self, nbytes: int) -> np.ndarray:
-    """``nbytes`` (uint8) of aligned memory, contents undefined."""
-    start = self._used
-    if start + nbytes > self._buffer.size:
-      size = max(_aligned(nbytes), min(SLAB_BYTES, self._left))
-      self._buffer = host_memory.aligned_empty((size,), np.dtype(np.uint8))
-      start = 0
-    self._used = start + _aligned(nbytes)
-    self._left -= _aligned(nbytes)
-    return self._buffer[start : start + nbytes]

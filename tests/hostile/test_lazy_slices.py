@@ -115,7 +115,7 @@ def test_a_slice_is_bounded_by_its_own_box_not_the_whole_array(ckpt):
 @pytest.mark.parametrize("index, error, match", [
     (ROWS, errors.ArgumentError, r"index 4096 is out of range for axis 'vocabulary'"),
     ((0, -COLS - 1), errors.ArgumentError, r"out of range for axis 'embedding'"),
-    (slice(10, 0, -2), errors.ArgumentError, r"step -2"),
+    (slice(10, 0, 0), errors.ArgumentError, r"step 0"),
     ({"vocab": 0}, errors.ArgumentError, r"no axis 'vocab'.*Did you mean 'vocabulary'"),
     ({"rows": 0}, errors.ArgumentError, r"no axis 'rows'.*'vocabulary', 'embedding'"),
     ((np.array([1, 2]),), errors.ArgumentError, r"use an int or a slice"),

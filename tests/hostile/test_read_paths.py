@@ -347,7 +347,7 @@ TYPE_HANDLER_CASES = [
     ("shape_disagrees_with_stored_array", _edit(_forge_shape([16, 8])), errors.ManifestError,
      r"c: label 'mlp/Affine_0/Linear\.weights' at leaf 'again'\S* \(key again\) should be"
      r" float32\[16, 8\] by the manifest, but the stored array is float32\[8, 16\]"),
-    ("huge_shape_over_memory", _edit(_forge_shape([2**31, 2**31])),
+    ("huge_shape_over_memory", _edit(_forge_shape([2**30, 2**30])),
      errors.UnsafeCheckpointError, r"c: reading these arrays would allocate \d+ bytes"),
     ("huge_shape_in_orbax_metadata", _zarray_shape([2**31, 2**31]), errors.ManifestError,
      r"should be float32\[8, 16\] by the manifest, but the stored array is"
