@@ -7,10 +7,12 @@ the same way. Nodes match by tree path, with Penzai's structure understood:
 * a layer wrapped in another (a LoRA adapter around a ``Linear``) is the
   wrapper *added*, the original found inside it and compared with its old self
   (unchanged, if only wrapped); unwrapping is the wrapper *removed*;
-* the items of a list or tuple (``Sequential.sublayers``) of different lengths
-  are aligned on what identifies each item (its class and the labels of the
-  variables inside), so a block cut from the middle is *removed* and the
-  blocks after it meet their old selves;
+* the items of a list or tuple (``Sequential.sublayers``) are aligned on
+  what identifies each item (its class and the labels of the variables
+  inside, the labels it shares with an edited self, its shape), so a block
+  cut from the middle is *removed*, one inserted is *added*, and the blocks
+  around them meet their old selves, however long the list
+  (`pz_persist.tools.diff_align`, bounded in time and memory);
 * a class changed at a path is *replaced*;
 * variables are compared with their labels, metadata and sharing; named
   arrays with their axis names; arrays by shape and dtype here, by value

@@ -24,6 +24,7 @@ import treescope
 from treescope import rendering_parts as parts
 
 from pz_persist.safety import terminal
+from pz_persist.tools import diff_table
 from pz_persist.tools import diff_tree
 from pz_persist.tools import viewing
 
@@ -194,32 +195,29 @@ def _stats_cells(node: diff_tree.DiffNode) -> list[str]:
 
 def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bool = False,
           every_array: bool = False) -> str:
-  """One row per change (and per array with ``every_array``), fitting ``width``."""
+  """One row per change (and per array with ``every_array``), changes alike
+  but for their place grouped, each row one or two lines of ``width``
+  (`pz_persist.tools.diff_table`)."""
   if width is None:
     width = shutil.get_terminal_size(fallback=(120, 24)).columns
   one_line = lambda text: terminal.printable(text, newlines=False)  # noqa: E731
   if result.tree is None:
     return one_line(_header(result))
-  rows: list[list[str]] = []
-  statuses: list[str] = []
   shown = {id(node) for node in top_changes(result)}
-  for node in result.tree.walk():
-    if id(node) not in shown and not (every_array and node.stats is not None):
-      continue
-    label = f"{node.name}:" if node.name and node.name != node.path else ""
-    what = " ".join(filter(None, [label, node.kind, node.summary, *node.notes]))
-    if node.stats is not None and node.stats.identical:
-      what += " (identical)"
-    rows.append([node.status, one_line(node.path), one_line(what), *_stats_cells(node)])
-    statuses.append(node.status)
+  rows = diff_table.grouped([
+      diff_table.row_of(node, _stats_cells(node)) for node in result.tree.walk()
+      if id(node) in shown or (every_array and node.stats is not None)
+  ])
   lines = [one_line(line) for line in _header(result).split("\n")]
   if rows:
-    header = ["status", "path", "what", "max|A-B|", "rel", "changed"]
-    text = viewing.format_table(header, rows, right=("max|A-B|", "rel", "changed"), width=width,
-                                wrap=("what", "path"))
+    body, shortened = diff_table.render(
+        ["status", "where", "what", "max|A-B|", "rel", "changed"], rows, width)
+    text = "\n".join(body)
     if color:
-      text = _colour(text, statuses)
+      text = _colour(text, [row.status for row in rows])
     lines += ["", text]
+    if shortened:
+      lines.append("(paths and notes shortened to fit; --json and --html show them whole)")
   return "\n".join(lines)
 
 
