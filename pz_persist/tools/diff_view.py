@@ -73,12 +73,14 @@ def _styled(text: str, status: str) -> Any:
   return parts.custom_style(parts.text(text), STYLES[status])
 
 
-def _line(node: diff_tree.DiffNode, inherited: bool) -> Any:
-  """The first line of a node: key, kind, status word, summary, notes, stats.
-  Inside an added or removed subtree (``inherited``) only its root says so."""
+def _line(node: diff_tree.DiffNode, inherited: bool, key: str | None = None) -> Any:
+  """The first line of a node: key (``key`` if given), kind, status word,
+  summary, notes, stats. Inside an added or removed subtree (``inherited``)
+  only its root says so."""
   pieces: list[Any] = []
-  if node.key:
-    pieces.append(parts.text(f"{node.key}: "))
+  key = node.key if key is None else key
+  if key:
+    pieces.append(parts.text(f"{key}: "))
   if node.status in ("added", "removed", "replaced") and not inherited:
     pieces.append(_styled(f"{_WORDS[node.status]} ", node.status))
   colour = {"added": "; color: #0b6b17", "removed": "; color: #9a1111"}.get(node.status, "")
@@ -104,7 +106,15 @@ def _line(node: diff_tree.DiffNode, inherited: bool) -> Any:
   return parts.siblings(*pieces)
 
 
-def _render(node: diff_tree.DiffNode, parent_status: str = "") -> Any:
+NESTED_LEVELS = 24
+"""Levels of the diff tree rendered nested; below, each subtree is one list
+of lines keyed by their path from it. Treescope renders each nested level
+with about ten Python frames, so a tree as deep as the format allows
+(`pz_persist.format.nodes.MAX_DEPTH`) would pass the interpreter's recursion
+limit; flattened, the rendering's depth is bounded whatever the tree."""
+
+
+def _render(node: diff_tree.DiffNode, parent_status: str = "", level: int = 0) -> Any:
   """A node: one line, or a foldable whose children show only when it is
   expanded (folded, it reads ``{...}``: an unchanged block stays one short
   line until clicked)."""
@@ -116,19 +126,35 @@ def _render(node: diff_tree.DiffNode, parent_status: str = "") -> Any:
       n.status == node.status for n in node.walk())  # Nothing inside to compare.
   expand = (parts.ExpandState.COLLAPSED if node.status == "unchanged" or whole
             else parts.ExpandState.EXPANDED)
+  if level >= NESTED_LEVELS:
+    children = _flattened(node)
+  else:
+    children = [_render(child, node.status, level + 1) for child in node.children]
   return parts.build_custom_foldable_tree_node(
       label=parts.siblings(line, " {"),
       contents=parts.siblings(
           parts.fold_condition(
               collapsed=parts.text("...}"),
-              expanded=parts.siblings(
-                  parts.indented_children(
-                      [_render(child, node.status) for child in node.children]),
-                  "}"),
+              expanded=parts.siblings(parts.indented_children(children), "}"),
           ),
       ),
       expand_state=expand,
   )
+
+
+def _flattened(root: diff_tree.DiffNode) -> list[Any]:
+  """Every node below ``root`` as one line, keyed by its path from ``root``
+  (``.sublayers[0].sublayers[0]: Linear ...``), parents first."""
+  lines = []
+  pending = [(child, child.key, root.status) for child in reversed(root.children)]
+  while pending:
+    node, key, parent_status = pending.pop()
+    inherited = node.status in ("added", "removed") and parent_status in (
+        node.status, "replaced")
+    lines.append(parts.build_one_line_tree_node(
+        _line(node, inherited, key)))
+    pending.extend((child, key + child.key, node.status) for child in reversed(node.children))
+  return lines
 
 
 def top_changes(result: diffing.CheckpointDiff) -> list[diff_tree.DiffNode]:

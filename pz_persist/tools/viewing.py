@@ -20,10 +20,12 @@ import treescope
 from etils import epath
 
 from pz_persist import checkpoint
+from pz_persist import errors
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.safety import terminal
 from pz_persist.storage import opening
+from pz_persist.tools import render_room
 
 
 def render_html(
@@ -57,7 +59,7 @@ def render_html(
   if _is_path(obj_or_path):
     value = (checkpoint.load if arrays else checkpoint.inspect)(obj_or_path)
     title = os.fspath(obj_or_path)
-  body = treescope.render_to_html(value, roundtrip_mode=False, compressed=compress)
+  body = _render_deep(value, compress)
   written = epath.Path(out)
   written.parent.mkdir(parents=True, exist_ok=True)
   written.write_text(
@@ -67,6 +69,20 @@ def render_html(
       encoding="utf-8",
   )
   return written
+
+
+def _render_deep(value: Any, compress: bool) -> str:
+  """Treescope's HTML of ``value``, with room to recurse through a tree as
+  deep as the format allows (`pz_persist.tools.render_room`)."""
+  try:
+    with render_room.room():
+      return treescope.render_to_html(value, roundtrip_mode=False, compressed=compress)
+  except RecursionError:
+    raise errors.ArgumentError(
+        f"cannot render this {type(value).__name__}: it nests deeper than the"
+        f" {nodes.MAX_DEPTH} levels a checkpoint may hold (and treescope can be given"
+        " room for); render a part of it."
+    ) from None
 
 
 def _is_path(obj: Any) -> bool:
