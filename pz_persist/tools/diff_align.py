@@ -185,9 +185,9 @@ class Aligner:
       if kind_a[i] == kind_b[j]:
         same.append((i, j))
         i, j = i + 1, j + 1
-      elif longest[i + 1][j] >= longest[i][j + 1]:
+      elif longest[i + 1][j] > longest[i][j + 1]:
         i += 1
-      else:
+      else:  # On a tie, A's earlier items keep their partners: B's are new.
         j += 1
     start_a = start_b = 0
     for end_a, end_b in [*same, (n, m)]:

@@ -39,9 +39,10 @@ from pz_persist.tools import diff_align
 
 Status = Literal["unchanged", "changed", "added", "removed", "replaced"]
 
-WRAPPER_DEPTH = 6
+WRAPPER_DEPTH = 12
 """How deep inside a new layer the diff looks for the layer it wraps
-(``LowRankAdapter`` holds its ``Linear`` four levels down)."""
+(``LowRankAdapter`` holds its ``Linear`` four levels down; an adapter on an
+adapter, eight)."""
 
 _TEXT = 80
 """Longest text shown for one value (a metadata dict, a function)."""

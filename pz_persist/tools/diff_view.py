@@ -234,7 +234,7 @@ def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bo
       diff_table.row_of(node, _stats_cells(node)) for node in result.tree.walk()
       if id(node) in shown or (every_array and node.stats is not None)
   ])
-  lines = [one_line(line) for line in _header(result).split("\n")]
+  lines = [diff_table.elide(one_line(line), width) for line in _header(result).split("\n")]
   if rows:
     body, shortened = diff_table.render(
         ["status", "where", "what", "max|A-B|", "rel", "changed"], rows, width)
@@ -243,7 +243,7 @@ def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bo
       text = _colour(text, [row.status for row in rows])
     lines += ["", text]
     if shortened:
-      lines.append("(paths and notes shortened to fit; --json and --html show them whole)")
+      lines.append(diff_table.elide("(shortened to fit; --json and --html show all)", width))
   return "\n".join(lines)
 
 
