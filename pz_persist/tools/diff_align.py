@@ -151,9 +151,9 @@ class Aligner:
       labels = a.labels(i)
       self.spent += len(labels)
       for label in labels:
-        j = owner.get(label)
-        if j is not None:
-          shared[i, j] = shared.get((i, j), 0) + 1
+        partner = owner.get(label)
+        if partner is not None:
+          shared[i, partner] = shared.get((i, partner), 0) + 1
     best_a: dict[int, tuple[int, int]] = {}
     best_b: dict[int, tuple[int, int]] = {}
     for (i, j), count in shared.items():
@@ -217,8 +217,12 @@ def _unique_pairs(keys_a: Sequence[Hashable], keys_b: Sequence[Hashable],
   where_b: dict[Hashable, int | None] = {}
   for j in range(b0, b1):
     where_b[keys_b[j]] = j if keys_b[j] not in where_b else None
-  return [(i, j) for key, i in where_a.items()
-          if i is not None and (j := where_b.get(key)) is not None]
+  pairs = []
+  for key, at_a in where_a.items():
+    at_b = where_b.get(key)
+    if at_a is not None and at_b is not None:
+      pairs.append((at_a, at_b))
+  return pairs
 
 
 def _increasing(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -132,13 +132,13 @@ def elide(text: str, width: int, *, path: bool = False) -> str:
   if path:
     parts = path_parts(text)
     if len(parts) > 2 and len(parts[0]) < room // 2:
-      tail = ""
+      end = ""
       for part in reversed(parts[1:]):
-        if len(parts[0]) + len(part) + len(tail) > room:
+        if len(parts[0]) + len(part) + len(end) > room:
           break
-        tail = part + tail
-      if tail:
-        return parts[0] + ELLIPSIS + tail
+        end = part + end
+      if end:
+        return parts[0] + ELLIPSIS + end
   head = _boundary(text, (room + 1) // 2, before=True)
   tail = _boundary(text, len(text) - (room - head), before=False)
   return text[:head] + ELLIPSIS + text[tail:]
@@ -175,7 +175,7 @@ def render(header: Sequence[str], rows: Sequence[Row], width: int) -> tuple[list
   if status_w + 2 + where_w + 2 + what_w + stats_room <= width:  # One line each.
     def line(status: str, where: str, what: str, cells: Sequence[str]) -> str:
       return f"{status:<{status_w}}  {where:<{where_w}}  {what:<{what_w}}{stats_text(cells)}"
-    lines = [line(*header[:3], header[3:]).rstrip()]
+    lines = [line(header[0], header[1], header[2], header[3:]).rstrip()]
     lines += [line(r.status, r.where, r.what, r.stats).rstrip() for r in rows]
     return lines, False
   where_w = max(8, width - status_w - 2 - stats_room)

@@ -26,7 +26,6 @@ from treescope import rendering_parts as parts
 from pz_persist.safety import terminal
 from pz_persist.tools import diff_table
 from pz_persist.tools import diff_tree
-from pz_persist.tools import viewing
 
 if TYPE_CHECKING:
   from pz_persist.tools import diffing
@@ -212,11 +211,11 @@ def to_html(result: diffing.CheckpointDiff) -> str:
           f"<title>{title}</title></head>\n<body>\n{body}\n</body></html>\n")
 
 
-def _stats_cells(node: diff_tree.DiffNode) -> list[str]:
+def _stats_cells(node: diff_tree.DiffNode) -> tuple[str, str, str]:
   if node.stats is None or node.stats.identical:
-    return ["", "", ""]
+    return ("", "", "")
   s = node.stats
-  return [_number(s.max_abs), _number(s.relative_l2), _percent(s.fraction_changed)]
+  return (_number(s.max_abs), _number(s.relative_l2), _percent(s.fraction_changed))
 
 
 def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bool = False,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 from collections.abc import Iterator
 
 from pz_persist.format import nodes
@@ -37,7 +38,8 @@ _ours: int | None = None
 
 def needed(levels: int = nodes.MAX_DEPTH) -> int:
   """The recursion limit that rendering ``levels`` levels from here needs."""
-  depth, frame = 0, sys._getframe()  # pylint: disable=protected-access
+  depth = 0
+  frame: types.FrameType | None = sys._getframe()  # pylint: disable=protected-access
   while frame is not None:
     depth, frame = depth + 1, frame.f_back
   return depth + levels * FRAMES_PER_LEVEL + MARGIN
