@@ -274,13 +274,17 @@ class _Side:
       inner = self._inner(value, exact)
       if not ready:
         pending.append((value, True))
-        pending.extend((child, False) for _, child in inner if id(child) not in memo)
+        pending.extend((child, False) for _, child in inner
+                       if isinstance(child, (dict, list)) and id(child) not in memo)
         continue
       h = hashlib.blake2b(digest_size=16)
       h.update(self._own_text(value).encode())
       for key, child in inner:
         h.update(f"|{key}=".encode())
-        h.update(memo[id(child)])
+        if isinstance(child, (dict, list)):
+          h.update(memo[id(child)])
+        else:  # A plain value: its text (not remembered: values are many).
+          h.update(json.dumps(child, default=str).encode())
       memo[id(value)] = h.digest()
     return memo[id(node)]
 
@@ -315,7 +319,7 @@ class _Side:
   def keys(self, items: Sequence[Any]) -> diff_align.Keys:
     """What identifies each of ``items`` for `pz_persist.tools.diff_align`."""
     return diff_align.Keys(
-        exact=[self.signature(item) for item in items],
+        exact=[self.digest(item, exact=True) for item in items],  # Remembered: cheap.
         labels=lambda i: self.labels(items[i]),
         shape=lambda i: (_tag(items[i]), _class_name(items[i]),
                          self.digest(items[i], exact=False)),
