@@ -103,7 +103,7 @@ def _rows(table: str) -> list[list[str]]:
   return rows
 
 
-@pytest.mark.parametrize("width", [80, 100, 60])
+@pytest.mark.parametrize("width", [80, 100, 60, 40, 30])
 def test_each_row_is_one_or_two_lines_and_repeats_are_grouped(base, width):
   for edited, adapters_alike in (
       (_insert_identity(_lora_everywhere(base), 2), True),
@@ -113,7 +113,10 @@ def test_each_row_is_one_or_two_lines_and_repeats_are_grouped(base, width):
     assert max(map(len, table.splitlines())) <= width
     rows = _rows(table)
     assert rows and all(len(row) <= 2 for row in rows)
-    assert "LowRankAdapter" in table and "places)" in table
+    assert "places)" in table
+    if width < 60:  # Room for the start and end of each row only.
+      continue
+    assert "LowRankAdapter" in table
     if adapters_alike:  # One row for all twenty adapters.
       assert table.count("LowRankAdapter") == 1 and "(20 places)" in table
     else:  # Adapters on adapters (block 0) and on the Linears: two rows.

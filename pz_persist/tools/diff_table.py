@@ -178,17 +178,48 @@ def render(header: Sequence[str], rows: Sequence[Row], width: int) -> tuple[list
     lines = [line(header[0], header[1], header[2], header[3:]).rstrip()]
     lines += [line(r.status, r.where, r.what, r.stats).rstrip() for r in rows]
     return lines, False
-  where_w = max(8, width - status_w - 2 - stats_room)
-  what_w = max(8, width - len(INDENT))
+  if with_stats and width - status_w - 2 - stats_room < NARROW_WHERE:
+    return _narrow(header, rows, width, status_w)
+  where_w = max(1, width - status_w - 2 - stats_room)
+  what_w = max(1, width - len(INDENT))
   shortened = False
-  lines = [f"{header[0]:<{status_w}}  {header[1] + ' (then ' + header[2] + ')':<{where_w}}"
-           f"{stats_text(header[3:])}".rstrip()]
+  lines = [elide(f"{header[0]:<{status_w}}  {header[1] + ' (then ' + header[2] + ')':<{where_w}}"
+                 f"{stats_text(header[3:])}".rstrip(), width)]
   for r in rows:
     where, what = elide(r.where, where_w, path=True), elide(r.what, what_w)
     shortened |= (where, what) != (r.where, r.what)
     lines.append(f"{r.status:<{status_w}}  {where:<{where_w}}{stats_text(r.stats)}".rstrip())
     if what:
       lines.append(f"{INDENT}{what}".rstrip())
+  return lines, shortened
+
+
+NARROW_WHERE = 16
+"""Fewest columns left for a path beside the statistics; on a narrower
+terminal the statistics start the second line instead."""
+
+
+def _narrow(header: Sequence[str], rows: Sequence[Row], width: int,
+            status_w: int) -> tuple[list[str], bool]:
+  """Two lines a row for a narrow terminal: status and where; then the
+  statistics (``max|A-B| 2, rel 0.5, 100%``) and what."""
+  indent = INDENT[:max(2, min(len(INDENT), width // 4))]
+  where_w = max(1, width - status_w - 2)
+  lines = [elide(f"{header[0]:<{status_w}}  {header[1]} (then {header[2]})", width)]
+  shortened = False
+  for r in rows:
+    where = elide(r.where, where_w, path=True)
+    stats = (f"{header[3]} {r.stats[0]}, {header[4]} {r.stats[1]}, {r.stats[2]}"
+             if any(r.stats) else "")
+    room = max(1, width - len(indent))
+    if stats and len(stats) + 1 + min(len(r.what), 8) <= room:  # The statistics whole.
+      what = " ".join(filter(None, [stats, elide(r.what, room - len(stats) - 1)]))
+    else:
+      what = elide(" ".join(filter(None, [stats, r.what])), room)
+    shortened |= (where, what) != (r.where, " ".join(filter(None, [stats, r.what])))
+    lines.append(f"{r.status:<{status_w}}  {where}".rstrip())
+    if what:
+      lines.append(f"{indent}{what}".rstrip())
   return lines, shortened
 
 
