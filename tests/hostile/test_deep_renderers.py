@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -163,4 +164,26 @@ def test_a_model_deeper_than_any_checkpoint_says_so(tmp_path, default_limit):
   too_deep = _tree("sequential", 4 * nodes.MAX_DEPTH, 1.0)
   with pytest.raises(errors.ArgumentError, match="nests deeper than the 100 levels"):
     pzp.render_html(too_deep, tmp_path / "x.html")
+  assert sys.getrecursionlimit() == DEFAULT_LIMIT
+
+
+def test_overlapping_rooms_in_threads_put_the_limit_back(default_limit):
+  """Threads inside `room` at once (treescope itself renders one tree at a
+  time: its settings are process-wide): each has room while inside, and
+  the limit is Python's default again once the last one leaves."""
+  inside = threading.Barrier(3)
+  seen: list[int] = []
+
+  def enter(levels: int) -> None:
+    with render_room.room(levels):
+      inside.wait()  # All three inside together.
+      seen.append(sys.getrecursionlimit())
+      inside.wait()
+
+  threads = [threading.Thread(target=enter, args=(levels,)) for levels in (50, 100, 70)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert len(seen) == 3 and min(seen) >= 100 * render_room.FRAMES_PER_LEVEL
   assert sys.getrecursionlimit() == DEFAULT_LIMIT
