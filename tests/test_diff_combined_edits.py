@@ -119,8 +119,8 @@ def test_each_row_is_one_or_two_lines_and_repeats_are_grouped(base, width):
     assert "LowRankAdapter" in table
     if adapters_alike:  # One row for all twenty adapters.
       assert table.count("LowRankAdapter") == 1 and "(20 places)" in table
-    else:  # Adapters on adapters (block 0) and on the Linears: two rows.
-      assert table.count("LowRankAdapter") == 2
+    else:  # Nine adapters on adapters (block 0): one row; two alike: a row each.
+      assert "(9 places)" in table and table.count("LowRankAdapter") == 3
       assert any(line.startswith("removed") for row in rows for line in row)
 
 

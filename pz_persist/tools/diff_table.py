@@ -8,7 +8,7 @@ Here:
 
 * an array is named by its label where it has one (what a person searches
   for), a tree path otherwise;
-* changes alike in all but their place (same status, kind, notes, no
+* three or more changes alike in all but their place (same status, kind, notes, no
   statistics of their own) are one row saying in how many places, with the
   places' shared path (``tree.body.sublayers[1,3,4]...``);
 * a path too long for its column keeps its start and its end around
@@ -33,6 +33,9 @@ from pz_persist.tools import diff_tree
 
 ELLIPSIS = "..."
 """Where a shortened text lost its middle (ASCII: any terminal shows it)."""
+
+GROUP_LEAST = 3
+"""Fewest changes alike that become one row (two rows read as easily)."""
 
 GROUP_PLACES = 4
 """Most places listed by index in a grouped row's path (``[1,3,4]``); more
@@ -75,23 +78,22 @@ def path_parts(path: str) -> list[str]:
 
 
 def grouped(rows: Sequence[Row]) -> list[Row]:
-  """Rows alike but for their place, as one row each (in first appearance
-  order); rows with statistics or a label of their own stay apart."""
-  out: list[Row] = []
-  by_key: dict[tuple[str, str], Row] = {}
+  """Rows alike but for their place, `GROUP_LEAST` or more, as one row each
+  (where the first was); rows with statistics or a label of their own stay
+  apart."""
+  alike: dict[tuple[str, str], list[Row]] = {}
   for row in rows:
-    if any(row.stats) or row.where != row.places[0]:
+    if not any(row.stats) and row.where == row.places[0]:
+      alike.setdefault((row.status, row.what), []).append(row)
+  out: list[Row] = []
+  for row in rows:
+    group = alike.get((row.status, row.what), [])
+    if len(group) < GROUP_LEAST or row not in group:
       out.append(row)
-      continue
-    key = (row.status, row.what)
-    if key in by_key:
-      by_key[key].places.append(row.places[0])
-      continue
-    by_key[key] = Row(row.status, row.where, row.what, row.stats, list(row.places))
-    out.append(by_key[key])
-  for row in out:
-    if len(row.places) > 1:
-      row.where = f"{place_pattern(row.places)} ({len(row.places)} places)"
+    elif row is group[0]:
+      places = [place for member in group for place in member.places]
+      out.append(Row(row.status, f"{place_pattern(places)} ({len(places)} places)", row.what,
+                     row.stats, places))
   return out
 
 
