@@ -571,10 +571,14 @@ class Matcher:
   def _items(self, a: dict[str, Any], b: dict[str, Any], key: str, path_a: str,
              path_b: str) -> DiffNode:
     """A list's items, aligned by what each item is (`diff_align`): an item
-    inserted or cut leaves the others facing their old selves."""
+    inserted or cut leaves the others facing their old selves. A named
+    tuple's items are its fields: by position while it has as many."""
     items_a, items_b = a["items"], b["items"]
     result = DiffNode(key, path_b, "unchanged", self._kind(b))
-    alignment = self.aligner.align(self.sides[0].keys(items_a), self.sides[1].keys(items_b))
+    if _tag(a) == "namedtuple" and len(items_a) == len(items_b):
+      alignment = diff_align.Alignment(list(zip(range(len(items_a)), range(len(items_b)))))
+    else:
+      alignment = self.aligner.align(self.sides[0].keys(items_a), self.sides[1].keys(items_b))
     if len(items_a) != len(items_b):
       result.notes.append(f"{len(items_a)} items -> {len(items_b)}")
     if alignment.by_position:
