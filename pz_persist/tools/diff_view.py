@@ -23,6 +23,7 @@ from typing import Any
 import treescope
 from treescope import rendering_parts as parts
 
+from pz_persist.format import folding
 from pz_persist.safety import terminal
 from pz_persist.tools import diff_table
 from pz_persist.tools import diff_tree
@@ -110,7 +111,8 @@ NESTED_LEVELS = 24
 of lines keyed by their path from it. Treescope renders each nested level
 with about ten Python frames, so a tree as deep as the format allows
 (`pz_persist.format.nodes.MAX_DEPTH`) would pass the interpreter's recursion
-limit; flattened, the rendering's depth is bounded whatever the tree."""
+limit; flattened (`pz_persist.format.folding.flattened`, as `render_html`
+folds a model's deep parts), the rendering's depth is bounded whatever the tree."""
 
 
 def _render(node: diff_tree.DiffNode, parent_status: str = "", level: int = 0) -> Any:
@@ -144,16 +146,13 @@ def _render(node: diff_tree.DiffNode, parent_status: str = "", level: int = 0) -
 def _flattened(root: diff_tree.DiffNode) -> list[Any]:
   """Every node below ``root`` as one line, keyed by its path from ``root``
   (``.sublayers[0].sublayers[0]: Linear ...``), parents first."""
-  lines = []
-  pending = [(child, child.key, root.status) for child in reversed(root.children)]
-  while pending:
-    node, key, parent_status = pending.pop()
-    inherited = node.status in ("added", "removed") and parent_status in (
+
+  def line(key: str, node: diff_tree.DiffNode, parent: diff_tree.DiffNode) -> Any:
+    inherited = node.status in ("added", "removed") and parent.status in (
         node.status, "replaced")
-    lines.append(parts.build_one_line_tree_node(
-        _line(node, inherited, key)))
-    pending.extend((child, key + child.key, node.status) for child in reversed(node.children))
-  return lines
+    return parts.build_one_line_tree_node(_line(node, inherited, key))
+
+  return folding.flattened(root, lambda node: [(c.key, c) for c in node.children], line)
 
 
 def top_changes(result: diffing.CheckpointDiff) -> list[diff_tree.DiffNode]:

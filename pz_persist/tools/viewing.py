@@ -21,11 +21,11 @@ from etils import epath
 
 from pz_persist import checkpoint
 from pz_persist import errors
+from pz_persist.format import folding
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.safety import terminal
 from pz_persist.storage import opening
-from pz_persist.tools import render_room
 
 
 def render_html(
@@ -52,6 +52,10 @@ def render_html(
     compress: Compress the embedded rendering (smaller file for big models;
       by default the file stays searchable text).
 
+  Parts nested deeper than `pz_persist.format.folding.NESTED_LEVELS` levels
+  are shown as one folded list of lines keyed by path, so a tree of any
+  depth renders without raising the recursion limit.
+
   Returns:
     The path written.
   """
@@ -72,16 +76,18 @@ def render_html(
 
 
 def _render_deep(value: Any, compress: bool) -> str:
-  """Treescope's HTML of ``value``, with room to recurse through a tree as
-  deep as the format allows (`pz_persist.tools.render_room`)."""
+  """Treescope's HTML of ``value``, its parts nested deeper than
+  `pz_persist.format.folding.NESTED_LEVELS` listed by path
+  (`pz_persist.format.folding.fold`): any tree renders within Python's
+  recursion limit as it is, which is left alone."""
   try:
-    with render_room.room():
-      return treescope.render_to_html(value, roundtrip_mode=False, compressed=compress)
-  except RecursionError:
+    return treescope.render_to_html(folding.fold(value), roundtrip_mode=False,
+                                    compressed=compress)
+  except RecursionError:  # A value folding does not reach into (its own __treescope_repr__).
     raise errors.ArgumentError(
-        f"cannot render this {type(value).__name__}: it nests deeper than the"
-        f" {nodes.MAX_DEPTH} levels a checkpoint may hold (and treescope can be given"
-        " room for); render a part of it."
+        f"cannot render this {type(value).__name__}: a part of it that is not a"
+        " container, dataclass or variable nests deeper than treescope can render"
+        " within Python's recursion limit; render a part of it."
     ) from None
 
 
