@@ -39,6 +39,7 @@ from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import decode as decode_lib
+from pz_persist.format import folding
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.lazy import indexing
@@ -220,7 +221,7 @@ class OpenedCheckpoint:
             "variables": len(self),
             "size": _size_text(self.nbytes),
             "sizes": sizes,
-            "tree": self.tree,
+            "tree": folding.fold(self.tree),  # Any depth renders (see folding).
         },
         path=path,
         subtree_renderer=subtree_renderer,

@@ -7,10 +7,12 @@ the same way. Nodes match by tree path, with Penzai's structure understood:
 * a layer wrapped in another (a LoRA adapter around a ``Linear``) is the
   wrapper *added*, the original found inside it and compared with its old self
   (unchanged, if only wrapped); unwrapping is the wrapper *removed*;
-* the items of a list or tuple (``Sequential.sublayers``) of different lengths
-  are aligned on what identifies each item (its class and the labels of the
-  variables inside), so a block cut from the middle is *removed* and the
-  blocks after it meet their old selves;
+* the items of a list or tuple (``Sequential.sublayers``) are aligned on
+  what identifies each item (its class and the labels of the variables
+  inside, the labels it shares with an edited self, its shape), so a block
+  cut from the middle is *removed*, one inserted is *added*, and the blocks
+  around them meet their old selves, however long the list
+  (`pz_persist.tools.diff_align`, bounded in time and memory);
 * a class changed at a path is *replaced*;
 * variables are compared with their labels, metadata and sharing; named
   arrays with their axis names; arrays by shape and dtype here, by value
@@ -23,6 +25,7 @@ of their two arrays (`DiffNode.refs`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from collections.abc import Sequence
@@ -32,12 +35,14 @@ from typing import Literal
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
+from pz_persist.tools import diff_align
 
 Status = Literal["unchanged", "changed", "added", "removed", "replaced"]
 
-WRAPPER_DEPTH = 6
+WRAPPER_DEPTH = 12
 """How deep inside a new layer the diff looks for the layer it wraps
-(``LowRankAdapter`` holds its ``Linear`` four levels down)."""
+(``LowRankAdapter`` holds its ``Linear`` four levels down; an adapter on an
+adapter, eight)."""
 
 _TEXT = 80
 """Longest text shown for one value (a metadata dict, a function)."""
@@ -214,6 +219,7 @@ class _Side:
     self.manifest = manifest
     self.names = names
     self._labels: dict[int, tuple[str, ...]] = {}
+    self._digests: dict[bool, dict[int, bytes]] = {True: {}, False: {}}
 
   def variable(self, node: Any) -> Any:
     ref = node.get("ref")
@@ -250,7 +256,75 @@ class _Side:
     labels = self.labels(node)
     if labels:
       return (_tag(node), _class_name(node), labels)
-    return (_tag(node), _class_name(node), json.dumps(node, sort_keys=True, default=str))
+    return (_tag(node), _class_name(node), self.digest(node, exact=True))
+
+  def digest(self, node: Any, *, exact: bool) -> bytes:
+    """A hash of ``node``'s structure with its variables and arrays' specs
+    resolved (array values are not read); with ``exact=False`` labels and
+    metadata left out, so a relabelled block hashes as its old self.
+
+    Iterative and remembered per node: nested lists each ask for their
+    items' hashes, and a manifest may nest as deep as the format allows."""
+    memo = self._digests[exact]
+    pending: list[tuple[Any, bool]] = [(node, False)]
+    while pending:
+      value, ready = pending.pop()
+      if id(value) in memo:
+        continue
+      inner = self._inner(value, exact)
+      if not ready:
+        pending.append((value, True))
+        pending.extend((child, False) for _, child in inner
+                       if isinstance(child, (dict, list)) and id(child) not in memo)
+        continue
+      h = hashlib.blake2b(digest_size=16)
+      h.update(self._own_text(value).encode())
+      for key, child in inner:
+        h.update(f"|{key}=".encode())
+        if isinstance(child, (dict, list)):
+          h.update(memo[id(child)])
+        else:  # A plain value: its text (not remembered: values are many).
+          h.update(json.dumps(child, default=str).encode())
+      memo[id(value)] = h.digest()
+    return memo[id(node)]
+
+  def _inner(self, value: Any, exact: bool) -> list[tuple[str, Any]]:
+    """The parts of ``value`` its digest is made of (a variable's entry in
+    place of its reference; an array's spec is its own text)."""
+    tag = _tag(value)
+    if tag == "variable":
+      entry = self.variable(value)
+      return [] if entry is None else [("entry", entry)]
+    if tag == "array":
+      return []
+    if isinstance(value, dict):
+      skip = () if exact else ("label", "metadata")
+      return [(key, value[key]) for key in sorted(value) if key not in skip]
+    if isinstance(value, list):
+      return [(str(index), item) for index, item in enumerate(value)]
+    return []
+
+  def _own_text(self, value: Any) -> str:
+    tag = _tag(value)
+    if tag == "array":
+      return f"array {_spec_text(self.spec(value.get('ref')))}"
+    if tag == "variable":
+      return "variable"
+    if isinstance(value, dict):
+      return "dict"
+    if isinstance(value, list):
+      return f"list {len(value)}"
+    return json.dumps(value, default=str)
+
+  def keys(self, items: Sequence[Any]) -> diff_align.Keys:
+    """What identifies each of ``items`` for `pz_persist.tools.diff_align`."""
+    return diff_align.Keys(
+        exact=[self.digest(item, exact=True) for item in items],  # Remembered: cheap.
+        labels=lambda i: self.labels(items[i]),
+        shape=lambda i: (_tag(items[i]), _class_name(items[i]),
+                         self.digest(items[i], exact=False)),
+        kind=[(_tag(item), _class_name(item)) for item in items],
+    )
 
 
 def _children(node: Any) -> list[tuple[str, Any]]:
@@ -271,6 +345,7 @@ class Matcher:
     self.sides = (_Side(a, names[0]), _Side(b, names[1]))
     self._shared: dict[tuple[Any, Any], str] = {}
     self._seen_a: dict[Any, Any] = {}
+    self.aligner = diff_align.Aligner()
 
   def build(self) -> DiffNode:
     a, b = self.sides[0].manifest.tree, self.sides[1].manifest.tree
@@ -495,16 +570,22 @@ class Matcher:
 
   def _items(self, a: dict[str, Any], b: dict[str, Any], key: str, path_a: str,
              path_b: str) -> DiffNode:
-    """A list's items: by position if both have as many, else aligned."""
+    """A list's items, aligned by what each item is (`diff_align`): an item
+    inserted or cut leaves the others facing their old selves. A named
+    tuple's items are its fields: by position while it has as many."""
     items_a, items_b = a["items"], b["items"]
     result = DiffNode(key, path_b, "unchanged", self._kind(b))
-    if len(items_a) == len(items_b):
-      pairs: list[tuple[int | None, int | None]] = list(
-          zip(range(len(items_a)), range(len(items_b))))
+    if _tag(a) == "namedtuple" and len(items_a) == len(items_b):
+      alignment = diff_align.Alignment(list(zip(range(len(items_a)), range(len(items_b)))))
     else:
-      pairs = self._align(items_a, items_b)
+      alignment = self.aligner.align(self.sides[0].keys(items_a), self.sides[1].keys(items_b))
+    if len(items_a) != len(items_b):
       result.notes.append(f"{len(items_a)} items -> {len(items_b)}")
-    for i, j in pairs:
+    if alignment.by_position:
+      result.notes.append(
+          f"{alignment.by_position} items paired by position only: too many alike"
+          " to align in bounded time")
+    for i, j in alignment.pairs:
       if i is None:
         assert j is not None
         result.children.append(self.one_side(items_b[j], f"[{j}]", f"{path_b}[{j}]", 1, "added"))
@@ -516,41 +597,6 @@ class Matcher:
         result.children.append(self.compare(items_a[i], items_b[j], child_key,
                                             f"{path_a}[{i}]", f"{path_b}[{j}]"))
     return result
-
-  def _align(self, items_a: Sequence[Any], items_b: Sequence[Any]
-             ) -> list[tuple[int | None, int | None]]:
-    """Pairs of item indices (None: only on one side), in order: the longest
-    common run of items with equal signatures, then, between those, items
-    of the same class by position."""
-    sig_a = [self.sides[0].signature(x) for x in items_a]
-    sig_b = [self.sides[1].signature(x) for x in items_b]
-    n, m = len(sig_a), len(sig_b)
-    longest = [[0] * (m + 1) for _ in range(n + 1)]
-    for i in range(n - 1, -1, -1):
-      for j in range(m - 1, -1, -1):
-        longest[i][j] = (longest[i + 1][j + 1] + 1 if sig_a[i] == sig_b[j]
-                         else max(longest[i + 1][j], longest[i][j + 1]))
-    anchors, i, j = [], 0, 0
-    while i < n and j < m:
-      if sig_a[i] == sig_b[j]:
-        anchors.append((i, j))
-        i, j = i + 1, j + 1
-      elif longest[i + 1][j] >= longest[i][j + 1]:
-        i += 1
-      else:
-        j += 1
-    pairs: list[tuple[int | None, int | None]] = []
-    start_a = start_b = 0
-    for end_a, end_b in [*anchors, (n, m)]:
-      gap_a, gap_b = list(range(start_a, end_a)), list(range(start_b, end_b))
-      while gap_a and gap_b and sig_a[gap_a[0]][:2] == sig_b[gap_b[0]][:2]:
-        pairs.append((gap_a.pop(0), gap_b.pop(0)))
-      pairs.extend((x, None) for x in gap_a)
-      pairs.extend((None, y) for y in gap_b)
-      if end_a < n:
-        pairs.append((end_a, end_b))
-      start_a, start_b = end_a + 1, end_b + 1
-    return pairs
 
   def _variables(self, a: dict[str, Any], b: dict[str, Any], key: str, path_a: str,
                  path_b: str) -> DiffNode:

@@ -23,9 +23,10 @@ from typing import Any
 import treescope
 from treescope import rendering_parts as parts
 
+from pz_persist.format import folding
 from pz_persist.safety import terminal
+from pz_persist.tools import diff_table
 from pz_persist.tools import diff_tree
-from pz_persist.tools import viewing
 
 if TYPE_CHECKING:
   from pz_persist.tools import diffing
@@ -72,12 +73,14 @@ def _styled(text: str, status: str) -> Any:
   return parts.custom_style(parts.text(text), STYLES[status])
 
 
-def _line(node: diff_tree.DiffNode, inherited: bool) -> Any:
-  """The first line of a node: key, kind, status word, summary, notes, stats.
-  Inside an added or removed subtree (``inherited``) only its root says so."""
+def _line(node: diff_tree.DiffNode, inherited: bool, key: str | None = None) -> Any:
+  """The first line of a node: key (``key`` if given), kind, status word,
+  summary, notes, stats. Inside an added or removed subtree (``inherited``)
+  only its root says so."""
   pieces: list[Any] = []
-  if node.key:
-    pieces.append(parts.text(f"{node.key}: "))
+  key = node.key if key is None else key
+  if key:
+    pieces.append(parts.text(f"{key}: "))
   if node.status in ("added", "removed", "replaced") and not inherited:
     pieces.append(_styled(f"{_WORDS[node.status]} ", node.status))
   colour = {"added": "; color: #0b6b17", "removed": "; color: #9a1111"}.get(node.status, "")
@@ -103,7 +106,16 @@ def _line(node: diff_tree.DiffNode, inherited: bool) -> Any:
   return parts.siblings(*pieces)
 
 
-def _render(node: diff_tree.DiffNode, parent_status: str = "") -> Any:
+NESTED_LEVELS = 24
+"""Levels of the diff tree rendered nested; below, each subtree is one list
+of lines keyed by their path from it. Treescope renders each nested level
+with about ten Python frames, so a tree as deep as the format allows
+(`pz_persist.format.nodes.MAX_DEPTH`) would pass the interpreter's recursion
+limit; flattened (`pz_persist.format.folding.flattened`, as `render_html`
+folds a model's deep parts), the rendering's depth is bounded whatever the tree."""
+
+
+def _render(node: diff_tree.DiffNode, parent_status: str = "", level: int = 0) -> Any:
   """A node: one line, or a foldable whose children show only when it is
   expanded (folded, it reads ``{...}``: an unchanged block stays one short
   line until clicked)."""
@@ -115,19 +127,32 @@ def _render(node: diff_tree.DiffNode, parent_status: str = "") -> Any:
       n.status == node.status for n in node.walk())  # Nothing inside to compare.
   expand = (parts.ExpandState.COLLAPSED if node.status == "unchanged" or whole
             else parts.ExpandState.EXPANDED)
+  if level >= NESTED_LEVELS:
+    children = _flattened(node)
+  else:
+    children = [_render(child, node.status, level + 1) for child in node.children]
   return parts.build_custom_foldable_tree_node(
       label=parts.siblings(line, " {"),
       contents=parts.siblings(
           parts.fold_condition(
               collapsed=parts.text("...}"),
-              expanded=parts.siblings(
-                  parts.indented_children(
-                      [_render(child, node.status) for child in node.children]),
-                  "}"),
+              expanded=parts.siblings(parts.indented_children(children), "}"),
           ),
       ),
       expand_state=expand,
   )
+
+
+def _flattened(root: diff_tree.DiffNode) -> list[Any]:
+  """Every node below ``root`` as one line, keyed by its path from ``root``
+  (``.sublayers[0].sublayers[0]: Linear ...``), parents first."""
+
+  def line(key: str, node: diff_tree.DiffNode, parent: diff_tree.DiffNode) -> Any:
+    inherited = node.status in ("added", "removed") and parent.status in (
+        node.status, "replaced")
+    return parts.build_one_line_tree_node(_line(node, inherited, key))
+
+  return folding.flattened(root, lambda node: [(c.key, c) for c in node.children], line)
 
 
 def top_changes(result: diffing.CheckpointDiff) -> list[diff_tree.DiffNode]:
@@ -185,41 +210,38 @@ def to_html(result: diffing.CheckpointDiff) -> str:
           f"<title>{title}</title></head>\n<body>\n{body}\n</body></html>\n")
 
 
-def _stats_cells(node: diff_tree.DiffNode) -> list[str]:
+def _stats_cells(node: diff_tree.DiffNode) -> tuple[str, str, str]:
   if node.stats is None or node.stats.identical:
-    return ["", "", ""]
+    return ("", "", "")
   s = node.stats
-  return [_number(s.max_abs), _number(s.relative_l2), _percent(s.fraction_changed)]
+  return (_number(s.max_abs), _number(s.relative_l2), _percent(s.fraction_changed))
 
 
 def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bool = False,
           every_array: bool = False) -> str:
-  """One row per change (and per array with ``every_array``), fitting ``width``."""
+  """One row per change (and per array with ``every_array``), changes alike
+  but for their place grouped, each row one or two lines of ``width``
+  (`pz_persist.tools.diff_table`)."""
   if width is None:
     width = shutil.get_terminal_size(fallback=(120, 24)).columns
   one_line = lambda text: terminal.printable(text, newlines=False)  # noqa: E731
   if result.tree is None:
     return one_line(_header(result))
-  rows: list[list[str]] = []
-  statuses: list[str] = []
   shown = {id(node) for node in top_changes(result)}
-  for node in result.tree.walk():
-    if id(node) not in shown and not (every_array and node.stats is not None):
-      continue
-    label = f"{node.name}:" if node.name and node.name != node.path else ""
-    what = " ".join(filter(None, [label, node.kind, node.summary, *node.notes]))
-    if node.stats is not None and node.stats.identical:
-      what += " (identical)"
-    rows.append([node.status, one_line(node.path), one_line(what), *_stats_cells(node)])
-    statuses.append(node.status)
-  lines = [one_line(line) for line in _header(result).split("\n")]
+  rows = diff_table.grouped([
+      diff_table.row_of(node, _stats_cells(node)) for node in result.tree.walk()
+      if id(node) in shown or (every_array and node.stats is not None)
+  ])
+  lines = [diff_table.elide(one_line(line), width) for line in _header(result).split("\n")]
   if rows:
-    header = ["status", "path", "what", "max|A-B|", "rel", "changed"]
-    text = viewing.format_table(header, rows, right=("max|A-B|", "rel", "changed"), width=width,
-                                wrap=("what", "path"))
+    body, shortened = diff_table.render(
+        ["status", "where", "what", "max|A-B|", "rel", "changed"], rows, width)
+    text = "\n".join(body)
     if color:
-      text = _colour(text, statuses)
+      text = _colour(text, [row.status for row in rows])
     lines += ["", text]
+    if shortened:
+      lines.append(diff_table.elide("(shortened to fit; --json and --html show all)", width))
   return "\n".join(lines)
 
 

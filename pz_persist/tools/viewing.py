@@ -20,6 +20,8 @@ import treescope
 from etils import epath
 
 from pz_persist import checkpoint
+from pz_persist import errors
+from pz_persist.format import folding
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.safety import terminal
@@ -56,6 +58,10 @@ def render_html(
     compress: Compress the embedded rendering (smaller file for big models;
       by default the file stays searchable text).
 
+  Parts nested deeper than `pz_persist.format.folding.NESTED_LEVELS` levels
+  are shown as one folded list of lines keyed by path, so a tree of any
+  depth renders without raising the recursion limit.
+
   Returns:
     The path written.
   """
@@ -65,7 +71,7 @@ def render_html(
   if sources:
     value = (checkpoint.load if arrays else checkpoint.inspect)(obj_or_path)
     title = os.fspath(opening.checkpoint_path(obj_or_path) or title)
-  body = treescope.render_to_html(value, roundtrip_mode=False, compressed=compress)
+  body = _render_deep(value, compress)
   return destinations.write_output(
       out,
       "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
@@ -73,6 +79,22 @@ def render_html(
       f"<body>\n{body}\n</body></html>\n",
       sources,
   )
+
+
+def _render_deep(value: Any, compress: bool) -> str:
+  """Treescope's HTML of ``value``, its parts nested deeper than
+  `pz_persist.format.folding.NESTED_LEVELS` listed by path
+  (`pz_persist.format.folding.fold`): any tree renders within Python's
+  recursion limit as it is, which is left alone."""
+  try:
+    return treescope.render_to_html(folding.fold(value), roundtrip_mode=False,
+                                    compressed=compress)
+  except RecursionError:  # A value folding does not reach into (its own __treescope_repr__).
+    raise errors.ArgumentError(
+        f"cannot render this {type(value).__name__}: a part of it that is not a"
+        " container, dataclass or variable nests deeper than treescope can render"
+        " within Python's recursion limit; render a part of it."
+    ) from None
 
 
 def _is_path(obj: Any) -> bool:
