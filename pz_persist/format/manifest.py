@@ -77,7 +77,7 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 """Larger manifests are refused before parsing (a model has ~1 KiB per array)."""
 
 MAX_MANIFEST_NODES = 2**24
-"""Most JSON values (and object keys) a manifest may hold.
+"""Most JSON values (and object keys) a manifest may hold, whatever its size.
 
 Measured: a Gemma-like transformer saved unstacked has ~128 values (~1 KiB)
 per array, and a checksum of a shard ~14 more (~90 bytes), so 2**24 values
@@ -85,11 +85,24 @@ hold ~130,000 unsharded arrays, or a 126-layer model (~1,100 arrays) sharded
 512 ways ~1.8 times over. Parsing costs at most ~90 bytes per value (1.5 GiB
 here), whatever the file holds."""
 
-MIN_BYTES_PER_NODE = 4
-"""Real manifests spend 6.5 (all shard checksums) to 7.7 bytes per JSON
-value; denser ones, such as ``[{},{},...]`` (1.5 bytes per value, 25 bytes
-of memory per byte) are refused before parsing, so parsing costs at most
-~23 bytes of memory per byte of manifest (measured: dicts of one fresh key)."""
+MIN_BYTES_PER_OBJECT = 8
+"""A manifest may hold at most one JSON object per this many bytes (and a
+few thousand more: `bounded_json.node_limit`).
+
+Why objects, and not values: dense JSON costs about as much memory per byte
+whatever it holds, except objects (``[{},{},...]``: 24 bytes of memory per
+byte, 184 bytes per object with a key). The values of a legitimate format 4
+manifest are as dense as any JSON's: a list of 20,000 ``None`` is
+``[3],[3],...`` (2 bytes per value, 24 bytes of memory per byte), nested
+empty tuples 1.75 bytes per value, a ``[],[],...`` bomb 1.5; a limit on
+values per byte that refused the bomb refused those saves too (issue 36).
+Objects are what no pz_persist writer packs densely: format 4 writes two,
+plus one ``{"module", "qualname"}`` of 27 bytes or more per function
+reference; formats 1 to 3 one per node, of 12 bytes or more
+(``{"t":"none"}``). So with values bounded only by `MAX_MANIFEST_NODES`,
+parsing a manifest costs at most ~30 bytes of memory per byte (measured: the
+densest content pz_persist writes, nested empty tuples, 27; a list bomb
+``[[]],[[]],...`` 30), and at most ~1.5 GiB whatever its size."""
 
 MAX_JSON_DEPTH = 512
 """Deepest JSON nesting of a manifest (real models: ~45; the tree itself is
@@ -194,10 +207,7 @@ class Manifest:
 
   @classmethod
   def _parse(cls, data: bytes, *, where: str) -> Manifest:
-    most = bounded_json.node_limit(
-        len(data), most=MAX_MANIFEST_NODES, bytes_per_node=MIN_BYTES_PER_NODE
-    )
-    raw = bounded_json.loads(data, where=where, max_nodes=most, max_depth=MAX_JSON_DEPTH)
+    raw = parse_json(data, where=where)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
       raise errors.ManifestError(f"{where}: not a pz_persist manifest.")
     found = raw.get("format_version")
@@ -248,6 +258,25 @@ class Manifest:
         format_version=found,
         leaf_keys=found >= FIRST_FORMAT_WITH_LEAF_KEYS,
     )
+
+
+def parse_json(data: bytes, *, where: str) -> Any:
+  """Parses the JSON of a manifest (or of the type handler's records, which
+  hold the same nodes) within the manifest's limits: `MAX_MANIFEST_NODES`
+  values, `MIN_BYTES_PER_OBJECT`, `MAX_JSON_DEPTH` (`bounded_json`).
+
+  The one place these limits are applied: readers parse through it, and a
+  writer's manifest passes through it before it is published
+  (`check_publishable`), so a save cannot write what a reader refuses.
+
+  Raises:
+    ManifestError: over a limit, or not valid JSON; naming ``where``.
+  """
+  return bounded_json.loads(
+      data, where=where, max_nodes=MAX_MANIFEST_NODES, max_depth=MAX_JSON_DEPTH,
+      max_objects=bounded_json.node_limit(
+          len(data), most=MAX_MANIFEST_NODES, bytes_per_node=MIN_BYTES_PER_OBJECT),
+  )
 
 
 def _check_checksummed(
