@@ -448,7 +448,9 @@ def from_storage(value: Any, spec: ArraySpec) -> Any:
       value = value.astype(logical) if how == "cast" else value.view(logical)
   if spec.kind == "numpy_scalar":
     return np.asarray(value)[()]
-  if spec.kind == "jax" and spec.weak_type:
+  if spec.kind == "jax" and spec.weak_type and isinstance(value, jax.Array):
+    # Read to the host (``verify``'s check, ``to_host``): a NumPy copy, which
+    # has no weak type to restore; only a JAX array is marked.
     return _as_weak(value)
   return value
 
