@@ -297,6 +297,36 @@ def _check_checksummed(
       )
 
 
+def check_publishable(manifest: Manifest, *, what: str) -> None:
+  """Refuses to publish a manifest that a reader would refuse.
+
+  Why: a save that succeeds must load. The manifest's bytes are parsed and
+  checked by `Manifest.loads`, the very code every reader runs first (its
+  JSON limits, `parse_json`; format 4's tables and nodes, with their depth
+  counted through shared and variable entries), so what a writer publishes
+  is inside every limit by construction, however the limits change. Every
+  save path calls it before it writes anything
+  (`pz_persist.storage.writer.check_publishable`).
+
+  Args:
+    manifest: The manifest as it will be written (checksums included: only
+      their digests may differ, and they do not change what is checked).
+    what: What is being saved, for the message.
+
+  Raises:
+    EncodingError: naming what a reader would refuse, and how to save it.
+  """
+  try:
+    Manifest.loads(manifest.dumps(), where="manifest")
+  except errors.ManifestError as e:
+    raise errors.EncodingError(
+        f"{what} cannot be saved: a reader would refuse the manifest it needs ({e})"
+        " Nothing was written. Save long lists of numbers as arrays (np.asarray)"
+        " rather than as Python values, and nest values at most"
+        " pz_persist.format.nodes.MAX_DEPTH levels deep."
+    ) from None
+
+
 def manifest_path(directory: epath.PathLike) -> epath.Path:
   return epath.Path(directory) / MANIFEST_FILENAME
 
