@@ -317,6 +317,15 @@ class ArraySpec:
     _set(spec, "checksums", checksums)
     return spec
 
+  def with_checksums(
+      self, checksums: tuple[checksum_records.ShardChecksum, ...] | None
+  ) -> ArraySpec:
+    """This spec with ``checksums`` recorded (`trusted`: its other fields
+    are checked already; a save records the checksums of every array)."""
+    return ArraySpec.trusted(
+        self.key, self.shape, self.dtype, self.kind, self.weak_type, self.path, self.label,
+        checksums)
+
   def abstract(self) -> jax.ShapeDtypeStruct:
     """The array as a ``jax.ShapeDtypeStruct`` (what `inspect` returns)."""
     return jax.ShapeDtypeStruct(self.shape, self.np_dtype, weak_type=self.weak_type)

@@ -202,10 +202,28 @@ class _Writer:
 def to_json(
     tree: Node, variables: Sequence[Any], arrays: Sequence[arrays_lib.ArraySpec], *,
     writer: str, leaf_keys: bool, format_version: int = 4,
+    compacted: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """The format 4 JSON of a manifest's content (held as format 3 nodes);
   ``format_version`` is what it declares (4, or what a newer node type
-  needs)."""
+  needs); ``compacted``: `compact_nodes` of ``tree`` and ``variables``, if
+  known already."""
+  if compacted is None:
+    compacted = compact_nodes(tree, variables)
+  return {
+      "format": "pz_persist",
+      "format_version": format_version,
+      "writer": writer,
+      "leaf_keys": leaf_keys,
+      **compacted,
+      "arrays": _array_columns(arrays),
+  }
+
+
+def compact_nodes(tree: Node, variables: Sequence[Any]) -> dict[str, Any]:
+  """The ``types``, ``classes``, ``shared``, ``tree`` and ``variables`` of a
+  format 4 manifest: all of it but the arrays table (whose checksums a save
+  records last), so a save compacts its tree once (`Manifest.to_json`)."""
   out = _Writer()
   out.count(tree)
   for entry in variables:
@@ -219,16 +237,11 @@ def to_json(
   ]
   tables = out.tables
   return {
-      "format": "pz_persist",
-      "format_version": format_version,
-      "writer": writer,
-      "leaf_keys": leaf_keys,
       "types": list(tables.types),
       "classes": [list(ref) for ref in tables.classes],
       "shared": tables.shared_nodes,
       "tree": compact_tree,
       "variables": compact_variables,
-      "arrays": _array_columns(arrays),
   }
 
 

@@ -173,6 +173,7 @@ class Manifest:
       return compact_lib.to_json(
           self.tree, self.variables, self.arrays, writer=self.writer,
           leaf_keys=self.leaf_keys, format_version=self.format_version,
+          compacted=self._compacted(),
       )
     return {
         "format": FORMAT_NAME,
@@ -182,6 +183,24 @@ class Manifest:
         "variables": list(self.variables),
         "arrays": [spec.to_json() for spec in self.arrays],
     }
+
+  def with_arrays(self, arrays: tuple[arrays_lib.ArraySpec, ...]) -> Manifest:
+    """This manifest with other array entries (their checksums, as a save
+    records them), keeping its compacted tree: a save checks the manifest it
+    will write before hashing (`check_publishable`) and writes it after, and
+    compacts the tree once for both."""
+    changed = dataclasses.replace(self, arrays=arrays)
+    if self.format_version >= FIRST_COMPACT_FORMAT:
+      changed.__dict__["_compacted_nodes"] = self._compacted()
+    return changed
+
+  def _compacted(self) -> dict[str, Any]:
+    """`compact_lib.compact_nodes` of its tree and variables, computed once
+    (a manifest is frozen; `with_arrays` hands it on)."""
+    found = self.__dict__.get("_compacted_nodes")
+    if found is None:
+      found = self.__dict__["_compacted_nodes"] = compact_lib.compact_nodes(self.tree, self.variables)
+    return found
 
   def dumps(self) -> bytes:
     return json.dumps(self.to_json(), allow_nan=False, separators=(",", ":")).encode()

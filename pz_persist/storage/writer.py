@@ -152,8 +152,8 @@ def with_checksums(
     sums: dict[str, tuple[checksum_records.ShardChecksum, ...]],
 ) -> manifest_lib.Manifest:
   """``manifest`` with the checksums of its stored arrays recorded."""
-  return dataclasses.replace(manifest, arrays=tuple(
-      dataclasses.replace(spec, checksums=sums[spec.key]) if spec.key in sums else spec
+  return manifest.with_arrays(tuple(
+      spec.with_checksums(sums[spec.key]) if spec.key in sums else spec
       for spec in manifest.arrays
   ))
 
