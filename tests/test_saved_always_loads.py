@@ -14,8 +14,10 @@ What makes it hold is one check (`pz_persist.format.manifest.check_publishable`)
 every save parses the manifest it is about to publish with the reader's own
 code and limits, before it writes anything.
 
-Profile: ``PZ_PERSIST_HYPOTHESIS_EXAMPLES`` (default 200) examples of the
-main property, a quarter as many per other save path.
+Profile: ``PZ_PERSIST_HYPOTHESIS_EXAMPLES`` (default 150) examples of the
+main property, a sixth as many per other save path (about 70 s and 20 s
+each on a quiet 2-core machine); set it higher to search longer (issue 36's
+run: 200, and 50 per other path, 400 cases, all passing).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.safety import allowlist
 
-EXAMPLES = int(os.environ.get("PZ_PERSIST_HYPOTHESIS_EXAMPLES", "200"))
-"""Examples of the main property (~0.2 s each here); other paths get a quarter."""
+EXAMPLES = int(os.environ.get("PZ_PERSIST_HYPOTHESIS_EXAMPLES", "150"))
+"""Examples of the main property (~0.5 s each here); other paths get a sixth."""
 
 GENERATED_MODULE = generated.__name__
 """The module of the generated trees' own namedtuple, allowed when loading."""
@@ -181,7 +183,7 @@ def test_a_tree_any_save_path_saves_always_loads(name, tmp_path_factory):
   save = OTHER_PATHS[name]
 
   @hypothesis.settings(
-      max_examples=max(EXAMPLES // 4, 10), deadline=None,
+      max_examples=max(EXAMPLES // 6, 10), deadline=None,
       suppress_health_check=[hypothesis.HealthCheck.too_slow,
                              hypothesis.HealthCheck.data_too_large],
   )
@@ -195,7 +197,7 @@ def test_a_tree_any_save_path_saves_always_loads(name, tmp_path_factory):
   check()
 
 
-@hypothesis.settings(max_examples=max(EXAMPLES // 4, 10), deadline=None)
+@hypothesis.settings(max_examples=max(EXAMPLES // 6, 10), deadline=None)
 @hypothesis.given(
     variables=st.lists(
         st.builds(

@@ -628,21 +628,37 @@ class _Checker:
       elif field.json == "list":
         if type(value) is not list:
           raise self.error(f"{where}.{name}", "must be a list")
+        items = f"{where}[" if name == "items" else f"{where}.{name}["  # As Python indexes it.
         for i, v in enumerate(value):
-          deepest = max(deepest, self.check(v, f"{where}.{name}[{i}]", below, in_shared))
+          deepest = max(deepest, self.check(v, f"{items}{i}]", below, in_shared))
       elif field.json == "pairs":
         if not nodes.is_pairs(value):
           raise self.error(f"{where}.{name}", "must be a list of pairs")
         static_keys, holds = field.keys == "static", bool(field.holds)
         for i, (k, v) in enumerate(value):
+          at = where + self._step(name, k, i)
           if static_keys:
-            deepest = max(deepest, self.check(k, f"{where}.{name}[{i}][0]", below, in_shared))
+            deepest = max(deepest, self.check(k, f"{at} key", below, in_shared))
           if holds:
-            deepest = max(deepest, self.check(v, f"{where}.{name}[{i}][1]", below, in_shared))
+            deepest = max(deepest, self.check(v, at, below, in_shared))
       elif field.json == "ints":
         if type(value) is not list or not all(type(v) is int for v in value):
           raise self.error(f"{where}.{name}", "must be a list of integers")
     return deepest
+
+  def _step(self, name: str, key: Any, i: int) -> str:
+    """The location of pair ``i`` of field ``name``, as Python reaches its
+    value where it can (``['key']`` of a dict, ``.name`` of a class's field),
+    as the decoder names it, so that a writer refused for what it was about
+    to publish names the path in the saved tree."""
+    if type(key) is int and 0 <= key < len(self.shared):
+      key = self.shared[key]  # A shared string: a dict key used more than once.
+    if type(key) is str:
+      if name == "items":
+        return f"[{key!r:.80}]"
+      if name == "fields":
+        return f".{key:.80}"
+    return f".{name}[{i}]"
 
   def variables(self, entries: Any) -> tuple[list[Any], ...]:
     """Checks the variables table (before the tree, whose ``variable`` nodes

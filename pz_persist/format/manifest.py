@@ -339,10 +339,10 @@ def check_publishable(manifest: Manifest, *, what: str) -> None:
     Manifest.loads(manifest.dumps(), where="manifest")
   except errors.ManifestError as e:
     raise errors.EncodingError(
-        f"{what} cannot be saved: a reader would refuse the manifest it needs ({e})"
-        " Nothing was written. Save long lists of numbers as arrays (np.asarray)"
-        " rather than as Python values, and nest values at most"
-        " pz_persist.format.nodes.MAX_DEPTH levels deep."
+        f"{what} cannot be saved: a reader would refuse the manifest it needs,"
+        f" saying: \"{e}\" Nothing was written. Save long lists of numbers as"
+        " arrays (np.asarray) rather than as Python values, and nest values at"
+        " most pz_persist.format.nodes.MAX_DEPTH levels deep."
     ) from None
 
 
