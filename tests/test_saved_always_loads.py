@@ -105,6 +105,8 @@ def cases(draw):
     parts["bulky"] = draw(bulky)
   if draw(st.booleans()):
     parts["weak"] = draw(weak)
+  if draw(st.booleans()):  # Keys of any script, as a dict of values.
+    parts["unicode"] = draw(st.dictionaries(generated.text, generated.values, max_size=4))
   if draw(st.integers(0, 3)) == 0:
     parts["deep"], nesting = draw(deep())
   return parts, nesting <= SURELY_LOADABLE, nesting > SURELY_TOO_DEEP
