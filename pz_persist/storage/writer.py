@@ -14,7 +14,9 @@ What this module owns, in order:
 
 1. `encode`: the whole tree validated and encoded before anything is written
    (`pz_persist.format.encode`, which copies NumPy values: a save writes the
-   tree as it was called with);
+   tree as it was called with), and the manifest it will publish checked by
+   the reader's own parse and limits (`check_publishable`): a save that
+   succeeds always loads;
 2. the host copies hashed later (`pz_persist.storage.checksums.host_copies`:
    views of the arrays' own buffers on the CPU backend, copies into pinned
    host memory on GPUs), taken before the blocking part of an async save
