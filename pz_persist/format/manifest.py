@@ -34,6 +34,7 @@ from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import compact as compact_lib
+from pz_persist.format import nodes
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 
@@ -261,6 +262,7 @@ class Manifest:
     )
     if found >= FIRST_FORMAT_WITH_CHECKSUMS:
       _check_checksummed(specs, found, where)
+    nodes.check_depth_through_variables(raw["tree"], raw["variables"], where)
     seen: dict[str, int] = {}
     for i, spec in enumerate(specs):
       if spec.key in seen:

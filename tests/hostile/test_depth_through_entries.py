@@ -198,3 +198,27 @@ def _nested_compact(list_type: int, levels: int) -> list:
   for _ in range(levels):
     node = [list_type, [node]]
   return node
+
+
+def test_a_variable_used_too_deep_in_a_format_2_manifest_is_refused(tmp_path):
+  """Formats 1 to 3 have no shared table, but a variables table: the same
+  class, in the typed JSON readers read for ever."""
+  import manifest_json  # pylint: disable=import-outside-toplevel
+
+  pzp.save(tmp_path / "c", _shared_variable_tree())
+  item = tmp_path / "c" / "penzai"
+  data = manifest_json.read(item / manifest_lib.MANIFEST_FILENAME)
+  assert data["format_version"] == 2
+  for pair in data["tree"]["items"]:
+    if pair[0]["v"] == "b":
+      for _ in range(LEVELS):
+        pair[1] = {"t": "list", "items": [pair[1]]}
+  manifest_json.write(item / manifest_lib.MANIFEST_FILENAME, data)
+  match = r"a variable node \d+ levels deep uses variables\[0\].* deeper than 100"
+  for read in (pzp.load, pzp.inspect, pzp.load_model, lambda path: pzp.open(path).load()):
+    with pytest.raises(errors.ManifestError, match=match):
+      read(item)
+  with ocp.Checkpointer(pzp.PenzaiCheckpointHandler()) as checkpointer:
+    with pytest.raises(errors.ManifestError, match=match):
+      checkpointer.restore(item)
+  assert not pzp.verify(item).ok
