@@ -50,7 +50,7 @@ def test_manifest_fields_and_limits():
     assert f"| `{name}` |" in fields, name
   assert f"{manifest.MAX_MANIFEST_BYTES // 2**20} MiB" in fields
   assert "2^24" in fields and manifest.MAX_MANIFEST_NODES == 2**24
-  assert f"one per {manifest.MIN_BYTES_PER_NODE} bytes" in fields
+  assert f"objects than one per {manifest.MIN_BYTES_PER_OBJECT} bytes" in fields
   assert f"deeper than {manifest.MAX_JSON_DEPTH} levels" in fields
 
 

@@ -345,6 +345,15 @@ class ArraySpec:
     _set(spec, "checksums", checksums)
     return spec
 
+  def with_checksums(
+      self, checksums: tuple[checksum_records.ShardChecksum, ...] | None
+  ) -> ArraySpec:
+    """This spec with ``checksums`` recorded (`trusted`: its other fields
+    are checked already; a save records the checksums of every array)."""
+    return ArraySpec.trusted(
+        self.key, self.shape, self.dtype, self.kind, self.weak_type, self.path, self.label,
+        checksums)
+
   def abstract(self) -> jax.ShapeDtypeStruct:
     """The array as a ``jax.ShapeDtypeStruct`` (what `inspect` returns)."""
     return jax.ShapeDtypeStruct(self.shape, self.np_dtype, weak_type=self.weak_type)
@@ -476,7 +485,9 @@ def from_storage(value: Any, spec: ArraySpec) -> Any:
       value = value.astype(logical) if how == "cast" else value.view(logical)
   if spec.kind == "numpy_scalar":
     return np.asarray(value)[()]
-  if spec.kind == "jax" and spec.weak_type:
+  if spec.kind == "jax" and spec.weak_type and isinstance(value, jax.Array):
+    # Read to the host (``verify``'s check, ``to_host``): a NumPy copy, which
+    # has no weak type to restore; only a JAX array is marked.
     return _as_weak(value)
   return value
 

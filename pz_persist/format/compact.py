@@ -202,10 +202,28 @@ class _Writer:
 def to_json(
     tree: Node, variables: Sequence[Any], arrays: Sequence[arrays_lib.ArraySpec], *,
     writer: str, leaf_keys: bool, format_version: int = 4,
+    compacted: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """The format 4 JSON of a manifest's content (held as format 3 nodes);
   ``format_version`` is what it declares (4, or what a newer node type
-  needs)."""
+  needs); ``compacted``: `compact_nodes` of ``tree`` and ``variables``, if
+  known already."""
+  if compacted is None:
+    compacted = compact_nodes(tree, variables)
+  return {
+      "format": "pz_persist",
+      "format_version": format_version,
+      "writer": writer,
+      "leaf_keys": leaf_keys,
+      **compacted,
+      "arrays": _array_columns(arrays),
+  }
+
+
+def compact_nodes(tree: Node, variables: Sequence[Any]) -> dict[str, Any]:
+  """The ``types``, ``classes``, ``shared``, ``tree`` and ``variables`` of a
+  format 4 manifest: all of it but the arrays table (whose checksums a save
+  records last), so a save compacts its tree once (`Manifest.to_json`)."""
   out = _Writer()
   out.count(tree)
   for entry in variables:
@@ -219,16 +237,11 @@ def to_json(
   ]
   tables = out.tables
   return {
-      "format": "pz_persist",
-      "format_version": format_version,
-      "writer": writer,
-      "leaf_keys": leaf_keys,
       "types": list(tables.types),
       "classes": [list(ref) for ref in tables.classes],
       "shared": tables.shared_nodes,
       "tree": compact_tree,
       "variables": compact_variables,
-      "arrays": _array_columns(arrays),
   }
 
 
@@ -367,8 +380,14 @@ class _Checker:
       raise self.error("shared", "must be a list")
     self.shared = shared
     self.plans = self._plans()
+    self.entries: list[list[Any]] = []  # The variables table, once `variables` checked it.
+    self._extents: dict[int, int] = {}
+    # How deep each shared entry nests below the node referring to it: the
+    # decoder decodes an entry at the depth of its first reference and reuses
+    # it, so the depth of every reference is checked here, through the entry.
+    self.shared_heights: list[int] = []
     for i, entry in enumerate(shared):
-      self.check_fast(entry, f"shared[{i}]", 0, in_shared=True)
+      self.shared_heights.append(self.check_fast(entry, f"shared[{i}]", 0, in_shared=True))
 
   def error(self, field: str, problem: str) -> errors.ManifestError:
     return errors.ManifestError(
@@ -407,8 +426,9 @@ class _Checker:
       raise self.error("classes", "repeats a class")
     return out
 
-  def _plans(self) -> list[tuple[str, bool, tuple[tuple[int, bool, bool], ...]]]:
-    """Per type index: its tag, whether it is static, and per field what
+  def _plans(self) -> list[tuple[bool, bool, tuple[tuple[int, bool, bool], ...]]]:
+    """Per type index: whether it is a ``variable`` node (whose entry is
+    decoded where it stands), whether it is static, and per field what
     `fast` checks (`_CLASS`, `_NODE`, `_LIST`, `_PAIRS`, `_INTS` or nothing,
     whether pair keys are nodes, whether pair values are)."""
     plans = []
@@ -419,15 +439,16 @@ class _Checker:
                 else _LIST if field.json == "list" else _PAIRS if field.json == "pairs"
                 else _INTS if field.json == "ints" else _OTHER)
         fields.append((code, field.keys == "static", bool(field.holds)))
-      plans.append((tag, node_type.static, tuple(fields)))
+      plans.append((tag == "variable", node_type.static, tuple(fields)))
     return plans
 
-  def fast(self, root: Any, depth: int, in_shared: bool = False) -> bool:
+  def fast(self, root: Any, depth: int, in_shared: bool = False) -> int:
     """`fast_all` of one node."""
     return self.fast_all([root], depth, in_shared)
 
-  def fast_all(self, roots: list[Any], depth: int, in_shared: bool = False) -> bool:
-    """`check` without naming where: whether all ``roots`` pass it.
+  def fast_all(self, roots: list[Any], depth: int, in_shared: bool = False) -> int:
+    """`check` without naming where: the depth of the deepest node of
+    ``roots`` if they all pass it, else -1.
 
     Why a second walk: building each node's location text
     (``tree.fields[3][1]``) and one call per node cost as much as the checks
@@ -435,31 +456,48 @@ class _Checker:
     in line, and a manifest that fails it is checked again by `check`, which
     names where. It passes nothing `check` refuses and records the same
     table entries as used; what it leaves to `check` (anything at the
-    deepest level), `check` decides."""
+    deepest level), `check` decides. Depth is counted as the decoder counts
+    it: through each shared entry and variable entry, from where it is used."""
     plans, shared_count, class_count = self.plans, len(self.shared), len(self.classes)
+    heights, variable_count = self.shared_heights, len(self.entries)
     used_shared, used_types, used_classes = self.used_shared, self.used_types, self.used_classes
+    most = nodes.MAX_DEPTH
+    deepest = depth
     stack = [(root, depth) for root in roots]
     while stack:
       node, depth = stack.pop()
       if type(node) is str:
-        if depth > nodes.MAX_DEPTH:
-          return False
+        if depth > most:
+          return -1
+        deepest = max(deepest, depth)
         continue
       if type(node) is int:
-        if in_shared or not 0 <= node < shared_count or depth > nodes.MAX_DEPTH:
-          return False
+        if in_shared or not 0 <= node < shared_count:
+          return -1
+        reach = depth + heights[node]
+        if reach > most:
+          return -1
+        deepest = max(deepest, reach)
         used_shared.add(node)
         continue
-      if type(node) is not list or not node or type(node[0]) is not int or (
-          depth >= nodes.MAX_DEPTH):
-        return False  # (At the deepest level, left to `check`.)
+      if type(node) is not list or not node or type(node[0]) is not int or depth >= most:
+        return -1  # (At the deepest level, left to `check`.)
+      deepest = max(deepest, depth)
       index = node[0]
       if not 0 <= index < len(plans):
-        return False
+        return -1
       used_types.add(index)
-      _, static, fields = plans[index]
+      variable, static, fields = plans[index]
       if (in_shared and not static) or len(node) != len(fields) + 1:
-        return False
+        return -1
+      if variable:
+        ref = node[1]
+        if type(ref) is int and 0 <= ref < variable_count:  # (Else the decoder refuses it.)
+          reach = depth + self.variable_extent(ref)
+          if reach > most:
+            return -1
+          deepest = max(deepest, reach)
+        continue
       if not fields or (len(fields) == 1 and fields[0][0] == _OTHER):
         continue  # Nothing to check inside (an ``array`` node's reference).
       children: list[Any] = []
@@ -468,55 +506,81 @@ class _Checker:
           children.append(value)
         elif code == _LIST:
           if type(value) is not list:
-            return False
+            return -1
           children.extend(value)
         elif code == _PAIRS:
           if type(value) is not list:
-            return False
+            return -1
           for pair in value:
             if type(pair) is not list or len(pair) != 2:
-              return False
+              return -1
             if static_keys:
               children.append(pair[0])
             if holds:
               children.append(pair[1])
         elif code == _CLASS:
           if type(value) is not int or not 0 <= value < class_count:
-            return False
+            return -1
           used_classes.add(value)
         elif code == _INTS:
           if type(value) is not list:
-            return False
+            return -1
           for v in value:
             if type(v) is not int:
-              return False
+              return -1
       below = depth + 1
       for child in children:
         kind = type(child)
         if kind is str:
+          if below > most:
+            return -1
+          deepest = max(deepest, below)
           continue
         if kind is int:
           if in_shared or not 0 <= child < shared_count:
-            return False
+            return -1
+          reach = below + heights[child]
+          if reach > most:
+            return -1
+          deepest = max(deepest, reach)
           used_shared.add(child)
         else:
           stack.append((child, below))
-    return True
+    return deepest
 
-  def check_fast(self, node: Any, where: str, depth: int, in_shared: bool = False) -> None:
+  def variable_extent(self, ref: int) -> int:
+    """How deep variable entry ``ref`` nests below a ``variable`` node using
+    it (its label, metadata and value are decoded one level below that
+    node); checks the entry the first time (naming it)."""
+    found = self._extents.get(ref)
+    if found is None:
+      # While it is measured: a variable met inside its own entry (which the
+      # decoder refuses: it contains itself) adds nothing.
+      self._extents[ref] = 0
+      found = max(
+          self.check_fast(node, f"variables[{ref}].{name}", 1)
+          for name, node in zip(("label", "metadata", "value"), self.entries[ref][1:])
+      )
+      self._extents[ref] = found
+    return found
+
+  def check_fast(self, node: Any, where: str, depth: int, in_shared: bool = False) -> int:
     """`check`: `fast` first, `check` itself (naming where) if that fails.
     (`fast` never passes what `check` refuses; what it leaves to `check`,
-    `check` decides.)"""
-    if not self.fast(node, depth, in_shared):
-      self.check(node, where, depth, in_shared)
+    `check` decides.) Returns the depth of its deepest node."""
+    deepest = self.fast(node, depth, in_shared)
+    return deepest if deepest >= 0 else self.check(node, where, depth, in_shared)
 
-  def check(self, node: Any, where: str, depth: int, in_shared: bool = False) -> None:
-    """Checks a compact node (``where`` names it for errors)."""
-    if depth > nodes.MAX_DEPTH:
-      raise self.error(where, f"nests deeper than {nodes.MAX_DEPTH} levels")
+  def check(self, node: Any, where: str, depth: int, in_shared: bool = False) -> int:
+    """Checks a compact node (``where`` names it for errors); returns the
+    depth of its deepest node, counted through the shared and variable
+    entries it uses (as the decoder counts it)."""
+    most = nodes.MAX_DEPTH
+    if depth > most:
+      raise self.error(where, f"nests deeper than {most} levels")
     kind = type(node)
     if kind is str:
-      return
+      return depth
     if kind is int:
       if in_shared:
         raise self.error(where, "refers to a shared entry from a shared entry")
@@ -524,7 +588,11 @@ class _Checker:
         raise self.error(where, f"refers to shared[{node}], which does not exist"
                          f" ({len(self.shared)} shared entries)")
       self.used_shared.add(node)
-      return
+      height = self.shared_heights[node]
+      if depth + height > most:
+        raise self.error(where, f"refers to shared[{node}], which nests {height} levels below"
+                         f" it, at depth {depth}: the tree nests deeper than {most} levels")
+      return depth + height
     if kind is not list or not node or type(node[0]) is not int:
       raise self.error(where, f"is {str(node)[:80]}, not a node ([type, fields...])")
     index = node[0]
@@ -539,6 +607,15 @@ class _Checker:
     if len(node) != len(fields) + 1:
       raise self.error(where, f"is a {tag} node with {len(node) - 1} fields,"
                        f" expected {len(fields)} ({', '.join(f.name for f in fields)})")
+    deepest = depth
+    if tag == "variable":
+      ref = node[1]
+      if type(ref) is int and 0 <= ref < len(self.entries):  # (Else the decoder refuses it.)
+        extent = self.variable_extent(ref)
+        if depth + extent > most:
+          raise self.error(where, f"holds variables[{ref}], which nests {extent} levels below"
+                           f" it, at depth {depth}: the tree nests deeper than {most} levels")
+        deepest = depth + extent
     below = depth + 1
     for position, field in enumerate(fields, 1):
       value, name = node[position], field.name
@@ -547,36 +624,53 @@ class _Checker:
           raise self.error(f"{where}.class", f"is {value!r:.40}, not an index of classes")
         self.used_classes.add(value)
       elif field.json == "node":
-        self.check(value, f"{where}.{name}", below, in_shared)
+        deepest = max(deepest, self.check(value, f"{where}.{name}", below, in_shared))
       elif field.json == "list":
         if type(value) is not list:
           raise self.error(f"{where}.{name}", "must be a list")
+        items = f"{where}[" if name == "items" else f"{where}.{name}["  # As Python indexes it.
         for i, v in enumerate(value):
-          self.check(v, f"{where}.{name}[{i}]", below, in_shared)
+          deepest = max(deepest, self.check(v, f"{items}{i}]", below, in_shared))
       elif field.json == "pairs":
         if not nodes.is_pairs(value):
           raise self.error(f"{where}.{name}", "must be a list of pairs")
         static_keys, holds = field.keys == "static", bool(field.holds)
         for i, (k, v) in enumerate(value):
+          at = where + self._step(name, k, i)
           if static_keys:
-            self.check(k, f"{where}.{name}[{i}][0]", below, in_shared)
+            deepest = max(deepest, self.check(k, f"{at} key", below, in_shared))
           if holds:
-            self.check(v, f"{where}.{name}[{i}][1]", below, in_shared)
+            deepest = max(deepest, self.check(v, at, below, in_shared))
       elif field.json == "ints":
         if type(value) is not list or not all(type(v) is int for v in value):
           raise self.error(f"{where}.{name}", "must be a list of integers")
+    return deepest
+
+  def _step(self, name: str, key: Any, i: int) -> str:
+    """The location of pair ``i`` of field ``name``, as Python reaches its
+    value where it can (``['key']`` of a dict, ``.name`` of a class's field),
+    as the decoder names it, so that a writer refused for what it was about
+    to publish names the path in the saved tree."""
+    if type(key) is int and 0 <= key < len(self.shared):
+      key = self.shared[key]  # A shared string: a dict key used more than once.
+    if type(key) is str:
+      if name == "items":
+        return f"[{key!r:.80}]"
+      if name == "fields":
+        return f".{key:.80}"
+    return f".{name}[{i}]"
 
   def variables(self, entries: Any) -> tuple[list[Any], ...]:
+    """Checks the variables table (before the tree, whose ``variable`` nodes
+    are checked through it): each entry, and how deep it nests."""
     if not isinstance(entries, list):
       raise self.error("variables", "must be a list")
     for i, entry in enumerate(entries):
       if type(entry) is not list or len(entry) != 4:
         raise self.error(f"variables[{i}]", "must be [kind, label, metadata, value]")
-    if self.fast_all([node for entry in entries for node in entry[1:]], 1):
-      return tuple(entries)
-    for i, entry in enumerate(entries):  # Which one, named.
-      for name, node in zip(("label", "metadata", "value"), entry[1:]):
-        self.check(node, f"variables[{i}].{name}", 1)
+    self.entries = entries
+    for i in range(len(entries)):
+      self.variable_extent(i)
     return tuple(entries)
 
   def check_all_used(self) -> None:
@@ -614,8 +708,8 @@ def parse(raw: dict[str, Any], *, where: str, reader_format: int) -> Parsed:
   checker = _Checker(raw, where, reader_format)
   if type(raw["tree"]) is not list:
     raise checker.error("tree", "must be a node ([type, fields...]), not a reference")
-  checker.check_fast(raw["tree"], "tree", 0)
   variables = checker.variables(raw["variables"])
+  checker.check_fast(raw["tree"], "tree", 0)
   checker.check_all_used()
   return Parsed(
       tree=raw["tree"], variables=variables,

@@ -34,6 +34,7 @@ from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import compact as compact_lib
+from pz_persist.format import nodes
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 
@@ -77,7 +78,7 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 """Larger manifests are refused before parsing (a model has ~1 KiB per array)."""
 
 MAX_MANIFEST_NODES = 2**24
-"""Most JSON values (and object keys) a manifest may hold.
+"""Most JSON values (and object keys) a manifest may hold, whatever its size.
 
 Measured: a Gemma-like transformer saved unstacked has ~128 values (~1 KiB)
 per array, and a checksum of a shard ~14 more (~90 bytes), so 2**24 values
@@ -85,11 +86,24 @@ hold ~130,000 unsharded arrays, or a 126-layer model (~1,100 arrays) sharded
 512 ways ~1.8 times over. Parsing costs at most ~90 bytes per value (1.5 GiB
 here), whatever the file holds."""
 
-MIN_BYTES_PER_NODE = 4
-"""Real manifests spend 6.5 (all shard checksums) to 7.7 bytes per JSON
-value; denser ones, such as ``[{},{},...]`` (1.5 bytes per value, 25 bytes
-of memory per byte) are refused before parsing, so parsing costs at most
-~23 bytes of memory per byte of manifest (measured: dicts of one fresh key)."""
+MIN_BYTES_PER_OBJECT = 8
+"""A manifest may hold at most one JSON object per this many bytes (and a
+few thousand more: `bounded_json.node_limit`).
+
+Why objects, and not values: dense JSON costs about as much memory per byte
+whatever it holds, except objects (``[{},{},...]``: 24 bytes of memory per
+byte, 184 bytes per object with a key). The values of a legitimate format 4
+manifest are as dense as any JSON's: a list of 20,000 ``None`` is
+``[3],[3],...`` (2 bytes per value, 24 bytes of memory per byte), nested
+empty tuples 1.75 bytes per value, a ``[],[],...`` bomb 1.5; a limit on
+values per byte that refused the bomb refused those saves too (issue 36).
+Objects are what no pz_persist writer packs densely: format 4 writes two,
+plus one ``{"module", "qualname"}`` of 27 bytes or more per function
+reference; formats 1 to 3 one per node, of 12 bytes or more
+(``{"t":"none"}``). So with values bounded only by `MAX_MANIFEST_NODES`,
+parsing a manifest costs at most ~30 bytes of memory per byte (measured: the
+densest content pz_persist writes, nested empty tuples, 27; a list bomb
+``[[]],[[]],...`` 30), and at most ~1.5 GiB whatever its size."""
 
 MAX_JSON_DEPTH = 512
 """Deepest JSON nesting of a manifest (real models: ~45; the tree itself is
@@ -160,6 +174,7 @@ class Manifest:
       return compact_lib.to_json(
           self.tree, self.variables, self.arrays, writer=self.writer,
           leaf_keys=self.leaf_keys, format_version=self.format_version,
+          compacted=self._compacted(),
       )
     return {
         "format": FORMAT_NAME,
@@ -169,6 +184,24 @@ class Manifest:
         "variables": list(self.variables),
         "arrays": [spec.to_json() for spec in self.arrays],
     }
+
+  def with_arrays(self, arrays: tuple[arrays_lib.ArraySpec, ...]) -> Manifest:
+    """This manifest with other array entries (their checksums, as a save
+    records them), keeping its compacted tree: a save checks the manifest it
+    will write before hashing (`check_publishable`) and writes it after, and
+    compacts the tree once for both."""
+    changed = dataclasses.replace(self, arrays=arrays)
+    if self.format_version >= FIRST_COMPACT_FORMAT:
+      changed.__dict__["_compacted_nodes"] = self._compacted()
+    return changed
+
+  def _compacted(self) -> dict[str, Any]:
+    """`compact_lib.compact_nodes` of its tree and variables, computed once
+    (a manifest is frozen; `with_arrays` hands it on)."""
+    found = self.__dict__.get("_compacted_nodes")
+    if found is None:
+      found = self.__dict__["_compacted_nodes"] = compact_lib.compact_nodes(self.tree, self.variables)
+    return found
 
   def dumps(self) -> bytes:
     return json.dumps(self.to_json(), allow_nan=False, separators=(",", ":")).encode()
@@ -194,10 +227,7 @@ class Manifest:
 
   @classmethod
   def _parse(cls, data: bytes, *, where: str) -> Manifest:
-    most = bounded_json.node_limit(
-        len(data), most=MAX_MANIFEST_NODES, bytes_per_node=MIN_BYTES_PER_NODE
-    )
-    raw = bounded_json.loads(data, where=where, max_nodes=most, max_depth=MAX_JSON_DEPTH)
+    raw = parse_json(data, where=where)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
       raise errors.ManifestError(f"{where}: not a pz_persist manifest.")
     found = raw.get("format_version")
@@ -232,6 +262,7 @@ class Manifest:
     )
     if found >= FIRST_FORMAT_WITH_CHECKSUMS:
       _check_checksummed(specs, found, where)
+    nodes.check_depth_through_variables(raw["tree"], raw["variables"], where)
     seen: dict[str, int] = {}
     for i, spec in enumerate(specs):
       if spec.key in seen:
@@ -250,6 +281,25 @@ class Manifest:
     )
 
 
+def parse_json(data: bytes, *, where: str) -> Any:
+  """Parses the JSON of a manifest (or of the type handler's records, which
+  hold the same nodes) within the manifest's limits: `MAX_MANIFEST_NODES`
+  values, `MIN_BYTES_PER_OBJECT`, `MAX_JSON_DEPTH` (`bounded_json`).
+
+  The one place these limits are applied: readers parse through it, and a
+  writer's manifest passes through it before it is published
+  (`check_publishable`), so a save cannot write what a reader refuses.
+
+  Raises:
+    ManifestError: over a limit, or not valid JSON; naming ``where``.
+  """
+  return bounded_json.loads(
+      data, where=where, max_nodes=MAX_MANIFEST_NODES, max_depth=MAX_JSON_DEPTH,
+      max_objects=bounded_json.node_limit(
+          len(data), most=MAX_MANIFEST_NODES, bytes_per_node=MIN_BYTES_PER_OBJECT),
+  )
+
+
 def _check_checksummed(
     specs: tuple[arrays_lib.ArraySpec, ...], found: int, where: str
 ) -> None:
@@ -266,6 +316,36 @@ def _check_checksummed(
           f" every stored array of manifest format {found} records; the"
           " manifest is damaged or was edited."
       )
+
+
+def check_publishable(manifest: Manifest, *, what: str) -> None:
+  """Refuses to publish a manifest that a reader would refuse.
+
+  Why: a save that succeeds must load. The manifest's bytes are parsed and
+  checked by `Manifest.loads`, the very code every reader runs first (its
+  JSON limits, `parse_json`; format 4's tables and nodes, with their depth
+  counted through shared and variable entries), so what a writer publishes
+  is inside every limit by construction, however the limits change. Every
+  save path calls it before it writes anything
+  (`pz_persist.storage.writer.check_publishable`).
+
+  Args:
+    manifest: The manifest as it will be written (checksums included: only
+      their digests may differ, and they do not change what is checked).
+    what: What is being saved, for the message.
+
+  Raises:
+    EncodingError: naming what a reader would refuse, and how to save it.
+  """
+  try:
+    Manifest.loads(manifest.dumps(), where="manifest")
+  except errors.ManifestError as e:
+    raise errors.EncodingError(
+        f"{what} cannot be saved: a reader would refuse the manifest it needs,"
+        f" saying: \"{e}\" Nothing was written. Save long lists of numbers as"
+        " arrays (np.asarray) rather than as Python values, and nest values at"
+        " most pz_persist.format.nodes.MAX_DEPTH levels deep."
+    ) from None
 
 
 def manifest_path(directory: epath.PathLike) -> epath.Path:

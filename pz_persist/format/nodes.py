@@ -380,6 +380,81 @@ def children(node_: Any, holds: Holds = "child") -> Iterator[Any]:
       yield from (p[1] for p in value if isinstance(p, list) and len(p) == 2)
 
 
+def check_depth_through_variables(tree: Any, variables: Any, where: str) -> None:
+  """Refuses typed JSON (formats 1 to 3) in which a ``variable`` node uses a
+  variable entry deeper than `MAX_DEPTH` allows.
+
+  Why: the decoder decodes a variable's entry (label, metadata and value one
+  level below the ``variable`` node) where it first meets it and reuses it
+  for every other use, so its depth check sees the first use only: an entry
+  first used near the root and again under deep nesting loaded deeper than
+  readers accept. This counts every use (format 4's check,
+  `pz_persist.format.compact`, counts shared entries so too). Anything else
+  too deep, or malformed, is left to the decoder, which refuses it where it
+  meets it.
+
+  Raises:
+    ManifestError: naming the entry, and how deep it is used.
+  """
+  entries = variables if isinstance(variables, (list, tuple)) else ()
+  extents: dict[int, int] = {}
+
+  def deepest(root: Any, start: int) -> int:
+    reached = start
+    stack = [(root, start)]
+    while stack:
+      node, depth = stack.pop()
+      reached = max(reached, depth)
+      if depth > MAX_DEPTH:
+        continue  # The decoder refuses it, naming where.
+      tag = tag_of(node)
+      if tag == "variable":
+        ref = node.get("ref")
+        if type(ref) is int and 0 <= ref < len(entries):
+          below = extent(ref)
+          if depth + below > MAX_DEPTH:
+            raise errors.ManifestError(
+                f"{where}: a variable node {depth} levels deep uses variables[{ref}],"
+                f" which nests {below} levels below it: nesting deeper than {MAX_DEPTH}.")
+          reached = max(reached, depth + below)
+        continue
+      stack.extend((child, depth + 1) for child in _held_nodes(node, tag))
+    return reached
+
+  def extent(ref: int) -> int:
+    found = extents.get(ref)
+    if found is None:
+      extents[ref] = 0  # While measured: a variable inside its own entry (refused when decoded).
+      entry = entries[ref]
+      found = max((deepest(entry.get(name), 1) for name in ("label", "metadata", "value")),
+                  default=1) if isinstance(entry, dict) else 1
+      extents[ref] = found
+    return found
+
+  deepest(tree, 0)
+
+
+def _held_nodes(node_: Any, tag: str | None) -> Iterator[Any]:
+  """Every node a typed node's fields hold (children, static values, static
+  pair keys); nothing for what is malformed."""
+  node_type = NODE_TYPES.get(tag or "")
+  if node_type is None:
+    return
+  for field in node_type.fields:
+    value = node_.get(field.name)
+    if field.json == "node" and field.holds:
+      yield value
+    elif field.json == "list" and field.holds and isinstance(value, list):
+      yield from value
+    elif field.json == "pairs" and isinstance(value, list):
+      for pair in value:
+        if isinstance(pair, list) and len(pair) == 2:
+          if field.keys == "static":
+            yield pair[0]
+          if field.holds:
+            yield pair[1]
+
+
 def names_class(tag: Any) -> bool:
   """Whether nodes of ``tag`` name a class (in their ``"class"`` field)."""
   node_type = NODE_TYPES.get(tag) if isinstance(tag, str) else None

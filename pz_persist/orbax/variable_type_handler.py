@@ -56,7 +56,6 @@ from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import variable_kinds
-from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
 from pz_persist.storage import orbax_metadata_checks
@@ -267,13 +266,9 @@ def _read_bounded(path: epath.Path) -> bytes:
 
 def _parse_records(data: bytes, *, where: str) -> dict[str, Any]:
   """Parses one records file strictly: ``{leaf name: record}``, with the
-  manifest's bounds on values and nesting (`bounded_json`)."""
-  parsed = bounded_json.loads(
-      data,
-      where=where,
-      max_nodes=bounded_json.node_limit(len(data), most=manifest_lib.MAX_MANIFEST_NODES),
-      max_depth=manifest_lib.MAX_JSON_DEPTH,
-  )
+  manifest's bounds on values, objects and nesting (`manifest_lib.parse_json`:
+  a records file holds the same nodes, and its writer checks it so too)."""
+  parsed = manifest_lib.parse_json(data, where=where)
   if not isinstance(parsed, dict):
     raise errors.ManifestError(f"{where}: not a pz_persist variable record file.")
   for name, record in parsed.items():

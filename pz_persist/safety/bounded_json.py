@@ -13,11 +13,15 @@ whatever the size), and refuse a file over its limits naming it.
 What a caller gets: parsing costs at most about 90 bytes of memory per value
 (``max_nodes``; with `node_limit`, ~23 bytes per byte of input) on top of the
 input (parsing itself takes 100-500 ns per byte); nesting deeper than
-``max_depth`` never reaches the parser.
+``max_depth`` never reaches the parser. A file whose legitimate content is as
+dense as any JSON (a pz_persist manifest: `pz_persist.format.manifest.parse_json`)
+limits its objects per byte instead (``max_objects``), the values that cost
+the most: any JSON then costs at most ~30 bytes of memory per byte.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -55,11 +59,35 @@ def structure(data: bytes) -> tuple[int, int]:
   parsing allocates. Depth is the deepest nesting of ``[``/``{``. For
   invalid JSON the counts mean nothing, but the parser refuses it anyway.
   """
-  nodes, depth, deepest = 1, 0, 0
+  counted = scan(data)
+  return counted.values, counted.depth
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+  """What `scan` counts of a JSON text (see `structure`).
+
+  Attributes:
+    values: Its values and object keys (one more per empty container).
+    depth: Its deepest nesting of ``[`` and ``{``.
+    objects: Its objects (``{`` outside strings): the costliest values to
+      parse (a dict is 64 bytes empty, 184 with a key, against 8 for a small
+      number in a list).
+  """
+
+  values: int
+  depth: int
+  objects: int
+
+
+def scan(data: bytes) -> Counts:
+  """The `Counts` of a JSON text, without parsing it (~25 ns per byte)."""
+  nodes, depth, deepest, objects = 1, 0, 0, 0
   in_string, backslashes = False, 0  # Carried from one chunk to the next.
   view = np.frombuffer(data, np.uint8)
   for start in range(0, len(view), _CHUNK):
-    kinds = _CLASSES.take(view[start:start + _CHUNK])
+    chunk = view[start:start + _CHUNK]
+    kinds = _CLASSES.take(chunk)
     quotes = np.flatnonzero(kinds == _QUOTE)
     escaping = kinds == _BACKSLASH
     if backslashes or escaping.any():
@@ -81,10 +109,14 @@ def structure(data: bytes) -> tuple[int, int]:
     # summed over the brackets alone, not over every byte.
     brackets = np.flatnonzero(opens | (kinds == _CLOSE))
     if len(brackets):
+      objects += int(np.count_nonzero(chunk[brackets] == _BRACE))
       levels = np.cumsum(np.where(opens[brackets], 1, -1)) + depth
       deepest = max(deepest, int(levels.max()))
       depth = int(levels[-1])
-  return nodes, deepest
+  return Counts(nodes, deepest, objects)
+
+
+_BRACE = ord("{")
 
 
 def _escape_runs(escaping: np.ndarray, quotes: np.ndarray, carried: int) -> np.ndarray:
@@ -115,18 +147,28 @@ def node_limit(size: int, *, most: int, bytes_per_node: int = 4) -> int:
   return min(most, size // bytes_per_node + 4096)
 
 
-def check(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> None:
-  """Refuses JSON with more than ``max_nodes`` values or deeper than
-  ``max_depth``, without parsing it (for files another library parses).
+def check(
+    data: bytes, *, where: str, max_nodes: int, max_depth: int, max_objects: int | None = None,
+) -> None:
+  """Refuses JSON with more than ``max_nodes`` values, deeper than
+  ``max_depth`` or with more than ``max_objects`` objects (None: any), without
+  parsing it (for files another library parses).
 
   Raises:
     ManifestError: naming ``where`` and the limit exceeded.
   """
-  nodes, depth = structure(data)
+  counted = scan(data)
+  nodes, depth = counted.values, counted.depth
   if nodes > max_nodes:
     raise errors.ManifestError(
         f"{where}: {nodes} JSON values in {len(data)} bytes, over the limit of"
         f" {max_nodes}; the file is damaged or forged (refused before parsing)."
+    )
+  if max_objects is not None and counted.objects > max_objects:
+    raise errors.ManifestError(
+        f"{where}: {nodes} JSON values in {len(data)} bytes, over the limit for"
+        f" its size: {counted.objects} of them are objects, at most {max_objects}"
+        " are allowed; the file is damaged or forged (refused before parsing)."
     )
   if depth > max_depth:
     raise errors.ManifestError(
@@ -192,7 +234,9 @@ def read_file(path: epath.PathLike, *, max_bytes: int) -> bytes:
   return data
 
 
-def loads(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> Any:
+def loads(
+    data: bytes, *, where: str, max_nodes: int, max_depth: int, max_objects: int | None = None,
+) -> Any:
   """Parses JSON from a checkpoint within the given limits.
 
   Strict JSON only: ``NaN``/``Infinity`` and duplicate object keys (which
@@ -203,11 +247,12 @@ def loads(data: bytes, *, where: str, max_nodes: int, max_depth: int) -> Any:
     where: The file, for error messages.
     max_nodes: Most values (and object keys) the text may hold.
     max_depth: Deepest nesting of arrays and objects allowed.
+    max_objects: Most objects the text may hold (None: any).
 
   Raises:
     ManifestError: over a limit, or not valid JSON; naming ``where``.
   """
-  check(data, where=where, max_nodes=max_nodes, max_depth=max_depth)
+  check(data, where=where, max_nodes=max_nodes, max_depth=max_depth, max_objects=max_objects)
   # Python's garbage collector is left running while parsing, though parsing
   # sets it off often (a collection every 700 containers; pausing it halved
   # the parse of a 1 MB manifest in a process holding a model, 29 ms to 13 ms):

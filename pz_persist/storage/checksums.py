@@ -152,11 +152,7 @@ def _slots(key: str, value: Any) -> list[_Slot]:
     local_whole = value if holder == jax.process_index() else None
     rows = tile_rows(shape, _itemsize(value))
     return [_Slot(key, full_index(shape), holder, local_whole, rows)]
-  owners: dict[Index, jax.Device] = {}
-  for device, slices in value.sharding.devices_indices_map(shape).items():
-    index = _as_index(slices, shape)
-    if index not in owners or device.id < owners[index].id:  # type: ignore[attr-defined]  # jaxlib's Device: no stub.
-      owners[index] = device
+  owners = _owners(value)
   local = {
       shard.device: shard for shard in value.addressable_shards
   }
@@ -168,6 +164,36 @@ def _slots(key: str, value: Any) -> list[_Slot]:
     rows = tile_rows(shape, _itemsize(value)) if index == full_index(shape) else None
     slots.append(_Slot(key, index, owner.process_index, data, rows))
   return slots
+
+
+def _owners(value: jax.Array) -> dict[Index, jax.Device]:
+  """Each distinct slice of a sharded array, and the device hashing it (the
+  lowest id holding it)."""
+  owners: dict[Index, jax.Device] = {}
+  for device, slices in value.sharding.devices_indices_map(value.shape).items():
+    index = _as_index(slices, value.shape)
+    if index not in owners or device.id < owners[index].id:  # type: ignore[attr-defined]  # jaxlib's Device: no stub.
+      owners[index] = device
+  return owners
+
+
+def indices(stored: Mapping[str, Any]) -> dict[str, tuple[Index, ...]]:
+  """The slice of every checksum `HostCopies.digests` will record, by key,
+  from the arrays' shapes, dtypes and shardings alone (nothing copied or
+  read): a manifest's checksums but their digests, known before a save
+  writes anything (`pz_persist.storage.writer.check_publishable`)."""
+  out = {}
+  for key, value in stored.items():
+    shape = tuple(np.shape(value))
+    if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
+      cut = [(index, index == full_index(shape)) for index in sorted(_owners(value))]
+    else:
+      cut = [(full_index(shape), True)]
+    rows = tile_rows(shape, _itemsize(value))
+    out[key] = tuple(
+        piece for index, whole in cut for piece in tile_indices(index, rows if whole else None)
+    )
+  return out
 
 
 def compute(stored: Mapping[str, Any]) -> dict[str, tuple[ShardChecksum, ...]]:

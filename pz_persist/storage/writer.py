@@ -14,7 +14,9 @@ What this module owns, in order:
 
 1. `encode`: the whole tree validated and encoded before anything is written
    (`pz_persist.format.encode`, which copies NumPy values: a save writes the
-   tree as it was called with);
+   tree as it was called with), and the manifest it will publish checked by
+   the reader's own parse and limits (`check_publishable`): a save that
+   succeeds always loads;
 2. the host copies hashed later (`pz_persist.storage.checksums.host_copies`:
    views of the arrays' own buffers on the CPU backend, copies into pinned
    host memory on GPUs), taken before the blocking part of an async save
@@ -56,6 +58,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from pz_persist import errors
 from pz_persist.format import checksum_records
 from pz_persist.format import encode as encode_lib
 from pz_persist.format import manifest as manifest_lib
@@ -106,7 +109,36 @@ def encode(tree: Any) -> Encoded:
           encoded.tree, encoded.variables, at_least=manifest_lib.WRITTEN_FORMAT
       ),
   )
-  return Encoded(manifest, encoded.stored_arrays())
+  stored = encoded.stored_arrays()
+  check_publishable(manifest, stored, what="tree")
+  return Encoded(manifest, stored)
+
+
+PLACEHOLDER_DIGEST = "0" * 32
+"""The digest `check_publishable` records before the arrays are hashed: any
+digest is 32 hex digits, so the manifest checked is the one written, byte
+for byte but for its digests."""
+
+
+def check_publishable(
+    manifest: manifest_lib.Manifest, stored: Mapping[str, Any], *, what: str
+) -> None:
+  """Refuses, before anything is written, a save whose manifest a reader
+  would refuse (`pz_persist.format.manifest.check_publishable`): the one
+  check every save path makes (`encode`, `encode_leaves`).
+
+  The checksums are not computed yet (an async save hashes in the
+  background): the slices they will record are (`checksums.indices`), so
+  the manifest checked differs from the one written only in its digests.
+
+  Raises:
+    EncodingError: naming what a reader would refuse.
+  """
+  slices = checksums.indices(stored)
+  manifest_lib.check_publishable(with_checksums(manifest, {
+      key: tuple(checksum_records.ShardChecksum(index, PLACEHOLDER_DIGEST) for index in found)
+      for key, found in slices.items()
+  }), what=what)
 
 
 def encode_hashed(tree: Any) -> tuple[manifest_lib.Manifest, dict[str, Any]]:
@@ -122,8 +154,8 @@ def with_checksums(
     sums: dict[str, tuple[checksum_records.ShardChecksum, ...]],
 ) -> manifest_lib.Manifest:
   """``manifest`` with the checksums of its stored arrays recorded."""
-  return dataclasses.replace(manifest, arrays=tuple(
-      dataclasses.replace(spec, checksums=sums[spec.key]) if spec.key in sums else spec
+  return manifest.with_arrays(tuple(
+      spec.with_checksums(sums[spec.key]) if spec.key in sums else spec
       for spec in manifest.arrays
   ))
 
@@ -163,7 +195,7 @@ class LeafSave:
     """Writes the records and the manifest (the primary process), once the
     item's directory exists."""
     path = directory / f"{RECORDS_PREFIX}{uuid.uuid4().hex}.json"
-    safe_io.write_small_file(path, json.dumps(self.records, allow_nan=False).encode())
+    safe_io.write_small_file(path, _records_bytes(self.records))
     manifest_lib.write(directory, self.manifest)
 
 
@@ -210,7 +242,21 @@ def encode_leaves(leaves: Sequence[tuple[str, Any]]) -> LeafSave:
        for leaf, (variable, encoded, names) in encoded_of.items()},
       sums,
   )
+  what = f"the variables of leaves {', '.join(map(repr, encoded_of))}"
+  manifest_lib.check_publishable(manifest, what=what)  # Hashed already: as written.
+  try:  # The records file holds the same nodes, read within the manifest's limits.
+    manifest_lib.parse_json(_records_bytes(records), where="records")
+  except errors.ManifestError as e:
+    raise errors.EncodingError(
+        f"{what} cannot be saved: a reader would refuse the records file they need ({e})"
+        " Nothing was written."
+    ) from None
   return LeafSave(stored, leaf_of_array, records, manifest)
+
+
+def _records_bytes(records: dict[str, Any]) -> bytes:
+  """The type handler's records file, as `LeafSave.write` writes it."""
+  return json.dumps(records, allow_nan=False).encode()
 
 
 def _record(

@@ -3,7 +3,8 @@ and convert pretrained weights to native ones.
 
 Exit status follows ``diff``: 0 on success (for ``diff``: identical), 1 when
 ``diff`` finds differences or ``verify`` finds damage, 2 on errors (bad
-arguments, not a checkpoint).
+arguments, not a checkpoint), and for ``verify`` 3 when a checkpoint could
+not be checked (`COULD_NOT_CHECK`).
 """
 
 from __future__ import annotations
@@ -142,20 +143,46 @@ def _width() -> int:
   return shutil.get_terminal_size(fallback=(120, 24)).columns
 
 
+DAMAGED = 1
+"""``verify``'s exit status when it found damage (as ``diff``'s differences)."""
+
+COULD_NOT_CHECK = 3
+"""``verify``'s exit status when a checkpoint could not be checked and none
+was found damaged: verify itself failed (an unexpected error in pz_persist or
+a library it uses, or the machine ran out of memory), which says nothing
+about the checkpoint. Distinct from `DAMAGED` (1), so that a script never
+deletes or restores a healthy checkpoint because a check crashed, and from
+2 (bad arguments, not a checkpoint)."""
+
+
 def _verify(args: argparse.Namespace) -> int:
-  reports = []
+  records: list[dict[str, Any]] = []
+  damaged = unchecked = 0
   for path in args.paths:
-    report = verifying.verify(path, progress=_progress(args))
-    reports.append(report)
+    try:
+      report = verifying.verify(path, progress=_progress(args))
+    except errors.PzPersistError:
+      raise  # Not a checkpoint, refused: an error (2), said by `main`.
+    except Exception as e:  # pylint: disable=broad-except
+      # A failure of the check itself: not damage, and not to be hidden.
+      unchecked += 1
+      problem = f"{type(e).__name__}: {e}"
+      records.append(verifying.unchecked_record(path, problem))
+      _print(
+          f"pz-persist: could not check {path}: verify failed ({_one_line(problem)[:500]})."
+          " This is not damage: the checkpoint may be intact. Please report it"
+          " (exit status 3).", file=sys.stderr)
+      continue
+    damaged += not report.ok
+    records.append(report.record())
     if not args.json:
       _print(str(report))
-  damaged = sum(not report.ok for report in reports)
   if args.json:
     _print_json(verifying.JSON_SCHEMA, {
-        "ok": not damaged,
-        "checkpoints": [report.record() for report in reports],
+        "ok": not damaged and not unchecked,
+        "checkpoints": records,
     })
-  return 1 if damaged else 0
+  return DAMAGED if damaged else COULD_NOT_CHECK if unchecked else 0
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -363,7 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="check every file and array against its recorded checksum",
       description="Read each checkpoint whole and compare every file and every"
       " array with the checksums recorded when it was saved; name every damaged"
-      " file and label. Exits 0 if all are intact, 1 if any is damaged.",
+      " file and label. Exits 0 if all are intact, 1 if any is damaged, 2 on"
+      " errors (not a checkpoint), 3 if one could not be checked (verify"
+      " itself failed: not damage) and none is damaged.",
   )
   verify.add_argument("paths", nargs="+", metavar="path")
   verify.add_argument("--quiet", action="store_true", help="no progress bars")

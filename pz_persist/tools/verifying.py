@@ -40,6 +40,16 @@ JSON_SCHEMA = "pz-persist.verify/1"
 """The ``schema`` of ``pz-persist verify --json`` (docs/reference/cli-json.md)."""
 
 
+def unchecked_record(path: str, problem: str) -> dict[str, Any]:
+  """The ``pz-persist verify --json`` entry of a checkpoint that could not be
+  checked: verify itself failed with ``problem`` (not damage)."""
+  return {
+      "path": path, "ok": False, "checked": False, "error": problem,
+      "arrays_checked": 0, "files_checked": None, "objects_checked": None,
+      "damaged": [], "unverified": [], "objects_unchecked": [],
+  }
+
+
 @dataclasses.dataclass(frozen=True)
 class VerifyReport:
   """What `verify` found.
@@ -75,6 +85,8 @@ class VerifyReport:
     return {
         "path": self.path,
         "ok": self.ok,
+        "checked": True,
+        "error": None,
         "arrays_checked": self.arrays_checked,
         "files_checked": self.files_checked,
         "objects_checked": self.objects_checked,

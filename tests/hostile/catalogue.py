@@ -911,7 +911,7 @@ CASES: list[Case] = [
          MANIFEST_RE + r": shared\[5\] is a array node: a shared entry holds static values only"),
     Case("f4_shared_refers_to_shared", edit4(_set(("shared", 0), [3, [5]])),
          errors.ManifestError,
-         MANIFEST_RE + r": shared\[0\]\.items\[0\] refers to a shared entry from a shared entry"),
+         MANIFEST_RE + r": shared\[0\]\[0\] refers to a shared entry from a shared entry"),
     Case("f4_tree_is_a_reference", edit4(_set(("tree",), 2)), errors.ManifestError,
          MANIFEST_RE + r": tree must be a node"),
     Case("f4_node_with_a_field_too_many", edit4(lambda m: m["tree"].append(1)),

@@ -137,9 +137,10 @@ except errors.PzPersistError as e:
 
 def test_real_manifests_are_far_from_the_limits(ckpt):
   data = (ckpt / "penzai" / "pz_persist.json").read_bytes()
-  nodes, depth = bounded_json.structure(data)
-  assert nodes * manifest_lib.MIN_BYTES_PER_NODE * 1.5 < len(data)
-  assert depth * 4 < manifest_lib.MAX_JSON_DEPTH
+  counts = bounded_json.scan(data)
+  assert counts.values * 4 < manifest_lib.MAX_MANIFEST_NODES
+  assert counts.objects * manifest_lib.MIN_BYTES_PER_OBJECT * 1.5 < len(data)
+  assert counts.depth * 4 < manifest_lib.MAX_JSON_DEPTH
 
 
 def _exact(value) -> tuple[int, int]:
