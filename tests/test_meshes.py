@@ -144,7 +144,9 @@ def test_the_cli_shows_and_compares_meshes(tmp_path, capsys):
   assert "mlp/Affine_0/Linear.weights" in capsys.readouterr().out
   assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
   out = capsys.readouterr().out
-  row = next(line for line in out.splitlines() if "tree.sublayers[0].mesh" in line)
+  lines = out.splitlines()
+  at = next(i for i, line in enumerate(lines) if "tree.sublayers[0].mesh" in line)
+  row = " ".join(lines[at:at + 2])  # A row is one line, or two at 80 columns.
   assert row.startswith("changed") and "mesh(data=2, model=4) -> mesh(data=4, model=2)" in row
 
 

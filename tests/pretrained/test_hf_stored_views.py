@@ -88,7 +88,7 @@ def test_decoded_view(tmp_path, rng):
 
   with weights_lib.Weights(folder, None) as weights:
     weights.add_views([weights_lib.decoded("w", ["w.q", "w.s"], (4, 6), np.float32, decode,
-                                           "int8 rows")])
+                                           "int8 rows", working_bytes=4 * 7 * 4)])
     np.testing.assert_array_equal(weights.where["w"].get("w"), q * s)
     assert [v.name for v in weights.decoded()] == ["w"]
     from pz_persist.pretrained.hf import load  # pylint: disable=import-outside-toplevel
@@ -97,7 +97,7 @@ def test_decoded_view(tmp_path, rng):
       load._say_decoded(weights, folder)  # pylint: disable=protected-access
   with weights_lib.Weights(folder, None) as weights:
     weights.add_views([weights_lib.decoded("w", ["w.q", "w.s"], (4, 7), np.float32, decode,
-                                           "int8 rows")])
+                                           "int8 rows", working_bytes=4 * 7 * 4)])
     with pytest.raises(errors.SafetensorsFormatError, match="declared"):
       weights.where["w"].get("w")
 
