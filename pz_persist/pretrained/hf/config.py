@@ -311,10 +311,14 @@ def _scaling(cfg: Config, key: str, params: Mapping[str, Any], rope_type: str,
   for field in sorted(required):
     if field not in fields:
       raise cfg.unsupported(f"{key}.{field}", None, f"rope_type {rope_type!r} requires it")
-  if rope_type == "llama3" and fields["high_freq_factor"] <= fields["low_freq_factor"]:
+  # Equal factors leave no band to blend (Llama 4 Scout's 1 and 1: every
+  # wavelength beyond the original context divided by ``factor``, the rest
+  # kept), which transformers computes and `ApplyScaledRoPE` too; a high
+  # factor below the low one turns the band inside out (transformers warns).
+  if rope_type == "llama3" and fields["high_freq_factor"] < fields["low_freq_factor"]:
     raise cfg.unsupported(
         f"{key}.high_freq_factor", fields["high_freq_factor"],
-        f"must be greater than low_freq_factor={fields['low_freq_factor']}",
+        f"must be at least low_freq_factor={fields['low_freq_factor']}",
     )
   return RopeScaling(rope_type, fields)
 
