@@ -366,19 +366,47 @@ def bool_field(cfg: Config, key: str, default: bool, supported: bool, why: str) 
     raise cfg.unsupported(key, value, why)
 
 
-def lm_head_source(cfg: Config, tied: bool, names: set[str], head: str, embed: str) -> str:
-  """The tensor holding the output projection, honouring tied embeddings.
+def lm_head_source(cfg: Config, tied: bool, weights: Any, head: str, embed: str) -> str:
+  """The tensor holding the output projection: the stored head when there is
+  one, else the embeddings if tied.
+
+  transformers 5 ties the head to the embeddings only when the checkpoint
+  lacks the head or holds it equal to the embeddings: a stored head that
+  differs is kept untied even under ``tie_word_embeddings: true`` (with a
+  warning). Reading the stored head whenever there is one gives exactly
+  that, without comparing the two: equal, they are the same values.
+  ``weights`` (a folder's `pz_persist.pretrained.hf.weights.Weights`, or
+  export's stand-in, which holds every head name) gives the names stored.
 
   Penzai's ``tie_embedder_and_logits`` also rescales the input embeddings by
   sqrt(embedding_dim) (a Gemma convention), so tied Llama-style models are
   built untied, with the embedding table loaded a second time as the head.
   """
+  if tied and getattr(weights, "stand_in", False):
+    return embed  # Export: a tied model is written as the embeddings alone.
+  if head in weights.names:
+    return head
   if tied:
     return embed
-  if head not in names:
+  raise cfg.unsupported(
+      "tie_word_embeddings", cfg.raw.get("tie_word_embeddings"),
+      f"the checkpoint has no {head!r} tensor, so the output projection"
+      " would be missing; set tie_word_embeddings=true if it is tied",
+  )
+
+
+def tied_head_only(cfg: Config, weights: Any, head: str, why: str) -> None:
+  """Refuses ``tie_word_embeddings: false``, and a stored output head, for a
+  family whose Penzai model ties the head to the embeddings (Gemma).
+
+  Why the stored head: transformers 5 uses it, untied, when it differs from
+  the embeddings, which the tied Penzai model cannot hold; telling the two
+  cases apart would mean reading both tables before anything is checked.
+  """
+  bool_field(cfg, "tie_word_embeddings", True, True, why)
+  if head in weights.names and not getattr(weights, "stand_in", False):
     raise cfg.unsupported(
-        "tie_word_embeddings", cfg.raw.get("tie_word_embeddings"),
-        f"the checkpoint has no {head!r} tensor, so the output projection"
-        " would be missing; set tie_word_embeddings=true if it is tied",
-    )
-  return head
+        "tie_word_embeddings", cfg.raw.get("tie_word_embeddings", True),
+        f"the checkpoint also stores {head!r}, which transformers 5 uses instead of the"
+        f" embeddings when the two differ; {why}. Remove the tensor if it equals the"
+        " embeddings")

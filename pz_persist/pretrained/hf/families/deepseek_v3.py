@@ -352,7 +352,7 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   check_layers(cfg, main_layers(weights.names, sizes.layers, mtp), DECODER_LAYERS, sizes.layers)
   if sizes.dense_layers < sizes.layers and isinstance(weights, Weights):  # Not export's stand-in.
     check_expert_count(cfg, weights.names, sizes.dense_layers, moe.experts)
-  head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD, "model.embed_tokens.weight")
+  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "model.embed_tokens.weight")
   dtype = weights.dtype
   h = sizes.hidden
   views: list[Any] = []

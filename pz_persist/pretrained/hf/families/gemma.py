@@ -32,6 +32,7 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import tied_head_only
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -46,6 +47,7 @@ from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families.llama import attention_sizes
 from pz_persist.pretrained.hf.families.llama import block_specs
 from pz_persist.pretrained.hf.families.llama import full_rotary_wavelength
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
@@ -96,8 +98,8 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
   bool_field(cfg, "attention_bias", False, False, "Penzai's llama-like attention has no biases")
   bool_field(cfg, "use_bidirectional_attention", False, False,
              "Penzai's Gemma attention is causal")
-  bool_field(cfg, "tie_word_embeddings", True, True,
-             "Penzai's Gemma ties the output projection to the embedding table")
+  tied_head_only(cfg, weights, DECODER_HEAD,
+                 "Penzai's Gemma ties the output projection to the embedding table")
   layers = cfg.require("num_hidden_layers")
   gemma2_settings: dict[str, Any] = {}
   window, types = None, None

@@ -46,6 +46,7 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import rope
 from pz_persist.pretrained.hf.config import scaled_rope
+from pz_persist.pretrained.hf.config import tied_head_only
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -64,6 +65,7 @@ from pz_persist.pretrained.hf.families.llama import block_specs
 from pz_persist.pretrained.hf.families.llama import with_scaled_rope
 from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
 from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
@@ -95,8 +97,8 @@ def gemma3_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   bool_field(cfg, "attention_bias", False, False, "Gemma 3's attention has no biases")
   bool_field(cfg, "use_bidirectional_attention", False, False,
              "Penzai's Gemma attention is causal (this is EmbeddingGemma's setting)")
-  bool_field(cfg, "tie_word_embeddings", True, True,
-             "Penzai's Gemma ties the output projection to the embedding table")
+  tied_head_only(cfg, weights, DECODER_HEAD,
+                 "Penzai's Gemma ties the output projection to the embedding table")
   layers = cfg.require("num_hidden_layers")
   (local_theta, global_theta, scaling), window, kinds = _rope(cfg), *_window_and_types(cfg, layers)
   config = llamalike_common.LlamalikeTransformerConfig(

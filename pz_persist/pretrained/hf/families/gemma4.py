@@ -59,6 +59,7 @@ from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import STRING
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import tied_head_only
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import first_layer
@@ -74,6 +75,7 @@ from pz_persist.pretrained.hf.families.llama import attention_sizes
 from pz_persist.pretrained.hf.families.llama import block_specs
 from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
 from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
@@ -124,8 +126,8 @@ def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
                                                       head_dim_default=256)
   check_activation(cfg)
   bool_field(cfg, "attention_bias", False, False, "Gemma 4's attention has no biases")
-  bool_field(cfg, "tie_word_embeddings", True, True,
-             "Gemma 4 ties the output projection to the embedding table")
+  tied_head_only(cfg, weights, DECODER_HEAD,
+                 "Gemma 4 ties the output projection to the embedding table")
   bidirectional = cfg.get("use_bidirectional_attention")
   if bidirectional not in (None, "vision"):
     raise cfg.unsupported("use_bidirectional_attention", bidirectional,

@@ -83,7 +83,7 @@ def gpt_neox_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, NEOX_LAYERS, config.num_decoder_blocks)
-  head_source = lm_head_source(cfg, tied, weights.names, NEOX_HEAD,
+  head_source = lm_head_source(cfg, tied, weights, NEOX_HEAD,
                                 "gpt_neox.embed_in.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)

@@ -239,7 +239,7 @@ def llama_plan(
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, DECODER_LAYERS, config.num_decoder_blocks)
-  head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD,
+  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD,
                                 "model.embed_tokens.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype,

@@ -156,7 +156,7 @@ def qwen3_5_text_plan(cfg: Config, weights: Weights, root: str = _TEXT,
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, root + "layers.", layers)
-  head_source = lm_head_source(cfg, tied, weights.names, head, root + "embed_tokens.weight")
+  head_source = lm_head_source(cfg, tied, weights, head, root + "embed_tokens.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
   types = kinds(layers)
