@@ -6,7 +6,7 @@ holds it equal to the embeddings; a stored head that differs is used,
 untied, with a warning. `load_hf` reads the stored head whenever there is
 one (`pz_persist.pretrained.hf.config.lm_head_source`), which is that
 choice in both cases. Gemma's Penzai model always ties, so a Gemma folder
-storing a head is refused (`tied_head_only`) rather than read one way or
+storing a head is refused (`refuse_stored_head`) rather than read one way or
 the other.
 """
 

@@ -395,15 +395,15 @@ def lm_head_source(cfg: Config, tied: bool, weights: Any, head: str, embed: str)
   )
 
 
-def tied_head_only(cfg: Config, weights: Any, head: str, why: str) -> None:
-  """Refuses ``tie_word_embeddings: false``, and a stored output head, for a
-  family whose Penzai model ties the head to the embeddings (Gemma).
+def refuse_stored_head(cfg: Config, weights: Any, head: str, why: str) -> None:
+  """Refuses a stored output head for a family whose Penzai model ties the
+  head to the embeddings (Gemma; ``why`` says so). Called once the config
+  is checked, as it reads the weights' names.
 
-  Why the stored head: transformers 5 uses it, untied, when it differs from
-  the embeddings, which the tied Penzai model cannot hold; telling the two
-  cases apart would mean reading both tables before anything is checked.
+  Why: transformers 5 uses a stored head, untied, when it differs from the
+  embeddings, which the tied Penzai model cannot hold; telling that from an
+  equal copy would mean reading both tables before anything is checked.
   """
-  bool_field(cfg, "tie_word_embeddings", True, True, why)
   if head in weights.names and not getattr(weights, "stand_in", False):
     raise cfg.unsupported(
         "tie_word_embeddings", cfg.raw.get("tie_word_embeddings", True),

@@ -32,7 +32,7 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
-from pz_persist.pretrained.hf.config import tied_head_only
+from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -98,8 +98,8 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
   bool_field(cfg, "attention_bias", False, False, "Penzai's llama-like attention has no biases")
   bool_field(cfg, "use_bidirectional_attention", False, False,
              "Penzai's Gemma attention is causal")
-  tied_head_only(cfg, weights, DECODER_HEAD,
-                 "Penzai's Gemma ties the output projection to the embedding table")
+  bool_field(cfg, "tie_word_embeddings", True, True,
+             "Penzai's Gemma ties the output projection to the embedding table")
   layers = cfg.require("num_hidden_layers")
   gemma2_settings: dict[str, Any] = {}
   window, types = None, None
@@ -131,6 +131,8 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, DECODER_LAYERS, layers)
+  refuse_stored_head(cfg, weights, DECODER_HEAD,
+                     "Penzai's Gemma ties the output projection to the embedding table")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
   if gemma2:

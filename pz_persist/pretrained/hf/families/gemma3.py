@@ -44,9 +44,9 @@ from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config import rope
 from pz_persist.pretrained.hf.config import scaled_rope
-from pz_persist.pretrained.hf.config import tied_head_only
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -97,8 +97,8 @@ def gemma3_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   bool_field(cfg, "attention_bias", False, False, "Gemma 3's attention has no biases")
   bool_field(cfg, "use_bidirectional_attention", False, False,
              "Penzai's Gemma attention is causal (this is EmbeddingGemma's setting)")
-  tied_head_only(cfg, weights, DECODER_HEAD,
-                 "Penzai's Gemma ties the output projection to the embedding table")
+  bool_field(cfg, "tie_word_embeddings", True, True,
+             "Penzai's Gemma ties the output projection to the embedding table")
   layers = cfg.require("num_hidden_layers")
   (local_theta, global_theta, scaling), window, kinds = _rope(cfg), *_window_and_types(cfg, layers)
   config = llamalike_common.LlamalikeTransformerConfig(
@@ -124,6 +124,8 @@ def gemma3_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, root + "layers.", layers)
+  refuse_stored_head(cfg, weights, DECODER_HEAD,
+                     "Penzai's Gemma ties the output projection to the embedding table")
   types = kinds(layers)
   config = _with_attention_types(config, types, window)
 

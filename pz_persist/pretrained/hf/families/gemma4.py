@@ -59,7 +59,7 @@ from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import STRING
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
-from pz_persist.pretrained.hf.config import tied_head_only
+from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import first_layer
@@ -126,8 +126,8 @@ def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
                                                       head_dim_default=256)
   check_activation(cfg)
   bool_field(cfg, "attention_bias", False, False, "Gemma 4's attention has no biases")
-  tied_head_only(cfg, weights, DECODER_HEAD,
-                 "Gemma 4 ties the output projection to the embedding table")
+  bool_field(cfg, "tie_word_embeddings", True, True,
+             "Gemma 4 ties the output projection to the embedding table")
   bidirectional = cfg.get("use_bidirectional_attention")
   if bidirectional not in (None, "vision"):
     raise cfg.unsupported("use_bidirectional_attention", bidirectional,
@@ -152,6 +152,8 @@ def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, root + "layers.", layers)
+  refuse_stored_head(cfg, weights, DECODER_HEAD,
+                     "Gemma 4 ties the output projection to the embedding table")
   kinds = _kinds(cfg, types_field, layers)
   plan_layers = _layers(cfg, kinds, shared_count, head_dim, kv_heads, global_sizes(kinds),
                         keys_are_values, intermediate, double_wide, heads)
