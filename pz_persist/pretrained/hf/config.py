@@ -134,6 +134,17 @@ means "absent, use the default"). Sizes are positive integers: a float is
 refused, never truncated, and a zero never reaches a division."""
 
 
+FROM_TABLE: Any = type("FromTable", (), {"__repr__": lambda self: "FROM_TABLE"})()
+"""A `Config.get` default meaning "the family's row of
+`pz_persist.pretrained.hf.families.family_defaults.DEFAULTS` has it"."""
+
+
+DERIVED = frozenset({"num_key_value_heads", "head_dim"})
+"""Fields whose absence transformers' config classes fill from other fields
+(as many key/value heads as heads; ``hidden_size // num_attention_heads``),
+as the mappings do, unless the family's row of the table has a fixed value."""
+
+
 class Config:
   """A ``config.json`` dict that records which fields were consulted.
 
@@ -143,18 +154,43 @@ class Config:
   """
 
   def __init__(self, raw: Mapping[str, Any], where: str,
-               fields: Mapping[str, tuple[Callable[[Any], bool], str]] | None = None):
+               fields: Mapping[str, tuple[Callable[[Any], bool], str]] | None = None,
+               defaults: Mapping[str, Any] | None = None):
     """``fields``: the family's own fields, checked like `SCHEMA`'s
-    (`pz_persist.pretrained.hf.record.Family.fields`)."""
+    (`pz_persist.pretrained.hf.record.Family.fields`). ``defaults``: the
+    ``model_type``'s row of `pz_persist.pretrained.hf.families.family_defaults.DEFAULTS`,
+    transformers' config class's value of each field a plan may find absent."""
     self.raw = dict(raw)
     self.where = where
     self.used: set[str] = set()
     self.schema = {**SCHEMA, **(fields or {})}
+    self.defaults = dict(defaults or {})
+    self.fallbacks: dict[str, Any] = {}
+    """The absent fields a plan read with a default of its own, not the
+    table's (none, for every family: a test loads each from a config.json
+    of sizes alone and checks)."""
 
   def get(self, key: str, default: Any = None) -> Any:
+    """``key``'s checked value. If absent (or null): None when ``default``
+    is None (the caller asks whether it is there), else the table's default
+    (``defaults``), or ``default`` where the table has none."""
     self.used.add(key)
     value = self.raw.get(key)
-    return default if value is None else self.checked(key, value)
+    if value is not None:
+      return self.checked(key, value)
+    return None if default is None else self.default(key, default)
+
+  def default(self, key: str, fallback: Any) -> Any:
+    """What an absent ``key`` means: the table's value, else ``fallback``
+    (recorded in `fallbacks` unless None)."""
+    if key in self.defaults:
+      return self.defaults[key]
+    if fallback is FROM_TABLE:
+      raise AssertionError(f"{key!r} has no default in family_defaults.DEFAULTS for"
+                           f" {self.where} (a bug: please report it)")
+    if fallback is not None and key not in DERIVED:
+      self.fallbacks[key] = fallback
+    return fallback
 
   def nullable(self, key: str, default: Any) -> Any:
     """``key``'s value; ``default`` if the field is absent, None if it is an
@@ -166,8 +202,12 @@ class Config:
     return self.get(key, default)
 
   def require(self, key: str) -> Any:
+    """``key``'s checked value; if absent, the table's default, or refused
+    when the table has none (a size transformers' default would make huge)."""
     self.used.add(key)
     if self.raw.get(key) is None:
+      if key in self.defaults:
+        return self.defaults[key]
       raise UnsupportedConfigError(f"{self.where}: required field {key!r} is missing.")
     return self.checked(key, self.raw[key])
 
@@ -350,7 +390,11 @@ def _agreeing(cfg: Config, key: str, params: Mapping[str, Any], name: str, other
     second = None if second is None else cfg.checked(where, second)
   if value is not None and second is not None and value != second:
     raise cfg.unsupported(where, second, f"{key}.{name}={value!r} says otherwise")
-  return next((v for v in (value, second) if v is not None), default)
+  found = next((v for v in (value, second) if v is not None), None)
+  if found is not None:
+    return found
+  # A top-level field's absence means the family's default (the table's).
+  return cfg.default(name, default) if top_level else default
 
 
 TANH_GELU = frozenset({"gelu_pytorch_tanh", "gelu_fast", "gelu_new"})

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.families import family_defaults
 from pz_persist.pretrained.hf.weights import Weights
 
 _log = logging.getLogger("pz_persist.pretrained.hf")
@@ -27,7 +28,8 @@ def text_config(cfg: Config, text: Any, folder_type: str, text_type: str,
   ``cfg`` before checking that it used every field) as a `Config` checked
   by the family's ``fields``, refused unless its ``model_type`` is
   ``text_type`` (or absent)."""
-  text_cfg = Config(text, f"{cfg.where} (text_config)", fields)
+  text_cfg = Config(text, f"{cfg.where} (text_config)", fields,
+                    family_defaults.DEFAULTS.get(text_type))
   found = text_cfg.get("model_type", text_type)
   if found != text_type:
     raise text_cfg.unsupported("model_type", found,

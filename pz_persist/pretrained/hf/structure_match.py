@@ -17,6 +17,7 @@ from penzai import pz
 from pz_persist import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.families import family_defaults
 from pz_persist.pretrained.hf.plan import Plan
 
 ExportError = errors.ExportError
@@ -156,7 +157,8 @@ def matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any],
   for candidate in candidates:
     try:
       plan = candidate(Config(config, f"config derived for {folder}",
-                              families.FAMILY_OF[family].fields), weights)
+                              families.FAMILY_OF[family].fields,
+                              family_defaults.DEFAULTS.get(family)), weights)
       return plan, _check_structure(plan, model, family)
     except errors.UnsupportedConfigError as e:  # A field the family cannot take.
       refusal = refusal or ExportError(

@@ -38,6 +38,7 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
@@ -205,12 +206,12 @@ def _rope(cfg: Config) -> tuple[float, float, Any]:
     local_view = {"rope_parameters": {"rope_theta": 10_000.0, **local}}
     full_view = {"rope_parameters": {"rope_theta": 1_000_000.0, **full}, **extra}
   else:
-    local_view = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
-    full_view = {"rope_theta": cfg.get("rope_theta", 1_000_000.0),
+    local_view = {"rope_theta": cfg.get("rope_local_base_freq", FROM_TABLE)}
+    full_view = {"rope_theta": cfg.get("rope_theta", FROM_TABLE),
                  "rope_scaling": cfg.get("rope_scaling"), **extra}
   cfg.get("max_position_embeddings")
-  local_cfg = Config(local_view, f"{cfg.where} (sliding_attention RoPE)")
-  full_cfg = Config(full_view, f"{cfg.where} (full_attention RoPE)")
+  local_cfg = Config(local_view, f"{cfg.where} (sliding_attention RoPE)", defaults=cfg.defaults)
+  full_cfg = Config(full_view, f"{cfg.where} (full_attention RoPE)", defaults=cfg.defaults)
   local_theta, local_fraction = rope(local_cfg, 10_000.0)
   theta, fraction, scaling = scaled_rope(full_cfg, 1_000_000.0, 131_072)
   if (local_fraction, fraction) != (1.0, 1.0):

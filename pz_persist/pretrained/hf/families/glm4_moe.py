@@ -20,6 +20,7 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -70,8 +71,10 @@ def _partial_rotary(cfg: Config) -> float:
   values = {v for v in found if v is not None}
   if len(values) > 1:
     raise cfg.unsupported("partial_rotary_factor", sorted(values), "given twice, differently")
-  cfg.raw.pop("partial_rotary_factor", None)
-  return values.pop() if values else 0.5
+  # Llama's reader, which refuses partial rotary, sees a full one (not the
+  # table's GLM default of one half, which is read here).
+  cfg.raw["partial_rotary_factor"] = 1.0
+  return values.pop() if values else cfg.default("partial_rotary_factor", FROM_TABLE)
 
 
 @dataclasses.dataclass

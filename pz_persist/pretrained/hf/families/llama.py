@@ -16,6 +16,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import RopeScaling
@@ -231,7 +232,7 @@ def llama_plan(
       mlp_variant=mlp_variant,
       tie_embedder_and_logits=False,
       rope_wavelength=theta,
-      rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+      rms_norm_eps=float(cfg.get("rms_norm_eps", FROM_TABLE)),
       attention_type=llamalike_common.AttentionTypeGlobalCausal(),  # Set below.
       parameter_dtype=None,
       activation_dtype=None,

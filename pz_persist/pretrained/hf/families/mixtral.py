@@ -24,7 +24,6 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.moe_common import TRAINING_ONLY
@@ -51,7 +50,6 @@ FIELDS = {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT
 
 def mixtral_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Mixtral checkpoint (transformers' ``MixtralConfig`` defaults)."""
-  with_defaults(cfg, rope_theta=1e6, rms_norm_eps=1e-5, intermediate_size=14336)
   experts_count, top_k, neurons = read_experts(cfg, "num_local_experts", "intermediate_size")
   read_training_only(cfg)
   window = cfg.nullable("sliding_window", None)

@@ -25,12 +25,12 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
 from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
@@ -49,8 +49,7 @@ _QK = {"query": "q_norm", "key": "k_norm"}
 def olmo2_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping (with ``attention_bias``) turned into OLMo 2's blocks."""
   bool_field(cfg, "mlp_bias", False, False, "OLMo's MLP has no biases")
-  with_defaults(cfg, rms_norm_eps=1e-5)
-  return olmo_blocks(llama_plan(cfg, weights), float(cfg.get("rms_norm_eps")))
+  return olmo_blocks(llama_plan(cfg, weights), float(cfg.get("rms_norm_eps", FROM_TABLE)))
 
 
 def olmo_blocks(plan: Plan, epsilon: float) -> Plan:

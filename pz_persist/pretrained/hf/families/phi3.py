@@ -40,7 +40,6 @@ from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
@@ -79,7 +78,6 @@ def _dropout(value: Any) -> bool:
 
 def phi3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping with Phi-3's fused tensors, RoPE and window."""
-  with_defaults(cfg, rms_norm_eps=1e-5)
   cfg.get("resid_pdrop")  # Dropout: inactive at inference.
   # The Hub's Phi-3 folders name Microsoft's remote code, which transformers'
   # own Phi3 class (the reference, and what export writes) replaces.

@@ -32,7 +32,6 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
@@ -85,7 +84,6 @@ def moe_layers(cfg: Config) -> Callable[[int], tuple[int, ...]]:
 
 def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Qwen3-MoE checkpoint (transformers' ``Qwen3MoeConfig`` defaults)."""
-  with_defaults(cfg, intermediate_size=6144)
   experts_count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size",
                                                aliases=("num_local_experts",))
   normalize = cfg.get("norm_topk_prob", False)

@@ -25,7 +25,6 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
 from pz_persist.pretrained.hf.families.llama import Attention
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
@@ -51,7 +50,6 @@ def _positive_int(value: Any) -> bool:
 
 def smollm3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping without RoPE in the layers ``no_rope_layers`` says."""
-  with_defaults(cfg, rope_theta=2_000_000.0, tie_word_embeddings=True)
   # Written by transformers 4's SmolLM3Config (copied from Qwen2's);
   # transformers 5 reads layer_types instead.
   cfg.get("max_window_layers")
