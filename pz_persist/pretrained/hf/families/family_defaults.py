@@ -159,7 +159,8 @@ NOT_IN_TRANSFORMERS["gpt_neox"] = {
     "rotary_emb_base": "transformers 4's name of rope_theta, whose default (10,000) it is",
     "rotary_pct": "transformers 4's name of partial_rotary_factor, whose default (0.25) it is"}
 NOT_IN_TRANSFORMERS["deepseek_v3"] = NOT_IN_TRANSFORMERS["glm4_moe"] = {
-    field: f"DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 always computes {value}"
+    field: (f"DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5"
+            f" always computes {value}")
     for field, value in (("scoring_func", "sigmoid scores"),
                          ("topk_method", "noaux_tc (a selection-only bias)"),
                          ("moe_layer_freq", "every layer from first_k_dense_replace on as MoE"))}
