@@ -53,6 +53,7 @@ from pz_persist import errors
 from pz_persist import sharding as sharding_lib
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.families import family_defaults
 from pz_persist.pretrained.hf.families import gemma4
 
 _log = logging.getLogger("pz_persist.pretrained.gemma")
@@ -404,5 +405,6 @@ def load(path: Any, params: Mapping[str, Mapping[str, np.ndarray]], config: dict
   return gemma3_flax.bind_plan(
       path, arrays,
       lambda standin: gemma4.gemma4_text_plan(
-          Config(dict(config), f"{path} (Gemma 4 settings)", gemma4.RECORD.fields), standin),
+          Config(dict(config), f"{path} (Gemma 4 settings)", gemma4.RECORD.fields,
+                 family_defaults.DEFAULTS["gemma4_text"]), standin),
       sharding, tracker)
