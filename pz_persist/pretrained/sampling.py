@@ -20,6 +20,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer import sampling_mode
 
+from pz_persist import errors
 from pz_persist.pretrained.layers.gated_delta_net import CachingGatedDeltaNet
 from pz_persist.pretrained.layers.gated_delta_net import GatedDeltaNet
 from pz_persist.pretrained.layers.kv_sharing import key_axes
@@ -67,6 +68,13 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
       for i, (path, layer) in enumerate(delta_nets.selected_by_path.items())}
   sampler = dataclasses.replace(sampler, body=delta_nets.set_by_path(caching))
   longrope = pz.select(model.body).at_instances_of(ApplyLongRoPE).get_sequence()
+  if longrope and caching:
+    # The recomputation rewinds the caches' end; a recurrent state has none.
+    raise errors.ArgumentError(
+        "kv_caching_lm: this model has both LongRoPE layers, whose cache is recomputed where"
+        " the sequence crosses the original context, and gated DeltaNet layers, whose"
+        " recurrent state cannot be rewound to recompute; no family pz_persist loads has"
+        " both, so the model was edited into one that cannot be sampled this way.")
   if longrope:
     return LongRopeKVCachingLM.wrapping(
         sampler, tuple(layer.original_max_position_embeddings for layer in longrope))

@@ -12,6 +12,7 @@ shown here to differ from ``generate`` (so the check binds).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ from penzai.models.transformer import simple_decoding_loop
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as harness
+from pz_persist import errors
+from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
 from pz_persist.pretrained.layers.longrope import LongRopeKVCachingLM
 
 _ORIGINAL = 6
@@ -34,11 +37,28 @@ def _factors(n: int, seed: int) -> list[float]:
   return [round(float(x), 4) for x in np.random.default_rng(seed).uniform(1.0, 6.0, n)]
 
 
+_MADE: dict[str, tuple] = {}
+
+
 @pytest.fixture(scope="module", params=["full", "partial"])
 def saved(request, tmp_path_factory):
   """A tiny Phi-3 with longrope (original context 6), on every rotated pair
   (Phi-3.5-mini) or on 3/4 of each head (Phi-4-mini)."""
-  partial = request.param == "partial"
+  if request.param not in _MADE:
+    _MADE[request.param] = _made(request.param, tmp_path_factory)
+  return _MADE[request.param]
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+  """The whole-head case alone (for the slower eager checks)."""
+  if "full" not in _MADE:
+    _MADE["full"] = _made("full", tmp_path_factory)
+  return _MADE["full"]
+
+
+def _made(name: str, tmp_path_factory):
+  partial = name == "partial"
   pairs = 6 if partial else 4
   rope = {"rope_type": "longrope", "rope_theta": 10000.0,
           "short_factor": _factors(pairs, 0), "long_factor": _factors(pairs, 1),
@@ -48,7 +68,7 @@ def saved(request, tmp_path_factory):
       "max_position_embeddings": 64, "original_max_position_embeddings": _ORIGINAL,
       "rope_parameters": rope, "eos_token_id": None, "bos_token_id": None})
   model = case.make()
-  folder = tmp_path_factory.mktemp(request.param)
+  folder = tmp_path_factory.mktemp(name)
   model.save_pretrained(folder, safe_serialization=True)
   return folder, model
 
@@ -84,8 +104,17 @@ def _sampler(model, jitted: bool, plain: bool = False):
   return harness._jitted(sampler) if jitted else sampler  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_greedy_generation_across_the_original_context_matches_generate(saved, jitted):
+def test_greedy_generation_across_the_original_context_matches_generate(saved):
+  """Compiled (the crossing under ``jax.lax.cond``), both cases."""
+  _check_generation(saved, jitted=True)
+
+
+def test_eager_generation_matches_generate(full):
+  """Called eagerly (the crossing decided in Python)."""
+  _check_generation(full, jitted=False)
+
+
+def _check_generation(saved, jitted: bool) -> None:
   folder, hf_model = saved
   want_tokens, want_logits = _generated(hf_model)
   model = pzp.pretrained.load_hf(folder)
@@ -109,11 +138,11 @@ def test_keeping_the_short_rotated_cache_differs_from_generate(saved):
   assert np.abs(logits[:, crossing:] - want_logits[:, crossing:]).max() > 100 * 1e-4
 
 
-def test_a_prompt_past_the_original_context_needs_no_recomputation(saved):
+def test_a_prompt_past_the_original_context_needs_no_recomputation(full):
   """A prompt already longer than the original context is computed with the
   long factors from the start: both samplers agree with ``generate``'s
   first logits."""
-  folder, hf_model = saved
+  folder, hf_model = full
   prompt = np.tile(_PROMPT, 2)  # 8 tokens > 6.
   with torch.no_grad():
     want = hf_model(torch.tensor(prompt)).logits.float().numpy()
@@ -124,16 +153,41 @@ def test_a_prompt_past_the_original_context_needs_no_recomputation(saved):
                                want, **harness.TOLERANCE)
 
 
-def test_penzais_sampling_loop_runs_the_recomputing_sampler(saved):
+def test_penzais_sampling_loop_runs_the_recomputing_sampler(full):
   """Penzai's ``temperature_sample_pyloop`` drives the sampler unchanged:
   at a tiny temperature it picks ``generate``'s greedy tokens."""
-  folder, hf_model = saved
+  folder, hf_model = full
   want_tokens, _ = _generated(hf_model)
   sampler = pzp.pretrained.kv_caching_lm(pzp.pretrained.load_hf(folder),
                                          cache_len=_PROMPT.shape[1] + _STEPS,
                                          batch_axes={"batch": 2}, pad_id=-1)
-  import jax  # pylint: disable=import-outside-toplevel
   out = simple_decoding_loop.temperature_sample_pyloop(
       sampler, prompt=pz.nx.wrap(jnp.asarray(_PROMPT), "batch", "seq"), rng=jax.random.key(0),
       temperature=1e-6, max_sampling_steps=_STEPS)
   np.testing.assert_array_equal(np.asarray(out.untag("batch", "seq").unwrap()), want_tokens)
+
+
+def test_longrope_beside_a_recurrent_state_is_refused(tmp_path):
+  """A model edited to hold both LongRoPE and gated DeltaNet layers cannot
+  rewind its recurrent state to recompute at the crossing: refused when the
+  sampler is made, not sampled wrongly."""
+  torch.manual_seed(0)
+  fields = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "num_hidden_layers": 4, "intermediate_size": 64, "vocab_size": 64, "pad_token_id": 0,
+            "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4}
+  transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+      "qwen3_5_text", **fields)).save_pretrained(tmp_path, safe_serialization=True)
+  model = pzp.pretrained.load_hf(tmp_path)
+
+  def longrope(layer):
+    return ApplyLongRoPE(embedding_axis=layer.embedding_axis, max_wavelength=10_000.0,
+                         positions_input_name=layer.positions_input_name,
+                         short_factor=(1.0,), long_factor=(1.0,),
+                         original_max_position_embeddings=4, factor=2.0)
+
+  edited = pz.select(model).at_instances_of(pz.nn.ApplyRoPEToSubset | pz.nn.ApplyRoPE).apply(
+      longrope)
+  assert pz.select(edited).at_instances_of(ApplyLongRoPE).count()
+  with pytest.raises(errors.ArgumentError, match="DeltaNet"):
+    pzp.pretrained.kv_caching_lm(edited, cache_len=8, batch_axes={"batch": 1})
