@@ -35,7 +35,6 @@ from penzai import pz
 from pz_persist import errors
 from pz_persist import sharding as sharding_lib
 from pz_persist.pretrained.hf.config import Config
-from pz_persist.pretrained.hf.families import family_defaults
 from pz_persist.pretrained.hf.families import gemma3
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import penzai_layout
@@ -235,7 +234,7 @@ def load(path: Any, params: Mapping[str, Mapping[str, np.ndarray]], config: dict
   arrays = _hf_arrays(params, config["num_hidden_layers"])
   return bind_plan(path, arrays, lambda standin: gemma3.gemma3_text_plan(
       Config(config, f"{path} (Gemma 3 settings)", gemma3.RECORD.fields,
-             family_defaults.DEFAULTS["gemma3_text"]), standin),
+             gemma3.RECORD.model_types["gemma3_text"].defaults), standin),
       sharding, tracker)
 
 

@@ -53,7 +53,6 @@ from pz_persist import errors
 from pz_persist import sharding as sharding_lib
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained.hf.config import Config
-from pz_persist.pretrained.hf.families import family_defaults
 from pz_persist.pretrained.hf.families import gemma4
 
 _log = logging.getLogger("pz_persist.pretrained.gemma")
@@ -406,5 +405,5 @@ def load(path: Any, params: Mapping[str, Mapping[str, np.ndarray]], config: dict
       path, arrays,
       lambda standin: gemma4.gemma4_text_plan(
           Config(dict(config), f"{path} (Gemma 4 settings)", gemma4.RECORD.fields,
-                 family_defaults.DEFAULTS["gemma4_text"]), standin),
+                 gemma4.RECORD.model_types["gemma4_text"].defaults), standin),
       sharding, tracker)

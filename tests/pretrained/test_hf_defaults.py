@@ -1,5 +1,6 @@
 """What an absent ``config.json`` field means: one table
-(`pz_persist.pretrained.hf.families.family_defaults.DEFAULTS`), checked
+(`pz_persist.pretrained.hf.families.DEFAULTS`, collected from each record's
+`ModelType.defaults`), checked
 against transformers' config classes, and every family loaded from a
 ``config.json`` of sizes alone against transformers' logits.
 
@@ -21,7 +22,6 @@ from pretrained import family_checks as checks
 from pretrained import test_hf_qwen3_5
 from pz_persist.pretrained.hf import config as hf_config
 from pz_persist.pretrained.hf import families
-from pz_persist.pretrained.hf.families import family_defaults
 
 _ROPE_FIELDS = ("rope_theta", "partial_rotary_factor")
 _ABSENT = object()
@@ -41,27 +41,34 @@ def _theirs(config, field: str):
     return _ABSENT
 
 
-def test_every_text_model_type_has_a_row():
-  text_types = {name for name, t in families.MODEL_TYPES.items() if t.exported}
-  assert set(family_defaults.DEFAULTS) == text_types
+_TEXT_TYPES = sorted(name for name, t in families.MODEL_TYPES.items() if t.exported)
 
 
-@pytest.mark.parametrize("model_type", sorted(family_defaults.DEFAULTS))
+@pytest.mark.parametrize("model_type", _TEXT_TYPES)
 def test_the_table_is_transformers_config_class(model_type):
-  """Each entry equals transformers' config class instantiated without
-  arguments, or says why not (`DELIBERATE`, `NOT_IN_TRANSFORMERS`)."""
+  """Each entry of the ``model_type``'s row equals transformers' config
+  class instantiated without arguments, or its record says why not
+  (`ModelType.defaults_why`): the class lacks the field, or differs in a way
+  that means the same model."""
   config = transformers.CONFIG_MAPPING[model_type]()
-  deliberate = family_defaults.DELIBERATE.get(model_type, {})
-  missing = family_defaults.NOT_IN_TRANSFORMERS.get(model_type, {})
-  for field, ours in family_defaults.DEFAULTS[model_type].items():
+  declared = families.MODEL_TYPES[model_type]
+  assert declared.defaults, f"{model_type} declares no defaults"
+  assert set(declared.defaults_why) <= set(declared.defaults)
+  for field, ours in declared.defaults.items():
     theirs = _theirs(config, field)
-    if field in deliberate:
-      assert theirs != ours, f"{model_type}.{field}: no longer differs; drop its reason"
-    elif field in missing:
-      assert theirs is _ABSENT, f"{model_type}.{field}: transformers has it now ({theirs!r})"
+    same = theirs is not _ABSENT and theirs == ours and (
+        type(theirs) is type(ours) or isinstance(theirs, float))
+    if field in declared.defaults_why:
+      assert not same, f"{model_type}.{field}: now transformers' own; drop its reason"
     else:
-      assert theirs == ours and type(theirs) is type(ours) or (
-          isinstance(theirs, float) and theirs == ours), (model_type, field, ours, theirs)
+      assert same, (model_type, field, ours, None if theirs is _ABSENT else theirs)
+
+
+def test_multimodal_model_types_read_their_text_models_row():
+  for name, declared in families.MODEL_TYPES.items():
+    if declared.written_as:
+      text = families.MODEL_TYPES[declared.written_as].defaults
+      assert text.items() <= families.DEFAULTS[name].items()
 
 
 _SIZES = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
@@ -107,7 +114,7 @@ the tiny vocabulary; it changes no logit)."""
 
 
 def test_every_text_model_type_is_loaded_from_sizes_alone():
-  assert set(MINIMAL) == set(family_defaults.DEFAULTS)
+  assert sorted(MINIMAL) == _TEXT_TYPES
 
 
 @pytest.fixture

@@ -136,7 +136,7 @@ refused, never truncated, and a zero never reaches a division."""
 
 FROM_TABLE: Any = type("FromTable", (), {"__repr__": lambda self: "FROM_TABLE"})()
 """A `Config.get` default meaning "the family's row of
-`pz_persist.pretrained.hf.families.family_defaults.DEFAULTS` has it"."""
+`pz_persist.pretrained.hf.families.DEFAULTS` has it"."""
 
 
 DERIVED = frozenset({"num_key_value_heads", "head_dim"})
@@ -158,7 +158,7 @@ class Config:
                defaults: Mapping[str, Any] | None = None):
     """``fields``: the family's own fields, checked like `SCHEMA`'s
     (`pz_persist.pretrained.hf.record.Family.fields`). ``defaults``: the
-    ``model_type``'s row of `pz_persist.pretrained.hf.families.family_defaults.DEFAULTS`,
+    ``model_type``'s row of `pz_persist.pretrained.hf.families.DEFAULTS`,
     transformers' config class's value of each field a plan may find absent."""
     self.raw = dict(raw)
     self.where = where
@@ -186,7 +186,8 @@ class Config:
     if key in self.defaults:
       return self.defaults[key]
     if fallback is FROM_TABLE:
-      raise AssertionError(f"{key!r} has no default in family_defaults.DEFAULTS for"
+      raise AssertionError(f"{key!r} has no default in families.DEFAULTS (its record's"
+                           f" ModelType.defaults) for"
                            f" {self.where} (a bug: please report it)")
     if fallback is not None and key not in DERIVED:
       self.fallbacks[key] = fallback

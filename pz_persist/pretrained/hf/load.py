@@ -66,7 +66,6 @@ from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf.config import Config
-from pz_persist.pretrained.hf.families import family_defaults
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import penzai_layout
@@ -236,7 +235,7 @@ def load_hf(
       raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
   with Weights(path, dtype, seen) as weights:
     cfg = Config(raw_config, where, families.FAMILY_OF[model_type].fields,
-                 family_defaults.DEFAULTS.get(model_type))
+                 families.DEFAULTS[model_type])
     plan = families.MODEL_TYPES[model_type].plan(cfg, weights)
     weights.add_views(plan.views)
     _check_tensors(plan, weights)

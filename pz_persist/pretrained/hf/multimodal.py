@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from pz_persist.pretrained.hf.config import Config
-from pz_persist.pretrained.hf.families import family_defaults
 from pz_persist.pretrained.hf.weights import Weights
 
 _log = logging.getLogger("pz_persist.pretrained.hf")
@@ -26,10 +25,10 @@ def text_config(cfg: Config, text: Any, folder_type: str, text_type: str,
                 fields: Mapping[str, Any]) -> Config:
   """The folder's ``text_config`` (``text``, which the family required from
   ``cfg`` before checking that it used every field) as a `Config` checked
-  by the family's ``fields``, refused unless its ``model_type`` is
+  by the family's ``fields``, with ``cfg``'s defaults (the folder type's
+  row of the table, its text model's), refused unless its ``model_type`` is
   ``text_type`` (or absent)."""
-  text_cfg = Config(text, f"{cfg.where} (text_config)", fields,
-                    family_defaults.DEFAULTS.get(text_type))
+  text_cfg = Config(text, f"{cfg.where} (text_config)", fields, cfg.defaults)
   found = text_cfg.get("model_type", text_type)
   if found != text_type:
     raise text_cfg.unsupported("model_type", found,

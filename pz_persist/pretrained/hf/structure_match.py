@@ -17,7 +17,6 @@ from penzai import pz
 from pz_persist import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf.config import Config
-from pz_persist.pretrained.hf.families import family_defaults
 from pz_persist.pretrained.hf.plan import Plan
 
 ExportError = errors.ExportError
@@ -158,7 +157,7 @@ def matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any],
     try:
       plan = candidate(Config(config, f"config derived for {folder}",
                               families.FAMILY_OF[family].fields,
-                              family_defaults.DEFAULTS.get(family)), weights)
+                              families.DEFAULTS[family]), weights)
       return plan, _check_structure(plan, model, family)
     except errors.UnsupportedConfigError as e:  # A field the family cannot take.
       refusal = refusal or ExportError(

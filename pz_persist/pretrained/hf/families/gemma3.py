@@ -57,6 +57,7 @@ from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import GEMMA_LIKE
 from pz_persist.pretrained.hf.families.gemma import check_activation
 from pz_persist.pretrained.hf.families.gemma import query_pre_attn_scalar
 from pz_persist.pretrained.hf.families.gemma import soft_cap_fields
@@ -309,10 +310,37 @@ def _refusal(model_type: str, generation: str) -> str:
           " 'gemma2', 'gemma3_text', 'gemma3', 'gemma4_text', 'gemma4')")
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "defaults": {**GEMMA_LIKE, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+                     "sliding_window": 4096, "final_logit_softcapping": None,
+                     "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                     "sliding_window_pattern": 6},
+        "defaults_why": {
+            "hidden_act": (
+                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
+                'same default'),
+            "rope_local_base_freq": (
+                "transformers 4's field, now "
+                'rope_parameters.sliding_attention.rope_theta, whose default (10,000) it '
+                'is'),
+            "sliding_window_pattern": (
+                "transformers 4's field, now the class's _sliding_window_pattern (6), "
+                'which builds layer_types'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Gemma 3",
     model_types={
-        "gemma3_text": ModelType(gemma3_text_plan, "Gemma3ForCausalLM"),
+        "gemma3_text": ModelType(gemma3_text_plan, "Gemma3ForCausalLM",
+            **_TRANSFORMERS_DEFAULTS["gemma3_text"]),
         "gemma3": ModelType(gemma3_plan, "Gemma3ForConditionalGeneration", exported=False,
                             written_as="gemma3_text"),
     },

@@ -29,6 +29,8 @@ from pz_persist.pretrained.hf.config_from_model import attention as first_attent
 from pz_persist.pretrained.hf.config_from_model import first_layer
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
@@ -419,11 +421,30 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "defaults": {**LLAMA_LIKE, "mlp_bias": False, "max_position_embeddings": 2048},
+    },
+    "mistral": {
+        "defaults": {**LLAMA_LIKE, "mlp_bias": False, "sliding_window": 4096,
+                     "max_position_embeddings": 131_072},
+        "defaults_why": {
+            "attention_bias": NO_BIASES,
+            "mlp_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Llama 1, 2, 3.x; Mistral",
     model_types={
-        "llama": ModelType(llama_plan, "LlamaForCausalLM"),
-        "mistral": ModelType(mistral_plan, "MistralForCausalLM"),
+        "llama": ModelType(llama_plan, "LlamaForCausalLM", **_TRANSFORMERS_DEFAULTS["llama"]),
+        "mistral": ModelType(mistral_plan, "MistralForCausalLM",
+            **_TRANSFORMERS_DEFAULTS["mistral"]),
     },
     detect=_detect,
     write_config=_write_config,

@@ -31,6 +31,8 @@ from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
 from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
@@ -147,9 +149,24 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return olmo_fields(model, like)
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "olmo2": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "mlp_bias": False,
+                     "max_position_embeddings": 2048},
+        "defaults_why": {
+            "mlp_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="OLMo 2",
-    model_types={"olmo2": ModelType(olmo2_plan, "Olmo2ForCausalLM")},
+    model_types={"olmo2": ModelType(olmo2_plan, "Olmo2ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["olmo2"])},
     detect=_detect,
     write_config=_write_config,
     adds=("post-norms (`post_attention_norm`, `post_ffw_norm`), query/key RMS norms over the"

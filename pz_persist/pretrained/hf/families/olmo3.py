@@ -29,6 +29,8 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import with_scaled_rope
 from pz_persist.pretrained.hf.families.olmo2 import is_post_norm
@@ -163,9 +165,24 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "olmo3": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "mlp_bias": False,
+                     "sliding_window": 4096, "max_position_embeddings": 2048},
+        "defaults_why": {
+            "mlp_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="OLMo 3",
-    model_types={"olmo3": ModelType(olmo3_plan, "Olmo3ForCausalLM")},
+    model_types={"olmo3": ModelType(olmo3_plan, "Olmo3ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["olmo3"])},
     detect=_detect,
     write_config=_write_config,
     adds=("OLMo 2's blocks with sliding-window layers (`layer_types`) and each layer type's own"
