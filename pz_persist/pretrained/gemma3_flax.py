@@ -233,7 +233,8 @@ def load(path: Any, params: Mapping[str, Mapping[str, np.ndarray]], config: dict
                  " text model.", path, vision)
   arrays = _hf_arrays(params, config["num_hidden_layers"])
   return bind_plan(path, arrays, lambda standin: gemma3.gemma3_text_plan(
-      Config(config, f"{path} (Gemma 3 settings)", gemma3.RECORD.fields), standin),
+      Config(config, f"{path} (Gemma 3 settings)", gemma3.RECORD.fields,
+             gemma3.RECORD.model_types["gemma3_text"].defaults), standin),
       sharding, tracker)
 
 

@@ -404,5 +404,6 @@ def load(path: Any, params: Mapping[str, Mapping[str, np.ndarray]], config: dict
   return gemma3_flax.bind_plan(
       path, arrays,
       lambda standin: gemma4.gemma4_text_plan(
-          Config(dict(config), f"{path} (Gemma 4 settings)", gemma4.RECORD.fields), standin),
+          Config(dict(config), f"{path} (Gemma 4 settings)", gemma4.RECORD.fields,
+                 gemma4.RECORD.model_types["gemma4_text"].defaults), standin),
       sharding, tracker)

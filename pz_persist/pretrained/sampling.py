@@ -5,8 +5,11 @@ layer's cache from the model's metadata (one head count, one head size) and
 converts only `pz.nn.Attention` layers. Gemma 4's global layers have larger
 heads, and may have fewer, than its sliding ones, and Qwen3.5's gated DeltaNet
 layers carry a recurrent state instead of keys and values; either would
-sample wrongly or not at all. `kv_caching_lm` is ``from_uncached`` with both
-mended, and equals it for every other model.
+sample wrongly or not at all. A model with LongRoPE (Phi-3's long context)
+must also recompute its cache where the sequence crosses the original
+context, as transformers' ``generate`` does (`LongRopeKVCachingLM`).
+`kv_caching_lm` is ``from_uncached`` with all three mended, and equals it for
+every other model.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer import sampling_mode
 
+from pz_persist import errors
 from pz_persist.pretrained.layers.gated_delta_net import CachingGatedDeltaNet
 from pz_persist.pretrained.layers.gated_delta_net import GatedDeltaNet
 from pz_persist.pretrained.layers.kv_sharing import key_axes
+from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
+from pz_persist.pretrained.layers.longrope import LongRopeKVCachingLM
 
 
 def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],
@@ -33,7 +39,9 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
   convolution and recurrent state. Padding tokens (``pad_id``) are skipped by
   the attention layers' masks but, as in transformers without an attention
   mask, still pass through a DeltaNet recurrence: sample such models without
-  padding inside a sequence.
+  padding inside a sequence. With `ApplyLongRoPE` layers, the sampler is a
+  `LongRopeKVCachingLM`: the call crossing the original context recomputes
+  every cache with the long factors, as transformers' ``generate`` does.
 
   Example::
 
@@ -58,4 +66,16 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
       path: CachingGatedDeltaNet.from_uncached(
           layer, batch_axes, label=f"{variable_name_prefix}/delta_state_{i}")
       for i, (path, layer) in enumerate(delta_nets.selected_by_path.items())}
-  return dataclasses.replace(sampler, body=delta_nets.set_by_path(caching))
+  sampler = dataclasses.replace(sampler, body=delta_nets.set_by_path(caching))
+  longrope = pz.select(model.body).at_instances_of(ApplyLongRoPE).get_sequence()
+  if longrope and caching:
+    # The recomputation rewinds the caches' end; a recurrent state has none.
+    raise errors.ArgumentError(
+        "kv_caching_lm: this model has both LongRoPE layers, whose cache is recomputed where"
+        " the sequence crosses the original context, and gated DeltaNet layers, whose"
+        " recurrent state cannot be rewound to recompute; no family pz_persist loads has"
+        " both, so the model was edited into one that cannot be sampled this way.")
+  if longrope:
+    return LongRopeKVCachingLM.wrapping(
+        sampler, tuple(layer.original_max_position_embeddings for layer in longrope))
+  return sampler

@@ -182,6 +182,8 @@ def test_multimodal_text_model_exports_as_gemma3_text(saved, tmp_path):
   assert (config["model_type"], config["architectures"]) == ("gemma3_text", ["Gemma3ForCausalLM"])
   pzp.export_hf(model, tmp_path / "like", like=folder)  # Like the multimodal folder: its text_config.
   liked = json.loads((tmp_path / "like" / "config.json").read_text())
+  # The model alone knows no pad id (written null); like= gives text_config's ids.
+  assert config.pop("pad_token_id") is None and liked["pad_token_id"] is not None
   assert {key: liked[key] for key in config} == config  # Plus text_config's token ids...
   assert liked["bos_token_id"] == 2
   theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()

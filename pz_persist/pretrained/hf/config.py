@@ -134,6 +134,17 @@ means "absent, use the default"). Sizes are positive integers: a float is
 refused, never truncated, and a zero never reaches a division."""
 
 
+FROM_TABLE: Any = type("FromTable", (), {"__repr__": lambda self: "FROM_TABLE"})()
+"""A `Config.get` default meaning "the family's row of
+`pz_persist.pretrained.hf.families.DEFAULTS` has it"."""
+
+
+DERIVED = frozenset({"num_key_value_heads", "head_dim"})
+"""Fields whose absence transformers' config classes fill from other fields
+(as many key/value heads as heads; ``hidden_size // num_attention_heads``),
+as the mappings do, unless the family's row of the table has a fixed value."""
+
+
 class Config:
   """A ``config.json`` dict that records which fields were consulted.
 
@@ -143,18 +154,44 @@ class Config:
   """
 
   def __init__(self, raw: Mapping[str, Any], where: str,
-               fields: Mapping[str, tuple[Callable[[Any], bool], str]] | None = None):
+               fields: Mapping[str, tuple[Callable[[Any], bool], str]] | None = None,
+               defaults: Mapping[str, Any] | None = None):
     """``fields``: the family's own fields, checked like `SCHEMA`'s
-    (`pz_persist.pretrained.hf.record.Family.fields`)."""
+    (`pz_persist.pretrained.hf.record.Family.fields`). ``defaults``: the
+    ``model_type``'s row of `pz_persist.pretrained.hf.families.DEFAULTS`,
+    transformers' config class's value of each field a plan may find absent."""
     self.raw = dict(raw)
     self.where = where
     self.used: set[str] = set()
     self.schema = {**SCHEMA, **(fields or {})}
+    self.defaults = dict(defaults or {})
+    self.fallbacks: dict[str, Any] = {}
+    """The absent fields a plan read with a default of its own, not the
+    table's (none, for every family: a test loads each from a config.json
+    of sizes alone and checks)."""
 
   def get(self, key: str, default: Any = None) -> Any:
+    """``key``'s checked value. If absent (or null): None when ``default``
+    is None (the caller asks whether it is there), else the table's default
+    (``defaults``), or ``default`` where the table has none."""
     self.used.add(key)
     value = self.raw.get(key)
-    return default if value is None else self.checked(key, value)
+    if value is not None:
+      return self.checked(key, value)
+    return None if default is None else self.default(key, default)
+
+  def default(self, key: str, fallback: Any) -> Any:
+    """What an absent ``key`` means: the table's value, else ``fallback``
+    (recorded in `fallbacks` unless None)."""
+    if key in self.defaults:
+      return self.defaults[key]
+    if fallback is FROM_TABLE:
+      raise AssertionError(f"{key!r} has no default in families.DEFAULTS (its record's"
+                           f" ModelType.defaults) for"
+                           f" {self.where} (a bug: please report it)")
+    if fallback is not None and key not in DERIVED:
+      self.fallbacks[key] = fallback
+    return fallback
 
   def nullable(self, key: str, default: Any) -> Any:
     """``key``'s value; ``default`` if the field is absent, None if it is an
@@ -166,8 +203,12 @@ class Config:
     return self.get(key, default)
 
   def require(self, key: str) -> Any:
+    """``key``'s checked value; if absent, the table's default, or refused
+    when the table has none (a size transformers' default would make huge)."""
     self.used.add(key)
     if self.raw.get(key) is None:
+      if key in self.defaults:
+        return self.defaults[key]
       raise UnsupportedConfigError(f"{self.where}: required field {key!r} is missing.")
     return self.checked(key, self.raw[key])
 
@@ -311,10 +352,14 @@ def _scaling(cfg: Config, key: str, params: Mapping[str, Any], rope_type: str,
   for field in sorted(required):
     if field not in fields:
       raise cfg.unsupported(f"{key}.{field}", None, f"rope_type {rope_type!r} requires it")
-  if rope_type == "llama3" and fields["high_freq_factor"] <= fields["low_freq_factor"]:
+  # Equal factors leave no band to blend (Llama 4 Scout's 1 and 1: every
+  # wavelength beyond the original context divided by ``factor``, the rest
+  # kept), which transformers computes and `ApplyScaledRoPE` too; a high
+  # factor below the low one turns the band inside out (transformers warns).
+  if rope_type == "llama3" and fields["high_freq_factor"] < fields["low_freq_factor"]:
     raise cfg.unsupported(
         f"{key}.high_freq_factor", fields["high_freq_factor"],
-        f"must be greater than low_freq_factor={fields['low_freq_factor']}",
+        f"must be at least low_freq_factor={fields['low_freq_factor']}",
     )
   return RopeScaling(rope_type, fields)
 
@@ -346,7 +391,11 @@ def _agreeing(cfg: Config, key: str, params: Mapping[str, Any], name: str, other
     second = None if second is None else cfg.checked(where, second)
   if value is not None and second is not None and value != second:
     raise cfg.unsupported(where, second, f"{key}.{name}={value!r} says otherwise")
-  return next((v for v in (value, second) if v is not None), default)
+  found = next((v for v in (value, second) if v is not None), None)
+  if found is not None:
+    return found
+  # A top-level field's absence means the family's default (the table's).
+  return cfg.default(name, default) if top_level else default
 
 
 TANH_GELU = frozenset({"gelu_pytorch_tanh", "gelu_fast", "gelu_new"})
@@ -362,19 +411,47 @@ def bool_field(cfg: Config, key: str, default: bool, supported: bool, why: str) 
     raise cfg.unsupported(key, value, why)
 
 
-def lm_head_source(cfg: Config, tied: bool, names: set[str], head: str, embed: str) -> str:
-  """The tensor holding the output projection, honouring tied embeddings.
+def lm_head_source(cfg: Config, tied: bool, weights: Any, head: str, embed: str) -> str:
+  """The tensor holding the output projection: the stored head when there is
+  one, else the embeddings if tied.
+
+  transformers 5 ties the head to the embeddings only when the checkpoint
+  lacks the head or holds it equal to the embeddings: a stored head that
+  differs is kept untied even under ``tie_word_embeddings: true`` (with a
+  warning). Reading the stored head whenever there is one gives exactly
+  that, without comparing the two: equal, they are the same values.
+  ``weights`` (a folder's `pz_persist.pretrained.hf.weights.Weights`, or
+  export's stand-in, which holds every head name) gives the names stored.
 
   Penzai's ``tie_embedder_and_logits`` also rescales the input embeddings by
   sqrt(embedding_dim) (a Gemma convention), so tied Llama-style models are
   built untied, with the embedding table loaded a second time as the head.
   """
+  if tied and getattr(weights, "stand_in", False):
+    return embed  # Export: a tied model is written as the embeddings alone.
+  if head in weights.names:
+    return head
   if tied:
     return embed
-  if head not in names:
+  raise cfg.unsupported(
+      "tie_word_embeddings", cfg.raw.get("tie_word_embeddings"),
+      f"the checkpoint has no {head!r} tensor, so the output projection"
+      " would be missing; set tie_word_embeddings=true if it is tied",
+  )
+
+
+def refuse_stored_head(cfg: Config, weights: Any, head: str, why: str) -> None:
+  """Refuses a stored output head for a family whose Penzai model ties the
+  head to the embeddings (Gemma; ``why`` says so). Called once the config
+  is checked, as it reads the weights' names.
+
+  Why: transformers 5 uses a stored head, untied, when it differs from the
+  embeddings, which the tied Penzai model cannot hold; telling that from an
+  equal copy would mean reading both tables before anything is checked.
+  """
+  if head in weights.names and not getattr(weights, "stand_in", False):
     raise cfg.unsupported(
-        "tie_word_embeddings", cfg.raw.get("tie_word_embeddings"),
-        f"the checkpoint has no {head!r} tensor, so the output projection"
-        " would be missing; set tie_word_embeddings=true if it is tied",
-    )
-  return head
+        "tie_word_embeddings", cfg.raw.get("tie_word_embeddings", True),
+        f"the checkpoint also stores {head!r}, which transformers 5 uses instead of the"
+        f" embeddings when the two differ; {why}. Remove the tensor if it equals the"
+        " embeddings")

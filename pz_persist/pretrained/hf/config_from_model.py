@@ -219,6 +219,12 @@ def derive_config(model: Any, model_type: str, family: Family,
   """
   like = dict(like or {})
   config = {k: v for k, v in like.items() if k in IGNORED_FIELDS}
+  # transformers sizes nn.Embedding's padding_idx from pad_token_id, and some
+  # config classes default it to an id of their tokenizer (Phi-3's 32000,
+  # SmolLM3's 128004) that a smaller vocabulary does not hold: a folder
+  # written without like= would not load. The model knows no pad id; null
+  # says so (and changes no logit).
+  config.setdefault("pad_token_id", None)
   config.update(family.write_config(model, model_type, like))
   config["model_type"] = model_type
   if like.get("model_type") != model_type or "architectures" not in config:

@@ -240,7 +240,8 @@ def load_hf(
     if not jnp.issubdtype(dtype, jnp.floating):
       raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
   with Weights(path, dtype, seen) as weights:
-    cfg = Config(raw_config, where, families.FAMILY_OF[model_type].fields)
+    cfg = Config(raw_config, where, families.FAMILY_OF[model_type].fields,
+                 families.DEFAULTS[model_type])
     plan = families.MODEL_TYPES[model_type].plan(cfg, weights)
     weights.add_views(plan.views)
     _check_tensors(plan, weights)

@@ -25,9 +25,10 @@ def text_config(cfg: Config, text: Any, folder_type: str, text_type: str,
                 fields: Mapping[str, Any]) -> Config:
   """The folder's ``text_config`` (``text``, which the family required from
   ``cfg`` before checking that it used every field) as a `Config` checked
-  by the family's ``fields``, refused unless its ``model_type`` is
+  by the family's ``fields``, with ``cfg``'s defaults (the folder type's
+  row of the table, its text model's), refused unless its ``model_type`` is
   ``text_type`` (or absent)."""
-  text_cfg = Config(text, f"{cfg.where} (text_config)", fields)
+  text_cfg = Config(text, f"{cfg.where} (text_config)", fields, cfg.defaults)
   found = text_cfg.get("model_type", text_type)
   if found != text_type:
     raise text_cfg.unsupported("model_type", found,

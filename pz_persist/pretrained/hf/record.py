@@ -49,6 +49,15 @@ class ModelType:
     written_as: For one read only: the ``model_type`` `export_hf` writes
       when ``like`` is of this one (whose ``text_config`` then gives the
       fields copied).
+    defaults: What each field its plan may find absent means: transformers'
+      config class's value (``rope_theta`` / ``partial_rotary_factor``:
+      its ``rope_parameters``'). `pz_persist.pretrained.hf.config.Config`
+      answers an absent field from it before any default a mapping passes;
+      a multimodal ``model_type`` reads its ``text_config`` with
+      ``written_as``'s. Checked against transformers' classes by
+      tests/pretrained/test_hf_defaults.py.
+    defaults_why: For each entry of ``defaults`` that differs from the
+      config class, or is not one of its fields, why it means the same model.
   """
 
   plan: PlanFn
@@ -56,6 +65,8 @@ class ModelType:
   export_plans: tuple[PlanFn, ...] = ()
   exported: bool = True
   written_as: str | None = None
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  defaults_why: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -156,7 +156,8 @@ def matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any],
   for candidate in candidates:
     try:
       plan = candidate(Config(config, f"config derived for {folder}",
-                              families.FAMILY_OF[family].fields), weights)
+                              families.FAMILY_OF[family].fields,
+                              families.DEFAULTS[family]), weights)
       return plan, _check_structure(plan, model, family)
     except errors.UnsupportedConfigError as e:  # A field the family cannot take.
       refusal = refusal or ExportError(

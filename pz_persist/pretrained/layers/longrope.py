@@ -12,10 +12,17 @@ original_max_position_embeddings``), as transformers 5 computes them
 (``transformers.modeling_rope_utils``, in float32, in the same order).
 
 As transformers, the choice of factors is made per call from the call's
-largest position: a fresh model's call, and each step of token-by-token
-generation in Penzai's KV-cache sampling mode (keys already cached keep the
-rotation of the step that wrote them, as in transformers' cache), agree with
-transformers' ``generate``.
+largest position, and keys already in a KV cache keep the rotation of the
+step that wrote them. A generation that starts within the original context
+and runs past it would so attend from long-rotated queries to short-rotated
+keys; transformers' ``generate`` does not (``Phi3ForCausalLM.
+prepare_inputs_for_generation``): at the step whose sequence first exceeds
+``original_max_position_embeddings`` tokens it drops the cache and runs the
+whole sequence again, every key and value then computed with the long
+factors. `LongRopeKVCachingLM` (what `pz_persist.pretrained.kv_caching_lm`
+returns for a model with these layers) does the same; Penzai's own
+``KVCachingTransformerLM.from_uncached`` keeps the cache, as transformers'
+model called with ``past_key_values`` outside ``generate`` does.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from penzai import pz
+from penzai.models.transformer import sampling_mode
 
 from pz_persist import errors
 
@@ -123,3 +131,93 @@ class ApplyLongRoPE(pz.nn.Layer):
 
     out = pz.nx.nmap(rotate)(inputs.untag(self.embedding_axis), positions)
     return out.tag(self.embedding_axis).astype(inputs.dtype)
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # Penzai's sampler's fields, then ours.
+class LongRopeKVCachingLM(sampling_mode.KVCachingTransformerLM):
+  """Penzai's KV-cache sampler that, like transformers' ``generate`` for
+  Phi-3, recomputes the cache when the sequence crosses LongRoPE's original
+  context.
+
+  transformers (``Phi3ForCausalLM.prepare_inputs_for_generation``) drops the
+  cache on the call whose sequence (cached tokens plus new ones, padding
+  included) first holds more than ``original_max_position_embeddings``
+  tokens while the cache holds at most that many, and runs the whole
+  sequence again: the keys and values of every position are then those of
+  the long factors. This sampler does the same on such a call: it runs the
+  tokens so far and the new ones from position 0, rewriting every cache, and
+  returns the logits of the new tokens. Other calls are Penzai's.
+
+  Works called eagerly (the crossing decided in Python) and inside
+  ``jax.jit`` (the two paths under ``jax.lax.cond``); the recomputation runs
+  ``max(recompute_at) + len(tokens)`` positions (at most ``cache_len``),
+  where the cache slots past the sequence get values that later calls
+  overwrite before they can be attended to (their positions lie ahead of
+  every query until then).
+
+  Attributes:
+    recompute_at: The ``original_max_position_embeddings`` of the model's
+      `ApplyLongRoPE` layers.
+  """
+
+  recompute_at: tuple[int, ...] = _static(())
+
+  @classmethod
+  def wrapping(cls, sampler: sampling_mode.KVCachingTransformerLM,
+               recompute_at: tuple[int, ...]) -> LongRopeKVCachingLM:
+    """``sampler`` (Penzai's, with its caches and state) recomputing at
+    ``recompute_at``."""
+    fields = {f.name: getattr(sampler, f.name) for f in dataclasses.fields(sampler)}
+    return cls(**fields, recompute_at=tuple(sorted(set(recompute_at))))
+
+  def crosses(self, start: Any, length: int) -> Any:
+    """Whether a call of ``length`` tokens after ``start`` cached ones
+    crosses an original context (as transformers decides it: the cache holds
+    at most that many tokens, the sequence more)."""
+    crossing: Any = False
+    for limit in self.recompute_at:
+      crossing = crossing | ((start > 0) & (start <= limit) & (start + length > limit))
+    return crossing
+
+  def __call__(self, tokens: pz.nx.NamedArray, **extra_side_inputs) -> pz.nx.NamedArray:
+    start = self.cache_end_index.value
+    crossing = self.crosses(start, tokens.named_shape["seq"])
+    if not isinstance(crossing, jax.core.Tracer):
+      if bool(crossing):
+        return self._recompute(tokens, extra_side_inputs)
+      return super().__call__(tokens, **extra_side_inputs)
+    slots, variables = pz.unbind_state_vars(self)
+
+    def path(recompute: bool):
+      def run(frozen, tokens):
+        state = [value.unfreeze_as_copy() for value in frozen]
+        sampler = pz.bind_variables(slots, state)
+        if recompute:
+          out = sampler._recompute(tokens, extra_side_inputs)  # pylint: disable=protected-access
+        else:
+          out = sampling_mode.KVCachingTransformerLM.__call__(sampler, tokens,
+                                                              **extra_side_inputs)
+        return out, [variable.freeze() for variable in state]
+      return run
+
+    out, frozen = jax.lax.cond(crossing, path(True), path(False),
+                               [variable.freeze() for variable in variables], tokens)
+    for variable, value in zip(variables, frozen):
+      variable.value = value.value
+    return out
+
+  def _recompute(self, tokens: pz.nx.NamedArray, extra_side_inputs: dict[str, Any]
+                 ) -> pz.nx.NamedArray:
+    """Runs the sequence so far plus ``tokens`` from position 0 (every cache
+    rewritten) and returns the logits of ``tokens``."""
+    start = self.cache_end_index.value
+    length = tokens.named_shape["seq"]
+    span = min(self.cache_len, max(self.recompute_at) + length)
+    sequence = pz.nx.nmap(jax.lax.dynamic_update_slice)(
+        self.previous_tokens.value.untag("seq"), tokens.untag("seq"), (start,)).tag("seq")
+    self.cache_end_index.value = 0
+    out = super().__call__(sequence[{"seq": pz.slice[:span]}], **extra_side_inputs)
+    self.cache_end_index.value = start + length
+    new = pz.nx.nmap(lambda logits: jax.lax.dynamic_slice_in_dim(logits, start, length))(
+        out.untag("seq")).tag("seq")
+    return new.order_like(out)  # Penzai's order of axes, as a call without recomputing.

@@ -208,9 +208,12 @@ class ApplyScaledRoPE(pz.nn.Layer):
     high = self._required("high_freq_factor")
     wavelength = np.float32(2 * math.pi) / inv_freq
     scaled = np.where(wavelength > old_context / low, inv_freq / np.float32(factor), inv_freq)
-    with np.errstate(divide="ignore", invalid="ignore"):  # high == low: never selected.
+    # high == low (Llama 4 Scout): no band, so the blend is never selected
+    # (it divides by zero) unless a wavelength is exactly the bound, where
+    # transformers' is NaN too and `check_computable` refuses the model.
+    with np.errstate(divide="ignore", invalid="ignore"):
       smooth = (np.float32(old_context) / wavelength - np.float32(low)) / np.float32(high - low)
-    smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+      smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
     medium = ~(wavelength < old_context / high) & ~(wavelength > old_context / low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
 

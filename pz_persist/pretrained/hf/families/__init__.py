@@ -45,6 +45,13 @@ MODEL_TYPES: dict[str, ModelType] = {
     name: family.model_types[name] for name, family in sorted(FAMILY_OF.items())}
 """The supported ``model_type`` values of ``config.json`` and how each is read."""
 
+DEFAULTS: dict[str, dict[str, Any]] = {
+    name: {**(MODEL_TYPES[t.written_as].defaults if t.written_as else {}), **t.defaults}
+    for name, t in MODEL_TYPES.items()}
+"""What an absent ``config.json`` field means, for every ``model_type`` (each
+record's `ModelType.defaults`; a multimodal one's is its text model's):
+the one table every mapping's defaults come from."""
+
 EXPORTED: tuple[str, ...] = tuple(name for name, t in MODEL_TYPES.items() if t.exported)
 """The ``model_type`` values `export_hf` writes."""
 

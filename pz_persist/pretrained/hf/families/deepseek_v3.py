@@ -60,6 +60,7 @@ from pz_persist.pretrained.hf.families.deepseek_moe import Source
 from pz_persist.pretrained.hf.families.deepseek_moe import check_expert_count
 from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.families.deepseek_moe import routing_fields
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
@@ -352,7 +353,7 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   check_layers(cfg, main_layers(weights.names, sizes.layers, mtp), DECODER_LAYERS, sizes.layers)
   if sizes.dense_layers < sizes.layers and isinstance(weights, Weights):  # Not export's stand-in.
     check_expert_count(cfg, weights.names, sizes.dense_layers, moe.experts)
-  head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD, "model.embed_tokens.weight")
+  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "model.embed_tokens.weight")
   dtype = weights.dtype
   h = sizes.hidden
   views: list[Any] = []
@@ -478,9 +479,37 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "defaults": {**LLAMA_LIKE, "first_k_dense_replace": 3, "rope_interleave": True,
+                     "num_nextn_predict_layers": 1, "norm_topk_prob": True,
+                     "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+                     "n_routed_experts": 256, "num_experts_per_tok": 8,
+                     "moe_intermediate_size": 2048, "n_shared_experts": 1,
+                     "max_position_embeddings": 4096, "scoring_func": "sigmoid",
+                     "topk_method": "noaux_tc", "moe_layer_freq": 1},
+        "defaults_why": {
+            "scoring_func": (
+                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+                'always computes sigmoid scores'),
+            "topk_method": (
+                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+                'always computes noaux_tc (a selection-only bias)'),
+            "moe_layer_freq": (
+                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+                'always computes every layer from first_k_dense_replace on as MoE'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="DeepSeek-V3",
-    model_types={"deepseek_v3": ModelType(deepseek_v3_plan, "DeepseekV3ForCausalLM")},
+    model_types={"deepseek_v3": ModelType(deepseek_v3_plan, "DeepseekV3ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["deepseek_v3"])},
     detect=_detect,
     write_config=_write_config,
     adds=("multi-head latent attention (`latent_attention`: low-rank query and key/value"

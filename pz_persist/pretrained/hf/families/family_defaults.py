@@ -1,28 +1,45 @@
-"""Shared code (no record): a family's transformers defaults for the fields
-Llama's mapping reads with Llama's defaults.
+"""Shared code (no record): the pieces of what an absent ``config.json``
+field means that several families' rows share.
 
-`pz_persist.pretrained.hf.families.llama.llama_plan` reads ``rope_theta``
-(default 10,000), ``tie_word_embeddings`` (false) and ``rms_norm_eps``
-(1e-6) as transformers' ``LlamaConfig`` does; a family whose transformers
-config has other defaults (SmolLM3: tied, base 2,000,000; OLMo and Phi-3:
-epsilon 1e-5) fills them into the config it hands on, only where
-``config.json`` lacks the field, so that a file relying on the default
-means what transformers makes of it.
+Each ``model_type`` declares its row in its family's record
+(`pz_persist.pretrained.hf.record.ModelType.defaults`): transformers' config
+class's value of each field its mapping may find absent, with the reason
+where an entry differs from the class or is not one of its fields
+(``defaults_why``). `pz_persist.pretrained.hf.families.DEFAULTS` collects
+the rows into the one table `load_hf` and `export_hf` hand to
+`pz_persist.pretrained.hf.config.Config`, whose ``get`` / ``require`` /
+``nullable`` answer an absent field from it before any default a mapping
+passes.
+
+Why: each family used to carry its defaults in its mapping (Llama's 1e-6
+epsilon, read by every family built on Llama's layout), and three of them
+(GLM-4.5, gpt-oss, Llama 4) silently took 1e-6 where transformers' classes
+say 1e-5. A test checks every row field by field against transformers'
+config classes instantiated without arguments, and a second loads every
+family from a ``config.json`` of sizes alone, checks that no mapping fell
+back on a default of its own (`Config.fallbacks`) and matches transformers'
+logits (tests/pretrained/test_hf_defaults.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pz_persist.pretrained.hf.config import Config
+LLAMA_LIKE: dict[str, Any] = {
+    "hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10_000.0,
+    "partial_rotary_factor": 1.0, "rms_norm_eps": 1e-6, "attention_bias": False}
+"""The defaults LlamaConfig has, which most families built on its layout share."""
 
+QWEN_WINDOW: dict[str, Any] = {
+    "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
+"""The window fields of the Qwen configs."""
 
-def with_defaults(cfg: Config, **fields: Any) -> None:
-  """Sets each of ``fields`` in ``cfg`` where ``config.json`` has no value
-  (``rope_theta``: nor the RoPE dict)."""
-  params = cfg.raw.get("rope_parameters") or cfg.raw.get("rope_scaling") or {}
-  for key, value in fields.items():
-    if key == "rope_theta" and isinstance(params, dict) and params.get("rope_theta") is not None:
-      continue
-    if cfg.raw.get(key) is None:
-      cfg.raw[key] = value
+GEMMA_LIKE: dict[str, Any] = {
+    "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "attention_bias": False, "head_dim": 256,
+    "rope_theta": 10_000.0, "partial_rotary_factor": 1.0, "use_bidirectional_attention": False}
+"""The defaults the Gemma configs share."""
+
+NO_BIASES = ("transformers' class has no such field: its projections have no biases, and"
+             " pz_persist refuses true")
+"""Why a row has ``attention_bias`` / ``mlp_bias`` that its class lacks."""

@@ -32,6 +32,7 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -43,9 +44,11 @@ from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import GEMMA_LIKE
 from pz_persist.pretrained.hf.families.llama import attention_sizes
 from pz_persist.pretrained.hf.families.llama import block_specs
 from pz_persist.pretrained.hf.families.llama import full_rotary_wavelength
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
@@ -129,6 +132,8 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, DECODER_LAYERS, layers)
+  refuse_stored_head(cfg, weights, DECODER_HEAD,
+                     "Penzai's Gemma ties the output projection to the embedding table")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
   if gemma2:
@@ -275,11 +280,42 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": {
+        "defaults": {**GEMMA_LIKE, "num_key_value_heads": 16},
+        "defaults_why": {
+            "use_bidirectional_attention": (
+                "the config class's None means causal attention, as false does"),
+            "hidden_activation": (
+                "Gemma 1's class reads hidden_act; hidden_activation, the later name, has"
+                ' the same default'),
+        },
+    },
+    "gemma2": {
+        "defaults": {**GEMMA_LIKE, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+                     "sliding_window": 4096, "final_logit_softcapping": 30.0,
+                     "attn_logit_softcapping": 50.0},
+        "defaults_why": {
+            "use_bidirectional_attention": (
+                "the config class's None means causal attention, as false does"),
+            "hidden_act": (
+                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
+                'same default'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Gemma, Gemma 2",
     model_types={
-        "gemma": ModelType(gemma_plan, "GemmaForCausalLM", export_plans=(gemma_native_plan,)),
-        "gemma2": ModelType(gemma2_plan, "Gemma2ForCausalLM", export_plans=(gemma2_native_plan,)),
+        "gemma": ModelType(gemma_plan, "GemmaForCausalLM", export_plans=(gemma_native_plan,),
+            **_TRANSFORMERS_DEFAULTS["gemma"]),
+        "gemma2": ModelType(gemma2_plan, "Gemma2ForCausalLM", export_plans=(gemma2_native_plan,),
+            **_TRANSFORMERS_DEFAULTS["gemma2"]),
     },
     detect=_detect,
     write_config=_write_config,

@@ -38,12 +38,14 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config import rope
 from pz_persist.pretrained.hf.config import scaled_rope
 from pz_persist.pretrained.hf.config_from_model import activation_field
@@ -55,6 +57,7 @@ from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import GEMMA_LIKE
 from pz_persist.pretrained.hf.families.gemma import check_activation
 from pz_persist.pretrained.hf.families.gemma import query_pre_attn_scalar
 from pz_persist.pretrained.hf.families.gemma import soft_cap_fields
@@ -64,6 +67,7 @@ from pz_persist.pretrained.hf.families.llama import block_specs
 from pz_persist.pretrained.hf.families.llama import with_scaled_rope
 from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
 from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
@@ -122,6 +126,8 @@ def gemma3_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, root + "layers.", layers)
+  refuse_stored_head(cfg, weights, DECODER_HEAD,
+                     "Penzai's Gemma ties the output projection to the embedding table")
   types = kinds(layers)
   config = _with_attention_types(config, types, window)
 
@@ -201,12 +207,12 @@ def _rope(cfg: Config) -> tuple[float, float, Any]:
     local_view = {"rope_parameters": {"rope_theta": 10_000.0, **local}}
     full_view = {"rope_parameters": {"rope_theta": 1_000_000.0, **full}, **extra}
   else:
-    local_view = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
-    full_view = {"rope_theta": cfg.get("rope_theta", 1_000_000.0),
+    local_view = {"rope_theta": cfg.get("rope_local_base_freq", FROM_TABLE)}
+    full_view = {"rope_theta": cfg.get("rope_theta", FROM_TABLE),
                  "rope_scaling": cfg.get("rope_scaling"), **extra}
   cfg.get("max_position_embeddings")
-  local_cfg = Config(local_view, f"{cfg.where} (sliding_attention RoPE)")
-  full_cfg = Config(full_view, f"{cfg.where} (full_attention RoPE)")
+  local_cfg = Config(local_view, f"{cfg.where} (sliding_attention RoPE)", defaults=cfg.defaults)
+  full_cfg = Config(full_view, f"{cfg.where} (full_attention RoPE)", defaults=cfg.defaults)
   local_theta, local_fraction = rope(local_cfg, 10_000.0)
   theta, fraction, scaling = scaled_rope(full_cfg, 1_000_000.0, 131_072)
   if (local_fraction, fraction) != (1.0, 1.0):
@@ -304,10 +310,37 @@ def _refusal(model_type: str, generation: str) -> str:
           " 'gemma2', 'gemma3_text', 'gemma3', 'gemma4_text', 'gemma4')")
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "defaults": {**GEMMA_LIKE, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+                     "sliding_window": 4096, "final_logit_softcapping": None,
+                     "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                     "sliding_window_pattern": 6},
+        "defaults_why": {
+            "hidden_act": (
+                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
+                'same default'),
+            "rope_local_base_freq": (
+                "transformers 4's field, now "
+                'rope_parameters.sliding_attention.rope_theta, whose default (10,000) it '
+                'is'),
+            "sliding_window_pattern": (
+                "transformers 4's field, now the class's _sliding_window_pattern (6), "
+                'which builds layer_types'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Gemma 3",
     model_types={
-        "gemma3_text": ModelType(gemma3_text_plan, "Gemma3ForCausalLM"),
+        "gemma3_text": ModelType(gemma3_text_plan, "Gemma3ForCausalLM",
+            **_TRANSFORMERS_DEFAULTS["gemma3_text"]),
         "gemma3": ModelType(gemma3_plan, "Gemma3ForConditionalGeneration", exported=False,
                             written_as="gemma3_text"),
     },

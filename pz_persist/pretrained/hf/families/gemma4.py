@@ -59,6 +59,7 @@ from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import STRING
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
+from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import first_layer
@@ -69,11 +70,13 @@ from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families import gemma4_moe
+from pz_persist.pretrained.hf.families.family_defaults import GEMMA_LIKE
 from pz_persist.pretrained.hf.families.gemma import check_activation
 from pz_persist.pretrained.hf.families.llama import attention_sizes
 from pz_persist.pretrained.hf.families.llama import block_specs
 from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
 from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
@@ -150,6 +153,8 @@ def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, root + "layers.", layers)
+  refuse_stored_head(cfg, weights, DECODER_HEAD,
+                     "Gemma 4 ties the output projection to the embedding table")
   kinds = _kinds(cfg, types_field, layers)
   plan_layers = _layers(cfg, kinds, shared_count, head_dim, kv_heads, global_sizes(kinds),
                         keys_are_values, intermediate, double_wide, heads)
@@ -616,10 +621,38 @@ def _rope_parameters(found: list[Any], kinds: list[str],
   return out
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma4_text": {
+        "defaults": {**{k: v for k, v in GEMMA_LIKE.items()
+                     if k not in ("rope_theta", "partial_rotary_factor")},
+                     "num_key_value_heads": 4, "sliding_window": 512,
+                     "final_logit_softcapping": None, "attention_k_eq_v": False,
+                     "use_double_wide_mlp": False, "num_kv_shared_layers": 0,
+                     "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
+                     "enable_moe_block": False},
+        "defaults_why": {
+            "use_bidirectional_attention": (
+                "the config class's None means causal attention, as false does"),
+            "head_dim": (
+                "the config class's per-layer head_dim (its global layers' "
+                "global_head_dim) has no one value; 256 is its argument's default, the "
+                "sliding layers' head size"),
+            "hidden_act": (
+                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
+                'same default'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Gemma 4",
     model_types={
-        "gemma4_text": ModelType(gemma4_text_plan, "Gemma4ForCausalLM"),
+        "gemma4_text": ModelType(gemma4_text_plan, "Gemma4ForCausalLM",
+            **_TRANSFORMERS_DEFAULTS["gemma4_text"]),
         "gemma4": ModelType(gemma4_plan, "Gemma4ForConditionalGeneration", exported=False,
                             written_as="gemma4_text"),
     },

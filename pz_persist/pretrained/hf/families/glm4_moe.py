@@ -20,6 +20,7 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -30,6 +31,7 @@ from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.families.deepseek_moe import routing_fields
 from pz_persist.pretrained.hf.families.deepseek_v3 import FIELDS as DEEPSEEK_FIELDS
 from pz_persist.pretrained.hf.families.deepseek_v3 import main_layers
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
@@ -70,8 +72,10 @@ def _partial_rotary(cfg: Config) -> float:
   values = {v for v in found if v is not None}
   if len(values) > 1:
     raise cfg.unsupported("partial_rotary_factor", sorted(values), "given twice, differently")
-  cfg.raw.pop("partial_rotary_factor", None)
-  return values.pop() if values else 0.5
+  # Llama's reader, which refuses partial rotary, sees a full one (not the
+  # table's GLM default of one half, which is read here).
+  cfg.raw["partial_rotary_factor"] = 1.0
+  return values.pop() if values else cfg.default("partial_rotary_factor", FROM_TABLE)
 
 
 @dataclasses.dataclass
@@ -160,9 +164,37 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5,
+                     "use_qk_norm": False, "first_k_dense_replace": 1,
+                     "num_nextn_predict_layers": 1,
+                     "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1,
+                     "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 128,
+                     "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+                     "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1},
+        "defaults_why": {
+            "scoring_func": (
+                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+                'always computes sigmoid scores'),
+            "topk_method": (
+                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+                'always computes noaux_tc (a selection-only bias)'),
+            "moe_layer_freq": (
+                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+                'always computes every layer from first_k_dense_replace on as MoE'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="GLM-4.5, GLM-4.6",
-    model_types={"glm4_moe": ModelType(glm4_moe_plan, "Glm4MoeForCausalLM")},
+    model_types={"glm4_moe": ModelType(glm4_moe_plan, "Glm4MoeForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["glm4_moe"])},
     detect=_detect,
     write_config=_write_config,
     adds=("Llama's attention with query/key/value biases, optional query/key norms"

@@ -83,7 +83,7 @@ def gpt_neox_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, NEOX_LAYERS, config.num_decoder_blocks)
-  head_source = lm_head_source(cfg, tied, weights.names, NEOX_HEAD,
+  head_source = lm_head_source(cfg, tied, weights, NEOX_HEAD,
                                 "gpt_neox.embed_in.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
@@ -170,9 +170,30 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   }
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt_neox": {
+        "defaults": {"hidden_act": "gelu", "tie_word_embeddings": False, "layer_norm_eps": 1e-5,
+                     "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                     "rotary_emb_base": 10_000.0, "rotary_pct": 0.25,
+                     "use_parallel_residual": True, "attention_bias": True},
+        "defaults_why": {
+            "rotary_emb_base": (
+                "transformers 4's name of rope_theta, whose default (10,000) it is"),
+            "rotary_pct": (
+                "transformers 4's name of partial_rotary_factor, whose default (0.25) it "
+                'is'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="GPT-NeoX, Pythia",
-    model_types={"gpt_neox": ModelType(gpt_neox_plan, "GPTNeoXForCausalLM")},
+    model_types={"gpt_neox": ModelType(gpt_neox_plan, "GPTNeoXForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["gpt_neox"])},
     detect=_detect,
     write_config=_write_config,
     adds="fused query/key/value, partial rotary, parallel residual",

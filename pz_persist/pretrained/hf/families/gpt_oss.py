@@ -53,6 +53,7 @@ from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families import gpt_oss_moe
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.families.llama import Attention
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import head_axes
@@ -185,9 +186,24 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   }
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt_oss": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "attention_bias": True,
+                     "rope_theta": 150_000.0,
+                     "sliding_window": 128, "head_dim": 64, "num_local_experts": 128,
+                     "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                     "max_position_embeddings": 131_072},
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="gpt-oss",
-    model_types={"gpt_oss": ModelType(gpt_oss_plan, "GptOssForCausalLM")},
+    model_types={"gpt_oss": ModelType(gpt_oss_plan, "GptOssForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["gpt_oss"])},
     detect=_detect,
     write_config=_write_config,
     adds=("attention sinks (`SoftmaxWithSinks`), alternating sliding/full layers, YaRN RoPE,"

@@ -24,6 +24,7 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention as first_attention
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
 from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
@@ -108,9 +109,22 @@ def _scale(layer: Any, where: str) -> float:
   return layer.by
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "granite": {
+        "defaults": {**LLAMA_LIKE, "mlp_bias": False, "embedding_multiplier": 1.0,
+                     "logits_scaling": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
+                     "max_position_embeddings": 2048},
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Granite 3",
-    model_types={"granite": ModelType(granite_plan, "GraniteForCausalLM")},
+    model_types={"granite": ModelType(granite_plan, "GraniteForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["granite"])},
     detect=_detect,
     write_config=_write_config,
     adds=("Llama's layout with `embedding_multiplier`, `residual_multiplier`,"

@@ -16,6 +16,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import RopeScaling
@@ -28,6 +29,8 @@ from pz_persist.pretrained.hf.config_from_model import attention as first_attent
 from pz_persist.pretrained.hf.config_from_model import first_layer
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
@@ -231,7 +234,7 @@ def llama_plan(
       mlp_variant=mlp_variant,
       tie_embedder_and_logits=False,
       rope_wavelength=theta,
-      rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+      rms_norm_eps=float(cfg.get("rms_norm_eps", FROM_TABLE)),
       attention_type=llamalike_common.AttentionTypeGlobalCausal(),  # Set below.
       parameter_dtype=None,
       activation_dtype=None,
@@ -239,7 +242,7 @@ def llama_plan(
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, DECODER_LAYERS, config.num_decoder_blocks)
-  head_source = lm_head_source(cfg, tied, weights.names, DECODER_HEAD,
+  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD,
                                 "model.embed_tokens.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype,
@@ -418,11 +421,30 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "defaults": {**LLAMA_LIKE, "mlp_bias": False, "max_position_embeddings": 2048},
+    },
+    "mistral": {
+        "defaults": {**LLAMA_LIKE, "mlp_bias": False, "sliding_window": 4096,
+                     "max_position_embeddings": 131_072},
+        "defaults_why": {
+            "attention_bias": NO_BIASES,
+            "mlp_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Llama 1, 2, 3.x; Mistral",
     model_types={
-        "llama": ModelType(llama_plan, "LlamaForCausalLM"),
-        "mistral": ModelType(mistral_plan, "MistralForCausalLM"),
+        "llama": ModelType(llama_plan, "LlamaForCausalLM", **_TRANSFORMERS_DEFAULTS["llama"]),
+        "mistral": ModelType(mistral_plan, "MistralForCausalLM",
+            **_TRANSFORMERS_DEFAULTS["mistral"]),
     },
     detect=_detect,
     write_config=_write_config,

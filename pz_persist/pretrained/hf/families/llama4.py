@@ -57,6 +57,8 @@ from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.families import llama4_moe
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.gpt_oss import attention_size_fields
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.plan import Plan
@@ -315,10 +317,29 @@ def _activation(model: Any, like: Mapping[str, Any]) -> str:
   return activation_field(model, like)["hidden_act"]
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama4_text": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
+                     "head_dim": 128, "use_qk_norm": True, "attn_temperature_tuning": True,
+                     "floor_scale": 8192, "attn_scale": 0.1, "attention_chunk_size": 8192,
+                     "intermediate_size_mlp": 16384, "no_rope_layer_interval": 4,
+                     "interleave_moe_layer_step": 1, "num_local_experts": 16,
+                     "num_experts_per_tok": 1, "mlp_bias": False},
+        "defaults_why": {
+            "mlp_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Llama 4 (text)",
     model_types={
-        "llama4_text": ModelType(llama4_text_plan, "Llama4ForCausalLM"),
+        "llama4_text": ModelType(llama4_text_plan, "Llama4ForCausalLM",
+            **_TRANSFORMERS_DEFAULTS["llama4_text"]),
         "llama4": ModelType(llama4_plan, "Llama4ForConditionalGeneration", exported=False,
                             written_as="llama4_text"),
     },

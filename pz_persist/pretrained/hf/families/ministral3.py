@@ -24,6 +24,8 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.plan import Plan
@@ -96,9 +98,24 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "ministral3": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
+                     "sliding_window": None, "head_dim": 128, "max_position_embeddings": 262_144},
+        "defaults_why": {
+            "attention_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Ministral 3",
-    model_types={"ministral3": ModelType(ministral3_plan, "Ministral3ForCausalLM")},
+    model_types={"ministral3": ModelType(ministral3_plan, "Ministral3ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["ministral3"])},
     detect=_detect,
     write_config=_write_config,
     adds=("Mistral's layout with Llama 4's position-dependent query scaling"

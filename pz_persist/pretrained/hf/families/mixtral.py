@@ -24,7 +24,8 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.moe_common import TRAINING_ONLY
@@ -51,7 +52,6 @@ FIELDS = {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT
 
 def mixtral_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Mixtral checkpoint (transformers' ``MixtralConfig`` defaults)."""
-  with_defaults(cfg, rope_theta=1e6, rms_norm_eps=1e-5, intermediate_size=14336)
   experts_count, top_k, neurons = read_experts(cfg, "num_local_experts", "intermediate_size")
   read_training_only(cfg)
   window = cfg.nullable("sliding_window", None)
@@ -91,9 +91,26 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": {
+        "defaults": {**LLAMA_LIKE, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                     "intermediate_size": 14336,
+                     "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+                     "max_position_embeddings": 131_072},
+        "defaults_why": {
+            "attention_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Mixtral",
-    model_types={"mixtral": ModelType(mixtral_plan, "MixtralForCausalLM")},
+    model_types={"mixtral": ModelType(mixtral_plan, "MixtralForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["mixtral"])},
     detect=_detect,
     write_config=_write_config,
     adds=("Mistral's layout with a mixture of experts in every layer (`MixtureOfExperts`:"

@@ -300,7 +300,11 @@ def expert_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
   if dense:
     intermediate = named_shape(first_layer(dense[0], pz.nn.Linear, "MLP"))["neurons"]
   else:
-    intermediate = like.get("intermediate_size") or gate["neurons"]
+    # No dense block shows it: the model's own metadata keeps the size the
+    # load read (Qwen3-30B-A3B's 6144 beside experts of 768), which the plan
+    # rebuilds the metadata from; else ``like``'s, else the experts'.
+    intermediate = (getattr(getattr(model, "metadata", None), "mlp_hidden_dim", None)
+                    or like.get("intermediate_size") or gate["neurons"])
   product = 1
   for size in heads:
     product *= size

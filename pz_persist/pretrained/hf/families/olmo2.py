@@ -25,12 +25,14 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
 from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
@@ -49,8 +51,7 @@ _QK = {"query": "q_norm", "key": "k_norm"}
 def olmo2_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping (with ``attention_bias``) turned into OLMo 2's blocks."""
   bool_field(cfg, "mlp_bias", False, False, "OLMo's MLP has no biases")
-  with_defaults(cfg, rms_norm_eps=1e-5)
-  return olmo_blocks(llama_plan(cfg, weights), float(cfg.get("rms_norm_eps")))
+  return olmo_blocks(llama_plan(cfg, weights), float(cfg.get("rms_norm_eps", FROM_TABLE)))
 
 
 def olmo_blocks(plan: Plan, epsilon: float) -> Plan:
@@ -148,9 +149,24 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return olmo_fields(model, like)
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "olmo2": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "mlp_bias": False,
+                     "max_position_embeddings": 2048},
+        "defaults_why": {
+            "mlp_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="OLMo 2",
-    model_types={"olmo2": ModelType(olmo2_plan, "Olmo2ForCausalLM")},
+    model_types={"olmo2": ModelType(olmo2_plan, "Olmo2ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["olmo2"])},
     detect=_detect,
     write_config=_write_config,
     adds=("post-norms (`post_attention_norm`, `post_ffw_norm`), query/key RMS norms over the"

@@ -20,6 +20,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import RopeScaling
 from pz_persist.pretrained.hf.config import bool_field
@@ -28,7 +29,8 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import with_scaled_rope
 from pz_persist.pretrained.hf.families.olmo2 import is_post_norm
@@ -47,7 +49,6 @@ _DEFAULT_POSITIONS = 2048  # Olmo3Config's max_position_embeddings.
 def olmo3_plan(cfg: Config, weights: Weights) -> Plan:
   """OLMo 2's mapping with OLMo 3's windows and per-layer-type RoPE."""
   bool_field(cfg, "mlp_bias", False, False, "OLMo's MLP has no biases")
-  with_defaults(cfg, rms_norm_eps=1e-5)
   layers = cfg.require("num_hidden_layers")
   window = cfg.nullable("sliding_window", 4096)
   types = cfg.get("layer_types")
@@ -74,7 +75,7 @@ def olmo3_plan(cfg: Config, weights: Weights) -> Plan:
     return tuple(one(kind) for kind in kinds(count))
 
   plan = olmo_blocks(llama_plan(cfg, weights, attention=attention),
-                     float(cfg.get("rms_norm_eps")))
+                     float(cfg.get("rms_norm_eps", FROM_TABLE)))
 
   def build() -> model_parts.TransformerLM:
     model = plan.build()
@@ -121,7 +122,7 @@ def _ropes(cfg: Config) -> dict[str, tuple[float, RopeScaling | None]]:
     # only: the sliding ones keep the default base.
     if theta is not None and own.get("rope_theta") is None and kind == "full_attention":
       raw["rope_theta"] = theta
-    sub = Config(raw, f"{cfg.where} (rope_parameters.{kind})")
+    sub = Config(raw, f"{cfg.where} (rope_parameters.{kind})", defaults=cfg.defaults)
     base, fraction, scaling = scaled_rope(sub, _DEFAULT_THETA, max_positions)
     if fraction != 1.0:
       raise cfg.unsupported(f"rope_parameters.{kind}.partial_rotary_factor", fraction,
@@ -164,9 +165,24 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "olmo3": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0, "mlp_bias": False,
+                     "sliding_window": 4096, "max_position_embeddings": 2048},
+        "defaults_why": {
+            "mlp_bias": NO_BIASES,
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="OLMo 3",
-    model_types={"olmo3": ModelType(olmo3_plan, "Olmo3ForCausalLM")},
+    model_types={"olmo3": ModelType(olmo3_plan, "Olmo3ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["olmo3"])},
     detect=_detect,
     write_config=_write_config,
     adds=("OLMo 2's blocks with sliding-window layers (`layer_types`) and each layer type's own"

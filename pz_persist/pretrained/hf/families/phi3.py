@@ -40,7 +40,8 @@ from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
@@ -79,7 +80,6 @@ def _dropout(value: Any) -> bool:
 
 def phi3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping with Phi-3's fused tensors, RoPE and window."""
-  with_defaults(cfg, rms_norm_eps=1e-5)
   cfg.get("resid_pdrop")  # Dropout: inactive at inference.
   # The Hub's Phi-3 folders name Microsoft's remote code, which transformers'
   # own Phi3 class (the reference, and what export writes) replaces.
@@ -271,9 +271,38 @@ def _longrope_fields(model: Any, layer: ApplyLongRoPE) -> dict[str, Any]:
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "phi3": {
+        "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "sliding_window": None, "mlp_bias": False,
+                     "lm_head_bias": False, "interpolate_factor": 1, "full_attn_mod": 1,
+                     "partial_rotary_factor": 1.0, "original_max_position_embeddings": 4096,
+                     "max_position_embeddings": 4096},
+        "defaults_why": {
+            "attention_bias": NO_BIASES,
+            "mlp_bias": NO_BIASES,
+            "lm_head_bias": (
+                "a field of Microsoft's remote Phi-4-mini code, which transformers' Phi-3"
+                ' does not read (it computes as with this value); pz_persist refuses any '
+                'other'),
+            "interpolate_factor": (
+                "a field of Microsoft's remote Phi-4-mini code, which transformers' Phi-3"
+                ' does not read (it computes as with this value); pz_persist refuses any '
+                'other'),
+            "full_attn_mod": (
+                "a field of Microsoft's remote Phi-4-mini code, which transformers' Phi-3"
+                ' does not read (it computes as with this value); pz_persist refuses any '
+                'other'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
-    model_types={"phi3": ModelType(phi3_plan, "Phi3ForCausalLM")},
+    model_types={"phi3": ModelType(phi3_plan, "Phi3ForCausalLM", **_TRANSFORMERS_DEFAULTS["phi3"])},
     detect=_detect,
     write_config=_write_config,
     adds=("fused `qkv_proj` / `gate_up_proj` read as Penzai's separate projections (and written"

@@ -19,6 +19,9 @@ from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
+from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW
 from pz_persist.pretrained.hf.families.llama import Attention
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
@@ -132,9 +135,31 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return without_default_head_dim({**llamalike_fields(model, like), **window_fields(model, like)})
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": {
+        "defaults": {**LLAMA_LIKE, **QWEN_WINDOW, "use_mrope": False,
+                     "max_position_embeddings": 32768},
+        "defaults_why": {
+            "sliding_window": (
+                'the config class stores None unless use_sliding_window is true, and 4096'
+                " (its argument's default) when it is; pz_persist reads the window only "
+                'then'),
+            "attention_bias": NO_BIASES,
+            "use_mrope": (
+                "Qwen2-VL's field, which transformers' Qwen2 does not have; pz_persist "
+                'refuses true'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Qwen2, Qwen2.5",
-    model_types={"qwen2": ModelType(qwen2_plan, "Qwen2ForCausalLM")},
+    model_types={"qwen2": ModelType(qwen2_plan, "Qwen2ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["qwen2"])},
     detect=_detect,
     write_config=_write_config,
     adds=("query/key/value biases; `use_sliding_window`, `sliding_window`, `max_window_layers`,"

@@ -24,6 +24,8 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
@@ -89,9 +91,27 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
           "attention_bias": model_biases(model).output}
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {
+        "defaults": {**LLAMA_LIKE, **QWEN_WINDOW, "head_dim": 128,
+                     "max_position_embeddings": 32768},
+        "defaults_why": {
+            "sliding_window": (
+                'the config class stores None unless use_sliding_window is true, and 4096'
+                " (its argument's default) when it is; pz_persist reads the window only "
+                'then'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Qwen3",
-    model_types={"qwen3": ModelType(qwen3_plan, "Qwen3ForCausalLM")},
+    model_types={"qwen3": ModelType(qwen3_plan, "Qwen3ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["qwen3"])},
     detect=_detect,
     write_config=_write_config,
     adds=("query/key RMS norms (`RMSLayerNorm` after each projection); Qwen2's sliding-window"

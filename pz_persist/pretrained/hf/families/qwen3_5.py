@@ -64,6 +64,7 @@ from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import projection
 from pz_persist.pretrained.hf.config_from_model import tied_field
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.families.gemma import with_offset_norms
 from pz_persist.pretrained.hf.families.llama import block_specs
 from pz_persist.pretrained.hf.families.llama import head_axes
@@ -156,7 +157,7 @@ def qwen3_5_text_plan(cfg: Config, weights: Weights, root: str = _TEXT,
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, root + "layers.", layers)
-  head_source = lm_head_source(cfg, tied, weights.names, head, root + "embed_tokens.weight")
+  head_source = lm_head_source(cfg, tied, weights, head, root + "embed_tokens.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
   types = kinds(layers)
@@ -461,10 +462,34 @@ def _sizes_without_attention(model: Any, like: Mapping[str, Any]) -> dict[str, A
              for k in ("num_attention_heads", "num_key_value_heads", "head_dim")}}
 
 
+QWEN3_5_DEFAULTS: dict[str, Any] = {
+    **LLAMA_LIKE, "partial_rotary_factor": 0.25, "head_dim": 256, "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4, "attn_output_gate": True}
+"""Qwen3.5's defaults, which Qwen3.5-MoE's text model shares."""
+
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": {
+        "defaults": dict(QWEN3_5_DEFAULTS),
+        "defaults_why": {
+            "full_attention_interval": (
+                'transformers 5 takes it only as an argument (default 4) that builds '
+                'layer_types'),
+            "attn_output_gate": (
+                "the Hub's field; transformers 5's Qwen3.5 always gates the attention "
+                'output, and pz_persist refuses false'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Qwen3.5 / Qwen3.6",
     model_types={
-        "qwen3_5_text": ModelType(qwen3_5_text_plan, "Qwen3_5ForCausalLM"),
+        "qwen3_5_text": ModelType(qwen3_5_text_plan, "Qwen3_5ForCausalLM",
+            **_TRANSFORMERS_DEFAULTS["qwen3_5_text"]),
         "qwen3_5": ModelType(qwen3_5_plan, "Qwen3_5ForConditionalGeneration", exported=False,
                              written_as="qwen3_5_text"),
     },

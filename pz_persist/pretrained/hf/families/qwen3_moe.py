@@ -32,7 +32,8 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
@@ -85,7 +86,6 @@ def moe_layers(cfg: Config) -> Callable[[int], tuple[int, ...]]:
 
 def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Qwen3-MoE checkpoint (transformers' ``Qwen3MoeConfig`` defaults)."""
-  with_defaults(cfg, intermediate_size=6144)
   experts_count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size",
                                                aliases=("num_local_experts",))
   normalize = cfg.get("norm_topk_prob", False)
@@ -146,9 +146,31 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "defaults": {**LLAMA_LIKE, **QWEN_WINDOW, "intermediate_size": 6144,
+                     "decoder_sparse_step": 1, "norm_topk_prob": False, "num_experts_per_tok": 8,
+                     "moe_intermediate_size": 768, "max_position_embeddings": 32768},
+        "defaults_why": {
+            "sliding_window": (
+                'the config class stores None unless use_sliding_window is true, and 4096'
+                " (its argument's default) when it is; pz_persist reads the window only "
+                'then'),
+            "max_window_layers": (
+                "transformers' class has no such field (no layer is windowed by count); "
+                'pz_persist reads it with use_sliding_window only'),
+        },
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="Qwen3-MoE",
-    model_types={"qwen3_moe": ModelType(qwen3_moe_plan, "Qwen3MoeForCausalLM")},
+    model_types={"qwen3_moe": ModelType(qwen3_moe_plan, "Qwen3MoeForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["qwen3_moe"])},
     detect=_detect,
     write_config=_write_config,
     adds=("query/key RMS norms with a mixture of experts (`MixtureOfExperts`: softmax router,"

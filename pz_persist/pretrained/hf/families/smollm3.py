@@ -25,7 +25,7 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import with_defaults
+from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.families.llama import Attention
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
@@ -51,7 +51,6 @@ def _positive_int(value: Any) -> bool:
 
 def smollm3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping without RoPE in the layers ``no_rope_layers`` says."""
-  with_defaults(cfg, rope_theta=2_000_000.0, tie_word_embeddings=True)
   # Written by transformers 4's SmolLM3Config (copied from Qwen2's);
   # transformers 5 reads layer_types instead.
   cfg.get("max_window_layers")
@@ -143,9 +142,22 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   })
 
 
+_TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "smollm3": {
+        "defaults": {**LLAMA_LIKE, "rope_theta": 2_000_000.0, "tie_word_embeddings": True,
+                     "mlp_bias": False, "use_sliding_window": False, "sliding_window": None,
+                     "no_rope_layer_interval": 4, "max_position_embeddings": 32768},
+    },
+}
+"""Per ``model_type``: what each absent field means (transformers' config class's
+value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
+differs from the class or is not one of its fields."""
+
+
 RECORD = Family(
     title="SmolLM3",
-    model_types={"smollm3": ModelType(smollm3_plan, "SmolLM3ForCausalLM")},
+    model_types={"smollm3": ModelType(smollm3_plan, "SmolLM3ForCausalLM",
+                     **_TRANSFORMERS_DEFAULTS["smollm3"])},
     detect=_detect,
     write_config=_write_config,
     adds=("Llama's layout with layers without RoPE (`no_rope_layers`), per-layer sliding"

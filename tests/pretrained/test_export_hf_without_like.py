@@ -1,0 +1,80 @@
+"""``export_hf`` without ``like=``, for every family with an export path:
+the folder written from the model alone loads in transformers
+(``AutoModelForCausalLM.from_pretrained``, no arguments) and computes the
+original model's logits.
+
+Two classes of failure this closes: a config class's default pad id outside
+the model's vocabulary (Phi-3's 32000, SmolLM3's 128004: transformers sizes
+``nn.Embedding``'s ``padding_idx`` from it and refused the folder), and
+sizes no parameter shows (Qwen3-30B-A3B's ``intermediate_size`` beside
+experts of another size, every layer a mixture: export refused
+``mlp_hidden_dim``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import pz_persist as pzp
+from pretrained import family_checks as checks
+from pretrained import test_hf_qwen3_5
+from pretrained.test_hf_defaults import MINIMAL
+from pz_persist.pretrained.hf import families
+
+
+def _factors(n: int) -> list[float]:
+  return [1.0 + 0.5 * i for i in range(n)]
+
+
+_LONGROPE = {"max_position_embeddings": 64, "original_max_position_embeddings": 4}
+
+CASES = {
+    **{name: (name, {}) for name in MINIMAL},
+    # Phi-3.5-mini's shape: longrope on whole heads (and Phi-3's default pad id 32000).
+    "phi3.5_mini": ("phi3", {**_LONGROPE, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": _factors(4),
+        "long_factor": _factors(4)[::-1]}}),
+    # Phi-4-mini's: longrope on 3/4 of each head, tied embeddings.
+    "phi4_mini": ("phi3", {**_LONGROPE, "hidden_size": 64, "head_dim": 16,
+                           "tie_word_embeddings": True, "rope_parameters": {
+                               "rope_type": "longrope", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.75, "short_factor": _factors(6),
+                               "long_factor": _factors(6)[::-1]}}),
+    # SmolLM3's: NoPE every fourth layer (and its default pad id 128004).
+    "smollm3_nope": ("smollm3", {"num_hidden_layers": 4}),
+    # Qwen3-30B-A3B's: every layer a mixture, intermediate_size (6144 there)
+    # other than the experts' moe_intermediate_size (768 there).
+    "qwen3_30b_a3b": ("qwen3_moe", {"intermediate_size": 48, "moe_intermediate_size": 16}),
+}
+"""Each case: the ``model_type`` and the fields beyond `MINIMAL`'s sizes."""
+
+
+def test_every_exported_model_type_has_a_case():
+  exported = {name for name, t in families.MODEL_TYPES.items() if t.exported}
+  assert exported <= {model_type for model_type, _ in CASES.values()}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_export_without_like_loads_in_transformers(tmp_path, case):
+  model_type, extra = CASES[case]
+  fields = {**MINIMAL[model_type], **extra}
+  torch.manual_seed(0)
+  randomized = (test_hf_qwen3_5.randomized if model_type.startswith("qwen3_5")
+                else checks.randomized)
+  source = randomized(transformers.AutoModelForCausalLM.from_config(
+      transformers.AutoConfig.for_model(model_type, **fields)).float())
+  source.save_pretrained(tmp_path / "source", safe_serialization=True)
+  reference = checks.reference_logits(source)
+
+  pzp.export_hf(pzp.pretrained.load_hf(tmp_path / "source"), tmp_path / "alone")
+  written = json.loads((tmp_path / "alone" / "config.json").read_text())
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "alone").eval()
+  logits = checks.reference_logits(theirs)
+  np.testing.assert_allclose(logits, reference, **checks.FLOAT32)
+  print(f"{case} exported without like= as {written['model_type']}: transformers' float32"
+        f" logits max abs difference {np.abs(logits - reference).max():.2g}")
