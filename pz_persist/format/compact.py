@@ -706,7 +706,7 @@ def parse(raw: dict[str, Any], *, where: str, reader_format: int) -> Parsed:
     raise errors.ManifestError(f"{where}: leaf_keys must be true or false.")
   arrays = array_specs(raw["arrays"], where=where, leaf_keys=leaf_keys)
   checker = _Checker(raw, where, reader_format)
-  if type(raw["tree"]) is not list:
+  if type(raw["tree"]) not in (list, str):  # A string is the str node of a str tree.
     raise checker.error("tree", "must be a node ([type, fields...]), not a reference")
   variables = checker.variables(raw["variables"])
   checker.check_fast(raw["tree"], "tree", 0)
