@@ -16,6 +16,7 @@ import pytest
 from penzai import pz
 
 import pz_persist as pzp
+from hostile.path_entry_points import entry_points
 from pz_persist import errors
 from pz_persist.format import nodes
 from pz_persist.tools import cli
@@ -106,3 +107,90 @@ def test_a_string_saved_alone_loads_through_every_reader(text, tmp_path, capsys)
   with ocp.Checkpointer(pzp.PenzaiCheckpointHandler()) as checkpointer:
     checkpointer.save(tmp_path / "v0", args=pzp.PenzaiSave(text))
   assert pzp.load(tmp_path / "v0") == text
+
+
+def _path_calls(bad, local):
+  """Every public call naming a path (path_entry_points), the writers of a
+  named output, the command line's readers."""
+  return [
+      *entry_points(bad, local),
+      ("open", lambda: pzp.open(bad)),
+      ("export_safetensors", lambda: pzp.export_safetensors(local, bad)),
+      ("render_html", lambda: pzp.render_html({"a": 1}, bad)),
+  ]
+
+
+TOO_LONG = {
+    "a name of 300 bytes": lambda tmp: f"{tmp}/{'c' * 300}",
+    "a relative name of 300 bytes": lambda tmp: "c" * 300,
+    "a path of 5,000 bytes": lambda tmp: f"{tmp}/" + "abcdefgh/" * 560,
+    "2,000 folders deep": lambda tmp: f"{tmp}/" + "a/" * 2000,
+    "a file:// URL of a long name": lambda tmp: f"file://{tmp}/{'%41' * 300}",
+}
+
+
+@pytest.mark.parametrize("name", list(TOO_LONG))
+def test_a_path_no_file_system_holds_is_refused_by_name_everywhere(
+    name, tmp_path, monkeypatch, capsys):
+  """The system refused these only when the path first reached it: a bare
+  OSError ('File name too long') from load/inspect/open/verify/save/diff, and
+  a RecursionError from render_html's os.makedirs for a deep one.
+  `urls.check_local_length`, on the path every entry point asks its scheme
+  of (`urls.scheme`), refuses them first."""
+  monkeypatch.chdir(tmp_path)
+  local = str(tmp_path / "ok")
+  pzp.save(local, {"a": np.ones(2)})
+  bad = TOO_LONG[name](tmp_path)
+  for call_name, call in _path_calls(bad, local):
+    with pytest.raises(errors.ArgumentError, match="no file system can hold this path"):
+      call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"], call_name
+  for argv in (["inspect", bad], ["verify", bad], ["diff", local, bad],
+               ["inspect", local, "--html", bad]):
+    assert cli.main(argv) == 2, argv  # An error, not damage (1) nor a failed check (3).
+    assert "no file system can hold this path" in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize("bad", [None, 1, 2.5, b"/tmp/ckpt", ["a"]], ids=repr)
+def test_a_path_of_the_wrong_type_is_an_argument_type_error(bad, tmp_path):
+  """``bytes`` paths met ``'\\0' in text`` first: 'a bytes-like object is
+  required, not str'; None and numbers a TypeError from os.fspath."""
+  local = str(tmp_path / "ok")
+  pzp.save(local, {"a": np.ones(2)})
+  for call_name, call in _path_calls(bad, local):
+    if call_name.startswith("diff"):
+      continue  # diff compares values in memory too: None, 1, b"..." are values.
+    with pytest.raises(errors.ArgumentTypeError, match="a path must be a str"):
+      call()
+
+
+SELECTOR_TYPES = {
+    "only=1": {"only": 1},
+    "only=a function": {"only": lambda label: True},
+    "only=[1]": {"only": [1]},
+    "only=[None]": {"only": [None]},
+    "rename=1": {"rename": 1},
+    "rename=a pair too short": {"rename": [("w",)]},
+    "rename={1: 'x'}": {"rename": {1: "x"}},
+    "rename= not a regex": {"rename": {"(": "x"}},
+    "dtype='notadtype'": {"dtype": "notadtype"},
+    "dtype={'w': 'int4x'}": {"dtype": {"w": "int4x"}},
+    "dtype=object()": {"dtype": object()},
+    "dtype={1: 'float16'}": {"dtype": {1: "float16"}},
+}
+
+
+@pytest.mark.parametrize("name", list(SELECTOR_TYPES))
+def test_a_selector_of_the_wrong_kind_is_refused_by_name(name, tmp_path):
+  """load_into/load_model(into=) raised bare TypeErrors ('int' object is not
+  iterable, data type 'notadtype' not understood) or re.error for these;
+  `binding._globs`, `binding._rules` and `binding._check_selectors` (where
+  every load into a model passes) refuse them naming the option."""
+  model = {"w": pz.Parameter(value=pz.nx.wrap(np.ones(3, np.float32)).tag("x"), label="w")}
+  pzp.save(tmp_path / "c", model)
+  kwargs = SELECTOR_TYPES[name]
+  option = name.split("=")[0]
+  for call in (lambda: pzp.load_into(tmp_path / "c", model, **kwargs),
+               lambda: pzp.load_model(tmp_path / "c", into=model, **kwargs)):
+    with pytest.raises(errors.PzPersistError, match=f"{option}="):
+      call()
