@@ -194,3 +194,31 @@ def test_a_selector_of_the_wrong_kind_is_refused_by_name(name, tmp_path):
                lambda: pzp.load_model(tmp_path / "c", into=model, **kwargs)):
     with pytest.raises(errors.PzPersistError, match=f"{option}="):
       call()
+
+
+INSIDE = {
+    "its item folder": lambda a: f"{a}/penzai",
+    "a new folder in it": lambda a: f"{a}/x",
+    "a new folder in its item": lambda a: f"{a}/penzai/x",
+    "through '..'": lambda a: f"{a}/penzai/../y",
+    "a file:// URL, percent-encoded": lambda a: "file://" + a.replace("/penzai", "") + "/%7A",
+}
+
+
+@pytest.mark.parametrize("name", list(INSIDE))
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_save_inside_another_checkpoint_is_refused_and_the_outer_one_kept(
+    name, overwrite, tmp_path):
+  """pzp.save(overwrite=True) onto a checkpoint's item folder replaced it
+  with a whole checkpoint (the outer one no longer loaded), and a save into
+  a folder inside one added files verify reports as damage. The destination
+  rule's `destinations.check_outside_checkpoints` is asked by every save
+  (`checkpoint.save`: pzp.save, save_model, the CLI's convert)."""
+  outer = tmp_path / "outer"
+  pzp.save(outer, {"w": np.arange(3.0)})
+  before = sorted(str(p.relative_to(outer)) for p in outer.rglob("*"))
+  with pytest.raises(errors.ArgumentError, match="lies inside the checkpoint"):
+    pzp.save(INSIDE[name](str(outer)), {"v": np.ones(2)}, overwrite=overwrite)
+  assert sorted(str(p.relative_to(outer)) for p in outer.rglob("*")) == before
+  np.testing.assert_array_equal(pzp.load(outer)["w"], np.arange(3.0))
+  assert pzp.verify(outer).ok
