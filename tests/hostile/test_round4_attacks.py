@@ -222,3 +222,39 @@ def test_a_save_inside_another_checkpoint_is_refused_and_the_outer_one_kept(
   assert sorted(str(p.relative_to(outer)) for p in outer.rglob("*")) == before
   np.testing.assert_array_equal(pzp.load(outer)["w"], np.arange(3.0))
   assert pzp.verify(outer).ok
+
+
+@pz.pytree_dataclass
+class RoundFourLayer(pz.nn.Layer):
+  """A layer as a notebook cell defines it (moved into ``__main__`` below)."""
+  w: pz.Parameter
+
+  def __call__(self, x, **unused_side_inputs):
+    return x
+
+
+@pytest.mark.parametrize("module", ["__main__.os", "__main__.sub.pkg"])
+def test_a_submodule_of_main_is_looked_up_never_imported(module, tmp_path, monkeypatch):
+  """allow_modules=['__main__'] allows ``__main__.x`` too, and loading a
+  checkpoint naming ``__main__.os``/``system`` called
+  importlib.import_module('__main__.os') (which failed only because
+  ``__main__`` has no ``__path__``). Every ``__main__`` name is looked up in
+  the running process only (`code_references._import`)."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  main = sys.modules["__main__"]
+  monkeypatch.setattr(RoundFourLayer, "__module__", "__main__")
+  monkeypatch.setattr(main, "RoundFourLayer", RoundFourLayer, raising=False)
+  model = RoundFourLayer(w=pz.Parameter(value=np.ones(2, np.float32), label="w"))
+  pzp.save(tmp_path / "c", model, allow_modules=["__main__"])
+  assert type(pzp.load(tmp_path / "c", allow_modules=["__main__"])) is RoundFourLayer
+  file = tmp_path / "c" / "penzai" / "pz_persist.json"
+  text = file.read_text()
+  assert '["__main__","RoundFourLayer"]' in text  # Format 4's classes table.
+  file.write_text(text.replace('["__main__","RoundFourLayer"]', f'["{module}","system"]'))
+  imported = []
+  real_import = importlib.import_module
+  monkeypatch.setattr(importlib, "import_module",
+                      lambda name, *a: imported.append(name) or real_import(name, *a))
+  with pytest.raises(errors.NotDefinedError, match=f"{module}.system is not defined"):
+    pzp.load(tmp_path / "c", allow_modules=["__main__"])
+  assert not [name for name in imported if name.startswith("__main__")]
