@@ -258,3 +258,20 @@ def test_a_submodule_of_main_is_looked_up_never_imported(module, tmp_path, monke
   with pytest.raises(errors.NotDefinedError, match=f"{module}.system is not defined"):
     pzp.load(tmp_path / "c", allow_modules=["__main__"])
   assert not [name for name in imported if name.startswith("__main__")]
+
+
+@pytest.mark.parametrize("only", ["", [""], ["q", ""]], ids=["empty", "[empty]", "q and empty"])
+def test_an_empty_selector_selects_nothing_and_is_refused(only, tmp_path):
+  """``only=""`` loaded every variable: as a prefix, "" matched each label,
+  since ``"" in _SEPARATORS`` is true of any string. An empty string is no
+  label and no prefix (`lazy.indexing._matches`), so it matches nothing and
+  is refused as every selector matching nothing is."""
+  pzp.save(tmp_path / "c", {
+      "p": pz.Parameter(value=np.ones(2, np.float32), label="blocks/p"),
+      "q": pz.Parameter(value=np.ones(2, np.float32), label="q"),
+  })
+  opened = pzp.open(tmp_path / "c")
+  with pytest.raises(errors.UnknownLabelError, match="no variable labelled ''"):
+    opened.load(only=only)
+  with pytest.raises(errors.UnknownLabelError, match="no variable labelled ''"):
+    opened.select(only)
