@@ -275,3 +275,22 @@ def test_an_empty_selector_selects_nothing_and_is_refused(only, tmp_path):
     opened.load(only=only)
   with pytest.raises(errors.UnknownLabelError, match="no variable labelled ''"):
     opened.select(only)
+
+
+@pytest.mark.parametrize("with_penzai", [True, False])
+def test_orbax_v1_refuses_a_tree_holding_itself_and_keeps_working(with_penzai, tmp_path):
+  """Orbax v1 asks each handler whether a tree is its own; ours flattened it
+  with JAX, whose flatten of a list holding itself raised a SystemError and
+  left the thread's recursion count behind: every later v1 save or load in
+  the process raised RecursionError. `v1_handler._unflattenable` finds the
+  cycle first; the tree is claimed and refused by name."""
+  from orbax.checkpoint import v1 as ocp_v1  # pylint: disable=import-outside-toplevel
+  marker = pz.nx.wrap(np.zeros(2, np.float32)).tag("m")
+  held = _self_holding_list()
+  tree = {"t": held, "m": marker} if with_penzai else {"t": held}
+  with pytest.raises(errors.EncodingError, match="contains itself"):
+    ocp_v1.save_checkpointables(tmp_path / "bad", {"model": tree})
+  ocp_v1.save_checkpointables(tmp_path / "ok", {"model": {"m": marker}})
+  loaded = ocp_v1.load_checkpointables(tmp_path / "ok")["model"]
+  np.testing.assert_array_equal(np.asarray(loaded["m"].data_array), np.zeros(2))
+  assert [[1]] == [[1]]  # The thread compares nested values again.
