@@ -8,6 +8,7 @@ guarantee is enforced, named in each test's docstring.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -294,3 +295,28 @@ def test_orbax_v1_refuses_a_tree_holding_itself_and_keeps_working(with_penzai, t
   loaded = ocp_v1.load_checkpointables(tmp_path / "ok")["model"]
   np.testing.assert_array_equal(np.asarray(loaded["m"].data_array), np.zeros(2))
   assert [[1]] == [[1]]  # The thread compares nested values again.
+
+
+UNREACHABLE = {
+    "a link to itself": lambda tmp: (os.symlink(tmp / "loop", tmp / "loop"), tmp / "loop")[1],
+    "a path through a file": lambda tmp: ((tmp / "f").write_text("x"), tmp / "f" / "x")[1],
+}
+
+
+@pytest.mark.parametrize("name", list(UNREACHABLE))
+def test_a_path_the_system_cannot_reach_is_refused_by_name(name, tmp_path, capsys):
+  """A link loop or a path through a file raised a bare OSError ('Too many
+  levels of symbolic links', 'Not a directory') from every reader and
+  save, and `pz-persist verify` reported it as a failed check (3) rather
+  than an error (2). `LocalStore.normalise`, where every local path is
+  made absolute, refuses it first."""
+  local = str(tmp_path / "ok")
+  pzp.save(local, {"a": np.ones(2)})
+  bad = str(UNREACHABLE[name](tmp_path))
+  for call_name, call in [*_path_calls(bad, local), ("load_into", lambda: pzp.load_into(bad, {}))]:
+    with pytest.raises(errors.ArgumentError, match="no file or folder can be reached"):
+      call()
+    assert pzp.verify(local).ok, call_name
+  for argv in (["inspect", bad], ["verify", bad], ["verify", "--json", bad], ["ls", bad]):
+    assert cli.main(argv) == 2, argv
+    assert "no file or folder can be reached" in capsys.readouterr().err, argv
