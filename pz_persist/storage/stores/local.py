@@ -288,7 +288,7 @@ def _check_reachable(absolute: str, given: str) -> None:
   try:
     os.stat(absolute)
   except OSError as e:
-    why = _UNREACHABLE.get(e.errno)
+    why = _UNREACHABLE.get(e.errno or 0)
     if why is not None:
       raise errors.ArgumentError(
           f"{given}: no file or folder can be reached at this path: {why}."
