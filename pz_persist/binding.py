@@ -759,8 +759,7 @@ class _ManifestSource:
           self._item, self._manifest, sharding=sharding, refs=refs, verify=verify,
           tracker=tracker, snapshot=self._snapshot,
       )
-    handed: dict[int, str] = {}  # One array at one place, across the variables too.
-    return {label: self._value(self.stored[label], arrays, handed=handed) for label in labels}
+    return {label: self._value(self.stored[label], arrays) for label in labels}
 
   def _model_placements(self, labels, bound) -> placements.PerArray:
     """Where to read each array of ``labels`` so that it lands where the
