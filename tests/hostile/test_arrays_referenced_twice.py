@@ -20,7 +20,6 @@ import json
 import subprocess
 import sys
 
-import jax
 import manifest_json
 import numpy as np
 import orbax.checkpoint as ocp
