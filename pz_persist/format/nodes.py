@@ -519,12 +519,12 @@ def array_places(tree: Any, variables: Any) -> Iterator[tuple[int, str]]:
 def _step(name: str, item: Any, i: int, pair: bool) -> str:
   """Item ``i`` of field ``name`` as Python reaches it where it can (``['key']``
   of a dict, ``.name`` of a class's field, ``[i]`` of a sequence)."""
-  key = item[0] if pair else None
-  if tag_of(key) == "str" and isinstance(key.get("v"), str):
+  key = item[0].get("v") if pair and tag_of(item[0]) == "str" else None
+  if isinstance(key, str):
     if name == "items":
-      return f"[{key['v']!r:.80}]"
+      return f"[{key!r:.80}]"
     if name == "fields":
-      return f".{key['v']:.80}"
+      return f".{key:.80}"
   return f"[{i}]" if name == "items" else f".{name}[{i}]"
 
 
