@@ -235,10 +235,27 @@ def _prefixes(a: str, b: str) -> tuple[str, str] | None:
 def _globs(only: LabelGlobs | None, where: str) -> tuple[str, ...] | None:
   if only is None:
     return None
-  globs = (only,) if isinstance(only, str) else tuple(only)
+  globs = (only,) if isinstance(only, str) else _sequence(only, "only", where)
   if not globs:
     raise selection.empty(where, "only")
+  for glob in globs:
+    if not isinstance(glob, str):
+      raise errors.ArgumentTypeError(
+          f"{where}: only= holds {glob!r:.60}, not a str; give label globs"
+          " (only='blocks/*' or a list of them).")
   return globs
+
+
+def _sequence(value: Any, option: str, where: str) -> tuple[Any, ...]:
+  """``value`` as a tuple, if it is a list, tuple or other sized iterable;
+  else an `ArgumentTypeError` naming ``option`` (a number or a function
+  would otherwise fail deep inside with ``TypeError: not iterable``)."""
+  if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+    raise errors.ArgumentTypeError(
+        f"{where}: {option}= is a {type(value).__name__} ({value!r:.60}); give"
+        f" {'a str or a list of str' if option == 'only' else 'a dict or a list of pairs'}."
+    )
+  return tuple(value)
 
 
 def _check_selectors(
@@ -249,6 +266,16 @@ def _check_selectors(
   checkpoint has (as ``rename=`` made them): it would load, or cast, nothing."""
   names = [_describe(label) for label in stored]
   rules = [(f"only={glob!r}", glob) for glob in globs or ()]
+  for glob, rule in (dtype.items() if isinstance(dtype, Mapping) else [(None, dtype)]):
+    if glob is not None and not isinstance(glob, str):
+      raise errors.ArgumentTypeError(
+          f"{where}: the dtype= rule {glob!r:.60} is not a str; key rules by label glob.")
+    try:
+      np.dtype(rule)
+    except TypeError as e:
+      raise errors.ArgumentError(
+          f"{where}: dtype={rule!r:.60}{'' if glob is None else f' (for {glob!r})'}"
+          f" is not a dtype ({e}); give one such as jnp.bfloat16 or 'float32'.") from None
   if isinstance(dtype, Mapping):
     rules += [(f"the dtype= rule {glob!r}", glob) for glob in dtype]
   for option, glob in rules:
@@ -263,9 +290,27 @@ def _selected(label: Hashable, globs: tuple[str, ...] | None) -> bool:
   return globs is None or any(fnmatch.fnmatchcase(_describe(label), g) for g in globs)
 
 
-def _rules(rename: RenameRules | None) -> list[tuple[re.Pattern[str], str]]:
-  items = rename.items() if isinstance(rename, Mapping) else (rename or ())
-  return [(re.compile(pattern), replacement) for pattern, replacement in items]
+def _rules(rename: RenameRules | None, where: str) -> list[tuple[re.Pattern[str], str]]:
+  """``rename=``'s (pattern, replacement) rules compiled; each pattern a
+  regular expression, refused by name if it is not one (or not a str)."""
+  if rename is None:
+    return []
+  items = tuple(rename.items()) if isinstance(rename, Mapping) else _sequence(
+      rename, "rename", where)
+  rules = []
+  for item in items:
+    if not (isinstance(item, tuple | list) and len(item) == 2
+            and all(isinstance(part, str) for part in item)):
+      raise errors.ArgumentTypeError(
+          f"{where}: rename= holds {item!r:.80}; each rule is a pair of str"
+          " (pattern, replacement), as in rename={'^old/': 'new/'}.")
+    try:
+      rules.append((re.compile(item[0]), item[1]))
+    except re.error as e:
+      raise errors.ArgumentError(
+          f"{where}: the rename= pattern {item[0]!r:.80} is not a regular expression"
+          f" ({e}); escape it with re.escape to match it literally.") from None
+  return rules
 
 
 def _rename(label: Hashable, rules) -> Hashable:
@@ -501,7 +546,7 @@ def load_into(
   dtypes do not fit, and before building anything if a cast would be lossy.
   """
   where = str(opened.item)
-  stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(rename))
+  stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(rename, where))
   _check_axis_names(where, opened.manifest, rename_axes)
   if auto_labels is not None:
     stored, renamed = _auto_labels_by_position(where, model, stored, renamed, auto_labels)
@@ -714,8 +759,7 @@ class _ManifestSource:
           self._item, self._manifest, sharding=sharding, refs=refs, verify=verify,
           tracker=tracker, snapshot=self._snapshot,
       )
-    handed: dict[int, str] = {}  # One array at one place, across the variables too.
-    return {label: self._value(self.stored[label], arrays, handed=handed) for label in labels}
+    return {label: self._value(self.stored[label], arrays) for label in labels}
 
   def _model_placements(self, labels, bound) -> placements.PerArray:
     """Where to read each array of ``labels`` so that it lands where the

@@ -107,6 +107,7 @@ def save(
       `pz_persist.storage.leftovers`), and says so in one line.
   """
   store, path = stores.open_path(path)  # Chosen once, for the whole save.
+  destinations.check_outside_checkpoints(path, path)  # Never inside another.
   seen = store.identity(path)  # Moved into place only if still this.
   if seen is not None and not overwrite:
     raise errors.CheckpointExistsError(

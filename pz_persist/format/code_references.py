@@ -333,7 +333,9 @@ def _import(module_name: str, qualname: str, where: str) -> types.ModuleType:
   module = sys.modules.get(module_name)
   if isinstance(module, types.ModuleType):
     return module
-  if module_name == allowlist.MAIN_MODULE:  # Importing it anew would run a program.
+  if module_name.split(".")[0] == allowlist.MAIN_MODULE:
+    # Importing it anew would run a program; ``__main__.x`` (allowed with
+    # ``__main__``) would import ``__main__`` as a package: looked up only.
     raise _not_defined(module_name, qualname, where)
   if not allowlist.may_import(module_name):
     raise errors.DisallowedModuleError(

@@ -380,6 +380,9 @@ class _Checker:
       raise self.error("shared", "must be a list")
     self.shared = shared
     self.plans = self._plans()
+    tags = [tag for tag, _ in self.types]
+    self.array_type = tags.index("array") if "array" in tags else -1
+    self.array_refs: list[int] = []  # Of every ``array`` node, as met once each.
     self.entries: list[list[Any]] = []  # The variables table, once `variables` checked it.
     self._extents: dict[int, int] = {}
     # How deep each shared entry nests below the node referring to it: the
@@ -461,7 +464,8 @@ class _Checker:
     plans, shared_count, class_count = self.plans, len(self.shared), len(self.classes)
     heights, variable_count = self.shared_heights, len(self.entries)
     used_shared, used_types, used_classes = self.used_shared, self.used_types, self.used_classes
-    most = nodes.MAX_DEPTH
+    most, array_type = nodes.MAX_DEPTH, self.array_type
+    refs: list[int] = []  # Recorded if it passes (else `check` records them).
     deepest = depth
     stack = [(root, depth) for root in roots]
     while stack:
@@ -490,6 +494,10 @@ class _Checker:
       variable, static, fields = plans[index]
       if (in_shared and not static) or len(node) != len(fields) + 1:
         return -1
+      if index == array_type:
+        if type(node[1]) is int:  # (Else the decoder refuses it.)
+          refs.append(node[1])
+        continue
       if variable:
         ref = node[1]
         if type(ref) is int and 0 <= ref < variable_count:  # (Else the decoder refuses it.)
@@ -546,6 +554,7 @@ class _Checker:
           used_shared.add(child)
         else:
           stack.append((child, below))
+    self.array_refs.extend(refs)
     return deepest
 
   def variable_extent(self, ref: int) -> int:
@@ -608,6 +617,8 @@ class _Checker:
       raise self.error(where, f"is a {tag} node with {len(node) - 1} fields,"
                        f" expected {len(fields)} ({', '.join(f.name for f in fields)})")
     deepest = depth
+    if tag == "array" and type(node[1]) is int:
+      self.array_refs.append(node[1])
     if tag == "variable":
       ref = node[1]
       if type(ref) is int and 0 <= ref < len(self.entries):  # (Else the decoder refuses it.)
@@ -706,16 +717,20 @@ def parse(raw: dict[str, Any], *, where: str, reader_format: int) -> Parsed:
     raise errors.ManifestError(f"{where}: leaf_keys must be true or false.")
   arrays = array_specs(raw["arrays"], where=where, leaf_keys=leaf_keys)
   checker = _Checker(raw, where, reader_format)
-  if type(raw["tree"]) is not list:
+  if type(raw["tree"]) not in (list, str):  # A string is the str node of a str tree.
     raise checker.error("tree", "must be a node ([type, fields...]), not a reference")
   variables = checker.variables(raw["variables"])
   checker.check_fast(raw["tree"], "tree", 0)
   checker.check_all_used()
-  return Parsed(
+  parsed = Parsed(
       tree=raw["tree"], variables=variables,
       tables=Tables(checker.types, checker.classes, checker.shared),
       arrays=arrays, writer=raw["writer"], leaf_keys=leaf_keys,
   )
+  nodes.arrays_referenced_once(
+      checker.array_refs, len(arrays), lambda: nodes.array_places(*parsed.expanded()),
+      lambda ref: arrays[ref].describe(), where)
+  return parsed
 
 
 # The arrays table.

@@ -179,10 +179,8 @@ class _Walk:
       format_version: int | None = None,
       writer: str | None = None,
       tables: Any = None,
-      handed: dict[int, str] | None = None,
   ):
     self.arrays = arrays
-    self.handed = {} if handed is None else handed
     self.tables = tables  # A format 4 manifest's (`compact.Tables`), else None.
     self._decoded_shared: dict[tuple[int, bool], tuple[Any, bool]] = {}
     self.written = (format_version, writer)  # The manifest's, for `unknown_node`.
@@ -278,9 +276,8 @@ class _Walk:
     if type(ref) is not int or not 0 <= ref < len(self.arrays):
       raise errors.ManifestError(f"{where}: invalid array reference {ref!r}.")
     self.labels.check(ref, where)
-    if ref in self.handed:
-      raise twice_referenced(ref, self.arrays[ref], where, self.handed[ref])
-    self.handed[ref] = where
+    # Each array is referred to once: `Manifest.loads` refuses a manifest that
+    # refers to one twice (`nodes.arrays_referenced_once`).
     return self.arrays[ref]
 
   def _shared_node(self, index: int, where: str, depth: int, in_tree: bool) -> Any:
@@ -802,26 +799,6 @@ def _variable(at: _At, node: Node) -> Any:
 # Entry points.
 
 
-def twice_referenced(ref: int, array: Any, where: str, first: str) -> errors.ManifestError:
-  """The error for array ``ref`` referenced at ``where`` and at ``first``.
-
-  Why refused: a save writes every array it meets as an entry of its own,
-  even the same array at two places (and a shared variable as one variable
-  entry, referenced from each place, its array referenced once), so no
-  saved manifest references an array twice. Loaded, such a manifest would
-  give one writable array at two places: an optimizer state updated in
-  place at one would change the other.
-  """
-  shape = getattr(array, "shape", None)
-  what = f" (shape {tuple(shape)})" if shape is not None else ""
-  return errors.ManifestError(
-      f"{where}: refers to arrays[{ref}]{what}, which {first} refers to already;"
-      " a saved checkpoint refers to each array once (a shared variable is one"
-      " variable entry). The manifest was edited or damaged; loading it would"
-      " return one array at two places."
-  )
-
-
 def decode(
     tree: Node,
     variables: Sequence[Any],
@@ -833,7 +810,6 @@ def decode(
     format_version: int | None = None,
     writer: str | None = None,
     tables: Any = None,
-    handed: dict[int, str] | None = None,
 ) -> Any:
   """Rebuilds the saved tree from its JSON and its (restored) arrays.
 
@@ -854,9 +830,6 @@ def decode(
     tables: A format 4 manifest's tables (`pz_persist.format.compact.Tables`,
       from `Manifest.decodable`), when ``tree`` and ``variables`` hold its
       compact nodes.
-    handed: Where each array was placed so far (by manifest index), for
-      decodings of several parts whose results are returned together
-      (`pz_persist.binding`): an array is placed at one place only.
 
   Raises:
     ManifestError: a node is malformed or disagrees with its arrays.
@@ -868,7 +841,7 @@ def decode(
   walk = _Walk(
       arrays, variables, abstract=abstract, labels=labels,
       variables_where=variables_where, format_version=format_version, writer=writer,
-      tables=tables, handed=handed,
+      tables=tables,
   )
   try:
     return walk.decode(tree, str(root), 0, True)

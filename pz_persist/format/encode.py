@@ -82,11 +82,37 @@ class _Encoder:
     self.variables: list[Node] = []
     self.originals: list[Any] = []  # The arrays as given, for `_check_decodable`.
     self._variable_refs: dict[int, int] = {}  # id(variable) -> ref.
+    self._depth = 0  # Values being encoded, each inside the one before.
+
+  def _deeper(self, encode: Callable[..., Node], obj: Any, where: str, *rest: Any) -> Node:
+    """``encode(obj, where, *rest)`` one level deeper, refused past what a
+    reader loads.
+
+    Why here: each value nests its node one level inside its container's, so
+    a value more than `nodes.MAX_DEPTH` + 1 levels in is one every reader
+    refuses; refusing it while walking (rather than by the decoder's check
+    after the walk) bounds the walk itself, so a tree nested thousands deep
+    or holding itself (``l.append(l)``) is an `EncodingError` naming where,
+    not a RecursionError. Shallower trees get the decoder's exact check.
+    """
+    if self._depth > nodes.MAX_DEPTH:
+      raise errors.EncodingError(
+          f"{where:.300}: nesting deeper than {nodes.MAX_DEPTH} (or a value that"
+          " contains itself). This value could never be loaded, so it is not saved."
+      )
+    self._depth += 1
+    try:
+      return encode(obj, where, *rest)
+    finally:
+      self._depth -= 1
 
   # Static values: labels, metadata, axis names. No arrays allowed.
 
   def static(self, obj: Any, where: str) -> Node:
     """Encodes a plain Python value (a label, a metadata entry, an axis name)."""
+    return self._deeper(self._static_value, obj, where)
+
+  def _static_value(self, obj: Any, where: str) -> Node:
     node = self._scalar(obj)
     if node is not None:
       return node
@@ -236,6 +262,9 @@ class _Encoder:
 
   def tree(self, obj: Any, where: str, label: str | None = None) -> Node:
     """Encodes a pytree, collecting its arrays and variables."""
+    return self._deeper(self._tree_value, obj, where, label)
+
+  def _tree_value(self, obj: Any, where: str, label: str | None) -> Node:
     node = self._scalar(obj)
     if node is not None:
       return node

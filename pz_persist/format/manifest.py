@@ -262,7 +262,7 @@ class Manifest:
     )
     if found >= FIRST_FORMAT_WITH_CHECKSUMS:
       _check_checksummed(specs, found, where)
-    nodes.check_depth_through_variables(raw["tree"], raw["variables"], where)
+    check_typed_nodes(raw["tree"], raw["variables"], specs, where=where)
     seen: dict[str, int] = {}
     for i, spec in enumerate(specs):
       if spec.key in seen:
@@ -279,6 +279,24 @@ class Manifest:
         format_version=found,
         leaf_keys=found >= FIRST_FORMAT_WITH_LEAF_KEYS,
     )
+
+
+def check_typed_nodes(
+    tree: Any, variables: Any, specs: tuple[arrays_lib.ArraySpec, ...], *, where: str
+) -> None:
+  """The checks of typed JSON (formats 1 to 3, and the Orbax type handler's
+  records, `pz_persist.orbax.variable_type_handler`) made before decoding:
+  depth counted through variable entries, and each array entry referred to
+  once (`nodes.arrays_referenced_once`; format 4's are made as it is parsed,
+  `compact_lib.parse`).
+
+  Raises:
+    ManifestError: naming the node or both places at fault.
+  """
+  refs = nodes.check_depth_through_variables(tree, variables, where)
+  nodes.arrays_referenced_once(
+      refs, len(specs), lambda: nodes.array_places(tree, variables),
+      lambda ref: specs[ref].describe(), where)
 
 
 def parse_json(data: bytes, *, where: str) -> Any:

@@ -172,32 +172,6 @@ def all_nodes(manifest: manifest_lib.Manifest) -> Iterator[Node]:
       yield from walk(entry.get("value"))
 
 
-def arrays_referenced_twice(manifest: manifest_lib.Manifest, *, where: str) -> list[str]:
-  """What `pz_persist.format.decode` refuses when it meets it, found from the
-  JSON alone (no class imported): each array entry that array nodes of the
-  tree and of the variables table refer to more than once, for ``verify`` to
-  report as damage (see `decode.twice_referenced`)."""
-  first: dict[int, str] = {}
-  problems = []
-  places = [("tree", manifest.tree)] + [
-      (f"variables[{i}].value", entry.get("value"))
-      for i, entry in enumerate(manifest.variables) if isinstance(entry, dict)
-  ]
-  for place, root in places:
-    for node in walk(root, where=f"{where}: {place}"):
-      ref = node.get("ref")
-      if node.get("t") != "array" or type(ref) is not int:
-        continue
-      spec = manifest.arrays[ref] if 0 <= ref < len(manifest.arrays) else None
-      if ref in first:
-        problems.append(str(decode_lib.twice_referenced(
-            ref, spec, f"{where}: {place} ({spec.describe() if spec else 'no such array'})",
-            first[ref])))
-      else:
-        first[ref] = f"{place}"
-  return problems
-
-
 def axis_names(manifest: manifest_lib.Manifest) -> dict[int, tuple[Any, ...]]:
   """For arrays wrapped in NamedArrays: the name of each dimension (or None)."""
   names: dict[int, tuple[Any, ...]] = {}

@@ -380,9 +380,11 @@ def children(node_: Any, holds: Holds = "child") -> Iterator[Any]:
       yield from (p[1] for p in value if isinstance(p, list) and len(p) == 2)
 
 
-def check_depth_through_variables(tree: Any, variables: Any, where: str) -> None:
+def check_depth_through_variables(tree: Any, variables: Any, where: str) -> list[int]:
   """Refuses typed JSON (formats 1 to 3) in which a ``variable`` node uses a
-  variable entry deeper than `MAX_DEPTH` allows.
+  variable entry deeper than `MAX_DEPTH` allows; returns the reference of
+  every ``array`` node of the tree and of each variable entry (each entry
+  walked once, however many places use it), for `arrays_referenced_once`.
 
   Why: the decoder decodes a variable's entry (label, metadata and value one
   level below the ``variable`` node) where it first meets it and reuses it
@@ -398,6 +400,7 @@ def check_depth_through_variables(tree: Any, variables: Any, where: str) -> None
   """
   entries = variables if isinstance(variables, (list, tuple)) else ()
   extents: dict[int, int] = {}
+  refs: list[int] = []
 
   def deepest(root: Any, start: int) -> int:
     reached = start
@@ -408,6 +411,11 @@ def check_depth_through_variables(tree: Any, variables: Any, where: str) -> None
       if depth > MAX_DEPTH:
         continue  # The decoder refuses it, naming where.
       tag = tag_of(node)
+      if tag == "array":
+        ref = node.get("ref")
+        if type(ref) is int:  # (Else the decoder refuses it.)
+          refs.append(ref)
+        continue
       if tag == "variable":
         ref = node.get("ref")
         if type(ref) is int and 0 <= ref < len(entries):
@@ -432,6 +440,92 @@ def check_depth_through_variables(tree: Any, variables: Any, where: str) -> None
     return found
 
   deepest(tree, 0)
+  for ref in range(len(entries)):  # An entry no node uses is decoded by none, but counted.
+    extent(ref)
+  return refs
+
+
+def arrays_referenced_once(
+    refs: list[int], count: int, places: Any, describe: Any, where: str
+) -> None:
+  """Refuses a manifest whose ``array`` nodes refer to one array entry twice.
+
+  Why: a save writes every array it meets as an entry of its own, even the
+  same array at two places (and a shared variable as one variable entry,
+  referenced from each place, its array referenced once), so no saved
+  manifest refers to an array twice. Loaded, such a manifest would give one
+  writable array at two places: an optimizer state updated in place at one
+  would change the other. Checked here, as the manifest is parsed, every
+  reader (and a save, `pz_persist.format.manifest.check_publishable`)
+  refuses it alike.
+
+  Args:
+    refs: The reference of every ``array`` node, as the parse met them
+      (each variable entry's once).
+    count: How many array entries there are (a reference out of range is
+      the decoder's to refuse).
+    places: Called only on failure: ``(ref, place)`` of each array node, in
+      the order of `array_places`, to name both places.
+    describe: ``describe(ref)``: the array entry, for the message.
+    where: The manifest's file.
+
+  Raises:
+    ManifestError: naming the array entry and both places referring to it.
+  """
+  if len(set(refs)) == len(refs):
+    return
+  first: dict[int, str] = {}
+  for ref, place in places():
+    if ref in first and 0 <= ref < count:
+      raise errors.ManifestError(
+          f"{where}: {place} refers to arrays[{ref}] ({describe(ref)}), which {first[ref]}"
+          " refers to already; a saved checkpoint refers to each array once (a shared"
+          " variable is one variable entry). The manifest was edited or damaged; loading"
+          " it would return one array at two places."
+      )
+    first.setdefault(ref, place)
+  raise AssertionError(f"{where}: an array referenced twice was not found again.")
+
+
+def array_places(tree: Any, variables: Any) -> Iterator[tuple[int, str]]:
+  """``(ref, place)`` of every ``array`` node of typed JSON: the tree's, then
+  each variable entry's value (``place`` as ``tree.items[1]``)."""
+  roots = [(tree, "tree")] + [
+      (entry.get("value"), f"variables[{i}].value")
+      for i, entry in enumerate(variables) if isinstance(entry, dict)
+  ]
+  for root, name in roots:
+    stack = [(root, name, 0)]
+    while stack:
+      node, place, depth = stack.pop()
+      tag = tag_of(node)
+      if tag == "array" and type(node.get("ref")) is int:
+        yield node["ref"], place
+      node_type = NODE_TYPES.get(tag or "")
+      if node_type is None or tag == "variable" or depth > MAX_DEPTH:
+        continue
+      found = []
+      for field in node_type.fields:
+        value = node.get(field.name)
+        if field.json == "node" and field.holds:
+          found.append((value, f"{place}.{field.name}"))
+        elif field.json in ("list", "pairs") and field.holds and isinstance(value, list):
+          for i, item in enumerate(value):
+            pair = field.json == "pairs" and isinstance(item, list) and len(item) == 2
+            found.append((item[1] if pair else item, place + _step(field.name, item, i, pair)))
+      stack.extend((child, at, depth + 1) for child, at in reversed(found))
+
+
+def _step(name: str, item: Any, i: int, pair: bool) -> str:
+  """Item ``i`` of field ``name`` as Python reaches it where it can (``['key']``
+  of a dict, ``.name`` of a class's field, ``[i]`` of a sequence)."""
+  key = item[0].get("v") if pair and tag_of(item[0]) == "str" else None
+  if isinstance(key, str):
+    if name == "items":
+      return f"[{key!r:.80}]"
+    if name == "fields":
+      return f".{key:.80}"
+  return f"[{i}]" if name == "items" else f".{name}[{i}]"
 
 
 def _held_nodes(node_: Any, tag: str | None) -> Iterator[Any]:

@@ -79,8 +79,9 @@ def _is_label(value: Any, labels: Sequence[Hashable]) -> bool:
 def _matches(wanted: Any, label: Hashable) -> bool:
   if wanted == label:
     return True
-  if isinstance(wanted, str) and isinstance(label, str) and label.startswith(wanted):
-    return wanted[-1:] in _SEPARATORS or label[len(wanted)] in _SEPARATORS
+  if isinstance(wanted, str) and wanted and isinstance(label, str) and label.startswith(wanted):
+    # (``wanted`` non-empty: ``""`` is no prefix; ``"" in _SEPARATORS`` held.)
+    return wanted[-1] in _SEPARATORS or label[len(wanted)] in _SEPARATORS
   return False
 
 

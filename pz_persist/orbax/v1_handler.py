@@ -63,8 +63,40 @@ _PENZAI_LEAF_TYPES = (
 )
 
 
+_FLATTEN_SAFE_DEPTH = 500
+"""Containers JAX's flatten may walk nested: well under the interpreter's
+recursion limit, and far past what any checkpoint holds."""
+
+
+def _unflattenable(tree: Any) -> bool:
+  """Whether ``tree``'s lists, tuples and dicts hold themselves or nest past
+  `_FLATTEN_SAFE_DEPTH`, found without recursion.
+
+  Why: JAX's flatten of such a tree raises a SystemError from inside its C++
+  walk and leaves the thread's recursion count behind, so every later call
+  in that thread raised RecursionError (Orbax's v1 save asks every handler
+  `is_handleable` in the caller's thread). Such a tree is claimed instead,
+  so the save refuses it by name (`pz_persist.format.encode`).
+  """
+  stack: list[tuple[Any, int, frozenset[int]]] = [(tree, 0, frozenset())]
+  while stack:
+    node, depth, above = stack.pop()
+    kind = type(node)
+    if kind not in (list, tuple, dict):
+      continue
+    if id(node) in above or depth > _FLATTEN_SAFE_DEPTH:
+      return True
+    inner = above | {id(node)}
+    for child in node.values() if kind is dict else node:
+      stack.append((child, depth + 1, inner))
+  return False
+
+
 def holds_penzai_values(tree: Any) -> bool:
-  """Whether ``tree`` holds a NamedArray, a variable, its value or its slot."""
+  """Whether ``tree`` holds a NamedArray, a variable, its value or its slot
+  (or cannot be flattened safely: `_unflattenable`)."""
+  if _unflattenable(tree):
+    return True
   try:
     leaves = jax.tree_util.tree_leaves(
         tree, is_leaf=lambda x: isinstance(x, _PENZAI_LEAF_TYPES)

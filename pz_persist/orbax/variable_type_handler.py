@@ -163,6 +163,8 @@ class VariableTypeHandler(type_handlers.TypeHandler):
     values = await self._read_values(directory, saved)
     variables = {}
     for name, variable in saved.items():  # Built only once all were read.
+      manifest_lib.check_typed_nodes(
+          variable.tree, (), variable.specs, where=f"{where}: leaf {name!r}")
       frozen = restoring.decode(
           _manifest(variable.specs, variable.tree), values[name],
           where=f"{where}: leaf {name!r}",

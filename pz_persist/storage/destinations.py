@@ -189,7 +189,7 @@ def check_output(
   path = stores.normalise(destination)  # Refuses a NUL, a bad scheme, a remote host.
   roots = [root for root in (opening.checkpoint_path(s) for s in sources) if root is not None]
   check_apart(destination, roots)
-  _check_outside_checkpoints(destination, path)
+  check_outside_checkpoints(destination, path)
   if stores.for_path(path).identifies_files:  # Where files have inodes: hard links.
     _check_no_hard_link(destination, os.fspath(path), roots)
   if file and path.is_dir():
@@ -227,12 +227,14 @@ _CHECKPOINT_FILES = (manifest_lib.MANIFEST_FILENAME, opening.ORBAX_CHECKPOINT_ME
 Orbax checkpoint or step): nothing a user names is written inside it."""
 
 
-def _check_outside_checkpoints(destination: epath.PathLike, path: epath.Path) -> None:
+def check_outside_checkpoints(destination: epath.PathLike, path: epath.Path) -> None:
   """Refuses a ``path`` lying inside a checkpoint, read or not: a file added
   there is one `pz_persist.verify` reports as damage, and one over its files
   breaks it. Locally after links are resolved; on an object store each
   folder above is asked for a manifest, Orbax's metadata or a commit object
-  (a few requests: outputs are written there rarely)."""
+  (a few requests: outputs are written there rarely). `pz_persist.save`
+  asks it too: a checkpoint saved inside another (over its item folder,
+  or beside it) damages the outer one."""
   store = stores.for_path(path)
   for folder in stores.folders_above(path):
     found = next((name for name in _CHECKPOINT_FILES if store.has_entry(folder / name)), None)

@@ -27,7 +27,6 @@ from etils import epath
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.format import manifest_queries
 from pz_persist.safety import terminal
 from pz_persist.storage import batching
 from pz_persist.storage import containment
@@ -209,10 +208,6 @@ def _verify(
     damaged.append(str(manifest))
     return VerifyReport(str(item), 0, files_checked, tuple(damaged), (),
                         objects[0], tuple(objects[1]))
-  try:
-    damaged += manifest_queries.arrays_referenced_twice(manifest, where=str(item))
-  except errors.ManifestError as e:  # Nested too deep: decoding refuses it too.
-    damaged.append(str(e))
   unverified = tuple(
       spec.name for spec in manifest.arrays
       if spec.is_stored and spec.checksums is None

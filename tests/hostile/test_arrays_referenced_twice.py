@@ -4,20 +4,22 @@ A save writes every array it meets as an entry of its own (the same array at
 two places too), and a variable shared by two places as one variable entry
 whose array is referenced once: no saved manifest refers to an array entry
 twice. Loaded, such a manifest would give one writable array at two places
-(an optimizer state updated in place at one corrupting the other), so every
-way in refuses it, naming both places (`pz_persist.format.decode`, where
-each array is placed), and ``verify`` reports it as damage. What a save can
-produce keeps its meaning: arrays equal or identical when saved load as
-independent arrays, and a shared variable loads shared.
+(an optimizer state updated in place at one corrupting the other), so it is
+refused where the manifest is parsed (`Manifest.loads`, through
+`pz_persist.format.nodes.arrays_referenced_once`), naming both places: every
+reader goes through it (loads, ``inspect``, ``open``, ``diff``, ``verify``,
+the CLI, Orbax v0/v1, the manager), and a save checks what it publishes with
+it. What a save can produce keeps its meaning: arrays equal or identical when
+saved load as independent arrays, and a shared variable loads shared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 
-import jax
 import manifest_json
 import numpy as np
 import orbax.checkpoint as ocp
@@ -90,53 +92,93 @@ def forged(request, tmp_path):
   return request.param, path
 
 
-def _ways_in(path):
-  """Every way a user gets values out of a checkpoint path."""
+def _ways_in(path, good):
+  """Every way a user reads a checkpoint path."""
   yield "load", lambda: pzp.load(path)
   yield "inspect", lambda: pzp.inspect(path)
-  yield "open().load()", lambda: pzp.open(path).load()
-  yield "open()[label]", lambda: [pzp.open(path)[label] for label in ("p", "q", "w")]
+  yield "open", lambda: pzp.open(path)
   yield "load_model(into=)", lambda: pzp.load_model(path, into=_tree())
+  yield "load_into", lambda: pzp.load_into(path, _tree())
+  yield "diff(path, path)", lambda: pzp.diff(path, path)
+  yield "diff(handle, path)", lambda: pzp.diff(pzp.open(good), path)
+  yield "diff(path, handle)", lambda: pzp.diff(path, pzp.open(good))
   yield "orbax v0", lambda: ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(path)
   yield "orbax v1", lambda: ocp_v1.load_checkpointables(path)
 
 
-# Where the array's label names another holder, the arrays table's labels
-# refuse it first: a ManifestError too, naming the array and both holders.
-EITHER = MATCH + r"|labelled '.*' in the arrays table, but is held by"
-# `open` decodes the whole (abstract) tree, as `inspect` does: it refuses too.
-WHOLE = ("load", "inspect", "open().load()", "open()[label]", "orbax v0", "orbax v1")
-EXPECTED = {  # None: the values returned hold the array once (binding reads variables only).
-    "tree_twice": {"load_model(into=)": None},
-    "variables_twice": {"load_model(into=)": MATCH},
-    "tree_and_variable": {"load_model(into=)": None},
-    "within_one_value": {"load_model(into=)": MATCH},
-}
-WHOLE_EXPECTED = {"tree_twice": MATCH, "variables_twice": EITHER,
-                  "tree_and_variable": EITHER, "within_one_value": MATCH}
-
-
-def test_every_way_in_refuses_an_array_referenced_twice(forged):
-  name, path = forged
-  for way, call in _ways_in(path):
-    expected = WHOLE_EXPECTED[name] if way in WHOLE else EXPECTED[name][way]
-    if expected is None:
-      values = jax.tree_util.tree_leaves(call())
-      arrays = [v for v in values if isinstance(v, np.ndarray)]
-      for i, x in enumerate(arrays):
-        assert not any(np.shares_memory(x, y) for y in arrays[i + 1:]), (name, way)
-      continue
-    with pytest.raises(errors.ManifestError, match=expected):
+def _refused_by_every_way_in(path, good):
+  for way, call in _ways_in(path, good):
+    with pytest.raises(errors.ManifestError, match=MATCH):
       call()
+      pytest.fail(f"{way} did not refuse it")
   report = pzp.verify(path)
   assert not report.ok and any("refers to already" in line for line in report.damaged)
+  for command in (["inspect", str(path)], ["diff", str(path), str(path)],
+                  ["diff", str(good), str(path)], ["verify", str(path)]):
+    done = _cli(*command)
+    assert done.returncode != 0, (command, done.stdout)
+    assert "refers to already" in done.stdout + done.stderr, command
 
 
-def test_the_cli_verify_reports_it(forged):
-  _, path = forged
-  done = subprocess.run([sys.executable, "-m", "pz_persist.tools.cli", "verify", str(path)],
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "pz_persist.tools.cli", *args],
                         capture_output=True, text=True, check=False)
-  assert done.returncode != 0 and "refers to already" in done.stdout + done.stderr
+
+
+def test_every_way_in_refuses_an_array_referenced_twice(forged, tmp_path):
+  name, path = forged
+  pzp.save(tmp_path / "good", _tree())
+  _refused_by_every_way_in(path, tmp_path / "good")
+  with pytest.raises(errors.ManifestError, match=MATCH) as caught:
+    pzp.inspect(path)
+  assert str(caught.value).count("refers to") >= 2  # Both places named.
+
+
+def _compact_twice(file):
+  """Format 4, edited as written: the second ``array`` node of the tree
+  refers to the first one's array."""
+  raw = json.loads(file.read_text())
+  assert raw["format_version"] >= manifest_lib.FIRST_COMPACT_FORMAT
+  array = raw["types"].index("array")
+  found = []
+  stack = [raw["tree"]] + [entry[3] for entry in raw["variables"]]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, list) and node and node[0] == array and len(node) == 2:
+      found.append(node)
+    elif isinstance(node, list):
+      stack.extend(reversed(node[1:]))
+  found[1][1] = found[0][1]
+  file.write_text(json.dumps(raw))
+
+
+def test_a_format_4_manifest_is_refused_as_parsed(tmp_path):
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree())
+  pzp.save(tmp_path / "good", _tree())
+  _compact_twice(path / "penzai" / manifest_lib.MANIFEST_FILENAME)
+  with pytest.raises(errors.ManifestError, match=MATCH):
+    manifest_lib.read(path / "penzai")
+  _refused_by_every_way_in(path, tmp_path / "good")
+
+
+def test_a_save_never_publishes_it(tmp_path):
+  """The publish-time check runs the reader's parse: a manifest referring to
+  an array twice is refused before anything is written."""
+  pzp.save(tmp_path / "c", _tree())
+  for forge in (_tree_twice, _within_one_value):
+    data = manifest_json.read(tmp_path / "c" / "penzai" / manifest_lib.MANIFEST_FILENAME)
+    forge(data)
+    manifest = manifest_lib.read(tmp_path / "c" / "penzai")
+    forged = manifest_lib.Manifest(
+        tree=data["tree"], variables=tuple(data["variables"]), arrays=manifest.arrays,
+        writer=manifest.writer, format_version=manifest.format_version,
+        leaf_keys=manifest.leaf_keys)
+    with pytest.raises(errors.EncodingError, match="refers to already"):
+      manifest_lib.check_publishable(forged, what="the model")
+    compact = dataclasses.replace(forged, format_version=manifest_lib.FORMAT_VERSION)
+    with pytest.raises(errors.EncodingError, match="refers to already"):
+      manifest_lib.check_publishable(compact, what="the model")
 
 
 def test_a_checkpoint_manager_step_refuses_it(tmp_path):
@@ -167,3 +209,18 @@ def test_what_a_save_writes_keeps_its_sharing(tmp_path):
   assert loaded["s1"] is loaded["s2"]  # Shared as saved: one variable.
   into = pzp.load_model(tmp_path / "c", into={"x1": x, "x2": x, "s1": shared, "s2": shared})
   assert into["s1"] is into["s2"]
+
+
+def test_the_orbax_type_handlers_records_refuse_it(tmp_path):
+  """A mutable variable saved as a leaf of a plain Orbax tree is recorded by
+  pz_persist's type handler in typed JSON of its own: its records are checked
+  as a manifest's typed JSON is (`Manifest.check_typed_nodes`)."""
+  path = tmp_path / "c"
+  ocp.PyTreeCheckpointer().save(path, {"w": _tree()["w"]})
+  (file,) = path.glob("pz_persist_variables-*.json")
+  records = json.loads(file.read_text())
+  first, second = records["w"]["tree"]["value"]["items"]
+  second["ref"] = first["ref"]
+  file.write_text(json.dumps(records))
+  with pytest.raises(errors.ManifestError, match=r"leaf 'w'.*" + MATCH):
+    ocp.PyTreeCheckpointer().restore(path)

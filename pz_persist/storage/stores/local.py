@@ -27,6 +27,7 @@ from typing import BinaryIO
 
 from etils import epath
 
+from pz_persist import errors
 from pz_persist.safety import safe_io
 from pz_persist.storage.stores import base
 
@@ -70,7 +71,9 @@ class LocalStore(base.Store):
     error names only the temporary directory), and a notebook's
     ``save("ckpt", ...)`` is the most natural call there is.
     """
-    return epath.Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+    absolute = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    _check_reachable(absolute, os.fspath(path))
+    return epath.Path(absolute)
 
   # ---- Whole files. ---------------------------------------------------------
 
@@ -264,3 +267,30 @@ def _renameat2(a: epath.Path, b: epath.Path, flags: int) -> bool:
   if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
     return False  # Old kernel, or a filesystem without these flags.
   raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
+
+
+_UNREACHABLE = {
+    errno.ELOOP: "it is a symbolic link that leads back to itself (or through too many links)",
+    errno.ENOTDIR: "a part of it above the last is a file, not a folder",
+}
+
+
+def _check_reachable(absolute: str, given: str) -> None:
+  """Refuses a local path the system can never reach: a link loop, or a
+  path through a file. Why here, where every local path is normalised
+  (`stores.open_path`, the destination rule): each raised a bare OSError
+  from whichever call first met it (``Too many levels of symbolic links``,
+  ``Not a directory``), which the command reported as a failed check.
+
+  Raises:
+    ArgumentError: naming the path as given and what is wrong with it.
+  """
+  try:
+    os.stat(absolute)
+  except OSError as e:
+    why = _UNREACHABLE.get(e.errno or 0)
+    if why is not None:
+      raise errors.ArgumentError(
+          f"{given}: no file or folder can be reached at this path: {why}."
+          " Check the path."
+      ) from None

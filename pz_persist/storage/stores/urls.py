@@ -19,11 +19,27 @@ def scheme(path: epath.PathLike) -> str | None:
   """``"gs"`` / ``"s3"`` / another URL scheme of ``path``; None if local.
 
   Every entry point asks this of its path first (`stores.for_path`), so a
-  NUL is refused here, once, for all of them (`check_no_nul`).
+  path of the wrong type, a NUL, and a local path no file system can hold
+  are refused here, once, for all of them (`check_no_nul`,
+  `check_local_length`).
+
+  Raises:
+    ArgumentTypeError: ``path`` is not a ``str`` or a path object naming
+      one (``None``, a number, ``bytes``).
+    ArgumentError: ``path`` holds a NUL, or is a local path too long.
   """
-  text = os.fspath(path)
+  try:
+    text = os.fspath(path)
+  except TypeError:
+    text = None
+  if type(text) is not str:
+    raise errors.ArgumentTypeError(
+        f"{path!r:.100}: a path must be a str or a path object (pathlib.Path,"
+        f" etils.epath.Path), not {type(path).__name__}."
+    )
   check_no_nul(text, text)
   if "://" not in text:
+    check_local_length(text, text)
     return None
   return text.split("://", 1)[0].lower()
 
@@ -48,7 +64,52 @@ def file_url_path(path: epath.PathLike) -> str | None:
     )
   decoded = urllib.parse.unquote(slash + local)
   check_no_nul(decoded, os.fspath(path))
+  check_local_length(decoded, os.fspath(path))
   return decoded
+
+
+NAME_MAX = 255
+"""Bytes in one name of a folder or file: Linux's limit for every file system
+it mounts (and macOS's), so no longer name can exist or be created."""
+
+PATH_MAX = 4096
+"""Bytes in a path handed to the system (Linux's ``PATH_MAX``)."""
+
+MAX_FOLDERS = 256
+"""Folders a local path may nest: far past any checkpoint's, and under the
+interpreter's recursion limit that creating missing folders one inside
+another (``os.makedirs``) runs into at about 1,000."""
+
+
+def check_local_length(text: str, given: str) -> None:
+  """Refuses a local path no file system can hold: a name over `NAME_MAX`
+  bytes, the whole over `PATH_MAX`, or more than `MAX_FOLDERS` names.
+
+  Why here: the system refuses such a path only when it first reaches it,
+  with a bare ``OSError`` (``File name too long``) from whichever call that
+  is, or, for a deep one that does not exist yet, a ``RecursionError`` from
+  ``os.makedirs``; one check on the path as given covers every entry point.
+
+  Raises:
+    ArgumentError: naming the path (shortened) and the limit it passes.
+  """
+  encoded = os.fsencode(text)
+  names = [name for name in encoded.split(b"/") if name]
+  problem = None
+  if len(encoded) > PATH_MAX:
+    problem = f"it is {len(encoded)} bytes long, over the {PATH_MAX} a system call takes"
+  elif len(names) > MAX_FOLDERS:
+    problem = f"it nests {len(names)} names, over the {MAX_FOLDERS} pz_persist accepts"
+  else:
+    longest = max(names, key=len, default=b"")
+    if len(longest) > NAME_MAX:
+      problem = (f"one of its names is {len(longest)} bytes long, over the"
+                 f" {NAME_MAX} a file system stores")
+  if problem is not None:
+    raise errors.ArgumentError(
+        f"{given[:60]!r}...: no file system can hold this path: {problem}."
+        " Choose a shorter path."
+    )
 
 
 def check_no_nul(text: str, given: str) -> None:
