@@ -21,13 +21,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import pz_persist as pzp
+from hostile import test_pretrained_mxfp4_hostile as mxfp4_folders
 from pz_persist import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf import quantized_fp8
 from pz_persist.pretrained.hf import quantized_mxfp4
 from pz_persist.pretrained.hf import weights as weights_lib
 from pz_persist.pretrained.hf.config import Config
-from tests.hostile import test_pretrained_mxfp4_hostile as mxfp4_folders
 
 _SLACK = 64 * 1024
 """NumPy's and Python's own small allocations around the arrays measured."""

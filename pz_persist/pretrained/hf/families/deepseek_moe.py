@@ -124,6 +124,20 @@ DEEPSEEK_DEFAULTS = {"n_routed_experts": 256, "n_group": 8, "topk_group": 4,
                      "n_shared_experts": 1, "routed_scaling_factor": 2.5}
 """``DeepseekV3Config``'s defaults for an absent field."""
 
+ROUTER_DEFAULTS_WHY = {
+    "scoring_func": (
+        "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+        "always computes sigmoid scores"),
+    "topk_method": (
+        "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+        "always computes noaux_tc (a selection-only bias)"),
+    "moe_layer_freq": (
+        "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
+        "always computes every layer from first_k_dense_replace on as MoE"),
+}
+"""Why the router fields of DeepSeek-V3 and GLM-4.5 (which has DeepSeek's
+router) have defaults of their own: one text for both families' tables."""
+
 
 def read_routing(cfg: Config, hidden: int,
                  defaults: Mapping[str, Any] = DEEPSEEK_DEFAULTS) -> Routing:

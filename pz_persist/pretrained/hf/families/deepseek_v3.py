@@ -56,6 +56,7 @@ from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
+from pz_persist.pretrained.hf.families.deepseek_moe import ROUTER_DEFAULTS_WHY
 from pz_persist.pretrained.hf.families.deepseek_moe import Source
 from pz_persist.pretrained.hf.families.deepseek_moe import check_expert_count
 from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
@@ -488,17 +489,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "moe_intermediate_size": 2048, "n_shared_experts": 1,
                      "max_position_embeddings": 4096, "scoring_func": "sigmoid",
                      "topk_method": "noaux_tc", "moe_layer_freq": 1},
-        "defaults_why": {
-            "scoring_func": (
-                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
-                'always computes sigmoid scores'),
-            "topk_method": (
-                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
-                'always computes noaux_tc (a selection-only bias)'),
-            "moe_layer_freq": (
-                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
-                'always computes every layer from first_k_dense_replace on as MoE'),
-        },
+        "defaults_why": dict(ROUTER_DEFAULTS_WHY),
     },
 }
 """Per ``model_type``: what each absent field means (transformers' config class's

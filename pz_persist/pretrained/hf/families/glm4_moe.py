@@ -26,6 +26,7 @@ from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
+from pz_persist.pretrained.hf.families.deepseek_moe import ROUTER_DEFAULTS_WHY
 from pz_persist.pretrained.hf.families.deepseek_moe import check_expert_count
 from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.families.deepseek_moe import routing_fields
@@ -173,17 +174,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "topk_group": 1, "n_shared_experts": 1, "n_routed_experts": 128,
                      "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
                      "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1},
-        "defaults_why": {
-            "scoring_func": (
-                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
-                'always computes sigmoid scores'),
-            "topk_method": (
-                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
-                'always computes noaux_tc (a selection-only bias)'),
-            "moe_layer_freq": (
-                "DeepSeek's router field (GLM-4.5 has DeepSeek's router); transformers 5 "
-                'always computes every layer from first_k_dense_replace on as MoE'),
-        },
+        "defaults_why": dict(ROUTER_DEFAULTS_WHY),
     },
 }
 """Per ``model_type``: what each absent field means (transformers' config class's
