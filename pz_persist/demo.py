@@ -52,6 +52,7 @@ NEXT_IN_THE_REPOSITORY = (
     ("notebooks/model_surgery.ipynb", "edit a model, save it whole, reload it, diff it"),
     ("notebooks/training_resume.ipynb", "stop and resume training exactly"),
     ("notebooks/sharded_loading.ipynb", "load onto a device mesh by axis names"),
+    ("notebooks/notebook_layers.ipynb", "save layers defined in a notebook, load them again"),
     ("docs/guides/quickstart.md", "the guides begin here (all of them: docs/index.md)"),
 )
 """What to read after the demo, by path in the repository (the README lists

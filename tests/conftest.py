@@ -114,6 +114,10 @@ INTEGRATION_MODULES = frozenset({
     "test_cli", "test_cli_terminal", "test_kill", "test_interrupt", "test_multiprocess",
     "test_buffer_reuse",  # The process's read buffers, released on a timer, over many loads.
     "test_read_paths", "test_files_change_during_load",  # Every read entry point, per case.
+    # Property tests over whole saves and loads, and inputs of tens of thousands of items:
+    # the guarantees of issue 36, each proven across every entry point (minutes, not a loop).
+    "test_saved_always_loads", "test_legitimate_density", "test_diff_scale",
+    "test_held_memory", "test_lazy_read_matches_load",
 })
 """Modules (by file name, in any folder) whose every test is an integration test."""
 
