@@ -34,6 +34,13 @@ QWEN_WINDOW: dict[str, Any] = {
     "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 """The window fields of the Qwen configs."""
 
+QWEN_WINDOW_WHY: dict[str, str] = {
+    "sliding_window": (
+        "the config class stores None unless use_sliding_window is true, and 4096"
+        " (its argument's default) when it is; pz_persist reads the window only then"),
+}
+"""Why ``sliding_window``'s default differs from what the Qwen config classes store."""
+
 GEMMA_LIKE: dict[str, Any] = {
     "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
     "tie_word_embeddings": True, "rms_norm_eps": 1e-6, "attention_bias": False, "head_dim": 256,

@@ -271,6 +271,12 @@ def _longrope_fields(model: Any, layer: ApplyLongRoPE) -> dict[str, Any]:
   return fields
 
 
+_PHI4_MINI_REMOTE_FIELD = (
+    "a field of Microsoft's remote Phi-4-mini code, which transformers' Phi-3 does not read"
+    " (it computes as with this value); pz_persist refuses any other")
+"""Why the Phi-4-mini remote code's fields have defaults of their own."""
+
+
 _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {
         "defaults": {**LLAMA_LIKE, "rms_norm_eps": 1e-5, "sliding_window": None, "mlp_bias": False,
@@ -280,18 +286,9 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
         "defaults_why": {
             "attention_bias": NO_BIASES,
             "mlp_bias": NO_BIASES,
-            "lm_head_bias": (
-                "a field of Microsoft's remote Phi-4-mini code, which transformers' Phi-3"
-                ' does not read (it computes as with this value); pz_persist refuses any '
-                'other'),
-            "interpolate_factor": (
-                "a field of Microsoft's remote Phi-4-mini code, which transformers' Phi-3"
-                ' does not read (it computes as with this value); pz_persist refuses any '
-                'other'),
-            "full_attn_mod": (
-                "a field of Microsoft's remote Phi-4-mini code, which transformers' Phi-3"
-                ' does not read (it computes as with this value); pz_persist refuses any '
-                'other'),
+            "lm_head_bias": _PHI4_MINI_REMOTE_FIELD,
+            "interpolate_factor": _PHI4_MINI_REMOTE_FIELD,
+            "full_attn_mod": _PHI4_MINI_REMOTE_FIELD,
         },
     },
 }

@@ -22,6 +22,7 @@ from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
 from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW
+from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW_WHY
 from pz_persist.pretrained.hf.families.llama import Attention
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
@@ -140,10 +141,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
         "defaults": {**LLAMA_LIKE, **QWEN_WINDOW, "use_mrope": False,
                      "max_position_embeddings": 32768},
         "defaults_why": {
-            "sliding_window": (
-                'the config class stores None unless use_sliding_window is true, and 4096'
-                " (its argument's default) when it is; pz_persist reads the window only "
-                'then'),
+            **QWEN_WINDOW_WHY,
             "attention_bias": NO_BIASES,
             "use_mrope": (
                 "Qwen2-VL's field, which transformers' Qwen2 does not have; pz_persist "

@@ -26,6 +26,7 @@ from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW
+from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW_WHY
 from pz_persist.pretrained.hf.families.llama import Biases
 from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.families.llama import model_biases
@@ -96,10 +97,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
         "defaults": {**LLAMA_LIKE, **QWEN_WINDOW, "head_dim": 128,
                      "max_position_embeddings": 32768},
         "defaults_why": {
-            "sliding_window": (
-                'the config class stores None unless use_sliding_window is true, and 4096'
-                " (its argument's default) when it is; pz_persist reads the window only "
-                'then'),
+            **QWEN_WINDOW_WHY,
         },
     },
 }

@@ -467,17 +467,20 @@ QWEN3_5_DEFAULTS: dict[str, Any] = {
     "linear_conv_kernel_dim": 4, "attn_output_gate": True}
 """Qwen3.5's defaults, which Qwen3.5-MoE's text model shares."""
 
+QWEN3_5_DEFAULTS_WHY: dict[str, str] = {
+    "full_attention_interval": (
+        "transformers 5 takes it only as an argument (default 4) that builds layer_types"),
+    "attn_output_gate": (
+        "the Hub's field; transformers 5's Qwen3.5 always gates the attention output, and"
+        " pz_persist refuses false"),
+}
+"""Why the Qwen3.5 text models' (dense and MoE) defaults differ from transformers' classes."""
+
+
 _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_text": {
         "defaults": dict(QWEN3_5_DEFAULTS),
-        "defaults_why": {
-            "full_attention_interval": (
-                'transformers 5 takes it only as an argument (default 4) that builds '
-                'layer_types'),
-            "attn_output_gate": (
-                "the Hub's field; transformers 5's Qwen3.5 always gates the attention "
-                'output, and pz_persist refuses false'),
-        },
+        "defaults_why": dict(QWEN3_5_DEFAULTS_WHY),
     },
 }
 """Per ``model_type``: what each absent field means (transformers' config class's

@@ -39,6 +39,7 @@ from pz_persist.pretrained.hf.families.moe_common import read_training_only
 from pz_persist.pretrained.hf.families.moe_common import softmax_router
 from pz_persist.pretrained.hf.families.moe_common import with_experts
 from pz_persist.pretrained.hf.families.qwen3_5 import QWEN3_5_DEFAULTS
+from pz_persist.pretrained.hf.families.qwen3_5 import QWEN3_5_DEFAULTS_WHY
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
@@ -170,14 +171,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_moe_text": {
         "defaults": {**QWEN3_5_DEFAULTS, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
                      "shared_expert_intermediate_size": 512},
-        "defaults_why": {
-            "full_attention_interval": (
-                'transformers 5 takes it only as an argument (default 4) that builds '
-                'layer_types'),
-            "attn_output_gate": (
-                "the Hub's field; transformers 5's Qwen3.5 always gates the attention "
-                'output, and pz_persist refuses false'),
-        },
+        "defaults_why": dict(QWEN3_5_DEFAULTS_WHY),
     },
 }
 """Per ``model_type``: what each absent field means (transformers' config class's
