@@ -109,13 +109,29 @@ class StepInfo:
 
 def _disk_bytes(path: epath.Path) -> int:
   """Bytes of the files under the local ``path``; a link counts as itself,
-  not followed."""
-  local = os.fspath(path)
-  return sum(
-      os.lstat(os.path.join(root, name)).st_size
-      for root, _, files in os.walk(local)
-      for name in files
-  )
+  not followed.
+
+  A run is listed while it is written (`pz-persist ls` beside training, a
+  test waiting for a save to start): a file a concurrent save removes or
+  renames between the listing and its size counts as gone, not as an error.
+  """
+  total = 0
+  for root, _, files in os.walk(os.fspath(path)):
+    for name in files:
+      try:
+        total += os.lstat(os.path.join(root, name)).st_size
+      except FileNotFoundError:
+        continue  # Removed or renamed by a concurrent save.
+  return total
+
+
+def _item_names(step_dir: epath.Path) -> tuple[str, ...] | None:
+  """The items of a step, or None when the step directory went away while
+  the run was listed (a save renaming its temporary, a cleanup removing it)."""
+  try:
+    return tuple(sorted(p.name for p in step_dir.iterdir() if p.is_dir()))
+  except FileNotFoundError:
+    return None
 
 
 def _commit_time(path: epath.Path) -> int | None:
@@ -162,7 +178,9 @@ def list_steps(directory: epath.PathLike, *, commit_times: bool = True) -> list[
     if parsed is None or not child.is_dir():
       continue
     step, committed = parsed
-    items = tuple(sorted(p.name for p in child.iterdir() if p.is_dir()))
+    items = _item_names(child)
+    if items is None:
+      continue  # Gone while listed: a later listing shows where it went.
     steps.append(
         StepInfo(
             step=step,
