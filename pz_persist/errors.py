@@ -312,15 +312,18 @@ def _print_one_line_on_exit() -> None:
 
 
 def _quiet_callbacks_into_closed_loops() -> None:
-  """Drops the "Event loop is closed" reports of writes the interrupt left.
+  """Drops the two reports an interrupt leaves behind in Orbax's event loops.
 
   Why: TensorStore's writes already under way when a save is interrupted
   cannot be cancelled; when they finish, their callbacks try to wake Orbax's
   event loop, which the cancelled save has closed, and Python prints each
   failure as an "Exception ignored" traceback, long after the one line that
-  says what happened. Only that exact report is dropped (from then on, in
-  this process, since such late callbacks are never actionable); every other
-  unraisable exception still reaches the previous hook.
+  says what happened. And a Ctrl-C that lands while Orbax constructs an event
+  loop leaves a half-built loop whose finalizer fails on the attributes it
+  never got (an ``AttributeError`` in ``BaseEventLoop.__del__``). Only those
+  two exact reports are dropped (from then on, in this process, since
+  neither is ever actionable); every other unraisable exception still
+  reaches the previous hook.
   """
   import sys  # pylint: disable=import-outside-toplevel
 
@@ -332,6 +335,9 @@ def _quiet_callbacks_into_closed_loops() -> None:
     value = unraisable.exc_value
     if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
       return
+    if isinstance(value, AttributeError) and getattr(
+        unraisable.object, "__qualname__", None) == "BaseEventLoop.__del__":
+      return  # A loop the interrupt stopped half-way through its __init__.
     previous(unraisable)
 
   hook.pz_persist_quiet_closed_loops = True  # type: ignore[attr-defined]

@@ -361,3 +361,32 @@ def test_ctrl_c_during_the_move_waits_for_it(tmp_path, monkeypatch):
   _wait_for_deletions()
   _assert_holds(path, 2.0)
   assert _hidden(tmp_path) == []
+
+
+def test_the_reports_an_interrupt_leaves_in_event_loops_are_dropped_others_kept(monkeypatch):
+  """A Ctrl-C that lands inside an event loop's constructor leaves a
+  half-built loop whose finalizer fails; that report, and a late write's
+  "Event loop is closed", are dropped after an interrupted save, while any
+  other unraisable exception still reaches the hook that was there before."""
+  import asyncio
+  import gc
+
+  from pz_persist import errors
+
+  reached = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: reached.append(type(u.exc_value)))
+  monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+  errors.save_interrupted("interrupted")
+
+  half_built = object.__new__(asyncio.SelectorEventLoop)
+  half_built._closed = False  # pylint: disable=protected-access
+  half_built._thread_id = None  # Cut short before its selector and handlers.  # pylint: disable=protected-access
+  del half_built
+
+  class FailsWhenCollected:
+    def __del__(self):
+      raise ValueError("not ours to drop")
+
+  FailsWhenCollected()  # Collected at once.
+  gc.collect()
+  assert reached == [ValueError]
