@@ -11,7 +11,7 @@ named ``model.layers.{i}.self_attn.q_proj.weight`` etc., random weights
 totalling ``--size`` bytes, split into ``--shards`` files plus
 ``model.safetensors.index.json``; with ``--rope-scaling llama3``, Llama 3.x's
 RoPE: ``rope_theta`` 500000 and Llama 3.2's ``rope_scaling``, which `load_hf`
-builds with `pz_persist.pretrained.layers.scaled_rope.ApplyScaledRoPE`), then measures, each in a fresh process
+builds with `pz_persist.nn.scaled_rope.ApplyScaledRoPE`), then measures, each in a fresh process
 (see ``harness.py``):
 
 * ``load_hf``: `pz_persist.pretrained.load_hf` (safetensors only, no torch);

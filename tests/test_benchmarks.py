@@ -206,7 +206,7 @@ def test_pretrained_benchmark_writes_llama3_rope_scaling(tmp_path):
   from penzai import pz  # pylint: disable=import-outside-toplevel
 
   import pz_persist as pzp  # pylint: disable=import-outside-toplevel
-  from pz_persist.pretrained.layers import scaled_rope  # pylint: disable=import-outside-toplevel
+  from pz_persist.nn import scaled_rope  # pylint: disable=import-outside-toplevel
 
   _pretrained_benchmark().write_llama(str(tmp_path), 2**16, shards=1, rope_scaling="llama3")
   model = pzp.pretrained.load_hf(tmp_path)

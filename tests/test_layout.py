@@ -34,7 +34,7 @@ PACKAGE = pathlib.Path(pzp.__file__).parent
 LAYERS = {
     # The ground: no pz_persist imports but these.
     "errors": 0, "version": 0,
-    "safety": 1,
+    "safety": 1, "nn": 1,
     "format": 2,
     "progress": 3, "sharding": 3,
     "storage": 4,
@@ -243,11 +243,11 @@ def test_a_converted_model_loads_in_a_process_that_never_imported_pretrained(tmp
   layers = PACKAGE / "pretrained" / "layers"
   for path in layers.glob("*.py"):
     if path.stem != "__init__":
-      assert allowlist.may_import(f"pz_persist.pretrained.layers.{path.stem}"), path.stem
+      assert allowlist.may_import(f"pz_persist.nn.{path.stem}"), path.stem
   run_python(f"""
       import pz_persist as pzp
       from penzai import pz
-      from pz_persist.pretrained.layers.constant_scale import ConstantScale
+      from pz_persist.nn.constant_scale import ConstantScale
       pzp.save_model({str(tmp_path / "m")!r}, pz.nn.Sequential([ConstantScale(by=2.0)]))
   """)
   out = run_python(f"""

@@ -21,11 +21,11 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer import sampling_mode
 
 from pz_persist import errors
-from pz_persist.pretrained.layers.gated_delta_net import CachingGatedDeltaNet
-from pz_persist.pretrained.layers.gated_delta_net import GatedDeltaNet
-from pz_persist.pretrained.layers.kv_sharing import key_axes
-from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
-from pz_persist.pretrained.layers.longrope import LongRopeKVCachingLM
+from pz_persist.nn.gated_delta_net import CachingGatedDeltaNet
+from pz_persist.nn.gated_delta_net import GatedDeltaNet
+from pz_persist.nn.kv_sharing import key_axes
+from pz_persist.nn.longrope import ApplyLongRoPE
+from pz_persist.nn.longrope import LongRopeKVCachingLM
 
 
 def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],

@@ -36,10 +36,10 @@ DEFAULT_ALLOWED_MODULES: tuple[str, ...] = (
     "numpy",
     "ml_dtypes",
     "optax",
-    "pz_persist.pretrained.layers",
+    "pz_persist.nn",
 )
 """Module trees every checkpoint may name. A name covers its submodules.
-``pz_persist.pretrained.layers`` holds the few layers the pretrained loaders
+``pz_persist.nn`` holds the few layers the pretrained loaders
 add to Penzai's architectures (scaled RoPE...), so a converted model saves
 and loads like one built from Penzai alone."""
 
@@ -170,7 +170,7 @@ IMPORTABLE_MODULES: tuple[str, ...] = (
     "penzai.toolshed.save_intermediates",
     "penzai.toolshed.sharding_util",
     "optax",
-    "pz_persist.pretrained.layers",
+    "pz_persist.nn",
 )
 """Modules loading may import when a checkpoint names one not imported yet.
 

@@ -30,7 +30,7 @@ from hostile.test_pretrained_hostile import no_reads  # noqa: F401  # pylint: di
 from hostile.test_pretrained_hostile import raw_safetensors
 from pz_persist import errors
 from pz_persist.pretrained import safetensors_io
-from pz_persist.pretrained.layers import scaled_rope
+from pz_persist.nn import scaled_rope
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 TOKENS = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5, 6, 7, 8] * 8])).tag("batch", "seq")

@@ -39,7 +39,7 @@ from pz_persist import errors
 from pz_persist.pretrained.hf import config_from_model as hf_config_from_model
 from pz_persist.pretrained.hf import families as hf_families
 from pz_persist.pretrained.hf import structure_match as hf_structure_match
-from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 from pz_persist.tools import cli
 
 # name: (makes the transformers model, the family export_hf finds alone)

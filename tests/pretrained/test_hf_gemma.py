@@ -39,7 +39,7 @@ from penzai.models.transformer import sampling_mode
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.pretrained.layers.offset_scale import OffsetScale
+from pz_persist.nn.offset_scale import OffsetScale
 from pretrained.test_hf import TOKENS
 from pretrained.test_hf import _edit_config
 from pretrained.test_hf import _penzai_logits

@@ -25,10 +25,10 @@ from pretrained import family_checks as checks
 from pretrained.test_hf import _DELETE
 from pretrained.test_hf_qwen2 import _edited_copy
 from pz_persist import errors
-from pz_persist.pretrained.layers import kv_sharing
-from pz_persist.pretrained.layers import mixture_of_experts
-from pz_persist.pretrained.layers import per_layer_inputs
-from pz_persist.pretrained.layers.proportional_rope import ApplyProportionalRoPE
+from pz_persist.nn import kv_sharing
+from pz_persist.nn import mixture_of_experts
+from pz_persist.nn import per_layer_inputs
+from pz_persist.nn.proportional_rope import ApplyProportionalRoPE
 
 _BASE = {
     "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,

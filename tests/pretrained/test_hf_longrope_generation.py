@@ -25,8 +25,8 @@ from penzai.models.transformer import simple_decoding_loop
 import pz_persist as pzp
 from pretrained import hf_family_harness as harness
 from pz_persist import errors
-from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
-from pz_persist.pretrained.layers.longrope import LongRopeKVCachingLM
+from pz_persist.nn.longrope import ApplyLongRoPE
+from pz_persist.nn.longrope import LongRopeKVCachingLM
 
 _ORIGINAL = 6
 _PROMPT = np.array([[1, 5, 9, 3], [4, 4, 8, 15]])

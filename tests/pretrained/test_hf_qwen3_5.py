@@ -2,7 +2,7 @@
 ``qwen3_5_text`` and the text model of ``qwen3_5`` multimodal folders, against
 transformers on tiny random models (no downloads).
 
-The gated DeltaNet layers (`pz_persist.pretrained.layers.gated_delta_net`)
+The gated DeltaNet layers (`pz_persist.nn.gated_delta_net`)
 are matched against transformers' chunked kernel (what it runs on whole
 sequences); KV-cache sampling goes through `kv_caching_lm`, which carries
 their convolution and recurrent state. Each feature Qwen3.5 adds is shown to
@@ -38,8 +38,8 @@ import pz_persist as pzp
 from pretrained import hf_family_harness as harness
 from pretrained.test_hf_qwen2 import _edited_copy
 from pz_persist import errors
-from pz_persist.pretrained.layers import mixture_of_experts as moe
-from pz_persist.pretrained.layers.gated_delta_net import GatedDeltaNet
+from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.nn.gated_delta_net import GatedDeltaNet
 from pz_persist.pretrained.sampling import kv_caching_lm
 
 _COMMON = {"hidden_size": 32, "num_attention_heads": 4, "vocab_size": 64, "intermediate_size": 64,

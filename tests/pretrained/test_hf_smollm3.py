@@ -9,7 +9,7 @@ from penzai import pz
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
-from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 
 def _case(**fields):

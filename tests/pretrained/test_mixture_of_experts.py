@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (`pz_persist.pretrained.layers.mixture_of_experts`):
+"""The mixture-of-experts layer (`pz_persist.nn.mixture_of_experts`):
 each routing rule against a NumPy reference written from the families'
 descriptions (a per-token loop over the chosen experts, as transformers
 computes), the experts' activations, Llama 4's input weighting, shared experts
@@ -14,7 +14,7 @@ import pytest
 from penzai import pz
 
 import pz_persist
-from pz_persist.pretrained.layers import mixture_of_experts as moe
+from pz_persist.nn import mixture_of_experts as moe
 
 E, D, N, T = 8, 6, 5, 7  # Experts, embedding, neurons, tokens.
 

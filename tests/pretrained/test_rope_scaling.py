@@ -47,7 +47,7 @@ from pretrained.test_hf import _penzai_logits
 from pretrained.test_hf import _reference_logits
 from pretrained.test_hf import sampling_jitted
 from pz_persist import errors
-from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 ATOL = RTOL = 1e-4
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pz_persist import errors
-from pz_persist.pretrained.layers.scaled_rope import SCALING_KEYS
+from pz_persist.nn.scaled_rope import SCALING_KEYS
 
 UnsupportedConfigError = errors.UnsupportedConfigError
 

@@ -22,7 +22,7 @@ silently producing a different model.
 Scaled RoPE (``rope_scaling`` or ``rope_parameters`` of type ``llama3``,
 ``linear``, ``dynamic`` or ``yarn``, as every Llama 3.x checkpoint has) is
 supported for Llama and Mistral: Penzai's ``ApplyRoPE`` layers are replaced by
-`pz_persist.pretrained.layers.scaled_rope.ApplyScaledRoPE`, which computes the
+`pz_persist.nn.scaled_rope.ApplyScaledRoPE`, which computes the
 frequencies as transformers does, also in Penzai's KV-cache sampling mode
 (its docstring says when ``dynamic`` agrees with transformers' stateful
 cache). GPT-NeoX refuses scaling.
@@ -71,7 +71,7 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import penzai_layout
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.hf.weights import check_has_weights
-from pz_persist.pretrained.layers import scaled_rope
+from pz_persist.nn import scaled_rope
 
 # Documented here too (defined in errors, with every error class).
 UnsupportedConfigError = errors.UnsupportedConfigError

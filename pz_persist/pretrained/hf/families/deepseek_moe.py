@@ -1,6 +1,6 @@
 """DeepSeek-V3's mixture of experts (and GLM-4.5's, the same rule), read from
 ``config.json`` and mapped onto
-`pz_persist.pretrained.layers.mixture_of_experts`.
+`pz_persist.nn.mixture_of_experts`.
 
 The rule (transformers' ``DeepseekV3TopkRouter``): sigmoid scores of the
 router logits (float32); ``e_score_correction_bias`` added for choosing
@@ -80,7 +80,7 @@ class Routing:
 
   def layer(self, name: str, dtype: Any) -> pz.nn.Layer:
     """The Penzai layer of MoE block ``name``'s MLP."""
-    from pz_persist.pretrained.layers import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
+    from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
     # transformers computes the router's logits in float32 (its weight kept in
     # float32, the activations cast): the same here, from the stored weight.
     logits = pz.nn.Sequential([pz.nn.CastToDType(jnp.float32),
@@ -174,7 +174,7 @@ def read_routing(cfg: Config, hidden: int,
 def routing_fields(model: Any, like: Mapping[str, Any], dense_layers: int) -> dict[str, Any]:
   """The routing fields of ``model`` (its first MoE layer's), for export;
   ``like``'s where the model has no MoE layer."""
-  from pz_persist.pretrained.layers import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
+  from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
   keys = ("n_routed_experts", "moe_intermediate_size", "n_shared_experts", "num_experts_per_tok",
           "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor")
   fields: dict[str, Any] = {"first_k_dense_replace": dense_layers}

@@ -3,7 +3,7 @@ R1, V3.1, Kimi K2, Moonlight...).
 
 What it adds to Llama's layout:
 
-- **Multi-head latent attention** (`pz_persist.pretrained.layers.latent_attention`):
+- **Multi-head latent attention** (`pz_persist.nn.latent_attention`):
   queries through a low-rank latent (``q_a_proj``, ``q_a_layernorm``,
   ``q_b_proj``; or one ``q_proj`` when ``q_lora_rank`` is null), keys and
   values up-projected from one compressed latent per token
@@ -15,7 +15,7 @@ What it adds to Llama's layout:
   latent (its docstring says why).
 - **Dense first layers, then mixtures of experts**: layers before
   ``first_k_dense_replace`` have a SwiGLU MLP of ``intermediate_size``; the
-  others a `pz_persist.pretrained.layers.mixture_of_experts` layer:
+  others a `pz_persist.nn.mixture_of_experts` layer:
   ``n_routed_experts`` experts of ``moe_intermediate_size`` chosen by
   sigmoid scores with ``e_score_correction_bias`` added for the choice only,
   group-limited (``n_group`` groups ranked by the sum of their two best
@@ -70,9 +70,9 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers import latent_attention as mla
-from pz_persist.pretrained.layers import scaled_rope as scaled_rope_layer
-from pz_persist.pretrained.layers.constant_scale import ConstantScale
+from pz_persist.nn import latent_attention as mla
+from pz_persist.nn import scaled_rope as scaled_rope_layer
+from pz_persist.nn.constant_scale import ConstantScale
 
 
 def _positive_int(value: Any) -> bool:
@@ -277,7 +277,7 @@ def swiglu(name: str, hidden: int, neurons: int, dtype: Any) -> model_parts.Tran
 
 def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: float,
                      dtype: Any) -> list[pz.nn.Layer]:
-  """MLA as `pz_persist.pretrained.layers.latent_attention` lays it out:
+  """MLA as `pz_persist.nn.latent_attention` lays it out:
   the `WithLatent` compression, then Penzai's ``Attention``."""
   h, heads, qk = sizes.hidden, sizes.heads, sizes.nope + sizes.rope
   rotate = [mla.Deinterleave("rotary"), rope_layer] if sizes.interleave else [rope_layer]

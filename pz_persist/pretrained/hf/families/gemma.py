@@ -11,7 +11,7 @@ sliding window and global as ``layer_types`` says. One thing differs from
 Penzai's converter: each RMS norm's scale is an `OffsetScale` holding
 Hugging Face's weight ``w`` itself and computing ``x * (1 + w)`` in float32,
 as transformers does, instead of a ``Linear`` holding ``1 + w`` (see
-`pz_persist.pretrained.layers.offset_scale` for why).
+`pz_persist.nn.offset_scale` for why).
 
 Defaults for absent fields are those of transformers' ``GemmaConfig`` /
 ``Gemma2Config``; for the soft caps and the window an explicit null means
@@ -56,7 +56,7 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.offset_scale import OffsetScale
+from pz_persist.nn.offset_scale import OffsetScale
 
 _LAYER_TYPES = {"sliding_attention", "full_attention"}
 

@@ -14,18 +14,18 @@ gemma3`), each built from Penzai's layers here:
   the values are the key projection's output (the same ``Linear``,
   ``key.weights``), normed as values;
 - their RoPE is ``proportional``
-  (`pz_persist.pretrained.layers.proportional_rope`): only
+  (`pz_persist.nn.proportional_rope`): only
   ``partial_rotary_factor`` of each head rotates;
 - the last ``num_kv_shared_layers`` layers reuse the keys and values of the
-  last earlier layer of their type (`pz_persist.pretrained.layers.
+  last earlier layer of their type (`pz_persist.nn.
   kv_sharing`), and with ``use_double_wide_mlp`` have twice the MLP width;
 - per-layer inputs (``hidden_size_per_layer_input``: E2B, E4B): a second
   embedding of the tokens gated into each layer's residual stream
-  (`pz_persist.pretrained.layers.per_layer_inputs`);
+  (`pz_persist.nn.per_layer_inputs`);
 - each layer's output is multiplied by its ``layer_scalar``;
 - with ``enable_moe_block`` (26B-A4B) each layer adds a mixture of experts
   beside its dense MLP (`pz_persist.pretrained.hf.families.gemma4_moe`, on the shared
-  `pz_persist.pretrained.layers.mixture_of_experts`).
+  `pz_persist.nn.mixture_of_experts`).
 
 transformers 5 writes the global layers' sizes as ``per_layer_config``
 (keyed by layer index); the Hub's configs as ``global_head_dim`` and
@@ -83,10 +83,10 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers import kv_sharing
-from pz_persist.pretrained.layers import mixture_of_experts as mixture
-from pz_persist.pretrained.layers import per_layer_inputs as ple
-from pz_persist.pretrained.layers.proportional_rope import ApplyProportionalRoPE
+from pz_persist.nn import kv_sharing
+from pz_persist.nn import mixture_of_experts as mixture
+from pz_persist.nn import per_layer_inputs as ple
+from pz_persist.nn.proportional_rope import ApplyProportionalRoPE
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _TYPES = (SLIDING, FULL)

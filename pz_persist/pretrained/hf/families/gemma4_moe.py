@@ -1,5 +1,5 @@
 """Gemma 4's mixture of experts (26B-A4B), built from the shared
-`pz_persist.pretrained.layers.mixture_of_experts.MixtureOfExperts`; it runs
+`pz_persist.nn.mixture_of_experts.MixtureOfExperts`; it runs
 beside each layer's dense MLP rather than in its place.
 
 Per token ``x`` (the residual stream entering the feed-forward part):
@@ -27,7 +27,7 @@ from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.pretrained.layers import mixture_of_experts as moe
+from pz_persist.nn import mixture_of_experts as moe
 
 
 def build(name: str, config: llamalike_common.LlamalikeTransformerConfig, experts: int,

@@ -144,7 +144,7 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
 def _detect(model: Any) -> str | None:
   """DeepSeek's experts (a router with a correction bias, shared experts)
   beside Llama's attention (latent attention, rank 6, is DeepSeek-V3)."""
-  from pz_persist.pretrained.layers import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
+  from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
   layers = all_layers(model, moe.MixtureOfExperts)
   return ("glm4_moe" if layers and all(
       getattr(layer.router, "selection_bias", None) is not None and layer.shared is not None

@@ -64,7 +64,7 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.attention_sinks import SoftmaxWithSinks
+from pz_persist.nn.attention_sinks import SoftmaxWithSinks
 
 _TYPES = ("sliding_attention", "full_attention")
 _THETA = 150_000.0

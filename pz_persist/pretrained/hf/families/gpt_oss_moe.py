@@ -3,7 +3,7 @@ MXFP4 as the Hub stores them), the layer in place of each block's MLP, and the
 fields export writes back. (Shared code of the gpt_oss family: no ``RECORD``.)
 
 Each block's MLP becomes a
-`pz_persist.pretrained.layers.mixture_of_experts.MixtureOfExperts`
+`pz_persist.nn.mixture_of_experts.MixtureOfExperts`
 (``transformer/block_{i}/moe/...``): a router ``Linear`` with a bias from
 ``embedding`` to ``experts``, the top ``num_experts_per_tok`` logits
 softmaxed over the chosen (``softmax_of_chosen``), and the experts' SwiGLU
@@ -44,7 +44,7 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.pretrained.layers import mixture_of_experts as moe_lib
+from pz_persist.nn import mixture_of_experts as moe_lib
 
 _QUANTIZATION_KEYS = {"quant_method", "modules_to_not_convert"}
 _MXFP4 = "MXFP4 (FP4 E2M1 values in blocks of 32, E8M0 scales)"

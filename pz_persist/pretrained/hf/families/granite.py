@@ -32,7 +32,7 @@ from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.constant_scale import ConstantScale
+from pz_persist.nn.constant_scale import ConstantScale
 
 _MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                 "logits_scaling")

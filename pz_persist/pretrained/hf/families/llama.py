@@ -39,7 +39,7 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 # transformers' defaults for a config.json without max_position_embeddings
 # (read only by the rope types that need it).

@@ -66,10 +66,10 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.llama4_attention import ApplyChunkedCausalAttentionMask
-from pz_persist.pretrained.layers.llama4_attention import ApplyInterleavedRoPE
-from pz_persist.pretrained.layers.llama4_attention import TemperatureTuning
-from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.nn.llama4_attention import ApplyChunkedCausalAttentionMask
+from pz_persist.nn.llama4_attention import ApplyInterleavedRoPE
+from pz_persist.nn.llama4_attention import TemperatureTuning
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 _TYPES = ("chunked_attention", "full_attention")
 _THETA = 500_000.0

@@ -3,7 +3,7 @@ a block's MLP, and the fields export writes back. (Shared code of the llama4
 family: no ``RECORD``.)
 
 A block of ``moe_layers`` gets a
-`pz_persist.pretrained.layers.mixture_of_experts.MixtureOfExperts`
+`pz_persist.nn.mixture_of_experts.MixtureOfExperts`
 (``transformer/block_{i}/moe/...``): a bias-free router ``Linear`` from
 ``embedding`` to ``experts``; the top ``num_experts_per_tok`` logits chosen
 and their sigmoid (``score="sigmoid"``: sigmoid is increasing, so choosing by
@@ -32,7 +32,7 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.pretrained.layers import mixture_of_experts as moe_lib
+from pz_persist.nn import mixture_of_experts as moe_lib
 
 
 @dataclasses.dataclass

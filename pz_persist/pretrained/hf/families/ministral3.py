@@ -5,7 +5,7 @@ no biases, untied or tied embeddings, an optional window; transformers'
 default is none) with yarn-scaled RoPE and Llama 4's position-dependent
 query scaling: after RoPE each query is multiplied by ``1 + beta * log(1 +
 floor(p / original_max_position_embeddings))``
-(`pz_persist.pretrained.layers.position_query_scale.PositionQueryScale`),
+(`pz_persist.nn.position_query_scale.PositionQueryScale`),
 with ``beta`` = ``rope_parameters.llama_4_scaling_beta``. transformers
 reads both from ``rope_parameters`` and needs both there.
 """
@@ -32,8 +32,8 @@ from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.position_query_scale import PositionQueryScale
-from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.nn.position_query_scale import PositionQueryScale
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 _BETA = "llama_4_scaling_beta"
 

@@ -5,7 +5,7 @@ of ``num_local_experts`` SwiGLU experts of ``intermediate_size`` in every
 layer (``block_sparse_moe``: router ``gate``, experts' ``w1`` (gate), ``w3``
 (up), ``w2`` (down)); the router is a softmax over the experts, the top
 ``num_experts_per_tok`` chosen and always renormalised over them
-(`pz_persist.pretrained.layers.mixture_of_experts`). Unlike Mistral's,
+(`pz_persist.nn.mixture_of_experts`). Unlike Mistral's,
 Mixtral's transformers config has no window by default (``sliding_window``
 absent or null: global attention), ``rope_theta`` 1e6 and epsilon 1e-5.
 """

@@ -1,5 +1,5 @@
 """Shared code (no record): a llama-like plan whose feed-forward blocks are,
-in some layers, a `pz_persist.pretrained.layers.mixture_of_experts.MixtureOfExperts`
+in some layers, a `pz_persist.nn.mixture_of_experts.MixtureOfExperts`
 (Qwen3-MoE, Mixtral).
 
 The family's dense plan (`pz_persist.pretrained.hf.families.llama.llama_plan`
@@ -45,7 +45,7 @@ from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import stacked
-from pz_persist.pretrained.layers import mixture_of_experts as moe
+from pz_persist.nn import mixture_of_experts as moe
 
 ExportError = errors.ExportError
 

@@ -49,9 +49,9 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.longrope import ApplyLongRoPE
-from pz_persist.pretrained.layers.mixture_of_experts import MixtureOfExperts
-from pz_persist.pretrained.layers.offset_scale import OffsetScale
+from pz_persist.nn.longrope import ApplyLongRoPE
+from pz_persist.nn.mixture_of_experts import MixtureOfExperts
+from pz_persist.nn.offset_scale import OffsetScale
 
 _DEFAULT_THETA = 10_000.0
 _DEFAULT_POSITIONS = 4096  # Phi3Config's max_position_embeddings and original_...

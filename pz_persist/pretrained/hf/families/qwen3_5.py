@@ -5,7 +5,7 @@ Qwen3.5 mixes two kinds of layers, as ``layer_types`` says (by default three
 ``linear_attention`` layers then one ``full_attention``, repeating):
 
 - ``linear_attention``: a gated DeltaNet
-  (`pz_persist.pretrained.layers.gated_delta_net.GatedDeltaNet`) in place of
+  (`pz_persist.nn.gated_delta_net.GatedDeltaNet`) in place of
   Penzai's ``Attention``: a linear-attention recurrence whose state, not a
   growing cache of keys, carries the past. Hugging Face stores the query, key
   and value projections fused (``in_proj_qkv``) and their convolution kernels
@@ -77,7 +77,7 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.gated_delta_net import GatedDeltaNet
+from pz_persist.nn.gated_delta_net import GatedDeltaNet
 
 _TYPES = ("linear_attention", "full_attention")
 _TEXT = "model."

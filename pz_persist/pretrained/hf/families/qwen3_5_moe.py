@@ -3,7 +3,7 @@
 
 Qwen3.5's layers (`pz_persist.pretrained.hf.families.qwen3_5`: gated
 DeltaNet beside gated attention) with a mixture of experts in place of every
-MLP (`pz_persist.pretrained.layers.mixture_of_experts.MixtureOfExperts`): a
+MLP (`pz_persist.nn.mixture_of_experts.MixtureOfExperts`): a
 softmax router over ``num_experts``, the top ``num_experts_per_tok`` always
 renormalised over the chosen (transformers' ``Qwen3_5MoeTopKRouter``
 divides by their sum whatever ``norm_topk_prob`` says, and the config has no
@@ -46,7 +46,7 @@ from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Stacked
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers import mixture_of_experts as moe
+from pz_persist.nn import mixture_of_experts as moe
 
 _DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
              "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,

@@ -8,7 +8,7 @@ layer in the published models), the others keeping a dense MLP of
 ``intermediate_size``. The router is a softmax over ``num_experts`` experts,
 the top ``num_experts_per_tok`` chosen, renormalised over them if
 ``norm_topk_prob``; each expert a SwiGLU MLP of ``moe_intermediate_size``
-(`pz_persist.pretrained.layers.mixture_of_experts`).
+(`pz_persist.nn.mixture_of_experts`).
 
 Unlike the dense models' (and Qwen2's), transformers' Qwen3-MoE applies ``sliding_window`` to
 every layer when ``use_sliding_window`` is set (``max_window_layers``, which

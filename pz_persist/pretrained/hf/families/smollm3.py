@@ -34,7 +34,7 @@ from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_LAYERS = (pz.nn.ApplyRoPE, ApplyScaledRoPE)

@@ -29,7 +29,7 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
-from pz_persist.pretrained.layers.scaled_rope import ApplyScaledRoPE
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 
 @pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # Penzai's mask's fields, then ours.
