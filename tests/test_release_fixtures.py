@@ -22,6 +22,7 @@ import shutil
 from typing import Any
 
 import pytest
+from conftest import run_python
 
 import pz_persist as pzp
 import pz_persist.nn
@@ -141,6 +142,21 @@ def test_every_class_is_found_under_its_current_name(release, copy):
       assert (cls.__module__, cls.__qualname__) == (now_module, now_qualname)
       assert now_module.startswith("pz_persist.nn."), name
   assert _nn_classes() & loaded, "the fixture holds no layer of pz_persist.nn"
+
+
+def test_former_names_load_in_a_fresh_process_without_pretrained(copy):
+  """``import pz_persist`` imports neither ``pz_persist.pretrained`` nor the
+  layers; loading a checkpoint that names them by their former names imports
+  the current modules only (listed in `allowlist.IMPORTABLE_MODULES`)."""
+  out = run_python(f"""
+      import sys
+      import pz_persist as pzp
+      assert not [m for m in sys.modules if m.startswith(("pz_persist.nn", "pz_persist.pretr"))]
+      model = pzp.load_model({str(copy(NEWEST))!r})
+      print(type(model.sublayers[0]).__module__)
+      print(sorted({{m.split(".")[1] for m in sys.modules if m.startswith("pz_persist.pre")}}))
+  """)
+  assert out.split("\n")[:2] == ["pz_persist.nn.attention_sinks", "[]"], out
 
 
 def test_every_nn_class_is_in_the_newest_fixture_or_declared_new():
