@@ -21,8 +21,10 @@ import pkgutil
 import shutil
 from typing import Any
 
+import orbax.checkpoint as ocp
 import pytest
 from conftest import run_python
+from orbax.checkpoint import v1 as ocp_v1
 
 import pz_persist as pzp
 import pz_persist.nn
@@ -120,6 +122,9 @@ def test_every_entry_point_loads_it_bit_for_bit(release, copy, capsys):
   assert describe(pzp.load_model(path)) == want
   assert describe(pzp.load(path)) == want
   assert describe(pzp.open(path).load()) == want
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    assert describe(checkpointer.restore(path).penzai) == want
+  assert describe(ocp_v1.load_checkpointables(path)["penzai"]) == want
   assert pzp.verify(path).ok
   capsys.readouterr()
   assert cli.main(["inspect", str(path)]) == 0
@@ -157,6 +162,19 @@ def test_former_names_load_in_a_fresh_process_without_pretrained(copy):
       print(sorted({{m.split(".")[1] for m in sys.modules if m.startswith("pz_persist.pre")}}))
   """)
   assert out.split("\n")[:2] == ["pz_persist.nn.attention_sinks", "[]"], out
+
+
+@pytest.mark.parametrize("release", FIXTURES)
+def test_saved_again_it_names_current_classes_and_diffs_as_equal(release, copy, tmp_path):
+  """Saving what a fixture loads writes each class's current name, and
+  ``diff`` between the two finds no difference: a move changes no model."""
+  path = copy(release)
+  again = tmp_path / "again"
+  pzp.save_model(again, pzp.load_model(path))
+  (manifest,) = again.rglob(manifest_lib.MANIFEST_FILENAME)
+  assert "pz_persist.pretrained" not in manifest.read_text()
+  result = pzp.diff(path, again, progress=False)
+  assert result.identical, result.table()
 
 
 def test_every_nn_class_is_in_the_newest_fixture_or_declared_new():
