@@ -24,11 +24,17 @@ model (`load_model`, `load`, `open().load()`).
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+import pathlib
+import shutil
 import sys
 import types
 
+import hypothesis
 import jax.numpy as jnp
 import pytest
+from hypothesis import strategies as st
 from penzai import pz
 
 import pz_persist as pzp
@@ -196,3 +202,54 @@ def test_a_checkpoint_cannot_add_an_alias(saved, forge):
     with pytest.raises(errors.ManifestError):
       loader(saved)
   assert dict(former_names.FORMER_NAMES) == before
+
+
+_FIXTURE = pathlib.Path(__file__).parents[1] / "fixtures" / "releases" / "0.7.0.dev0"
+
+
+@hypothesis.settings(max_examples=20, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(data=st.data())
+def test_any_mix_of_former_and_current_names_loads_the_same(tmp_path_factory, data):
+  """Property: whichever of the fixture's classes a manifest names by their
+  former or current names, in any mix, the load is the same model, bit for
+  bit (the description the fixture's writer recorded)."""
+  path = tmp_path_factory.mktemp("mix") / "ckpt"
+  shutil.copytree(_FIXTURE / "model", path)
+  manifest = path / "penzai" / "pz_persist.json"
+  raw = json.loads(manifest.read_text())
+  moved = [i for i, (m, q) in enumerate(raw["classes"]) if former_names.is_former(m, q)]
+  current = data.draw(st.lists(st.sampled_from(moved), unique=True), label="renamed")
+  for i in current:
+    raw["classes"][i] = list(former_names.current_name(*raw["classes"][i]))
+  manifest.write_text(json.dumps(raw))
+  spec = importlib.util.spec_from_file_location(
+      "make_release_fixture", _FIXTURE.parent / "make_release_fixture.py")
+  assert spec is not None and spec.loader is not None
+  generator = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(generator)
+  want = json.loads((_FIXTURE / "expected.json").read_text())["model"]
+  got = generator.describe(pzp.load_model(path))
+  rename = {f"{m}.{q}": ".".join(now) for (m, q), now in former_names.FORMER_NAMES.items()}
+  assert got == _renamed(want, rename)
+
+
+def _renamed(description, rename):
+  if isinstance(description, dict):
+    return {k: rename.get(v, v) if k == "class" else _renamed(v, rename)
+            for k, v in description.items()}
+  if isinstance(description, list):
+    return [_renamed(item, rename) for item in description]
+  return description
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    module=st.from_regex(r"\A(pz_persist\.(pretrained\.layers|nn)|[a-z]{1,6})(\.[a-z_]{1,12}){0,2}\Z"),
+    qualname=st.from_regex(r"\A[A-Za-z][A-Za-z0-9]{0,12}(\.[A-Za-z]{1,6})?\Z"),
+)
+def test_a_name_not_recorded_is_never_translated(module, qualname):
+  """Property: only recorded pairs change; every other name is itself."""
+  expected = former_names.FORMER_NAMES.get((module, qualname), (module, qualname))
+  assert former_names.current_name(module, qualname) == expected
+  assert former_names.is_former(module, qualname) == ((module, qualname) in former_names.FORMER_NAMES)
