@@ -235,13 +235,14 @@ def test_import_leaves_pretrained_and_tools_until_first_use():
 
 def test_a_converted_model_loads_in_a_process_that_never_imported_pretrained(tmp_path):
   """`import pz_persist` leaves `pz_persist.pretrained` unimported, and
-  loading imports only listed modules: the pretrained layers a converted
-  model names are listed, so `load_model` finds them in a fresh process
+  loading imports only listed modules: the layers a converted model names
+  (`pz_persist.nn`) are listed, so `load_model` finds them in a fresh process
   (the README's convert-once, reload-fast path)."""
   from pz_persist.safety import allowlist  # pylint: disable=import-outside-toplevel
 
-  layers = PACKAGE / "pretrained" / "layers"
-  for path in layers.glob("*.py"):
+  layers = sorted((PACKAGE / "nn").glob("*.py"))
+  assert len(layers) > 1
+  for path in layers:
     if path.stem != "__init__":
       assert allowlist.may_import(f"pz_persist.nn.{path.stem}"), path.stem
   run_python(f"""

@@ -39,6 +39,10 @@ Classes are named for two different purposes, with two different rules:
   calling a class runs its constructor: ``numpy.memmap(path, mode="w+")``
   truncates a file. Such a class is a callable like any function, so it must
   be safe to call (`class_value_reference`, `resolve_class_value`).
+
+A class of pz_persist's that moved is found under its former name through
+the recorded table of `pz_persist.format.former_names`, translated in `_parse`
+before anything else judges the name; saving writes the current name only.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist.format import former_names
 from pz_persist.safety import allowlist
 
 Reference = dict[str, str]
@@ -204,6 +209,13 @@ def _check_findable(obj: Any, module_name: str, qualname: str, where: str) -> No
         " is a lambda or is defined inside a function); define it at module"
         " level."
     )
+  if former_names.is_former(module_name, qualname):
+    current = ".".join(former_names.current_name(module_name, qualname))
+    raise errors.EncodingError(
+        f"{where}: {module_name}.{qualname} is recorded as the former name of"
+        f" {current} (pz_persist.format.former_names), so loading would find"
+        f" {current} instead; rename {obj!r:.60} or move it to another module."
+    )
   part = private_part(qualname)
   if part is not None:
     raise errors.DisallowedModuleError(
@@ -257,6 +269,15 @@ def _function_allowed(module_name: str, qualname: str, fn: Any) -> bool:
 
 
 def _parse(ref: Any, where: str) -> tuple[str, str]:
+  """The module and qualname a checkpoint's reference names, now.
+
+  Every class and function a checkpoint names is resolved through here, so
+  this is the one place a recorded former name becomes the current one
+  (`former_names`): before the allow-list and the lookup, which judge the
+  current name exactly as if the checkpoint had written it. Only an exact,
+  recorded ``(module, qualname)`` is translated; any other name is judged as
+  written.
+  """
   if (
       not isinstance(ref, dict)
       or set(ref) != {"module", "qualname"}
@@ -272,7 +293,7 @@ def _parse(ref: Any, where: str) -> tuple[str, str]:
         f"{where}: refusing private name {ref['module']}.{ref['qualname']}"
         f" (part {part!r}): a checkpoint names public classes and functions only."
     )
-  return ref["module"], ref["qualname"]
+  return former_names.current_name(ref["module"], ref["qualname"])
 
 
 @contextlib.contextmanager
@@ -440,8 +461,9 @@ def resolve_class(
 def resolve_class_value(ref: Any, *, where: str) -> type:
   """A class held as a value; refused unless safe to call (module docstring)."""
   cls = resolve_class(ref, where=where, accept=lambda _: True, kind="a class")
-  _check_class_value(cls, ref["module"], ref["qualname"], where)
-  _judged_as_itself(class_value_reference, cls, ref["module"], ref["qualname"], where)
+  module_name, qualname = _parse(ref, where)
+  _check_class_value(cls, module_name, qualname, where)
+  _judged_as_itself(class_value_reference, cls, module_name, qualname, where)
   return cls
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,7 @@ class GatedDeltaNet(pz.nn.Layer):
   norm_scale: pz.ParameterLike[pz.nx.NamedArray]
   output: pz.nn.Linear
   norm_epsilon: float = dataclasses.field(metadata={"pytree_node": False})
-  conv_activation: Any = dataclasses.field(default=jax.nn.silu, metadata={"pytree_node": False})
+  conv_activation: Callable[[jax.Array], jax.Array] = dataclasses.field(default=jax.nn.silu, metadata={"pytree_node": False})
 
   @classmethod
   def from_config(cls, name: str, *, embedding: int, key_heads: int, value_heads: int,
@@ -189,7 +189,7 @@ class GatedDeltaNet(pz.nn.Layer):
 
 
 @functools.partial(jax.jit, static_argnames=("norm_epsilon", "activation"))
-def _mix_named(*args, norm_epsilon: float, activation: Any):
+def _mix_named(*args, norm_epsilon: float, activation: Callable[[jax.Array], jax.Array]):
   """`_mix` over every batch axis, compiled once per shape and reused by
   every layer and call (the scan's body is otherwise traced and compiled
   anew at each eager call)."""
@@ -247,7 +247,7 @@ def _l2_normalized(x: jax.Array) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def _named_shape(value: Any) -> dict[str, int]:
+def _named_shape(value: pz.nx.NamedArray) -> dict[str, int]:
   return dict(value.named_shape)
 
 

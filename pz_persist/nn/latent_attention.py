@@ -51,15 +51,12 @@ keys alike, so their dot products are unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
 from penzai import pz
 
-
-def _static(default: Any = dataclasses.MISSING) -> Any:
-  return dataclasses.field(default=default, metadata={"pytree_node": False})
+from pz_persist.nn._fields import static
 
 
 def _renamed(array: pz.nx.NamedArray, old: str, new: str) -> pz.nx.NamedArray:
@@ -78,7 +75,8 @@ class WithLatent(pz.nn.Layer):
 
   compress: pz.nn.Layer
 
-  def __call__(self, inputs: Any, **side_inputs) -> tuple[Any, Any]:
+  def __call__(self, inputs: pz.nx.NamedArray, **side_inputs
+               ) -> tuple[pz.nx.NamedArray, pz.nx.NamedArray]:
     return inputs, self.compress(inputs, **side_inputs)
 
 
@@ -86,7 +84,7 @@ class WithLatent(pz.nn.Layer):
 class Pick(pz.nn.Layer):
   """``inputs[index]`` of a tuple (`WithLatent`'s)."""
 
-  index: int = _static()
+  index: int = static()
 
   def __call__(self, inputs: tuple[Any, ...], **_unused_side_inputs) -> Any:
     return inputs[self.index]
@@ -109,9 +107,9 @@ class ApplyToParts(pz.nn.Layer):
   """
 
   parts: list[pz.nn.Layer]
-  names: tuple[str, ...] = _static()
-  sizes: tuple[int, ...] = _static()
-  axis: str = _static()
+  names: tuple[str, ...] = static()
+  sizes: tuple[int, ...] = static()
+  axis: str = static()
 
   def split(self, inputs: pz.nx.NamedArray) -> list[pz.nx.NamedArray]:
     """The parts of ``inputs``, each on its own axis name."""
@@ -132,7 +130,7 @@ class Deinterleave(pz.nn.Layer):
   """Reorders ``axis`` as its even positions then its odd ones: pairs held
   as neighbours (DeepSeek's rotary layout) become halves (Penzai's)."""
 
-  axis: str = _static()
+  axis: str = static()
 
   def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
     return pz.nx.nmap(lambda v: jnp.concatenate([v[0::2], v[1::2]]))(
@@ -163,8 +161,8 @@ class LatentAttentionLogits(pz.nn.Layer):
   """
 
   key_up: pz.nn.Layer
-  latent_size: int = _static()
-  nope_size: int = _static()
+  latent_size: int = static()
+  nope_size: int = static()
 
   def __call__(self, inputs: tuple[pz.nx.NamedArray, pz.nx.NamedArray],
                **side_inputs) -> pz.nx.NamedArray:
@@ -198,7 +196,7 @@ class LatentAttentionValues(pz.nn.Layer):
   """
 
   value_up: pz.nn.Layer
-  latent_size: int = _static()
+  latent_size: int = static()
 
   def __call__(self, inputs: tuple[pz.nx.NamedArray, pz.nx.NamedArray],
                **side_inputs) -> pz.nx.NamedArray:

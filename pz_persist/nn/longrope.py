@@ -38,10 +38,7 @@ from penzai import pz
 from penzai.models.transformer import sampling_mode
 
 from pz_persist import errors
-
-
-def _static(default: Any = dataclasses.MISSING) -> Any:
-  return dataclasses.field(default=default, metadata={"pytree_node": False})
+from pz_persist.nn._fields import static
 
 
 @pz.pytree_dataclass
@@ -68,16 +65,16 @@ class ApplyLongRoPE(pz.nn.Layer):
     rotary_dim: How many leading entries of the axis are rotated (None: all).
   """
 
-  embedding_axis: str = _static()
-  max_wavelength: float = _static()
-  positions_input_name: str = _static()
-  short_factor: tuple[float, ...] = _static()
-  long_factor: tuple[float, ...] = _static()
-  original_max_position_embeddings: int = _static()
-  factor: float | None = _static(None)
-  attention_factor: float | None = _static(None)
-  max_position_embeddings: int | None = _static(None)
-  rotary_dim: int | None = _static(None)
+  embedding_axis: str = static()
+  max_wavelength: float = static()
+  positions_input_name: str = static()
+  short_factor: tuple[float, ...] = static()
+  long_factor: tuple[float, ...] = static()
+  original_max_position_embeddings: int = static()
+  factor: float | None = static(None)
+  attention_factor: float | None = static(None)
+  max_position_embeddings: int | None = static(None)
+  rotary_dim: int | None = static(None)
 
   def attention_scaling(self) -> float:
     """The factor cos and sin are multiplied by."""
@@ -160,7 +157,7 @@ class LongRopeKVCachingLM(sampling_mode.KVCachingTransformerLM):
       `ApplyLongRoPE` layers.
   """
 
-  recompute_at: tuple[int, ...] = _static(())
+  recompute_at: tuple[int, ...] = static(())
 
   @classmethod
   def wrapping(cls, sampler: sampling_mode.KVCachingTransformerLM,
@@ -170,11 +167,11 @@ class LongRopeKVCachingLM(sampling_mode.KVCachingTransformerLM):
     fields = {f.name: getattr(sampler, f.name) for f in dataclasses.fields(sampler)}
     return cls(**fields, recompute_at=tuple(sorted(set(recompute_at))))
 
-  def crosses(self, start: Any, length: int) -> Any:
+  def crosses(self, start: jax.Array | int, length: int) -> jax.Array | bool:
     """Whether a call of ``length`` tokens after ``start`` cached ones
     crosses an original context (as transformers decides it: the cache holds
     at most that many tokens, the sequence more)."""
-    crossing: Any = False
+    crossing: jax.Array | bool = False
     for limit in self.recompute_at:
       crossing = crossing | ((start > 0) & (start <= limit) & (start + length > limit))
     return crossing

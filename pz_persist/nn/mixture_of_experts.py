@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from penzai import pz
+
+from pz_persist.nn._fields import static
 
 Score = Literal["softmax", "sigmoid", "softmax_of_chosen"]
 """How `TopKRouter` turns logits into scores: ``softmax`` over all experts
@@ -60,9 +61,9 @@ chosen (gpt-oss)."""
 Activation = Literal["silu", "gelu_tanh", "gelu", "clamped_swiglu"]
 """The experts' gate activations `experts_mlp` builds."""
 
-
-def _static(default: Any = dataclasses.MISSING) -> Any:
-  return dataclasses.field(default=default, metadata={"pytree_node": False})
+_RuleFields = tuple[int, int, Score, bool, float, float, int, int, int]
+"""`TopKRouter`'s routing fields, in `_Rule`'s order: hashable, so `_route`
+compiles once per rule."""
 
 
 @pz.pytree_dataclass
@@ -101,15 +102,15 @@ class TopKRouter(pz.nn.Layer):
   """
 
   logits: pz.nn.Layer
-  num_experts: int = _static()
-  top_k: int = _static()
-  score: Score = _static("softmax")
-  normalize: bool = _static(False)
-  normalize_epsilon: float = _static(0.0)
-  scale: float = _static(1.0)
-  groups: int = _static(1)
-  top_groups: int = _static(1)
-  group_score_k: int = _static(2)
+  num_experts: int = static()
+  top_k: int = static()
+  score: Score = static("softmax")
+  normalize: bool = static(False)
+  normalize_epsilon: float = static(0.0)
+  scale: float = static(1.0)
+  groups: int = static(1)
+  top_groups: int = static(1)
+  group_score_k: int = static(2)
   selection_bias: pz.ParameterLike[pz.nx.NamedArray] | None = None
   expert_scale: pz.ParameterLike[pz.nx.NamedArray] | None = None
 
@@ -124,7 +125,7 @@ class TopKRouter(pz.nn.Layer):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _route(rule: tuple[Any, ...], logits: jax.Array, bias: jax.Array | None,
+def _route(rule: _RuleFields, logits: jax.Array, bias: jax.Array | None,
            expert_scale: jax.Array | None) -> jax.Array:
   """One token's dense weights from its logits (all 1-D over experts), by
   the `TopKRouter` fields in ``rule``. Compiled once per rule: also fast
@@ -180,8 +181,8 @@ class _Rule:
 class ClampedSwiGLUGate(pz.nn.Layer):
   """gpt-oss's gate activation: ``g = min(x, limit)``, ``g * sigmoid(alpha * g)``."""
 
-  alpha: float = _static()
-  limit: float = _static()
+  alpha: float = static()
+  limit: float = static()
 
   def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
     def gate(x):
@@ -194,7 +195,7 @@ class ClampedSwiGLUGate(pz.nn.Layer):
 class ClampedLinearUp(pz.nn.Layer):
   """gpt-oss's value branch after its projection: ``clip(x, -limit, limit) + 1``."""
 
-  limit: float = _static()
+  limit: float = static()
 
   def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
     return pz.nx.nmap(lambda x: jnp.clip(x, -self.limit, self.limit) + 1)(inputs)
@@ -223,7 +224,7 @@ class MixtureOfExperts(pz.nn.Layer):
 
   router: pz.nn.Layer
   experts: pz.nn.Layer
-  weight_inputs: bool = _static(False)
+  weight_inputs: bool = static(False)
   expert_input: pz.nn.Layer | None = None
   shared: pz.nn.Layer | None = None
   shared_gate: pz.nn.Layer | None = None
@@ -273,7 +274,7 @@ def experts_mlp(
     inputs_have_experts: bool = False,
     alpha: float = 1.702,
     limit: float = 7.0,
-    dtype: Any = jnp.float32,
+    dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> pz.nn.Sequential:
   """The experts' gated MLP, with parameter slots (no values) named
   ``{name}/gate.weights``, ``{name}/up.weights``, ``{name}/down.weights``
@@ -289,7 +290,7 @@ def experts_mlp(
           else {"parallel_broadcast_axes": experts})
 
   def project(part: str, size_in: dict[str, int], size_out: dict[str, int],
-              parallel: dict[str, Any]) -> list[pz.nn.Layer]:
+              parallel: dict[str, dict[str, int]]) -> list[pz.nn.Layer]:
     layers: list[pz.nn.Layer] = [pz.nn.Linear.from_config(
         name=f"{name}/{part}", init_base_rng=None, input_axes=size_in, output_axes=size_out,
         dtype=dtype, **parallel)]
@@ -310,7 +311,7 @@ def experts_mlp(
 
 
 def router_linear(name: str, num_experts: int, embedding_dim: int, *, bias: bool = False,
-                  dtype: Any = jnp.float32) -> pz.nn.Layer:
+                  dtype: jax.typing.DTypeLike = jnp.float32) -> pz.nn.Layer:
   """The router's ``Linear`` from ``embedding`` to ``experts``
   (``{name}.weights``), with an ``AddBias`` (``{name}_bias.bias``) if ``bias``."""
   linear = pz.nn.Linear.from_config(name=name, init_base_rng=None,
@@ -323,7 +324,7 @@ def router_linear(name: str, num_experts: int, embedding_dim: int, *, bias: bool
       dtype=dtype)])
 
 
-def expert_vector(name: str, num_experts: int, dtype: Any = jnp.float32) -> pz.ParameterSlot:
+def expert_vector(name: str, num_experts: int, dtype: jax.typing.DTypeLike = jnp.float32) -> pz.ParameterSlot:
   """A parameter slot over ``experts`` (a router's ``selection_bias`` or
   ``expert_scale``), labelled ``name``."""
   del num_experts, dtype  # The slot is filled by the loader with the stored values.

@@ -44,10 +44,10 @@ by token as on the whole sequence (``dynamic``: as transformers' generate).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,7 @@ import numpy as np
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist.nn._fields import static
 
 SCALING_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "linear": (frozenset({"factor"}), frozenset()),
@@ -74,10 +75,6 @@ SCALING_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 ``rope_scaling`` dict (besides ``rope_type``, ``rope_theta`` and
 ``partial_rotary_factor``) it requires and those it may have; each is a
 field of `ApplyScaledRoPE` of the same name."""
-
-
-def _static(default: Any = dataclasses.MISSING) -> Any:
-  return dataclasses.field(default=default, metadata={"pytree_node": False})
 
 
 @pz.pytree_dataclass
@@ -116,21 +113,21 @@ class ApplyScaledRoPE(pz.nn.Layer):
   `rope_scaling_config` gives back the keys it had.
   """
 
-  embedding_axis: str = _static()
-  max_wavelength: float = _static()
-  positions_input_name: str = _static()
-  rope_type: str = _static()
-  factor: float = _static()
-  original_max_position_embeddings: int | None = _static(None)
-  low_freq_factor: float | None = _static(None)
-  high_freq_factor: float | None = _static(None)
-  attention_factor: float | None = _static(None)
-  beta_fast: float | None = _static(None)
-  beta_slow: float | None = _static(None)
-  mscale: float | None = _static(None)
-  mscale_all_dim: float | None = _static(None)
-  truncate: bool | None = _static(None)
-  max_position_embeddings: int | None = _static(None)
+  embedding_axis: str = static()
+  max_wavelength: float = static()
+  positions_input_name: str = static()
+  rope_type: str = static()
+  factor: float = static()
+  original_max_position_embeddings: int | None = static(None)
+  low_freq_factor: float | None = static(None)
+  high_freq_factor: float | None = static(None)
+  attention_factor: float | None = static(None)
+  beta_fast: float | None = static(None)
+  beta_slow: float | None = static(None)
+  mscale: float | None = static(None)
+  mscale_all_dim: float | None = static(None)
+  truncate: bool | None = static(None)
+  max_position_embeddings: int | None = static(None)
 
   def rope_scaling_config(self) -> dict[str, Any]:
     """The ``rope_scaling`` dict of a Hugging Face ``config.json`` (without
@@ -167,7 +164,7 @@ class ApplyScaledRoPE(pz.nn.Layer):
       )
     return keys
 
-  def _required(self, name: str) -> Any:
+  def _required(self, name: str) -> float:
     value = getattr(self, name)
     if value is None:
       raise errors.UnsupportedConfigError(
@@ -243,15 +240,15 @@ class ApplyScaledRoPE(pz.nn.Layer):
             + inv_extrapolated * extrapolation).astype(np.float32)
 
   def _dynamic(self, dim: int, factor: float, max_position: jax.Array | None) -> jax.Array:
-    static = jnp.asarray(_default_inverse_frequencies(self.max_wavelength, dim))
+    unscaled = jnp.asarray(_default_inverse_frequencies(self.max_wavelength, dim))
     if max_position is None:
-      return static
+      return unscaled
     limit = self._required("max_position_embeddings")
     length = jnp.maximum(max_position.astype(jnp.int32) + 1, limit)
     growth = (factor * length.astype(jnp.float32) / limit) - (factor - 1)
     base = jnp.float32(self.max_wavelength) * growth ** (dim / (dim - 2))
     exponents = jnp.arange(0, dim, 2).astype(jnp.float32) / dim
-    return jnp.where(length > limit, 1.0 / (base ** exponents), static)
+    return jnp.where(length > limit, 1.0 / (base ** exponents), unscaled)
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
     """Rotates ``inputs`` (checked as ``pz.nn.ApplyRoPE`` checks them)."""
@@ -296,7 +293,11 @@ def _yarn_mscale(scale: float, mscale: float = 1) -> float:
   return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def check_computable(model: Any, sizes: Mapping[str, set[int]], where: str) -> None:
+_RoPELayer: TypeAlias = pz.nn.ApplyRoPE | pz.nn.ApplyRoPEToSubset | ApplyScaledRoPE
+"""The rotary layers `check_computable` evaluates."""
+
+
+def check_computable(model: pz.nn.Layer, sizes: Mapping[str, set[int]], where: str) -> None:
   """Refuses RoPE layers whose tables cannot be computed, before any weight
   is read: a model that loads can be called.
 
@@ -334,7 +335,7 @@ def check_computable(model: Any, sizes: Mapping[str, set[int]], where: str) -> N
         )
 
 
-def _settings(layer: Any) -> str:
+def _settings(layer: _RoPELayer) -> str:
   """The config values behind ``layer``, as ``config.json`` names them."""
   text = f"rope_theta={layer.max_wavelength!r}"
   if isinstance(layer, ApplyScaledRoPE):
@@ -342,7 +343,7 @@ def _settings(layer: Any) -> str:
   return text
 
 
-def _uncomputable(layer: Any, dim: int) -> str | None:
+def _uncomputable(layer: _RoPELayer, dim: int) -> str | None:
   """Why ``layer`` cannot rotate an axis of size ``dim``; None if it can."""
   if dim % 2:
     return "the rotated size must be even (it is rotated in halves)"

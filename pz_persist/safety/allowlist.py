@@ -39,9 +39,12 @@ DEFAULT_ALLOWED_MODULES: tuple[str, ...] = (
     "pz_persist.nn",
 )
 """Module trees every checkpoint may name. A name covers its submodules.
-``pz_persist.nn`` holds the few layers the pretrained loaders
-add to Penzai's architectures (scaled RoPE...), so a converted model saves
-and loads like one built from Penzai alone."""
+``pz_persist.nn`` holds the few layers pz_persist adds to Penzai's
+architectures (scaled RoPE, mixture of experts...), so a converted model
+saves and loads like one built from Penzai alone. Their former home,
+``pz_persist.pretrained.layers``, needs no entry: a checkpoint naming it is
+read through the recorded former names of `pz_persist.format.former_names`
+before this list judges the current name."""
 
 _globally_allowed: set[str] = set()
 _scoped_allowed: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
@@ -180,9 +183,9 @@ imported (``sys.modules``, where finding it runs nothing), in these modules,
 whose import only defines layers and optimizer states (checked by reading
 them: ``penzai.toolshed.patch_ipdb``, ``token_visualization`` and
 ``unflaxify`` are left out, as they import or patch IPython and Flax), and
-pz_persist's own pretrained layers (a converted model names them, and
-``import pz_persist`` no longer imports `pz_persist.pretrained` until it is
-used), or in the modules the user allows. Any other module, such as an unimported part of
+pz_persist's own layers (``pz_persist.nn``: a converted model names them,
+and ``import pz_persist`` does not import them until they are used), or in
+the modules the user allows. Any other module, such as an unimported part of
 JAX or NumPy (``numpy.f2py.__main__`` runs the f2py tool when imported), is
 refused: the message says to import it first, or to allow it.
 """

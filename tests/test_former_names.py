@@ -1,0 +1,91 @@
+"""The recorded table of former class names (`pz_persist.format.former_names`).
+
+What the table promises by construction rests on what it holds: every
+entry names an existing class of an allowed module under its current name,
+no current name is itself a former name (one lookup reaches the end: no
+chain, no loop), every former name is one no module defines today, and
+every name is public. These tests hold each of those true as moves are
+added.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import types
+
+import pytest
+from penzai import pz
+
+import pz_persist as pzp
+import pz_persist.nn
+from pz_persist.format import code_references
+from pz_persist.format import former_names
+from pz_persist.safety import allowlist
+
+
+def test_each_current_name_is_the_class_itself_in_an_allowed_module():
+  for former, (module, qualname) in former_names.FORMER_NAMES.items():
+    cls = vars(importlib.import_module(module))[qualname]
+    assert isinstance(cls, type) and issubclass(cls, pz.Struct), former
+    assert (cls.__module__, cls.__qualname__) == (module, qualname), former
+    assert allowlist.is_allowed(module) and allowlist.may_import(module), former
+    assert code_references.class_reference(cls, where="t") == {
+        "module": module, "qualname": qualname}
+
+
+def test_no_current_name_is_a_former_name_so_nothing_chains():
+  currents = set(former_names.FORMER_NAMES.values())
+  assert not currents & set(former_names.FORMER_NAMES), "a move must point at the newest home"
+
+
+def test_former_names_are_public_dotted_names_no_module_defines():
+  for module, qualname in former_names.FORMER_NAMES:
+    assert allowlist.DOTTED_NAME.match(module) and allowlist.DOTTED_NAME.match(qualname)
+    assert code_references.private_part(qualname) is None
+    assert allowlist.refused_part(module) is None
+    with pytest.raises(ModuleNotFoundError):
+      importlib.import_module(module)
+
+
+def test_every_move_is_dated_and_names_its_release():
+  for move in former_names.MOVES:
+    assert move.qualnames and len(set(move.qualnames)) == len(move.qualnames), move
+    assert move.release.count(".") == 2 and len(move.date) == 10, move
+
+
+def test_the_layers_move_covers_every_public_class_of_nn():
+  """Every class of ``pz_persist.nn`` that existed before the move (all of
+  them, at the move) has its former name recorded."""
+  moved = {
+      (now_module, qualname)
+      for (former, qualname), (now_module, _) in former_names.FORMER_NAMES.items()
+      if former.startswith("pz_persist.pretrained.layers.")
+  }
+  defined = set()
+  for info in pkgutil.iter_modules(pz_persist.nn.__path__, prefix="pz_persist.nn."):
+    for name, value in vars(importlib.import_module(info.name)).items():
+      if isinstance(value, type) and value.__module__ == info.name and not name.startswith("_"):
+        defined.add((info.name, value.__qualname__))
+  assert defined == moved
+
+
+def test_the_table_is_read_only_and_only_translates_exact_names():
+  assert isinstance(former_names.FORMER_NAMES, types.MappingProxyType)
+  with pytest.raises(TypeError):
+    former_names.FORMER_NAMES[("a", "b")] = ("c", "d")  # type: ignore[index]
+  old = "pz_persist.pretrained.layers.constant_scale"
+  assert former_names.current_name(old, "ConstantScale") == (
+      "pz_persist.nn.constant_scale", "ConstantScale")
+  for name in [(old, "ConstantScale.by"), (old, "constantscale"), (old + "s", "ConstantScale"),
+               ("pz_persist.pretrained.layers", "ConstantScale"), (old, "NoSuch")]:
+    assert former_names.current_name(*name) == name
+    assert not former_names.is_former(*name)
+
+
+def test_saving_writes_the_current_name(tmp_path):
+  from pz_persist.nn.constant_scale import ConstantScale  # pylint: disable=import-outside-toplevel
+
+  pzp.save_model(tmp_path / "m", pz.nn.Sequential([ConstantScale(by=2.0)]))
+  text = next((tmp_path / "m").rglob("pz_persist.json")).read_text()
+  assert "pz_persist.nn.constant_scale" in text and "pretrained" not in text
