@@ -42,10 +42,11 @@ LAYERS = {
     "checkpoint": 6, "binding": 6, "lazy": 6,
     "plain_orbax": 7,
     "model": 8, "training": 8,
-    "pretrained": 9,
-    "tools": 10,
-    "__init__": 11,
-    "demo": 12,
+    "extension": 9,
+    "pretrained": 10,
+    "tools": 11,
+    "__init__": 12,
+    "demo": 13,
 }
 """Each part of the package (a subpackage or a top-level module) by layer:
 a part imports only parts of lower layers, and modules of its own part."""
@@ -94,6 +95,47 @@ def test_no_import_runs_back_up():
 
 
 _PRIVATE_ORBAX = re.compile(r"^orbax\.checkpoint(\.experimental\.v1)?\._src(\.|$)")
+
+
+PRETRAINED_MAY_IMPORT = (
+    "pz_persist.extension", "pz_persist.errors", "pz_persist.progress", "pz_persist.sharding",
+    "pz_persist.nn", "pz_persist.penzai_seam", "pz_persist.pretrained",
+)
+"""What `pz_persist.pretrained` may import of pz_persist (each with its
+submodules): the extension surface, the public modules a loader needs, the
+Penzai seam and its own modules; nothing of storage/, format/ or safety/."""
+
+
+def test_pretrained_is_a_client_of_the_extension_surface():
+  """`pretrained/` reads, casts, allocates and publishes only through
+  `pz_persist.extension`, so the internal layers move without it."""
+  reaching = [
+      f"{module} -> {imported}"
+      for path, module in _modules() if _part(module) == "pretrained"
+      for imported in _imports(path)
+      if not any(imported == allowed or imported.startswith(allowed + ".")
+                 for allowed in PRETRAINED_MAY_IMPORT)
+  ]
+  assert not reaching, (
+      "pz_persist.pretrained reaches under the extension surface; go through"
+      " pz_persist.extension (add what a loader needs there, documented):\n"
+      + "\n".join(reaching)
+  )
+
+
+def test_the_pretrained_rule_catches_a_reach_under_the_surface(tmp_path):
+  """The rule above reads every form of import (module, name, inside a
+  function), so it cannot pass by missing one."""
+  source = tmp_path / "m.py"
+  source.write_text(
+      "from pz_persist.storage import commit\n"
+      "from pz_persist import extension, model\n"
+      "def f():\n  import pz_persist.format.casts\n"
+  )
+  assert _imports(source) == [
+      "pz_persist.storage", "pz_persist.extension", "pz_persist.model",
+      "pz_persist.format.casts",
+  ]
 
 
 def test_only_the_seam_touches_private_orbax_names():
@@ -190,9 +232,8 @@ KIND_QUESTIONS_LEFT = {
     # The writer's (issue 29, item 1): digests and the direct write are local.
     "storage/file_digests.py": 2,
     "storage/direct_write.py": 1,
-    # Issue 28's (pretrained/), left to it.
-    "pretrained/hf/folder_writer.py": 1,
-    "pretrained/gemma.py": 1,
+    # The extension surface's (a local export folder; Orbax's _METADATA size).
+    "extension.py": 2,
 }
 """Modules still asking, and how many times: this may only shrink."""
 

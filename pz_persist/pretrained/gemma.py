@@ -62,16 +62,13 @@ from penzai.models.transformer.variants import gemma as pz_gemma
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
+from pz_persist import extension
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.errors import GemmaCheckpointError  # Documented here too.
-from pz_persist.format import casts
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained import gemma4_flax
-from pz_persist.storage import commit
-from pz_persist.storage import containment
-from pz_persist.storage import orbax_metadata_checks
 
 __all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 
@@ -287,7 +284,7 @@ def load_gemma(
     preset = {"like": preset}
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
-  path = commit.open_path(path)
+  path = extension.open_path(path)
   tree, snapshot = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
   if gemma4_flax.is_gemma4(stored):
@@ -302,7 +299,7 @@ def load_gemma(
   with progress_lib.tracking(progress, f"loading {path}", total) as tracker:
     # Every file still the one whose metadata was read, once all are read:
     # a download replacing files mid-load is refused, never mixed.
-    with containment.files_unchanged(path, before=snapshot):
+    with extension.files_unchanged(path, before=snapshot):
       params = _read(path, tree, dtype, allow_lossy)
 
     def consumed(array: Any) -> None:
@@ -356,12 +353,12 @@ def _nbytes(value: Any) -> int:
   return data.nbytes
 
 
-def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], containment.Snapshot | None]:
+def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], extension.FolderSnapshot | None]:
   """Orbax's metadata of the stored arrays (a nested dict of ``ArrayMetadata``),
-  and the `containment.Snapshot` of the files it was read from.
+  and the `extension.FolderSnapshot` of the files it was read from.
 
   The same checks as `pz_persist.load` make first: no file leads outside the
-  directory or is a FIFO or device (`containment.check_contained`), the Orbax
+  directory or is a FIFO or device (`extension.check_orbax_folder`), the Orbax
   metadata files are of sane size and parse, and the tree is a tree of arrays
   with valid shapes and dtypes, so that nothing downstream meets a surprise.
 
@@ -375,9 +372,7 @@ def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], containment.Snaps
 
   if not path.exists():
     raise errors.NotACheckpointError(f"{path}: no such Gemma checkpoint directory.")
-  snapshot = containment.check_contained(path)
-  containment.check_checkpoint_metadata(path)
-  _check_size(path / "_METADATA", containment.MAX_ORBAX_METADATA_BYTES)
+  snapshot = extension.check_orbax_folder(path)
   try:
     metadata = ocp.PyTreeCheckpointer().metadata(path)
   except (FileNotFoundError, ValueError) as e:
@@ -388,17 +383,10 @@ def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], containment.Snaps
   except (KeyboardInterrupt, MemoryError):
     raise
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise orbax_metadata_checks.unreadable_stored_metadata(path, e) from None
+    raise extension.unreadable_orbax_metadata(path, e) from None
   tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
   _check_tree(tree, path)
   return tree, snapshot
-
-
-def _check_size(path: epath.Path, limit: int) -> None:
-  if commit.is_local(path) and path.exists() and path.stat().length > limit:
-    raise errors.UnsafeCheckpointError(
-        f"{path} is over the {limit}-byte limit; refusing to read it."
-    )
 
 
 def _check_tree(tree: Any, path: epath.Path) -> None:
@@ -477,9 +465,9 @@ def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any,
   that they all fit the allocation limit (TensorStore allocates each
   declared shape before reading a byte).
 
-  Orbax casts on read where no value can change (`casts.always_exact`) or
+  Orbax casts on read where no value can change (`extension.always_exact`) or
   ``allow_lossy``; the other arrays are read as stored, then checked and
-  cast one by one (`casts.cast`), so a lossy cast is refused, naming the
+  cast one by one (`extension.cast`), so a lossy cast is refused, naming the
   array.
   """
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
@@ -487,7 +475,7 @@ def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any,
   np_dtype = None if dtype is None else np.dtype(dtype)
 
   def on_read(meta: Any) -> np.dtype | None:
-    if np_dtype is None or allow_lossy or casts.always_exact(_checked_layout(meta)[1], np_dtype):
+    if np_dtype is None or allow_lossy or extension.always_exact(_checked_layout(meta)[1], np_dtype):
       return np_dtype
     return None
 
@@ -516,8 +504,8 @@ def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any,
   if np_dtype is not None:
     for key, arrays in flat.items():
       for leaf in arrays:
-        arrays[leaf] = casts.cast(np.asarray(arrays[leaf]), np_dtype, allow_lossy=allow_lossy,
-                                  where=f"{path}: array {key}/{leaf}")
+        arrays[leaf] = extension.cast(np.asarray(arrays[leaf]), np_dtype, allow_lossy=allow_lossy,
+                                      where=f"{path}: array {key}/{leaf}")
   return flat
 
 

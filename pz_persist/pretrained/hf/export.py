@@ -30,6 +30,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 from pz_persist import errors
+from pz_persist import extension
 from pz_persist import progress as progress_lib
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf import load as hf
@@ -43,8 +44,6 @@ from pz_persist.pretrained.hf.structure_match import ModelWeights
 from pz_persist.pretrained.hf.structure_match import family_plans
 from pz_persist.pretrained.hf.structure_match import matching_plan
 from pz_persist.pretrained.lora_merge import refuse_lora
-from pz_persist.storage import destinations
-from pz_persist.storage import stores
 
 ExportError = errors.ExportError
 
@@ -73,7 +72,7 @@ def like_sources(like: Any) -> list[Any]:
   """The folder ``like`` names, if it names one (a family name or a dict
   is read from nothing): what an export reads besides the model."""
   if isinstance(like, (str, os.PathLike)) and not (isinstance(like, str) and like in family_plans()):
-    local = stores.local_path(like)
+    local = extension.local_path(like)
     if os.path.isdir(os.fspath(local)):
       return [like]
   return []
@@ -146,7 +145,7 @@ def export_hf(
   # The destination rule: never over, inside or around the like= folder read
   # (nor inside any checkpoint); then only an earlier export is replaced.
   given = os.fspath(folder)
-  target = os.fspath(destinations.check_output(folder, like_sources(like)))
+  target = os.fspath(extension.check_output(folder, like_sources(like)))
   check_destination(target, overwrite)
   if not isinstance(model, model_parts.TransformerLM):
     raise ExportError(f"export_hf writes Penzai TransformerLM models, not {type(model).__name__}.")

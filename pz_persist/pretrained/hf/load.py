@@ -59,9 +59,10 @@ from penzai.core import variables as penzai_variables
 from penzai.models.transformer import model_parts
 
 from pz_persist import errors
+from pz_persist import extension
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
-from pz_persist.format import casts
+from pz_persist.nn import scaled_rope
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import families
@@ -71,7 +72,6 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import penzai_layout
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.hf.weights import check_has_weights
-from pz_persist.nn import scaled_rope
 
 # Documented here too (defined in errors, with every error class).
 UnsupportedConfigError = errors.UnsupportedConfigError
@@ -384,12 +384,12 @@ def _read(
     allow_lossy: bool = False,
 ) -> pz.nx.NamedArray:
   """Reads one tensor, lays it out for Penzai, casts it (checked by
-  `pz_persist.format.casts`) and places it."""
+  `pz_persist.extension.cast`) and places it."""
   file = reads.where[spec.source]  # `_check_tensors` made sure it is there, of this size.
   # Cast while reading unless a part is taken or an offset added after (then
   # only the part is cast, and the offset is added to the stored values).
   host = reads.get(spec, dtype, allow_lossy)
-  host = casts.cast(penzai_layout(spec, host), dtype, allow_lossy=allow_lossy,
+  host = extension.cast(penzai_layout(spec, host), dtype, allow_lossy=allow_lossy,
                     where=f"safetensors file {file.path}, tensor {spec.source!r}")
   data = jax.device_put(host, place(spec.axes, host.shape, spec.label))
   del host

@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pz_persist import errors
-from pz_persist.format import casts
+from pz_persist import extension
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
-from pz_persist.storage import host_memory
 
 CheckpointFolderError = errors.CheckpointFolderError
 
@@ -287,7 +286,7 @@ class _ViewFile:
     if isinstance(view, Stacked):
       # One buffer, each part read straight into its slice (cast while
       # read), each file checked unchanged once around all its parts.
-      out = host_memory.aligned_empty(shape, dtype)
+      out = extension.aligned_empty(shape, dtype)
       for file, indices, names in self._groups:
         file.read_stack_into(names, indices, out, allow_lossy=allow_lossy)
       return out
@@ -299,7 +298,7 @@ class _ViewFile:
           f"{self.path}: decoding {view.description} into {view.name!r} gave"
           f" {result.dtype}{list(result.shape)}, not the {view.dtype}{list(view.shape)} declared;"
           " the decoder and the plan disagree (a bug: please report it).")
-    return casts.cast(result, dtype, allow_lossy=allow_lossy,
+    return extension.cast(result, dtype, allow_lossy=allow_lossy,
                       where=f"{view.description} tensor {view.name!r} decoded from {self.path}")
 
 
