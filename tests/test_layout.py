@@ -33,7 +33,7 @@ PACKAGE = pathlib.Path(pzp.__file__).parent
 
 LAYERS = {
     # The ground: no pz_persist imports but these.
-    "errors": 0, "version": 0,
+    "errors": 0, "version": 0, "penzai_seam": 0,
     "safety": 1, "nn": 1,
     "format": 2,
     "progress": 3, "sharding": 3,
@@ -156,6 +156,95 @@ def test_only_the_seam_touches_private_orbax_names():
         names = [node.value]
       found += [f"{module}: {name}" for name in names if _PRIVATE_ORBAX.match(name)]
   assert not found, "private Orbax names outside orbax_seam:\n" + "\n".join(found)
+
+
+def _is_private(name: str) -> bool:
+  return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+_PRIVATE_PENZAI_PATH = re.compile(r"^penzai(\.\w+)*\._(?!_)")
+
+
+def _private_penzai_names(source: str) -> list[str]:
+  """Every private Penzai name ``source`` touches: a private module or name
+  imported from Penzai, an underscored attribute of anything imported from
+  Penzai (``pz_gemma._GEMMA_PRESETS``, ``pz.nx._x``), ``getattr`` of one by
+  string, ``vars()`` of a Penzai module, or a string naming one by path."""
+  tree = ast.parse(source)
+  penzai_names: set[str] = set()
+  found: list[str] = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split(".")[0] == "penzai":
+          penzai_names.add(alias.asname or "penzai")
+          found += [alias.name] if any(map(_is_private, alias.name.split("."))) else []
+    elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "penzai":
+      if any(map(_is_private, node.module.split("."))):
+        found.append(node.module)
+      for alias in node.names:
+        penzai_names.add(alias.asname or alias.name)
+        if _is_private(alias.name):
+          found.append(f"{node.module}.{alias.name}")
+
+  def from_penzai(expr: ast.expr) -> bool:
+    while isinstance(expr, (ast.Attribute, ast.Subscript, ast.Call)):
+      expr = expr.func if isinstance(expr, ast.Call) else expr.value
+    return isinstance(expr, ast.Name) and expr.id in penzai_names
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and _is_private(node.attr) and from_penzai(node.value):
+      found.append(ast.unparse(node))
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+      if node.func.id == "vars" and from_penzai(node.args[0]):
+        found.append(ast.unparse(node))
+      elif (node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+            and from_penzai(node.args[0]) and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str) and _is_private(node.args[1].value)):
+        found.append(ast.unparse(node))
+    elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and _PRIVATE_PENZAI_PATH.match(node.value)):
+      found.append(node.value)
+  return found
+
+
+def test_only_the_seam_touches_private_penzai_names():
+  """Every private Penzai name is in `penzai_seam.py`, with its contract test
+  (tests/test_penzai_seam.py): one anywhere else fails here."""
+  found = [
+      f"{module}: {name}"
+      for path, module in _modules() if module != "pz_persist.penzai_seam"
+      for name in _private_penzai_names(path.read_text())
+  ]
+  assert not found, (
+      "private Penzai names outside pz_persist/penzai_seam.py (add what you need"
+      " there, with a contract test):\n" + "\n".join(found))
+
+
+def test_the_penzai_rule_catches_each_form():
+  source = """
+import penzai
+from penzai import pz
+from penzai.core import _private_module
+from penzai.models.transformer.variants import gemma as pz_gemma
+from penzai.models.transformer.variants.gemma import _GEMMA_PRESETS
+x = pz_gemma._NEEDS_GATING_TRANSPOSE
+y = pz.nx._helper(1)._field
+z = getattr(penzai.core, "_secret")
+w = vars(pz_gemma)
+v = "penzai.core._treescope_handlers"
+ok = (pz_gemma.__name__, pz.nx.wrap, self._own, "penzai.core.variables")
+"""
+  assert sorted(_private_penzai_names(source)) == sorted([
+      "penzai.core._private_module",
+      "penzai.models.transformer.variants.gemma._GEMMA_PRESETS",
+      "pz_gemma._NEEDS_GATING_TRANSPOSE",
+      "pz.nx._helper(1)._field",
+      "pz.nx._helper",
+      "getattr(penzai.core, '_secret')",
+      "vars(pz_gemma)",
+      "penzai.core._treescope_handlers",
+  ])
 
 
 @pytest.mark.parametrize("module", [

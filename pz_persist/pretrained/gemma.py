@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import types
 import typing
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -63,6 +62,7 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist import errors
 from pz_persist import extension
+from pz_persist import penzai_seam
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.errors import GemmaCheckpointError  # Documented here too.
@@ -164,7 +164,7 @@ class GemmaReport:
 
 def known_presets() -> list[str]:
   """The Gemma presets of the installed Penzai (e.g. ``gemma2_9b``)."""
-  return sorted(pz_gemma._GEMMA_PRESETS)  # pylint: disable=protected-access
+  return sorted(penzai_seam.gemma_presets())
 
 
 @overload
@@ -282,7 +282,7 @@ def load_gemma(
   """
   if isinstance(preset, str) and (preset in gemma3_flax.PRESETS or preset in gemma4_flax.PRESETS):
     preset = {"like": preset}
-  if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
+  if isinstance(preset, str) and preset != "auto" and preset not in penzai_seam.gemma_presets():
     raise GemmaCheckpointError(_unknown_preset_message(preset))
   path = extension.open_path(path)
   tree, snapshot = _stored_tree(path)
@@ -624,7 +624,7 @@ def _resolve_preset(
     params: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any], path: Any
 ) -> tuple[str, dict[str, Any] | None, bool | None, GemmaReport]:
   """(preset name, custom preset kwargs or None, gating transpose, report)."""
-  presets = pz_gemma._GEMMA_PRESETS  # pylint: disable=protected-access
+  presets = penzai_seam.gemma_presets()
   sizes, transpose = _shapes(params, path)
   if isinstance(preset, str):
     if preset == "auto":
@@ -688,7 +688,7 @@ def _gating_transpose(given: Any, shown: bool | None, like: str | None,
     return GemmaSetting(given, "caller")
   if shown is not None:
     return GemmaSetting(shown, "checkpoint")
-  needs = pz_gemma._NEEDS_GATING_TRANSPOSE  # pylint: disable=protected-access
+  needs = penzai_seam.gemma_gating_transposed()
   if like is not None and isinstance(needs.get(like), bool):
     return GemmaSetting(needs[like], "preset")
   raise GemmaCheckpointError(
@@ -709,12 +709,12 @@ def _config_defaults() -> dict[str, Any]:
 def _named_report(name: str, sizes_source: Source) -> GemmaReport:
   """A Penzai preset's settings: its sizes matched the checkpoint (``auto``)
   or were named by the caller, the rest is the preset's."""
-  kwargs = {**_config_defaults(), **pz_gemma._GEMMA_PRESETS[name]}  # pylint: disable=protected-access
+  kwargs = {**_config_defaults(), **penzai_seam.gemma_presets()[name]}
   settings = {k: GemmaSetting(kwargs[k], sizes_source) for k in _SHAPE_KEYS}
   settings |= {k: GemmaSetting(bool(kwargs[k]), sizes_source) for k in _NORM_KEYS}
   settings |= {k: GemmaSetting(kwargs[k], "preset") for k in _PRESET_KEYS}
   settings[_TRANSPOSE] = GemmaSetting(
-      pz_gemma._NEEDS_GATING_TRANSPOSE[name], "preset")  # pylint: disable=protected-access
+      penzai_seam.gemma_gating_transposed()[name], "preset")
   return GemmaReport(name, settings)
 
 
@@ -751,33 +751,12 @@ def _log_preset_settings(report: GemmaReport, path: Any) -> None:
 
 def _converter(name: str, kwargs: dict[str, Any] | None,
                transpose: bool | None) -> Callable[..., model_parts.TransformerLM]:
-  """Penzai's ``gemma_from_pretrained_checkpoint``, knowing preset ``name``.
-
-  Why not Penzai's own function with the preset written into its tables: that
-  changes Penzai's module state for the whole process (another thread, or
-  ``gemma.known_presets`` there, would see ``pz_persist_custom``). Penzai's
-  converter reads its presets from two module-level tables, so a custom
-  preset is given to a copy of the function whose globals are a copy of the
-  module's namespace with the two tables extended: the same conversion code,
-  and nothing of Penzai's is written.
-  """
-  convert = pz_gemma.gemma_from_pretrained_checkpoint
+  """Penzai's ``gemma_from_pretrained_checkpoint``, knowing preset ``name``
+  (a custom one: `penzai_seam.gemma_converter_with_preset`, which writes
+  nothing of Penzai's)."""
   if kwargs is None:
-    return convert
-  namespace = dict(vars(pz_gemma))
-  tables = ("_GEMMA_PRESETS", "_NEEDS_GATING_TRANSPOSE")
-  if not all(isinstance(namespace.get(table), dict) for table in tables):
-    raise GemmaCheckpointError(
-        f"the installed Penzai ({_penzai_version()}) keeps its Gemma presets"
-        " differently from Penzai 0.2.5; custom presets are unsupported with it."
-    )
-  namespace["_GEMMA_PRESETS"] = {**namespace["_GEMMA_PRESETS"], name: kwargs}
-  namespace["_NEEDS_GATING_TRANSPOSE"] = {
-      **namespace["_NEEDS_GATING_TRANSPOSE"], name: transpose}
-  return types.FunctionType(
-      convert.__code__, namespace, convert.__name__, convert.__defaults__,
-      convert.__closure__,
-  )
+    return pz_gemma.gemma_from_pretrained_checkpoint
+  return penzai_seam.gemma_converter_with_preset(name, kwargs, bool(transpose))
 
 
 class _Releasing(Mapping):
