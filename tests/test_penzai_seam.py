@@ -120,8 +120,9 @@ def test_a_converter_with_a_custom_preset_builds_it_and_writes_nothing(transpose
   """load_gemma's custom presets (models of other sizes) go through this."""
   before = (dict(pz_gemma._GEMMA_PRESETS),  # pylint: disable=protected-access
             dict(pz_gemma._NEEDS_GATING_TRANSPOSE))  # pylint: disable=protected-access
-  kwargs = dict(num_decoder_blocks=1, vocab_size=8, num_kv_heads=1, query_head_multiplier=1,
-                embedding_dim=4, projection_dim=2, mlp_hidden_dim=6)
+  kwargs = {"num_decoder_blocks": 1, "vocab_size": 8, "num_kv_heads": 1,
+            "query_head_multiplier": 1, "embedding_dim": 4, "projection_dim": 2,
+            "mlp_hidden_dim": 6}
   convert = penzai_seam.gemma_converter_with_preset("seam_tiny", kwargs, transposed)
   model = convert(_tiny_params(transposed), preset_name="seam_tiny")
   after = (dict(pz_gemma._GEMMA_PRESETS),  # pylint: disable=protected-access
