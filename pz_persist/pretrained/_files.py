@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from pz_persist import errors
 from pz_persist import extension
+from pz_persist.pretrained import errors
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of JSON arrays and objects accepted in any file read here;

@@ -60,15 +60,15 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import gemma as pz_gemma
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist import errors
 from pz_persist import extension
 from pz_persist import penzai_seam
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
-from pz_persist.errors import GemmaCheckpointError  # Documented here too.
 from pz_persist.pretrained import _files
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained import gemma4_flax
+from pz_persist.pretrained.errors import GemmaCheckpointError  # Documented here too.
 
 __all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 

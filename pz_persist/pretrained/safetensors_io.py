@@ -39,10 +39,10 @@ import ml_dtypes
 import numpy as np
 from penzai import pz
 
-from pz_persist import errors
 from pz_persist import extension
-from pz_persist.errors import SafetensorsFormatError  # Documented here too.
 from pz_persist.pretrained import _files
+from pz_persist.pretrained import errors
+from pz_persist.pretrained.errors import SafetensorsFormatError  # Documented here too.
 
 METADATA_KEY = "pz_persist"
 """The ``__metadata__`` key under which `export_safetensors` stores its JSON."""

@@ -24,8 +24,8 @@ import numpy as np
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist import errors
 from pz_persist.nn.scaled_rope import ApplyScaledRoPE
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import IGNORED_FIELDS
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.record import Family

@@ -29,9 +29,9 @@ import numpy as np
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist import errors
 from pz_persist import extension
 from pz_persist import progress as progress_lib
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf import load as hf
 from pz_persist.pretrained.hf.config_from_model import all_layers

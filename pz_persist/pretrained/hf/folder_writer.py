@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from pz_persist import errors
 from pz_persist import extension
 from pz_persist import progress as progress_lib
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec

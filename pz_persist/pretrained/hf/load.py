@@ -58,12 +58,12 @@ from penzai import pz
 from penzai.core import variables as penzai_variables
 from penzai.models.transformer import model_parts
 
-from pz_persist import errors
 from pz_persist import extension
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.nn import scaled_rope
 from pz_persist.pretrained import _files
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf.config import Config

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from penzai import pz
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import Plan

@@ -14,9 +14,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from pz_persist import errors
 from pz_persist import extension
 from pz_persist.pretrained import _files
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 
 CheckpointFolderError = errors.CheckpointFolderError
