@@ -144,7 +144,7 @@ def parse_json(raw: bytes, error: ErrorFactory,
   return value
 
 
-def _deeper_than(value: Any, limit: int) -> bool:
+def _deeper_than(value: object, limit: int) -> bool:
   """Whether ``value`` nests lists and objects more than ``limit`` deep.
 
   Only containers are pushed (a safetensors header of 20,000 tensors holds
@@ -210,7 +210,7 @@ def hub_cache_entry(folder: str) -> str | None:
   return None
 
 
-def plain_file_name(name: Any) -> bool:
+def plain_file_name(name: object) -> bool:
   """Whether ``name`` names a file directly in a folder: a non-empty string
   with no path separator (either OS's), no NUL, and not ``.`` or ``..``.
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import types
 import typing
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -54,6 +55,7 @@ from typing import overload
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from etils import epath
 from penzai import pz
 from penzai.models.transformer import model_parts
@@ -172,7 +174,7 @@ def load_gemma(
     path: epath.PathLike,
     *,
     preset: str | Mapping[str, Any] = ...,
-    dtype: Any = ...,
+    dtype: npt.DTypeLike | None = ...,
     allow_lossy: bool = ...,
     sharding: sharding_lib.Target = ...,
     upcast_activations_to_float32: bool = ...,
@@ -187,7 +189,7 @@ def load_gemma(
     path: epath.PathLike,
     *,
     preset: str | Mapping[str, Any] = ...,
-    dtype: Any = ...,
+    dtype: npt.DTypeLike | None = ...,
     allow_lossy: bool = ...,
     sharding: sharding_lib.Target = ...,
     upcast_activations_to_float32: bool = ...,
@@ -201,7 +203,7 @@ def load_gemma(
     path: epath.PathLike,
     *,
     preset: str | Mapping[str, Any] = "auto",
-    dtype: Any = None,
+    dtype: npt.DTypeLike | None = None,
     allow_lossy: bool = False,
     sharding: sharding_lib.Target = None,
     upcast_activations_to_float32: bool = False,
@@ -302,7 +304,7 @@ def load_gemma(
     with extension.files_unchanged(path, before=snapshot):
       params = _read(path, tree, dtype, allow_lossy)
 
-    def consumed(array: Any) -> None:
+    def consumed(array: np.ndarray) -> None:
       tracker.advance(array.nbytes)
 
     releasing = _releasing_params(params, name, kwargs, transpose, consumed,
@@ -322,9 +324,11 @@ def load_gemma(
   return (model, settings) if report else model
 
 
-def _load_library(module: Any, path: epath.Path, tree: Mapping[str, Any],
-                  stored: Mapping[str, Any], preset: Any, dtype: Any,
-                  sharding: sharding_lib.Target, progress: Progress, report: bool) -> Any:
+def _load_library(
+    module: types.ModuleType, path: epath.Path, tree: Mapping[str, Any],
+    stored: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any],
+    dtype: npt.DTypeLike | None, sharding: sharding_lib.Target, progress: Progress, report: bool,
+) -> model_parts.TransformerLM | tuple[model_parts.TransformerLM, GemmaReport]:
   """A Gemma 3 or Gemma 4 checkpoint of the ``gemma`` library (``module``:
   `gemma3_flax` or `gemma4_flax`): the settings are resolved and every
   array checked before anything is read."""
@@ -337,7 +341,7 @@ def _load_library(module: Any, path: epath.Path, tree: Mapping[str, Any],
   return (model, GemmaReport(f"like {name}", settings)) if report else model
 
 
-def _read_bytes(tree: Mapping[str, Any], dtype: Any) -> int:
+def _read_bytes(tree: Mapping[str, Any], dtype: npt.DTypeLike | None) -> int:
   """Bytes of the arrays `_read` returns (the stored ones cast to ``dtype``)."""
   total = 0
   for arrays in _flatten(tree).values():
@@ -347,7 +351,7 @@ def _read_bytes(tree: Mapping[str, Any], dtype: Any) -> int:
   return total
 
 
-def _nbytes(value: Any) -> int:
+def _nbytes(value: pz.nx.NamedArrayBase | jax.Array | np.ndarray) -> int:
   """Bytes of a parameter's value (a NamedArray or an array)."""
   data = value.data_array if isinstance(value, pz.nx.NamedArrayBase) else value
   return data.nbytes
@@ -389,7 +393,7 @@ def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], extension.FolderS
   return tree, snapshot
 
 
-def _check_tree(tree: Any, path: epath.Path) -> None:
+def _check_tree(tree: object, path: epath.Path) -> None:
   """Refuses stored metadata that is not a nested dict (string keys, at most
   `_files.MAX_JSON_DEPTH` deep) of arrays with valid shapes and dtypes."""
   if not isinstance(tree, Mapping):
@@ -397,7 +401,7 @@ def _check_tree(tree: Any, path: epath.Path) -> None:
         f"{path / '_METADATA'}: the stored tree is a {type(tree).__name__}, not"
         " a dict of arrays as in Gemma's Flax checkpoints."
     )
-  stack: list[tuple[str, Any, int]] = [("", tree, 1)]
+  stack: list[tuple[str, object, int]] = [("", tree, 1)]
   while stack:
     where, node, depth = stack.pop()
     if isinstance(node, Mapping):
@@ -419,7 +423,7 @@ def _check_tree(tree: Any, path: epath.Path) -> None:
       )
 
 
-def _array_layout(node: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+def _array_layout(node: object) -> tuple[tuple[int, ...], np.dtype] | None:
   """``(shape, dtype)`` of an array's metadata, or None if either is invalid."""
   shape, dtype = getattr(node, "shape", None), getattr(node, "dtype", None)
   if not isinstance(shape, (tuple, list)) or dtype is None or not all(
@@ -432,14 +436,15 @@ def _array_layout(node: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     return None
 
 
-def _checked_layout(meta: Any) -> tuple[tuple[int, ...], np.dtype]:
+def _checked_layout(meta: object) -> tuple[tuple[int, ...], np.dtype]:
   """`_array_layout` of metadata `_stored_tree` has already checked."""
   layout = _array_layout(meta)
   assert layout is not None, "_stored_tree refuses invalid array metadata"
   return layout
 
 
-def _planned(name: str, meta: Any, dtype: np.dtype | None, path: epath.Path) -> _files.PlannedArray:
+def _planned(name: str, meta: object, dtype: np.dtype | None,
+             path: epath.Path) -> _files.PlannedArray:
   """What reading one array allocates: the array (in ``dtype``, default the
   stored one), or, if larger, one storage chunk, which TensorStore decodes
   whole (a tiny array declaring ``[2**20, 2**20]`` chunks aborts it too)."""
@@ -459,7 +464,7 @@ def _planned(name: str, meta: Any, dtype: np.dtype | None, path: epath.Path) -> 
   return max(array, chunk_array, key=lambda a: a.nbytes)
 
 
-def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any,
+def _read(path: epath.Path, tree: Mapping[str, Any], dtype: npt.DTypeLike | None,
           allow_lossy: bool = False) -> dict[str, dict[str, np.ndarray]]:
   """Reads every array once, as NumPy, cast to ``dtype``, after checking
   that they all fit the allocation limit (TensorStore allocates each
@@ -474,7 +479,7 @@ def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any,
 
   np_dtype = None if dtype is None else np.dtype(dtype)
 
-  def on_read(meta: Any) -> np.dtype | None:
+  def on_read(meta: object) -> np.dtype | None:
     if np_dtype is None or allow_lossy or extension.always_exact(_checked_layout(meta)[1], np_dtype):
       return np_dtype
     return None
@@ -533,12 +538,12 @@ def _flatten(tree: Mapping[str, Any]) -> dict[str, dict[str, np.ndarray]]:
   return flat
 
 
-def _having(params: Mapping[str, Any], markers: tuple[str, ...]) -> list[str]:
+def _having(params: Mapping[str, object], markers: tuple[str, ...]) -> list[str]:
   """The keys of ``params`` naming one of ``markers``."""
   return [k for k in params if any(m in k.rsplit("/", 1)[-1] or f"/{m}" in k for m in markers)]
 
 
-def _refuse_gemma3(params: Mapping[str, Any], path: Any) -> None:
+def _refuse_gemma3(params: Mapping[str, object], path: epath.Path) -> None:
   """Refuses a checkpoint of a later Gemma, naming the generation only as
   far as its arrays show it: an incomplete Gemma 4 by its blocks'
   ``skip_scale``, Gemma 3n by its own layers, otherwise "Gemma 3 or later"."""
@@ -581,7 +586,8 @@ def _unknown_preset_message(preset: str) -> str:
   return f"unknown Gemma preset {preset!r}; known presets: {known_presets()} (or 'auto')."
 
 
-def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[dict[str, int], bool | None]:
+def _shapes(params: Mapping[str, Mapping[str, np.ndarray]],
+            path: epath.Path) -> tuple[dict[str, int], bool | None]:
   """The preset sizes the arrays determine, and the gating layout if known."""
   p = {k.removeprefix("transformer/"): v for k, v in params.items()}
   try:
@@ -621,7 +627,7 @@ def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[
 
 
 def _resolve_preset(
-    params: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any], path: Any
+    params: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any], path: epath.Path
 ) -> tuple[str, dict[str, Any] | None, bool | None, GemmaReport]:
   """(preset name, custom preset kwargs or None, gating transpose, report)."""
   presets = penzai_seam.gemma_presets()
@@ -667,8 +673,8 @@ def _resolve_preset(
   return "pz_persist_custom", kwargs, gating.value, report
 
 
-def _gating_transpose(given: Any, shown: bool | None, like: str | None,
-                      sizes: Mapping[str, int], path: Any) -> GemmaSetting:
+def _gating_transpose(given: object, shown: bool | None, like: str | None,
+                      sizes: Mapping[str, int], path: epath.Path) -> GemmaSetting:
   """Whether the MLP gating array is stored transposed, and who says so.
 
   The array's shape shows it unless the MLP is square (``embedding_dim ==
@@ -734,7 +740,7 @@ def _custom_report(like: str | None, kwargs: Mapping[str, Any], base: Mapping[st
   return GemmaReport("custom" if like is None else f"like {like}", settings)
 
 
-def _log_preset_settings(report: GemmaReport, path: Any) -> None:
+def _log_preset_settings(report: GemmaReport, path: epath.Path) -> None:
   """Logs, as a warning, each setting a custom preset took from the ``like``
   preset or Penzai's defaults rather than the checkpoint or the caller."""
   borrowed = {k: s for k, s in report.settings.items() if s.source in ("preset", "default")}
@@ -764,13 +770,13 @@ class _Releasing(Mapping):
   converter's last read of it, so converted parameters replace checkpoint
   arrays instead of accumulating next to them."""
 
-  def __init__(self, arrays: dict[str, Any], reads: Mapping[str, int],
-               on_release: Callable[[Any], None]):
+  def __init__(self, arrays: dict[str, np.ndarray], reads: Mapping[str, int],
+               on_release: Callable[[np.ndarray], None]):
     self._arrays = arrays
     self._left = dict(reads)
     self._on_release = on_release
 
-  def __getitem__(self, key: str) -> Any:
+  def __getitem__(self, key: str) -> np.ndarray:
     value = self._arrays[key]
     self._left[key] = self._left.get(key, 1) - 1
     if self._left[key] <= 0:
@@ -788,10 +794,10 @@ class _Releasing(Mapping):
 class _Counting(Mapping):
   """Counts the converter's reads of each array (on abstract values)."""
 
-  def __init__(self, arrays: Mapping[str, Any], counts: dict[str, int]):
+  def __init__(self, arrays: Mapping[str, jax.ShapeDtypeStruct], counts: dict[str, int]):
     self._arrays, self._counts = arrays, counts
 
-  def __getitem__(self, key: str) -> Any:
+  def __getitem__(self, key: str) -> jax.ShapeDtypeStruct:
     self._counts[key] = self._counts.get(key, 0) + 1
     return self._arrays[key]
 
@@ -807,7 +813,7 @@ def _releasing_params(
     name: str,
     kwargs: dict[str, Any] | None,
     transpose: bool | None,
-    on_release: Callable[[Any], None],
+    on_release: Callable[[np.ndarray], None],
     upcast: bool,
     layer_stack: bool,
 ) -> dict[str, _Releasing]:
@@ -842,13 +848,14 @@ def _releasing_params(
   return result
 
 
-def _place(value: Any, target: sharding_lib.Target, label: str) -> Any:
+def _place(value: pz.nx.NamedArrayBase | jax.Array, target: sharding_lib.Target,
+           label: str) -> pz.nx.NamedArrayBase | jax.Array:
   """``value`` (a NamedArray) put where ``target`` says, by its axis names."""
   if isinstance(target, sharding_lib.AxisRules):
     if isinstance(value, pz.nx.NamedArray):
       dims = (None,) * len(value.positional_shape) + tuple(value.named_axes)
     elif isinstance(value, pz.nx.NamedArrayView):
-      by_axis: list[Any] = [None] * value.data_array.ndim
+      by_axis: list[str | None] = [None] * value.data_array.ndim
       for axis_name, axis in value.data_axis_for_name.items():
         by_axis[axis] = axis_name
       dims = tuple(by_axis)

@@ -25,6 +25,7 @@ llama.cpp converters). Two needs meet here:
 from __future__ import annotations
 
 import collections
+import io
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 from penzai import pz
 
 from pz_persist import extension
@@ -183,14 +185,15 @@ class SafetensorsFile:
   def __enter__(self) -> SafetensorsFile:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
   def _error(self, what: str, name: str | None = None) -> SafetensorsFormatError:
     where = f"safetensors file {self.path}" + (f", tensor {name!r}," if name else "")
     return SafetensorsFormatError(f"{where} {what}.")
 
-  def _check_entry(self, name: str, info: Any, data_size: int):
+  def _check_entry(self, name: str, info: object,
+                   data_size: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
     """Validates one header entry, so that `get` can never read out of bounds."""
     if type(info) is tuple:  # Well-typed, from `_compact_entry`: check the values.
       code, shape, begin, end = info
@@ -290,7 +293,8 @@ class SafetensorsFile:
   def keys(self) -> list[str]:
     return list(self.entries)
 
-  def get(self, name: str, dtype: Any = None, *, allow_lossy: bool = False) -> np.ndarray:
+  def get(self, name: str, dtype: npt.DTypeLike | None = None, *,
+          allow_lossy: bool = False) -> np.ndarray:
     """The tensor ``name``, read into a new array (cast to ``dtype`` if given).
 
     A cast that would change values beyond rounding a float (see
@@ -414,7 +418,7 @@ CAST_BUFFER_BYTES = 16 * 2**20
 """Stored bytes a cast read holds at once (`SafetensorsFile.get`)."""
 
 
-def _read_cast(f: Any, out: np.ndarray, stored: np.dtype, where: str | None) -> int:
+def _read_cast(f: io.BufferedReader, out: np.ndarray, stored: np.dtype, where: str | None) -> int:
   """Reads ``out.size`` elements of dtype ``stored`` from ``f`` into the flat
   ``out``, casting piece by piece, each piece checked by `extension.refuse_lossy`
   (naming ``where``; None: lossy casts allowed); returns the bytes read
@@ -486,7 +490,7 @@ def write_safetensors(
       del host
 
 
-def _jsonable(value: Any) -> bool:
+def _jsonable(value: object) -> bool:
   try:
     return json.loads(json.dumps(value)) == value
   except (TypeError, ValueError):
@@ -694,7 +698,7 @@ def _described_tensors(file: SafetensorsFile, raw: str) -> dict[str, dict[str, A
   return described
 
 
-def _check_axes(file: SafetensorsFile, name: str, axes: Any, ndim: int) -> None:
+def _check_axes(file: SafetensorsFile, name: str, axes: object, ndim: int) -> None:
   """Refuses axis names that cannot describe the stored tensor, before any read."""
   if axes is None:
     return

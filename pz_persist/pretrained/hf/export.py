@@ -52,7 +52,7 @@ DEFAULT_SHARD_BYTES = 5 * 2**30
 """transformers' own default shard size (5 GB) for ``save_pretrained``."""
 
 
-def _like_config(like: Any) -> dict[str, Any]:
+def _like_config(like: object) -> dict[str, Any]:
   """``like`` as a config dict: a family name, a folder or a dict."""
   if like is None:
     return {}
@@ -68,7 +68,7 @@ def _like_config(like: Any) -> dict[str, Any]:
   )
 
 
-def like_sources(like: Any) -> list[Any]:
+def like_sources(like: object) -> list[str | os.PathLike[str]]:
   """The folder ``like`` names, if it names one (a family name or a dict
   is read from nothing): what an export reads besides the model."""
   if isinstance(like, (str, os.PathLike)) and not (isinstance(like, str) and like in family_plans()):

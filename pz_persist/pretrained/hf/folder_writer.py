@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+from penzai import pz
 
 from pz_persist import extension
 from pz_persist import progress as progress_lib
@@ -30,14 +32,15 @@ class _Stored:
   """One stored tensor, laid out only when the writer asks for its bytes, so
   that the host holds one tensor at a time."""
 
-  def __init__(self, specs: list[TensorSpec], values: list[Any]):
+  def __init__(self, specs: list[TensorSpec], values: list[pz.nx.NamedArrayBase]):
     self.specs, self.values = specs, values
     spec = specs[0]
     self.shape = spec.file_shape
     self.dtype = np.dtype(values[0].dtype)
     self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
-  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+  def __array__(self, dtype: npt.DTypeLike | None = None,
+                copy: bool | None = None) -> np.ndarray:
     hosts = [np.asarray(v.unwrap(*spec.axes)) for spec, v in zip(self.specs, self.values)]
     try:
       return stored_layout(self.specs, hosts)
@@ -90,7 +93,8 @@ class _StackedPart:
     self.dtype = whole.dtype
     self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
-  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+  def __array__(self, dtype: npt.DTypeLike | None = None,
+                copy: bool | None = None) -> np.ndarray:
     whole = self.whole
     cached = getattr(whole, "_laid_out", None)
     if cached is None:

@@ -54,6 +54,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from penzai import pz
 from penzai.core import variables as penzai_variables
 from penzai.models.transformer import model_parts
@@ -96,7 +97,7 @@ def _read_config(path: str, seen: list[tuple[str, _files.Identity]] | None = Non
   return raw_config
 
 
-def unsupported_model_type(model_type: Any) -> str:
+def unsupported_model_type(model_type: object) -> str:
   """Why ``model_type`` is refused: a family's own reason for its next
   generation (`families.REFUSED`), or the supported families and the
   nearest one; `load_gemma` is suggested only for a Gemma."""
@@ -156,7 +157,7 @@ def _placement(sharding: sharding_lib.Target):
 def load_hf(
     path: str | os.PathLike[str],
     *,
-    dtype: Any = None,
+    dtype: npt.DTypeLike | None = None,
     allow_lossy: bool = False,
     sharding: sharding_lib.Target = None,
     progress: progress_lib.Progress = None,

@@ -9,10 +9,10 @@ import os
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 from pz_persist import extension
 from pz_persist.pretrained import _files
@@ -111,7 +111,7 @@ class Weights:
   manager: the descriptors are closed on leaving it.
   """
 
-  def __init__(self, path: str, dtype: Any, seen: list[tuple[str, _files.Identity]] | None = None):
+  def __init__(self, path: str, dtype: npt.DTypeLike | None, seen: list[tuple[str, _files.Identity]] | None = None):
     self.path = path
     self._dtype = dtype
     self._seen = list(seen or [])
@@ -139,7 +139,7 @@ class Weights:
   def __enter__(self) -> Weights:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
   @property
@@ -165,7 +165,7 @@ class Weights:
   @functools.cached_property
   def dtype(self) -> np.dtype:
     """The requested dtype, or the checkpoint's own floating dtype."""
-    return self._dtype if self._dtype is not None else stored_float_dtype(self.where)
+    return np.dtype(self._dtype) if self._dtype is not None else stored_float_dtype(self.where)
 
 
 def stored_float_dtype(where: Mapping[str, safetensors_io.SafetensorsFile]) -> np.dtype:
@@ -243,7 +243,7 @@ def stacked(name: str, parts: Sequence[str]) -> Stacked:
   return Stacked(name, tuple(parts))
 
 
-def decoded(name: str, parts: Sequence[str], shape: Sequence[int], dtype: Any,
+def decoded(name: str, parts: Sequence[str], shape: Sequence[int], dtype: npt.DTypeLike,
             decode: Callable[[dict[str, np.ndarray]], np.ndarray], description: str,
             working_bytes: int) -> Decoded:
   """A `Decoded` view ``name`` of the stored tensors ``parts``."""
@@ -279,7 +279,8 @@ class _ViewFile:
     self.entries = {view.name: (dtype, shape, 0, stored)}
     self.path = self._groups[0][0].path if self._groups else "(no file)"
 
-  def get(self, name: str, dtype: Any = None, *, allow_lossy: bool = False) -> np.ndarray:
+  def get(self, name: str, dtype: npt.DTypeLike | None = None, *,
+          allow_lossy: bool = False) -> np.ndarray:
     stored, shape, _, _ = self.entries[name]
     dtype = stored if dtype is None else np.dtype(dtype)
     view = self.view
