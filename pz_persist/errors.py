@@ -18,14 +18,46 @@ Two families matter to users:
 A public function given an argument it cannot use raises `ArgumentError` (also
 a `ValueError`) or `ArgumentTypeError` (also a `TypeError`), so ``except
 ValueError`` still works. Every exception class pz_persist defines lives in
-this module (``tests/test_error_classes.py`` checks it); modules that
-documented one before re-export it, as the same class.
+this module, but for the pretrained loaders' own (a Gemma preset, a
+safetensors file, a Hugging Face folder or export), which live with them in
+`pz_persist.pretrained.errors`, also `PzPersistError` subclasses
+(``tests/test_error_classes.py`` checks both); modules that documented one
+before re-export it, as the same class.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import warnings
 from typing import Any
+
+_MOVED_TO_PRETRAINED = frozenset({
+    "CheckpointFolderError", "DequantizedWeightsWarning", "ExportError", "FileChangedError",
+    "GemmaCheckpointError", "SafetensorsFormatError",
+})
+"""The pretrained loaders' own classes, defined here up to 0.7 and now in
+`pz_persist.pretrained.errors`: still found here, with a warning, until
+2027-06-01."""
+
+
+def __getattr__(name: str) -> type:
+  """The pretrained loaders' classes by their former spelling, with a warning.
+
+  Why a module ``__getattr__`` (PEP 562): ``except
+  pz_persist.errors.ExportError`` in users' code keeps working, and says
+  where the class lives now, without this module importing the pretrained
+  loaders (which import it) for everyone.
+  """
+  if name not in _MOVED_TO_PRETRAINED:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  warnings.warn(
+      f"pz_persist.errors.{name} is deprecated and will be removed on 2027-06-01;"
+      f" use pz_persist.pretrained.errors.{name} (the same class).",
+      DeprecationWarning, stacklevel=2,
+  )
+  # By name: this module is the layers' ground, below pretrained/.
+  return getattr(importlib.import_module("pz_persist.pretrained.errors"), name)
 
 
 class PzPersistError(Exception):
@@ -222,40 +254,8 @@ class ArrayReadError(PzPersistError):
     self.cause = cause
 
 
-class SafetensorsFormatError(PzPersistError, ValueError):
-  """A safetensors file is malformed, truncated, or lacks what was asked of it.
-
-  The message always names the file (and the tensor, when one is at fault).
-  Re-exported as ``pz_persist.pretrained.safetensors_io.SafetensorsFormatError``.
-  """
 
 
-class FileChangedError(PzPersistError):
-  """A file of a pretrained checkpoint changed while it was being loaded.
-
-  Raised by `pz_persist.pretrained.load_hf` (and `load_safetensors`) when a
-  file read (``config.json``, the index, a safetensors file) was replaced or
-  rewritten during the load: a download or an rsync finishing mid-load would
-  otherwise give a model holding tensors of both versions. Nothing read is
-  returned; the message names the file. Load again once the writer is done.
-  """
-
-
-class GemmaCheckpointError(PzPersistError, ValueError):
-  """The checkpoint is not a Gemma checkpoint the installed Penzai can build.
-
-  Raised for a preset that does not exist (Gemma 3 among them: Penzai 0.2.5
-  has no Gemma 3 architecture), for checkpoints whose shapes match no preset,
-  and for Gemma 3 checkpoints (query/key norms, vision encoder). Re-exported
-  as ``pz_persist.pretrained.gemma.GemmaCheckpointError``.
-  """
-
-
-class DequantizedWeightsWarning(UserWarning):
-  """`pz_persist.pretrained.load_hf` read quantised tensors (MXFP4, FP8
-  block-scaled) and dequantised them: the message says which and into what.
-  `pz_persist.export_hf` writes such a model dense (its ``config.json``
-  without ``quantization_config``) and warns the same way."""
 
 
 class UnsupportedConfigError(PzPersistError, ValueError):
@@ -267,12 +267,6 @@ class UnsupportedConfigError(PzPersistError, ValueError):
   as ``pz_persist.pretrained.hf.UnsupportedConfigError``.
   """
 
-
-class CheckpointFolderError(PzPersistError, FileNotFoundError):
-  """The folder is not a usable Hugging Face checkpoint (files missing).
-
-  Re-exported as ``pz_persist.pretrained.hf.CheckpointFolderError``.
-  """
 
 
 def save_interrupted(message: str) -> KeyboardInterrupt:
@@ -391,8 +385,3 @@ class Location:
   def joined(self, suffix: str) -> Location:
     """This location extended by ``suffix`` (``".value"``, ``"[3]"``)."""
     return dataclasses.replace(self, tree_path=self.tree_path + suffix)
-
-
-class ExportError(PzPersistError, ValueError):
-  """A model cannot be written in the requested format (`pz_persist.export_hf`):
-  its structure is not one the target family can express."""

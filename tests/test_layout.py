@@ -33,7 +33,7 @@ PACKAGE = pathlib.Path(pzp.__file__).parent
 
 LAYERS = {
     # The ground: no pz_persist imports but these.
-    "errors": 0, "version": 0,
+    "errors": 0, "version": 0, "penzai_seam": 0,
     "safety": 1, "nn": 1,
     "format": 2,
     "progress": 3, "sharding": 3,
@@ -42,10 +42,11 @@ LAYERS = {
     "checkpoint": 6, "binding": 6, "lazy": 6,
     "plain_orbax": 7,
     "model": 8, "training": 8,
-    "pretrained": 9,
-    "tools": 10,
-    "__init__": 11,
-    "demo": 12,
+    "extension": 9,
+    "pretrained": 10,
+    "tools": 11,
+    "__init__": 12,
+    "demo": 13,
 }
 """Each part of the package (a subpackage or a top-level module) by layer:
 a part imports only parts of lower layers, and modules of its own part."""
@@ -96,6 +97,47 @@ def test_no_import_runs_back_up():
 _PRIVATE_ORBAX = re.compile(r"^orbax\.checkpoint(\.experimental\.v1)?\._src(\.|$)")
 
 
+PRETRAINED_MAY_IMPORT = (
+    "pz_persist.extension", "pz_persist.errors", "pz_persist.progress", "pz_persist.sharding",
+    "pz_persist.nn", "pz_persist.penzai_seam", "pz_persist.pretrained",
+)
+"""What `pz_persist.pretrained` may import of pz_persist (each with its
+submodules): the extension surface, the public modules a loader needs, the
+Penzai seam and its own modules; nothing of storage/, format/ or safety/."""
+
+
+def test_pretrained_is_a_client_of_the_extension_surface():
+  """`pretrained/` reads, casts, allocates and publishes only through
+  `pz_persist.extension`, so the internal layers move without it."""
+  reaching = [
+      f"{module} -> {imported}"
+      for path, module in _modules() if _part(module) == "pretrained"
+      for imported in _imports(path)
+      if not any(imported == allowed or imported.startswith(allowed + ".")
+                 for allowed in PRETRAINED_MAY_IMPORT)
+  ]
+  assert not reaching, (
+      "pz_persist.pretrained reaches under the extension surface; go through"
+      " pz_persist.extension (add what a loader needs there, documented):\n"
+      + "\n".join(reaching)
+  )
+
+
+def test_the_pretrained_rule_catches_a_reach_under_the_surface(tmp_path):
+  """The rule above reads every form of import (module, name, inside a
+  function), so it cannot pass by missing one."""
+  source = tmp_path / "m.py"
+  source.write_text(
+      "from pz_persist.storage import commit\n"
+      "from pz_persist import extension, model\n"
+      "def f():\n  import pz_persist.format.casts\n"
+  )
+  assert _imports(source) == [
+      "pz_persist.storage", "pz_persist.extension", "pz_persist.model",
+      "pz_persist.format.casts",
+  ]
+
+
 def test_only_the_seam_touches_private_orbax_names():
   """Every private Orbax name is in `storage/orbax_seam.py`, with its
   contract test (tests/test_orbax_seam.py): an import of Orbax's ``_src``
@@ -114,6 +156,95 @@ def test_only_the_seam_touches_private_orbax_names():
         names = [node.value]
       found += [f"{module}: {name}" for name in names if _PRIVATE_ORBAX.match(name)]
   assert not found, "private Orbax names outside orbax_seam:\n" + "\n".join(found)
+
+
+def _is_private(name: str) -> bool:
+  return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+_PRIVATE_PENZAI_PATH = re.compile(r"^penzai(\.\w+)*\._(?!_)")
+
+
+def _private_penzai_names(source: str) -> list[str]:
+  """Every private Penzai name ``source`` touches: a private module or name
+  imported from Penzai, an underscored attribute of anything imported from
+  Penzai (``pz_gemma._GEMMA_PRESETS``, ``pz.nx._x``), ``getattr`` of one by
+  string, ``vars()`` of a Penzai module, or a string naming one by path."""
+  tree = ast.parse(source)
+  penzai_names: set[str] = set()
+  found: list[str] = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name.split(".")[0] == "penzai":
+          penzai_names.add(alias.asname or "penzai")
+          found += [alias.name] if any(map(_is_private, alias.name.split("."))) else []
+    elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "penzai":
+      if any(map(_is_private, node.module.split("."))):
+        found.append(node.module)
+      for alias in node.names:
+        penzai_names.add(alias.asname or alias.name)
+        if _is_private(alias.name):
+          found.append(f"{node.module}.{alias.name}")
+
+  def from_penzai(expr: ast.expr) -> bool:
+    while isinstance(expr, (ast.Attribute, ast.Subscript, ast.Call)):
+      expr = expr.func if isinstance(expr, ast.Call) else expr.value
+    return isinstance(expr, ast.Name) and expr.id in penzai_names
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and _is_private(node.attr) and from_penzai(node.value):
+      found.append(ast.unparse(node))
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+      if node.func.id == "vars" and from_penzai(node.args[0]):
+        found.append(ast.unparse(node))
+      elif (node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1
+            and from_penzai(node.args[0]) and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str) and _is_private(node.args[1].value)):
+        found.append(ast.unparse(node))
+    elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and _PRIVATE_PENZAI_PATH.match(node.value)):
+      found.append(node.value)
+  return found
+
+
+def test_only_the_seam_touches_private_penzai_names():
+  """Every private Penzai name is in `penzai_seam.py`, with its contract test
+  (tests/test_penzai_seam.py): one anywhere else fails here."""
+  found = [
+      f"{module}: {name}"
+      for path, module in _modules() if module != "pz_persist.penzai_seam"
+      for name in _private_penzai_names(path.read_text())
+  ]
+  assert not found, (
+      "private Penzai names outside pz_persist/penzai_seam.py (add what you need"
+      " there, with a contract test):\n" + "\n".join(found))
+
+
+def test_the_penzai_rule_catches_each_form():
+  source = """
+import penzai
+from penzai import pz
+from penzai.core import _private_module
+from penzai.models.transformer.variants import gemma as pz_gemma
+from penzai.models.transformer.variants.gemma import _GEMMA_PRESETS
+x = pz_gemma._NEEDS_GATING_TRANSPOSE
+y = pz.nx._helper(1)._field
+z = getattr(penzai.core, "_secret")
+w = vars(pz_gemma)
+v = "penzai.core._treescope_handlers"
+ok = (pz_gemma.__name__, pz.nx.wrap, self._own, "penzai.core.variables")
+"""
+  assert sorted(_private_penzai_names(source)) == sorted([
+      "penzai.core._private_module",
+      "penzai.models.transformer.variants.gemma._GEMMA_PRESETS",
+      "pz_gemma._NEEDS_GATING_TRANSPOSE",
+      "pz.nx._helper(1)._field",
+      "pz.nx._helper",
+      "getattr(penzai.core, '_secret')",
+      "vars(pz_gemma)",
+      "penzai.core._treescope_handlers",
+  ])
 
 
 @pytest.mark.parametrize("module", [
@@ -190,9 +321,8 @@ KIND_QUESTIONS_LEFT = {
     # The writer's (issue 29, item 1): digests and the direct write are local.
     "storage/file_digests.py": 2,
     "storage/direct_write.py": 1,
-    # Issue 28's (pretrained/), left to it.
-    "pretrained/hf/folder_writer.py": 1,
-    "pretrained/gemma.py": 1,
+    # The extension surface's (a local export folder; Orbax's _METADATA size).
+    "extension.py": 2,
 }
 """Modules still asking, and how many times: this may only shrink."""
 

@@ -39,9 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from pz_persist import errors
-from pz_persist.safety import limits
-from pz_persist.safety import safe_io
+from pz_persist import extension
+from pz_persist.pretrained import errors
 
 MAX_JSON_DEPTH = 64
 """Deepest nesting of JSON arrays and objects accepted in any file read here;
@@ -59,7 +58,7 @@ ErrorFactory = Callable[[str], Exception]
 
 def _not_regular(path: str, mode: int) -> errors.UnsafeCheckpointError:
   return errors.UnsafeCheckpointError(
-      f"{path} is {safe_io.special_kind(mode)}, not a regular file; refusing to read it."
+      f"{path} is {extension.special_kind(mode)}, not a regular file; refusing to read it."
   )
 
 
@@ -145,7 +144,7 @@ def parse_json(raw: bytes, error: ErrorFactory,
   return value
 
 
-def _deeper_than(value: Any, limit: int) -> bool:
+def _deeper_than(value: object, limit: int) -> bool:
   """Whether ``value`` nests lists and objects more than ``limit`` deep.
 
   Only containers are pushed (a safetensors header of 20,000 tensors holds
@@ -211,7 +210,7 @@ def hub_cache_entry(folder: str) -> str | None:
   return None
 
 
-def plain_file_name(name: Any) -> bool:
+def plain_file_name(name: object) -> bool:
   """Whether ``name`` names a file directly in a folder: a non-empty string
   with no path separator (either OS's), no NUL, and not ``.`` or ``..``.
 
@@ -261,8 +260,7 @@ def check_folder_file(folder: str, name: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PlannedArray:
-  """One array a load will allocate, in the shape `limits.check_allocation`
-  takes (``key``, ``dtype``, ``shape``, ``describe``)."""
+  """One array a load will allocate (`pz_persist.extension.PlannedArray`)."""
 
   key: str
   dtype: np.dtype
@@ -277,8 +275,8 @@ class PlannedArray:
 
 
 def check_planned_allocation(arrays: Iterable[PlannedArray], where: str) -> None:
-  """Refuses a load whose arrays would not fit `limits.allocation_limit`,
-  before any is allocated (reuses `limits.check_allocation`'s message).
+  """Refuses a load whose arrays would not fit the allocation limit, before
+  any is allocated (`pz_persist.extension.check_allocation`).
 
   Raises:
     UnsafeCheckpointError: naming ``where``, the total and the largest arrays.
@@ -287,4 +285,4 @@ def check_planned_allocation(arrays: Iterable[PlannedArray], where: str) -> None
   sizes: dict[str, int] = {}
   for array in arrays:
     sizes[array.key] = sizes.get(array.key, 0) + array.nbytes
-  limits.check_allocation(arrays, sizes, where=where)
+  extension.check_allocation(arrays, sizes, where=where)

@@ -55,23 +55,22 @@ from typing import overload
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from etils import epath
 from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import gemma as pz_gemma
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist import errors
+from pz_persist import extension
+from pz_persist import penzai_seam
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
-from pz_persist.errors import GemmaCheckpointError  # Documented here too.
-from pz_persist.format import casts
 from pz_persist.pretrained import _files
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained import gemma4_flax
-from pz_persist.storage import commit
-from pz_persist.storage import containment
-from pz_persist.storage import orbax_metadata_checks
+from pz_persist.pretrained.errors import GemmaCheckpointError  # Documented here too.
 
 __all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 
@@ -167,7 +166,7 @@ class GemmaReport:
 
 def known_presets() -> list[str]:
   """The Gemma presets of the installed Penzai (e.g. ``gemma2_9b``)."""
-  return sorted(pz_gemma._GEMMA_PRESETS)  # pylint: disable=protected-access
+  return sorted(penzai_seam.gemma_presets())
 
 
 @overload
@@ -175,7 +174,7 @@ def load_gemma(
     path: epath.PathLike,
     *,
     preset: str | Mapping[str, Any] = ...,
-    dtype: Any = ...,
+    dtype: npt.DTypeLike | None = ...,
     allow_lossy: bool = ...,
     sharding: sharding_lib.Target = ...,
     upcast_activations_to_float32: bool = ...,
@@ -190,7 +189,7 @@ def load_gemma(
     path: epath.PathLike,
     *,
     preset: str | Mapping[str, Any] = ...,
-    dtype: Any = ...,
+    dtype: npt.DTypeLike | None = ...,
     allow_lossy: bool = ...,
     sharding: sharding_lib.Target = ...,
     upcast_activations_to_float32: bool = ...,
@@ -204,7 +203,7 @@ def load_gemma(
     path: epath.PathLike,
     *,
     preset: str | Mapping[str, Any] = "auto",
-    dtype: Any = None,
+    dtype: npt.DTypeLike | None = None,
     allow_lossy: bool = False,
     sharding: sharding_lib.Target = None,
     upcast_activations_to_float32: bool = False,
@@ -285,9 +284,9 @@ def load_gemma(
   """
   if isinstance(preset, str) and (preset in gemma3_flax.PRESETS or preset in gemma4_flax.PRESETS):
     preset = {"like": preset}
-  if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
+  if isinstance(preset, str) and preset != "auto" and preset not in penzai_seam.gemma_presets():
     raise GemmaCheckpointError(_unknown_preset_message(preset))
-  path = commit.open_path(path)
+  path = extension.open_path(path)
   tree, snapshot = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
   if gemma4_flax.is_gemma4(stored):
@@ -302,10 +301,10 @@ def load_gemma(
   with progress_lib.tracking(progress, f"loading {path}", total) as tracker:
     # Every file still the one whose metadata was read, once all are read:
     # a download replacing files mid-load is refused, never mixed.
-    with containment.files_unchanged(path, before=snapshot):
+    with extension.files_unchanged(path, before=snapshot):
       params = _read(path, tree, dtype, allow_lossy)
 
-    def consumed(array: Any) -> None:
+    def consumed(array: np.ndarray) -> None:
       tracker.advance(array.nbytes)
 
     releasing = _releasing_params(params, name, kwargs, transpose, consumed,
@@ -325,9 +324,11 @@ def load_gemma(
   return (model, settings) if report else model
 
 
-def _load_library(module: Any, path: epath.Path, tree: Mapping[str, Any],
-                  stored: Mapping[str, Any], preset: Any, dtype: Any,
-                  sharding: sharding_lib.Target, progress: Progress, report: bool) -> Any:
+def _load_library(
+    module: types.ModuleType, path: epath.Path, tree: Mapping[str, Any],
+    stored: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any],
+    dtype: npt.DTypeLike | None, sharding: sharding_lib.Target, progress: Progress, report: bool,
+) -> model_parts.TransformerLM | tuple[model_parts.TransformerLM, GemmaReport]:
   """A Gemma 3 or Gemma 4 checkpoint of the ``gemma`` library (``module``:
   `gemma3_flax` or `gemma4_flax`): the settings are resolved and every
   array checked before anything is read."""
@@ -340,7 +341,7 @@ def _load_library(module: Any, path: epath.Path, tree: Mapping[str, Any],
   return (model, GemmaReport(f"like {name}", settings)) if report else model
 
 
-def _read_bytes(tree: Mapping[str, Any], dtype: Any) -> int:
+def _read_bytes(tree: Mapping[str, Any], dtype: npt.DTypeLike | None) -> int:
   """Bytes of the arrays `_read` returns (the stored ones cast to ``dtype``)."""
   total = 0
   for arrays in _flatten(tree).values():
@@ -350,18 +351,18 @@ def _read_bytes(tree: Mapping[str, Any], dtype: Any) -> int:
   return total
 
 
-def _nbytes(value: Any) -> int:
+def _nbytes(value: pz.nx.NamedArrayBase | jax.Array | np.ndarray) -> int:
   """Bytes of a parameter's value (a NamedArray or an array)."""
   data = value.data_array if isinstance(value, pz.nx.NamedArrayBase) else value
   return data.nbytes
 
 
-def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], containment.Snapshot | None]:
+def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], extension.FolderSnapshot | None]:
   """Orbax's metadata of the stored arrays (a nested dict of ``ArrayMetadata``),
-  and the `containment.Snapshot` of the files it was read from.
+  and the `extension.FolderSnapshot` of the files it was read from.
 
   The same checks as `pz_persist.load` make first: no file leads outside the
-  directory or is a FIFO or device (`containment.check_contained`), the Orbax
+  directory or is a FIFO or device (`extension.check_orbax_folder`), the Orbax
   metadata files are of sane size and parse, and the tree is a tree of arrays
   with valid shapes and dtypes, so that nothing downstream meets a surprise.
 
@@ -375,9 +376,7 @@ def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], containment.Snaps
 
   if not path.exists():
     raise errors.NotACheckpointError(f"{path}: no such Gemma checkpoint directory.")
-  snapshot = containment.check_contained(path)
-  containment.check_checkpoint_metadata(path)
-  _check_size(path / "_METADATA", containment.MAX_ORBAX_METADATA_BYTES)
+  snapshot = extension.check_orbax_folder(path)
   try:
     metadata = ocp.PyTreeCheckpointer().metadata(path)
   except (FileNotFoundError, ValueError) as e:
@@ -388,20 +387,13 @@ def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], containment.Snaps
   except (KeyboardInterrupt, MemoryError):
     raise
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise orbax_metadata_checks.unreadable_stored_metadata(path, e) from None
+    raise extension.unreadable_orbax_metadata(path, e) from None
   tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
   _check_tree(tree, path)
   return tree, snapshot
 
 
-def _check_size(path: epath.Path, limit: int) -> None:
-  if commit.is_local(path) and path.exists() and path.stat().length > limit:
-    raise errors.UnsafeCheckpointError(
-        f"{path} is over the {limit}-byte limit; refusing to read it."
-    )
-
-
-def _check_tree(tree: Any, path: epath.Path) -> None:
+def _check_tree(tree: object, path: epath.Path) -> None:
   """Refuses stored metadata that is not a nested dict (string keys, at most
   `_files.MAX_JSON_DEPTH` deep) of arrays with valid shapes and dtypes."""
   if not isinstance(tree, Mapping):
@@ -409,7 +401,7 @@ def _check_tree(tree: Any, path: epath.Path) -> None:
         f"{path / '_METADATA'}: the stored tree is a {type(tree).__name__}, not"
         " a dict of arrays as in Gemma's Flax checkpoints."
     )
-  stack: list[tuple[str, Any, int]] = [("", tree, 1)]
+  stack: list[tuple[str, object, int]] = [("", tree, 1)]
   while stack:
     where, node, depth = stack.pop()
     if isinstance(node, Mapping):
@@ -431,7 +423,7 @@ def _check_tree(tree: Any, path: epath.Path) -> None:
       )
 
 
-def _array_layout(node: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+def _array_layout(node: object) -> tuple[tuple[int, ...], np.dtype] | None:
   """``(shape, dtype)`` of an array's metadata, or None if either is invalid."""
   shape, dtype = getattr(node, "shape", None), getattr(node, "dtype", None)
   if not isinstance(shape, (tuple, list)) or dtype is None or not all(
@@ -444,14 +436,15 @@ def _array_layout(node: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     return None
 
 
-def _checked_layout(meta: Any) -> tuple[tuple[int, ...], np.dtype]:
+def _checked_layout(meta: object) -> tuple[tuple[int, ...], np.dtype]:
   """`_array_layout` of metadata `_stored_tree` has already checked."""
   layout = _array_layout(meta)
   assert layout is not None, "_stored_tree refuses invalid array metadata"
   return layout
 
 
-def _planned(name: str, meta: Any, dtype: np.dtype | None, path: epath.Path) -> _files.PlannedArray:
+def _planned(name: str, meta: object, dtype: np.dtype | None,
+             path: epath.Path) -> _files.PlannedArray:
   """What reading one array allocates: the array (in ``dtype``, default the
   stored one), or, if larger, one storage chunk, which TensorStore decodes
   whole (a tiny array declaring ``[2**20, 2**20]`` chunks aborts it too)."""
@@ -471,23 +464,23 @@ def _planned(name: str, meta: Any, dtype: np.dtype | None, path: epath.Path) -> 
   return max(array, chunk_array, key=lambda a: a.nbytes)
 
 
-def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any,
+def _read(path: epath.Path, tree: Mapping[str, Any], dtype: npt.DTypeLike | None,
           allow_lossy: bool = False) -> dict[str, dict[str, np.ndarray]]:
   """Reads every array once, as NumPy, cast to ``dtype``, after checking
   that they all fit the allocation limit (TensorStore allocates each
   declared shape before reading a byte).
 
-  Orbax casts on read where no value can change (`casts.always_exact`) or
+  Orbax casts on read where no value can change (`extension.always_exact`) or
   ``allow_lossy``; the other arrays are read as stored, then checked and
-  cast one by one (`casts.cast`), so a lossy cast is refused, naming the
+  cast one by one (`extension.cast`), so a lossy cast is refused, naming the
   array.
   """
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   np_dtype = None if dtype is None else np.dtype(dtype)
 
-  def on_read(meta: Any) -> np.dtype | None:
-    if np_dtype is None or allow_lossy or casts.always_exact(_checked_layout(meta)[1], np_dtype):
+  def on_read(meta: object) -> np.dtype | None:
+    if np_dtype is None or allow_lossy or extension.always_exact(_checked_layout(meta)[1], np_dtype):
       return np_dtype
     return None
 
@@ -516,8 +509,8 @@ def _read(path: epath.Path, tree: Mapping[str, Any], dtype: Any,
   if np_dtype is not None:
     for key, arrays in flat.items():
       for leaf in arrays:
-        arrays[leaf] = casts.cast(np.asarray(arrays[leaf]), np_dtype, allow_lossy=allow_lossy,
-                                  where=f"{path}: array {key}/{leaf}")
+        arrays[leaf] = extension.cast(np.asarray(arrays[leaf]), np_dtype, allow_lossy=allow_lossy,
+                                      where=f"{path}: array {key}/{leaf}")
   return flat
 
 
@@ -545,12 +538,12 @@ def _flatten(tree: Mapping[str, Any]) -> dict[str, dict[str, np.ndarray]]:
   return flat
 
 
-def _having(params: Mapping[str, Any], markers: tuple[str, ...]) -> list[str]:
+def _having(params: Mapping[str, object], markers: tuple[str, ...]) -> list[str]:
   """The keys of ``params`` naming one of ``markers``."""
   return [k for k in params if any(m in k.rsplit("/", 1)[-1] or f"/{m}" in k for m in markers)]
 
 
-def _refuse_gemma3(params: Mapping[str, Any], path: Any) -> None:
+def _refuse_gemma3(params: Mapping[str, object], path: epath.Path) -> None:
   """Refuses a checkpoint of a later Gemma, naming the generation only as
   far as its arrays show it: an incomplete Gemma 4 by its blocks'
   ``skip_scale``, Gemma 3n by its own layers, otherwise "Gemma 3 or later"."""
@@ -593,7 +586,8 @@ def _unknown_preset_message(preset: str) -> str:
   return f"unknown Gemma preset {preset!r}; known presets: {known_presets()} (or 'auto')."
 
 
-def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[dict[str, int], bool | None]:
+def _shapes(params: Mapping[str, Mapping[str, np.ndarray]],
+            path: epath.Path) -> tuple[dict[str, int], bool | None]:
   """The preset sizes the arrays determine, and the gating layout if known."""
   p = {k.removeprefix("transformer/"): v for k, v in params.items()}
   try:
@@ -633,10 +627,10 @@ def _shapes(params: Mapping[str, Mapping[str, np.ndarray]], path: Any) -> tuple[
 
 
 def _resolve_preset(
-    params: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any], path: Any
+    params: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any], path: epath.Path
 ) -> tuple[str, dict[str, Any] | None, bool | None, GemmaReport]:
   """(preset name, custom preset kwargs or None, gating transpose, report)."""
-  presets = pz_gemma._GEMMA_PRESETS  # pylint: disable=protected-access
+  presets = penzai_seam.gemma_presets()
   sizes, transpose = _shapes(params, path)
   if isinstance(preset, str):
     if preset == "auto":
@@ -679,8 +673,8 @@ def _resolve_preset(
   return "pz_persist_custom", kwargs, gating.value, report
 
 
-def _gating_transpose(given: Any, shown: bool | None, like: str | None,
-                      sizes: Mapping[str, int], path: Any) -> GemmaSetting:
+def _gating_transpose(given: object, shown: bool | None, like: str | None,
+                      sizes: Mapping[str, int], path: epath.Path) -> GemmaSetting:
   """Whether the MLP gating array is stored transposed, and who says so.
 
   The array's shape shows it unless the MLP is square (``embedding_dim ==
@@ -700,7 +694,7 @@ def _gating_transpose(given: Any, shown: bool | None, like: str | None,
     return GemmaSetting(given, "caller")
   if shown is not None:
     return GemmaSetting(shown, "checkpoint")
-  needs = pz_gemma._NEEDS_GATING_TRANSPOSE  # pylint: disable=protected-access
+  needs = penzai_seam.gemma_gating_transposed()
   if like is not None and isinstance(needs.get(like), bool):
     return GemmaSetting(needs[like], "preset")
   raise GemmaCheckpointError(
@@ -721,12 +715,12 @@ def _config_defaults() -> dict[str, Any]:
 def _named_report(name: str, sizes_source: Source) -> GemmaReport:
   """A Penzai preset's settings: its sizes matched the checkpoint (``auto``)
   or were named by the caller, the rest is the preset's."""
-  kwargs = {**_config_defaults(), **pz_gemma._GEMMA_PRESETS[name]}  # pylint: disable=protected-access
+  kwargs = {**_config_defaults(), **penzai_seam.gemma_presets()[name]}
   settings = {k: GemmaSetting(kwargs[k], sizes_source) for k in _SHAPE_KEYS}
   settings |= {k: GemmaSetting(bool(kwargs[k]), sizes_source) for k in _NORM_KEYS}
   settings |= {k: GemmaSetting(kwargs[k], "preset") for k in _PRESET_KEYS}
   settings[_TRANSPOSE] = GemmaSetting(
-      pz_gemma._NEEDS_GATING_TRANSPOSE[name], "preset")  # pylint: disable=protected-access
+      penzai_seam.gemma_gating_transposed()[name], "preset")
   return GemmaReport(name, settings)
 
 
@@ -746,7 +740,7 @@ def _custom_report(like: str | None, kwargs: Mapping[str, Any], base: Mapping[st
   return GemmaReport("custom" if like is None else f"like {like}", settings)
 
 
-def _log_preset_settings(report: GemmaReport, path: Any) -> None:
+def _log_preset_settings(report: GemmaReport, path: epath.Path) -> None:
   """Logs, as a warning, each setting a custom preset took from the ``like``
   preset or Penzai's defaults rather than the checkpoint or the caller."""
   borrowed = {k: s for k, s in report.settings.items() if s.source in ("preset", "default")}
@@ -763,33 +757,12 @@ def _log_preset_settings(report: GemmaReport, path: Any) -> None:
 
 def _converter(name: str, kwargs: dict[str, Any] | None,
                transpose: bool | None) -> Callable[..., model_parts.TransformerLM]:
-  """Penzai's ``gemma_from_pretrained_checkpoint``, knowing preset ``name``.
-
-  Why not Penzai's own function with the preset written into its tables: that
-  changes Penzai's module state for the whole process (another thread, or
-  ``gemma.known_presets`` there, would see ``pz_persist_custom``). Penzai's
-  converter reads its presets from two module-level tables, so a custom
-  preset is given to a copy of the function whose globals are a copy of the
-  module's namespace with the two tables extended: the same conversion code,
-  and nothing of Penzai's is written.
-  """
-  convert = pz_gemma.gemma_from_pretrained_checkpoint
+  """Penzai's ``gemma_from_pretrained_checkpoint``, knowing preset ``name``
+  (a custom one: `penzai_seam.gemma_converter_with_preset`, which writes
+  nothing of Penzai's)."""
   if kwargs is None:
-    return convert
-  namespace = dict(vars(pz_gemma))
-  tables = ("_GEMMA_PRESETS", "_NEEDS_GATING_TRANSPOSE")
-  if not all(isinstance(namespace.get(table), dict) for table in tables):
-    raise GemmaCheckpointError(
-        f"the installed Penzai ({_penzai_version()}) keeps its Gemma presets"
-        " differently from Penzai 0.2.5; custom presets are unsupported with it."
-    )
-  namespace["_GEMMA_PRESETS"] = {**namespace["_GEMMA_PRESETS"], name: kwargs}
-  namespace["_NEEDS_GATING_TRANSPOSE"] = {
-      **namespace["_NEEDS_GATING_TRANSPOSE"], name: transpose}
-  return types.FunctionType(
-      convert.__code__, namespace, convert.__name__, convert.__defaults__,
-      convert.__closure__,
-  )
+    return pz_gemma.gemma_from_pretrained_checkpoint
+  return penzai_seam.gemma_converter_with_preset(name, kwargs, bool(transpose))
 
 
 class _Releasing(Mapping):
@@ -797,13 +770,13 @@ class _Releasing(Mapping):
   converter's last read of it, so converted parameters replace checkpoint
   arrays instead of accumulating next to them."""
 
-  def __init__(self, arrays: dict[str, Any], reads: Mapping[str, int],
-               on_release: Callable[[Any], None]):
+  def __init__(self, arrays: dict[str, np.ndarray], reads: Mapping[str, int],
+               on_release: Callable[[np.ndarray], None]):
     self._arrays = arrays
     self._left = dict(reads)
     self._on_release = on_release
 
-  def __getitem__(self, key: str) -> Any:
+  def __getitem__(self, key: str) -> np.ndarray:
     value = self._arrays[key]
     self._left[key] = self._left.get(key, 1) - 1
     if self._left[key] <= 0:
@@ -821,10 +794,10 @@ class _Releasing(Mapping):
 class _Counting(Mapping):
   """Counts the converter's reads of each array (on abstract values)."""
 
-  def __init__(self, arrays: Mapping[str, Any], counts: dict[str, int]):
+  def __init__(self, arrays: Mapping[str, jax.ShapeDtypeStruct], counts: dict[str, int]):
     self._arrays, self._counts = arrays, counts
 
-  def __getitem__(self, key: str) -> Any:
+  def __getitem__(self, key: str) -> jax.ShapeDtypeStruct:
     self._counts[key] = self._counts.get(key, 0) + 1
     return self._arrays[key]
 
@@ -840,7 +813,7 @@ def _releasing_params(
     name: str,
     kwargs: dict[str, Any] | None,
     transpose: bool | None,
-    on_release: Callable[[Any], None],
+    on_release: Callable[[np.ndarray], None],
     upcast: bool,
     layer_stack: bool,
 ) -> dict[str, _Releasing]:
@@ -875,13 +848,14 @@ def _releasing_params(
   return result
 
 
-def _place(value: Any, target: sharding_lib.Target, label: str) -> Any:
+def _place(value: pz.nx.NamedArrayBase | jax.Array, target: sharding_lib.Target,
+           label: str) -> pz.nx.NamedArrayBase | jax.Array:
   """``value`` (a NamedArray) put where ``target`` says, by its axis names."""
   if isinstance(target, sharding_lib.AxisRules):
     if isinstance(value, pz.nx.NamedArray):
       dims = (None,) * len(value.positional_shape) + tuple(value.named_axes)
     elif isinstance(value, pz.nx.NamedArrayView):
-      by_axis: list[Any] = [None] * value.data_array.ndim
+      by_axis: list[str | None] = [None] * value.data_array.ndim
       for axis_name, axis in value.data_axis_for_name.items():
         by_axis[axis] = axis_name
       dims = tuple(by_axis)

@@ -32,8 +32,8 @@ import jax
 import numpy as np
 from penzai import pz
 
-from pz_persist import errors
 from pz_persist import sharding as sharding_lib
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.families import gemma3
 from pz_persist.pretrained.hf.plan import Plan

@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from pz_persist import errors
 from pz_persist import sharding as sharding_lib
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.families import gemma4

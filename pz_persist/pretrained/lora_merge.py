@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 
 ExportError = errors.ExportError
 

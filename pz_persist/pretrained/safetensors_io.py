@@ -25,6 +25,7 @@ llama.cpp converters). Two needs meet here:
 from __future__ import annotations
 
 import collections
+import io
 import json
 import math
 import os
@@ -37,18 +38,13 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 from penzai import pz
 
-from pz_persist import errors
-from pz_persist.errors import SafetensorsFormatError  # Documented here too.
-from pz_persist.format import casts
-from pz_persist.format import variable_kinds
+from pz_persist import extension
 from pz_persist.pretrained import _files
-from pz_persist.safety import safe_io
-from pz_persist.storage import destinations
-from pz_persist.storage import host_memory
-from pz_persist.storage import opening
-from pz_persist.storage import stores
+from pz_persist.pretrained import errors
+from pz_persist.pretrained.errors import SafetensorsFormatError  # Documented here too.
 
 METADATA_KEY = "pz_persist"
 """The ``__metadata__`` key under which `export_safetensors` stores its JSON."""
@@ -189,14 +185,15 @@ class SafetensorsFile:
   def __enter__(self) -> SafetensorsFile:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
   def _error(self, what: str, name: str | None = None) -> SafetensorsFormatError:
     where = f"safetensors file {self.path}" + (f", tensor {name!r}," if name else "")
     return SafetensorsFormatError(f"{where} {what}.")
 
-  def _check_entry(self, name: str, info: Any, data_size: int):
+  def _check_entry(self, name: str, info: object,
+                   data_size: int) -> tuple[np.dtype, tuple[int, ...], int, int]:
     """Validates one header entry, so that `get` can never read out of bounds."""
     if type(info) is tuple:  # Well-typed, from `_compact_entry`: check the values.
       code, shape, begin, end = info
@@ -296,11 +293,12 @@ class SafetensorsFile:
   def keys(self) -> list[str]:
     return list(self.entries)
 
-  def get(self, name: str, dtype: Any = None, *, allow_lossy: bool = False) -> np.ndarray:
+  def get(self, name: str, dtype: npt.DTypeLike | None = None, *,
+          allow_lossy: bool = False) -> np.ndarray:
     """The tensor ``name``, read into a new array (cast to ``dtype`` if given).
 
     A cast that would change values beyond rounding a float (see
-    `pz_persist.format.casts`) raises `LossyCastError` naming the file and
+    `pz_persist.extension.cast`) raises `LossyCastError` naming the file and
     tensor, unless ``allow_lossy``.
 
     A cast streams the stored bytes through a buffer of `CAST_BUFFER_BYTES`
@@ -312,7 +310,7 @@ class SafetensorsFile:
     if name not in self.entries:
       raise self._error(f"has no tensor {name!r}")
     stored, shape, _, _ = self.entries[name]
-    out = host_memory.aligned_empty(shape, stored if dtype is None else np.dtype(dtype))
+    out = extension.aligned_empty(shape, stored if dtype is None else np.dtype(dtype))
     self.read_into(name, out, allow_lossy=allow_lossy)
     return out
 
@@ -420,9 +418,9 @@ CAST_BUFFER_BYTES = 16 * 2**20
 """Stored bytes a cast read holds at once (`SafetensorsFile.get`)."""
 
 
-def _read_cast(f: Any, out: np.ndarray, stored: np.dtype, where: str | None) -> int:
+def _read_cast(f: io.BufferedReader, out: np.ndarray, stored: np.dtype, where: str | None) -> int:
   """Reads ``out.size`` elements of dtype ``stored`` from ``f`` into the flat
-  ``out``, casting piece by piece, each piece checked by `casts.refuse`
+  ``out``, casting piece by piece, each piece checked by `extension.refuse_lossy`
   (naming ``where``; None: lossy casts allowed); returns the bytes read
   (short if the file ends early)."""
   step = max(1, CAST_BUFFER_BYTES // stored.itemsize)
@@ -436,7 +434,7 @@ def _read_cast(f: Any, out: np.ndarray, stored: np.dtype, where: str | None) -> 
     if got != count * stored.itemsize:
       break
     if where is not None:
-      casts.refuse(buffer[:count], out.dtype, where)
+      extension.refuse_lossy(buffer[:count], out.dtype, where)
     with np.errstate(all="ignore"):  # What allow_lossy allowed.
       np.copyto(out[start : start + count], buffer[:count], casting="unsafe")
   return total
@@ -483,7 +481,7 @@ def write_safetensors(
     offset += nbytes
   raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
   raw += b" " * (-len(raw) % 8)  # The format aligns the data buffer to 8 bytes.
-  with safe_io.writing_whole(stores.normalise(path)) as f:  # Absolute; file:// local.
+  with extension.writing_file(path) as f:
     f.write(len(raw).to_bytes(8, "little"))
     f.write(raw)
     for _, array in items:
@@ -492,7 +490,7 @@ def write_safetensors(
       del host
 
 
-def _jsonable(value: Any) -> bool:
+def _jsonable(value: object) -> bool:
   try:
     return json.loads(json.dumps(value)) == value
   except (TypeError, ValueError):
@@ -524,7 +522,7 @@ def export_safetensors(model_or_path: Any, out: str | os.PathLike[str]) -> None:
       `pz_persist.open` handle of one).
     out: The safetensors file to write (replaced if it exists): never over,
       inside or around the checkpoint read, nor inside any checkpoint (the
-      destination rule, `pz_persist.storage.destinations.check_output`).
+      destination rule, `pz_persist.extension.check_output`).
 
   Raises:
     EncodingError: a label that is not a string (safetensors names tensors by
@@ -533,12 +531,10 @@ def export_safetensors(model_or_path: Any, out: str | os.PathLike[str]) -> None:
     ArgumentError: ``out`` breaks the destination rule (nothing is read or
       written).
   """
-  source = [model_or_path] if opening.checkpoint_path(model_or_path) is not None else []
-  out = destinations.check_output(out, source, file=True)  # Before the (long) load.
+  source = [model_or_path] if extension.checkpoint_path(model_or_path) is not None else []
+  out = extension.check_output(out, source, file=True)  # Before the (long) load.
   if source:
-    from pz_persist import model as model_lib
-
-    model_or_path = model_lib.load_model(model_or_path)
+    model_or_path = extension.load_model(model_or_path)
   _, variables = pz.unbind_variables(model_or_path, freeze=True)
   tensors: list[tuple[str, Any]] = []
   described: dict[str, Any] = {}
@@ -572,7 +568,7 @@ def export_safetensors(model_or_path: Any, out: str | os.PathLike[str]) -> None:
     entry: dict[str, Any] = {
         "label": label,
         "axes": axes,
-        "kind": variable_kinds.kind_of(var),
+        "kind": extension.variable_kind(var),
     }
     metadata = dict(var.metadata or {})
     if _jsonable(metadata):
@@ -663,14 +659,14 @@ def _load_file(file: SafetensorsFile, into: Any, sharding: jax.sharding.Sharding
           ),
           data_array=data,
       )
-    cls = variable_kinds.value_class(entry["kind"])
+    cls = extension.variable_class(entry["kind"])
     values.append(cls(value=value, label=entry["label"], metadata=entry.get("metadata", {})))
   if into is None:
     return tuple(values)
   return pz.bind_variables(unbound, values, unfreeze_as_copy=True)
 
 
-_KINDS = tuple(variable_kinds.KINDS)
+_KINDS = extension.VARIABLE_KINDS
 
 
 def _described_tensors(file: SafetensorsFile, raw: str) -> dict[str, dict[str, Any]]:
@@ -702,7 +698,7 @@ def _described_tensors(file: SafetensorsFile, raw: str) -> dict[str, dict[str, A
   return described
 
 
-def _check_axes(file: SafetensorsFile, name: str, axes: Any, ndim: int) -> None:
+def _check_axes(file: SafetensorsFile, name: str, axes: object, ndim: int) -> None:
   """Refuses axis names that cannot describe the stored tensor, before any read."""
   if axes is None:
     return

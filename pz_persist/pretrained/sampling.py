@@ -20,12 +20,12 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer import sampling_mode
 
-from pz_persist import errors
 from pz_persist.nn.gated_delta_net import CachingGatedDeltaNet
 from pz_persist.nn.gated_delta_net import GatedDeltaNet
 from pz_persist.nn.kv_sharing import key_axes
 from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.nn.longrope import LongRopeKVCachingLM
+from pz_persist.pretrained import errors
 
 
 def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],

@@ -28,7 +28,7 @@ import pz_persist as pzp
 from hostile.test_pretrained_hostile import CONFIG
 from hostile.test_pretrained_hostile import hf_folder
 from hostile.test_pretrained_hostile import llama_tensors
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.tools import cli
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import pz_persist as pzp
 from hostile import test_pretrained_mxfp4_hostile as mxfp4_folders
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf import quantized_fp8
 from pz_persist.pretrained.hf import quantized_mxfp4

@@ -272,7 +272,7 @@ _PACKAGE = pathlib.Path(pzp.__file__).parent
 
 _WRITE_CALLS = {"write_text", "write_bytes", "writing_whole", "write_small_file", "write_whole",
                 "write_safetensors", "write_folder", "mkdir", "makedirs", "pipe_file",
-                "create_if_absent", "write_output"}
+                "create_if_absent", "write_output", "writing_file", "publishing_export"}
 _WRITE_CALLS_OF = {"os": {"replace", "rename", "renames", "link", "symlink", "write", "mkdir",
                           "makedirs"},
                    "shutil": {"copy", "copy2", "copyfile", "copytree", "move"}}
@@ -297,6 +297,11 @@ REVIEWED = {
     "safety/safe_io.py:writing_whole": "the primitive write_output and saves use",
     "safety/safe_io.py:write_small_file": "the primitive saves and exports use",
     "safety/safe_io.py:_upload": "the primitive write_output uses remotely",
+    "extension.py:writing_file": "the primitive loaders write files through, after"
+                                 " check_output (export_safetensors, export_hf)",
+    "extension.py:write_small_file": "the same, for small files",
+    "extension.py:publishing_export": "an export's own new sibling folder, after"
+                                      " check_output and check_export_destination",
     "pretrained/safetensors_io.py:write_safetensors": "not public: written by"
                                                       " export_safetensors and write_folder"
                                                       " after check_output",

@@ -18,7 +18,7 @@ from pretrained import test_gemma
 import pz_persist as pzp
 from hostile.test_pretrained_hostile import CONFIG
 from hostile.test_pretrained_hostile import hf_folder
-from pz_persist import errors
+from pz_persist.pretrained import errors
 
 
 @pytest.mark.parametrize("like", sorted(pz_gemma._NEEDS_GATING_TRANSPOSE))

@@ -22,6 +22,7 @@ from penzai import pz
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist import safety
+from pz_persist.pretrained import errors as pretrained_errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf.families import MODEL_TYPES
 
@@ -115,11 +116,11 @@ def _aliased_header(count: int, n: int) -> dict:
 ], ids=["aliased", "overlapping", "gap", "not_from_zero", "trailing_bytes", "out_of_file"])
 def test_safetensors_ranges_must_tile_the_file(tmp_path, header, data, match):
   path = raw_safetensors(tmp_path / "x.safetensors", header, data)
-  with pytest.raises(errors.SafetensorsFormatError, match=match) as info:
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match=match) as info:
     safetensors_io.SafetensorsFile(path)
   assert "x.safetensors" in str(info.value)
   # load_safetensors refuses it too (before its own metadata checks).
-  with pytest.raises(errors.SafetensorsFormatError, match=match):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match=match):
     pzp.pretrained.load_safetensors(path)
 
 
@@ -149,7 +150,7 @@ def test_safetensors_header_entries_are_checked(tmp_path, entry, data, match):
                                 if isinstance(entry.get("data_offsets"), list)
                                 and all(type(o) is int for o in entry["data_offsets"]) else {})}}
   path = raw_safetensors(tmp_path / "x.safetensors", header, bytes(4) + data)
-  with pytest.raises(errors.SafetensorsFormatError, match=match) as info:
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match=match) as info:
     safetensors_io.SafetensorsFile(path)
   assert "'bad'" in str(info.value)
 
@@ -157,7 +158,7 @@ def test_safetensors_header_entries_are_checked(tmp_path, entry, data, match):
 def test_metadata_shaped_like_an_entry_is_refused(tmp_path):
   header = {"__metadata__": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
             "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
-  with pytest.raises(errors.SafetensorsFormatError, match="str-to-str"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="str-to-str"):
     safetensors_io.SafetensorsFile(raw_safetensors(tmp_path / "x.safetensors", header, bytes(4)))
 
 
@@ -179,14 +180,14 @@ def test_aliased_tensors_through_load_hf(tmp_path, no_reads):
                     "data_offsets": [0, array.nbytes]}
   raw_safetensors(folder / "model.safetensors", header,
                   bytes(max(a.nbytes for a in tensors.values())))
-  with pytest.raises(errors.SafetensorsFormatError, match="invalid offset.*|model.safetensors"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="invalid offset.*|model.safetensors"):
     pzp.pretrained.load_hf(folder)
 
 
 def test_header_length_beyond_the_limit(tmp_path):
   path = tmp_path / "x.safetensors"
   path.write_bytes((2**62).to_bytes(8, "little") + b"{}")
-  with pytest.raises(errors.SafetensorsFormatError, match="limit") as info:
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="limit") as info:
     safetensors_io.SafetensorsFile(path)
   assert "x.safetensors" in str(info.value)
 
@@ -195,7 +196,7 @@ def test_deeply_nested_header_is_refused(tmp_path):
   path = tmp_path / "x.safetensors"
   raw = b"[" * 100_000 + b"]" * 100_000
   path.write_bytes(len(raw).to_bytes(8, "little") + raw)
-  with pytest.raises(errors.SafetensorsFormatError, match="deeper|JSON"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="deeper|JSON"):
     safetensors_io.SafetensorsFile(path)
 
 
@@ -238,7 +239,7 @@ def _exported(tmp_path, **entry_changes):
 ])
 def test_malformed_export_metadata(tmp_path, changes, match):
   path = _exported(tmp_path, **changes)
-  with pytest.raises(errors.SafetensorsFormatError, match=match) as info:
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match=match) as info:
     pzp.pretrained.load_safetensors(path)
   assert "e.safetensors" in str(info.value)
 
@@ -249,7 +250,7 @@ def test_export_metadata_of_the_wrong_shape(tmp_path, meta):
   path = tmp_path / "e.safetensors"
   safetensors_io.write_safetensors(path, {"w": np.ones(2, np.float32)},
                                    metadata={"pz_persist": meta})
-  with pytest.raises(errors.SafetensorsFormatError, match="e.safetensors"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="e.safetensors"):
     pzp.pretrained.load_safetensors(path)
 
 
@@ -365,7 +366,7 @@ def test_missing_tensor_is_found_before_reading(tmp_path, no_reads):
   tensors = llama_tensors()
   del tensors["model.layers.1.self_attn.k_proj.weight"]
   folder = hf_folder(tmp_path / "f", tensors=tensors)
-  with pytest.raises(errors.SafetensorsFormatError,
+  with pytest.raises(pretrained_errors.SafetensorsFormatError,
                      match="model.layers.1.self_attn.k_proj.weight"):
     pzp.pretrained.load_hf(folder)
 
@@ -374,7 +375,7 @@ def test_wrong_shape_is_found_before_reading(tmp_path, no_reads):
   tensors = llama_tensors()
   tensors["model.layers.0.mlp.up_proj.weight"] = np.ones((MLP, HIDDEN + 1), np.float32)
   folder = hf_folder(tmp_path / "f", tensors=tensors)
-  with pytest.raises(errors.SafetensorsFormatError, match="up_proj.*does not fit"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="up_proj.*does not fit"):
     pzp.pretrained.load_hf(folder)
 
 
@@ -387,7 +388,7 @@ def test_sizes_larger_than_the_weights_are_refused_before_building(tmp_path, no_
     raise AssertionError("the skeleton was built before the checks")
   monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", no_build)
   folder = hf_folder(tmp_path / "f", dict(CONFIG, vocab_size=10**12))
-  with pytest.raises(errors.SafetensorsFormatError, match="does not fit"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="does not fit"):
     pzp.pretrained.load_hf(folder)
 
 
@@ -454,7 +455,7 @@ def test_index_naming_a_directory_or_outside_file_is_refused(tmp_path):
   with pytest.raises(errors.PzPersistError, match="index.json|not a regular file"):
     pzp.pretrained.load_hf(folder)
   (folder / "model.safetensors.index.json").write_text("[" * 100_000)
-  with pytest.raises(errors.SafetensorsFormatError, match="index.json"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="index.json"):
     pzp.pretrained.load_hf(folder)
 
 
@@ -601,7 +602,7 @@ def test_gemma_fifo_is_refused_without_blocking(tmp_path):
 ])
 def test_malformed_header_entries(tmp_path, entry):
   path = raw_safetensors(tmp_path / "x.safetensors", {"t": entry}, bytes(4))
-  with pytest.raises(errors.SafetensorsFormatError, match="x.safetensors.*'t'"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="x.safetensors.*'t'"):
     safetensors_io.SafetensorsFile(path)
 
 
@@ -624,7 +625,7 @@ def test_same_size_but_other_shape_is_refused(tmp_path, no_reads):
   tensors["model.layers.0.self_attn.q_proj.weight"] = np.ones((HIDDEN // 2, HEADS * HEAD_DIM * 2),
                                                                np.float32)
   folder = hf_folder(tmp_path / "f", tensors=tensors)
-  with pytest.raises(errors.SafetensorsFormatError, match="q_proj.*does not fit"):
+  with pytest.raises(pretrained_errors.SafetensorsFormatError, match="q_proj.*does not fit"):
     pzp.pretrained.load_hf(folder)
 
 

@@ -28,7 +28,7 @@ from hostile.test_pretrained_hostile import CONFIG
 from hostile.test_pretrained_hostile import hf_folder
 from hostile.test_pretrained_hostile import no_reads  # noqa: F401  # pylint: disable=unused-import
 from hostile.test_pretrained_hostile import raw_safetensors
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.nn import scaled_rope
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import run_python
 
 import pz_persist as pzp
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import quantized_mxfp4
 

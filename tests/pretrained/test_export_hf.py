@@ -38,6 +38,7 @@ from pretrained.test_hf import _hf_model
 from pretrained.test_hf import _penzai_logits
 from pretrained.test_hf import _reference_logits
 from pz_persist import errors
+from pz_persist.pretrained import errors as pretrained_errors
 from pz_persist.pretrained.hf import structure_match as hf_structure_match
 from pz_persist.pretrained.hf import plan as hf_plan
 from pz_persist.tools import cli
@@ -186,7 +187,7 @@ def test_unmerged_lora_is_refused_and_merge_lora_fixes_it(folders, tmp_path):
   adapted = (pz.select(adapted).at_instances_of(pz.Parameter)
              .where(lambda p: p.label.endswith("LoRA_B.weights"))
              .apply(lambda p: pz.Parameter(value=p.value + 0.1, label=p.label)))
-  with pytest.raises(errors.ExportError, match=r"LoRA.*merge_lora"):
+  with pytest.raises(pretrained_errors.ExportError, match=r"LoRA.*merge_lora"):
     pzp.export_hf(adapted, tmp_path / "lora")
   assert not os.path.exists(tmp_path / "lora")
   merged = pzp.pretrained.merge_lora(adapted)
@@ -202,10 +203,10 @@ def test_structure_the_family_cannot_express_is_refused(folders, tmp_path):
   edited = (pz.select(model).at_instances_of(model_parts.TransformerBlock).pick_nth_selected(1)
             .at_instances_of(pz.nn.RMSStandardize).pick_nth_selected(0)
             .apply(lambda s: pz.nn.RMSStandardize(across=s.across, epsilon=1e-3)))
-  with pytest.raises(errors.ExportError, match=r"sublayers\[2\].*epsilon.*llama"):
+  with pytest.raises(pretrained_errors.ExportError, match=r"sublayers\[2\].*epsilon.*llama"):
     pzp.export_hf(edited, tmp_path / "edited")
   assert os.listdir(tmp_path) == []
-  with pytest.raises(errors.ExportError, match="SlidingWindow.*ApplyCausalAttentionMask"):  # Mistral as llama.
+  with pytest.raises(pretrained_errors.ExportError, match="SlidingWindow.*ApplyCausalAttentionMask"):  # Mistral as llama.
     pzp.export_hf(folders["mistral"][2], tmp_path / "as_llama", like="llama")
 
 

@@ -35,7 +35,7 @@ from pretrained.test_export_hf import _config
 from pretrained.test_export_hf import _tensors
 from pretrained.test_export_hf import _transformers_logits
 from pretrained.test_hf import _reference_logits
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import config_from_model as hf_config_from_model
 from pz_persist.pretrained.hf import families as hf_families
 from pz_persist.pretrained.hf import structure_match as hf_structure_match

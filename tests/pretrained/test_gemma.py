@@ -14,7 +14,7 @@ from penzai import pz
 from penzai.models.transformer.variants import gemma as pz_gemma
 
 import pz_persist as pzp
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import gemma as gemma_lib
 from pz_persist.pretrained import load_gemma
 from pz_persist.tools import cli

@@ -24,7 +24,7 @@ import transformers
 
 import pz_persist as pzp
 from pretrained import family_checks as checks
-from pz_persist import errors
+from pz_persist.pretrained import errors
 
 
 def _hf_model(**overrides) -> transformers.Gemma3ForCausalLM:

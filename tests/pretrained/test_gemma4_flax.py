@@ -21,7 +21,7 @@ import pz_persist as pzp
 from pretrained import family_checks as checks
 from pretrained import test_hf_gemma4 as hf_cases
 from pretrained.test_gemma3_flax import save_params
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.tools import cli
 
 

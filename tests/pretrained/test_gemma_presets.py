@@ -18,8 +18,8 @@ from pretrained.test_gemma import official_params
 from pretrained.test_gemma import reference
 from pretrained.test_gemma import values
 from pretrained.test_gemma import write
-from pz_persist import errors
 from pz_persist.pretrained import GemmaReport
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import load_gemma
 
 # embedding_dim == mlp_hidden_dim: the gating array's shape does not show

@@ -32,7 +32,7 @@ import transformers
 from penzai import pz
 
 import pz_persist as pzp
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 
 TOKENS = np.array([[1, 5, 9, 3, 7, 2, 11, 60], [4, 4, 8, 15, 16, 23, 42, 0]])

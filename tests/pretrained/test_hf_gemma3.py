@@ -25,8 +25,8 @@ from pretrained import family_checks as checks
 from pretrained.test_hf import _DELETE
 from pretrained.test_hf_qwen2 import _edited_copy
 from pretrained.test_hf_qwen3 import without_query_key_norms
-from pz_persist import errors
 from pz_persist.nn.scaled_rope import ApplyScaledRoPE
+from pz_persist.pretrained import errors
 
 _TEXT = {
     "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,

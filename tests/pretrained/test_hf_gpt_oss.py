@@ -28,7 +28,7 @@ from conftest import run_python
 import pz_persist as pzp
 from pretrained import family_checks as checks
 from pretrained.test_hf_qwen2 import _edited_copy
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import quantized_mxfp4
 
 _SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,

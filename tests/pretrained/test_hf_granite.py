@@ -10,8 +10,8 @@ from penzai import pz
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
-from pz_persist import errors
 from pz_persist.nn.constant_scale import ConstantScale
+from pz_persist.pretrained import errors
 
 _SCALES = {"embedding_multiplier": 2.5, "residual_multiplier": 0.6, "attention_multiplier": 0.2,
                "logits_scaling": 1.7}

@@ -28,8 +28,8 @@ import pz_persist as pzp
 from pretrained import family_checks as checks
 from pretrained.test_hf import _DELETE
 from pretrained.test_hf_qwen2 import _edited_copy
-from pz_persist import errors
 from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.pretrained import errors
 
 _COMMON = {"hidden_size": 32, "num_attention_heads": 4, "vocab_size": 64,
            "num_key_value_heads": 2, "pad_token_id": 0}

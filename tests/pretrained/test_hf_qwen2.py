@@ -27,7 +27,7 @@ from pretrained.test_hf import _DELETE
 from pretrained.test_hf import _edit_config
 from pretrained.test_hf import _penzai_logits
 from pretrained.test_hf import _reference_logits
-from pz_persist import errors
+from pz_persist.pretrained import errors
 
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from penzai import pz
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import folder_writer
 from pz_persist.pretrained.hf import weights as weights_lib

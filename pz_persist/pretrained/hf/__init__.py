@@ -11,7 +11,7 @@ fills which Penzai parameter), ``weights`` (the safetensors headers),
 ``folder_writer`` and ``export``.
 """
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.load import load_hf
 
 # Documented here too (defined in errors, with every error class).

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
-from pz_persist import errors
 from pz_persist.nn.scaled_rope import SCALING_KEYS
+from pz_persist.pretrained import errors
 
 UnsupportedConfigError = errors.UnsupportedConfigError
 

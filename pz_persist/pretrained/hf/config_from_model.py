@@ -24,11 +24,11 @@ import numpy as np
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist import errors
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import IGNORED_FIELDS
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.record import Family
-from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 ExportError = errors.ExportError
 
@@ -36,11 +36,11 @@ ExportError = errors.ExportError
 # --- what the model is ------------------------------------------------------
 
 
-def all_layers(model: Any, cls: type) -> list[Any]:
+def all_layers(model: pz.nn.Layer, cls: type) -> list[Any]:
   return list(pz.select(model).at_instances_of(cls).get_sequence())
 
 
-def first_layer(model: Any, cls: type, what: str) -> Any:
+def first_layer(model: pz.nn.Layer, cls: type, what: str) -> Any:
   found = all_layers(model, cls)
   if not found:
     raise ExportError(f"the model has no {cls.__name__} layer ({what}); only Penzai"
@@ -54,16 +54,16 @@ def named_shape(layer: Any) -> dict[str, int]:
   return dict(param.value.named_shape)
 
 
-def attention(model: Any) -> pz.nn.Attention:
+def attention(model: pz.nn.Layer) -> pz.nn.Attention:
   """The first block's attention."""
   return first_layer(model, pz.nn.Attention, "attention")
 
 
-def blocks(model: Any) -> list[model_parts.TransformerBlock]:
+def blocks(model: pz.nn.Layer) -> list[model_parts.TransformerBlock]:
   return all_layers(model, model_parts.TransformerBlock)
 
 
-def projection(part: Any) -> dict[str, int]:
+def projection(part: pz.nn.Layer) -> dict[str, int]:
   """The named shape of the first ``Linear`` in ``part``."""
   return named_shape(first_layer(part, pz.nn.Linear, "attention projection"))
 
@@ -73,7 +73,7 @@ def _head_count(shape: Mapping[str, int]) -> int:
                    if axis in ("heads", "head_groups", "query_heads"))
 
 
-def number(value: Any) -> float:
+def number(value: object) -> float:
   """A float field as it was written: the shortest decimal that gives
   ``value`` back at its own precision (a float32 epsilon of 1e-06 is written
   1e-06, not 9.999999974752427e-07)."""
@@ -98,7 +98,7 @@ LLAMALIKE_ACTIVATIONS = {"silu": "silu", **dict.fromkeys(TANH_GELU, "gelu_approx
 activation each computes: ``like``'s spelling is kept when it means the same."""
 
 
-def activation(model: Any) -> str:
+def activation(model: pz.nn.Layer) -> str:
   """The name of the MLP's activation (an ``Elementwise`` layer)."""
   ffw = first_layer(model, model_parts.TransformerFeedForward, "MLP")
   fn = first_layer(ffw, pz.nn.Elementwise, "MLP activation").fn
@@ -118,7 +118,7 @@ def activation(model: Any) -> str:
 # model, so a field derived wrongly is refused, never written.
 
 
-def size_fields(model: Any, grouped: bool = True) -> dict[str, Any]:
+def size_fields(model: pz.nn.Layer, grouped: bool = True) -> dict[str, Any]:
   """Sizes from the parameter shapes; with ``grouped``, also
   ``num_key_value_heads`` and ``head_dim`` (llama-like families)."""
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
@@ -138,11 +138,11 @@ def size_fields(model: Any, grouped: bool = True) -> dict[str, Any]:
   return fields
 
 
-def rms_norm_fields(model: Any) -> dict[str, Any]:
+def rms_norm_fields(model: pz.nn.Layer) -> dict[str, Any]:
   return {"rms_norm_eps": number(first_layer(model, pz.nn.RMSStandardize, "RMS norm").epsilon)}
 
 
-def rope_fields(model: Any) -> dict[str, Any]:
+def rope_fields(model: pz.nn.Layer) -> dict[str, Any]:
   """``rope_parameters`` as transformers 5 writes them: ``rope_theta`` and
   ``rope_type``, and for a scaled RoPE (`ApplyScaledRoPE`) the layer's own
   scaling keys (and ``max_position_embeddings``, which ``dynamic`` reads)."""
@@ -162,7 +162,7 @@ def rope_fields(model: Any) -> dict[str, Any]:
   return {"rope_parameters": params}
 
 
-def windows(model: Any) -> list[int | None]:
+def windows(model: pz.nn.Layer) -> list[int | None]:
   """Each block's attention window (None: global attention)."""
   return [
       masks[0].sliding_window_size if (
@@ -176,7 +176,7 @@ def layer_types(found: list[int | None]) -> list[str]:
   return ["full_attention" if w is None else "sliding_attention" for w in found]
 
 
-def activation_field(model: Any, like: Mapping[str, Any], key: str = "hidden_act",
+def activation_field(model: pz.nn.Layer, like: Mapping[str, Any], key: str = "hidden_act",
                      spellings: Mapping[str, str] = LLAMALIKE_ACTIVATIONS) -> dict[str, Any]:
   """The MLP's activation under ``key``; ``like``'s own spelling when it
   means the same (``gelu_fast`` / ``gelu_pytorch_tanh``)."""
@@ -187,7 +187,7 @@ def activation_field(model: Any, like: Mapping[str, Any], key: str = "hidden_act
   return {key: name}
 
 
-def tied_field(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+def tied_field(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   """``tie_word_embeddings`` of a model with an untied head (a last
   ``Linear``): tied when it holds exactly the embeddings (unless ``like``
   says ``tie_word_embeddings: false``)."""
@@ -201,14 +201,14 @@ def tied_field(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
   return {"tie_word_embeddings": tied}
 
 
-def llamalike_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+def llamalike_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   """The fields every family on Llama's layout writes the same way: sizes,
   ``rms_norm_eps``, RoPE, ``hidden_act`` and ``tie_word_embeddings``."""
   return {**size_fields(model), **rms_norm_fields(model), **rope_fields(model),
           **activation_field(model, like), **tied_field(model, like)}
 
 
-def derive_config(model: Any, model_type: str, family: Family,
+def derive_config(model: pz.nn.Layer, model_type: str, family: Family,
                   like: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """The ``config.json`` of ``model`` as ``model_type`` of ``family``.
 

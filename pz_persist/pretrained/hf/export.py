@@ -29,8 +29,9 @@ import numpy as np
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist import errors
+from pz_persist import extension
 from pz_persist import progress as progress_lib
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf import load as hf
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -43,8 +44,6 @@ from pz_persist.pretrained.hf.structure_match import ModelWeights
 from pz_persist.pretrained.hf.structure_match import family_plans
 from pz_persist.pretrained.hf.structure_match import matching_plan
 from pz_persist.pretrained.lora_merge import refuse_lora
-from pz_persist.storage import destinations
-from pz_persist.storage import stores
 
 ExportError = errors.ExportError
 
@@ -53,7 +52,7 @@ DEFAULT_SHARD_BYTES = 5 * 2**30
 """transformers' own default shard size (5 GB) for ``save_pretrained``."""
 
 
-def _like_config(like: Any) -> dict[str, Any]:
+def _like_config(like: object) -> dict[str, Any]:
   """``like`` as a config dict: a family name, a folder or a dict."""
   if like is None:
     return {}
@@ -69,11 +68,11 @@ def _like_config(like: Any) -> dict[str, Any]:
   )
 
 
-def like_sources(like: Any) -> list[Any]:
+def like_sources(like: object) -> list[str | os.PathLike[str]]:
   """The folder ``like`` names, if it names one (a family name or a dict
   is read from nothing): what an export reads besides the model."""
   if isinstance(like, (str, os.PathLike)) and not (isinstance(like, str) and like in family_plans()):
-    local = stores.local_path(like)
+    local = extension.local_path(like)
     if os.path.isdir(os.fspath(local)):
       return [like]
   return []
@@ -146,7 +145,7 @@ def export_hf(
   # The destination rule: never over, inside or around the like= folder read
   # (nor inside any checkpoint); then only an earlier export is replaced.
   given = os.fspath(folder)
-  target = os.fspath(destinations.check_output(folder, like_sources(like)))
+  target = os.fspath(extension.check_output(folder, like_sources(like)))
   check_destination(target, overwrite)
   if not isinstance(model, model_parts.TransformerLM):
     raise ExportError(f"export_hf writes Penzai TransformerLM models, not {type(model).__name__}.")

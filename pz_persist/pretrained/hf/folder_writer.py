@@ -13,17 +13,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+from penzai import pz
 
-from pz_persist import errors
+from pz_persist import extension
 from pz_persist import progress as progress_lib
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import stored_layout
 from pz_persist.pretrained.hf.weights import Stacked
-from pz_persist.safety import safe_io
-from pz_persist.storage import commit
-from pz_persist.storage import destinations
 
 ExportError = errors.ExportError
 
@@ -32,14 +32,15 @@ class _Stored:
   """One stored tensor, laid out only when the writer asks for its bytes, so
   that the host holds one tensor at a time."""
 
-  def __init__(self, specs: list[TensorSpec], values: list[Any]):
+  def __init__(self, specs: list[TensorSpec], values: list[pz.nx.NamedArrayBase]):
     self.specs, self.values = specs, values
     spec = specs[0]
     self.shape = spec.file_shape
     self.dtype = np.dtype(values[0].dtype)
     self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
-  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+  def __array__(self, dtype: npt.DTypeLike | None = None,
+                copy: bool | None = None) -> np.ndarray:
     hosts = [np.asarray(v.unwrap(*spec.axes)) for spec, v in zip(self.specs, self.values)]
     try:
       return stored_layout(self.specs, hosts)
@@ -92,7 +93,8 @@ class _StackedPart:
     self.dtype = whole.dtype
     self.nbytes = math.prod(self.shape) * self.dtype.itemsize
 
-  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+  def __array__(self, dtype: npt.DTypeLike | None = None,
+                copy: bool | None = None) -> np.ndarray:
     whole = self.whole
     cached = getattr(whole, "_laid_out", None)
     if cached is None:
@@ -116,38 +118,24 @@ def _shards(tensors: list[tuple[str, Any]], shard_size: int) -> list[list[tuple[
 
 
 def check_destination(folder: str, overwrite: bool) -> None:
-  if not commit.is_local(folder):
-    raise errors.ArgumentError(
-        f"{folder}: export_hf writes a local folder (serving tools and the Hub"
-        " upload read one); export to a local path, then copy it to the store."
-    )
-  if os.path.islink(folder) or (os.path.exists(folder) and not os.path.isdir(folder)):
-    raise errors.CheckpointExistsError(
-        f"{folder} exists and is not a folder; choose another destination.")
-  if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
-    raise errors.CheckpointExistsError(
-        f"{folder} exists and is not empty; pass overwrite=True (CLI: --overwrite)"
-        " to replace it."
-    )
-  # Only a folder an export wrote (its marker, its files and nothing else).
-  destinations.check_replaceable(folder, "hf_export")
+  """Refuses a ``folder`` `write_folder` may not write or replace
+  (`pz_persist.extension.check_export_destination`)."""
+  extension.check_export_destination(folder, overwrite=overwrite)
 
 
 def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str, Any]],
                  shard_size: int, overwrite: bool, progress: progress_lib.Progress) -> None:
   """Writes the files into a new folder beside ``folder``, then moves it into
-  place the way checkpoints are (`pz_persist.storage.commit.move_into_place`:
+  place the way checkpoints are (`pz_persist.extension.publishing_export`:
   one rename, or an atomic exchange with the folder it replaces), so an
   interrupted export leaves ``folder`` as it was and a reader never sees a
   mix. ``overwrite`` was checked by `check_destination`; if another writer
-  changes ``folder`` meanwhile, nothing is replaced."""
-  path = commit.as_path(os.path.abspath(folder))
-  seen = commit.identity(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  # A plain mkdir, not mkdtemp: its 0o700 would be the exported folder's mode.
-  tmp = commit.sibling(path, "export")
-  tmp.mkdir()
-  try:
+  changes ``folder`` meanwhile, nothing is replaced.
+
+  Raises:
+    ConcurrentSaveError: another writer changed ``folder`` meanwhile.
+  """
+  with extension.publishing_export(folder) as tmp:
     shards = _shards(tensors, shard_size)
     weight_map = {}
     total = sum(t.nbytes for _, t in tensors)
@@ -159,19 +147,7 @@ def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str
         weight_map.update(dict.fromkeys((n for n, _ in shard), filename))
         tracker.advance(sum(t.nbytes for _, t in shard))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    safe_io.write_small_file(os.fspath(tmp / "model.safetensors.index.json"),
-                             json.dumps(index, indent=2).encode())
-    safe_io.write_small_file(os.fspath(tmp / "config.json"),
-                             (json.dumps(config, indent=2) + "\n").encode())
-    # What lets a later overwrite=True tell this folder from anyone else's.
-    safe_io.write_small_file(os.fspath(tmp / destinations.EXPORT_MARKER),
-                             destinations.EXPORT_MARKER_DATA)
-  except BaseException:
-    safe_io.remove_tree(tmp)
-    raise
-  if not commit.move_into_place(path, tmp, seen):
-    raise errors.ConcurrentSaveError(
-        f"{folder} was created or changed by another writer while this export was"
-        " being written; it was left as that writer made it and this export was"
-        " discarded. Export again (to another folder, or with overwrite=True)."
-    )
+    extension.write_small_file(os.fspath(tmp / "model.safetensors.index.json"),
+                               json.dumps(index, indent=2).encode())
+    extension.write_small_file(os.fspath(tmp / "config.json"),
+                               (json.dumps(config, indent=2) + "\n").encode())

@@ -54,15 +54,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from penzai import pz
 from penzai.core import variables as penzai_variables
 from penzai.models.transformer import model_parts
 
-from pz_persist import errors
+from pz_persist import extension
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
-from pz_persist.format import casts
+from pz_persist.nn import scaled_rope
 from pz_persist.pretrained import _files
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf.config import Config
@@ -71,7 +73,6 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import penzai_layout
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.hf.weights import check_has_weights
-from pz_persist.nn import scaled_rope
 
 # Documented here too (defined in errors, with every error class).
 UnsupportedConfigError = errors.UnsupportedConfigError
@@ -96,7 +97,7 @@ def _read_config(path: str, seen: list[tuple[str, _files.Identity]] | None = Non
   return raw_config
 
 
-def unsupported_model_type(model_type: Any) -> str:
+def unsupported_model_type(model_type: object) -> str:
   """Why ``model_type`` is refused: a family's own reason for its next
   generation (`families.REFUSED`), or the supported families and the
   nearest one; `load_gemma` is suggested only for a Gemma."""
@@ -156,7 +157,7 @@ def _placement(sharding: sharding_lib.Target):
 def load_hf(
     path: str | os.PathLike[str],
     *,
-    dtype: Any = None,
+    dtype: npt.DTypeLike | None = None,
     allow_lossy: bool = False,
     sharding: sharding_lib.Target = None,
     progress: progress_lib.Progress = None,
@@ -384,12 +385,12 @@ def _read(
     allow_lossy: bool = False,
 ) -> pz.nx.NamedArray:
   """Reads one tensor, lays it out for Penzai, casts it (checked by
-  `pz_persist.format.casts`) and places it."""
+  `pz_persist.extension.cast`) and places it."""
   file = reads.where[spec.source]  # `_check_tensors` made sure it is there, of this size.
   # Cast while reading unless a part is taken or an offset added after (then
   # only the part is cast, and the offset is added to the stored values).
   host = reads.get(spec, dtype, allow_lossy)
-  host = casts.cast(penzai_layout(spec, host), dtype, allow_lossy=allow_lossy,
+  host = extension.cast(penzai_layout(spec, host), dtype, allow_lossy=allow_lossy,
                     where=f"safetensors file {file.path}, tensor {spec.source!r}")
   data = jax.device_put(host, place(spec.axes, host.shape, spec.label))
   del host

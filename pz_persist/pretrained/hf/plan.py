@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from penzai.models.transformer import model_parts
 
-from pz_persist.format import casts
+from pz_persist import extension
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.weights import View
 
@@ -150,7 +150,7 @@ def penzai_layout(spec: TensorSpec, stored: np.ndarray) -> np.ndarray:
     dim, index = spec.take
     host = np.take(host, index, axis=dim)
   if spec.offset:
-    host = casts.cast(host.astype(np.float32) + np.float32(spec.offset), stored.dtype,
+    host = extension.cast(host.astype(np.float32) + np.float32(spec.offset), stored.dtype,
                       allow_lossy=False, where=f"{spec.source!r} plus {spec.offset}")
   return host
 
@@ -198,7 +198,7 @@ def stored_layout(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
 def _unoffset(spec: TensorSpec, value: np.ndarray) -> np.ndarray:
   if not spec.offset:
     return value
-  return casts.cast(value.astype(np.float32) - np.float32(spec.offset), value.dtype,
+  return extension.cast(value.astype(np.float32) - np.float32(spec.offset), value.dtype,
                     allow_lossy=False, where=f"{spec.label!r} minus {spec.offset}")
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 
 BLOCK = 32
 """Values per block (one scale each)."""

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from penzai import pz
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import Plan
@@ -81,7 +81,7 @@ def _dtype_or_self(value: Any) -> Any:
   return value
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -126,7 +126,7 @@ def first_difference(expected: Any, found: Any, path: str,
   return None
 
 
-def _check_structure(plan: Plan, model: Any, family: str) -> dict[str, str]:
+def _check_structure(plan: Plan, model: pz.nn.Layer, family: str) -> dict[str, str]:
   """Refuses a model whose structure differs from what the family's plan
   builds; returns ``{plan label: model label}`` (labels may differ: a model
   with blocks cut keeps its original block numbers)."""
@@ -146,7 +146,7 @@ def _check_structure(plan: Plan, model: Any, family: str) -> dict[str, str]:
 
 
 def matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any],
-                  weights: ModelWeights, model: Any, family: str,
+                  weights: ModelWeights, model: pz.nn.Layer, family: str,
                   folder: str) -> tuple[Plan, dict[str, str]]:
   """The first of the family's plans that builds exactly the model's
   structure, and its ``{plan label: model label}``; else the first plan's

@@ -9,16 +9,15 @@ import os
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
-from pz_persist import errors
-from pz_persist.format import casts
+from pz_persist import extension
 from pz_persist.pretrained import _files
+from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
-from pz_persist.storage import host_memory
 
 CheckpointFolderError = errors.CheckpointFolderError
 
@@ -112,7 +111,7 @@ class Weights:
   manager: the descriptors are closed on leaving it.
   """
 
-  def __init__(self, path: str, dtype: Any, seen: list[tuple[str, _files.Identity]] | None = None):
+  def __init__(self, path: str, dtype: npt.DTypeLike | None, seen: list[tuple[str, _files.Identity]] | None = None):
     self.path = path
     self._dtype = dtype
     self._seen = list(seen or [])
@@ -140,7 +139,7 @@ class Weights:
   def __enter__(self) -> Weights:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
   @property
@@ -166,7 +165,7 @@ class Weights:
   @functools.cached_property
   def dtype(self) -> np.dtype:
     """The requested dtype, or the checkpoint's own floating dtype."""
-    return self._dtype if self._dtype is not None else stored_float_dtype(self.where)
+    return np.dtype(self._dtype) if self._dtype is not None else stored_float_dtype(self.where)
 
 
 def stored_float_dtype(where: Mapping[str, safetensors_io.SafetensorsFile]) -> np.dtype:
@@ -244,7 +243,7 @@ def stacked(name: str, parts: Sequence[str]) -> Stacked:
   return Stacked(name, tuple(parts))
 
 
-def decoded(name: str, parts: Sequence[str], shape: Sequence[int], dtype: Any,
+def decoded(name: str, parts: Sequence[str], shape: Sequence[int], dtype: npt.DTypeLike,
             decode: Callable[[dict[str, np.ndarray]], np.ndarray], description: str,
             working_bytes: int) -> Decoded:
   """A `Decoded` view ``name`` of the stored tensors ``parts``."""
@@ -280,14 +279,15 @@ class _ViewFile:
     self.entries = {view.name: (dtype, shape, 0, stored)}
     self.path = self._groups[0][0].path if self._groups else "(no file)"
 
-  def get(self, name: str, dtype: Any = None, *, allow_lossy: bool = False) -> np.ndarray:
+  def get(self, name: str, dtype: npt.DTypeLike | None = None, *,
+          allow_lossy: bool = False) -> np.ndarray:
     stored, shape, _, _ = self.entries[name]
     dtype = stored if dtype is None else np.dtype(dtype)
     view = self.view
     if isinstance(view, Stacked):
       # One buffer, each part read straight into its slice (cast while
       # read), each file checked unchanged once around all its parts.
-      out = host_memory.aligned_empty(shape, dtype)
+      out = extension.aligned_empty(shape, dtype)
       for file, indices, names in self._groups:
         file.read_stack_into(names, indices, out, allow_lossy=allow_lossy)
       return out
@@ -299,7 +299,7 @@ class _ViewFile:
           f"{self.path}: decoding {view.description} into {view.name!r} gave"
           f" {result.dtype}{list(result.shape)}, not the {view.dtype}{list(view.shape)} declared;"
           " the decoder and the plan disagree (a bug: please report it).")
-    return casts.cast(result, dtype, allow_lossy=allow_lossy,
+    return extension.cast(result, dtype, allow_lossy=allow_lossy,
                       where=f"{view.description} tensor {view.name!r} decoded from {self.path}")
 
 

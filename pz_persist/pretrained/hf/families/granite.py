@@ -19,7 +19,7 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist.errors import ExportError
+from pz_persist.pretrained.errors import ExportError
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention as first_attention

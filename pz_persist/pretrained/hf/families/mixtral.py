@@ -18,7 +18,7 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers

@@ -28,7 +28,7 @@ import jax
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import activation_field

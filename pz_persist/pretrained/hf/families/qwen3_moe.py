@@ -24,7 +24,7 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist import errors
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
