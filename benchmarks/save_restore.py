@@ -290,7 +290,7 @@ def warm_process(method: str, path: str, target_bytes: int, runs: int) -> dict:
 
 
 def load_one_label(path: str, target_bytes: int, repeats: int = 5) -> dict:
-  """``load_model(path, into=model, only=label)`` for the smallest and the
+  """``load_into(path, model, only=label)`` for the smallest and the
   largest label, best of ``repeats``, beside a full restore in this process."""
   from penzai import pz
 
@@ -311,13 +311,13 @@ def load_one_label(path: str, target_bytes: int, repeats: int = 5) -> dict:
 
   result = {"full_seconds": best(lambda: pzp.load(path))}
   for name, label in labels.items():
-    loaded = pzp.load_model(path, into=model, only=label)
+    loaded = pzp.load_into(path, model, only=label)
     _, variables = pz.unbind_params(loaded)
     size = next(v.value.data_array.nbytes for v in variables if v.label == label)
     result[name] = {
         "label": label,
         "bytes": size,
-        "seconds": best(lambda label=label: pzp.load_model(path, into=model, only=label)),
+        "seconds": best(lambda label=label: pzp.load_into(path, model, only=label)),
     }
   return result
 

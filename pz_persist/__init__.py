@@ -32,6 +32,7 @@ from typing import Any
 
 from pz_persist import errors
 from pz_persist.binding import BindingError
+from pz_persist.binding import BindOptions
 from pz_persist.binding import LoadReport
 from pz_persist.binding import Mismatch
 from pz_persist.binding import assign_variables
@@ -110,6 +111,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AxisRules",
+    "BindOptions",
     "BindingError",
     "CheckpointManager",
     "LoadReport",

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 from typing import Literal
 from typing import Protocol
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,109 @@ LabelGlobs = str | Sequence[str]
 RenameRules = Mapping[str, str] | Sequence[tuple[str, str]]
 DTypeRules = jax.typing.DTypeLike | Mapping[str, jax.typing.DTypeLike]
 
+AxisRenames = Mapping[str, str]
+"""``rename_axes=``: ``{stored axis name: model axis name}``."""
+
+AutoLabels = Literal["by_position"] | None
+"""How state variables with automatic labels are matched (`load_into`)."""
+
 BindingError = errors.BindingError  # Documented here too (defined in errors).
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BindOptions:
+  """How a checkpoint's variables are bound into a model: one value for all of it.
+
+  Every way of loading into a built model (`pz_persist.load_into`, plain
+  Orbax checkpoints through it, `pz_persist.migrate`) takes these options
+  either as this value (``options=``) or as the same keywords, and hands
+  them down as this one value to `bind`, the one place they are applied.
+  Why a value: a choice made once (a rename table, dtype rules) is kept and
+  reused across calls, and a new option is added in one place instead of in
+  the signature of every entry point. Frozen: a value handed to a load is
+  never changed by it. Keywords given beside ``options`` win over its
+  fields (`with_keywords`).
+
+  Example::
+
+    import jax.numpy as jnp
+    import pz_persist as pzp
+
+    finetune = pzp.BindOptions(rename={r"^base/": ""}, dtype=jnp.bfloat16)
+    assert finetune.with_keywords(overlay=True).overlay
+    # model = pzp.load_into(path, model, finetune)           # as a value
+    # model = pzp.load_into(path, model, rename={r"^base/": ""})  # as keywords
+
+  Attributes:
+    only: Label globs (``fnmatch``): bind only the model variables they
+      match; the model keeps its other values. Each glob must match a
+      checkpoint label, and ``[]`` selects nothing: both refused.
+    rename: Regex rules ``{pattern: replacement}`` applied in order to the
+      checkpoint's labels to get the model's.
+    rename_axes: ``{stored axis name: model axis name}``; stored axes in
+      another order than the model's are transposed automatically.
+    dtype: A dtype to cast to, or ``{label glob: dtype}`` rules; a cast that
+      changes values beyond rounding is refused unless ``allow_lossy``.
+    allow_lossy: Cast even where values change.
+    overlay: The checkpoint holds only some of the model's variables (an
+      adapter): the others keep their values and are not reported missing.
+    sharding: Where arrays are read to (a ``jax.sharding.Sharding`` or
+      `pz_persist.AxisRules`; default: the model's own placement).
+    auto_labels: ``"by_position"``: match state variables with automatic
+      labels (``pz.AutoStateVarLabel``) by their order in the tree.
+  """
+
+  only: LabelGlobs | None = None
+  rename: RenameRules | None = None
+  rename_axes: AxisRenames | None = None
+  dtype: DTypeRules | None = None
+  allow_lossy: bool = False
+  overlay: bool = False
+  sharding: sharding_lib.Target = None
+  auto_labels: AutoLabels = None
+
+  def with_keywords(self, **keywords: Any) -> BindOptions:
+    """These options with ``keywords`` (`BindKeywords`) replacing fields.
+
+    Raises:
+      ArgumentTypeError: a keyword is no field of `BindOptions` (named, with
+        the fields there are).
+    """
+    unknown = sorted(set(keywords) - _FIELDS)
+    if unknown:
+      raise errors.ArgumentTypeError(
+          f"unknown binding option(s) {', '.join(unknown)}; the options are"
+          f" {', '.join(sorted(_FIELDS))} (pz_persist.BindOptions)."
+      )
+    return dataclasses.replace(self, **keywords) if keywords else self
+
+  @classmethod
+  def of(cls, options: BindOptions | None, keywords: Mapping[str, Any]) -> BindOptions:
+    """The options an entry point was given: ``options`` (or the defaults)
+    with the keyword spellings beside it applied."""
+    if options is not None and not isinstance(options, BindOptions):
+      raise errors.ArgumentTypeError(
+          f"options must be a pz_persist.BindOptions, not a {type(options).__name__}"
+          " (or pass the options as keywords)."
+      )
+    return (options or cls()).with_keywords(**keywords)
+
+
+class BindKeywords(TypedDict, total=False):
+  """`BindOptions`' fields as keywords (``**keywords: Unpack[BindKeywords]``):
+  what entry points accept beside ``options=``, typed field for field."""
+
+  only: LabelGlobs | None
+  rename: RenameRules | None
+  rename_axes: AxisRenames | None
+  dtype: DTypeRules | None
+  allow_lossy: bool
+  overlay: bool
+  sharding: sharding_lib.Target
+  auto_labels: AutoLabels
+
+
+_FIELDS = frozenset(field.name for field in dataclasses.fields(BindOptions))
 
 _describe = nodes.describe_label
 
@@ -525,39 +628,32 @@ def _kind_of_slot(slot: Any) -> str:
 def load_into(
     opened: opening.OpenItem,
     model: Any,
+    options: BindOptions,
     *,
     strict: bool = True,
-    only: LabelGlobs | None = None,
-    rename: RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
     verify: bool = True,
     progress: progress_lib.Progress = None,
-    auto_labels: AutoLabels = None,
 ) -> tuple[Any, LoadReport]:
   """Loads the variables of the opened checkpoint item into ``model``.
 
-  See `pz_persist.load_model` for the options. Returns the new model and the
+  See `pz_persist.load_into` for the options. Returns the new model and the
   report. With ``strict``, raises `BindingError` before reading any array if
   labels are missing or unexpected or a variable's structure, axes, shapes or
   dtypes do not fit, and before building anything if a cast would be lossy.
   """
   where = str(opened.item)
-  stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(rename, where))
-  _check_axis_names(where, opened.manifest, rename_axes)
-  if auto_labels is not None:
-    stored, renamed = _auto_labels_by_position(where, model, stored, renamed, auto_labels)
+  stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(options.rename, where))
+  _check_axis_names(where, opened.manifest, options.rename_axes)
+  if options.auto_labels is not None:
+    stored, renamed = _auto_labels_by_position(
+        where, model, stored, renamed, options.auto_labels)
   return bind(
-      where, model, _ManifestSource(opened, stored, rename_axes, progress),
-      renamed=renamed, strict=strict, only=only, dtype=dtype,
-      allow_lossy=allow_lossy, overlay=overlay, sharding=sharding, verify=verify,
+      where, model, _ManifestSource(opened, stored, options.rename_axes, progress), options,
+      renamed=renamed, strict=strict, verify=verify,
   )
 
 
-def _check_axis_names(where: str, manifest: Any, rename_axes: Mapping[Any, Any] | None) -> None:
+def _check_axis_names(where: str, manifest: Any, rename_axes: AxisRenames | None) -> None:
   """Refuses each ``rename_axes=`` key that is no axis name of the
   checkpoint: it would rename nothing."""
   if not rename_axes:
@@ -603,35 +699,33 @@ def bind(
     where: str,
     model: Any,
     source: Source,
+    options: BindOptions,
     *,
     renamed: tuple[tuple[Hashable, Hashable], ...] = (),
     strict: bool = True,
-    only: LabelGlobs | None = None,
-    dtype: DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
     verify: bool = True,
 ) -> tuple[Any, LoadReport]:
   """Loads the variables ``source`` holds into ``model``, checked and reported.
 
   The one place every way of loading into a model goes through (native
   checkpoints, plain Orbax ones), so each gets the same checks, options,
-  report and strictness. See `load_into`.
+  report and strictness. See `load_into`. (``options.rename``,
+  ``rename_axes`` and ``auto_labels`` are the source's to apply: they
+  decide the labels ``source.stored`` has.)
   """
   stored = source.stored
   structure, bound, slots = _model_variables(model)
-  globs = _globs(only, where)
-  _check_selectors(where, stored, globs, dtype)
+  globs = _globs(options.only, where)
+  _check_selectors(where, stored, globs, options.dtype)
   wanted = [label for label in slots if _selected(label, globs)]
-  missing = () if overlay else tuple(label for label in wanted if label not in stored)
+  missing = () if options.overlay else tuple(label for label in wanted if label not in stored)
   unexpected = tuple(
       label for label in stored if _selected(label, globs) and label not in slots
   )
 
   matched = tuple(label for label in wanted if label in stored)
   # Everything that needs no array data is checked first: one error lists all.
-  plan = _Plan(source, dtype)
+  plan = _Plan(source, options.dtype)
   for label in matched:
     plan.check(label, stored[label], slots[label], bound.get(label))
   if strict and (missing or unexpected or plan.problems):
@@ -641,7 +735,7 @@ def bind(
     ))
 
   values, cast = plan.read(
-      bound, allow_lossy=allow_lossy, sharding=sharding, verify=verify
+      bound, allow_lossy=options.allow_lossy, sharding=options.sharding, verify=verify
   )
   report = LoadReport(
       loaded=tuple(values),
@@ -656,10 +750,6 @@ def bind(
   if strict and not report.ok:
     raise BindingError(where, report)
   return _rebind(structure, bound, stored, values), report
-
-
-AutoLabels = Literal["by_position"] | None
-"""How state variables with automatic labels are matched (`load_model`)."""
 
 
 def _auto_labels_by_position(

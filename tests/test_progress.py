@@ -111,7 +111,7 @@ def test_load_model_counts_array_bytes_alone_and_into_a_model(tmp_path):
   nbytes = sum(p.value.data_array.nbytes for p in pz.unbind_params(mlp)[1])
   for into in (None, mlp):
     seen = _Seen()
-    pzp.load_model(tmp_path / "m", into=into, progress=seen)
+    pzp.load_into(tmp_path / "m", into, progress=seen)
     seen.check_complete(nbytes, steps=1)
 
 

@@ -17,8 +17,8 @@ handler (a variable holding one array stores it under the leaf's own name, so
 plain Orbax can read it as an array), and its label, metadata and axis names
 go into a small JSON record written by the primary process, beside the item's
 manifest (format 3: ``{leaf name: variable}``, the arrays under the names Orbax
-stored them under), so `pz_persist.load`, ``inspect``, ``load_model(path,
-into=model)``, ``migrate`` and the command read the item too. Saving is
+stored them under), so `pz_persist.load`, ``inspect``, ``load_into(path,
+model)``, ``migrate`` and the command read the item too. Saving is
 `pz_persist.storage.writer.encode_leaves`'s: this handler adapts it to Orbax's
 ``TypeHandler`` calls. Restoring rebuilds
 a mutable variable of the same class; leaves that were the same variable object
