@@ -93,6 +93,97 @@ def test_no_import_runs_back_up():
   assert not upward, "imports that run back up:\n" + "\n".join(upward)
 
 
+def _import_graph() -> dict[str, set[str]]:
+  """Every pz_persist module and the pz_persist modules it imports: each
+  import statement anywhere in it (at the top, under ``if TYPE_CHECKING``, or
+  inside a function, run on first use), named as the module it loads
+  (``from pz_persist.tools import diff_view`` is ``pz_persist.tools.diff_view``,
+  ``from pz_persist.storage import stores`` the package
+  ``pz_persist.storage.stores``). A parent package a dotted import runs
+  first is no edge: every module would otherwise lean on ``pz_persist``."""
+  paths = {module: path for path, module in _modules()}
+  graph = {}
+  for module, path in paths.items():
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+          base = f"{parent}.{base}" if base else parent
+        found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base
+                  for a in node.names}
+      elif isinstance(node, ast.Import):
+        found |= {a.name for a in node.names}
+    graph[module] = {name for name in found if name in paths and name != module}
+  return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan's
+  algorithm, iterative): each is a set of modules that import each other,
+  directly or round a loop."""
+  index: dict[str, int] = {}
+  low: dict[str, int] = {}
+  stack: list[str] = []
+  on_stack: set[str] = set()
+  found = []
+  for root in sorted(graph):
+    if root in index:
+      continue
+    work = [(root, iter(sorted(graph[root])))]
+    index[root] = low[root] = len(index)
+    stack.append(root)
+    on_stack.add(root)
+    while work:
+      node, edges = work[-1]
+      step = next(edges, None)
+      if step is not None:
+        if step not in index:
+          index[step] = low[step] = len(index)
+          stack.append(step)
+          on_stack.add(step)
+          work.append((step, iter(sorted(graph[step]))))
+        elif step in on_stack:
+          low[node] = min(low[node], index[step])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[node])
+      if low[node] == index[node]:
+        component = []
+        while True:
+          member = stack.pop()
+          on_stack.discard(member)
+          component.append(member)
+          if member == node:
+            break
+        if len(component) > 1:
+          found.append(sorted(component))
+  return found
+
+
+def test_no_import_cycle_anywhere():
+  """ARCHITECTURE.md says the package has no import cycle; the layers test
+  above sees only imports between parts, so this one holds the modules
+  inside each part to it too (``tools/diffing`` and ``tools/diff_view`` were
+  one cycle, through an import inside a function)."""
+  cycles = _cycles(_import_graph())
+  assert not cycles, "modules importing each other:\n" + "\n".join(
+      " <-> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_finder_finds_cycles():
+  """The check above can fail: a loop of three, a pair, and no loop."""
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": {"d", "a"}, "f": {"a"}}
+  assert sorted(_cycles(graph)) == [["a", "b", "c"], ["d", "e"]]
+  assert _cycles({"a": {"b"}, "b": set()}) == []
+  graph = _import_graph()
+  assert "pz_persist.tools.diff_tree" in graph["pz_persist.tools.diffing"]
+  assert "pz_persist.tools.diff_view" in graph["pz_persist.tools.diffing"]
+
+
 _PRIVATE_ORBAX = re.compile(r"^orbax\.checkpoint(\.experimental\.v1)?\._src(\.|$)")
 
 
