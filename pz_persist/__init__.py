@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from pz_persist import errors
-from pz_persist.binding import BindingError
 from pz_persist.binding import BindOptions
 from pz_persist.binding import LoadReport
 from pz_persist.binding import Mismatch
@@ -39,6 +38,7 @@ from pz_persist.binding import assign_variables
 from pz_persist.checkpoint import inspect
 from pz_persist.checkpoint import load
 from pz_persist.checkpoint import save
+from pz_persist.errors import BindingError
 from pz_persist.errors import PzPersistError
 from pz_persist.lazy.opened import OpenedCheckpoint
 from pz_persist.lazy.opened import open_checkpoint as open  # pylint: disable=redefined-builtin

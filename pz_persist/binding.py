@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from pz_persist import deprecations
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
@@ -61,7 +62,10 @@ AxisRenames = Mapping[str, str]
 AutoLabels = Literal["by_position"] | None
 """How state variables with automatic labels are matched (`load_into`)."""
 
-BindingError = errors.BindingError  # Documented here too (defined in errors).
+# Former spellings: `pz_persist.BindingError` (defined in `pz_persist.errors`).
+__getattr__ = deprecations.module_getattr(__name__, {
+    "BindingError": "pz_persist.errors.BindingError",
+})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,8 +163,6 @@ class BindKeywords(TypedDict, total=False):
 
 _FIELDS = frozenset(field.name for field in dataclasses.fields(BindOptions))
 
-_describe = nodes.describe_label
-
 
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
@@ -182,11 +184,11 @@ class Mismatch:
   def __str__(self) -> str:
     if self.what == "lossy cast":
       return (
-          f"{_describe(self.label)}: casting to {self.model} would change"
+          f"{nodes.describe_label(self.label)}: casting to {self.model} would change"
           f" values: the checkpoint's {self.checkpoint}"
       )
     return (
-        f"{_describe(self.label)}: {self.what} differs: checkpoint has"
+        f"{nodes.describe_label(self.label)}: {self.what} differs: checkpoint has"
         f" {self.checkpoint}, model wants {self.model}"
     )
 
@@ -228,7 +230,7 @@ class LoadReport:
                           ("not in the model", self.unexpected)):
       if labels:
         lines.append(f"{len(labels)} {title}:")
-        lines += [f"  {_describe(label)}" for label in labels]
+        lines += [f"  {nodes.describe_label(label)}" for label in labels]
     if self.mismatched:
       lines.append(f"{len(self.mismatched)} could not be loaded:")
       lines += [f"  {mismatch}" for mismatch in self.mismatched]
@@ -239,10 +241,10 @@ class LoadReport:
     for title, items in (("renamed", self.renamed), ("cast", self.cast)):
       if items:
         lines.append(f"{len(items)} {title}:")
-        lines += ["  " + " -> ".join(_describe(x) for x in item) for item in items]
+        lines += ["  " + " -> ".join(nodes.describe_label(x) for x in item) for item in items]
     if self.transposed:
       lines.append(f"{len(self.transposed)} transposed to the model's axis order:")
-      lines += [f"  {_describe(label)}" for label in self.transposed]
+      lines += [f"  {nodes.describe_label(label)}" for label in self.transposed]
     return "\n".join(lines)
 
 
@@ -367,7 +369,7 @@ def _check_selectors(
 ) -> None:
   """Refuses each ``only=`` glob and ``dtype=`` rule matching no label the
   checkpoint has (as ``rename=`` made them): it would load, or cast, nothing."""
-  names = [_describe(label) for label in stored]
+  names = [nodes.describe_label(label) for label in stored]
   rules = [(f"only={glob!r}", glob) for glob in globs or ()]
   for glob, rule in (dtype.items() if isinstance(dtype, Mapping) else [(None, dtype)]):
     if glob is not None and not isinstance(glob, str):
@@ -390,7 +392,7 @@ def _check_selectors(
 
 
 def _selected(label: Hashable, globs: tuple[str, ...] | None) -> bool:
-  return globs is None or any(fnmatch.fnmatchcase(_describe(label), g) for g in globs)
+  return globs is None or any(fnmatch.fnmatchcase(nodes.describe_label(label), g) for g in globs)
 
 
 def _rules(rename: RenameRules | None, where: str) -> list[tuple[re.Pattern[str], str]]:
@@ -438,7 +440,7 @@ def _target_dtype(
     return None
   if isinstance(dtype, Mapping):
     for glob, rule in dtype.items():
-      if fnmatch.fnmatchcase(_describe(label), glob):
+      if fnmatch.fnmatchcase(nodes.describe_label(label), glob):
         target = np.dtype(rule)
         return target if target != current else None
     return None
@@ -729,7 +731,7 @@ def bind(
   for label in matched:
     plan.check(label, stored[label], slots[label], bound.get(label))
   if strict and (missing or unexpected or plan.problems):
-    raise BindingError(where, LoadReport(
+    raise errors.BindingError(where, LoadReport(
         missing=missing, unexpected=unexpected, mismatched=tuple(plan.problems),
         renamed=renamed, transposed=tuple(plan.transposed), matched=matched,
     ))
@@ -748,7 +750,7 @@ def bind(
       matched=matched,
   )
   if strict and not report.ok:
-    raise BindingError(where, report)
+    raise errors.BindingError(where, report)
   return _rebind(structure, bound, stored, values), report
 
 
@@ -806,9 +808,9 @@ def _checkpoint_variables(manifest, where, rules):
     if label != variable.label:
       renamed.append((variable.label, label))
     if label in by_label:
-      raise BindingError(where, LoadReport(mismatched=(Mismatch(
-          label, "label", f"{_describe(by_label[label].label)} and"
-          f" {_describe(variable.label)} both renamed to it", "one variable"),)))
+      raise errors.BindingError(where, LoadReport(mismatched=(Mismatch(
+          label, "label", f"{nodes.describe_label(by_label[label].label)} and"
+          f" {nodes.describe_label(variable.label)} both renamed to it", "one variable"),)))
     by_label[label] = variable
   return by_label, tuple(renamed)
 
@@ -957,7 +959,7 @@ def cast_model(
     value = _cast_value(var.label, var.value, dtype, allow_lossy, cast, problems)
     new.append(dataclasses.replace(var.freeze(), value=value).unfreeze_as_copy())
   if problems:
-    raise BindingError("casting the loaded model", LoadReport(mismatched=tuple(problems)))
+    raise errors.BindingError("casting the loaded model", LoadReport(mismatched=tuple(problems)))
   return pz.bind_variables(structure, new)
 
 
@@ -1007,6 +1009,6 @@ def assign_variables(tree: Any, values: Iterable[pz.AbstractVariableValue]) -> N
       matched=tuple(label for label in targets if label in incoming),
   )
   if not report.ok:
-    raise BindingError("the values to assign", report)
+    raise errors.BindingError("the values to assign", report)
   for label, variable in targets.items():
     variable.value = _fit(incoming[label].value, variable.value, place=True)

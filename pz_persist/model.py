@@ -14,13 +14,12 @@ given model by label, checking and reporting every difference (see
 `pz_persist.save`, and plain Orbax checkpoints of a model's parameters written
 without pz_persist (see `pz_persist.plain_orbax`); how to bind is one
 `pz_persist.BindOptions` value (or its fields as keywords).
-``load_into(path, model)``, its older spelling, warns until it is
+``load_model(path, into=model)``, its older spelling, warns until it is
 removed on 2027-06-01.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from typing import Any
 from typing import Literal
@@ -35,6 +34,7 @@ from typing_extensions import deprecated
 
 from pz_persist import binding
 from pz_persist import checkpoint
+from pz_persist import deprecations
 from pz_persist import errors
 from pz_persist import plain_orbax
 from pz_persist import progress as progress_lib
@@ -97,10 +97,6 @@ def save_model(
 
 ModelT = TypeVar("ModelT")
 """The model given to `load_into`: the model returned is of its type."""
-
-INTO_REMOVAL = "2027-06-01"
-"""When ``load_into(path, model)`` (the older spelling of `load_into`)
-stops working."""
 
 @overload
 def load_into(
@@ -192,7 +188,7 @@ def load_into(
       `pz_persist.open` handle (the checkpoint it opened is read).
     model: The model to load the checkpoint's variables into, by label.
     options: How to bind (`pz_persist.BindOptions`; default: its defaults).
-    strict: Raise `pz_persist.binding.BindingError`, listing every missing,
+    strict: Raise `pz_persist.BindingError`, listing every missing,
       unexpected or mismatched variable, if the checkpoint does not fit. With
       False, load what fits and return ``(model, report)``.
     verify: Check every array read against its recorded checksum, before
@@ -291,7 +287,7 @@ def load_model(
 
 
 @overload
-@deprecated(f"load_into(path, model) is load_into(path, model) (removed {INTO_REMOVAL})")
+@deprecated("load_model(path, into=model) is load_into(path, model) (removed 2027-06-01)")
 def load_model(
     path: opening.PathOrHandle,
     *,
@@ -302,7 +298,7 @@ def load_model(
 
 
 @overload
-@deprecated(f"load_into(path, model) is load_into(path, model) (removed {INTO_REMOVAL})")
+@deprecated("load_model(path, into=model) is load_into(path, model) (removed 2027-06-01)")
 def load_model(
     path: opening.PathOrHandle,
     *,
@@ -375,11 +371,8 @@ def load_model(
     The model, or ``(model, report)`` when ``strict=False``.
   """
   if into is not None:
-    warnings.warn(
-        "pz_persist.load_into(path, model) is deprecated and will be removed"
-        f" on {INTO_REMOVAL}: use pz_persist.load_into(path, model) (same options).",
-        DeprecationWarning, stacklevel=2,
-    )
+    deprecations.warn("pz_persist.load_model(path, into=model)",
+                      "pz_persist.load_into(path, model) (same options)")
     value = options.pop("options", None)
     given = {"dtype": dtype, "allow_lossy": allow_lossy, "sharding": sharding}
     options.update((name, v) for name, v in given.items() if v is not None and v is not False)

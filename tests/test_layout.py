@@ -33,7 +33,7 @@ PACKAGE = pathlib.Path(pzp.__file__).parent
 
 LAYERS = {
     # The ground: no pz_persist imports but these.
-    "errors": 0, "version": 0,
+    "errors": 0, "version": 0, "deprecations": 0,
     "safety": 1, "nn": 1,
     "format": 2,
     "progress": 3, "sharding": 3,
@@ -182,6 +182,113 @@ def test_the_cycle_finder_finds_cycles():
   graph = _import_graph()
   assert "pz_persist.tools.diff_tree" in graph["pz_persist.tools.diffing"]
   assert "pz_persist.tools.diff_view" in graph["pz_persist.tools.diffing"]
+
+
+def _module_aliases() -> list[str]:
+  """Every module-level ``name = other`` or ``name = module.attribute`` of the
+  package (an assignment whose value is only a name or an attribute: what a
+  rename or a move used to leave behind), as ``module: name = value``."""
+  found = []
+  for path, module in _modules():
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        target, value = node.targets[0], node.value
+      elif isinstance(node, ast.AnnAssign) and node.value is not None:
+        target, value = node.target, node.value
+      else:
+        continue
+      if isinstance(target, ast.Name) and isinstance(value, (ast.Name, ast.Attribute)):
+        found.append(f"{module}: {target.id} = {ast.unparse(value)}")
+  return found
+
+
+ALIASES_ALLOWED = {
+    # Type shorthands for annotations (the node type of the typed JSON).
+    "pz_persist.format.compact: Node = nodes.Node",
+    "pz_persist.format.decode: Node = nodes.Node",
+    "pz_persist.format.encode: Node = nodes.Node",
+    # A bound builtin, for the frozen dataclass's own __post_init__.
+    "pz_persist.format.array_specs: _set = object.__setattr__",
+    # A tuple type named for what it holds.
+    "pz_persist.storage.containment: Snapshot = tuple",
+    # Orbax's modules by their job (the seam's private names stay there).
+    "pz_persist.storage.steps: _step_paths = ocp.path.step",
+    "pz_persist.storage.steps: _atomicity = ocp.path.atomicity",
+    "pz_persist.storage.steps: COMMIT_MARKER = _atomicity.COMMIT_SUCCESS_FILE",
+}
+"""Module-level aliases that are not leftovers of a rename or a move.
+
+The helpers restructuring storage/ and pretrained/ (issue 38) hold the
+rest of those parts' aliases, listed in `ALIASES_LEFT_TO_THEIR_PARTS` until
+their parts are done."""
+
+ALIASES_LEFT_TO_THEIR_PARTS = {
+    "pz_persist.pretrained.gemma: Progress = progress_lib.Progress",
+    "pz_persist.pretrained.hf: UnsupportedConfigError = errors.UnsupportedConfigError",
+    "pz_persist.pretrained.hf: CheckpointFolderError = errors.CheckpointFolderError",
+    "pz_persist.pretrained.hf.config: UnsupportedConfigError = errors.UnsupportedConfigError",
+    "pz_persist.pretrained.hf.config_from_model: ExportError = errors.ExportError",
+    "pz_persist.pretrained.hf.export: ExportError = errors.ExportError",
+    "pz_persist.pretrained.hf.families.moe_common: ExportError = errors.ExportError",
+    "pz_persist.pretrained.hf.folder_writer: ExportError = errors.ExportError",
+    "pz_persist.pretrained.hf.load: UnsupportedConfigError = errors.UnsupportedConfigError",
+    "pz_persist.pretrained.hf.load: CheckpointFolderError = errors.CheckpointFolderError",
+    "pz_persist.pretrained.hf.structure_match: ExportError = errors.ExportError",
+    "pz_persist.pretrained.hf.weights: CheckpointFolderError = errors.CheckpointFolderError",
+    "pz_persist.pretrained.lora_merge: ExportError = errors.ExportError",
+    "pz_persist.storage.commit: Identity = stores.base.Identity",
+    "pz_persist.storage.commit: sibling = local.sibling",
+    "pz_persist.storage.commit: is_local = safe_io.is_local",
+    "pz_persist.storage.containment: MAX_ORBAX_TREE_METADATA_BYTES ="
+    " bounded_json.MAX_ORBAX_METADATA_BYTES",
+    "pz_persist.storage.file_digests: FILENAME = manifest_lib.FILE_DIGESTS_FILENAME",
+    "pz_persist.storage.file_digests: MAX_BYTES = manifest_lib.MAX_FILE_DIGESTS_BYTES",
+    "pz_persist.storage.object_commit: COMMIT_PREFIX = commits.COMMIT_PREFIX",
+    "pz_persist.storage.object_commit: MAX_SEQUENCE = commits.MAX_SEQUENCE",
+    "pz_persist.storage.object_commit: GENERATION_PREFIX = commits.GENERATION_PREFIX",
+    "pz_persist.storage.object_commit: MAX_COMMIT_BYTES = commits.MAX_COMMIT_BYTES",
+    "pz_persist.storage.object_commit: Commit = base.Commit",
+    "pz_persist.storage.object_commit: Identity = base.Identity",
+    "pz_persist.storage.object_commit: commit_name = commits.commit_name",
+    "pz_persist.storage.object_commit: new_generation = commits.new_generation",
+    "pz_persist.storage.object_commit: next_sequence = commits.next_sequence",
+    "pz_persist.storage.object_store: ObjectInfo = base.ObjectInfo",
+    "pz_persist.storage.object_store: scheme = urls.scheme",
+    "pz_persist.storage.object_store: file_url_path = urls.file_url_path",
+    "pz_persist.storage.object_store: check_url = urls.check_url",
+    "pz_persist.storage.object_store: key = urls.key",
+    "pz_persist.storage.opening: LOAD_ATTEMPTS = stores.LOCAL.load_attempts",
+    "pz_persist.storage.opening: OBJECT_STORE_LOAD_ATTEMPTS ="
+    " stores.objects.ObjectStore.load_attempts",
+    "pz_persist.storage.opening: ORBAX_CHECKPOINT_METADATA = stores.local.ORBAX_CHECKPOINT_METADATA",
+    "pz_persist.storage.stores: Store = base.Store",
+    "pz_persist.storage.stores.commits: COMMIT_PREFIX = base.COMMIT_PREFIX",
+    "pz_persist.storage.stores.commits: commit_name = base.commit_name",
+    "pz_persist.storage.stores.commits: Commit = base.Commit",
+    "pz_persist.storage.stores.commits: Identity = base.Identity",
+}
+"""Aliases in storage/ and pretrained/, found at the start of issue 38 and
+left to the helpers regrouping those parts: this may only shrink."""
+
+
+def test_no_new_module_level_aliases():
+  """A rename or a move leaves no ``old = new`` line behind: an internal
+  spelling is replaced at its callers in the same change, a public one is
+  served with a warning and a date by `pz_persist.deprecations`. This lists
+  every module-level alias and fails on one not allowed above."""
+  found = set(_module_aliases())
+  new = sorted(found - ALIASES_ALLOWED - ALIASES_LEFT_TO_THEIR_PARTS)
+  assert not new, (
+      "module-level aliases (replace the old spelling at its callers, or serve a"
+      " public one with pz_persist.deprecations.module_getattr):\n" + "\n".join(new))
+
+
+def test_the_alias_scan_sees_aliases():
+  assert "pz_persist.format.decode: Node = nodes.Node" in _module_aliases()
+  tree = ast.parse("a = b\nc: int = d.e\nf = g()\nh = 1\n")
+  assert [ast.unparse(n) for n in tree.body
+          if isinstance(getattr(n, "value", None), (ast.Name, ast.Attribute))] == [
+              "a = b", "c: int = d.e"]
 
 
 _PRIVATE_ORBAX = re.compile(r"^orbax\.checkpoint(\.experimental\.v1)?\._src(\.|$)")

@@ -41,8 +41,6 @@ import numpy as np
 
 from pz_persist import errors
 
-LossyCastError = errors.LossyCastError
-
 
 def _kind(dtype: np.dtype) -> str:
   """``"b"`` (bool), ``"i"`` (any integer), ``"f"`` (real float), ``"c"``
@@ -297,7 +295,7 @@ def refuse(x: Any, target: Any, where: str) -> None:
   """
   reason = check(x, target)
   if reason:
-    raise LossyCastError(
+    raise errors.LossyCastError(
         f"{where}: casting {x.dtype} to {np.dtype(target)} would change values: it"
         f" holds {reason}. Pass allow_lossy=True to cast anyway."
     )
