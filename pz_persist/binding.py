@@ -32,6 +32,8 @@ from typing import Any
 from typing import Literal
 from typing import Protocol
 from typing import TypedDict
+from typing import TypeVar
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,7 @@ from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.format import casts
 from pz_persist.format import decode
+from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.format import selection
@@ -55,6 +58,9 @@ from pz_persist.storage import reader
 LabelGlobs = str | Sequence[str]
 RenameRules = Mapping[str, str] | Sequence[tuple[str, str]]
 DTypeRules = jax.typing.DTypeLike | Mapping[str, jax.typing.DTypeLike]
+
+ModelT = TypeVar("ModelT")
+"""A model bound into: the model returned is of its type."""
 
 AxisRenames = Mapping[str, str]
 """``rename_axes=``: ``{stored axis name: model axis name}``."""
@@ -120,7 +126,7 @@ class BindOptions:
   sharding: sharding_lib.Target = None
   auto_labels: AutoLabels = None
 
-  def with_keywords(self, **keywords: Any) -> BindOptions:
+  def with_keywords(self, **keywords: Unpack[BindKeywords]) -> BindOptions:
     """These options with ``keywords`` (`BindKeywords`) replacing fields.
 
     Raises:
@@ -136,7 +142,7 @@ class BindOptions:
     return dataclasses.replace(self, **keywords) if keywords else self
 
   @classmethod
-  def of(cls, options: BindOptions | None, keywords: Mapping[str, Any]) -> BindOptions:
+  def of(cls, options: BindOptions | None, keywords: BindKeywords) -> BindOptions:
     """The options an entry point was given: ``options`` (or the defaults)
     with the keyword spellings beside it applied."""
     if options is not None and not isinstance(options, BindOptions):
@@ -610,7 +616,9 @@ def _fit(value: Any, target: Any, *, place: bool) -> Any:
   return jax.tree.map(fit, value, target, is_leaf=nodes.fits_its_axes)
 
 
-def _model_variables(model: Any):
+def _model_variables(
+    model: object,
+) -> tuple[Any, dict[Hashable, pz.AbstractVariable], dict[Hashable, pz.AbstractVariableSlot]]:
   """The model's structure with slots, its bound variables and its slots."""
   structure, bound = pz.unbind_variables(model)
   slots = {
@@ -623,19 +631,19 @@ def _model_variables(model: Any):
   return structure, {var.label: var for var in bound}, slots
 
 
-def _kind_of_slot(slot: Any) -> str:
+def _kind_of_slot(slot: pz.AbstractVariableSlot) -> str:
   return variable_kinds.kind_of(slot)
 
 
 def load_into(
     opened: opening.OpenItem,
-    model: Any,
+    model: ModelT,
     options: BindOptions,
     *,
     strict: bool = True,
     verify: bool = True,
     progress: progress_lib.Progress = None,
-) -> tuple[Any, LoadReport]:
+) -> tuple[ModelT, LoadReport]:
   """Loads the variables of the opened checkpoint item into ``model``.
 
   See `pz_persist.load_into` for the options. Returns the new model and the
@@ -655,7 +663,9 @@ def load_into(
   )
 
 
-def _check_axis_names(where: str, manifest: Any, rename_axes: AxisRenames | None) -> None:
+def _check_axis_names(
+    where: str, manifest: manifest_lib.Manifest, rename_axes: AxisRenames | None
+) -> None:
   """Refuses each ``rename_axes=`` key that is no axis name of the
   checkpoint: it would rename nothing."""
   if not rename_axes:
@@ -699,14 +709,14 @@ class Source(Protocol):
 
 def bind(
     where: str,
-    model: Any,
+    model: ModelT,
     source: Source,
     options: BindOptions,
     *,
     renamed: tuple[tuple[Hashable, Hashable], ...] = (),
     strict: bool = True,
     verify: bool = True,
-) -> tuple[Any, LoadReport]:
+) -> tuple[ModelT, LoadReport]:
   """Loads the variables ``source`` holds into ``model``, checked and reported.
 
   The one place every way of loading into a model goes through (native
@@ -756,7 +766,7 @@ def bind(
 
 def _auto_labels_by_position(
     where: str,
-    model: Any,
+    model: object,
     stored: dict[Hashable, Any],
     renamed: tuple[tuple[Hashable, Hashable], ...],
     how: str,
@@ -932,7 +942,10 @@ class _Plan:
     return values, cast
 
 
-def _rebind(structure, bound, stored, values) -> Any:
+def _rebind(
+    structure: Any, bound: Mapping[Hashable, pz.AbstractVariable],
+    stored: Mapping[Hashable, Any], values: Mapping[Hashable, Any],
+) -> Any:
   """The model with new variables holding ``values``; others kept as they were."""
   variables = [var for label, var in bound.items() if label not in values]
   for label, value in values.items():
@@ -946,8 +959,8 @@ def _rebind(structure, bound, stored, values) -> Any:
 
 
 def cast_model(
-    model: Any, dtype: DTypeRules, *, allow_lossy: bool = False, where: str = "the model"
-) -> Any:
+    model: ModelT, dtype: DTypeRules, *, allow_lossy: bool = False, where: str = "the model"
+) -> ModelT:
   """``model`` with its variables' arrays cast as ``dtype=`` asks (checked;
   ``where``: the checkpoint it was loaded from, for messages)."""
   structure, variables = pz.unbind_variables(model)

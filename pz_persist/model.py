@@ -405,11 +405,14 @@ def load_model(
   return model, binding.LoadReport(loaded=tuple(v.label for v in variables))
 
 
-def _restore_model(opened: opening.OpenItem, **read_args: Any) -> Any:
+def _restore_model(
+    opened: opening.OpenItem, *, sharding: sharding_lib.Target, verify: bool,
+    progress: progress_lib.Progress,
+) -> object:
   """The tree of an opened item, whose variables have unique labels.
 
   Why checked first: Penzai refuses a model whose variables share a label;
   checked on the manifest, before any array is read.
   """
   manifest_queries.check_variable_labels(opened.manifest, where=str(opened.item))
-  return restoring.read_tree(opened, **read_args)
+  return restoring.read_tree(opened, sharding=sharding, verify=verify, progress=progress)

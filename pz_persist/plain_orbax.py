@@ -143,11 +143,11 @@ def _is_plain_item(directory: epath.Path) -> bool:
 def load_into(
     path: epath.PathLike,
     item: epath.Path,
-    model: Any,
+    model: binding.ModelT,
     options: binding.BindOptions,
     *,
     strict: bool = True,
-) -> tuple[Any, binding.LoadReport]:
+) -> tuple[binding.ModelT, binding.LoadReport]:
   """Loads the plain Orbax checkpoint at ``item`` into ``model``.
 
   ``options`` are those of `pz_persist.load_into`, checked and reported the
