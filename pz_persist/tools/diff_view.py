@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
+from typing import TextIO
 
 import treescope
 from treescope import rendering_parts as parts
@@ -97,15 +98,16 @@ def _percent(x: float) -> str:
   return f"{x * 100:.3g}%"
 
 
-def _styled(text: str, status: str) -> Any:
+def _styled(text: str, status: str) -> parts.RenderableTreePart:
   return parts.custom_style(parts.text(text), STYLES[status])
 
 
-def _line(node: diff_tree.DiffNode, inherited: bool, key: str | None = None) -> Any:
+def _line(node: diff_tree.DiffNode, inherited: bool,
+          key: str | None = None) -> parts.RenderableTreePart:
   """The first line of a node: key (``key`` if given), kind, status word,
   summary, notes, stats. Inside an added or removed subtree (``inherited``)
   only its root says so."""
-  pieces: list[Any] = []
+  pieces: list[parts.RenderableTreePart | str] = []
   key = node.key if key is None else key
   if key:
     pieces.append(parts.text(f"{key}: "))
@@ -143,7 +145,8 @@ limit; flattened (`pz_persist.format.folding.flattened`, as `render_html`
 folds a model's deep parts), the rendering's depth is bounded whatever the tree."""
 
 
-def _render(node: diff_tree.DiffNode, parent_status: str = "", level: int = 0) -> Any:
+def _render(node: diff_tree.DiffNode, parent_status: str = "",
+            level: int = 0) -> parts.RenderableAndLineAnnotations:
   """A node: one line, or a foldable whose children show only when it is
   expanded (folded, it reads ``{...}``: an unchanged block stays one short
   line until clicked)."""
@@ -171,11 +174,12 @@ def _render(node: diff_tree.DiffNode, parent_status: str = "", level: int = 0) -
   )
 
 
-def _flattened(root: diff_tree.DiffNode) -> list[Any]:
+def _flattened(root: diff_tree.DiffNode) -> list[parts.RenderableAndLineAnnotations]:
   """Every node below ``root`` as one line, keyed by its path from ``root``
   (``.sublayers[0].sublayers[0]: Linear ...``), parents first."""
 
-  def line(key: str, node: diff_tree.DiffNode, parent: diff_tree.DiffNode) -> Any:
+  def line(key: str, node: diff_tree.DiffNode,
+           parent: diff_tree.DiffNode) -> parts.RenderableAndLineAnnotations:
     inherited = node.status in ("added", "removed") and parent.status in (
         node.status, "replaced")
     return parts.build_one_line_tree_node(_line(node, inherited, key))
@@ -277,7 +281,7 @@ def _colour(text: str, statuses: list[str]) -> str:
   return "\n".join(out)
 
 
-def use_colour(stream: Any = None) -> bool:
+def use_colour(stream: TextIO | None = None) -> bool:
   """Colours only on a terminal, and never with ``NO_COLOR`` set or ``TERM=dumb``."""
   stream = stream or sys.stdout
   isatty = getattr(stream, "isatty", None)

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from etils import epath
 
 from pz_persist import progress as progress_lib
@@ -110,7 +111,7 @@ class CheckpointDiff:
   a: str = "A"
   b: str = "B"
   tables: tuple[ArrayTable, ArrayTable] | None = dataclasses.field(default=None, repr=False)
-  sources: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+  sources: tuple[epath.Path, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
   @property
   def structure(self) -> list[str]:
@@ -266,7 +267,7 @@ COMPARE_ELEMENTS = 1 << 20
 piece, not of the whole array, are all a comparison holds."""
 
 
-def compare_values(a: Any, b: Any) -> diff_tree.ArrayStats:
+def compare_values(a: npt.ArrayLike, b: npt.ArrayLike) -> diff_tree.ArrayStats:
   """How two host arrays of one shape differ, in bounded pieces."""
   a, b = np.asarray(a), np.asarray(b)
   if a.dtype == b.dtype and a.tobytes() == b.tobytes():
@@ -301,15 +302,15 @@ def compare_values(a: Any, b: Any) -> diff_tree.ArrayStats:
   )
 
 
-def _host(value: Any) -> Any:
+def _host(value: np.ndarray | jax.Array) -> np.ndarray:
   if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
     value = jax.random.key_data(value)
   return np.asarray(value)
 
 
 def diff(
-    a: Any,
-    b: Any,
+    a: object,
+    b: object,
     *,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: progress_lib.Progress = None,
