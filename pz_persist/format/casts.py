@@ -1,7 +1,7 @@
 """Which dtype casts change values, decided from the values, in one place.
 
 Every path that casts arrays on the way in or out goes through `check` (or
-`cast`): ``load_model(dtype=)`` with or without ``into=``, plain Orbax
+`cast`): ``load_model(dtype=)``, ``load_into(dtype=)``, plain Orbax
 checkpoints bound into a model, ``migrate``, the pretrained loaders
 (`load_hf` and `load_gemma` with ``dtype=``) and ``export_hf``'s norm offsets.
 So one rule says what a lossy cast is, and no path can wrap a uint8 200 into
