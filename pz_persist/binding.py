@@ -14,6 +14,9 @@ once, in one readable report, and control over what to do about each:
 * ``overlay=True`` loads a checkpoint that holds only some of the model's
   variables (an adapter over a base model).
 
+These options are one value, `BindOptions`, which every entry point hands
+down to `bind` (the keywords are its fields, typed by `BindKeywords`).
+
 Nothing is mutated: the model passed in is left as it was, and a new model is
 returned only once every check passed (or with ``strict=False``, together with
 the report of what was not loaded).

@@ -381,7 +381,8 @@ def load_model(
         progress=progress, **options,
     )
   if options:
-    binding.BindOptions().with_keywords(**options)  # An unknown keyword is named as such.
+    # An unknown keyword is named as such; a known one needs a model.
+    binding.BindOptions().with_keywords(**{k: v for k, v in options.items() if k != "options"})
     raise errors.ArgumentError(
         f"{', '.join(options)} need a model to load into, as in"
         " pz_persist.load_into(path, model, ...)."

@@ -119,6 +119,10 @@ def test_load_model_alone_warns_nothing_and_refuses_binding_options(saved):
     pzp.load_model(saved)
   with pytest.raises(errors.ArgumentError, match="only need a model to load into.*load_into"):
     pzp.load_model(saved, only="mlp/*")
+  with pytest.raises(errors.ArgumentError, match="options need a model to load into"):
+    pzp.load_model(saved, options=pzp.BindOptions())  # type: ignore[call-overload]
+  with pytest.raises(errors.ArgumentTypeError, match="unknown binding option.*onyl"):
+    pzp.load_into(saved, model_zoo.mlp(), onyl="mlp/*")  # type: ignore[call-overload]
 
 
 def test_plain_orbax_and_migrate_take_the_value(tmp_path):
