@@ -171,11 +171,11 @@ class CheckpointDiff:
 
   @property
   def identical(self) -> bool:
-    return not (
-        self.only_in_a or self.only_in_b or self.changed or self.structure
-        or any(not a.identical for a in self.arrays)
-        or (self.tree is not None and self.tree.status != "unchanged")
-    )
+    """No difference of any kind: the tree's verdict (a change of structure
+    or of an array's values marks the root changed), and no array name only
+    one side has."""
+    tree_unchanged = self.tree is None or self.tree.status == "unchanged"
+    return tree_unchanged and not (self.only_in_a or self.only_in_b or self.changed)
 
   def changes(self) -> list[diff_tree.DiffNode]:
     """Every node of `tree` that is not unchanged, parents first."""
