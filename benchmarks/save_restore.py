@@ -362,7 +362,6 @@ def own_work(params) -> dict:
   parsing the manifest, checking what Orbax read and decoding the tree. The
   arrays themselves go through the same Orbax code as in plain Orbax.
   """
-  import pz_persist as pzp
   from pz_persist.format import manifest as manifest_lib
   from pz_persist.storage import placements
   from pz_persist.storage import reader
