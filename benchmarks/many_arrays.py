@@ -69,7 +69,7 @@ MODEL_OPERATIONS = ("load_model", "load_model_tree", "load_arrays", "load_model_
 """What the model section measures, on the checkpoints `save_models` writes:
 `pzp.load_model` of the model, `pzp.load` of the model's checkpoint (the
 same rebuilt tree), `pzp.load` of the parameters alone (the arrays to
-compare with), ``load_model(params, into=model)`` and `pzp.inspect` of the
+compare with), ``load_into(params, model)`` and `pzp.inspect` of the
 model."""
 WARM_UP_COUNT = 8
 COLUMNS = 64  # Each array is [rows, 64] float32.
@@ -177,7 +177,7 @@ def model_operation(operation: str, directory: str, name: str):
     return lambda: block(pzp.load(params_path))
   if operation == "load_model_into":
     into = pzp.load_model(model_path)
-    return lambda: block(pzp.load_model(params_path, into=into))
+    return lambda: block(pzp.load_into(params_path, into))
   if operation == "inspect":
     return lambda: pzp.inspect(model_path)
   raise ValueError(operation)
@@ -582,7 +582,7 @@ def report_model(model: dict) -> None:
   )
   print("load_model: pzp.load_model(model checkpoint); load_model_tree: pzp.load of it;"
         " load_arrays: pzp.load of the parameters alone (same arrays and labels);"
-        " load_model_into: load_model(parameters, into=model); inspect: of the model\n")
+        " load_model_into: load_into(parameters, model); inspect: of the model\n")
   if "rounds" in model:
     rounds = model["rounds"]
     rows = []

@@ -290,7 +290,7 @@ def warm_process(method: str, path: str, target_bytes: int, runs: int) -> dict:
 
 
 def load_one_label(path: str, target_bytes: int, repeats: int = 5) -> dict:
-  """``load_model(path, into=model, only=label)`` for the smallest and the
+  """``load_into(path, model, only=label)`` for the smallest and the
   largest label, best of ``repeats``, beside a full restore in this process."""
   from penzai import pz
 
@@ -311,13 +311,13 @@ def load_one_label(path: str, target_bytes: int, repeats: int = 5) -> dict:
 
   result = {"full_seconds": best(lambda: pzp.load(path))}
   for name, label in labels.items():
-    loaded = pzp.load_model(path, into=model, only=label)
+    loaded = pzp.load_into(path, model, only=label)
     _, variables = pz.unbind_params(loaded)
     size = next(v.value.data_array.nbytes for v in variables if v.label == label)
     result[name] = {
         "label": label,
         "bytes": size,
-        "seconds": best(lambda label=label: pzp.load_model(path, into=model, only=label)),
+        "seconds": best(lambda label=label: pzp.load_into(path, model, only=label)),
     }
   return result
 
@@ -362,18 +362,18 @@ def own_work(params) -> dict:
   parsing the manifest, checking what Orbax read and decoding the tree. The
   arrays themselves go through the same Orbax code as in plain Orbax.
   """
-  import pz_persist as pzp
   from pz_persist.format import manifest as manifest_lib
   from pz_persist.storage import placements
   from pz_persist.storage import reader
   from pz_persist.storage import restoring
+  from pz_persist.storage import writer
 
   def best(fn, repeats=5):
     return harness.best_of(fn, repeats)
 
   # Encoding, hashing (done in the save's background work since the hashing
   # moved off the critical path, still pz_persist's work) and serializing.
-  manifest, stored = pzp.orbax.v0_handler.encode_manifest(params)
+  manifest, stored = writer.encode_hashed(params)
   data = manifest.dumps()
 
   def decode():
@@ -383,7 +383,7 @@ def own_work(params) -> dict:
     return restoring.decode(parsed, values, where="bench")
 
   return {
-      "save_seconds": best(lambda: pzp.orbax.v0_handler.encode_manifest(params)[0].dumps()),
+      "save_seconds": best(lambda: writer.encode_hashed(params)[0].dumps()),
       "load_seconds": best(decode),
       "manifest_bytes": len(data),
   }

@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from pz_persist import errors
-from pz_persist.binding import BindingError
+from pz_persist.binding import BindOptions
 from pz_persist.binding import LoadReport
 from pz_persist.binding import Mismatch
 from pz_persist.binding import assign_variables
 from pz_persist.checkpoint import inspect
 from pz_persist.checkpoint import load
 from pz_persist.checkpoint import save
+from pz_persist.errors import BindingError
 from pz_persist.errors import PzPersistError
 from pz_persist.lazy.opened import OpenedCheckpoint
 from pz_persist.lazy.opened import open_checkpoint as open  # pylint: disable=redefined-builtin
@@ -110,6 +111,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AxisRules",
+    "BindOptions",
     "BindingError",
     "CheckpointManager",
     "LoadReport",

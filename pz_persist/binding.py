@@ -14,6 +14,9 @@ once, in one readable report, and control over what to do about each:
 * ``overlay=True`` loads a checkpoint that holds only some of the model's
   variables (an adapter over a base model).
 
+These options are one value, `BindOptions`, which every entry point hands
+down to `bind` (the keywords are its fields, typed by `BindKeywords`).
+
 Nothing is mutated: the model passed in is left as it was, and a new model is
 returned only once every check passed (or with ``strict=False``, together with
 the report of what was not loaded).
@@ -31,17 +34,22 @@ from collections.abc import Sequence
 from typing import Any
 from typing import Literal
 from typing import Protocol
+from typing import TypedDict
+from typing import TypeVar
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from penzai import pz
 
+from pz_persist import deprecations
 from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.format import casts
 from pz_persist.format import decode
+from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.format import selection
@@ -54,9 +62,115 @@ LabelGlobs = str | Sequence[str]
 RenameRules = Mapping[str, str] | Sequence[tuple[str, str]]
 DTypeRules = jax.typing.DTypeLike | Mapping[str, jax.typing.DTypeLike]
 
-BindingError = errors.BindingError  # Documented here too (defined in errors).
+ModelT = TypeVar("ModelT")
+"""A model bound into: the model returned is of its type."""
 
-_describe = nodes.describe_label
+AxisRenames = Mapping[str, str]
+"""``rename_axes=``: ``{stored axis name: model axis name}``."""
+
+AutoLabels = Literal["by_position"] | None
+"""How state variables with automatic labels are matched (`load_into`)."""
+
+# Former spellings: `pz_persist.BindingError` (defined in `pz_persist.errors`).
+__getattr__ = deprecations.module_getattr(__name__, {
+    "BindingError": "pz_persist.errors.BindingError",
+})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BindOptions:
+  """How a checkpoint's variables are bound into a model: one value for all of it.
+
+  Every way of loading into a built model (`pz_persist.load_into`, plain
+  Orbax checkpoints through it, `pz_persist.migrate`) takes these options
+  either as this value (``options=``) or as the same keywords, and hands
+  them down as this one value to `bind`, the one place they are applied.
+  Why a value: a choice made once (a rename table, dtype rules) is kept and
+  reused across calls, and a new option is added in one place instead of in
+  the signature of every entry point. Frozen: a value handed to a load is
+  never changed by it. Keywords given beside ``options`` win over its
+  fields (`with_keywords`).
+
+  Example::
+
+    import jax.numpy as jnp
+    import pz_persist as pzp
+
+    finetune = pzp.BindOptions(rename={r"^base/": ""}, dtype=jnp.bfloat16)
+    assert finetune.with_keywords(overlay=True).overlay
+    # model = pzp.load_into(path, model, finetune)           # as a value
+    # model = pzp.load_into(path, model, rename={r"^base/": ""})  # as keywords
+
+  Attributes:
+    only: Label globs (``fnmatch``): bind only the model variables they
+      match; the model keeps its other values. Each glob must match a
+      checkpoint label, and ``[]`` selects nothing: both refused.
+    rename: Regex rules ``{pattern: replacement}`` applied in order to the
+      checkpoint's labels to get the model's.
+    rename_axes: ``{stored axis name: model axis name}``; stored axes in
+      another order than the model's are transposed automatically.
+    dtype: A dtype to cast to, or ``{label glob: dtype}`` rules; a cast that
+      changes values beyond rounding is refused unless ``allow_lossy``.
+    allow_lossy: Cast even where values change.
+    overlay: The checkpoint holds only some of the model's variables (an
+      adapter): the others keep their values and are not reported missing.
+    sharding: Where arrays are read to (a ``jax.sharding.Sharding`` or
+      `pz_persist.AxisRules`; default: the model's own placement).
+    auto_labels: ``"by_position"``: match state variables with automatic
+      labels (``pz.AutoStateVarLabel``) by their order in the tree.
+  """
+
+  only: LabelGlobs | None = None
+  rename: RenameRules | None = None
+  rename_axes: AxisRenames | None = None
+  dtype: DTypeRules | None = None
+  allow_lossy: bool = False
+  overlay: bool = False
+  sharding: sharding_lib.Target = None
+  auto_labels: AutoLabels = None
+
+  def with_keywords(self, **keywords: Unpack[BindKeywords]) -> BindOptions:
+    """These options with ``keywords`` (`BindKeywords`) replacing fields.
+
+    Raises:
+      ArgumentTypeError: a keyword is no field of `BindOptions` (named, with
+        the fields there are).
+    """
+    unknown = sorted(set(keywords) - _FIELDS)
+    if unknown:
+      raise errors.ArgumentTypeError(
+          f"unknown binding option(s) {', '.join(unknown)}; the options are"
+          f" {', '.join(sorted(_FIELDS))} (pz_persist.BindOptions)."
+      )
+    return dataclasses.replace(self, **keywords) if keywords else self
+
+  @classmethod
+  def of(cls, options: BindOptions | None, keywords: BindKeywords) -> BindOptions:
+    """The options an entry point was given: ``options`` (or the defaults)
+    with the keyword spellings beside it applied."""
+    if options is not None and not isinstance(options, BindOptions):
+      raise errors.ArgumentTypeError(
+          f"options must be a pz_persist.BindOptions, not a {type(options).__name__}"
+          " (or pass the options as keywords)."
+      )
+    return (options or cls()).with_keywords(**keywords)
+
+
+class BindKeywords(TypedDict, total=False):
+  """`BindOptions`' fields as keywords (``**keywords: Unpack[BindKeywords]``):
+  what entry points accept beside ``options=``, typed field for field."""
+
+  only: LabelGlobs | None
+  rename: RenameRules | None
+  rename_axes: AxisRenames | None
+  dtype: DTypeRules | None
+  allow_lossy: bool
+  overlay: bool
+  sharding: sharding_lib.Target
+  auto_labels: AutoLabels
+
+
+_FIELDS = frozenset(field.name for field in dataclasses.fields(BindOptions))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +193,11 @@ class Mismatch:
   def __str__(self) -> str:
     if self.what == "lossy cast":
       return (
-          f"{_describe(self.label)}: casting to {self.model} would change"
+          f"{nodes.describe_label(self.label)}: casting to {self.model} would change"
           f" values: the checkpoint's {self.checkpoint}"
       )
     return (
-        f"{_describe(self.label)}: {self.what} differs: checkpoint has"
+        f"{nodes.describe_label(self.label)}: {self.what} differs: checkpoint has"
         f" {self.checkpoint}, model wants {self.model}"
     )
 
@@ -125,7 +239,7 @@ class LoadReport:
                           ("not in the model", self.unexpected)):
       if labels:
         lines.append(f"{len(labels)} {title}:")
-        lines += [f"  {_describe(label)}" for label in labels]
+        lines += [f"  {nodes.describe_label(label)}" for label in labels]
     if self.mismatched:
       lines.append(f"{len(self.mismatched)} could not be loaded:")
       lines += [f"  {mismatch}" for mismatch in self.mismatched]
@@ -136,10 +250,10 @@ class LoadReport:
     for title, items in (("renamed", self.renamed), ("cast", self.cast)):
       if items:
         lines.append(f"{len(items)} {title}:")
-        lines += ["  " + " -> ".join(_describe(x) for x in item) for item in items]
+        lines += ["  " + " -> ".join(nodes.describe_label(x) for x in item) for item in items]
     if self.transposed:
       lines.append(f"{len(self.transposed)} transposed to the model's axis order:")
-      lines += [f"  {_describe(label)}" for label in self.transposed]
+      lines += [f"  {nodes.describe_label(label)}" for label in self.transposed]
     return "\n".join(lines)
 
 
@@ -264,7 +378,7 @@ def _check_selectors(
 ) -> None:
   """Refuses each ``only=`` glob and ``dtype=`` rule matching no label the
   checkpoint has (as ``rename=`` made them): it would load, or cast, nothing."""
-  names = [_describe(label) for label in stored]
+  names = [nodes.describe_label(label) for label in stored]
   rules = [(f"only={glob!r}", glob) for glob in globs or ()]
   for glob, rule in (dtype.items() if isinstance(dtype, Mapping) else [(None, dtype)]):
     if glob is not None and not isinstance(glob, str):
@@ -287,7 +401,7 @@ def _check_selectors(
 
 
 def _selected(label: Hashable, globs: tuple[str, ...] | None) -> bool:
-  return globs is None or any(fnmatch.fnmatchcase(_describe(label), g) for g in globs)
+  return globs is None or any(fnmatch.fnmatchcase(nodes.describe_label(label), g) for g in globs)
 
 
 def _rules(rename: RenameRules | None, where: str) -> list[tuple[re.Pattern[str], str]]:
@@ -335,7 +449,7 @@ def _target_dtype(
     return None
   if isinstance(dtype, Mapping):
     for glob, rule in dtype.items():
-      if fnmatch.fnmatchcase(_describe(label), glob):
+      if fnmatch.fnmatchcase(nodes.describe_label(label), glob):
         target = np.dtype(rule)
         return target if target != current else None
     return None
@@ -505,7 +619,9 @@ def _fit(value: Any, target: Any, *, place: bool) -> Any:
   return jax.tree.map(fit, value, target, is_leaf=nodes.fits_its_axes)
 
 
-def _model_variables(model: Any):
+def _model_variables(
+    model: object,
+) -> tuple[Any, dict[Hashable, pz.AbstractVariable], dict[Hashable, pz.AbstractVariableSlot]]:
   """The model's structure with slots, its bound variables and its slots."""
   structure, bound = pz.unbind_variables(model)
   slots = {
@@ -518,46 +634,41 @@ def _model_variables(model: Any):
   return structure, {var.label: var for var in bound}, slots
 
 
-def _kind_of_slot(slot: Any) -> str:
+def _kind_of_slot(slot: pz.AbstractVariableSlot) -> str:
   return variable_kinds.kind_of(slot)
 
 
 def load_into(
     opened: opening.OpenItem,
-    model: Any,
+    model: ModelT,
+    options: BindOptions,
     *,
     strict: bool = True,
-    only: LabelGlobs | None = None,
-    rename: RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
     verify: bool = True,
     progress: progress_lib.Progress = None,
-    auto_labels: AutoLabels = None,
-) -> tuple[Any, LoadReport]:
+) -> tuple[ModelT, LoadReport]:
   """Loads the variables of the opened checkpoint item into ``model``.
 
-  See `pz_persist.load_model` for the options. Returns the new model and the
+  See `pz_persist.load_into` for the options. Returns the new model and the
   report. With ``strict``, raises `BindingError` before reading any array if
   labels are missing or unexpected or a variable's structure, axes, shapes or
   dtypes do not fit, and before building anything if a cast would be lossy.
   """
   where = str(opened.item)
-  stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(rename, where))
-  _check_axis_names(where, opened.manifest, rename_axes)
-  if auto_labels is not None:
-    stored, renamed = _auto_labels_by_position(where, model, stored, renamed, auto_labels)
+  stored, renamed = _checkpoint_variables(opened.manifest, where, _rules(options.rename, where))
+  _check_axis_names(where, opened.manifest, options.rename_axes)
+  if options.auto_labels is not None:
+    stored, renamed = _auto_labels_by_position(
+        where, model, stored, renamed, options.auto_labels)
   return bind(
-      where, model, _ManifestSource(opened, stored, rename_axes, progress),
-      renamed=renamed, strict=strict, only=only, dtype=dtype,
-      allow_lossy=allow_lossy, overlay=overlay, sharding=sharding, verify=verify,
+      where, model, _ManifestSource(opened, stored, options.rename_axes, progress), options,
+      renamed=renamed, strict=strict, verify=verify,
   )
 
 
-def _check_axis_names(where: str, manifest: Any, rename_axes: Mapping[Any, Any] | None) -> None:
+def _check_axis_names(
+    where: str, manifest: manifest_lib.Manifest, rename_axes: AxisRenames | None
+) -> None:
   """Refuses each ``rename_axes=`` key that is no axis name of the
   checkpoint: it would rename nothing."""
   if not rename_axes:
@@ -601,47 +712,45 @@ class Source(Protocol):
 
 def bind(
     where: str,
-    model: Any,
+    model: ModelT,
     source: Source,
+    options: BindOptions,
     *,
     renamed: tuple[tuple[Hashable, Hashable], ...] = (),
     strict: bool = True,
-    only: LabelGlobs | None = None,
-    dtype: DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
     verify: bool = True,
-) -> tuple[Any, LoadReport]:
+) -> tuple[ModelT, LoadReport]:
   """Loads the variables ``source`` holds into ``model``, checked and reported.
 
   The one place every way of loading into a model goes through (native
   checkpoints, plain Orbax ones), so each gets the same checks, options,
-  report and strictness. See `load_into`.
+  report and strictness. See `load_into`. (``options.rename``,
+  ``rename_axes`` and ``auto_labels`` are the source's to apply: they
+  decide the labels ``source.stored`` has.)
   """
   stored = source.stored
   structure, bound, slots = _model_variables(model)
-  globs = _globs(only, where)
-  _check_selectors(where, stored, globs, dtype)
+  globs = _globs(options.only, where)
+  _check_selectors(where, stored, globs, options.dtype)
   wanted = [label for label in slots if _selected(label, globs)]
-  missing = () if overlay else tuple(label for label in wanted if label not in stored)
+  missing = () if options.overlay else tuple(label for label in wanted if label not in stored)
   unexpected = tuple(
       label for label in stored if _selected(label, globs) and label not in slots
   )
 
   matched = tuple(label for label in wanted if label in stored)
   # Everything that needs no array data is checked first: one error lists all.
-  plan = _Plan(source, dtype)
+  plan = _Plan(source, options.dtype)
   for label in matched:
     plan.check(label, stored[label], slots[label], bound.get(label))
   if strict and (missing or unexpected or plan.problems):
-    raise BindingError(where, LoadReport(
+    raise errors.BindingError(where, LoadReport(
         missing=missing, unexpected=unexpected, mismatched=tuple(plan.problems),
         renamed=renamed, transposed=tuple(plan.transposed), matched=matched,
     ))
 
   values, cast = plan.read(
-      bound, allow_lossy=allow_lossy, sharding=sharding, verify=verify
+      bound, allow_lossy=options.allow_lossy, sharding=options.sharding, verify=verify
   )
   report = LoadReport(
       loaded=tuple(values),
@@ -654,17 +763,13 @@ def bind(
       matched=matched,
   )
   if strict and not report.ok:
-    raise BindingError(where, report)
+    raise errors.BindingError(where, report)
   return _rebind(structure, bound, stored, values), report
-
-
-AutoLabels = Literal["by_position"] | None
-"""How state variables with automatic labels are matched (`load_model`)."""
 
 
 def _auto_labels_by_position(
     where: str,
-    model: Any,
+    model: object,
     stored: dict[Hashable, Any],
     renamed: tuple[tuple[Hashable, Hashable], ...],
     how: str,
@@ -716,9 +821,9 @@ def _checkpoint_variables(manifest, where, rules):
     if label != variable.label:
       renamed.append((variable.label, label))
     if label in by_label:
-      raise BindingError(where, LoadReport(mismatched=(Mismatch(
-          label, "label", f"{_describe(by_label[label].label)} and"
-          f" {_describe(variable.label)} both renamed to it", "one variable"),)))
+      raise errors.BindingError(where, LoadReport(mismatched=(Mismatch(
+          label, "label", f"{nodes.describe_label(by_label[label].label)} and"
+          f" {nodes.describe_label(variable.label)} both renamed to it", "one variable"),)))
     by_label[label] = variable
   return by_label, tuple(renamed)
 
@@ -840,7 +945,10 @@ class _Plan:
     return values, cast
 
 
-def _rebind(structure, bound, stored, values) -> Any:
+def _rebind(
+    structure: Any, bound: Mapping[Hashable, pz.AbstractVariable],
+    stored: Mapping[Hashable, Any], values: Mapping[Hashable, Any],
+) -> Any:
   """The model with new variables holding ``values``; others kept as they were."""
   variables = [var for label, var in bound.items() if label not in values]
   for label, value in values.items():
@@ -854,8 +962,8 @@ def _rebind(structure, bound, stored, values) -> Any:
 
 
 def cast_model(
-    model: Any, dtype: DTypeRules, *, allow_lossy: bool = False, where: str = "the model"
-) -> Any:
+    model: ModelT, dtype: DTypeRules, *, allow_lossy: bool = False, where: str = "the model"
+) -> ModelT:
   """``model`` with its variables' arrays cast as ``dtype=`` asks (checked;
   ``where``: the checkpoint it was loaded from, for messages)."""
   structure, variables = pz.unbind_variables(model)
@@ -867,7 +975,7 @@ def cast_model(
     value = _cast_value(var.label, var.value, dtype, allow_lossy, cast, problems)
     new.append(dataclasses.replace(var.freeze(), value=value).unfreeze_as_copy())
   if problems:
-    raise BindingError("casting the loaded model", LoadReport(mismatched=tuple(problems)))
+    raise errors.BindingError("casting the loaded model", LoadReport(mismatched=tuple(problems)))
   return pz.bind_variables(structure, new)
 
 
@@ -917,6 +1025,6 @@ def assign_variables(tree: Any, values: Iterable[pz.AbstractVariableValue]) -> N
       matched=tuple(label for label in targets if label in incoming),
   )
   if not report.ok:
-    raise BindingError("the values to assign", report)
+    raise errors.BindingError("the values to assign", report)
   for label, variable in targets.items():
     variable.value = _fit(incoming[label].value, variable.value, place=True)

@@ -208,7 +208,8 @@ class ArgumentTypeError(PzPersistError, TypeError):
 class BindingError(PzPersistError, ValueError):
   """A checkpoint does not fit the model; ``report`` lists every difference.
 
-  Re-exported as `pz_persist.BindingError` and `pz_persist.binding.BindingError`.
+  Re-exported as `pz_persist.BindingError` (``pz_persist.binding.BindingError``
+  warns until it is removed on 2027-06-01).
 
   Attributes:
     report: The `pz_persist.LoadReport` of the refused load.

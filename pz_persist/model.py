@@ -12,25 +12,29 @@ allow-listed modules.
 given model by label, checking and reporting every difference (see
 `pz_persist.binding`); it also reads checkpoints of bare parameters written by
 `pz_persist.save`, and plain Orbax checkpoints of a model's parameters written
-without pz_persist (see `pz_persist.plain_orbax`). ``load_model(path,
-into=model)`` is its older spelling, kept working.
+without pz_persist (see `pz_persist.plain_orbax`); how to bind is one
+`pz_persist.BindOptions` value (or its fields as keywords).
+``load_model(path, into=model)``, its older spelling, warns until it is
+removed on 2027-06-01.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from collections.abc import Mapping
 from typing import Any
 from typing import Literal
 from typing import TypeVar
+from typing import Unpack
 from typing import overload
 
 import jax
 from etils import epath
 from penzai import pz
+from typing_extensions import deprecated
 
 from pz_persist import binding
 from pz_persist import checkpoint
+from pz_persist import deprecations
 from pz_persist import errors
 from pz_persist import plain_orbax
 from pz_persist import progress as progress_lib
@@ -94,24 +98,17 @@ def save_model(
 ModelT = TypeVar("ModelT")
 """The model given to `load_into`: the model returned is of its type."""
 
-
 @overload
 def load_into(
     path: opening.PathOrHandle,
     model: ModelT,
+    options: binding.BindOptions | None = None,
     *,
     strict: Literal[True] = True,
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
     progress: progress_lib.Progress = None,
-    auto_labels: binding.AutoLabels = None,
+    **keywords: Unpack[binding.BindKeywords],
 ) -> ModelT: ...
 
 
@@ -119,19 +116,13 @@ def load_into(
 def load_into(
     path: opening.PathOrHandle,
     model: ModelT,
+    options: binding.BindOptions | None = None,
     *,
     strict: Literal[False],
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
     progress: progress_lib.Progress = None,
-    auto_labels: binding.AutoLabels = None,
+    **keywords: Unpack[binding.BindKeywords],
 ) -> tuple[ModelT, binding.LoadReport]: ...
 
 
@@ -139,38 +130,26 @@ def load_into(
 def load_into(
     path: opening.PathOrHandle,
     model: ModelT,
+    options: binding.BindOptions | None = None,
     *,
     strict: bool,
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
     progress: progress_lib.Progress = None,
-    auto_labels: binding.AutoLabels = None,
+    **keywords: Unpack[binding.BindKeywords],
 ) -> ModelT | tuple[ModelT, binding.LoadReport]: ...
 
 
 def load_into(
     path: opening.PathOrHandle,
     model: ModelT,
+    options: binding.BindOptions | None = None,
     *,
     strict: bool = True,
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
     progress: progress_lib.Progress = None,
-    auto_labels: binding.AutoLabels = None,
+    **keywords: Unpack[binding.BindKeywords],
 ) -> ModelT | tuple[ModelT, binding.LoadReport]:
   r"""Loads a checkpoint's variables into ``model``, by label.
 
@@ -188,8 +167,10 @@ def load_into(
   and ``overlay`` are refused (`pz_persist.migrate` turns such a checkpoint
   into a native one).
 
-  ``load_model(path, into=model, ...)`` is the older spelling of this call,
-  and still works.
+  How to bind is one `pz_persist.BindOptions` value, given as ``options`` or
+  as its fields' keywords (``only=``, ``rename=``, ``rename_axes=``,
+  ``dtype=``, ``allow_lossy=``, ``overlay=``, ``sharding=``,
+  ``auto_labels=``), or both: keywords win over the value's fields.
 
   Example::
 
@@ -199,42 +180,17 @@ def load_into(
         rename={r"^old/": "new/"}, dtype=jnp.bfloat16,
     )
     print(report)
+    bf16 = pzp.BindOptions(dtype=jnp.bfloat16, allow_lossy=True)
+    model = pzp.load_into("/tmp/base", model, bf16)
 
   Args:
     path: A checkpoint directory (or its item directory), or a
       `pz_persist.open` handle (the checkpoint it opened is read).
     model: The model to load the checkpoint's variables into, by label.
-    strict: Raise `pz_persist.binding.BindingError`, listing every missing,
+    options: How to bind (`pz_persist.BindOptions`; default: its defaults).
+    strict: Raise `pz_persist.BindingError`, listing every missing,
       unexpected or mismatched variable, if the checkpoint does not fit. With
       False, load what fits and return ``(model, report)``.
-    only: Label globs (``fnmatch``): load only the model variables they
-      match; the model keeps its other values. Each glob must match a label
-      of the checkpoint (as ``rename`` made them), and ``[]`` selects
-      nothing: refused (`pz_persist.errors.UnknownLabelError` with the
-      closest labels; `ArgumentError`), as is each ``rename`` rule,
-      ``rename_axes`` key and ``dtype`` rule that matches nothing.
-    rename: Regex rules ``{pattern: replacement}`` applied in order to the
-      checkpoint's labels to get the model's labels.
-    rename_axes: ``{stored name: model name}`` for renamed axes. Stored axes
-      in another order than the model's are transposed automatically.
-    dtype: A dtype to cast to on load (a floating dtype casts the floating
-      arrays, an integer dtype the integer ones), or ``{label glob: dtype}``
-      rules (each casts every array of the labels it matches). The model's
-      current dtype then no longer has to match. Narrowing floats is done as
-      asked; a cast that changes values beyond rounding, decided from the
-      values by `pz_persist.format.casts` (a finite value overflowing, inf or
-      NaN into a dtype without them, a fraction dropped, an integer out of
-      range or not exactly representable, an imaginary part dropped), is
-      refused, listing each variable and a value, unless ``allow_lossy=True``.
-    allow_lossy: Cast even where values change (integers wrap around, inf
-      becomes NaN in float8_e4m3fn...).
-    overlay: The checkpoint holds only some of the model's variables (an
-      adapter over a base model): the others keep their values and are not
-      reported missing.
-    sharding: Where arrays are read to: a ``jax.sharding.Sharding`` or
-      `pz_persist.AxisRules` (default: the model's own placement, each array
-      read straight into the sharding of the array it replaces, so a model
-      larger than one device loads into itself).
     verify: Check every array read against its recorded checksum, before
       anything is built (see `pz_persist.load`).
     allow_modules: Extra modules the checkpoint may name, for this call.
@@ -242,30 +198,52 @@ def load_into(
       for one on a terminal or in a notebook once a load has taken a second,
       True, False, or a function called as ``progress(done, total)`` in
       bytes. Plain Orbax checkpoints are read in one Orbax call: no steps.
-    auto_labels: ``"by_position"``: match the state variables whose labels
-      Penzai drew automatically (``pz.AutoStateVarLabel``, new in every
-      build, so never equal to the saved ones) by their order in the tree:
-      the checkpoint's first to the model's first, and so on.
+    **keywords: `pz_persist.BindOptions`' fields, each replacing the one of
+      ``options``:
+
+      * ``only``: label globs (``fnmatch``): load only the model variables
+        they match; the model keeps its other values. Each glob must match a
+        label of the checkpoint (as ``rename`` made them), and ``[]``
+        selects nothing: refused (`pz_persist.errors.UnknownLabelError` with
+        the closest labels; `ArgumentError`), as is each ``rename`` rule,
+        ``rename_axes`` key and ``dtype`` rule that matches nothing.
+      * ``rename``: regex rules ``{pattern: replacement}`` applied in order
+        to the checkpoint's labels to get the model's labels.
+      * ``rename_axes``: ``{stored name: model name}`` for renamed axes.
+        Stored axes in another order than the model's are transposed
+        automatically.
+      * ``dtype``: a dtype to cast to on load (a floating dtype casts the
+        floating arrays, an integer dtype the integer ones), or
+        ``{label glob: dtype}`` rules (each casts every array of the labels
+        it matches). The model's current dtype then no longer has to match.
+        Narrowing floats is done as asked; a cast that changes values beyond
+        rounding, decided from the values by `pz_persist.format.casts` (a
+        finite value overflowing, inf or NaN into a dtype without them, a
+        fraction dropped, an integer out of range or not exactly
+        representable, an imaginary part dropped), is refused, listing each
+        variable and a value, unless ``allow_lossy=True``.
+      * ``allow_lossy``: cast even where values change (integers wrap
+        around, inf becomes NaN in float8_e4m3fn...).
+      * ``overlay``: the checkpoint holds only some of the model's variables
+        (an adapter over a base model): the others keep their values and
+        are not reported missing.
+      * ``sharding``: where arrays are read to: a ``jax.sharding.Sharding``
+        or `pz_persist.AxisRules` (default: the model's own placement, each
+        array read straight into the sharding of the array it replaces, so a
+        model larger than one device loads into itself).
+      * ``auto_labels``: ``"by_position"``: match the state variables whose
+        labels Penzai drew automatically (``pz.AutoStateVarLabel``, new in
+        every build, so never equal to the saved ones) by their order in the
+        tree: the checkpoint's first to the model's first, and so on.
 
   Returns:
     The model, or ``(model, report)`` when ``strict=False``.
   """
+  bind = binding.BindOptions.of(options, keywords)
   with allowlist.scoped_allowance(allow_modules):
     try:
       loaded, report = opening.read(path, lambda opened: binding.load_into(
-          opened,
-          model,
-          strict=strict,
-          only=only,
-          rename=rename,
-          rename_axes=rename_axes,
-          dtype=dtype,
-          allow_lossy=allow_lossy,
-          overlay=overlay,
-          sharding=sharding,
-          verify=verify,
-          progress=progress,
-          auto_labels=auto_labels,
+          opened, model, bind, strict=strict, verify=verify, progress=progress,
       ))
       return loaded if strict else (loaded, report)
     except errors.NotACheckpointError as e:
@@ -274,11 +252,7 @@ def load_into(
     plain = plain_orbax.find_item(path)
     if plain is None:
       raise not_native
-    loaded, report = plain_orbax.load_into(
-        path, plain, model, strict=strict, only=only, rename=rename,
-        rename_axes=rename_axes, dtype=dtype, allow_lossy=allow_lossy,
-        overlay=overlay, sharding=sharding,
-    )
+    loaded, report = plain_orbax.load_into(path, plain, model, bind, strict=strict)
     return loaded if strict else (loaded, report)
 
 
@@ -286,7 +260,6 @@ def load_into(
 def load_model(
     path: opening.PathOrHandle,
     *,
-    into: None = None,
     strict: Literal[True] = True,
     dtype: binding.DTypeRules | None = None,
     allow_lossy: bool = False,
@@ -302,7 +275,6 @@ def load_model(
 def load_model(
     path: opening.PathOrHandle,
     *,
-    into: None = None,
     strict: Literal[False],
     dtype: binding.DTypeRules | None = None,
     allow_lossy: bool = False,
@@ -315,99 +287,50 @@ def load_model(
 
 
 @overload
+@deprecated("load_model(path, into=model) is load_into(path, model) (removed 2027-06-01)")
 def load_model(
     path: opening.PathOrHandle,
     *,
     into: ModelT,
     strict: Literal[True] = True,
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
-    verify: bool = True,
-    allow_modules: Iterable[str] | None = None,
-    progress: progress_lib.Progress = None,
-    auto_labels: binding.AutoLabels = None,
+    **options: Any,
 ) -> ModelT: ...
 
 
 @overload
+@deprecated("load_model(path, into=model) is load_into(path, model) (removed 2027-06-01)")
 def load_model(
     path: opening.PathOrHandle,
     *,
     into: ModelT,
     strict: Literal[False],
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
-    verify: bool = True,
-    allow_modules: Iterable[str] | None = None,
-    progress: progress_lib.Progress = None,
-    auto_labels: binding.AutoLabels = None,
+    **options: Any,
 ) -> tuple[ModelT, binding.LoadReport]: ...
 
 
-@overload
 def load_model(
     path: opening.PathOrHandle,
     *,
-    into: ModelT | None = None,
+    into: Any = None,
     strict: bool = True,
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
     dtype: binding.DTypeRules | None = None,
     allow_lossy: bool = False,
-    overlay: bool = False,
     sharding: sharding_lib.Target = None,
     verify: bool = True,
     allow_modules: Iterable[str] | None = None,
     progress: progress_lib.Progress = None,
-    auto_labels: binding.AutoLabels = None,
     mesh: jax.sharding.Mesh | None = None,
-) -> (
-    pz.Struct | tuple[pz.Struct, binding.LoadReport]
-    | ModelT | tuple[ModelT, binding.LoadReport]
-): ...
-
-
-def load_model(
-    path: opening.PathOrHandle,
-    *,
-    into: ModelT | None = None,
-    strict: bool = True,
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
-    verify: bool = True,
-    allow_modules: Iterable[str] | None = None,
-    progress: progress_lib.Progress = None,
-    auto_labels: binding.AutoLabels = None,
-    mesh: jax.sharding.Mesh | None = None,
-) -> (
-    pz.Struct | tuple[pz.Struct, binding.LoadReport]
-    | ModelT | tuple[ModelT, binding.LoadReport]
-):
+    **options: Any,
+) -> Any:
   r"""Loads a model saved by `save_model`, rebuilt from the checkpoint alone.
 
   No model code is needed: layers are rebuilt from their saved classes and
-  fields, importing only allow-listed modules.
+  fields, importing only allow-listed modules. To load a checkpoint into a
+  model you built, use `load_into`.
 
-  ``load_model(path, into=model, ...)`` is the older spelling of
-  `load_into` ``(path, model, ...)``, and still works: ``into``, ``only``,
-  ``rename``, ``rename_axes``, ``overlay`` and ``auto_labels`` are
-  `load_into`'s, documented there.
+  ``load_into(path, model, ...)``, the older spelling of `load_into`
+  ``(path, model, ...)``, still works until 2027-06-01 and warns
+  (``DeprecationWarning``); it takes `load_into`'s options.
 
   Example::
 
@@ -416,23 +339,17 @@ def load_model(
   Args:
     path: A checkpoint directory (or its item directory), or a
       `pz_persist.open` handle (the checkpoint it opened is read).
-    into: The older spelling of `load_into`: a model to load the
-      checkpoint's variables into, by label.
+    into: Deprecated (removed 2027-06-01): use `load_into`.
     strict: With False, return ``(model, report)`` (the report lists every
       variable loaded).
-    only: With ``into``: see `load_into`.
-    rename: With ``into``: see `load_into`.
-    rename_axes: With ``into``: see `load_into`.
     dtype: A dtype to cast the rebuilt model's arrays to (a floating dtype
       casts the floating arrays, an integer dtype the integer ones), or
       ``{label glob: dtype}`` rules. A cast that changes values beyond
       rounding (`pz_persist.format.casts`) is refused unless
       ``allow_lossy=True``.
     allow_lossy: Cast even where values change.
-    overlay: With ``into``: see `load_into`.
     sharding: Where arrays are read to: a ``jax.sharding.Sharding`` or
-      `pz_persist.AxisRules` (default: the first local device; with ``into``,
-      the model's own placement).
+      `pz_persist.AxisRules` (default: the first local device).
     verify: Check every array read against its recorded checksum, before
       anything is built (see `pz_persist.load`).
     allow_modules: Extra modules the checkpoint may name, for this call.
@@ -440,33 +357,35 @@ def load_model(
       for one on a terminal or in a notebook once a load has taken a second,
       True, False, or a function called as ``progress(done, total)`` in
       bytes.
-    auto_labels: With ``into``: see `load_into`.
-    mesh: Without ``into``: the ``jax.sharding.Mesh`` that the saved model's
-      device meshes (those of ``ConstrainShardingByName`` layers, of
+    mesh: The ``jax.sharding.Mesh`` that the saved model's device meshes
+      (those of ``ConstrainShardingByName`` layers, of
       ``NamedSharding``\ s) become; it must have their axis names. By
       default each is rebuilt from its saved axis names and sizes over the
       first devices of ``jax.devices()``, refused
       (`pz_persist.errors.MeshError`) if there are too few.
+    **options: With the deprecated ``into`` only: `load_into`'s binding
+      options (``only``, ``rename``, ``rename_axes``, ``overlay``,
+      ``auto_labels``, or ``options=`` a `pz_persist.BindOptions`).
 
   Returns:
     The model, or ``(model, report)`` when ``strict=False``.
   """
   if into is not None:
+    deprecations.warn("pz_persist.load_model(path, into=model)",
+                      "pz_persist.load_into(path, model) (same options)")
+    value = options.pop("options", None)
+    given = {"dtype": dtype, "allow_lossy": allow_lossy, "sharding": sharding}
+    options.update((name, v) for name, v in given.items() if v is not None and v is not False)
     return load_into(
-        path, into, strict=strict, only=only, rename=rename, rename_axes=rename_axes,
-        dtype=dtype, allow_lossy=allow_lossy, overlay=overlay, sharding=sharding,
-        verify=verify, allow_modules=allow_modules, progress=progress,
-        auto_labels=auto_labels,
+        path, into, value, strict=strict, verify=verify, allow_modules=allow_modules,
+        progress=progress, **options,
     )
-  unsupported = {
-      "only": only, "rename": rename, "rename_axes": rename_axes,
-      "overlay": overlay or None, "auto_labels": auto_labels,
-  }
-  given = [name for name, value in unsupported.items() if value is not None]
-  if given:
+  if options:
+    # An unknown keyword is named as such; a known one needs a model.
+    binding.BindOptions().with_keywords(**{k: v for k, v in options.items() if k != "options"})
     raise errors.ArgumentError(
-        f"{', '.join(given)} need into=model: a model to load into, as in"
-        " pz_persist.load_into(path, model)."
+        f"{', '.join(options)} need a model to load into, as in"
+        " pz_persist.load_into(path, model, ...)."
     )
   with allowlist.scoped_allowance(allow_modules), meshes.using(mesh):
     model = opening.read(path, lambda opened: _restore_model(
@@ -487,11 +406,14 @@ def load_model(
   return model, binding.LoadReport(loaded=tuple(v.label for v in variables))
 
 
-def _restore_model(opened: opening.OpenItem, **read_args: Any) -> Any:
+def _restore_model(
+    opened: opening.OpenItem, *, sharding: sharding_lib.Target, verify: bool,
+    progress: progress_lib.Progress,
+) -> object:
   """The tree of an opened item, whose variables have unique labels.
 
   Why checked first: Penzai refuses a model whose variables share a label;
   checked on the manifest, before any array is read.
   """
   manifest_queries.check_variable_labels(opened.manifest, where=str(opened.item))
-  return restoring.read_tree(opened, **read_args)
+  return restoring.read_tree(opened, sharding=sharding, verify=verify, progress=progress)

@@ -39,7 +39,6 @@ import dataclasses
 from collections.abc import Hashable
 from collections.abc import Iterable
 from collections.abc import Iterator
-from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,38 +143,37 @@ def _is_plain_item(directory: epath.Path) -> bool:
 def load_into(
     path: epath.PathLike,
     item: epath.Path,
-    model: Any,
+    model: binding.ModelT,
+    options: binding.BindOptions,
     *,
     strict: bool = True,
-    only: binding.LabelGlobs | None = None,
-    rename: binding.RenameRules | None = None,
-    rename_axes: Mapping[Any, Any] | None = None,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    overlay: bool = False,
-    sharding: sharding_lib.Target = None,
-) -> tuple[Any, binding.LoadReport]:
+) -> tuple[binding.ModelT, binding.LoadReport]:
   """Loads the plain Orbax checkpoint at ``item`` into ``model``.
 
-  Options are those of `pz_persist.load_model`, checked and reported the same
-  way. ``rename``, ``rename_axes`` and ``overlay`` are refused: the checkpoint
-  has no labels or axis names to rename, and its arrays are matched to the
-  model's variables by position, so all of them must be there. (``verify``
-  has nothing to check: plain Orbax records no checksums.)
+  ``options`` are those of `pz_persist.load_into`, checked and reported the
+  same way (by `binding.bind`). ``rename``, ``rename_axes`` and ``overlay``
+  are refused: the checkpoint has no labels or axis names to rename, and its
+  arrays are matched to the model's variables by position, so all of them
+  must be there; ``auto_labels`` changes nothing (every variable is matched
+  by position already). (``verify`` has nothing to check: plain Orbax
+  records no checksums.)
 
   Args:
     path: The directory the user gave (checked for symlinks leading out).
     item: Its Orbax item directory (from `find_item`).
     model: The model, built by its code: it supplies the labels, axis names,
       shapes, dtypes and placement of every array.
+    options: How to bind (see `pz_persist.BindOptions`).
+    strict: Raise `BindingError` if the checkpoint does not fit.
 
   Raises:
     BindingError: with ``strict``, the checkpoint does not fit the model
       (every difference listed); nothing was read.
     NotACheckpointError: no array is where saving the model would put one.
-    ValueError: ``rename``, ``rename_axes`` or ``overlay`` was given.
+    ArgumentError: ``rename``, ``rename_axes`` or ``overlay`` was given.
   """
-  given = {"rename": rename, "rename_axes": rename_axes, "overlay": overlay}
+  given = {"rename": options.rename, "rename_axes": options.rename_axes,
+           "overlay": options.overlay}
   refused = [name for name, value in given.items() if value]
   if refused:
     raise errors.ArgumentError(
@@ -195,8 +193,7 @@ def load_into(
     return binding.bind(
         f"{item} (a plain Orbax checkpoint of {source.layout.name}, matched to"
         " the model's variables by position)",
-        model, source, strict=strict, only=only, dtype=dtype,
-        allow_lossy=allow_lossy, sharding=sharding,
+        model, source, options, strict=strict,
     )
 
 

@@ -99,7 +99,7 @@ report["manager_shards"] = check_shards(restored["params"], local)
 report["manager_again_shards"] = check_shards(restored["again"], local)
 report["manager_meta"] = restored["meta"]
 
-bound = pzp.load_model(path, into=model, sharding=rules)
+bound = pzp.load_into(path, model, sharding=rules)
 report["bound_shards"] = check_shards(pz.unbind_params(bound, freeze=True)[1], local)
 report["manifest_writes"] = len(manifest_writes)
 print(json.dumps(report), flush=True)

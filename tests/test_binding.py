@@ -1,4 +1,4 @@
-"""load_model(path, into=model): binding by label, every option, every refusal."""
+"""load_into(path, model): binding by label, every option, every refusal."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_into_a_fresh_model(ckpt):
   fresh = _fresh_mlp()
   before = _values(fresh)
 
-  loaded = pzp.load_model(ckpt, into=fresh)
+  loaded = pzp.load_into(ckpt, fresh)
 
   assert_same_outputs(loaded(model_zoo.mlp_input()), saved(model_zoo.mlp_input()))
   assert_identical(_values(fresh), before)  # The model passed in is unchanged.
@@ -58,14 +58,14 @@ def test_into_a_fresh_model(ckpt):
 def test_into_an_unbound_model(ckpt):
   saved = _saved_mlp(ckpt)
   unbound, _ = pz.unbind_params(_fresh_mlp())
-  loaded = pzp.load_model(ckpt, into=unbound)
+  loaded = pzp.load_into(ckpt, unbound)
   assert_same_outputs(loaded(model_zoo.mlp_input()), saved(model_zoo.mlp_input()))
 
 
 def test_params_checkpoint_written_by_save(ckpt):
   saved = model_zoo.llamalike_transformer()
   pzp.save(ckpt, pz.unbind_params(saved, freeze=True)[1])
-  loaded = pzp.load_model(ckpt, into=_fresh_transformer())
+  loaded = pzp.load_into(ckpt, _fresh_transformer())
   assert_same_outputs(loaded(model_zoo.tokens()), saved(model_zoo.tokens()))
 
 
@@ -80,7 +80,7 @@ def test_strict_error_lists_every_difference_and_changes_nothing(ckpt):
   ])
   before = _values(target)
   with pytest.raises(pzp.BindingError) as raised:
-    pzp.load_model(ckpt, into=target)
+    pzp.load_into(ckpt, target)
   message = str(raised.value)
   assert "1 missing from the checkpoint:\n  extra.weights" in message
   assert "mlp/Affine_0/Linear.weights: shape differs" in message
@@ -94,12 +94,12 @@ def test_unexpected_labels_are_reported(ckpt):
   _saved_mlp(ckpt)
   partial_model = pz.nn.Sequential([_fresh_mlp().sublayers[0]])
   with pytest.raises(pzp.BindingError, match=r"2 not in the model:\n  mlp/Affine_1/Linear.weights"):
-    pzp.load_model(ckpt, into=partial_model)
+    pzp.load_into(ckpt, partial_model)
 
 
 def test_non_strict_returns_a_report(ckpt):
   _saved_mlp(ckpt)
-  model, report = pzp.load_model(ckpt, into=_fresh_mlp(name="other"), strict=False)
+  model, report = pzp.load_into(ckpt, _fresh_mlp(name="other"), strict=False)
   assert report.loaded == () and not report.ok
   assert set(report.missing) == set(_values(model))
   assert "4 missing from the checkpoint" in str(report)
@@ -109,7 +109,7 @@ def test_non_strict_returns_a_report(ckpt):
 def test_only_loads_a_subset(ckpt):
   saved = _saved_mlp(ckpt)
   fresh = _fresh_mlp()
-  loaded = pzp.load_model(ckpt, into=fresh, only="mlp/Affine_0/*")
+  loaded = pzp.load_into(ckpt, fresh, only="mlp/Affine_0/*")
   values, saved_values, fresh_values = _values(loaded), _values(saved), _values(fresh)
   assert_identical(values["mlp/Affine_0/Linear.weights"], saved_values["mlp/Affine_0/Linear.weights"])
   assert_identical(values["mlp/Affine_1/Linear.weights"], fresh_values["mlp/Affine_1/Linear.weights"])
@@ -125,7 +125,7 @@ def test_only_reads_only_the_selected_arrays(ckpt, monkeypatch):
     return original(directory, manifest, **kwargs)
 
   monkeypatch.setattr(reader, "read_arrays", spy)
-  pzp.load_model(ckpt, into=_fresh_mlp(), only="*Linear.weights")
+  pzp.load_into(ckpt, _fresh_mlp(), only="*Linear.weights")
   manifest = pzp.checkpoint.read_manifest(ckpt)
   assert [manifest.arrays[i].label for i in requested[0]] == [
       "mlp/Affine_0/Linear.weights", "mlp/Affine_1/Linear.weights"]
@@ -133,8 +133,8 @@ def test_only_reads_only_the_selected_arrays(ckpt, monkeypatch):
 
 def test_rename_rules(ckpt):
   saved = _saved_mlp(ckpt)
-  loaded, report = pzp.load_model(
-      ckpt, into=_fresh_mlp(name="net"), rename={r"^mlp/": "net/"}, strict=False
+  loaded, report = pzp.load_into(
+      ckpt, _fresh_mlp(name="net"), rename={r"^mlp/": "net/"}, strict=False
   )
   assert report.ok and ("mlp/Affine_0/AddBias.bias", "net/Affine_0/AddBias.bias") in report.renamed
   assert_same_outputs(loaded(model_zoo.mlp_input()), saved(model_zoo.mlp_input()))
@@ -154,7 +154,7 @@ def test_stored_axes_in_another_order_are_transposed(ckpt):
     return dataclasses.replace(p, value=p.value.order_as(*reversed(list(p.value.named_axes))))
 
   saved = _saved_transformer_with(ckpt, reverse_query)
-  loaded, report = pzp.load_model(ckpt, into=_fresh_transformer(), strict=False)
+  loaded, report = pzp.load_into(ckpt, _fresh_transformer(), strict=False)
   assert report.ok and set(report.transposed) == {
       "transformer/block_0/attention/query.weights",
       "transformer/block_1/attention/query.weights",
@@ -170,8 +170,8 @@ def test_rename_axes(ckpt):
 
   saved = _saved_transformer_with(ckpt, rename_embedding)
   with pytest.raises(pzp.BindingError, match="axes differs.*d_model"):
-    pzp.load_model(ckpt, into=_fresh_transformer())
-  loaded = pzp.load_model(ckpt, into=_fresh_transformer(), rename_axes={"d_model": "embedding"})
+    pzp.load_into(ckpt, _fresh_transformer())
+  loaded = pzp.load_into(ckpt, _fresh_transformer(), rename_axes={"d_model": "embedding"})
   assert_same_outputs(loaded(model_zoo.tokens()), saved(model_zoo.tokens()))
 
 
@@ -184,16 +184,16 @@ def test_dtype_mismatch_is_an_error_not_a_silent_cast(ckpt):
       unfreeze_as_copy=True,
   )
   with pytest.raises(pzp.BindingError, match="dtype differs: checkpoint has float32, model wants bfloat16"):
-    pzp.load_model(ckpt, into=target)
-  loaded, report = pzp.load_model(ckpt, into=target, dtype=jnp.bfloat16, strict=False)
+    pzp.load_into(ckpt, target)
+  loaded, report = pzp.load_into(ckpt, target, dtype=jnp.bfloat16, strict=False)
   assert report.ok and len(report.cast) == 4
   assert {v.dtype for v in _values(loaded).values()} == {jnp.dtype(jnp.bfloat16)}
 
 
 def test_dtype_rules_per_label_glob(ckpt):
   _saved_mlp(ckpt)
-  loaded, report = pzp.load_model(
-      ckpt, into=_fresh_mlp(), strict=False,
+  loaded, report = pzp.load_into(
+      ckpt, _fresh_mlp(), strict=False,
       dtype={"*Linear.weights": jnp.bfloat16, "*": jnp.float16},
   )
   dtypes = {label: v.dtype for label, v in _values(loaded).items()}
@@ -217,8 +217,8 @@ def test_lossy_casts_are_refused_unless_allowed(stored, target, reason, ckpt):
   model = pz.nn.Sequential([pz.nn.AddBias(
       bias=pz.Parameter(label="w", value=jnp.zeros(stored.shape, target)), new_axis_names=())])
   with pytest.raises(pzp.BindingError, match=reason):
-    pzp.load_model(ckpt, into=model, dtype={"w": target})
-  loaded = pzp.load_model(ckpt, into=model, dtype={"w": target}, allow_lossy=True)
+    pzp.load_into(ckpt, model, dtype={"w": target})
+  loaded = pzp.load_into(ckpt, model, dtype={"w": target}, allow_lossy=True)
   assert loaded.sublayers[0].bias.value.dtype == target
 
 
@@ -226,7 +226,7 @@ def test_narrowing_floats_is_done(ckpt):
   pzp.save(ckpt, [pz.ParameterValue(label="w", value=jnp.array([1.0, 1.0001, 3e38]))])
   model = pz.nn.Sequential([pz.nn.AddBias(
       bias=pz.Parameter(label="w", value=jnp.zeros(3, jnp.bfloat16)), new_axis_names=())])
-  loaded = pzp.load_model(ckpt, into=model, dtype=jnp.bfloat16)
+  loaded = pzp.load_into(ckpt, model, dtype=jnp.bfloat16)
   np.testing.assert_array_equal(
       loaded.sublayers[0].bias.value, jnp.array([1.0, 1.0001, 3e38]).astype(jnp.bfloat16))
 
@@ -239,8 +239,8 @@ def test_overlay_base_then_adapter(ckpt, tmp_path):
       rank=2, init_base_rng=jax.random.key(5),
   )
   with pytest.raises(pzp.BindingError, match="missing from the checkpoint"):
-    pzp.load_model(ckpt, into=model)
-  model = pzp.load_model(ckpt, into=model, overlay=True)
+    pzp.load_into(ckpt, model)
+  model = pzp.load_into(ckpt, model, overlay=True)
   assert_same_outputs(model(model_zoo.tokens()), base(model_zoo.tokens()))  # LoRA B is 0.
 
   trained_adapter = [
@@ -248,7 +248,7 @@ def test_overlay_base_then_adapter(ckpt, tmp_path):
       for p in pz.unbind_params(model, freeze=True)[1] if "LoRA" in p.label
   ]
   pzp.save(tmp_path / "adapter", trained_adapter)
-  adapted = pzp.load_model(tmp_path / "adapter", into=model, overlay=True)
+  adapted = pzp.load_into(tmp_path / "adapter", model, overlay=True)
   adapted_values = _values(adapted)
   for p in trained_adapter:
     assert_identical(adapted_values[p.label], p.value)
@@ -262,7 +262,7 @@ def test_kind_mismatch(ckpt):
   model = pz.nn.Sequential([pz.nn.AddBias(
       bias=pz.Parameter(label="w", value=jnp.zeros(3)), new_axis_names=())])
   with pytest.raises(pzp.BindingError, match="w: kind differs: checkpoint has state_variable, model wants parameter"):
-    pzp.load_model(ckpt, into=model)
+    pzp.load_into(ckpt, model)
 
 
 def test_kv_cache_state_into_a_new_sampler(ckpt):
@@ -270,12 +270,14 @@ def test_kv_cache_state_into_a_new_sampler(ckpt):
   pzp.save_model(ckpt, sampler)
   fresh = model_zoo.sampling_model(model_zoo.llamalike_transformer(layer_stack=True))
   fresh(model_zoo.tokens(length=2, offset=3))  # Different cache contents.
-  loaded = pzp.load_model(ckpt, into=fresh)
+  loaded = pzp.load_into(ckpt, fresh)
   step = model_zoo.tokens(length=3, offset=5)
   assert_same_outputs(loaded(step), sampler(step))
 
 
 def test_options_without_into_are_refused(ckpt):
   _saved_mlp(ckpt)
-  with pytest.raises(ValueError, match="only, rename need into=model"):
+  with pytest.raises(ValueError, match=r"only, rename need a model to load into.*load_into"):
     pzp.load_model(ckpt, only="*", rename={"a": "b"})
+  with pytest.raises(TypeError, match="unknown binding option.*onyl"):
+    pzp.load_model(ckpt, onyl="*")  # type: ignore[call-overload]

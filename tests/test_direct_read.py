@@ -145,7 +145,7 @@ def test_only_the_selected_arrays_are_read(ckpt, monkeypatch):
   pzp.save(ckpt, model_values)
   model = tuple(p.unfreeze_as_copy() for p in model_values)
   calls = _spy(monkeypatch)
-  loaded = pzp.load_model(ckpt, into=model, only="view")
+  loaded = pzp.load_into(ckpt, model, only="view")
   assert [[spec.label for spec in specs] for specs in calls] == [["view"]]
   assert_identical(pz.unbind_params(loaded, freeze=True)[1], model_values)
 

@@ -124,7 +124,8 @@ def test_documented_homes_still_name_the_same_classes():
   from pz_persist.pretrained import safetensors_io
   from pz_persist.storage import direct_read
 
-  assert pzp.BindingError is binding.BindingError is errors.BindingError
+  with pytest.warns(DeprecationWarning, match="use pz_persist.errors.BindingError"):
+    assert pzp.BindingError is binding.BindingError is errors.BindingError  # Until 2027-06-01.
   assert direct_read.ArrayReadError is errors.ArrayReadError
   assert gemma.GemmaCheckpointError is pretrained_errors.GemmaCheckpointError
   assert hf.UnsupportedConfigError is errors.UnsupportedConfigError
@@ -142,7 +143,7 @@ def _mesh():
         (lambda tmp: pzp.save_model(tmp / "m", {"not": "a model"}), TypeError,
          "save_model takes a Penzai model"),
         (lambda tmp: pzp.load_model(tmp / "m", rename={"a": "b"}), ValueError,
-         "rename need into=model"),
+         "rename need a model to load into"),
         (lambda tmp: pzp.allow_modules("not a module!"), ValueError, "Not a module name"),
         (lambda tmp: pzp.handler_registry(), ValueError, "handler_registry needs item names"),
         (lambda tmp: sharding.AxisRules(_mesh(), {"embedding": "model"}), ValueError,

@@ -140,7 +140,7 @@ def test_every_save_path_is_read_by_every_entry_point(tmp_path, save, capsys):
   assert _shapes(pzp.load(item)) == saved
   assert _shapes(pzp.inspect(item)) == saved
 
-  into = pzp.load_model(item, into=_fresh())
+  into = pzp.load_into(item, _fresh())
   assert_same_outputs(into(model_zoo.mlp_input()), model(model_zoo.mlp_input()))
   migrated = pzp.migrate(item, tmp_path / "migrated", _fresh())
   assert_same_outputs(migrated(model_zoo.mlp_input()), model(model_zoo.mlp_input()))

@@ -26,7 +26,7 @@ ENTRY_POINTS = {
     "load": pzp.load,
     "inspect": pzp.inspect,
     "load_model": pzp.load_model,
-    "load_model into": lambda path: pzp.load_model(path, into=model_zoo.mlp()),
+    "load_into": lambda path: pzp.load_into(path, model_zoo.mlp()),
 }
 
 

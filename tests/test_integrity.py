@@ -115,7 +115,7 @@ def test_failed_verified_load_leaves_the_model_untouched(tmp_path):
   _write_manifest(tmp_path / "m", manifest)
   _, before = pz.unbind_params(model, freeze=True)
   with pytest.raises(errors.IntegrityError):
-    pzp.load_model(tmp_path / "m", into=model)
+    pzp.load_into(tmp_path / "m", model)
   with pytest.raises(errors.IntegrityError):
     pzp.load_model(tmp_path / "m")
   assert_identical(pz.unbind_params(model, freeze=True)[1], before)

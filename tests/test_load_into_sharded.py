@@ -1,4 +1,4 @@
-"""load_model(path, into=model) reads each array straight into the model's own
+"""load_into(path, model) reads each array straight into the model's own
 sharding (8 CPU devices): a model larger than one device loads into itself.
 
 Every array the read produces is checked where it lands: none may be placed
@@ -129,7 +129,7 @@ def test_arrays_are_read_straight_into_the_models_sharding(ckpt, placements):
   model = _sharded(_mlp(seed=1))
 
   with placements.recording():
-    loaded = pzp.load_model(ckpt, into=model)
+    loaded = pzp.load_into(ckpt, model)
 
   _check_placed_like(loaded, model, placements)
   assert_identical(
@@ -158,8 +158,8 @@ def test_transposed_and_renamed_axes_are_read_in_the_permuted_sharding(ckpt, pla
   model = _sharded(_mlp(seed=1))
 
   with placements.recording():
-    loaded, report = pzp.load_model(
-        ckpt, into=model, rename_axes={"out": "features_out"}, strict=False
+    loaded, report = pzp.load_into(
+        ckpt, model, rename_axes={"out": "features_out"}, strict=False
     )
 
   assert report.ok and set(report.transposed) >= WEIGHTS
@@ -177,7 +177,7 @@ def test_a_cast_runs_on_the_shards(ckpt, placements):
   model = _sharded(_mlp(seed=1))
 
   with placements.recording():
-    loaded, report = pzp.load_model(ckpt, into=model, dtype=jnp.bfloat16, strict=False)
+    loaded, report = pzp.load_into(ckpt, model, dtype=jnp.bfloat16, strict=False)
 
   assert report.ok and len(report.cast) == 4
   _check_placed_like(loaded, model, placements)
@@ -203,8 +203,8 @@ def test_arrays_saved_as_numpy_go_from_the_host_to_the_shards(ckpt, placements):
   model = _sharded(_mlp(seed=1))
 
   with placements.recording():
-    loaded, report = pzp.load_model(
-        ckpt, into=model, rename_axes={"out": "features_out"}, strict=False
+    loaded, report = pzp.load_into(
+        ckpt, model, rename_axes={"out": "features_out"}, strict=False
     )
 
   assert report.ok and set(report.transposed) >= WEIGHTS
@@ -221,8 +221,8 @@ def test_a_sharding_given_still_wins(ckpt):
   pzp.save_model(ckpt, _mlp(seed=0))
   model = _sharded(_mlp(seed=1))
   device = jax.devices()[3]
-  loaded = pzp.load_model(
-      ckpt, into=model, sharding=jax.sharding.SingleDeviceSharding(device)
+  loaded = pzp.load_into(
+      ckpt, model, sharding=jax.sharding.SingleDeviceSharding(device)
   )
   for label, value in _params(loaded).items():
     assert value.data_array.devices() == {device}, label

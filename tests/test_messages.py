@@ -67,7 +67,7 @@ def test_a_renamed_field_of_a_layer_suggests_loading_into_the_new_model(tmp_path
   assert "pz_persist.load_into(path, new_model)" in message
 
   fresh = pz.nn.Sequential([new.Scale(pz.Parameter(value=pz.nx.zeros({"x": 3}), label="scale/w"))])
-  loaded = pzp.load_model(tmp_path / "ckpt", into=fresh)  # As the message says.
+  loaded = pzp.load_into(tmp_path / "ckpt", fresh)  # As the message says.
   np.testing.assert_array_equal(loaded.sublayers[0].weight.value.data_array, [0.0, 1.0, 2.0])
 
 
@@ -76,7 +76,7 @@ def test_a_changed_label_prefix_suggests_rename(tmp_path):
   net = simple_mlp.MLP.from_config(name="net", init_base_rng=jax.random.key(1),
                                    feature_sizes=[8, 16, 8])
   with pytest.raises(errors.BindingError) as caught:
-    pzp.load_model(tmp_path / "mlp", into=net)
+    pzp.load_into(tmp_path / "mlp", net)
   hint = re.search(r"hint: 4 label\(s\) not in the model match missing ones once their prefix"
                    r" 'mlp/' becomes 'net/': load_into\(path, model, rename=(\{.*\})\)",
                    str(caught.value))
@@ -167,16 +167,16 @@ def test_automatic_state_labels_are_explained_and_matched_by_position(tmp_path):
   pzp.save_model(tmp_path / "c", saved, allow_modules=[__name__])
   fresh = _counter()
   with pytest.raises(errors.BindingError) as caught:
-    pzp.load_model(tmp_path / "c", into=fresh, allow_modules=[__name__])
+    pzp.load_into(tmp_path / "c", fresh, allow_modules=[__name__])
   message = str(caught.value)
   assert "hint: 2 of the model's state variables have automatic labels (AutoStateVarLabel)" in message
   assert "auto_labels='by_position'" in message
-  loaded = pzp.load_model(tmp_path / "c", into=fresh, auto_labels="by_position",
+  loaded = pzp.load_into(tmp_path / "c", fresh, auto_labels="by_position",
                           allow_modules=[__name__])
   assert (float(loaded.count.value), float(loaded.total.value)) == (3.0, 7.0)
   assert loaded.count.label == fresh.count.label  # The model's own labels.
   with pytest.raises(errors.ArgumentError, match="the checkpoint has 2 and the model 3"):
-    pzp.load_model(tmp_path / "c", into=pz.nn.Sequential([_counter(), Counter(
+    pzp.load_into(tmp_path / "c", pz.nn.Sequential([_counter(), Counter(
         pz.StateVariable(value=jnp.zeros(())), total=pz.StateVariable(value=jnp.zeros(()),
                                                                       label="kept"))]),
         auto_labels="by_position", allow_modules=[__name__])

@@ -76,11 +76,11 @@ def test_plain_params_load_into_a_model_bit_exact(ckpt, checkpointer, saved, fre
   _save_plain(ckpt, _params(saved), checkpointer)
   before = _snapshot(fresh)
 
-  loaded = pzp.load_model(ckpt, into=fresh)
+  loaded = pzp.load_into(ckpt, fresh)
 
   _assert_params(loaded, _params(saved))
   assert _unchanged(fresh, before)  # The model passed in is left as it was.
-  loaded_again, report = pzp.load_model(ckpt, into=fresh, strict=False)
+  loaded_again, report = pzp.load_into(ckpt, fresh, strict=False)
   assert report.ok and set(report.loaded) == {p.label for p in _params(saved)}
   _assert_params(loaded_again, _params(saved))
 
@@ -88,7 +88,7 @@ def test_plain_params_load_into_a_model_bit_exact(ckpt, checkpointer, saved, fre
 def test_loaded_model_computes_what_the_saved_one_did(ckpt):
   saved = model_zoo.mlp()
   _save_plain(ckpt, _params(saved))
-  loaded = pzp.load_model(ckpt, into=_fresh_mlp())
+  loaded = pzp.load_into(ckpt, _fresh_mlp())
   assert_same_outputs(loaded(model_zoo.mlp_input()), saved(model_zoo.mlp_input()))
 
 
@@ -112,7 +112,7 @@ def test_every_layout_of_the_old_way(ckpt, layout):
     tree = expected if layout == "variables" else pz.freeze_variables(saved)
   _save_plain(ckpt, tree)
 
-  loaded = pzp.load_model(ckpt, into=fresh)
+  loaded = pzp.load_into(ckpt, fresh)
 
   assert_identical(tuple(pz.unbind_variables(loaded, freeze=True)[1]), tuple(expected))
 
@@ -124,7 +124,7 @@ def test_shapes_that_differ_are_all_listed_and_nothing_is_loaded(ckpt):
   before = _snapshot(fresh)
 
   with pytest.raises(pzp.BindingError) as raised:
-    pzp.load_model(ckpt, into=fresh)
+    pzp.load_into(ckpt, fresh)
 
   message = str(raised.value)
   assert "plain Orbax checkpoint" in message and "by position" in message
@@ -142,7 +142,7 @@ def test_strict_false_loads_what_fits_and_reports_the_rest(ckpt):
   _save_plain(ckpt, _params(saved))
   fresh = _fresh_mlp(sizes=(8, 32, 8))
 
-  loaded, report = pzp.load_model(ckpt, into=fresh, strict=False)
+  loaded, report = pzp.load_into(ckpt, fresh, strict=False)
 
   labels = [p.label for p in _params(fresh)]
   assert report.loaded == (labels[3],) and not report.ok
@@ -156,14 +156,14 @@ def test_missing_and_unexpected_arrays(ckpt, tmp_path):
   params = _params(model_zoo.mlp())
   _save_plain(ckpt, params[:-1])
   with pytest.raises(pzp.BindingError, match="1 missing") as raised:
-    pzp.load_model(ckpt, into=_fresh_mlp())
+    pzp.load_into(ckpt, _fresh_mlp())
   assert raised.value.report.missing == (params[-1].label,)
 
   extra = dataclasses.replace(params[0], label="extra")
   _save_plain(tmp_path / "more", (*params, extra))
   with pytest.raises(pzp.BindingError, match=r"array at 4\.value\.data_array"):
-    pzp.load_model(tmp_path / "more", into=_fresh_mlp())
-  _, report = pzp.load_model(tmp_path / "more", into=_fresh_mlp(), strict=False)
+    pzp.load_into(tmp_path / "more", _fresh_mlp())
+  _, report = pzp.load_into(tmp_path / "more", _fresh_mlp(), strict=False)
   assert len(report.unexpected) == 1 and len(report.loaded) == 4
 
 
@@ -172,9 +172,9 @@ def test_dtype_must_match_unless_cast(ckpt):
   bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params(saved))
   _save_plain(ckpt, bf16)
   with pytest.raises(pzp.BindingError, match="dtype differs: checkpoint has bfloat16"):
-    pzp.load_model(ckpt, into=_fresh_mlp())
+    pzp.load_into(ckpt, _fresh_mlp())
 
-  loaded, report = pzp.load_model(ckpt, into=_fresh_mlp(), dtype=jnp.float32, strict=False)
+  loaded, report = pzp.load_into(ckpt, _fresh_mlp(), dtype=jnp.float32, strict=False)
 
   assert report.ok and len(report.cast) == 4
   assert report.cast[0][1:] == ("bfloat16", "float32")
@@ -185,14 +185,14 @@ def test_64_bit_arrays_are_refused_when_jax_would_narrow_them(ckpt):
   params = jax.tree.map(lambda x: np.asarray(x, np.float64), _params(model_zoo.mlp()))
   _save_plain(ckpt, params)
   with pytest.raises(pzp.BindingError, match="jax_enable_x64"):
-    pzp.load_model(ckpt, into=_fresh_mlp(), dtype=jnp.float32)
+    pzp.load_into(ckpt, _fresh_mlp(), dtype=jnp.float32)
 
 
 def test_only_loads_the_selected_labels(ckpt):
   saved, fresh = model_zoo.mlp(), _fresh_mlp()
   _save_plain(ckpt, _params(saved))
 
-  loaded, report = pzp.load_model(ckpt, into=fresh, only="*Affine_0*", strict=False)
+  loaded, report = pzp.load_into(ckpt, fresh, only="*Affine_0*", strict=False)
 
   assert report.ok and len(report.loaded) == 2
   assert_identical(tuple(_params(loaded)[:2]), tuple(_params(saved)[:2]))
@@ -205,13 +205,13 @@ def test_only_loads_the_selected_labels(ckpt):
 def test_options_that_need_labels_or_axes_are_refused(ckpt, option):
   _save_plain(ckpt, _params(model_zoo.mlp()))
   with pytest.raises(ValueError, match=f"plain Orbax checkpoint.*{next(iter(option))}"):
-    pzp.load_model(ckpt, into=_fresh_mlp(), **option)
+    pzp.load_into(ckpt, _fresh_mlp(), **option)
 
 
 def test_a_checkpoint_of_something_else(ckpt):
   _save_plain(ckpt, {"x": jnp.ones(3)})
   with pytest.raises(errors.NotACheckpointError, match=r"no array in it is where.*at x"):
-    pzp.load_model(ckpt, into=_fresh_mlp())
+    pzp.load_into(ckpt, _fresh_mlp())
 
 
 def test_loading_without_a_model_says_how(ckpt):
@@ -225,9 +225,9 @@ def test_the_model_must_hold_its_values(ckpt):
   _save_plain(ckpt, _params(model_zoo.mlp()))
   unbound, _ = pz.unbind_params(_fresh_mlp())
   with pytest.raises(errors.PzPersistError, match="must hold a value for each"):
-    pzp.load_model(ckpt, into=unbound)
+    pzp.load_into(ckpt, unbound)
   with pytest.raises(errors.PzPersistError, match="the model has none"):
-    pzp.load_model(ckpt, into=pz.freeze_params(_fresh_mlp()))
+    pzp.load_into(ckpt, pz.freeze_params(_fresh_mlp()))
 
 
 def test_an_item_of_a_step_directory(tmp_path):
@@ -238,12 +238,12 @@ def test_an_item_of_a_step_directory(tmp_path):
         other=ocp.args.StandardSave({"x": jnp.ones(2)}),
     ))
   with pytest.raises(errors.NotACheckpointError, match=r"several Orbax items \(other, params\)"):
-    pzp.load_model(tmp_path / "step", into=_fresh_mlp())
-  _assert_params(pzp.load_model(tmp_path / "step" / "params", into=_fresh_mlp()), params)
+    pzp.load_into(tmp_path / "step", _fresh_mlp())
+  _assert_params(pzp.load_into(tmp_path / "step" / "params", _fresh_mlp()), params)
 
   with ocp.CheckpointManager(tmp_path / "run") as manager:  # One item: found.
     manager.save(3, args=ocp.args.Composite(params=ocp.args.StandardSave(params)))
-  _assert_params(pzp.load_model(tmp_path / "run" / "3", into=_fresh_mlp()), params)
+  _assert_params(pzp.load_into(tmp_path / "run" / "3", _fresh_mlp()), params)
 
 
 def _mesh():
@@ -279,7 +279,7 @@ def test_arrays_go_where_the_model_has_them(ckpt):
   _save_plain(ckpt, _params(saved))
   fresh = _placed(_fresh_transformer(), _mesh(), RULES)
 
-  loaded = pzp.load_model(ckpt, into=fresh)
+  loaded = pzp.load_into(ckpt, fresh)
 
   for new, old in zip(_params(loaded), _params(fresh)):
     assert new.value.data_array.sharding == old.value.data_array.sharding
@@ -292,7 +292,7 @@ def test_axis_rules_shard_a_plain_checkpoint(ckpt):
   _save_plain(ckpt, _params(saved))
   mesh = _mesh()
 
-  loaded = pzp.load_model(ckpt, into=_fresh_transformer(), sharding=pzp.AxisRules(mesh, RULES))
+  loaded = pzp.load_into(ckpt, _fresh_transformer(), sharding=pzp.AxisRules(mesh, RULES))
 
   sharded = 0
   for new, old in zip(_params(loaded), _params(saved)):
@@ -329,7 +329,7 @@ def test_migrate_never_replaces_its_source(ckpt):
   with pytest.raises(errors.ArgumentError, match="the destination is the source itself"):
     pzp.migrate(ckpt, ckpt, _fresh_mlp(), overwrite=True)
   assert sorted(os.listdir(ckpt)) == files
-  pzp.load_model(ckpt, into=_fresh_mlp())  # Still whole.
+  pzp.load_into(ckpt, _fresh_mlp())  # Still whole.
 
 
 _BUILDER = """

@@ -206,7 +206,7 @@ def test_diff_sees_a_changed_array_under_each_node_type(tag):
   )
   b = dataclasses.replace(a, tree=copy.deepcopy(a.tree), arrays=changed)
   differences = diffing.structure_differences(a, b)
-  assert differences and all(",7]" in d for d in differences), differences
+  assert differences and all(", 7])" in d for d in differences), differences
 
 
 @pytest.mark.parametrize("tag", sorted(nodes.NODE_TYPES))

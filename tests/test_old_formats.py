@@ -86,7 +86,7 @@ def test_every_entry_point_reads_it_bit_for_bit(name, copy, capsys):
     assert named.data_array.dtype == value.value.data_array.dtype, label
     assert abstract[label].metadata == value.metadata, label
 
-  into = pzp.load_model(path, into=expected)
+  into = pzp.load_into(path, expected)
   assert_same_model(into, expected)
   if name in WHOLE:
     whole = pzp.load_model(path)

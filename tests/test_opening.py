@@ -60,7 +60,7 @@ ENTRY_POINTS = {
     "read_manifest": (lambda p, mlp: checkpoint.read_manifest(p["params"]), 1, False),
     "load_model": (lambda p, mlp: pzp.load_model(p["model"], progress=False), 1, True),
     "load_model_into": (
-        lambda p, mlp: pzp.load_model(p["model"], into=mlp, progress=False), 1, True
+        lambda p, mlp: pzp.load_into(p["model"], mlp, progress=False), 1, True
     ),
     "diff": (lambda p, mlp: pzp.diff(p["params"], p["params"], progress=False), 2, True),
     "verify": (lambda p, mlp: pzp.verify(p["params"], progress=False), 1, True),

@@ -109,9 +109,10 @@ def test_load_model_counts_array_bytes_alone_and_into_a_model(tmp_path):
       name="mlp", init_base_rng=jax.random.key(0), feature_sizes=[8, 16, 4])
   pzp.save_model(tmp_path / "m", mlp)
   nbytes = sum(p.value.data_array.nbytes for p in pz.unbind_params(mlp)[1])
-  for into in (None, mlp):
+  for load in (lambda seen: pzp.load_model(tmp_path / "m", progress=seen),
+               lambda seen: pzp.load_into(tmp_path / "m", mlp, progress=seen)):
     seen = _Seen()
-    pzp.load_model(tmp_path / "m", into=into, progress=seen)
+    load(seen)
     seen.check_complete(nbytes, steps=1)
 
 

@@ -113,7 +113,7 @@ def test_manager_and_binding_take_axis_rules(tmp_path):
       p.value.data_array.sharding.spec == _expected_spec(p.value, RULES) for p in params
   )
   pzp.save(tmp_path / "params", pz.unbind_params(model, freeze=True)[1])
-  bound = pzp.load_model(tmp_path / "params", into=model, sharding=rules)
+  bound = pzp.load_into(tmp_path / "params", model, sharding=rules)
   for p in pz.unbind_params(bound, freeze=True)[1]:
     assert p.value.data_array.sharding.spec == _expected_spec(p.value, RULES)
 

@@ -105,7 +105,7 @@ to make an array whose non-zero dimensions multiply, times the item size,
 past this (a ``ValueError``), even one of zero size (``[0, 2**70]``)."""
 
 
-def _check_shape_size(shape: list[int], where: str) -> None:
+def check_shape_size(shape: list[int], where: str) -> None:
   """Refuses shapes no array can have, before anything multiplies them.
 
   Why: shapes come from the checkpoint; a rank beyond NumPy's limit, or
@@ -143,9 +143,6 @@ def check_representable(shape: Sequence[int], dtype: np.dtype, where: str) -> No
         f"{_NONZERO_TEXT[0 in shape]}, more than any array can hold (2**63 - 1);"
         " refusing it."
     )
-
-
-check_shape_size = _check_shape_size
 
 
 def dtype_name(dtype: Any, *, where: str) -> str:
@@ -292,7 +289,7 @@ class ArraySpec:
         type(d) is int and d >= 0 for d in shape
     ):
       raise errors.ManifestError(f"{where}: invalid shape {shape!r:.100}.")
-    _check_shape_size(shape, where)
+    check_shape_size(shape, where)
     dtype = dtype_from_name(data["dtype"], where=where).name
     check_representable(shape, SUPPORTED_DTYPES[dtype], where)
     if data.get("stored_dtype", storage_dtype_name(dtype)) != storage_dtype_name(dtype):
@@ -385,7 +382,7 @@ _set = object.__setattr__
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
-def _valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
+def valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
   """Whether ``entry`` is ``{"index": [[start, stop], ...], ALGORITHM: hex}``
   naming a slice within ``shape``."""
   if not isinstance(entry, dict) or set(entry) != {"index", checksum_records.ALGORITHM}:
@@ -404,9 +401,6 @@ def _valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
   return True
 
 
-valid_checksum_entry = _valid_checksum_entry
-
-
 def _checksums_from_json(
     data: Any, shape: tuple[int, ...], where: str
 ) -> tuple[checksum_records.ShardChecksum, ...] | None:
@@ -417,7 +411,7 @@ def _checksums_from_json(
     raise errors.ManifestError(f"{where}: checksums must be a list.")
   parsed = []
   for i, entry in enumerate(data):
-    if not _valid_checksum_entry(entry, shape):
+    if not valid_checksum_entry(entry, shape):
       raise errors.ManifestError(
           f"{where}: checksums[{i}] is not an {checksum_records.ALGORITHM} digest"
           f" of a slice of an array of shape {list(shape)}: {str(entry)[:200]}"

@@ -1,7 +1,7 @@
 """Which dtype casts change values, decided from the values, in one place.
 
 Every path that casts arrays on the way in or out goes through `check` (or
-`cast`): ``load_model(dtype=)`` with or without ``into=``, plain Orbax
+`cast`): ``load_model(dtype=)``, ``load_into(dtype=)``, plain Orbax
 checkpoints bound into a model, ``migrate``, the pretrained loaders
 (`load_hf` and `load_gemma` with ``dtype=``) and ``export_hf``'s norm offsets.
 So one rule says what a lossy cast is, and no path can wrap a uint8 200 into
@@ -40,8 +40,6 @@ import ml_dtypes
 import numpy as np
 
 from pz_persist import errors
-
-LossyCastError = errors.LossyCastError
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -297,7 +295,7 @@ def refuse(x: Any, target: Any, where: str) -> None:
   """
   reason = check(x, target)
   if reason:
-    raise LossyCastError(
+    raise errors.LossyCastError(
         f"{where}: casting {x.dtype} to {np.dtype(target)} would change values: it"
         f" holds {reason}. Pass allow_lossy=True to cast anyway."
     )

@@ -737,7 +737,6 @@ def parse(raw: dict[str, Any], *, where: str, reader_format: int) -> Parsed:
 
 _KEY = re.compile(r"[A-Za-z0-9_-]+")
 _LEAF_KEY = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
-_DIGEST = checksum_records.ALGORITHM
 
 
 def _column(table: dict[str, Any], name: str, count: int, where: str) -> list[Any]:
@@ -880,7 +879,7 @@ def _checksums(
     i = _first_bad(column, lambda d: type(d) is not str or (
         len(d) == 32 and _DIGESTS.fullmatch(d)))
     raise errors.ManifestError(
-        f"{where}: arrays.checksums[{i}] is not an {_DIGEST} digest: {column[i]!r:.100}.")
+        f"{where}: arrays.checksums[{i}] is not an {checksum_records.ALGORITHM} digest: {column[i]!r:.100}.")
   full = [checksum_records.full_index(shape) for shape in shapes]
   out: list[tuple[checksum_records.ShardChecksum, ...] | None] = []
   for i, (sums, shape) in enumerate(zip(column, shape_of)):
@@ -905,9 +904,9 @@ def _slices(
   parsed = []
   for j, entry in enumerate(sums):
     if not (type(entry) is list and len(entry) == 2 and arrays_lib.valid_checksum_entry(
-        {"index": entry[0], _DIGEST: entry[1]}, shape)):
+        {"index": entry[0], checksum_records.ALGORITHM: entry[1]}, shape)):
       raise errors.ManifestError(
-          f"{where}[{j}] is not an {_DIGEST} digest of a slice of an array of shape"
+          f"{where}[{j}] is not an {checksum_records.ALGORITHM} digest of a slice of an array of shape"
           f" {list(shape)}: {str(entry)[:200]}")
     parsed.append(checksum_records.ShardChecksum(
         tuple((p[0], p[1]) for p in entry[0]), entry[1]))

@@ -42,10 +42,8 @@ from pz_persist.format import meshes
 from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 
-_READS_FORMAT = manifest_lib.FORMAT_VERSION
-
-
 Node = nodes.Node
+
 
 def _is_enum_class(cls: Any) -> bool:
   return isinstance(cls, type) and issubclass(cls, enum.Enum)
@@ -317,7 +315,7 @@ class _Walk:
     if node_type is None:
       raise nodes.unknown_node(
           tag, where, format_version=self.written[0], writer=self.written[1],
-          reader_version=version.__version__, reader_format=_READS_FORMAT,
+          reader_version=version.__version__, reader_format=manifest_lib.FORMAT_VERSION,
       )
     if not (node_type.tree if in_tree else node_type.static):
       raise errors.ManifestError(f"{where}: unknown node type {tag!r:.60}.")

@@ -37,7 +37,6 @@ from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 
 Node = nodes.Node
-PRNG_IMPLS = nodes.PRNG_IMPLS
 
 _VALUE_CLASSES: dict[type, str] = {k.value_class: k.value_tag for k in variable_kinds.KINDS.values()}
 _SLOT_CLASSES: dict[type, str] = {k.slot_class: k.slot_tag for k in variable_kinds.KINDS.values()}
@@ -367,7 +366,7 @@ class _Encoder:
         obj.dtype, jax.dtypes.prng_key
     ):
       impl = str(jax.random.key_impl(obj))
-      if impl not in PRNG_IMPLS:
+      if impl not in nodes.PRNG_IMPLS:
         raise errors.EncodingError(
             f"{where}: PRNG keys of implementation {impl!r} are not supported."
         )

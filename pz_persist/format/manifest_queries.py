@@ -25,7 +25,6 @@ from pz_persist.safety import terminal
 
 Node = dict[str, Any]
 
-_BY_VALUE_TAG = variable_kinds.BY_VALUE_TAG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +131,8 @@ def variables(manifest: manifest_lib.Manifest, *, where: str) -> list[Variable]:
           " unique."
       )
   for node in walk(manifest.tree, where=f"{where}: tree"):
-    if isinstance(node.get("t"), str) and node["t"] in _BY_VALUE_TAG:
-      add(_BY_VALUE_TAG[node["t"]].name, node, where, "tree")
+    if isinstance(node.get("t"), str) and node["t"] in variable_kinds.BY_VALUE_TAG:
+      add(variable_kinds.BY_VALUE_TAG[node["t"]].name, node, where, "tree")
   return list(found.values())
 
 

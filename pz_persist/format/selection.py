@@ -5,7 +5,7 @@ Why one module: an option naming labels or axes that matches none of them
 say nothing, returning the fresh model as if loaded. Every selector (a
 label, a prefix, a glob, a regex rule, a predicate, an axis name) of every
 entry point (`pz_persist.open`'s ``select``/``load``, ``load_into``,
-``load_model(into=)``, plain Orbax checkpoints, ``dtype=`` rules) now
+``load_into``, plain Orbax checkpoints, ``dtype=`` rules) now
 refuses, pattern by pattern, what matches nothing, with the error built
 here: what was asked, where, and the closest names the checkpoint has.
 """

@@ -37,6 +37,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from pz_persist import deprecations
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.format import manifest as manifest_lib
@@ -46,14 +47,15 @@ from pz_persist.storage import reader
 from pz_persist.storage import restoring
 from pz_persist.storage import writer
 
-DEFAULT_CHUNK_BYTES = writer.DEFAULT_CHUNK_BYTES
-DEFAULT_READ_BATCH_BYTES = reader.DEFAULT_READ_BATCH_BYTES
-LOAD_PROGRESS_DELAY = reader.LOAD_PROGRESS_DELAY
-SETTLE_SECONDS = writer.SETTLE_SECONDS
-
-# Kept for callers of the encoding helpers here before `writer` owned them.
-encode_manifest = writer.encode_hashed
-with_checksums = writer.with_checksums
+# Former spellings of names `storage.writer` and `storage.reader` own now.
+__getattr__ = deprecations.module_getattr(__name__, {
+    "DEFAULT_CHUNK_BYTES": "pz_persist.storage.writer.DEFAULT_CHUNK_BYTES",
+    "DEFAULT_READ_BATCH_BYTES": "pz_persist.storage.reader.DEFAULT_READ_BATCH_BYTES",
+    "LOAD_PROGRESS_DELAY": "pz_persist.storage.reader.LOAD_PROGRESS_DELAY",
+    "SETTLE_SECONDS": "pz_persist.storage.writer.SETTLE_SECONDS",
+    "encode_manifest": "pz_persist.storage.writer.encode_hashed",
+    "with_checksums": "pz_persist.storage.writer.with_checksums",
+})
 
 
 TYPESTR = "pz_persist.orbax_v0.PenzaiCheckpointHandler"
@@ -104,8 +106,8 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       save_concurrent_gb: int | None = None,
       restore_concurrent_gb: int | None = None,
       multiprocessing_options: ocp.options.MultiprocessingOptions | None = None,
-      chunk_byte_size: int | None = DEFAULT_CHUNK_BYTES,
-      read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+      chunk_byte_size: int | None = writer.DEFAULT_CHUNK_BYTES,
+      read_batch_bytes: int = reader.DEFAULT_READ_BATCH_BYTES,
       direct_reads: bool = True,
       direct_writes: bool = True,
   ):

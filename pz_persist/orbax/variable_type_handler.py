@@ -17,8 +17,8 @@ handler (a variable holding one array stores it under the leaf's own name, so
 plain Orbax can read it as an array), and its label, metadata and axis names
 go into a small JSON record written by the primary process, beside the item's
 manifest (format 3: ``{leaf name: variable}``, the arrays under the names Orbax
-stored them under), so `pz_persist.load`, ``inspect``, ``load_model(path,
-into=model)``, ``migrate`` and the command read the item too. Saving is
+stored them under), so `pz_persist.load`, ``inspect``, ``load_into(path,
+model)``, ``migrate`` and the command read the item too. Saving is
 `pz_persist.storage.writer.encode_leaves`'s: this handler adapts it to Orbax's
 ``TypeHandler`` calls. Restoring rebuilds
 a mutable variable of the same class; leaves that were the same variable object
@@ -63,13 +63,9 @@ from pz_persist.storage import reader
 from pz_persist.storage import restoring
 from pz_persist.storage import writer
 
-_RECORDS_PREFIX = writer.RECORDS_PREFIX
 _TYPESTR = "pz_persist.variable"
 _KINDS = {name: kind.value_class for name, kind in variable_kinds.KINDS.items()}
 _RECORD_FIELDS = {"kind", "tree", "arrays"}
-
-
-_array_name = writer.leaf_array_name
 
 
 def _renamed(info: type_handlers.ParamInfo, name: str) -> type_handlers.ParamInfo:
@@ -244,7 +240,7 @@ def _read_records(directory: epath.Path) -> dict[str, tuple[str, Any]]:
       files record the same leaf; the message names the file and leaf.
   """
   records: dict[str, tuple[str, Any]] = {}
-  for path in sorted(directory.glob(f"{_RECORDS_PREFIX}*.json")):
+  for path in sorted(directory.glob(f"{writer.RECORDS_PREFIX}*.json")):
     where = str(path)
     for name, record in _parse_records(_read_bounded(path), where=where).items():
       if name in records:
@@ -313,7 +309,7 @@ def _wanted(
     if info.name not in records:
       raise errors.ManifestError(
           f"{where}: no pz_persist record for leaf {info.name!r}; the"
-          f" {_RECORDS_PREFIX}*.json files are missing or incomplete."
+          f" {writer.RECORDS_PREFIX}*.json files are missing or incomplete."
       )
     file, record = records[info.name]
     name = record.get("same_as", info.name)
@@ -343,7 +339,7 @@ def _parse_saved(
     raise errors.ManifestError(f"{file}: leaf {name!r}: two arrays share a key.")
   stored = [spec for spec in specs if spec.is_stored]
   storage_names = {
-      spec.key: _array_name(name, index, len(stored))
+      spec.key: writer.leaf_array_name(name, index, len(stored))
       for index, spec in enumerate(stored)
   }
   return _Saved(

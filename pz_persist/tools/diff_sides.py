@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
+from typing import TypeGuard
 from typing import TypeVar
 
 import numpy as np
@@ -123,13 +124,13 @@ def register(kind: type, factory: Callable[[Any], Side]) -> None:
   _FACTORIES.append((kind, factory))
 
 
-def is_path(obj: Any) -> bool:
+def is_path(obj: object) -> TypeGuard[str | os.PathLike[str]]:
   """Whether a diff reads ``obj`` as a checkpoint path (strings and path
   objects; a model is never a string)."""
   return isinstance(obj, (str, os.PathLike))
 
 
-def with_side(obj: Any, use: Callable[[Side], T], name: str = "A") -> T:
+def with_side(obj: object, use: Callable[[Side], T], name: str = "A") -> T:
   """Runs ``use`` with ``obj``'s side (``name``: A or B, for messages); a
   path stays opened (locked, pinned) until ``use`` returns, so a diff never
   sees a mix of two saves."""
@@ -144,7 +145,7 @@ def with_side(obj: Any, use: Callable[[Side], T], name: str = "A") -> T:
   return use(model_side(obj, name))
 
 
-def model_side(obj: Any, name: str = "A") -> ModelSide:
+def model_side(obj: object, name: str = "A") -> ModelSide:
   """``obj`` encoded as `pz_persist.save` would encode it (the same checks:
   what cannot be saved cannot be diffed either, and says why)."""
   try:
@@ -161,7 +162,7 @@ def model_side(obj: Any, name: str = "A") -> ModelSide:
   return ModelSide(f"{type(obj).__name__} in memory", manifest, list(encoded.values))
 
 
-def describe(obj: Any) -> str:
+def describe(obj: object) -> str:
   if is_path(obj):
     return os.fspath(epath.Path(obj)) if not isinstance(obj, str) else obj
   return f"{type(obj).__name__} in memory"

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import Literal
@@ -215,7 +216,7 @@ def _spec_text(spec: arrays_lib.ArraySpec | None) -> str:
 class _Side:
   """One manifest, with what matching asks of it."""
 
-  def __init__(self, manifest: manifest_lib.Manifest, names: dict[int, str]):
+  def __init__(self, manifest: manifest_lib.Manifest, names: Mapping[int, str]):
     self.manifest = manifest
     self.names = names
     self._labels: dict[int, tuple[str, ...]] = {}
@@ -327,6 +328,14 @@ class _Side:
     )
 
 
+def _named_fields(node: dict[str, Any]) -> bool:
+  """Whether a struct's ``fields`` are ``[name, node]`` pairs with text names
+  (the manifest's JSON is unchecked until decoded: a hostile one may hold
+  anything there, then compared as a plain value)."""
+  fields = node.get("fields")
+  return nodes.is_pairs(fields) and all(isinstance(name, str) for name, _ in fields)
+
+
 def _children(node: Any) -> list[tuple[str, Any]]:
   """A node's children with the keys that reach them (for the wrapper search)."""
   tag = _tag(node)
@@ -341,7 +350,7 @@ class Matcher:
   """Builds the `DiffNode` tree of two manifests."""
 
   def __init__(self, a: manifest_lib.Manifest, b: manifest_lib.Manifest,
-               names: tuple[dict[int, str], dict[int, str]]):
+               names: tuple[Mapping[int, str], Mapping[int, str]]):
     self.sides = (_Side(a, names[0]), _Side(b, names[1]))
     self._shared: dict[tuple[Any, Any], str] = {}
     self._seen_a: dict[Any, Any] = {}
@@ -432,8 +441,7 @@ class Matcher:
       return self._arrays(a, b, leaves, key, path_b)
     if tag_a != tag_b or _class_name(a) != _class_name(b):
       return self._different_kinds(a, b, key, path_a, path_b)
-    if tag_a in ("struct", "dataclass") and nodes.is_pairs(a.get("fields")) and nodes.is_pairs(
-        b.get("fields")):
+    if tag_a in ("struct", "dataclass") and _named_fields(a) and _named_fields(b):
       return self._fields(a, b, key, path_a, path_b)
     if tag_a in ("list", "tuple", "namedtuple") and isinstance(a.get("items"), list) and (
         isinstance(b.get("items"), list)):
@@ -466,8 +474,8 @@ class Matcher:
       # Plain values (a function swapped for a partial): changed, not replaced.
       return DiffNode(key, path_b, "unchanged", kind_b,
                       notes=[f"{static_text(a)} -> {static_text(b)}"])
-    if _tag(a) == _tag(b) and _tag(a) in ("struct", "dataclass") and nodes.is_pairs(
-        a.get("fields")) and nodes.is_pairs(b.get("fields")) and (
+    if _tag(a) == _tag(b) and _tag(a) in ("struct", "dataclass") and _named_fields(
+        a) and _named_fields(b) and (
         [name for name, _ in a["fields"]] == [name for name, _ in b["fields"]]):
       # Another class with the same fields (a renamed or swapped class of the
       # same shape): replaced, and its fields still compared one by one.
@@ -663,6 +671,43 @@ class Matcher:
     elif summary_a != summary_b:
       result.notes.append(f"{summary_a} -> {summary_b}")
     return result
+
+
+def top_changes(root: DiffNode) -> list[DiffNode]:
+  """The changes worth a line each: not the nodes inside an added, removed or
+  replaced subtree (its root says it), nor containers only changed inside."""
+  every = root.walk()
+  parents = {id(child): node for node in every for child in node.children}
+  return [
+      node for node in every
+      if node.status != "unchanged" and not _inside_its_root(node, parents) and (
+          not node.children or node.notes or node.status != "changed")
+  ]
+
+
+def _inside_its_root(node: DiffNode, parents: dict[int, DiffNode]) -> bool:
+  """Whether ``node`` (added or removed) lies in a subtree whose root says
+  so already: an ancestor of its status, or a replaced node's was / now."""
+  parent = parents.get(id(node))
+  while parent is not None:
+    if node.status in ("added", "removed") and parent.status in (node.status, "replaced"):
+      return True
+    parent = parents.get(id(parent))
+  return False
+
+
+def structure_lines(root: DiffNode) -> list[str]:
+  """Where the two saved structures differ, one line per change, by tree path
+  (``tree.body.sublayers[2]: replaced Dropout (was Linear)``): `top_changes`
+  without the arrays that differ only in value."""
+  lines = []
+  for node in top_changes(root):
+    if node.status == "changed" and not node.notes:
+      continue  # Its values differ (its stats say how): no change of structure.
+    status = "" if node.status == "changed" else f"{node.status} "
+    notes = f" ({'; '.join(node.notes)})" if node.notes else ""
+    lines.append(f"{node.path}: {status}{node.kind}{notes}")
+  return lines
 
 
 def array_names(manifest: manifest_lib.Manifest) -> dict[int, str]:

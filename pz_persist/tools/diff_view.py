@@ -17,8 +17,10 @@ import html
 import os
 import shutil
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 from typing import Any
+from typing import Protocol
+from typing import TextIO
 
 import treescope
 from treescope import rendering_parts as parts
@@ -28,8 +30,35 @@ from pz_persist.safety import terminal
 from pz_persist.tools import diff_table
 from pz_persist.tools import diff_tree
 
-if TYPE_CHECKING:
-  from pz_persist.tools import diffing
+
+class Compared(Protocol):
+  """An array compared by value (`pz_persist.tools.diffing.ArrayDiff`)."""
+
+  @property
+  def identical(self) -> bool: ...
+
+
+class Shown(Protocol):
+  """What a view needs of a diff (`pz_persist.tools.Shown`).
+
+  Why a protocol: the result imports its views; were the views to import the
+  result back, the two would be one import cycle.
+  """
+
+  @property
+  def tree(self) -> diff_tree.DiffNode | None: ...
+
+  @property
+  def a(self) -> str: ...
+
+  @property
+  def b(self) -> str: ...
+
+  @property
+  def identical(self) -> bool: ...
+
+  @property
+  def arrays(self) -> Sequence[Compared]: ...
 
 STYLES = {
     "changed": "background-color: #ffe08a; color: #5c3b00; border-radius: 3px; padding: 0 3px",
@@ -69,15 +98,16 @@ def _percent(x: float) -> str:
   return f"{x * 100:.3g}%"
 
 
-def _styled(text: str, status: str) -> Any:
+def _styled(text: str, status: str) -> parts.RenderableTreePart:
   return parts.custom_style(parts.text(text), STYLES[status])
 
 
-def _line(node: diff_tree.DiffNode, inherited: bool, key: str | None = None) -> Any:
+def _line(node: diff_tree.DiffNode, inherited: bool,
+          key: str | None = None) -> parts.RenderableTreePart:
   """The first line of a node: key (``key`` if given), kind, status word,
   summary, notes, stats. Inside an added or removed subtree (``inherited``)
   only its root says so."""
-  pieces: list[Any] = []
+  pieces: list[parts.RenderableTreePart | str] = []
   key = node.key if key is None else key
   if key:
     pieces.append(parts.text(f"{key}: "))
@@ -115,7 +145,8 @@ limit; flattened (`pz_persist.format.folding.flattened`, as `render_html`
 folds a model's deep parts), the rendering's depth is bounded whatever the tree."""
 
 
-def _render(node: diff_tree.DiffNode, parent_status: str = "", level: int = 0) -> Any:
+def _render(node: diff_tree.DiffNode, parent_status: str = "",
+            level: int = 0) -> parts.RenderableAndLineAnnotations:
   """A node: one line, or a foldable whose children show only when it is
   expanded (folded, it reads ``{...}``: an unchanged block stays one short
   line until clicked)."""
@@ -143,11 +174,12 @@ def _render(node: diff_tree.DiffNode, parent_status: str = "", level: int = 0) -
   )
 
 
-def _flattened(root: diff_tree.DiffNode) -> list[Any]:
+def _flattened(root: diff_tree.DiffNode) -> list[parts.RenderableAndLineAnnotations]:
   """Every node below ``root`` as one line, keyed by its path from ``root``
   (``.sublayers[0].sublayers[0]: Linear ...``), parents first."""
 
-  def line(key: str, node: diff_tree.DiffNode, parent: diff_tree.DiffNode) -> Any:
+  def line(key: str, node: diff_tree.DiffNode,
+           parent: diff_tree.DiffNode) -> parts.RenderableAndLineAnnotations:
     inherited = node.status in ("added", "removed") and parent.status in (
         node.status, "replaced")
     return parts.build_one_line_tree_node(_line(node, inherited, key))
@@ -155,21 +187,12 @@ def _flattened(root: diff_tree.DiffNode) -> list[Any]:
   return folding.flattened(root, lambda node: [(c.key, c) for c in node.children], line)
 
 
-def top_changes(result: diffing.CheckpointDiff) -> list[diff_tree.DiffNode]:
-  """The changes worth a line each: not the nodes inside an added, removed or
-  replaced subtree (its root says it), nor containers only changed inside."""
-  if result.tree is None:
-    return []
-  every = result.tree.walk()
-  parents = {id(child): node for node in every for child in node.children}
-  return [
-      node for node in every
-      if node.status != "unchanged" and not _inside_its_root(node, parents) and (
-          not node.children or node.notes or node.status != "changed")
-  ]
+def top_changes(result: Shown) -> list[diff_tree.DiffNode]:
+  """The changes of ``result`` worth a line each (`diff_tree.top_changes`)."""
+  return [] if result.tree is None else diff_tree.top_changes(result.tree)
 
 
-def _header(result: diffing.CheckpointDiff) -> str:
+def _header(result: Shown) -> str:
   if result.identical:
     return f"no differences: {result.a} and {result.b} ({len(result.arrays)} arrays compared)"
   counts: dict[str, int] = {}
@@ -183,7 +206,7 @@ def _header(result: diffing.CheckpointDiff) -> str:
   return f"A: {result.a}\nB: {result.b}\n" + ", ".join(summary)
 
 
-def treescope_repr(result: diffing.CheckpointDiff, path: str | None,
+def treescope_repr(result: Shown, path: str | None,
                    subtree_renderer: Any) -> Any:
   """The whole diff as one treescope tree (``CheckpointDiff.__treescope_repr__``)."""
   del subtree_renderer
@@ -202,7 +225,7 @@ def treescope_repr(result: diffing.CheckpointDiff, path: str | None,
   )
 
 
-def to_html(result: diffing.CheckpointDiff) -> str:
+def to_html(result: Shown) -> str:
   """A self-contained page: treescope's inline scripts and styles, no network."""
   body = treescope.render_to_html(result, roundtrip_mode=False, compressed=False)
   title = html.escape(f"pz_persist diff: {result.a} vs {result.b}")
@@ -217,7 +240,7 @@ def _stats_cells(node: diff_tree.DiffNode) -> tuple[str, str, str]:
   return (_number(s.max_abs), _number(s.relative_l2), _percent(s.fraction_changed))
 
 
-def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bool = False,
+def table(result: Shown, *, width: int | None = None, color: bool = False,
           every_array: bool = False) -> str:
   """One row per change (and per array with ``every_array``), changes alike
   but for their place grouped, each row one or two lines of ``width``
@@ -245,18 +268,6 @@ def table(result: diffing.CheckpointDiff, *, width: int | None = None, color: bo
   return "\n".join(lines)
 
 
-def _inside_its_root(node: diff_tree.DiffNode,
-                     parents: dict[int, diff_tree.DiffNode]) -> bool:
-  """Whether ``node`` (added or removed) lies in a subtree whose root says
-  so already: an ancestor of its status, or a replaced node's was / now."""
-  parent = parents.get(id(node))
-  while parent is not None:
-    if node.status in ("added", "removed") and parent.status in (node.status, "replaced"):
-      return True
-    parent = parents.get(id(parent))
-  return False
-
-
 def _colour(text: str, statuses: list[str]) -> str:
   """The status word of each row coloured (continuation lines start with spaces)."""
   out, row = [], -2  # The table's header line is row -1.
@@ -270,7 +281,7 @@ def _colour(text: str, statuses: list[str]) -> str:
   return "\n".join(out)
 
 
-def use_colour(stream: Any = None) -> bool:
+def use_colour(stream: TextIO | None = None) -> bool:
   """Colours only on a terminal, and never with ``NO_COLOR`` set or ``TERM=dumb``."""
   stream = stream or sys.stdout
   isatty = getattr(stream, "isatty", None)

@@ -5,7 +5,9 @@ Each side is a model in memory, a checkpoint path or an opened handle
 it (`pz_persist.tools.diff_tree`: wrappers added, blocks cut, classes
 replaced, labels, metadata and axis names), and the result renders as one
 treescope tree, an HTML file or a terminal table
-(`pz_persist.tools.diff_view`). Two large checkpoints must never sit in
+(`pz_persist.tools.diff_view`). The tree is the one model of a diff: the
+flat fields of `CheckpointDiff` (``structure``, ``only_in_a``, ``arrays``...)
+are views read from it. Two large checkpoints must never sit in
 memory together, so arrays are read in batches of bounded size from each
 side (Orbax reads only the requested arrays), compared in bounded pieces,
 and dropped before the next batch.
@@ -14,25 +16,26 @@ and dropped before the next batch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from etils import epath
 
 from pz_persist import progress as progress_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.format import nodes
 from pz_persist.storage import batching
 from pz_persist.storage import destinations
 from pz_persist.storage import opening
 from pz_persist.storage import stores
 from pz_persist.tools import diff_sides
 from pz_persist.tools import diff_tree
+from pz_persist.tools import diff_view
 
 DEFAULT_BATCH_BYTES = 256 * 2**20
 """Most array bytes read from each checkpoint at once."""
@@ -60,9 +63,34 @@ class ArrayDiff:
   fraction_changed: float = 0.0
 
 
+STRUCTURE_LINES = 50
+"""Most lines `CheckpointDiff.structure` lists (the tree holds every change)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayTable:
+  """One side's arrays by manifest index: the name `pz_persist.diff` lists
+  each under (its label, or its tree path) and its spec."""
+
+  names: Mapping[int, str]
+  specs: Sequence[arrays_lib.ArraySpec]
+
+  @classmethod
+  def of(cls, manifest: manifest_lib.Manifest) -> ArrayTable:
+    return cls(diff_tree.array_names(manifest), manifest.arrays)
+
+  def by_name(self) -> dict[str, arrays_lib.ArraySpec]:
+    return {name: self.specs[index] for index, name in self.names.items()}
+
+
 @dataclasses.dataclass
 class CheckpointDiff:
   """Everything that differs between A and B (models or checkpoints).
+
+  One model of the diff: `tree`, the tree of differences. The flat fields
+  scripts read (``structure``, ``only_in_a``, ``only_in_b``, ``changed``,
+  ``arrays``) are views derived from it and from the two sides' array
+  tables, computed when read, never kept beside it.
 
   Renders in treescope by itself (in a notebook, or with
   ``treescope.display``) as one tree: unchanged parts folded, changed arrays
@@ -71,35 +99,83 @@ class CheckpointDiff:
   a self-contained HTML file, `table` as text for a terminal.
 
   Attributes:
-    only_in_a: Array names (labels, or tree paths) only A has.
-    only_in_b: Array names only B has.
-    changed: Arrays of both whose shape or dtype differs, as text.
-    structure: Where the saved structures differ, by tree path, as text.
-    arrays: The arrays of both compared by value.
     tree: The tree of differences (`pz_persist.tools.diff_tree.DiffNode`).
     a: How A is named (its path, or its class).
     b: How B is named.
+    tables: A's and B's arrays (names and specs by manifest index).
     sources: The checkpoints compared (paths, or `pz_persist.open` handles;
       not models): `save_html` never writes over, inside or around them.
   """
 
-  only_in_a: list[str] = dataclasses.field(default_factory=list)
-  only_in_b: list[str] = dataclasses.field(default_factory=list)
-  changed: list[str] = dataclasses.field(default_factory=list)
-  structure: list[str] = dataclasses.field(default_factory=list)
-  arrays: list[ArrayDiff] = dataclasses.field(default_factory=list)
-  tree: diff_tree.DiffNode | None = dataclasses.field(default=None, repr=False)
+  tree: diff_tree.DiffNode | None = None
   a: str = "A"
   b: str = "B"
-  sources: tuple[Any, ...] = dataclasses.field(default=(), repr=False, compare=False)
+  tables: tuple[ArrayTable, ArrayTable] | None = dataclasses.field(default=None, repr=False)
+  sources: tuple[epath.Path, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+  @property
+  def structure(self) -> list[str]:
+    """Where the saved structures differ, by tree path, as text (at most
+    `STRUCTURE_LINES`; `changes` has every node)."""
+    if self.tree is None:
+      return []
+    return diff_tree.structure_lines(self.tree)[:STRUCTURE_LINES]
+
+  @property
+  def only_in_a(self) -> list[str]:
+    """Array names (labels, or tree paths) only A has."""
+    return self._only_in(0)
+
+  @property
+  def only_in_b(self) -> list[str]:
+    """Array names only B has."""
+    return self._only_in(1)
+
+  def _only_in(self, side: int) -> list[str]:
+    if self.tables is None:
+      return []
+    other = set(self.tables[1 - side].names.values())
+    return [name for name in self.tables[side].names.values() if name not in other]
+
+  @property
+  def changed(self) -> list[str]:
+    """Arrays of both (by name) whose shape or dtype differs, as text."""
+    if self.tables is None:
+      return []
+    specs_a, specs_b = (table.by_name() for table in self.tables)
+    return [f"{name}: {_shape_text(spec)} != {_shape_text(specs_b[name])}"
+            for name, spec in specs_a.items() if name in specs_b
+            and (spec.shape, spec.dtype) != (specs_b[name].shape, specs_b[name].dtype)]
+
+  @property
+  def arrays(self) -> list[ArrayDiff]:
+    """The arrays of both compared by value (one per pair of arrays, of one
+    dtype), from the tree's leaves in their order."""
+    if self.tree is None or self.tables is None:
+      return []
+    found: dict[tuple[int, int], ArrayDiff] = {}
+    names_a, names_b = (table.names for table in self.tables)
+    for node in self.tree.walk():
+      ref_a, ref_b = node.refs
+      if node.stats is None or ref_a is None or ref_b is None or (ref_a, ref_b) in found:
+        continue
+      if self.tables[0].specs[ref_a].dtype != self.tables[1].specs[ref_b].dtype:
+        continue
+      name = names_a[ref_a]
+      if names_b[ref_b] != name:
+        name = f"{name} -> {names_b[ref_b]}"
+      s = node.stats
+      found[ref_a, ref_b] = ArrayDiff(
+          name, s.identical, s.max_abs, s.l2, s.relative_l2, s.fraction_changed)
+    return list(found.values())
 
   @property
   def identical(self) -> bool:
-    return not (
-        self.only_in_a or self.only_in_b or self.changed or self.structure
-        or any(not a.identical for a in self.arrays)
-        or (self.tree is not None and self.tree.status != "unchanged")
-    )
+    """No difference of any kind: the tree's verdict (a change of structure
+    or of an array's values marks the root changed), and no array name only
+    one side has."""
+    tree_unchanged = self.tree is None or self.tree.status == "unchanged"
+    return tree_unchanged and not (self.only_in_a or self.only_in_b or self.changed)
 
   def changes(self) -> list[diff_tree.DiffNode]:
     """Every node of `tree` that is not unchanged, parents first."""
@@ -107,12 +183,10 @@ class CheckpointDiff:
         n for n in self.tree.walk() if n.status != "unchanged"]
 
   def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-    from pz_persist.tools import diff_view  # pylint: disable=import-outside-toplevel
     return diff_view.treescope_repr(self, path, subtree_renderer)
 
   def to_html(self) -> str:
     """The diff as one self-contained HTML page (nothing fetched)."""
-    from pz_persist.tools import diff_view  # pylint: disable=import-outside-toplevel
     return diff_view.to_html(self)
 
   def save_html(self, path: epath.PathLike) -> epath.Path:
@@ -130,7 +204,6 @@ class CheckpointDiff:
             every_array: bool = False) -> str:
     """The diff as text: one row per change, fitting ``width`` columns (the
     terminal's by default); ``every_array`` lists unchanged arrays too."""
-    from pz_persist.tools import diff_view  # pylint: disable=import-outside-toplevel
     return diff_view.table(self, width=width, color=color, every_array=every_array)
 
   def __str__(self) -> str:
@@ -175,167 +248,18 @@ def record(result: CheckpointDiff) -> dict[str, Any]:
   }
 
 
-def _array_names(manifest: manifest_lib.Manifest) -> dict[str, int]:
-  """Stable names of a checkpoint's arrays: label (+ index) or tree path."""
-  return {name: index for index, name in diff_tree.array_names(manifest).items()}
-
-
 def _shape_text(spec: arrays_lib.ArraySpec) -> str:
   return f"{spec.dtype}[{','.join(map(str, spec.shape))}]"
 
 
-class _StructureDiff:
-  """Walks two manifests' trees side by side, naming each difference by its
-  Python-like path (``tree.body.sublayers[2]``) and not descending further
-  into a branch once it differs."""
-
-  def __init__(self, a: manifest_lib.Manifest, b: manifest_lib.Manifest, limit: int):
-    self._manifests = (a, b)
-    self._limit = limit
-    self.found: list[str] = []
-
-  def _describe(self, node: Any, side: int) -> str:
-    if not isinstance(node, dict):
-      return json.dumps(node)[:60]
-    tag = node.get("t")
-    if nodes.names_class(tag):
-      name = str(_dict(node.get("class")).get("qualname", "?"))
-      return f"{name}.{node.get('name')}" if tag == "enum" else name
-    if tag == "function":
-      ref = _dict(node.get("ref"))
-      return f"{ref.get('module')}.{ref.get('qualname')}"
-    sharding = diff_tree.sharding_text(node, 60)
-    if sharding is not None:
-      return sharding
-    if tag == "array":
-      spec = _entry(self._manifests[side].arrays, node.get("ref"))
-      return _shape_text(spec) if spec is not None else "invalid array reference"
-    if "v" in node:
-      return json.dumps(node["v"])[:60]
-    if isinstance(node.get("items"), list):
-      values = [item.get("v") for item in node["items"] if isinstance(item, dict) and "v" in item]
-      shown = json.dumps(values)
-      if len(values) == len(node["items"]) and len(shown) <= 60:
-        return f"{tag} {shown}"  # A short list of plain values: show them.
-      return f"{tag} of {len(node['items'])}"
-    return str(tag)
-
-  def _differ(self, a: Any, b: Any, path: str) -> None:
-    if len(self.found) < self._limit:
-      self.found.append(f"{path}: {self._describe(a, 0)} != {self._describe(b, 1)}")
-
-  def compare(self, a: Any, b: Any, path: str) -> None:
-    """Records where ``a`` and ``b`` differ. The manifests' JSON is
-    unchecked (only decoding checks it), so anything malformed is compared
-    as a plain value."""
-    if len(self.found) >= self._limit:
-      return
-    if _tag(a) == _tag(b) == "variable":  # Compare the referenced entries.
-      entries = [_entry(m.variables, n.get("ref")) for m, n in zip(self._manifests, (a, b))]
-      if None not in entries:
-        a, b = entries
-    if not isinstance(a, dict) or not isinstance(b, dict):
-      if a != b:
-        self._differ(a, b, path)
-      return
-    if (_tag(a) == _tag(b) and nodes.keyed_items(_tag(a))
-        and isinstance(a.get("items"), list) and isinstance(b.get("items"), list)
-        and all(map(_is_pair, [*a["items"], *b["items"]]))):
-      self._compare_keys(a, b, path)  # Entries by key, whatever their number.
-      return
-    if _tag(a) != _tag(b) or self._describe(a, 0) != self._describe(b, 1):
-      self._differ(a, b, path)  # Different class, value, shape or length.
-      return
-    if "fields" in a and _pairs(a["fields"]) is not None and _pairs(b.get("fields")) is not None:
-      self._compare_fields(a, b, path)
-    elif isinstance(a.get("items"), list) and isinstance(b.get("items"), list):
-      self._compare_items(a, b, path)
-    else:  # Axes, labels, metadata, values: compare what remains, key by key.
-      for key in sorted(set(a) | set(b)):
-        x, y = a.get(key), b.get(key)
-        if isinstance(x, dict) and isinstance(y, dict):
-          self.compare(x, y, f"{path}.{key}")
-        elif key not in ("t", "ref") and x != y:
-          self._differ(a, b, path)
-          return
-
-  def _compare_fields(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
-    fields_a, fields_b = (_pairs(node["fields"]) or {} for node in (a, b))  # Checked by compare.
-    for name in dict.fromkeys([*fields_a, *fields_b]):
-      if name not in fields_a or name not in fields_b:
-        self.found.append(f"{path}.{name}: only in {'A' if name in fields_a else 'B'}")
-      else:
-        self.compare(fields_a[name], fields_b[name], f"{path}.{name}")
-
-  def _compare_keys(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
-    """A dict's entries matched by key: each key only one side has is named,
-    the values of the others compared (a configuration saved as a dict
-    shows which settings differ, not only that the dicts' sizes do)."""
-    def keyed(node: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-      return {json.dumps(key, sort_keys=True): (key, value) for key, value in node["items"]}
-
-    entries_a, entries_b = keyed(a), keyed(b)
-    for key in dict.fromkeys([*entries_a, *entries_b]):
-      if len(self.found) >= self._limit:
-        return
-      side = entries_a if key in entries_a else entries_b
-      where = f"{path}[{self._describe(side[key][0], 0)}]"
-      if key not in entries_a or key not in entries_b:
-        self.found.append(f"{where}: only in {'A' if key in entries_a else 'B'}")
-      else:
-        self.compare(entries_a[key][1], entries_b[key][1], where)
-    common = [key for key in entries_a if key in entries_b]
-    if common != [key for key in entries_b if key in entries_a] and len(self.found) < self._limit:
-      self.found.append(f"{path}: the same keys in another order")
-
-  def _compare_items(self, a: dict[str, Any], b: dict[str, Any], path: str) -> None:
-    keyed = nodes.keyed_items(_tag(a))
-    for index, (x, y) in enumerate(zip(a["items"], b["items"])):
-      if not keyed:
-        self.compare(x, y, f"{path}[{index}]")
-      elif not _is_pair(x) or not _is_pair(y):
-        self.compare(x, y, f"{path} item {index}")
-      elif x[0] != y[0]:
-        self._differ(x[0], y[0], f"{path} key {index}")
-      else:
-        self.compare(x[1], y[1], f"{path}[{self._describe(x[0], 0)}]")
-
-
-def _dict(value: Any) -> dict[str, Any]:
-  return value if isinstance(value, dict) else {}
-
-
-def _entry(entries: Sequence[Any], ref: Any) -> Any:
-  """``entries[ref]`` if ``ref`` is a valid index, else None."""
-  return entries[ref] if type(ref) is int and 0 <= ref < len(entries) else None
-
-
-def _is_pair(value: Any) -> bool:
-  return isinstance(value, list) and len(value) == 2
-
-
-def _pairs(value: Any) -> dict[str, Any] | None:
-  """A struct's ``fields`` as ``{name: node}``, or None if malformed."""
-  if not isinstance(value, list) or not all(
-      _is_pair(pair) and isinstance(pair[0], str) for pair in value
-  ):
-    return None
-  return dict(map(tuple, value))
-
-
-def _tag(node: Any) -> str | None:
-  return node.get("t") if isinstance(node, dict) else None
-
-
-def structure_differences(
-    a: manifest_lib.Manifest, b: manifest_lib.Manifest, limit: int = 50
-) -> list[str]:
-  """Where two saved trees differ (classes, fields, labels, shapes), by path."""
-  walker = _StructureDiff(a, b, limit)
-  walker.compare(a.tree, b.tree, "tree")
-  return walker.found
-
-
+def structure_differences(a: manifest_lib.Manifest, b: manifest_lib.Manifest,
+                          limit: int = STRUCTURE_LINES) -> list[str]:
+  """Where two saved trees differ (classes, fields, labels, shapes), by path:
+  `diff_tree.structure_lines` of their diff tree (no array is read)."""
+  tables = ArrayTable.of(a), ArrayTable.of(b)
+  tree = diff_tree.Matcher(a, b, (tables[0].names, tables[1].names)).build()
+  tree.settle()
+  return diff_tree.structure_lines(tree)[:limit]
 
 
 COMPARE_ELEMENTS = 1 << 20
@@ -343,7 +267,7 @@ COMPARE_ELEMENTS = 1 << 20
 piece, not of the whole array, are all a comparison holds."""
 
 
-def compare_values(a: Any, b: Any) -> diff_tree.ArrayStats:
+def compare_values(a: npt.ArrayLike, b: npt.ArrayLike) -> diff_tree.ArrayStats:
   """How two host arrays of one shape differ, in bounded pieces."""
   a, b = np.asarray(a), np.asarray(b)
   if a.dtype == b.dtype and a.tobytes() == b.tobytes():
@@ -378,15 +302,15 @@ def compare_values(a: Any, b: Any) -> diff_tree.ArrayStats:
   )
 
 
-def _host(value: Any) -> Any:
+def _host(value: np.ndarray | jax.Array) -> np.ndarray:
   if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
     value = jax.random.key_data(value)
   return np.asarray(value)
 
 
 def diff(
-    a: Any,
-    b: Any,
+    a: object,
+    b: object,
     *,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     progress: progress_lib.Progress = None,
@@ -435,21 +359,11 @@ def _diff(
 ) -> CheckpointDiff:
   """`diff` of two opened sides."""
   manifests = [a.manifest, b.manifest]
-  result = CheckpointDiff(a=a.description, b=b.description)
-  result.structure = structure_differences(a.manifest, b.manifest)
-  names_a, names_b = (_array_names(m) for m in manifests)
-  result.only_in_a = [n for n in names_a if n not in names_b]
-  result.only_in_b = [n for n in names_b if n not in names_a]
-  for name in (n for n in names_a if n in names_b):
-    spec_a = manifests[0].arrays[names_a[name]]
-    spec_b = manifests[1].arrays[names_b[name]]
-    if (spec_a.shape, spec_a.dtype) != (spec_b.shape, spec_b.dtype):
-      result.changed.append(f"{name}: {_shape_text(spec_a)} != {_shape_text(spec_b)}")
-
-  by_index = diff_tree.array_names(manifests[0]), diff_tree.array_names(manifests[1])
-  result.tree = diff_tree.Matcher(a.manifest, b.manifest, by_index).build()
+  tables = ArrayTable.of(a.manifest), ArrayTable.of(b.manifest)
+  tree = diff_tree.Matcher(a.manifest, b.manifest, (tables[0].names, tables[1].names)).build()
+  result = CheckpointDiff(tree=tree, a=a.description, b=b.description, tables=tables)
   leaves: dict[tuple[int, int], list[diff_tree.DiffNode]] = {}
-  for node in result.tree.walk():
+  for node in tree.walk():
     ref_a, ref_b = node.refs
     if ref_a is not None and ref_b is not None and (
         manifests[0].arrays[ref_a].shape == manifests[1].arrays[ref_b].shape):
@@ -465,15 +379,7 @@ def _diff(
         stats = compare_values(_host(values_a[pair[0]]), _host(values_b[pair[1]]))
         for node in leaves[pair]:
           node.stats = stats
-        spec_a, spec_b = manifests[0].arrays[pair[0]], manifests[1].arrays[pair[1]]
-        if spec_a.dtype == spec_b.dtype:
-          name = by_index[0][pair[0]]
-          if by_index[1][pair[1]] != name:
-            name = f"{name} -> {by_index[1][pair[1]]}"
-          result.arrays.append(ArrayDiff(
-              name, stats.identical, stats.max_abs, stats.l2, stats.relative_l2,
-              stats.fraction_changed))
       del values_a, values_b
       tracker.advance(sum(sizes[pair] for pair in batch))
-  result.tree.settle()
+  tree.settle()
   return result

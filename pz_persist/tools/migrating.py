@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 from typing import Any
+from typing import TypeVar
+from typing import Unpack
 
 from etils import epath
 from penzai import pz
@@ -22,22 +24,23 @@ from penzai import pz
 from pz_persist import binding
 from pz_persist import errors
 from pz_persist import model as model_lib
-from pz_persist import sharding as sharding_lib
 from pz_persist.storage import commit
 from pz_persist.storage import destinations
+
+ModelT = TypeVar("ModelT")
+"""The model given to `migrate`: the model returned is of its type."""
 
 
 def migrate(
     src: epath.PathLike,
     dst: epath.PathLike,
-    model: Any,
+    model: ModelT,
+    options: binding.BindOptions | None = None,
     *,
     overwrite: bool = False,
-    dtype: binding.DTypeRules | None = None,
-    allow_lossy: bool = False,
-    sharding: sharding_lib.Target = None,
     allow_modules: Iterable[str] | None = None,
-) -> Any:
+    **keywords: Unpack[binding.BindKeywords],
+) -> ModelT:
   """Converts the checkpoint at ``src`` into a native checkpoint at ``dst``.
 
   Loads ``src`` into ``model`` with ``load_into(src, model)`` (strict:
@@ -61,12 +64,16 @@ def migrate(
     overwrite: Replace an existing pz_persist checkpoint at ``dst`` (never
       anything else; and ``dst`` may never be ``src``, hold it or lie inside
       it, even through links or relative paths).
-    dtype: Cast while loading, as for `load_model`.
-    allow_lossy: Allow lossy casts, as for `load_model`.
-    sharding: Where arrays are read to, as for `load_model`.
+    options: How to bind ``src`` into ``model`` (`pz_persist.BindOptions`),
+      as for `load_into`: ``dtype=`` and ``allow_lossy=`` cast while
+      loading, ``sharding=`` places the arrays read, ``rename=`` and the
+      others apply to native checkpoints.
     allow_modules: Modules the model's own layer classes come from, if they
       are not Penzai's (see `pz_persist.allow_modules`); loading ``dst`` will
       need them allowed too.
+    **keywords: `pz_persist.BindOptions`' fields, as for `load_into`
+      (``dtype=``, ``allow_lossy=``, ``sharding=``...); each replaces the
+      one of ``options``.
 
   Returns:
     The loaded model (as saved at ``dst``).
@@ -83,10 +90,7 @@ def migrate(
     raise errors.CheckpointExistsError(  # Said before the (long) load.
         f"{dst} already exists; pass overwrite=True to replace it."
     )
-  loaded = model_lib.load_into(
-      src, model, dtype=dtype, allow_lossy=allow_lossy, sharding=sharding,
-      allow_modules=allow_modules,
-  )
+  loaded = model_lib.load_into(src, model, options, allow_modules=allow_modules, **keywords)
   model_lib.save_model(dst, loaded, overwrite=overwrite, allow_modules=allow_modules)
   return loaded
 

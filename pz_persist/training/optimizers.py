@@ -20,8 +20,6 @@ import numpy as np
 
 from pz_persist import errors
 
-_REGISTRY = jax.tree_util.default_registry
-
 _FIX = (
     "Was it saved with another optimizer? Resume with the optimizer that saved"
     " it, or start afresh from optimizer.init(params)."
@@ -78,8 +76,8 @@ def _first_difference(expected: Any, found: Any, path: tuple[Any, ...]) -> str |
   """Where ``found`` first departs from ``expected``'s structure, in words
   (None if nowhere). Leaves are arrays on both sides; their shapes are
   checked separately."""
-  expected_level = _REGISTRY.flatten_one_level(expected)
-  found_level = _REGISTRY.flatten_one_level(found)
+  expected_level = jax.tree_util.default_registry.flatten_one_level(expected)
+  found_level = jax.tree_util.default_registry.flatten_one_level(found)
   if expected_level is None and found_level is None:
     return None
   expected_children, found_children = _children(expected), _children(found)

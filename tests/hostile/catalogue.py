@@ -5,7 +5,7 @@ Each case is a small builder that takes a fresh, valid checkpoint (the MLP of
 error loading it must raise and a regex its message must match: the message
 has to name the file, label or tree path at fault. `test_catalogue.py` runs
 every case through every way of loading (``pzp.load``, ``pzp.inspect``,
-``pzp.load_model``, ``pzp.load_model(path, into=model)``, and lazily:
+``pzp.load_model``, ``pzp.load_into(path, model)``, and lazily:
 ``pzp.open`` then the handle's ``load()``, which must refuse whatever
 ``pzp.load`` refuses, and ``pzp.open`` then ``handle[label]`` and
 ``handle.read(label, index)`` of every variable, each of which must read or

@@ -97,7 +97,6 @@ def _ways_in(path, good):
   yield "load", lambda: pzp.load(path)
   yield "inspect", lambda: pzp.inspect(path)
   yield "open", lambda: pzp.open(path)
-  yield "load_model(into=)", lambda: pzp.load_model(path, into=_tree())
   yield "load_into", lambda: pzp.load_into(path, _tree())
   yield "diff(path, path)", lambda: pzp.diff(path, path)
   yield "diff(handle, path)", lambda: pzp.diff(pzp.open(good), path)
@@ -207,7 +206,7 @@ def test_what_a_save_writes_keeps_its_sharing(tmp_path):
   loaded["x1"][0] = 99  # Writable, and its own.
   assert loaded["x2"][0] == 0 and not np.shares_memory(loaded["x1"], loaded["x2"])
   assert loaded["s1"] is loaded["s2"]  # Shared as saved: one variable.
-  into = pzp.load_model(tmp_path / "c", into={"x1": x, "x2": x, "s1": shared, "s2": shared})
+  into = pzp.load_into(tmp_path / "c", {"x1": x, "x2": x, "s1": shared, "s2": shared})
   assert into["s1"] is into["s2"]
 
 

@@ -68,7 +68,7 @@ def _read_every_way(tmp_path) -> None:
   pzp.load(path)
   pzp.inspect(path)
   pzp.load_model(model_path)
-  pzp.load_model(model_path, into=model_zoo.mlp())
+  pzp.load_into(model_path, model_zoo.mlp())
   pzp.diff(path, path)
   pzp.verify(path)
   _cli("inspect", str(path))

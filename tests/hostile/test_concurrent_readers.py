@@ -163,7 +163,7 @@ ENTRY_POINTS = {
     "inspect": lambda path, _: _tags(pzp.inspect(path)),
     "load_model": lambda path, _: _tags(pzp.load_model(path, progress=False)),
     "load_model_into": lambda path, _: _tags(
-        pzp.load_model(path, into=_untagged(), progress=False)
+        pzp.load_into(path, _untagged(), progress=False)
     ),
     "diff": _diff_tags,
     "verify": lambda path, _: _verify_tags(path),

@@ -208,7 +208,7 @@ def test_plain_orbax_loads_refuse_a_file_replaced_mid_load(tmp_path, monkeypatch
 
   monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "restore", restore)
   for name, call in (
-      ("load_model into", lambda: pzp.load_model(plain, into=model)),
+      ("load_into", lambda: pzp.load_into(plain, model)),
       ("migrate", lambda: pzp.migrate(plain, tmp_path / "native", model)),
   ):
     replaced.clear()

@@ -26,8 +26,8 @@ from penzai import pz
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import manifest_queries
-from pz_persist.orbax import v0_handler
 from pz_persist.storage import restoring
+from pz_persist.storage import writer
 from pz_persist.tools import diffing
 
 WHERE = "fuzzed/pz_persist.json"
@@ -62,7 +62,7 @@ def _valid_manifests() -> tuple[bytes, ...]:
       "fn": jax.nn.relu,
   }
   return tuple(
-      v0_handler.encode_manifest(t)[0].dumps() for t in (model_zoo.mlp(), tree)
+      writer.encode_hashed(t)[0].dumps() for t in (model_zoo.mlp(), tree)
   )
 
 

@@ -26,7 +26,7 @@ FORGED_KEYS = ["..", ".", "a..b", ".hidden", "trailing.", "../../etc/passwd", "/
 ENTRY_POINTS = {
     "load": pzp.load,
     "inspect": pzp.inspect,
-    "load_model into": lambda path: pzp.load_model(path, into=model_zoo.mlp()),
+    "load_into": lambda path: pzp.load_into(path, model_zoo.mlp()),
     "verify": lambda path: _raise_if_damaged(pzp.verify(path)),
 }
 

@@ -232,11 +232,11 @@ def test_load_model_into_a_model(tmp_path, stored, target, value, wrapped):
   pzp.save(path, [pz.ParameterValue(label="w", value=jnp.asarray(stored))])
   model = _model(target)
   with pytest.raises(pzp.BindingError, match=rf"w: casting to .*would change.*e\.g\. {value}"):
-    pzp.load_model(path, into=model, dtype=target)
+    pzp.load_into(path, model, dtype=target)
   assert not _loaded(model).any()  # The model passed in is unchanged.
   with pytest.raises(pzp.BindingError, match=rf"e\.g\. {value}"):  # A {glob: dtype} rule too.
-    pzp.load_model(path, into=model, dtype={"w": target})
-  loaded = pzp.load_model(path, into=model, dtype=target, allow_lossy=True)
+    pzp.load_into(path, model, dtype={"w": target})
+  loaded = pzp.load_into(path, model, dtype=target, allow_lossy=True)
   assert _wrapped(_loaded(loaded), wrapped)
 
 
@@ -256,7 +256,7 @@ def test_plain_orbax_checkpoint_and_migrate(tmp_path, stored, target, value, wra
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(plain, pz.unbind_params(_holding(stored), freeze=True)[1])
   with pytest.raises(pzp.BindingError, match=rf"e\.g\. {value}"):
-    pzp.load_model(plain, into=_model(target), dtype=target)
+    pzp.load_into(plain, _model(target), dtype=target)
   with pytest.raises(pzp.BindingError, match=rf"e\.g\. {value}"):
     pzp.migrate(plain, tmp_path / "native", _model(target), dtype=target)
   assert not (tmp_path / "native").exists()

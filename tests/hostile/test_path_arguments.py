@@ -76,7 +76,7 @@ def test_every_reader_accepts_an_opened_handle(saved, tmp_path):
   with pzp.open(saved) as handle:
     for loaded in (pzp.load(handle), pzp.load_model(handle),
                    pzp.load_into(handle, model_zoo.mlp()),
-                   pzp.load_model(handle, into=model_zoo.mlp())):
+                   pzp.load_into(handle, model_zoo.mlp())):
       for a, b in zip(pz.unbind_variables(loaded, freeze=True)[1],
                       pz.unbind_variables(expected, freeze=True)[1]):
         np.testing.assert_array_equal(a.value.data_array, b.value.data_array)

@@ -1,6 +1,6 @@
 """Hostile plain Orbax checkpoints (no pz_persist manifest) loaded into a model.
 
-``load_model(path, into=model)`` reads checkpoints written without pz_persist
+``load_into(path, model)`` reads checkpoints written without pz_persist
 too; they are as untrusted as native ones, so the same classes of attack are
 refused the same way, before any array is read, and the model passed in is
 never changed.
@@ -47,7 +47,7 @@ def _refused(path, error, match):
   model = _fresh()
   before = _values(model)
   with pytest.raises(error, match=match):
-    pzp.load_model(path, into=model)
+    pzp.load_into(path, model)
   assert all(np.array_equal(a, b) for a, b in zip(_values(model), before))
 
 
@@ -67,7 +67,7 @@ def test_the_valid_one_loads(plain):
   before = _values(model)
   saved = _values(model_zoo.mlp())
   assert not all(np.array_equal(a, b) for a, b in zip(before, saved))  # Else nothing shows.
-  for loaded in (pzp.load_into(plain, model), pzp.load_model(plain, into=model)):
+  for loaded in (pzp.load_into(plain, model), pzp.load_into(plain, model, pzp.BindOptions())):
     values = _values(loaded)
     assert len(values) == len(saved)
     for got, want in zip(values, saved):
@@ -108,7 +108,7 @@ def test_fifo_in_the_checkpoint(plain):
       model = simple_mlp.MLP.from_config(
           name="mlp", init_base_rng=jax.random.key(7), feature_sizes=[8, 16, 8])
       try:
-        pzp.load_model({str(plain)!r}, into=model)
+        pzp.load_into({str(plain)!r}, model)
       except errors.UnsafeCheckpointError as e:
         print("refused:", e)
   """, timeout=240)

@@ -192,7 +192,7 @@ def test_a_selector_of_the_wrong_kind_is_refused_by_name(name, tmp_path):
   kwargs = SELECTOR_TYPES[name]
   option = name.split("=")[0]
   for call in (lambda: pzp.load_into(tmp_path / "c", model, **kwargs),
-               lambda: pzp.load_model(tmp_path / "c", into=model, **kwargs)):
+               lambda: pzp.load_into(tmp_path / "c", model, **kwargs)):
     with pytest.raises(errors.PzPersistError, match=f"{option}="):
       call()
 

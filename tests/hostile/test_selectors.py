@@ -6,7 +6,7 @@ entry point now refuses, pattern by pattern, one that matches nothing, with
 the one error `pz_persist.format.selection.unmatched` builds (the close
 matches the checkpoint has): ``only=`` globs, ``rename=`` rules (each in its
 turn), ``rename_axes=`` keys and ``dtype=`` rules, through ``load_into``,
-``load_model(into=)``, ``load_model(dtype=)``, plain Orbax checkpoints and
+``load_into`` (keywords or a ``BindOptions``), ``load_model(dtype=)``, plain Orbax checkpoints and
 `pz_persist.open` (labels, prefixes, lists, predicates); an empty list
 selects nothing and is refused too. The model passed in is never changed.
 """
@@ -60,7 +60,7 @@ REFUSED = [
     ("load_into", {"only": []}, errors.ArgumentError,
      "only=[] selects nothing, so nothing would be loaded; pass None (the default) for"
      " everything, or the labels to select."),
-    ("load_model(into=)", {"only": ("mlp/Afine_1/*",)}, errors.UnknownLabelError,
+    ("BindOptions", {"only": ("mlp/Afine_1/*",)}, errors.UnknownLabelError,
      "only='mlp/Afine_1/*' matches no label of this checkpoint (labels are matched whole,"
      " as fnmatch globs). Close matches: 'mlp/Affine_1/', 'mlp/Affine_0/',"
      " 'mlp/Affine_1/AddBias.bias', 'mlp/Affine_1/Linear.weights',"
@@ -76,7 +76,7 @@ REFUSED = [
     ("load_into", {"dtype": {"mpl/*": "bfloat16"}}, errors.UnknownLabelError,
      "the dtype= rule 'mpl/*' matches no label of this checkpoint (labels are matched whole,"
      f" as fnmatch globs). {CLOSE}"),
-    ("load_model(into=)", {"dtype": {"*": "float32", "zzz": "bfloat16"}},
+    ("BindOptions", {"dtype": {"*": "float32", "zzz": "bfloat16"}},
      errors.UnknownLabelError,
      "the dtype= rule 'zzz' matches no label of this checkpoint (labels are matched whole,"
      " as fnmatch globs). It has 4 labels (pz_persist.open(path).labels lists them)."),
@@ -86,7 +86,7 @@ REFUSED = [
 def _call(entry: str, path: str, model, options):
   if entry == "load_into":
     return pzp.load_into(path, model, **options)
-  return pzp.load_model(path, into=model, **options)
+  return pzp.load_into(path, model, pzp.BindOptions(**options))
 
 
 @pytest.mark.parametrize("entry,options,error,message", REFUSED,

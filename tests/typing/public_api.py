@@ -33,3 +33,19 @@ def check(path: str, model: Model, flag: bool) -> None:
   assert_type(
       pzp.load_model(path, into=model, strict=False), tuple[Model, pzp.LoadReport]
   )
+  # Binding options as one value, as keywords, or both; migrate keeps the type too.
+  options = pzp.BindOptions(only="mlp/*", dtype="bfloat16")
+  assert_type(pzp.load_into(path, model, options), Model)
+  assert_type(
+      pzp.load_into(path, model, options, strict=False, overlay=True),
+      tuple[Model, pzp.LoadReport],
+  )
+  assert_type(options.with_keywords(rename={"^a/": "b/"}), pzp.BindOptions)
+  assert_type(pzp.migrate(path, path + "_native", model, options), Model)
+
+
+def refused(path: str, model: Model) -> None:
+  """What the type checker refuses: a keyword that is no binding option, or
+  one of the wrong type (each line fails type checking without its ignore)."""
+  pzp.load_into(path, model, renmae={"a": "b"})  # type: ignore[call-overload]
+  pzp.load_into(path, model, overlay="yes")  # type: ignore[call-overload]
