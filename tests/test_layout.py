@@ -216,6 +216,8 @@ ALIASES_ALLOWED = {
     "pz_persist.storage.steps: _step_paths = ocp.path.step",
     "pz_persist.storage.steps: _atomicity = ocp.path.atomicity",
     "pz_persist.storage.steps: COMMIT_MARKER = _atomicity.COMMIT_SUCCESS_FILE",
+    # The extension surface names, for loaders, what they may rely on.
+    "pz_persist.extension: FolderSnapshot = containment.Snapshot",
 }
 """Module-level aliases that are not leftovers of a rename or a move.
 

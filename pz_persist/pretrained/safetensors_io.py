@@ -666,9 +666,6 @@ def _load_file(file: SafetensorsFile, into: Any, sharding: jax.sharding.Sharding
   return pz.bind_variables(unbound, values, unfreeze_as_copy=True)
 
 
-_KINDS = extension.VARIABLE_KINDS
-
-
 def _described_tensors(file: SafetensorsFile, raw: str) -> dict[str, dict[str, Any]]:
   """The ``pz_persist`` metadata's tensor entries, each checked: a JSON object
   whose label is the tensor's name, with a known ``kind``, ``axes`` null or a
@@ -691,8 +688,8 @@ def _described_tensors(file: SafetensorsFile, raw: str) -> dict[str, dict[str, A
   for name, entry in described.items():
     if not isinstance(entry, dict) or entry.get("label") != name:
       raise error(f"describes tensor {name!r} without a JSON object whose 'label' is its name")
-    if entry.get("kind") not in _KINDS:
-      raise error(f"gives tensor {name!r} the kind {entry.get('kind')!r}; expected one of {_KINDS}")
+    if entry.get("kind") not in extension.VARIABLE_KINDS:
+      raise error(f"gives tensor {name!r} the kind {entry.get('kind')!r}; expected one of {extension.VARIABLE_KINDS}")
     if not isinstance(entry.get("metadata", {}), dict):
       raise error(f"gives tensor {name!r} metadata that is not a JSON object")
   return described
