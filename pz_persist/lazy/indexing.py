@@ -146,39 +146,7 @@ def parse_index(
   rank = len(shape)
   if positional is None:
     positional = [dim for dim in range(rank) if axes[dim] is None]
-  if isinstance(index, Mapping):
-    per_dim: list[Any] = [slice(None)] * rank
-    given: dict[int, Any] = {}
-    for key, part in index.items():
-      dim = _dim_of(key, axes, positional, who)
-      if dim in given:
-        raise errors.ArgumentError(
-            f"{who}: {_axis_text(axes, dim)} is indexed twice, as {given[dim]!r:.40}"
-            f" and as {key!r:.40}; give one index per dimension."
-        )
-      given[dim] = key
-      if part is Ellipsis:
-        raise errors.ArgumentError(
-            f"{who}: the index of {_axis_text(axes, dim)} is ...; in a dict, give an"
-            " int or a slice (leave a dimension out to keep it whole)."
-        )
-      per_dim[dim] = part
-    scalar = bool(given)
-  else:
-    parts = list(index) if isinstance(index, tuple) else [index]
-    if sum(part is Ellipsis for part in parts) > 1:
-      raise errors.ArgumentError(f"{who}: an index may hold one ... only.")
-    dots = [at for at, part in enumerate(parts) if part is Ellipsis]
-    if dots:
-      at = dots[0]
-      fill = rank - (len(parts) - 1)
-      if fill < 0:
-        raise _too_many(who, len(parts) - 1, axes)
-      parts = parts[:at] + [slice(None)] * fill + parts[at + 1:]
-    if len(parts) > rank:
-      raise _too_many(who, len(parts), axes)
-    per_dim = parts + [slice(None)] * (rank - len(parts))
-    scalar = not dots
+  per_dim, scalar = _per_dimension(index, rank, axes, positional, who)
   box: list[tuple[int, int]] = []
   local: list[Any] = []
   kept: list[int] = []
@@ -208,6 +176,48 @@ def parse_index(
       box.append((at, at + 1))
       local.append(0)
   return Index(tuple(box), tuple(local), tuple(kept), scalar=scalar and not kept)
+
+
+def _per_dimension(
+    index: Any, rank: int, axes: Sequence[Any], positional: Sequence[int], who: str
+) -> tuple[list[Any], bool]:
+  """``index`` (a dict, a tuple or one part) as one part per stored dimension
+  (``...`` and the dimensions not given as whole slices), and whether all-int
+  parts would read a scalar: a non-empty dict, or an index without ``...``.
+
+  Why apart from `parse_index`: the three ways of writing an index end here
+  in one shape, and `parse_index` resolves that shape against the sizes."""
+  if isinstance(index, Mapping):
+    per_dim: list[Any] = [slice(None)] * rank
+    given: dict[int, Any] = {}
+    for key, part in index.items():
+      dim = _dim_of(key, axes, positional, who)
+      if dim in given:
+        raise errors.ArgumentError(
+            f"{who}: {_axis_text(axes, dim)} is indexed twice, as {given[dim]!r:.40}"
+            f" and as {key!r:.40}; give one index per dimension."
+        )
+      given[dim] = key
+      if part is Ellipsis:
+        raise errors.ArgumentError(
+            f"{who}: the index of {_axis_text(axes, dim)} is ...; in a dict, give an"
+            " int or a slice (leave a dimension out to keep it whole)."
+        )
+      per_dim[dim] = part
+    return per_dim, bool(given)
+  parts = list(index) if isinstance(index, tuple) else [index]
+  if sum(part is Ellipsis for part in parts) > 1:
+    raise errors.ArgumentError(f"{who}: an index may hold one ... only.")
+  dots = [at for at, part in enumerate(parts) if part is Ellipsis]
+  if dots:
+    at = dots[0]
+    fill = rank - (len(parts) - 1)
+    if fill < 0:
+      raise _too_many(who, len(parts) - 1, axes)
+    parts = parts[:at] + [slice(None)] * fill + parts[at + 1:]
+  if len(parts) > rank:
+    raise _too_many(who, len(parts), axes)
+  return parts + [slice(None)] * (rank - len(parts)), not dots
 
 
 def _slice_parts(part: slice, axis: str, who: str) -> slice:
