@@ -81,8 +81,8 @@ def label_problem(label: Any) -> str | None:
   """Why ``label`` cannot be a variable's label (``"is not hashable"``...), or None.
 
   Why one function: saving must never write a label that loading refuses,
-  and the decoder, the catalog and the arrays table must refuse the same
-  ones; callers add where the label is and raise their own error class.
+  and the decoder, the variable listing (`manifest_queries`) and the arrays
+  table must refuse the same ones; callers add where the label is and raise their own error class.
   """
   if isinstance(label, str) and CONTROL_CHARS.search(label):
     return "holds control characters"

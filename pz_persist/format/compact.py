@@ -25,7 +25,7 @@ per value, and validation runs per distinct table entry or over a whole
 column at once (one regular expression over the joined column) rather than
 per array. The decoder reads the compact nodes directly, through the
 tables (`Tables.shallow`), decoding each shared entry once; the tools that
-walk typed JSON (the catalog, the viewer, the diff) get the typed JSON of
+walk typed JSON (`manifest_queries`, the viewer, the diff) get the typed JSON of
 formats 1 to 3 on demand (`Tables.expand`, `Manifest.tree`).
 """
 

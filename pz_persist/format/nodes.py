@@ -5,8 +5,9 @@ fields each tag has, what JSON each field holds and which fields hold child
 nodes is written here once, in `NODE_TYPES`; the encoder builds nodes through
 `node` (so it cannot emit a field the table does not list), the decoder
 validates a node's shape with `check_shape` before its tag's decode function
-runs, and the tools that walk manifests without decoding them (`catalog`,
-`diffing`, `viewing`) find children, classes and axes through the table.
+runs, and the tools that walk manifests without decoding them
+(`pz_persist.tools.diffing`, `pz_persist.tools.diff_tree`,
+`pz_persist.tools.viewing`) find children, classes and axes through the table.
 Adding a node type is one row here plus its encoding and decode function;
 ``tests/test_nodes.py`` fails if a consumer misses a tag.
 """

@@ -6,8 +6,8 @@ A checkpoint records each variable's kind as ``"parameter"`` or
 variables); Penzai has three classes for each (the frozen value, the mutable
 variable and the slot an unbound model holds). This table is the one place
 that maps between them, so that the node table, the encoder, the decoder,
-binding, the catalog, the Orbax handlers and the safetensors export agree, and
-a new kind would be added once.
+binding, the variable listing (`manifest_queries`), the Orbax handlers and
+the safetensors export agree, and a new kind would be added once.
 """
 
 from __future__ import annotations

@@ -232,7 +232,8 @@ class VariableTypeHandler(type_handlers.TypeHandler):
 def _manifest(
     specs: tuple[arrays_lib.ArraySpec, ...], tree: dict[str, Any] | None = None
 ) -> manifest_lib.Manifest:
-  """A manifest holding ``specs`` (and ``tree``), for `pz_persist.storage.restoring`."""
+  """A manifest holding ``specs`` (and ``tree``): what `pz_persist.storage.reader`
+  plans reads from and `pz_persist.storage.restoring` decodes."""
   return manifest_lib.Manifest(tree=tree or {}, variables=(), arrays=specs)
 
 
