@@ -423,8 +423,8 @@ class OpenedCheckpoint:
     found = [leaf for leaf in leaves
              if nodes.fits_its_axes(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
     if len(found) == 1:
-      named = isinstance(found[0], pz.nx.NamedArrayBase)
-      array = found[0].data_array if named else found[0]
+      leaf = found[0]
+      array = leaf.data_array if isinstance(leaf, pz.nx.NamedArrayBase) else leaf
       if (isinstance(array, jax.ShapeDtypeStruct) and tuple(array.shape) == spec.shape
           and np.dtype(array.dtype) == spec.np_dtype):
         return found[0], found[0] is value
