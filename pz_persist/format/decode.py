@@ -790,7 +790,7 @@ def _value(at: _At, node: Node) -> Any:
 
 
 @_decodes("parameter_slot", "state_variable_slot")
-def _slot(at: _At, node: Node) -> pz.ParameterSlot | pz.StateVariableSlot:
+def _slot(at: _At, node: Node) -> pz.AbstractVariableSlot:
   cls = variable_kinds.BY_SLOT_TAG[node["t"]].slot_class
   label = at.static(node["label"], f"{at.where}.label")
   return cls(label=check_label(label, at.where))
