@@ -471,23 +471,32 @@ class _Checker:
     most, array_type = nodes.MAX_DEPTH, self.array_type
     refs: list[int] = []  # Recorded if it passes (else `check` records them).
     deepest = depth
-    stack = [(root, depth) for root in roots]
-    while stack:
+    # Strings and references are checked in line where they stand (the roots,
+    # then each node's children); only nodes with fields go on the stack.
+    stack: list[tuple[Any, int]] = []
+    level: Sequence[Any] = roots
+    below = depth
+    while True:
+      for child in level:
+        kind = type(child)
+        if kind is str:
+          if below > most:
+            return -1
+          deepest = max(deepest, below)
+        elif kind is int:
+          if in_shared or not 0 <= child < shared_count:
+            return -1
+          reach = below + heights[child]
+          if reach > most:
+            return -1
+          deepest = max(deepest, reach)
+          used_shared.add(child)
+        else:
+          stack.append((child, below))
+      if not stack:
+        break
       node, depth = stack.pop()
-      if type(node) is str:
-        if depth > most:
-          return -1
-        deepest = max(deepest, depth)
-        continue
-      if type(node) is int:
-        if in_shared or not 0 <= node < shared_count:
-          return -1
-        reach = depth + heights[node]
-        if reach > most:
-          return -1
-        deepest = max(deepest, reach)
-        used_shared.add(node)
-        continue
+      level = ()  # Its children, once its fields are checked (none if it ends early).
       if type(node) is not list or not node or type(node[0]) is not int or depth >= most:
         return -1  # (At the deepest level, left to `check`.)
       deepest = max(deepest, depth)
@@ -540,24 +549,7 @@ class _Checker:
           for v in value:
             if type(v) is not int:
               return -1
-      below = depth + 1
-      for child in children:
-        kind = type(child)
-        if kind is str:
-          if below > most:
-            return -1
-          deepest = max(deepest, below)
-          continue
-        if kind is int:
-          if in_shared or not 0 <= child < shared_count:
-            return -1
-          reach = below + heights[child]
-          if reach > most:
-            return -1
-          deepest = max(deepest, reach)
-          used_shared.add(child)
-        else:
-          stack.append((child, below))
+      level, below = children, depth + 1
     self.array_refs.extend(refs)
     return deepest
 
