@@ -79,8 +79,10 @@ class _Labeled(Protocol):
 
   @property
   def label(self) -> object: ...
+
   @property
   def metadata(self) -> object: ...
+
   @property
   def value(self) -> object: ...
 
