@@ -1,10 +1,12 @@
 """`JSON`: the type of a JSON value, as the manifests pz_persist writes hold.
 
-Why a name: a manifest, a node, a table column are JSON, and writing ``Any``
-for them says nothing; ``JSON`` says what a value may be (and the type
-checker holds the code that builds one to it). What is read from a file is
-not yet known to be any particular JSON: code that reads takes ``object``
-and checks before it trusts (`pz_persist.format.compact`, `nodes.check_shape`).
+Why a name: a manifest, a node and a table column are JSON, and ``Any`` says
+nothing about them; ``JSON`` says what such a value may be, and the type
+checker holds the code that builds one (`compact.to_json`,
+`ArraySpec.to_json`) to it. What is read from a file is not trusted to be any
+particular JSON until it is checked: the functions that check it take
+``object`` and narrow it themselves (`compact.array_specs`,
+`ArraySpec.from_json`).
 """
 
 from __future__ import annotations
@@ -15,4 +17,4 @@ JSON: TypeAlias = "None | bool | int | float | str | list[JSON] | dict[str, JSON
 """A JSON value: what ``json.loads`` returns and ``json.dumps`` writes."""
 
 JSONObject: TypeAlias = "dict[str, JSON]"
-"""A JSON object (a manifest, a typed node, a table)."""
+"""A JSON object (a manifest, a table of it)."""
