@@ -56,7 +56,7 @@ ITEM_NAME = "penzai"
 
 def save(
     path: epath.PathLike,
-    tree: Any,
+    tree: object,
     *,
     overwrite: bool = False,
     allow_modules: Iterable[str] | None = None,

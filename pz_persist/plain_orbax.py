@@ -88,7 +88,7 @@ class _Variable:
   array of its value, in the order ``jax.tree.leaves`` lists them."""
 
   kind: str
-  metadata: dict[Any, Any]
+  metadata: dict[Hashable, object]
   paths: tuple[StoredPath, ...]
 
 
@@ -197,7 +197,7 @@ def load_into(
     )
 
 
-def _path_of(keys: Sequence[Any]) -> StoredPath:
+def _path_of(keys: Sequence[object]) -> StoredPath:
   """A tree path as Orbax names it: dict keys, indices and field names."""
   parts = []
   for key in keys:
@@ -214,11 +214,11 @@ def _dotted(path: StoredPath) -> str:
   return ".".join(path)
 
 
-def _is_variable(x: Any) -> bool:
+def _is_variable(x: object) -> bool:
   return isinstance(x, pz.AbstractVariableValue)
 
 
-def _layout(name: str, tree: Any) -> _Layout:
+def _layout(name: str, tree: object) -> _Layout:
   """Where saving ``tree`` (frozen variables inside) puts each array."""
   variables: dict[Hashable, _Variable] = {}
   others = set()
@@ -238,7 +238,7 @@ def _layout(name: str, tree: Any) -> _Layout:
   return _Layout(name, variables, frozenset(others))
 
 
-def _layouts(model: Any) -> list[_Layout]:
+def _layouts(model: object) -> list[_Layout]:
   """The ways of saving ``model`` a plain checkpoint may have used."""
   _, params = pz.unbind_params(model, freeze=True)
   _, variables = pz.unbind_variables(model, freeze=True)
@@ -249,7 +249,7 @@ def _layouts(model: Any) -> list[_Layout]:
   return layouts
 
 
-def _check_bound(model: Any, where: epath.Path) -> None:
+def _check_bound(model: object, where: epath.Path) -> None:
   """A plain checkpoint is matched by position against the model's values,
   so every variable needs one."""
   unbound = [
@@ -282,7 +282,7 @@ class _PlainSource:
   model; shapes and dtypes from Orbax's metadata, read on construction.
   """
 
-  def __init__(self, item: epath.Path, model: Any):
+  def __init__(self, item: epath.Path, model: object):
     _check_bound(model, item)
     self._item = item
     self._tree, self._stored = self._read_metadata()
@@ -298,7 +298,7 @@ class _PlainSource:
           " this model, or restore it with orbax.checkpoint and a template."
       )
     known = {p for v in self.layout.variables.values() for p in v.paths}
-    self.stored: dict[Hashable, Any] = {
+    self.stored: dict[Hashable, _Variable] = {
         label: variable
         for label, variable in self.layout.variables.items()
         if all(p in self._stored for p in variable.paths)
@@ -446,14 +446,14 @@ def _handler() -> Iterator[ocp.PyTreeCheckpointHandler]:
     handler.close()
 
 
-def _dim_names(value: Any) -> list[tuple[tuple[Any, ...], Any]]:
+def _dim_names(value: object) -> list[tuple[tuple[Hashable, ...], Any]]:
   """For each array of ``value`` (in ``jax.tree.leaves`` order), the name of
   each of its dimensions (None for positional ones) and the array itself."""
-  out = []
+  out: list[tuple[tuple[Hashable, ...], Any]] = []
   for x in jax.tree.leaves(value, is_leaf=pz.nx.is_namedarray):
     if isinstance(x, pz.nx.NamedArrayBase):
       view = x.as_namedarrayview()
-      dims = [None] * len(view.data_shape)
+      dims: list[Hashable] = [None] * len(view.data_shape)
       for name, axis in view.data_axis_for_name.items():
         dims[axis] = name
       out.append((tuple(dims), view.data_array))
@@ -463,7 +463,7 @@ def _dim_names(value: Any) -> list[tuple[tuple[Any, ...], Any]]:
 
 
 def _placement(
-    leaf: Any, dims: tuple[Any, ...], shape: tuple[int, ...],
+    leaf: object, dims: tuple[Hashable, ...], shape: tuple[int, ...],
     target: sharding_lib.Target, label: Hashable,
 ) -> jax.sharding.Sharding | None:
   """Where one array goes: None for a NumPy array (the model holds one), else

@@ -26,7 +26,7 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol
 
 from pz_persist import errors
 from pz_persist.safety import terminal
@@ -43,7 +43,7 @@ class Tracker:
     total: Units in all (may grow, see `grow`).
   """
 
-  def __init__(self, total: int, hook: Callable[[int, int], None] | None, bar: Any):
+  def __init__(self, total: int, hook: Callable[[int, int], None] | None, bar: _Bar | None):
     self.done = 0
     self.total = total
     self._hook = hook
@@ -92,7 +92,17 @@ def _in_kernel() -> bool:
   return getattr(shell, "kernel", None) is not None
 
 
-def _bar(total: int, description: str, unit: str, delay: float) -> Any:
+class _Bar(Protocol):
+  """What a `Tracker` uses of a tqdm bar."""
+
+  total: float | None
+
+  def update(self, n: float = 1) -> bool | None: ...
+
+  def close(self) -> None: ...
+
+
+def _bar(total: int, description: str, unit: str, delay: float) -> _Bar:
   """A tqdm bar on stderr: the notebook widget in a kernel when ipywidgets
   is installed, text elsewhere (tqdm.auto would warn about the missing
   widgets in every notebook that lacks them)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Hashable
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +47,8 @@ class AxisRules:
   """
 
   mesh: jax.sharding.Mesh
+  # Keys Any, not Hashable: Mapping's keys are invariant, so a user's
+  # dict[str, str] would not pass as a Mapping[Hashable, ...].
   rules: Mapping[Any, MeshAxes]
 
   def __post_init__(self):
@@ -61,7 +64,7 @@ class AxisRules:
     return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
 
   def sharding(
-      self, dim_names: tuple[Any, ...], shape: tuple[int, ...], *, what: str
+      self, dim_names: tuple[Hashable, ...], shape: tuple[int, ...], *, what: str
   ) -> jax.sharding.NamedSharding:
     """The sharding of an array whose dimension ``i`` is named ``dim_names[i]``
     (None for a positional dimension).
@@ -71,7 +74,7 @@ class AxisRules:
         used for two dimensions; the message names ``what`` and the axis.
     """
     spec: list[MeshAxes] = []
-    used: dict[str, Any] = {}
+    used: dict[str, Hashable] = {}
     for name, size in zip(dim_names, shape):
       mesh_axes = _as_tuple(self.rules.get(name)) if name is not None else ()
       for axis in mesh_axes:

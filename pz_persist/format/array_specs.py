@@ -20,18 +20,27 @@ import re
 from collections.abc import Sequence
 from typing import Any
 from typing import Literal
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 from pz_persist import errors
 from pz_persist.format import casts
 from pz_persist.format import checksum_records
+from pz_persist.format import json_types
 
 ArrayKind = Literal["jax", "numpy", "numpy_scalar"]
 ARRAY_KINDS: tuple[str, ...] = ("jax", "numpy", "numpy_scalar")
+
+Array: TypeAlias = "jax.Array | np.ndarray | np.generic"
+"""An array leaf of a tree, of one of the three `ArrayKind`\\ s."""
+
+StoredArray: TypeAlias = "jax.Array | np.ndarray"
+"""An array as Orbax writes and reads it (a NumPy scalar as a 0-d array)."""
 
 # dtype name -> (stored dtype name, how to convert). "cast" widens losslessly
 # (every uint4 value fits in uint8); "bitcast" reinterprets the same bytes.
@@ -77,12 +86,12 @@ CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 would garble (or forge) the lines of messages and tables that print labels."""
 
 
-def label_problem(label: Any) -> str | None:
+def label_problem(label: object) -> str | None:
   """Why ``label`` cannot be a variable's label (``"is not hashable"``...), or None.
 
   Why one function: saving must never write a label that loading refuses,
-  and the decoder, the catalog and the arrays table must refuse the same
-  ones; callers add where the label is and raise their own error class.
+  and the decoder, the variable listing (`manifest_queries`) and the arrays
+  table must refuse the same ones; callers add where the label is and raise their own error class.
   """
   if isinstance(label, str) and CONTROL_CHARS.search(label):
     return "holds control characters"
@@ -145,7 +154,7 @@ def check_representable(shape: Sequence[int], dtype: np.dtype, where: str) -> No
     )
 
 
-def dtype_name(dtype: Any, *, where: str) -> str:
+def dtype_name(dtype: npt.DTypeLike, *, where: str) -> str:
   """The manifest name of ``dtype``; raises if pz_persist cannot store it."""
   dtype = np.dtype(dtype)
   name = dtype.name
@@ -154,7 +163,7 @@ def dtype_name(dtype: Any, *, where: str) -> str:
   return name
 
 
-def dtype_from_name(name: Any, *, where: str) -> np.dtype:
+def dtype_from_name(name: object, *, where: str) -> np.dtype:
   """The dtype a manifest names; raises `ManifestError` for unknown names."""
   if not isinstance(name, str) or name not in SUPPORTED_DTYPES:
     raise errors.ManifestError(f"{where}: unknown dtype {name!r}.")
@@ -235,8 +244,8 @@ class ArraySpec:
     """Zero-size arrays have no data; Orbax refuses them, so they are skipped."""
     return self.size > 0
 
-  def to_json(self) -> dict[str, Any]:
-    out: dict[str, Any] = {
+  def to_json(self) -> json_types.JSONObject:
+    out: json_types.JSONObject = {
         "key": self.key,
         "shape": list(self.shape),
         "dtype": self.dtype,
@@ -257,7 +266,7 @@ class ArraySpec:
     return out
 
   @classmethod
-  def from_json(cls, data: Any, *, where: str, leaf_keys: bool = False) -> ArraySpec:
+  def from_json(cls, data: object, *, where: str, leaf_keys: bool = False) -> ArraySpec:
     """Parses and validates one ``arrays`` entry of a manifest.
 
     ``leaf_keys``: the key may also be an Orbax leaf name, parts of
@@ -365,7 +374,7 @@ def abstract_values(specs: Sequence[ArraySpec]) -> list[jax.ShapeDtypeStruct]:
   repeat the same few shapes. They are immutable stand-ins, so one object
   may stand for equal arrays of one tree (a new call makes new ones).
   """
-  made: dict[tuple[Any, ...], jax.ShapeDtypeStruct] = {}
+  made: dict[tuple[tuple[int, ...], str, bool], jax.ShapeDtypeStruct] = {}
   out = []
   for spec in specs:
     key = (spec.shape, spec.dtype, spec.weak_type)
@@ -382,7 +391,7 @@ _set = object.__setattr__
 _HEX_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
-def valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
+def valid_checksum_entry(entry: object, shape: tuple[int, ...]) -> bool:
   """Whether ``entry`` is ``{"index": [[start, stop], ...], ALGORITHM: hex}``
   naming a slice within ``shape``."""
   if not isinstance(entry, dict) or set(entry) != {"index", checksum_records.ALGORITHM}:
@@ -402,7 +411,7 @@ def valid_checksum_entry(entry: Any, shape: tuple[int, ...]) -> bool:
 
 
 def _checksums_from_json(
-    data: Any, shape: tuple[int, ...], where: str
+    data: object, shape: tuple[int, ...], where: str
 ) -> tuple[checksum_records.ShardChecksum, ...] | None:
   """Parses and validates the ``checksums`` of one array entry."""
   if data is None:
@@ -428,7 +437,7 @@ def _checksums_from_json(
   return tuple(parsed)
 
 
-def kind_of(value: Any) -> ArrayKind | None:
+def kind_of(value: object) -> ArrayKind | None:
   """The `ArrayKind` of an array leaf, or None if ``value`` is not an array."""
   if isinstance(value, jax.Array):
     return "jax"
@@ -439,7 +448,7 @@ def kind_of(value: Any) -> ArrayKind | None:
   return None
 
 
-def to_storage(value: Any, spec: ArraySpec) -> Any:
+def to_storage(value: Array, spec: ArraySpec) -> Array:
   """Converts an array to the dtype Orbax stores it as (usually a no-op)."""
   stored_name, how = _SUBSTITUTES.get(spec.dtype, (spec.dtype, ""))
   if spec.kind == "numpy_scalar":
@@ -454,7 +463,7 @@ def to_storage(value: Any, spec: ArraySpec) -> Any:
   return value.astype(stored) if how == "cast" else value.view(stored)
 
 
-def from_storage(value: Any, spec: ArraySpec) -> Any:
+def from_storage(value: StoredArray, spec: ArraySpec) -> Any:
   """Undoes `to_storage` and restores the recorded kind and weak type."""
   stored_name, how = _SUBSTITUTES.get(spec.dtype, (spec.dtype, ""))
   logical = spec.np_dtype
@@ -486,7 +495,7 @@ def from_storage(value: Any, spec: ArraySpec) -> Any:
   return value
 
 
-def empty_array(spec: ArraySpec, sharding: jax.sharding.Sharding | None) -> Any:
+def empty_array(spec: ArraySpec, sharding: jax.sharding.Sharding | None) -> StoredArray:
   """A zero-size array for ``spec`` (these are not stored: they hold no data)."""
   if spec.kind == "jax":
     out = jnp.zeros(spec.shape, spec.np_dtype, device=sharding)

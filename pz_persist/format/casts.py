@@ -32,14 +32,21 @@ the host (NumPy), without copying them between the two.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import types
+from collections.abc import Callable
+from typing import TypeAlias
+from typing import overload
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 from pz_persist import errors
+
+Values: TypeAlias = "jax.Array | np.ndarray"
+"""The arrays a cast is checked on and applied to: JAX's on their devices, NumPy's."""
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -128,7 +135,7 @@ _CHUNK = 2**22
 """Elements of a NumPy array checked at once (bounds the temporaries)."""
 
 
-def check(x: Any, target: Any) -> str | None:
+def check(x: Values | jax.ShapeDtypeStruct, target: npt.DTypeLike) -> str | None:
   """Why casting the array ``x`` to ``target`` would change values beyond
   rounding a float, as a phrase naming them ("uint8 values outside int8's
   range [-128, 127] ... (e.g. 200)"); None if the cast is exact or only rounds.
@@ -158,12 +165,14 @@ def check(x: Any, target: Any) -> str | None:
 
 
 @functools.cache
-def _on_device(source: np.dtype, target: np.dtype) -> tuple[Any, list[str]]:
+def _on_device(
+    source: np.dtype, target: np.dtype
+) -> tuple[Callable[[jax.Array], tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]], list[str]]:
   """A compiled ``x -> (flags, examples)`` of `_rules` for JAX arrays of
   ``source``, and the messages of the flags (set when it is traced)."""
   messages: list[str] = []
 
-  def reduce(x: jax.Array) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  def reduce(x: jax.Array) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     rules = _rules(jnp, x, source, target)
     messages[:] = [message for message, _, _ in rules]
     return (tuple(jnp.any(mask) for _, mask, _ in rules),
@@ -173,11 +182,11 @@ def _on_device(source: np.dtype, target: np.dtype) -> tuple[Any, list[str]]:
   return jax.jit(reduce), messages
 
 
-Rule = tuple[str, Any, Any]
+Rule = tuple[str, Values, Values]
 """``(what the values are, mask of them, the array to show one from)``."""
 
 
-def _rules(xp: Any, x: Any, source: np.dtype, target: np.dtype) -> list[Rule]:
+def _rules(xp: types.ModuleType, x: Values, source: np.dtype, target: np.dtype) -> list[Rule]:
   """The kinds of values that casting ``source`` to ``target`` would change,
   most telling first, each with its mask over ``x``; any hit refuses."""
   s, t = _kind(source), _kind(target)
@@ -194,7 +203,9 @@ def _rules(xp: Any, x: Any, source: np.dtype, target: np.dtype) -> list[Rule]:
   return _real(xp, x, source, target, str(source))
 
 
-def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> list[Rule]:
+def _real(
+    xp: types.ModuleType, x: Values, source: np.dtype, target: np.dtype, what: str
+) -> list[Rule]:
   """`_rules` for real ``source`` and ``target`` (``what`` names the values)."""
   if always_exact(source, target):
     return []
@@ -207,14 +218,14 @@ def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> lis
   if t == "i":
     lo, hi = _int_range(target)
     if s == "f":
-      wide = x.astype(_wide(source, target))
-      finite = xp.isfinite(wide)
+      xw = x.astype(_wide(source, target))
+      finite = xp.isfinite(xw)
       return [
           (f"{what} inf or NaN values, which {target} cannot hold", ~finite, x),
           (f"{what} values outside {target}'s range [{lo}, {hi}]",
-           (wide < float(lo)) | (wide >= float(hi) + 1), x),
+           (xw < float(lo)) | (xw >= float(hi) + 1), x),
           (f"{what} values with a fraction, which {target} would truncate",
-           finite & (xp.floor(wide) != wide), x),
+           finite & (xp.floor(xw) != xw), x),
       ]
     slo, shi = _int_range(source)
     bad = x != x  # All False, where x is.
@@ -259,7 +270,7 @@ def _real(xp: Any, x: Any, source: np.dtype, target: np.dtype, what: str) -> lis
   ]
 
 
-def astype(x: Any, target: Any) -> Any:
+def astype(x: Values, target: np.dtype) -> Values:
   """``x.astype(target)``, quietly (NumPy warns of what was allowed), and
   through float32 (or float64) where ml_dtypes has no direct NumPy cast
   between two of its float types (float8_e5m2fnuz to float8_e8m0fnu)."""
@@ -272,7 +283,15 @@ def astype(x: Any, target: Any) -> Any:
       return x.astype(_wide(np.dtype(x.dtype), np.dtype(target))).astype(target)
 
 
-def cast(x: Any, target: Any, *, allow_lossy: bool, where: str) -> Any:
+@overload
+def cast(x: jax.Array, target: npt.DTypeLike, *, allow_lossy: bool, where: str) -> jax.Array: ...
+
+
+@overload
+def cast(x: np.ndarray, target: npt.DTypeLike, *, allow_lossy: bool, where: str) -> np.ndarray: ...
+
+
+def cast(x: Values, target: npt.DTypeLike, *, allow_lossy: bool, where: str) -> Values:
   """``x`` cast to ``target`` after `check` (skipped with ``allow_lossy``).
 
   Raises:
@@ -287,7 +306,7 @@ def cast(x: Any, target: Any, *, allow_lossy: bool, where: str) -> Any:
   return astype(x, target)
 
 
-def refuse(x: Any, target: Any, where: str) -> None:
+def refuse(x: Values, target: npt.DTypeLike, where: str) -> None:
   """Raises `LossyCastError` if casting ``x`` to ``target`` would change values.
 
   Raises:

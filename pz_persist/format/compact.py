@@ -25,7 +25,7 @@ per value, and validation runs per distinct table entry or over a whole
 column at once (one regular expression over the joined column) rather than
 per array. The decoder reads the compact nodes directly, through the
 tables (`Tables.shallow`), decoding each shared entry once; the tools that
-walk typed JSON (the catalog, the viewer, the diff) get the typed JSON of
+walk typed JSON (`manifest_queries`, the viewer, the diff) get the typed JSON of
 formats 1 to 3 on demand (`Tables.expand`, `Manifest.tree`).
 """
 
@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
+from collections.abc import Hashable
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +42,7 @@ from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import checksum_records
+from pz_persist.format import json_types
 from pz_persist.format import nodes
 
 Node = nodes.Node
@@ -61,7 +64,7 @@ MIN_SHARED_CHARS = 3
 reference costs a few bytes itself)."""
 
 
-def _frozen(value: Any) -> Any:
+def _frozen(value: Any) -> Hashable:
   """A hashable form of typed JSON: equal forms, equal JSON (types kept
   apart: ``1``, ``1.0`` and ``true`` are different JSON)."""
   kind = type(value)
@@ -81,21 +84,21 @@ def _frozen(value: Any) -> Any:
 class _Tables:
   types: dict[str, int] = dataclasses.field(default_factory=dict)
   classes: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
-  shared: dict[Any, int] = dataclasses.field(default_factory=dict)
-  shared_nodes: list[Any] = dataclasses.field(default_factory=list)
+  shared: dict[Hashable, int] = dataclasses.field(default_factory=dict)
+  shared_nodes: list[json_types.JSON] = dataclasses.field(default_factory=list)
 
   def type_index(self, tag: str) -> int:
     return self.types.setdefault(tag, len(self.types))
 
-  def class_index(self, ref: Any) -> int:
+  def class_index(self, ref: dict[str, str]) -> int:
     key = (ref["module"], ref["qualname"])
     return self.classes.setdefault(key, len(self.classes))
 
 
-def _subnodes(node: Node) -> list[Any]:
+def _subnodes(node: Node) -> list[Node]:
   """Every node a typed node holds directly (children, static values, static
   pair keys), for the writer's walks (its nodes are the encoder's: valid)."""
-  out: list[Any] = []
+  out: list[Node] = []
   for name, json_kind, holds, static_keys in _WALKED_FIELDS[node["t"]]:
     value = node[name]
     if json_kind == "node":
@@ -120,7 +123,7 @@ _WALKED_FIELDS = {
 }
 
 
-def _all_static(node: Any, memo: dict[int, bool]) -> bool:
+def _all_static(node: Node, memo: dict[int, bool]) -> bool:
   """Whether every node of ``node`` may stand in a static value."""
   found = memo.get(id(node))
   if found is None:
@@ -138,10 +141,10 @@ class _Writer:
   def __init__(self) -> None:
     self.tables = _Tables()
     self._static: dict[int, bool] = {}
-    self._keys: dict[int, Any] = {}
-    self._counts: dict[Any, int] = {}
+    self._keys: dict[int, Hashable | None] = {}
+    self._counts: dict[Hashable, int] = {}
 
-  def _key(self, node: Any) -> Any:
+  def _key(self, node: object) -> Hashable | None:
     """A hashable key of a static sub-tree worth sharing (equal keys: equal
     JSON), else None."""
     if not isinstance(node, dict):
@@ -158,7 +161,7 @@ class _Writer:
       self._keys[id(node)] = key
     return key
 
-  def count(self, node: Any) -> None:
+  def count(self, node: Node) -> None:
     key = self._key(node)
     if key is not None:
       self._counts[key] = self._counts.get(key, 0) + 1
@@ -166,7 +169,7 @@ class _Writer:
     for child in _subnodes(node):
       self.count(child)
 
-  def node(self, node: Node, *, share: bool = True) -> Any:
+  def node(self, node: Node, *, share: bool = True) -> json_types.JSON:
     key = self._key(node) if share else None
     if key is not None and self._counts.get(key, 0) > 1:
       index = self.tables.shared.get(key)
@@ -179,7 +182,7 @@ class _Writer:
     tag = node["t"]
     if tag == "str":  # A string stands for itself.
       return node["v"]
-    out: list[Any] = [self.tables.type_index(tag)]
+    out: list[json_types.JSON] = [self.tables.type_index(tag)]
     for field in nodes.NODE_TYPES[tag].fields:  # Within a shared entry, nothing shared.
       value = node[field.name]
       if field.name == "class":
@@ -200,10 +203,10 @@ class _Writer:
 
 
 def to_json(
-    tree: Node, variables: Sequence[Any], arrays: Sequence[arrays_lib.ArraySpec], *,
+    tree: Node, variables: Sequence[Node], arrays: Sequence[arrays_lib.ArraySpec], *,
     writer: str, leaf_keys: bool, format_version: int = 4,
-    compacted: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    compacted: json_types.JSONObject | None = None,
+) -> json_types.JSONObject:
   """The format 4 JSON of a manifest's content (held as format 3 nodes);
   ``format_version`` is what it declares (4, or what a newer node type
   needs); ``compacted``: `compact_nodes` of ``tree`` and ``variables``, if
@@ -220,7 +223,7 @@ def to_json(
   }
 
 
-def compact_nodes(tree: Node, variables: Sequence[Any]) -> dict[str, Any]:
+def compact_nodes(tree: Node, variables: Sequence[Node]) -> json_types.JSONObject:
   """The ``types``, ``classes``, ``shared``, ``tree`` and ``variables`` of a
   format 4 manifest: all of it but the arrays table (whose checksums a save
   records last), so a save compacts its tree once (`Manifest.to_json`)."""
@@ -230,7 +233,7 @@ def compact_nodes(tree: Node, variables: Sequence[Any]) -> dict[str, Any]:
     for name in ("label", "metadata", "value"):
       out.count(entry[name])
   compact_tree = out.node(tree)
-  compact_variables = [
+  compact_variables: list[json_types.JSON] = [
       [entry["kind"], out.node(entry["label"]), out.node(entry["metadata"]),
        out.node(entry["value"])]
       for entry in variables
@@ -245,7 +248,7 @@ def compact_nodes(tree: Node, variables: Sequence[Any]) -> dict[str, Any]:
   }
 
 
-def _array_columns(arrays: Sequence[arrays_lib.ArraySpec]) -> dict[str, Any]:
+def _array_columns(arrays: Sequence[arrays_lib.ArraySpec]) -> json_types.JSONObject:
   shapes: dict[tuple[int, ...], int] = {}
   dtypes: dict[str, int] = {}
   kinds: dict[str, int] = {}
@@ -265,7 +268,7 @@ def _array_columns(arrays: Sequence[arrays_lib.ArraySpec]) -> dict[str, Any]:
   }
 
 
-def _checksums_json(spec: arrays_lib.ArraySpec) -> Any:
+def _checksums_json(spec: arrays_lib.ArraySpec) -> json_types.JSON:
   sums = spec.checksums
   if sums is None:
     return None
@@ -291,7 +294,7 @@ class Tables:
     self.types = types
     self.classes = classes
     self.shared = shared
-    self._expanded_shared: dict[int, Any] = {}
+    self._expanded_shared: dict[int, Node] = {}
     self._rows = [
         (tag, tuple(f.name for f in node_type.fields), node_type.field("class") is not None)
         for tag, node_type in types
@@ -308,7 +311,7 @@ class Tables:
       out["class"] = self.classes[out["class"]]
     return out
 
-  def expand(self, node: Any) -> Any:
+  def expand(self, node: Any) -> Node:
     """The typed JSON of formats 1 to 3 of a checked compact node, whole
     (a shared entry expands to one object wherever it is used)."""
     if type(node) is int:
@@ -337,19 +340,19 @@ class Parsed:
   """A checked format 4 manifest: its compact tree and variables, its
   tables and its array specs."""
 
-  tree: Any
-  variables: tuple[list[Any], ...]
+  tree: json_types.JSON
+  variables: tuple[list[json_types.JSON], ...]
   tables: Tables
   arrays: tuple[arrays_lib.ArraySpec, ...]
   writer: str
   leaf_keys: bool
 
-  def variable_entries(self) -> list[dict[str, Any]]:
+  def variable_entries(self) -> list[Node]:
     """The variables table as the decoder reads it (nodes left compact)."""
     return [{"kind": e[0], "label": e[1], "metadata": e[2], "value": e[3]}
             for e in self.variables]
 
-  def expanded(self) -> tuple[Node, tuple[Any, ...]]:
+  def expanded(self) -> tuple[Node, tuple[Node, ...]]:
     """The tree and variables as the typed JSON of formats 1 to 3."""
     expand = self.tables.expand
     return expand(self.tree), tuple(
@@ -383,7 +386,8 @@ class _Checker:
     tags = [tag for tag, _ in self.types]
     self.array_type = tags.index("array") if "array" in tags else -1
     self.array_refs: list[int] = []  # Of every ``array`` node, as met once each.
-    self.entries: list[list[Any]] = []  # The variables table, once `variables` checked it.
+    # The variables table, once `variables` checked it.
+    self.entries: list[list[json_types.JSON]] = []
     self._extents: dict[int, int] = {}
     # How deep each shared entry nests below the node referring to it: the
     # decoder decodes an entry at the depth of its first reference and reuses
@@ -398,7 +402,7 @@ class _Checker:
         " (format 4, docs/format-spec.md)."
     )
 
-  def _types(self, types: Any) -> list[tuple[str, nodes.NodeType]]:
+  def _types(self, types: object) -> list[tuple[str, nodes.NodeType]]:
     if not isinstance(types, list):
       raise self.error("types", "must be a list of node type names")
     if len(set(map(str, types))) != len(types):
@@ -417,7 +421,7 @@ class _Checker:
       out.append((tag, node_type))
     return out
 
-  def _classes(self, classes: Any) -> list[dict[str, str]]:
+  def _classes(self, classes: object) -> list[dict[str, str]]:
     if not isinstance(classes, list):
       raise self.error("classes", "must be a list of [module, qualname]")
     out = []
@@ -467,23 +471,32 @@ class _Checker:
     most, array_type = nodes.MAX_DEPTH, self.array_type
     refs: list[int] = []  # Recorded if it passes (else `check` records them).
     deepest = depth
-    stack = [(root, depth) for root in roots]
-    while stack:
+    # Strings and references are checked in line where they stand (the roots,
+    # then each node's children); only nodes with fields go on the stack.
+    stack: list[tuple[Any, int]] = []
+    level: Sequence[Any] = roots
+    below = depth
+    while True:
+      for child in level:
+        kind = type(child)
+        if kind is str:
+          if below > most:
+            return -1
+          deepest = max(deepest, below)
+        elif kind is int:
+          if in_shared or not 0 <= child < shared_count:
+            return -1
+          reach = below + heights[child]
+          if reach > most:
+            return -1
+          deepest = max(deepest, reach)
+          used_shared.add(child)
+        else:
+          stack.append((child, below))
+      if not stack:
+        break
       node, depth = stack.pop()
-      if type(node) is str:
-        if depth > most:
-          return -1
-        deepest = max(deepest, depth)
-        continue
-      if type(node) is int:
-        if in_shared or not 0 <= node < shared_count:
-          return -1
-        reach = depth + heights[node]
-        if reach > most:
-          return -1
-        deepest = max(deepest, reach)
-        used_shared.add(node)
-        continue
+      level = ()  # Its children, once its fields are checked (none if it ends early).
       if type(node) is not list or not node or type(node[0]) is not int or depth >= most:
         return -1  # (At the deepest level, left to `check`.)
       deepest = max(deepest, depth)
@@ -536,24 +549,7 @@ class _Checker:
           for v in value:
             if type(v) is not int:
               return -1
-      below = depth + 1
-      for child in children:
-        kind = type(child)
-        if kind is str:
-          if below > most:
-            return -1
-          deepest = max(deepest, below)
-          continue
-        if kind is int:
-          if in_shared or not 0 <= child < shared_count:
-            return -1
-          reach = below + heights[child]
-          if reach > most:
-            return -1
-          deepest = max(deepest, reach)
-          used_shared.add(child)
-        else:
-          stack.append((child, below))
+      level, below = children, depth + 1
     self.array_refs.extend(refs)
     return deepest
 
@@ -657,7 +653,7 @@ class _Checker:
           raise self.error(f"{where}.{name}", "must be a list of integers")
     return deepest
 
-  def _step(self, name: str, key: Any, i: int) -> str:
+  def _step(self, name: str, key: object, i: int) -> str:
     """The location of pair ``i`` of field ``name``, as Python reaches its
     value where it can (``['key']`` of a dict, ``.name`` of a class's field),
     as the decoder names it, so that a writer refused for what it was about
@@ -671,7 +667,7 @@ class _Checker:
         return f".{key:.80}"
     return f".{name}[{i}]"
 
-  def variables(self, entries: Any) -> tuple[list[Any], ...]:
+  def variables(self, entries: object) -> tuple[list[json_types.JSON], ...]:
     """Checks the variables table (before the tree, whose ``variable`` nodes
     are checked through it): each entry, and how deep it nests."""
     if not isinstance(entries, list):
@@ -749,11 +745,11 @@ def _column(table: dict[str, Any], name: str, count: int, where: str) -> list[An
   return column
 
 
-def _all_of(column: list[Any], kinds: tuple[type, ...]) -> bool:
+def _all_of(column: list[object], kinds: tuple[type, ...]) -> bool:
   return all(type(v) in kinds for v in column)
 
 
-def _first_bad(column: list[Any], ok: Any) -> int:
+def _first_bad(column: list[Any], ok: Callable[[Any], object]) -> int:
   return next(i for i, v in enumerate(column) if not ok(v))
 
 
@@ -769,7 +765,7 @@ def _indexes(table: dict[str, Any], name: str, size: int, count: int, where: str
 
 
 def array_specs(
-    table: Any, *, where: str, leaf_keys: bool
+    table: object, *, where: str, leaf_keys: bool
 ) -> tuple[arrays_lib.ArraySpec, ...]:
   """The array specs of a format 4 arrays table, checked as strictly as the
   per-array entries of format 3, but column by column: a check per distinct
@@ -897,7 +893,7 @@ def _checksums(
 
 
 def _slices(
-    sums: Any, shape: tuple[int, ...], where: str
+    sums: object, shape: tuple[int, ...], where: str
 ) -> tuple[checksum_records.ShardChecksum, ...]:
   if type(sums) is not list or not sums:
     raise errors.ManifestError(f"{where}: must be a digest or a list of [index, digest].")

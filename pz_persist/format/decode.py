@@ -25,9 +25,11 @@ import functools
 import operator
 import types
 from collections.abc import Callable
+from collections.abc import Hashable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -37,6 +39,7 @@ from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import code_references
+from pz_persist.format import compact
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import meshes
 from pz_persist.format import nodes
@@ -45,15 +48,15 @@ from pz_persist.format import variable_kinds
 Node = nodes.Node
 
 
-def _is_enum_class(cls: Any) -> bool:
+def _is_enum_class(cls: object) -> bool:
   return isinstance(cls, type) and issubclass(cls, enum.Enum)
 
 
-def _is_dataclass_class(cls: Any) -> bool:
+def _is_dataclass_class(cls: object) -> bool:
   return isinstance(cls, type) and dataclasses.is_dataclass(cls)
 
 
-def _is_struct_class(cls: Any) -> bool:
+def _is_struct_class(cls: object) -> bool:
   return isinstance(cls, type) and issubclass(cls, pz.Struct)
 
 
@@ -64,11 +67,11 @@ class _Concrete:
   """Builds PRNG keys and variables from real arrays."""
 
   @staticmethod
-  def prng_key(data: Any, impl: str) -> Any:
+  def prng_key(data: Any, impl: str) -> jax.Array:
     return jax.random.wrap_key_data(data, impl=impl)
 
   @staticmethod
-  def variable(kind: str, fields: dict[str, Any]) -> Any:
+  def variable(kind: str, fields: dict[str, Any]) -> pz.Parameter | pz.StateVariable:
     if kind == "parameter":
       return pz.Parameter(**fields)
     return pz.StateVariable(
@@ -80,7 +83,7 @@ class _Abstract:
   """Builds PRNG keys and variables from ``jax.ShapeDtypeStruct`` stand-ins."""
 
   @staticmethod
-  def prng_key(data: Any, impl: str) -> Any:
+  def prng_key(data: Any, impl: str) -> jax.ShapeDtypeStruct:
     return jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=impl), data)
 
   @staticmethod
@@ -124,13 +127,13 @@ class _Variables:
   entry that (through its value) references itself is refused.
   """
 
-  def __init__(self, entries: Sequence[Any], where: errors.Location | str):
+  def __init__(self, entries: Sequence[object], where: errors.Location | str):
     self._entries = entries
     self._where = where
-    self._built: dict[int, Any] = {}
+    self._built: dict[int, object] = {}
     self._building: set[int] = set()
 
-  def get(self, ref: Any, where: str, build: Callable[[Node, str], Any]) -> Any:
+  def get(self, ref: object, where: str, build: Callable[[Node, str], object]) -> object:
     """Variable ``ref``, built by ``build(entry, entry_where)`` the first time."""
     if type(ref) is not int or not 0 <= ref < len(self._entries):
       raise errors.ManifestError(f"{where}: invalid variable reference {ref!r}.")
@@ -151,7 +154,7 @@ class _Variables:
     return self._built[ref]
 
 
-def check_label(label: Any, where: str) -> Any:
+def check_label(label: object, where: str) -> Hashable:
   """Refuses a decoded variable label that is unhashable or holds control
   characters (they would garble every message and table that prints it)."""
   problem = arrays_lib.label_problem(label)
@@ -168,27 +171,27 @@ class _Walk:
 
   def __init__(
       self,
-      arrays: Sequence[Any],
-      variables: Sequence[Any],
+      arrays: Sequence[object],
+      variables: Sequence[object],
       *,
       abstract: bool,
       labels: Sequence[str | None] | None = None,
       variables_where: errors.Location | str = "variables",
       format_version: int | None = None,
       writer: str | None = None,
-      tables: Any = None,
+      tables: compact.Tables | None = None,
   ):
     self.arrays = arrays
     self.tables = tables  # A format 4 manifest's (`compact.Tables`), else None.
-    self._decoded_shared: dict[tuple[int, bool], tuple[Any, bool]] = {}
+    self._decoded_shared: dict[tuple[int, bool], tuple[object, bool]] = {}
     self.written = (format_version, writer)  # The manifest's, for `unknown_node`.
     self.labels = _ArrayLabels(labels)
     self.variables = _Variables(variables, variables_where)
     self.build = _Abstract if abstract else _Concrete
-    self._classes: dict[tuple[str, str, str], type[Any]] = {}
+    self._classes: dict[tuple[str, str, str], type] = {}
 
   def resolve_class(
-      self, ref: Any, *, where: str, accept: Callable[[Any], bool], kind: str
+      self, ref: object, *, where: str, accept: Callable[[object], bool], kind: str
   ) -> type[Any]:
     """`code_references.resolve_class`, once per class and kind in a decoding.
 
@@ -234,7 +237,9 @@ class _Walk:
       if found is not None and found[1]:  # Immutable: reused (`_shared_node`).
         return found[0]
       return self._shared_node(node, where, depth, in_tree)
-    tag, node_type = self.tables.types[node[0]]
+    tables = self.tables
+    assert tables is not None  # (`decode` calls this only then.)
+    tag, node_type = tables.types[node[0]]
     if not (node_type.tree if in_tree else node_type.static):
       raise errors.ManifestError(f"{where}: unknown node type {tag!r:.60}.")
     # The nodes met once per array, decoded from their fields without the
@@ -246,7 +251,7 @@ class _Walk:
     if tag == "parameter_value" or tag == "state_variable_value":
       return variable_kinds.BY_VALUE_TAG[tag].value_class(
           **self.labeled_parts(node[1], node[2], node[3], where, depth))
-    return DECODERS[tag](_At(self, where, depth, in_tree), self.tables.shallow(node))
+    return DECODERS[tag](_At(self, where, depth, in_tree), tables.shallow(node))
 
   def known(self, node: Any, depth: int, in_tree: bool) -> Any:
     """What `decode` returns for ``node`` at ``depth`` if that needs no
@@ -268,7 +273,7 @@ class _Walk:
           return value
     return _UNKNOWN
 
-  def array(self, ref: Any, where: str) -> Any:
+  def array(self, ref: object, where: str) -> object:
     """The array ``ref`` of an ``array`` node, checked against the arrays
     table and against the variable holding it."""
     if type(ref) is not int or not 0 <= ref < len(self.arrays):
@@ -290,9 +295,11 @@ class _Walk:
     immutable (a layer, a partial) is decoded again.
     """
     key = (index, in_tree)
-    node = self.tables.shared[index]
+    tables = self.tables
+    assert tables is not None  # (Only a format 4 manifest has shared entries.)
+    node = tables.shared[index]
     # A layer written as a ``struct`` node is copied as that node rebuilds it.
-    struct = type(node) is list and self.tables.types[node[0]][0] == "struct"
+    struct = type(node) is list and tables.types[node[0]][0] == "struct"
     found = self._decoded_shared.get(key)
     if found is not None:
       value, immutable = found
@@ -363,7 +370,7 @@ _REUSABLE = (enum.Enum, type, np.generic, np.dtype, types.FunctionType,
 function, including a jitted one such as ``jax.nn.silu``)."""
 
 
-def _fresh(value: Any, struct: bool = False) -> Any:
+def _fresh(value: Any, struct: bool = False) -> object:
   """``value`` as a new object wherever it is mutable (dicts, lists, sets),
   sharing its immutable parts; `_AGAIN` if it holds anything else.
 
@@ -434,7 +441,7 @@ class _At(NamedTuple):
     """Decodes a static value held by the node (a label, a key, an argument)."""
     return self.walk.decode(node, where, self.depth + 1, False)
 
-  def axis_name(self, node: Any) -> Any:
+  def axis_name(self, node: object) -> Hashable:
     name = self.walk.known(node, self.depth + 1, False)
     if name is _UNKNOWN:
       name = self.static(node, f"{self.where} axis name")
@@ -446,7 +453,7 @@ class _At(NamedTuple):
       ) from None
     return name
 
-  def rebuild(self, cls: type, make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+  def rebuild(self, cls: type, make: Callable[..., object], *args: object, **kwargs: object) -> object:
     """``make(*args, **kwargs)``, building a ``cls``: the class's own checks
     may refuse the values, with any exception."""
     return code_references.call_checkpoint_code(self.where, cls, make, *args, **kwargs)
@@ -474,10 +481,10 @@ def _decodes(*tags: str) -> Callable[[DecodeFunction], DecodeFunction]:
 # Scalars.
 
 
-def _float(v: Any, where: str) -> float:
+def _float(v: object, where: str) -> float:
   if isinstance(v, str) and v in ("nan", "inf", "-inf"):
     return float(v)
-  if type(v) in (int, float):
+  if type(v) is int or type(v) is float:
     return float(v)
   raise errors.ManifestError(f"{where}: invalid float {v!r}.")
 
@@ -488,7 +495,7 @@ def _none(at: _At, node: Node) -> None:
 
 
 @_decodes("bool", "int", "str")
-def _exact_scalar(at: _At, node: Node) -> Any:
+def _exact_scalar(at: _At, node: Node) -> object:
   tag = node["t"]
   if type(node["v"]) is not {"bool": bool, "int": int, "str": str}[tag]:
     raise errors.ManifestError(f"{at.where}: invalid {tag} {node['v']!r:.80}.")
@@ -514,7 +521,7 @@ def _bytes(at: _At, node: Node) -> bytes:
 
 
 @_decodes("np_scalar")
-def _np_scalar(at: _At, node: Node) -> Any:
+def _np_scalar(at: _At, node: Node) -> np.generic:
   dtype = arrays_lib.dtype_from_name(node["dtype"], where=at.where)
   try:
     raw = bytes.fromhex(node["hex"])
@@ -650,19 +657,19 @@ def _enum(at: _At, node: Node) -> Any:
 
 
 @_decodes("mesh")
-def _mesh(at: _At, node: Node) -> Any:
+def _mesh(at: _At, node: Node) -> jax.sharding.Mesh | jax.sharding.AbstractMesh:
   return meshes.rebuild(
       node["axes"], node["axis_types"], at.where, abstract=at.walk.build is _Abstract
   )
 
 
 @_decodes("partition_spec")
-def _partition_spec(at: _At, node: Node) -> Any:
+def _partition_spec(at: _At, node: Node) -> jax.sharding.PartitionSpec:
   return meshes.decode_spec(node["spec"], at.where)
 
 
 @_decodes("named_sharding")
-def _named_sharding(at: _At, node: Node) -> Any:
+def _named_sharding(at: _At, node: Node) -> jax.sharding.NamedSharding:
   mesh = at.static(node["mesh"], f"{at.where}.mesh")
   spec = at.static(node["spec"], f"{at.where}.spec")
   memory_kind = node["memory_kind"]
@@ -674,22 +681,22 @@ def _named_sharding(at: _At, node: Node) -> Any:
 
 
 @_decodes("dtype")
-def _dtype(at: _At, node: Node) -> Any:
+def _dtype(at: _At, node: Node) -> np.dtype:
   return arrays_lib.dtype_from_name(node["name"], where=at.where)
 
 
 @_decodes("type")
-def _type(at: _At, node: Node) -> Any:
+def _type(at: _At, node: Node) -> type:
   return code_references.resolve_class_value(node["class"], where=at.where)
 
 
 @_decodes("function")
-def _function(at: _At, node: Node) -> Any:
+def _function(at: _At, node: Node) -> Callable[..., object]:
   return code_references.resolve_function(node["ref"], where=at.where)
 
 
 @_decodes("partial")
-def _partial(at: _At, node: Node) -> Any:
+def _partial(at: _At, node: Node) -> functools.partial:
   func = at.static(node["func"], f"{at.where}.func")
   if not callable(func):
     raise errors.ManifestError(f"{at.where}: partial of a non-callable.")
@@ -706,7 +713,7 @@ def _partial(at: _At, node: Node) -> Any:
 
 
 @_decodes("array")
-def _array(at: _At, node: Node) -> Any:
+def _array(at: _At, node: Node) -> object:
   return at.walk.array(node["ref"], at.where)
 
 
@@ -722,7 +729,10 @@ def _prng_key(at: _At, node: Node) -> Any:
     raise errors.ManifestError(f"{at.where}: invalid PRNG key data: {e}") from None
 
 
-def _fitting(named: Any, where: str) -> Any:
+_Named = TypeVar("_Named", pz.nx.NamedArray, pz.nx.NamedArrayView)
+
+
+def _fitting(named: _Named, where: str) -> _Named:
   problem = nodes.named_array_problem(named)
   if problem is not None:
     raise errors.ManifestError(
@@ -732,11 +742,11 @@ def _fitting(named: Any, where: str) -> Any:
 
 
 @_decodes("named_array")
-def _named_array(at: _At, node: Node) -> Any:
+def _named_array(at: _At, node: Node) -> pz.nx.NamedArray:
   return _named_array_of(at, node["axes"], node["data"])
 
 
-def _named_array_of(at: _At, axes_node: Any, data_node: Any) -> Any:
+def _named_array_of(at: _At, axes_node: Any, data_node: object) -> pz.nx.NamedArray:
   """A ``named_array`` node, from its fields."""
   axes = collections.OrderedDict()
   for name_node, size in axes_node:
@@ -751,7 +761,7 @@ def _named_array_of(at: _At, axes_node: Any, data_node: Any) -> Any:
 
 
 @_decodes("named_array_view")
-def _named_array_view(at: _At, node: Node) -> Any:
+def _named_array_view(at: _At, node: Node) -> pz.nx.NamedArrayView:
   by_name = {}
   for name_node, index in node["name_axes"]:
     name = at.axis_name(name_node)
@@ -778,17 +788,17 @@ def _value(at: _At, node: Node) -> Any:
 
 
 @_decodes("parameter_slot", "state_variable_slot")
-def _slot(at: _At, node: Node) -> Any:
+def _slot(at: _At, node: Node) -> pz.AbstractVariableSlot:
   cls = variable_kinds.BY_SLOT_TAG[node["t"]].slot_class
   label = at.static(node["label"], f"{at.where}.label")
   return cls(label=check_label(label, at.where))
 
 
 @_decodes("variable")
-def _variable(at: _At, node: Node) -> Any:
+def _variable(at: _At, node: Node) -> object:
   walk = at.walk
 
-  def build(entry: Node, entry_where: str) -> Any:
+  def build(entry: Node, entry_where: str) -> object:
     return walk.build.variable(entry["kind"], walk.labeled(entry, entry_where, at.depth))
 
   return walk.variables.get(node["ref"], at.where, build)
@@ -799,15 +809,15 @@ def _variable(at: _At, node: Node) -> Any:
 
 def decode(
     tree: Node,
-    variables: Sequence[Any],
-    arrays: Sequence[Any],
+    variables: Sequence[object],
+    arrays: Sequence[object],
     *,
     abstract: bool = False,
     root: errors.Location | str = "tree",
     labels: Sequence[str | None] | None = None,
     format_version: int | None = None,
     writer: str | None = None,
-    tables: Any = None,
+    tables: compact.Tables | None = None,
 ) -> Any:
   """Rebuilds the saved tree from its JSON and its (restored) arrays.
 
@@ -847,7 +857,7 @@ def decode(
     raise errors.ManifestError(f"{root}: nesting too deep to decode.") from None
 
 
-def decode_static(node: Any, where: str, tables: Any = None) -> Any:
+def decode_static(node: object, where: str, tables: compact.Tables | None = None) -> Any:
   """Decodes a plain Python value (no arrays) stored as typed JSON (a label,
   metadata); ``tables``: a format 4 manifest's, for its compact nodes."""
   return _Walk((), (), abstract=False, tables=tables).decode(node, where, 0, False)

@@ -23,6 +23,7 @@ import math
 import operator
 from collections.abc import Callable
 from typing import Any
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -61,9 +62,9 @@ class EncodedTree:
   tree: Node
   variables: list[Node]
   arrays: list[arrays_lib.ArraySpec]
-  values: list[Any]
+  values: list[arrays_lib.Array | None]
 
-  def stored_arrays(self) -> dict[str, Any]:
+  def stored_arrays(self) -> dict[str, arrays_lib.Array | None]:
     """The ``{key: array}`` dict that Orbax saves."""
     return {
         spec.key: value
@@ -72,18 +73,31 @@ class EncodedTree:
     }
 
 
+class _Labeled(Protocol):
+  """What `_Encoder._labeled` reads of a variable or a frozen variable value."""
+
+  @property
+  def label(self) -> object: ...
+
+  @property
+  def metadata(self) -> object: ...
+
+  @property
+  def value(self) -> object: ...
+
+
 class _Encoder:
   """Walks a tree once, emitting JSON nodes and collecting arrays."""
 
   def __init__(self) -> None:
     self.arrays: list[arrays_lib.ArraySpec] = []
-    self.values: list[Any] = []
+    self.values: list[arrays_lib.Array | None] = []
     self.variables: list[Node] = []
-    self.originals: list[Any] = []  # The arrays as given, for `_check_decodable`.
+    self.originals: list[arrays_lib.Array] = []  # The arrays as given, for `_check_decodable`.
     self._variable_refs: dict[int, int] = {}  # id(variable) -> ref.
     self._depth = 0  # Values being encoded, each inside the one before.
 
-  def _deeper(self, encode: Callable[..., Node], obj: Any, where: str, *rest: Any) -> Node:
+  def _deeper(self, encode: Callable[..., Node], obj: object, where: str, *rest: Any) -> Node:
     """``encode(obj, where, *rest)`` one level deeper, refused past what a
     reader loads.
 
@@ -107,11 +121,11 @@ class _Encoder:
 
   # Static values: labels, metadata, axis names. No arrays allowed.
 
-  def static(self, obj: Any, where: str) -> Node:
+  def static(self, obj: object, where: str) -> Node:
     """Encodes a plain Python value (a label, a metadata entry, an axis name)."""
     return self._deeper(self._static_value, obj, where)
 
-  def _static_value(self, obj: Any, where: str) -> Node:
+  def _static_value(self, obj: object, where: str) -> Node:
     node = self._scalar(obj)
     if node is not None:
       return node
@@ -128,7 +142,7 @@ class _Encoder:
         or self._code(obj, where)
     )
 
-  def _code(self, obj: Any, where: str) -> Node:
+  def _code(self, obj: object, where: str) -> Node:
     """Encodes references to code: Enums, dtypes, classes, functions, partials.
 
     These are the values a model's structure holds besides containers and
@@ -176,7 +190,7 @@ class _Encoder:
     return self._refuse(obj, where)
 
   def _dataclass(
-      self, obj: Any, where: str, encode: Callable[[Any, str], Node]
+      self, obj: object, where: str, encode: Callable[[object, str], Node]
   ) -> Node | None:
     """Encodes a dataclass instance by class and field values.
 
@@ -198,7 +212,7 @@ class _Encoder:
     )
 
   @staticmethod
-  def _scalar(obj: Any) -> Node | None:
+  def _scalar(obj: object) -> Node | None:
     if obj is None:
       return nodes.node("none")
     if type(obj) is bool:
@@ -219,7 +233,7 @@ class _Encoder:
       self,
       obj: Any,
       where: str,
-      encode: Callable[[Any, str], Node],
+      encode: Callable[[object, str], Node],
       sets: bool = False,
   ) -> Node | None:
     """Encodes the containers shared by static values and trees.
@@ -250,7 +264,7 @@ class _Encoder:
     return None
 
   @staticmethod
-  def _refuse(obj: Any, where: str) -> Node:
+  def _refuse(obj: object, where: str) -> Node:
     kind = type(obj)
     raise errors.EncodingError(
         f"{where}: cannot save a value of type {kind.__module__}.{kind.__qualname__}"
@@ -259,7 +273,7 @@ class _Encoder:
 
   # Trees: any pytree pz_persist supports.
 
-  def tree(self, obj: Any, where: str, label: str | None = None) -> Node:
+  def tree(self, obj: object, where: str, label: str | None = None) -> Node:
     """Encodes a pytree, collecting its arrays and variables."""
     return self._deeper(self._tree_value, obj, where, label)
 
@@ -301,7 +315,7 @@ class _Encoder:
     if kind in _VARIABLE_KINDS:
       return nodes.node("variable", ref=self._variable(obj, where))
 
-    def child(value: Any, at: str) -> Node:  # Children keep the enclosing label.
+    def child(value: object, at: str) -> Node:  # Children keep the enclosing label.
       return self.tree(value, at, label)
 
     node = self._container(obj, where, child) or self._dataclass(obj, where, child)
@@ -311,13 +325,13 @@ class _Encoder:
       return self._refuse(obj, where)  # A variable class pz_persist does not know.
     return self._code(obj, where + (f" (label {label!r})" if label else ""))
 
-  def _label(self, label: Any, where: str) -> Node:
+  def _label(self, label: object, where: str) -> Node:
     problem = arrays_lib.label_problem(label)  # Loading refuses the same ones.
     if problem:
       raise errors.EncodingError(f"{where}: variable label {label!r} {problem}.")
     return self.static(label, f"{where}.label")
 
-  def _labeled(self, obj: Any, where: str) -> Node:
+  def _labeled(self, obj: _Labeled, where: str) -> Node:
     label_text = nodes.describe_label(obj.label)
     label_where = f"{where} (label {label_text!r})"
     return {
@@ -326,7 +340,7 @@ class _Encoder:
         "value": self.tree(obj.value, f"{where}.value", label_text),
     }
 
-  def _variable(self, var: Any, where: str) -> int:
+  def _variable(self, var: pz.AbstractVariable, where: str) -> int:
     ref = self._variable_refs.get(id(var))
     if ref is None:
       ref = len(self.variables)
@@ -336,7 +350,7 @@ class _Encoder:
       entry.update(self._labeled(var, where))
     return ref
 
-  def _axis_name(self, name: Any, where: str, label: str | None) -> Node:
+  def _axis_name(self, name: object, where: str, label: str | None) -> Node:
     context = f"{where} (label {label!r})" if label else where
     try:
       hash(name)
@@ -392,7 +406,7 @@ class _Encoder:
     return nodes.node("array", ref=index)
 
 
-def _snapshot(value: Any, given: Any) -> Any:
+def _snapshot(value: arrays_lib.Array, given: arrays_lib.Array) -> arrays_lib.Array:
   """``value`` (what is stored of the array ``given``), made safe from later
   changes to ``given``.
 
@@ -413,7 +427,7 @@ def _snapshot(value: Any, given: Any) -> Any:
   return value
 
 
-def encode(tree: Any, root: str = "tree") -> EncodedTree:
+def encode(tree: object, root: str = "tree") -> EncodedTree:
   """Splits ``tree`` into typed JSON and arrays, validating everything.
 
   Raises `pz_persist.errors.EncodingError` (or `DisallowedModuleError`) naming
@@ -427,7 +441,9 @@ def encode(tree: Any, root: str = "tree") -> EncodedTree:
   return encoded
 
 
-def _check_decodable(encoded: EncodedTree, originals: list[Any], root: str) -> None:
+def _check_decodable(
+    encoded: EncodedTree, originals: list[arrays_lib.Array], root: str
+) -> None:
   """Refuses to save what loading would refuse.
 
   The decoder validates every node (axes against arrays, labels against the
@@ -473,7 +489,7 @@ def _enum_name(member: enum.Enum, where: str) -> str:
   )
 
 
-def _refuse_compiled(fn: Any, where: str) -> None:
+def _refuse_compiled(fn: object, where: str) -> None:
   """Refuses ``jax.jit(f)`` (or ``jax.pmap(f)``) that cannot be found by name,
   with what to do instead: its name leads back to the plain ``f``, so loading
   could not rebuild the compiled wrapper, and saving ``f`` loses nothing.

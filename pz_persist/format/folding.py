@@ -18,10 +18,12 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import types
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import TypeAlias
 from typing import TypeVar
 
 from penzai import pz
@@ -59,7 +61,7 @@ def flattened(
   return lines
 
 
-def children(obj: Any) -> list[tuple[str, Any]]:
+def children(obj: Any) -> list[tuple[str, object]]:
   """The parts of ``obj`` a rendering nests, keyed as a path step; none for
   a leaf (an array, a ``NamedArray``, a scalar, code)."""
   if isinstance(obj, pz.nx.NamedArrayBase):
@@ -77,13 +79,13 @@ def children(obj: Any) -> list[tuple[str, Any]]:
   return []
 
 
-def _fields(obj: Any) -> dict[str, Any]:
+def _fields(obj: Any) -> dict[str, object]:
   if isinstance(obj, pz.Struct):
     return obj.attributes_dict()
   return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if hasattr(obj, f.name)}
 
 
-def _rebuilt(obj: Any, values: list[Any]) -> Any:
+def _rebuilt(obj: Any, values: list[Any]) -> object:
   """``obj`` of the same type holding ``values`` (in `children`'s order)."""
   if isinstance(obj, tuple) and nodes.is_namedtuple_class(type(obj)):
     return type(obj)(*values)
@@ -109,14 +111,16 @@ class Folded:
     level: How many levels down the tree it sits.
   """
 
-  value: Any
+  value: object
   level: int
 
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+  def __treescope_repr__(
+      self, path: str | None, subtree_renderer: Callable[..., Any]
+  ) -> Any:
     """The folded part's type, a note saying it was folded, and its parts."""
     from treescope import rendering_parts as parts  # pylint: disable=import-outside-toplevel
 
-    lines = flattened(self.value, _listed_children,
+    lines = flattened(_Listed(self.value, None, False), _listed_children,
                       lambda key, node, parent: _line(key, node, subtree_renderer, parts))
     note = (f" (folded: the {len(lines)} parts it holds, listed by path; nested"
             f" {self.level} levels deep already, rendering them nested too would"
@@ -131,12 +135,10 @@ class Folded:
     )
 
 
-def _listed_children(entry: Any) -> list[tuple[str, Any]]:
-  """`children` of a `_Listed` part (or of the folded value, at the top),
-  each with the chain of ids above it: a part holding one of its ancestors
-  (a model in memory may) is listed once, as such, and not entered."""
-  if not isinstance(entry, _Listed):
-    entry = _Listed(entry, None, False)
+def _listed_children(entry: _Listed) -> list[tuple[str, _Listed]]:
+  """`children` of a `_Listed` part (the folded value at the top), each with
+  the chain of ids above it: a part holding one of its ancestors (a model in
+  memory may) is listed once, as such, and not entered."""
   if entry.looped:
     return []
   here = (id(entry.value), entry.chain)
@@ -147,12 +149,16 @@ class _Listed(NamedTuple):
   """A part being listed, the ids of the parts above it (a linked chain, so
   each costs one pair), and whether it is one of them."""
 
-  value: Any
-  chain: tuple[int, Any] | None
+  value: object
+  chain: _Chain
   looped: bool
 
 
-def _on_chain(value: Any, chain: tuple[int, Any] | None) -> bool:
+_Chain: TypeAlias = "tuple[int, _Chain] | None"
+"""The ids of the parts above one, innermost first, as nested pairs."""
+
+
+def _on_chain(value: object, chain: _Chain) -> bool:
   while chain is not None:
     if chain[0] == id(value):
       return True
@@ -160,7 +166,9 @@ def _on_chain(value: Any, chain: tuple[int, Any] | None) -> bool:
   return False
 
 
-def _line(key: str, entry: _Listed, subtree_renderer: Any, parts: Any) -> Any:
+def _line(
+    key: str, entry: _Listed, subtree_renderer: Callable[..., Any], parts: types.ModuleType
+) -> Any:
   """One listed part: containers by type (their parts follow, one line
   each), leaves as treescope renders them."""
   if entry.looped:
@@ -172,7 +180,7 @@ def _line(key: str, entry: _Listed, subtree_renderer: Any, parts: Any) -> Any:
       f"{key}: ", subtree_renderer(entry.value, path=None))
 
 
-def _kind(obj: Any, parts: Any) -> Any:
+def _kind(obj: object, parts: types.ModuleType) -> Any:
   """A container's type (and a variable's label: what tells variables apart)."""
   name = parts.maybe_qualified_type_name(type(obj))
   if isinstance(obj, pz.AbstractVariable):
@@ -180,7 +188,7 @@ def _kind(obj: Any, parts: Any) -> Any:
   return name
 
 
-def fold(tree: Any, levels: int = NESTED_LEVELS) -> Any:
+def fold(tree: object, levels: int = NESTED_LEVELS) -> object:
   """``tree`` with every part ``levels`` levels down that holds more replaced
   by a `Folded` leaf; ``tree`` itself when nothing is that deep.
 
@@ -191,7 +199,7 @@ def fold(tree: Any, levels: int = NESTED_LEVELS) -> Any:
   return _fold(tree, levels, 0)
 
 
-def _fold(obj: Any, levels: int, level: int) -> Any:
+def _fold(obj: object, levels: int, level: int) -> object:
   parts = children(obj)
   if not parts:
     return obj

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import stat
+from collections.abc import Sequence
 from typing import Any
 
 from etils import epath
@@ -34,6 +35,7 @@ from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import compact as compact_lib
+from pz_persist.format import json_types
 from pz_persist.format import nodes
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
@@ -124,8 +126,8 @@ class Manifest:
     format_version: Manifest format version.
   """
 
-  tree: dict[str, Any]
-  variables: tuple[Any, ...]
+  tree: nodes.Node
+  variables: tuple[nodes.Node, ...]
   arrays: tuple[arrays_lib.ArraySpec, ...]
   writer: str = f"pz_persist {version.__version__}"
   format_version: int = WRITTEN_FORMAT
@@ -169,7 +171,7 @@ class Manifest:
       return self.compact.tree, self.compact.variable_entries(), self.compact.tables
     return self.tree, self.variables, None
 
-  def to_json(self) -> dict[str, Any]:
+  def to_json(self) -> json_types.JSONObject:
     if self.format_version >= FIRST_COMPACT_FORMAT:
       return compact_lib.to_json(
           self.tree, self.variables, self.arrays, writer=self.writer,
@@ -195,7 +197,7 @@ class Manifest:
       changed.__dict__["_compacted_nodes"] = self._compacted()
     return changed
 
-  def _compacted(self) -> dict[str, Any]:
+  def _compacted(self) -> json_types.JSONObject:
     """`compact_lib.compact_nodes` of its tree and variables, computed once
     (a manifest is frozen; `with_arrays` hands it on)."""
     found = self.__dict__.get("_compacted_nodes")
@@ -282,7 +284,8 @@ class Manifest:
 
 
 def check_typed_nodes(
-    tree: Any, variables: Any, specs: tuple[arrays_lib.ArraySpec, ...], *, where: str
+    tree: object, variables: Sequence[object], specs: tuple[arrays_lib.ArraySpec, ...], *,
+    where: str
 ) -> None:
   """The checks of typed JSON (formats 1 to 3, and the Orbax type handler's
   records, `pz_persist.orbax.variable_type_handler`) made before decoding:

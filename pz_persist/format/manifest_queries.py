@@ -23,7 +23,7 @@ from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.safety import terminal
 
-Node = dict[str, Any]
+Node = nodes.Node
 
 
 
@@ -171,9 +171,9 @@ def all_nodes(manifest: manifest_lib.Manifest) -> Iterator[Node]:
       yield from walk(entry.get("value"))
 
 
-def axis_names(manifest: manifest_lib.Manifest) -> dict[int, tuple[Any, ...]]:
+def axis_names(manifest: manifest_lib.Manifest) -> dict[int, tuple[Hashable, ...]]:
   """For arrays wrapped in NamedArrays: the name of each dimension (or None)."""
-  names: dict[int, tuple[Any, ...]] = {}
+  names: dict[int, tuple[Hashable, ...]] = {}
   for node in all_nodes(manifest):
     node_type = nodes.NODE_TYPES.get(nodes.tag_of(node) or "")
     data = node.get("data")
@@ -189,7 +189,7 @@ def axis_names(manifest: manifest_lib.Manifest) -> dict[int, tuple[Any, ...]]:
     pairs = node.get(field)
     if spec is None or not nodes.is_pairs(pairs):
       continue  # Malformed: decoding the tree refuses it, naming the node.
-    dims: list[Any] = [None] * len(spec.shape)
+    dims: list[Hashable] = [None] * len(spec.shape)
     if meaning == "size":  # The last dimensions, in order.
       axes = [decode_lib.decode_static(pair[0], "axis") for pair in pairs]
       if len(axes) > len(dims):
@@ -210,7 +210,7 @@ class ArrayRow:
   """One line of a checkpoint's table of arrays."""
 
   label: str
-  axes: tuple[Any, ...]
+  axes: tuple[Hashable, ...]
   spec: arrays_lib.ArraySpec
 
   @property

@@ -22,6 +22,7 @@ import contextvars
 import math
 from collections.abc import Iterator
 from typing import Any
+from typing import TypeGuard
 
 import jax
 from jax.sharding import AbstractMesh
@@ -30,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from pz_persist import errors
+from pz_persist.format import json_types
 
 _given: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
     "pz_persist_mesh", default=None
@@ -50,12 +52,12 @@ def using(mesh: Mesh | None) -> Iterator[None]:
     _given.reset(token)
 
 
-def is_mesh(obj: Any) -> bool:
+def is_mesh(obj: object) -> TypeGuard[Mesh | AbstractMesh]:
   """A concrete or abstract mesh (both saved as a ``mesh`` node)."""
   return isinstance(obj, (Mesh, AbstractMesh))
 
 
-def mesh_fields(mesh: Mesh | AbstractMesh, where: str) -> dict[str, Any]:
+def mesh_fields(mesh: Mesh | AbstractMesh, where: str) -> json_types.JSONObject:
   """The ``mesh`` node's fields: ``axes`` (``[name, size]`` pairs) and
   ``axis_types`` (``"Explicit"``, ``"Auto"``, ``"Manual"``)."""
   names = tuple(mesh.axis_names)
@@ -72,7 +74,7 @@ def mesh_fields(mesh: Mesh | AbstractMesh, where: str) -> dict[str, Any]:
   }
 
 
-def spec_entries(spec: PartitionSpec, where: str) -> list[Any]:
+def spec_entries(spec: PartitionSpec, where: str) -> list[json_types.JSON]:
   """A ``PartitionSpec`` as JSON: one entry per dimension, ``None``, a mesh
   axis name, or a list of them."""
   if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
@@ -80,7 +82,7 @@ def spec_entries(spec: PartitionSpec, where: str) -> list[Any]:
         f"{where}: {spec!r:.80} has unreduced or reduced axes, which"
         " pz_persist does not save; save the PartitionSpec of its dimensions."
     )
-  entries: list[Any] = []
+  entries: list[json_types.JSON] = []
   for entry in spec:
     if entry is None or isinstance(entry, str):
       entries.append(entry)
@@ -94,7 +96,7 @@ def spec_entries(spec: PartitionSpec, where: str) -> list[Any]:
   return entries
 
 
-def refuse_sharding(obj: Any, where: str) -> None:
+def refuse_sharding(obj: object, where: str) -> None:
   """Refuses other ``jax.sharding.Sharding``\\ s, which name devices."""
   if isinstance(obj, jax.sharding.Sharding) and not isinstance(obj, NamedSharding):
     raise errors.EncodingError(
@@ -104,7 +106,7 @@ def refuse_sharding(obj: Any, where: str) -> None:
     )
 
 
-def decode_spec(entries: Any, where: str) -> PartitionSpec:
+def decode_spec(entries: object, where: str) -> PartitionSpec:
   if not isinstance(entries, list) or not all(
       entry is None or isinstance(entry, str)
       or (isinstance(entry, list) and all(isinstance(name, str) for name in entry))

@@ -5,8 +5,9 @@ fields each tag has, what JSON each field holds and which fields hold child
 nodes is written here once, in `NODE_TYPES`; the encoder builds nodes through
 `node` (so it cannot emit a field the table does not list), the decoder
 validates a node's shape with `check_shape` before its tag's decode function
-runs, and the tools that walk manifests without decoding them (`catalog`,
-`diffing`, `viewing`) find children, classes and axes through the table.
+runs, and the tools that walk manifests without decoding them
+(`pz_persist.tools.diffing`, `pz_persist.tools.diff_tree`,
+`pz_persist.tools.viewing`) find children, classes and axes through the table.
 Adding a node type is one row here plus its encoding and decode function;
 ``tests/test_nodes.py`` fails if a consumer misses a tag.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Iterator
 from typing import Any
 from typing import Literal
@@ -204,7 +207,7 @@ this rule.)
 _NEWEST_NODE_FORMAT = max(node_type.format for node_type in NODE_TYPES.values())
 
 
-def format_needed(tree: Any, variables: Any = (), *, at_least: int) -> int:
+def format_needed(tree: object, variables: Iterable[object] = (), *, at_least: int) -> int:
   """The manifest format a tree's nodes need: the newest ``format`` of the
   node types it holds, and at least ``at_least``.
 
@@ -283,7 +286,7 @@ VARIABLE_ENTRY_FIELDS = frozenset({"kind", "label", "metadata", "value"})
 
 
 
-def node(tag: str, **fields: Any) -> Node:
+def node(tag: str, **fields: object) -> Node:
   """A node of type ``tag``; refuses fields the table does not list.
 
   The encoder builds every node through this, so what it writes and what the
@@ -299,14 +302,14 @@ def node(tag: str, **fields: Any) -> Node:
   return {"t": tag, **{f.name: fields[f.name] for f in node_type.fields}}
 
 
-def tag_of(node_: Any) -> str | None:
+def tag_of(node_: object) -> str | None:
   """The tag of a typed node, or None if ``node_`` is not one."""
   if isinstance(node_, dict) and isinstance(node_.get("t"), str):
     return node_["t"]
   return None
 
 
-def check_typed(node_: Any, where: str) -> str:
+def check_typed(node_: object, where: str) -> str:
   """The tag of ``node_``; refuses anything that is not a typed node."""
   tag = tag_of(node_)
   if tag is None:
@@ -341,7 +344,7 @@ def check_shape(node_: Node, where: str, node_type: NodeType | None = None) -> N
   return node_type
 
 
-def _check_json(value: Any, field: Field, where: str) -> None:
+def _check_json(value: object, field: Field, where: str) -> None:
   if field.json == "list" and not isinstance(value, list):
     raise errors.ManifestError(f"{where}: {field.name} must be a list.")
   if field.json == "pairs" and not is_pairs(value):
@@ -352,7 +355,7 @@ def _check_json(value: Any, field: Field, where: str) -> None:
     raise errors.ManifestError(f"{where}: expected a list of integers.")
 
 
-def is_pairs(value: Any) -> TypeGuard[list[list[Any]]]:
+def is_pairs(value: object) -> TypeGuard[list[list[Any]]]:
   """Whether ``value`` is a list of two-element lists."""
   return isinstance(value, list) and all(
       isinstance(p, list) and len(p) == 2 for p in value
@@ -380,7 +383,7 @@ def children(node_: Any, holds: Holds = "child") -> Iterator[Any]:
       yield from (p[1] for p in value if isinstance(p, list) and len(p) == 2)
 
 
-def check_depth_through_variables(tree: Any, variables: Any, where: str) -> list[int]:
+def check_depth_through_variables(tree: object, variables: object, where: str) -> list[int]:
   """Refuses typed JSON (formats 1 to 3) in which a ``variable`` node uses a
   variable entry deeper than `MAX_DEPTH` allows; returns the reference of
   every ``array`` node of the tree and of each variable entry (each entry
@@ -446,7 +449,8 @@ def check_depth_through_variables(tree: Any, variables: Any, where: str) -> list
 
 
 def arrays_referenced_once(
-    refs: list[int], count: int, places: Any, describe: Any, where: str
+    refs: list[int], count: int, places: Callable[[], Iterable[tuple[int, str]]],
+    describe: Callable[[int], str], where: str
 ) -> None:
   """Refuses a manifest whose ``array`` nodes refer to one array entry twice.
 
@@ -487,7 +491,7 @@ def arrays_referenced_once(
   raise AssertionError(f"{where}: an array referenced twice was not found again.")
 
 
-def array_places(tree: Any, variables: Any) -> Iterator[tuple[int, str]]:
+def array_places(tree: Any, variables: Iterable[object]) -> Iterator[tuple[int, str]]:
   """``(ref, place)`` of every ``array`` node of typed JSON: the tree's, then
   each variable entry's value (``place`` as ``tree.items[1]``)."""
   roots = [(tree, "tree")] + [
@@ -549,25 +553,25 @@ def _held_nodes(node_: Any, tag: str | None) -> Iterator[Any]:
             yield pair[1]
 
 
-def names_class(tag: Any) -> bool:
+def names_class(tag: object) -> bool:
   """Whether nodes of ``tag`` name a class (in their ``"class"`` field)."""
   node_type = NODE_TYPES.get(tag) if isinstance(tag, str) else None
   return node_type is not None and node_type.field("class") is not None
 
 
-def keyed_items(tag: Any) -> bool:
+def keyed_items(tag: object) -> bool:
   """Whether nodes of ``tag`` hold ``items`` as ``[key, value]`` pairs."""
   node_type = NODE_TYPES.get(tag) if isinstance(tag, str) else None
   items = node_type.field("items") if node_type is not None else None
   return items is not None and items.json == "pairs"
 
 
-def describe_label(label: Any) -> str:
+def describe_label(label: object) -> str:
   """A short, stable text for a label (for messages and the arrays table)."""
   return label if isinstance(label, str) else repr(label)
 
 
-def named_array_problem(named: Any) -> str | None:
+def named_array_problem(named: pz.nx.NamedArrayBase) -> str | None:
   """Why ``named`` (a ``NamedArray`` / ``NamedArrayView``) does not fit its
   named axes, or None if it does.
 
@@ -586,7 +590,7 @@ def named_array_problem(named: Any) -> str | None:
   return None
 
 
-def fits_its_axes(x: Any) -> bool:
+def fits_its_axes(x: object) -> TypeGuard[pz.nx.NamedArrayBase]:
   """Whether ``x`` is a NamedArray (or view) whose data fits its named axes.
 
   Only those are named values of their own; code that treats NamedArrays as
@@ -606,7 +610,7 @@ SEQUENCE_TYPES: dict[str, Any] = {
 """The Python sequence type each sequence tag stands for (both directions)."""
 
 
-def is_namedtuple_class(cls: Any) -> bool:
+def is_namedtuple_class(cls: object) -> bool:
   """Whether ``cls`` is a namedtuple class (a tuple subclass with ``_fields``)."""
   return (
       isinstance(cls, type)

@@ -6,14 +6,13 @@ A checkpoint records each variable's kind as ``"parameter"`` or
 variables); Penzai has three classes for each (the frozen value, the mutable
 variable and the slot an unbound model holds). This table is the one place
 that maps between them, so that the node table, the encoder, the decoder,
-binding, the catalog, the Orbax handlers and the safetensors export agree, and
-a new kind would be added once.
+binding, the variable listing (`manifest_queries`), the Orbax handlers and
+the safetensors export agree, and a new kind would be added once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 from typing import Literal
 
 from penzai import pz
@@ -67,7 +66,7 @@ BY_SLOT_TAG: dict[str, Kind] = {kind.slot_tag: kind for kind in KINDS.values()}
 """Every kind, by the node tag of its slots."""
 
 
-def kind_of(obj: Any) -> str:
+def kind_of(obj: object) -> str:
   """The kind's name of a Penzai variable, variable value or slot."""
   for kind in KINDS.values():
     if isinstance(obj, (kind.value_class, kind.variable_class, kind.slot_class)):

@@ -27,7 +27,7 @@ either, or a predicate called with each label."""
 _SEPARATORS = "/."
 
 
-def unknown_label(label: Any, labels: Sequence[Hashable], where: str) -> errors.UnknownLabelError:
+def unknown_label(label: object, labels: Sequence[Hashable], where: str) -> errors.UnknownLabelError:
   """The error for a label the checkpoint does not have, with close matches."""
   text = nodes.describe_label(label)
   return selection.unmatched(
@@ -36,7 +36,7 @@ def unknown_label(label: Any, labels: Sequence[Hashable], where: str) -> errors.
   )
 
 
-def select(only: Any, labels: Sequence[Hashable], where: str) -> list[Hashable]:
+def select(only: object, labels: Sequence[Hashable], where: str) -> list[Hashable]:
   """The labels of ``labels`` that ``only`` selects, in checkpoint order.
 
   Raises:
@@ -55,7 +55,7 @@ def select(only: Any, labels: Sequence[Hashable], where: str) -> list[Hashable]:
           "", [nodes.describe_label(label) for label in labels], listed_by=" (see .labels)")
     return chosen_by
   if _is_label(only, labels) or isinstance(only, str) or not isinstance(only, Iterable):
-    wanted: list[Any] = [only]
+    wanted: list[object] = [only]
   else:
     wanted = list(only)
     if not wanted:
@@ -69,14 +69,14 @@ def select(only: Any, labels: Sequence[Hashable], where: str) -> list[Hashable]:
   return [label for label in labels if label in chosen]
 
 
-def _is_label(value: Any, labels: Sequence[Hashable]) -> bool:
+def _is_label(value: object, labels: Sequence[Hashable]) -> bool:
   try:
     return value in labels
   except TypeError:  # Unhashable: a list of labels.
     return False
 
 
-def _matches(wanted: Any, label: Hashable) -> bool:
+def _matches(wanted: object, label: Hashable) -> bool:
   if wanted == label:
     return True
   if isinstance(wanted, str) and wanted and isinstance(label, str) and label.startswith(wanted):
@@ -99,7 +99,7 @@ class Index:
   """
 
   box: tuple[tuple[int, int], ...]
-  local: tuple[Any, ...]
+  local: tuple[int | slice, ...]
   kept: tuple[int, ...]
   scalar: bool = False
 
@@ -109,7 +109,7 @@ class Index:
     return any(stop == start for start, stop in self.box)
 
 
-def is_whole(index: Any) -> bool:
+def is_whole(index: object) -> bool:
   """Whether ``index`` selects the whole value, whatever it is (a scalar
   too): ``()``, ``...``, ``(...,)`` or ``{}``."""
   if isinstance(index, Mapping):
@@ -119,9 +119,9 @@ def is_whole(index: Any) -> bool:
 
 
 def parse_index(
-    index: Any,
+    index: object,
     shape: tuple[int, ...],
-    axes: Sequence[Any],
+    axes: Sequence[Hashable],
     *,
     who: str,
     positional: Sequence[int] | None = None,
@@ -146,41 +146,9 @@ def parse_index(
   rank = len(shape)
   if positional is None:
     positional = [dim for dim in range(rank) if axes[dim] is None]
-  if isinstance(index, Mapping):
-    per_dim: list[Any] = [slice(None)] * rank
-    given: dict[int, Any] = {}
-    for key, part in index.items():
-      dim = _dim_of(key, axes, positional, who)
-      if dim in given:
-        raise errors.ArgumentError(
-            f"{who}: {_axis_text(axes, dim)} is indexed twice, as {given[dim]!r:.40}"
-            f" and as {key!r:.40}; give one index per dimension."
-        )
-      given[dim] = key
-      if part is Ellipsis:
-        raise errors.ArgumentError(
-            f"{who}: the index of {_axis_text(axes, dim)} is ...; in a dict, give an"
-            " int or a slice (leave a dimension out to keep it whole)."
-        )
-      per_dim[dim] = part
-    scalar = bool(given)
-  else:
-    parts = list(index) if isinstance(index, tuple) else [index]
-    if sum(part is Ellipsis for part in parts) > 1:
-      raise errors.ArgumentError(f"{who}: an index may hold one ... only.")
-    dots = [at for at, part in enumerate(parts) if part is Ellipsis]
-    if dots:
-      at = dots[0]
-      fill = rank - (len(parts) - 1)
-      if fill < 0:
-        raise _too_many(who, len(parts) - 1, axes)
-      parts = parts[:at] + [slice(None)] * fill + parts[at + 1:]
-    if len(parts) > rank:
-      raise _too_many(who, len(parts), axes)
-    per_dim = parts + [slice(None)] * (rank - len(parts))
-    scalar = not dots
+  per_dim, scalar = _per_dimension(index, rank, axes, positional, who)
   box: list[tuple[int, int]] = []
-  local: list[Any] = []
+  local: list[int | slice] = []
   kept: list[int] = []
   for dim, (part, n) in enumerate(zip(per_dim, shape)):
     axis = _axis_text(axes, dim)
@@ -210,6 +178,48 @@ def parse_index(
   return Index(tuple(box), tuple(local), tuple(kept), scalar=scalar and not kept)
 
 
+def _per_dimension(
+    index: object, rank: int, axes: Sequence[Hashable], positional: Sequence[int], who: str
+) -> tuple[list[object], bool]:
+  """``index`` (a dict, a tuple or one part) as one part per stored dimension
+  (``...`` and the dimensions not given as whole slices), and whether all-int
+  parts would read a scalar: a non-empty dict, or an index without ``...``.
+
+  Why apart from `parse_index`: the three ways of writing an index end here
+  in one shape, and `parse_index` resolves that shape against the sizes."""
+  if isinstance(index, Mapping):
+    per_dim: list[object] = [slice(None)] * rank
+    given: dict[int, object] = {}
+    for key, part in index.items():
+      dim = _dim_of(key, axes, positional, who)
+      if dim in given:
+        raise errors.ArgumentError(
+            f"{who}: {_axis_text(axes, dim)} is indexed twice, as {given[dim]!r:.40}"
+            f" and as {key!r:.40}; give one index per dimension."
+        )
+      given[dim] = key
+      if part is Ellipsis:
+        raise errors.ArgumentError(
+            f"{who}: the index of {_axis_text(axes, dim)} is ...; in a dict, give an"
+            " int or a slice (leave a dimension out to keep it whole)."
+        )
+      per_dim[dim] = part
+    return per_dim, bool(given)
+  parts = list(index) if isinstance(index, tuple) else [index]
+  if sum(part is Ellipsis for part in parts) > 1:
+    raise errors.ArgumentError(f"{who}: an index may hold one ... only.")
+  dots = [at for at, part in enumerate(parts) if part is Ellipsis]
+  if dots:
+    at = dots[0]
+    fill = rank - (len(parts) - 1)
+    if fill < 0:
+      raise _too_many(who, len(parts) - 1, axes)
+    parts = parts[:at] + [slice(None)] * fill + parts[at + 1:]
+  if len(parts) > rank:
+    raise _too_many(who, len(parts), axes)
+  return parts + [slice(None)] * (rank - len(parts)), not dots
+
+
 def _slice_parts(part: slice, axis: str, who: str) -> slice:
   """``part`` with its bounds and step as Python ints (NumPy's ints too)."""
   try:
@@ -232,7 +242,7 @@ def _index_int(value: Any) -> int:
   return operator.index(value)
 
 
-def _as_int(part: Any, axis: str, who: str) -> int:
+def _as_int(part: object, axis: str, who: str) -> int:
   try:
     return _index_int(part)
   except TypeError:
@@ -244,7 +254,7 @@ def _as_int(part: Any, axis: str, who: str) -> int:
     ) from None
 
 
-def _too_many(who: str, given: int, axes: Sequence[Any]) -> errors.ArgumentError:
+def _too_many(who: str, given: int, axes: Sequence[Hashable]) -> errors.ArgumentError:
   dims = ", ".join(_axis_text(axes, dim) for dim in range(len(axes))) or "none"
   return errors.ArgumentError(
       f"{who}: {given} indexes given for an array of {len(axes)} dimension(s)"
@@ -252,12 +262,12 @@ def _too_many(who: str, given: int, axes: Sequence[Any]) -> errors.ArgumentError
   )
 
 
-def _axis_text(axes: Sequence[Any], dim: int) -> str:
+def _axis_text(axes: Sequence[Hashable], dim: int) -> str:
   name = axes[dim] if dim < len(axes) else None
   return f"axis {name!r} (dimension {dim})" if name is not None else f"dimension {dim}"
 
 
-def _dim_of(key: Any, axes: Sequence[Any], positional: Sequence[int], who: str) -> int:
+def _dim_of(key: object, axes: Sequence[Hashable], positional: Sequence[int], who: str) -> int:
   """The stored dimension a dict key names: an axis name, or an int counting
   the positional axes (negative ones from the end)."""
   named = [a for a in axes if a is not None]

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterable
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import TypeVar
 
@@ -40,6 +41,7 @@ from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import folding
+from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.lazy import indexing
@@ -48,6 +50,9 @@ from pz_persist.storage import opening
 from pz_persist.storage import reader
 from pz_persist.storage import restoring
 from pz_persist.storage import slices
+
+if TYPE_CHECKING:  # For annotations (the functions import Penzai where they use it).
+  from penzai import pz
 
 _T = TypeVar("_T")
 
@@ -128,7 +133,7 @@ class OpenedCheckpoint:
     nbytes: The bytes of all its arrays.
   """
 
-  def __init__(self, opened: Any, allow_modules: tuple[str, ...] = (), verify: bool = True):
+  def __init__(self, opened: tuple[opening.OpenItem, Any], allow_modules: tuple[str, ...] = (), verify: bool = True):
     item, abstract = opened
     self._opened: opening.OpenItem = item
     self._allow = allow_modules
@@ -206,7 +211,9 @@ class OpenedCheckpoint:
         f" {len(manifest.arrays)} arrays, {_size_text(self.nbytes)}{state}>"
     )
 
-  def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+  def __treescope_repr__(
+      self, path: str | None, subtree_renderer: Callable[..., Any]
+  ) -> Any:
     """Renders the structure (the abstract tree), the sizes and the path; no
     array is read."""
     from treescope import repr_lib  # pylint: disable=import-outside-toplevel
@@ -250,7 +257,7 @@ class OpenedCheckpoint:
 
     return self._guarded(read)
 
-  def read(self, label: Hashable, index: Any = ..., *, verify: bool | None = None) -> Any:
+  def read(self, label: Hashable, index: object = ..., *, verify: bool | None = None) -> Any:
     """Part of the one array of the variable ``label``, reading only the
     bytes that part needs (and, verified, the checksum tiles it overlaps):
     what ``ckpt[label]`` indexed by ``index`` would be.
@@ -397,7 +404,9 @@ class OpenedCheckpoint:
     except (KeyError, TypeError):
       raise indexing.unknown_label(label, self.labels, str(self._opened.item)) from None
 
-  def _shaped(self, variable: manifest_queries.Variable, ref: int) -> tuple[Any, bool]:
+  def _shaped(
+      self, variable: manifest_queries.Variable, ref: int
+  ) -> tuple[pz.nx.NamedArrayBase | jax.ShapeDtypeStruct | None, bool]:
     """The abstract form of the one array ``ref`` of ``variable``: the
     ``NamedArray``, ``NamedArrayView`` or ``jax.ShapeDtypeStruct`` that
     ``self[label]`` would fill, decoded (and so checked) as a load decodes it,
@@ -408,7 +417,7 @@ class OpenedCheckpoint:
 
     manifest = self._opened.manifest
     spec = manifest.arrays[ref]
-    arrays: list[Any] = [None] * len(manifest.arrays)
+    arrays: list[jax.ShapeDtypeStruct | None] = [None] * len(manifest.arrays)
     arrays[ref] = spec.abstract()
     with allowlist.scoped_allowance(self._allow):
       value = decode_lib.decode(
@@ -423,8 +432,8 @@ class OpenedCheckpoint:
     found = [leaf for leaf in leaves
              if nodes.fits_its_axes(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
     if len(found) == 1:
-      named = isinstance(found[0], pz.nx.NamedArrayBase)
-      array = found[0].data_array if named else found[0]
+      leaf = found[0]
+      array = leaf.data_array if isinstance(leaf, pz.nx.NamedArrayBase) else leaf
       if (isinstance(array, jax.ShapeDtypeStruct) and tuple(array.shape) == spec.shape
           and np.dtype(array.dtype) == spec.np_dtype):
         return found[0], found[0] is value
@@ -511,7 +520,8 @@ class OpenedCheckpoint:
 
 
 def _as_saved(
-    data: np.ndarray, spec: arrays_lib.ArraySpec, shaped: Any, kept: tuple[int, ...],
+    data: np.ndarray, spec: arrays_lib.ArraySpec,
+    shaped: pz.nx.NamedArrayBase | jax.ShapeDtypeStruct, kept: tuple[int, ...],
     *, scalar: bool,
 ) -> Any:
   """Stored bytes of part of an array as the value was saved (``shaped``,
@@ -549,14 +559,16 @@ def _as_saved(
   return value
 
 
-def _dims_of(shaped: Any, rank: int) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+def _dims_of(
+    shaped: pz.nx.NamedArrayBase | jax.ShapeDtypeStruct, rank: int
+) -> tuple[tuple[Hashable, ...], tuple[int, ...]]:
   """The axis name of each stored dimension of ``shaped`` (None:
   positional), and the stored dimensions of its positional axes in their
   logical order."""
   from penzai import pz  # pylint: disable=import-outside-toplevel
 
   if isinstance(shaped, pz.nx.NamedArrayView):
-    names: list[Any] = [None] * rank
+    names: list[Hashable] = [None] * rank
     for name, dim in shaped.data_axis_for_name.items():
       names[dim] = name
     return tuple(names), tuple(shaped.data_axis_for_logical_axis)
@@ -579,7 +591,7 @@ class _DiffSide:
   of `pz_persist.tools.diff_sides`, which sits above this module)."""
 
   description: str
-  manifest: Any
+  manifest: manifest_lib.Manifest
   handle: OpenedCheckpoint
 
   def read(self, refs: Iterable[int]) -> dict[int, Any]:

@@ -236,7 +236,7 @@ class PenzaiSave(ocp.args.CheckpointArgs):
       Orbax writes (`pz_persist.storage.writer.encode`).
   """
 
-  item: Any
+  item: object
   encoded: writer.Encoded = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):

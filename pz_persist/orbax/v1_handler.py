@@ -68,7 +68,7 @@ _FLATTEN_SAFE_DEPTH = 500
 recursion limit, and far past what any checkpoint holds."""
 
 
-def _unflattenable(tree: Any) -> bool:
+def _unflattenable(tree: object) -> bool:
   """Whether ``tree``'s lists, tuples and dicts hold themselves or nest past
   `_FLATTEN_SAFE_DEPTH`, found without recursion.
 
@@ -92,7 +92,7 @@ def _unflattenable(tree: Any) -> bool:
   return False
 
 
-def holds_penzai_values(tree: Any) -> bool:
+def holds_penzai_values(tree: object) -> bool:
   """Whether ``tree`` holds a NamedArray, a variable, its value or its slot
   (or cannot be flattened safely: `_unflattenable`)."""
   if _unflattenable(tree):
@@ -214,10 +214,10 @@ class PenzaiCheckpointableHandler(
     path = epath.Path(directory)
     return await self._in_v0_handler(lambda handler: handler.metadata(path))
 
-  def is_handleable(self, checkpointable: Any) -> bool:
+  def is_handleable(self, checkpointable: object) -> bool:
     return holds_penzai_values(checkpointable)
 
-  def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool:
+  def is_abstract_handleable(self, abstract_checkpointable: object) -> bool:
     return (
         abstract_checkpointable is None
         or isinstance(abstract_checkpointable, v0_handler.PenzaiRestore)
@@ -225,7 +225,7 @@ class PenzaiCheckpointableHandler(
     )
 
 
-def _restore_args(abstract: Any, *, where: str) -> v0_handler.PenzaiRestore:
+def _restore_args(abstract: object, *, where: str) -> v0_handler.PenzaiRestore:
   """The v0 restore arguments an abstract checkpointable stands for.
 
   Why only one sharding from an abstract tree: the checkpoint describes

@@ -55,6 +55,7 @@ from pz_persist import errors
 from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
+from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.safety import safe_io
 from pz_persist.storage import containment
@@ -91,7 +92,7 @@ class _Saved:
 
   info: type_handlers.ParamInfo
   kind: str
-  tree: dict[str, Any]
+  tree: nodes.Node
   specs: tuple[arrays_lib.ArraySpec, ...]
 
 
@@ -226,20 +227,26 @@ class VariableTypeHandler(type_handlers.TypeHandler):
 
 
 def _manifest(
-    specs: tuple[arrays_lib.ArraySpec, ...], tree: dict[str, Any] | None = None
+    specs: tuple[arrays_lib.ArraySpec, ...], tree: nodes.Node | None = None
 ) -> manifest_lib.Manifest:
-  """A manifest holding ``specs`` (and ``tree``), for `pz_persist.storage.restoring`."""
+  """A manifest holding ``specs`` (and ``tree``): what `pz_persist.storage.reader`
+  plans reads from and `pz_persist.storage.restoring` decodes."""
   return manifest_lib.Manifest(tree=tree or {}, variables=(), arrays=specs)
 
 
-def _read_records(directory: epath.Path) -> dict[str, tuple[str, Any]]:
+_Record = dict[str, Any]
+"""One leaf's record, checked by `_valid_record`: ``{"same_as": leaf name}``
+or ``{"kind", "tree", "arrays"}`` (its values JSON, read as checked)."""
+
+
+def _read_records(directory: epath.Path) -> dict[str, tuple[str, _Record]]:
   """Every leaf's record: ``{leaf name: (file, record)}``, validated.
 
   Raises:
     ManifestError: a records file cannot be read or is malformed, or two
       files record the same leaf; the message names the file and leaf.
   """
-  records: dict[str, tuple[str, Any]] = {}
+  records: dict[str, tuple[str, _Record]] = {}
   for path in sorted(directory.glob(f"{writer.RECORDS_PREFIX}*.json")):
     where = str(path)
     for name, record in _parse_records(_read_bounded(path), where=where).items():
@@ -262,7 +269,7 @@ def _read_bounded(path: epath.Path) -> bytes:
     raise errors.ManifestError(f"{path}: cannot be read: {e}") from None
 
 
-def _parse_records(data: bytes, *, where: str) -> dict[str, Any]:
+def _parse_records(data: bytes, *, where: str) -> dict[str, _Record]:
   """Parses one records file strictly: ``{leaf name: record}``, with the
   manifest's bounds on values, objects and nesting (`manifest_lib.parse_json`:
   a records file holds the same nodes, and its writer checks it so too)."""
@@ -279,7 +286,7 @@ def _parse_records(data: bytes, *, where: str) -> dict[str, Any]:
   return parsed
 
 
-def _valid_record(record: Any) -> bool:
+def _valid_record(record: object) -> bool:
   if not isinstance(record, dict):
     return False
   if set(record) == {"same_as"}:
@@ -294,7 +301,7 @@ def _valid_record(record: Any) -> bool:
 
 def _wanted(
     infos: Sequence[type_handlers.ParamInfo],
-    records: Mapping[str, tuple[str, Any]],
+    records: Mapping[str, tuple[str, _Record]],
     *,
     where: str,
 ) -> tuple[dict[str, _Saved], dict[str, str]]:
@@ -327,7 +334,7 @@ def _wanted(
 
 
 def _parse_saved(
-    info: type_handlers.ParamInfo, name: str, file: str, record: dict[str, Any]
+    info: type_handlers.ParamInfo, name: str, file: str, record: _Record
 ) -> _Saved:
   """One variable's record, its array entries validated; stored arrays are
   keyed by the name Orbax stores them under."""

@@ -27,6 +27,7 @@ import json
 import os
 from typing import Any
 from typing import BinaryIO
+from typing import NoReturn
 
 import numpy as np
 from etils import epath
@@ -267,11 +268,11 @@ def loads(
     raise errors.ManifestError(f"{where}: not valid JSON: {e}") from None
 
 
-def _refuse_constant(name: str) -> Any:
+def _refuse_constant(name: str) -> NoReturn:
   raise ValueError(f"non-standard JSON constant {name}")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
   result = dict(pairs)
   if len(result) != len(pairs):
     seen: set[str] = set()

@@ -22,6 +22,7 @@ from collections.abc import Collection
 from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
+from typing import Protocol
 
 from pz_persist import errors
 
@@ -44,6 +45,22 @@ _limits: contextvars.ContextVar[Limits] = contextvars.ContextVar(
     "pz_persist_limits", default=_DEFAULTS
 )
 _UNSET: Any = object()
+
+
+class DescribedArray(Protocol):
+  """What `check_allocation` names of an array (a manifest's ``ArraySpec``,
+  which sits above this module)."""
+
+  @property
+  def key(self) -> str: ...
+
+  @property
+  def dtype(self) -> object: ...  # A name or a NumPy dtype: only printed.
+
+  @property
+  def shape(self) -> tuple[int, ...]: ...
+
+  def describe(self) -> str: ...
 
 
 @contextlib.contextmanager
@@ -124,7 +141,7 @@ def _package_setting() -> int | None:
 
 
 def check_allocation(
-    specs: Collection[Any], sizes: Mapping[str, int], *, where: str,
+    specs: Collection[DescribedArray], sizes: Mapping[str, int], *, where: str,
     limit: int | None = None,
 ) -> None:
   """Refuses to read arrays whose bytes would exceed the allocation limit.

@@ -119,7 +119,7 @@ class CheckpointManager:
     self._allow_modules = tuple(allow_modules or ())
     self._best_metric = best_metric
     best_fn = _metric_getter(best_metric) if best_metric else None
-    kept: list[Any] = []
+    kept: list[policies.PreservationPolicy] = []
     if max_to_keep is not None:
       kept.append(policies.LatestN(n=max_to_keep))
     if keep_best is not None:
@@ -223,7 +223,7 @@ class CheckpointManager:
       *,
       metrics: Mapping[str, float] | None = None,
       force: bool = False,
-      **items: Any,
+      **items: object,
   ) -> bool:
     """Saves ``items`` (each any tree `pz_persist.save` takes) as ``step``.
 
@@ -282,7 +282,7 @@ class CheckpointManager:
       items: Iterable[str] | None = None,
       sharding: sharding_lib.Target = None,
       verify: bool = True,
-      optimizer: Any = None,
+      optimizer: optimizers.Optimizer | None = None,
       params_item: str = "params",
       opt_state_item: str = "opt_state",
       mesh: jax.sharding.Mesh | None = None,
@@ -509,7 +509,7 @@ def _delete_marker_first(manager: ocp.CheckpointManager, directory: epath.Path) 
 
 
 def _metric_getter(name: str):
-  def get(metrics: Mapping[str, Any]) -> float:
+  def get(metrics: Mapping[str, float]) -> float:
     return float(metrics[name])
 
   return get

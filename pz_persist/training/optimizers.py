@@ -13,7 +13,10 @@ rebuilds it in exactly that structure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -26,7 +29,14 @@ _FIX = (
 )
 
 
-def check_state(state: Any, optimizer: Any, params: Any, *, where: str) -> Any:
+class Optimizer(Protocol):
+  """What `check_state` uses of an optimizer (an ``optax.GradientTransformation``)."""
+
+  @property
+  def init(self) -> Callable[..., object]: ...
+
+
+def check_state(state: Any, optimizer: Optimizer, params: Any, *, where: str) -> Any:
   """``state`` in the structure ``optimizer.init(params)`` has; raises
   `pz_persist.errors.OptimizerMismatchError` if it does not fit (other state
   classes, other nesting, other shapes or dtypes of arrays).
@@ -67,12 +77,12 @@ def check_structure(expected: Any, found: Any, *, where: str) -> None:
     )
 
 
-def _children(node: Any) -> list[tuple[tuple[Any, ...], Any]]:
+def _children(node: Any) -> list[tuple[jax.tree_util.KeyPath, Any]]:
   """The direct children of a pytree node, with their keys."""
   return jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
 
 
-def _first_difference(expected: Any, found: Any, path: tuple[Any, ...]) -> str | None:
+def _first_difference(expected: Any, found: Any, path: jax.tree_util.KeyPath) -> str | None:
   """Where ``found`` first departs from ``expected``'s structure, in words
   (None if nowhere). Leaves are arrays on both sides; their shapes are
   checked separately."""
@@ -101,14 +111,14 @@ def _first_difference(expected: Any, found: Any, path: tuple[Any, ...]) -> str |
   return None
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _equal(a: object, b: object) -> bool:
   try:
     return bool(a == b)
   except Exception:  # pylint: disable=broad-except
     return a is b  # Static data without a plain equality.
 
 
-def _describe(node: Any, level: tuple[Any, Any] | None) -> str:
+def _describe(node: object, level: tuple[Iterable[object], object] | None) -> str:
   """A short description of a node: its class, and what tells it apart."""
   if level is None:
     return "an array"
@@ -122,6 +132,6 @@ def _describe(node: Any, level: tuple[Any, Any] | None) -> str:
   return f"{name} {_short_repr(aux)}"
 
 
-def _short_repr(value: Any, limit: int = 80, *, bare: bool = False) -> str:
-  text = value if bare else repr(value)
+def _short_repr(value: object, limit: int = 80, *, bare: bool = False) -> str:
+  text = str(value) if bare else repr(value)
   return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -22,7 +22,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 from typing import Any
 
 from penzai import pz
@@ -32,17 +34,22 @@ from pz_persist import errors
 from pz_persist.format import nodes
 from pz_persist.training import optimizers
 
+if TYPE_CHECKING:  # Penzai's toolshed (and optax) are imported by the user's code.
+  from penzai.toolshed import basic_training
+
 TRAINER_ITEMS = ("root_rng", "variables")
 
 
-def trainer_items(trainer: Any) -> dict[str, Any]:
+def trainer_items(trainer: basic_training.StatefulTrainer) -> dict[str, object]:
   """The items to save to resume a ``StatefulTrainer``: its variables (frozen)
   and its root RNG key."""
   _, variables = pz.unbind_variables(trainer, freeze=True)
   return {"variables": variables, "root_rng": trainer.root_rng}
 
 
-def restore_trainer(trainer: Any, items: Mapping[str, Any]) -> Any:
+def restore_trainer(
+    trainer: basic_training.StatefulTrainer, items: Mapping[str, Any]
+) -> basic_training.StatefulTrainer:
   """Puts restored `trainer_items` back into ``trainer``.
 
   The trainer's variables (model parameters and state, the trainer's own
@@ -76,7 +83,7 @@ def restore_trainer(trainer: Any, items: Mapping[str, Any]) -> Any:
   return dataclasses.replace(trainer, root_rng=items["root_rng"])
 
 
-def _saved_value(variables: Any, label: Any) -> Any:
+def _saved_value(variables: object, label: Hashable) -> Any:
   """The saved value of the variable labelled ``label`` (None if absent)."""
   for variable in variables if isinstance(variables, (list, tuple)) else ():
     if getattr(variable, "label", None) == label:
