@@ -26,7 +26,8 @@ DOTTED = re.compile(r"\bpz_persist(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 # Names of files a checkpoint holds, and the digest list's "format" tag: not Python paths.
 FILE_NAMES = frozenset(
-    {"pz_persist.json", "pz_persist.files.json", "pz_persist.commit", "pz_persist.files"})
+    {"pz_persist.json", "pz_persist.files.json", "pz_persist.commit", "pz_persist.files",
+     "pz_persist.export.json"})
 
 
 def _has(obj: object, name: str) -> bool:

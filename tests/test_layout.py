@@ -208,6 +208,7 @@ ALIASES_ALLOWED = {
     "pz_persist.format.compact: Node = nodes.Node",
     "pz_persist.format.decode: Node = nodes.Node",
     "pz_persist.format.encode: Node = nodes.Node",
+    "pz_persist.format.manifest_queries: Node = nodes.Node",
     # A bound builtin, for the frozen dataclass's own __post_init__.
     "pz_persist.format.array_specs: _set = object.__setattr__",
     # A tuple type named for what it holds.

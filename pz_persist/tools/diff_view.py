@@ -39,7 +39,7 @@ class Compared(Protocol):
 
 
 class Shown(Protocol):
-  """What a view needs of a diff (`pz_persist.tools.Shown`).
+  """What a view needs of a diff (`pz_persist.tools.diff_view.Shown`).
 
   Why a protocol: the result imports its views; were the views to import the
   result back, the two would be one import cycle.
