@@ -92,7 +92,27 @@ def save_model(
         f"save_model takes a Penzai model (a pz.Struct such as a pz.nn.Layer),"
         f" not a {type(model).__name__}; use pz_persist.save for other trees."
     )
+  _check_bindable(path, model)
   checkpoint.save(path, model, overwrite=overwrite, allow_modules=allow_modules)
+
+
+def _check_bindable(path: epath.PathLike, model: pz.Struct) -> None:
+  """Refuses a model `load_model` could not rebuild, before anything is written.
+
+  Why: `load_model` binds the saved variables back by label, so two distinct
+  mutable variables with one label cannot both come back (Penzai's own
+  `pz.unbind_variables` refuses such a model, and so does the reader's label
+  check); a save that succeeds must load.
+  """
+  try:
+    pz.unbind_variables(model)
+  except pz.VariableConflictError as e:
+    raise errors.EncodingError(
+        f"{path}: save_model cannot save this model: {e} load_model binds"
+        " variables by label, so each mutable variable needs a label of its"
+        " own: relabel one of them (a new pz.Parameter with its value), or use"
+        " one variable at both places. Nothing was written."
+    ) from None
 
 
 ModelT = TypeVar("ModelT")
