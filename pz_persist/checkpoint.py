@@ -18,7 +18,7 @@ until the new one is complete. When two processes save to one path at once,
 one wins and the other gets `pz_persist.errors.ConcurrentSaveError`; a `load`
 running meanwhile returns the old or the new checkpoint, never a mix of both.
 An interrupted save deletes what it wrote; what a killed one left is deleted
-by the next save of the path (see `pz_persist.storage.leftovers`).
+by the next save of the path (see `pz_persist.storage.lifecycle.leftovers`).
 
 `load` and `inspect` accept that directory, the ``penzai`` item directory
 inside it, or any Orbax checkpoint directory with exactly one pz_persist item
@@ -45,10 +45,10 @@ from pz_persist.orbax import v0_handler
 from pz_persist.safety import allowlist
 from pz_persist.storage import commit
 from pz_persist.storage import destinations
-from pz_persist.storage import leftovers
-from pz_persist.storage import opening
-from pz_persist.storage import restoring
-from pz_persist.storage import steps
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import restoring
+from pz_persist.storage.lifecycle import steps
 from pz_persist.storage import stores
 
 ITEM_NAME = "penzai"
@@ -104,7 +104,7 @@ def save(
     DisallowedModuleError: a class comes from a module that is not allowed.
     KeyboardInterrupt: the save was interrupted (Ctrl-C); it stopped Orbax's
       background writing and deleted what it wrote (see
-      `pz_persist.storage.leftovers`), and says so in one line.
+      `pz_persist.storage.lifecycle.leftovers`), and says so in one line.
   """
   store, path = stores.open_path(path)  # Chosen once, for the whole save.
   destinations.check_outside_checkpoints(path, path)  # Never inside another.
@@ -260,7 +260,7 @@ def load(
     DisallowedModuleError: it names a class from a module that is not allowed.
     IntegrityError: with ``verify``, arrays do not match their checksums.
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `pz_persist.storage.opening.LOAD_ATTEMPTS` attempts to read it (10 on
+      `pz_persist.storage.reading.opening.LOAD_ATTEMPTS` attempts to read it (10 on
       an object store, where no lock makes saves wait for readers).
   """
   # Opened as every read is: under the lock a save's final move waits for,

@@ -58,10 +58,10 @@ from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.safety import limits
 from pz_persist.storage import commit
-from pz_persist.storage import containment
-from pz_persist.storage import file_digests
-from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import placements
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import file_digests
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import placements
 
 _ORBAX_METADATA = "_METADATA"
 

@@ -22,7 +22,7 @@ from conftest import REPO
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.storage import commit
-from pz_persist.storage import opening
+from pz_persist.storage.reading import opening
 
 TREE_CODE = textwrap.dedent("""
     import numpy as np
@@ -169,7 +169,7 @@ READER = textwrap.dedent("""
     import json, sys
     import numpy as np
     import pz_persist as pzp
-    from pz_persist.storage import opening
+    from pz_persist.storage.reading import opening
 
     attempts = 0
     identity = opening._identity

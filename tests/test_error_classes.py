@@ -79,7 +79,7 @@ def test_documented_homes_still_name_the_same_classes():
   from pz_persist.pretrained import gemma
   from pz_persist.pretrained import hf
   from pz_persist.pretrained import safetensors_io
-  from pz_persist.storage import direct_read
+  from pz_persist.storage.reading import direct_read
 
   assert pzp.BindingError is binding.BindingError is errors.BindingError
   assert direct_read.ArrayReadError is errors.ArrayReadError

@@ -18,7 +18,7 @@ from treecompare import assert_identical
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.storage import file_digests
+from pz_persist.storage.integrity import file_digests
 from pz_persist.tools import cli
 
 

@@ -29,8 +29,8 @@ from penzai import pz
 import pz_persist as pzp
 from pz_persist.orbax import v0_handler
 from pz_persist.storage import commit
-from pz_persist.storage import direct_write
-from pz_persist.storage import leftovers
+from pz_persist.storage.writing import direct_write
+from pz_persist.storage.lifecycle import leftovers
 from pz_persist.tools import cli
 
 SAVER = textwrap.dedent("""
@@ -261,7 +261,7 @@ HOLDER = textwrap.dedent("""
     # Writes a family the way a running save does, and keeps writing it.
     import sys, time
     from etils import epath
-    from pz_persist.storage import leftovers
+    from pz_persist.storage.lifecycle import leftovers
     target = epath.Path(sys.argv[1])
     tmp = target.parent / (target.name + ".orbax-checkpoint-tmp")
     with leftovers.writing(target, cancel=lambda: None):

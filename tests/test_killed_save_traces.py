@@ -23,8 +23,8 @@ from conftest import REPO
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.storage import leftovers
-from pz_persist.storage import steps as steps_lib
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.lifecycle import steps as steps_lib
 from pz_persist.tools import cli
 
 SAVER = textwrap.dedent("""

@@ -186,10 +186,10 @@ KIND_QUESTIONS_LEFT = {
     # fall back to epath for URLs, and say which they are.
     "safety/safe_io.py": 7,
     # Only a local directory can hold a link leading out of it.
-    "storage/containment.py": 1,
+    "storage/integrity/containment.py": 1,
     # The writer's (issue 29, item 1): digests and the direct write are local.
-    "storage/file_digests.py": 2,
-    "storage/direct_write.py": 1,
+    "storage/integrity/file_digests.py": 2,
+    "storage/writing/direct_write.py": 1,
     # Issue 28's (pretrained/), left to it.
     "pretrained/hf/folder_writer.py": 1,
     "pretrained/gemma.py": 1,
@@ -275,7 +275,7 @@ def test_public_names_live_where_their_names_say():
 
   assert pzp.AxisRules is sharding.AxisRules
   assert pzp.load_into.__module__ == "pz_persist.model"
-  assert not hasattr(importlib.import_module("pz_persist.storage.placements"), "AxisRules")
+  assert not hasattr(importlib.import_module("pz_persist.storage.reading.placements"), "AxisRules")
 
 
 def test_one_table_of_variable_kinds():

@@ -70,8 +70,8 @@ from pz_persist.pretrained import _files
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained import gemma4_flax
 from pz_persist.storage import commit
-from pz_persist.storage import containment
-from pz_persist.storage import orbax_metadata_checks
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import orbax_metadata_checks
 
 __all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 

@@ -4,7 +4,7 @@ The protocols are the stores' (`pz_persist.storage.stores`): on a local disk
 a save writes its checkpoint under a hidden sibling name and renames it into
 place under a lock (`stores.local`); on ``gs://`` / ``s3://`` it writes a
 ``gen-*`` folder in place and publishes it by one conditionally created
-commit object (`stores.commits`). Callers (`pz_persist.save`, the exporters,
+commit object (`stores.commit_objects`). Callers (`pz_persist.save`, the exporters,
 ``migrate``) use the same calls (`identity`, `check_publishable`,
 `new_location`, `move_into_place`, `reading`) for every store; each asks the
 path's store (`stores.for_path`).
@@ -55,7 +55,7 @@ def identity(path: epath.Path) -> Identity:
 def check_publishable(path: epath.Path, seen: Identity) -> None:
   """Refuses, before anything is written, a save `move_into_place` could not
   publish over ``seen``: on an object store, a commit already at the last
-  sequence (`stores.commits.next_sequence`). Locally every save can be.
+  sequence (`stores.commit_objects.next_sequence`). Locally every save can be.
 
   Raises:
     ManifestError: naming the commit object and what to do instead.

@@ -43,7 +43,7 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
-from pz_persist.storage import opening
+from pz_persist.storage.reading import opening
 from pz_persist.storage import stores
 
 EXPORT_MARKER = "pz_persist.export.json"

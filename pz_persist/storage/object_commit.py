@@ -1,7 +1,7 @@
 """The commit protocol on object stores, by path: a checkpoint is published by one object.
 
 The protocol itself (its layout, why, and what it costs) is
-`pz_persist.storage.stores.commits`, run by every object store
+`pz_persist.storage.stores.commit_objects`, run by every object store
 (`stores.objects.ObjectStore`) over its own primitives. These functions take
 a path and run it on that path's store, for callers holding a path.
 
@@ -15,39 +15,39 @@ from etils import epath
 
 from pz_persist.storage import stores
 from pz_persist.storage.stores import base
-from pz_persist.storage.stores import commits
+from pz_persist.storage.stores import commit_objects
 
-COMMIT_PREFIX = commits.COMMIT_PREFIX
-MAX_SEQUENCE = commits.MAX_SEQUENCE
-GENERATION_PREFIX = commits.GENERATION_PREFIX
-MAX_COMMIT_BYTES = commits.MAX_COMMIT_BYTES
+COMMIT_PREFIX = commit_objects.COMMIT_PREFIX
+MAX_SEQUENCE = commit_objects.MAX_SEQUENCE
+GENERATION_PREFIX = commit_objects.GENERATION_PREFIX
+MAX_COMMIT_BYTES = commit_objects.MAX_COMMIT_BYTES
 Commit = base.Commit
 Identity = base.Identity
-commit_name = commits.commit_name
-new_generation = commits.new_generation
-next_sequence = commits.next_sequence
+commit_name = commit_objects.commit_name
+new_generation = commit_objects.new_generation
+next_sequence = commit_objects.next_sequence
 
 
 def current(path: epath.PathLike, listing: list[str] | None = None) -> Commit | None:
   """The current commit of the checkpoint at ``path``; None if it has none
-  (`commits.current`)."""
-  return commits.current(stores.for_path(path), path, listing)
+  (`commit_objects.current`)."""
+  return commit_objects.current(stores.for_path(path), path, listing)
 
 
 def resolve(path: epath.PathLike) -> epath.Path:
-  """The folder to read the checkpoint at ``path`` from (`commits.resolve`)."""
-  return commits.resolve(stores.for_path(path), path)
+  """The folder to read the checkpoint at ``path`` from (`commit_objects.resolve`)."""
+  return commit_objects.resolve(stores.for_path(path), path)
 
 
 def identity(path: epath.PathLike) -> Identity:
-  """What is at ``path`` now, in the terms `publish` needs (`commits.identity`)."""
-  return commits.identity(stores.for_path(path), path)
+  """What is at ``path`` now, in the terms `publish` needs (`commit_objects.identity`)."""
+  return commit_objects.identity(stores.for_path(path), path)
 
 
 def publish(path: epath.Path, checkpoint: epath.Path, seen: Identity) -> bool:
   """Makes the complete ``checkpoint`` current, if ``path`` is still ``seen``
-  (`commits.publish`)."""
-  return commits.publish(stores.for_path(path), path, checkpoint, seen)
+  (`commit_objects.publish`)."""
+  return commit_objects.publish(stores.for_path(path), path, checkpoint, seen)
 
 
 def retire_older(
@@ -55,11 +55,11 @@ def retire_older(
     sequences: list[int] | None = None,
 ) -> None:
   """Deletes the commits below ``newest`` and the folders they name
-  (`commits.retire_older`)."""
-  commits.retire_older(stores.for_path(path), path, newest, known, sequences)
+  (`commit_objects.retire_older`)."""
+  commit_objects.retire_older(stores.for_path(path), path, newest, known, sequences)
 
 
 def orphans(path: epath.PathLike) -> list[epath.Path]:
   """The ``gen-*`` folders at ``path`` that no current commit names
-  (`commits.orphans`)."""
-  return commits.orphans(stores.for_path(path), path)
+  (`commit_objects.orphans`)."""
+  return commit_objects.orphans(stores.for_path(path), path)

@@ -24,9 +24,9 @@ from pz_persist import progress as progress_lib
 from pz_persist import version
 from pz_persist.safety import terminal
 from pz_persist.storage import destinations
-from pz_persist.storage import leftovers
-from pz_persist.storage import opening
-from pz_persist.storage import steps
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.reading import opening
+from pz_persist.storage.lifecycle import steps
 from pz_persist.storage import stores
 from pz_persist.tools import diff_view
 from pz_persist.tools import diffing

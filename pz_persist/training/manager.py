@@ -36,10 +36,10 @@ from pz_persist.orbax import v0_handler
 from pz_persist.safety import allowlist
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
-from pz_persist.storage import containment
-from pz_persist.storage import leftovers
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.lifecycle import leftovers
 from pz_persist.storage import orbax_seam
-from pz_persist.storage import steps
+from pz_persist.storage.lifecycle import steps
 from pz_persist.storage import stores
 from pz_persist.training import interrupted
 from pz_persist.training import optimizers

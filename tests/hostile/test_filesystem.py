@@ -26,9 +26,9 @@ from pz_persist.orbax import v0_handler
 from pz_persist.safety import safe_io
 from pz_persist.storage import commit
 from pz_persist.storage import destinations
-from pz_persist.storage import direct_read
-from pz_persist.storage import leftovers
-from pz_persist.storage import raw_chunks
+from pz_persist.storage.reading import direct_read
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.reading import raw_chunks
 
 TRASH = ".pz_persist_deleted"
 SEVEN, OUTSIDE_VALUE = 7.0, 666.0

@@ -1,7 +1,7 @@
 """Cleaning leftovers never deletes anything outside the directory cleaned.
 
 A leftover's entries, anything inside them, and its marker may be symlinks
-planted to lead elsewhere; every deletion of `pz_persist.storage.leftovers` goes
+planted to lead elsewhere; every deletion of `pz_persist.storage.lifecycle.leftovers` goes
 through `leftovers.delete`, which removes links, never what they lead to.
 A sentinel directory outside must survive every case, forced or not.
 """
@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO
 
 from pz_persist import errors
-from pz_persist.storage import leftovers
+from pz_persist.storage.lifecycle import leftovers
 from pz_persist.tools import cli
 
 _FAMILY = ".ckpt.pz_persist-new-0123abcd"

@@ -11,11 +11,11 @@ import model_zoo
 import pytest
 
 import pz_persist as pzp
-from pz_persist.storage import file_digests
-from pz_persist.storage import leftovers
+from pz_persist.storage.integrity import file_digests
+from pz_persist.storage.lifecycle import leftovers
 from pz_persist.storage import object_commit
 from pz_persist.storage import object_store
-from pz_persist.storage import steps
+from pz_persist.storage.lifecycle import steps
 from pz_persist.tools import cli
 
 
@@ -29,7 +29,7 @@ def _run(capsys, *argv):
 def writable(remote, store) -> str:
   """``remote``, on a store Orbax can write arrays to."""
   if store.scheme == "s3":  # Orbax writes S3 arrays once helper s3's kvstore spec lands.
-    pytest.importorskip("pz_persist.storage.s3_kvstore").enable_orbax_s3()
+    pytest.importorskip("pz_persist.storage.stores.s3_kvstore").enable_orbax_s3()
   return remote
 
 

@@ -12,14 +12,14 @@ from treecompare import assert_identical
 
 import pz_persist as pzp
 from pz_persist.storage import object_store
-from pz_persist.storage import steps
+from pz_persist.storage.lifecycle import steps
 
 
 @pytest.fixture
 def run(remote, store) -> str:
   """A run directory on a store Orbax can write arrays to."""
   if store.scheme == "s3":  # Orbax writes S3 arrays once helper s3's kvstore spec lands.
-    pytest.importorskip("pz_persist.storage.s3_kvstore").enable_orbax_s3()
+    pytest.importorskip("pz_persist.storage.stores.s3_kvstore").enable_orbax_s3()
   return f"{remote}/run"
 
 

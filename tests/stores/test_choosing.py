@@ -53,7 +53,8 @@ def test_normalising_changes_nothing_process_wide_opening_for_orbax_does():
   finder and the destination check leave Orbax as it is; only an entry point
   handing an ``s3://`` path to Orbax (`stores.open_path`) teaches it S3."""
   out = run_python("""
-      from pz_persist.storage import commit, destinations, s3_kvstore, stores
+      from pz_persist.storage import commit, destinations, stores
+      from pz_persist.storage.stores import s3_kvstore
       commit.as_path("s3://bucket/ck")
       stores.normalise("s3://bucket/ck/")
       destinations.check_apart("s3://bucket/a", ["s3://bucket/b"])

@@ -3,7 +3,7 @@
 (`folder_store.FolderStore`, ``az://``), which shows that a new kind of
 storage is one module and one `stores.register`.
 
-The callers (the commit protocol, `storage.opening`, leftovers, verify) rely
+The callers (the commit protocol, `storage.reading.opening`, leftovers, verify) rely
 on exactly these promises, and on nothing else of a store.
 """
 

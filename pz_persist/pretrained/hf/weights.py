@@ -18,7 +18,7 @@ from pz_persist import errors
 from pz_persist.format import casts
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import safetensors_io
-from pz_persist.storage import host_memory
+from pz_persist.storage.reading import host_memory
 
 CheckpointFolderError = errors.CheckpointFolderError
 

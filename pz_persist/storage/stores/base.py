@@ -119,7 +119,7 @@ class Store(abc.ABC):
 
   has_locks: ClassVar[bool] = False
   """Whether files can be locked, so that a save's marker and a run's lock
-  prove a writer alive or dead (`pz_persist.storage.leftovers`). Where not,
+  prove a writer alive or dead (`pz_persist.storage.lifecycle.leftovers`). Where not,
   nothing proves a writer gone: leftovers are the commit protocol's
   `orphans`, removed only when the user vouches for them."""
 
@@ -263,6 +263,6 @@ class Store(abc.ABC):
   def orphans(self, path: epath.PathLike) -> list[epath.Path]:
     """What saves of ``path`` left that nothing publishes and nothing proves
     dead (object stores: the ``gen-*`` folders no commit names). [] where
-    leftovers are told by their writers' markers (`storage.leftovers`)."""
+    leftovers are told by their writers' markers (`storage.lifecycle.leftovers`)."""
     del path
     return []

@@ -37,7 +37,7 @@ the same generation (GCS) / ETag (S3). If it does, the folder was not
 retired during the read (retiring starts by deleting the commit object), and
 since a gen-* folder never changes once published, what was read is that one
 checkpoint, whole. If not, the read is done again on the new current commit
-(`pz_persist.storage.opening` does that for every reader).
+(`pz_persist.storage.reading.opening` does that for every reader).
 
 Plain Orbax restores the arrays at the folder the current commit names:
 ``ocp.StandardCheckpointer().restore(P + "/gen-<token>/penzai")``.

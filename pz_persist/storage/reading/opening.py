@@ -19,7 +19,7 @@ such a read is detected (what is at the path changed while it was read) and
 done again from the start, at most `LOAD_ATTEMPTS` times. On an object store
 the read pins the current commit and reads the folder it names, which never
 changes once published; it is read again only if that commit was retired
-meanwhile (`pz_persist.storage.stores.commits`). Which of these a path gets
+meanwhile (`pz_persist.storage.stores.commit_objects`). Which of these a path gets
 is its store's (`pz_persist.storage.stores`), chosen once and carried in
 `OpenItem.store`.
 """
@@ -42,8 +42,8 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
-from pz_persist.storage import containment
-from pz_persist.storage import leftovers
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.lifecycle import leftovers
 from pz_persist.storage import stores
 
 _T = TypeVar("_T")
@@ -74,7 +74,7 @@ class OpenItem:
     identity: `_identity` of ``path`` and ``item`` before the manifest was
       read, to tell whether a save replaced them since.
     pinned: On an object store, the commit whose checkpoint is read (see
-      `pz_persist.storage.stores.commits`); None elsewhere.
+      `pz_persist.storage.stores.commit_objects`); None elsewhere.
     store: The store ``path`` is on, chosen once (`stores.for_path`).
   """
 

@@ -6,7 +6,7 @@ pz_persist (or TensorStore, which reads the arrays) read a file outside it,
 such as ``/etc/shadow``, or a device such as ``/dev/zero`` that never ends; a
 FIFO blocks the reader forever. `check_contained` refuses all of them before
 any file of the checkpoint is opened, and `files_unchanged` checks again after
-a read, so that nothing swapped in meanwhile is returned. `storage.opening`
+a read, so that nothing swapped in meanwhile is returned. `storage.reading.opening`
 walks once per item; the reader re-checks after reading.
 
 Every check raises a `pz_persist.errors.ManifestError` (most often its
@@ -156,7 +156,7 @@ def files_unchanged(directory: epath.PathLike, before: Snapshot | None = None):
   discarded. Cheap: one ``lstat`` per file, no file is opened.
 
   ``before``, a `check_contained` snapshot of ``directory`` taken earlier
-  (`pz_persist.storage.opening` takes one), saves walking it again first.
+  (`pz_persist.storage.reading.opening` takes one), saves walking it again first.
 
   Raises:
     UnsafeCheckpointError: something was swapped or added while reading.

@@ -30,7 +30,7 @@ from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage import containment
+from pz_persist.storage.integrity import containment
 from pz_persist.storage import object_store
 from pz_persist.storage import stores
 

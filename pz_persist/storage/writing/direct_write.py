@@ -57,7 +57,7 @@ import tensorstore as ts
 from etils import epath
 
 from pz_persist.safety import safe_io
-from pz_persist.storage import checksums
+from pz_persist.storage.integrity import checksums
 from pz_persist.storage import orbax_seam
 
 SMALL_ARRAY_BYTES = 2**20
@@ -228,7 +228,7 @@ class Started:
 
     Raises:
       Whatever TensorStore raised for a write (the save then fails, and its
-      temporary directory is deleted by `pz_persist.storage.leftovers`), once
+      temporary directory is deleted by `pz_persist.storage.lifecycle.leftovers`), once
       every other write has ended too (`settle`).
     """
     settle(self.writes)

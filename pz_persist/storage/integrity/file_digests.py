@@ -1,6 +1,6 @@
 """A digest of every file of a checkpoint item, written once it is complete.
 
-Array checksums (`pz_persist.storage.checksums`) say *which label* is damaged, but only
+Array checksums (`pz_persist.storage.integrity.checksums`) say *which label* is damaged, but only
 catch damage that changes the bytes an array decodes to. A flipped bit in
 compressed framing, in Orbax's index files or in an unused byte may not; a
 digest of every file catches all of them, and says *which file*. The digests
@@ -43,7 +43,7 @@ from pz_persist.format import checksum_records
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage import checksums
+from pz_persist.storage.integrity import checksums
 from pz_persist.storage import commit
 from pz_persist.storage import object_store
 from pz_persist.storage import stores

@@ -72,7 +72,7 @@ from pz_persist.safety import safe_io
 from pz_persist.safety import terminal
 from pz_persist.storage import commit
 from pz_persist.storage import orbax_seam
-from pz_persist.storage import steps
+from pz_persist.storage.lifecycle import steps
 from pz_persist.storage import stores
 
 try:

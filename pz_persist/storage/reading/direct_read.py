@@ -11,17 +11,17 @@ This module reads the same files, through the same TensorStore specs Orbax
 builds (``ocp.type_handlers.get_json_tspec_read``), so the format, its
 checks and its errors are unchanged; only the destination differs. Small
 arrays stored as one raw chunk skip ``ts.open`` altogether: they are read as
-the item's OCDBT key-value entries (`pz_persist.storage.raw_chunks`), and
+the item's OCDBT key-value entries (`pz_persist.storage.reading.raw_chunks`), and
 anything that is not exactly that layout falls back to ``ts.open`` here. Each
 array's chunks are copied by TensorStore directly into a 64-byte aligned
-buffer from `pz_persist.storage.host_memory.aligned_empty`, which then becomes the
+buffer from `pz_persist.storage.reading.host_memory.aligned_empty`, which then becomes the
 ``jax.Array`` (or stays the NumPy array) without another copy. Peak memory
 is the arrays themselves plus the chunks in flight (bounded by
 `IN_FLIGHT_BYTES`), whose buffers glibc reuses rather than maps afresh once
 the process opted in (`pz_persist.tune_host_allocator`).
 
 TensorStore opens the files by path, so `read` is only ever called inside
-`pz_persist.storage.containment.files_unchanged` (by `pz_persist.storage.reader.read_arrays`,
+`pz_persist.storage.integrity.containment.files_unchanged` (by `pz_persist.storage.reading.reader.read_arrays`,
 which also checks the checksums, as each array is read, and places the
 arrays): every file is checked before the read and again after it, and
 nothing read is returned if one was swapped (for a link out of the
@@ -52,10 +52,10 @@ from pz_persist import errors
 from pz_persist.errors import ArrayReadError  # Its callers catch it here.
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.safety import safe_io
-from pz_persist.storage import containment
-from pz_persist.storage import host_memory
-from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import raw_chunks
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.reading import host_memory
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import raw_chunks
 
 IN_FLIGHT_BYTES = 64 * 2**20
 """Arrays whose reads run at once, by bytes: enough to keep TensorStore's
@@ -273,7 +273,7 @@ def _read_spec(
 
 def open_array(directory: epath.Path, key: str) -> Any:
   """The opened TensorStore of one stored array (Orbax's read spec), for a
-  reader of part of it (`pz_persist.storage.slices`); inside
+  reader of part of it (`pz_persist.storage.reading.slices`); inside
   `containment.files_unchanged`, like `read`.
 
   Raises:
