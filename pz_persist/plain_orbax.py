@@ -57,7 +57,7 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.safety import limits
-from pz_persist.storage import commit
+from pz_persist.storage import stores
 from pz_persist.storage.integrity import containment
 from pz_persist.storage.integrity import file_digests
 from pz_persist.storage.integrity import orbax_metadata_checks
@@ -117,7 +117,7 @@ def find_item(path: epath.PathLike) -> epath.Path | None:
   Raises:
     NotACheckpointError: several item directories qualify (it names them).
   """
-  path = commit.open_path(path)
+  path = stores.open_path(path)[1]
   if not path.is_dir():
     return None
   if _is_plain_item(path):

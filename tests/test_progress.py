@@ -24,8 +24,8 @@ from penzai.models import simple_mlp
 import pz_persist as pzp
 from pz_persist import progress as progress_lib
 from pz_persist.pretrained import safetensors_io
-from pz_persist.storage.reading import direct_read
 from pz_persist.storage.integrity import file_digests
+from pz_persist.storage.reading import direct_read
 from pz_persist.storage.reading import reader
 from pz_persist.tools import cli
 

@@ -40,7 +40,7 @@ from etils import epath
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import object_store
+from pz_persist.storage import stores
 from pz_persist.storage.reading import opening
 from pz_persist.storage.reading import reader
 from pz_persist.storage.reading import restoring
@@ -143,12 +143,12 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   ) -> list[ocp.future.Future]:
     """Starts saving (`pz_persist.storage.writing.writer.Writer.start`); arrays are
     copied off the devices before this returns, hashed in the background."""
-    object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
+    stores.normalise(directory)  # Refused here: Orbax's own entry points skip open_path.
     return await self._writer.start(directory, args.encoded)
 
   def save(self, directory: epath.Path, args: PenzaiSave) -> None:
     """Saves synchronously (`pz_persist.storage.writing.writer.Writer.write`)."""
-    object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
+    stores.normalise(directory)  # Refused here: Orbax's own entry points skip open_path.
     self._writer.write(directory, args.encoded)
 
   def cancel(self) -> bool:

@@ -49,8 +49,8 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist.orbax import v0_handler
-from pz_persist.storage import object_store
 from pz_persist.storage import orbax_seam
+from pz_persist.storage import stores
 from pz_persist.storage.writing import writer
 
 _T = TypeVar("_T")
@@ -131,7 +131,7 @@ class PenzaiCheckpointableHandler(
     """Starts saving through `pz_persist.storage.writing.writer`, with Orbax's v1
     ``PyTreeHandler`` writing the arrays (it finalizes them inside its own
     awaitable); the manifest and the file digests follow, as for every save."""
-    object_store.check_supported(directory.path)  # Orbax's entry points skip as_path.
+    stores.normalise(directory.path)  # Refused here: Orbax's entry points skip open_path.
     encoded = writer.encode(checkpointable)
     arrays_saved = (
         await self._arrays_handler().save(directory, encoded.stored)

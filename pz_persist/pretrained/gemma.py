@@ -69,7 +69,8 @@ from pz_persist.format import casts
 from pz_persist.pretrained import _files
 from pz_persist.pretrained import gemma3_flax
 from pz_persist.pretrained import gemma4_flax
-from pz_persist.storage import commit
+from pz_persist.safety import safe_io
+from pz_persist.storage import stores
 from pz_persist.storage.integrity import containment
 from pz_persist.storage.integrity import orbax_metadata_checks
 
@@ -287,7 +288,7 @@ def load_gemma(
     preset = {"like": preset}
   if isinstance(preset, str) and preset != "auto" and preset not in pz_gemma._GEMMA_PRESETS:  # pylint: disable=protected-access
     raise GemmaCheckpointError(_unknown_preset_message(preset))
-  path = commit.open_path(path)
+  path = stores.open_path(path)[1]
   tree, snapshot = _stored_tree(path)
   stored = _flatten(tree)  # Shapes and dtypes only: nothing is read yet.
   if gemma4_flax.is_gemma4(stored):
@@ -395,7 +396,7 @@ def _stored_tree(path: epath.Path) -> tuple[Mapping[str, Any], containment.Snaps
 
 
 def _check_size(path: epath.Path, limit: int) -> None:
-  if commit.is_local(path) and path.exists() and path.stat().length > limit:
+  if safe_io.is_local(path) and path.exists() and path.stat().length > limit:
     raise errors.UnsafeCheckpointError(
         f"{path} is over the {limit}-byte limit; refusing to read it."
     )

@@ -46,9 +46,9 @@ from pz_persist.format import variable_kinds
 from pz_persist.pretrained import _files
 from pz_persist.safety import safe_io
 from pz_persist.storage import destinations
+from pz_persist.storage import stores
 from pz_persist.storage.reading import host_memory
 from pz_persist.storage.reading import opening
-from pz_persist.storage import stores
 
 METADATA_KEY = "pz_persist"
 """The ``__metadata__`` key under which `export_safetensors` stores its JSON."""

@@ -28,12 +28,12 @@ from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import terminal
-from pz_persist.storage.reading import batching
+from pz_persist.storage import stores
 from pz_persist.storage.integrity import containment
 from pz_persist.storage.integrity import file_digests
+from pz_persist.storage.reading import batching
 from pz_persist.storage.reading import opening
 from pz_persist.storage.reading import reader
-from pz_persist.storage import stores
 
 JSON_SCHEMA = "pz-persist.verify/1"
 """The ``schema`` of ``pz-persist verify --json`` (docs/reference/cli-json.md)."""

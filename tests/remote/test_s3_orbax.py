@@ -27,7 +27,7 @@ from penzai import pz
 from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist.storage import object_store
+from pz_persist.storage import stores
 from pz_persist.storage.stores import s3_kvstore
 
 pytestmark = pytest.mark.timeout(300)
@@ -213,8 +213,8 @@ def test_plain_orbax_round_trip_on_s3(s3, registered):
   assert_identical(restored, tree)
   # Published in place by the commit file, as on GCS: no temporary folder.
   parent = url.rsplit("/", 1)[0]
-  assert object_store.names(parent) == ["ck"]
-  assert atomicity.COMMIT_SUCCESS_FILE in object_store.names(url)
+  assert stores.for_path(parent).names(parent) == ["ck"]
+  assert atomicity.COMMIT_SUCCESS_FILE in stores.for_path(url).names(url)
 
 
 def test_plain_orbax_checkpoint_manager_on_s3(s3, registered):
@@ -226,7 +226,7 @@ def test_plain_orbax_checkpoint_manager_on_s3(s3, registered):
     manager.wait_until_finished()
     assert manager.all_steps() == [1, 2]
   # A step without its commit file is unfinished, as on GCS.
-  object_store.write(f"{run}/7/default/_METADATA", b"{}")
+  stores.for_path(f"{run}/7/default/_METADATA").write_whole(f"{run}/7/default/_METADATA", b"{}")
   with ocp.CheckpointManager(run, options=options) as manager:
     assert manager.all_steps() == [1, 2]
     restored = manager.restore(2, args=ocp.args.StandardRestore())

@@ -22,8 +22,9 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import stored_layout
 from pz_persist.pretrained.hf.weights import Stacked
 from pz_persist.safety import safe_io
-from pz_persist.storage import commit
 from pz_persist.storage import destinations
+from pz_persist.storage import stores
+from pz_persist.storage.stores import local
 
 ExportError = errors.ExportError
 
@@ -116,7 +117,7 @@ def _shards(tensors: list[tuple[str, Any]], shard_size: int) -> list[list[tuple[
 
 
 def check_destination(folder: str, overwrite: bool) -> None:
-  if not commit.is_local(folder):
+  if not safe_io.is_local(folder):
     raise errors.ArgumentError(
         f"{folder}: export_hf writes a local folder (serving tools and the Hub"
         " upload read one); export to a local path, then copy it to the store."
@@ -130,22 +131,22 @@ def check_destination(folder: str, overwrite: bool) -> None:
         " to replace it."
     )
   # Only a folder an export wrote (its marker, its files and nothing else).
-  destinations.check_replaceable(folder, "hf_export")
+  destinations.check_replaceable(stores.LOCAL, folder, "hf_export")
 
 
 def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str, Any]],
                  shard_size: int, overwrite: bool, progress: progress_lib.Progress) -> None:
   """Writes the files into a new folder beside ``folder``, then moves it into
-  place the way checkpoints are (`pz_persist.storage.commit.move_into_place`:
+  place the way checkpoints are (`pz_persist.storage.stores.local.LocalStore.publish`:
   one rename, or an atomic exchange with the folder it replaces), so an
   interrupted export leaves ``folder`` as it was and a reader never sees a
   mix. ``overwrite`` was checked by `check_destination`; if another writer
   changes ``folder`` meanwhile, nothing is replaced."""
-  path = commit.as_path(os.path.abspath(folder))
-  seen = commit.identity(path)
+  store, path = stores.choose(os.path.abspath(folder))
+  seen = store.identity(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   # A plain mkdir, not mkdtemp: its 0o700 would be the exported folder's mode.
-  tmp = commit.sibling(path, "export")
+  tmp = local.sibling(path, "export")
   tmp.mkdir()
   try:
     shards = _shards(tensors, shard_size)
@@ -169,7 +170,7 @@ def write_folder(folder: str, config: Mapping[str, Any], tensors: list[tuple[str
   except BaseException:
     safe_io.remove_tree(tmp)
     raise
-  if not commit.move_into_place(path, tmp, seen):
+  if not store.publish(path, tmp, seen):
     raise errors.ConcurrentSaveError(
         f"{folder} was created or changed by another writer while this export was"
         " being written; it was left as that writer made it and this export was"

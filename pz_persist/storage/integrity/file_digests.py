@@ -43,10 +43,8 @@ from pz_persist.format import checksum_records
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage.integrity import checksums
-from pz_persist.storage import commit
-from pz_persist.storage import object_store
 from pz_persist.storage import stores
+from pz_persist.storage.integrity import checksums
 
 FILENAME = manifest_lib.FILE_DIGESTS_FILENAME
 MAX_BYTES = manifest_lib.MAX_FILE_DIGESTS_BYTES
@@ -83,7 +81,7 @@ def _files(directory: str) -> list[str]:
 
 def write(directory: epath.Path) -> None:
   """Records the size and digest of every file in ``directory`` (local only)."""
-  if not commit.is_local(directory):
+  if not safe_io.is_local(directory):
     return  # Remote stores checksum their objects themselves.
   root = os.fspath(directory)
   files = {
@@ -122,17 +120,18 @@ def check(
   except FileNotFoundError:
     return None
   recorded = _parse(raw, where=path)
-  if commit.is_local(directory):
+  if safe_io.is_local(directory):
     root = os.fspath(directory)
     return _compare(
         recorded, lambda rel, size, digest: _file_problem(
             os.path.join(root, rel), size, digest),
         present=_files(root), where=lambda rel: os.path.join(root, rel), tracker=tracker,
     )
-  listed = object_store.tree(directory)  # A list copied to a store with its files.
+  store = stores.for_path(directory)
+  listed = store.tree(directory)  # A list copied to a store with its files.
   return _compare(
       recorded, lambda rel, size, digest: _object_problem(
-          directory, rel, listed.get(rel), size, digest),
+          store, directory, rel, listed.get(rel), size, digest),
       present=[rel for rel in sorted(listed) if rel != FILENAME],
       where=lambda rel: f"{directory / rel}", tracker=tracker,
   )
@@ -225,16 +224,16 @@ def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:
 # ---- Object stores. ---------------------------------------------------------
 
 
-def _hash_object(directory: epath.Path, rel: str, hasher: Any) -> Any:
-  """Feeds the object ``rel`` of ``directory`` to ``hasher``, in chunks."""
-  with stores.for_path(directory).open(directory / rel) as f:
+def _hash_object(store: stores.Store, directory: epath.Path, rel: str, hasher: Any) -> Any:
+  """Feeds the object ``rel`` of ``directory`` on ``store`` to ``hasher``, in chunks."""
+  with store.open(directory / rel) as f:
     while chunk := f.read(2**22):
       hasher.update(chunk)
   return hasher
 
 
 def _object_problem(
-    directory: epath.Path, rel: str, info: object_store.ObjectInfo | None,
+    store: stores.Store, directory: epath.Path, rel: str, info: stores.base.ObjectInfo | None,
     size: int, digest: str,
 ) -> str | None:
   """What is wrong with the object ``rel`` (listed as ``info``) against its
@@ -243,7 +242,7 @@ def _object_problem(
     return "missing"
   if info.size != size:
     return f"{info.size} bytes, {size} when saved"
-  if _hash_object(directory, rel, xxhash.xxh3_128()).hexdigest() != digest:
+  if _hash_object(store, directory, rel, xxhash.xxh3_128()).hexdigest() != digest:
     return "contents changed since it was saved"
   return None
 
@@ -269,7 +268,8 @@ def check_against_store(
     keeps no usable checksum of (an S3 multipart upload's ETag is no MD5),
     each named.
   """
-  listed = object_store.tree(directory)
+  store = stores.for_path(directory)
+  listed = store.tree(directory)
   crc32c = _crc32c_hasher()
   if tracker is not None:
     tracker.grow(sum(info.size for info in listed.values()))
@@ -284,7 +284,7 @@ def check_against_store(
       unchecked.append(f"{directory / rel}")
       continue
     expected = stored["md5" if name == "MD5" else "crc32c"]
-    if _hash_object(directory, rel, hasher).digest() != expected:
+    if _hash_object(store, directory, rel, hasher).digest() != expected:
       problems.append(
           f"{directory / rel}: its bytes do not match the store's {name} of it"
       )

@@ -53,8 +53,8 @@ from pz_persist.errors import ArrayReadError  # Its callers catch it here.
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.safety import safe_io
 from pz_persist.storage.integrity import containment
-from pz_persist.storage.reading import host_memory
 from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import host_memory
 from pz_persist.storage.reading import raw_chunks
 
 IN_FLIGHT_BYTES = 64 * 2**20

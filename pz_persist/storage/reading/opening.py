@@ -42,9 +42,9 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
+from pz_persist.storage import stores
 from pz_persist.storage.integrity import containment
 from pz_persist.storage.lifecycle import leftovers
-from pz_persist.storage import stores
 
 _T = TypeVar("_T")
 
@@ -133,9 +133,9 @@ def read(
       before: tuple[Any, ...] = ()
       try:
         pinned = None if item_directory else store.pin(path)
-        before = _seen(path, item, pinned)
-        item, snapshot = _find(path, item_directory, pinned)
-        before = _seen(path, item, pinned)
+        before = _seen(store, path, item, pinned)
+        item, snapshot = _find(store, path, item_directory, pinned)
+        before = _seen(store, path, item, pinned)
         if not _walked(snapshot, item):  # Replaced between the walk and now.
           continue
         try:
@@ -226,23 +226,23 @@ def _walked(snapshot: containment.Snapshot | None, item: epath.Path) -> bool:
 
 
 def _seen(
-    path: epath.Path, item: epath.Path | None, pinned: stores.base.Commit | None
+    store: stores.Store, path: epath.Path, item: epath.Path | None,
+    pinned: stores.base.Commit | None,
 ) -> tuple[Any, ...]:
   """`_identity`, or for a ``pinned`` commit the commit itself: its folder
   never changes once published, so only the commit object is watched."""
   if pinned is not None:
     return ("pinned", pinned.sequence, pinned.generation)
-  return _identity(path, item)
+  return _identity(store, path, item)
 
 
-def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
+def _identity(store: stores.Store, path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
   """Which checkpoint is at ``path`` (and its ``item``, once found) now.
 
   A save replacing it puts new directories there, with new inodes and times,
   and a new manifest file (`stores.base.Store.file_identity`, where the store
   tells files apart).
   """
-  store = stores.for_path(path)
   if item is None:
     return (store.identity(path),)
   return (
@@ -265,7 +265,7 @@ def _same(
   """
   if pinned is not None:
     return pinned.still_current()
-  if _identity(path, item) != before:
+  if _identity(store, path, item) != before:
     return False
   if item is None or digest is None or store.identifies_files:
     return True
@@ -282,17 +282,21 @@ def _manifest_digest(item: epath.Path) -> bytes | None:
 
 
 def _find(
-    path: epath.Path, item_directory: bool, pinned: stores.base.Commit | None
+    store: stores.Store, path: epath.Path, item_directory: bool,
+    pinned: stores.base.Commit | None,
 ) -> tuple[epath.Path, containment.Snapshot | None]:
   """The item at ``path`` (in the folder ``pinned`` names, if any), its
   files checked, and what the check saw of it."""
   if item_directory:
     return path, check_item_contained(path)
-  return _find_item(path if pinned is None else pinned.checkpoint)
+  return _find_item(store, path if pinned is None else pinned.checkpoint)
 
 
-def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | None]:
-  """The pz_persist item directory of the checkpoint at ``path``, checked.
+def find_item(
+    store: stores.Store, path: epath.Path
+) -> tuple[epath.Path, containment.Snapshot | None]:
+  """The pz_persist item directory of the checkpoint at ``path`` on ``store``
+  (``path`` as `stores.choose` spells it), checked.
 
   Every file of the checkpoint is checked (`containment.check_contained`) once;
   returns the item and the `containment.Snapshot` of it.
@@ -304,8 +308,7 @@ def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | 
     NotACheckpointError: no item, or several (the message lists them).
     UnsafeCheckpointError: a file reaches outside the checkpoint.
   """
-  store, path = stores.open_path(path)
-  return _find_item(store.resolve(path))
+  return _find_item(store, store.resolve(path))
 
 
 def items(path: epath.PathLike) -> list[epath.Path]:
@@ -322,11 +325,11 @@ def items(path: epath.PathLike) -> list[epath.Path]:
   store, path = stores.open_path(path)
   if store.pin(path) is not None:
     return [path]  # A checkpoint published by a commit: one item.
-  if not path.is_dir() or _holds_manifest(path):
+  if not path.is_dir() or _holds_manifest(store, path):
     return [path]
   found = sorted(
       child for child in path.iterdir()
-      if child.is_dir() and _holds_manifest(child)
+      if child.is_dir() and _holds_manifest(store, child)
   )
   if len(found) < 2:
     return [path]
@@ -334,20 +337,22 @@ def items(path: epath.PathLike) -> list[epath.Path]:
   return found
 
 
-def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | None]:
+def _find_item(
+    store: stores.Store, path: epath.Path
+) -> tuple[epath.Path, containment.Snapshot | None]:
   if not path.is_dir():
     raise errors.NotACheckpointError(
         f"{path} is not a pz_persist checkpoint: "
         + ("it is not a directory." if path.exists() else "it does not exist.")
-        + leftovers.only_trace(path)
+        + leftovers.only_trace(store, path)
     )
-  if _holds_manifest(path):
+  if _holds_manifest(store, path):
     snapshot = check_item_contained(path)
     manifest_lib.check_file(path)
     return path, snapshot
   items = sorted(
       child for child in path.iterdir()
-      if child.is_dir() and _holds_manifest(child)
+      if child.is_dir() and _holds_manifest(store, child)
   )
   if len(items) == 1:
     # The whole checkpoint, not only the item: the item directory itself may
@@ -379,7 +384,7 @@ def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | Non
   )
 
 
-def _holds_manifest(directory: epath.Path) -> bool:
+def _holds_manifest(store: stores.Store, directory: epath.Path) -> bool:
   """Whether ``directory`` has a manifest entry of any kind.
 
   Why not `manifest.has_manifest`: a manifest that is a symlink out of the
@@ -387,7 +392,7 @@ def _holds_manifest(directory: epath.Path) -> bool:
   the directory look like no checkpoint at all; found here, it is refused by
   name instead (by `containment.check_contained` or `manifest.read`).
   """
-  return stores.for_path(directory).has_entry(manifest_lib.manifest_path(directory))
+  return store.has_entry(manifest_lib.manifest_path(directory))
 
 
 def check_item_contained(directory: epath.Path) -> containment.Snapshot | None:

@@ -51,8 +51,8 @@ import numpy as np
 import tensorstore as ts
 
 from pz_persist.format import array_specs as arrays_lib
-from pz_persist.storage.writing import direct_write
 from pz_persist.storage.reading import host_memory
+from pz_persist.storage.writing import direct_write
 
 MAX_ZARRAY_BYTES = 4096
 """A ``.zarray`` longer than this is left to ``ts.open`` (TensorStore's own

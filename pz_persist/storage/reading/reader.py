@@ -53,12 +53,12 @@ from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import limits
-from pz_persist.storage.reading import batching
 from pz_persist.storage.integrity import checksums as checksums_lib
 from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import batching
 from pz_persist.storage.reading import direct_read
 from pz_persist.storage.reading import host_memory
-from pz_persist.storage.integrity import orbax_metadata_checks
 from pz_persist.storage.reading import placements
 
 DEFAULT_READ_BATCH_BYTES = 64 * 2**20

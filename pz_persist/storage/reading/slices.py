@@ -34,8 +34,8 @@ from pz_persist.safety import bounded_json
 from pz_persist.safety import limits
 from pz_persist.storage.integrity import checksums as checksums_lib
 from pz_persist.storage.integrity import containment
-from pz_persist.storage.reading import direct_read
 from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import direct_read
 from pz_persist.storage.reading import reader
 
 

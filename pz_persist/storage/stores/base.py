@@ -14,7 +14,7 @@ The operations are the few the commit protocol, the readers and the cleaners
 need: normalise a path (`normalise`, `prepare`); files (`read`, `open`,
 `write_whole`, `create_if_absent`, `info`, `has_entry`); listings (`names`, `tree`);
 `remove`; the reader's lock (`lock`); and publishing a checkpoint whole
-(`identity`, `check_publishable`, `new_location`, `commit`, `pin`,
+(`identity`, `check_publishable`, `new_location`, `publish`, `pin`,
 `resolve`).
 """
 
@@ -88,7 +88,7 @@ class Commit:
 
   def still_current(self) -> bool:
     """Whether this commit object still exists, unchanged: then its folder
-    has not started being retired (`pz_persist.storage.object_commit`)."""
+    has not started being retired (`pz_persist.storage.stores.commit_objects`)."""
     found = self.store.info(self.object)
     return found is not None and found.generation == self.generation
 
@@ -232,17 +232,17 @@ class Store(abc.ABC):
     """What is at ``path`` now, to tell later whether a save replaced it."""
 
   def check_publishable(self, path: epath.Path, seen: Identity) -> None:
-    """Refuses, before anything is written, a save `commit` could not
+    """Refuses, before anything is written, a save `publish` could not
     publish over ``seen`` (a `errors.PzPersistError` naming why)."""
     del path, seen
 
   @abc.abstractmethod
   def new_location(self, path: epath.Path, token: str) -> epath.Path:
-    """Where a save of ``path`` writes its checkpoint before `commit`.
+    """Where a save of ``path`` writes its checkpoint before `publish`.
     ``token`` is shared by all processes writing it."""
 
   @abc.abstractmethod
-  def commit(self, path: epath.Path, new: epath.Path, seen: Identity) -> bool:
+  def publish(self, path: epath.Path, new: epath.Path, seen: Identity) -> bool:
     """Publishes the complete checkpoint ``new`` (from `new_location`) at
     ``path`` if ``path`` is still ``seen``; else deletes ``new`` and returns
     False (another save won, and its checkpoint stays whole)."""

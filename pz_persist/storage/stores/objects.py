@@ -66,7 +66,7 @@ class ObjectStore(base.Store):
     """A ``gen-<token>`` folder inside ``path``, never moved: publishing names it."""
     return commit_objects.new_generation(path, token)
 
-  def commit(self, path: epath.Path, new: epath.Path, seen: base.Identity) -> bool:
+  def publish(self, path: epath.Path, new: epath.Path, seen: base.Identity) -> bool:
     return commit_objects.publish(self, path, new, seen)
 
   def pin(self, path: epath.PathLike) -> base.Commit | None:

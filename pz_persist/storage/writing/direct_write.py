@@ -20,7 +20,7 @@ arrays each sit whole in host memory or on one device (`applies`):
   transaction (Orbax's way) encodes everything first and then writes one
   2 GiB file (see `DATA_FILE_BYTES`). Atomicity is the checkpoint's, not
   the store's: the item is written under a temporary name and moved into
-  place whole (`pz_persist.storage.commit`);
+  place whole (`pz_persist.storage.stores`: `Store.publish`);
 * a small array stored in one chunk is written as its two key-value
   entries (``<key>/.zarray`` and the chunk) with no ``ts.open`` at all. The
   bytes are what the zarr driver writes: `raw_chunk_layout` has
@@ -57,8 +57,8 @@ import tensorstore as ts
 from etils import epath
 
 from pz_persist.safety import safe_io
-from pz_persist.storage.integrity import checksums
 from pz_persist.storage import orbax_seam
+from pz_persist.storage.integrity import checksums
 
 SMALL_ARRAY_BYTES = 2**20
 """Arrays up to this size, stored in one chunk, are written as raw key-value

@@ -66,8 +66,8 @@ from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.safety import safe_io
 from pz_persist.storage.integrity import checksums
-from pz_persist.storage.writing import direct_write
 from pz_persist.storage.integrity import file_digests
+from pz_persist.storage.writing import direct_write
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 """Arrays are stored in chunks of about this size, so that a process reading
