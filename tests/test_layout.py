@@ -93,6 +93,47 @@ def test_no_import_runs_back_up():
   assert not upward, "imports that run back up:\n" + "\n".join(upward)
 
 
+STORAGE_ROOMS = {
+    "orbax_seam": 0,  # Every private Orbax name.
+    "stores": 1,  # The kinds of storage, and how each publishes a checkpoint whole.
+    "integrity": 2,  # Checksums, file digests, containment, Orbax's metadata checked.
+    "writing": 3, "lifecycle": 3,  # The one writer; leftovers and steps.
+    "reading": 4,  # The one way in and the one array reader.
+    "destinations": 5,  # What a writer may replace, where an output may go.
+}
+"""The rooms of `storage/` by floor: a room imports only rooms of lower floors,
+and modules of its own room (ARCHITECTURE.md draws them)."""
+
+
+def _storage_room(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[2] if len(parts) > 2 and parts[1] == "storage" else None
+
+
+def _storage_imports(path: pathlib.Path) -> list[str]:
+  """`_imports`, with ``from pz_persist.storage import ROOM`` as ROOM itself."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module == "pz_persist.storage":
+      found += [f"pz_persist.storage.{alias.name}" for alias in node.names]
+  return found + _imports(path)
+
+
+def test_storage_rooms_import_only_downward():
+  rooms = {_storage_room(module) for _, module in _modules()} - {None}
+  assert rooms == set(STORAGE_ROOMS), f"give these a floor: {rooms - set(STORAGE_ROOMS)}"
+  upward = []
+  for path, module in _modules():
+    room = _storage_room(module)
+    if room is None:
+      continue
+    for imported in _storage_imports(path):
+      target = _storage_room(imported)
+      if target is not None and target != room and STORAGE_ROOMS[target] >= STORAGE_ROOMS[room]:
+        upward.append(f"{module} -> {imported}")
+  assert not upward, "storage imports that run back up:\n" + "\n".join(upward)
+
+
 _PRIVATE_ORBAX = re.compile(r"^orbax\.checkpoint(\.experimental\.v1)?\._src(\.|$)")
 
 

@@ -135,7 +135,7 @@ def check_apart(destination: epath.PathLike, sources: Iterable[epath.PathLike]) 
 
   Local paths are compared after ``~``, relative parts and symlinks are
   resolved (``os.path.realpath``), so ``./ck``, ``../run/ck`` and a link to
-  it are the same folder; object-store paths as written (`check_supported`
+  it are the same folder; object-store paths as written (`stores.choose`
   has refused every ambiguous spelling): `stores.base.Store.place`.
 
   Raises:

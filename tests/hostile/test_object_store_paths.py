@@ -5,7 +5,7 @@ and empty segments, fsspec keeps ``..`` as a literal key part, TensorStore
 resolves it. ``save("s3://b/p/a/../ck")`` reported success with the arrays
 under ``b/p/ck`` and the rest under ``b/p/a/../ck``, and ``S3://b/ck`` raised
 a bare ``KeyError``. `pz_persist.storage.stores.urls.check_url`, reached from
-`check_supported` by every entry point, refuses them all before anything is
+`stores.choose` (every entry point), refuses them all before anything is
 written or read; this file holds every entry point to it, on both emulators.
 """
 
