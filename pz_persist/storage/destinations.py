@@ -257,7 +257,9 @@ def check_outside_checkpoints(
       )
 
 
-def _check_no_hard_link(destination: epath.PathLike, path: str, roots: list[Any]) -> None:
+def _check_no_hard_link(
+    destination: epath.PathLike, path: str, roots: list[epath.PathLike]
+) -> None:
   """Refuses an existing ``path`` that is a hard link to a file of a local
   source: the same file under another name (links are looked for only when
   the file has several names, so this costs nothing otherwise)."""
@@ -282,7 +284,7 @@ def _check_no_hard_link(destination: epath.PathLike, path: str, roots: list[Any]
         )
 
 
-def _files_of(root: Any) -> Iterable[str]:
+def _files_of(root: epath.PathLike) -> Iterable[str]:
   """The files of the local source ``root``: itself if a file, else every
   file under it, or under its checkpoint when it is an item directory (the
   folder above holds Orbax's metadata)."""

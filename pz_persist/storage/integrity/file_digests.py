@@ -186,7 +186,7 @@ def _file_problem(full: str, size: int, digest: str) -> str | None:
   return None
 
 
-def _canonical(rel: Any) -> bool:
+def _canonical(rel: object) -> bool:
   """Whether ``rel`` is how `_files` names a file: relative, with no empty,
   ``.`` or ``..`` parts, so no two names reach one file."""
   return isinstance(rel, str) and "\0" not in rel and all(

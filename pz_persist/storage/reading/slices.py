@@ -30,6 +30,7 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format.checksum_records import Index
+from pz_persist.format.checksum_records import ShardChecksum
 from pz_persist.safety import bounded_json
 from pz_persist.safety import limits
 from pz_persist.storage.integrity import checksums as checksums_lib
@@ -109,7 +110,9 @@ def read_box(
   return data, box
 
 
-def _damaged_cells(data: np.ndarray, box: Index, records: Sequence[Any]) -> list[Index]:
+def _damaged_cells(
+    data: np.ndarray, box: Index, records: Sequence[ShardChecksum]
+) -> list[Index]:
   """The recorded cells inside ``box`` whose bytes in ``data`` hash differently."""
   damaged = []
   for record in records:

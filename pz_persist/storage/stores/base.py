@@ -23,7 +23,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any
 from typing import BinaryIO
 from typing import ClassVar
 
@@ -206,14 +205,16 @@ class Store(abc.ABC):
 
   # ---- Locks and identities. ------------------------------------------------
 
-  def lock(self, path: epath.PathLike, *, shared: bool = False) -> Any:
+  def lock(
+      self, path: epath.PathLike, *, shared: bool = False
+  ) -> contextlib.AbstractContextManager[None]:
     """A context holding the lock a save's publishing of ``path`` takes
     (exclusive) and a reader of it holds (shared); a no-op where the store
     has no locks (the commit protocol keeps readers safe there)."""
     del path, shared
     return contextlib.nullcontext()
 
-  def reading(self, path: epath.PathLike) -> Any:
+  def reading(self, path: epath.PathLike) -> contextlib.AbstractContextManager[None]:
     """What a reader of ``path`` holds while it reads: `lock` (shared) of
     ``path`` and, where ``path`` is an item inside a checkpoint, of that
     checkpoint too."""

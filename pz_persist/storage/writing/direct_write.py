@@ -220,7 +220,7 @@ class Started:
   """Writes under way: `finish` waits for them and writes Orbax's files."""
 
   directory: epath.Path
-  writes: tuple[Any, ...]  # TensorStore futures.
+  writes: tuple[ts.Future, ...]
   files: dict[str, bytes]
 
   def finish(self) -> None:
@@ -240,7 +240,7 @@ class Started:
       path.write_bytes(data)
 
 
-def settle(writes: Sequence[Any]) -> None:
+def settle(writes: Sequence[ts.Future]) -> None:
   """Waits until every TensorStore future in ``writes`` has ended, whether it
   succeeded or failed; raises nothing of theirs.
 
@@ -275,7 +275,7 @@ def start(
   layouts = {key: specs.layout(tuple(value.shape), np.dtype(value.dtype))
              for key, value in stored.items()}
   kvstore = None
-  writes: list[Any] = []
+  writes: list[ts.Future] = []
   opening: list[tuple[Any, np.ndarray]] = []
   try:
     for key, layout in layouts.items():

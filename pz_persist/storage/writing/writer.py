@@ -408,12 +408,12 @@ class Writer:
       raise AssertionError("this writer's arrays are written by Orbax's own save")
     return self._arrays
 
-  def _begin(self, directory: Any, stored: dict[str, Any]) -> _Started:
+  def _begin(self, directory: epath.Path, stored: dict[str, Any]) -> _Started:
     started = self._unfinished[os.fspath(directory)] = _Started()
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
     return started
 
-  def writes_directly(self, directory: Any, stored: dict[str, Any]) -> bool:
+  def writes_directly(self, directory: epath.Path, stored: dict[str, Any]) -> bool:
     """Whether the arrays of ``stored`` are written by `direct_write`."""
     options = self._options
     return bool(stored) and options.direct_writes and isinstance(
