@@ -259,8 +259,8 @@ def load(
     DisallowedModuleError: it names a class from a module that is not allowed.
     IntegrityError: with ``verify``, arrays do not match their checksums.
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `pz_persist.storage.reading.opening.LOAD_ATTEMPTS` attempts to read it (10 on
-      an object store, where no lock makes saves wait for readers).
+      `pz_persist.storage.stores.base.Store.load_attempts` attempts to read it
+      (10 on an object store, where no lock makes saves wait for readers).
   """
   # Opened as every read is: under the lock a save's final move waits for,
   # and read again if a save replaced the checkpoint meanwhile (`opening`).

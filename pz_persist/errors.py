@@ -213,7 +213,7 @@ class ArrayReadError(PzPersistError):
   """Reading the stored array under ``key`` failed (``cause`` says why).
 
   Internal to the direct read path, which turns it into an error naming the
-  checkpoint; re-exported as ``pz_persist.storage.reading.direct_read.ArrayReadError``.
+  checkpoint.
   """
 
   def __init__(self, key: str, cause: BaseException):

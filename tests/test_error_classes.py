@@ -79,10 +79,8 @@ def test_documented_homes_still_name_the_same_classes():
   from pz_persist.pretrained import gemma
   from pz_persist.pretrained import hf
   from pz_persist.pretrained import safetensors_io
-  from pz_persist.storage.reading import direct_read
 
   assert pzp.BindingError is binding.BindingError is errors.BindingError
-  assert direct_read.ArrayReadError is errors.ArrayReadError
   assert gemma.GemmaCheckpointError is errors.GemmaCheckpointError
   assert hf.UnsupportedConfigError is errors.UnsupportedConfigError
   assert hf.CheckpointFolderError is errors.CheckpointFolderError

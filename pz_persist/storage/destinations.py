@@ -230,7 +230,7 @@ def write_output(
   return path
 
 
-_CHECKPOINT_FILES = (manifest_lib.MANIFEST_FILENAME, opening.ORBAX_CHECKPOINT_METADATA)
+_CHECKPOINT_FILES = (manifest_lib.MANIFEST_FILENAME, stores.local.ORBAX_CHECKPOINT_METADATA)
 """A folder holding one of these is a checkpoint (a pz_persist item, or an
 Orbax checkpoint or step): nothing a user names is written inside it."""
 
@@ -296,7 +296,7 @@ def _files_of(root: epath.PathLike) -> Iterable[str]:
     yield top
     return
   parent = os.path.dirname(top)
-  if os.path.lexists(os.path.join(parent, opening.ORBAX_CHECKPOINT_METADATA)):
+  if os.path.lexists(os.path.join(parent, stores.local.ORBAX_CHECKPOINT_METADATA)):
     top = parent
   for folder, _, files in os.walk(top):
     for name in files:

@@ -19,6 +19,7 @@ from penzai import pz
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.storage import stores
+from pz_persist.storage.stores import base
 from pz_persist.storage.stores import commit_objects
 
 LAST = "pz_persist.commit." + "9" * 20  # The contract: 20 digits, not the constant.
@@ -120,8 +121,8 @@ def test_publish_itself_refuses_past_the_last_sequence(remote):
   assert _value(str(path)) == 1.0
 
 
-@pytest.mark.parametrize("name", [TOO_LONG, commit_objects.COMMIT_PREFIX + "7",
-                                  commit_objects.COMMIT_PREFIX + "x" * 20])
+@pytest.mark.parametrize("name", [TOO_LONG, base.COMMIT_PREFIX + "7",
+                                  base.COMMIT_PREFIX + "x" * 20])
 def test_a_commit_name_no_reader_recognises_is_refused_by_name(remote, name, capsys):
   from pz_persist.tools import cli  # pylint: disable=import-outside-toplevel
 

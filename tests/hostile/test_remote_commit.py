@@ -24,6 +24,7 @@ from remote import remote_worker
 
 import pz_persist as pzp
 from pz_persist.storage import stores
+from pz_persist.storage.stores import base
 from pz_persist.storage.stores import commit_objects
 
 WORKER = os.path.join(REPO, "tests", "remote", "remote_worker.py")
@@ -172,5 +173,5 @@ def test_a_save_whose_view_went_stale_loses_even_where_a_name_is_free_again(remo
   store.write_whole(f"{late}/penzai/x", b"late")
   assert not store.publish(epath.Path(remote), late, stale)
   assert store.names(remote) == [
-      commit_objects.current(store, remote).checkpoint.name, commit_objects.commit_name(3)]
+      commit_objects.current(store, remote).checkpoint.name, base.commit_name(3)]
   assert remote_worker.values(pzp.load(remote)) == {3.0}

@@ -17,6 +17,7 @@ from penzai.models import simple_mlp
 
 import pz_persist as pzp
 from pz_persist.storage import stores
+from pz_persist.storage.stores import base
 from pz_persist.storage.stores import commit_objects
 from pz_persist.storage.stores import urls
 
@@ -32,7 +33,7 @@ def _tree(value: float = 1.0) -> dict:
 def test_layout_is_one_commit_naming_one_generation(remote):
   pzp.save(remote, _tree())
   names = stores.for_path(remote).names(remote)
-  assert len(names) == 2 and names[1] == commit_objects.commit_name(1), names
+  assert len(names) == 2 and names[1] == base.commit_name(1), names
   commit = commit_objects.current(stores.for_path(remote), remote)
   assert commit.checkpoint.name == names[0] and names[0].startswith("gen-")
   record = json.loads(stores.for_path(commit.object).read(commit.object, 4096))
@@ -60,7 +61,7 @@ def test_overwrite_publishes_a_new_generation_and_retires_the_old(remote):
   pzp.save(remote, _tree(3.0), overwrite=True)
   second = commit_objects.current(stores.for_path(remote), remote)
   assert second.sequence == 2 and second.checkpoint != first.checkpoint
-  assert stores.for_path(remote).names(remote) == [second.checkpoint.name, commit_objects.commit_name(2)]
+  assert stores.for_path(remote).names(remote) == [second.checkpoint.name, base.commit_name(2)]
   np.testing.assert_array_equal(pzp.load(remote)["w"].unwrap("a", "b"), np.full((4, 3), 3.0))
 
 
@@ -80,7 +81,7 @@ def test_a_checkpoint_of_the_old_layout_is_replaced_only_with_overwrite(remote, 
     pzp.save(remote, _tree(6.0))
   pzp.save(remote, _tree(6.0), overwrite=True)
   names = stores.for_path(remote).names(remote)
-  assert len(names) == 2 and names[1] == commit_objects.commit_name(1), names
+  assert len(names) == 2 and names[1] == base.commit_name(1), names
   np.testing.assert_array_equal(pzp.load(remote)["w"].unwrap("a", "b"), np.full((4, 3), 6.0))
 
 
@@ -90,8 +91,8 @@ def test_a_checkpoint_of_the_old_layout_is_replaced_only_with_overwrite(remote, 
 ])
 def test_a_damaged_commit_object_is_refused_by_name(remote, content):
   pzp.save(remote, _tree())
-  stores.for_path(f"{remote}/{commit_objects.commit_name(7)}").write_whole(f"{remote}/{commit_objects.commit_name(7)}", content)
-  with pytest.raises(pzp.errors.ManifestError, match=commit_objects.commit_name(7)):
+  stores.for_path(f"{remote}/{base.commit_name(7)}").write_whole(f"{remote}/{base.commit_name(7)}", content)
+  with pytest.raises(pzp.errors.ManifestError, match=base.commit_name(7)):
     pzp.load(remote)
 
 

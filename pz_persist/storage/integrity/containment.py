@@ -30,9 +30,6 @@ from pz_persist.safety import safe_io
 MAX_ORBAX_METADATA_BYTES = 64 * 2**20
 """Larger Orbax ``_CHECKPOINT_METADATA`` files are refused before parsing."""
 
-MAX_ORBAX_TREE_METADATA_BYTES = bounded_json.MAX_ORBAX_METADATA_BYTES
-"""Larger Orbax ``_METADATA`` / ``_sharding`` files (one entry per array, so
-larger than ``_CHECKPOINT_METADATA``, like the manifest) are refused."""
 
 
 def small_file(name: str) -> tuple[str, int] | None:
@@ -41,7 +38,7 @@ def small_file(name: str) -> tuple[str, int] | None:
   if name in ("_CHECKPOINT_METADATA", "metrics"):
     return "Orbax's metadata", MAX_ORBAX_METADATA_BYTES
   if name in ("_METADATA", "_sharding"):
-    return "Orbax's metadata", MAX_ORBAX_TREE_METADATA_BYTES
+    return "Orbax's metadata", bounded_json.MAX_ORBAX_METADATA_BYTES  # One entry per array.
   if name == manifest_lib.MANIFEST_FILENAME:
     return "manifest", manifest_lib.MAX_MANIFEST_BYTES
   if name == manifest_lib.FILE_DIGESTS_FILENAME:

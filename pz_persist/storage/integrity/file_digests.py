@@ -57,13 +57,13 @@ MAX_NODES = 2**22
 
 _FORMAT = "pz_persist.files"
 _ORBAX_MARKER = "commit_success.txt"  # Written after the list, holds no data.
-_ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+_ORBAX_METADATA = stores.local.ORBAX_CHECKPOINT_METADATA
 """Where the item is the whole checkpoint (`PenzaiCheckpointHandler` in
 Orbax's ``Checkpointer`` directly, not in ``Composite``), Orbax's checkpoint
 metadata lies beside the item's files and is written again after the list (its
 commit time): not the item's data, never listed, and not compared where an
 older list holds it."""
-_NOT_LISTED = frozenset({_ORBAX_MARKER, _ORBAX_CHECKPOINT_METADATA})
+_NOT_LISTED = frozenset({_ORBAX_MARKER, _ORBAX_METADATA})
 
 
 def _files(directory: str) -> list[str]:
@@ -72,7 +72,7 @@ def _files(directory: str) -> list[str]:
   for root, _, names in os.walk(directory):
     for name in names:
       rel = os.path.relpath(os.path.join(root, name), directory)
-      if rel in (FILENAME, _ORBAX_CHECKPOINT_METADATA) or (
+      if rel in (FILENAME, _ORBAX_METADATA) or (
           name.startswith(".") and name.endswith(".tmp")):
         continue
       found.append(rel.replace(os.sep, "/"))
@@ -149,7 +149,7 @@ def _compare(
   if tracker is not None:
     tracker.grow(sum(size for size, _ in recorded.values()))
   problems = []
-  recorded = {rel: entry for rel, entry in recorded.items() if rel != _ORBAX_CHECKPOINT_METADATA}
+  recorded = {rel: entry for rel, entry in recorded.items() if rel != _ORBAX_METADATA}
   for rel, (size, digest) in recorded.items():
     found = problem(rel, size, digest)
     if found:

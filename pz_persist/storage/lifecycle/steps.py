@@ -40,7 +40,7 @@ COMMIT_MARKER = _atomicity.COMMIT_SUCCESS_FILE
 """The object Orbax writes last into a step on an object store: the step is
 committed exactly while it exists."""
 
-_METADATA = "_CHECKPOINT_METADATA"
+_METADATA = stores.local.ORBAX_CHECKPOINT_METADATA
 
 
 def temporary_path_class(store: stores.Store, directory: epath.PathLike) -> type[Any]:
@@ -136,11 +136,11 @@ def _item_names(step_dir: epath.Path) -> tuple[str, ...] | None:
 def _commit_time(path: epath.Path) -> int | None:
   try:
     data = safe_io.read_small_file(
-        path / "_CHECKPOINT_METADATA", containment.MAX_ORBAX_METADATA_BYTES,
+        path / _METADATA, containment.MAX_ORBAX_METADATA_BYTES,
         what="Orbax's checkpoint metadata",
     )
     metadata: Any = bounded_json.loads(
-        data, where=str(path / "_CHECKPOINT_METADATA"),
+        data, where=str(path / _METADATA),
         max_nodes=bounded_json.node_limit(len(data), most=containment.MAX_ORBAX_METADATA_NODES),
         max_depth=64,
     )

@@ -21,8 +21,8 @@ is the arrays themselves plus the chunks in flight (bounded by
 the process opted in (`pz_persist.tune_host_allocator`).
 
 TensorStore opens the files by path, so `read` is only ever called inside
-`pz_persist.storage.integrity.containment.files_unchanged` (by `pz_persist.storage.reading.reader.read_arrays`,
-which also checks the checksums, as each array is read, and places the
+`pz_persist.storage.integrity.containment.files_unchanged` (by
+`pz_persist.storage.reading.reader.read_arrays`, which also checks the checksums, as each array is read, and places the
 arrays): every file is checked before the read and again after it, and
 nothing read is returned if one was swapped (for a link out of the
 checkpoint, say) in between.
@@ -49,10 +49,9 @@ import tensorstore as ts
 from etils import epath
 
 from pz_persist import errors
-from pz_persist.errors import ArrayReadError  # Its callers catch it here.
 from pz_persist.format import array_specs as arrays_lib
+from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage.integrity import containment
 from pz_persist.storage.integrity import orbax_metadata_checks
 from pz_persist.storage.reading import host_memory
 from pz_persist.storage.reading import raw_chunks
@@ -186,7 +185,7 @@ def _result(key: str, future: Any) -> Any:
   except (KeyboardInterrupt, MemoryError):
     raise
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise ArrayReadError(key, e) from e
+    raise errors.ArrayReadError(key, e) from e
 
 
 def _layout(directory: epath.Path) -> tuple[bool, bool]:
@@ -194,7 +193,7 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
   path = directory / "_METADATA"
   try:
     data = safe_io.read_small_file(
-        path, containment.MAX_ORBAX_TREE_METADATA_BYTES, what="Orbax's metadata"
+        path, bounded_json.MAX_ORBAX_METADATA_BYTES, what="Orbax's metadata"
     )
     stored = json.loads(data)
     use_zarr3 = stored.get("use_zarr3", False)
@@ -274,7 +273,7 @@ def _read_spec(
 def open_array(directory: epath.Path, key: str) -> Any:
   """The opened TensorStore of one stored array (Orbax's read spec), for a
   reader of part of it (`pz_persist.storage.reading.slices`); inside
-  `containment.files_unchanged`, like `read`.
+  `pz_persist.storage.integrity.containment.files_unchanged`, like `read`.
 
   Raises:
     ArrayReadError: TensorStore cannot open the array's files.

@@ -16,11 +16,12 @@ could mix the old manifest with new arrays, or fail on files of the old one as
 it is deleted. On a local disk the read holds a shared lock that a save's
 final move waits for; elsewhere (or when the item directory itself was given)
 such a read is detected (what is at the path changed while it was read) and
-done again from the start, at most `LOAD_ATTEMPTS` times. On an object store
-the read pins the current commit and reads the folder it names, which never
-changes once published; it is read again only if that commit was retired
-meanwhile (`pz_persist.storage.stores.commit_objects`). Which of these a path gets
-is its store's (`pz_persist.storage.stores`), chosen once and carried in
+done again from the start, at most `stores.base.Store.load_attempts` times (each
+store says how many). On an object store the read pins the current commit and
+reads the folder it names, which never changes once published; it is read
+again only if that commit was retired meanwhile
+(`pz_persist.storage.stores.commit_objects`). Which of these a path gets is its
+store's (`pz_persist.storage.stores`), chosen once and carried in
 `OpenItem.store`.
 """
 
@@ -48,14 +49,6 @@ from pz_persist.storage.lifecycle import leftovers
 
 _T = TypeVar("_T")
 
-LOAD_ATTEMPTS = stores.LOCAL.load_attempts
-"""How many times a checkpoint that other saves keep replacing is read
-(each store says: `stores.base.Store.load_attempts`)."""
-
-OBJECT_STORE_LOAD_ATTEMPTS = stores.objects.ObjectStore.load_attempts
-"""The same on an object store (`stores.objects.ObjectStore.load_attempts`)."""
-
-ORBAX_CHECKPOINT_METADATA = stores.local.ORBAX_CHECKPOINT_METADATA
 """The file Orbax writes at the top of every checkpoint (beside its items)."""
 
 
@@ -117,7 +110,7 @@ def read(
 
   Raises:
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `LOAD_ATTEMPTS` attempts (`OBJECT_STORE_LOAD_ATTEMPTS` on gs:// / s3://).
+      `stores.base.Store.load_attempts` attempts (the path's store says how many).
   """
   handle = opened_handle(path)
   if handle is not None:  # `pz_persist.open`'s handle: the checkpoint it opened.
@@ -370,7 +363,7 @@ def _find_item(
         f" e.g. {items[0]}."
     )
   hint = ""
-  if (path / ORBAX_CHECKPOINT_METADATA).exists() or (path / "_METADATA").exists():
+  if (path / stores.local.ORBAX_CHECKPOINT_METADATA).exists() or (path / "_METADATA").exists():
     hint = (
         " It is an Orbax checkpoint written without pz_persist; restore it with"
         " orbax.checkpoint and a template or, if it holds a Penzai model's"
@@ -411,7 +404,7 @@ def check_item_contained(directory: epath.Path) -> containment.Snapshot | None:
   path = os.fspath(directory)  # Remote: never a link, so done below.
   parent = os.path.dirname(os.path.abspath(path))
   if os.path.islink(path) and os.path.exists(
-      os.path.join(parent, ORBAX_CHECKPOINT_METADATA)
+      os.path.join(parent, stores.local.ORBAX_CHECKPOINT_METADATA)
   ):
     containment.check_contained(parent)
   return snapshot

@@ -266,7 +266,7 @@ def _read_directly(
 
   try:
     host = direct_read.read(directory, read.wanted, where=read.where, on_read=on_read)
-  except direct_read.ArrayReadError as e:
+  except errors.ArrayReadError as e:
     raise read_failure(read.manifest, [e.key], read.where, e.cause) from e.cause
   verifier.raise_if_damaged()  # Before anything is placed.
   return _place(host, read.targets)

@@ -89,7 +89,7 @@ def read_box(
       )}, where=where)
       region = tuple(slice(start, stop) for start, stop in box)
       data = np.asarray(store[region].read().result())
-    except direct_read.ArrayReadError as e:
+    except errors.ArrayReadError as e:
       raise reader.read_failure(_one(spec), [spec.key], where, e.cause) from e.cause
     except errors.PzPersistError:
       raise
