@@ -526,15 +526,20 @@ def run_unused(directory: epath.Path) -> Iterator[bool | str]:
     yield True
     return
   try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-        yield False
-        return
-    yield True
+    yield not _held_by_another(fd)
   finally:
     os.close(fd)
+
+
+def _held_by_another(fd: int) -> bool:
+  """Takes an exclusive lock on ``fd`` unless another holds one; True if
+  another does. Where files cannot be locked (some network filesystems),
+  False: the lock proves nothing there, and the caller's markers decide."""
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+  return False
 
 
 def find_all(path: epath.PathLike) -> list[Leftover]:
@@ -675,14 +680,9 @@ def _marker_locked(family: epath.Path):
       yield True, (f"its writer marker is {safe_io.special_kind(info.st_mode)},"
                    " not a regular file")
       return
-    if fcntl is not None:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-          yield False, None
-          return
-        # Locks unsupported here (some network filesystems): markers decide.
+    if fcntl is not None and _held_by_another(fd):
+      yield False, None
+      return
     yield True, _read_marker(fd, info.st_size)
   finally:
     os.close(fd)
