@@ -96,7 +96,8 @@ def worker(method: str, process_id: int, processes: int, port: str, path: str) -
   multihost_utils.sync_global_devices("end")
   jax.distributed.shutdown()
   return {
-      "process": process_id, "shard_bytes": pzp.storage.reading.placements.shard_bytes(manifest, rules),
+      "process": process_id,
+      "shard_bytes": pzp.storage.reading.placements.shard_bytes(manifest, rules),
       "extra_rss": rss.extra, "baseline": rss.baseline, "seconds": seconds,
   }
 

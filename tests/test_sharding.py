@@ -122,7 +122,8 @@ def test_shard_bytes(ckpt):
   pzp.save(ckpt, {"w": pz.nx.wrap(jnp.ones((8, 16)), "rows", "cols")})
   manifest = pzp.checkpoint.read_manifest(ckpt)
   rules = pzp.AxisRules(_mesh(), {"rows": "data", "cols": "model"})
-  assert pzp.storage.reading.placements.shard_bytes(manifest, rules) == 8 * 16 * 4  # 8 devices, 1/8 each.
+  # 8 devices, 1/8 each.
+  assert pzp.storage.reading.placements.shard_bytes(manifest, rules) == 8 * 16 * 4
   assert pzp.storage.reading.placements.shard_bytes(manifest, None) == 8 * 16 * 4
 
 

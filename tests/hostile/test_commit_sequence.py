@@ -38,7 +38,7 @@ def _renamed_commit(path: str, name: str) -> None:
   """Gives the current commit object of ``path`` the name ``name``."""
   current = commit_objects.current(stores.for_path(path), path)
   data = stores.for_path(current.object).read(current.object, commit_objects.MAX_COMMIT_BYTES)
-  stores.for_path(f"{path}/{name}").write_whole(f"{path}/{name}", data)
+  stores.for_path(path).write_whole(f"{path}/{name}", data)
   stores.for_path(current.object).remove(current.object)
 
 

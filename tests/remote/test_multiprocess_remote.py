@@ -26,6 +26,7 @@ def test_two_processes_save_and_load_on_gcs(gcs):
     assert report["manager_steps"] == [2]
   assert [r["saved_manifest_writes"] for r in reports] == [1, 0]
   path = f"{remote}/ckpt"
-  assert commit_objects.current(stores.for_path(path), path).sequence == 2  # First save, then one overwrite.
+  current = commit_objects.current(stores.for_path(path), path)
+  assert current.sequence == 2  # First save, then one overwrite.
   assert commit_objects.orphans(stores.for_path(path), path) == []
   assert pzp.verify(path).ok

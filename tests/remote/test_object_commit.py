@@ -66,9 +66,10 @@ def test_overwrite_publishes_a_new_generation_and_retires_the_old(remote):
 
 
 def test_a_path_holding_only_orphans_takes_a_first_save(remote):
-  stores.for_path(f"{remote}/gen-0123456789abcdef/penzai/partial").write_whole(f"{remote}/gen-0123456789abcdef/penzai/partial", b"x")
+  stores.for_path(remote).write_whole(f"{remote}/gen-0123456789abcdef/penzai/partial", b"x")
   pzp.save(remote, _tree())  # No checkpoint there yet: no overwrite needed.
-  assert [p.name for p in commit_objects.orphans(stores.for_path(remote), remote)] == ["gen-0123456789abcdef"]
+  orphans = commit_objects.orphans(stores.for_path(remote), remote)
+  assert [p.name for p in orphans] == ["gen-0123456789abcdef"]
   assert pzp.load(remote)["label"] == "x"
 
 
@@ -91,7 +92,7 @@ def test_a_checkpoint_of_the_old_layout_is_replaced_only_with_overwrite(remote, 
 ])
 def test_a_damaged_commit_object_is_refused_by_name(remote, content):
   pzp.save(remote, _tree())
-  stores.for_path(f"{remote}/{base.commit_name(7)}").write_whole(f"{remote}/{base.commit_name(7)}", content)
+  stores.for_path(remote).write_whole(f"{remote}/{base.commit_name(7)}", content)
   with pytest.raises(pzp.errors.ManifestError, match=base.commit_name(7)):
     pzp.load(remote)
 

@@ -42,12 +42,14 @@ def _tree(shift: float = 0.0):
 def _write_step(run: str, step: str, *, marker: bool) -> None:
   """A step as Orbax lays it out on a store, written object by object (no
   Orbax needed: `list_steps` reads only the listing and the metadata)."""
-  stores.for_path(f"{run}/{step}/_CHECKPOINT_METADATA").write_whole(f"{run}/{step}/_CHECKPOINT_METADATA", json.dumps({"commit_timestamp_nsecs": 1_700_000_000 * 10**9}).encode())
-  stores.for_path(f"{run}/{step}/params/pz_persist.json").write_whole(f"{run}/{step}/params/pz_persist.json", b"{}")
-  stores.for_path(f"{run}/{step}/params/d/0").write_whole(f"{run}/{step}/params/d/0", b"x" * 1000)
-  stores.for_path(f"{run}/{step}/opt/d/0").write_whole(f"{run}/{step}/opt/d/0", b"y" * 24)
+  store = stores.for_path(run)
+  store.write_whole(f"{run}/{step}/_CHECKPOINT_METADATA",
+                    json.dumps({"commit_timestamp_nsecs": 1_700_000_000 * 10**9}).encode())
+  store.write_whole(f"{run}/{step}/params/pz_persist.json", b"{}")
+  store.write_whole(f"{run}/{step}/params/d/0", b"x" * 1000)
+  store.write_whole(f"{run}/{step}/opt/d/0", b"y" * 24)
   if marker:
-    stores.for_path(f"{run}/{step}/{steps.COMMIT_MARKER}").write_whole(f"{run}/{step}/{steps.COMMIT_MARKER}", b"")
+    store.write_whole(f"{run}/{step}/{steps.COMMIT_MARKER}", b"")
 
 
 def test_ls_lists_steps_from_the_store_listing(remote, capsys):
@@ -55,7 +57,7 @@ def test_ls_lists_steps_from_the_store_listing(remote, capsys):
   _write_step(run, "10", marker=True)
   _write_step(run, "20", marker=False)  # Being written, or half deleted.
   _write_step(run, "30.orbax-checkpoint-tmp-1", marker=True)
-  stores.for_path(f"{run}/notes.txt").write_whole(f"{run}/notes.txt", b"not a step")
+  stores.for_path(run).write_whole(f"{run}/notes.txt", b"not a step")
   listed = steps.list_steps(run)
   assert [(s.step, s.committed) for s in listed] == [(10, True), (20, False), (30, False)]
   assert listed[0].items == ("opt", "params") and listed[0].penzai_items == ("params",)
@@ -95,7 +97,7 @@ def test_clean_lists_orphan_generations_and_removes_them_only_with_force(writabl
   path = f"{writable}/ck"
   pzp.save(path, _tree())
   orphan = f"{path}/gen-{'0' * 16}"  # As a killed save leaves it: no commit names it.
-  stores.for_path(f"{orphan}/penzai/pz_persist.json").write_whole(f"{orphan}/penzai/pz_persist.json", b"{}")
+  stores.for_path(orphan).write_whole(f"{orphan}/penzai/pz_persist.json", b"{}")
   assert [str(p) for p in commit_objects.orphans(stores.for_path(path), path)] == [orphan]
   code, out, _ = _run(capsys, "clean", path)
   assert code == 0 and f"kept {orphan}" in out and "--force" in out
@@ -154,9 +156,9 @@ def test_verify_of_rewritten_array_data_names_the_label(writable, capsys):
   pzp.save(path, {"w": jnp.arange(1000.0)})
   listed = stores.for_path(path).tree(path)
   data = max((n for n in listed if "/d/" in n), key=lambda n: listed[n].size)
-  raw = bytearray(stores.for_path(f"{path}/{data}").read(f"{path}/{data}", listed[data].size))
+  raw = bytearray(stores.for_path(path).read(f"{path}/{data}", listed[data].size))
   raw[len(raw) // 2] ^= 0xFF
-  stores.for_path(f"{path}/{data}").write_whole(f"{path}/{data}", bytes(raw))
+  stores.for_path(path).write_whole(f"{path}/{data}", bytes(raw))
   code, out, _ = _run(capsys, "verify", path)
   assert code == 1 and "DAMAGED" in out and "tree['w']" in out
 
@@ -170,9 +172,10 @@ def test_verify_of_a_copied_checkpoint_checks_its_digest_list(writable, tmp_path
   stores.for_path(path).filesystem(path).put(str(local), urls.key(path), recursive=True)
   report = pzp.verify(path)
   assert report.ok and report.files_checked and report.objects_checked is None
-  recorded = json.loads(stores.for_path(f"{path}/penzai/{file_digests.FILENAME}").read(f"{path}/penzai/{file_digests.FILENAME}", 10**6))
+  recorded = json.loads(
+      stores.for_path(path).read(f"{path}/penzai/{file_digests.FILENAME}", 10**6))
   name = next(n for n in recorded["files"] if n.startswith("d/"))
-  stores.for_path(f"{path}/penzai/{name}").write_whole(f"{path}/penzai/{name}", b"changed")
+  stores.for_path(path).write_whole(f"{path}/penzai/{name}", b"changed")
   code, out, _ = _run(capsys, "verify", path)
   assert code == 1 and f"{path}/penzai/{name}: " in out
 

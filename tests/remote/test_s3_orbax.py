@@ -226,7 +226,7 @@ def test_plain_orbax_checkpoint_manager_on_s3(s3, registered):
     manager.wait_until_finished()
     assert manager.all_steps() == [1, 2]
   # A step without its commit file is unfinished, as on GCS.
-  stores.for_path(f"{run}/7/default/_METADATA").write_whole(f"{run}/7/default/_METADATA", b"{}")
+  stores.for_path(run).write_whole(f"{run}/7/default/_METADATA", b"{}")
   with ocp.CheckpointManager(run, options=options) as manager:
     assert manager.all_steps() == [1, 2]
     restored = manager.restore(2, args=ocp.args.StandardRestore())

@@ -22,10 +22,10 @@ the process opted in (`pz_persist.tune_host_allocator`).
 
 TensorStore opens the files by path, so `read` is only ever called inside
 `pz_persist.storage.integrity.containment.files_unchanged` (by
-`pz_persist.storage.reading.reader.read_arrays`, which also checks the checksums, as each array is read, and places the
-arrays): every file is checked before the read and again after it, and
-nothing read is returned if one was swapped (for a link out of the
-checkpoint, say) in between.
+`pz_persist.storage.reading.reader.read_arrays`, which also checks the
+checksums, as each array is read, and places the arrays): every file is
+checked before the read and again after it, and nothing read is returned if
+one was swapped (for a link out of the checkpoint, say) in between.
 
 Which loads take it (`applies`): one process, every array going to host
 memory or to a single device. Loads onto a mesh, or across processes, keep
