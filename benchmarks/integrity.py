@@ -71,8 +71,8 @@ def paired_loads(directory: str, target_bytes: int, rounds: int) -> dict:
 def save_costs(directory: str, target_bytes: int) -> dict:
   """A pz_persist save, and the two integrity steps inside it, timed alone."""
   import pz_persist as pzp
-  from pz_persist.storage import checksums
-  from pz_persist.storage import file_digests
+  from pz_persist.storage.integrity import checksums
+  from pz_persist.storage.integrity import file_digests
 
   save_restore._warm_up("pz_persist")  # pylint: disable=protected-access
   params = save_restore.build_params(target_bytes)

@@ -171,7 +171,7 @@ def _operation(side: str, op: str, directory: str):
   manifest = manifest_lib.read(item)
   keys = {spec.label: spec.key for spec in manifest.arrays}
   if side == "floor":
-    from pz_persist.storage import direct_read
+    from pz_persist.storage.reading import direct_read
 
     def floor_layer():  # Every read issued at once, then waited for.
       stores = [direct_read.open_array(epath.Path(item), keys[label]) for label in labels]

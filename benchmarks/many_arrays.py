@@ -370,7 +370,7 @@ def manifest_floors(path: str) -> dict:
 
   import pz_persist as pzp
   from pz_persist.format import manifest as manifest_lib
-  from pz_persist.storage import restoring
+  from pz_persist.storage.reading import restoring
 
   item = os.path.join(path, "penzai")
   with open(os.path.join(item, manifest_lib.MANIFEST_FILENAME), "rb") as f:

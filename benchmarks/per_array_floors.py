@@ -56,10 +56,10 @@ import many_arrays  # noqa: E402  pylint: disable=wrong-import-position
 import pz_persist as pzp  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.format import encode  # noqa: E402  pylint: disable=wrong-import-position
 from pz_persist.format import manifest as manifest_lib  # noqa: E402  pylint: disable=wrong-import-position
-from pz_persist.storage import checksums  # noqa: E402  pylint: disable=wrong-import-position
-from pz_persist.storage import direct_read  # noqa: E402  pylint: disable=wrong-import-position
-from pz_persist.storage import reader  # noqa: E402  pylint: disable=wrong-import-position
-from pz_persist.storage import restoring  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.storage.integrity import checksums  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.storage.reading import direct_read  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.storage.reading import reader  # noqa: E402  pylint: disable=wrong-import-position
+from pz_persist.storage.reading import restoring  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def best(operation: Callable[[], Any], repeats: int) -> float:

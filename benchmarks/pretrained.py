@@ -177,7 +177,7 @@ def operation(op: str, src: str, dst: str, warm_up: bool = False):
   """The measured operation, as a function of no arguments."""
   if op == "fresh_memory":
     from pz_persist.pretrained import safetensors_io  # pylint: disable=import-outside-toplevel
-    from pz_persist.storage import host_memory
+    from pz_persist.storage.reading import host_memory
 
     files = [os.path.join(src, f) for f in sorted(os.listdir(src)) if f.endswith(".safetensors")]
     tensors = [entry for f in files for entry in safetensors_io.SafetensorsFile(f).entries.values()]

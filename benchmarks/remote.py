@@ -117,7 +117,7 @@ def _op(row: str, path: str, params, template):
 
 def enable_orbax_s3(path: str) -> str | None:
   """Teaches plain Orbax ``s3://`` with pz_persist's kvstore registration
-  (`pz_persist.storage.s3_kvstore`); the reason it cannot, if it cannot.
+  (`pz_persist.storage.stores.s3_kvstore`); the reason it cannot, if it cannot.
 
   Why: Orbax 0.12.8 alone takes ``s3://b/ck`` for the relative local path
   ``s3:/b/ck`` and would write there, on the local disk.
@@ -125,10 +125,10 @@ def enable_orbax_s3(path: str) -> str | None:
   if not path.startswith("s3://"):
     return None
   try:
-    from pz_persist.storage import s3_kvstore  # pylint: disable=import-outside-toplevel
+    from pz_persist.storage.stores import s3_kvstore  # pylint: disable=import-outside-toplevel
   except ImportError:
     return ("plain Orbax 0.12.8 cannot write s3:// (this checkout has no"
-            " pz_persist.storage.s3_kvstore to register its S3 kvstore spec)")
+            " pz_persist.storage.stores.s3_kvstore to register its S3 kvstore spec)")
   s3_kvstore.enable_orbax_s3()
   return None
 

@@ -20,7 +20,7 @@ bytes of float32. Each method saves and restores the same arrays:
   pinned), to measure what that opt-in buys.
 * ``pz_persist_untrimmed``, ``pz_persist_before_untrimmed`` (not run by
   default): without the ``malloc_trim`` after each read
-  (`pz_persist.storage.host_memory.release_freed` made a no-op), to measure what it buys.
+  (`pz_persist.storage.reading.host_memory.release_freed` made a no-op), to measure what it buys.
 * ``orbax``: ``ocp.StandardCheckpointer`` save of the same frozen parameters,
   restore *with* a template (``jax.eval_shape``), the way Penzai's docs say.
 * ``orbax_no_template`` (not run by default): the same save, restored
@@ -81,7 +81,7 @@ def _apply_variant(method: str) -> str:
   """Makes ``method``'s process-wide setting; returns the method it runs."""
   if not _is_variant(method):
     return method
-  from pz_persist.storage import host_memory
+  from pz_persist.storage.reading import host_memory
 
   if method.endswith("_tuned"):
     host_memory.tune_host_allocator()
@@ -363,10 +363,10 @@ def own_work(params) -> dict:
   arrays themselves go through the same Orbax code as in plain Orbax.
   """
   from pz_persist.format import manifest as manifest_lib
-  from pz_persist.storage import placements
-  from pz_persist.storage import reader
-  from pz_persist.storage import restoring
-  from pz_persist.storage import writer
+  from pz_persist.storage.reading import placements
+  from pz_persist.storage.reading import reader
+  from pz_persist.storage.reading import restoring
+  from pz_persist.storage.writing import writer
 
   def best(fn, repeats=5):
     return harness.best_of(fn, repeats)

@@ -72,7 +72,7 @@ def worker(method: str, process_id: int, processes: int, port: str, path: str) -
   item = pzp.checkpoint.find_item(path)
 
   def plain_orbax():
-    placements = pzp.storage.placements.placements(manifest, rules)
+    placements = pzp.storage.reading.placements.placements(manifest, rules)
     restore_args = {
         spec.key: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=spec.shape, dtype=spec.np_dtype)
         for spec, sharding in zip(manifest.arrays, placements)
@@ -96,7 +96,8 @@ def worker(method: str, process_id: int, processes: int, port: str, path: str) -
   multihost_utils.sync_global_devices("end")
   jax.distributed.shutdown()
   return {
-      "process": process_id, "shard_bytes": pzp.storage.placements.shard_bytes(manifest, rules),
+      "process": process_id,
+      "shard_bytes": pzp.storage.reading.placements.shard_bytes(manifest, rules),
       "extra_rss": rss.extra, "baseline": rss.baseline, "seconds": seconds,
   }
 

@@ -54,10 +54,10 @@ from pz_persist.orbax.v1_handler import PenzaiCheckpointableHandler
 from pz_persist.safety.allowlist import allow_modules
 from pz_persist.safety.limits import limits
 from pz_persist.sharding import AxisRules
-from pz_persist.storage.host_memory import release_buffers as release_read_buffers
-from pz_persist.storage.host_memory import tune_host_allocator
-from pz_persist.storage.s3_kvstore import disable_orbax_s3
-from pz_persist.storage.s3_kvstore import enable_orbax_s3
+from pz_persist.storage.reading.host_memory import release_buffers as release_read_buffers
+from pz_persist.storage.reading.host_memory import tune_host_allocator
+from pz_persist.storage.stores.s3_kvstore import disable_orbax_s3
+from pz_persist.storage.stores.s3_kvstore import enable_orbax_s3
 from pz_persist.training.manager import CheckpointManager
 from pz_persist.training.trainer import restore_trainer
 from pz_persist.training.trainer import trainer_items

@@ -54,9 +54,9 @@ from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.format import selection
 from pz_persist.format import variable_kinds
-from pz_persist.storage import opening
-from pz_persist.storage import placements
-from pz_persist.storage import reader
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import placements
+from pz_persist.storage.reading import reader
 
 LabelGlobs = str | Sequence[str]
 RenameRules = Mapping[str, str] | Sequence[tuple[str, str]]
@@ -830,7 +830,7 @@ def _checkpoint_variables(manifest, where, rules):
 
 class _ManifestSource:
   """A pz_persist checkpoint's variables: decoded from its manifest, read
-  through `pz_persist.storage.reader`."""
+  through `pz_persist.storage.reading.reader`."""
 
   def __init__(self, opened: opening.OpenItem, stored, rename_axes,
                progress: progress_lib.Progress = None):

@@ -18,7 +18,7 @@ until the new one is complete. When two processes save to one path at once,
 one wins and the other gets `pz_persist.errors.ConcurrentSaveError`; a `load`
 running meanwhile returns the old or the new checkpoint, never a mix of both.
 An interrupted save deletes what it wrote; what a killed one left is deleted
-by the next save of the path (see `pz_persist.storage.leftovers`).
+by the next save of the path (see `pz_persist.storage.lifecycle.leftovers`).
 
 `load` and `inspect` accept that directory, the ``penzai`` item directory
 inside it, or any Orbax checkpoint directory with exactly one pz_persist item
@@ -43,13 +43,12 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import meshes
 from pz_persist.orbax import v0_handler
 from pz_persist.safety import allowlist
-from pz_persist.storage import commit
 from pz_persist.storage import destinations
-from pz_persist.storage import leftovers
-from pz_persist.storage import opening
-from pz_persist.storage import restoring
-from pz_persist.storage import steps
 from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.lifecycle import steps
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import restoring
 
 ITEM_NAME = "penzai"
 """Name of the Orbax item `save` writes the tree to."""
@@ -104,17 +103,17 @@ def save(
     DisallowedModuleError: a class comes from a module that is not allowed.
     KeyboardInterrupt: the save was interrupted (Ctrl-C); it stopped Orbax's
       background writing and deleted what it wrote (see
-      `pz_persist.storage.leftovers`), and says so in one line.
+      `pz_persist.storage.lifecycle.leftovers`), and says so in one line.
   """
   store, path = stores.open_path(path)  # Chosen once, for the whole save.
-  destinations.check_outside_checkpoints(path, path)  # Never inside another.
+  destinations.check_outside_checkpoints(store, path, path)  # Never inside another.
   seen = store.identity(path)  # Moved into place only if still this.
   if seen is not None and not overwrite:
     raise errors.CheckpointExistsError(
         f"{path} already exists; pass overwrite=True to replace it."
     )
   if seen is not None and seen[0] != "commit":  # A commit: pz_persist's own.
-    destinations.check_replaceable(path, "checkpoint")
+    destinations.check_replaceable(store, path, "checkpoint")
   store.check_publishable(path, seen)
   with allowlist.scoped_allowance(allow_modules):
     args = v0_handler.PenzaiSave(tree)  # Validates the whole tree now.
@@ -123,12 +122,12 @@ def save(
   primary = ocp.multihost.is_primary_host(0)
   if primary and store.renames:  # Into a sibling, renamed into place.
     path.parent.mkdir(parents=True, exist_ok=True)
-    leftovers.remove_dead(path)  # Of earlier saves of ``path`` that died.
+    leftovers.remove_dead(store, path)  # Of earlier saves of ``path`` that died.
   # Always written whole under a name of its own, never at ``path`` directly:
   # Orbax's temporary name (``path.orbax-checkpoint-tmp``) would be shared by
   # two saves of ``path``, each deleting the other's files. On an object
   # store that name is a ``gen-*`` folder inside ``path``, published by a
-  # commit object instead of moved (`pz_persist.storage.object_commit`).
+  # commit object instead of moved (`pz_persist.storage.stores.commit_objects`).
   target = store.new_location(path, _shared_token())
   handler = v0_handler.PenzaiCheckpointHandler()
   outcome, failure = None, None
@@ -136,20 +135,20 @@ def save(
   try:
     # On any exception (Ctrl-C included), `writing` stops Orbax's background
     # work and deletes what this save wrote before the exception goes on.
-    with leftovers.writing(target, cancel=handler.cancel, primary=primary) as state:
+    with leftovers.writing(store, target, cancel=handler.cancel, primary=primary) as state:
       # Orbax's own ways of writing it, chosen here through its public hook
       # (`steps.temporary_path_class`): locally a rename of its own temporary
       # name; on an object store in place, with commit_success.txt (for s3://
       # once `stores.open_path` registered S3 with Orbax).
       with ocp.Checkpointer(
           ocp.CompositeCheckpointHandler(**{ITEM_NAME: handler}),
-          temporary_path_class=steps.temporary_path_class(target),
+          temporary_path_class=steps.temporary_path_class(store, target),
       ) as checkpointer:
         checkpointer.save(target, args=ocp.args.Composite(**{ITEM_NAME: args}))
       if primary:
         with leftovers.interrupts_deferred():  # The move is all or nothing.
           try:
-            moved = commit.move_into_place(path, target, seen)
+            moved = store.publish(path, target, seen)
             outcome = _MOVED if moved else _LOST_RACE
           except Exception as e:  # pylint: disable=broad-exception-caught
             outcome, failure = _FAILED, e  # Raised once the others know.
@@ -176,7 +175,7 @@ _MOVED, _LOST_RACE, _FAILED = 0, 1, 2
 
 
 def _interrupted(
-    path: epath.Path, seen: commit.Identity, outcome: int | None,
+    path: epath.Path, seen: stores.base.Identity, outcome: int | None,
     left: tuple[epath.Path, ...] = (),
 ) -> str:
   """The one line an interrupted `save` shows: what is at ``path`` now, and
@@ -260,8 +259,8 @@ def load(
     DisallowedModuleError: it names a class from a module that is not allowed.
     IntegrityError: with ``verify``, arrays do not match their checksums.
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `pz_persist.storage.opening.LOAD_ATTEMPTS` attempts to read it (10 on
-      an object store, where no lock makes saves wait for readers).
+      `pz_persist.storage.stores.base.Store.load_attempts` attempts to read it
+      (10 on an object store, where no lock makes saves wait for readers).
   """
   # Opened as every read is: under the lock a save's final move waits for,
   # and read again if a save replaced the checkpoint meanwhile (`opening`).
@@ -306,4 +305,4 @@ def find_item(path: epath.PathLike) -> epath.Path:
   Raises:
     NotACheckpointError: no item, or several (the message lists them).
   """
-  return opening.find_item(path)[0]
+  return opening.find_item(*stores.open_path(path))[0]

@@ -108,10 +108,10 @@ class UnsupportedStorageError(PzPersistError, ValueError):
   """A path on a storage pz_persist cannot keep checkpoints whole on.
 
   Only local paths, ``gs://`` and ``s3://`` are supported: on those the
-  commit protocol is known to be atomic (see `pz_persist.storage.object_store`).
+  commit protocol is known to be atomic (see `pz_persist.storage.stores`).
   Also raised for a ``gs://`` / ``s3://`` URL that the libraries reading it
   would resolve differently (``..``, ``.``, empty segments, an upper-case
-  scheme, ``%``, ``?``, ``#``): see `pz_persist.storage.object_store.check_url`.
+  scheme, ``%``, ``?``, ``#``): see `pz_persist.storage.stores.urls.check_url`.
   """
 
 
@@ -246,7 +246,7 @@ class ArrayReadError(PzPersistError):
   """Reading the stored array under ``key`` failed (``cause`` says why).
 
   Internal to the direct read path, which turns it into an error naming the
-  checkpoint; re-exported as ``pz_persist.storage.direct_read.ArrayReadError``.
+  checkpoint.
   """
 
   def __init__(self, key: str, cause: BaseException):

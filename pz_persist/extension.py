@@ -57,13 +57,13 @@ from pz_persist.format import casts
 from pz_persist.format import variable_kinds
 from pz_persist.safety import limits
 from pz_persist.safety import safe_io
-from pz_persist.storage import commit
-from pz_persist.storage import containment
 from pz_persist.storage import destinations
-from pz_persist.storage import host_memory
-from pz_persist.storage import opening
-from pz_persist.storage import orbax_metadata_checks
 from pz_persist.storage import stores
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import host_memory
+from pz_persist.storage.reading import opening
+from pz_persist.storage.stores import local
 
 __all__ = [
     "FolderSnapshot", "PlannedArray", "VARIABLE_KINDS", "aligned_empty", "always_exact",
@@ -97,7 +97,7 @@ def open_path(path: epath.PathLike) -> epath.Path:
     >>> extension.open_path("/tmp/../tmp/model").as_posix()
     '/tmp/model'
   """
-  return commit.open_path(path)
+  return stores.open_path(path)[1]
 
 
 def check_orbax_folder(path: epath.Path) -> FolderSnapshot | None:
@@ -131,7 +131,7 @@ def check_orbax_folder(path: epath.Path) -> FolderSnapshot | None:
   containment.check_checkpoint_metadata(path)
   metadata = path / "_METADATA"
   limit = containment.MAX_ORBAX_METADATA_BYTES
-  if commit.is_local(metadata) and metadata.exists() and metadata.stat().length > limit:
+  if safe_io.is_local(metadata) and metadata.exists() and metadata.stat().length > limit:
     raise errors.UnsafeCheckpointError(
         f"{metadata} is over the {limit}-byte limit; refusing to read it."
     )
@@ -405,7 +405,7 @@ def check_export_destination(folder: str, *, overwrite: bool) -> None:
     ArgumentError: ``folder`` is not local (serving tools read a local one).
     CheckpointExistsError: saying why ``folder`` may not be replaced.
   """
-  if not commit.is_local(folder):
+  if not safe_io.is_local(folder):
     raise errors.ArgumentError(
         f"{folder}: export_hf writes a local folder (serving tools and the Hub"
         " upload read one); export to a local path, then copy it to the store."
@@ -418,7 +418,7 @@ def check_export_destination(folder: str, *, overwrite: bool) -> None:
         f"{folder} exists and is not empty; pass overwrite=True (CLI: --overwrite)"
         " to replace it."
     )
-  destinations.check_replaceable(folder, "hf_export")
+  destinations.check_replaceable(stores.LOCAL, folder, "hf_export")
 
 
 @contextlib.contextmanager
@@ -447,11 +447,11 @@ def publishing_export(folder: str) -> Iterator[epath.Path]:
     >>> sorted(os.listdir(folder))
     ['config.json', 'pz_persist.export.json']
   """
-  path = commit.as_path(os.path.abspath(folder))
-  seen = commit.identity(path)
+  store, path = stores.choose(os.path.abspath(folder))
+  seen = store.identity(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   # A plain mkdir, not mkdtemp: its 0o700 would be the exported folder's mode.
-  new = commit.sibling(path, "export")
+  new = local.sibling(path, "export")
   new.mkdir()
   try:
     yield new
@@ -459,7 +459,7 @@ def publishing_export(folder: str) -> Iterator[epath.Path]:
   except BaseException:
     safe_io.remove_tree(new)
     raise
-  if not commit.move_into_place(path, new, seen):
+  if not store.publish(path, new, seen):
     raise errors.ConcurrentSaveError(
         f"{folder} was created or changed by another writer while this export was"
         " being written; it was left as that writer made it and this export was"

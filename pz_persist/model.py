@@ -42,8 +42,8 @@ from pz_persist import sharding as sharding_lib
 from pz_persist.format import manifest_queries
 from pz_persist.format import meshes
 from pz_persist.safety import allowlist
-from pz_persist.storage import opening
-from pz_persist.storage import restoring
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import restoring
 
 
 def save_model(

@@ -56,11 +56,11 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.safety import limits
-from pz_persist.storage import commit
-from pz_persist.storage import containment
-from pz_persist.storage import file_digests
-from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import placements
+from pz_persist.storage import stores
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import file_digests
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import placements
 
 _ORBAX_METADATA = "_METADATA"
 
@@ -116,7 +116,7 @@ def find_item(path: epath.PathLike) -> epath.Path | None:
   Raises:
     NotACheckpointError: several item directories qualify (it names them).
   """
-  path = commit.open_path(path)
+  path = stores.open_path(path)[1]
   if not path.is_dir():
     return None
   if _is_plain_item(path):
@@ -136,7 +136,7 @@ def _is_plain_item(directory: epath.Path) -> bool:
       directory.is_dir()
       and (directory / _ORBAX_METADATA).is_file()
       and not (directory / manifest_lib.MANIFEST_FILENAME).exists()
-      and not (directory / file_digests.FILENAME).exists()
+      and not (directory / manifest_lib.FILE_DIGESTS_FILENAME).exists()
   )
 
 

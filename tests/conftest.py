@@ -26,10 +26,10 @@ def ckpt(tmp_path):
 
 @pytest.fixture
 def tensorstore_opens(monkeypatch) -> list[str]:
-  """The labels (or paths) of the arrays `pz_persist.storage.direct_read` opens
+  """The labels (or paths) of the arrays `pz_persist.storage.reading.direct_read` opens
   with ``ts.open``, as they are opened; the others it reads as raw chunks
-  (`pz_persist.storage.raw_chunks`)."""
-  from pz_persist.storage import direct_read  # pylint: disable=import-outside-toplevel
+  (`pz_persist.storage.reading.raw_chunks`)."""
+  from pz_persist.storage.reading import direct_read  # pylint: disable=import-outside-toplevel
 
   opened: list[str] = []
   real = direct_read._open  # pylint: disable=protected-access

@@ -14,8 +14,8 @@ import pytest
 
 import pz_persist as pzp
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import checksums
-from pz_persist.storage import writer
+from pz_persist.storage.integrity import checksums
+from pz_persist.storage.writing import writer
 
 
 @pytest.fixture

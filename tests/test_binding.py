@@ -18,7 +18,7 @@ from treecompare import assert_identical
 from treecompare import assert_same_outputs
 
 import pz_persist as pzp
-from pz_persist.storage import reader
+from pz_persist.storage.reading import reader
 
 
 def _fresh_mlp(name="mlp", sizes=(8, 16, 8), seed=42):

@@ -15,7 +15,7 @@ import pytest
 from penzai import pz
 
 import pz_persist as pzp
-from pz_persist.storage import reader
+from pz_persist.storage.reading import reader
 from pz_persist.tools import cli
 from pz_persist.tools import diffing
 

@@ -21,8 +21,8 @@ from conftest import REPO
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.storage import commit
-from pz_persist.storage import opening
+from pz_persist.storage import stores
+from pz_persist.storage.reading import opening
 
 TREE_CODE = textwrap.dedent("""
     import numpy as np
@@ -169,14 +169,14 @@ READER = textwrap.dedent("""
     import json, sys
     import numpy as np
     import pz_persist as pzp
-    from pz_persist.storage import opening
+    from pz_persist.storage.reading import opening
 
     attempts = 0
     identity = opening._identity
-    def counting(path, item):  # Called 3 times per attempt.
+    def counting(store, path, item):  # Called 3 times per attempt.
       global attempts
       attempts += 1
-      return identity(path, item)
+      return identity(store, path, item)
     opening._identity = counting
 
     path = sys.argv[1]
@@ -227,14 +227,14 @@ def test_save_losing_the_race_keeps_nothing(tmp_path, monkeypatch, overwrite):
   path = tmp_path / "ckpt"
   if overwrite:
     pzp.save(path, {"first": 1})
-  move = commit.move_into_place
+  move = stores.LOCAL.publish
 
   def another_save_first(*args):
-    monkeypatch.setattr(commit, "move_into_place", move)
+    monkeypatch.setattr(stores.LOCAL, "publish", move)
     pzp.save(path, {"winner": 1}, overwrite=True)
     return move(*args)
 
-  monkeypatch.setattr(commit, "move_into_place", another_save_first)
+  monkeypatch.setattr(stores.LOCAL, "publish", another_save_first)
   with pytest.raises(errors.ConcurrentSaveError, match=f"another process saved {path}"):
     pzp.save(path, {"loser": 1}, overwrite=overwrite)
   assert pzp.load(path) == {"winner": 1}

@@ -24,8 +24,8 @@ from penzai import pz
 from penzai.toolshed import lora
 
 import pz_persist as pzp
-from pz_persist.storage import opening
-from pz_persist.storage import reader
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import reader
 from pz_persist.tools import cli
 from pz_persist.tools import diff_sides
 from pz_persist.tools import diff_view

@@ -1,4 +1,4 @@
-"""The load fast path (`pz_persist.storage.direct_read`) and the storage defaults.
+"""The load fast path (`pz_persist.storage.reading.direct_read`) and the storage defaults.
 
 Loads into one process onto host memory or one device read each array
 straight into its final, 64-byte aligned buffer; everything else goes through
@@ -25,8 +25,8 @@ import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import direct_read
-from pz_persist.storage import host_memory
+from pz_persist.storage.reading import direct_read
+from pz_persist.storage.reading import host_memory
 
 
 def _tree():

@@ -1,4 +1,4 @@
-"""The save fast path (`pz_persist.storage.direct_write`).
+"""The save fast path (`pz_persist.storage.writing.direct_write`).
 
 A single-process save of arrays each whole in host memory or on one device
 writes Orbax's files itself. The promise is that nothing tells the two apart:
@@ -24,7 +24,7 @@ from treecompare import assert_identical
 import pz_persist as pzp
 from pz_persist import checkpoint
 from pz_persist import errors
-from pz_persist.storage import direct_write
+from pz_persist.storage.writing import direct_write
 
 ORBAX_FILES = ("_METADATA", "_sharding", "array_metadatas/process_0")
 
@@ -114,7 +114,7 @@ def test_other_saves_keep_orbax_path(tmp_path, monkeypatch, case):
 
 
 def test_a_save_with_a_failed_hash_writes_nothing(tmp_path, monkeypatch):
-  from pz_persist.storage import checksums  # pylint: disable=import-outside-toplevel
+  from pz_persist.storage.integrity import checksums  # pylint: disable=import-outside-toplevel
 
   def fail(self, exchange=None, stop=None):
     raise RuntimeError("hashing failed (injected)")

@@ -122,11 +122,9 @@ def test_documented_homes_still_name_the_same_classes():
   from pz_persist.pretrained import gemma
   from pz_persist.pretrained import hf
   from pz_persist.pretrained import safetensors_io
-  from pz_persist.storage import direct_read
 
   with pytest.warns(DeprecationWarning, match="use pz_persist.errors.BindingError"):
     assert pzp.BindingError is binding.BindingError is errors.BindingError  # Until 2027-06-01.
-  assert direct_read.ArrayReadError is errors.ArrayReadError
   assert gemma.GemmaCheckpointError is pretrained_errors.GemmaCheckpointError
   assert hf.UnsupportedConfigError is errors.UnsupportedConfigError
   assert hf.CheckpointFolderError is pretrained_errors.CheckpointFolderError

@@ -1,4 +1,4 @@
-"""Every save path writes what every entry point reads (`pz_persist.storage.writer`).
+"""Every save path writes what every entry point reads (`pz_persist.storage.writing.writer`).
 
 One model is saved by each way there is to save it (`pzp.save`, Orbax's v0
 ``Checkpointer`` and ``AsyncCheckpointer`` around `PenzaiCheckpointHandler`,

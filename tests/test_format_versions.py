@@ -17,7 +17,7 @@ from pz_persist import errors
 from pz_persist import version
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
-from pz_persist.storage import writer
+from pz_persist.storage.writing import writer
 from pz_persist.tools import cli
 
 NEWER = manifest_lib.FORMAT_VERSION + 1

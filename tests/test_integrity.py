@@ -9,16 +9,16 @@ import random
 
 import jax
 import jax.numpy as jnp
+import manifest_json
 import model_zoo
 import numpy as np
-import manifest_json
 import pytest
 from penzai import pz
 from treecompare import assert_identical
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.storage import file_digests
+from pz_persist.format import manifest as manifest_lib
 from pz_persist.tools import cli
 
 
@@ -72,7 +72,7 @@ def test_a_flipped_byte_in_any_file_is_reported(tmp_path):
   pzp.save(original, {"params": _params()})
   rng = random.Random(0)
   files = [os.path.relpath(f, original) for f in _item_files(original)]
-  files.remove(os.path.join("penzai", file_digests.FILENAME))
+  files.remove(os.path.join("penzai", manifest_lib.FILE_DIGESTS_FILENAME))
   trials = files + [rng.choice(files) for _ in range(40 - len(files))]
   for trial, name in enumerate(trials):
     copy = tmp_path / f"copy{trial}"
@@ -156,7 +156,7 @@ def test_checkpoints_from_before_checksums_still_load(ckpt):
   for entry in manifest["arrays"]:
     del entry["checksums"]
   _write_manifest(ckpt, manifest)
-  os.remove(ckpt / "penzai" / file_digests.FILENAME)
+  os.remove(ckpt / "penzai" / manifest_lib.FILE_DIGESTS_FILENAME)
 
   loaded = pzp.load(ckpt)
   assert [p.label for p in loaded] == [p.label for p in params]

@@ -28,9 +28,9 @@ from penzai import pz
 
 import pz_persist as pzp
 from pz_persist.orbax import v0_handler
-from pz_persist.storage import commit
-from pz_persist.storage import direct_write
-from pz_persist.storage import leftovers
+from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.writing import direct_write
 from pz_persist.tools import cli
 
 SAVER = textwrap.dedent("""
@@ -80,7 +80,7 @@ def _wait_until_writing(process: subprocess.Popen, path, written: int = 2**20) -
   assert process.stdout.readline() == "saving\n"
   deadline = time.monotonic() + _TIMEOUT
   while time.monotonic() < deadline:
-    found = leftovers.find(path)
+    found = leftovers.find(*stores.choose(path))
     if found and sum(l.nbytes for l in found) > written:
       return
     if process.poll() is not None:
@@ -222,7 +222,7 @@ def test_sigkill_leftovers_removed_by_next_save(tmp_path):
   path = tmp_path / "ckpt"
   pzp.save(path, _tree(1.0))
   _killed_mid_save(path)
-  [found] = leftovers.find(path)
+  [found] = leftovers.find(*stores.choose(path))
   assert found.removable and found.nbytes > 2**20, found
   assert "has exited" in found.reason
   pzp.save(path, _tree(3.0), overwrite=True)
@@ -261,10 +261,11 @@ HOLDER = textwrap.dedent("""
     # Writes a family the way a running save does, and keeps writing it.
     import sys, time
     from etils import epath
-    from pz_persist.storage import leftovers
+    from pz_persist.storage import stores
+    from pz_persist.storage.lifecycle import leftovers
     target = epath.Path(sys.argv[1])
     tmp = target.parent / (target.name + ".orbax-checkpoint-tmp")
-    with leftovers.writing(target, cancel=lambda: None):
+    with leftovers.writing(stores.LOCAL, target, cancel=lambda: None):
       tmp.mkdir()
       print("writing", flush=True)
       sys.stdin.read()
@@ -281,7 +282,7 @@ def test_leftovers_of_a_running_writer_are_never_removed(tmp_path):
   )
   try:
     assert holder.stdout.readline() == "writing\n"
-    [found] = leftovers.find(path)
+    [found] = leftovers.find(*stores.choose(path))
     assert found.status == "live" and "lock" in found.reason
     pzp.save(path, _tree(1.0))
     status, out = _cli("clean", "--force", str(tmp_path))
@@ -320,14 +321,14 @@ def test_writer_decided_by_pid_start_time_host_and_boot(tmp_path):
     }
     (tmp_path / ".ckpt.pz_persist-new-a8.orbax-checkpoint-tmp").mkdir()  # No marker.
     statuses[".ckpt.pz_persist-new-a8"] = "unknown"
-    found = {l.name.name: l.status for l in leftovers.find(tmp_path / "ckpt")}
+    found = {l.name.name: l.status for l in leftovers.find(*stores.choose(tmp_path / "ckpt"))}
     assert found == statuses
-    leftovers.remove_dead(tmp_path / "ckpt")
-    assert {l.name.name for l in leftovers.find(tmp_path / "ckpt")} == {
+    leftovers.remove_dead(*stores.choose(tmp_path / "ckpt"))
+    assert {l.name.name for l in leftovers.find(*stores.choose(tmp_path / "ckpt"))} == {
         name for name, status in statuses.items() if status != "dead"
     }
     _cli("clean", "--force", str(tmp_path / "ckpt"))
-    assert [l.name.name for l in leftovers.find(tmp_path / "ckpt")] == [
+    assert [l.name.name for l in leftovers.find(*stores.choose(tmp_path / "ckpt"))] == [
         name for name, status in statuses.items() if status == "live"
     ]
   finally:
@@ -349,13 +350,13 @@ def test_ctrl_c_during_the_move_waits_for_it(tmp_path, monkeypatch):
   """The move into place is never cut in half; the interrupt comes after it."""
   path = tmp_path / "ckpt"
   pzp.save(path, _tree(1.0))
-  move = commit.move_into_place
+  move = stores.LOCAL.publish
 
   def interrupted_move(*args):
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the move starts.
     return move(*args)
 
-  monkeypatch.setattr(commit, "move_into_place", interrupted_move)
+  monkeypatch.setattr(stores.LOCAL, "publish", interrupted_move)
   with pytest.raises(KeyboardInterrupt, match="interrupted once complete"):
     pzp.save(path, _tree(2.0), overwrite=True)
   _wait_for_deletions()

@@ -23,8 +23,9 @@ from conftest import REPO
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.storage import leftovers
-from pz_persist.storage import steps as steps_lib
+from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.lifecycle import steps as steps_lib
 from pz_persist.tools import cli
 
 SAVER = textwrap.dedent("""
@@ -85,14 +86,14 @@ def killed(tmp_path_factory):
   """A checkpoint path whose save was killed midway (nothing else there)."""
   path = tmp_path_factory.mktemp("killed") / "ckpt"
   _kill_while_writing(
-      path, "save", lambda: sum(found.nbytes for found in leftovers.find(path))
+      path, "save", lambda: sum(found.nbytes for found in leftovers.find(*stores.choose(path)))
   )
   return path
 
 
 @pytest.mark.parametrize("entry_point", sorted(_ENTRY_POINTS))
 def test_every_reader_names_what_the_killed_save_left(killed, entry_point):
-  (family,) = leftovers.find(killed)
+  (family,) = leftovers.find(*stores.choose(killed))
   size = re.escape(leftovers.terminal.size_text(family.nbytes))
   with pytest.raises(errors.NotACheckpointError) as raised:
     _ENTRY_POINTS[entry_point](killed)
@@ -116,9 +117,11 @@ def test_the_command_line_says_it_too(killed, command, capsys):
 
 def test_after_clean_it_says_only_that_nothing_is_there(tmp_path):
   path = tmp_path / "ckpt"
-  _kill_while_writing(path, "save", lambda: sum(found.nbytes for found in leftovers.find(path)))
+  _kill_while_writing(
+      path, "save", lambda: sum(found.nbytes for found in leftovers.find(*stores.choose(path)))
+  )
   assert cli.main(["clean", str(path)]) == 0
-  assert leftovers.find(path) == []
+  assert leftovers.find(*stores.choose(path)) == []
   with pytest.raises(errors.NotACheckpointError) as raised:
     pzp.load(path)
   assert str(raised.value) == f"{path} is not a pz_persist checkpoint: it does not exist."

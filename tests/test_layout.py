@@ -212,11 +212,14 @@ ALIASES_ALLOWED = {
     # A bound builtin, for the frozen dataclass's own __post_init__.
     "pz_persist.format.array_specs: _set = object.__setattr__",
     # A tuple type named for what it holds.
-    "pz_persist.storage.containment: Snapshot = tuple",
+    "pz_persist.storage.integrity.containment: Snapshot = tuple",
     # Orbax's modules by their job (the seam's private names stay there).
-    "pz_persist.storage.steps: _step_paths = ocp.path.step",
-    "pz_persist.storage.steps: _atomicity = ocp.path.atomicity",
-    "pz_persist.storage.steps: COMMIT_MARKER = _atomicity.COMMIT_SUCCESS_FILE",
+    "pz_persist.storage.lifecycle.steps: _step_paths = ocp.path.step",
+    "pz_persist.storage.lifecycle.steps: _atomicity = ocp.path.atomicity",
+    "pz_persist.storage.lifecycle.steps: COMMIT_MARKER = _atomicity.COMMIT_SUCCESS_FILE",
+    # A file name given the role it plays for the digest list (its docstring).
+    "pz_persist.storage.integrity.file_digests: _ORBAX_METADATA ="
+    " stores.local.ORBAX_CHECKPOINT_METADATA",
     # The extension surface names, for loaders, what they may rely on.
     "pz_persist.extension: FolderSnapshot = containment.Snapshot",
 }
@@ -293,6 +296,47 @@ def test_the_alias_scan_sees_aliases():
   assert [ast.unparse(n) for n in tree.body
           if isinstance(getattr(n, "value", None), (ast.Name, ast.Attribute))] == [
               "a = b", "c: int = d.e"]
+
+
+STORAGE_ROOMS = {
+    "orbax_seam": 0,  # Every private Orbax name.
+    "stores": 1,  # The kinds of storage, and how each publishes a checkpoint whole.
+    "integrity": 2,  # Checksums, file digests, containment, Orbax's metadata checked.
+    "writing": 3, "lifecycle": 3,  # The one writer; leftovers and steps.
+    "reading": 4,  # The one way in and the one array reader.
+    "destinations": 5,  # What a writer may replace, where an output may go.
+}
+"""The rooms of `storage/` by floor: a room imports only rooms of lower floors,
+and modules of its own room (ARCHITECTURE.md draws them)."""
+
+
+def _storage_room(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[2] if len(parts) > 2 and parts[1] == "storage" else None
+
+
+def _storage_imports(path: pathlib.Path) -> list[str]:
+  """`_imports`, with ``from pz_persist.storage import ROOM`` as ROOM itself."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module == "pz_persist.storage":
+      found += [f"pz_persist.storage.{alias.name}" for alias in node.names]
+  return found + _imports(path)
+
+
+def test_storage_rooms_import_only_downward():
+  rooms = {_storage_room(module) for _, module in _modules()} - {None}
+  assert rooms == set(STORAGE_ROOMS), f"give these a floor: {rooms - set(STORAGE_ROOMS)}"
+  upward = []
+  for path, module in _modules():
+    room = _storage_room(module)
+    if room is None:
+      continue
+    for imported in _storage_imports(path):
+      target = _storage_room(imported)
+      if target is not None and target != room and STORAGE_ROOMS[target] >= STORAGE_ROOMS[room]:
+        upward.append(f"{module} -> {imported}")
+  assert not upward, "storage imports that run back up:\n" + "\n".join(upward)
 
 
 _PRIVATE_ORBAX = re.compile(r"^orbax\.checkpoint(\.experimental\.v1)?\._src(\.|$)")
@@ -518,10 +562,10 @@ KIND_QUESTIONS_LEFT = {
     # fall back to epath for URLs, and say which they are.
     "safety/safe_io.py": 7,
     # Only a local directory can hold a link leading out of it.
-    "storage/containment.py": 1,
+    "storage/integrity/containment.py": 1,
     # The writer's (issue 29, item 1): digests and the direct write are local.
-    "storage/file_digests.py": 2,
-    "storage/direct_write.py": 1,
+    "storage/integrity/file_digests.py": 2,
+    "storage/writing/direct_write.py": 1,
     # The extension surface's (a local export folder; Orbax's _METADATA size).
     "extension.py": 2,
 }
@@ -607,7 +651,7 @@ def test_public_names_live_where_their_names_say():
 
   assert pzp.AxisRules is sharding.AxisRules
   assert pzp.load_into.__module__ == "pz_persist.model"
-  assert not hasattr(importlib.import_module("pz_persist.storage.placements"), "AxisRules")
+  assert not hasattr(importlib.import_module("pz_persist.storage.reading.placements"), "AxisRules")
 
 
 def test_one_table_of_variable_kinds():

@@ -22,9 +22,9 @@ from penzai import pz
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import checksums
-from pz_persist.storage import reader
-from pz_persist.storage import slices
+from pz_persist.storage.integrity import checksums
+from pz_persist.storage.reading import reader
+from pz_persist.storage.reading import slices
 
 ROWS, COLS = 4096, 1536  # 24 MiB of float32: two checksum tiles of 16 MiB.
 
@@ -312,7 +312,7 @@ def test_tiles_are_chunked_to_match_and_plain_orbax_restores_them(saved):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   from etils import epath  # pylint: disable=import-outside-toplevel
 
-  from pz_persist.storage import direct_read  # pylint: disable=import-outside-toplevel
+  from pz_persist.storage.reading import direct_read  # pylint: disable=import-outside-toplevel
 
   manifest = manifest_lib.read(saved / "penzai")
   (embed,) = [spec for spec in manifest.arrays if spec.label == "embedder.embeddings"]

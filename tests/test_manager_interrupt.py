@@ -28,7 +28,7 @@ from penzai import pz
 
 import pz_persist as pzp
 from pz_persist.orbax import v0_handler
-from pz_persist.storage import steps as steps_lib
+from pz_persist.storage.lifecycle import steps as steps_lib
 from pz_persist.tools import cli
 
 RUN = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""`pz_persist.storage.opening`: the one way every reader opens a checkpoint item."""
+"""`pz_persist.storage.reading.opening`: the one way every reader opens a checkpoint item."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pz_persist import checkpoint
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
-from pz_persist.storage import containment
-from pz_persist.storage import opening
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.reading import opening
 from pz_persist.tools import viewing
 
 

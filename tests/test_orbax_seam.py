@@ -46,7 +46,7 @@ def test_the_seam_supports_what_pyproject_declares():
 
 def test_build_array_write_spec(tmp_path):
   """direct_write writes Orbax's files byte for byte from this spec."""
-  relied_on = "writing arrays as Orbax's handler does (storage.direct_write)"
+  relied_on = "writing arrays as Orbax's handler does (storage.writing.direct_write)"
   info = ocp.type_handlers.ParamInfo(
       name="_", parent_dir=tmp_path, is_ocdbt_checkpoint=True, use_zarr3=False,
       use_compression=False, ts_context=None, ocdbt_target_data_file_size=2**24,
@@ -68,7 +68,7 @@ def test_build_array_write_spec(tmp_path):
 
 def test_orbax_save_threads_are_the_threads_async_saves_start(tmp_path, monkeypatch):
   """leftovers waits for these threads when a save is abandoned."""
-  relied_on = "waiting for an abandoned save's threads (storage.leftovers)"
+  relied_on = "waiting for an abandoned save's threads (storage.lifecycle.leftovers)"
   try:
     kind = orbax_seam.orbax_save_threads()
   except AttributeError as e:
@@ -172,7 +172,7 @@ def wrapped():
 
 
 def test_build_kvstore_tspec_is_what_orbax_writes_arrays_with(tmp_path, wrapped):
-  relied_on = "s3:// arrays (storage.s3_kvstore, enable_orbax_s3)"
+  relied_on = "s3:// arrays (storage.stores.s3_kvstore, enable_orbax_s3)"
   spec = orbax_seam.orbax_function("build_kvstore_tspec")("gs://bucket/ck", use_ocdbt=False)
   assert isinstance(spec, dict) and spec.get("driver") in ("gcs", "gcs_grpc"), _broken(
       "build_kvstore_tspec('gs://...', use_ocdbt=False)", relied_on
@@ -194,7 +194,7 @@ def test_build_kvstore_tspec_is_what_orbax_writes_arrays_with(tmp_path, wrapped)
     "get_default_temporary_path_class", "get_item_default_temporary_path_class",
 ])
 def test_default_temporary_path_classes_are_what_orbax_publishes_by(tmp_path, wrapped, name):
-  relied_on = "publishing s3:// checkpoints by commit file (storage.s3_kvstore)"
+  relied_on = "publishing s3:// checkpoints by commit file (storage.stores.s3_kvstore)"
   atomicity = ocp.path.atomicity
   function = orbax_seam.orbax_function(name)
   from etils import epath  # pylint: disable=import-outside-toplevel
@@ -223,7 +223,7 @@ def test_commit_marker_and_classes_stay_public():
   atomicity = ocp.path.atomicity
   assert atomicity.COMMIT_SUCCESS_FILE == "commit_success.txt", _broken(
       "ocp.path.atomicity.COMMIT_SUCCESS_FILE (its name is in every object-store step)",
-      "telling committed steps (storage.steps)",
+      "telling committed steps (storage.lifecycle.steps)",
   )
   assert issubclass(atomicity.CommitFileTemporaryPath, ocp.path.atomicity_types.TemporaryPath)
 
@@ -231,7 +231,7 @@ def test_commit_marker_and_classes_stay_public():
 def test_sharding_metadata_is_what_orbax_records(tmp_path):
   """direct_write describes shardings with Orbax's public metadata classes;
   Orbax's own handler must write the same in ``_sharding``."""
-  from pz_persist.storage import direct_write  # pylint: disable=import-outside-toplevel
+  from pz_persist.storage.writing import direct_write  # pylint: disable=import-outside-toplevel
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
   shardings = {
@@ -247,7 +247,7 @@ def test_sharding_metadata_is_what_orbax_records(tmp_path):
     described = direct_write._sharding_metadata(sharding)  # pylint: disable=protected-access
     assert described.to_serialized_string() in recorded, _broken(
         "what Orbax's handler writes in _sharding (ocp.metadata's ShardingMetadata)",
-        "the _sharding file (storage.direct_write)",
+        "the _sharding file (storage.writing.direct_write)",
     )
 
 
@@ -268,6 +268,6 @@ def test_orbax_save_threads_pass_on_a_keyboard_interrupt(tmp_path, monkeypatch):
   else:
     pytest.fail(_broken(
         "how Orbax's save threads (_SignalingThread) pass on a BaseException raised in them",
-        "failing an interrupted save (checkpoint.save, storage.leftovers)",
+        "failing an interrupted save (checkpoint.save, storage.lifecycle.leftovers)",
     ))
   assert not (tmp_path / "ck").exists()

@@ -23,10 +23,10 @@ from penzai.models import simple_mlp
 
 import pz_persist as pzp
 from pz_persist import progress as progress_lib
+from pz_persist.format import manifest as manifest_lib
 from pz_persist.pretrained import safetensors_io
-from pz_persist.storage import direct_read
-from pz_persist.storage import file_digests
-from pz_persist.storage import reader
+from pz_persist.storage.reading import direct_read
+from pz_persist.storage.reading import reader
 from pz_persist.tools import cli
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +66,7 @@ class _Seen:
 
 
 def _recorded_file_bytes(item) -> int:
-  with open(os.path.join(item, file_digests.FILENAME)) as f:
+  with open(os.path.join(item, manifest_lib.FILE_DIGESTS_FILENAME)) as f:
     return sum(size for size, _ in json.load(f)["files"].values())
 
 

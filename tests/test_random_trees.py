@@ -22,9 +22,9 @@ from pz_persist.format import encode
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.safety import allowlist
-from pz_persist.storage import placements
-from pz_persist.storage import reader
-from pz_persist.storage import restoring
+from pz_persist.storage.reading import placements
+from pz_persist.storage.reading import reader
+from pz_persist.storage.reading import restoring
 
 Pair = collections.namedtuple("Pair", ["first", "second"])
 

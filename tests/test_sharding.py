@@ -122,8 +122,9 @@ def test_shard_bytes(ckpt):
   pzp.save(ckpt, {"w": pz.nx.wrap(jnp.ones((8, 16)), "rows", "cols")})
   manifest = pzp.checkpoint.read_manifest(ckpt)
   rules = pzp.AxisRules(_mesh(), {"rows": "data", "cols": "model"})
-  assert pzp.storage.placements.shard_bytes(manifest, rules) == 8 * 16 * 4  # 8 devices, 1/8 each.
-  assert pzp.storage.placements.shard_bytes(manifest, None) == 8 * 16 * 4
+  # 8 devices, 1/8 each.
+  assert pzp.storage.reading.placements.shard_bytes(manifest, rules) == 8 * 16 * 4
+  assert pzp.storage.reading.placements.shard_bytes(manifest, None) == 8 * 16 * 4
 
 
 def test_arrays_are_read_in_bounded_batches(ckpt, monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pz_persist.storage import steps
+from pz_persist.storage.lifecycle import steps
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """How a stored array's checksums are recorded: the part of checksums that is
 file format (the algorithm's name, the slice each digest covers, which sets of
-slices are acceptable), apart from computing them (`pz_persist.storage.checksums`).
+slices are acceptable), apart from computing them (`pz_persist.storage.integrity.checksums`).
 """
 
 from __future__ import annotations

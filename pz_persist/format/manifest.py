@@ -44,7 +44,7 @@ MANIFEST_FILENAME = "pz_persist.json"
 
 FILE_DIGESTS_FILENAME = "pz_persist.files.json"
 """The list of the item's files with their sizes and digests, written beside
-the manifest once every other file is final (`pz_persist.storage.file_digests`)."""
+the manifest once every other file is final (`pz_persist.storage.integrity.file_digests`)."""
 
 MAX_FILE_DIGESTS_BYTES = 64 * 2**20
 """Larger digest files are refused before parsing."""
@@ -348,7 +348,7 @@ def check_publishable(manifest: Manifest, *, what: str) -> None:
   counted through shared and variable entries), so what a writer publishes
   is inside every limit by construction, however the limits change. Every
   save path calls it before it writes anything
-  (`pz_persist.storage.writer.check_publishable`).
+  (`pz_persist.storage.writing.writer.check_publishable`).
 
   Args:
     manifest: The manifest as it will be written (checksums included: only
@@ -404,7 +404,7 @@ def _refuse_downgrade(directory: epath.PathLike, manifest: Manifest, *, where: s
 
   Why: format 1 predates checksums, so its arrays load unverified; rewriting a
   manifest as format 1 would hide edited arrays. The file digest list
-  (`pz_persist.storage.file_digests`) came with checksums: an item holding one was
+  (`pz_persist.storage.integrity.file_digests`) came with checksums: an item holding one was
   written with checksums, and its manifest cannot be format 1.
   """
   if manifest.format_version >= 2:

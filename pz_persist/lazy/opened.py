@@ -3,10 +3,10 @@
 Why a handle: a notebook user with a checkpoint larger than they want to load
 wants to see it at once, then read one layer, one variable or a few rows of
 an embedding. `open` reads the manifest only (what `pz_persist.inspect`
-reads, through `pz_persist.storage.opening`, the one way in), and the handle
+reads, through `pz_persist.storage.reading.opening`, the one way in), and the handle
 reads arrays only when asked, each read through the same reader every load
-uses (`pz_persist.storage.reader.read_arrays`, or for part of one array
-`pz_persist.storage.slices`): the same checksums, allocation limits,
+uses (`pz_persist.storage.reading.reader.read_arrays`, or for part of one array
+`pz_persist.storage.reading.slices`): the same checksums, allocation limits,
 containment checks and object-store retries.
 
 A handle never mixes two checkpoints: every read holds the shared lock a
@@ -46,10 +46,10 @@ from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.lazy import indexing
 from pz_persist.safety import allowlist
-from pz_persist.storage import opening
-from pz_persist.storage import reader
-from pz_persist.storage import restoring
-from pz_persist.storage import slices
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import reader
+from pz_persist.storage.reading import restoring
+from pz_persist.storage.reading import slices
 
 if TYPE_CHECKING:  # For annotations (the functions import Penzai where they use it).
   from penzai import pz
@@ -465,7 +465,7 @@ class OpenedCheckpoint:
     return _DiffSide(str(self.path), self._opened.manifest, self)
 
   def __pz_persist_read__(self, use: Callable[[opening.OpenItem], _T]) -> _T:
-    """What `pz_persist.storage.opening.read` does with this handle given for
+    """What `pz_persist.storage.reading.opening.read` does with this handle given for
     a path (``pzp.load(handle)``, ``pzp.verify(handle)``...): ``use`` of the
     checkpoint opened, under this handle's checks (closed, replaced, lock)."""
     return self._guarded(lambda: use(self._opened))

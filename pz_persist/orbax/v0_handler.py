@@ -17,16 +17,16 @@ template::
     mngr.wait_until_finished()
     restored = mngr.restore(step).params  # NamedArrays, labels, metadata back.
 
-Saving is `pz_persist.storage.writer`'s, as for every save: the arrays are
+Saving is `pz_persist.storage.writing.writer`'s, as for every save: the arrays are
 written in Orbax's own layout (by Orbax's ``PyTreeCheckpointHandler``:
 TensorStore, OCDBT, async, multi-process; or, for one process, by
-`pz_persist.storage.direct_write`, file for file the same), as a flat
+`pz_persist.storage.writing.direct_write`, file for file the same), as a flat
 ``{key: array}`` tree, so plain Orbax without pz_persist still restores them;
 the manifest written beside them by the primary process is what rebuilds the
 Penzai tree. This handler only adapts Orbax's calls to the writer's. Loads into one process
 (host memory or one device) read the same files through the same TensorStore
-specs, but straight into their final buffers (`pz_persist.storage.direct_read`).
-Every read goes through `pz_persist.storage.reader`, which every other loader uses too.
+specs, but straight into their final buffers (`pz_persist.storage.reading.direct_read`).
+Every read goes through `pz_persist.storage.reading.reader`, which every other loader uses too.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from pz_persist import deprecations
 from pz_persist import progress as progress_lib
 from pz_persist import sharding as sharding_lib
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import object_store
-from pz_persist.storage import opening
-from pz_persist.storage import reader
-from pz_persist.storage import restoring
-from pz_persist.storage import writer
+from pz_persist.storage import stores
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import reader
+from pz_persist.storage.reading import restoring
+from pz_persist.storage.writing import writer
 
 # Former spellings of names `storage.writer` and `storage.reader` own now.
 __getattr__ = deprecations.module_getattr(__name__, {
@@ -76,13 +76,13 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
     versions, or with ``use_compression=True``) still load.
   * ``direct_writes=True``: saves by one process of arrays each whole in host
     memory or on one device (the usual single-machine save) write Orbax's
-    files themselves (`pz_persist.storage.direct_write`): the same layout,
+    files themselves (`pz_persist.storage.writing.direct_write`): the same layout,
     without Orbax's per-array Python (about 1.5 ms per array). Sharded,
     multi-process, compressed, zarr3 and object-store saves go through
     Orbax's ``PyTreeCheckpointHandler``.
   * ``direct_reads=True``: loads into one process and onto host memory or a
     single device read each array straight into its final buffer
-    (`pz_persist.storage.direct_read`); loads onto a mesh or across processes go
+    (`pz_persist.storage.reading.direct_read`); loads onto a mesh or across processes go
     through Orbax's restore. Both read the same files through the same
     TensorStore specs.
   """
@@ -143,19 +143,19 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
       directory: epath.Path,
       args: PenzaiSave,
   ) -> list[ocp.future.Future]:
-    """Starts saving (`pz_persist.storage.writer.Writer.start`); arrays are
+    """Starts saving (`pz_persist.storage.writing.writer.Writer.start`); arrays are
     copied off the devices before this returns, hashed in the background."""
-    object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
+    stores.normalise(directory)  # Refused here: Orbax's own entry points skip open_path.
     return await self._writer.start(directory, args.encoded)
 
   def save(self, directory: epath.Path, args: PenzaiSave) -> None:
-    """Saves synchronously (`pz_persist.storage.writer.Writer.write`)."""
-    object_store.check_supported(directory)  # Orbax's own entry points skip as_path.
+    """Saves synchronously (`pz_persist.storage.writing.writer.Writer.write`)."""
+    stores.normalise(directory)  # Refused here: Orbax's own entry points skip open_path.
     self._writer.write(directory, args.encoded)
 
   def cancel(self) -> bool:
     """Stops the background work of the last `async_save`; returns whether
-    every array write it started has ended (`pz_persist.storage.writer.Writer.cancel`,
+    every array write it started has ended (`pz_persist.storage.writing.writer.Writer.cancel`,
     for `pz_persist.save`'s cleanup)."""
     return self._writer.cancel()
 
@@ -166,7 +166,7 @@ class PenzaiCheckpointHandler(ocp.AsyncCheckpointHandler):
   ) -> Any:
     """Restores the saved tree; needs no template.
 
-    Opened through `pz_persist.storage.opening` like every read: under the shared
+    Opened through `pz_persist.storage.reading.opening` like every read: under the shared
     lock, and read again if a save replaced the checkpoint meanwhile.
     """
     args = args or PenzaiRestore()
@@ -233,7 +233,7 @@ class PenzaiSave(ocp.args.CheckpointArgs):
     item: Any tree pz_persist saves: NamedArrays, Parameter / StateVariable
       values (mutable or frozen), arrays, scalars, strings, None, containers.
     encoded: The tree's manifest (without checksums yet) and the arrays
-      Orbax writes (`pz_persist.storage.writer.encode`).
+      Orbax writes (`pz_persist.storage.writing.writer.encode`).
   """
 
   item: object
@@ -265,7 +265,7 @@ class PenzaiRestore(ocp.args.CheckpointArgs):
     verify: Check the bytes read against the checksums recorded at save time
       (about 0.1 s per GiB; see `pz_persist.load`).
     progress: None (default): a bar on stderr, if it is a terminal or in a
-      notebook, for loads taking over `pz_persist.storage.reader.LOAD_PROGRESS_DELAY`
+      notebook, for loads taking over `pz_persist.storage.reading.reader.LOAD_PROGRESS_DELAY`
       seconds; True: always; False: never; or a function called as
       ``progress(done, total)`` with the bytes read (`pz_persist.progress`).
   """

@@ -25,10 +25,10 @@ The abstract tree ``ocp.checkpointables_metadata`` returns is accepted too
 (its arrays may carry one ``sharding`` for all).
 
 The on-disk layout is the same as the v0 handler's, written by the same
-writer (`pz_persist.storage.writer`): Orbax's own v1 pytree handler writes the
+writer (`pz_persist.storage.writing.writer`): Orbax's own v1 pytree handler writes the
 arrays, the primary process writes the manifest once the directory exists and
 the file digests once the arrays are final. Loading is the v0 handler's restore, whose arrays are read by the one
-array reader every loader goes through (`pz_persist.storage.reader.read_arrays`): the
+array reader every loader goes through (`pz_persist.storage.reading.reader.read_arrays`): the
 same containment, size, stored-metadata, allocation and checksum checks as
 `pz_persist.load`, and the same direct reads.
 """
@@ -49,9 +49,9 @@ from penzai import pz
 
 from pz_persist import errors
 from pz_persist.orbax import v0_handler
-from pz_persist.storage import object_store
 from pz_persist.storage import orbax_seam
-from pz_persist.storage import writer
+from pz_persist.storage import stores
+from pz_persist.storage.writing import writer
 
 _T = TypeVar("_T")
 
@@ -128,10 +128,10 @@ class PenzaiCheckpointableHandler(
   async def save(
       self, directory: Any, checkpointable: Any
   ) -> Awaitable[None]:
-    """Starts saving through `pz_persist.storage.writer`, with Orbax's v1
+    """Starts saving through `pz_persist.storage.writing.writer`, with Orbax's v1
     ``PyTreeHandler`` writing the arrays (it finalizes them inside its own
     awaitable); the manifest and the file digests follow, as for every save."""
-    object_store.check_supported(directory.path)  # Orbax's entry points skip as_path.
+    stores.normalise(directory.path)  # Refused here: Orbax's entry points skip open_path.
     encoded = writer.encode(checkpointable)
     arrays_saved = (
         await self._arrays_handler().save(directory, encoded.stored)

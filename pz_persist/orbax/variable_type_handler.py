@@ -19,7 +19,7 @@ go into a small JSON record written by the primary process, beside the item's
 manifest (format 3: ``{leaf name: variable}``, the arrays under the names Orbax
 stored them under), so `pz_persist.load`, ``inspect``, ``load_into(path,
 model)``, ``migrate`` and the command read the item too. Saving is
-`pz_persist.storage.writer.encode_leaves`'s: this handler adapts it to Orbax's
+`pz_persist.storage.writing.writer.encode_leaves`'s: this handler adapts it to Orbax's
 ``TypeHandler`` calls. Restoring rebuilds
 a mutable variable of the same class; leaves that were the same variable object
 when saved are the same object after restoring, so shared parameters stay
@@ -58,11 +58,11 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.safety import safe_io
-from pz_persist.storage import containment
-from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import reader
-from pz_persist.storage import restoring
-from pz_persist.storage import writer
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import reader
+from pz_persist.storage.reading import restoring
+from pz_persist.storage.writing import writer
 
 _TYPESTR = "pz_persist.variable"
 _KINDS = {name: kind.value_class for name, kind in variable_kinds.KINDS.items()}
@@ -121,7 +121,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
       infos: Sequence[type_handlers.ParamInfo],
       args: Sequence[type_handlers.SaveArgs] | None = None,
   ) -> Sequence[ocp.future.Future]:
-    """Saves through `pz_persist.storage.writer.encode_leaves`: Orbax's own
+    """Saves through `pz_persist.storage.writing.writer.encode_leaves`: Orbax's own
     ``jax.Array`` handler writes the arrays under the leaves' names; the
     primary process writes the records and the manifest."""
     saved = writer.encode_leaves([(info.name, value) for value, info in zip(values, infos)])
@@ -182,7 +182,7 @@ class VariableTypeHandler(type_handlers.TypeHandler):
 
     Orbax's own ``jax.Array`` handler reads them (inside Orbax's event loop,
     under the names Orbax stores them under), but every check around the
-    read is `pz_persist.storage.reader`'s, as for `pz_persist.load`: stored shapes
+    read is `pz_persist.storage.reading.reader`'s, as for `pz_persist.load`: stored shapes
     and dtypes against the records and the total bytes against the
     allocation limit before reading, checksums after.
     """
@@ -229,8 +229,8 @@ class VariableTypeHandler(type_handlers.TypeHandler):
 def _manifest(
     specs: tuple[arrays_lib.ArraySpec, ...], tree: nodes.Node | None = None
 ) -> manifest_lib.Manifest:
-  """A manifest holding ``specs`` (and ``tree``): what `pz_persist.storage.reader`
-  plans reads from and `pz_persist.storage.restoring` decodes."""
+  """A manifest holding ``specs`` (and ``tree``): what `pz_persist.storage.reading.reader`
+  plans reads from and `pz_persist.storage.reading.restoring` decodes."""
   return manifest_lib.Manifest(tree=tree or {}, variables=(), arrays=specs)
 
 

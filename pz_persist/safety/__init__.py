@@ -5,7 +5,7 @@ load may allocate: `pz_persist.limits`), `bounded_json` (JSON parsed within
 size and node limits), `safe_io` (small files read, whole files written and
 trees deleted without following links) and `terminal` (text from a
 checkpoint made safe to print). The walk that refuses links out of a
-checkpoint is `pz_persist.storage.containment`.
+checkpoint is `pz_persist.storage.integrity.containment`.
 """
 
 MAX_ALLOCATION_BYTES: int | None = None

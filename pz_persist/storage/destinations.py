@@ -43,8 +43,8 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
-from pz_persist.storage import opening
 from pz_persist.storage import stores
+from pz_persist.storage.reading import opening
 
 EXPORT_MARKER = "pz_persist.export.json"
 """The small file `export_hf` writes into every folder it exports, so that a
@@ -59,8 +59,9 @@ _EXPORT_FILE = re.compile(
 Kind = Literal["checkpoint", "hf_export"]
 
 
-def check_replaceable(path: epath.PathLike, kind: Kind) -> None:
-  """Refuses to replace ``path`` unless it is absent, empty, or ``kind``'s own.
+def check_replaceable(store: stores.Store, path: epath.PathLike, kind: Kind) -> None:
+  """Refuses to replace ``path`` (on ``store``) unless it is absent, empty,
+  or ``kind``'s own.
 
   Raises:
     CheckpointExistsError: ``path`` is a file (or, for an export, a link), or
@@ -68,12 +69,12 @@ def check_replaceable(path: epath.PathLike, kind: Kind) -> None:
       (the message says what, and that the user must remove it).
   """
   if kind == "checkpoint":
-    _check_checkpoint(epath.Path(path))
+    _check_checkpoint(store, epath.Path(path))
   else:
     _check_export(os.fspath(path))
 
 
-def _check_checkpoint(path: epath.Path) -> None:
+def _check_checkpoint(store: stores.Store, path: epath.Path) -> None:
   if not path.is_dir():
     raise errors.CheckpointExistsError(
         f"{path} exists and is not a directory; refusing to replace it."
@@ -81,7 +82,7 @@ def _check_checkpoint(path: epath.Path) -> None:
   if not any(path.iterdir()):
     return
   try:
-    opening.find_item(path)
+    opening.find_item(store, path)
   except errors.NotACheckpointError:
     raise errors.CheckpointExistsError(
         f"{path} exists and is not a pz_persist checkpoint; refusing to"
@@ -134,7 +135,7 @@ def check_apart(destination: epath.PathLike, sources: Iterable[epath.PathLike]) 
 
   Local paths are compared after ``~``, relative parts and symlinks are
   resolved (``os.path.realpath``), so ``./ck``, ``../run/ck`` and a link to
-  it are the same folder; object-store paths as written (`check_supported`
+  it are the same folder; object-store paths as written (`stores.choose`
   has refused every ambiguous spelling): `stores.base.Store.place`.
 
   Raises:
@@ -186,18 +187,25 @@ def check_output(
       link to a file of a source, or (``file``) is a folder; the message
       names the file and what to do.
   """
-  path = stores.normalise(destination)  # Refuses a NUL, a bad scheme, a remote host.
+  return _checked_output(destination, sources, file=file)[1]
+
+
+def _checked_output(
+    destination: epath.PathLike, sources: Iterable[Any], *, file: bool
+) -> tuple[stores.Store, epath.Path]:
+  """`check_output`, and the store it chose for ``destination``."""
+  store, path = stores.choose(destination)  # Refuses a NUL, a bad scheme, a remote host.
   roots = [root for root in (opening.checkpoint_path(s) for s in sources) if root is not None]
   check_apart(destination, roots)
-  check_outside_checkpoints(destination, path)
-  if stores.for_path(path).identifies_files:  # Where files have inodes: hard links.
+  check_outside_checkpoints(store, destination, path)
+  if store.identifies_files:  # Where files have inodes: hard links.
     _check_no_hard_link(destination, os.fspath(path), roots)
   if file and path.is_dir():
     raise errors.ArgumentError(
         f"{os.fspath(destination)}: the destination is a folder; name a file to"
         " write (e.g. a name ending in .html or .safetensors inside it)."
     )
-  return path
+  return store, path
 
 
 def write_output(
@@ -215,28 +223,29 @@ def write_output(
   Raises:
     ArgumentError: as `check_output`, or ``destination`` is a folder.
   """
-  path = check_output(destination, sources, file=True)
+  store, path = _checked_output(destination, sources, file=True)
   if isinstance(data, str):
     data = data.encode("utf-8")
-  stores.for_path(path).write_whole(path, data)  # Folders made as needed.
+  store.write_whole(path, data)  # Folders made as needed.
   return path
 
 
-_CHECKPOINT_FILES = (manifest_lib.MANIFEST_FILENAME, opening.ORBAX_CHECKPOINT_METADATA)
+_CHECKPOINT_FILES = (manifest_lib.MANIFEST_FILENAME, stores.local.ORBAX_CHECKPOINT_METADATA)
 """A folder holding one of these is a checkpoint (a pz_persist item, or an
 Orbax checkpoint or step): nothing a user names is written inside it."""
 
 
-def check_outside_checkpoints(destination: epath.PathLike, path: epath.Path) -> None:
-  """Refuses a ``path`` lying inside a checkpoint, read or not: a file added
+def check_outside_checkpoints(
+    store: stores.Store, destination: epath.PathLike, path: epath.Path
+) -> None:
+  """Refuses a ``path`` (on ``store``) lying inside a checkpoint, read or not: a file added
   there is one `pz_persist.verify` reports as damage, and one over its files
   breaks it. Locally after links are resolved; on an object store each
   folder above is asked for a manifest, Orbax's metadata or a commit object
   (a few requests: outputs are written there rarely). `pz_persist.save`
   asks it too: a checkpoint saved inside another (over its item folder,
   or beside it) damages the outer one."""
-  store = stores.for_path(path)
-  for folder in stores.folders_above(path):
+  for folder in stores.folders_above(store, path):
     found = next((name for name in _CHECKPOINT_FILES if store.has_entry(folder / name)), None)
     if found is None and store.pin(folder) is not None:
       found = "a commit object"
@@ -248,7 +257,9 @@ def check_outside_checkpoints(destination: epath.PathLike, path: epath.Path) -> 
       )
 
 
-def _check_no_hard_link(destination: epath.PathLike, path: str, roots: list[Any]) -> None:
+def _check_no_hard_link(
+    destination: epath.PathLike, path: str, roots: list[epath.PathLike]
+) -> None:
   """Refuses an existing ``path`` that is a hard link to a file of a local
   source: the same file under another name (links are looked for only when
   the file has several names, so this costs nothing otherwise)."""
@@ -273,7 +284,7 @@ def _check_no_hard_link(destination: epath.PathLike, path: str, roots: list[Any]
         )
 
 
-def _files_of(root: Any) -> Iterable[str]:
+def _files_of(root: epath.PathLike) -> Iterable[str]:
   """The files of the local source ``root``: itself if a file, else every
   file under it, or under its checkpoint when it is an item directory (the
   folder above holds Orbax's metadata)."""
@@ -285,7 +296,7 @@ def _files_of(root: Any) -> Iterable[str]:
     yield top
     return
   parent = os.path.dirname(top)
-  if os.path.lexists(os.path.join(parent, opening.ORBAX_CHECKPOINT_METADATA)):
+  if os.path.lexists(os.path.join(parent, stores.local.ORBAX_CHECKPOINT_METADATA)):
     top = parent
   for folder, _, files in os.walk(top):
     for name in files:

@@ -70,7 +70,7 @@ def build_array_write_spec(**kwargs: Any) -> Any:
   spec (``.json``) and chunk layout (``.metadata.chunk_shape``) Orbax's array
   handler writes one array with.
 
-  Relied on by `pz_persist.storage.direct_write`, which writes Orbax's files
+  Relied on by `pz_persist.storage.writing.direct_write`, which writes Orbax's files
   byte for byte from it: keyword arguments ``info`` (a
   ``ocp.type_handlers.ParamInfo``), ``arg`` (``ocp.SaveArgs``),
   ``global_shape``, ``local_shape``, ``dtype``, ``use_ocdbt`` and
@@ -84,7 +84,7 @@ def orbax_save_threads() -> type[Any]:
   (``orbax.checkpoint._src.futures.future._SignalingThread``, a
   `threading.Thread` subclass).
 
-  Relied on by `pz_persist.storage.leftovers`, which waits for the ones an
+  Relied on by `pz_persist.storage.lifecycle.leftovers`, which waits for the ones an
   abandoned save started before deleting what it wrote; Orbax exports no way
   to tell its threads from others.
   """
@@ -145,7 +145,7 @@ calls each through its module attribute, so a wrap reaches every caller.
 
 * ``build_kvstore_tspec(directory, name=None, *, use_ocdbt=True, ...)``:
   the TensorStore kvstore spec of an Orbax array directory (``gs://`` and
-  local paths only); `pz_persist.storage.s3_kvstore` teaches it ``s3://``.
+  local paths only); `pz_persist.storage.stores.s3_kvstore` teaches it ``s3://``.
 * ``get_default_temporary_path_class(path, ...)`` and
   ``get_item_default_temporary_path_class(path, ...)``: how Orbax publishes a
   checkpoint or an item at ``path`` when the caller passes no

@@ -24,10 +24,10 @@ from pz_persist import progress as progress_lib
 from pz_persist import version
 from pz_persist.safety import terminal
 from pz_persist.storage import destinations
-from pz_persist.storage import leftovers
-from pz_persist.storage import opening
-from pz_persist.storage import steps
 from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.lifecycle import steps
+from pz_persist.storage.reading import opening
 from pz_persist.tools import diff_view
 from pz_persist.tools import diffing
 from pz_persist.tools import verifying
@@ -62,7 +62,7 @@ def _inspect(args: argparse.Namespace) -> int:
   if args.html:
     out = viewing.render_html(args.path, args.html, arrays=args.arrays)
     _print(f"\nwrote {out}")
-  _note_leftovers(leftovers.find(args.path), args.path)
+  _note_leftovers(leftovers.find(*stores.choose(args.path)), args.path)
   return 0
 
 

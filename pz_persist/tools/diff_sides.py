@@ -5,7 +5,7 @@ A diff needs of each side only two things, so every kind of side is one small
 and the arrays' specs) and a way to read some of its arrays by manifest index.
 A model is encoded in memory (`pz_persist.format.encode`, nothing written, no
 array copied); a checkpoint path is opened the one way every read opens one
-(`pz_persist.storage.opening`: lock, containment, retry) and read through the
+(`pz_persist.storage.reading.opening`: lock, containment, retry) and read through the
 one array reader (checksums verified); anything else offering
 ``__pz_persist_diff_side__()`` (a lazy checkpoint handle) returns its own
 `Side`, or a factory registered with `register` builds one. Reading by index
@@ -33,8 +33,8 @@ from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import encode as encode_lib
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import opening
-from pz_persist.storage import reader
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import reader
 
 T = TypeVar("T")
 
@@ -107,7 +107,7 @@ class FunctionSide:
   manifest: manifest_lib.Manifest
   reads: Callable[[Collection[int]], Mapping[int, Any] | Sequence[Any]]
   """Returns the arrays at ``refs`` by index: a mapping, or a list indexed
-  like ``manifest.arrays`` (what `pz_persist.storage.reader.read_arrays` returns)."""
+  like ``manifest.arrays`` (what `pz_persist.storage.reading.reader.read_arrays` returns)."""
 
   def read(self, refs: Collection[int]) -> dict[int, Any]:
     values = self.reads(refs)

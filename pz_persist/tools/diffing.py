@@ -29,10 +29,10 @@ from etils import epath
 from pz_persist import progress as progress_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import batching
 from pz_persist.storage import destinations
-from pz_persist.storage import opening
 from pz_persist.storage import stores
+from pz_persist.storage.reading import batching
+from pz_persist.storage.reading import opening
 from pz_persist.tools import diff_sides
 from pz_persist.tools import diff_tree
 from pz_persist.tools import diff_view

@@ -24,8 +24,8 @@ from penzai import pz
 from pz_persist import binding
 from pz_persist import errors
 from pz_persist import model as model_lib
-from pz_persist.storage import commit
 from pz_persist.storage import destinations
+from pz_persist.storage import stores
 
 ModelT = TypeVar("ModelT")
 """The model given to `migrate`: the model returned is of its type."""
@@ -86,7 +86,7 @@ def migrate(
       is neither empty nor a pz_persist checkpoint.
   """
   dst = destinations.check_output(dst, [src])  # The destination rule, before the load.
-  if not overwrite and commit.identity(dst) is not None:
+  if not overwrite and stores.for_path(dst).identity(dst) is not None:
     raise errors.CheckpointExistsError(  # Said before the (long) load.
         f"{dst} already exists; pass overwrite=True to replace it."
     )

@@ -2,9 +2,9 @@
 
 Two independent checks, because they answer different questions:
 
-* every file against its digest (`pz_persist.storage.file_digests`): *was anything
+* every file against its digest (`pz_persist.storage.integrity.file_digests`): *was anything
   changed at all?* Any flipped byte in any file is caught, and the file named;
-* every array, read back, against its checksums (`pz_persist.storage.checksums`):
+* every array, read back, against its checksums (`pz_persist.storage.integrity.checksums`):
   *which labels are damaged?* Each damaged array is named by label and path.
 
 On an object store, where saves record no file digests, each object is
@@ -28,12 +28,12 @@ from pz_persist import errors
 from pz_persist import progress as progress_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import terminal
-from pz_persist.storage import batching
-from pz_persist.storage import containment
-from pz_persist.storage import file_digests
-from pz_persist.storage import opening
-from pz_persist.storage import reader
 from pz_persist.storage import stores
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import file_digests
+from pz_persist.storage.reading import batching
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import reader
 
 JSON_SCHEMA = "pz-persist.verify/1"
 """The ``schema`` of ``pz-persist verify --json`` (docs/reference/cli-json.md)."""

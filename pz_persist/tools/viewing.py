@@ -26,8 +26,8 @@ from pz_persist.format import manifest_queries
 from pz_persist.format import nodes
 from pz_persist.safety import terminal
 from pz_persist.storage import destinations
-from pz_persist.storage import opening
 from pz_persist.storage import stores
+from pz_persist.storage.reading import opening
 
 
 def render_html(

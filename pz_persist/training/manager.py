@@ -35,12 +35,11 @@ from pz_persist.format import meshes
 from pz_persist.orbax import v0_handler
 from pz_persist.safety import allowlist
 from pz_persist.safety import safe_io
-from pz_persist.storage import commit
-from pz_persist.storage import containment
-from pz_persist.storage import leftovers
 from pz_persist.storage import orbax_seam
-from pz_persist.storage import steps
 from pz_persist.storage import stores
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.lifecycle import steps
 from pz_persist.training import interrupted
 from pz_persist.training import optimizers
 
@@ -129,8 +128,8 @@ class CheckpointManager:
       ))
     if keep_every_n_steps is not None:
       kept.append(policies.EveryNSteps(interval_steps=keep_every_n_steps))
-    directory = commit.open_path(directory)
-    self._remote = not stores.for_path(directory).renames  # Steps written in place.
+    store, directory = stores.open_path(directory)  # Chosen once, for the run.
+    self._remote = not store.renames  # Steps written in place.
     # Before Orbax reads step metadata or moves steps into the trash.
     self._check_run(directory)
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
@@ -148,17 +147,17 @@ class CheckpointManager:
             best_mode=best_mode,
             cleanup_tmp_directories=True,
             todelete_subdir=None if self._remote else _TRASH,
-            temporary_path_class=steps.temporary_path_class(directory),
+            temporary_path_class=steps.temporary_path_class(store, directory),
             create=True,
         ),
         handler_registry=registry,
     )
     if self._remote:
-      _delete_marker_first(self._manager, directory)
+      _delete_marker_first(self._manager, store, directory)
     # Held until close: `pz-persist clean` keeps the run's unfinished steps
     # (the step being written among them) while any manager holds it.
     try:
-      self._run_hold = leftovers.hold_run(directory)
+      self._run_hold = leftovers.hold_run(store, directory)
     except BaseException:
       self._manager.close()
       raise
@@ -475,12 +474,13 @@ class _MarkerFirstDeleter:
   `orbax_seam.replace_step_deleter`.
   """
 
-  def __init__(self, directory: epath.Path):
+  def __init__(self, store: stores.Store, directory: epath.Path):
+    self._store = store
     self._directory = directory
 
   def delete(self, step: int) -> None:
     if ocp.multihost.is_primary_host(0):  # As Orbax's: one process deletes.
-      steps.remove_step(self._directory / str(step))
+      steps.remove_step(self._store, self._directory / str(step))
 
   def delete_steps(self, dropped: Iterable[int]) -> None:
     for step in dropped:
@@ -490,7 +490,9 @@ class _MarkerFirstDeleter:
     pass
 
 
-def _delete_marker_first(manager: ocp.CheckpointManager, directory: epath.Path) -> None:
+def _delete_marker_first(
+    manager: ocp.CheckpointManager, store: stores.Store, directory: epath.Path
+) -> None:
   """Makes ``manager`` delete steps with `_MarkerFirstDeleter`.
 
   Raises:
@@ -505,7 +507,7 @@ def _delete_marker_first(manager: ocp.CheckpointManager, directory: epath.Path) 
         " install a version it supports: pip install"
         f" 'orbax-checkpoint{orbax_seam.SUPPORTED_ORBAX}'."
     )
-  orbax_seam.replace_step_deleter(manager, _MarkerFirstDeleter(directory))
+  orbax_seam.replace_step_deleter(manager, _MarkerFirstDeleter(store, directory))
 
 
 def _metric_getter(name: str):

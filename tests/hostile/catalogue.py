@@ -33,7 +33,7 @@ from pz_persist import errors
 from pz_persist import safety
 from pz_persist.format import encode
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import file_digests
+from pz_persist.storage.integrity import file_digests
 
 LOAD, INSPECT, LOAD_MODEL, INTO = "load", "inspect", "load_model", "into"
 LAZY = "open"  # pzp.open(path).load(): refuses every case LOAD refuses.
@@ -122,7 +122,7 @@ def as_format_1(fn: Callable[[dict], object]) -> Builder:
       fn(m)
 
     edit(forged)(ckpt, monkeypatch)
-    (item(ckpt) / file_digests.FILENAME).unlink(missing_ok=True)
+    (item(ckpt) / manifest_lib.FILE_DIGESTS_FILENAME).unlink(missing_ok=True)
 
   return build
 
@@ -265,7 +265,7 @@ def _array0_store(ckpt: pathlib.Path):
 def lie_in_zarray(**fields) -> Builder:
   """Rewrites arrays[0]'s ``.zarray`` with ``fields`` changed, in the very
   form TensorStore writes (compact, keys sorted), so that only its content
-  differs from what the raw-chunk read (`pz_persist.storage.raw_chunks`)
+  differs from what the raw-chunk read (`pz_persist.storage.reading.raw_chunks`)
   accepts byte for byte."""
 
   def build(ckpt, monkeypatch):
@@ -755,7 +755,7 @@ CASES: list[Case] = [
          r"penzai: .*(cannot be read|damaged)", READING),
     Case("ocdbt_manifest_missing", ocdbt_manifest_missing, DAMAGED,
          r"penzai: .*(cannot be read|damaged)", READING),
-    # Small arrays are read as raw OCDBT entries (storage.raw_chunks): a
+    # Small arrays are read as raw OCDBT entries (storage.reading.raw_chunks): a
     # .zarray in TensorStore's own form that lies, and chunks of the wrong
     # length, are left to TensorStore's array driver, which refuses them.
     Case("raw_zarray_says_int32", lie_in_zarray(dtype="<i4"), errors.ManifestError,

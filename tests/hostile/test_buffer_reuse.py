@@ -1,6 +1,6 @@
 """Read buffers are reused across loads, never while anything uses them.
 
-`pz_persist.storage.host_memory.aligned_empty` hands the memory of a dead
+`pz_persist.storage.reading.host_memory.aligned_empty` hands the memory of a dead
 array's buffer to the next load of the same size (a notebook reloading a
 model maps nothing new). The hole this closes for good: a load writing into
 memory that an array the user still holds (the previous result, a NumPy view
@@ -21,11 +21,11 @@ import pytest
 from conftest import run_python
 
 import pz_persist as pzp
-from pz_persist.storage import host_memory
+from pz_persist.storage.reading import host_memory
 
 _SHAPES = {"w": (64, 256), "v": (3, 1000), "n": (32, 128), "big": (640, 512)}
 """"n" stays NumPy. The small arrays are read as raw chunks, each into heap
-memory of its own (`pz_persist.storage.raw_chunks`: the C heap reuses it by
+memory of its own (`pz_persist.storage.reading.raw_chunks`: the C heap reuses it by
 itself), "big" (over 1 MiB) by TensorStore into a mapping of its own: so a
 load makes `_PER_LOAD` mappings, which the pool reuses; the values of every
 array are checked either way."""

@@ -5,7 +5,7 @@ A checkpoint on gs:// / s3:// is current by its commit object,
 20-digit sequence, an overwrite used to publish a 21-digit one that readers
 pass over, and retire the old one: the checkpoint vanished behind a save that
 reported success. Now such a save is refused before it writes anything
-(`object_commit.next_sequence`), and a reader meeting a commit-like name it
+(`commit_objects.next_sequence`), and a reader meeting a commit-like name it
 cannot read refuses it by name instead of passing over it.
 """
 
@@ -18,9 +18,9 @@ from penzai import pz
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.storage import commit as commit_lib
-from pz_persist.storage import object_commit
-from pz_persist.storage import object_store
+from pz_persist.storage import stores
+from pz_persist.storage.stores import base
+from pz_persist.storage.stores import commit_objects
 
 LAST = "pz_persist.commit." + "9" * 20  # The contract: 20 digits, not the constant.
 TOO_LONG = "pz_persist.commit.1" + "0" * 20
@@ -36,10 +36,10 @@ def _value(path: str) -> float:
 
 def _renamed_commit(path: str, name: str) -> None:
   """Gives the current commit object of ``path`` the name ``name``."""
-  current = object_commit.current(path)
-  data = object_store.read(current.object, object_commit.MAX_COMMIT_BYTES)
-  object_store.write(f"{path}/{name}", data)
-  object_store.remove(current.object)
+  current = commit_objects.current(stores.for_path(path), path)
+  data = stores.for_path(current.object).read(current.object, commit_objects.MAX_COMMIT_BYTES)
+  stores.for_path(path).write_whole(f"{path}/{name}", data)
+  stores.for_path(current.object).remove(current.object)
 
 
 _MODEL_SOURCE = """
@@ -75,7 +75,7 @@ def test_an_overwrite_past_the_last_sequence_is_refused_before_writing(
   pzp.save(path, _tree(1.0))
   _renamed_commit(path, LAST)
   assert _value(path) == 1.0  # The last sequence is readable,
-  before = object_store.tree(path)
+  before = stores.for_path(path).tree(path)
   model, plain = _model_and_plain_orbax(tmp_path, monkeypatch)
   for name, call in (
       ("save", lambda: pzp.save(path, _tree(2.0), overwrite=True)),
@@ -85,7 +85,7 @@ def test_an_overwrite_past_the_last_sequence_is_refused_before_writing(
     with pytest.raises(errors.ManifestError, match="highest a commit object's name holds") as e:
       call()
     assert LAST in str(e.value) and "Save to another path" in str(e.value), name
-    assert object_store.tree(path) == before, name  # Nothing written, nothing retired.
+    assert stores.for_path(path).tree(path) == before, name  # Nothing written, nothing retired.
     assert _value(path) == 1.0, name
 
 
@@ -96,12 +96,12 @@ def test_the_cli_refuses_an_overwrite_past_the_last_sequence(
   path = f"{remote}/ck"
   pzp.save(path, _tree(1.0))
   _renamed_commit(path, LAST)
-  before = object_store.tree(path)
+  before = stores.for_path(path).tree(path)
   _, plain = _model_and_plain_orbax(tmp_path, monkeypatch)
   status = cli.main(["migrate", plain, path, "--overwrite", "--model", "seq_model:build_model"])
   assert status == 2
   assert LAST in capsys.readouterr().err
-  assert object_store.tree(path) == before
+  assert stores.for_path(path).tree(path) == before
 
 
 def test_publish_itself_refuses_past_the_last_sequence(remote):
@@ -110,18 +110,19 @@ def test_publish_itself_refuses_past_the_last_sequence(remote):
   path = epath.Path(f"{remote}/ck")
   pzp.save(path, _tree(1.0))
   _renamed_commit(str(path), LAST)
-  seen = commit_lib.identity(path)
-  new = object_commit.new_generation(path, "00000000000000ab")
-  object_store.write(f"{new}/penzai/x", b"new")
+  store = stores.for_path(path)
+  seen = store.identity(path)
+  new = commit_objects.new_generation(path, "00000000000000ab")
+  store.write_whole(f"{new}/penzai/x", b"new")
   with pytest.raises(errors.ManifestError, match="highest a commit object's name holds"):
-    commit_lib.move_into_place(path, new, seen)
-  assert sorted(object_store.names(path)) == sorted(
-      [object_commit.current(path).checkpoint.name, LAST])  # The new folder is gone.
+    store.publish(path, new, seen)
+  assert sorted(store.names(path)) == sorted(
+      [commit_objects.current(store, path).checkpoint.name, LAST])  # The new folder is gone.
   assert _value(str(path)) == 1.0
 
 
-@pytest.mark.parametrize("name", [TOO_LONG, object_commit.COMMIT_PREFIX + "7",
-                                  object_commit.COMMIT_PREFIX + "x" * 20])
+@pytest.mark.parametrize("name", [TOO_LONG, base.COMMIT_PREFIX + "7",
+                                  base.COMMIT_PREFIX + "x" * 20])
 def test_a_commit_name_no_reader_recognises_is_refused_by_name(remote, name, capsys):
   from pz_persist.tools import cli  # pylint: disable=import-outside-toplevel
 
@@ -129,7 +130,7 @@ def test_a_commit_name_no_reader_recognises_is_refused_by_name(remote, name, cap
   pzp.save(path, _tree(1.0))
   pzp.save(path, _tree(2.0), overwrite=True)
   _renamed_commit(path, name)  # What an overflowed overwrite left.
-  before = object_store.tree(path)
+  before = stores.for_path(path).tree(path)
   for what, call in (
       ("load", lambda: pzp.load(path)),
       ("inspect", lambda: pzp.inspect(path)),
@@ -143,4 +144,4 @@ def test_a_commit_name_no_reader_recognises_is_refused_by_name(remote, name, cap
   for command in (["inspect", path], ["verify", path], ["clean", path]):
     assert cli.main(command) == 2, command
     assert name in capsys.readouterr().err, command
-  assert object_store.tree(path) == before  # Nothing retired.
+  assert stores.for_path(path).tree(path) == before  # Nothing retired.

@@ -5,7 +5,7 @@ models that differ in every array (all 0s or all 1s) and in every variable's
 metadata (tag A or B). A reader through each entry point must see either
 whole: one tag, one value, or a `ConcurrentSaveError` (the save kept winning);
 never a mix of the two, nor a raw error of files deleted under it. Every entry
-point goes through `pz_persist.storage.opening`, so the lock and the retry that
+point goes through `pz_persist.storage.reading.opening`, so the lock and the retry that
 `pzp.load` alone had before hold for each.
 """
 

@@ -1,5 +1,5 @@
 """A save that fails or is interrupted anywhere in the direct write path
-(`pz_persist.storage.direct_write`) leaves the previous checkpoint as it was.
+(`pz_persist.storage.writing.direct_write`) leaves the previous checkpoint as it was.
 
 The path has its own stages (issuing the writes, waiting for them, Orbax's
 metadata files, the manifest); an error or Ctrl-C in each must end like one
@@ -21,7 +21,7 @@ from treecompare import assert_identical
 
 import pz_persist as pzp
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import direct_write
+from pz_persist.storage.writing import direct_write
 
 OLD = {"a": jnp.zeros(3), "b": np.ones(2), "big": jnp.zeros((1100, 1024))}
 NEW = {"a": jnp.ones(3), "b": np.zeros(2), "big": jnp.ones((1100, 1024))}

@@ -24,11 +24,12 @@ import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.orbax import v0_handler
 from pz_persist.safety import safe_io
-from pz_persist.storage import commit
 from pz_persist.storage import destinations
-from pz_persist.storage import direct_read
-from pz_persist.storage import leftovers
-from pz_persist.storage import raw_chunks
+from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.reading import direct_read
+from pz_persist.storage.reading import raw_chunks
+from pz_persist.storage.stores import local
 
 TRASH = ".pz_persist_deleted"
 SEVEN, OUTSIDE_VALUE = 7.0, 666.0
@@ -145,20 +146,20 @@ def test_emptying_the_trash_deletes_links_as_links(tmp_path):
 def test_an_unfinished_save_that_is_a_link_is_refused(tmp_path, where, relative):
   outside = _sentinel(tmp_path)
   before = _listing(outside)
-  target = commit.sibling(epath_of(tmp_path / "ckpt"), "new")
+  target = local.sibling(epath_of(tmp_path / "ckpt"), "new")
   link = target if where == "target" else target.parent / f"{target.name}.orbax-checkpoint-tmp-1"
   _link_out(pathlib.Path(link), outside, relative)
   with pytest.raises(errors.PzPersistError, match=os.path.basename(link)):
-    commit.remove_unfinished(target)
+    leftovers.remove_unfinished(target)
   assert _listing(outside) == before
   assert os.path.islink(link)  # Refused, so left for the user to look at.
 
 
 def test_an_unfinished_save_that_is_a_file_is_refused(tmp_path):
-  target = commit.sibling(epath_of(tmp_path / "ckpt"), "new")
+  target = local.sibling(epath_of(tmp_path / "ckpt"), "new")
   pathlib.Path(target).write_text("someone else's")
   with pytest.raises(errors.PzPersistError, match="not a directory"):
-    commit.remove_unfinished(target)
+    leftovers.remove_unfinished(target)
   assert pathlib.Path(target).read_text() == "someone else's"
 
 
@@ -171,12 +172,12 @@ def test_rmtree_deletes_every_link_as_a_link(tmp_path):
   (tree / "sub" / "to_file").symlink_to(outside / "top.txt")
   (tree / "sub" / "deeper" / "relative").symlink_to("../../../outside/a")
   (tree / "sub" / "deeper" / "plain.txt").write_text("x")
-  commit.rmtree(tree)
+  stores.LOCAL.remove(tree)
   assert not tree.exists()
   assert _listing(outside) == before
   link = tmp_path / "link"  # A link given as the tree itself goes as a link.
   link.symlink_to(outside)
-  commit.rmtree(link)
+  stores.LOCAL.remove(link)
   assert not os.path.lexists(link)
   assert _listing(outside) == before
 
@@ -208,8 +209,8 @@ def test_overwriting_a_checkpoint_that_gained_links_out_keeps_their_targets(
   pzp.save(ckpt, {"x": np.ones(3)})
   check = destinations.check_replaceable
 
-  def check_then_plant(path, kind):
-    check(path, kind)  # Inside the item only: a change at the top is a concurrent save.
+  def check_then_plant(store, path, kind):
+    check(store, path, kind)  # Inside the item only: a change at the top is a concurrent save.
     (ckpt / "penzai" / "to_dir").symlink_to(outside)
     (ckpt / "penzai" / "to_file").symlink_to(outside / "top.txt")
     (ckpt / "penzai" / "d" / "relative").symlink_to("../../../outside/b")
@@ -272,7 +273,7 @@ def _cli(*args: str) -> tuple[int, str]:
 
 
 def epath_of(path: pathlib.Path):
-  return commit.as_path(path)
+  return stores.normalise(path)
 
 
 # Item 4: special and oversized files where a small file is read. Each case runs

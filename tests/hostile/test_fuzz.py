@@ -26,8 +26,9 @@ from penzai import pz
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import manifest_queries
-from pz_persist.storage import restoring
-from pz_persist.storage import writer
+from pz_persist.orbax import v0_handler
+from pz_persist.storage.reading import restoring
+from pz_persist.storage.writing import writer
 from pz_persist.tools import diffing
 
 WHERE = "fuzzed/pz_persist.json"

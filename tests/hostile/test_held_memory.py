@@ -16,7 +16,7 @@ import pytest
 from penzai import pz
 
 import pz_persist as pzp
-from pz_persist.storage import direct_write
+from pz_persist.storage.writing import direct_write
 
 LOADS = 40
 SMALL = 1100  # 16 KiB each: 17 MiB of small arrays per load, over one old buffer.

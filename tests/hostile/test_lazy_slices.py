@@ -88,7 +88,7 @@ def test_a_grid_on_other_axes_is_verified_cell_by_cell(ckpt):
   the box of the cells a slice overlaps, and every cell in it is checked."""
   path = ckpt / "penzai" / manifest_lib.MANIFEST_FILENAME
   table = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
-  from pz_persist.storage import checksums  # pylint: disable=import-outside-toplevel
+  from pz_persist.storage.integrity import checksums  # pylint: disable=import-outside-toplevel
 
   cells = [((r0, r1), (c0, c1)) for r0, r1 in ((0, 1000), (1000, ROWS))
            for c0, c1 in ((0, 500), (500, COLS))]

@@ -1,7 +1,7 @@
 """Cleaning leftovers never deletes anything outside the directory cleaned.
 
 A leftover's entries, anything inside them, and its marker may be symlinks
-planted to lead elsewhere; every deletion of `pz_persist.storage.leftovers` goes
+planted to lead elsewhere; every deletion of `pz_persist.storage.lifecycle.leftovers` goes
 through `leftovers.delete`, which removes links, never what they lead to.
 A sentinel directory outside must survive every case, forced or not.
 """
@@ -20,7 +20,8 @@ import pytest
 from conftest import REPO
 
 from pz_persist import errors
-from pz_persist.storage import leftovers
+from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import leftovers
 from pz_persist.tools import cli
 
 _FAMILY = ".ckpt.pz_persist-new-0123abcd"
@@ -82,7 +83,7 @@ def _plant_tmp_step_symlink(run, sentinel):
 def test_clean_never_deletes_through_symlinks(tmp_path, sentinel, plant, force):
   run = _run_dir(tmp_path)
   plant(run, sentinel)
-  found = leftovers.find_all(run) + leftovers.find(run / "ckpt")
+  found = leftovers.find_all(run) + leftovers.find(*stores.choose(run / "ckpt"))
   assert found
   for leftover in found:
     leftovers.remove(leftover, force=force)
@@ -95,9 +96,9 @@ def test_a_symlinked_marker_proves_nothing(tmp_path, sentinel):
   """Its contents are not trusted: the family's writer counts as unknown."""
   run = _run_dir(tmp_path)
   _plant_marker_symlink(run, sentinel)
-  [found] = leftovers.find(run / "ckpt")
+  [found] = leftovers.find(*stores.choose(run / "ckpt"))
   assert found.status == "unknown"
-  assert leftovers.remove_dead(run / "ckpt") == []
+  assert leftovers.remove_dead(*stores.choose(run / "ckpt")) == []
   assert not leftovers.remove(found)
 
 
@@ -109,7 +110,7 @@ def test_remove_refuses_a_leftover_no_save_named(tmp_path, sentinel, status):
   (run / "ckpt").mkdir()
   made = leftovers.Leftover(
       name=run / "ckpt", entries=(run / "ckpt", sentinel), nbytes=0,
-      status=status, reason="hand-made",
+      status=status, reason="hand-made", store=stores.LOCAL,
   )
   with pytest.raises(errors.ArgumentError, match="ckpt is not named like"):
     leftovers.remove(made, force=True)
@@ -164,10 +165,10 @@ def test_odd_markers_are_unknown_writers(tmp_path, kind):
   make, reason = MARKERS[kind]
   run = _run_dir(tmp_path)
   _plant_family(run, make)
-  [found] = leftovers.find(run / "ckpt")
+  [found] = leftovers.find(*stores.choose(run / "ckpt"))
   assert found.status == "unknown"
   assert re.search(reason, found.reason), found.reason
-  assert leftovers.remove_dead(run / "ckpt") == []
+  assert leftovers.remove_dead(*stores.choose(run / "ckpt")) == []
   assert not leftovers.remove(found)
   assert leftovers.remove(found, force=True)
   assert os.listdir(run) == []
@@ -312,7 +313,7 @@ def test_an_odd_run_lock_blocks_nothing_and_proves_nothing(tmp_path, make, kind)
   run = _run_dir(tmp_path)
   make(run / leftovers.RUN_LOCK)
   (run / "3.orbax-checkpoint-tmp-1").mkdir()
-  [found] = leftovers.find_inside(run)
+  [found] = leftovers.find_inside(*stores.choose(run))
   assert found.status == "unknown" and kind in found.reason, found
   assert not leftovers.would_remove(found, force=True)
   assert not leftovers.remove(found, force=True)

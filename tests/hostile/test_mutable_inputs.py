@@ -26,8 +26,8 @@ from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
 
 import pz_persist as pzp
-from pz_persist.storage import checksums
-from pz_persist.storage import direct_write
+from pz_persist.storage.integrity import checksums
+from pz_persist.storage.writing import direct_write
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,8 +4,8 @@ One URL reaches three libraries that read it differently: epath drops ``.``
 and empty segments, fsspec keeps ``..`` as a literal key part, TensorStore
 resolves it. ``save("s3://b/p/a/../ck")`` reported success with the arrays
 under ``b/p/ck`` and the rest under ``b/p/a/../ck``, and ``S3://b/ck`` raised
-a bare ``KeyError``. `pz_persist.storage.object_store.check_url`, reached from
-`check_supported` by every entry point, refuses them all before anything is
+a bare ``KeyError``. `pz_persist.storage.stores.urls.check_url`, reached from
+`stores.choose` (every entry point), refuses them all before anything is
 written or read; this file holds every entry point to it, on both emulators.
 """
 
@@ -20,7 +20,7 @@ import pz_persist as pzp
 from hostile.path_entry_points import TREE
 from hostile.path_entry_points import entry_points
 from pz_persist import errors
-from pz_persist.storage import object_store
+from pz_persist.storage import stores
 
 
 def _variants(remote: str) -> list[str]:
@@ -50,7 +50,7 @@ def local_checkpoint(tmp_path_factory) -> str:
 
 
 def _written(remote: str) -> dict:
-  return object_store.tree(remote)
+  return stores.for_path(remote).tree(remote)
 
 
 def test_every_entry_point_refuses_an_ambiguous_object_store_path(remote, local_checkpoint):

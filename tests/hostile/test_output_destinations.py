@@ -279,17 +279,17 @@ _WRITE_CALLS_OF = {"os": {"replace", "rename", "renames", "link", "symlink", "wr
 _RULE = {"check_output", "write_output"}
 
 REVIEWED = {
+    "storage/destinations.py:write_output": "the rule itself: `check_output`'s checks, through"
+                                            " `_checked_output`, which keeps the store it chose",
     "checkpoint.py:save": "a checkpoint save: replaces only a checkpoint"
                           " (destinations.check_replaceable)",
     "format/manifest.py:write": "a checkpoint's own manifest, by the save writing it",
-    "storage/file_digests.py:write": "a checkpoint's own file list, by its save",
-    "storage/writer.py:LeafSave.write": "a checkpoint's own arrays, by its save",
-    "storage/direct_write.py:Started.finish": "a checkpoint's own arrays, by its save",
-    "storage/leftovers.py:writing": "a save's marker beside the checkpoint it writes",
-    "storage/leftovers.py:_abandon": "moves a save's own leftovers aside",
-    "storage/object_store.py:write": "a checkpoint's own objects, by its save",
-    "storage/object_store.py:create_if_absent": "a checkpoint's own objects, by its save",
-    "storage/stores/commits.py:publish": "a save's commit object",
+    "storage/integrity/file_digests.py:write": "a checkpoint's own file list, by its save",
+    "storage/writing/writer.py:LeafSave.write": "a checkpoint's own arrays, by its save",
+    "storage/writing/direct_write.py:Started.finish": "a checkpoint's own arrays, by its save",
+    "storage/lifecycle/leftovers.py:writing": "a save's marker beside the checkpoint it writes",
+    "storage/lifecycle/leftovers.py:_abandon": "moves a save's own leftovers aside",
+    "storage/stores/commit_objects.py:publish": "a save's commit object",
     "storage/stores/local.py:LocalStore.write_whole": "the store primitive write_output uses",
     "storage/stores/local.py:LocalStore.create_if_absent": "a save's commit object",
     "storage/stores/objects.py:FsspecStore.write_whole": "the store primitive write_output uses",

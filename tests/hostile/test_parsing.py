@@ -91,7 +91,7 @@ def test_checkpoint_metadata_node_bomb_is_refused_before_parsing(ckpt):
   outcome, peak = _measure(
       f"open({str(metadata)!r}, 'wb').write({_bomb('[', ']')})",
       # What pzp.load calls first (loading allocates hundreds of MiB itself).
-      f"from pz_persist.storage import containment; containment.check_checkpoint_metadata({str(ckpt)!r})",
+      f"from pz_persist.storage.integrity import containment; containment.check_checkpoint_metadata({str(ckpt)!r})",
   ).rsplit("|", 1)
   assert "_CHECKPOINT_METADATA" in outcome, outcome
   with pytest.raises(errors.ManifestError, match="ckpt/_CHECKPOINT_METADATA: "):

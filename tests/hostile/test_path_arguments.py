@@ -6,7 +6,7 @@
   (`pz_persist.storage.stores.urls.check_no_nul`, asked by every entry
   point first), never a bare ``ValueError`` ("embedded null byte").
 * An opened handle (``pzp.open(path)``) is accepted wherever a checkpoint
-  path is read (`pz_persist.storage.opening.read`, the one way in): it reads
+  path is read (`pz_persist.storage.reading.opening.read`, the one way in): it reads
   the checkpoint it opened, refuses once closed, and reports a checkpoint
   saved over it since rather than reading the new one.
 """

@@ -145,7 +145,7 @@ def test_changed_float_is_refused_by_the_type_handler(tmp_path):
     "case", [c for c in catalogue.CASES if c.name.startswith("raw_")], ids=lambda c: c.name
 )
 def test_damaged_raw_chunks_are_refused_by_checkpoint_manager(case, tmp_path, monkeypatch):
-  """The raw-chunk read of small arrays (`pz_persist.storage.raw_chunks`)
+  """The raw-chunk read of small arrays (`pz_persist.storage.reading.raw_chunks`)
   through Orbax v0: a ``CheckpointManager`` restoring with
   `pzp.PenzaiRestore` and with no arguments (v1 and pz_persist's own loaders
   run the whole catalogue)."""

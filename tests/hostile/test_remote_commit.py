@@ -1,7 +1,7 @@
 """Object stores keep the local promises: one winner, no mix, nothing lost.
 
 On gs:// and s3:// (local emulators) a checkpoint is published by creating a
-commit object only if its name is free (`pz_persist.storage.object_commit`).
+commit object only if its name is free (`pz_persist.storage.stores.commit_objects`).
 These are the races the issue reproduced against the previous protocol
 (copy-and-delete "renames"): two first saves both "succeeding" with their
 files merged or nested, a reader looping during overwrites failing one load
@@ -23,9 +23,9 @@ from etils import epath
 from remote import remote_worker
 
 import pz_persist as pzp
-from pz_persist.storage import commit as commit_lib
-from pz_persist.storage import object_commit
-from pz_persist.storage import object_store
+from pz_persist.storage import stores
+from pz_persist.storage.stores import base
+from pz_persist.storage.stores import commit_objects
 
 WORKER = os.path.join(REPO, "tests", "remote", "remote_worker.py")
 TRIALS = 3
@@ -86,9 +86,9 @@ def _only_the_winner_is_left(path: str, outcomes: list[str]) -> None:
   assert sorted(outcomes) == ["lost", "won"], outcomes
   loaded = pzp.load(path)
   assert remote_worker.values(loaded) == {10.0 if outcomes[0] == "won" else 20.0}
-  names = object_store.names(path)
+  names = stores.for_path(path).names(path)
   assert len([n for n in names if n.startswith("gen-")]) == 1, names  # The loser's is gone.
-  assert object_commit.orphans(path) == []
+  assert commit_objects.orphans(stores.for_path(path), path) == []
 
 
 def test_racing_first_saves_one_wins_no_mix_no_leftovers(store, remote, workers):
@@ -146,7 +146,7 @@ def test_sigkill_during_a_remote_save_keeps_the_previous_checkpoint(store, remot
   process = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ), cwd=REPO)
   try:
     deadline = time.monotonic() + 120
-    while len(object_store.names(path, "gen-")) < 2:  # It has started writing.
+    while len(stores.for_path(path).names(path, "gen-")) < 2:  # It has started writing.
       assert process.poll() is None, "the save ended before it could be killed"
       assert time.monotonic() < deadline
       time.sleep(0.05)
@@ -155,7 +155,7 @@ def test_sigkill_during_a_remote_save_keeps_the_previous_checkpoint(store, remot
   finally:
     process.wait()
   assert remote_worker.values(pzp.load(path)) == {1.0}
-  orphans = object_commit.orphans(path)
+  orphans = commit_objects.orphans(stores.for_path(path), path)
   assert len(orphans) == 1  # What `pz-persist clean --force` removes.
   pzp.save(path, remote_worker.tree(3.0), overwrite=True)  # Saving again works.
   assert remote_worker.values(pzp.load(path)) == {3.0}
@@ -164,13 +164,14 @@ def test_sigkill_during_a_remote_save_keeps_the_previous_checkpoint(store, remot
 def test_a_save_whose_view_went_stale_loses_even_where_a_name_is_free_again(remote):
   """A save that saw no checkpoint, while others saved and overwrote twice
   (retiring commit 1), could create commit 1 again below the current 3."""
-  stale = commit_lib.identity(epath.Path(remote))
+  store = stores.for_path(remote)
+  stale = store.identity(epath.Path(remote))
   pzp.save(remote, remote_worker.tree(1.0))
   pzp.save(remote, remote_worker.tree(2.0), overwrite=True)
   pzp.save(remote, remote_worker.tree(3.0), overwrite=True)
   late = epath.Path(remote) / "gen-00000000000000aa"
-  object_store.write(f"{late}/penzai/x", b"late")
-  assert not commit_lib.move_into_place(epath.Path(remote), late, stale)
-  assert object_store.names(remote) == [
-      object_commit.current(remote).checkpoint.name, object_commit.commit_name(3)]
+  store.write_whole(f"{late}/penzai/x", b"late")
+  assert not store.publish(epath.Path(remote), late, stale)
+  assert store.names(remote) == [
+      commit_objects.current(store, remote).checkpoint.name, base.commit_name(3)]
   assert remote_worker.values(pzp.load(remote)) == {3.0}

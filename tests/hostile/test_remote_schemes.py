@@ -5,7 +5,7 @@ other URL (fsspec's ``memory://``, ``hf://``, ``az://``, ...) must be refused
 with `UnsupportedStorageError` before anything is written or read: not turned
 into a relative local folder (Orbax normalises ``az://b/x`` to ``az:/b/x``),
 not written through fsspec without atomicity. Enforced in one place,
-`pz_persist.storage.commit.as_path`; this file holds every entry point to it.
+`pz_persist.storage.stores.choose`; this file holds every entry point to it.
 """
 
 from __future__ import annotations

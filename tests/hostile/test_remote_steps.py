@@ -17,7 +17,7 @@ import pytest
 import s3fs
 
 import pz_persist as pzp
-from pz_persist.storage import steps
+from pz_persist.storage.lifecycle import steps
 
 
 class _Killed(Exception):
@@ -55,7 +55,7 @@ def _cut_after(monkeypatch, scheme: str, cut: int) -> list[str]:
 
 def test_a_step_cut_anywhere_in_its_deletion_is_never_listed_half(remote, store, monkeypatch):
   if store.scheme == "s3":  # Orbax writes S3 arrays once helper s3's kvstore spec lands.
-    pytest.importorskip("pz_persist.storage.s3_kvstore").enable_orbax_s3()
+    pytest.importorskip("pz_persist.storage.stores.s3_kvstore").enable_orbax_s3()
   run = f"{remote}/run"
   # "batch_stats" lists before Orbax's commit marker: deleting in listing
   # order (as Orbax does) would take its files while the step still looks

@@ -23,7 +23,7 @@ import pytest
 import pz_persist as pzp
 from pz_persist import errors
 from pz_persist.format import checksum_records
-from pz_persist.storage import checksums
+from pz_persist.storage.integrity import checksums
 
 LARGEST = "manifest.ocdbt"  # Any recorded file will do.
 
@@ -179,7 +179,7 @@ def test_tiles(shape, indices, tiled):
 def test_file_digest_reads_only_the_regular_file_it_opened(tmp_path):
   """A file swapped after verify's lstat (for a FIFO, a link out) is refused
   by the open itself: never blocks on the FIFO, never hashes the target."""
-  from pz_persist.storage import checksums
+  from pz_persist.storage.integrity import checksums
 
   fifo = tmp_path / "fifo"
   os.mkfifo(fifo)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pz_persist as pzp
-from pz_persist.storage import reader
+from pz_persist.storage.reading import reader
 from pz_persist.tools import cli
 
 WEAK = {

@@ -15,7 +15,7 @@ from pz_persist import errors
 @pytest.fixture
 def writable(remote, store) -> str:
   if store.scheme == "s3":
-    pytest.importorskip("pz_persist.storage.s3_kvstore").enable_orbax_s3()
+    pytest.importorskip("pz_persist.storage.stores.s3_kvstore").enable_orbax_s3()
   return remote
 
 

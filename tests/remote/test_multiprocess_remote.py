@@ -13,7 +13,8 @@ import uuid
 from test_multiprocess import _run
 
 import pz_persist as pzp
-from pz_persist.storage import object_commit
+from pz_persist.storage import stores
+from pz_persist.storage.stores import commit_objects
 
 
 def test_two_processes_save_and_load_on_gcs(gcs):
@@ -25,6 +26,7 @@ def test_two_processes_save_and_load_on_gcs(gcs):
     assert report["manager_steps"] == [2]
   assert [r["saved_manifest_writes"] for r in reports] == [1, 0]
   path = f"{remote}/ckpt"
-  assert object_commit.current(path).sequence == 2  # First save, then one overwrite.
-  assert object_commit.orphans(path) == []
+  current = commit_objects.current(stores.for_path(path), path)
+  assert current.sequence == 2  # First save, then one overwrite.
+  assert commit_objects.orphans(stores.for_path(path), path) == []
   assert pzp.verify(path).ok

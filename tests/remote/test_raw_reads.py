@@ -1,6 +1,6 @@
 """Small arrays on gs:// and s3:// are read as raw OCDBT entries too.
 
-`pz_persist.storage.raw_chunks` reads them from the item's OCDBT key-value
+`pz_persist.storage.reading.raw_chunks` reads them from the item's OCDBT key-value
 store, whatever its base (a local directory, a bucket): the same checks hold
 on an object store, where no containment walk applies.
 """
@@ -17,15 +17,15 @@ from treecompare import assert_identical
 
 import pz_persist as pzp
 from pz_persist import errors
-from pz_persist.storage import direct_read
-from pz_persist.storage import opening
+from pz_persist.storage.reading import direct_read
+from pz_persist.storage.reading import opening
 
 
 @pytest.fixture
 def writable(remote, store) -> str:
   """``remote``, on a store Orbax can write arrays to."""
   if store.scheme == "s3":
-    pytest.importorskip("pz_persist.storage.s3_kvstore").enable_orbax_s3()
+    pytest.importorskip("pz_persist.storage.stores.s3_kvstore").enable_orbax_s3()
   return remote
 
 

@@ -11,11 +11,13 @@ import model_zoo
 import pytest
 
 import pz_persist as pzp
-from pz_persist.storage import file_digests
-from pz_persist.storage import leftovers
-from pz_persist.storage import object_commit
-from pz_persist.storage import object_store
-from pz_persist.storage import steps
+from pz_persist.format import manifest as manifest_lib
+from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import leftovers
+from pz_persist.storage.lifecycle import steps
+from pz_persist.storage.stores import base
+from pz_persist.storage.stores import commit_objects
+from pz_persist.storage.stores import urls
 from pz_persist.tools import cli
 
 
@@ -29,7 +31,7 @@ def _run(capsys, *argv):
 def writable(remote, store) -> str:
   """``remote``, on a store Orbax can write arrays to."""
   if store.scheme == "s3":  # Orbax writes S3 arrays once helper s3's kvstore spec lands.
-    pytest.importorskip("pz_persist.storage.s3_kvstore").enable_orbax_s3()
+    pytest.importorskip("pz_persist.storage.stores.s3_kvstore").enable_orbax_s3()
   return remote
 
 
@@ -40,13 +42,14 @@ def _tree(shift: float = 0.0):
 def _write_step(run: str, step: str, *, marker: bool) -> None:
   """A step as Orbax lays it out on a store, written object by object (no
   Orbax needed: `list_steps` reads only the listing and the metadata)."""
-  object_store.write(f"{run}/{step}/_CHECKPOINT_METADATA",
-                     json.dumps({"commit_timestamp_nsecs": 1_700_000_000 * 10**9}).encode())
-  object_store.write(f"{run}/{step}/params/pz_persist.json", b"{}")
-  object_store.write(f"{run}/{step}/params/d/0", b"x" * 1000)
-  object_store.write(f"{run}/{step}/opt/d/0", b"y" * 24)
+  store = stores.for_path(run)
+  store.write_whole(f"{run}/{step}/_CHECKPOINT_METADATA",
+                    json.dumps({"commit_timestamp_nsecs": 1_700_000_000 * 10**9}).encode())
+  store.write_whole(f"{run}/{step}/params/pz_persist.json", b"{}")
+  store.write_whole(f"{run}/{step}/params/d/0", b"x" * 1000)
+  store.write_whole(f"{run}/{step}/opt/d/0", b"y" * 24)
   if marker:
-    object_store.write(f"{run}/{step}/{steps.COMMIT_MARKER}", b"")
+    store.write_whole(f"{run}/{step}/{steps.COMMIT_MARKER}", b"")
 
 
 def test_ls_lists_steps_from_the_store_listing(remote, capsys):
@@ -54,11 +57,11 @@ def test_ls_lists_steps_from_the_store_listing(remote, capsys):
   _write_step(run, "10", marker=True)
   _write_step(run, "20", marker=False)  # Being written, or half deleted.
   _write_step(run, "30.orbax-checkpoint-tmp-1", marker=True)
-  object_store.write(f"{run}/notes.txt", b"not a step")
+  stores.for_path(run).write_whole(f"{run}/notes.txt", b"not a step")
   listed = steps.list_steps(run)
   assert [(s.step, s.committed) for s in listed] == [(10, True), (20, False), (30, False)]
   assert listed[0].items == ("opt", "params") and listed[0].penzai_items == ("params",)
-  assert listed[0].nbytes == sum(info.size for name, info in object_store.tree(run).items()
+  assert listed[0].nbytes == sum(info.size for name, info in stores.for_path(run).tree(run).items()
                                  if name.startswith("10/"))
   assert listed[0].commit_time_ns == 1_700_000_000 * 10**9
   code, out, _ = _run(capsys, "ls", run)
@@ -87,22 +90,23 @@ def test_clean_removes_uncommitted_steps_only_with_force(remote, capsys):
   code, out, _ = _run(capsys, "clean", "--force", run)
   assert code == 0 and f"removed {run}/2" in out
   assert [(s.step, s.committed) for s in steps.list_steps(run)] == [(1, True)]
-  assert not any(name.startswith("2/") for name in object_store.tree(run))
+  assert not any(name.startswith("2/") for name in stores.for_path(run).tree(run))
 
 
 def test_clean_lists_orphan_generations_and_removes_them_only_with_force(writable, capsys):
   path = f"{writable}/ck"
   pzp.save(path, _tree())
   orphan = f"{path}/gen-{'0' * 16}"  # As a killed save leaves it: no commit names it.
-  object_store.write(f"{orphan}/penzai/pz_persist.json", b"{}")
-  assert [str(p) for p in object_commit.orphans(path)] == [orphan]
+  stores.for_path(orphan).write_whole(f"{orphan}/penzai/pz_persist.json", b"{}")
+  assert [str(p) for p in commit_objects.orphans(stores.for_path(path), path)] == [orphan]
   code, out, _ = _run(capsys, "clean", path)
   assert code == 0 and f"kept {orphan}" in out and "--force" in out
   code, out, _ = _run(capsys, "inspect", path)
   assert f"pz-persist clean {path}" in out
   code, out, _ = _run(capsys, "clean", "--force", path)
   assert f"removed {orphan}" in out
-  assert object_commit.orphans(path) == [] and leftovers.find(path) == []
+  store, path = stores.choose(path)
+  assert commit_objects.orphans(store, path) == [] and leftovers.find(store, path) == []
   assert pzp.load(path)["b"].shape == (3,)  # The committed checkpoint is untouched.
 
 
@@ -127,18 +131,19 @@ def test_verify_names_an_object_whose_bytes_differ_from_the_store_checksum(
   named by object, and fails verify."""
   path = f"{writable}/ck"
   pzp.save(path, _tree())
-  real_tree = object_store.tree
+  store = stores.for_path(path)
+  real_tree = store.tree
   bad = []
 
   def one_wrong(directory):
     found = real_tree(directory)
     name = next(n for n in sorted(found) if n.endswith("pz_persist.json"))
     bad.append(f"{directory}/{name}")
-    found[name] = object_store.ObjectInfo(found[name].size, found[name].generation,
-                                          {"md5": hashlib.md5(b"other").digest()})
+    found[name] = base.ObjectInfo(found[name].size, found[name].generation,
+                                  {"md5": hashlib.md5(b"other").digest()})
     return found
 
-  monkeypatch.setattr(object_store, "tree", one_wrong)
+  monkeypatch.setattr(store, "tree", one_wrong)
   code, out, _ = _run(capsys, "verify", path)
   assert code == 1 and "1 DAMAGED" in out
   assert f"{bad[0]}: its bytes do not match the store's MD5 of it" in out
@@ -149,11 +154,11 @@ def test_verify_of_rewritten_array_data_names_the_label(writable, capsys):
   arrays' own checksums still catch it, by label."""
   path = f"{writable}/ck"
   pzp.save(path, {"w": jnp.arange(1000.0)})
-  listed = object_store.tree(path)
+  listed = stores.for_path(path).tree(path)
   data = max((n for n in listed if "/d/" in n), key=lambda n: listed[n].size)
-  raw = bytearray(object_store.read(f"{path}/{data}", listed[data].size))
+  raw = bytearray(stores.for_path(path).read(f"{path}/{data}", listed[data].size))
   raw[len(raw) // 2] ^= 0xFF
-  object_store.write(f"{path}/{data}", bytes(raw))
+  stores.for_path(path).write_whole(f"{path}/{data}", bytes(raw))
   code, out, _ = _run(capsys, "verify", path)
   assert code == 1 and "DAMAGED" in out and "tree['w']" in out
 
@@ -164,12 +169,13 @@ def test_verify_of_a_copied_checkpoint_checks_its_digest_list(writable, tmp_path
   local = tmp_path / "ck"
   pzp.save(local, _tree())
   path = f"{writable}/copied"
-  object_store.filesystem(path).put(str(local), object_store.key(path), recursive=True)
+  stores.for_path(path).filesystem(path).put(str(local), urls.key(path), recursive=True)
   report = pzp.verify(path)
   assert report.ok and report.files_checked and report.objects_checked is None
-  recorded = json.loads(object_store.read(f"{path}/penzai/{file_digests.FILENAME}", 10**6))
+  recorded = json.loads(
+      stores.for_path(path).read(f"{path}/penzai/{manifest_lib.FILE_DIGESTS_FILENAME}", 10**6))
   name = next(n for n in recorded["files"] if n.startswith("d/"))
-  object_store.write(f"{path}/penzai/{name}", b"changed")
+  stores.for_path(path).write_whole(f"{path}/penzai/{name}", b"changed")
   code, out, _ = _run(capsys, "verify", path)
   assert code == 1 and f"{path}/penzai/{name}: " in out
 

@@ -11,15 +11,15 @@ from penzai import pz
 from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist.storage import object_store
-from pz_persist.storage import steps
+from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import steps
 
 
 @pytest.fixture
 def run(remote, store) -> str:
   """A run directory on a store Orbax can write arrays to."""
   if store.scheme == "s3":  # Orbax writes S3 arrays once helper s3's kvstore spec lands.
-    pytest.importorskip("pz_persist.storage.s3_kvstore").enable_orbax_s3()
+    pytest.importorskip("pz_persist.storage.stores.s3_kvstore").enable_orbax_s3()
   return f"{remote}/run"
 
 
@@ -44,7 +44,7 @@ def test_save_restore_with_optimizer_and_retention(run):
     assert manager.all_steps() == [2, 3]
   assert _committed(run) == [2, 3]
   # Retention deleted the dropped steps whole: nothing of them is left.
-  assert sorted({name.split("/")[0] for name in object_store.tree(run)}) == ["2", "3"]
+  assert sorted({name.split("/")[0] for name in stores.for_path(run).tree(run)}) == ["2", "3"]
   with pzp.CheckpointManager(run) as manager:
     restored = manager.restore(optimizer=opt)
   assert_identical(restored["params"], params)
@@ -71,7 +71,8 @@ def test_a_step_whose_deletion_was_cut_is_gone_for_every_reader(run, monkeypatch
     for step in range(3):
       manager.save(step, x=jnp.float32(step))
   removed = []
-  real_remove = object_store.remove
+  store = stores.for_path(run)
+  real_remove = store.remove
 
   def killed_after_first(path):
     if removed:
@@ -79,33 +80,34 @@ def test_a_step_whose_deletion_was_cut_is_gone_for_every_reader(run, monkeypatch
     removed.append(str(path))
     real_remove(path)
 
-  monkeypatch.setattr(object_store, "remove", killed_after_first)
+  monkeypatch.setattr(store, "remove", killed_after_first)
   with pzp.CheckpointManager(run, async_save=False) as manager:
     with pytest.raises(KeyboardInterrupt):
       manager._manager._checkpoint_deleter.delete(2)  # pylint: disable=protected-access
   monkeypatch.undo()
   assert removed == [f"{run}/2/{steps.COMMIT_MARKER}"]  # The marker went first.
-  assert any(name.startswith("2/x/") for name in object_store.tree(run))  # Files remain.
+  assert any(name.startswith("2/x/") for name in stores.for_path(run).tree(run))  # Files remain.
   listed = {s.step: s.committed for s in steps.list_steps(run)}
   assert listed == {0: True, 1: True, 2: False}
   with pzp.CheckpointManager(run) as manager:
     assert manager.all_steps() == [0, 1]
     assert manager.restore() == {"x": jnp.float32(1)}
     manager.save(3, x=jnp.float32(3))  # Waits for Orbax's cleanup of the rest.
-  assert not any(name.startswith("2/") for name in object_store.tree(run))
+  assert not any(name.startswith("2/") for name in stores.for_path(run).tree(run))
 
 
 def test_retention_deletes_the_marker_before_any_other_object(run, monkeypatch):
   """Orbax's own deletion on GCS goes object by object in listing order, the
   marker among them; pz_persist's first request is the marker's."""
   first = []
-  real_remove = object_store.remove
+  store = stores.for_path(run)
+  real_remove = store.remove
 
   def record(path):
     first.append(str(path))
     real_remove(path)
 
-  monkeypatch.setattr(object_store, "remove", record)
+  monkeypatch.setattr(store, "remove", record)
   with pzp.CheckpointManager(run, max_to_keep=1, async_save=False) as manager:
     manager.save(0, x=jnp.float32(0))
     manager.save(1, x=jnp.float32(1))

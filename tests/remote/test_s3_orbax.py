@@ -1,4 +1,4 @@
-"""``s3://`` through Orbax's own array handler (`pz_persist.storage.s3_kvstore`).
+"""``s3://`` through Orbax's own array handler (`pz_persist.storage.stores.s3_kvstore`).
 
 Plain Orbax 0.12.8 refuses every ``s3://`` array checkpoint and cannot
 publish one (its folder rename fails on S3); `pzp.enable_orbax_s3` is what
@@ -27,8 +27,8 @@ from penzai import pz
 from treecompare import assert_identical
 
 import pz_persist as pzp
-from pz_persist.storage import object_store
-from pz_persist.storage import s3_kvstore
+from pz_persist.storage import stores
+from pz_persist.storage.stores import s3_kvstore
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -213,8 +213,8 @@ def test_plain_orbax_round_trip_on_s3(s3, registered):
   assert_identical(restored, tree)
   # Published in place by the commit file, as on GCS: no temporary folder.
   parent = url.rsplit("/", 1)[0]
-  assert object_store.names(parent) == ["ck"]
-  assert atomicity.COMMIT_SUCCESS_FILE in object_store.names(url)
+  assert stores.for_path(parent).names(parent) == ["ck"]
+  assert atomicity.COMMIT_SUCCESS_FILE in stores.for_path(url).names(url)
 
 
 def test_plain_orbax_checkpoint_manager_on_s3(s3, registered):
@@ -226,7 +226,7 @@ def test_plain_orbax_checkpoint_manager_on_s3(s3, registered):
     manager.wait_until_finished()
     assert manager.all_steps() == [1, 2]
   # A step without its commit file is unfinished, as on GCS.
-  object_store.write(f"{run}/7/default/_METADATA", b"{}")
+  stores.for_path(run).write_whole(f"{run}/7/default/_METADATA", b"{}")
   with ocp.CheckpointManager(run, options=options) as manager:
     assert manager.all_steps() == [1, 2]
     restored = manager.restore(2, args=ocp.args.StandardRestore())
@@ -315,7 +315,7 @@ def test_importing_and_local_or_gcs_use_register_nothing(gcs, tmp_path):
       f"""
       import numpy as np
       import pz_persist as pzp
-      from pz_persist.storage import s3_kvstore
+      from pz_persist.storage.stores import s3_kvstore
       assert not s3_kvstore.is_enabled()
       pzp.save({str(tmp_path / "ck")!r}, {{"w": np.arange(3.0)}})
       pzp.load({str(tmp_path / "ck")!r})
@@ -337,7 +337,7 @@ def test_pz_persist_registers_on_its_first_s3_path(s3):
       f"""
       import numpy as np
       import pz_persist as pzp
-      from pz_persist.storage import s3_kvstore
+      from pz_persist.storage.stores import s3_kvstore
       pzp.save({url!r}, {{"w": np.arange(3.0)}})
       print("enabled", s3_kvstore.is_enabled())
       print(pzp.load({url!r})["w"].tolist())

@@ -17,11 +17,12 @@ import pytest
 from etils import epath
 
 from pz_persist.safety import safe_io
-from pz_persist.storage import object_store
+from pz_persist.storage import stores
+from pz_persist.storage.stores import urls
 
 
 def _objects(remote: str) -> list[str]:
-  return object_store.names(remote)
+  return stores.for_path(remote).names(remote)
 
 
 def test_written_whole_and_nothing_else(remote):
@@ -48,7 +49,7 @@ def test_a_writer_that_cannot_delete_writes_and_leaves_no_temporary(remote, monk
   deleted it, which failed, and the write with it; measured on gs://)."""
   # On the class: fsspec shares one instance per store, and undoing a patch
   # on it would leave a bound method there, shadowing later tests' patches.
-  fs_class = type(fsspec.filesystem(object_store.scheme(remote)))
+  fs_class = type(fsspec.filesystem(urls.scheme(remote)))
 
   def refused(*args, **kwargs):
     raise PermissionError("this writer may create objects, not delete them")

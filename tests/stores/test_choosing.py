@@ -49,18 +49,19 @@ def test_choosing_never_asks_fsspec():
 
 
 def test_normalising_changes_nothing_process_wide_opening_for_orbax_does():
-  """``commit.as_path`` (every entry point's normalisation), the leftovers
+  """``stores.choose`` (every entry point's normalisation), the leftovers
   finder and the destination check leave Orbax as it is; only an entry point
   handing an ``s3://`` path to Orbax (`stores.open_path`) teaches it S3."""
   out = run_python("""
-      from pz_persist.storage import commit, destinations, s3_kvstore, stores
-      commit.as_path("s3://bucket/ck")
+      from pz_persist.storage import destinations, stores
+      from pz_persist.storage.stores import s3_kvstore
+      stores.choose("s3://bucket/ck")
       stores.normalise("s3://bucket/ck/")
       destinations.check_apart("s3://bucket/a", ["s3://bucket/b"])
       print("after normalising", s3_kvstore.is_enabled())
       stores.open_path("gs://bucket/ck")
       print("after opening gs", s3_kvstore.is_enabled())
-      commit.open_path("s3://bucket/ck")
+      stores.open_path("s3://bucket/ck")
       print("after opening s3", s3_kvstore.is_enabled())
   """, timeout=120)
   assert "after normalising False" in out

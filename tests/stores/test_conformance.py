@@ -3,7 +3,7 @@
 (`folder_store.FolderStore`, ``az://``), which shows that a new kind of
 storage is one module and one `stores.register`.
 
-The callers (the commit protocol, `storage.opening`, leftovers, verify) rely
+The callers (the commit protocol, `storage.reading.opening`, leftovers, verify) rely
 on exactly these promises, and on nothing else of a store.
 """
 
@@ -16,7 +16,6 @@ import pytest
 from etils import epath
 
 from pz_persist import errors
-from pz_persist.storage import commit
 from pz_persist.storage import stores
 from pz_persist.storage.stores import base
 from pz_persist.storage.stores import objects
@@ -142,7 +141,7 @@ def _save(store: base.Store, path: epath.Path, seen: base.Identity, data: bytes)
   new = store.new_location(path, os.urandom(8).hex())
   store.write_whole(new / "item" / "payload", data)
   store.check_publishable(path, seen)
-  return store.commit(path, new, seen)
+  return store.publish(path, new, seen)
 
 
 def test_a_save_is_published_whole_and_found_by_readers(root):
@@ -173,13 +172,13 @@ def test_of_two_saves_from_one_view_one_wins_and_the_loser_leaves_nothing(root):
   assert payloads == [b"v2"]  # Replaced and losing saves' files are gone.
 
 
-def test_the_commit_module_asks_the_paths_store(root):
-  path = commit.as_path(f"{root}/ck")
-  assert commit.identity(path) is None
-  new = commit.new_location(path, os.urandom(8).hex())
-  _store(root).write_whole(new / "f", b"x")
-  assert commit.move_into_place(path, new, None)
-  assert commit.identity(path) == _store(root).identity(path)
+def test_a_path_chosen_once_is_published_by_the_store_it_chose(root):
+  store, path = stores.choose(f"{root}/ck")
+  assert store is _store(root) and store.identity(path) is None
+  new = store.new_location(path, os.urandom(8).hex())
+  store.write_whole(new / "f", b"x")
+  assert store.publish(path, new, None)
+  assert store.identity(path) is not None and store.identity(path) == _store(root).identity(path)
 
 
 def test_object_stores_pin_a_commit_that_a_replacing_save_retires(root):

@@ -60,10 +60,19 @@ def local_path(path: epath.PathLike) -> epath.PathLike:
   return urls.file_url_path(path) or path
 
 
-def normalise(path: epath.PathLike) -> epath.Path:
-  """``path`` in the spelling its store reads (`base.Store.normalise`)."""
+def choose(path: epath.PathLike) -> tuple[base.Store, epath.Path]:
+  """The store of ``path`` and ``path`` in the spelling it reads
+  (`base.Store.normalise`): what an entry point holding a path calls once,
+  to hand both down."""
   path = local_path(path)
-  return for_path(path).normalise(path)
+  store = for_path(path)
+  return store, store.normalise(path)
+
+
+def normalise(path: epath.PathLike) -> epath.Path:
+  """``path`` in the spelling its store reads (`choose`, for a caller that
+  needs only the check and the spelling)."""
+  return choose(path)[1]
 
 
 def place(path: epath.PathLike) -> tuple[base.Store, tuple[str, ...]]:
@@ -73,11 +82,11 @@ def place(path: epath.PathLike) -> tuple[base.Store, tuple[str, ...]]:
   return store, store.place(path)
 
 
-def folders_above(path: epath.PathLike) -> list[epath.Path]:
-  """The folders holding ``path``, nearest first: locally after ``~``,
-  relative parts and links are resolved, up to ``/``; on an object store up
-  to, not including, the bucket."""
-  store, where = place(path)
+def folders_above(store: base.Store, path: epath.Path) -> list[epath.Path]:
+  """The folders holding ``path`` (on ``store``), nearest first: locally
+  after ``~``, relative parts and links are resolved, up to ``/``; on an
+  object store up to, not including, the bucket."""
+  where = store.place(path)
   if store.scheme is None:
     return [epath.Path(os.sep + os.sep.join(where[:n])) for n in range(len(where) - 1, -1, -1)]
   return [epath.Path(f"{store.scheme}://" + "/".join(where[1:n]))

@@ -14,7 +14,7 @@ The operations are the few the commit protocol, the readers and the cleaners
 need: normalise a path (`normalise`, `prepare`); files (`read`, `open`,
 `write_whole`, `create_if_absent`, `info`, `has_entry`); listings (`names`, `tree`);
 `remove`; the reader's lock (`lock`); and publishing a checkpoint whole
-(`identity`, `check_publishable`, `new_location`, `commit`, `pin`,
+(`identity`, `check_publishable`, `new_location`, `publish`, `pin`,
 `resolve`).
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from typing import Any
 from typing import BinaryIO
 from typing import ClassVar
 
@@ -88,7 +87,7 @@ class Commit:
 
   def still_current(self) -> bool:
     """Whether this commit object still exists, unchanged: then its folder
-    has not started being retired (`pz_persist.storage.object_commit`)."""
+    has not started being retired (`pz_persist.storage.stores.commit_objects`)."""
     found = self.store.info(self.object)
     return found is not None and found.generation == self.generation
 
@@ -119,7 +118,7 @@ class Store(abc.ABC):
 
   has_locks: ClassVar[bool] = False
   """Whether files can be locked, so that a save's marker and a run's lock
-  prove a writer alive or dead (`pz_persist.storage.leftovers`). Where not,
+  prove a writer alive or dead (`pz_persist.storage.lifecycle.leftovers`). Where not,
   nothing proves a writer gone: leftovers are the commit protocol's
   `orphans`, removed only when the user vouches for them."""
 
@@ -206,14 +205,16 @@ class Store(abc.ABC):
 
   # ---- Locks and identities. ------------------------------------------------
 
-  def lock(self, path: epath.PathLike, *, shared: bool = False) -> Any:
+  def lock(
+      self, path: epath.PathLike, *, shared: bool = False
+  ) -> contextlib.AbstractContextManager[None]:
     """A context holding the lock a save's publishing of ``path`` takes
     (exclusive) and a reader of it holds (shared); a no-op where the store
     has no locks (the commit protocol keeps readers safe there)."""
     del path, shared
     return contextlib.nullcontext()
 
-  def reading(self, path: epath.PathLike) -> Any:
+  def reading(self, path: epath.PathLike) -> contextlib.AbstractContextManager[None]:
     """What a reader of ``path`` holds while it reads: `lock` (shared) of
     ``path`` and, where ``path`` is an item inside a checkpoint, of that
     checkpoint too."""
@@ -232,17 +233,17 @@ class Store(abc.ABC):
     """What is at ``path`` now, to tell later whether a save replaced it."""
 
   def check_publishable(self, path: epath.Path, seen: Identity) -> None:
-    """Refuses, before anything is written, a save `commit` could not
+    """Refuses, before anything is written, a save `publish` could not
     publish over ``seen`` (a `errors.PzPersistError` naming why)."""
     del path, seen
 
   @abc.abstractmethod
   def new_location(self, path: epath.Path, token: str) -> epath.Path:
-    """Where a save of ``path`` writes its checkpoint before `commit`.
+    """Where a save of ``path`` writes its checkpoint before `publish`.
     ``token`` is shared by all processes writing it."""
 
   @abc.abstractmethod
-  def commit(self, path: epath.Path, new: epath.Path, seen: Identity) -> bool:
+  def publish(self, path: epath.Path, new: epath.Path, seen: Identity) -> bool:
     """Publishes the complete checkpoint ``new`` (from `new_location`) at
     ``path`` if ``path`` is still ``seen``; else deletes ``new`` and returns
     False (another save won, and its checkpoint stays whole)."""
@@ -263,6 +264,6 @@ class Store(abc.ABC):
   def orphans(self, path: epath.PathLike) -> list[epath.Path]:
     """What saves of ``path`` left that nothing publishes and nothing proves
     dead (object stores: the ``gen-*`` folders no commit names). [] where
-    leftovers are told by their writers' markers (`storage.leftovers`)."""
+    leftovers are told by their writers' markers (`storage.lifecycle.leftovers`)."""
     del path
     return []

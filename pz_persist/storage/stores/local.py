@@ -5,7 +5,7 @@ even when processes are killed or several save to one path at once. So every
 save writes its checkpoint completely under its own hidden sibling name (Orbax's
 temporary directory is derived from the final name, ``NAME.orbax-checkpoint-tmp``,
 so two saves writing the same final name would delete each other's files), and
-only then moves it into place with `LocalStore.commit`: one rename, or an atomic
+only then moves it into place with `LocalStore.publish`: one rename, or an atomic
 exchange with the checkpoint it replaces, done only if ``path`` is still what
 the save saw when it started. A killed save leaves at most its own
 ``.NAME.pz_persist-new-*`` sibling, which no other save touches.
@@ -193,10 +193,10 @@ class LocalStore(base.Store):
     return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
   def new_location(self, path: epath.Path, token: str) -> epath.Path:
-    """A hidden sibling (`sibling`), renamed into place by `commit`."""
+    """A hidden sibling (`sibling`), renamed into place by `publish`."""
     return sibling(path, "new", token)
 
-  def commit(self, path: epath.Path, new: epath.Path, seen: base.Identity) -> bool:
+  def publish(self, path: epath.Path, new: epath.Path, seen: base.Identity) -> bool:
     """Puts the complete checkpoint ``new`` at ``path`` if ``path`` is still ``seen``.
 
     The check and the rename run under an exclusive `lock` of the parent

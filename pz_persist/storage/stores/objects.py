@@ -1,7 +1,7 @@
 """Object stores: checkpoints published by a commit object, files by fsspec.
 
 `ObjectStore` is any store without rename, lock or inode but with the
-conditional create: it gets the commit protocol of `commits` over its own
+conditional create: it gets the commit protocol of `commit_objects` over its own
 primitives, and readers retry instead of locking. `FsspecStore` gives those
 primitives through fsspec (``gcsfs``, ``s3fs``: the libraries ``etils.epath``
 and Orbax already use for these paths); a kind of object store is then one
@@ -24,12 +24,12 @@ from etils import epath
 from pz_persist import errors
 from pz_persist import version
 from pz_persist.storage.stores import base
-from pz_persist.storage.stores import commits
+from pz_persist.storage.stores import commit_objects
 from pz_persist.storage.stores import urls
 
 
 class ObjectStore(base.Store):
-  """A store publishing checkpoints by commit objects (`commits`)."""
+  """A store publishing checkpoints by commit objects (`commit_objects`)."""
 
   load_attempts = 30
   """No lock makes a save's publishing wait for readers: an attempt is only
@@ -57,23 +57,23 @@ class ObjectStore(base.Store):
   def identity(self, path: epath.Path) -> base.Identity:
     """``("commit", sequence, generation, folder name)``, ``("exists",)``
     for other files and no commit, or None for nothing (or only orphans)."""
-    return commits.identity(self, path)
+    return commit_objects.identity(self, path)
 
   def check_publishable(self, path: epath.Path, seen: base.Identity) -> None:
-    commits.next_sequence(path, seen)
+    commit_objects.next_sequence(path, seen)
 
   def new_location(self, path: epath.Path, token: str) -> epath.Path:
     """A ``gen-<token>`` folder inside ``path``, never moved: publishing names it."""
-    return commits.new_generation(path, token)
+    return commit_objects.new_generation(path, token)
 
-  def commit(self, path: epath.Path, new: epath.Path, seen: base.Identity) -> bool:
-    return commits.publish(self, path, new, seen)
+  def publish(self, path: epath.Path, new: epath.Path, seen: base.Identity) -> bool:
+    return commit_objects.publish(self, path, new, seen)
 
   def pin(self, path: epath.PathLike) -> base.Commit | None:
-    return commits.current(self, path)
+    return commit_objects.current(self, path)
 
   def orphans(self, path: epath.PathLike) -> list[epath.Path]:
-    return commits.orphans(self, path)
+    return commit_objects.orphans(self, path)
 
 
 class FsspecStore(ObjectStore):

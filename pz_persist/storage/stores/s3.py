@@ -6,9 +6,9 @@ from typing import Any
 
 from etils import epath
 
-from pz_persist.storage import s3_kvstore
 from pz_persist.storage.stores import base
 from pz_persist.storage.stores import objects
+from pz_persist.storage.stores import s3_kvstore
 
 
 class S3Store(objects.FsspecStore):

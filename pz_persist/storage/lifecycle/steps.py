@@ -30,9 +30,8 @@ from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage import containment
-from pz_persist.storage import object_store
 from pz_persist.storage import stores
+from pz_persist.storage.integrity import containment
 
 _step_paths = ocp.path.step
 _atomicity = ocp.path.atomicity  # Public: Orbax exports it as orbax.checkpoint.path.atomicity.
@@ -41,11 +40,10 @@ COMMIT_MARKER = _atomicity.COMMIT_SUCCESS_FILE
 """The object Orbax writes last into a step on an object store: the step is
 committed exactly while it exists."""
 
-_METADATA = "_CHECKPOINT_METADATA"
 
 
-def temporary_path_class(directory: epath.PathLike) -> type[Any]:
-  """How Orbax must write and recognize the steps of ``directory``.
+def temporary_path_class(store: stores.Store, directory: epath.PathLike) -> type[Any]:
+  """How Orbax must write and recognize the steps of ``directory`` on ``store``.
 
   Orbax's own default, except on S3, where Orbax would write a step under a
   temporary name and "rename" it object by object (a copy and a delete each:
@@ -53,15 +51,15 @@ def temporary_path_class(directory: epath.PathLike) -> type[Any]:
   name); there, as on GCS, a step is written in place and committed by its
   `COMMIT_MARKER`.
   """
-  if not stores.for_path(directory).renames:
+  if not store.renames:
     return _atomicity.CommitFileTemporaryPath
   return ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(directory))
 
 
-def committed_by_marker(directory: epath.PathLike) -> bool:
-  """Whether a step of ``directory`` is committed by its `COMMIT_MARKER`
-  (object stores) rather than by its name (a local rename)."""
-  return issubclass(temporary_path_class(directory), _atomicity.CommitFileTemporaryPath)
+def committed_by_marker(store: stores.Store, directory: epath.PathLike) -> bool:
+  """Whether a step of ``directory`` on ``store`` is committed by its
+  `COMMIT_MARKER` (object stores) rather than by its name (a local rename)."""
+  return issubclass(temporary_path_class(store, directory), _atomicity.CommitFileTemporaryPath)
 
 
 def parse_step_name(name: str) -> tuple[int, bool] | None:
@@ -137,11 +135,11 @@ def _item_names(step_dir: epath.Path) -> tuple[str, ...] | None:
 def _commit_time(path: epath.Path) -> int | None:
   try:
     data = safe_io.read_small_file(
-        path / "_CHECKPOINT_METADATA", containment.MAX_ORBAX_METADATA_BYTES,
+        path / stores.local.ORBAX_CHECKPOINT_METADATA, containment.MAX_ORBAX_METADATA_BYTES,
         what="Orbax's checkpoint metadata",
     )
     metadata: Any = bounded_json.loads(
-        data, where=str(path / "_CHECKPOINT_METADATA"),
+        data, where=str(path / stores.local.ORBAX_CHECKPOINT_METADATA),
         max_nodes=bounded_json.node_limit(len(data), most=containment.MAX_ORBAX_METADATA_NODES),
         max_depth=64,
     )
@@ -166,8 +164,7 @@ def list_steps(directory: epath.PathLike, *, commit_times: bool = True) -> list[
     UnsupportedStorageError: ``directory`` is on a storage other than a
       local disk, ``gs://`` or ``s3://``.
   """
-  store = stores.for_path(directory)
-  stores.normalise(directory)  # Refused before anything is listed.
+  store, _ = stores.choose(directory)  # Refused before anything is listed.
   directory = epath.Path(stores.local_path(directory))
   if not store.renames:  # Committed by marker: all told by one listing.
     return _remote_steps(store, directory, commit_times)
@@ -225,7 +222,7 @@ def _remote_steps(
     step.items.add(item)
     if inside == manifest_lib.MANIFEST_FILENAME:
       step.penzai_items.add(item)
-  by_marker = committed_by_marker(directory)
+  by_marker = committed_by_marker(store, directory)
   steps = []
   for name, step in listed.items():
     parsed = parse_step_name(name)
@@ -234,7 +231,7 @@ def _remote_steps(
     number, committed = parsed
     if by_marker:
       committed = committed and COMMIT_MARKER in step.files
-    timed = commit_times and _METADATA in step.files
+    timed = commit_times and stores.local.ORBAX_CHECKPOINT_METADATA in step.files
     steps.append(StepInfo(
         step=number, path=directory / name, committed=committed,
         items=tuple(sorted(step.items)), penzai_items=tuple(sorted(step.penzai_items)),
@@ -243,8 +240,9 @@ def _remote_steps(
   return sorted(steps, key=lambda s: (s.step, not s.committed))
 
 
-def remove_step(step_dir: epath.Path) -> None:
-  """Deletes the step directory ``step_dir`` on an object store, whole or gone.
+def remove_step(store: stores.Store, step_dir: epath.Path) -> None:
+  """Deletes the step directory ``step_dir`` on the object store ``store``,
+  whole or gone.
 
   Why the marker first: deleting a step's objects takes one request per
   object, and a process killed half-way would leave a step that still looks
@@ -255,5 +253,5 @@ def remove_step(step_dir: epath.Path) -> None:
   it next opens the run (``cleanup_tmp_directories``) and ``pz-persist
   clean --force`` removes.
   """
-  object_store.remove(step_dir / COMMIT_MARKER)
-  object_store.remove(step_dir)
+  store.remove(step_dir / COMMIT_MARKER)
+  store.remove(step_dir)

@@ -20,7 +20,7 @@ arrays each sit whole in host memory or on one device (`applies`):
   transaction (Orbax's way) encodes everything first and then writes one
   2 GiB file (see `DATA_FILE_BYTES`). Atomicity is the checkpoint's, not
   the store's: the item is written under a temporary name and moved into
-  place whole (`pz_persist.storage.commit`);
+  place whole (`pz_persist.storage.stores`: `Store.publish`);
 * a small array stored in one chunk is written as its two key-value
   entries (``<key>/.zarray`` and the chunk) with no ``ts.open`` at all. The
   bytes are what the zarr driver writes: `raw_chunk_layout` has
@@ -57,8 +57,8 @@ import tensorstore as ts
 from etils import epath
 
 from pz_persist.safety import safe_io
-from pz_persist.storage import checksums
 from pz_persist.storage import orbax_seam
+from pz_persist.storage.integrity import checksums
 
 SMALL_ARRAY_BYTES = 2**20
 """Arrays up to this size, stored in one chunk, are written as raw key-value
@@ -220,7 +220,7 @@ class Started:
   """Writes under way: `finish` waits for them and writes Orbax's files."""
 
   directory: epath.Path
-  writes: tuple[Any, ...]  # TensorStore futures.
+  writes: tuple[ts.Future, ...]
   files: dict[str, bytes]
 
   def finish(self) -> None:
@@ -228,7 +228,7 @@ class Started:
 
     Raises:
       Whatever TensorStore raised for a write (the save then fails, and its
-      temporary directory is deleted by `pz_persist.storage.leftovers`), once
+      temporary directory is deleted by `pz_persist.storage.lifecycle.leftovers`), once
       every other write has ended too (`settle`).
     """
     settle(self.writes)
@@ -240,7 +240,7 @@ class Started:
       path.write_bytes(data)
 
 
-def settle(writes: Sequence[Any]) -> None:
+def settle(writes: Sequence[ts.Future]) -> None:
   """Waits until every TensorStore future in ``writes`` has ended, whether it
   succeeded or failed; raises nothing of theirs.
 
@@ -275,7 +275,7 @@ def start(
   layouts = {key: specs.layout(tuple(value.shape), np.dtype(value.dtype))
              for key, value in stored.items()}
   kvstore = None
-  writes: list[Any] = []
+  writes: list[ts.Future] = []
   opening: list[tuple[Any, np.ndarray]] = []
   try:
     for key, layout in layouts.items():

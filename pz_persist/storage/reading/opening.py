@@ -16,11 +16,12 @@ could mix the old manifest with new arrays, or fail on files of the old one as
 it is deleted. On a local disk the read holds a shared lock that a save's
 final move waits for; elsewhere (or when the item directory itself was given)
 such a read is detected (what is at the path changed while it was read) and
-done again from the start, at most `LOAD_ATTEMPTS` times. On an object store
-the read pins the current commit and reads the folder it names, which never
-changes once published; it is read again only if that commit was retired
-meanwhile (`pz_persist.storage.stores.commits`). Which of these a path gets
-is its store's (`pz_persist.storage.stores`), chosen once and carried in
+done again from the start, at most `stores.base.Store.load_attempts` times (each
+store says how many). On an object store the read pins the current commit and
+reads the folder it names, which never changes once published; it is read
+again only if that commit was retired meanwhile
+(`pz_persist.storage.stores.commit_objects`). Which of these a path gets is its
+store's (`pz_persist.storage.stores`), chosen once and carried in
 `OpenItem.store`.
 """
 
@@ -42,20 +43,12 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import safe_io
-from pz_persist.storage import containment
-from pz_persist.storage import leftovers
 from pz_persist.storage import stores
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.lifecycle import leftovers
 
 _T = TypeVar("_T")
 
-LOAD_ATTEMPTS = stores.LOCAL.load_attempts
-"""How many times a checkpoint that other saves keep replacing is read
-(each store says: `stores.base.Store.load_attempts`)."""
-
-OBJECT_STORE_LOAD_ATTEMPTS = stores.objects.ObjectStore.load_attempts
-"""The same on an object store (`stores.objects.ObjectStore.load_attempts`)."""
-
-ORBAX_CHECKPOINT_METADATA = stores.local.ORBAX_CHECKPOINT_METADATA
 """The file Orbax writes at the top of every checkpoint (beside its items)."""
 
 
@@ -74,7 +67,7 @@ class OpenItem:
     identity: `_identity` of ``path`` and ``item`` before the manifest was
       read, to tell whether a save replaced them since.
     pinned: On an object store, the commit whose checkpoint is read (see
-      `pz_persist.storage.stores.commits`); None elsewhere.
+      `pz_persist.storage.stores.commit_objects`); None elsewhere.
     store: The store ``path`` is on, chosen once (`stores.for_path`).
   """
 
@@ -117,7 +110,7 @@ def read(
 
   Raises:
     ConcurrentSaveError: other saves replaced the checkpoint during each of
-      `LOAD_ATTEMPTS` attempts (`OBJECT_STORE_LOAD_ATTEMPTS` on gs:// / s3://).
+      `stores.base.Store.load_attempts` attempts (the path's store says how many).
   """
   handle = opened_handle(path)
   if handle is not None:  # `pz_persist.open`'s handle: the checkpoint it opened.
@@ -133,9 +126,9 @@ def read(
       before: tuple[Any, ...] = ()
       try:
         pinned = None if item_directory else store.pin(path)
-        before = _seen(path, item, pinned)
-        item, snapshot = _find(path, item_directory, pinned)
-        before = _seen(path, item, pinned)
+        before = _seen(store, path, item, pinned)
+        item, snapshot = _find(store, path, item_directory, pinned)
+        before = _seen(store, path, item, pinned)
         if not _walked(snapshot, item):  # Replaced between the walk and now.
           continue
         try:
@@ -226,23 +219,23 @@ def _walked(snapshot: containment.Snapshot | None, item: epath.Path) -> bool:
 
 
 def _seen(
-    path: epath.Path, item: epath.Path | None, pinned: stores.base.Commit | None
+    store: stores.Store, path: epath.Path, item: epath.Path | None,
+    pinned: stores.base.Commit | None,
 ) -> tuple[Any, ...]:
   """`_identity`, or for a ``pinned`` commit the commit itself: its folder
   never changes once published, so only the commit object is watched."""
   if pinned is not None:
     return ("pinned", pinned.sequence, pinned.generation)
-  return _identity(path, item)
+  return _identity(store, path, item)
 
 
-def _identity(path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
+def _identity(store: stores.Store, path: epath.Path, item: epath.Path | None) -> tuple[Any, ...]:
   """Which checkpoint is at ``path`` (and its ``item``, once found) now.
 
   A save replacing it puts new directories there, with new inodes and times,
   and a new manifest file (`stores.base.Store.file_identity`, where the store
   tells files apart).
   """
-  store = stores.for_path(path)
   if item is None:
     return (store.identity(path),)
   return (
@@ -265,7 +258,7 @@ def _same(
   """
   if pinned is not None:
     return pinned.still_current()
-  if _identity(path, item) != before:
+  if _identity(store, path, item) != before:
     return False
   if item is None or digest is None or store.identifies_files:
     return True
@@ -282,17 +275,21 @@ def _manifest_digest(item: epath.Path) -> bytes | None:
 
 
 def _find(
-    path: epath.Path, item_directory: bool, pinned: stores.base.Commit | None
+    store: stores.Store, path: epath.Path, item_directory: bool,
+    pinned: stores.base.Commit | None,
 ) -> tuple[epath.Path, containment.Snapshot | None]:
   """The item at ``path`` (in the folder ``pinned`` names, if any), its
   files checked, and what the check saw of it."""
   if item_directory:
     return path, check_item_contained(path)
-  return _find_item(path if pinned is None else pinned.checkpoint)
+  return _find_item(store, path if pinned is None else pinned.checkpoint)
 
 
-def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | None]:
-  """The pz_persist item directory of the checkpoint at ``path``, checked.
+def find_item(
+    store: stores.Store, path: epath.Path
+) -> tuple[epath.Path, containment.Snapshot | None]:
+  """The pz_persist item directory of the checkpoint at ``path`` on ``store``
+  (``path`` as `stores.choose` spells it), checked.
 
   Every file of the checkpoint is checked (`containment.check_contained`) once;
   returns the item and the `containment.Snapshot` of it.
@@ -304,8 +301,7 @@ def find_item(path: epath.PathLike) -> tuple[epath.Path, containment.Snapshot | 
     NotACheckpointError: no item, or several (the message lists them).
     UnsafeCheckpointError: a file reaches outside the checkpoint.
   """
-  store, path = stores.open_path(path)
-  return _find_item(store.resolve(path))
+  return _find_item(store, store.resolve(path))
 
 
 def items(path: epath.PathLike) -> list[epath.Path]:
@@ -322,11 +318,11 @@ def items(path: epath.PathLike) -> list[epath.Path]:
   store, path = stores.open_path(path)
   if store.pin(path) is not None:
     return [path]  # A checkpoint published by a commit: one item.
-  if not path.is_dir() or _holds_manifest(path):
+  if not path.is_dir() or _holds_manifest(store, path):
     return [path]
   found = sorted(
       child for child in path.iterdir()
-      if child.is_dir() and _holds_manifest(child)
+      if child.is_dir() and _holds_manifest(store, child)
   )
   if len(found) < 2:
     return [path]
@@ -334,20 +330,22 @@ def items(path: epath.PathLike) -> list[epath.Path]:
   return found
 
 
-def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | None]:
+def _find_item(
+    store: stores.Store, path: epath.Path
+) -> tuple[epath.Path, containment.Snapshot | None]:
   if not path.is_dir():
     raise errors.NotACheckpointError(
         f"{path} is not a pz_persist checkpoint: "
         + ("it is not a directory." if path.exists() else "it does not exist.")
-        + leftovers.only_trace(path)
+        + leftovers.only_trace(store, path)
     )
-  if _holds_manifest(path):
+  if _holds_manifest(store, path):
     snapshot = check_item_contained(path)
     manifest_lib.check_file(path)
     return path, snapshot
   items = sorted(
       child for child in path.iterdir()
-      if child.is_dir() and _holds_manifest(child)
+      if child.is_dir() and _holds_manifest(store, child)
   )
   if len(items) == 1:
     # The whole checkpoint, not only the item: the item directory itself may
@@ -365,7 +363,7 @@ def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | Non
         f" e.g. {items[0]}."
     )
   hint = ""
-  if (path / ORBAX_CHECKPOINT_METADATA).exists() or (path / "_METADATA").exists():
+  if (path / stores.local.ORBAX_CHECKPOINT_METADATA).exists() or (path / "_METADATA").exists():
     hint = (
         " It is an Orbax checkpoint written without pz_persist; restore it with"
         " orbax.checkpoint and a template or, if it holds a Penzai model's"
@@ -379,7 +377,7 @@ def _find_item(path: epath.Path) -> tuple[epath.Path, containment.Snapshot | Non
   )
 
 
-def _holds_manifest(directory: epath.Path) -> bool:
+def _holds_manifest(store: stores.Store, directory: epath.Path) -> bool:
   """Whether ``directory`` has a manifest entry of any kind.
 
   Why not `manifest.has_manifest`: a manifest that is a symlink out of the
@@ -387,7 +385,7 @@ def _holds_manifest(directory: epath.Path) -> bool:
   the directory look like no checkpoint at all; found here, it is refused by
   name instead (by `containment.check_contained` or `manifest.read`).
   """
-  return stores.for_path(directory).has_entry(manifest_lib.manifest_path(directory))
+  return store.has_entry(manifest_lib.manifest_path(directory))
 
 
 def check_item_contained(directory: epath.Path) -> containment.Snapshot | None:
@@ -406,7 +404,7 @@ def check_item_contained(directory: epath.Path) -> containment.Snapshot | None:
   path = os.fspath(directory)  # Remote: never a link, so done below.
   parent = os.path.dirname(os.path.abspath(path))
   if os.path.islink(path) and os.path.exists(
-      os.path.join(parent, ORBAX_CHECKPOINT_METADATA)
+      os.path.join(parent, stores.local.ORBAX_CHECKPOINT_METADATA)
   ):
     containment.check_contained(parent)
   return snapshot

@@ -11,21 +11,21 @@ This module reads the same files, through the same TensorStore specs Orbax
 builds (``ocp.type_handlers.get_json_tspec_read``), so the format, its
 checks and its errors are unchanged; only the destination differs. Small
 arrays stored as one raw chunk skip ``ts.open`` altogether: they are read as
-the item's OCDBT key-value entries (`pz_persist.storage.raw_chunks`), and
+the item's OCDBT key-value entries (`pz_persist.storage.reading.raw_chunks`), and
 anything that is not exactly that layout falls back to ``ts.open`` here. Each
 array's chunks are copied by TensorStore directly into a 64-byte aligned
-buffer from `pz_persist.storage.host_memory.aligned_empty`, which then becomes the
+buffer from `pz_persist.storage.reading.host_memory.aligned_empty`, which then becomes the
 ``jax.Array`` (or stays the NumPy array) without another copy. Peak memory
 is the arrays themselves plus the chunks in flight (bounded by
 `IN_FLIGHT_BYTES`), whose buffers glibc reuses rather than maps afresh once
 the process opted in (`pz_persist.tune_host_allocator`).
 
 TensorStore opens the files by path, so `read` is only ever called inside
-`pz_persist.storage.containment.files_unchanged` (by `pz_persist.storage.reader.read_arrays`,
-which also checks the checksums, as each array is read, and places the
-arrays): every file is checked before the read and again after it, and
-nothing read is returned if one was swapped (for a link out of the
-checkpoint, say) in between.
+`pz_persist.storage.integrity.containment.files_unchanged` (by
+`pz_persist.storage.reading.reader.read_arrays`, which also checks the
+checksums, as each array is read, and places the arrays): every file is
+checked before the read and again after it, and nothing read is returned if
+one was swapped (for a link out of the checkpoint, say) in between.
 
 Which loads take it (`applies`): one process, every array going to host
 memory or to a single device. Loads onto a mesh, or across processes, keep
@@ -49,13 +49,12 @@ import tensorstore as ts
 from etils import epath
 
 from pz_persist import errors
-from pz_persist.errors import ArrayReadError  # Its callers catch it here.
 from pz_persist.format import array_specs as arrays_lib
+from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage import containment
-from pz_persist.storage import host_memory
-from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import raw_chunks
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import host_memory
+from pz_persist.storage.reading import raw_chunks
 
 IN_FLIGHT_BYTES = 64 * 2**20
 """Arrays whose reads run at once, by bytes: enough to keep TensorStore's
@@ -186,7 +185,7 @@ def _result(key: str, future: Any) -> Any:
   except (KeyboardInterrupt, MemoryError):
     raise
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise ArrayReadError(key, e) from e
+    raise errors.ArrayReadError(key, e) from e
 
 
 def _layout(directory: epath.Path) -> tuple[bool, bool]:
@@ -194,7 +193,7 @@ def _layout(directory: epath.Path) -> tuple[bool, bool]:
   path = directory / "_METADATA"
   try:
     data = safe_io.read_small_file(
-        path, containment.MAX_ORBAX_TREE_METADATA_BYTES, what="Orbax's metadata"
+        path, bounded_json.MAX_ORBAX_METADATA_BYTES, what="Orbax's metadata"
     )
     stored = json.loads(data)
     use_zarr3 = stored.get("use_zarr3", False)
@@ -273,8 +272,8 @@ def _read_spec(
 
 def open_array(directory: epath.Path, key: str) -> Any:
   """The opened TensorStore of one stored array (Orbax's read spec), for a
-  reader of part of it (`pz_persist.storage.slices`); inside
-  `containment.files_unchanged`, like `read`.
+  reader of part of it (`pz_persist.storage.reading.slices`); inside
+  `pz_persist.storage.integrity.containment.files_unchanged`, like `read`.
 
   Raises:
     ArrayReadError: TensorStore cannot open the array's files.

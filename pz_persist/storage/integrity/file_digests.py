@@ -1,6 +1,6 @@
 """A digest of every file of a checkpoint item, written once it is complete.
 
-Array checksums (`pz_persist.storage.checksums`) say *which label* is damaged, but only
+Array checksums (`pz_persist.storage.integrity.checksums`) say *which label* is damaged, but only
 catch damage that changes the bytes an array decodes to. A flipped bit in
 compressed framing, in Orbax's index files or in an unused byte may not; a
 digest of every file catches all of them, and says *which file*. The digests
@@ -43,13 +43,8 @@ from pz_persist.format import checksum_records
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
-from pz_persist.storage import checksums
-from pz_persist.storage import commit
-from pz_persist.storage import object_store
 from pz_persist.storage import stores
-
-FILENAME = manifest_lib.FILE_DIGESTS_FILENAME
-MAX_BYTES = manifest_lib.MAX_FILE_DIGESTS_BYTES
+from pz_persist.storage.integrity import checksums
 
 MAX_NODES = 2**22
 """Most JSON values a digest file may hold: 4 per file, so a million files
@@ -59,13 +54,13 @@ MAX_NODES = 2**22
 
 _FORMAT = "pz_persist.files"
 _ORBAX_MARKER = "commit_success.txt"  # Written after the list, holds no data.
-_ORBAX_CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+_ORBAX_METADATA = stores.local.ORBAX_CHECKPOINT_METADATA
 """Where the item is the whole checkpoint (`PenzaiCheckpointHandler` in
 Orbax's ``Checkpointer`` directly, not in ``Composite``), Orbax's checkpoint
 metadata lies beside the item's files and is written again after the list (its
 commit time): not the item's data, never listed, and not compared where an
 older list holds it."""
-_NOT_LISTED = frozenset({_ORBAX_MARKER, _ORBAX_CHECKPOINT_METADATA})
+_NOT_LISTED = frozenset({_ORBAX_MARKER, _ORBAX_METADATA})
 
 
 def _files(directory: str) -> list[str]:
@@ -74,7 +69,7 @@ def _files(directory: str) -> list[str]:
   for root, _, names in os.walk(directory):
     for name in names:
       rel = os.path.relpath(os.path.join(root, name), directory)
-      if rel in (FILENAME, _ORBAX_CHECKPOINT_METADATA) or (
+      if rel in (manifest_lib.FILE_DIGESTS_FILENAME, _ORBAX_METADATA) or (
           name.startswith(".") and name.endswith(".tmp")):
         continue
       found.append(rel.replace(os.sep, "/"))
@@ -83,7 +78,7 @@ def _files(directory: str) -> list[str]:
 
 def write(directory: epath.Path) -> None:
   """Records the size and digest of every file in ``directory`` (local only)."""
-  if not commit.is_local(directory):
+  if not safe_io.is_local(directory):
     return  # Remote stores checksum their objects themselves.
   root = os.fspath(directory)
   files = {
@@ -95,7 +90,7 @@ def write(directory: epath.Path) -> None:
       {"format": _FORMAT, "algorithm": checksum_records.ALGORITHM, "files": files},
       separators=(",", ":"),
   ).encode()
-  safe_io.write_small_file(os.path.join(root, FILENAME), data)
+  safe_io.write_small_file(os.path.join(root, manifest_lib.FILE_DIGESTS_FILENAME), data)
 
 
 def check(
@@ -116,24 +111,25 @@ def check(
     resized or changed file; None if the item has no digest file (written by
     an older pz_persist, or on a remote store).
   """
-  path = os.fspath(epath.Path(directory) / FILENAME)
+  path = os.fspath(epath.Path(directory) / manifest_lib.FILE_DIGESTS_FILENAME)
   try:  # Never following a link, never blocking on a FIFO, bounded.
-    raw = safe_io.read_small_file(path, MAX_BYTES, what="file digest list")
+    raw = safe_io.read_small_file(path, manifest_lib.MAX_FILE_DIGESTS_BYTES, what="file digest list")
   except FileNotFoundError:
     return None
   recorded = _parse(raw, where=path)
-  if commit.is_local(directory):
+  if safe_io.is_local(directory):
     root = os.fspath(directory)
     return _compare(
         recorded, lambda rel, size, digest: _file_problem(
             os.path.join(root, rel), size, digest),
         present=_files(root), where=lambda rel: os.path.join(root, rel), tracker=tracker,
     )
-  listed = object_store.tree(directory)  # A list copied to a store with its files.
+  store = stores.for_path(directory)
+  listed = store.tree(directory)  # A list copied to a store with its files.
   return _compare(
       recorded, lambda rel, size, digest: _object_problem(
-          directory, rel, listed.get(rel), size, digest),
-      present=[rel for rel in sorted(listed) if rel != FILENAME],
+          store, directory, rel, listed.get(rel), size, digest),
+      present=[rel for rel in sorted(listed) if rel != manifest_lib.FILE_DIGESTS_FILENAME],
       where=lambda rel: f"{directory / rel}", tracker=tracker,
   )
 
@@ -150,7 +146,7 @@ def _compare(
   if tracker is not None:
     tracker.grow(sum(size for size, _ in recorded.values()))
   problems = []
-  recorded = {rel: entry for rel, entry in recorded.items() if rel != _ORBAX_CHECKPOINT_METADATA}
+  recorded = {rel: entry for rel, entry in recorded.items() if rel != _ORBAX_METADATA}
   for rel, (size, digest) in recorded.items():
     found = problem(rel, size, digest)
     if found:
@@ -187,7 +183,7 @@ def _file_problem(full: str, size: int, digest: str) -> str | None:
   return None
 
 
-def _canonical(rel: Any) -> bool:
+def _canonical(rel: object) -> bool:
   """Whether ``rel`` is how `_files` names a file: relative, with no empty,
   ``.`` or ``..`` parts, so no two names reach one file."""
   return isinstance(rel, str) and "\0" not in rel and all(
@@ -197,8 +193,8 @@ def _canonical(rel: Any) -> bool:
 
 def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:
   """Parses and validates a digest file; any flaw is a `ManifestError`."""
-  if len(raw) > MAX_BYTES:
-    raise errors.ManifestError(f"{where}: over the {MAX_BYTES}-byte limit.")
+  if len(raw) > manifest_lib.MAX_FILE_DIGESTS_BYTES:
+    raise errors.ManifestError(f"{where}: over the {manifest_lib.MAX_FILE_DIGESTS_BYTES}-byte limit.")
   most = bounded_json.node_limit(len(raw), most=MAX_NODES, bytes_per_node=8)
   data = bounded_json.loads(raw, where=where, max_nodes=most, max_depth=4)
   if (
@@ -212,7 +208,7 @@ def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:
   files = {}
   for rel, entry in data["files"].items():
     if (
-        not _canonical(rel) or rel == FILENAME
+        not _canonical(rel) or rel == manifest_lib.FILE_DIGESTS_FILENAME
         or not isinstance(entry, list) or len(entry) != 2
         or type(entry[0]) is not int or entry[0] < 0
         or not isinstance(entry[1], str)
@@ -225,16 +221,16 @@ def _parse(raw: bytes, *, where: str) -> dict[str, tuple[int, str]]:
 # ---- Object stores. ---------------------------------------------------------
 
 
-def _hash_object(directory: epath.Path, rel: str, hasher: Any) -> Any:
-  """Feeds the object ``rel`` of ``directory`` to ``hasher``, in chunks."""
-  with stores.for_path(directory).open(directory / rel) as f:
+def _hash_object(store: stores.Store, directory: epath.Path, rel: str, hasher: Any) -> Any:
+  """Feeds the object ``rel`` of ``directory`` on ``store`` to ``hasher``, in chunks."""
+  with store.open(directory / rel) as f:
     while chunk := f.read(2**22):
       hasher.update(chunk)
   return hasher
 
 
 def _object_problem(
-    directory: epath.Path, rel: str, info: object_store.ObjectInfo | None,
+    store: stores.Store, directory: epath.Path, rel: str, info: stores.base.ObjectInfo | None,
     size: int, digest: str,
 ) -> str | None:
   """What is wrong with the object ``rel`` (listed as ``info``) against its
@@ -243,7 +239,7 @@ def _object_problem(
     return "missing"
   if info.size != size:
     return f"{info.size} bytes, {size} when saved"
-  if _hash_object(directory, rel, xxhash.xxh3_128()).hexdigest() != digest:
+  if _hash_object(store, directory, rel, xxhash.xxh3_128()).hexdigest() != digest:
     return "contents changed since it was saved"
   return None
 
@@ -269,7 +265,8 @@ def check_against_store(
     keeps no usable checksum of (an S3 multipart upload's ETag is no MD5),
     each named.
   """
-  listed = object_store.tree(directory)
+  store = stores.for_path(directory)
+  listed = store.tree(directory)
   crc32c = _crc32c_hasher()
   if tracker is not None:
     tracker.grow(sum(info.size for info in listed.values()))
@@ -284,7 +281,7 @@ def check_against_store(
       unchecked.append(f"{directory / rel}")
       continue
     expected = stored["md5" if name == "MD5" else "crc32c"]
-    if _hash_object(directory, rel, hasher).digest() != expected:
+    if _hash_object(store, directory, rel, hasher).digest() != expected:
       problems.append(
           f"{directory / rel}: its bytes do not match the store's {name} of it"
       )

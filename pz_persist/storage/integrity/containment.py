@@ -6,7 +6,7 @@ pz_persist (or TensorStore, which reads the arrays) read a file outside it,
 such as ``/etc/shadow``, or a device such as ``/dev/zero`` that never ends; a
 FIFO blocks the reader forever. `check_contained` refuses all of them before
 any file of the checkpoint is opened, and `files_unchanged` checks again after
-a read, so that nothing swapped in meanwhile is returned. `storage.opening`
+a read, so that nothing swapped in meanwhile is returned. `storage.reading.opening`
 walks once per item; the reader re-checks after reading.
 
 Every check raises a `pz_persist.errors.ManifestError` (most often its
@@ -30,9 +30,6 @@ from pz_persist.safety import safe_io
 MAX_ORBAX_METADATA_BYTES = 64 * 2**20
 """Larger Orbax ``_CHECKPOINT_METADATA`` files are refused before parsing."""
 
-MAX_ORBAX_TREE_METADATA_BYTES = bounded_json.MAX_ORBAX_METADATA_BYTES
-"""Larger Orbax ``_METADATA`` / ``_sharding`` files (one entry per array, so
-larger than ``_CHECKPOINT_METADATA``, like the manifest) are refused."""
 
 
 def small_file(name: str) -> tuple[str, int] | None:
@@ -41,7 +38,7 @@ def small_file(name: str) -> tuple[str, int] | None:
   if name in ("_CHECKPOINT_METADATA", "metrics"):
     return "Orbax's metadata", MAX_ORBAX_METADATA_BYTES
   if name in ("_METADATA", "_sharding"):
-    return "Orbax's metadata", MAX_ORBAX_TREE_METADATA_BYTES
+    return "Orbax's metadata", bounded_json.MAX_ORBAX_METADATA_BYTES  # One entry per array.
   if name == manifest_lib.MANIFEST_FILENAME:
     return "manifest", manifest_lib.MAX_MANIFEST_BYTES
   if name == manifest_lib.FILE_DIGESTS_FILENAME:
@@ -156,7 +153,7 @@ def files_unchanged(directory: epath.PathLike, before: Snapshot | None = None):
   discarded. Cheap: one ``lstat`` per file, no file is opened.
 
   ``before``, a `check_contained` snapshot of ``directory`` taken earlier
-  (`pz_persist.storage.opening` takes one), saves walking it again first.
+  (`pz_persist.storage.reading.opening` takes one), saves walking it again first.
 
   Raises:
     UnsafeCheckpointError: something was swapped or added while reading.

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from etils import epath
 
 from pz_persist import errors
@@ -130,7 +131,7 @@ def _check_chunk_shape(spec: Any, meta: Any, *, where: str) -> None:
     )
 
 
-def _dtype(dtype: Any) -> np.dtype:
+def _dtype(dtype: npt.DTypeLike | None) -> np.dtype:
   if dtype is None:
     raise ValueError("no dtype")
   return np.dtype(dtype)

@@ -39,7 +39,7 @@ is ``"unknown"``, never a hang or an exception.
 
 On an object store (``gs://``, ``s3://``) a save writes a generation folder
 beside the commit objects and publishes it by creating a commit object
-(`pz_persist.storage.object_commit`); a killed or losing save leaves its
+(`pz_persist.storage.stores.commit_objects`); a killed or losing save leaves its
 generation folder, which no commit names (an *orphan*), and a killed
 ``CheckpointManager`` step leaves a step without its commit marker. There
 are no locks or pids there to prove a writer gone (a save still running
@@ -70,10 +70,9 @@ from pz_persist import errors
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.safety import terminal
-from pz_persist.storage import commit
 from pz_persist.storage import orbax_seam
-from pz_persist.storage import steps
 from pz_persist.storage import stores
+from pz_persist.storage.lifecycle import steps
 
 try:
   import fcntl
@@ -108,6 +107,7 @@ class Leftover:
       another host, another container) or ``"orbax tmp step"`` (a
       ``CheckpointManager`` step Orbax had not finished, no manager open).
     reason: How the status was decided, for people.
+    store: The store it is on (asked how it may be removed).
   """
 
   name: epath.Path
@@ -115,6 +115,7 @@ class Leftover:
   nbytes: int
   status: str
   reason: str
+  store: stores.Store = dataclasses.field(compare=False, repr=False)
 
   @property
   def removable(self) -> bool:
@@ -142,9 +143,10 @@ class Writing:
 
 @contextlib.contextmanager
 def writing(
-    target: epath.Path, *, cancel: Callable[[], object], primary: bool = True
+    store: stores.Store, target: epath.Path, *, cancel: Callable[[], object],
+    primary: bool = True,
 ) -> Iterator[Writing]:
-  """Marks ``target`` as being written by this process while the block runs.
+  """Marks ``target`` (on ``store``) as being written by this process while the block runs.
 
   The marker is created and locked before anything of ``target`` exists, so
   no cleaner ever mistakes the family of a running save for a dead one; it
@@ -160,7 +162,7 @@ def writing(
   and deletes: the others write into the directory it created.
   """
   started_after = set(threading.enumerate())
-  local = primary and stores.for_path(target).has_locks  # Else no marker to hold.
+  local = primary and store.has_locks  # Else no marker to hold.
   marker, fd = _marker(target), None
   state = Writing(target)
   with _writing_lock:
@@ -182,7 +184,7 @@ def writing(
         if fd is not None:
           state.left = _abandon(target, fd, settled=settled)
         elif primary and not local:  # Remote: no placeholder can be put.
-          commit.remove_unfinished(target)
+          remove_unfinished(target)
       raise
     if fd is not None:
       _unlink(marker)
@@ -191,6 +193,18 @@ def writing(
       _writing.discard(os.fspath(target))
     if fd is not None:
       os.close(fd)  # Releases the lock.
+
+
+def remove_unfinished(target: epath.Path) -> None:
+  """Deletes what a failed save to the unique ``target`` left, and only that.
+
+  Raises:
+    UnsafeCheckpointError: one of these names (all the save's own
+      directories) is a symlink or not a directory; it is left untouched.
+  """
+  for leftover in target.parent.glob(f"{target.name}.orbax-checkpoint-tmp*"):
+    safe_io.remove_tree(leftover, strict=True)
+  safe_io.remove_tree(target, strict=True)
 
 
 @contextlib.contextmanager
@@ -358,19 +372,18 @@ def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) ->
 # ---- Finding leftovers. -----------------------------------------------------
 
 
-def find(path: epath.PathLike) -> list[Leftover]:
-  """Leftovers of saves to the checkpoint path ``path`` (beside it; on an
-  object store, its generation folders no commit names)."""
-  store, path = stores.for_path(path), commit.as_path(path)
+def find(store: stores.Store, path: epath.Path) -> list[Leftover]:
+  """Leftovers of saves to the checkpoint path ``path`` on ``store`` (as
+  `stores.choose` spells it): beside it; on an object store, its generation
+  folders no commit names."""
   if not store.has_locks:
     return _orphans(store, path)
   return _families(path.parent, of=path.name)
 
 
-def find_inside(directory: epath.PathLike) -> list[Leftover]:
-  """Leftovers of saves to any path directly inside ``directory``, and Orbax's
-  unfinished ``CheckpointManager`` steps there."""
-  store, directory = stores.for_path(directory), commit.as_path(directory)
+def find_inside(store: stores.Store, directory: epath.Path) -> list[Leftover]:
+  """Leftovers of saves to any path directly inside ``directory`` on
+  ``store``, and Orbax's unfinished ``CheckpointManager`` steps there."""
   if not store.has_locks:
     return _remote_inside(store, directory)
   if not os.path.isdir(os.fspath(directory)):
@@ -387,7 +400,7 @@ def find_inside(directory: epath.PathLike) -> list[Leftover]:
         ("live", _RUN_IN_USE) if unused is False else ("unknown", unused))
   found += [
       Leftover(name=directory / entry.name, entries=(directory / entry.name,),
-               nbytes=_size(entry.path), status=status, reason=reason)
+               nbytes=_size(entry.path), status=status, reason=reason, store=store)
       for entry in uncommitted
   ]
   return found
@@ -449,8 +462,8 @@ def _open_run_lock(directory: epath.Path, *, create: bool) -> int | None:
   return fd
 
 
-def hold_run(directory: epath.PathLike) -> int | None:
-  """Takes a shared hold on the run ``directory`` for an open manager.
+def hold_run(store: stores.Store, directory: epath.Path) -> int | None:
+  """Takes a shared hold on the run ``directory`` (on ``store``) for an open manager.
 
   Returns the descriptor to pass to `release_run` (None where there are no
   locks: object stores, Windows). Waits (at most `_RUN_LOCK_WAIT_SECONDS`)
@@ -460,8 +473,7 @@ def hold_run(directory: epath.PathLike) -> int | None:
     UnsafeCheckpointError: the lock file is not a regular file.
     ConcurrentSaveError: a cleaner held the run for the whole wait.
   """
-  directory = commit.as_path(directory)
-  if fcntl is None or not stores.for_path(directory).has_locks:
+  if fcntl is None or not store.has_locks:
     return None
   try:
     fd = _open_run_lock(directory, create=True)
@@ -514,20 +526,26 @@ def run_unused(directory: epath.Path) -> Iterator[bool | str]:
     yield True
     return
   try:
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-        yield False
-        return
-    yield True
+    yield not _held_by_another(fd)
   finally:
     os.close(fd)
 
 
+def _held_by_another(fd: int) -> bool:
+  """Takes an exclusive lock on ``fd`` unless another holds one; True if
+  another does. Where files cannot be locked (some network filesystems),
+  False: the lock proves nothing there, and the caller's markers decide."""
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+  return False
+
+
 def find_all(path: epath.PathLike) -> list[Leftover]:
   """Leftovers beside ``path`` and, if it is a directory, inside it."""
-  return find(path) + find_inside(path)
+  store, path = stores.choose(path)
+  return find(store, path) + find_inside(store, path)
 
 
 _ORPHAN_REASON = (
@@ -546,7 +564,7 @@ def _orphans(store: stores.Store, path: epath.Path) -> list[Leftover]:
   return [
       Leftover(name=orphan, entries=(orphan,),
                nbytes=sum(info.size for info in store.tree(orphan).values()),
-               status="unknown", reason=_ORPHAN_REASON)
+               status="unknown", reason=_ORPHAN_REASON, store=store)
       for orphan in store.orphans(path)
   ]
 
@@ -560,7 +578,7 @@ def _remote_inside(store: stores.Store, directory: epath.Path) -> list[Leftover]
       found += _orphans(store, directory / name)
   found += [
       Leftover(name=step.path, entries=(step.path,), nbytes=step.nbytes,
-               status="orbax tmp step", reason=_REMOTE_STEP_REASON)
+               status="orbax tmp step", reason=_REMOTE_STEP_REASON, store=store)
       for step in steps.list_steps(directory, commit_times=False) if not step.committed
   ]
   return found
@@ -585,7 +603,7 @@ def _families(directory: epath.Path, of: str | None = None) -> list[Leftover]:
     found.append(Leftover(
         name=base, entries=entries,
         nbytes=sum(_size(os.fspath(e)) for e in entries),
-        status=status, reason=reason,
+        status=status, reason=reason, store=stores.LOCAL,
     ))
   return found
 
@@ -662,14 +680,9 @@ def _marker_locked(family: epath.Path):
       yield True, (f"its writer marker is {safe_io.special_kind(info.st_mode)},"
                    " not a regular file")
       return
-    if fcntl is not None:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-          yield False, None
-          return
-        # Locks unsupported here (some network filesystems): markers decide.
+    if fcntl is not None and _held_by_another(fd):
+      yield False, None
+      return
     yield True, _read_marker(fd, info.st_size)
   finally:
     os.close(fd)
@@ -703,10 +716,10 @@ _MAX_PID = 2**31
 # ---- Removing. --------------------------------------------------------------
 
 
-def remove_dead(path: epath.PathLike) -> list[Leftover]:
-  """Removes the leftovers of saves to ``path`` whose writers are gone."""
+def remove_dead(store: stores.Store, path: epath.Path) -> list[Leftover]:
+  """Removes the leftovers of saves to ``path`` on ``store`` whose writers are gone."""
   removed = []
-  for leftover in find(path):
+  for leftover in find(store, path):
     if leftover.removable and remove(leftover):
       removed.append(leftover)
   return removed
@@ -727,7 +740,7 @@ def would_remove(leftover: Leftover, *, force: bool = False) -> bool:
   uncommitted_step = parsed is not None and not parsed[1]
   return not (
       uncommitted_step and leftover.status == "unknown"
-      and stores.for_path(leftover.name).has_locks
+      and leftover.store.has_locks
   )
 
 
@@ -739,11 +752,11 @@ def remove(leftover: Leftover, *, force: bool = False) -> bool:
   steps; live ones never. The status is decided again, under the marker's
   lock, just before deleting.
   """
-  if not stores.for_path(leftover.name).has_locks:
+  if not leftover.store.has_locks:
     if not force:  # Nothing proves a writer gone there (see above).
       return False
     for entry in leftover.entries:
-      steps.remove_step(entry)  # Its commit marker first, if it has one.
+      steps.remove_step(leftover.store, entry)  # Its commit marker first, if it has one.
     return True
   parsed = steps.parse_step_name(leftover.name.name)
   if parsed is not None and not parsed[1]:  # An uncommitted step (`find_inside`).
@@ -797,7 +810,7 @@ def summary(leftovers: list[Leftover], where: epath.PathLike) -> str | None:
   )
 
 
-def only_trace(path: epath.PathLike) -> str:
+def only_trace(store: stores.Store, path: epath.Path) -> str:
   """What unfinished saves of ``path`` left, for the error saying that no
   checkpoint is there ('' if they left nothing).
 
@@ -810,12 +823,11 @@ def only_trace(path: epath.PathLike) -> str:
   error already on its way.
   """
   try:
-    path = commit.as_path(path)
-    found = find(path)
+    found = find(store, path)
     steps_left = [
-        leftover for leftover in find_inside(path.parent)
+        leftover for leftover in find_inside(store, path.parent)
         if leftover.name.name.startswith(path.name + _TMP_SUFFIX)
-    ] if stores.for_path(path).has_locks else []
+    ] if store.has_locks else []
   except (OSError, errors.PzPersistError):
     return ""
   found += steps_left

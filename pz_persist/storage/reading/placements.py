@@ -1,6 +1,6 @@
 """Where each array of a checkpoint is read to, and how many bytes that puts here.
 
-The plan of a read (`pz_persist.storage.reader`): each array's sharding, from
+The plan of a read (`pz_persist.storage.reading.reader`): each array's sharding, from
 one sharding for all, `pz_persist.sharding.AxisRules` (by the axis names the
 manifest records), or a sharding per array (a load into a model, which knows
 where each of its arrays is); and the bytes this process's devices will hold,

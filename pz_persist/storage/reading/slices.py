@@ -5,14 +5,14 @@ How a slice is verified: the checksums of an array are recorded per slice, as
 a grid (`pz_persist.format.checksum_records`). A slice read reads the smallest
 box of whole grid cells that holds the slice (for arrays saved whole since
 0.7, the tiles of about 16 MiB of rows along the leading axis that the slice
-overlaps, `pz_persist.storage.checksums.TILE_BYTES`; for older checkpoints,
+overlaps, `pz_persist.storage.integrity.checksums.TILE_BYTES`; for older checkpoints,
 with one checksum per array, the whole array), hashes every cell of that box
 and compares each with its recorded digest, and only then cuts the slice out
 of the box. So no byte is returned that was not checked, and a damaged cell
 the slice does not overlap is neither read nor reported. With ``verify=False``
 only the slice's own box is read, and nothing is hashed.
 
-Like every read (`pz_persist.storage.reader.read_arrays`) it runs inside
+Like every read (`pz_persist.storage.reading.reader.read_arrays`) it runs inside
 `containment.files_unchanged`, checks Orbax's metadata against the manifest
 before allocating, and is bounded by the allocation limit
 (`pz_persist.safety.limits`), counting the box it allocates.
@@ -30,13 +30,14 @@ from etils import epath
 from pz_persist import errors
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format.checksum_records import Index
+from pz_persist.format.checksum_records import ShardChecksum
 from pz_persist.safety import bounded_json
 from pz_persist.safety import limits
-from pz_persist.storage import checksums as checksums_lib
-from pz_persist.storage import containment
-from pz_persist.storage import direct_read
-from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import reader
+from pz_persist.storage.integrity import checksums as checksums_lib
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import direct_read
+from pz_persist.storage.reading import reader
 
 
 def box_to_read(spec: arrays_lib.ArraySpec, wanted: Index, *, verify: bool) -> Index:
@@ -88,7 +89,7 @@ def read_box(
       )}, where=where)
       region = tuple(slice(start, stop) for start, stop in box)
       data = np.asarray(store[region].read().result())
-    except direct_read.ArrayReadError as e:
+    except errors.ArrayReadError as e:
       raise reader.read_failure(_one(spec), [spec.key], where, e.cause) from e.cause
     except errors.PzPersistError:
       raise
@@ -109,7 +110,9 @@ def read_box(
   return data, box
 
 
-def _damaged_cells(data: np.ndarray, box: Index, records: Sequence[Any]) -> list[Index]:
+def _damaged_cells(
+    data: np.ndarray, box: Index, records: Sequence[ShardChecksum]
+) -> list[Index]:
   """The recorded cells inside ``box`` whose bytes in ``data`` hash differently."""
   damaged = []
   for record in records:

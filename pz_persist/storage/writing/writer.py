@@ -1,4 +1,4 @@
-"""The one writer of pz_persist items: the twin of `pz_persist.storage.reader`.
+"""The one writer of pz_persist items: the twin of `pz_persist.storage.reading.reader`.
 
 Every save, whichever entry point started it (`pz_persist.save`,
 `CheckpointManager`, `PenzaiSave` in Orbax's own checkpointers, Orbax's v1
@@ -17,17 +17,17 @@ What this module owns, in order:
    tree as it was called with), and the manifest it will publish checked by
    the reader's own parse and limits (`check_publishable`): a save that
    succeeds always loads;
-2. the host copies hashed later (`pz_persist.storage.checksums.host_copies`:
+2. the host copies hashed later (`pz_persist.storage.integrity.checksums.host_copies`:
    views of the arrays' own buffers on the CPU backend, copies into pinned
    host memory on GPUs), taken before the blocking part of an async save
    returns;
-3. the choice between `pz_persist.storage.direct_write` (one process, whole
+3. the choice between `pz_persist.storage.writing.direct_write` (one process, whole
    arrays, local) and Orbax's own array writer, which each Orbax adapter
    hands in (`ArrayWriter`: the v0 ``PyTreeCheckpointHandler`` or the v1
    ``PyTreeHandler``);
 4. hashing (every process; the digests of shards are exchanged) and the
    manifest (the primary process);
-5. the file digests (`pz_persist.storage.file_digests`), once every file of
+5. the file digests (`pz_persist.storage.integrity.file_digests`), once every file of
    the item is final: in `Writer.finalize` for Orbax's v0 API, at the end of
    the v1 save (whose array writer finalizes inside its own awaitable).
 
@@ -65,9 +65,9 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.format import variable_kinds
 from pz_persist.safety import safe_io
-from pz_persist.storage import checksums
-from pz_persist.storage import direct_write
-from pz_persist.storage import file_digests
+from pz_persist.storage.integrity import checksums
+from pz_persist.storage.integrity import file_digests
+from pz_persist.storage.writing import direct_write
 
 DEFAULT_CHUNK_BYTES = 4 * 2**20
 """Arrays are stored in chunks of about this size, so that a process reading
@@ -408,12 +408,12 @@ class Writer:
       raise AssertionError("this writer's arrays are written by Orbax's own save")
     return self._arrays
 
-  def _begin(self, directory: Any, stored: dict[str, Any]) -> _Started:
+  def _begin(self, directory: epath.Path, stored: dict[str, Any]) -> _Started:
     started = self._unfinished[os.fspath(directory)] = _Started()
     self._wrote_arrays[os.fspath(directory)] = bool(stored)
     return started
 
-  def writes_directly(self, directory: Any, stored: dict[str, Any]) -> bool:
+  def writes_directly(self, directory: epath.Path, stored: dict[str, Any]) -> bool:
     """Whether the arrays of ``stored`` are written by `direct_write`."""
     options = self._options
     return bool(stored) and options.direct_writes and isinstance(
@@ -532,7 +532,7 @@ class Writer:
 
     Every write it started has ended when it returns or raises, even when
     hashing was stopped (``stop``, set by `cancel`) or a write failed: see
-    `pz_persist.storage.direct_write.settle`.
+    `pz_persist.storage.writing.direct_write.settle`.
     """
     started = direct_write.start(
         directory, stored, copies.whole_arrays(),

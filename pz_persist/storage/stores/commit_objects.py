@@ -37,7 +37,7 @@ the same generation (GCS) / ETag (S3). If it does, the folder was not
 retired during the read (retiring starts by deleting the commit object), and
 since a gen-* folder never changes once published, what was read is that one
 checkpoint, whole. If not, the read is done again on the new current commit
-(`pz_persist.storage.opening` does that for every reader).
+(`pz_persist.storage.reading.opening` does that for every reader).
 
 Plain Orbax restores the arrays at the folder the current commit names:
 ``ocp.StandardCheckpointer().restore(P + "/gen-<token>/penzai")``.
@@ -58,11 +58,6 @@ from pz_persist import errors
 from pz_persist.safety import bounded_json
 from pz_persist.storage.stores import base
 
-COMMIT_PREFIX = base.COMMIT_PREFIX
-commit_name = base.commit_name
-Commit = base.Commit
-Identity = base.Identity
-
 MAX_SEQUENCE = 10**20 - 1
 """The highest sequence a commit object's name holds (20 digits). Reached
 only by a commit object written by hand: a save a second for three
@@ -75,7 +70,7 @@ GENERATION_PREFIX = "gen-"
 MAX_COMMIT_BYTES = 4096
 """Larger commit objects are refused before parsing (pz_persist writes ~70 B)."""
 
-_COMMIT_NAME = re.compile(re.escape(COMMIT_PREFIX) + r"(\d{20})")
+_COMMIT_NAME = re.compile(re.escape(base.COMMIT_PREFIX) + r"(\d{20})")
 _GENERATION_NAME = re.compile(re.escape(GENERATION_PREFIX) + r"[0-9a-f]{16}")
 _FORMAT = 1
 
@@ -102,15 +97,15 @@ def _sequences(
   """
   found = []
   if listing is None:
-    listing = store.names(path, COMMIT_PREFIX)
+    listing = store.names(path, base.COMMIT_PREFIX)
   for name in listing:
-    if not name.startswith(COMMIT_PREFIX):
+    if not name.startswith(base.COMMIT_PREFIX):
       continue
     match = _COMMIT_NAME.fullmatch(name)
     if match is None:
       raise errors.ManifestError(
           f"{path / name}: not a commit object name pz_persist reads"
-          f" ({COMMIT_PREFIX} and 20 digits), so which checkpoint at {path} is"
+          f" ({base.COMMIT_PREFIX} and 20 digits), so which checkpoint at {path} is"
           " current cannot be told; the checkpoint is damaged. Its gen-* folders"
           " still hold Orbax checkpoints: load one by its path, or delete"
           f" {path} and save again."
@@ -119,7 +114,7 @@ def _sequences(
   return sorted(found)
 
 
-def next_sequence(path: epath.PathLike, seen: Identity) -> int:
+def next_sequence(path: epath.PathLike, seen: base.Identity) -> int:
   """The sequence a save publishing over ``seen`` (`identity`) creates.
 
   Raises:
@@ -129,7 +124,7 @@ def next_sequence(path: epath.PathLike, seen: Identity) -> int:
   sequence = seen[1] + 1 if seen is not None and seen[0] == "commit" else 1
   if sequence > MAX_SEQUENCE:
     raise errors.ManifestError(
-        f"{epath.Path(path) / commit_name(sequence - 1)}: the current commit"
+        f"{epath.Path(path) / base.commit_name(sequence - 1)}: the current commit"
         f" has sequence {sequence - 1}, the highest a commit object's name holds,"
         " so no save can replace it (pz_persist never counts this high: the"
         " object was written by hand). Save to another path, or delete"
@@ -140,7 +135,7 @@ def next_sequence(path: epath.PathLike, seen: Identity) -> int:
 
 def current(
     store: base.Store, path: epath.PathLike, listing: list[str] | None = None
-) -> Commit | None:
+) -> base.Commit | None:
   """The current commit of the checkpoint at ``path``; None if it has none.
 
   ``listing``: the names at ``path``, if the caller has just listed them.
@@ -164,9 +159,9 @@ def current(
   )
 
 
-def _read_commit(store: base.Store, path: epath.Path, sequence: int) -> Commit | None:
+def _read_commit(store: base.Store, path: epath.Path, sequence: int) -> base.Commit | None:
   """The commit object of ``sequence``; None if it vanished meanwhile."""
-  where = path / commit_name(sequence)
+  where = path / base.commit_name(sequence)
   found = store.info(where)
   if found is None:
     return None
@@ -193,7 +188,7 @@ def _read_commit(store: base.Store, path: epath.Path, sequence: int) -> Commit |
         " the checkpoint is damaged. Its gen-* folders still hold Orbax"
         " checkpoints; load one by its path."
     )
-  return Commit(path, sequence, found.generation, path / name, store)
+  return base.Commit(path, sequence, found.generation, path / name, store)
 
 
 def resolve(store: base.Store, path: epath.PathLike) -> epath.Path:
@@ -205,7 +200,7 @@ def resolve(store: base.Store, path: epath.PathLike) -> epath.Path:
   return epath.Path(path) if found is None else found.checkpoint
 
 
-def identity(store: base.Store, path: epath.PathLike) -> Identity:
+def identity(store: base.Store, path: epath.PathLike) -> base.Identity:
   """What is at ``path`` now, in the terms `publish` needs (one listing,
   plus one read when there is a commit)."""
   path = epath.Path(path)
@@ -224,7 +219,7 @@ def _others(listing: list[str]) -> list[str]:
 
 
 def publish(
-    store: base.Store, path: epath.Path, checkpoint: epath.Path, seen: Identity
+    store: base.Store, path: epath.Path, checkpoint: epath.Path, seen: base.Identity
 ) -> bool:
   """Makes the complete ``checkpoint`` current, if ``path`` is still ``seen``.
 
@@ -248,7 +243,7 @@ def publish(
     store.remove(checkpoint)
     raise
   record = json.dumps({"pz_persist_commit": _FORMAT, "checkpoint": checkpoint.name})
-  if not store.create_if_absent(path / commit_name(sequence), record.encode()):
+  if not store.create_if_absent(path / base.commit_name(sequence), record.encode()):
     store.remove(checkpoint)
     return False
   # A name is free again once its commit was retired: with ``seen`` stale
@@ -257,7 +252,7 @@ def publish(
   # a retirement is (commit object, then folder), and lost.
   sequences = _sequences(store, path)
   if sequences and sequences[-1] > sequence:
-    store.remove(path / commit_name(sequence))
+    store.remove(path / base.commit_name(sequence))
     store.remove(checkpoint)
     return False
   retire_older(store, path, sequence, known={replaced[1]: replaced[3]} if replaced else {},
@@ -275,7 +270,7 @@ def retire_older(
   """Deletes the commits below ``newest`` and the folders they name.
 
   Each commit object goes before its folder, so a reader holding it learns
-  that its folder may be incomplete (`Commit.still_current`). Another save
+  that its folder may be incomplete (`base.Commit.still_current`). Another save
   retiring the same ones at once is harmless: deleting is idempotent.
   ``known`` maps sequences to the folder names their commits were read to
   name (by the save's `identity`), which are then not read again;
@@ -292,7 +287,7 @@ def retire_older(
       except errors.PzPersistError:
         old = None  # Damaged: its commit object still goes.
       name = None if old is None else old.checkpoint.name
-    store.remove(path / commit_name(sequence))
+    store.remove(path / base.commit_name(sequence))
     if name is not None:
       store.remove(path / name)
 

@@ -5,7 +5,7 @@ adapters) paid TensorStore's per-array costs on the direct path: a
 ``ts.open`` of each array (its spec, its ``.zarray`` read and parsed, a
 driver opened), then a read through the array driver, about 0.12 ms an array
 on a 2-core VM, where reading the two entries of each array from the item's
-OCDBT store costs about 0.03 ms. `pz_persist.storage.direct_write` writes such
+OCDBT store costs about 0.03 ms. `pz_persist.storage.writing.direct_write` writes such
 arrays as those two entries (``<key>/.zarray`` and the chunk); this module is
 its mirror on the read side, for any writer's checkpoint (Orbax's own too):
 
@@ -22,7 +22,7 @@ its mirror on the read side, for any writer's checkpoint (Orbax's own too):
   array's memory is allocated, as on the ``ts.open`` path;
 * the chunks are read in batches of concurrent reads (`RawStore.read`),
   each copied into 64-byte aligned heap memory of its own
-  (`pz_persist.storage.host_memory.aligned_heap`), which a CPU ``jax.Array``
+  (`pz_persist.storage.reading.host_memory.aligned_heap`), which a CPU ``jax.Array``
   adopts without another copy and which is freed with its array alone (an
   array a user keeps holds its own bytes, not a buffer shared with the rest
   of its load); a chunk that is not exactly the array's length (or is
@@ -32,10 +32,10 @@ its mirror on the read side, for any writer's checkpoint (Orbax's own too):
   which raises the errors that name the array (a stored shape or dtype
   that is not the manifest's, a damaged chunk).
 
-The caller (`pz_persist.storage.direct_read`, inside `pz_persist.storage.
+The caller (`pz_persist.storage.reading.direct_read`, inside `pz_persist.storage.
 reader.read_arrays`) is unchanged otherwise: it checks every array's bytes
 against its checksums as each is read, and the read runs inside
-`pz_persist.storage.containment.files_unchanged` (TensorStore opens the store's
+`pz_persist.storage.integrity.containment.files_unchanged` (TensorStore opens the store's
 files by path here too).
 """
 
@@ -51,8 +51,8 @@ import numpy as np
 import tensorstore as ts
 
 from pz_persist.format import array_specs as arrays_lib
-from pz_persist.storage import direct_write
-from pz_persist.storage import host_memory
+from pz_persist.storage.reading import host_memory
+from pz_persist.storage.writing import direct_write
 
 MAX_ZARRAY_BYTES = 4096
 """A ``.zarray`` longer than this is left to ``ts.open`` (TensorStore's own

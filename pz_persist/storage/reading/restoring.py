@@ -1,6 +1,6 @@
 """From an opened item to the saved tree (`read_tree`), from a manifest and its
 arrays to the tree (`decode`), or to its abstract form (`abstract_tree`).
-Reading the arrays is `pz_persist.storage.reader`'s.
+Reading the arrays is `pz_persist.storage.reading.reader`'s.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pz_persist import sharding as sharding_lib
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import decode as decode_lib
 from pz_persist.format import manifest as manifest_lib
-from pz_persist.storage import opening
-from pz_persist.storage import reader
+from pz_persist.storage.reading import opening
+from pz_persist.storage.reading import reader
 
 
 def read_tree(
@@ -26,7 +26,7 @@ def read_tree(
     progress: progress_lib.Progress = None,
     options: reader.ReadOptions | None = None,
 ) -> Any:
-  """The saved tree of an item opened by `pz_persist.storage.opening.read`:
+  """The saved tree of an item opened by `pz_persist.storage.reading.opening.read`:
   every array read (`reader.read_arrays`), then the tree decoded.
 
   What `pz_persist.load`, `load_model(path)` and the Orbax handlers' restore
@@ -44,7 +44,7 @@ def read_tree(
 
 def decode(manifest: manifest_lib.Manifest, values: Sequence[Any], *, where: str) -> Any:
   """The saved tree, from its manifest and its arrays (see
-  `pz_persist.storage.reader.values`)."""
+  `pz_persist.storage.reading.reader.values`)."""
   tree, variables, tables = manifest.decodable()
   return decode_lib.decode(
       tree, variables, values, root=errors.Location(where, "tree"),

@@ -49,7 +49,7 @@ recorded slice it touches; with one digest per array, verifying one row of a
 contiguous in C order, so hashing them costs what hashing the whole array
 costs, and they still cut the array into a grid (`checksum_records.tiles`), so
 every reader that checks whole arrays checks them all. The direct write stores
-such arrays in chunks that divide a tile (`pz_persist.storage.direct_write`), so
+such arrays in chunks that divide a tile (`pz_persist.storage.writing.direct_write`), so
 the tiles a slice overlaps are exactly the chunks read."""
 
 def c_order_bytes(data: Any) -> np.ndarray:
@@ -181,7 +181,7 @@ def indices(stored: Mapping[str, Any]) -> dict[str, tuple[Index, ...]]:
   """The slice of every checksum `HostCopies.digests` will record, by key,
   from the arrays' shapes, dtypes and shardings alone (nothing copied or
   read): a manifest's checksums but their digests, known before a save
-  writes anything (`pz_persist.storage.writer.check_publishable`)."""
+  writes anything (`pz_persist.storage.writing.writer.check_publishable`)."""
   out = {}
   for key, value in stored.items():
     shape = tuple(np.shape(value))

@@ -147,7 +147,7 @@ def aligned_heap(nbytes: int) -> np.ndarray:
   """``nbytes`` (uint8) of 64-byte aligned memory of its own, from the C
   heap (NumPy's allocator): freed when the array dies, whatever else lives.
 
-  For small arrays (`pz_persist.storage.raw_chunks`): a mapping of their own
+  For small arrays (`pz_persist.storage.reading.raw_chunks`): a mapping of their own
   would cost more than reading them (about 7 us), and a mapping shared by
   many would be held whole by any one of them a user keeps (keeping one
   16 KiB array from each of 40 loads held 640 MiB of 16 MiB mappings). Heap

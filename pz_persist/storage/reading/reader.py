@@ -13,11 +13,11 @@ here holds for every one of them. In order, a read:
 3. checks the stored metadata (shapes, dtypes, chunk shapes) against the
    manifest before any array data is allocated: the direct path checks what
    TensorStore opened, or for a small array read as its raw chunk
-   (`pz_persist.storage.raw_chunks`) that its ``.zarray`` is byte for byte the
+   (`pz_persist.storage.reading.raw_chunks`) that its ``.zarray`` is byte for byte the
    one TensorStore writes for the manifest's shape and dtype; the Orbax path
    checks what Orbax's metadata says;
 4. reads the arrays, either straight into their final buffers
-   (`pz_persist.storage.direct_read`: one process, host memory or single
+   (`pz_persist.storage.reading.direct_read`: one process, host memory or single
    devices; small arrays stored as one raw chunk as key-value entries of the
    item's OCDBT store, many at once) or through Orbax's restore in batches
    of bounded size (meshes, several processes), each process reading only
@@ -27,7 +27,7 @@ here holds for every one of them. In order, a read:
    the next reads; batch by batch on the Orbax path);
 6. undoes storage substitutions and restores kinds and weak types (`values`).
 
-All of it runs inside `pz_persist.storage.containment.files_unchanged`: TensorStore opens
+All of it runs inside `pz_persist.storage.integrity.containment.files_unchanged`: TensorStore opens
 the files by path, so what it read is only returned if no file of the item
 was swapped (for a link out of the checkpoint, say) while it read.
 """
@@ -53,13 +53,13 @@ from pz_persist.format import array_specs as arrays_lib
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import limits
-from pz_persist.storage import batching
-from pz_persist.storage import checksums as checksums_lib
-from pz_persist.storage import containment
-from pz_persist.storage import direct_read
-from pz_persist.storage import host_memory
-from pz_persist.storage import orbax_metadata_checks
-from pz_persist.storage import placements
+from pz_persist.storage.integrity import checksums as checksums_lib
+from pz_persist.storage.integrity import containment
+from pz_persist.storage.integrity import orbax_metadata_checks
+from pz_persist.storage.reading import batching
+from pz_persist.storage.reading import direct_read
+from pz_persist.storage.reading import host_memory
+from pz_persist.storage.reading import placements
 
 DEFAULT_READ_BATCH_BYTES = 64 * 2**20
 """Arrays are read in batches of about this many bytes (of this process's
@@ -81,7 +81,7 @@ class ReadOptions:
     read_batch_bytes: Bytes (of this process's shards) read per Orbax
       restore call; see `DEFAULT_READ_BATCH_BYTES`.
     direct_reads: Read straight into the final buffers where that applies
-      (`pz_persist.storage.direct_read.applies`); False always reads through Orbax.
+      (`pz_persist.storage.reading.direct_read.applies`); False always reads through Orbax.
     use_ocdbt: Orbax's layout, for checkpoints whose metadata does not say.
     use_zarr3: Likewise.
     restore_concurrent_gb: Orbax's limit on bytes read at once.
@@ -125,7 +125,7 @@ def read_arrays(
     directory: The item directory (holding the manifest and Orbax's files).
     manifest: Its manifest, already read and validated.
     sharding: Where ``jax.Array`` values go: one ``Sharding``,
-      `pz_persist.AxisRules`, a `pz_persist.storage.placements.PerArray` mapping
+      `pz_persist.AxisRules`, a `pz_persist.storage.reading.placements.PerArray` mapping
       (each array's own placement, by manifest index), or None for the
       first local device. Arrays saved as NumPy arrays stay NumPy arrays.
     refs: Indices into ``manifest.arrays`` to read (default: all).
@@ -134,7 +134,7 @@ def read_arrays(
     to_host: Read every array as a NumPy array (for checking).
     tracker: Told the bytes to read, then each array's or batch's.
     options: How to read (see `ReadOptions`).
-    snapshot: The containment check `pz_persist.storage.opening` already made of
+    snapshot: The containment check `pz_persist.storage.reading.opening` already made of
       ``directory``; it stands for the check before the read (the one after
       it is always made: what was read is returned only if no file changed).
 
@@ -266,7 +266,7 @@ def _read_directly(
 
   try:
     host = direct_read.read(directory, read.wanted, where=read.where, on_read=on_read)
-  except direct_read.ArrayReadError as e:
+  except errors.ArrayReadError as e:
     raise read_failure(read.manifest, [e.key], read.where, e.cause) from e.cause
   verifier.raise_if_damaged()  # Before anything is placed.
   return _place(host, read.targets)

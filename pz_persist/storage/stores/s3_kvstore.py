@@ -37,7 +37,7 @@ Orbax's two default-class functions
 (``ocp.path.atomicity_defaults``) to answer for ``s3://`` what
 they answer for ``gs://``; an explicit ``temporary_path_class`` or
 ``AtomicityOptions`` still wins, as on GCS. pz_persist's own saves pass
-``temporary_path_class`` (`pz_persist.storage.steps.temporary_path_class`,
+``temporary_path_class`` (`pz_persist.storage.lifecycle.steps.temporary_path_class`,
 Orbax's public hook), so only Orbax's own entry points need these two wraps.
 Every wrap goes through `pz_persist.storage.orbax_seam`, which holds each
 wrapped function's contract.
