@@ -13,7 +13,7 @@ Example::
 
   # In pz_persist/orbax/v0_handler.py:
   __getattr__ = deprecations.module_getattr(__name__, {
-      "encode_manifest": "pz_persist.storage.writer.encode_hashed",
+      "encode_manifest": "pz_persist.storage.writing.writer.encode_hashed",
   })
 """
 

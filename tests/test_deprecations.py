@@ -18,14 +18,14 @@ from pz_persist import deprecations
 FORMER = {
     "pz_persist.binding.BindingError": "pz_persist.errors.BindingError",
     "pz_persist.orbax.v0_handler.DEFAULT_CHUNK_BYTES":
-        "pz_persist.storage.writer.DEFAULT_CHUNK_BYTES",
+        "pz_persist.storage.writing.writer.DEFAULT_CHUNK_BYTES",
     "pz_persist.orbax.v0_handler.DEFAULT_READ_BATCH_BYTES":
-        "pz_persist.storage.reader.DEFAULT_READ_BATCH_BYTES",
+        "pz_persist.storage.reading.reader.DEFAULT_READ_BATCH_BYTES",
     "pz_persist.orbax.v0_handler.LOAD_PROGRESS_DELAY":
-        "pz_persist.storage.reader.LOAD_PROGRESS_DELAY",
-    "pz_persist.orbax.v0_handler.SETTLE_SECONDS": "pz_persist.storage.writer.SETTLE_SECONDS",
-    "pz_persist.orbax.v0_handler.encode_manifest": "pz_persist.storage.writer.encode_hashed",
-    "pz_persist.orbax.v0_handler.with_checksums": "pz_persist.storage.writer.with_checksums",
+        "pz_persist.storage.reading.reader.LOAD_PROGRESS_DELAY",
+    "pz_persist.orbax.v0_handler.SETTLE_SECONDS": "pz_persist.storage.writing.writer.SETTLE_SECONDS",
+    "pz_persist.orbax.v0_handler.encode_manifest": "pz_persist.storage.writing.writer.encode_hashed",
+    "pz_persist.orbax.v0_handler.with_checksums": "pz_persist.storage.writing.writer.with_checksums",
 }
 
 

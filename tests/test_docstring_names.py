@@ -1,7 +1,7 @@
 """Every ``pz_persist.x.y`` a docstring of the package names still exists.
 
 Why: docstrings point readers at other modules and functions by dotted name
-(`pz_persist.storage.reader.read_arrays`), and modules move (``pretrained.layers``
+(`pz_persist.storage.reading.reader.read_arrays`), and modules move (``pretrained.layers``
 became `pz_persist.nn`; ``storage/`` is regrouped); a docstring naming a module
 that is gone sends the reader nowhere, and nobody rereads every docstring after
 a move. So each dotted name under ``pz_persist`` in a module, class or function

@@ -47,14 +47,14 @@ from pz_persist.storage.reading import reader
 from pz_persist.storage.reading import restoring
 from pz_persist.storage.writing import writer
 
-# Former spellings of names `storage.writer` and `storage.reader` own now.
+# Former spellings of names `storage.writing.writer` and `storage.reading.reader` own now.
 __getattr__ = deprecations.module_getattr(__name__, {
-    "DEFAULT_CHUNK_BYTES": "pz_persist.storage.writer.DEFAULT_CHUNK_BYTES",
-    "DEFAULT_READ_BATCH_BYTES": "pz_persist.storage.reader.DEFAULT_READ_BATCH_BYTES",
-    "LOAD_PROGRESS_DELAY": "pz_persist.storage.reader.LOAD_PROGRESS_DELAY",
-    "SETTLE_SECONDS": "pz_persist.storage.writer.SETTLE_SECONDS",
-    "encode_manifest": "pz_persist.storage.writer.encode_hashed",
-    "with_checksums": "pz_persist.storage.writer.with_checksums",
+    "DEFAULT_CHUNK_BYTES": "pz_persist.storage.writing.writer.DEFAULT_CHUNK_BYTES",
+    "DEFAULT_READ_BATCH_BYTES": "pz_persist.storage.reading.reader.DEFAULT_READ_BATCH_BYTES",
+    "LOAD_PROGRESS_DELAY": "pz_persist.storage.reading.reader.LOAD_PROGRESS_DELAY",
+    "SETTLE_SECONDS": "pz_persist.storage.writing.writer.SETTLE_SECONDS",
+    "encode_manifest": "pz_persist.storage.writing.writer.encode_hashed",
+    "with_checksums": "pz_persist.storage.writing.writer.with_checksums",
 })
 
 
