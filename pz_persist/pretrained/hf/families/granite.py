@@ -1,6 +1,6 @@
 """IBM Granite 3 checkpoints (``model_type`` ``granite``).
 
-Granite is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with
+Granite is Llama's layout (`pz_persist.pretrained.hf.building.decoder`) with
 four constants, each a `ConstantScale` layer holding the config's number:
 ``embedding_multiplier`` after the embedding lookup, ``residual_multiplier``
 at the end of each residual branch (attention and MLP), ``attention_multiplier``
@@ -20,19 +20,19 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 from pz_persist.errors import ExportError
+from pz_persist.nn.constant_scale import ConstantScale
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import model_biases
+from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention as first_attention
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import model_biases
-from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.constant_scale import ConstantScale
 
 _MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                 "logits_scaling")

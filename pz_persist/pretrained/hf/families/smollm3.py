@@ -1,6 +1,6 @@
 """SmolLM3 checkpoints (``model_type`` ``smollm3``).
 
-SmolLM3 is Llama's layout (`pz_persist.pretrained.hf.families.llama`) where
+SmolLM3 is Llama's layout (`pz_persist.pretrained.hf.building.decoder`) where
 some layers use no rotary embedding at all (``no_rope_layers[i] == 0``;
 without the list, every ``no_rope_layer_interval``-th layer, 4 by default):
 their query and key projections have no ``ApplyRoPE`` layer. Its optional
@@ -19,22 +19,22 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
+from pz_persist.pretrained.hf.building.decoder import Attention
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import model_biases
+from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.llama import Attention
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import model_biases
-from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_LAYERS = (pz.nn.ApplyRoPE, ApplyScaledRoPE)
@@ -51,9 +51,6 @@ def _positive_int(value: Any) -> bool:
 
 def smollm3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping without RoPE in the layers ``no_rope_layers`` says."""
-  # Written by transformers 4's SmolLM3Config (copied from Qwen2's);
-  # transformers 5 reads layer_types instead.
-  cfg.get("max_window_layers")
   layers = cfg.require("num_hidden_layers")
   interval = cfg.get("no_rope_layer_interval", 4)
   flags = cfg.get("no_rope_layers")
@@ -157,7 +154,11 @@ differs from the class or is not one of its fields."""
 RECORD = Family(
     title="SmolLM3",
     model_types={"smollm3": ModelType(smollm3_plan, "SmolLM3ForCausalLM",
-                     **_TRANSFORMERS_DEFAULTS["smollm3"])},
+                     **_TRANSFORMERS_DEFAULTS["smollm3"],
+                     ignored_fields={
+                         "written by transformers 4's SmolLM3Config (copied from Qwen2's);"
+                         " transformers 5 reads layer_types instead": ("max_window_layers",),
+                     }, foreign_fields=frozenset({"max_window_layers"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("Llama's layout with layers without RoPE (`no_rope_layers`), per-layer sliding"

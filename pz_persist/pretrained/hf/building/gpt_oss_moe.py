@@ -38,13 +38,13 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn import mixture_of_experts as moe_lib
 from pz_persist.pretrained.hf import quantized_mxfp4
 from pz_persist.pretrained.hf import weights as weights_lib
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.nn import mixture_of_experts as moe_lib
 
 _QUANTIZATION_KEYS = {"quant_method", "modules_to_not_convert"}
 _MXFP4 = "MXFP4 (FP4 E2M1 values in blocks of 32, E8M0 scales)"
@@ -171,9 +171,6 @@ def read_config(cfg: Config, weights: Any) -> GptOssMoe:
   if top_k > experts:
     raise cfg.unsupported("num_experts_per_tok", top_k,
                           f"at most num_local_experts={experts} experts can be chosen")
-  cfg.get("router_aux_loss_coef")  # Training only.
-  cfg.get("output_router_logits")  # Training only.
-  cfg.get("initial_context_length")  # The Hub's configs hold it; transformers ignores it.
   quantized = _quantization(cfg)
   headers = {}
   if quantized is not _never:

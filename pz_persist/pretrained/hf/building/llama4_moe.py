@@ -29,10 +29,10 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn import mixture_of_experts as moe_lib
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.nn import mixture_of_experts as moe_lib
 
 
 @dataclasses.dataclass
