@@ -18,6 +18,8 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
+from penzai import pz
+
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
@@ -129,8 +131,8 @@ class Family:
 
   title: str
   model_types: Mapping[str, ModelType]
-  detect: Callable[[Any], str | None]
-  write_config: Callable[[Any, str, Mapping[str, Any]], dict[str, Any]]
+  detect: Callable[[pz.nn.Layer], str | None]
+  write_config: Callable[[pz.nn.Layer, str, Mapping[str, Any]], dict[str, Any]]
   adds: str
   refuses: str
   rank: int

@@ -386,7 +386,7 @@ def block_specs(p: str, s: str, config: llamalike_common.LlamalikeTransformerCon
   ]
 
 
-def model_biases(model: Any) -> Biases:
+def model_biases(model: pz.nn.Layer) -> Biases:
   """Which projections of the first block of a Penzai model add a bias
   (``AddBias`` layers, as `Biases` places them); export compares the other
   blocks with the plan built from these."""
@@ -405,7 +405,7 @@ def without_default_head_dim(fields: dict[str, Any]) -> dict[str, Any]:
   return fields
 
 
-def attention_size_fields(model: Any) -> dict[str, Any]:
+def attention_size_fields(model: pz.nn.Layer) -> dict[str, Any]:
   """The sizes of a llama-like model whose MLPs may be mixtures of experts
   (so not read from its first MLP): embedding, vocabulary, heads, key/value
   heads, head width and layer count."""

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from penzai import pz
 
 from pz_persist.pretrained.hf.config import BOOLEAN
@@ -84,7 +85,7 @@ class Routing:
                               src(f"{s}mlp.shared_experts.{hf}.weight", stored), stored, axes))
     return specs
 
-  def layer(self, name: str, dtype: Any) -> pz.nn.Layer:
+  def layer(self, name: str, dtype: DTypeLike) -> pz.nn.Layer:
     """The Penzai layer of MoE block ``name``'s MLP."""
     from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
     # transformers computes the router's logits in float32 (its weight kept in
@@ -105,7 +106,7 @@ class Routing:
         shared=shared_mlp(f"{name}/shared", self.hidden, self.neurons * self.shared, dtype))
 
 
-def shared_mlp(name: str, hidden: int, neurons: int, dtype: Any) -> pz.nn.Sequential:
+def shared_mlp(name: str, hidden: int, neurons: int, dtype: DTypeLike) -> pz.nn.Sequential:
   """A SwiGLU MLP (``{name}/gate``, ``/up``, ``/down``), as a plain
   ``Sequential`` (not a ``TransformerFeedForward``: it is part of one)."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -174,7 +175,7 @@ def read_routing(cfg: Config, hidden: int,
                  scale=float(cfg.get("routed_scaling_factor", defaults["routed_scaling_factor"])))
 
 
-def routing_fields(model: Any, like: Mapping[str, Any], dense_layers: int) -> dict[str, Any]:
+def routing_fields(model: pz.nn.Layer, like: Mapping[str, Any], dense_layers: int) -> dict[str, Any]:
   """The routing fields of ``model`` (its first MoE layer's), for export;
   ``like``'s where the model has no MoE layer."""
   from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel

@@ -47,6 +47,13 @@ GEMMA_LIKE: dict[str, Any] = {
     "rope_theta": 10_000.0, "partial_rotary_factor": 1.0, "use_bidirectional_attention": False}
 """The defaults the Gemma configs share."""
 
+CAUSAL_WHY = "the config class's None means causal attention, as false does"
+"""Why a Gemma row's ``use_bidirectional_attention`` is false where the class holds None."""
+
+HIDDEN_ACT_WHY = ("the class reads hidden_activation; hidden_act, Gemma 1's name, has the"
+                  " same default")
+"""Why a Gemma 2-4 row has ``hidden_act``."""
+
 NO_BIASES = ("transformers' class has no such field: its projections have no biases, and"
              " pz_persist refuses true")
 """Why a row has ``attention_bias`` / ``mlp_bias`` that its class lacks."""

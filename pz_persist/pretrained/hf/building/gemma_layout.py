@@ -31,14 +31,14 @@ def check_activation(cfg: Config) -> None:
   cfg.expect("hidden_activation", TANH_GELU, "gelu_pytorch_tanh", why=why)
 
 
-def query_pre_attn_scalar(model: Any) -> int | float:
+def query_pre_attn_scalar(model: pz.nn.Layer) -> int | float:
   """Gemma 2 and 3 scale queries by ``query_pre_attn_scalar ** -0.5``."""
   rescale = first_layer(attention(model).input_to_query, pz.nn.ConstantRescale, "query scaling")
   scalar = float(np.asarray(rescale.by, np.float64)) ** -2
   return round(scalar) if abs(scalar - round(scalar)) < 1e-3 * scalar else scalar
 
 
-def soft_cap_fields(model: Any) -> dict[str, Any]:
+def soft_cap_fields(model: pz.nn.Layer) -> dict[str, Any]:
   """Gemma 2's soft caps, written when absent too: a null cap is "off", an
   absent one a default."""
   caps = all_layers(attention(model), pz.nn.TanhSoftCap)

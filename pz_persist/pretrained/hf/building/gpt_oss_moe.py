@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,7 @@ class GptOssMoe:
   top_k: int
   alpha: float
   limit: float
-  quantized: Any
+  quantized: Callable[[str], bool]
   headers: dict[str, tuple[np.dtype, tuple[int, ...]]]
   where: str
   views: list[weights_lib.View] = dataclasses.field(default_factory=list)
@@ -160,7 +161,7 @@ def _format_error(message: str) -> Exception:
   return safetensors_io.SafetensorsFormatError(message)
 
 
-def read_config(cfg: Config, weights: Any) -> GptOssMoe:
+def read_config(cfg: Config, weights: weights_lib.Weights) -> GptOssMoe:
   """Reads (and checks) the experts' fields and ``quantization_config``."""
   experts = cfg.get("num_local_experts", 128)
   top_k = cfg.get("num_experts_per_tok", 4)
@@ -184,7 +185,7 @@ def _never(prefix: str) -> bool:
   return False
 
 
-def _quantization(cfg: Config) -> Any:
+def _quantization(cfg: Config) -> Callable[[str], bool]:
   """Which layers' experts are MXFP4, as a function of the layer's prefix:
   all unless ``modules_to_not_convert`` exempts them; no quantization, none.
   Other methods, and unknown keys, are refused naming the field."""
@@ -213,7 +214,7 @@ def _quantization(cfg: Config) -> Any:
   return quantized
 
 
-def config_fields(model: Any) -> dict[str, Any]:
+def config_fields(model: pz.nn.Layer) -> dict[str, Any]:
   """The experts' fields of an exported model (from its first layer)."""
   layer = all_layers(model, moe_lib.MixtureOfExperts)[0]
   router = layer.router

@@ -40,7 +40,7 @@ multi-token-prediction head (``mtp.``): neither is read, and the load says so.
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +51,7 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.nn.gated_delta_net import GatedDeltaNet
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.building.decoder import attention_size_fields
 from pz_persist.pretrained.hf.building.decoder import block_specs
 from pz_persist.pretrained.hf.building.decoder import head_axes
 from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
@@ -70,7 +71,6 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import first_layer
 from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
-from pz_persist.pretrained.hf.config_from_model import projection
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
@@ -190,7 +190,7 @@ def qwen3_5_text_plan(cfg: Config, weights: Weights, root: str = TEXT,
   return Plan(build, tuple(specs))
 
 
-def multimodal_plan(cfg: Config, weights: Weights, text_type: str, text_plan: Any,
+def multimodal_plan(cfg: Config, weights: Weights, text_type: str, text_plan: Callable[..., Plan],
                     fields: Mapping[str, Any], text_ignored: frozenset[str]) -> Plan:
   """The plan of the text model (``text_type``, mapped by ``text_plan``,
   leaving ``text_ignored`` unread) of a multimodal Qwen3.5 folder (dense or
@@ -364,12 +364,12 @@ def _gated(attn: pz.nn.Attention, gate_label: str) -> pz.nn.Sequential:
   ])
 
 
-def has_delta_net(model: Any) -> bool:
+def has_delta_net(model: pz.nn.Layer) -> bool:
   """Whether ``model`` has gated DeltaNet layers (Qwen3.5's structure)."""
   return bool(all_layers(model, GatedDeltaNet))
 
 
-def hybrid_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+def hybrid_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   """The ``config.json`` fields of a Qwen3.5 text model (dense or mixture
   of experts: the latter's expert sizes are its family's to write)."""
   deltas = all_layers(model, GatedDeltaNet)
@@ -377,7 +377,7 @@ def hybrid_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
            for block in blocks(model)]
   fields: dict[str, Any] = {"layer_types": types, "hidden_act": "silu", "attention_bias": False}
   if "full_attention" in types:
-    fields.update(_attention_sizes(model))
+    fields.update(attention_size_fields(model))
     rope = (all_layers(model, pz.nn.ApplyRoPEToSubset) + all_layers(model, pz.nn.ApplyRoPE))[0]
     rotary = getattr(rope, "rope_subset_size", fields["head_dim"])
     rope_parameters = {"rope_type": "default", "rope_theta": float(rope.max_wavelength),
@@ -417,22 +417,7 @@ def hybrid_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
   return fields
 
 
-def _attention_sizes(model: Any) -> dict[str, Any]:
-  """The sizes of a model with attention layers (the MLP's are written
-  apart: a mixture of experts' variant has no dense MLP)."""
-  embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
-  attn = first_layer(model, pz.nn.Attention, "attention")
-  query, key = projection(attn.input_to_query), projection(attn.input_to_key)
-
-  def heads(shape: dict[str, int]) -> int:
-    return math.prod(n for a, n in shape.items() if a in ("heads", "head_groups", "query_heads"))
-
-  return {"hidden_size": embed["embedding"], "vocab_size": embed["vocabulary"],
-          "num_attention_heads": heads(query), "num_key_value_heads": heads(key),
-          "head_dim": query["projection"], "num_hidden_layers": len(blocks(model))}
-
-
-def _sizes_without_attention(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+def _sizes_without_attention(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   return {"hidden_size": embed["embedding"], "vocab_size": embed["vocabulary"],
           "num_hidden_layers": len(blocks(model)),

@@ -252,7 +252,7 @@ def softmax_router(normalize_always: bool = False
 # --- export: what a model with experts says about its config -----------------
 
 
-def mixtures(model: Any) -> list[moe.MixtureOfExperts | None]:
+def mixtures(model: pz.nn.Layer) -> list[moe.MixtureOfExperts | None]:
   """Each block's `MixtureOfExperts`, or None for a dense block."""
   found = []
   for block in blocks(model):
@@ -272,7 +272,7 @@ def softmax_routed(layer: moe.MixtureOfExperts) -> bool:
           and layer.expert_input is None)
 
 
-def expert_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   """The llama-like fields of a model whose feed-forward blocks may be
   mixtures (sizes, norms, RoPE, activation, tied head), plus
   ``num_experts_per_tok`` and ``norm_topk_prob`` and the sizes

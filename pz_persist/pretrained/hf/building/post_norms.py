@@ -100,7 +100,7 @@ def _with_query_key_norms(
                                     input_to_key=insert(a.input_to_key)))
 
 
-def is_post_norm(model: Any) -> bool:
+def is_post_norm(model: pz.nn.Layer) -> bool:
   """Whether the first block's attention branch ends with its norm."""
   block = blocks(model)[0]
   delta = all_layers(block, pz.nn.Residual)[0].delta
@@ -108,7 +108,7 @@ def is_post_norm(model: Any) -> bool:
       delta.sublayers[-1], pz.nn.RMSLayerNorm)
 
 
-def olmo_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+def olmo_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   """The fields OLMo 2 and 3 write alike."""
   biases = model_biases(model)
   return without_default_head_dim(

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
+from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf.building.decoder import Attention
@@ -73,7 +74,7 @@ def _shown(types: list[str]) -> list[str]:
   return types if len(types) <= 8 else [*types[:8], "..."]
 
 
-def window_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+def window_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   """Qwen2's window and ``layer_types`` (which transformers 5 reads), with
   ``max_window_layers`` for readers of transformers 4 configs when the
   sliding layers are the last ones (as that field can say)."""

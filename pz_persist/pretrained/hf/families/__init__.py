@@ -19,6 +19,8 @@ import pkgutil
 import re
 from typing import Any
 
+from penzai import pz
+
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 
@@ -70,7 +72,7 @@ HEAD_NAMES: tuple[str, ...] = tuple(sorted({h for f in FAMILIES for h in f.head_
 """Every untied output head a plan may ask for."""
 
 
-def detect(model: Any) -> str | None:
+def detect(model: pz.nn.Layer) -> str | None:
   """The ``model_type`` whose structure ``model`` has: the answer of the
   first record, by rank, that recognises it."""
   for family in sorted(FAMILIES, key=lambda f: f.rank):

@@ -38,6 +38,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from jax.typing import DTypeLike
 from penzai import pz
 from penzai.models.transformer import model_parts
 
@@ -59,6 +60,7 @@ from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import RopeScaling
 from pz_persist.pretrained.hf.config import lm_head_source
 from pz_persist.pretrained.hf.config import scaled_rope
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -75,6 +77,7 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import Weights
 
 FIELDS = {
@@ -150,7 +153,7 @@ def read_sizes(cfg: Config) -> Sizes:
   return sizes
 
 
-def softmax_scale(sizes: Sizes, rope_layer: Any) -> float:
+def softmax_scale(sizes: Sizes, rope_layer: pz.nn.Layer) -> float:
   """transformers' ``qk_head_dim ** -0.5``, times yarn's ``mscale_all_dim``
   factor squared when the RoPE is scaled and sets it."""
   scale = (sizes.nope + sizes.rope) ** -0.5
@@ -214,17 +217,17 @@ def dense_mlp_specs(p: str, s: str, hidden: int, neurons: int, src: Source) -> l
   ]
 
 
-def _linear(name: str, inputs: dict[str, int], outputs: dict[str, int], dtype: Any) -> pz.nn.Linear:
+def _linear(name: str, inputs: dict[str, int], outputs: dict[str, int], dtype: DTypeLike) -> pz.nn.Linear:
   return pz.nn.Linear.from_config(name=name, init_base_rng=None, input_axes=inputs,
                                   output_axes=outputs, dtype=dtype)
 
 
-def _norm(name: str, axes: dict[str, int], eps: float, dtype: Any) -> pz.nn.RMSLayerNorm:
+def _norm(name: str, axes: dict[str, int], eps: float, dtype: DTypeLike) -> pz.nn.RMSLayerNorm:
   return pz.nn.RMSLayerNorm.from_config(name=name, init_base_rng=None, across_axes=axes,
                                         epsilon=eps, dtype=dtype)
 
 
-def swiglu(name: str, hidden: int, neurons: int, dtype: Any) -> model_parts.TransformerFeedForward:
+def swiglu(name: str, hidden: int, neurons: int, dtype: DTypeLike) -> model_parts.TransformerFeedForward:
   """Penzai's llama-like SwiGLU MLP (``gating_linear``, ``value_linear``,
   ``out_linear``)."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -241,7 +244,7 @@ def swiglu(name: str, hidden: int, neurons: int, dtype: Any) -> model_parts.Tran
 
 
 def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: float,
-                     dtype: Any) -> list[pz.nn.Layer]:
+                     dtype: DTypeLike) -> list[pz.nn.Layer]:
   """MLA as `pz_persist.nn.latent_attention` lays it out:
   the `WithLatent` compression, then Penzai's ``Attention``."""
   h, heads, qk = sizes.hidden, sizes.heads, sizes.nope + sizes.rope
@@ -293,7 +296,7 @@ def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: fl
   ]
 
 
-def rope_layer(theta: float, scaling: Any) -> pz.nn.Layer:
+def rope_layer(theta: float, scaling: RopeScaling | None) -> pz.nn.Layer:
   """The rotary layer of the ``rotary`` part (Penzai's, or scaled)."""
   if scaling is None:
     return pz.nn.ApplyRoPE(embedding_axis="rotary", max_wavelength=theta,
@@ -322,7 +325,7 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "model.embed_tokens.weight")
   dtype = weights.dtype
   h = sizes.hidden
-  views: list[Any] = []
+  views: list[View] = []
   sources: dict[str, str] = {}
 
   def src(name: str, shape: tuple[int, int], parts: list[str] | None = None) -> str:
@@ -389,12 +392,12 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(build, tuple(specs), tuple(views))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Latent attention."""
   return "deepseek_v3" if all_layers(model, mla.LatentAttentionLogits) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only deepseek_v3.
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   logits = first_layer(model, mla.LatentAttentionLogits, "latent attention")

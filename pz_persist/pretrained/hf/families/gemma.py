@@ -31,7 +31,9 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist.pretrained.hf.building.decoder import attention_sizes
 from pz_persist.pretrained.hf.building.decoder import block_specs
 from pz_persist.pretrained.hf.building.decoder import full_rotary_wavelength
+from pz_persist.pretrained.hf.building.defaults import CAUSAL_WHY
 from pz_persist.pretrained.hf.building.defaults import GEMMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import HIDDEN_ACT_WHY
 from pz_persist.pretrained.hf.building.gemma_layout import check_activation
 from pz_persist.pretrained.hf.building.gemma_layout import query_pre_attn_scalar
 from pz_persist.pretrained.hf.building.gemma_layout import soft_cap_fields
@@ -207,7 +209,7 @@ def _attention_types(
   )
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Penzai's Gemma decodes with its embedding table; Gemma 2 adds norms
   after attention and MLP."""
   if not all_layers(model, pz.nn.EmbeddingDecode):
@@ -215,7 +217,7 @@ def _detect(model: Any) -> str | None:
   return "gemma2" if len(all_layers(blocks(model)[0], pz.nn.RMSLayerNorm)) > 2 else "gemma"
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   gemma2 = model_type == "gemma2"
   fields = {
       **size_fields(model), **rms_norm_fields(model), **rope_fields(model),
@@ -239,8 +241,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": {
         "defaults": {**GEMMA_LIKE, "num_key_value_heads": 16},
         "defaults_why": {
-            "use_bidirectional_attention": (
-                "the config class's None means causal attention, as false does"),
+            "use_bidirectional_attention": CAUSAL_WHY,
             "hidden_activation": (
                 "Gemma 1's class reads hidden_act; hidden_activation, the later name, has"
                 ' the same default'),
@@ -251,11 +252,8 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "sliding_window": 4096, "final_logit_softcapping": 30.0,
                      "attn_logit_softcapping": 50.0},
         "defaults_why": {
-            "use_bidirectional_attention": (
-                "the config class's None means causal attention, as false does"),
-            "hidden_act": (
-                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
-                'same default'),
+            "use_bidirectional_attention": CAUSAL_WHY,
+            "hidden_act": HIDDEN_ACT_WHY,
         },
     },
 }

@@ -42,6 +42,7 @@ from pz_persist.pretrained.hf.building.decoder import attention_sizes
 from pz_persist.pretrained.hf.building.decoder import block_specs
 from pz_persist.pretrained.hf.building.decoder import with_scaled_rope
 from pz_persist.pretrained.hf.building.defaults import GEMMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import HIDDEN_ACT_WHY
 from pz_persist.pretrained.hf.building.gemma_layout import check_activation
 from pz_persist.pretrained.hf.building.gemma_layout import query_pre_attn_scalar
 from pz_persist.pretrained.hf.building.gemma_layout import soft_cap_fields
@@ -55,6 +56,7 @@ from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import RopeScaling
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config import rope
@@ -185,7 +187,7 @@ def _refuse_attention_soft_cap(cfg: Config) -> None:
                           " it, so what the checkpoint means is unclear; set it to null")
 
 
-def _rope(cfg: Config) -> tuple[float, float, Any]:
+def _rope(cfg: Config) -> tuple[float, float, RopeScaling | None]:
   """``(local base, global base, global scaling)``, from transformers 5's
   ``rope_parameters`` keyed by layer type, or from transformers 4's
   ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (which
@@ -249,7 +251,7 @@ def _with_attention_types(config: llamalike_common.LlamalikeTransformerConfig, t
 
 
 def _with_local_rope(model: model_parts.TransformerLM, types: list[str], local_theta: float,
-                     scaling: Any) -> model_parts.TransformerLM:
+                     scaling: RopeScaling | None) -> model_parts.TransformerLM:
   """Local blocks rotate with their own base; global blocks keep the global
   base, scaled if the config says so."""
   def block(layer: model_parts.TransformerBlock, kind: str) -> model_parts.TransformerBlock:
@@ -262,7 +264,7 @@ def _with_local_rope(model: model_parts.TransformerLM, types: list[str], local_t
   return selected.set_sequence([block(b, k) for b, k in zip(selected.get_sequence(), types)])
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Gemma's layout (decoding with the embedding table) with query norms."""
   if all_layers(model, pz.nn.EmbeddingDecode) and all_layers(attention(model).input_to_query,
                                                              pz.nn.RMSLayerNorm):
@@ -270,7 +272,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # gemma3 (multimodal) is read, never written.
   found = windows(model)
   types = layer_types(found)
@@ -314,9 +316,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
                      "sliding_window_pattern": 6},
         "defaults_why": {
-            "hidden_act": (
-                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
-                'same default'),
+            "hidden_act": HIDDEN_ACT_WHY,
             "rope_local_base_freq": (
                 "transformers 4's field, now "
                 'rope_parameters.sliding_attention.rope_theta, whose default (10,000) it '

@@ -59,7 +59,9 @@ from pz_persist.pretrained.hf import multimodal
 from pz_persist.pretrained.hf.building import gemma4_moe
 from pz_persist.pretrained.hf.building.decoder import attention_sizes
 from pz_persist.pretrained.hf.building.decoder import block_specs
+from pz_persist.pretrained.hf.building.defaults import CAUSAL_WHY
 from pz_persist.pretrained.hf.building.defaults import GEMMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import HIDDEN_ACT_WHY
 from pz_persist.pretrained.hf.building.gemma_layout import check_activation
 from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
 from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
@@ -512,12 +514,12 @@ _MULTIMODAL_FIELDS = ("boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token
                       "vision_soft_tokens_per_image")
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Penzai models holding Gemma 4's layer scalars."""
   return "gemma4_text" if all_layers(model, ple.ScalarScale) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # gemma4 (multimodal) is read, never written.
   found = blocks(model)
   kinds = layer_types(windows(model))
@@ -626,15 +628,12 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
                      "enable_moe_block": False},
         "defaults_why": {
-            "use_bidirectional_attention": (
-                "the config class's None means causal attention, as false does"),
+            "use_bidirectional_attention": CAUSAL_WHY,
             "head_dim": (
                 "the config class's per-layer head_dim (its global layers' "
                 "global_head_dim) has no one value; 256 is its argument's default, the "
                 "sliding layers' head size"),
-            "hidden_act": (
-                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
-                'same default'),
+            "hidden_act": HIDDEN_ACT_WHY,
         },
     },
 }

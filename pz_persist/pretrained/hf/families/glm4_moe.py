@@ -19,6 +19,7 @@ from typing import Any
 
 from penzai import pz
 from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf.building.decoder import Biases
 from pz_persist.pretrained.hf.building.decoder import llama_plan
@@ -44,6 +45,7 @@ from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.hf.weights import stacked
 
@@ -82,7 +84,7 @@ class _MainLayers:
   """``weights`` without the multi-token prediction layers' tensors (which
   `llama_plan` would count as layers)."""
 
-  weights: Any
+  weights: Weights
   names: set[str]
 
   def __getattr__(self, name: str) -> Any:
@@ -100,7 +102,8 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
   mtp = cfg.get("num_nextn_predict_layers", 1)
   bias = cfg.get("attention_bias", False)
 
-  def edit(model: model_parts.TransformerLM, config: Any) -> model_parts.TransformerLM:
+  def edit(model: model_parts.TransformerLM,
+           config: llamalike_common.LlamalikeTransformerConfig) -> model_parts.TransformerLM:
     if norms:
       model = with_query_key_norms(model, config)
     subset = int(config.projection_dim * fraction)
@@ -120,7 +123,7 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
                     biases=Biases(query_key_value=bias), head_dim_default=None,
                     max_positions_default=131072,
                     block_extras=query_key_norm_specs if norms else None, edit=edit)
-  views: list[Any] = []
+  views: list[View] = []
 
   def src(name: str, shape: tuple[int, int], parts: list[str] | None = None) -> str:
     if parts is None:
@@ -139,7 +142,7 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(plan.build, tuple(specs), tuple(views))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """DeepSeek's experts (a router with a correction bias, shared experts)
   beside Llama's attention (latent attention, rank 6, is DeepSeek-V3)."""
   from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
@@ -149,7 +152,7 @@ def _detect(model: Any) -> str | None:
       for layer in layers) else None)
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only glm4_moe.
   fields = llamalike_fields(model, like)
   params = fields["rope_parameters"]

@@ -145,12 +145,12 @@ def with_sinks(model: model_parts.TransformerLM, labels: list[str]) -> model_par
                                 for b, label in zip(selected.get_sequence(), labels)])
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout with attention sinks."""
   return "gpt_oss" if all_layers(model, SoftmaxWithSinks) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only gpt_oss.
   found = windows(model)
   window = next((w for w in found if w is not None), None)

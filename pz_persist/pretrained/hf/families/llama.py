@@ -37,13 +37,13 @@ def mistral_plan(cfg: Config, weights: Weights) -> Plan:
   return llama_plan(cfg, weights, sliding=True)
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout is the default: any llama-like model the records of
   lower rank did not claim; Mistral if it has a window."""
   return "mistral" if all_layers(model, pz.nn.ApplyCausalSlidingWindowAttentionMask) else "llama"
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   fields = llamalike_fields(model, like)
   if model_type == "mistral":  # No bias fields: Mistral's transformers model has none.
     fields["sliding_window"] = windows(model)[0]

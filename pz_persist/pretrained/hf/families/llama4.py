@@ -116,7 +116,7 @@ def llama4_text_plan(cfg: Config, weights: Weights, root: str = "") -> Plan:
   names = weights.names if not root else {
       n.removeprefix(root) for n in weights.names if n.startswith(root)}
 
-  def attention(count: int) -> Any:
+  def attention(count: int) -> llamalike_common.AttentionType:
     kinds.append(layers_of(count))
     return llamalike_common.AttentionTypeGlobalCausal()  # Chunks: set by `edit`.
 
@@ -252,14 +252,14 @@ def llama4_plan(cfg: Config, weights: Weights) -> Plan:
   return plan
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout with interleaved RoPE or temperature tuning."""
   if all_layers(model, ApplyInterleavedRoPE) or all_layers(model, TemperatureTuning):
     return "llama4_text"
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # llama4 (multimodal) is read, never written.
   per_block = blocks(model)
   rope = [bool(all_layers(b, ApplyInterleavedRoPE)) for b in per_block]
@@ -307,7 +307,7 @@ def _whole(value: Any) -> int | float:
   return int(value) if value.is_integer() else value
 
 
-def _activation(model: Any, like: Mapping[str, Any]) -> str:
+def _activation(model: pz.nn.Layer, like: Mapping[str, Any]) -> str:
   """``hidden_act``: the dense and shared MLPs' (Llama's plan: SiLU or tanh GELU)."""
   return activation_field(model, like)["hidden_act"]
 

@@ -80,12 +80,12 @@ def ministral3_plan(cfg: Config, weights: Weights) -> Plan:
                     head_dim_default=128, max_positions_default=262_144, edit=edit)
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout with a position-dependent query scale."""
   return "ministral3" if all_layers(model, PositionQueryScale) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only ministral3.
   fields = llamalike_fields(model, like)
   scale = all_layers(model, PositionQueryScale)[0]

@@ -65,7 +65,7 @@ def mixtral_plan(cfg: Config, weights: Weights) -> Plan:
                       softmax_router(normalize_always=True))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Every block a softmax-routed mixture, renormalised, with no query norm."""
   found = mixtures(model)
   if (found and all(layer is not None and softmax_routed(layer) and layer.router.normalize
@@ -75,7 +75,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only mixtral.
   fields = expert_fields(model, like)
   fields.pop("norm_topk_prob")  # Mixtral always renormalises (the plan checks it).

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from penzai import pz
+
 from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.building.defaults import NO_BIASES
@@ -42,12 +44,12 @@ def olmo2_plan(cfg: Config, weights: Weights) -> Plan:
   return olmo_blocks(llama_plan(cfg, weights), float(cfg.get("rms_norm_eps", FROM_TABLE)))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Post-norms and no window (OLMo 3's record, of lower rank, claims those with one)."""
   return "olmo2" if is_post_norm(model) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only olmo2.
   return olmo_fields(model, like)
 

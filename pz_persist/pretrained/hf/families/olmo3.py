@@ -88,7 +88,7 @@ def olmo3_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(build, plan.tensors)
 
 
-def _rope(block: Any, theta: float, scaling: RopeScaling | None) -> Any:
+def _rope(block: pz.nn.Layer, theta: float, scaling: RopeScaling | None) -> pz.nn.Layer:
   block = (pz.select(block).at_instances_of(pz.nn.ApplyRoPE)
            .apply(lambda layer: pz.nn.ApplyRoPE(embedding_axis=layer.embedding_axis,
                                                 max_wavelength=theta,
@@ -134,12 +134,12 @@ def _ropes(cfg: Config) -> dict[str, tuple[float, RopeScaling | None]]:
   return out
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Post-norms with a sliding window."""
   return "olmo3" if is_post_norm(model) and any(w is not None for w in windows(model)) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only olmo3.
   found = windows(model)
   types = layer_types(found)

@@ -216,7 +216,7 @@ def _fused(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
   return tuple(out)
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """LongRoPE, or a partial rotary embedding on RMS-normed blocks whose norms
   multiply by ``w`` (not by ``1 + w``, `OffsetScale`, as Gemma's do) and that
   hold no experts (GLM-4.5 has partial rotary and experts)."""
@@ -230,7 +230,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only phi3.
   fields = without_default_head_dim({
       **size_fields(model), **rms_norm_fields(model), **activation_field(model, like),
@@ -245,7 +245,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
-def _longrope_fields(model: Any, layer: ApplyLongRoPE) -> dict[str, Any]:
+def _longrope_fields(model: pz.nn.Layer, layer: ApplyLongRoPE) -> dict[str, Any]:
   """``rope_parameters`` and the top-level fields of `ApplyLongRoPE` ``layer``."""
   fields: dict[str, Any] = {}
   head_dim = projection(first_attention(model).input_to_query)["projection"]

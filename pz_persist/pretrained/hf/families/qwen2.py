@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from penzai import pz
+
 from pz_persist.pretrained.hf.building.decoder import Biases
 from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import model_biases
@@ -40,11 +42,11 @@ def qwen2_plan(cfg: Config, weights: Weights) -> Plan:
                     biases=Biases(query_key_value=True))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   return "qwen2" if model_biases(model) == Biases(query_key_value=True) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only qwen2.
   return without_default_head_dim({**llamalike_fields(model, like), **window_fields(model, like)})
 

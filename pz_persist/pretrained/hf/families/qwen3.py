@@ -47,12 +47,12 @@ def qwen3_plan(cfg: Config, weights: Weights) -> Plan:
                     block_extras=query_key_norm_specs, edit=with_query_key_norms)
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout with a norm among the query's layers."""
   return "qwen3" if all_layers(attention(model).input_to_query, pz.nn.RMSLayerNorm) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only qwen3.
   return {**llamalike_fields(model, like), **window_fields(model, like),
           "attention_bias": model_biases(model).output}

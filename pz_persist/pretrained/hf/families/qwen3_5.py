@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from penzai import pz
+
 from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS
 from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS_WHY
 from pz_persist.pretrained.hf.building.hybrid_decoder import FIELDS
@@ -40,13 +42,13 @@ def qwen3_5_plan(cfg: Config, weights: Weights) -> Plan:
 
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Gated DeltaNet layers (Qwen3.5-MoE's record, of lower rank, claims
   those with mixtures of experts)."""
   return "qwen3_5_text" if has_delta_net(model) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # qwen3_5 (multimodal) is read, never written.
   return hybrid_fields(model, like)
 

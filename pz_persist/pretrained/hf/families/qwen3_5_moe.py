@@ -153,14 +153,14 @@ def _shared_mlp(name: str) -> pz.nn.Sequential:
   ])
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Qwen3.5's gated DeltaNet layers with mixtures of experts."""
   if hybrid_decoder.has_delta_net(model) and any(layer is not None for layer in mixtures(model)):
     return "qwen3_5_moe_text"
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only qwen3_5_moe_text.
   fields = hybrid_decoder.hybrid_fields(model, like)
   fields.pop("intermediate_size", None)

@@ -109,7 +109,7 @@ def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
                       softmax_router())
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Query/key norms and softmax-routed mixtures of experts."""
   found = [layer for layer in mixtures(model) if layer is not None]
   if (found and all(softmax_routed(layer) for layer in found)
@@ -118,7 +118,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only qwen3_moe.
   fields = expert_fields(model, like)
   experts, neurons = fields.pop("_experts"), fields.pop("_neurons")

@@ -25,6 +25,7 @@ from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import model_biases
 from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
@@ -43,10 +44,6 @@ _ROPE_LAYERS = (pz.nn.ApplyRoPE, ApplyScaledRoPE)
 def _flags(value: Any) -> bool:
   return isinstance(value, list) and all(item in (0, 1) and not isinstance(item, float)
                                          for item in value)
-
-
-def _positive_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def smollm3_plan(cfg: Config, weights: Weights) -> Plan:
@@ -106,7 +103,7 @@ def without_rope(model: model_parts.TransformerLM, layers: list[int]) -> model_p
   return model
 
 
-def _uses_rope(model: Any) -> list[int]:
+def _uses_rope(model: pz.nn.Layer) -> list[int]:
   return [int(any(all_layers(block, cls) for cls in (*_ROPE_LAYERS, pz.nn.ApplyRoPEToSubset)))
           for block in blocks(model)]
 
@@ -115,7 +112,7 @@ def _shown(values: list[Any]) -> list[Any]:
   return values if len(values) <= 8 else [*values[:8], "..."]
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """An attention block without rotary layers (Llama's layout has them in
   every block; a block with no ``Attention`` at all, such as a
   linear-attention block, is not a NoPE layer)."""
@@ -123,7 +120,7 @@ def _detect(model: Any) -> str | None:
   return "smollm3" if any(a and not r for a, r in zip(attends, _uses_rope(model))) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only smollm3.
   found = windows(model)
   window = next((w for w in found if w is not None), None)
@@ -166,5 +163,5 @@ RECORD = Family(
     refuses="what Llama refuses; a layer marked sliding without a window",
     rank=25,
     fields={"no_rope_layers": (_flags, "a list of 0 and 1"),
-            "no_rope_layer_interval": (_positive_int, "a positive integer")},
+            "no_rope_layer_interval": POSITIVE_INT},
 )
