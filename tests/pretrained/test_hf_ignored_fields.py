@@ -13,6 +13,7 @@ import transformers
 
 from pz_persist import errors
 from pz_persist.pretrained.hf import families
+from pz_persist.pretrained.hf import multimodal
 from pz_persist.pretrained.hf.config import ANY
 from pz_persist.pretrained.hf.config import IGNORED_FIELDS
 from pz_persist.pretrained.hf.config import Config
@@ -76,3 +77,23 @@ def test_an_ignored_field_is_still_checked():
                ignored=declared.ignored)
   with pytest.raises(errors.UnsupportedConfigError, match="vision_config must be"):
     cfg.check_all_used()
+
+
+@pytest.mark.parametrize("folder_type", sorted(
+    name for name, t in families.MODEL_TYPES.items() if t.written_as and t.ignored))
+def test_a_folder_field_inside_text_config_is_refused(folder_type):
+  """What a multimodal folder's own config may leave unread (its towers'
+  fields) is not thereby accepted inside its ``text_config``: each
+  ``model_type`` declares its own."""
+  text_type = families.MODEL_TYPES[folder_type].written_as
+  outer = Config({}, "config.json", families.FAMILY_OF[folder_type].fields,
+                 families.DEFAULTS[folder_type], families.MODEL_TYPES[folder_type].ignored)
+  for field in sorted(families.MODEL_TYPES[folder_type].ignored
+                      - families.MODEL_TYPES[text_type].ignored - IGNORED_FIELDS):
+    valid = outer.schema.get(field, ANY)[0]
+    value = next(v for v in (1, True, "x", [], 0.5, {}) if valid(v))
+    text = multimodal.text_config(outer, {field: value}, folder_type, text_type,
+                                  families.FAMILY_OF[folder_type].fields,
+                                  families.MODEL_TYPES[text_type].ignored)
+    with pytest.raises(errors.UnsupportedConfigError, match=field):
+      text.check_all_used()
