@@ -58,7 +58,6 @@ from pz_persist.format import variable_kinds
 from pz_persist.safety import limits
 from pz_persist.storage import stores
 from pz_persist.storage.integrity import containment
-from pz_persist.storage.integrity import file_digests
 from pz_persist.storage.integrity import orbax_metadata_checks
 from pz_persist.storage.reading import placements
 

@@ -1,12 +1,14 @@
-"""The checks every Hugging Face family's test file runs (issue 27, item 5),
-shared so that each family's file lists only its cases and its features.
+"""The one harness of the Hugging Face family tests: the checks every
+family's test file runs against transformers, shared so that each family's
+file lists only its cases and its features (and nothing here is copied in a
+test module: helpers other tests need live here once).
 
 A case is a tiny random transformers model (every parameter redrawn, norms
 near one, see `randomized`) saved with ``save_pretrained``; `saved_cases`
 builds them once per test module. The checks:
 
 - `check_float32`: ``load_hf``'s logits within 1e-4 (absolute and
-  relative) of transformers' on the two sequences of `TOKENS`; returns the
+  relative) of transformers' on the two sequences of `SEQUENCES`; returns the
   measured maximum error, which the tests print.
 - `check_bfloat16`: a bfloat16 load as far from the float32 logits as
   transformers' own bfloat16 run (within a factor of two, plus 0.05 on the
@@ -22,6 +24,11 @@ builds them once per test module. The checks:
 - `check_feature_binds`: a feature switched off in transformers' config
   changes its logits by more than the tolerance (so a loader ignoring the
   feature would fail `check_float32`).
+
+The same checks for a folder and a model the test holds itself, not a
+`Saved` case: `float32_error`, `bfloat16_errors`, `check_kv_cache_sampling`
+(greedy KV-cache sampling against a forward pass over what it chose),
+`check_save_model_round_trip` and `check_export_model`.
 """
 
 from __future__ import annotations
@@ -44,12 +51,15 @@ from penzai.models.transformer import sampling_mode
 from penzai.models.transformer.variants import llamalike_common
 
 import pz_persist as pzp
-from pretrained.family_checks import SEQUENCES
 from pz_persist import errors
 from pz_persist.pretrained.sampling import kv_caching_lm
 
-TOKENS = SEQUENCES
-"""Three sequences of ten tokens (those of h-records' `family_checks`),
+SEQUENCES = np.array([
+    [1, 5, 9, 3, 7, 2, 11, 60, 33, 17],
+    [4, 4, 8, 15, 16, 23, 42, 0, 8, 1],
+    [63, 2, 2, 2, 50, 49, 48, 12, 30, 6],
+])
+"""Three sequences of ten tokens (ids below 64, the tiny models' vocabulary),
 longer than every test window and than the longrope cases' original
 context."""
 
@@ -83,23 +93,25 @@ class Saved:
   reference: np.ndarray
 
 
-def randomized(model):
-  """``model`` with every parameter redrawn: norms near one, the rest around
-  zero (so a norm or bias put on the wrong axis changes the logits)."""
-  generator = torch.Generator().manual_seed(1)
+def randomized(model: torch.nn.Module, norm_center: float = 1.0, seed: int = 1) -> torch.nn.Module:
+  """``model`` with every parameter redrawn (so a weight read into the wrong
+  place, a norm or bias put on the wrong axis, or a feature left out changes
+  the logits): norm weights around ``norm_center`` (1 where a norm
+  multiplies by ``w``, 0 where by ``1 + w``), the rest around zero."""
+  generator = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, param in model.named_parameters():
       noise = torch.randn(param.shape, generator=generator) * 0.3
-      param.copy_(noise + (1.0 if "norm" in name else 0.0))
+      param.copy_(noise + (norm_center if "norm" in name else 0.0))
   return model.eval()
 
 
-def reference_logits(model, tokens: np.ndarray = TOKENS) -> np.ndarray:
+def reference_logits(model, tokens: np.ndarray = SEQUENCES) -> np.ndarray:
   with torch.no_grad():
     return model(torch.tensor(tokens)).logits.float().numpy()
 
 
-def penzai_logits(model, tokens: np.ndarray = TOKENS) -> np.ndarray:
+def penzai_logits(model, tokens: np.ndarray = SEQUENCES) -> np.ndarray:
   out = model(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
   return np.asarray(out.untag("batch", "seq", "vocabulary").unwrap().astype(jnp.float32))
 
@@ -114,30 +126,56 @@ def saved_cases(tmp_path_factory, cases: dict[str, Case]) -> dict[str, Saved]:
   return result
 
 
+def float32_error(folder, reference: np.ndarray) -> float:
+  """Loads ``folder`` in float32; asserts its logits are within 1e-4 of
+  ``reference`` and returns the largest absolute difference."""
+  logits = penzai_logits(pzp.pretrained.load_hf(folder))
+  assert np.abs(reference).max() > 0.5  # Logits of order one: a meaningful check.
+  np.testing.assert_allclose(logits, reference, **TOLERANCE)
+  return float(np.abs(logits - reference).max())
+
+
 def check_float32(saved: Saved, name: str) -> float:
-  logits = penzai_logits(pzp.pretrained.load_hf(saved.folder))
-  assert np.abs(saved.reference).max() > 0.5  # Logits of order one.
-  np.testing.assert_allclose(logits, saved.reference, **TOLERANCE)
-  error = float(np.abs(logits - saved.reference).max())
+  error = float32_error(saved.folder, saved.reference)
   print(f"{name} float32 max abs error: {error:.3g}")
   return error
 
 
-def check_bfloat16(saved: Saved, name: str) -> None:
-  hf_bf16 = reference_logits(type(saved.hf_model).from_pretrained(saved.folder,
-                                                                  dtype=torch.bfloat16))
-  model = pzp.pretrained.load_hf(saved.folder, dtype=jnp.bfloat16)
-  assert {p.value.dtype for p in pz.unbind_params(model)[1]} == {jnp.dtype(jnp.bfloat16)}
-  ours = np.abs(penzai_logits(model) - saved.reference)
-  theirs = np.abs(hf_bf16 - saved.reference)
-  print(f"{name} bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
-        f" (transformers bfloat16: max {theirs.max():.3g} mean {theirs.mean():.3g})")
+def _bfloat16_distances(folder, model_cls, reference: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+  """How far a bfloat16 load's logits are from the float32 ``reference``,
+  and transformers' own bfloat16 run's, asserting ours are as close (within
+  a factor of two, plus 0.05 on the maximum and 0.01 on the mean)."""
+  theirs = np.abs(reference_logits(model_cls.from_pretrained(folder, dtype=torch.bfloat16))
+                  - reference)
+  loaded = pzp.pretrained.load_hf(folder, dtype=jnp.bfloat16)
+  assert {p.value.dtype for p in pz.unbind_params(loaded)[1]} == {jnp.dtype(jnp.bfloat16)}
+  ours = np.abs(penzai_logits(loaded) - reference)
   assert ours.max() <= 2 * theirs.max() + 0.05
   assert ours.mean() <= 2 * theirs.mean() + 0.01
+  return ours, theirs
 
 
-def _jitted(sampler):
-  """``sampler``'s calls compiled whole, its KV cache carried between them."""
+def bfloat16_errors(folder, model_cls, reference: np.ndarray) -> tuple[float, float]:
+  """`check_bfloat16` for a folder: both largest errors (ours, transformers')."""
+  ours, theirs = _bfloat16_distances(folder, model_cls, reference)
+  return float(ours.max()), float(theirs.max())
+
+
+def check_bfloat16(saved: Saved, name: str) -> None:
+  ours, theirs = _bfloat16_distances(saved.folder, type(saved.hf_model), saved.reference)
+  print(f"{name} bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
+        f" (transformers bfloat16: max {theirs.max():.3g} mean {theirs.mean():.3g})")
+
+
+def sampling_jitted(sampler):
+  """``sampler``'s calls compiled whole, its KV cache carried between them.
+
+  Why: run eagerly, every new input shape (the prompt, then one token)
+  compiles each of the model's operations one by one, 6 s per shape for a
+  tiny Gemma 2; compiled whole, under 3 s. The computation is the same: Penzai's
+  layers, bound to the cache state each call, as `pz.bind_variables` does.
+  """
   slots, frozen = pz.unbind_state_vars(sampler, freeze=True)
 
   @jax.jit
@@ -158,30 +196,46 @@ def check_kv_cache(model, prompt: int = 3) -> None:
   """The sequences fed to the KV-cache sampler (prompt, then one token per
   call) give the forward pass's logits at every position after the prompt."""
   full = penzai_logits(model)
-  sampler = _jitted(kv_caching_lm(  # from_uncached, each cache sized by its layer.
-      model, cache_len=TOKENS.shape[1], batch_axes={"batch": TOKENS.shape[0]}, pad_id=-1))
-  steps = [sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, :prompt]), "batch", "seq"))]
-  for i in range(prompt, TOKENS.shape[1]):
-    steps.append(sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, i:i + 1]), "batch", "seq")))
+  sampler = sampling_jitted(kv_caching_lm(  # from_uncached, each cache sized by its layer.
+      model, cache_len=SEQUENCES.shape[1], batch_axes={"batch": SEQUENCES.shape[0]}, pad_id=-1))
+  steps = [sampler(pz.nx.wrap(jnp.asarray(SEQUENCES[:, :prompt]), "batch", "seq"))]
+  for i in range(prompt, SEQUENCES.shape[1]):
+    steps.append(sampler(pz.nx.wrap(jnp.asarray(SEQUENCES[:, i:i + 1]), "batch", "seq")))
   cached = np.concatenate(
       [np.asarray(s.untag("batch", "seq", "vocabulary").unwrap(), np.float32) for s in steps], 1)
   np.testing.assert_allclose(cached, full, atol=2e-5, rtol=2e-5)
 
 
-def _params(model) -> dict[str, Any]:
+def params(model) -> dict[str, Any]:
+  """``model``'s parameters by label."""
   return {p.label: p.value for p in pz.unbind_params(model)[1]}
 
 
-def check_save_model(saved: Saved, tmp_path) -> None:
-  model = pzp.pretrained.load_hf(saved.folder)
-  pzp.save_model(tmp_path / "native", model)
-  restored = pzp.load_model(tmp_path / "native")
-  before, after = _params(model), _params(restored)
+def _saved_and_restored(model, path):
+  """``model`` after ``save_model`` / ``load_model`` at ``path``, every
+  parameter checked bit for bit."""
+  pzp.save_model(path, model)
+  restored = pzp.load_model(path)
+  before, after = params(model), params(restored)
   assert before.keys() == after.keys()
   for label, value in before.items():
     np.testing.assert_array_equal(np.asarray(after[label].data_array),
                                   np.asarray(value.data_array), err_msg=label)
+  return restored
+
+
+def check_save_model(saved: Saved, tmp_path) -> None:
+  """The round trip keeps every parameter and exactly the logits."""
+  model = pzp.pretrained.load_hf(saved.folder)
+  restored = _saved_and_restored(model, tmp_path / "native")
   np.testing.assert_array_equal(penzai_logits(restored), penzai_logits(model))
+
+
+def check_save_model_round_trip(model, path, reference: np.ndarray) -> None:
+  """The round trip of a model the test holds keeps every parameter, and its
+  logits within the tolerance of ``reference``."""
+  restored = _saved_and_restored(model, path)
+  np.testing.assert_allclose(penzai_logits(restored), reference, **TOLERANCE)
 
 
 def tensors(folder) -> dict[str, np.ndarray]:
@@ -197,7 +251,8 @@ def config(folder) -> dict:
     return json.load(f)
 
 
-def _transformers_config(folder) -> dict:
+def transformers_config(folder) -> dict:
+  """``folder``'s config as transformers reads it, without its bookkeeping."""
   loaded = transformers.AutoConfig.from_pretrained(folder).to_dict()
   for bookkeeping in ("_name_or_path", "transformers_version"):
     loaded.pop(bookkeeping, None)
@@ -221,7 +276,7 @@ def check_export(saved: Saved, tmp_path, model_type: str | None,
   dst = tmp_path / "like"
   pzp.export_hf(model, dst, like=saved.folder)
   assert_same_tensors(tensors(dst), tensors(saved.folder))
-  got, want = _transformers_config(dst), _transformers_config(saved.folder)
+  got, want = transformers_config(dst), transformers_config(saved.folder)
   assert got == want, {k: (got.get(k), want.get(k)) for k in {*got, *want}
                        if got.get(k) != want.get(k)}
   exported = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
@@ -292,19 +347,19 @@ def check_kv_cache_like_transformers(model, hf_model, prompt: int = 3) -> None:
   whose frequencies depend on the call's largest position (longrope past
   its original context), where a forward pass over the whole sequence
   differs from both."""
-  sampler = _jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
-      model, cache_len=TOKENS.shape[1], batch_axes={"batch": TOKENS.shape[0]}, pad_id=-1))
+  sampler = sampling_jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
+      model, cache_len=SEQUENCES.shape[1], batch_axes={"batch": SEQUENCES.shape[0]}, pad_id=-1))
   ours, theirs = [], []
   with torch.no_grad():
-    out = hf_model(torch.tensor(TOKENS[:, :prompt]), use_cache=True)
+    out = hf_model(torch.tensor(SEQUENCES[:, :prompt]), use_cache=True)
     theirs.append(out.logits.float().numpy())
-    for i in range(prompt, TOKENS.shape[1]):
-      out = hf_model(torch.tensor(TOKENS[:, i:i + 1]), past_key_values=out.past_key_values,
+    for i in range(prompt, SEQUENCES.shape[1]):
+      out = hf_model(torch.tensor(SEQUENCES[:, i:i + 1]), past_key_values=out.past_key_values,
                      use_cache=True)
       theirs.append(out.logits.float().numpy())
-  ours.append(sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, :prompt]), "batch", "seq")))
-  for i in range(prompt, TOKENS.shape[1]):
-    ours.append(sampler(pz.nx.wrap(jnp.asarray(TOKENS[:, i:i + 1]), "batch", "seq")))
+  ours.append(sampler(pz.nx.wrap(jnp.asarray(SEQUENCES[:, :prompt]), "batch", "seq")))
+  for i in range(prompt, SEQUENCES.shape[1]):
+    ours.append(sampler(pz.nx.wrap(jnp.asarray(SEQUENCES[:, i:i + 1]), "batch", "seq")))
   cached = np.concatenate(
       [np.asarray(s.untag("batch", "seq", "vocabulary").unwrap(), np.float32) for s in ours], 1)
   np.testing.assert_allclose(cached, np.concatenate(theirs, 1), **TOLERANCE)
@@ -364,3 +419,36 @@ def check_bfloat16_export(case: Case, tmp_path) -> None:
   pzp.export_hf(pzp.pretrained.load_hf(src), tmp_path / "out", like=src)
   assert config(tmp_path / "out")["dtype"] == "bfloat16"
   assert_same_tensors(tensors(tmp_path / "out"), tensors(src))
+
+
+def check_kv_cache_sampling(model, prompt: np.ndarray = SEQUENCES[:, :4], steps: int = 6) -> None:
+  """Greedy KV-cache sampling gives, at each step, the logits a forward pass
+  over the whole sequence gives at that position (float32)."""
+  batch = prompt.shape[0]
+  sampler = sampling_jitted(kv_caching_lm(  # from_uncached, each cache sized by its layer.
+      model, cache_len=prompt.shape[1] + steps, batch_axes={"batch": batch}, pad_id=-1))
+  tokens, sequence, cached = prompt, prompt, []
+  for _ in range(steps):
+    out = sampler(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
+    last = np.asarray(out.untag("batch", "seq", "vocabulary").unwrap()[:, -1], np.float32)
+    cached.append(last)
+    tokens = np.argmax(last, axis=-1)[:, None]
+    sequence = np.concatenate([sequence, tokens], axis=1)
+  full = penzai_logits(model, sequence[:, :-1])[:, prompt.shape[1] - 1:]
+  np.testing.assert_allclose(np.stack(cached, 1), full, atol=1e-4, rtol=1e-4)
+
+
+def check_export_model(model, source, out, like=True) -> dict:
+  """``export_hf`` of ``model`` (loaded from ``source``) writes a folder
+  transformers loads as the source's class with the same tensors, bit for
+  bit; without ``like`` the structure alone must give the same
+  ``model_type``. Returns the written config."""
+  pzp.export_hf(model, out, like=source if like else None)
+  config = json.loads((out / "config.json").read_text())
+  original = json.loads((source / "config.json").read_text())
+  assert config["model_type"] == original["model_type"]
+  assert config["architectures"] == original["architectures"]
+  assert_same_tensors(tensors(out), tensors(source))
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  assert type(theirs).__name__ == original["architectures"][0]
+  return config

@@ -20,7 +20,6 @@ import os
 import jax
 import numpy as np
 import pytest
-import safetensors.numpy
 import torch
 import transformers
 from penzai import pz
@@ -29,14 +28,13 @@ from penzai.models.transformer.variants import llamalike_common
 from penzai.toolshed import lora
 
 import pz_persist as pzp
+from pretrained import hf_family_harness as harness
 from pretrained.test_gemma import GEMMA1
 from pretrained.test_gemma import GEMMA2
 from pretrained.test_gemma import official_params
 from pretrained.test_gemma import write
 from pretrained.test_hf import TOKENS
 from pretrained.test_hf import _hf_model
-from pretrained.test_hf import _penzai_logits
-from pretrained.test_hf import _reference_logits
 from pz_persist import errors
 from pz_persist.pretrained import errors as pretrained_errors
 from pz_persist.pretrained.hf import structure_match as hf_structure_match
@@ -52,29 +50,9 @@ CASES = {
 SHARD = 20_000  # Bytes: several shards for these tiny models.
 
 
-def _tensors(folder) -> dict[str, np.ndarray]:
-  out = {}
-  for name in os.listdir(folder):
-    if name.endswith(".safetensors"):
-      out.update(safetensors.numpy.load_file(os.path.join(folder, name)))
-  return out
-
-
-def _config(folder) -> dict:
-  with open(os.path.join(folder, "config.json")) as f:
-    return json.load(f)
-
-
 def _transformers_logits(folder, **kwargs) -> np.ndarray:
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
-  return _reference_logits(model)
-
-
-def _assert_same_tensors(got: dict, want: dict) -> None:
-  assert sorted(got) == sorted(want)
-  for name in want:
-    assert (got[name].dtype, got[name].shape) == (want[name].dtype, want[name].shape), name
-    assert got[name].tobytes() == want[name].tobytes(), name
+  return harness.reference_logits(model, TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -88,21 +66,21 @@ def folders(tmp_path_factory):
     model = pzp.pretrained.load_hf(src)
     dst = str(tmp_path_factory.mktemp(f"{case}_export") / "out")
     pzp.export_hf(model, dst, like=src, shard_size=SHARD)
-    result[case] = (src, _reference_logits(hf_model), model, dst)
+    result[case] = (src, harness.reference_logits(hf_model, TOKENS), model, dst)
   return result
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_round_trip_is_tensor_for_tensor_identical(folders, case):
   src, _, _, dst = folders[case]
-  _assert_same_tensors(_tensors(dst), _tensors(src))
-  assert _config(dst) == _config(src)
+  harness.assert_same_tensors(harness.tensors(dst), harness.tensors(src))
+  assert harness.config(dst) == harness.config(src)
   with open(os.path.join(dst, "model.safetensors.index.json")) as f:
     index = json.load(f)
   shards = sorted(set(index["weight_map"].values()))
   assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
   assert sorted(n for n in os.listdir(dst) if n.endswith(".safetensors")) == shards
-  assert index["metadata"]["total_size"] == sum(t.nbytes for t in _tensors(dst).values())
+  assert index["metadata"]["total_size"] == sum(t.nbytes for t in harness.tensors(dst).values())
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -117,8 +95,8 @@ def test_family_from_structure_alone(folders, tmp_path):
     src, reference, model, _ = folders[case]
     dst = tmp_path / case
     pzp.export_hf(model, dst)
-    _assert_same_tensors(_tensors(dst), _tensors(src))
-    assert _config(dst)["model_type"] == CASES[case][0]
+    harness.assert_same_tensors(harness.tensors(dst), harness.tensors(src))
+    assert harness.config(dst)["model_type"] == CASES[case][0]
     np.testing.assert_array_equal(_transformers_logits(dst), reference)
 
 
@@ -131,11 +109,12 @@ def test_a_model_with_a_block_cut_exports(tmp_path):
          .pick_nth_selected(1).remove_from_parent())
   dst = tmp_path / "cut"
   pzp.export_hf(cut, dst, like=src)
-  assert _config(dst)["num_hidden_layers"] == 2
-  got, original = _tensors(dst), _tensors(src)
+  assert harness.config(dst)["num_hidden_layers"] == 2
+  got, original = harness.tensors(dst), harness.tensors(src)
   np.testing.assert_array_equal(got["model.layers.1.self_attn.q_proj.weight"],
                                 original["model.layers.2.self_attn.q_proj.weight"])
-  np.testing.assert_allclose(_transformers_logits(dst), _penzai_logits(cut), atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(_transformers_logits(dst), harness.penzai_logits(cut, TOKENS),
+                             atol=1e-4, rtol=1e-4)
 
 
 def _gemma_model(tmp_path, gemma2: bool):
@@ -155,12 +134,12 @@ def test_load_gemma_model_exports_as_hf_gemma(tmp_path, gemma2):
   params, model = _gemma_model(tmp_path, gemma2)
   dst = tmp_path / "hf"
   pzp.export_hf(model, dst)
-  config = _config(dst)
+  config = harness.config(dst)
   assert config["model_type"] == ("gemma2" if gemma2 else "gemma")
   if gemma2:
     assert config["sliding_window"] == 3 and config["layer_types"][:2] == [
         "sliding_attention", "full_attention"]
-  tensors = _tensors(dst)
+  tensors = harness.tensors(dst)
   # Norms are written as the checkpoint's w again, through 1 + w and back in float32.
   np.testing.assert_allclose(tensors["model.layers.0.input_layernorm.weight"],
                              params["transformer/layer_0/pre_attention_norm"]["scale"],
@@ -191,10 +170,11 @@ def test_unmerged_lora_is_refused_and_merge_lora_fixes_it(folders, tmp_path):
     pzp.export_hf(adapted, tmp_path / "lora")
   assert not os.path.exists(tmp_path / "lora")
   merged = pzp.pretrained.merge_lora(adapted)
-  np.testing.assert_allclose(_penzai_logits(merged), _penzai_logits(adapted), atol=1e-4)
+  np.testing.assert_allclose(harness.penzai_logits(merged, TOKENS),
+                             harness.penzai_logits(adapted, TOKENS), atol=1e-4)
   pzp.export_hf(merged, tmp_path / "merged")
   np.testing.assert_allclose(_transformers_logits(tmp_path / "merged"),
-                             _penzai_logits(adapted), atol=1e-4, rtol=1e-4)
+                             harness.penzai_logits(adapted, TOKENS), atol=1e-4, rtol=1e-4)
 
 
 def test_structure_the_family_cannot_express_is_refused(folders, tmp_path):
@@ -253,7 +233,7 @@ def test_cli_export_from_a_native_checkpoint(folders, tmp_path, capsys):
   dst = tmp_path / "hf"
   assert cli.main(["export", "hf", str(ckpt), str(dst), "--like", str(src), "--quiet"]) == 0
   assert "from_pretrained" in capsys.readouterr().out
-  _assert_same_tensors(_tensors(dst), _tensors(src))
+  harness.assert_same_tensors(harness.tensors(dst), harness.tensors(src))
   np.testing.assert_array_equal(_transformers_logits(dst), reference)
   assert cli.main(["export", "hf", str(ckpt), str(dst), "--quiet"]) == 2
   assert "overwrite" in capsys.readouterr().err
@@ -281,8 +261,8 @@ def test_bfloat16_round_trip_is_identical(tmp_path):
   _hf_model("llama").to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
   model = pzp.pretrained.load_hf(src)
   pzp.export_hf(model, tmp_path / "out", like=src)
-  assert _config(tmp_path / "out")["dtype"] == "bfloat16"
-  _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(src))
+  assert harness.config(tmp_path / "out")["dtype"] == "bfloat16"
+  harness.assert_same_tensors(harness.tensors(tmp_path / "out"), harness.tensors(src))
 
 
 @pytest.mark.parametrize("gemma2", [False, True], ids=["gemma", "gemma2"])

@@ -26,20 +26,18 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 import pz_persist as pzp
+from pretrained import hf_family_harness as harness
 from pretrained import test_export_hf
 from pretrained import test_hf_gemma
 from pretrained import test_hf_qwen2
 from pretrained import test_rope_scaling
-from pretrained.test_export_hf import _assert_same_tensors
-from pretrained.test_export_hf import _config
-from pretrained.test_export_hf import _tensors
 from pretrained.test_export_hf import _transformers_logits
-from pretrained.test_hf import _reference_logits
+from pretrained.test_hf import TOKENS
 from pz_persist.pretrained import errors
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 from pz_persist.pretrained.hf import config_from_model as hf_config_from_model
 from pz_persist.pretrained.hf import families as hf_families
 from pz_persist.pretrained.hf import structure_match as hf_structure_match
-from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 from pz_persist.tools import cli
 
 # name: (makes the transformers model, the family export_hf finds alone)
@@ -77,19 +75,12 @@ def folders(tmp_path_factory):
     hf_model = make()
     src = tmp_path_factory.mktemp(case)
     hf_model.save_pretrained(src, safe_serialization=True)
-    reference = _reference_logits(hf_model)
+    reference = harness.reference_logits(hf_model, TOKENS)
     model = pzp.pretrained.load_hf(src)
     dst = str(tmp_path_factory.mktemp(f"{case}_export") / "out")
     pzp.export_hf(model, dst, like=src)
     result[case] = (src, reference, model, dst)
   return result
-
-
-def _transformers_config(folder) -> dict:
-  config = transformers.AutoConfig.from_pretrained(folder).to_dict()
-  for bookkeeping in ("_name_or_path", "transformers_version"):
-    config.pop(bookkeeping, None)
-  return config
 
 
 def _eager(case: str) -> dict:
@@ -100,8 +91,8 @@ def _eager(case: str) -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_round_trip_is_tensor_for_tensor_identical(folders, case):
   src, _, _, dst = folders[case]
-  _assert_same_tensors(_tensors(dst), _tensors(src))
-  assert _transformers_config(dst) == _transformers_config(src)
+  harness.assert_same_tensors(harness.tensors(dst), harness.tensors(src))
+  assert harness.transformers_config(dst) == harness.transformers_config(src)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,10 +107,10 @@ def test_family_from_structure_alone(folders, tmp_path, case):
   from the model itself (only fields that do not change the math differ)."""
   src, _, model, _ = folders[case]
   pzp.export_hf(model, tmp_path / "out")
-  _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(src))
-  config = _config(tmp_path / "out")
+  harness.assert_same_tensors(harness.tensors(tmp_path / "out"), harness.tensors(src))
+  config = harness.config(tmp_path / "out")
   assert config["model_type"] == CASES[case][1]
-  original = _config(src)
+  original = harness.config(src)
   for field in ("rope_parameters", "layer_types", "sliding_window", "attention_bias",
                 "mlp_bias", "attn_logit_softcapping", "final_logit_softcapping"):
     assert config.get(field) == original.get(field), field
@@ -128,12 +119,12 @@ def test_family_from_structure_alone(folders, tmp_path, case):
 def test_qwen2_windows_as_transformers_4_writes_them(folders):
   """Sliding layers last: ``max_window_layers`` says where they start, so
   readers of transformers 4 configs (no ``layer_types``) agree."""
-  config = _config(folders["qwen2"][3])
+  config = harness.config(folders["qwen2"][3])
   assert config["layer_types"] == ["full_attention", "sliding_attention"]
   assert (config["use_sliding_window"], config["sliding_window"], config["max_window_layers"]) == (
       True, 3, 1)
   assert "head_dim" not in config  # Not a Qwen2 config field; hidden_size // heads.
-  config = _config(folders["qwen2_sliding_first"][3])
+  config = harness.config(folders["qwen2_sliding_first"][3])
   assert config["layer_types"] == ["sliding_attention", "full_attention"]
   assert "max_window_layers" not in config  # It cannot say this.
 
@@ -197,7 +188,7 @@ def test_cli_export_from_a_native_checkpoint(folders, tmp_path, case):
   pzp.save_model(tmp_path / "native", model)
   dst = tmp_path / "hf"
   assert cli.main(["export", "hf", str(tmp_path / "native"), str(dst), "--quiet"]) == 0
-  _assert_same_tensors(_tensors(dst), _tensors(src))
+  harness.assert_same_tensors(harness.tensors(dst), harness.tensors(src))
   np.testing.assert_array_equal(_transformers_logits(dst, **_eager(case)), reference)
 
 
@@ -230,13 +221,13 @@ def test_gemma2_without_soft_caps_writes_them_null(folders, tmp_path):
   (absent, transformers and load_hf would apply the defaults, 50 and 30)."""
   src = tmp_path / "off"
   shutil.copytree(folders["gemma2"][0], src)
-  config = _config(src)
+  config = harness.config(src)
   config.update(final_logit_softcapping=None, attn_logit_softcapping=None)
   (src / "config.json").write_text(json.dumps(config))
   pzp.export_hf(pzp.pretrained.load_hf(src), tmp_path / "out")
-  exported = _config(tmp_path / "out")
+  exported = harness.config(tmp_path / "out")
   assert exported["final_logit_softcapping"] is exported["attn_logit_softcapping"] is None
-  _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(src))
+  harness.assert_same_tensors(harness.tensors(tmp_path / "out"), harness.tensors(src))
   np.testing.assert_array_equal(_transformers_logits(tmp_path / "out", **_eager("gemma2")),
                                 _transformers_logits(src, **_eager("gemma2")))
 
@@ -248,5 +239,5 @@ def test_bfloat16_round_trip_is_identical(tmp_path, case):
   src = tmp_path / "bf16"
   CASES[case][0]().to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
   pzp.export_hf(pzp.pretrained.load_hf(src), tmp_path / "out", like=src)
-  assert _config(tmp_path / "out")["dtype"] == "bfloat16"
-  _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(src))
+  assert harness.config(tmp_path / "out")["dtype"] == "bfloat16"
+  harness.assert_same_tensors(harness.tensors(tmp_path / "out"), harness.tensors(src))

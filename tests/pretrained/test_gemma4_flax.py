@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
+from pretrained import hf_family_harness as checks
 from pretrained import test_hf_gemma4 as hf_cases
 from pretrained.test_gemma3_flax import save_params
 from pz_persist.pretrained import errors
@@ -130,7 +130,7 @@ def test_library_checkpoint_gives_transformers_logits(written, tmp_path, case):
   ckpt, hf, reference = written[case]
   loaded, report = pzp.pretrained.load_gemma(ckpt, preset=PRESETS[case], report=True)
   logits = checks.penzai_logits(loaded)
-  np.testing.assert_allclose(logits, reference, **checks.FLOAT32)
+  np.testing.assert_allclose(logits, reference, **checks.TOLERANCE)
   print(f"{case}: float32 max abs error {np.abs(logits - reference).max():.2g}")
   assert report.settings["sliding_window_size"].source == "caller"
   assert report.settings["head_dim"].source == "checkpoint"

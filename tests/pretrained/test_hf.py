@@ -32,6 +32,7 @@ import transformers
 from penzai import pz
 
 import pz_persist as pzp
+from pretrained import hf_family_harness as harness
 from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 
@@ -64,17 +65,6 @@ def _hf_model(family: str, **overrides):
   return cls(config).eval()
 
 
-def _reference_logits(model) -> np.ndarray:
-  with torch.no_grad():
-    return model(torch.tensor(TOKENS)).logits.float().numpy()
-
-
-def _penzai_logits(model) -> np.ndarray:
-  tokens = pz.nx.wrap(jnp.asarray(TOKENS), "batch", "seq")
-  out = model(tokens).untag("batch", "seq", "vocabulary").unwrap()
-  return np.asarray(out.astype(jnp.float32))
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   """``{family: (folder, reference float32 logits)}``, saved once per module."""
@@ -83,7 +73,7 @@ def saved(tmp_path_factory):
     model = _hf_model(family)
     folder = tmp_path_factory.mktemp(family)
     model.save_pretrained(folder, safe_serialization=True)
-    result[family] = (folder, _reference_logits(model))
+    result[family] = (folder, harness.reference_logits(model, TOKENS))
   return result
 
 
@@ -91,7 +81,7 @@ def saved(tmp_path_factory):
 def test_float32_logits_match_transformers(saved, family):
   folder, reference = saved[family]
   model = pzp.pretrained.load_hf(folder)
-  logits = _penzai_logits(model)
+  logits = harness.penzai_logits(model, TOKENS)
   assert np.abs(reference).max() > 0.5  # Logits of order one: a meaningful check.
   np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
   print(f"{family} float32 max abs diff: {np.abs(logits - reference).max():.3g}")
@@ -127,13 +117,12 @@ def test_bfloat16_load_is_as_close_as_transformers_bfloat16(saved, family):
   """bfloat16 weights and activations: compared with the float32 logits, the
   Penzai model must be about as far off as transformers' own bfloat16 run."""
   folder, reference = saved[family]
-  hf_bf16 = _reference_logits(
-      type(_hf_model(family)).from_pretrained(folder, dtype=torch.bfloat16)
-  )
+  hf_bf16 = harness.reference_logits(
+      type(_hf_model(family)).from_pretrained(folder, dtype=torch.bfloat16), TOKENS)
   model = pzp.pretrained.load_hf(folder, dtype=jnp.bfloat16)
   params = pz.unbind_params(model)[1]
   assert {p.value.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
-  logits = _penzai_logits(model)
+  logits = harness.penzai_logits(model, TOKENS)
   ours, theirs = np.abs(logits - reference), np.abs(hf_bf16 - reference)
   print(
       f"{family} bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
@@ -149,15 +138,15 @@ def test_sharded_checkpoint_with_index(tmp_path, saved):
   model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
   shards = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
   assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
-  logits = _penzai_logits(pzp.pretrained.load_hf(tmp_path))
+  logits = harness.penzai_logits(pzp.pretrained.load_hf(tmp_path), TOKENS)
   np.testing.assert_allclose(logits, saved["llama"][1], atol=1e-4, rtol=1e-4)
 
 
 def test_tied_embeddings(tmp_path):
   model = _hf_model("llama", tie_word_embeddings=True)
   model.save_pretrained(tmp_path, safe_serialization=True)
-  logits = _penzai_logits(pzp.pretrained.load_hf(tmp_path))
-  np.testing.assert_allclose(logits, _reference_logits(model), atol=1e-4, rtol=1e-4)
+  logits = harness.penzai_logits(pzp.pretrained.load_hf(tmp_path), TOKENS)
+  np.testing.assert_allclose(logits, harness.reference_logits(model, TOKENS), atol=1e-4, rtol=1e-4)
 
 
 def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path):
@@ -180,24 +169,8 @@ def test_axis_rules_place_each_array(saved):
   assert mlp_in.data_array.sharding.spec == jax.sharding.PartitionSpec("model", None)
   query = params["transformer/block_1/attention/query/Linear.weights"]
   assert query.data_array.sharding.spec[0] == "model"
-  np.testing.assert_allclose(_penzai_logits(model), saved["gpt_neox"][1], atol=1e-4, rtol=1e-4)
-
-
-def _edit_config(folder, tmp_path, **changes):
-  """A copy of ``folder`` (weights symlinked) with config.json edited."""
-  target = tmp_path / "edited"
-  target.mkdir()
-  for name in os.listdir(folder):
-    if name != "config.json":
-      os.symlink(os.path.join(folder, name), target / name)
-  config = json.loads((folder / "config.json").read_text())
-  config.update(changes)
-  config = {k: v for k, v in config.items() if v is not _DELETE}
-  (target / "config.json").write_text(json.dumps(config))
-  return target
-
-
-_DELETE = object()
+  np.testing.assert_allclose(harness.penzai_logits(model, TOKENS), saved["gpt_neox"][1],
+                             atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -215,7 +188,7 @@ _DELETE = object()
     ],
 )
 def test_config_fields_that_change_the_math_are_refused(saved, tmp_path, family, field, value):
-  folder = _edit_config(saved[family][0], tmp_path, **{field: value})
+  folder = harness.edited(saved[family][0], tmp_path, **{field: value})
   with pytest.raises(errors.UnsupportedConfigError, match=field) as info:
     pzp.pretrained.load_hf(folder)
   assert isinstance(info.value, errors.PzPersistError)
@@ -233,7 +206,7 @@ def test_untied_model_without_lm_head_is_refused(saved, tmp_path):
 
 
 def test_unsupported_model_type_lists_supported_ones(saved, tmp_path):
-  folder = _edit_config(saved["llama"][0], tmp_path, model_type="falcon")
+  folder = harness.edited(saved["llama"][0], tmp_path, model_type="falcon")
   with pytest.raises(errors.UnsupportedConfigError, match="falcon") as info:
     pzp.pretrained.load_hf(folder)
   for supported in ("llama", "mistral", "gpt_neox"):
@@ -395,25 +368,3 @@ def test_cast_reads_stream_and_match_astype(tmp_path, monkeypatch, stored, wante
   file.close()
 
 
-def sampling_jitted(sampler):
-  """``sampler``'s calls compiled whole, its KV cache carried between them.
-
-  Why: run eagerly, every new input shape (the prompt, then one token)
-  compiles each of the model's operations one by one, 6 s per shape for a
-  tiny Gemma 2; compiled whole, under 3 s. The computation is the same: Penzai's
-  layers, bound to the cache state each call, as `pz.bind_variables` does.
-  """
-  slots, frozen = pz.unbind_state_vars(sampler, freeze=True)
-
-  @jax.jit
-  def step(state, tokens):
-    variables = [value.unfreeze_as_copy() for value in state]
-    out = pz.bind_variables(slots, variables)(tokens)
-    return out, [variable.freeze() for variable in variables]
-
-  def call(tokens):
-    nonlocal frozen
-    out, frozen = step(frozen, tokens)
-    return out
-
-  return call

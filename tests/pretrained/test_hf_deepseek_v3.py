@@ -100,7 +100,7 @@ def test_latent_axes_are_named(saved):
   """The latents and experts are named axes (treescope shows them,
   `AxisRules` can place them)."""
   model = pzp.pretrained.load_hf(saved["deepseek_v3"].folder)
-  axes = {label: dict(value.named_shape) for label, value in harness._params(model).items()}
+  axes = {label: dict(value.named_shape) for label, value in harness.params(model).items()}
   assert axes["transformer/block_0/attention/q_a.weights"] == {"embedding": 32, "q_latent": 24}
   assert axes["transformer/block_0/attention/key_up.weights"] == {
       "kv_latent": 16, "heads": 4, "projection": 10}
@@ -192,8 +192,8 @@ def test_fp8_weights_are_dequantised_on_load(saved, tmp_path):
   folder, dense = _quantized_folder(case, tmp_path / "fp8")
   model = pzp.pretrained.load_hf(folder, dtype=np.float32)
   reference = pzp.pretrained.load_hf(case.folder)
-  values = harness._params(model)
-  assert values.keys() == harness._params(reference).keys()
+  values = harness.params(model)
+  assert values.keys() == harness.params(reference).keys()
   q_b = values["transformer/block_0/attention/query.weights"].unwrap(
       "heads", "projection", "q_latent").reshape(4 * 18, 24)
   np.testing.assert_array_equal(np.asarray(q_b),
@@ -262,7 +262,7 @@ def test_fp8_folder_loads_in_its_other_tensors_dtype(saved, tmp_path):
   tensors (the Hub's: bfloat16; here float32), never float8."""
   folder, _ = _quantized_folder(saved["deepseek_v3"], tmp_path / "fp8")
   model = pzp.pretrained.load_hf(folder)
-  assert {value.dtype for value in harness._params(model).values()} == {np.dtype(np.float32)}
+  assert {value.dtype for value in harness.params(model).values()} == {np.dtype(np.float32)}
 
 
 # --- hostile configs ----------------------------------------------------------
@@ -394,7 +394,7 @@ def test_axis_rules_place_heads_latents_and_experts(saved):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
   rules = pzp.AxisRules(mesh, {"heads": "model", "experts": "data", "q_latent": "data"})
   model = pzp.pretrained.load_hf(saved["deepseek_v3"].folder, sharding=rules)
-  params = harness._params(model)
+  params = harness.params(model)
   key_up = params["transformer/block_0/attention/key_up.weights"]
   assert "model" in key_up.data_array.sharding.spec
   experts = params["transformer/block_1/mlp/experts/gate.weights"]

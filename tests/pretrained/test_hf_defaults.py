@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from pretrained import family_checks as checks
+from pretrained import hf_family_harness as checks
 from pretrained import test_hf_qwen3_5
 from pz_persist.pretrained.hf import config as hf_config
 from pz_persist.pretrained.hf import families

@@ -38,13 +38,10 @@ from penzai import pz
 from penzai.models.transformer import sampling_mode
 
 import pz_persist as pzp
+from pretrained import hf_family_harness as harness
+from pretrained.test_hf import TOKENS
 from pz_persist import errors
 from pz_persist.nn.offset_scale import OffsetScale
-from pretrained.test_hf import TOKENS
-from pretrained.test_hf import _edit_config
-from pretrained.test_hf import _penzai_logits
-from pretrained.test_hf import _reference_logits
-from pretrained.test_hf import sampling_jitted
 
 _SIZES = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
@@ -85,7 +82,7 @@ def saved(tmp_path_factory):
     model = _hf_model(name)
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder, safe_serialization=True)
-    result[name] = (folder, model, _reference_logits(model))
+    result[name] = (folder, model, harness.reference_logits(model, TOKENS))
   return result
 
 
@@ -98,7 +95,7 @@ def loaded(saved):
 @pytest.mark.parametrize("name", list(_MODELS))
 def test_float32_logits_match_transformers(saved, loaded, name):
   _, _, reference = saved[name]
-  logits = _penzai_logits(loaded[name])
+  logits = harness.penzai_logits(loaded[name], TOKENS)
   assert np.abs(reference).max() > 0.5  # Logits of order one: a meaningful check.
   np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
   print(f"{name} float32 max abs diff: {np.abs(logits - reference).max():.3g}")
@@ -112,7 +109,7 @@ def test_gemma2_soft_caps_and_window_bind(saved):
                        ("sliding_window", 64), ("query_pre_attn_scalar", 16)]:
     config = transformers.Gemma2Config.from_pretrained(folder, **{field: value})
     changed = transformers.Gemma2ForCausalLM.from_pretrained(folder, config=config).eval()
-    assert np.abs(_reference_logits(changed) - reference).max() > 0.01, field
+    assert np.abs(harness.reference_logits(changed, TOKENS) - reference).max() > 0.01, field
 
 
 @pytest.mark.parametrize("name", [
@@ -123,11 +120,12 @@ def test_bfloat16_load_is_as_close_as_transformers_bfloat16(saved, name):
   """bfloat16 weights and activations: compared with the float32 logits, the
   Penzai model must be about as far off as transformers' own bfloat16 run."""
   folder, model, reference = saved[name]
-  hf_bf16 = _reference_logits(type(model).from_pretrained(folder, dtype=torch.bfloat16))
+  hf_bf16 = harness.reference_logits(
+      type(model).from_pretrained(folder, dtype=torch.bfloat16), TOKENS)
   penzai_model = pzp.pretrained.load_hf(folder, dtype=jnp.bfloat16)
   params = pz.unbind_params(penzai_model)[1]
   assert {p.value.dtype for p in params} == {jnp.dtype(jnp.bfloat16)}
-  logits = _penzai_logits(penzai_model)
+  logits = harness.penzai_logits(penzai_model, TOKENS)
   ours, theirs = np.abs(logits - reference), np.abs(hf_bf16 - reference)
   print(
       f"{name} bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
@@ -168,7 +166,7 @@ def test_kv_cache_sampling_matches_full_sequence(saved, loaded):
   the sliding window) gives transformers' logits. (No padding token: TOKENS holds 0,
   Penzai's default ``pad_id``.)"""
   _, _, reference = saved["gemma2"]
-  sampler = sampling_jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
+  sampler = harness.sampling_jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
       loaded["gemma2"], cache_len=TOKENS.shape[1], batch_axes={"batch": TOKENS.shape[0]},
       pad_id=-1))
   steps = []
@@ -178,13 +176,13 @@ def test_kv_cache_sampling_matches_full_sequence(saved, loaded):
   np.testing.assert_allclose(np.concatenate(steps, axis=1), reference, atol=1e-4, rtol=1e-4)
 
 
-
 def test_save_model_load_model_round_trip(saved, loaded, tmp_path):
   pzp.save_model(tmp_path / "ckpt", loaded["gemma2"])
   restored = pzp.load_model(tmp_path / "ckpt")
   assert any(isinstance(layer, OffsetScale) for layer in
              pz.select(restored).at_instances_of(OffsetScale).get_sequence())
-  np.testing.assert_array_equal(_penzai_logits(restored), _penzai_logits(loaded["gemma2"]))
+  np.testing.assert_array_equal(harness.penzai_logits(restored, TOKENS),
+                                harness.penzai_logits(loaded["gemma2"], TOKENS))
 
 
 def test_null_soft_caps_mean_off(saved, tmp_path):
@@ -195,8 +193,10 @@ def test_null_soft_caps_mean_off(saved, tmp_path):
   config = json.loads((folder / "config.json").read_text())
   config.update(final_logit_softcapping=None, attn_logit_softcapping=None)
   (folder / "config.json").write_text(json.dumps(config))
-  reference = _reference_logits(transformers.Gemma2ForCausalLM.from_pretrained(folder).eval())
-  np.testing.assert_allclose(_penzai_logits(pzp.pretrained.load_hf(folder)), reference,
+  reference = harness.reference_logits(
+      transformers.Gemma2ForCausalLM.from_pretrained(folder).eval(), TOKENS)
+  np.testing.assert_allclose(harness.penzai_logits(pzp.pretrained.load_hf(folder), TOKENS),
+                             reference,
                              atol=1e-4, rtol=1e-4)
 
 
@@ -224,7 +224,8 @@ def test_hub_style_configs_load(saved, tmp_path, name):
     config.pop(field, None)
   config.update(_HUB_FIELDS[name])
   (folder / "config.json").write_text(json.dumps(config))
-  np.testing.assert_allclose(_penzai_logits(pzp.pretrained.load_hf(folder)), saved[name][2],
+  np.testing.assert_allclose(harness.penzai_logits(pzp.pretrained.load_hf(folder), TOKENS),
+                             saved[name][2],
                              atol=1e-4, rtol=1e-4)
 
 
@@ -262,6 +263,6 @@ def test_offset_scale_adds_the_one_in_float32():
     ],
 )
 def test_config_fields_that_change_the_math_are_refused(saved, tmp_path, name, field, value):
-  folder = _edit_config(saved[name][0], tmp_path, **{field: value})
+  folder = harness.edited(saved[name][0], tmp_path, **{field: value})
   with pytest.raises(errors.UnsupportedConfigError, match=field):
     pzp.pretrained.load_hf(folder)

@@ -21,9 +21,7 @@ import transformers
 from penzai import pz
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
-from pretrained.test_hf import _DELETE
-from pretrained.test_hf_qwen2 import _edited_copy
+from pretrained import hf_family_harness as checks
 from pretrained.test_hf_qwen3 import without_query_key_norms
 from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 from pz_persist.pretrained import errors
@@ -124,7 +122,7 @@ def test_the_hubs_gemma_3_1b_it_config(tmp_path):
   error = checks.float32_error(tmp_path / "gemma-3-1b-it", reference)
   print(f"google/gemma-3-1b-it's config: float32 max abs error {error:.2g}")
   model = pzp.pretrained.load_hf(tmp_path / "gemma-3-1b-it")  # (The pretrained guide samples from it.)
-  config = checks.check_export(model, tmp_path / "gemma-3-1b-it", tmp_path / "out")
+  config = checks.check_export_model(model, tmp_path / "gemma-3-1b-it", tmp_path / "out")
   assert config["layer_types"].count("full_attention") == 1
   assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000
 
@@ -167,8 +165,8 @@ def test_export_gives_back_the_folder(saved, tmp_path, case):
   """With ``like`` and without (the structure says Gemma 3)."""
   folder = saved[case][0]
   model = pzp.pretrained.load_hf(folder)
-  checks.check_export(model, folder, tmp_path / "like")
-  checks.check_export(model, folder, tmp_path / "alone", like=False)
+  checks.check_export_model(model, folder, tmp_path / "like")
+  checks.check_export_model(model, folder, tmp_path / "alone", like=False)
 
 
 def test_multimodal_text_model_exports_as_gemma3_text(saved, tmp_path):
@@ -187,7 +185,7 @@ def test_multimodal_text_model_exports_as_gemma3_text(saved, tmp_path):
   assert {key: liked[key] for key in config} == config  # Plus text_config's token ids...
   assert liked["bos_token_id"] == 2
   theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
-  np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.FLOAT32)
+  np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.TOLERANCE)
   written, original = checks.tensors(tmp_path / "text"), checks.tensors(folder)
   for name, value in written.items():
     assert value.tobytes() == original["language_model." + name].tobytes(), name
@@ -211,16 +209,16 @@ def test_each_feature_binds(saved, tmp_path, feature, changes):
   """The same weights with the feature off: transformers' logits move far
   beyond the tolerance, and load_hf follows them."""
   folder, _, reference = saved["gemma3_text"]
-  edited = _edited_copy(folder, tmp_path, **changes)
+  edited = checks.edited(folder, tmp_path, **changes)
   changed = _reference_of(edited)
-  assert np.abs(changed - reference).max() > 100 * checks.FLOAT32["atol"], feature
+  assert np.abs(changed - reference).max() > 100 * checks.TOLERANCE["atol"], feature
   checks.float32_error(edited, changed)
 
 
 def test_query_key_norms_and_final_cap_bind(saved):
   _, model, reference = saved["gemma3_text_mqa_caps"]
   unnormed = checks.reference_logits(without_query_key_norms(model))
-  assert np.abs(unnormed - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(unnormed - reference).max() > 100 * checks.TOLERANCE["atol"]
   assert np.abs(reference).max() <= 3.0  # The final soft cap, 3, is in force.
 
 
@@ -249,7 +247,7 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
     raise AssertionError("the skeleton was built before the config was refused")
 
   monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", never)
-  folder = _edited_copy(saved["gemma3_text"][0], tmp_path, **changes)
+  folder = checks.edited(saved["gemma3_text"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
 
@@ -261,18 +259,18 @@ def test_sizes_left_out_take_transformers_defaults(saved, tmp_path):
   folder, _, _ = saved["gemma3"]
   config = json.loads((folder / "config.json").read_text())
   del config["text_config"]["vocab_size"]
-  edited = _edited_copy(folder, tmp_path, text_config=config["text_config"])
+  edited = checks.edited(folder, tmp_path, text_config=config["text_config"])
   with pytest.raises(errors.SafetensorsFormatError, match=r"expected \(262208, 32\)"):
     pzp.pretrained.load_hf(edited)
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"text_config": _DELETE}, "text_config"),
+    ({"text_config": checks.DELETE}, "text_config"),
     ({"vision_soft_tokens_per_image": 4}, "vision_soft_tokens_per_image"),
     ({"tie_word_embeddings": False}, "tie_word_embeddings"),
 ])
 def test_hostile_multimodal_configs_are_refused(saved, tmp_path, changes, match):
-  folder = _edited_copy(saved["gemma3"][0], tmp_path, **changes)
+  folder = checks.edited(saved["gemma3"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
 
@@ -281,7 +279,7 @@ def test_hostile_multimodal_configs_are_refused(saved, tmp_path, changes, match)
     ("gemma3n", "Gemma 3n"), ("gemma3n_text", "Gemma 3n"),
 ])
 def test_later_gemmas_get_the_gemma_message(saved, tmp_path, model_type, generation):
-  folder = _edited_copy(saved["gemma3_text"][0], tmp_path, model_type=model_type)
+  folder = checks.edited(saved["gemma3_text"][0], tmp_path, model_type=model_type)
   with pytest.raises(errors.UnsupportedConfigError) as raised:
     pzp.pretrained.load_hf(folder)
   assert f"is {generation}," in str(raised.value)

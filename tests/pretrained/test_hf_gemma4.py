@@ -21,9 +21,7 @@ import transformers
 from penzai import pz
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
-from pretrained.test_hf import _DELETE
-from pretrained.test_hf_qwen2 import _edited_copy
+from pretrained import hf_family_harness as checks
 from pz_persist import errors
 from pz_persist.nn import kv_sharing
 from pz_persist.nn import mixture_of_experts
@@ -125,8 +123,8 @@ def test_export_gives_back_the_folder(saved, tmp_path, case):
   """With ``like`` and without (the structure says Gemma 4)."""
   folder = saved[case][0]
   model = pzp.pretrained.load_hf(folder)
-  checks.check_export(model, folder, tmp_path / "like")
-  checks.check_export(model, folder, tmp_path / "alone", like=False)
+  checks.check_export_model(model, folder, tmp_path / "like")
+  checks.check_export_model(model, folder, tmp_path / "alone", like=False)
 
 
 def test_the_layers_are_there(saved):
@@ -157,7 +155,7 @@ def test_multimodal_folder_gives_the_text_model_and_reports_the_towers(saved, ca
   config = json.loads((tmp_path / "text" / "config.json").read_text())
   assert (config["model_type"], config["architectures"]) == ("gemma4_text", ["Gemma4ForCausalLM"])
   theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
-  np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.FLOAT32)
+  np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.TOLERANCE)
   written, original = checks.tensors(tmp_path / "text"), checks.tensors(folder)
   for name, value in written.items():
     assert value.tobytes() == original["model.language_model." + name.removeprefix("model.")
@@ -191,9 +189,9 @@ def test_each_feature_binds(saved, tmp_path, case, feature, changes):
     model.save_pretrained(edited)
     changed = checks.reference_logits(model)
   else:
-    edited = _edited_copy(folder, tmp_path, **changes)
+    edited = checks.edited(folder, tmp_path, **changes)
     changed = _reference_of(edited)
-  assert np.abs(changed - reference).max() > 100 * checks.FLOAT32["atol"], feature
+  assert np.abs(changed - reference).max() > 100 * checks.TOLERANCE["atol"], feature
   checks.float32_error(edited, changed)
 
 
@@ -223,7 +221,7 @@ def test_value_norms_shared_keys_per_layer_inputs_scalars_and_experts_bind(saved
     m.config.top_k_experts = 1
 
   for edit in (no_value_norm, scalars, no_experts, one_expert):
-    assert moved(edit) > 100 * checks.FLOAT32["atol"], edit.__name__
+    assert moved(edit) > 100 * checks.TOLERANCE["atol"], edit.__name__
   _, e2b, e2b_reference = saved["gemma4_text"]
 
   def e2b_moved(edit) -> float:
@@ -251,8 +249,8 @@ def test_value_norms_shared_keys_per_layer_inputs_scalars_and_experts_bind(saved
         for name in ("k_proj", "v_proj", "k_norm", "v_norm"):
           setattr(attn, name, getattr(producer, name))
 
-  assert e2b_moved(no_per_layer_inputs) > 100 * checks.FLOAT32["atol"]
-  assert e2b_moved(own_keys) > 100 * checks.FLOAT32["atol"]
+  assert e2b_moved(no_per_layer_inputs) > 100 * checks.TOLERANCE["atol"]
+  assert e2b_moved(own_keys) > 100 * checks.TOLERANCE["atol"]
 
 
 def _copy(model):
@@ -296,20 +294,20 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
   monkeypatch.setattr(llamalike_common, "build_llamalike_block", never)
   changes = dict(changes)
   if "per_layer_config" not in changes and "num_global_key_value_heads" in changes:
-    changes["per_layer_config"] = _DELETE
-  folder = _edited_copy(saved["gemma4_text_k_eq_v"][0], tmp_path, **changes)
+    changes["per_layer_config"] = checks.DELETE
+  folder = checks.edited(saved["gemma4_text_k_eq_v"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"text_config": _DELETE}, "text_config"),
+    ({"text_config": checks.DELETE}, "text_config"),
     ({"vision_soft_tokens_per_image": -1}, "vision_soft_tokens_per_image"),
     ({"tie_word_embeddings": False}, "tie_word_embeddings"),
     ({"unknown_field": 4}, "unknown_field"),
 ])
 def test_hostile_multimodal_configs_are_refused(saved, tmp_path, changes, match):
-  folder = _edited_copy(saved["gemma4"][0], tmp_path, **changes)
+  folder = checks.edited(saved["gemma4"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
 
@@ -318,6 +316,6 @@ def test_the_hubs_spelling_of_the_global_sizes(saved, tmp_path):
   """The Hub's configs say ``global_head_dim`` / ``num_global_key_value_heads``
   (transformers 5 writes ``per_layer_config``): the same model."""
   folder, _, reference = saved["gemma4_text_k_eq_v"]
-  edited = _edited_copy(folder, tmp_path, per_layer_config=_DELETE, global_head_dim=16,
+  edited = checks.edited(folder, tmp_path, per_layer_config=checks.DELETE, global_head_dim=16,
                         num_global_key_value_heads=1)
   checks.float32_error(edited, reference)

@@ -26,8 +26,7 @@ from conftest import REPO
 from conftest import run_python
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
-from pretrained.test_hf_qwen2 import _edited_copy
+from pretrained import hf_family_harness as checks
 from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import quantized_mxfp4
 
@@ -156,8 +155,8 @@ def test_export_gives_back_the_folder(saved, tmp_path, case):
   """With ``like`` and without (the structure says gpt-oss)."""
   folder = saved[case][0]
   model = _load(folder)
-  checks.check_export(model, folder, tmp_path / "like")
-  config = checks.check_export(model, folder, tmp_path / "alone", like=False)
+  checks.check_export_model(model, folder, tmp_path / "like")
+  config = checks.check_export_model(model, folder, tmp_path / "alone", like=False)
   assert config["num_experts_per_tok"] == CASES[case]["num_experts_per_tok"]
 
 
@@ -174,7 +173,7 @@ def test_mxfp4_exports_dequantised(saved, tmp_path):
   assert "model.layers.0.mlp.experts.gate_up_proj" in names
   assert not [n for n in names if n.endswith(("_blocks", "_scales"))]
   theirs = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "out").eval()
-  np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.FLOAT32)
+  np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.TOLERANCE)
 
 
 GPT_OSS_20B_CONFIG = {
@@ -225,7 +224,7 @@ def _edited_model(model, edit):
 def test_features_bind(saved, feature, edit):
   _, model, reference = saved["gpt_oss"]
   changed = checks.reference_logits(_edited_model(model, edit))
-  assert np.abs(changed - reference).max() > 100 * checks.FLOAT32["atol"], feature
+  assert np.abs(changed - reference).max() > 100 * checks.TOLERANCE["atol"], feature
 
 
 def test_clamp_binds(saved):
@@ -234,15 +233,15 @@ def test_clamp_binds(saved):
   def unclamped(layer):
     layer.mlp.experts.limit = 1e9
   changed = checks.reference_logits(_edited_model(model, unclamped))
-  assert np.abs(changed - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(changed - reference).max() > 100 * checks.TOLERANCE["atol"]
 
 
 def test_window_binds(saved, tmp_path):
   folder, _, reference = saved["gpt_oss"]
-  unwindowed = _edited_copy(folder, tmp_path, layer_types=["full_attention"] * 2)
+  unwindowed = checks.edited(folder, tmp_path, layer_types=["full_attention"] * 2)
   global_reference = checks.reference_logits(
       transformers.GptOssForCausalLM.from_pretrained(unwindowed).eval())
-  assert np.abs(global_reference - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(global_reference - reference).max() > 100 * checks.TOLERANCE["atol"]
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -267,7 +266,7 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
     raise AssertionError("the skeleton was built before the config was refused")
 
   monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", never)
-  folder = _edited_copy(saved["gpt_oss"][0], tmp_path, **changes)
+  folder = checks.edited(saved["gpt_oss"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
 
@@ -330,7 +329,7 @@ def test_experts_shard_over_a_mesh_axis(saved, tmp_path):
       import jax, numpy as np
       import pz_persist as pzp
       from penzai import pz
-      from pretrained import family_checks as checks
+      from pretrained import hf_family_harness as checks
       warnings.simplefilter("ignore")
       mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
       model = pzp.pretrained.load_hf({str(folder)!r}, sharding=pzp.AxisRules(
@@ -347,4 +346,4 @@ def test_experts_shard_over_a_mesh_axis(saved, tmp_path):
   assert "gate.weights 2 (2, 32, 32)" in out, out
   assert "router.weights 2 (2, 32)" in out, out
   assert "softmax.sinks 2 (1, 2)" in out, out
-  np.testing.assert_allclose(np.load(tmp_path / "sharded.npy"), reference, **checks.FLOAT32)
+  np.testing.assert_allclose(np.load(tmp_path / "sharded.npy"), reference, **checks.TOLERANCE)

@@ -24,8 +24,7 @@ import torch
 import transformers
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
-from pretrained.test_hf_qwen2 import _edited_copy
+from pretrained import hf_family_harness as checks
 from pz_persist import errors
 
 _SIZES = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 16,
@@ -120,8 +119,8 @@ def test_export_gives_back_the_folder(saved, tmp_path, case):
   """With ``like`` and without (the structure says Llama 4)."""
   folder = saved[case][0]
   model = pzp.pretrained.load_hf(folder)
-  checks.check_export(model, folder, tmp_path / "like")
-  config = checks.check_export(model, folder, tmp_path / "alone", like=False)
+  checks.check_export_model(model, folder, tmp_path / "like")
+  config = checks.check_export_model(model, folder, tmp_path / "alone", like=False)
   original = json.loads((folder / "config.json").read_text())
   for field in ("moe_layers", "no_rope_layers", "layer_types", "use_qk_norm"):
     assert config[field] == original[field], field
@@ -133,7 +132,7 @@ def test_multimodal_exports_its_text_model(saved, tmp_path):
   config = json.loads((tmp_path / "text" / "config.json").read_text())
   assert config["model_type"] == "llama4_text"
   theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text").eval()
-  np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.FLOAT32)
+  np.testing.assert_allclose(checks.reference_logits(theirs), reference, **checks.TOLERANCE)
 
 
 SCOUT_TEXT_CONFIG = {
@@ -196,15 +195,15 @@ def _no_shared(layer):
 def test_features_bind(saved, feature, edit):
   _, model, reference = saved["llama4_text"]
   changed = checks.reference_logits(_without(model, edit))
-  assert np.abs(changed - reference).max() > 100 * checks.FLOAT32["atol"], feature
+  assert np.abs(changed - reference).max() > 100 * checks.TOLERANCE["atol"], feature
 
 
 def test_chunks_bind(saved, tmp_path):
   folder, _, reference = saved["llama4_text"]
-  unchunked = _edited_copy(folder, tmp_path, layer_types=["full_attention"] * 2)
+  unchunked = checks.edited(folder, tmp_path, layer_types=["full_attention"] * 2)
   changed = checks.reference_logits(
       transformers.Llama4ForCausalLM.from_pretrained(unchunked).eval())
-  assert np.abs(changed - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(changed - reference).max() > 100 * checks.TOLERANCE["atol"]
 
 
 def test_interleaved_rope_binds(saved):
@@ -226,7 +225,7 @@ def test_interleaved_rope_binds(saved):
     changed = checks.reference_logits(model)
   finally:
     modeling_llama4.apply_rotary_emb = original
-  assert np.abs(changed - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(changed - reference).max() > 100 * checks.TOLERANCE["atol"]
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -253,6 +252,6 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
     raise AssertionError("the skeleton was built before the config was refused")
 
   monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", never)
-  folder = _edited_copy(saved["llama4_text"][0], tmp_path, **changes)
+  folder = checks.edited(saved["llama4_text"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)

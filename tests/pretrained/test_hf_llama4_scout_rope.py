@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from pretrained import family_checks as checks
+from pretrained import hf_family_harness as checks
 from pretrained.test_hf_llama4 import SCOUT_TEXT_CONFIG
 
 _SCOUT_ROPE = {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
@@ -56,4 +56,4 @@ def test_scouts_rope_scaling_binds(tmp_path):
   scaled = _scout(tmp_path / "scaled", dict(_SCOUT_ROPE, original_max_position_embeddings=8))
   plain = _scout(tmp_path / "plain", {"rope_type": "default"})
   change = np.abs(checks.reference_logits(scaled) - checks.reference_logits(plain)).max()
-  assert change > 100 * checks.FLOAT32["atol"]
+  assert change > 100 * checks.TOLERANCE["atol"]

@@ -101,7 +101,7 @@ def _sampler(model, jitted: bool, plain: bool = False):
   make = sampling_mode.KVCachingTransformerLM.from_uncached if plain else (
       pzp.pretrained.kv_caching_lm)
   sampler = make(model, cache_len=_PROMPT.shape[1] + _STEPS, batch_axes={"batch": 2}, pad_id=-1)
-  return harness._jitted(sampler) if jitted else sampler  # pylint: disable=protected-access
+  return harness.sampling_jitted(sampler) if jitted else sampler  # pylint: disable=protected-access
 
 
 def test_greedy_generation_across_the_original_context_matches_generate(saved):

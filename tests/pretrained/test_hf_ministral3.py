@@ -11,8 +11,7 @@ import torch
 import transformers
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
-from pretrained.test_hf_qwen2 import _edited_copy
+from pretrained import hf_family_harness as checks
 from pz_persist import errors
 
 _ROPE = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
@@ -44,17 +43,17 @@ def test_kv_cache_sampling_save_model_and_export(saved, tmp_path):
   model = pzp.pretrained.load_hf(folder)
   checks.check_kv_cache_sampling(model)
   checks.check_save_model_round_trip(model, tmp_path / "native", reference)
-  checks.check_export(model, folder, tmp_path / "like")
-  config = checks.check_export(model, folder, tmp_path / "alone", like=False)
+  checks.check_export_model(model, folder, tmp_path / "like")
+  config = checks.check_export_model(model, folder, tmp_path / "alone", like=False)
   assert config["rope_parameters"]["llama_4_scaling_beta"] == 0.5
 
 
 def test_the_query_scaling_binds(saved, tmp_path):
   folder, _, reference = saved
-  edited = _edited_copy(folder, tmp_path, rope_parameters=dict(_ROPE, llama_4_scaling_beta=0.0))
+  edited = checks.edited(folder, tmp_path, rope_parameters=dict(_ROPE, llama_4_scaling_beta=0.0))
   changed = checks.reference_logits(transformers.AutoModelForCausalLM.from_pretrained(
       edited, dtype=torch.float32).eval())
-  assert np.abs(changed - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(changed - reference).max() > 100 * checks.TOLERANCE["atol"]
   checks.float32_error(edited, changed)
 
 
@@ -68,6 +67,6 @@ def test_the_query_scaling_binds(saved, tmp_path):
     ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
 ])
 def test_hostile_configs_are_refused(saved, tmp_path, changes, match):
-  folder = _edited_copy(saved[0], tmp_path, **changes)
+  folder = checks.edited(saved[0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)

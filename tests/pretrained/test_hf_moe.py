@@ -25,11 +25,9 @@ import transformers
 from penzai import pz
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
-from pretrained.test_hf import _DELETE
-from pretrained.test_hf_qwen2 import _edited_copy
-from pz_persist.nn import mixture_of_experts as moe
+from pretrained import hf_family_harness as checks
 from pz_persist.pretrained import errors
+from pz_persist.nn import mixture_of_experts as moe
 
 _COMMON = {"hidden_size": 32, "num_attention_heads": 4, "vocab_size": 64,
            "num_key_value_heads": 2, "pad_token_id": 0}
@@ -94,7 +92,7 @@ def test_float32_logits_match_transformers(saved, loaded, case):
   _, _, reference = saved[case]
   logits = _logits(loaded[case])
   assert np.abs(reference).max() > 0.5
-  np.testing.assert_allclose(logits, reference, **checks.FLOAT32)
+  np.testing.assert_allclose(logits, reference, **checks.TOLERANCE)
   print(f"{case}: float32 max abs error {np.abs(logits - reference).max():.2g}")
 
 
@@ -137,7 +135,7 @@ def test_transformers_fused_layout_is_read_too(saved, loaded, tmp_path):
   model = pzp.pretrained.load_hf(tmp_path / "fused")
   logits = _logits(model)
   np.testing.assert_array_equal(logits, _logits(loaded["qwen3_moe"]))
-  np.testing.assert_allclose(logits, reference, **checks.FLOAT32)
+  np.testing.assert_allclose(logits, reference, **checks.TOLERANCE)
 
 
 @pytest.mark.parametrize("case", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow),
@@ -159,7 +157,7 @@ def test_save_model_round_trip(saved, loaded, tmp_path):
                                   np.asarray(value.data_array), err_msg=label)
   assert isinstance(pz.select(restored).at_instances_of(moe.TopKRouter).get_sequence()[0],
                     moe.TopKRouter)
-  np.testing.assert_allclose(_logits(restored), saved["qwen3_moe_norm"][2], **checks.FLOAT32)
+  np.testing.assert_allclose(_logits(restored), saved["qwen3_moe_norm"][2], **checks.TOLERANCE)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -167,8 +165,8 @@ def test_export_gives_back_the_folder(saved, loaded, tmp_path, case):
   """With ``like`` and without (the structure says which family), the
   per-expert tensors written back under their own names, bit for bit."""
   folder = saved[case][0]
-  checks.check_export(loaded[case], folder, tmp_path / "like")
-  config = checks.check_export(loaded[case], folder, tmp_path / "alone", like=False)
+  checks.check_export_model(loaded[case], folder, tmp_path / "like")
+  config = checks.check_export_model(loaded[case], folder, tmp_path / "alone", like=False)
   original = json.loads((folder / "config.json").read_text())
   for key in ("num_experts_per_tok", "norm_topk_prob", "sliding_window",
               "tie_word_embeddings", "attention_bias"):
@@ -198,7 +196,7 @@ def test_routing_features_bind(saved, case, changes):
   """Switched in the reference, each routing feature moves the logits far
   beyond the tolerance: a loader ignoring it would fail the match above."""
   reference = saved[case][2]
-  assert np.abs(_reference_with(case, **changes) - reference).max() > 100 * checks.FLOAT32[
+  assert np.abs(_reference_with(case, **changes) - reference).max() > 100 * checks.TOLERANCE[
       "atol"]
 
 
@@ -206,13 +204,13 @@ def test_window_binds(saved):
   """Mixtral's window (on every layer) changes transformers' logits."""
   reference = saved["mixtral_window"][2]
   unwindowed = _reference_with("mixtral_window", sliding_window=None)
-  assert np.abs(unwindowed - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(unwindowed - reference).max() > 100 * checks.TOLERANCE["atol"]
 
 
 def test_dense_layers_bind(saved, tmp_path):
   """``mlp_only_layers`` makes layer 1 dense: the folder holds its dense
   MLP, and a config calling it routed is refused for its missing experts."""
-  folder = _edited_copy(saved["qwen3_moe"][0], tmp_path, mlp_only_layers=[])
+  folder = checks.edited(saved["qwen3_moe"][0], tmp_path, mlp_only_layers=[])
   with pytest.raises(errors.SafetensorsFormatError, match="layers.1.mlp.experts.0.gate_proj.weight"):
     pzp.pretrained.load_hf(folder)
 
@@ -257,13 +255,13 @@ def test_the_hubs_configs(tmp_path, hub_config):
   reference = checks.reference_logits(
       model_cls.from_pretrained(tmp_path, dtype=torch.float32).eval())
   logits = _logits(pzp.pretrained.load_hf(tmp_path))
-  np.testing.assert_allclose(logits, reference, **checks.FLOAT32)
+  np.testing.assert_allclose(logits, reference, **checks.TOLERANCE)
   print(f"{hub_config['architectures'][0]} Hub config: float32 max abs error"
         f" {np.abs(logits - reference).max():.2g}")
 
 
 @pytest.mark.parametrize("case, changes, match", [
-    ("qwen3_moe", {"num_experts": 10**9, "num_local_experts": _DELETE}, "num_experts"),
+    ("qwen3_moe", {"num_experts": 10**9, "num_local_experts": checks.DELETE}, "num_experts"),
     ("qwen3_moe", {"num_experts": 3}, "num_experts, num_local_experts"),  # Disagree.
     ("qwen3_moe", {"num_experts_per_tok": 5}, "num_experts_per_tok"),
     ("qwen3_moe", {"mlp_only_layers": [7]}, "mlp_only_layers"),
@@ -285,6 +283,6 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
     raise AssertionError("the skeleton was built before the config was refused")
 
   monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", never)
-  folder = _edited_copy(saved[case][0], tmp_path, **changes)
+  folder = checks.edited(saved[case][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)

@@ -13,9 +13,9 @@ from penzai import pz
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
 from pz_persist.pretrained import errors
+from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import stored_layout
-from pz_persist.nn.longrope import ApplyLongRoPE
 
 
 def _case(**fields):

@@ -22,11 +22,9 @@ import transformers
 from penzai import pz
 
 import pz_persist as pzp
+from pretrained import hf_family_harness as harness
 from pretrained.test_hf import _COMMON
-from pretrained.test_hf import _DELETE
-from pretrained.test_hf import _edit_config
-from pretrained.test_hf import _penzai_logits
-from pretrained.test_hf import _reference_logits
+from pretrained.test_hf import TOKENS
 from pz_persist.pretrained import errors
 
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
@@ -71,14 +69,14 @@ def saved(tmp_path_factory):
     model = _hf_model(case)
     folder = tmp_path_factory.mktemp(case)
     model.save_pretrained(folder, safe_serialization=True)
-    result[case] = (folder, model, _reference_logits(model))
+    result[case] = (folder, model, harness.reference_logits(model, TOKENS))
   return result
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_float32_logits_match_transformers(saved, case):
   folder, _, reference = saved[case]
-  logits = _penzai_logits(pzp.pretrained.load_hf(folder))
+  logits = harness.penzai_logits(pzp.pretrained.load_hf(folder), TOKENS)
   assert np.abs(reference).max() > 0.5  # Logits of order one: a meaningful check.
   np.testing.assert_allclose(logits, reference, **TOLERANCE)
 
@@ -87,11 +85,11 @@ def test_qwen2_sliding_window_is_applied(saved, tmp_path):
   """The same weights with the window switched off give other logits (so the
   match above depends on the window), and match transformers again."""
   folder, model, reference = saved["qwen2"]
-  unwindowed = _edited_copy(folder, tmp_path, use_sliding_window=False,
-                            layer_types=_DELETE)
-  logits = _penzai_logits(pzp.pretrained.load_hf(unwindowed))
-  global_reference = _reference_logits(
-      transformers.Qwen2ForCausalLM.from_pretrained(unwindowed).eval())
+  unwindowed = harness.edited(folder, tmp_path, use_sliding_window=False,
+                            layer_types=harness.DELETE)
+  logits = harness.penzai_logits(pzp.pretrained.load_hf(unwindowed), TOKENS)
+  global_reference = harness.reference_logits(
+      transformers.Qwen2ForCausalLM.from_pretrained(unwindowed).eval(), TOKENS)
   assert np.abs(global_reference - reference).max() > 0.1
   np.testing.assert_allclose(logits, global_reference, **TOLERANCE)
 
@@ -99,36 +97,21 @@ def test_qwen2_sliding_window_is_applied(saved, tmp_path):
 @pytest.mark.parametrize("case", ["qwen2", "llama_attention_bias"])
 def test_bfloat16_load_is_as_close_as_transformers_bfloat16(saved, case):
   folder, model, reference = saved[case]
-  hf_bf16 = _reference_logits(type(model).from_pretrained(folder, dtype=torch.bfloat16))
+  hf_bf16 = harness.reference_logits(
+      type(model).from_pretrained(folder, dtype=torch.bfloat16), TOKENS)
   loaded = pzp.pretrained.load_hf(folder, dtype=jnp.bfloat16)
   assert {p.value.dtype for p in pz.unbind_params(loaded)[1]} == {jnp.dtype(jnp.bfloat16)}
-  ours = np.abs(_penzai_logits(loaded) - reference)
+  ours = np.abs(harness.penzai_logits(loaded, TOKENS) - reference)
   theirs = np.abs(hf_bf16 - reference)
   assert ours.max() <= 2 * theirs.max() + 0.05
   assert ours.mean() <= 2 * theirs.mean() + 0.01
-
-
-def _edited_copy(folder, tmp_path, **changes):
-  """`_edit_config`'s folder with the weights copied in, not linked (a
-  symlink out of the folder is refused on load)."""
-  target = _edit_config(folder, tmp_path, **changes)
-  for link in target.iterdir():
-    if link.is_symlink():
-      data = link.read_bytes()
-      link.unlink()
-      link.write_bytes(data)
-  return target
-
-
-def _params(model) -> dict[str, pz.nx.NamedArray]:
-  return {p.label: p.value for p in pz.unbind_params(model)[1]}
 
 
 def test_bias_labels_axes_and_values(saved):
   """The documented mapping: ``<projection>_bias.bias`` after each biased
   projection, with that projection's output axes, holding the HF tensor."""
   _, qwen, _ = saved["qwen2"]
-  params = _params(pzp.pretrained.load_hf(saved["qwen2"][0]))
+  params = harness.params(pzp.pretrained.load_hf(saved["qwen2"][0]))
   attention = qwen.model.layers[1].self_attn
   expected = {
       "query_bias": ({"head_groups": 2, "query_heads": 2, "projection": 8}, attention.q_proj),
@@ -143,16 +126,16 @@ def test_bias_labels_axes_and_values(saved):
   assert not [label for label in params if "output_bias" in label or "mlp/" in label
               and label.endswith("_bias.bias")]  # Qwen2: no o_proj or MLP biases.
 
-  llama = _params(pzp.pretrained.load_hf(saved["llama_attention_bias"][0]))
+  llama = harness.params(pzp.pretrained.load_hf(saved["llama_attention_bias"][0]))
   assert dict(llama["transformer/block_0/attention/output_bias.bias"].named_shape) == {
       "embedding": 32}
-  mlp = _params(pzp.pretrained.load_hf(saved["llama_mlp_bias_gelu_fast"][0]))
+  mlp = harness.params(pzp.pretrained.load_hf(saved["llama_mlp_bias_gelu_fast"][0]))
   assert dict(mlp["transformer/block_0/attention/query.weights"].named_shape)["heads"] == 4
   for name, size in (("gating_linear", {"neurons": 64}), ("value_linear", {"neurons": 64}),
                      ("out_linear", {"embedding": 32})):
     assert dict(mlp[f"transformer/block_1/mlp/{name}_bias.bias"].named_shape) == size, name
 
-  mqa = _params(pzp.pretrained.load_hf(saved["qwen2_mqa_tied"][0]))
+  mqa = harness.params(pzp.pretrained.load_hf(saved["qwen2_mqa_tied"][0]))
   assert dict(mqa["transformer/block_0/attention/key_bias.bias"].named_shape) == {"projection": 8}
   assert dict(mqa["transformer/block_0/attention/query_bias.bias"].named_shape) == {
       "query_heads": 4, "projection": 8}
@@ -164,12 +147,12 @@ def test_save_model_round_trip(saved, tmp_path, case):
   model = pzp.pretrained.load_hf(folder)
   pzp.save_model(tmp_path / "native", model)
   restored = pzp.load_model(tmp_path / "native")
-  before, after = _params(model), _params(restored)
+  before, after = harness.params(model), harness.params(restored)
   assert before.keys() == after.keys()
   for label, value in before.items():
     np.testing.assert_array_equal(np.asarray(after[label].data_array),
                                   np.asarray(value.data_array), err_msg=label)
-  np.testing.assert_allclose(_penzai_logits(restored), reference, **TOLERANCE)
+  np.testing.assert_allclose(harness.penzai_logits(restored, TOKENS), reference, **TOLERANCE)
 
 
 def test_gpt_neox_gelu_fast_is_the_tanh_gelu(tmp_path):
@@ -180,12 +163,12 @@ def test_gpt_neox_gelu_fast_is_the_tanh_gelu(tmp_path):
   model = _randomized(transformers.GPTNeoXForCausalLM(
       transformers.GPTNeoXConfig(hidden_act="gelu_fast", **_COMMON)))
   model.save_pretrained(tmp_path, safe_serialization=True)
-  reference = _reference_logits(model)
-  logits = _penzai_logits(pzp.pretrained.load_hf(tmp_path))
+  reference = harness.reference_logits(model, TOKENS)
+  logits = harness.penzai_logits(pzp.pretrained.load_hf(tmp_path), TOKENS)
   np.testing.assert_allclose(logits, reference, **TOLERANCE)
   exact = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(hidden_act="gelu", **_COMMON))
   exact.load_state_dict(model.state_dict())
-  wrong = np.abs(_reference_logits(exact.eval()) - reference).max()
+  wrong = np.abs(harness.reference_logits(exact.eval(), TOKENS) - reference).max()
   ours = np.abs(logits - reference).max()
   print(f"gelu_fast: ours {ours:.3g}, the exact GELU's {wrong:.3g}")
   assert ours < wrong / 10  # As far from the exact GELU's logits as float32 allows.
@@ -202,7 +185,7 @@ def test_gpt_neox_gelu_fast_is_the_tanh_gelu(tmp_path):
 ])
 def test_qwen2_configs_transformers_would_not_run_as_written_are_refused(
     saved, tmp_path, changes, match):
-  folder = _edit_config(saved["qwen2"][0], tmp_path, **changes)
+  folder = harness.edited(saved["qwen2"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
 
@@ -212,10 +195,11 @@ def test_qwen2_config_of_transformers_4_loads(saved, tmp_path):
   ``max_window_layers`` decides, ``use_mrope: false`` is accepted."""
   folder, _, reference = saved["qwen2"]
   config = json.loads((folder / "config.json").read_text())
-  old = _edited_copy(folder, tmp_path, layer_types=_DELETE, use_mrope=False,
-                     rope_parameters=_DELETE,
+  old = harness.edited(folder, tmp_path, layer_types=harness.DELETE, use_mrope=False,
+                     rope_parameters=harness.DELETE,
                      rope_theta=config["rope_parameters"]["rope_theta"])
-  np.testing.assert_allclose(_penzai_logits(pzp.pretrained.load_hf(old)), reference, **TOLERANCE)
+  np.testing.assert_allclose(harness.penzai_logits(pzp.pretrained.load_hf(old), TOKENS), reference,
+                             **TOLERANCE)
 
 
 def test_missing_bias_tensor_is_named(saved, tmp_path):

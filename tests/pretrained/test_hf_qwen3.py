@@ -18,10 +18,8 @@ import torch
 import transformers
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
+from pretrained import hf_family_harness as checks
 from pretrained.test_hf import _COMMON
-from pretrained.test_hf import _DELETE
-from pretrained.test_hf_qwen2 import _edited_copy
 from pz_persist import errors
 
 CASES = {
@@ -80,8 +78,8 @@ def test_export_gives_back_the_folder(saved, tmp_path, case):
   """With ``like`` and without (the structure says Qwen3)."""
   folder = saved[case][0]
   model = pzp.pretrained.load_hf(folder)
-  checks.check_export(model, folder, tmp_path / "like")
-  config = checks.check_export(model, folder, tmp_path / "alone", like=False)
+  checks.check_export_model(model, folder, tmp_path / "like")
+  config = checks.check_export_model(model, folder, tmp_path / "alone", like=False)
   assert config["tie_word_embeddings"] == CASES[case].get("tie_word_embeddings", False)
 
 
@@ -116,7 +114,7 @@ def test_query_key_norms_bind(saved):
   the loaded model's: a loader that dropped them would fail the match."""
   _, model, reference = saved["qwen3"]
   unnormed = checks.reference_logits(without_query_key_norms(model))
-  assert np.abs(unnormed - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(unnormed - reference).max() > 100 * checks.TOLERANCE["atol"]
 
 
 def without_query_key_norms(model: torch.nn.Module) -> torch.nn.Module:
@@ -129,10 +127,10 @@ def without_query_key_norms(model: torch.nn.Module) -> torch.nn.Module:
 
 def test_window_binds(saved, tmp_path):
   folder, _, reference = saved["qwen3"]
-  unwindowed = _edited_copy(folder, tmp_path, use_sliding_window=False, layer_types=_DELETE)
+  unwindowed = checks.edited(folder, tmp_path, use_sliding_window=False, layer_types=checks.DELETE)
   global_reference = checks.reference_logits(
       transformers.Qwen3ForCausalLM.from_pretrained(unwindowed).eval())
-  assert np.abs(global_reference - reference).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(global_reference - reference).max() > 100 * checks.TOLERANCE["atol"]
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -153,6 +151,6 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
     raise AssertionError("the skeleton was built before the config was refused")
 
   monkeypatch.setattr(llamalike_common, "build_llamalike_transformer", never)
-  folder = _edited_copy(saved["qwen3"][0], tmp_path, **changes)
+  folder = checks.edited(saved["qwen3"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)

@@ -36,7 +36,6 @@ from penzai.models.transformer import sampling_mode
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as harness
-from pretrained.test_hf_qwen2 import _edited_copy
 from pz_persist import errors
 from pz_persist.nn import mixture_of_experts as moe
 from pz_persist.nn.gated_delta_net import GatedDeltaNet
@@ -155,8 +154,8 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
   harness.check_bfloat16(saved["hybrid"], "hybrid")
 
 
-def _sampled(model, tokens=harness.TOKENS, prompt: int = 3) -> np.ndarray:
-  sampler = harness._jitted(kv_caching_lm(  # pylint: disable=protected-access
+def _sampled(model, tokens=harness.SEQUENCES, prompt: int = 3) -> np.ndarray:
+  sampler = harness.sampling_jitted(kv_caching_lm(  # pylint: disable=protected-access
       model, cache_len=tokens.shape[1], batch_axes={"batch": tokens.shape[0]}, pad_id=-1))
   steps = [sampler(pz.nx.wrap(jnp.asarray(tokens[:, :prompt]), "batch", "seq"))]
   for i in range(prompt, tokens.shape[1]):
@@ -185,7 +184,7 @@ def test_penzai_sampling_mode_without_the_state_is_refused(saved):
   sampler = sampling_mode.KVCachingTransformerLM.from_uncached(
       model, cache_len=10, batch_axes={"batch": 3}, pad_id=-1)
   with pytest.raises(errors.ArgumentError, match="kv_caching_lm"):
-    sampler(pz.nx.wrap(jnp.asarray(harness.TOKENS[:, :3]), "batch", "seq"))
+    sampler(pz.nx.wrap(jnp.asarray(harness.SEQUENCES[:, :3]), "batch", "seq"))
 
 
 @pytest.mark.slow
@@ -290,7 +289,7 @@ def test_mrope_sections_change_nothing_for_text(saved, tmp_path):
 ])
 def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, monkeypatch,
                                                               changes, match):
-  folder = _edited_copy(saved["hybrid"].folder, tmp_path, **changes)
+  folder = harness.edited(saved["hybrid"].folder, tmp_path, **changes)
   harness.check_refused_before_building(folder, match, monkeypatch)
 
 
@@ -302,7 +301,7 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
      "hidden_act"),
 ])
 def test_hostile_multimodal_configs_are_refused(saved, tmp_path, monkeypatch, changes, match):
-  folder = _edited_copy(saved["hub"].folder, tmp_path, **changes)
+  folder = harness.edited(saved["hub"].folder, tmp_path, **changes)
   harness.check_refused_before_building(folder, match, monkeypatch)
 
 
@@ -429,7 +428,7 @@ def test_moe_shared_expert_gate_binds(moe_saved):
 ])
 def test_moe_hostile_configs_are_refused_before_anything_is_built(moe_saved, tmp_path,
                                                                   monkeypatch, changes, match):
-  folder = _edited_copy(moe_saved.folder, tmp_path, **changes)
+  folder = harness.edited(moe_saved.folder, tmp_path, **changes)
   harness.check_refused_before_building(folder, match, monkeypatch)
 
 
@@ -477,7 +476,7 @@ def test_delta_net_heads_shard_by_axis_name(saved):
         found += 1
         assert spec[axes.index(axis)] == mesh_axis, param.label
   assert found == 3 * (4 + 8)  # Three DeltaNet layers: 4 key-head and 8 value-head parameters.
-  tokens = pz.nx.wrap(jnp.asarray(harness.TOKENS), "batch", "seq")
+  tokens = pz.nx.wrap(jnp.asarray(harness.SEQUENCES), "batch", "seq")
   logits = jax.jit(lambda m, t: m(t))(pz.freeze_params(sharded), tokens)
   np.testing.assert_allclose(np.asarray(logits.untag("batch", "seq", "vocabulary").unwrap()),
                              saved["hybrid"].reference, **harness.TOLERANCE)
@@ -487,7 +486,7 @@ def test_top_level_rope_fields_of_older_configs(saved, tmp_path):
   """``rope_theta``, ``partial_rotary_factor`` and the mrope fields at the
   top level, without ``rope_parameters`` (as some Hub configs have them):
   read as transformers reads them."""
-  folder = _edited_copy(saved["hybrid"].folder, tmp_path,
+  folder = harness.edited(saved["hybrid"].folder, tmp_path,
                         rope_theta=1e5, partial_rotary_factor=0.5, mrope_section=[1, 1, 0],
                         mrope_interleaved=True)
   raw = harness.config(folder)

@@ -4,6 +4,7 @@ help and the pretrained guide's table are driven by the records."""
 
 from __future__ import annotations
 
+import ast
 import json
 import pathlib
 import re
@@ -32,12 +33,14 @@ def test_guide_table_is_rendered_from_the_records():
 
 
 def test_every_family_is_a_record_of_its_own_module():
-  """Every module of the families package with a ``RECORD`` is collected,
-  and every ``model_type`` belongs to one family."""
+  """Every module of the families package is a family: it defines a
+  ``RECORD``, and every ``model_type`` belongs to one family (shared code
+  lives in ``pretrained/hf/building``)."""
   modules = {p.stem for p in (PACKAGE / "pretrained/hf/families").glob("*.py")} - {"__init__"}
   with_records = {m for m in modules
                   if "\nRECORD = Family(" in (PACKAGE / f"pretrained/hf/families/{m}.py").read_text()}
-  assert len(families.FAMILIES) == len(with_records) >= 4
+  assert with_records == modules, f"modules without a RECORD: {sorted(modules - with_records)}"
+  assert len(families.FAMILIES) == len(modules) >= 4
   assert sorted(families.MODEL_TYPES) == sorted(t for f in families.FAMILIES for t in f.model_types)
   assert len({f.rank for f in families.FAMILIES}) == len(families.FAMILIES), "ranks must differ"
   for family in families.FAMILIES:
@@ -45,6 +48,35 @@ def test_every_family_is_a_record_of_its_own_module():
     for model_type in family.model_types.values():
       assert re.fullmatch(r"[A-Za-z0-9_]+ForCausalLM|[A-Za-z0-9_]+ForConditionalGeneration",
                           model_type.architecture)
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+  """The modules ``path`` imports (``from a.b import c`` counts ``a.b`` and ``a.b.c``)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      found.add(node.module)
+      found.update(f"{node.module}.{alias.name}" for alias in node.names)
+  return found
+
+
+def test_no_family_imports_another_and_building_blocks_import_no_family():
+  """A family's module imports no other family's module (what two share is
+  a building block), and the building blocks import no family."""
+  package = "pz_persist.pretrained.hf.families"
+  family_modules = {f"{package}.{p.stem}"
+                    for p in (PACKAGE / "pretrained/hf/families").glob("*.py")} - {
+                        f"{package}.__init__"}
+  reaching = {}
+  for path in [*(PACKAGE / "pretrained/hf/families").glob("*.py"),
+               *(PACKAGE / "pretrained/hf/building").glob("*.py")]:
+    own = f"{package}.{path.stem}" if path.parent.name == "families" else None
+    imported = (_imported_modules(path) & family_modules) - {own}
+    if imported:
+      reaching[str(path.relative_to(PACKAGE))] = sorted(imported)
+  assert not reaching
 
 
 @pytest.mark.parametrize("model_type", ["qwen3"])

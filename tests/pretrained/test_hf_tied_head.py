@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import pz_persist as pzp
-from pretrained import family_checks as checks
+from pretrained import hf_family_harness as checks
 from pz_persist import errors
 
 _SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -72,7 +72,7 @@ def test_the_stored_head_binds(tmp_path):
     theirs.lm_head.weight = theirs.model.embed_tokens.weight
   changed = checks.reference_logits(theirs)
   logits = checks.penzai_logits(pzp.pretrained.load_hf(tmp_path))
-  assert np.abs(changed - logits).max() > 100 * checks.FLOAT32["atol"]
+  assert np.abs(changed - logits).max() > 100 * checks.TOLERANCE["atol"]
 
 
 def test_export_of_such_a_model_reloads_in_transformers(tmp_path):

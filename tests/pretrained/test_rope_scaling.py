@@ -27,7 +27,6 @@ case per family and per code path.
 from __future__ import annotations
 
 import json
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,13 +38,9 @@ from penzai import pz
 from penzai.models.transformer import sampling_mode
 
 import pz_persist as pzp
-from pretrained.test_hf import _DELETE
+from pretrained import hf_family_harness as harness
 from pretrained.test_hf import TOKENS
-from pretrained.test_hf import _edit_config
 from pretrained.test_hf import _hf_model
-from pretrained.test_hf import _penzai_logits
-from pretrained.test_hf import _reference_logits
-from pretrained.test_hf import sampling_jitted
 from pz_persist import errors
 from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
@@ -119,7 +114,7 @@ def saved(tmp_path_factory):
     model = _model(name)
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder, safe_serialization=True)
-    result[name] = (folder, _reference_logits(model))
+    result[name] = (folder, harness.reference_logits(model, TOKENS))
   return result
 
 
@@ -145,21 +140,21 @@ def test_float32_logits_match_transformers(saved, loaded, name):
   model = loaded[name]
   layers = pz.select(model).at_instances_of(ApplyScaledRoPE).get_sequence()
   assert len(layers) == 4 and not pz.select(model).at_instances_of(pz.nn.ApplyRoPE).get_sequence()
-  logits = _penzai_logits(model)
+  logits = harness.penzai_logits(model, TOKENS)
   assert np.abs(reference).max() > 0.5  # Logits of order one: a meaningful check.
   np.testing.assert_allclose(logits, reference, atol=ATOL, rtol=RTOL)
   # The scaling matters: ignoring it would fail the comparison above.
-  assert np.abs(_penzai_logits(_unscaled(model)) - reference).max() > 100 * ATOL
+  assert np.abs(harness.penzai_logits(_unscaled(model), TOKENS) - reference).max() > 100 * ATOL
   print(f"{name} float32 max abs diff: {np.abs(logits - reference).max():.3g}")
 
 
 @pytest.mark.parametrize("name", ["llama3", pytest.param("yarn", marks=pytest.mark.slow)])
 def test_bfloat16_load_is_as_close_as_transformers_bfloat16(saved, name):
   folder, reference = saved[name]
-  hf_bf16 = _reference_logits(
-      transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-  )
-  logits = _penzai_logits(pzp.pretrained.load_hf(folder, dtype=jnp.bfloat16))
+  hf_bf16 = harness.reference_logits(
+      transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval(),
+      TOKENS)
+  logits = harness.penzai_logits(pzp.pretrained.load_hf(folder, dtype=jnp.bfloat16), TOKENS)
   ours, theirs = np.abs(logits - reference), np.abs(hf_bf16 - reference)
   print(f"{name} bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
         f" (transformers bfloat16: max {theirs.max():.3g} mean {theirs.mean():.3g})")
@@ -174,12 +169,9 @@ def test_transformers_4_style_config_loads_the_same(saved, tmp_path):
   scaling = dict(CASES["llama3"][1])
   theta = scaling.pop("rope_theta")
   scaling["type"] = scaling.pop("rope_type")
-  edited = _edit_config(folder, tmp_path, rope_parameters=_DELETE, rope_scaling=scaling,
-                        rope_theta=theta)
-  weights = edited / "model.safetensors"
-  weights.unlink()  # A symlink out of the folder: load_hf would refuse it.
-  shutil.copy(folder / "model.safetensors", weights)
-  logits = _penzai_logits(pzp.pretrained.load_hf(edited))
+  edited = harness.edited(folder, tmp_path, rope_parameters=harness.DELETE,
+                          rope_scaling=scaling, rope_theta=theta)
+  logits = harness.penzai_logits(pzp.pretrained.load_hf(edited), TOKENS)
   np.testing.assert_allclose(logits, reference, atol=ATOL, rtol=RTOL)
 
 
@@ -207,7 +199,7 @@ def _greedy_penzai(model, prompt: np.ndarray, steps: int) -> tuple[np.ndarray, n
   """Greedy decoding in Penzai's KV-cache sampling mode, one token per call
   after the prompt: (generated tokens, each step's logits)."""
   batch = prompt.shape[0]
-  sampler = sampling_jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
+  sampler = harness.sampling_jitted(sampling_mode.KVCachingTransformerLM.from_uncached(
       model, cache_len=prompt.shape[1] + steps, batch_axes={"batch": batch}, pad_id=-1
   ))
   tokens = pz.nx.wrap(jnp.asarray(prompt), "batch", "seq")
@@ -244,7 +236,8 @@ def test_save_model_round_trip(loaded, saved, tmp_path):
   restored = pzp.load_model(tmp_path / "ckpt")
   layers = pz.select(restored).at_instances_of(ApplyScaledRoPE).get_sequence()
   assert layers == pz.select(model).at_instances_of(ApplyScaledRoPE).get_sequence()
-  np.testing.assert_array_equal(_penzai_logits(restored), _penzai_logits(model))
+  np.testing.assert_array_equal(harness.penzai_logits(restored, TOKENS),
+                                harness.penzai_logits(model, TOKENS))
   text = treescope.render_to_text(restored)
   assert "ApplyScaledRoPE(" in text and "rope_type='yarn'" in text
 
@@ -265,10 +258,10 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
         ("rope_parameters.high_freq_factor", {"rope_parameters": dict(_LLAMA3, high_freq_factor=0.5)}),
         ("rope_scaling.low_freq_factor",
          {"rope_scaling": {k: v for k, v in _LLAMA3.items() if k != "low_freq_factor"},
-          "rope_parameters": _DELETE}),
+          "rope_parameters": harness.DELETE}),
         ("rope_scaling.finetuned",
          {"rope_scaling": {"type": "linear", "factor": 2.0, "finetuned": True},
-          "rope_parameters": _DELETE}),
+          "rope_parameters": harness.DELETE}),
         ("rope_parameters.rope_type", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}),
         ("rope_parameters.rope_type", {"rope_parameters": {"rope_type": 3, "factor": 2.0}}),
         ("rope_parameters.type", {"rope_parameters": dict(_LLAMA3, type="linear")}),
@@ -292,7 +285,7 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     ],
 )
 def test_malformed_rope_dicts_are_refused(saved, tmp_path, field, changes):
-  folder = _edit_config(saved["llama3"][0], tmp_path, **changes)
+  folder = harness.edited(saved["llama3"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError) as info:
     pzp.pretrained.load_hf(folder)
   assert field in str(info.value)
@@ -301,7 +294,7 @@ def test_malformed_rope_dicts_are_refused(saved, tmp_path, field, changes):
 def test_gpt_neox_refuses_scaling(tmp_path):
   model = _hf_model("gpt_neox")
   model.save_pretrained(tmp_path / "neox", safe_serialization=True)
-  folder = _edit_config(tmp_path / "neox", tmp_path,
+  folder = harness.edited(tmp_path / "neox", tmp_path,
                         rope_parameters={"rope_type": "linear", "factor": 2.0})
   with pytest.raises(errors.UnsupportedConfigError, match="rope_type"):
     pzp.pretrained.load_hf(folder)
@@ -350,6 +343,6 @@ def test_llama_3_2_hub_config_loads(tmp_path):
   model.save_pretrained(tmp_path, safe_serialization=True)
   (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_CONFIG))
   loaded = pzp.pretrained.load_hf(tmp_path)
-  reference = _reference_logits(model)
-  np.testing.assert_allclose(_penzai_logits(loaded), reference, atol=ATOL, rtol=RTOL)
-  assert np.abs(_penzai_logits(_unscaled(loaded)) - reference).max() > 100 * ATOL
+  reference = harness.reference_logits(model, TOKENS)
+  np.testing.assert_allclose(harness.penzai_logits(loaded, TOKENS), reference, atol=ATOL, rtol=RTOL)
+  assert np.abs(harness.penzai_logits(_unscaled(loaded), TOKENS) - reference).max() > 100 * ATOL

@@ -155,16 +155,20 @@ class Config:
 
   def __init__(self, raw: Mapping[str, Any], where: str,
                fields: Mapping[str, tuple[Callable[[Any], bool], str]] | None = None,
-               defaults: Mapping[str, Any] | None = None):
+               defaults: Mapping[str, Any] | None = None,
+               ignored: frozenset[str] = frozenset()):
     """``fields``: the family's own fields, checked like `SCHEMA`'s
     (`pz_persist.pretrained.hf.record.Family.fields`). ``defaults``: the
     ``model_type``'s row of `pz_persist.pretrained.hf.families.DEFAULTS`,
-    transformers' config class's value of each field a plan may find absent."""
+    transformers' config class's value of each field a plan may find absent.
+    ``ignored``: the fields its plan deliberately leaves unread
+    (`pz_persist.pretrained.hf.record.ModelType.ignored`)."""
     self.raw = dict(raw)
     self.where = where
     self.used: set[str] = set()
     self.schema = {**SCHEMA, **(fields or {})}
     self.defaults = dict(defaults or {})
+    self.ignored = ignored
     self.fallbacks: dict[str, Any] = {}
     """The absent fields a plan read with a default of its own, not the
     table's (none, for every family: a test loads each from a config.json
@@ -242,8 +246,15 @@ class Config:
     )
 
   def check_all_used(self) -> None:
+    """Refuses the fields no plan read, unless harmless for every family
+    (`IGNORED_FIELDS`) or declared ignored by this ``model_type``'s record
+    (``ignored``, whose values are still checked against the schema)."""
+    for key in sorted(self.ignored - self.used):
+      if self.raw.get(key) is not None and key in self.schema:
+        self.checked(key, self.raw[key])
     unknown = {
-        k: v for k, v in self.raw.items() if k not in self.used and k not in IGNORED_FIELDS
+        k: v for k, v in self.raw.items()
+        if k not in self.used and k not in IGNORED_FIELDS and k not in self.ignored
     }
     if unknown:
       key, value = next(iter(unknown.items()))

@@ -242,7 +242,7 @@ def load_hf(
       raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
   with Weights(path, dtype, seen) as weights:
     cfg = Config(raw_config, where, families.FAMILY_OF[model_type].fields,
-                 families.DEFAULTS[model_type])
+                 families.DEFAULTS[model_type], families.MODEL_TYPES[model_type].ignored)
     plan = families.MODEL_TYPES[model_type].plan(cfg, weights)
     weights.add_views(plan.views)
     _check_tensors(plan, weights)

@@ -22,13 +22,14 @@ _log = logging.getLogger("pz_persist.pretrained.hf")
 
 
 def text_config(cfg: Config, text: Any, folder_type: str, text_type: str,
-                fields: Mapping[str, Any]) -> Config:
+                fields: Mapping[str, Any], ignored: frozenset[str] = frozenset()) -> Config:
   """The folder's ``text_config`` (``text``, which the family required from
   ``cfg`` before checking that it used every field) as a `Config` checked
   by the family's ``fields``, with ``cfg``'s defaults (the folder type's
-  row of the table, its text model's), refused unless its ``model_type`` is
-  ``text_type`` (or absent)."""
-  text_cfg = Config(text, f"{cfg.where} (text_config)", fields, cfg.defaults)
+  row of the table, its text model's) and the text ``model_type``'s
+  ``ignored`` fields, refused unless its ``model_type`` is ``text_type`` (or
+  absent)."""
+  text_cfg = Config(text, f"{cfg.where} (text_config)", fields, cfg.defaults, ignored)
   found = text_cfg.get("model_type", text_type)
   if found != text_type:
     raise text_cfg.unsupported("model_type", found,

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
+from penzai import pz
+
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
@@ -30,6 +32,11 @@ PlanFn = Callable[[Config, Weights], Plan]
 Field = tuple[Callable[[Any], bool], str]
 """A ``config.json`` field's check and what it says a value must be, as in
 `pz_persist.pretrained.hf.config.SCHEMA`."""
+
+IgnoredFields = Mapping[str, tuple[str, ...]]
+"""``config.json`` fields a plan deliberately leaves unread, grouped by why
+(``{"training only: the load-balancing loss": ("router_aux_loss_coef",
+...)}``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,18 @@ class ModelType:
       tests/pretrained/test_hf_defaults.py.
     defaults_why: For each entry of ``defaults`` that differs from the
       config class, or is not one of its fields, why it means the same model.
+    ignored_fields: The fields of this ``model_type``'s ``config.json`` its
+      plan deliberately does not read (training-only settings, the other
+      modalities' towers...), by why. `Config.check_all_used`, the one place
+      unread fields are refused, accepts them (still checked against the
+      schema when present); every other unread field is refused, as is
+      anything in a nested ``text_config`` that is not the text model's.
+      tests/pretrained/test_hf_ignored_fields.py checks that each is a field
+      of transformers' config class, or declared in ``foreign_fields``.
+    foreign_fields: Those of ``ignored_fields`` that transformers' config
+      class lacks (written by the Hub's remote code, by llm-compressor or by
+      an older transformers); the same test checks that the class still
+      lacks each.
   """
 
   plan: PlanFn
@@ -67,6 +86,13 @@ class ModelType:
   written_as: str | None = None
   defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   defaults_why: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  ignored_fields: IgnoredFields = dataclasses.field(default_factory=dict)
+  foreign_fields: frozenset[str] = frozenset()
+
+  @property
+  def ignored(self) -> frozenset[str]:
+    """Every field of `ignored_fields`, whatever the reason."""
+    return frozenset(field for group in self.ignored_fields.values() for field in group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +131,8 @@ class Family:
 
   title: str
   model_types: Mapping[str, ModelType]
-  detect: Callable[[Any], str | None]
-  write_config: Callable[[Any, str, Mapping[str, Any]], dict[str, Any]]
+  detect: Callable[[pz.nn.Layer], str | None]
+  write_config: Callable[[pz.nn.Layer, str, Mapping[str, Any]], dict[str, Any]]
   adds: str
   refuses: str
   rank: int

@@ -157,7 +157,8 @@ def matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any],
     try:
       plan = candidate(Config(config, f"config derived for {folder}",
                               families.FAMILY_OF[family].fields,
-                              families.DEFAULTS[family]), weights)
+                              families.DEFAULTS[family],
+                              families.MODEL_TYPES[family].ignored), weights)
       return plan, _check_structure(plan, model, family)
     except errors.UnsupportedConfigError as e:  # A field the family cannot take.
       refusal = refusal or ExportError(

@@ -3,7 +3,9 @@
 
 The modules of this package are found by listing the package itself (its own
 files, never a name read from a checkpoint), so adding a family is adding one
-module; a module without ``RECORD`` holds shared code. Everything else reads
+module. Every module here is a family and defines ``RECORD``; the code
+families share lives in `pz_persist.pretrained.hf.building`, and no family
+imports another's module. Everything else reads
 the tables built here: `MODEL_TYPES` (``load_hf``'s dispatch), `REFUSED`,
 `detect` (``export_hf`` without ``like``) and `FAMILIES` (the CLI's help and
 the pretrained guide's table (docs/guides/pretrained.md)).
@@ -17,6 +19,8 @@ import pkgutil
 import re
 from typing import Any
 
+from penzai import pz
+
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 
@@ -25,9 +29,10 @@ def _records() -> tuple[Family, ...]:
   found = []
   for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     record = getattr(importlib.import_module(f"{__name__}.{module.name}"), "RECORD", None)
-    if record is not None:
-      assert isinstance(record, Family), f"{module.name}.RECORD is not a Family"
-      found.append(record)
+    assert isinstance(record, Family), (
+        f"{module.name} defines no RECORD Family: shared code belongs in"
+        " pz_persist.pretrained.hf.building")
+    found.append(record)
   return tuple(found)
 
 
@@ -67,7 +72,7 @@ HEAD_NAMES: tuple[str, ...] = tuple(sorted({h for f in FAMILIES for h in f.head_
 """Every untied output head a plan may ask for."""
 
 
-def detect(model: Any) -> str | None:
+def detect(model: pz.nn.Layer) -> str | None:
   """The ``model_type`` whose structure ``model`` has: the answer of the
   first record, by rank, that recognises it."""
   for family in sorted(FAMILIES, key=lambda f: f.rank):

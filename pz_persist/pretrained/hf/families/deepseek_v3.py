@@ -35,18 +35,32 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
+from jax.typing import DTypeLike
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.nn import latent_attention as mla
+from pz_persist.nn import scaled_rope as scaled_rope_layer
+from pz_persist.nn.constant_scale import ConstantScale
 from pz_persist.pretrained.hf import quantized_fp8
-from pz_persist.pretrained.hf.config import ANY
+from pz_persist.pretrained.hf.building.deepseek_moe import MOE_FIELDS
+from pz_persist.pretrained.hf.building.deepseek_moe import MOE_FOREIGN
+from pz_persist.pretrained.hf.building.deepseek_moe import MOE_IGNORED
+from pz_persist.pretrained.hf.building.deepseek_moe import ROUTER_DEFAULTS_WHY
+from pz_persist.pretrained.hf.building.deepseek_moe import Source
+from pz_persist.pretrained.hf.building.deepseek_moe import check_expert_count
+from pz_persist.pretrained.hf.building.deepseek_moe import main_layers
+from pz_persist.pretrained.hf.building.deepseek_moe import read_routing
+from pz_persist.pretrained.hf.building.deepseek_moe import routing_fields
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.config import BOOLEAN
-from pz_persist.pretrained.hf.config import STRING
+from pz_persist.pretrained.hf.config import OBJECT
+from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import RopeScaling
 from pz_persist.pretrained.hf.config import lm_head_source
 from pz_persist.pretrained.hf.config import scaled_rope
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -56,12 +70,6 @@ from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
-from pz_persist.pretrained.hf.families.deepseek_moe import ROUTER_DEFAULTS_WHY
-from pz_persist.pretrained.hf.families.deepseek_moe import Source
-from pz_persist.pretrained.hf.families.deepseek_moe import check_expert_count
-from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
-from pz_persist.pretrained.hf.families.deepseek_moe import routing_fields
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
@@ -69,62 +77,22 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn import latent_attention as mla
-from pz_persist.nn import scaled_rope as scaled_rope_layer
-from pz_persist.nn.constant_scale import ConstantScale
-
-
-def _positive_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _non_negative_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _positive_number(value: Any) -> bool:
-  return (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and value > 0)
-
-
-_POSITIVE_INT = (_positive_int, "a positive integer")
-_NON_NEGATIVE_INT = (_non_negative_int, "a non-negative integer")
-_POSITIVE_NUMBER = (_positive_number, "a positive finite number")
 
 FIELDS = {
-    "q_lora_rank": _POSITIVE_INT,
-    "kv_lora_rank": _POSITIVE_INT,
-    "qk_rope_head_dim": _POSITIVE_INT,
-    "qk_nope_head_dim": _POSITIVE_INT,
-    "qk_head_dim": _POSITIVE_INT,
-    "v_head_dim": _POSITIVE_INT,
+    "q_lora_rank": POSITIVE_INT,
+    "kv_lora_rank": POSITIVE_INT,
+    "qk_rope_head_dim": POSITIVE_INT,
+    "qk_nope_head_dim": POSITIVE_INT,
+    "qk_head_dim": POSITIVE_INT,
+    "v_head_dim": POSITIVE_INT,
     "rope_interleave": BOOLEAN,
-    "first_k_dense_replace": _NON_NEGATIVE_INT,
-    "moe_intermediate_size": _POSITIVE_INT,
-    "n_routed_experts": _POSITIVE_INT,
-    "n_shared_experts": _POSITIVE_INT,
-    "num_experts_per_tok": _POSITIVE_INT,
-    "n_group": _POSITIVE_INT,
-    "topk_group": _POSITIVE_INT,
-    "routed_scaling_factor": _POSITIVE_NUMBER,
-    "norm_topk_prob": BOOLEAN,
-    "num_nextn_predict_layers": _NON_NEGATIVE_INT,
-    "moe_layer_freq": _POSITIVE_INT,
-    "scoring_func": STRING,
-    "topk_method": STRING,
-    # Training or parallelism only: read, and without effect on the forward pass.
-    "aux_loss_alpha": ANY,
-    "seq_aux": ANY,
-    "ep_size": ANY,
-    "output_router_logits": ANY,
-    "router_aux_loss_coef": ANY,
-    "auto_map": ANY,
-    "quantization_config": (lambda value: isinstance(value, dict), "a JSON object"),
+    **MOE_FIELDS,
+    "quantization_config": OBJECT,
 }
 """The ``config.json`` fields DeepSeek-V3's plan reads beyond the shared ones."""
 
-_LAYER_NUMBER = re.compile(r"(\d{1,9})\.")
 _LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default: q_a / kv_a norms ignore rms_norm_eps.
 _MAX_POSITIONS = 4096  # DeepseekV3Config's max_position_embeddings.
 
@@ -185,7 +153,7 @@ def read_sizes(cfg: Config) -> Sizes:
   return sizes
 
 
-def softmax_scale(sizes: Sizes, rope_layer: Any) -> float:
+def softmax_scale(sizes: Sizes, rope_layer: pz.nn.Layer) -> float:
   """transformers' ``qk_head_dim ** -0.5``, times yarn's ``mscale_all_dim``
   factor squared when the RoPE is scaled and sets it."""
   scale = (sizes.nope + sizes.rope) ** -0.5
@@ -249,17 +217,17 @@ def dense_mlp_specs(p: str, s: str, hidden: int, neurons: int, src: Source) -> l
   ]
 
 
-def _linear(name: str, inputs: dict[str, int], outputs: dict[str, int], dtype: Any) -> pz.nn.Linear:
+def _linear(name: str, inputs: dict[str, int], outputs: dict[str, int], dtype: DTypeLike) -> pz.nn.Linear:
   return pz.nn.Linear.from_config(name=name, init_base_rng=None, input_axes=inputs,
                                   output_axes=outputs, dtype=dtype)
 
 
-def _norm(name: str, axes: dict[str, int], eps: float, dtype: Any) -> pz.nn.RMSLayerNorm:
+def _norm(name: str, axes: dict[str, int], eps: float, dtype: DTypeLike) -> pz.nn.RMSLayerNorm:
   return pz.nn.RMSLayerNorm.from_config(name=name, init_base_rng=None, across_axes=axes,
                                         epsilon=eps, dtype=dtype)
 
 
-def swiglu(name: str, hidden: int, neurons: int, dtype: Any) -> model_parts.TransformerFeedForward:
+def swiglu(name: str, hidden: int, neurons: int, dtype: DTypeLike) -> model_parts.TransformerFeedForward:
   """Penzai's llama-like SwiGLU MLP (``gating_linear``, ``value_linear``,
   ``out_linear``)."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -276,7 +244,7 @@ def swiglu(name: str, hidden: int, neurons: int, dtype: Any) -> model_parts.Tran
 
 
 def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: float,
-                     dtype: Any) -> list[pz.nn.Layer]:
+                     dtype: DTypeLike) -> list[pz.nn.Layer]:
   """MLA as `pz_persist.nn.latent_attention` lays it out:
   the `WithLatent` compression, then Penzai's ``Attention``."""
   h, heads, qk = sizes.hidden, sizes.heads, sizes.nope + sizes.rope
@@ -328,7 +296,7 @@ def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: fl
   ]
 
 
-def rope_layer(theta: float, scaling: Any) -> pz.nn.Layer:
+def rope_layer(theta: float, scaling: RopeScaling | None) -> pz.nn.Layer:
   """The rotary layer of the ``rotary`` part (Penzai's, or scaled)."""
   if scaling is None:
     return pz.nn.ApplyRoPE(embedding_axis="rotary", max_wavelength=theta,
@@ -357,7 +325,7 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "model.embed_tokens.weight")
   dtype = weights.dtype
   h = sizes.hidden
-  views: list[Any] = []
+  views: list[View] = []
   sources: dict[str, str] = {}
 
   def src(name: str, shape: tuple[int, int], parts: list[str] | None = None) -> str:
@@ -424,24 +392,12 @@ def deepseek_v3_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(build, tuple(specs), tuple(views))
 
 
-def main_layers(names: set[str], layers: int, mtp: int) -> set[str]:
-  """``names`` without those of the multi-token prediction layers (layers
-  ``layers .. layers + mtp - 1``), which the causal LM does not run."""
-
-  def is_mtp(name: str) -> bool:
-    match = (_LAYER_NUMBER.match(name, len(DECODER_LAYERS)) if name.startswith(DECODER_LAYERS)
-             else None)
-    return match is not None and layers <= int(match.group(1)) < layers + mtp
-
-  return {name for name in names if not is_mtp(name)}
-
-
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Latent attention."""
   return "deepseek_v3" if all_layers(model, mla.LatentAttentionLogits) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only deepseek_v3.
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   logits = first_layer(model, mla.LatentAttentionLogits, "latent attention")
@@ -500,7 +456,8 @@ differs from the class or is not one of its fields."""
 RECORD = Family(
     title="DeepSeek-V3",
     model_types={"deepseek_v3": ModelType(deepseek_v3_plan, "DeepseekV3ForCausalLM",
-                     **_TRANSFORMERS_DEFAULTS["deepseek_v3"])},
+                     **_TRANSFORMERS_DEFAULTS["deepseek_v3"],
+                     ignored_fields=MOE_IGNORED, foreign_fields=MOE_FOREIGN)},
     detect=_detect,
     write_config=_write_config,
     adds=("multi-head latent attention (`latent_attention`: low-rank query and key/value"

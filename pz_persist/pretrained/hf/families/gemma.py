@@ -24,30 +24,31 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist.pretrained.hf.config import TANH_GELU
+from pz_persist.pretrained.hf.building.decoder import attention_sizes
+from pz_persist.pretrained.hf.building.decoder import block_specs
+from pz_persist.pretrained.hf.building.decoder import full_rotary_wavelength
+from pz_persist.pretrained.hf.building.defaults import CAUSAL_WHY
+from pz_persist.pretrained.hf.building.defaults import GEMMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import HIDDEN_ACT_WHY
+from pz_persist.pretrained.hf.building.gemma_layout import check_activation
+from pz_persist.pretrained.hf.building.gemma_layout import query_pre_attn_scalar
+from pz_persist.pretrained.hf.building.gemma_layout import soft_cap_fields
+from pz_persist.pretrained.hf.building.norms import with_offset_norms
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
-from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import blocks
-from pz_persist.pretrained.hf.config_from_model import first_layer
 from pz_persist.pretrained.hf.config_from_model import layer_types
-from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import GEMMA_LIKE
-from pz_persist.pretrained.hf.families.llama import attention_sizes
-from pz_persist.pretrained.hf.families.llama import block_specs
-from pz_persist.pretrained.hf.families.llama import full_rotary_wavelength
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
@@ -56,7 +57,6 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.offset_scale import OffsetScale
 
 _LAYER_TYPES = {"sliding_attention", "full_attention"}
 
@@ -168,33 +168,6 @@ def gemma_layout_plan(cfg: Config, weights: Weights, gemma2: bool, native: bool 
   return Plan(build, tuple(specs))
 
 
-def with_offset_norms(model: model_parts.TransformerLM) -> model_parts.TransformerLM:
-  """``model`` with the scale ``Linear`` of each ``RMSLayerNorm`` replaced by
-  an `OffsetScale` holding the same parameter (same label)."""
-
-  def replace(norm: pz.nn.RMSLayerNorm) -> pz.nn.RMSLayerNorm:
-    standardize, scale = norm.sublayers
-    assert isinstance(standardize, pz.nn.RMSStandardize) and isinstance(scale, pz.nn.Linear), (
-        "Penzai's RMSLayerNorm is RMSStandardize then a scale Linear")
-    return dataclasses.replace(norm, sublayers=[standardize, OffsetScale(weights=scale.weights)])
-
-  return pz.select(model).at_instances_of(pz.nn.RMSLayerNorm).apply(replace)
-
-
-def check_activation(cfg: Config) -> None:
-  """Refuses an MLP activation other than the tanh GELU.
-
-  transformers reads ``hidden_activation`` for Gemma 2 (and for Gemma
-  before version 5), ``hidden_act`` for Gemma since version 5, where its
-  value "gelu" is the legacy name of the tanh GELU that the Gemma releases
-  carry. Both are checked, so no version of transformers would compute
-  another activation for this config.
-  """
-  why = "; Penzai's Gemma MLP is GeGLU with the tanh approximation of GELU"
-  cfg.expect("hidden_act", TANH_GELU | {"gelu"}, "gelu_pytorch_tanh", why=why)
-  cfg.expect("hidden_activation", TANH_GELU, "gelu_pytorch_tanh", why=why)
-
-
 def _window_and_layer_types(cfg: Config, layers: int) -> tuple[int | None, list[str] | None]:
   """``sliding_window`` and ``layer_types`` (None: transformers' default),
   checked.
@@ -236,7 +209,7 @@ def _attention_types(
   )
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Penzai's Gemma decodes with its embedding table; Gemma 2 adds norms
   after attention and MLP."""
   if not all_layers(model, pz.nn.EmbeddingDecode):
@@ -244,23 +217,7 @@ def _detect(model: Any) -> str | None:
   return "gemma2" if len(all_layers(blocks(model)[0], pz.nn.RMSLayerNorm)) > 2 else "gemma"
 
 
-def query_pre_attn_scalar(model: Any) -> int | float:
-  """Gemma 2 and 3 scale queries by ``query_pre_attn_scalar ** -0.5``."""
-  rescale = first_layer(attention(model).input_to_query, pz.nn.ConstantRescale, "query scaling")
-  scalar = float(np.asarray(rescale.by, np.float64)) ** -2
-  return round(scalar) if abs(scalar - round(scalar)) < 1e-3 * scalar else scalar
-
-
-def soft_cap_fields(model: Any) -> dict[str, Any]:
-  """Gemma 2's soft caps, written when absent too: a null cap is "off", an
-  absent one a default."""
-  caps = all_layers(attention(model), pz.nn.TanhSoftCap)
-  top = [layer for layer in model.body.sublayers if isinstance(layer, pz.nn.TanhSoftCap)]
-  return {"attn_logit_softcapping": number(caps[0].soft_cap) if caps else None,
-          "final_logit_softcapping": number(top[-1].soft_cap) if top else None}
-
-
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   gemma2 = model_type == "gemma2"
   fields = {
       **size_fields(model), **rms_norm_fields(model), **rope_fields(model),
@@ -284,8 +241,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": {
         "defaults": {**GEMMA_LIKE, "num_key_value_heads": 16},
         "defaults_why": {
-            "use_bidirectional_attention": (
-                "the config class's None means causal attention, as false does"),
+            "use_bidirectional_attention": CAUSAL_WHY,
             "hidden_activation": (
                 "Gemma 1's class reads hidden_act; hidden_activation, the later name, has"
                 ' the same default'),
@@ -296,11 +252,8 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "sliding_window": 4096, "final_logit_softcapping": 30.0,
                      "attn_logit_softcapping": 50.0},
         "defaults_why": {
-            "use_bidirectional_attention": (
-                "the config class's None means causal attention, as false does"),
-            "hidden_act": (
-                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
-                'same default'),
+            "use_bidirectional_attention": CAUSAL_WHY,
+            "hidden_act": HIDDEN_ACT_WHY,
         },
     },
 }

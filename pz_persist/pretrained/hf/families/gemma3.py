@@ -38,12 +38,25 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.building.decoder import attention_sizes
+from pz_persist.pretrained.hf.building.decoder import block_specs
+from pz_persist.pretrained.hf.building.decoder import with_scaled_rope
+from pz_persist.pretrained.hf.building.defaults import GEMMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import HIDDEN_ACT_WHY
+from pz_persist.pretrained.hf.building.gemma_layout import check_activation
+from pz_persist.pretrained.hf.building.gemma_layout import query_pre_attn_scalar
+from pz_persist.pretrained.hf.building.gemma_layout import soft_cap_fields
+from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
+from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
+from pz_persist.pretrained.hf.building.norms import with_offset_norms
+from pz_persist.pretrained.hf.building.norms import with_query_key_norms
 from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import RopeScaling
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config import refuse_stored_head
 from pz_persist.pretrained.hf.config import rope
@@ -57,16 +70,6 @@ from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import GEMMA_LIKE
-from pz_persist.pretrained.hf.families.gemma import check_activation
-from pz_persist.pretrained.hf.families.gemma import query_pre_attn_scalar
-from pz_persist.pretrained.hf.families.gemma import soft_cap_fields
-from pz_persist.pretrained.hf.families.gemma import with_offset_norms
-from pz_persist.pretrained.hf.families.llama import attention_sizes
-from pz_persist.pretrained.hf.families.llama import block_specs
-from pz_persist.pretrained.hf.families.llama import with_scaled_rope
-from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
-from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
@@ -163,14 +166,11 @@ def gemma3_plan(cfg: Config, weights: Weights) -> Plan:
   ``text_config``, the tensors under ``language_model.model.``; the vision
   tower and its projector are left unread, and reported."""
   text = cfg.require("text_config")
-  cfg.get("vision_config")  # The vision tower's, which is not built.
-  for field in ("mm_tokens_per_image", "boi_token_index", "eoi_token_index",
-                "image_token_index"):
-    cfg.get(field)  # Image tokens: a text-only model never sees them.
   bool_field(cfg, "tie_word_embeddings", True, True,
              "Penzai's Gemma ties the output projection to the embedding table")
   cfg.check_all_used()
-  text_cfg = multimodal.text_config(cfg, text, "gemma3", "gemma3_text", RECORD.fields)
+  text_cfg = multimodal.text_config(cfg, text, "gemma3", "gemma3_text", RECORD.fields,
+                                    RECORD.model_types["gemma3_text"].ignored)
   plan = gemma3_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT)
   multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL_TEXT),
                            "the vision tower and projector", "Gemma 3's text model only")
@@ -187,7 +187,7 @@ def _refuse_attention_soft_cap(cfg: Config) -> None:
                           " it, so what the checkpoint means is unclear; set it to null")
 
 
-def _rope(cfg: Config) -> tuple[float, float, Any]:
+def _rope(cfg: Config) -> tuple[float, float, RopeScaling | None]:
   """``(local base, global base, global scaling)``, from transformers 5's
   ``rope_parameters`` keyed by layer type, or from transformers 4's
   ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` (which
@@ -210,7 +210,6 @@ def _rope(cfg: Config) -> tuple[float, float, Any]:
     local_view = {"rope_theta": cfg.get("rope_local_base_freq", FROM_TABLE)}
     full_view = {"rope_theta": cfg.get("rope_theta", FROM_TABLE),
                  "rope_scaling": cfg.get("rope_scaling"), **extra}
-  cfg.get("max_position_embeddings")
   local_cfg = Config(local_view, f"{cfg.where} (sliding_attention RoPE)", defaults=cfg.defaults)
   full_cfg = Config(full_view, f"{cfg.where} (full_attention RoPE)", defaults=cfg.defaults)
   local_theta, local_fraction = rope(local_cfg, 10_000.0)
@@ -226,7 +225,6 @@ def _window_and_types(cfg: Config, layers: int) -> tuple[int | None, Any]:
   count (called once the count is checked against the weights)."""
   window = cfg.nullable("sliding_window", 4096)
   pattern = cfg.get("sliding_window_pattern", 6)
-  cfg.get("_sliding_window_pattern")  # transformers 5 writes it and never reads it back.
   types = cfg.get("layer_types")
   if types is not None and (len(types) != layers or not set(types) <= set(_TYPES)):
     raise cfg.unsupported("layer_types", types if len(types) <= 8 else [*types[:8], "..."],
@@ -253,7 +251,7 @@ def _with_attention_types(config: llamalike_common.LlamalikeTransformerConfig, t
 
 
 def _with_local_rope(model: model_parts.TransformerLM, types: list[str], local_theta: float,
-                     scaling: Any) -> model_parts.TransformerLM:
+                     scaling: RopeScaling | None) -> model_parts.TransformerLM:
   """Local blocks rotate with their own base; global blocks keep the global
   base, scaled if the config says so."""
   def block(layer: model_parts.TransformerBlock, kind: str) -> model_parts.TransformerBlock:
@@ -266,7 +264,7 @@ def _with_local_rope(model: model_parts.TransformerLM, types: list[str], local_t
   return selected.set_sequence([block(b, k) for b, k in zip(selected.get_sequence(), types)])
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Gemma's layout (decoding with the embedding table) with query norms."""
   if all_layers(model, pz.nn.EmbeddingDecode) and all_layers(attention(model).input_to_query,
                                                              pz.nn.RMSLayerNorm):
@@ -274,7 +272,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # gemma3 (multimodal) is read, never written.
   found = windows(model)
   types = layer_types(found)
@@ -318,9 +316,7 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
                      "sliding_window_pattern": 6},
         "defaults_why": {
-            "hidden_act": (
-                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
-                'same default'),
+            "hidden_act": HIDDEN_ACT_WHY,
             "rope_local_base_freq": (
                 "transformers 4's field, now "
                 'rope_parameters.sliding_attention.rope_theta, whose default (10,000) it '
@@ -340,9 +336,17 @@ RECORD = Family(
     title="Gemma 3",
     model_types={
         "gemma3_text": ModelType(gemma3_text_plan, "Gemma3ForCausalLM",
-            **_TRANSFORMERS_DEFAULTS["gemma3_text"]),
+            **_TRANSFORMERS_DEFAULTS["gemma3_text"],
+            ignored_fields={
+                "checked, never needed: Penzai's RoPE has no length limit": (
+                    "max_position_embeddings",),
+                "transformers 5 writes it and never reads it back": ("_sliding_window_pattern",),
+            }),
         "gemma3": ModelType(gemma3_plan, "Gemma3ForConditionalGeneration", exported=False,
-                            written_as="gemma3_text"),
+                            written_as="gemma3_text",
+                            ignored_fields={OTHER_MODALITIES: (
+                                "vision_config", "mm_tokens_per_image", "boi_token_index",
+                                "eoi_token_index", "image_token_index")}),
     },
     detect=_detect,
     write_config=_write_config,

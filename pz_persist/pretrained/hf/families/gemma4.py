@@ -24,7 +24,7 @@ gemma3`), each built from Penzai's layers here:
   (`pz_persist.nn.per_layer_inputs`);
 - each layer's output is multiplied by its ``layer_scalar``;
 - with ``enable_moe_block`` (26B-A4B) each layer adds a mixture of experts
-  beside its dense MLP (`pz_persist.pretrained.hf.families.gemma4_moe`, on the shared
+  beside its dense MLP (`pz_persist.pretrained.hf.building.gemma4_moe`, on the shared
   `pz_persist.nn.mixture_of_experts`).
 
 transformers 5 writes the global layers' sizes as ``per_layer_config``
@@ -51,7 +51,21 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn import kv_sharing
+from pz_persist.nn import mixture_of_experts as mixture
+from pz_persist.nn import per_layer_inputs as ple
+from pz_persist.nn.proportional_rope import ApplyProportionalRoPE
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.building import gemma4_moe
+from pz_persist.pretrained.hf.building.decoder import attention_sizes
+from pz_persist.pretrained.hf.building.decoder import block_specs
+from pz_persist.pretrained.hf.building.defaults import CAUSAL_WHY
+from pz_persist.pretrained.hf.building.defaults import GEMMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import HIDDEN_ACT_WHY
+from pz_persist.pretrained.hf.building.gemma_layout import check_activation
+from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
+from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
+from pz_persist.pretrained.hf.building.norms import with_query_key_norms
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import OBJECT
@@ -69,13 +83,6 @@ from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families import gemma4_moe
-from pz_persist.pretrained.hf.families.family_defaults import GEMMA_LIKE
-from pz_persist.pretrained.hf.families.gemma import check_activation
-from pz_persist.pretrained.hf.families.llama import attention_sizes
-from pz_persist.pretrained.hf.families.llama import block_specs
-from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
-from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
@@ -83,10 +90,6 @@ from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn import kv_sharing
-from pz_persist.nn import mixture_of_experts as mixture
-from pz_persist.nn import per_layer_inputs as ple
-from pz_persist.nn.proportional_rope import ApplyProportionalRoPE
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _TYPES = (SLIDING, FULL)
@@ -139,7 +142,6 @@ def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   intermediate = cfg.require("intermediate_size")
   eps = float(cfg.get("rms_norm_eps", 1e-6))
   window = cfg.get("sliding_window", 512)
-  cfg.get("max_position_embeddings")
   rope = _rope(cfg)
   keys_are_values = cfg.get("attention_k_eq_v", False)
   double_wide = cfg.get("use_double_wide_mlp", False)
@@ -232,9 +234,7 @@ def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
 
 def _moe(cfg: Config) -> _Moe | None:
   if not cfg.get("enable_moe_block", False):
-    for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
-      cfg.get(key)  # Unused without the block, as in transformers.
-    return None
+    return None  # Its sizes are unused without the block, as in transformers.
   experts = cfg.require("num_experts")
   top_k = cfg.require("top_k_experts")
   if top_k > experts:
@@ -497,14 +497,11 @@ def gemma4_plan(cfg: Config, weights: Weights) -> Plan:
   ``text_config``, the tensors under ``model.language_model.``; the vision
   and audio towers and their embedders are left unread, and reported."""
   text = cfg.require("text_config")
-  for field in ("vision_config", "audio_config"):
-    cfg.get(field)
-  for field in _MULTIMODAL_FIELDS:
-    cfg.get(field)  # Tokens and sizes of the other modalities: text never sees them.
   bool_field(cfg, "tie_word_embeddings", True, True,
              "Gemma 4 ties the output projection to the embedding table")
   cfg.check_all_used()
-  text_cfg = multimodal.text_config(cfg, text, "gemma4", "gemma4_text", RECORD.fields)
+  text_cfg = multimodal.text_config(cfg, text, "gemma4", "gemma4_text", RECORD.fields,
+                                    RECORD.model_types["gemma4_text"].ignored)
   plan = gemma4_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT)
   multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL_TEXT),
                            "the vision and audio towers and their embedders",
@@ -517,12 +514,12 @@ _MULTIMODAL_FIELDS = ("boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token
                       "vision_soft_tokens_per_image")
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Penzai models holding Gemma 4's layer scalars."""
   return "gemma4_text" if all_layers(model, ple.ScalarScale) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # gemma4 (multimodal) is read, never written.
   found = blocks(model)
   kinds = layer_types(windows(model))
@@ -631,15 +628,12 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
                      "enable_moe_block": False},
         "defaults_why": {
-            "use_bidirectional_attention": (
-                "the config class's None means causal attention, as false does"),
+            "use_bidirectional_attention": CAUSAL_WHY,
             "head_dim": (
                 "the config class's per-layer head_dim (its global layers' "
                 "global_head_dim) has no one value; 256 is its argument's default, the "
                 "sliding layers' head size"),
-            "hidden_act": (
-                "the class reads hidden_activation; hidden_act, Gemma 1's name, has the "
-                'same default'),
+            "hidden_act": HIDDEN_ACT_WHY,
         },
     },
 }
@@ -652,9 +646,19 @@ RECORD = Family(
     title="Gemma 4",
     model_types={
         "gemma4_text": ModelType(gemma4_text_plan, "Gemma4ForCausalLM",
-            **_TRANSFORMERS_DEFAULTS["gemma4_text"]),
+            **_TRANSFORMERS_DEFAULTS["gemma4_text"],
+            ignored_fields={
+                "checked, never needed: Penzai's RoPE has no length limit": (
+                    "max_position_embeddings",),
+                "the experts' sizes, unused without enable_moe_block, as in transformers": (
+                    "num_experts", "top_k_experts", "moe_intermediate_size"),
+            }),
         "gemma4": ModelType(gemma4_plan, "Gemma4ForConditionalGeneration", exported=False,
-                            written_as="gemma4_text"),
+                            written_as="gemma4_text",
+                            ignored_fields={OTHER_MODALITIES: (
+                                "vision_config", "audio_config", *_MULTIMODAL_FIELDS)},
+                            foreign_fields=frozenset({"eoa_token_id",
+                                                      "vision_soft_tokens_per_image"})),
     },
     detect=_detect,
     write_config=_write_config,

@@ -1,11 +1,11 @@
 """GLM-4.5 / GLM-4.6 checkpoints (``model_type`` ``glm4_moe``).
 
-GLM-4.5 is Llama's attention (`pz_persist.pretrained.hf.families.llama`:
+GLM-4.5 is Llama's attention (`pz_persist.pretrained.hf.building.decoder`:
 grouped-query, ``attention_bias`` on the query, key and value projections
 only) with optional per-head query/key RMS norms (``use_qk_norm``), RoPE on the
 first ``partial_rotary_factor`` of each head (default one half: Penzai's
 ``ApplyRoPEToSubset``), and DeepSeek-V3's mixture of experts
-(`pz_persist.pretrained.hf.families.deepseek_moe`: group-limited sigmoid
+(`pz_persist.pretrained.hf.building.deepseek_moe`: group-limited sigmoid
 routing with a correction bias, shared experts) in the layers from
 ``first_k_dense_replace`` on. Its multi-token prediction layers
 (``num_nextn_predict_layers``) are left unread, as in DeepSeek-V3.
@@ -19,28 +19,33 @@ from typing import Any
 
 from penzai import pz
 from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf.building.decoder import Biases
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import model_biases
+from pz_persist.pretrained.hf.building.deepseek_moe import MOE_FIELDS
+from pz_persist.pretrained.hf.building.deepseek_moe import MOE_FOREIGN
+from pz_persist.pretrained.hf.building.deepseek_moe import MOE_IGNORED
+from pz_persist.pretrained.hf.building.deepseek_moe import ROUTER_DEFAULTS_WHY
+from pz_persist.pretrained.hf.building.deepseek_moe import check_expert_count
+from pz_persist.pretrained.hf.building.deepseek_moe import main_layers
+from pz_persist.pretrained.hf.building.deepseek_moe import read_routing
+from pz_persist.pretrained.hf.building.deepseek_moe import routing_fields
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
+from pz_persist.pretrained.hf.building.norms import with_query_key_norms
+from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
-from pz_persist.pretrained.hf.families.deepseek_moe import ROUTER_DEFAULTS_WHY
-from pz_persist.pretrained.hf.families.deepseek_moe import check_expert_count
-from pz_persist.pretrained.hf.families.deepseek_moe import read_routing
-from pz_persist.pretrained.hf.families.deepseek_moe import routing_fields
-from pz_persist.pretrained.hf.families.deepseek_v3 import FIELDS as DEEPSEEK_FIELDS
-from pz_persist.pretrained.hf.families.deepseek_v3 import main_layers
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.llama import Biases
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import model_biases
-from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
-from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.hf.weights import stacked
 
@@ -48,12 +53,7 @@ _DEFAULTS = {"n_routed_experts": 128, "n_group": 1, "topk_group": 1, "num_expert
              "moe_intermediate_size": 1408, "n_shared_experts": 1, "routed_scaling_factor": 1.0}
 """``Glm4MoeConfig``'s defaults for an absent field."""
 
-FIELDS = {key: DEEPSEEK_FIELDS[key] for key in (
-    "first_k_dense_replace", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
-    "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob",
-    "num_nextn_predict_layers", "moe_layer_freq", "scoring_func", "topk_method", "aux_loss_alpha",
-    "seq_aux", "ep_size", "output_router_logits", "router_aux_loss_coef", "auto_map")}
-FIELDS["use_qk_norm"] = (lambda value: isinstance(value, bool), "true or false")
+FIELDS = {**MOE_FIELDS, "use_qk_norm": BOOLEAN}
 
 
 def _partial_rotary(cfg: Config) -> float:
@@ -84,7 +84,7 @@ class _MainLayers:
   """``weights`` without the multi-token prediction layers' tensors (which
   `llama_plan` would count as layers)."""
 
-  weights: Any
+  weights: Weights
   names: set[str]
 
   def __getattr__(self, name: str) -> Any:
@@ -102,7 +102,8 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
   mtp = cfg.get("num_nextn_predict_layers", 1)
   bias = cfg.get("attention_bias", False)
 
-  def edit(model: model_parts.TransformerLM, config: Any) -> model_parts.TransformerLM:
+  def edit(model: model_parts.TransformerLM,
+           config: llamalike_common.LlamalikeTransformerConfig) -> model_parts.TransformerLM:
     if norms:
       model = with_query_key_norms(model, config)
     subset = int(config.projection_dim * fraction)
@@ -122,7 +123,7 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
                     biases=Biases(query_key_value=bias), head_dim_default=None,
                     max_positions_default=131072,
                     block_extras=query_key_norm_specs if norms else None, edit=edit)
-  views: list[Any] = []
+  views: list[View] = []
 
   def src(name: str, shape: tuple[int, int], parts: list[str] | None = None) -> str:
     if parts is None:
@@ -141,7 +142,7 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(plan.build, tuple(specs), tuple(views))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """DeepSeek's experts (a router with a correction bias, shared experts)
   beside Llama's attention (latent attention, rank 6, is DeepSeek-V3)."""
   from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
@@ -151,7 +152,7 @@ def _detect(model: Any) -> str | None:
       for layer in layers) else None)
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only glm4_moe.
   fields = llamalike_fields(model, like)
   params = fields["rope_parameters"]
@@ -185,7 +186,8 @@ differs from the class or is not one of its fields."""
 RECORD = Family(
     title="GLM-4.5, GLM-4.6",
     model_types={"glm4_moe": ModelType(glm4_moe_plan, "Glm4MoeForCausalLM",
-                     **_TRANSFORMERS_DEFAULTS["glm4_moe"])},
+                     **_TRANSFORMERS_DEFAULTS["glm4_moe"],
+                     ignored_fields=MOE_IGNORED, foreign_fields=MOE_FOREIGN)},
     detect=_detect,
     write_config=_write_config,
     adds=("Llama's attention with query/key/value biases, optional query/key norms"

@@ -146,7 +146,7 @@ def gpt_neox_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(build, tuple(specs))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Penzai's GPT-NeoX: layer norms with a shift, or a partial rotary
   embedding without RMS norms (which later families with partial rotary
   have)."""
@@ -156,7 +156,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only gpt_neox.
   return {
       **size_fields(model, grouped=False),

@@ -1,6 +1,6 @@
 """gpt-oss checkpoints (``model_type`` ``gpt_oss``: openai/gpt-oss-20b, -120b).
 
-gpt-oss is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with:
+gpt-oss is Llama's layout (`pz_persist.pretrained.hf.building.decoder`) with:
 
 - biases on all four attention projections (``attention_bias``, true);
 - attention *sinks*: one learned logit per query head joining each softmax's
@@ -27,7 +27,6 @@ gpt-oss is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +35,15 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn.attention_sinks import SoftmaxWithSinks
+from pz_persist.pretrained.hf.building import gpt_oss_moe
+from pz_persist.pretrained.hf.building.decoder import Attention
+from pz_persist.pretrained.hf.building.decoder import Biases
+from pz_persist.pretrained.hf.building.decoder import attention_size_fields
+from pz_persist.pretrained.hf.building.decoder import head_axes
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import model_biases
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_NUMBER
 from pz_persist.pretrained.hf.config import OBJECT
@@ -43,28 +51,15 @@ from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
-from pz_persist.pretrained.hf.config_from_model import attention
-from pz_persist.pretrained.hf.config_from_model import blocks
-from pz_persist.pretrained.hf.config_from_model import first_layer
-from pz_persist.pretrained.hf.config_from_model import named_shape
-from pz_persist.pretrained.hf.config_from_model import projection
 from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families import gpt_oss_moe
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.llama import Attention
-from pz_persist.pretrained.hf.families.llama import Biases
-from pz_persist.pretrained.hf.families.llama import head_axes
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import model_biases
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.attention_sinks import SoftmaxWithSinks
 
 _TYPES = ("sliding_attention", "full_attention")
 _THETA = 150_000.0
@@ -150,29 +145,12 @@ def with_sinks(model: model_parts.TransformerLM, labels: list[str]) -> model_par
                                 for b, label in zip(selected.get_sequence(), labels)])
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout with attention sinks."""
   return "gpt_oss" if all_layers(model, SoftmaxWithSinks) else None
 
 
-def attention_size_fields(model: Any) -> dict[str, Any]:
-  """The sizes of a llama-like model whose MLPs may be mixtures of experts
-  (so not read from its first MLP): embedding, vocabulary, heads, key/value
-  heads, head width and layer count."""
-  embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
-  attn = attention(model)
-  query, key = projection(attn.input_to_query), projection(attn.input_to_key)
-
-  def heads(shape: dict[str, int]) -> int:
-    return math.prod(n for axis, n in shape.items()
-                     if axis in ("heads", "head_groups", "query_heads"))
-
-  return {"hidden_size": embed["embedding"], "vocab_size": embed["vocabulary"],
-          "num_attention_heads": heads(query), "num_key_value_heads": heads(key),
-          "head_dim": query["projection"], "num_hidden_layers": len(blocks(model))}
-
-
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only gpt_oss.
   found = windows(model)
   window = next((w for w in found if w is not None), None)
@@ -203,7 +181,13 @@ differs from the class or is not one of its fields."""
 RECORD = Family(
     title="gpt-oss",
     model_types={"gpt_oss": ModelType(gpt_oss_plan, "GptOssForCausalLM",
-                     **_TRANSFORMERS_DEFAULTS["gpt_oss"])},
+                     **_TRANSFORMERS_DEFAULTS["gpt_oss"],
+                     ignored_fields={
+                         "training only: the load-balancing loss": (
+                             "router_aux_loss_coef", "output_router_logits"),
+                         "the Hub's configs hold it; transformers ignores it": (
+                             "initial_context_length",),
+                     }, foreign_fields=frozenset({"initial_context_length"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("attention sinks (`SoftmaxWithSinks`), alternating sliding/full layers, YaRN RoPE,"

@@ -1,6 +1,6 @@
 """IBM Granite 3 checkpoints (``model_type`` ``granite``).
 
-Granite is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with
+Granite is Llama's layout (`pz_persist.pretrained.hf.building.decoder`) with
 four constants, each a `ConstantScale` layer holding the config's number:
 ``embedding_multiplier`` after the embedding lookup, ``residual_multiplier``
 at the end of each residual branch (attention and MLP), ``attention_multiplier``
@@ -12,7 +12,6 @@ divided by ``logits_scaling``. The layers are there even when a constant is
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,27 +19,23 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 from pz_persist.pretrained.errors import ExportError
+from pz_persist.nn.constant_scale import ConstantScale
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import model_biases
+from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention as first_attention
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import model_biases
-from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.constant_scale import ConstantScale
 
 _MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                 "logits_scaling")
-
-
-def _positive_number(value: Any) -> bool:
-  return (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and value > 0)
 
 
 def granite_plan(cfg: Config, weights: Weights) -> Plan:
@@ -72,7 +67,7 @@ def with_granite_scales(
           .at_instances_of(pz.nn.ConstantRescale).set(ConstantScale(attention_multiplier)))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """A `ConstantScale` right after the embedding lookup."""
   body = getattr(getattr(model, "body", None), "sublayers", ())
   return "granite" if any(
@@ -80,7 +75,7 @@ def _detect(model: Any) -> str | None:
       for a, b in zip(body, body[1:])) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only granite.
   body = model.body.sublayers
   lookup = next(i for i, layer in enumerate(body) if isinstance(layer, pz.nn.EmbeddingLookup))
@@ -99,7 +94,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   })
 
 
-def _scale(layer: Any, where: str) -> float:
+def _scale(layer: pz.nn.Layer, where: str) -> float:
   """The number of Granite's `ConstantScale` ``layer``; the model is not
   Granite's layout if it is not one."""
   if not isinstance(layer, ConstantScale):
@@ -131,5 +126,5 @@ RECORD = Family(
           " `attention_multiplier` and `logits_scaling` (`ConstantScale`)"),
     refuses="what Llama refuses; Granite MoE and hybrid models (other `model_type`s)",
     rank=12,
-    fields=dict.fromkeys(_MULTIPLIERS, (_positive_number, "a positive finite number")),
+    fields=dict.fromkeys(_MULTIPLIERS, POSITIVE_NUMBER),
 )

@@ -1,7 +1,7 @@
 """Llama 4 text checkpoints: ``llama4_text`` and the text model inside
 ``llama4`` (multimodal: Scout, Maverick) folders.
 
-Llama 4 is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with:
+Llama 4 is Llama's layout (`pz_persist.pretrained.hf.building.decoder`) with:
 
 - NoPE layers: ``no_rope_layers[i]`` 0 (default: every
   ``no_rope_layer_interval``-th layer, 4) rotates nothing; on those layers,
@@ -38,7 +38,17 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn.llama4_attention import ApplyChunkedCausalAttentionMask
+from pz_persist.nn.llama4_attention import ApplyInterleavedRoPE
+from pz_persist.nn.llama4_attention import TemperatureTuning
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 from pz_persist.pretrained.hf import multimodal
+from pz_persist.pretrained.hf.building import llama4_moe
+from pz_persist.pretrained.hf.building.decoder import attention_size_fields
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import NO_BIASES
+from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_NUMBER
@@ -56,20 +66,11 @@ from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
-from pz_persist.pretrained.hf.families import llama4_moe
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
-from pz_persist.pretrained.hf.families.gpt_oss import attention_size_fields
-from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.llama4_attention import ApplyChunkedCausalAttentionMask
-from pz_persist.nn.llama4_attention import ApplyInterleavedRoPE
-from pz_persist.nn.llama4_attention import TemperatureTuning
-from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 _TYPES = ("chunked_attention", "full_attention")
 _THETA = 500_000.0
@@ -99,14 +100,10 @@ def llama4_text_plan(cfg: Config, weights: Weights, root: str = "") -> Plan:
   elif isinstance(raw.get("rope_parameters"), dict) and "rope_theta" not in raw["rope_parameters"]:
     raw["rope_parameters"] = {"rope_theta": _THETA, **raw["rope_parameters"]}
   bool_field(cfg, "attention_bias", False, False, "Llama 4's attention has no biases")
-  cfg.get("router_aux_loss_coef")  # Training only.
-  cfg.get("output_router_logits")  # Training only.
-  cfg.get("router_jitter_noise")  # Training only: transformers' router never adds it.
   use_qk_norm = cfg.get("use_qk_norm", True)
   # transformers 4.51 wrote the Hub's configs with a number here (Scout: 4),
   # used as a truth value; transformers 5 wants a bool. Both are read.
   tuning = bool(cfg.get("attn_temperature_tuning", True))
-  cfg.get("for_llm_compressor")  # The Hub's configs hold it; only llm-compressor reads it.
   floor_scale = cfg.get("floor_scale", 8192)
   attn_scale = float(cfg.get("attn_scale", 0.1))
   chunk = cfg.nullable("attention_chunk_size", 8192)
@@ -119,7 +116,7 @@ def llama4_text_plan(cfg: Config, weights: Weights, root: str = "") -> Plan:
   names = weights.names if not root else {
       n.removeprefix(root) for n in weights.names if n.startswith(root)}
 
-  def attention(count: int) -> Any:
+  def attention(count: int) -> llamalike_common.AttentionType:
     kinds.append(layers_of(count))
     return llamalike_common.AttentionTypeGlobalCausal()  # Chunks: set by `edit`.
 
@@ -243,12 +240,10 @@ def llama4_plan(cfg: Config, weights: Weights) -> Plan:
   ``text_config``, the tensors under ``language_model.``; the vision tower
   and its projector are left unread, and reported."""
   text = cfg.require("text_config")
-  cfg.get("vision_config")  # The vision tower's, which is not built.
-  for field in ("boi_token_index", "eoi_token_index", "image_token_index"):
-    cfg.get(field)  # Image tokens: a text-only model never sees them.
   tied = cfg.get("tie_word_embeddings", False)
   cfg.check_all_used()
-  text_cfg = multimodal.text_config(cfg, text, "llama4", "llama4_text", RECORD.fields)
+  text_cfg = multimodal.text_config(cfg, text, "llama4", "llama4_text", RECORD.fields,
+                                    RECORD.model_types["llama4_text"].ignored)
   if tied and text_cfg.raw.get("tie_word_embeddings") is None:
     text_cfg.raw["tie_word_embeddings"] = tied
   plan = llama4_text_plan(text_cfg, weights, root=_MULTIMODAL)
@@ -257,14 +252,14 @@ def llama4_plan(cfg: Config, weights: Weights) -> Plan:
   return plan
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout with interleaved RoPE or temperature tuning."""
   if all_layers(model, ApplyInterleavedRoPE) or all_layers(model, TemperatureTuning):
     return "llama4_text"
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # llama4 (multimodal) is read, never written.
   per_block = blocks(model)
   rope = [bool(all_layers(b, ApplyInterleavedRoPE)) for b in per_block]
@@ -312,7 +307,7 @@ def _whole(value: Any) -> int | float:
   return int(value) if value.is_integer() else value
 
 
-def _activation(model: Any, like: Mapping[str, Any]) -> str:
+def _activation(model: pz.nn.Layer, like: Mapping[str, Any]) -> str:
   """``hidden_act``: the dense and shared MLPs' (Llama's plan: SiLU or tanh GELU)."""
   return activation_field(model, like)["hidden_act"]
 
@@ -339,9 +334,17 @@ RECORD = Family(
     title="Llama 4 (text)",
     model_types={
         "llama4_text": ModelType(llama4_text_plan, "Llama4ForCausalLM",
-            **_TRANSFORMERS_DEFAULTS["llama4_text"]),
+            **_TRANSFORMERS_DEFAULTS["llama4_text"],
+            ignored_fields={
+                "training only: the balancing loss; transformers' router never adds the noise": (
+                    "router_aux_loss_coef", "output_router_logits", "router_jitter_noise"),
+                "the Hub's configs hold it; only llm-compressor reads it": ("for_llm_compressor",),
+            }, foreign_fields=frozenset({"for_llm_compressor"})),
         "llama4": ModelType(llama4_plan, "Llama4ForConditionalGeneration", exported=False,
-                            written_as="llama4_text"),
+                            written_as="llama4_text",
+                            ignored_fields={OTHER_MODALITIES: (
+                                "vision_config", "boi_token_index", "eoi_token_index",
+                                "image_token_index")}),
     },
     detect=_detect,
     write_config=_write_config,

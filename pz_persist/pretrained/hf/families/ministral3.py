@@ -1,6 +1,6 @@
 """Ministral 3 checkpoints (``model_type`` ``ministral3``).
 
-Ministral 3 is Mistral's layout (`pz_persist.pretrained.hf.families.llama`,
+Ministral 3 is Mistral's layout (`pz_persist.pretrained.hf.building.decoder`,
 no biases, untied or tied embeddings, an optional window; transformers'
 default is none) with yarn-scaled RoPE and Llama 4's position-dependent
 query scaling: after RoPE each query is multiplied by ``1 + beta * log(1 +
@@ -20,20 +20,20 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn.position_query_scale import PositionQueryScale
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
+from pz_persist.pretrained.hf.building.decoder import Biases
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import NO_BIASES
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
-from pz_persist.pretrained.hf.families.llama import Biases
-from pz_persist.pretrained.hf.families.llama import llama_plan
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.position_query_scale import PositionQueryScale
-from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 _BETA = "llama_4_scaling_beta"
 
@@ -55,10 +55,8 @@ def ministral3_plan(cfg: Config, weights: Weights) -> Plan:
     raise cfg.unsupported("rope_parameters.original_max_position_embeddings", None,
                           "Ministral 3's query scaling divides positions by it")
   cfg.checked("rope_parameters.original_max_position_embeddings", original)
-  cfg.get("attention_bias")
-  cfg.get("mlp_bias")
   for key in ("attention_bias", "mlp_bias"):
-    if cfg.raw.get(key):
+    if cfg.get(key):
       raise cfg.unsupported(key, True, "Ministral 3's projections have no biases")
   window = cfg.nullable("sliding_window", None)
   kind = (llamalike_common.AttentionTypeGlobalCausal() if window is None
@@ -82,12 +80,12 @@ def ministral3_plan(cfg: Config, weights: Weights) -> Plan:
                     head_dim_default=128, max_positions_default=262_144, edit=edit)
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout with a position-dependent query scale."""
   return "ministral3" if all_layers(model, PositionQueryScale) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only ministral3.
   fields = llamalike_fields(model, like)
   scale = all_layers(model, PositionQueryScale)[0]

@@ -1,6 +1,6 @@
 """Mixtral checkpoints (``model_type`` ``mixtral``: Mixtral 8x7B, 8x22B).
 
-Mistral's layout (`pz_persist.pretrained.hf.families.llama`) with a mixture
+Mistral's layout (`pz_persist.pretrained.hf.building.decoder`) with a mixture
 of ``num_local_experts`` SwiGLU experts of ``intermediate_size`` in every
 layer (``block_sparse_moe``: router ``gate``, experts' ``w1`` (gate), ``w3``
 (up), ``w2`` (down)); the router is a softmax over the experts, the top
@@ -19,26 +19,26 @@ from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained import errors
+from pz_persist.pretrained.hf.building.decoder import Biases
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import NO_BIASES
+from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY
+from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY_IGNORED
+from pz_persist.pretrained.hf.building.moe import ExpertNames
+from pz_persist.pretrained.hf.building.moe import Experts
+from pz_persist.pretrained.hf.building.moe import check_experts
+from pz_persist.pretrained.hf.building.moe import expert_fields
+from pz_persist.pretrained.hf.building.moe import mixtures
+from pz_persist.pretrained.hf.building.moe import read_experts
+from pz_persist.pretrained.hf.building.moe import softmax_routed
+from pz_persist.pretrained.hf.building.moe import softmax_router
+from pz_persist.pretrained.hf.building.moe import with_experts
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
-from pz_persist.pretrained.hf.families.llama import Biases
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.moe_common import TRAINING_ONLY
-from pz_persist.pretrained.hf.families.moe_common import ExpertNames
-from pz_persist.pretrained.hf.families.moe_common import Experts
-from pz_persist.pretrained.hf.families.moe_common import check_experts
-from pz_persist.pretrained.hf.families.moe_common import expert_fields
-from pz_persist.pretrained.hf.families.moe_common import mixtures
-from pz_persist.pretrained.hf.families.moe_common import read_experts
-from pz_persist.pretrained.hf.families.moe_common import read_training_only
-from pz_persist.pretrained.hf.families.moe_common import softmax_routed
-from pz_persist.pretrained.hf.families.moe_common import softmax_router
-from pz_persist.pretrained.hf.families.moe_common import with_experts
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
@@ -53,7 +53,6 @@ FIELDS = {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT
 def mixtral_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Mixtral checkpoint (transformers' ``MixtralConfig`` defaults)."""
   experts_count, top_k, neurons = read_experts(cfg, "num_local_experts", "intermediate_size")
-  read_training_only(cfg)
   window = cfg.nullable("sliding_window", None)
   kind = (llamalike_common.AttentionTypeGlobalCausal() if window is None
           else llamalike_common.AttentionTypeSlidingWindowCausal(window))
@@ -66,7 +65,7 @@ def mixtral_plan(cfg: Config, weights: Weights) -> Plan:
                       softmax_router(normalize_always=True))
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Every block a softmax-routed mixture, renormalised, with no query norm."""
   found = mixtures(model)
   if (found and all(layer is not None and softmax_routed(layer) and layer.router.normalize
@@ -76,7 +75,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only mixtral.
   fields = expert_fields(model, like)
   fields.pop("norm_topk_prob")  # Mixtral always renormalises (the plan checks it).
@@ -110,7 +109,8 @@ differs from the class or is not one of its fields."""
 RECORD = Family(
     title="Mixtral",
     model_types={"mixtral": ModelType(mixtral_plan, "MixtralForCausalLM",
-                     **_TRANSFORMERS_DEFAULTS["mixtral"])},
+                     **_TRANSFORMERS_DEFAULTS["mixtral"],
+                     ignored_fields=TRAINING_ONLY_IGNORED)},
     detect=_detect,
     write_config=_write_config,
     adds=("Mistral's layout with a mixture of experts in every layer (`MixtureOfExperts`:"

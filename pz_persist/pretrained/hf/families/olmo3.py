@@ -1,6 +1,6 @@
 """OLMo 3 checkpoints (``model_type`` ``olmo3``).
 
-OLMo 3 is OLMo 2 (`pz_persist.pretrained.hf.families.olmo2`: post-norms,
+OLMo 3 is OLMo 2 (`pz_persist.pretrained.hf.building.post_norms`: post-norms,
 query/key norms over the whole projection) with sliding-window layers: the
 layers ``layer_types`` marks ``"sliding_attention"`` (by default all but
 every fourth) attend through ``sliding_window`` (default 4096), and each
@@ -20,6 +20,13 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import with_scaled_rope
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import NO_BIASES
+from pz_persist.pretrained.hf.building.post_norms import is_post_norm
+from pz_persist.pretrained.hf.building.post_norms import olmo_blocks
+from pz_persist.pretrained.hf.building.post_norms import olmo_fields
 from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import RopeScaling
@@ -29,13 +36,6 @@ from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import with_scaled_rope
-from pz_persist.pretrained.hf.families.olmo2 import is_post_norm
-from pz_persist.pretrained.hf.families.olmo2 import olmo_blocks
-from pz_persist.pretrained.hf.families.olmo2 import olmo_fields
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
@@ -88,7 +88,7 @@ def olmo3_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(build, plan.tensors)
 
 
-def _rope(block: Any, theta: float, scaling: RopeScaling | None) -> Any:
+def _rope(block: pz.nn.Layer, theta: float, scaling: RopeScaling | None) -> pz.nn.Layer:
   block = (pz.select(block).at_instances_of(pz.nn.ApplyRoPE)
            .apply(lambda layer: pz.nn.ApplyRoPE(embedding_axis=layer.embedding_axis,
                                                 max_wavelength=theta,
@@ -134,12 +134,12 @@ def _ropes(cfg: Config) -> dict[str, tuple[float, RopeScaling | None]]:
   return out
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Post-norms with a sliding window."""
   return "olmo3" if is_post_norm(model) and any(w is not None for w in windows(model)) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only olmo3.
   found = windows(model)
   types = layer_types(found)

@@ -1,6 +1,6 @@
 """Phi-3, Phi-3.5, Phi-4 and Phi-4-mini checkpoints (``model_type`` ``phi3``).
 
-Phi-3 is Llama's layout (`pz_persist.pretrained.hf.families.llama`) stored
+Phi-3 is Llama's layout (`pz_persist.pretrained.hf.building.decoder`) stored
 differently, plus its own RoPE:
 
 - The query, key and value projections are one tensor (``qkv_proj``: the
@@ -29,6 +29,13 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn.longrope import ApplyLongRoPE
+from pz_persist.nn.mixture_of_experts import MixtureOfExperts
+from pz_persist.nn.offset_scale import OffsetScale
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import NO_BIASES
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import activation_field
@@ -40,18 +47,11 @@ from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.family_defaults import NO_BIASES
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.longrope import ApplyLongRoPE
-from pz_persist.nn.mixture_of_experts import MixtureOfExperts
-from pz_persist.nn.offset_scale import OffsetScale
 
 _DEFAULT_THETA = 10_000.0
 _DEFAULT_POSITIONS = 4096  # Phi3Config's max_position_embeddings and original_...
@@ -80,10 +80,6 @@ def _dropout(value: Any) -> bool:
 
 def phi3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping with Phi-3's fused tensors, RoPE and window."""
-  cfg.get("resid_pdrop")  # Dropout: inactive at inference.
-  # The Hub's Phi-3 folders name Microsoft's remote code, which transformers'
-  # own Phi3 class (the reference, and what export writes) replaces.
-  cfg.get("auto_map")
   # Phi-4-mini's fields of that remote code, which transformers' Phi3 does not
   # read: accepted at the values that change nothing.
   for field, neutral in _NEUTRAL.items():
@@ -220,7 +216,7 @@ def _fused(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
   return tuple(out)
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """LongRoPE, or a partial rotary embedding on RMS-normed blocks whose norms
   multiply by ``w`` (not by ``1 + w``, `OffsetScale`, as Gemma's do) and that
   hold no experts (GLM-4.5 has partial rotary and experts)."""
@@ -234,7 +230,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only phi3.
   fields = without_default_head_dim({
       **size_fields(model), **rms_norm_fields(model), **activation_field(model, like),
@@ -249,7 +245,7 @@ def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[
   return fields
 
 
-def _longrope_fields(model: Any, layer: ApplyLongRoPE) -> dict[str, Any]:
+def _longrope_fields(model: pz.nn.Layer, layer: ApplyLongRoPE) -> dict[str, Any]:
   """``rope_parameters`` and the top-level fields of `ApplyLongRoPE` ``layer``."""
   fields: dict[str, Any] = {}
   head_dim = projection(first_attention(model).input_to_query)["projection"]
@@ -299,7 +295,13 @@ differs from the class or is not one of its fields."""
 
 RECORD = Family(
     title="Phi-3, Phi-3.5, Phi-4, Phi-4-mini",
-    model_types={"phi3": ModelType(phi3_plan, "Phi3ForCausalLM", **_TRANSFORMERS_DEFAULTS["phi3"])},
+    model_types={"phi3": ModelType(
+        phi3_plan, "Phi3ForCausalLM", **_TRANSFORMERS_DEFAULTS["phi3"],
+        ignored_fields={
+            "dropout: inactive at inference": ("resid_pdrop",),
+            "the Hub's folders name Microsoft's remote code, which transformers' own Phi3 class"
+            " (the reference, and what export writes) replaces": ("auto_map",),
+        }, foreign_fields=frozenset({"auto_map"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("fused `qkv_proj` / `gate_up_proj` read as Penzai's separate projections (and written"

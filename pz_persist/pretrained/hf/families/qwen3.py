@@ -1,6 +1,6 @@
 """Qwen3 checkpoints (``model_type`` ``qwen3``): dense, tied or untied.
 
-Qwen3 is Llama's layout (`pz_persist.pretrained.hf.families.llama`) with
+Qwen3 is Llama's layout (`pz_persist.pretrained.hf.building.decoder`) with
 Qwen2's choice of sliding-window layers, no query/key/value biases (its
 ``attention_bias`` biases all four projections, as Llama's), and an RMS norm
 on the queries and the keys: after their projection, before RoPE, over each
@@ -12,33 +12,29 @@ named after it: ``attention/query_norm/scale.weights``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from penzai import pz
-from penzai.models.transformer import model_parts
-from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.pretrained.hf.building.decoder import Biases
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import model_biases
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import QWEN_WINDOW
+from pz_persist.pretrained.hf.building.defaults import QWEN_WINDOW_WHY
+from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
+from pz_persist.pretrained.hf.building.norms import with_query_key_norms
+from pz_persist.pretrained.hf.building.qwen_windows import qwen2_attention
+from pz_persist.pretrained.hf.building.qwen_windows import window_fields
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW
-from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW_WHY
-from pz_persist.pretrained.hf.families.llama import Biases
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import model_biases
-from pz_persist.pretrained.hf.families.qwen2 import qwen2_attention
-from pz_persist.pretrained.hf.families.qwen2 import window_fields
 from pz_persist.pretrained.hf.plan import Plan
-from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-
-_NORMED = {"query": "q_norm", "key": "k_norm"}  # Penzai projection -> Hugging Face norm.
 
 
 def qwen3_plan(cfg: Config, weights: Weights) -> Plan:
@@ -51,42 +47,12 @@ def qwen3_plan(cfg: Config, weights: Weights) -> Plan:
                     block_extras=query_key_norm_specs, edit=with_query_key_norms)
 
 
-def query_key_norm_specs(p: str, s: str,
-                         config: llamalike_common.LlamalikeTransformerConfig) -> list[TensorSpec]:
-  """The query and key norms' weights of block ``p`` (layer ``s``)."""
-  return [TensorSpec(f"{p}attention/{name}_norm/scale.weights", f"{s}self_attn.{hf}.weight",
-                     (config.projection_dim,), ("projection",)) for name, hf in _NORMED.items()]
-
-
-def with_query_key_norms(model: model_parts.TransformerLM,
-                         config: llamalike_common.LlamalikeTransformerConfig
-                         ) -> model_parts.TransformerLM:
-  """``model`` with an RMS norm over ``projection`` after the query and key
-  projections (and their biases), before RoPE."""
-
-  def normed(part: pz.nn.Sequential) -> pz.nn.Sequential:
-    layers = list(part.sublayers)
-    at = next(i for i, layer in enumerate(layers)
-              if not isinstance(layer, (pz.nn.Linear, pz.nn.AddBias)))
-    name = layers[0].weights.label.removesuffix(".weights") + "_norm"
-    norm = pz.nn.RMSLayerNorm.from_config(
-        name=name, init_base_rng=None, across_axes={"projection": config.projection_dim},
-        epsilon=config.rms_norm_eps, dtype=config.parameter_dtype)
-    return dataclasses.replace(part, sublayers=[*layers[:at], norm, *layers[at:]])
-
-  def add(attn: pz.nn.Attention) -> pz.nn.Attention:
-    return dataclasses.replace(attn, input_to_query=normed(attn.input_to_query),
-                               input_to_key=normed(attn.input_to_key))
-
-  return pz.select(model).at_instances_of(pz.nn.Attention).apply(add)
-
-
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Llama's layout with a norm among the query's layers."""
   return "qwen3" if all_layers(attention(model).input_to_query, pz.nn.RMSLayerNorm) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only qwen3.
   return {**llamalike_fields(model, like), **window_fields(model, like),
           "attention_bias": model_biases(model).output}

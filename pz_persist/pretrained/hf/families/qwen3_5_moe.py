@@ -1,7 +1,7 @@
 """Qwen3.5 / 3.6 mixture-of-experts text models (``model_type``
 ``qwen3_5_moe_text``: Qwen3.5-35B-A3B, 122B-A10B, 397B-A17B's text model).
 
-Qwen3.5's layers (`pz_persist.pretrained.hf.families.qwen3_5`: gated
+Qwen3.5's layers (`pz_persist.pretrained.hf.building.hybrid_decoder`: gated
 DeltaNet beside gated attention) with a mixture of experts in place of every
 MLP (`pz_persist.nn.mixture_of_experts.MixtureOfExperts`): a
 softmax router over ``num_experts``, the top ``num_experts_per_tok`` always
@@ -25,28 +25,29 @@ from typing import Any
 import jax
 from penzai import pz
 
+from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.pretrained.hf.building import hybrid_decoder
+from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS
+from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS_WHY
+from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY
+from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY_IGNORED
+from pz_persist.pretrained.hf.building.moe import ExpertNames
+from pz_persist.pretrained.hf.building.moe import Experts
+from pz_persist.pretrained.hf.building.moe import check_experts
+from pz_persist.pretrained.hf.building.moe import mixtures
+from pz_persist.pretrained.hf.building.moe import read_experts
+from pz_persist.pretrained.hf.building.moe import softmax_router
+from pz_persist.pretrained.hf.building.moe import with_experts
+from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import named_shape
-from pz_persist.pretrained.hf.families import qwen3_5
-from pz_persist.pretrained.hf.families.moe_common import TRAINING_ONLY
-from pz_persist.pretrained.hf.families.moe_common import ExpertNames
-from pz_persist.pretrained.hf.families.moe_common import Experts
-from pz_persist.pretrained.hf.families.moe_common import check_experts
-from pz_persist.pretrained.hf.families.moe_common import mixtures
-from pz_persist.pretrained.hf.families.moe_common import read_experts
-from pz_persist.pretrained.hf.families.moe_common import read_training_only
-from pz_persist.pretrained.hf.families.moe_common import softmax_router
-from pz_persist.pretrained.hf.families.moe_common import with_experts
-from pz_persist.pretrained.hf.families.qwen3_5 import QWEN3_5_DEFAULTS
-from pz_persist.pretrained.hf.families.qwen3_5 import QWEN3_5_DEFAULTS_WHY
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Stacked
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn import mixture_of_experts as moe
 
 _DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
              "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
@@ -54,6 +55,11 @@ _DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads"
 """transformers' ``Qwen3_5MoeTextConfig`` defaults where they differ from
 the dense model's."""
 
+
+_FIELDS = {**hybrid_decoder.FIELDS, **dict.fromkeys(
+    ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+     "shared_expert_intermediate_size"), POSITIVE_INT), **TRAINING_ONLY}
+"""Qwen3.5's fields, the experts' sizes and the router's training-only ones."""
 
 def qwen3_5_moe_text_plan(cfg: Config, weights: Weights, root: str = "model.",
                           tied: bool | None = None) -> Plan:
@@ -64,12 +70,11 @@ def qwen3_5_moe_text_plan(cfg: Config, weights: Weights, root: str = "model.",
       cfg.raw[key] = default
   count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size")
   shared = cfg.require("shared_expert_intermediate_size")
-  read_training_only(cfg)
   # No dense MLP: the dense plan's placeholder size is the experts' (its
   # MLPs are all replaced before anything is allocated).
   if cfg.raw.get("intermediate_size") is None:
     cfg.raw["intermediate_size"] = neurons
-  plan = qwen3_5.qwen3_5_text_plan(cfg, weights, root=root, tied=tied)
+  plan = hybrid_decoder.qwen3_5_text_plan(cfg, weights, root=root, tied=tied)
   layers = cfg.require("num_hidden_layers")
   hidden = cfg.require("hidden_size")
   experts = Experts(count, top_k, neurons, True, tuple(range(layers)), ExpertNames())
@@ -127,8 +132,9 @@ def qwen3_5_moe_plan(cfg: Config, weights: Weights) -> Plan:
   """The text model of a ``qwen3_5_moe`` (multimodal) folder: the config in
   ``text_config``, tensors under ``model.language_model.``; the vision tower
   and the multi-token-prediction head are not read, and reported."""
-  return qwen3_5.multimodal_plan(cfg, weights, "qwen3_5_moe_text", qwen3_5_moe_text_plan,
-                                 RECORD.fields)
+  return hybrid_decoder.multimodal_plan(cfg, weights, "qwen3_5_moe_text", qwen3_5_moe_text_plan,
+                                        _FIELDS,
+                                        RECORD.model_types["qwen3_5_moe_text"].ignored)
 
 
 def _shared_mlp(name: str) -> pz.nn.Sequential:
@@ -147,16 +153,16 @@ def _shared_mlp(name: str) -> pz.nn.Sequential:
   ])
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Qwen3.5's gated DeltaNet layers with mixtures of experts."""
-  if qwen3_5.RECORD.detect(model) and any(layer is not None for layer in mixtures(model)):
+  if hybrid_decoder.has_delta_net(model) and any(layer is not None for layer in mixtures(model)):
     return "qwen3_5_moe_text"
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only qwen3_5_moe_text.
-  fields = qwen3_5.RECORD.write_config(model, "qwen3_5_text", like)
+  fields = hybrid_decoder.hybrid_fields(model, like)
   fields.pop("intermediate_size", None)
   first = next(layer for layer in mixtures(model) if layer is not None)
   gate = named_shape(all_layers(first.experts, pz.nn.Linear)[0])
@@ -183,9 +189,12 @@ RECORD = Family(
     title="Qwen3.5 / Qwen3.6 MoE",
     model_types={
         "qwen3_5_moe_text": ModelType(qwen3_5_moe_text_plan, "Qwen3_5MoeForCausalLM",
-            **_TRANSFORMERS_DEFAULTS["qwen3_5_moe_text"]),
+            **_TRANSFORMERS_DEFAULTS["qwen3_5_moe_text"],
+            ignored_fields={**hybrid_decoder.TEXT_IGNORED, **TRAINING_ONLY_IGNORED},
+            foreign_fields=hybrid_decoder.TEXT_FOREIGN | {"router_jitter_noise"}),
         "qwen3_5_moe": ModelType(qwen3_5_moe_plan, "Qwen3_5MoeForConditionalGeneration",
-                                 exported=False, written_as="qwen3_5_moe_text"),
+                                 exported=False, written_as="qwen3_5_moe_text",
+                                 ignored_fields=hybrid_decoder.MULTIMODAL_IGNORED),
     },
     detect=_detect,
     write_config=_write_config,
@@ -194,10 +203,5 @@ RECORD = Family(
           " `sigmoid(shared_expert_gate)`; the text model of `qwen3_5_moe` folders"),
     refuses="what Qwen3.5 refuses",
     rank=31,
-    fields={**qwen3_5.RECORD.fields,
-            "num_experts": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
-            "num_experts_per_tok": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
-            "moe_intermediate_size": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
-            "shared_expert_intermediate_size": qwen3_5._POSITIVE_INT,  # pylint: disable=protected-access
-            **TRAINING_ONLY},
+    fields=_FIELDS,
 )

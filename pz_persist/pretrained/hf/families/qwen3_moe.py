@@ -25,6 +25,25 @@ from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained import errors
+from pz_persist.pretrained.hf.building.decoder import Biases
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import model_biases
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.defaults import QWEN_WINDOW
+from pz_persist.pretrained.hf.building.moe import LAYER_LIST
+from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY
+from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY_IGNORED
+from pz_persist.pretrained.hf.building.moe import ExpertNames
+from pz_persist.pretrained.hf.building.moe import Experts
+from pz_persist.pretrained.hf.building.moe import check_experts
+from pz_persist.pretrained.hf.building.moe import expert_fields
+from pz_persist.pretrained.hf.building.moe import mixtures
+from pz_persist.pretrained.hf.building.moe import read_experts
+from pz_persist.pretrained.hf.building.moe import softmax_routed
+from pz_persist.pretrained.hf.building.moe import softmax_router
+from pz_persist.pretrained.hf.building.moe import with_experts
+from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
+from pz_persist.pretrained.hf.building.norms import with_query_key_norms
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
@@ -32,25 +51,6 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.family_defaults import QWEN_WINDOW
-from pz_persist.pretrained.hf.families.llama import Biases
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import model_biases
-from pz_persist.pretrained.hf.families.moe_common import LAYER_LIST
-from pz_persist.pretrained.hf.families.moe_common import TRAINING_ONLY
-from pz_persist.pretrained.hf.families.moe_common import ExpertNames
-from pz_persist.pretrained.hf.families.moe_common import Experts
-from pz_persist.pretrained.hf.families.moe_common import check_experts
-from pz_persist.pretrained.hf.families.moe_common import expert_fields
-from pz_persist.pretrained.hf.families.moe_common import mixtures
-from pz_persist.pretrained.hf.families.moe_common import read_experts
-from pz_persist.pretrained.hf.families.moe_common import read_training_only
-from pz_persist.pretrained.hf.families.moe_common import softmax_routed
-from pz_persist.pretrained.hf.families.moe_common import softmax_router
-from pz_persist.pretrained.hf.families.moe_common import with_experts
-from pz_persist.pretrained.hf.families.qwen3 import query_key_norm_specs
-from pz_persist.pretrained.hf.families.qwen3 import with_query_key_norms
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
@@ -89,8 +89,6 @@ def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
   experts_count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size",
                                                aliases=("num_local_experts",))
   normalize = cfg.get("norm_topk_prob", False)
-  read_training_only(cfg)
-  cfg.get("max_window_layers")  # transformers' Qwen3-MoE reads it nowhere.
   # One window for every layer, or none.
   use_window = cfg.get("use_sliding_window", False)
   window = cfg.nullable("sliding_window", 4096) if use_window else None
@@ -111,7 +109,7 @@ def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
                       softmax_router())
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """Query/key norms and softmax-routed mixtures of experts."""
   found = [layer for layer in mixtures(model) if layer is not None]
   if (found and all(softmax_routed(layer) for layer in found)
@@ -120,7 +118,7 @@ def _detect(model: Any) -> str | None:
   return None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only qwen3_moe.
   fields = expert_fields(model, like)
   experts, neurons = fields.pop("_experts"), fields.pop("_neurons")
@@ -170,7 +168,11 @@ differs from the class or is not one of its fields."""
 RECORD = Family(
     title="Qwen3-MoE",
     model_types={"qwen3_moe": ModelType(qwen3_moe_plan, "Qwen3MoeForCausalLM",
-                     **_TRANSFORMERS_DEFAULTS["qwen3_moe"])},
+                     **_TRANSFORMERS_DEFAULTS["qwen3_moe"],
+                     ignored_fields={
+                         **TRAINING_ONLY_IGNORED,
+                         "transformers' Qwen3-MoE reads it nowhere": ("max_window_layers",),
+                     }, foreign_fields=frozenset({"max_window_layers", "router_jitter_noise"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("query/key RMS norms with a mixture of experts (`MixtureOfExperts`: softmax router,"

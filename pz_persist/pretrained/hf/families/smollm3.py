@@ -1,6 +1,6 @@
 """SmolLM3 checkpoints (``model_type`` ``smollm3``).
 
-SmolLM3 is Llama's layout (`pz_persist.pretrained.hf.families.llama`) where
+SmolLM3 is Llama's layout (`pz_persist.pretrained.hf.building.decoder`) where
 some layers use no rotary embedding at all (``no_rope_layers[i] == 0``;
 without the list, every ``no_rope_layer_interval``-th layer, 4 by default):
 their query and key projections have no ``ApplyRoPE`` layer. Its optional
@@ -19,22 +19,23 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
+from pz_persist.pretrained.hf.building.decoder import Attention
+from pz_persist.pretrained.hf.building.decoder import llama_plan
+from pz_persist.pretrained.hf.building.decoder import model_biases
+from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
+from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import layer_types
 from pz_persist.pretrained.hf.config_from_model import llamalike_fields
 from pz_persist.pretrained.hf.config_from_model import windows
-from pz_persist.pretrained.hf.families.family_defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.families.llama import Attention
-from pz_persist.pretrained.hf.families.llama import llama_plan
-from pz_persist.pretrained.hf.families.llama import model_biases
-from pz_persist.pretrained.hf.families.qwen2 import without_default_head_dim
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_LAYERS = (pz.nn.ApplyRoPE, ApplyScaledRoPE)
@@ -45,15 +46,8 @@ def _flags(value: Any) -> bool:
                                          for item in value)
 
 
-def _positive_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def smollm3_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's mapping without RoPE in the layers ``no_rope_layers`` says."""
-  # Written by transformers 4's SmolLM3Config (copied from Qwen2's);
-  # transformers 5 reads layer_types instead.
-  cfg.get("max_window_layers")
   layers = cfg.require("num_hidden_layers")
   interval = cfg.get("no_rope_layer_interval", 4)
   flags = cfg.get("no_rope_layers")
@@ -109,7 +103,7 @@ def without_rope(model: model_parts.TransformerLM, layers: list[int]) -> model_p
   return model
 
 
-def _uses_rope(model: Any) -> list[int]:
+def _uses_rope(model: pz.nn.Layer) -> list[int]:
   return [int(any(all_layers(block, cls) for cls in (*_ROPE_LAYERS, pz.nn.ApplyRoPEToSubset)))
           for block in blocks(model)]
 
@@ -118,7 +112,7 @@ def _shown(values: list[Any]) -> list[Any]:
   return values if len(values) <= 8 else [*values[:8], "..."]
 
 
-def _detect(model: Any) -> str | None:
+def _detect(model: pz.nn.Layer) -> str | None:
   """An attention block without rotary layers (Llama's layout has them in
   every block; a block with no ``Attention`` at all, such as a
   linear-attention block, is not a NoPE layer)."""
@@ -126,7 +120,7 @@ def _detect(model: Any) -> str | None:
   return "smollm3" if any(a and not r for a, r in zip(attends, _uses_rope(model))) else None
 
 
-def _write_config(model: Any, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
+def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only smollm3.
   found = windows(model)
   window = next((w for w in found if w is not None), None)
@@ -157,7 +151,11 @@ differs from the class or is not one of its fields."""
 RECORD = Family(
     title="SmolLM3",
     model_types={"smollm3": ModelType(smollm3_plan, "SmolLM3ForCausalLM",
-                     **_TRANSFORMERS_DEFAULTS["smollm3"])},
+                     **_TRANSFORMERS_DEFAULTS["smollm3"],
+                     ignored_fields={
+                         "written by transformers 4's SmolLM3Config (copied from Qwen2's);"
+                         " transformers 5 reads layer_types instead": ("max_window_layers",),
+                     }, foreign_fields=frozenset({"max_window_layers"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("Llama's layout with layers without RoPE (`no_rope_layers`), per-layer sliding"
@@ -165,5 +163,5 @@ RECORD = Family(
     refuses="what Llama refuses; a layer marked sliding without a window",
     rank=25,
     fields={"no_rope_layers": (_flags, "a list of 0 and 1"),
-            "no_rope_layer_interval": (_positive_int, "a positive integer")},
+            "no_rope_layer_interval": POSITIVE_INT},
 )

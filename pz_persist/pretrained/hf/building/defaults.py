@@ -47,6 +47,28 @@ GEMMA_LIKE: dict[str, Any] = {
     "rope_theta": 10_000.0, "partial_rotary_factor": 1.0, "use_bidirectional_attention": False}
 """The defaults the Gemma configs share."""
 
+CAUSAL_WHY = "the config class's None means causal attention, as false does"
+"""Why a Gemma row's ``use_bidirectional_attention`` is false where the class holds None."""
+
+HIDDEN_ACT_WHY = ("the class reads hidden_activation; hidden_act, Gemma 1's name, has the"
+                  " same default")
+"""Why a Gemma 2-4 row has ``hidden_act``."""
+
 NO_BIASES = ("transformers' class has no such field: its projections have no biases, and"
              " pz_persist refuses true")
 """Why a row has ``attention_bias`` / ``mlp_bias`` that its class lacks."""
+
+
+QWEN3_5_DEFAULTS: dict[str, Any] = {
+    **LLAMA_LIKE, "partial_rotary_factor": 0.25, "head_dim": 256, "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4, "attn_output_gate": True}
+"""Qwen3.5's defaults, which Qwen3.5-MoE's text model shares."""
+
+QWEN3_5_DEFAULTS_WHY: dict[str, str] = {
+    "full_attention_interval": (
+        "transformers 5 takes it only as an argument (default 4) that builds layer_types"),
+    "attn_output_gate": (
+        "the Hub's field; transformers 5's Qwen3.5 always gates the attention output, and"
+        " pz_persist refuses false"),
+}
+"""Why the Qwen3.5 text models' (dense and MoE) defaults differ from transformers' classes."""

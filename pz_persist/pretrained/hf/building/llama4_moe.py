@@ -29,10 +29,10 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn import mixture_of_experts as moe_lib
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.nn import mixture_of_experts as moe_lib
 
 
 @dataclasses.dataclass
@@ -97,14 +97,14 @@ def read_config(cfg: Config) -> Llama4Moe:
   return Llama4Moe(experts, top_k)
 
 
-def moe_layers(model: Any) -> list[moe_lib.MixtureOfExperts | None]:
+def moe_layers(model: pz.nn.Layer) -> list[moe_lib.MixtureOfExperts | None]:
   """Each block's mixture of experts, or None for a dense block."""
   from pz_persist.pretrained.hf.config_from_model import blocks  # pylint: disable=import-outside-toplevel
   return [next(iter(all_layers(block, moe_lib.MixtureOfExperts)), None)
           for block in blocks(model)]
 
 
-def config_fields(model: Any) -> dict[str, Any]:
+def config_fields(model: pz.nn.Layer) -> dict[str, Any]:
   """``moe_layers``, the experts' count, choice and width (None-free only
   when some block has experts)."""
   layers = moe_layers(model)

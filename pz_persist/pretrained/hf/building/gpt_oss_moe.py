@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,13 +39,13 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn import mixture_of_experts as moe_lib
 from pz_persist.pretrained.hf import quantized_mxfp4
 from pz_persist.pretrained.hf import weights as weights_lib
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.nn import mixture_of_experts as moe_lib
 
 _QUANTIZATION_KEYS = {"quant_method", "modules_to_not_convert"}
 _MXFP4 = "MXFP4 (FP4 E2M1 values in blocks of 32, E8M0 scales)"
@@ -70,7 +71,7 @@ class GptOssMoe:
   top_k: int
   alpha: float
   limit: float
-  quantized: Any
+  quantized: Callable[[str], bool]
   headers: dict[str, tuple[np.dtype, tuple[int, ...]]]
   where: str
   views: list[weights_lib.View] = dataclasses.field(default_factory=list)
@@ -160,7 +161,7 @@ def _format_error(message: str) -> Exception:
   return safetensors_io.SafetensorsFormatError(message)
 
 
-def read_config(cfg: Config, weights: Any) -> GptOssMoe:
+def read_config(cfg: Config, weights: weights_lib.Weights) -> GptOssMoe:
   """Reads (and checks) the experts' fields and ``quantization_config``."""
   experts = cfg.get("num_local_experts", 128)
   top_k = cfg.get("num_experts_per_tok", 4)
@@ -171,9 +172,6 @@ def read_config(cfg: Config, weights: Any) -> GptOssMoe:
   if top_k > experts:
     raise cfg.unsupported("num_experts_per_tok", top_k,
                           f"at most num_local_experts={experts} experts can be chosen")
-  cfg.get("router_aux_loss_coef")  # Training only.
-  cfg.get("output_router_logits")  # Training only.
-  cfg.get("initial_context_length")  # The Hub's configs hold it; transformers ignores it.
   quantized = _quantization(cfg)
   headers = {}
   if quantized is not _never:
@@ -187,7 +185,7 @@ def _never(prefix: str) -> bool:
   return False
 
 
-def _quantization(cfg: Config) -> Any:
+def _quantization(cfg: Config) -> Callable[[str], bool]:
   """Which layers' experts are MXFP4, as a function of the layer's prefix:
   all unless ``modules_to_not_convert`` exempts them; no quantization, none.
   Other methods, and unknown keys, are refused naming the field."""
@@ -216,7 +214,7 @@ def _quantization(cfg: Config) -> Any:
   return quantized
 
 
-def config_fields(model: Any) -> dict[str, Any]:
+def config_fields(model: pz.nn.Layer) -> dict[str, Any]:
   """The experts' fields of an exported model (from its first layer)."""
   layer = all_layers(model, moe_lib.MixtureOfExperts)[0]
   router = layer.router

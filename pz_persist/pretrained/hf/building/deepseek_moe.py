@@ -22,11 +22,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from penzai import pz
 
+from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
+from pz_persist.pretrained.hf.config import POSITIVE_INT
+from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
+from pz_persist.pretrained.hf.config import STRING
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import named_shape
+from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import TensorSpec
 
 Source = Callable[..., str]
@@ -78,7 +85,7 @@ class Routing:
                               src(f"{s}mlp.shared_experts.{hf}.weight", stored), stored, axes))
     return specs
 
-  def layer(self, name: str, dtype: Any) -> pz.nn.Layer:
+  def layer(self, name: str, dtype: DTypeLike) -> pz.nn.Layer:
     """The Penzai layer of MoE block ``name``'s MLP."""
     from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
     # transformers computes the router's logits in float32 (its weight kept in
@@ -99,7 +106,7 @@ class Routing:
         shared=shared_mlp(f"{name}/shared", self.hidden, self.neurons * self.shared, dtype))
 
 
-def shared_mlp(name: str, hidden: int, neurons: int, dtype: Any) -> pz.nn.Sequential:
+def shared_mlp(name: str, hidden: int, neurons: int, dtype: DTypeLike) -> pz.nn.Sequential:
   """A SwiGLU MLP (``{name}/gate``, ``/up``, ``/down``), as a plain
   ``Sequential`` (not a ``TransformerFeedForward``: it is part of one)."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -149,9 +156,6 @@ def read_routing(cfg: Config, hidden: int,
   cfg.expect("topk_method", {"noaux_tc"}, "noaux_tc",
              why="; transformers' DeepSeek-V3 router implements the noaux_tc choice only")
   cfg.expect("moe_layer_freq", {1}, 1, why="; every layer from first_k_dense_replace on is MoE")
-  for ignored in ("aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
-                  "router_aux_loss_coef", "auto_map"):
-    cfg.get(ignored)  # Training, parallelism or remote code: not the forward pass.
   experts = cfg.get("n_routed_experts", defaults["n_routed_experts"])
   groups = cfg.get("n_group", defaults["n_group"])
   top_groups = cfg.get("topk_group", defaults["topk_group"])
@@ -171,7 +175,7 @@ def read_routing(cfg: Config, hidden: int,
                  scale=float(cfg.get("routed_scaling_factor", defaults["routed_scaling_factor"])))
 
 
-def routing_fields(model: Any, like: Mapping[str, Any], dense_layers: int) -> dict[str, Any]:
+def routing_fields(model: pz.nn.Layer, like: Mapping[str, Any], dense_layers: int) -> dict[str, Any]:
   """The routing fields of ``model`` (its first MoE layer's), for export;
   ``like``'s where the model has no MoE layer."""
   from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
@@ -212,3 +216,51 @@ def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int) -
     found = f"experts {held[:10]}{'...' if len(held) > 10 else ''}"
   raise cfg.invalid("n_routed_experts", experts, "a positive integer matching the weights",
                     f" but layer {layer} holds {found} ({prefix}{{e}}.gate_proj.weight...)")
+
+
+_LAYER_NUMBER = re.compile(r"(\d{1,9})\.")
+
+
+def main_layers(names: set[str], layers: int, mtp: int) -> set[str]:
+  """``names`` without those of the multi-token prediction layers (layers
+  ``layers .. layers + mtp - 1``), which the causal LM does not run."""
+
+  def is_mtp(name: str) -> bool:
+    match = (_LAYER_NUMBER.match(name, len(DECODER_LAYERS)) if name.startswith(DECODER_LAYERS)
+             else None)
+    return match is not None and layers <= int(match.group(1)) < layers + mtp
+
+  return {name for name in names if not is_mtp(name)}
+
+
+MOE_FIELDS = {
+    "first_k_dense_replace": NON_NEGATIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT,
+    "n_routed_experts": POSITIVE_INT,
+    "n_shared_experts": POSITIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "n_group": POSITIVE_INT,
+    "topk_group": POSITIVE_INT,
+    "routed_scaling_factor": POSITIVE_NUMBER,
+    "norm_topk_prob": BOOLEAN,
+    "num_nextn_predict_layers": NON_NEGATIVE_INT,
+    "moe_layer_freq": POSITIVE_INT,
+    "scoring_func": STRING,
+    "topk_method": STRING,
+}
+"""The ``config.json`` fields of DeepSeek's mixture of experts (and its
+multi-token prediction layers), as DeepSeek-V3 and GLM-4.5 read them."""
+
+MOE_IGNORED = {
+    "training or parallelism only (the balancing loss, expert parallelism), not the forward"
+    " pass": ("aux_loss_alpha", "seq_aux", "ep_size", "output_router_logits",
+              "router_aux_loss_coef"),
+    "the Hub's remote code, which transformers' own class replaces": ("auto_map",),
+}
+"""The fields of DeepSeek's mixture of experts its plans leave unread, as
+DeepSeek-V3's and GLM-4.5's records declare them."""
+
+MOE_FOREIGN = frozenset({"auto_map", "aux_loss_alpha", "ep_size", "router_aux_loss_coef",
+                         "seq_aux"})
+"""Those of `MOE_IGNORED` that only the Hub's configs (DeepSeek's remote code)
+hold: transformers' config classes lack them."""

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from penzai import pz
 from penzai.models.transformer.variants import llamalike_common
 
-from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.pretrained.hf.plan import TensorSpec
 
 
 def build(name: str, config: llamalike_common.LlamalikeTransformerConfig, experts: int,

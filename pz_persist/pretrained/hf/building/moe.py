@@ -2,7 +2,7 @@
 in some layers, a `pz_persist.nn.mixture_of_experts.MixtureOfExperts`
 (Qwen3-MoE, Mixtral).
 
-The family's dense plan (`pz_persist.pretrained.hf.families.llama.llama_plan`
+The family's dense plan (`pz_persist.pretrained.hf.building.decoder.llama_plan`
 with its hooks) is built first; `with_experts` then swaps, in each layer that
 has experts, the dense MLP's specs and slots for the router's and the
 experts'. The experts' tensors are read as transformers stores them on the
@@ -29,6 +29,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 from pz_persist.pretrained import errors
+from pz_persist.nn import mixture_of_experts as moe
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import activation_field
@@ -45,7 +46,6 @@ from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import stacked
-from pz_persist.nn import mixture_of_experts as moe
 
 ExportError = errors.ExportError
 
@@ -60,9 +60,10 @@ TRAINING_ONLY = {"output_router_logits": BOOLEAN, "router_aux_loss_coef": NUMBER
 read, and ignored at inference."""
 
 
-def read_training_only(cfg: Config) -> None:
-  for key in TRAINING_ONLY:
-    cfg.get(key)
+TRAINING_ONLY_IGNORED = {
+    "training only: the load-balancing loss and the router's noise": tuple(TRAINING_ONLY)}
+"""`TRAINING_ONLY` as a record's ``ignored_fields``
+(`pz_persist.pretrained.hf.record.ModelType`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +252,7 @@ def softmax_router(normalize_always: bool = False
 # --- export: what a model with experts says about its config -----------------
 
 
-def mixtures(model: Any) -> list[moe.MixtureOfExperts | None]:
+def mixtures(model: pz.nn.Layer) -> list[moe.MixtureOfExperts | None]:
   """Each block's `MixtureOfExperts`, or None for a dense block."""
   found = []
   for block in blocks(model):
@@ -271,7 +272,7 @@ def softmax_routed(layer: moe.MixtureOfExperts) -> bool:
           and layer.expert_input is None)
 
 
-def expert_fields(model: Any, like: Mapping[str, Any]) -> dict[str, Any]:
+def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   """The llama-like fields of a model whose feed-forward blocks may be
   mixtures (sizes, norms, RoPE, activation, tied head), plus
   ``num_experts_per_tok`` and ``norm_topk_prob`` and the sizes
