@@ -222,61 +222,12 @@ ALIASES_ALLOWED = {
     " stores.local.ORBAX_CHECKPOINT_METADATA",
     # The extension surface names, for loaders, what they may rely on.
     "pz_persist.extension: FolderSnapshot = containment.Snapshot",
-}
-"""Module-level aliases that are not leftovers of a rename or a move.
-
-The helpers restructuring storage/ and pretrained/ (issue 38) hold the
-rest of those parts' aliases, listed in `ALIASES_LEFT_TO_THEIR_PARTS` until
-their parts are done."""
-
-ALIASES_LEFT_TO_THEIR_PARTS = {
-    "pz_persist.pretrained.gemma: Progress = progress_lib.Progress",
+    # Public faces naming the classes their users catch or annotate with.
     "pz_persist.pretrained.hf: UnsupportedConfigError = errors.UnsupportedConfigError",
     "pz_persist.pretrained.hf: CheckpointFolderError = errors.CheckpointFolderError",
-    "pz_persist.pretrained.hf.config: UnsupportedConfigError = errors.UnsupportedConfigError",
-    "pz_persist.pretrained.hf.config_from_model: ExportError = errors.ExportError",
-    "pz_persist.pretrained.hf.export: ExportError = errors.ExportError",
-    "pz_persist.pretrained.hf.families.moe_common: ExportError = errors.ExportError",
-    "pz_persist.pretrained.hf.folder_writer: ExportError = errors.ExportError",
-    "pz_persist.pretrained.hf.load: UnsupportedConfigError = errors.UnsupportedConfigError",
-    "pz_persist.pretrained.hf.load: CheckpointFolderError = errors.CheckpointFolderError",
-    "pz_persist.pretrained.hf.structure_match: ExportError = errors.ExportError",
-    "pz_persist.pretrained.hf.weights: CheckpointFolderError = errors.CheckpointFolderError",
-    "pz_persist.pretrained.lora_merge: ExportError = errors.ExportError",
-    "pz_persist.storage.commit: Identity = stores.base.Identity",
-    "pz_persist.storage.commit: sibling = local.sibling",
-    "pz_persist.storage.commit: is_local = safe_io.is_local",
-    "pz_persist.storage.containment: MAX_ORBAX_TREE_METADATA_BYTES ="
-    " bounded_json.MAX_ORBAX_METADATA_BYTES",
-    "pz_persist.storage.file_digests: FILENAME = manifest_lib.FILE_DIGESTS_FILENAME",
-    "pz_persist.storage.file_digests: MAX_BYTES = manifest_lib.MAX_FILE_DIGESTS_BYTES",
-    "pz_persist.storage.object_commit: COMMIT_PREFIX = commits.COMMIT_PREFIX",
-    "pz_persist.storage.object_commit: MAX_SEQUENCE = commits.MAX_SEQUENCE",
-    "pz_persist.storage.object_commit: GENERATION_PREFIX = commits.GENERATION_PREFIX",
-    "pz_persist.storage.object_commit: MAX_COMMIT_BYTES = commits.MAX_COMMIT_BYTES",
-    "pz_persist.storage.object_commit: Commit = base.Commit",
-    "pz_persist.storage.object_commit: Identity = base.Identity",
-    "pz_persist.storage.object_commit: commit_name = commits.commit_name",
-    "pz_persist.storage.object_commit: new_generation = commits.new_generation",
-    "pz_persist.storage.object_commit: next_sequence = commits.next_sequence",
-    "pz_persist.storage.object_store: ObjectInfo = base.ObjectInfo",
-    "pz_persist.storage.object_store: scheme = urls.scheme",
-    "pz_persist.storage.object_store: file_url_path = urls.file_url_path",
-    "pz_persist.storage.object_store: check_url = urls.check_url",
-    "pz_persist.storage.object_store: key = urls.key",
-    "pz_persist.storage.opening: LOAD_ATTEMPTS = stores.LOCAL.load_attempts",
-    "pz_persist.storage.opening: OBJECT_STORE_LOAD_ATTEMPTS ="
-    " stores.objects.ObjectStore.load_attempts",
-    "pz_persist.storage.opening: ORBAX_CHECKPOINT_METADATA = stores.local.ORBAX_CHECKPOINT_METADATA",
     "pz_persist.storage.stores: Store = base.Store",
-    "pz_persist.storage.stores.commits: COMMIT_PREFIX = base.COMMIT_PREFIX",
-    "pz_persist.storage.stores.commits: commit_name = base.commit_name",
-    "pz_persist.storage.stores.commits: Commit = base.Commit",
-    "pz_persist.storage.stores.commits: Identity = base.Identity",
 }
-"""Aliases in storage/ and pretrained/, found at the start of issue 38 and
-left to the helpers regrouping those parts: this may only shrink."""
-
+"""Module-level aliases that are not leftovers of a rename or a move."""
 
 def test_no_new_module_level_aliases():
   """A rename or a move leaves no ``old = new`` line behind: an internal
@@ -284,7 +235,7 @@ def test_no_new_module_level_aliases():
   served with a warning and a date by `pz_persist.deprecations`. This lists
   every module-level alias and fails on one not allowed above."""
   found = set(_module_aliases())
-  new = sorted(found - ALIASES_ALLOWED - ALIASES_LEFT_TO_THEIR_PARTS)
+  new = sorted(found - ALIASES_ALLOWED)
   assert not new, (
       "module-level aliases (replace the old spelling at its callers, or serve a"
       " public one with pz_persist.deprecations.module_getattr):\n" + "\n".join(new))

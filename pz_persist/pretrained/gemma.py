@@ -74,7 +74,6 @@ from pz_persist.pretrained.errors import GemmaCheckpointError  # Documented here
 
 __all__ = ["GemmaCheckpointError", "GemmaReport", "GemmaSetting", "known_presets", "load_gemma"]
 
-Progress = progress_lib.Progress
 _log = logging.getLogger(__name__)
 
 
@@ -179,7 +178,7 @@ def load_gemma(
     sharding: sharding_lib.Target = ...,
     upcast_activations_to_float32: bool = ...,
     use_layer_stack: bool = ...,
-    progress: Progress = ...,
+    progress: progress_lib.Progress = ...,
     report: Literal[False] = ...,
 ) -> model_parts.TransformerLM: ...
 
@@ -194,7 +193,7 @@ def load_gemma(
     sharding: sharding_lib.Target = ...,
     upcast_activations_to_float32: bool = ...,
     use_layer_stack: bool = ...,
-    progress: Progress = ...,
+    progress: progress_lib.Progress = ...,
     report: Literal[True],
 ) -> tuple[model_parts.TransformerLM, GemmaReport]: ...
 
@@ -208,7 +207,7 @@ def load_gemma(
     sharding: sharding_lib.Target = None,
     upcast_activations_to_float32: bool = False,
     use_layer_stack: bool = False,
-    progress: Progress = None,
+    progress: progress_lib.Progress = None,
     report: bool = False,
 ) -> model_parts.TransformerLM | tuple[model_parts.TransformerLM, GemmaReport]:
   """Loads an official Gemma (1 or 2) Flax checkpoint, or a Gemma 3 or Gemma 4
@@ -327,7 +326,7 @@ def load_gemma(
 def _load_library(
     module: types.ModuleType, path: epath.Path, tree: Mapping[str, Any],
     stored: Mapping[str, Mapping[str, np.ndarray]], preset: str | Mapping[str, Any],
-    dtype: npt.DTypeLike | None, sharding: sharding_lib.Target, progress: Progress, report: bool,
+    dtype: npt.DTypeLike | None, sharding: sharding_lib.Target, progress: progress_lib.Progress, report: bool,
 ) -> model_parts.TransformerLM | tuple[model_parts.TransformerLM, GemmaReport]:
   """A Gemma 3 or Gemma 4 checkpoint of the ``gemma`` library (``module``:
   `gemma3_flax` or `gemma4_flax`): the settings are resolved and every

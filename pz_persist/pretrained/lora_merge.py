@@ -14,8 +14,6 @@ from penzai import pz
 
 from pz_persist.pretrained import errors
 
-ExportError = errors.ExportError
-
 
 def refuse_lora(model: Any) -> None:
   """Refuses a model holding LoRA adapters, saying to `merge_lora` first."""
@@ -27,7 +25,7 @@ def refuse_lora(model: Any) -> None:
   adapters = pz.select(model).at_instances_of(lora.LowRankAdapter)
   if adapters.count():
     path = jax.tree_util.keystr(next(iter(adapters.selected_by_path)))
-    raise ExportError(
+    raise errors.ExportError(
         f"the model holds {adapters.count()} unmerged LoRA adapter(s)"
         f" (penzai.toolshed.lora.LowRankAdapter, the first at model{path}), which"
         " Hugging Face's architectures cannot express. Merge them first:"

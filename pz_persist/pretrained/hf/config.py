@@ -18,8 +18,6 @@ from typing import Any
 from pz_persist.nn.scaled_rope import SCALING_KEYS
 from pz_persist.pretrained import errors
 
-UnsupportedConfigError = errors.UnsupportedConfigError
-
 # Fields of a Hugging Face config that never change a causal LM's forward
 # pass: bookkeeping, token ids, dropout (inactive at inference), generation
 # defaults and the storage dtype (we use the tensors' own dtype).
@@ -213,7 +211,7 @@ class Config:
     if self.raw.get(key) is None:
       if key in self.defaults:
         return self.defaults[key]
-      raise UnsupportedConfigError(f"{self.where}: required field {key!r} is missing.")
+      raise errors.UnsupportedConfigError(f"{self.where}: required field {key!r} is missing.")
     return self.checked(key, self.raw[key])
 
   def checked(self, key: str, value: Any) -> Any:
@@ -224,8 +222,8 @@ class Config:
       raise self.invalid(key, value, expected)
     return value
 
-  def invalid(self, key: str, value: Any, expected: str, detail: str = "") -> UnsupportedConfigError:
-    return UnsupportedConfigError(
+  def invalid(self, key: str, value: Any, expected: str, detail: str = "") -> errors.UnsupportedConfigError:
+    return errors.UnsupportedConfigError(
         f"{self.where}: {key} must be {expected}, got {value!r:.80}{detail};"
         " the file is damaged or not a Hugging Face config."
     )
@@ -238,8 +236,8 @@ class Config:
       raise self.unsupported(key, value, f"supported: {supported}" + why)
     return value
 
-  def unsupported(self, key: str, value: Any, why: str) -> UnsupportedConfigError:
-    return UnsupportedConfigError(
+  def unsupported(self, key: str, value: Any, why: str) -> errors.UnsupportedConfigError:
+    return errors.UnsupportedConfigError(
         f"{self.where}: {key}={value!r} is not supported by pz_persist's"
         f" Hugging Face loader ({why}); nothing was loaded, rather than risk a"
         " converted model that computes something different."

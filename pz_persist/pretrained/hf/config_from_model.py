@@ -30,9 +30,6 @@ from pz_persist.pretrained.hf.config import IGNORED_FIELDS
 from pz_persist.pretrained.hf.config import TANH_GELU
 from pz_persist.pretrained.hf.record import Family
 
-ExportError = errors.ExportError
-
-
 # --- what the model is ------------------------------------------------------
 
 
@@ -43,7 +40,7 @@ def all_layers(model: pz.nn.Layer, cls: type) -> list[Any]:
 def first_layer(model: pz.nn.Layer, cls: type, what: str) -> Any:
   found = all_layers(model, cls)
   if not found:
-    raise ExportError(f"the model has no {cls.__name__} layer ({what}); only Penzai"
+    raise errors.ExportError(f"the model has no {cls.__name__} layer ({what}); only Penzai"
                       " transformer language models can be exported to Hugging Face.")
   return found[0]
 
@@ -107,7 +104,7 @@ def activation(model: pz.nn.Layer) -> str:
                        and fn.func is known.func and fn.args == known.args
                        and fn.keywords == known.keywords):
       return name
-  raise ExportError(f"the MLP activation {fn!r} has no Hugging Face name; supported:"
+  raise errors.ExportError(f"the MLP activation {fn!r} has no Hugging Face name; supported:"
                     f" {sorted(_ACTIVATIONS)}.")
 
 
@@ -153,7 +150,7 @@ def rope_fields(model: pz.nn.Layer) -> dict[str, Any]:
     return {"rope_parameters": scaling, **fields}
   rope = (all_layers(model, pz.nn.ApplyRoPE) + all_layers(model, pz.nn.ApplyRoPEToSubset))
   if not rope:
-    raise ExportError("the model has no rotary position embedding layer (ApplyRoPE);"
+    raise errors.ExportError("the model has no rotary position embedding layer (ApplyRoPE);"
                       " every family export_hf writes uses RoPE.")
   params: dict[str, Any] = {"rope_theta": float(rope[0].max_wavelength), "rope_type": "default"}
   if isinstance(rope[0], pz.nn.ApplyRoPEToSubset):

@@ -45,9 +45,6 @@ from pz_persist.pretrained.hf.structure_match import family_plans
 from pz_persist.pretrained.hf.structure_match import matching_plan
 from pz_persist.pretrained.lora_merge import refuse_lora
 
-ExportError = errors.ExportError
-
-
 DEFAULT_SHARD_BYTES = 5 * 2**30
 """transformers' own default shard size (5 GB) for ``save_pretrained``."""
 
@@ -134,7 +131,7 @@ def export_hf(
     ``folder``.
 
   Raises:
-    ExportError: the model's structure is not one the family can express
+    errors.ExportError: the model's structure is not one the family can express
       (naming the first difference, e.g. an unmerged LoRA adapter), before
       anything is written.
     CheckpointExistsError: ``folder`` exists, is not empty and
@@ -148,7 +145,7 @@ def export_hf(
   target = os.fspath(extension.check_output(folder, like_sources(like)))
   check_destination(target, overwrite)
   if not isinstance(model, model_parts.TransformerLM):
-    raise ExportError(f"export_hf writes Penzai TransformerLM models, not {type(model).__name__}.")
+    raise errors.ExportError(f"export_hf writes Penzai TransformerLM models, not {type(model).__name__}.")
   refuse_lora(model)
   pz.nn.assert_no_parameter_slots(model)
   model = pz.freeze_params(model)  # Parameter values, mutable or not, in place.
@@ -161,7 +158,7 @@ def export_hf(
   family = like_config.get("model_type") or families.detect(model)
   plans = family_plans()
   if family not in plans:
-    raise ExportError(f"family {family!r} cannot be exported; supported: {sorted(plans)}.")
+    raise errors.ExportError(f"family {family!r} cannot be exported; supported: {sorted(plans)}.")
   config = derive_config(model, family, families.FAMILY_OF[family], like_config)
   embeddings = first_layer(model, pz.nn.EmbeddingTable, "token embeddings").embeddings.value
   weights = ModelWeights(config["num_hidden_layers"], np.dtype(embeddings.dtype))

@@ -25,8 +25,6 @@ from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import stored_layout
 from pz_persist.pretrained.hf.weights import Stacked
 
-ExportError = errors.ExportError
-
 
 class _Stored:
   """One stored tensor, laid out only when the writer asks for its bytes, so
@@ -47,7 +45,7 @@ class _Stored:
     except errors.LossyCastError:
       raise  # Names the tensor and the value already.
     except ValueError as e:
-      raise ExportError(f"{e}; they cannot be written as one Hugging Face tensor.") from None
+      raise errors.ExportError(f"{e}; they cannot be written as one Hugging Face tensor.") from None
 
 
 def stored_tensors(plan: Plan, slots: Mapping[str, str],
@@ -67,7 +65,7 @@ def stored_tensors(plan: Plan, slots: Mapping[str, str],
       value = values[label]
       expected = dict(zip(spec.axes, spec.parameter_shape))
       if dict(value.named_shape) != expected or value.positional_shape:
-        raise ExportError(
+        raise errors.ExportError(
             f"parameter {label!r} has shape {dict(value.named_shape)} where the config"
             f" derived from the model needs {expected} for {source!r}; the model's"
             " layers disagree about its sizes."

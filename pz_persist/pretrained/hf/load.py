@@ -14,7 +14,7 @@ read, so host memory never holds a second copy of the model.
 Configuration fields that change the model's math in ways Penzai's builders
 cannot express (biases in Mistral attention, an exact-GELU Llama MLP, a rope
 type other than the scaled ones below...) are refused with
-`UnsupportedConfigError` naming the field and its value; fields that do not
+`errors.UnsupportedConfigError` naming the field and its value; fields that do not
 change the math (token ids, dropout, the transformers version...) are
 ignored, and any field this module does not know is refused too, rather than
 silently producing a different model.
@@ -75,8 +75,6 @@ from pz_persist.pretrained.hf.weights import Weights
 from pz_persist.pretrained.hf.weights import check_has_weights
 
 # Documented here too (defined in errors, with every error class).
-UnsupportedConfigError = errors.UnsupportedConfigError
-CheckpointFolderError = errors.CheckpointFolderError
 
 
 def _read_config(path: str, seen: list[tuple[str, _files.Identity]] | None = None) -> dict[str, Any]:
@@ -84,12 +82,12 @@ def _read_config(path: str, seen: list[tuple[str, _files.Identity]] | None = Non
   in ``seen``, to be checked unchanged once the load is done)."""
   config_path = _files.check_folder_file(path, "config.json")
   if config_path is None:
-    raise CheckpointFolderError(
+    raise errors.CheckpointFolderError(
         f"{path} is not a Hugging Face checkpoint folder: it has no config.json."
     )
 
-  def error(what: str) -> UnsupportedConfigError:
-    return UnsupportedConfigError(f"{config_path} {what}.")
+  def error(what: str) -> errors.UnsupportedConfigError:
+    return errors.UnsupportedConfigError(f"{config_path} {what}.")
 
   raw_config = _files.read_json(config_path, _files.MAX_CONFIG_BYTES, error, seen)
   if not isinstance(raw_config, dict):
@@ -207,14 +205,14 @@ def load_hf(
     A ``penzai.models.transformer.model_parts.TransformerLM``.
 
   Raises:
-    UnsupportedConfigError: an unsupported ``model_type`` (the message lists
+    errors.UnsupportedConfigError: an unsupported ``model_type`` (the message lists
       the supported families and the nearest ``model_type``) or a configuration field that would change the
       model's math, naming the field and its value. Raised before any tensor
       is read.
-    UnsupportedConfigError: also for a malformed ``config.json`` (not a JSON
+    errors.UnsupportedConfigError: also for a malformed ``config.json`` (not a JSON
       object, too large or too deep, a field of the wrong type or range, or a
       ``num_hidden_layers`` other than the layers the weights hold).
-    CheckpointFolderError: ``config.json`` or the weight files are missing.
+    errors.CheckpointFolderError: ``config.json`` or the weight files are missing.
     SafetensorsFormatError: a weight file is truncated or malformed (byte
       ranges that overlap, leave gaps or leave the file), or lacks a tensor
       the model needs or has one of the wrong shape (naming the file and the
@@ -235,11 +233,11 @@ def load_hf(
   model_type = raw_config.get("model_type")
   where = os.path.join(path, "config.json")
   if not isinstance(model_type, str) or model_type not in families.MODEL_TYPES:
-    raise UnsupportedConfigError(f"{where}: {unsupported_model_type(model_type)}")
+    raise errors.UnsupportedConfigError(f"{where}: {unsupported_model_type(model_type)}")
   if dtype is not None:
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
-      raise UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
+      raise errors.UnsupportedConfigError(f"dtype={dtype} is not a floating dtype.")
   with Weights(path, dtype, seen) as weights:
     cfg = Config(raw_config, where, families.FAMILY_OF[model_type].fields,
                  families.DEFAULTS[model_type], families.MODEL_TYPES[model_type].ignored)

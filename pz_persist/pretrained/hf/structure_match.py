@@ -1,6 +1,6 @@
 """Does a Hugging Face family express a Penzai model? The family's own load
 plan is built from the derived config and compared with the model, field by
-field; the first difference is refused with `ExportError` naming its place.
+field; the first difference is refused with `errors.ExportError` naming its place.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import Plan
-
-ExportError = errors.ExportError
 
 
 def family_plans() -> dict[str, list[Callable[..., Plan]]]:
@@ -135,7 +133,7 @@ def _check_structure(plan: Plan, model: pz.nn.Layer, family: str) -> dict[str, s
   difference = first_difference(skeleton, model, "model", slots)
   if difference:
     where, what = difference
-    raise ExportError(
+    raise errors.ExportError(
         f"{where}: {what}, so this model cannot be written as a Hugging Face"
         f" {family!r} folder (export_hf compares the model with what load_hf would"
         " build from the config it derives). Export a model with the family's"
@@ -161,7 +159,7 @@ def matching_plan(candidates: list[Callable[..., Plan]], config: dict[str, Any],
                               families.MODEL_TYPES[family].ignored), weights)
       return plan, _check_structure(plan, model, family)
     except errors.UnsupportedConfigError as e:  # A field the family cannot take.
-      refusal = refusal or ExportError(
+      refusal = refusal or errors.ExportError(
           f"this model cannot be written as a Hugging Face {family!r} folder: the config"
           f" derived from it is one {family!r} cannot express ({e}) Name the right"
           " family with like=, or undo the edit that gave the model this structure.")

@@ -19,8 +19,6 @@ from pz_persist.pretrained import _files
 from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 
-CheckpointFolderError = errors.CheckpointFolderError
-
 
 def _open_weights(
     path: str, seen: list[tuple[str, _files.Identity]],
@@ -65,7 +63,7 @@ def _open_weights(
       if filename not in files:
         file_path = _files.check_folder_file(path, filename)
         if file_path is None:
-          raise CheckpointFolderError(
+          raise errors.CheckpointFolderError(
               f"{index_path} names {filename}, which is missing from {path}."
           )
         files[filename] = safetensors_io.SafetensorsFile(file_path)
@@ -83,8 +81,8 @@ def _open_weights(
   return where
 
 
-def _no_weights(path: str) -> CheckpointFolderError:
-  return CheckpointFolderError(
+def _no_weights(path: str) -> errors.CheckpointFolderError:
+  return errors.CheckpointFolderError(
       f"{path} has no model.safetensors nor model.safetensors.index.json"
       " (only safetensors checkpoints are supported; PyTorch .bin files"
       " would need torch to read)."

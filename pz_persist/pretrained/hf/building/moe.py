@@ -28,8 +28,8 @@ import jax
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist.pretrained import errors
 from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import activation_field
@@ -46,8 +46,6 @@ from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import stacked
-
-ExportError = errors.ExportError
 
 NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
 LAYER_LIST = (lambda v: isinstance(v, list) and all(
@@ -288,12 +286,12 @@ def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]
   found = mixtures(model)
   routed = [layer for layer in found if layer is not None]
   if not routed:
-    raise ExportError("the model has no MixtureOfExperts layer, so it is not a mixture of"
+    raise errors.ExportError("the model has no MixtureOfExperts layer, so it is not a mixture of"
                       " experts; export it as its dense family (name it with like=).")
   first = routed[0]
   router = first.router
   if not softmax_routed(first) or not isinstance(router, moe.TopKRouter):
-    raise ExportError(f"the model's MixtureOfExperts has a router {type(router).__name__}"
+    raise errors.ExportError(f"the model's MixtureOfExperts has a router {type(router).__name__}"
                       " other than the softmax top-k one of Qwen3-MoE and Mixtral.")
   gate = named_shape(first_layer(first.experts, pz.nn.Linear, "experts"))
   dense = [ffw for ffw, layer in zip(all_layers(model, model_parts.TransformerFeedForward),

@@ -18,8 +18,8 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist.pretrained.errors import ExportError
 from pz_persist.nn.constant_scale import ConstantScale
+from pz_persist.pretrained.errors import ExportError
 from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import model_biases
 from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
