@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import sys
+import types
 import warnings
 from typing import Any
 
@@ -287,7 +290,35 @@ def save_interrupted(message: str) -> KeyboardInterrupt:
   interrupt.pz_persist_one_line = True  # type: ignore[attr-defined]
   _print_one_line_on_exit()
   _quiet_callbacks_into_closed_loops()
+  _close_unstarted_coroutines(sys.exc_info()[2])
   return interrupt
+
+
+def _close_unstarted_coroutines(traceback: types.TracebackType | None) -> None:
+  """Closes the coroutines the interrupted stack made and never started.
+
+  Why: a Ctrl-C that lands between Orbax making a save's coroutine and its
+  event loop running it (while the loop is built, say) leaves that coroutine,
+  and the one wrapping it, never awaited; as the stack unwinds Python prints
+  "coroutine ... was never awaited" for each, after the interrupt's one line.
+  The save is abandoned, so nothing will ever run them: closing them is what
+  an unwinding stack would have done. Only coroutines in the ``created``
+  state, held by the interrupted frames (or by such a coroutine), are
+  touched; one that has started belongs to a running loop and is left alone.
+  """
+  pending = []
+  while traceback is not None:
+    pending.extend(traceback.tb_frame.f_locals.values())
+    traceback = traceback.tb_next
+  seen: set[int] = set()
+  while pending:
+    value = pending.pop()
+    if not isinstance(value, types.CoroutineType) or id(value) in seen:
+      continue
+    seen.add(id(value))
+    if inspect.getcoroutinestate(value) == inspect.CORO_CREATED:
+      pending.extend(value.cr_frame.f_locals.values())  # A coroutine it wraps.
+      value.close()
 
 
 def _print_one_line_on_exit() -> None:

@@ -391,3 +391,40 @@ def test_the_reports_an_interrupt_leaves_in_event_loops_are_dropped_others_kept(
   FailsWhenCollected()  # Collected at once.
   gc.collect()
   assert reached == [ValueError]
+
+
+def test_coroutines_the_interrupt_left_unstarted_are_closed_quietly():
+  """A Ctrl-C while Orbax builds the loop that would run a save's coroutine
+  (its ``run_sync``: a wrapper coroutine around the save's) leaves both never
+  awaited; after the interrupted save's one line, Python must not print
+  "coroutine ... was never awaited" for them. A coroutine already running
+  belongs to its loop and is not touched."""
+  import asyncio
+  import gc
+  import warnings
+
+  from pz_persist import errors
+
+  async def save_work():
+    await asyncio.sleep(0)
+
+  def via_new_loop(coro):
+    raise KeyboardInterrupt  # As if it landed in asyncio.new_event_loop().
+
+  def run_sync(coro):
+    async def with_registration():
+      return await coro
+    return via_new_loop(with_registration())
+
+  started = save_work()
+  started.send(None)  # Suspended at its await: started, not ours to close.
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      run_sync(save_work())
+    except KeyboardInterrupt:
+      errors.save_interrupted("interrupted")
+    gc.collect()
+  assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
+  assert started.cr_frame is not None  # Still suspended, not closed.
+  started.close()

@@ -17,7 +17,7 @@ from treecompare import assert_identical
 from treecompare import assert_same_outputs
 
 import pz_persist as pzp
-from pz_persist.storage import writer
+from pz_persist.storage.writing import writer
 
 
 def _tree():
