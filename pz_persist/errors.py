@@ -28,39 +28,26 @@ before re-export it, as the same class.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import sys
 import types
-import warnings
 from typing import Any
 
-_MOVED_TO_PRETRAINED = frozenset({
-    "CheckpointFolderError", "DequantizedWeightsWarning", "ExportError", "FileChangedError",
-    "GemmaCheckpointError", "SafetensorsFormatError",
-})
+from pz_persist import deprecations
+
+MOVED_TO_PRETRAINED = (
+    "CheckpointFolderError", "DequantizedWeightsWarning", "ExportError",
+    "FileChangedError", "GemmaCheckpointError", "SafetensorsFormatError",
+)
 """The pretrained loaders' own classes, defined here up to 0.7 and now in
-`pz_persist.pretrained.errors`: still found here, with a warning, until
-2027-06-01."""
+`pz_persist.pretrained.errors`: ``except pz_persist.errors.ExportError`` in
+users' code keeps working, with a warning naming where the class lives now,
+until `pz_persist.deprecations.REMOVAL`. Named as text, so this module (the
+ground the loaders stand on) imports them only when a former spelling is
+used."""
 
-
-def __getattr__(name: str) -> type:
-  """The pretrained loaders' classes by their former spelling, with a warning.
-
-  Why a module ``__getattr__`` (PEP 562): ``except
-  pz_persist.errors.ExportError`` in users' code keeps working, and says
-  where the class lives now, without this module importing the pretrained
-  loaders (which import it) for everyone.
-  """
-  if name not in _MOVED_TO_PRETRAINED:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  warnings.warn(
-      f"pz_persist.errors.{name} is deprecated and will be removed on 2027-06-01;"
-      f" use pz_persist.pretrained.errors.{name} (the same class).",
-      DeprecationWarning, stacklevel=2,
-  )
-  # By name: this module is the layers' ground, below pretrained/.
-  return getattr(importlib.import_module("pz_persist.pretrained.errors"), name)
+__getattr__ = deprecations.module_getattr(
+    __name__, {name: f"pz_persist.pretrained.errors.{name}" for name in MOVED_TO_PRETRAINED})
 
 
 class PzPersistError(Exception):

@@ -97,10 +97,10 @@ def test_the_pretrained_loaders_errors_live_with_them():
       if isinstance(value, type) and issubclass(value, BaseException)}
 
 
-@pytest.mark.parametrize("name", sorted(errors._MOVED_TO_PRETRAINED))  # pylint: disable=protected-access
+@pytest.mark.parametrize("name", sorted(errors.MOVED_TO_PRETRAINED))
 def test_a_moved_class_is_still_found_where_it_was_with_a_warning(name):
   with pytest.warns(DeprecationWarning, match=rf"pz_persist\.errors\.{name} is deprecated.*"
-                    rf"2027-06-01.*pz_persist\.pretrained\.errors\.{name}"):
+                    rf"2027-06-01.*use pz_persist\.pretrained\.errors\.{name}"):
     found = getattr(errors, name)
   assert found is getattr(pretrained_errors, name)
   assert issubclass(found, (errors.PzPersistError, UserWarning))

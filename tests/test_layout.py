@@ -33,20 +33,21 @@ PACKAGE = pathlib.Path(pzp.__file__).parent
 
 LAYERS = {
     # The ground: no pz_persist imports but these.
-    "errors": 0, "version": 0, "penzai_seam": 0, "deprecations": 0,
-    "safety": 1, "nn": 1,
-    "format": 2,
-    "progress": 3, "sharding": 3,
-    "storage": 4,
-    "orbax": 5,
-    "checkpoint": 6, "binding": 6, "lazy": 6,
-    "plain_orbax": 7,
-    "model": 8, "training": 8,
-    "extension": 9,
-    "pretrained": 10,
-    "tools": 11,
-    "__init__": 12,
-    "demo": 13,
+    "deprecations": 0, "version": 0, "penzai_seam": 0,
+    "errors": 1,
+    "safety": 2, "nn": 2,
+    "format": 3,
+    "progress": 4, "sharding": 4,
+    "storage": 5,
+    "orbax": 6,
+    "checkpoint": 7, "binding": 7, "lazy": 7,
+    "plain_orbax": 8,
+    "model": 9, "training": 9,
+    "extension": 10,
+    "pretrained": 11,
+    "tools": 12,
+    "__init__": 13,
+    "demo": 14,
 }
 """Each part of the package (a subpackage or a top-level module) by layer:
 a part imports only parts of lower layers, and modules of its own part."""
