@@ -1,0 +1,165 @@
+"""Outsider attacks on issue 38's new surfaces, kept as tests (round 5).
+
+Each test is a class of hole found by using the extension surface, the
+binding options, former names, the deprecation shims and the Penzai seam
+as a user or a hostile checkpoint author would; the fix lives where the
+guarantee is enforced, named in each test's docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+import pz_persist as pzp
+from pz_persist import errors
+from pz_persist import extension
+
+
+def _small_model():
+  from penzai import pz  # pylint: disable=import-outside-toplevel
+  return pz.nn.Linear.from_config(
+      name="l", init_base_rng=__import__("jax").random.key(0),
+      input_axes={"i": 2}, output_axes={"o": 2})
+
+
+def _publish(folder, name="config.json"):
+  with extension.publishing_export(folder) as new:
+    extension.write_small_file(new / name, b"{}")
+
+
+def _precious_folder(tmp_path):
+  folder = tmp_path / "mine"
+  folder.mkdir()
+  (folder / "notes.txt").write_text("precious")
+  return folder
+
+
+def _precious_file(tmp_path):
+  path = tmp_path / "mine.txt"
+  path.write_text("precious")
+  return path
+
+
+def _a_checkpoint(tmp_path):
+  path = tmp_path / "ck"
+  pzp.save_model(path, _small_model())
+  return path
+
+
+@pytest.mark.parametrize("make", [_precious_folder, _precious_file, _a_checkpoint],
+                         ids=["someone's folder", "a file", "a checkpoint"])
+def test_publishing_an_export_never_replaces_what_an_export_did_not_write(make, tmp_path):
+  """`extension.publishing_export` replaced whatever was at its folder (a
+  checkpoint, a user's folder, a file) when a loader called it without
+  `check_export_destination` first: the guarantee "only what an export wrote
+  may be replaced" lived in a check callers had to remember. It now lives
+  in `extension.publishing_export` too (`extension._export_folder`,
+  `destinations.check_replaceable`), checked before its identity is taken."""
+  target = make(tmp_path)
+  before = sorted(os.listdir(target)) if target.is_dir() else target.read_text()
+  with pytest.raises(errors.CheckpointExistsError, match="export_hf|not a folder"):
+    _publish(target)
+  after = sorted(os.listdir(target)) if target.is_dir() else target.read_text()
+  assert after == before
+  assert sorted(os.listdir(tmp_path)) == sorted([target.name])  # No hidden leftovers.
+
+
+@pytest.mark.parametrize("spell", [
+    lambda tmp: str(_a_checkpoint(tmp) / "export"),
+    lambda tmp: "gs://bucket/export",
+    lambda tmp: "file://" + str(tmp / "export"),
+    lambda tmp: str(tmp / "ex\0port"),
+], ids=["inside a checkpoint", "a gs:// URL", "a file:// URL", "a NUL"])
+@pytest.mark.parametrize("entry", ["check_export_destination", "publishing_export"])
+def test_an_export_folder_no_export_may_write_is_refused_by_both_entry_points(
+    spell, entry, tmp_path, monkeypatch):
+  """`publishing_export("gs://b/x")` created the local folder ``gs:/b/x``
+  in the working directory; it and `check_export_destination` let an export
+  land inside a checkpoint; a NUL passed the check. Both now share
+  `extension._export_folder` (local, then the destination rule)."""
+  monkeypatch.chdir(tmp_path)
+  folder = spell(tmp_path)
+  listing = sorted(os.listdir(tmp_path))
+  with pytest.raises(errors.ArgumentError):
+    if entry == "publishing_export":
+      _publish(folder)
+    else:
+      extension.check_export_destination(folder, overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == listing
+
+
+class _Interrupted(BaseException):
+  pass
+
+
+@pytest.mark.parametrize("where", ["in the block", "at the move"])
+def test_an_interrupted_export_leaves_no_trace(where, tmp_path, monkeypatch):
+  """A failure of the move into place (a lock interrupted, a rename error)
+  left the hidden ``.export-*`` folder beside the destination, and a failed
+  export left the parent folders it had created. `publishing_export`
+  removes both on any failure, wherever it comes from."""
+  from pz_persist.storage import commit  # pylint: disable=import-outside-toplevel
+  if where == "at the move":
+    def fail(*args):
+      raise _Interrupted()
+    monkeypatch.setattr(commit, "move_into_place", fail)
+  folder = tmp_path / "a" / "b" / "export"
+  with pytest.raises(_Interrupted):
+    with extension.publishing_export(str(folder)) as new:
+      extension.write_small_file(new / "config.json", b"{}")
+      if where == "in the block":
+        raise _Interrupted()
+  assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("write", [
+    lambda path: extension.write_small_file(path, b"{}"),
+    lambda path: extension.writing_file(path).__enter__(),
+], ids=["write_small_file", "writing_file"])
+def test_the_extension_writers_hold_the_destination_rule(write, tmp_path):
+  """`write_small_file` and `writing_file` wrote inside a checkpoint (over
+  its own files too), and raised bare ``ValueError``/``IsADirectoryError``
+  for a NUL or a folder. Both now go through `destinations.check_output`
+  (without sources), so a loader's file never lands inside a checkpoint."""
+  checkpoint = _a_checkpoint(tmp_path)
+  files = sorted(os.listdir(checkpoint))
+  for path in (checkpoint / "evil.json", checkpoint / files[0], tmp_path, str(tmp_path / "a\0b")):
+    with pytest.raises(errors.ArgumentError):
+      write(path)
+  assert sorted(os.listdir(checkpoint)) == files
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+  key: str
+  shape: tuple[int, ...]
+  dtype: np.dtype = np.dtype(np.float32)
+
+  def describe(self) -> str:
+    return self.key
+
+
+@pytest.mark.parametrize("hidden", [-(2**63), -1, float("nan"), 1.5])
+def test_an_allocation_size_that_is_not_a_count_of_bytes_is_refused(hidden):
+  """`check_allocation` summed the sizes, so one negative size (a loader's
+  product of a damaged shape) hid a 2**63-byte array from the limit, and a
+  NaN or fraction passed. `limits.check_allocation` refuses each size that
+  is not an integer >= 0, naming the array, before summing."""
+  arrays = [_Planned("huge", (2**61,)), _Planned("bad", (1,))]
+  with pytest.raises(errors.UnsafeCheckpointError, match="'bad'"):
+    extension.check_allocation(arrays, {"huge": 2**63, "bad": hidden}, where="f")
+
+
+def test_the_extension_refuses_bad_arguments_with_its_own_errors():
+  """`aligned_empty((-1,), ...)` raised ``OSError: Invalid argument`` from
+  mmap and `variable_class("nope")` a bare ``KeyError``; now
+  `host_memory.aligned_empty` and `extension.variable_class` raise
+  `ArgumentError` saying what is allowed."""
+  with pytest.raises(errors.ArgumentError, match="at least 0"):
+    extension.aligned_empty((-1,), np.float32)
+  with pytest.raises(errors.ArgumentError, match="parameter"):
+    extension.variable_class("paramter")
