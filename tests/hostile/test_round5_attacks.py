@@ -163,3 +163,69 @@ def test_the_extension_refuses_bad_arguments_with_its_own_errors():
     extension.aligned_empty((-1,), np.float32)
   with pytest.raises(errors.ArgumentError, match="parameter"):
     extension.variable_class("paramter")
+
+
+def _bind_entry_points(checkpoint, model, tmp_path):
+  """Every way binding options reach a load, each given ``**options``."""
+  def deprecated_into(**options):
+    with pytest.warns(DeprecationWarning, match="2027-06-01"):
+      return pzp.load_model(checkpoint, into=model, **options)
+  return {
+      "load_into keywords": lambda **o: pzp.load_into(checkpoint, model, **o),
+      "load_into options": lambda **o: pzp.load_into(checkpoint, model, pzp.BindOptions(**o)),
+      "load_model(into=)": deprecated_into,
+      "migrate": lambda **o: pzp.migrate(checkpoint, tmp_path / "migrated", model, **o),
+  }
+
+
+MISTYPED = {
+    "allow_lossy='no'": ({"allow_lossy": "no", "dtype": np.float16}, "allow_lossy='no'"),
+    "overlay='yes'": ({"overlay": "yes"}, "overlay='yes'"),
+    "rename_axes=['i']": ({"rename_axes": ["i"]}, "rename_axes"),
+    "sharding='cpu'": ({"sharding": "cpu"}, "sharding='cpu'"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTYPED))
+@pytest.mark.parametrize("entry", ["load_into keywords", "load_into options",
+                                   "load_model(into=)", "migrate"])
+def test_a_mistyped_binding_option_is_refused_by_every_entry_point(case, entry, tmp_path):
+  """``allow_lossy="no"`` (truthy) allowed the lossy casts it meant to
+  refuse, ``overlay="yes"`` passed, and a list for ``rename_axes`` or a
+  string for ``sharding`` failed deep in the read with ``AttributeError``.
+  `BindOptions.__post_init__` refuses them wherever the value is made
+  (`casts.lossy_allowed`, `sharding.check_target`)."""
+  checkpoint = _a_checkpoint(tmp_path)
+  options, named = MISTYPED[case]
+  load = _bind_entry_points(checkpoint, _small_model(), tmp_path)[entry]
+  with pytest.raises(errors.ArgumentTypeError, match=named.replace("[", r"\[")):
+    load(**options)
+  assert not (tmp_path / "migrated").exists()
+
+
+@pytest.mark.parametrize("load", [
+    lambda path: pzp.load_model(path, dtype=np.float16, allow_lossy="no"),
+    lambda path: pzp.load_model(path, sharding="cpu"),
+    lambda path: pzp.load(path, sharding=3),
+    lambda path: extension.cast(np.ones(2) / 3, np.float16, allow_lossy="no", where="t"),
+], ids=["load_model allow_lossy", "load_model sharding", "load sharding", "extension.cast"])
+def test_a_mistyped_cast_or_placement_option_is_refused_without_binding(load, tmp_path):
+  """The same options outside binding: `casts.lossy_allowed` (every cast
+  asks it, `binding._cast_value` too) and `sharding.check_target` (every
+  read's placements, `placements.placements`)."""
+  with pytest.raises(errors.ArgumentTypeError):
+    load(_a_checkpoint(tmp_path))
+
+
+def test_a_misspelt_binding_option_names_its_close_match(tmp_path):
+  """``onyl=`` listed all eight options but not the one meant;
+  `BindOptions.with_keywords` now says ``did you mean only?``, through every
+  entry point (they all build the options there)."""
+  checkpoint = _a_checkpoint(tmp_path)
+  for name, load in _bind_entry_points(checkpoint, _small_model(), tmp_path).items():
+    if name == "load_into options":
+      continue  # The dataclass itself names the keyword.
+    with pytest.raises(errors.ArgumentTypeError, match="did you mean only"):
+      load(onyl=["l.*"])
+  with pytest.raises(errors.ArgumentTypeError, match="did you mean only"):
+    pzp.load_model(checkpoint, onyl=["l.*"])
