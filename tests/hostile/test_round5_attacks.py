@@ -11,18 +11,22 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import numpy as np
 import pytest
+from penzai import pz
 
 import pz_persist as pzp
+from hostile import catalogue
 from pz_persist import errors
 from pz_persist import extension
+from pz_persist.storage import commit
+from pz_persist.tools import cli
 
 
 def _small_model():
-  from penzai import pz  # pylint: disable=import-outside-toplevel
   return pz.nn.Linear.from_config(
-      name="l", init_base_rng=__import__("jax").random.key(0),
+      name="l", init_base_rng=jax.random.key(0),
       input_axes={"i": 2}, output_axes={"o": 2})
 
 
@@ -102,7 +106,6 @@ def test_an_interrupted_export_leaves_no_trace(where, tmp_path, monkeypatch):
   left the hidden ``.export-*`` folder beside the destination, and a failed
   export left the parent folders it had created. `publishing_export`
   removes both on any failure, wherever it comes from."""
-  from pz_persist.storage import commit  # pylint: disable=import-outside-toplevel
   if where == "at the move":
     def fail(*args):
       raise _Interrupted()
@@ -229,3 +232,22 @@ def test_a_misspelt_binding_option_names_its_close_match(tmp_path):
       load(onyl=["l.*"])
   with pytest.raises(errors.ArgumentTypeError, match="did you mean only"):
     pzp.load_model(checkpoint, onyl=["l.*"])
+
+
+@pytest.mark.parametrize("module", ["mylib.layers", "pz_persist.pretrained.layers.scaled_rope"])
+def test_diff_tells_two_classes_of_one_qualname_apart(module, tmp_path, capsys):
+  """``diff`` compared classes by qualname only: a checkpoint whose layer
+  claims ``mylib.layers.Linear`` (or a former name the table does not hold)
+  diffed as identical to one holding Penzai's ``Linear``, though loading
+  refuses one and not the other. `diff_tree._class_identity` compares the
+  whole name, read through the former-name table, for the library's diff and
+  the CLI's alike."""
+  model = pz.nn.Sequential([_small_model()])
+  pzp.save_model(tmp_path / "a", model)
+  pzp.save_model(tmp_path / "b", model)
+  catalogue.set_class(0, module, "Linear")(tmp_path / "a", None)
+  text = str(pzp.diff(tmp_path / "a", tmp_path / "b"))
+  assert "replaced" in text and f"{module}.Linear" in text, text
+  capsys.readouterr()
+  assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+  assert f"{module}.Linear" in capsys.readouterr().out
