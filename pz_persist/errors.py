@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 import warnings
 from typing import Any
 
@@ -49,8 +50,9 @@ def __getattr__(name: str) -> type:
   where the class lives now, without this module importing the pretrained
   loaders (which import it) for everyone.
   """
-  if name not in _MOVED_TO_PRETRAINED:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  if name not in _MOVED_TO_PRETRAINED:  # With name and obj: Python's "Did you mean".
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name,
+                         obj=sys.modules[__name__])
   warnings.warn(
       f"pz_persist.errors.{name} is deprecated and will be removed on 2027-06-01;"
       f" use pz_persist.pretrained.errors.{name} (the same class).",

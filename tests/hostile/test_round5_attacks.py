@@ -9,7 +9,9 @@ guarantee is enforced, named in each test's docstring.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -251,3 +253,24 @@ def test_diff_tells_two_classes_of_one_qualname_apart(module, tmp_path, capsys):
   capsys.readouterr()
   assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
   assert f"{module}.Linear" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module,typo,meant", [
+    ("pz_persist.binding", "BindingErorr", "BindingError"),
+    ("pz_persist.binding", "BindOption", "BindOptions"),
+    ("pz_persist.orbax.v0_handler", "DEFAULT_CHUNK_BYTE", "DEFAULT_CHUNK_BYTES"),
+])
+def test_a_typo_of_a_former_spelling_is_an_attribute_error_naming_the_close_ones(
+    module, typo, meant):
+  """A module ``__getattr__`` serving former spellings replaced Python's
+  error with a bare "has no attribute", losing the "did you mean"; now
+  `deprecations.missing` names the module's names (and former spellings)
+  most like the typo, warns of nothing, and keeps ``name``/``obj`` set so
+  Python's own suggestion works too."""
+  held = importlib.import_module(module)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with pytest.raises(AttributeError, match=f"did you mean '{meant}'") as raised:
+      getattr(held, typo)
+    assert not hasattr(held, typo)
+  assert raised.value.name == typo and raised.value.obj is held
