@@ -17,11 +17,14 @@ import jax
 import numpy as np
 import pytest
 from penzai import pz
+from penzai.models.transformer.variants import gemma
 
 import pz_persist as pzp
 from hostile import catalogue
 from pz_persist import errors
 from pz_persist import extension
+from pz_persist import model as model_lib
+from pz_persist import penzai_seam
 from pz_persist.storage import commit
 from pz_persist.tools import cli
 
@@ -274,3 +277,85 @@ def test_a_typo_of_a_former_spelling_is_an_attribute_error_naming_the_close_ones
       getattr(held, typo)
     assert not hasattr(held, typo)
   assert raised.value.name == typo and raised.value.obj is held
+
+
+def test_the_penzai_seam_hands_out_no_penzai_dict_to_edit():
+  """`penzai_seam.gemma_presets()` was a read-only view of Penzai's table
+  whose values were Penzai's own dicts: ``presets["gemma_2b"]["x"] = 1``
+  changed every later Gemma conversion of the process. Each preset's
+  keywords are read-only views now (`penzai_seam.gemma_presets`)."""
+  table = gemma._GEMMA_PRESETS  # pylint: disable=protected-access
+  before = {name: dict(kwargs) for name, kwargs in table.items()}
+  for kwargs in penzai_seam.gemma_presets().values():
+    with pytest.raises(TypeError):
+      kwargs["num_decoder_blocks"] = 1  # type: ignore[index]
+  assert {name: dict(kwargs) for name, kwargs in table.items()} == before
+
+
+def _held(*variables):
+  return pz.nn.Sequential(list(variables))
+
+
+BINDABLE = {
+    "one variable at two places": lambda p, q: _held(p, p),
+    "a frozen value and a variable of one label": lambda p, q: _held(
+        pz.ParameterValue(value=np.ones(2, np.float32), label="w"), q),
+    "two frozen values of one label": lambda p, q: _held(
+        pz.ParameterValue(value=np.ones(2, np.float32), label="w"),
+        pz.ParameterValue(value=np.zeros(2, np.float32), label="w")),
+    "two slots of one label": lambda p, q: _held(pz.ParameterSlot("w"), pz.ParameterSlot("w")),
+}
+UNBINDABLE = {
+    "two parameters": lambda p, q: _held(p, q),
+    "two state variables": lambda p, q: _held(
+        pz.StateVariable(value=np.ones(2, np.float32), label="w"),
+        pz.StateVariable(value=np.zeros(2, np.float32), label="w")),
+    "a parameter and a state variable": lambda p, q: _held(
+        p, pz.StateVariable(value=np.zeros(2, np.float32), label="w")),
+    "nested models": lambda p, q: _held(_held(p), _held(_held(q))),
+    "a slot and a variable": lambda p, q: _held(pz.ParameterSlot("w"), q),
+}
+
+
+@pytest.mark.parametrize("case", list(BINDABLE) + list(UNBINDABLE))
+def test_a_model_save_model_accepts_is_one_load_model_rebuilds(case, tmp_path):
+  """A parameter and a state variable of one label passed `save_model`
+  (Penzai's slots differ in kind, so ``pz.unbind_variables`` accepts them)
+  and then `load_model` and `load_into` refused the checkpoint as damaged
+  (a manifest names variables by label alone). `model._check_bindable`
+  now refuses, before writing, each model whose mutable variables share a
+  label (however nested, of whichever kind), and every model it lets
+  through loads back equal (frozen values and slots may share labels:
+  nothing binds them)."""
+  p = pz.Parameter(value=np.ones(2, np.float32), label="w")
+  q = pz.Parameter(value=np.zeros(2, np.float32), label="w")
+  model = {**BINDABLE, **UNBINDABLE}[case](p, q)
+  if case in UNBINDABLE:
+    with pytest.raises(errors.EncodingError, match="label of its own"):
+      pzp.save_model(tmp_path / "m", model)
+    assert not (tmp_path / "m").exists()
+    return
+  pzp.save_model(tmp_path / "m", model)
+  loaded = pzp.load_model(tmp_path / "m")
+  frozen, want = pz.freeze_params(loaded), pz.freeze_params(model)
+  assert jax.tree_util.tree_structure(frozen) == jax.tree_util.tree_structure(want)
+  for a, b in zip(jax.tree_util.tree_leaves(frozen), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if case == "one variable at two places":
+    assert loaded.sublayers[0] is loaded.sublayers[1]  # Still one variable.
+
+
+def test_the_bindable_check_walks_a_model_once(monkeypatch):
+  """`model._check_bindable` on a model of 5,000 variables calls
+  ``pz.unbind_variables`` once (a count, not a time: linear by construction)."""
+  calls = []
+  unbind = pz.unbind_variables
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return unbind(*args, **kwargs)
+
+  monkeypatch.setattr(model_lib.pz, "unbind_variables", counted)
+  big = _held(*(pz.Parameter(value=np.zeros((), np.float32), label=f"p{i}") for i in range(5000)))
+  model_lib._check_bindable("big", big)  # pylint: disable=protected-access
+  assert len(calls) == 1
