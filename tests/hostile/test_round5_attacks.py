@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import threading
 import warnings
 
 import jax
@@ -359,3 +360,30 @@ def test_the_bindable_check_walks_a_model_once(monkeypatch):
   big = _held(*(pz.Parameter(value=np.zeros((), np.float32), label=f"p{i}") for i in range(5000)))
   model_lib._check_bindable("big", big)  # pylint: disable=protected-access
   assert len(calls) == 1
+
+
+def test_concurrent_exports_to_one_folder_publish_one_whole(tmp_path):
+  """Checked, not found broken: four threads publishing one folder at once
+  (each waiting for the others before its move): one export is published
+  whole, the others raise `ConcurrentSaveError` and leave nothing behind."""
+  folder = tmp_path / "export"
+  ready = threading.Barrier(4)
+  outcomes: list[str] = []
+
+  def publish(i: int) -> None:
+    try:
+      with extension.publishing_export(str(folder)) as new:
+        extension.write_small_file(new / "config.json", str(i).encode())
+        ready.wait()
+      outcomes.append("published")
+    except errors.ConcurrentSaveError:
+      outcomes.append("refused")
+
+  threads = [threading.Thread(target=publish, args=(i,)) for i in range(4)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert sorted(outcomes) == ["published"] + ["refused"] * 3
+  assert os.listdir(tmp_path) == ["export"]
+  assert sorted(os.listdir(folder)) == ["config.json", "pz_persist.export.json"]
