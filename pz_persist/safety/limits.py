@@ -160,7 +160,8 @@ def check_allocation(
     UnsafeCheckpointError: naming the largest arrays and the total.
   """
   limit = allocation_limit() if limit is None else limit
-  for key, size in sizes.items():  # A negative size would hide others' bytes from the sum.
+  given: Mapping[str, object] = sizes  # From a loader: checked, not trusted.
+  for key, size in given.items():  # A negative size would hide others' bytes from the sum.
     if not isinstance(size, numbers.Integral) or size < 0:
       raise errors.UnsafeCheckpointError(
           f"{where}: array {key!r} would allocate {size!r} bytes, not a count of bytes"
