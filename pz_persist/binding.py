@@ -25,6 +25,7 @@ the report of what was not loaded).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import re
 from collections.abc import Hashable
@@ -129,6 +130,28 @@ class BindOptions:
   sharding: sharding_lib.Target = None
   auto_labels: AutoLabels = None
 
+  def __post_init__(self) -> None:
+    """Refuses a mistyped option when the value is made, whichever entry point
+    it came through (a value, keywords, the deprecated ``into=``).
+
+    Why: ``overlay="no"`` is truthy, so it hid missing variables; a list
+    for ``rename_axes`` or a string for ``sharding`` failed deep in the read
+    with an ``AttributeError``. (What the globs, rules and dtypes match is
+    checked against the checkpoint, by `bind`.)
+    """
+    casts.lossy_allowed(self.allow_lossy, "pz_persist.BindOptions")
+    if not isinstance(self.overlay, bool):
+      raise errors.ArgumentTypeError(
+          f"overlay={self.overlay!r:.100} must be True or False (pz_persist.BindOptions),"
+          f" not a {type(self.overlay).__name__}.")
+    if self.rename_axes is not None and not (
+        isinstance(self.rename_axes, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in self.rename_axes.items())):
+      raise errors.ArgumentTypeError(
+          f"rename_axes={self.rename_axes!r:.100} must be a dict"
+          " {stored axis name: model axis name} of str (pz_persist.BindOptions).")
+    sharding_lib.check_target(self.sharding)
+
   def with_keywords(self, **keywords: Unpack[BindKeywords]) -> BindOptions:
     """These options with ``keywords`` (`BindKeywords`) replacing fields.
 
@@ -138,8 +161,10 @@ class BindOptions:
     """
     unknown = sorted(set(keywords) - _FIELDS)
     if unknown:
+      close = [m for name in unknown for m in difflib.get_close_matches(name, _FIELDS, n=1)]
       raise errors.ArgumentTypeError(
-          f"unknown binding option(s) {', '.join(unknown)}; the options are"
+          f"unknown binding option(s) {', '.join(unknown)}"
+          f"{' (did you mean ' + ', '.join(close) + '?)' if close else ''}; the options are"
           f" {', '.join(sorted(_FIELDS))} (pz_persist.BindOptions)."
       )
     return dataclasses.replace(self, **keywords) if keywords else self
@@ -477,7 +502,8 @@ def _cast_value(label, value, dtype, allow_lossy, cast, problems):
     if isinstance(x, jax.ShapeDtypeStruct):
       cast.append((label, str(x.dtype), str(target)))
       return jax.ShapeDtypeStruct(x.shape, target)
-    reason = None if allow_lossy else casts.check(x, target)
+    reason = None if casts.lossy_allowed(allow_lossy, nodes.describe_label(label)) else (
+        casts.check(x, target))
     if reason:
       problems.append(Mismatch(
           label, "lossy cast", f"{reason} (pass allow_lossy=True to cast anyway)", str(target),

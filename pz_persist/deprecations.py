@@ -19,9 +19,12 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import sys
 import warnings
 from collections.abc import Callable
+from collections.abc import Collection
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,8 +54,24 @@ def module_getattr(module: str, moved: Mapping[str, str]) -> Callable[[str], Any
   def __getattr__(name: str) -> Any:  # pylint: disable=invalid-name
     new = moved.get(name)
     if new is None:
-      raise AttributeError(f"module {module!r} has no attribute {name!r}")
+      raise missing(module, name, moved)
     warn(f"{module}.{name}", new)
     return resolve(new)
 
   return __getattr__
+
+
+def missing(module: str, name: str, former: Collection[str] = ()) -> AttributeError:
+  """The `AttributeError` for a name ``module`` has under no spelling, with
+  the names most like it (its own, and its former spellings ``former``).
+
+  Why: a module ``__getattr__`` replaces Python's own error, whose message
+  (and, from Python 3.12, its "Did you mean" line) is what a user reads
+  after a typo such as ``binding.BindingErorr``.
+  """
+  names = [n for n in vars(sys.modules[module]) if not n.startswith("_")] + list(former)
+  close = difflib.get_close_matches(name, names, n=3)
+  hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+  error = AttributeError(f"module {module!r} has no attribute {name!r}{hint}")
+  error.name, error.obj = name, sys.modules[module]
+  return error

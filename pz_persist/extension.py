@@ -333,7 +333,15 @@ def variable_class(kind: str) -> type[pz.AbstractVariableValue]:
     >>> from pz_persist import extension
     >>> extension.variable_class("state_variable").__name__
     'StateVariableValue'
+
+  Raises:
+    ArgumentError: ``kind`` is not one of `VARIABLE_KINDS` (a loader's
+      typo, or a kind a file names), naming the kinds there are.
   """
+  if not isinstance(kind, str) or kind not in variable_kinds.KINDS:
+    raise errors.ArgumentError(
+        f"{kind!r} is not a kind of Penzai variable; the kinds are {list(VARIABLE_KINDS)}."
+    )
   return variable_kinds.KINDS[kind].value_class
 
 
@@ -379,6 +387,13 @@ def writing_file(path: epath.PathLike) -> contextlib.AbstractContextManager[Bina
   """A file to write ``path`` through, which appears whole or not at all (or
   on failure, not at all): how a loader writes a large output file.
 
+  ``path`` is held to the destination rule without sources (`check_output`):
+  never inside a checkpoint, never a folder, never a NUL, whatever the
+  loader checked before.
+
+  Raises:
+    ArgumentError: as `check_output` with ``file=True``.
+
   Example:
     >>> import os, tempfile
     >>> from pz_persist import extension
@@ -388,41 +403,56 @@ def writing_file(path: epath.PathLike) -> contextlib.AbstractContextManager[Bina
     >>> open(path, "rb").read()
     b'data'
   """
-  return safe_io.writing_whole(stores.normalise(path))
+  return safe_io.writing_whole(destinations.check_output(path, file=True))
 
 
 def write_small_file(path: epath.PathLike, data: bytes) -> None:
-  """Writes the small file ``path`` whole or not at all (a config, an index)."""
-  safe_io.write_small_file(path, data)
-
-
-def check_export_destination(folder: str, *, overwrite: bool) -> None:
-  """Refuses a folder an export may not write: not local, not a folder, not
-  empty without ``overwrite``, or holding anything but an earlier export's
-  own files (only what `publishing_export` wrote may be replaced).
+  """Writes the small file ``path`` whole or not at all (a config, an index).
 
   Raises:
-    ArgumentError: ``folder`` is not local (serving tools read a local one).
+    ArgumentError: as `writing_file`.
+  """
+  safe_io.write_small_file(destinations.check_output(path, file=True), data)
+
+
+def check_export_destination(folder: epath.PathLike, *, overwrite: bool) -> None:
+  """Refuses a folder an export may not write: not local, inside a
+  checkpoint, not a folder, not empty without ``overwrite``, or holding
+  anything but an earlier export's own files (only what `publishing_export`
+  wrote may be replaced).
+
+  Raises:
+    ArgumentError: ``folder`` holds a NUL, is not local (serving tools read a
+      local one) or lies inside a checkpoint.
     CheckpointExistsError: saying why ``folder`` may not be replaced.
   """
-  if not safe_io.is_local(folder):
-    raise errors.ArgumentError(
-        f"{folder}: export_hf writes a local folder (serving tools and the Hub"
-        " upload read one); export to a local path, then copy it to the store."
-    )
-  if os.path.islink(folder) or (os.path.exists(folder) and not os.path.isdir(folder)):
-    raise errors.CheckpointExistsError(
-        f"{folder} exists and is not a folder; choose another destination.")
-  if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
+  path = _export_folder(folder)
+  destinations.check_replaceable(stores.LOCAL, path, "hf_export")
+  if os.path.isdir(path) and os.listdir(path) and not overwrite:
     raise errors.CheckpointExistsError(
         f"{folder} exists and is not empty; pass overwrite=True (CLI: --overwrite)"
         " to replace it."
     )
-  destinations.check_replaceable(stores.LOCAL, folder, "hf_export")
+
+
+def _export_folder(folder: epath.PathLike) -> str:
+  """``folder`` as the absolute local path an export may replace, or refused.
+
+  Why here, and called by `publishing_export` too: a loader that publishes
+  without `check_export_destination` first must still never replace a
+  checkpoint, a file or someone else's folder, nor write inside a
+  checkpoint, nor create a local folder named after a URL (``gs:/...``).
+  """
+  if not safe_io.is_local(folder):
+    raise errors.ArgumentError(
+        f"{os.fspath(folder)}: export_hf writes a local folder (serving tools and the Hub"
+        " upload read one); export to a local path, then copy it to the store."
+    )
+  return os.fspath(destinations.check_output(folder))  # A NUL; inside a checkpoint.
 
 
 @contextlib.contextmanager
-def publishing_export(folder: str) -> Iterator[epath.Path]:
+def publishing_export(folder: epath.PathLike) -> Iterator[epath.Path]:
   """A new folder to write an export into, published at ``folder`` whole.
 
   The block writes its files into the folder yielded (beside ``folder``);
@@ -433,7 +463,14 @@ def publishing_export(folder: str) -> Iterator[epath.Path]:
   ``folder`` as it was and a reader never sees a mix. If the block fails,
   what it wrote is removed.
 
+  It refuses, before writing, what `check_export_destination` refuses
+  whatever ``overwrite`` (a checkpoint, a file, a folder holding anything
+  but an earlier export's files, a place inside a checkpoint): whether an
+  earlier export may be replaced is the caller's ``overwrite``, checked
+  there.
+
   Raises:
+    ArgumentError, CheckpointExistsError: as `check_export_destination`.
     ConcurrentSaveError: another writer created or changed ``folder``
       meanwhile (it is left as that writer made it; nothing is replaced).
 
@@ -447,8 +484,10 @@ def publishing_export(folder: str) -> Iterator[epath.Path]:
     >>> sorted(os.listdir(folder))
     ['config.json', 'pz_persist.export.json']
   """
-  store, path = stores.choose(os.path.abspath(folder))
-  seen = store.identity(path)
+  store, path = stores.choose(_export_folder(folder))
+  seen = store.identity(path)  # Before the check: a change after it is caught at the move.
+  destinations.check_replaceable(store, path, "hf_export")
+  created = [p for p in path.parents if not p.exists()]  # Removed again if this fails.
   path.parent.mkdir(parents=True, exist_ok=True)
   # A plain mkdir, not mkdtemp: its 0o700 would be the exported folder's mode.
   new = local.sibling(path, "export")
@@ -456,10 +495,14 @@ def publishing_export(folder: str) -> Iterator[epath.Path]:
   try:
     yield new
     safe_io.write_small_file(new / destinations.EXPORT_MARKER, destinations.EXPORT_MARKER_DATA)
+    moved = store.publish(path, new, seen)
   except BaseException:
-    safe_io.remove_tree(new)
+    safe_io.remove_tree(new)  # Unpublished, or (after an exchange) the replaced export.
+    for parent in created:  # Innermost first; one another writer filled stays.
+      with contextlib.suppress(OSError):
+        parent.rmdir()
     raise
-  if not store.publish(path, new, seen):
+  if not moved:
     raise errors.ConcurrentSaveError(
         f"{folder} was created or changed by another writer while this export was"
         " being written; it was left as that writer made it and this export was"

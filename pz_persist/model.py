@@ -20,6 +20,7 @@ removed on 2027-06-01.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from collections.abc import Iterable
 from typing import Any
 from typing import Literal
@@ -102,17 +103,31 @@ def _check_bindable(path: epath.PathLike, model: pz.Struct) -> None:
   Why: `load_model` binds the saved variables back by label, so two distinct
   mutable variables with one label cannot both come back (Penzai's own
   `pz.unbind_variables` refuses such a model, and so does the reader's label
-  check); a save that succeeds must load.
+  check); a save that succeeds must load. Penzai lets a parameter and a
+  state variable share a label (their slots differ in kind), but a
+  checkpoint names variables by label alone (`manifest_queries.
+  check_variable_labels` refuses the pair on load), so that pair is refused
+  here too. One `pz.unbind_variables` call: linear in the model's size.
   """
   try:
-    pz.unbind_variables(model)
+    _, variables = pz.unbind_variables(model)
   except pz.VariableConflictError as e:
-    raise errors.EncodingError(
-        f"{path}: save_model cannot save this model: {e} load_model binds"
-        " variables by label, so each mutable variable needs a label of its"
-        " own: relabel one of them (a new pz.Parameter with its value), or use"
-        " one variable at both places. Nothing was written."
-    ) from None
+    raise _unbindable(path, str(e)) from None
+  kinds: dict[Hashable, str] = {}
+  for variable in variables:
+    kind = type(variable).__name__
+    if kinds.setdefault(variable.label, kind) != kind:
+      raise _unbindable(path, f"a {kinds[variable.label]} and a {kind} have the label"
+                        f" {variable.label!r}.")
+
+
+def _unbindable(path: epath.PathLike, why: str) -> errors.EncodingError:
+  return errors.EncodingError(
+      f"{path}: save_model cannot save this model: {why} load_model binds"
+      " variables by label, so each mutable variable needs a label of its"
+      " own: relabel one of them (a new pz.Parameter with its value), or use"
+      " one variable at both places. Nothing was written."
+  )
 
 
 ModelT = TypeVar("ModelT")

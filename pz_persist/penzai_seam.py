@@ -56,15 +56,20 @@ def gemma_presets() -> Mapping[str, Mapping[str, Any]]:
 
   Relied on by `pz_persist.pretrained.gemma` (``preset="auto"``, the preset
   names it accepts, its reports): Penzai lists its presets nowhere public.
-  A read-only view of Penzai's own table, so a preset added to it later
-  (as tests do) is seen.
+  A read-only view of Penzai's own table, read at each call, so a preset
+  added to it later (as tests do) is seen; each preset's keywords are
+  read-only views too, since they are Penzai's own dicts (a caller editing
+  one would change every later Gemma load of the process).
 
   Example:
     >>> from pz_persist import penzai_seam
     >>> penzai_seam.gemma_presets()["gemma2_2b"]["num_decoder_blocks"]
     26
   """
-  return types.MappingProxyType(_table(_PRESETS))
+  return types.MappingProxyType({
+      name: types.MappingProxyType(kwargs) if isinstance(kwargs, dict) else kwargs
+      for name, kwargs in _table(_PRESETS).items()
+  })
 
 
 def gemma_gating_transposed() -> Mapping[str, bool]:

@@ -104,6 +104,24 @@ Target = jax.sharding.Sharding | AxisRules | None
 """Where arrays go: one sharding for all, axis rules, or None (first device)."""
 
 
+def check_target(target: object) -> None:
+  """Refuses a ``sharding=`` that is not a `Target`, before anything is read.
+
+  Why: a string (``"cpu"``) or a mesh given there reached the reader, which
+  failed with ``AttributeError: 'str' object has no attribute
+  'addressable_devices'``, naming neither the option nor what it takes.
+
+  Raises:
+    ArgumentTypeError: naming the type given and the types accepted.
+  """
+  if target is not None and not isinstance(target, (jax.sharding.Sharding, AxisRules)):
+    raise errors.ArgumentTypeError(
+        f"sharding={target!r:.100} is a {type(target).__name__}; give a"
+        " jax.sharding.Sharding (e.g. jax.sharding.SingleDeviceSharding(jax.devices('cpu')[0])),"
+        " a pz_persist.AxisRules, or None for the default."
+    )
+
+
 def default_sharding() -> jax.sharding.Sharding:
   """Where a jax.Array goes when the caller did not say: the first local device."""
   return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

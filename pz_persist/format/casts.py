@@ -297,13 +297,32 @@ def cast(x: Values, target: npt.DTypeLike, *, allow_lossy: bool, where: str) -> 
   Raises:
     LossyCastError: naming ``where`` (file and tensor, label...), the values
       and how to cast anyway.
+    ArgumentTypeError: ``allow_lossy`` is not a bool (``"no"`` is truthy:
+      it would have allowed what it says to refuse).
   """
+  lossy = lossy_allowed(allow_lossy, where)
   target = np.dtype(target)
   if np.dtype(x.dtype) == target:
     return x
-  if not allow_lossy:
+  if not lossy:
     refuse(x, target, where)
   return astype(x, target)
+
+
+def lossy_allowed(allow_lossy: object, where: str) -> bool:
+  """``allow_lossy``, refused unless it is a bool: every cast asks here.
+
+  Why: ``allow_lossy="no"`` (or ``"false"`` from a config file) is truthy,
+  so it allowed exactly the casts it meant to refuse.
+
+  Raises:
+    ArgumentTypeError: naming ``where`` and the value given.
+  """
+  if not isinstance(allow_lossy, (bool, np.bool_)):
+    raise errors.ArgumentTypeError(
+        f"{where}: allow_lossy={allow_lossy!r:.100} must be True or False, not a"
+        f" {type(allow_lossy).__name__}.")
+  return bool(allow_lossy)
 
 
 def refuse(x: Values, target: npt.DTypeLike, where: str) -> None:

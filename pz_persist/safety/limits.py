@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import numbers
 import os
 import sys
 import warnings
@@ -159,6 +160,13 @@ def check_allocation(
     UnsafeCheckpointError: naming the largest arrays and the total.
   """
   limit = allocation_limit() if limit is None else limit
+  given: Mapping[str, object] = sizes  # From a loader: checked, not trusted.
+  for key, size in given.items():  # A negative size would hide others' bytes from the sum.
+    if not isinstance(size, numbers.Integral) or size < 0:
+      raise errors.UnsafeCheckpointError(
+          f"{where}: array {key!r} would allocate {size!r} bytes, not a count of bytes"
+          " (a negative or non-integer size comes from a damaged shape); refusing to read it."
+      )
   total = sum(sizes.values())
   if total <= limit:
     return

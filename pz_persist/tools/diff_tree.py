@@ -34,6 +34,7 @@ from typing import Any
 from typing import Literal
 
 from pz_persist.format import array_specs as arrays_lib
+from pz_persist.format import former_names
 from pz_persist.format import manifest as manifest_lib
 from pz_persist.format import nodes
 from pz_persist.tools import diff_align
@@ -135,6 +136,21 @@ def _class_name(node: Any) -> str | None:
     cls = node.get("class")
     if isinstance(cls, dict):
       return str(cls.get("qualname", "?"))
+  return None
+
+
+def _class_identity(node: Any) -> tuple[str, str] | None:
+  """The class a node names, whole: ``(module, qualname)`` as loading reads it.
+
+  Why not `_class_name`: two classes of one qualname in two modules
+  (``mylib.Linear``, a former name the table does not hold) are two
+  classes, and a diff calling them unchanged hides what a load refuses; a
+  recorded former name (`former_names.current_name`) is the same class.
+  """
+  if isinstance(node, dict) and nodes.names_class(_tag(node)):
+    cls = node.get("class")
+    if isinstance(cls, dict):
+      return former_names.current_name(str(cls.get("module", "?")), str(cls.get("qualname", "?")))
   return None
 
 
@@ -439,7 +455,7 @@ class Matcher:
     leaves = self._leaf(a, 0), self._leaf(b, 1)
     if leaves[0] is not None and leaves[1] is not None:
       return self._arrays(a, b, leaves, key, path_b)
-    if tag_a != tag_b or _class_name(a) != _class_name(b):
+    if tag_a != tag_b or _class_identity(a) != _class_identity(b):
       return self._different_kinds(a, b, key, path_a, path_b)
     if tag_a in ("struct", "dataclass") and _named_fields(a) and _named_fields(b):
       return self._fields(a, b, key, path_a, path_b)
@@ -469,6 +485,8 @@ class Matcher:
       if route is not None:
         return self._wrapper(outer, inner, route, side, key, path_a, path_b)
     kind_a, kind_b = self._kind(a), self._kind(b)
+    if kind_a == kind_b and _class_identity(a) != _class_identity(b):  # Same qualname.
+      kind_a, kind_b = (".".join(_class_identity(x) or ("?",)) for x in (a, b))
     if not any(_class_name(x) or _children(x) or self._leaf(x, side) or _tag(x) in (
         "variable", "dict", "ordered_dict") for x, side in ((a, 0), (b, 1))):
       # Plain values (a function swapped for a partial): changed, not replaced.

@@ -18,7 +18,9 @@ forged manifests:
   ``qualname``, and the table is read-only code.
 
 Each forged checkpoint is read by every library entry point that decodes a
-model (`load_model`, `load`, `open().load()`).
+model (`load_model`, `load`, `open().load()`; and `inspect`, Orbax v0 and
+v1, both managers, `load_into` and ``diff``, library and CLI, in
+`test_every_entry_point_reads_former_names_through_the_table_only`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ import types
 
 import hypothesis
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 import pytest
 from hypothesis import strategies as st
+from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
 
 import pz_persist as pzp
@@ -43,6 +47,7 @@ from pz_persist import errors
 from pz_persist.format import former_names
 from pz_persist.nn.constant_scale import ConstantScale
 from pz_persist.nn.offset_scale import OffsetScale
+from pz_persist.tools import cli
 
 OLD = "pz_persist.pretrained.layers"
 LOADERS = {
@@ -253,3 +258,71 @@ def test_a_name_not_recorded_is_never_translated(module, qualname):
   expected = former_names.FORMER_NAMES.get((module, qualname), (module, qualname))
   assert former_names.current_name(module, qualname) == expected
   assert former_names.is_former(module, qualname) == ((module, qualname) in former_names.FORMER_NAMES)
+
+
+def _more_entry_points(path, run) -> dict:
+  """The entry points beyond `LOADERS` that decode a model's classes: the
+  library's inspect, Orbax v0 (a checkpointer and a manager) and v1, and
+  pz_persist's CheckpointManager, each reading ``path`` or step 1 of ``run``."""
+  def orbax_v0_manager():
+    with ocp.CheckpointManager(run) as manager:
+      return manager.restore(1, args=ocp.args.Composite(penzai=pzp.PenzaiRestore()))["penzai"]
+
+  def manager():
+    with pzp.CheckpointManager(run) as opened:
+      return opened.restore(1)["penzai"]
+
+  def orbax_v0():
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+      return checkpointer.restore(path).penzai
+
+  return {
+      "inspect": lambda: pzp.inspect(path),
+      "orbax v0": orbax_v0,
+      "orbax v0 manager": orbax_v0_manager,
+      "orbax v1": lambda: ocp_v1.load_checkpointables(path)["penzai"],
+      "CheckpointManager.restore": manager,
+  }
+
+
+@pytest.fixture(name="run")
+def _run(tmp_path, saved):
+  """Step 1 of a manager run holding the model `saved` holds."""
+  path = tmp_path / "run"
+  with pzp.CheckpointManager(path) as manager:
+    manager.save(1, penzai=pzp.load_model(saved))
+  return path
+
+
+@pytest.mark.parametrize("name", [
+    (f"{OLD}.constant_scale", "ConstantScale"),  # Recorded: loads.
+    (f"{OLD}.constant_scale", "NoSuchLayer"),  # The rest: refused.
+    (f"{OLD}.constant_scale", "ConstantScale.by"),
+    (f"{OLD}.scaled_rope", "ConstantScale"),
+], ids=".".join)
+def test_every_entry_point_reads_former_names_through_the_table_only(saved, run, name):
+  """The entry points `LOADERS` misses: a recorded former name loads as the
+  current class, any other is refused as `LOADERS` refuse it; `load_into`
+  reads no class (the model is given), so it binds whatever the checkpoint
+  names; ``diff`` (library and CLI) shows a former name the
+  table does not hold as another class (`diff_tree._class_identity`)."""
+  _name(saved, 0, *name)
+  _name(run / "1", 0, *name)
+  recorded = former_names.is_former(*name)
+  for entry, read in _more_entry_points(saved, run).items():
+    if recorded:
+      assert type(read().sublayers[0]) is ConstantScale, entry
+    else:
+      with pytest.raises(errors.DisallowedModuleError, match="not allow-listed"):
+        read()
+  model = pz.nn.Sequential([ConstantScale(by=2.0, divide=False), OffsetScale(
+      weights=pz.Parameter(value=pz.nx.wrap(jnp.zeros(3), "embedding"), label="offset"))])
+  assert type(pzp.load_into(saved, model).sublayers[0]) is ConstantScale
+  current = saved.parent / "current"
+  pzp.save_model(current, pzp.load_model(saved) if recorded else model)
+  text = str(pzp.diff(saved, current))
+  if recorded:
+    assert "no differences" in text, text
+  else:
+    assert "replaced" in text and name[1] in text, text
+  assert cli.main(["diff", str(saved), str(current)]) == (0 if recorded else 1)

@@ -38,6 +38,8 @@ import weakref
 
 import numpy as np
 
+from pz_persist import errors
+
 
 @functools.cache
 def _glibc(name: str):
@@ -137,6 +139,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   back with nothing to zero. See `_Pool` for what that costs and its bounds.
   Elsewhere than Linux, an over-allocated NumPy array is used.
   """
+  if min(shape, default=0) < 0:  # mmap would say only "Invalid argument".
+    raise errors.ArgumentError(f"shape {shape!r}: an array's dimensions are at least 0.")
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
   if _CAN_POPULATE and nbytes:
     return _POOL.take(nbytes).view(dtype).reshape(shape)

@@ -30,6 +30,8 @@ def placements(
     manifest: manifest_lib.Manifest, target: sharding_lib.Target | PerArray
 ) -> list[jax.sharding.Sharding | None]:
   """Where each array of the manifest goes: a sharding, or None for NumPy."""
+  if not isinstance(target, Mapping):
+    sharding_lib.check_target(target)  # Every read's ``sharding=`` passes here.
   if isinstance(target, Mapping):
     default = sharding_lib.default_sharding()
     return [
