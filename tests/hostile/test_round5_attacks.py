@@ -26,7 +26,7 @@ from pz_persist import errors
 from pz_persist import extension
 from pz_persist import model as model_lib
 from pz_persist import penzai_seam
-from pz_persist.storage import commit
+from pz_persist.storage.stores import local
 from pz_persist.tools import cli
 
 
@@ -115,7 +115,7 @@ def test_an_interrupted_export_leaves_no_trace(where, tmp_path, monkeypatch):
   if where == "at the move":
     def fail(*args):
       raise _Interrupted()
-    monkeypatch.setattr(commit, "move_into_place", fail)
+    monkeypatch.setattr(local.LocalStore, "publish", fail)
   folder = tmp_path / "a" / "b" / "export"
   with pytest.raises(_Interrupted):
     with extension.publishing_export(str(folder)) as new:
