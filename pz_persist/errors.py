@@ -293,7 +293,7 @@ def _close_unstarted_coroutines(traceback: types.TracebackType | None) -> None:
   state, held by the interrupted frames (or by such a coroutine), are
   touched; one that has started belongs to a running loop and is left alone.
   """
-  pending = []
+  pending: list[object] = []
   while traceback is not None:
     pending.extend(traceback.tb_frame.f_locals.values())
     traceback = traceback.tb_next
@@ -304,7 +304,8 @@ def _close_unstarted_coroutines(traceback: types.TracebackType | None) -> None:
       continue
     seen.add(id(value))
     if inspect.getcoroutinestate(value) == inspect.CORO_CREATED:
-      pending.extend(value.cr_frame.f_locals.values())  # A coroutine it wraps.
+      if value.cr_frame is not None:
+        pending.extend(value.cr_frame.f_locals.values())  # A coroutine it wraps.
       value.close()
 
 
