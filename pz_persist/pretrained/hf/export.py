@@ -35,6 +35,7 @@ from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf import load as hf
 from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import derive_config
 from pz_persist.pretrained.hf.config_from_model import first_layer
 from pz_persist.pretrained.hf.folder_writer import check_destination
@@ -161,7 +162,9 @@ def export_hf(
     raise errors.ExportError(f"family {family!r} cannot be exported; supported: {sorted(plans)}.")
   config = derive_config(model, family, families.FAMILY_OF[family], like_config)
   embeddings = first_layer(model, pz.nn.EmbeddingTable, "token embeddings").embeddings.value
-  weights = ModelWeights(config["num_hidden_layers"], np.dtype(embeddings.dtype))
+  # GPT-2 names the count n_layer; a family without the field has a block per layer.
+  layers = config.get("num_hidden_layers", len(blocks(model)))
+  weights = ModelWeights(layers, np.dtype(embeddings.dtype))
   plan, slots = matching_plan(plans[family], config, weights, model, family, target)
   values = {p.label: p.value for p in all_layers(model, pz.ParameterValue)}
   write_folder(target, config, stored_tensors(plan, slots, values), shard_size, overwrite, progress)

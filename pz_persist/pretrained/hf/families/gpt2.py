@@ -101,8 +101,13 @@ def gpt2_plan(cfg: Config, weights: Weights) -> Plan:
   )
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
-  check_layers(cfg, weights.names, GPT2_LAYERS, layers)
-  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "transformer.wte.weight")
+  # The Hub's own GPT-2 folders (openai-community/gpt2...) hold GPT2Model's
+  # names, without the ``transformer.`` of GPT2LMHeadModel's (transformers
+  # reads both); export writes GPT2LMHeadModel's.
+  bare = "wte.weight" in weights.names and "transformer.wte.weight" not in weights.names
+  t = "" if bare else "transformer."
+  check_layers(cfg, weights.names, t + "h.", layers)
+  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, t + "wte.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
   scales = [query_scale(head_dim, i, scale_weights, by_layer) for i in range(layers)]
@@ -111,19 +116,19 @@ def gpt2_plan(cfg: Config, weights: Weights) -> Plan:
     return build_gpt2(config, positions, scales)
 
   specs = [
-      TensorSpec("transformer/embedder.embeddings", "transformer.wte.weight",
+      TensorSpec("transformer/embedder.embeddings", t + "wte.weight",
                  (vocab, hidden), ("vocabulary", "embedding")),
-      TensorSpec("transformer/position_embedder.embeddings", "transformer.wpe.weight",
+      TensorSpec("transformer/position_embedder.embeddings", t + "wpe.weight",
                  (positions, hidden), ("positions", "embedding")),
-      TensorSpec("transformer/final_norm/scale.weights", "transformer.ln_f.weight",
+      TensorSpec("transformer/final_norm/scale.weights", t + "ln_f.weight",
                  (hidden,), ("embedding",)),
-      TensorSpec("transformer/final_norm/shift.bias", "transformer.ln_f.bias",
+      TensorSpec("transformer/final_norm/shift.bias", t + "ln_f.bias",
                  (hidden,), ("embedding",)),
       TensorSpec("transformer/lm_head.weights", head_source,
                  (vocab, hidden), ("vocabulary", "embedding")),
   ]
   for i in range(layers):
-    p, s = f"transformer/block_{i}/", f"{GPT2_LAYERS}{i}."
+    p, s = f"transformer/block_{i}/", f"{t}h.{i}."
     specs += [
         TensorSpec(p + "pre_attention_norm/scale.weights", s + "ln_1.weight",
                    (hidden,), ("embedding",)),
@@ -212,13 +217,16 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   if fields is None:
     raise ExportError(f"the query scales {scales} are none GPT-2's scale_attn_weights and"
                       " scale_attn_by_inverse_layer_idx give; the model was edited.")
+  inner = sizes["intermediate_size"]
+  if inner == 4 * hidden and like.get("n_inner") is None:
+    inner = None  # transformers' own spelling of 4 * n_embd.
   found = activation(model)
   name = like.get("activation_function")
   if _ACTIVATIONS.get(name or "") != found:  # ``like``'s spelling when it means the same.
     name = {"gelu_approx": "gelu_new", "gelu_exact": "gelu"}.get(found, found)
   return {
       "n_embd": hidden, "n_head": heads, "n_layer": sizes["num_hidden_layers"],
-      "vocab_size": sizes["vocab_size"], "n_inner": sizes["intermediate_size"],
+      "vocab_size": sizes["vocab_size"], "n_inner": inner,
       "n_positions": dict(table.embeddings.value.named_shape)["positions"],
       "layer_norm_epsilon": number(first_layer(model, pz.nn.Standardize, "layer norm").epsilon),
       "activation_function": name,
