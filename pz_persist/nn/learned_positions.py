@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from penzai import pz
 
 
@@ -23,7 +24,8 @@ class AddLearnedPositions(pz.nn.Layer):
   Attributes:
     table: The position embeddings; its vocabulary axis indexes positions
       (``max_position_embeddings`` rows, plus ``offset``).
-    positions_input_name: The side input holding each token's position.
+    positions_input_name: The side input holding each token's position. A
+      position without a row gives NaN embeddings rather than a clamped row.
     offset: Added to each position before the lookup (OPT's table keeps two
       rows before position 0; GPT-2's keeps none).
 
@@ -43,6 +45,10 @@ class AddLearnedPositions(pz.nn.Layer):
   offset: int = dataclasses.field(default=0, metadata={"pytree_node": False})
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
-    positions = side_inputs[self.positions_input_name]
-    rows = self.table.embeddings.value[{self.table.vocabulary_axis: positions + self.offset}]
+    positions = side_inputs[self.positions_input_name] + self.offset
+    table = self.table.embeddings.value.untag(self.table.vocabulary_axis)
+    # A position past the table reads NaN (JAX would clamp it to the last
+    # row: a silently different model; transformers raises).
+    rows = pz.nx.nmap(lambda t, i: t.at[i].get(mode="fill", fill_value=jnp.nan))(
+        table, positions)
     return inputs + rows.astype(inputs.dtype)

@@ -146,6 +146,11 @@ def test_positions_come_from_the_table_in_sampling(saved):
   wpe = saved["gpt2"].hf_model.transformer.wpe.weight.detach().numpy()
   np.testing.assert_array_equal(np.asarray(out.untag("seq", "embedding").unwrap()), wpe[[3, 7]])
 
+  past = layer[0](zeros, token_positions=pz.nx.wrap(jnp.array([15, 16]), "seq"))
+  rows = np.asarray(past.untag("seq", "embedding").unwrap())
+  np.testing.assert_array_equal(rows[0], wpe[15])
+  assert np.isnan(rows[1]).all()  # No row 16: NaN, never row 15 again.
+
 
 def test_hub_names_without_the_transformer_prefix_load(saved, tmp_path):
   """The Hub's openai-community/gpt2 holds GPT2Model's names (``h.0.``,

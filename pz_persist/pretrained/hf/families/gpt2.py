@@ -95,7 +95,7 @@ def gpt2_plan(cfg: Config, weights: Weights) -> Plan:
   config = gpt_neox.GPTNeoXTransformerConfig(
       num_attention_heads=heads, embedding_dim=hidden, projection_dim=head_dim,
       mlp_hidden_dim=inner, num_decoder_blocks=layers, vocab_size=vocab,
-      activation_fn=_ACTIVATIONS[act],  # type: ignore[arg-type]
+      activation_fn=_ACTIVATIONS[act],
       rope_subset_size=0, rope_wavelength=10_000.0, layernorm_epsilon=eps,
       parameter_dtype=None, activation_dtype=None,
   )
