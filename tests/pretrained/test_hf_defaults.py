@@ -80,6 +80,7 @@ MINIMAL = {
     **{name: {**_SIZES, **_HEADS} for name in (
         "llama", "mistral", "qwen2", "granite", "olmo2", "olmo3", "phi3", "smollm3")},
     "gpt_neox": _SIZES,
+    "opt": {**{k: v for k, v in _SIZES.items() if k != "intermediate_size"}, "ffn_dim": 64},
     "qwen3": {**_SIZES, **_HEADS},
     # Ministral 3 needs its RoPE dict (llama_4_scaling_beta lives there): refused without.
     "ministral3": {**_SIZES, **_HEADS, "rope_parameters": {

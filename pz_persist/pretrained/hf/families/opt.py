@@ -265,7 +265,7 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   if positions.offset != POSITION_OFFSET:
     raise errors.ExportError(f"OPT reads learned positions {POSITION_OFFSET} rows late; the"
                              f" model's offset is {positions.offset}.")
-  table = named_shape(positions.embeddings.value)
+  table = named_shape(positions)
   words = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   query = projection(attention(model).input_to_query)
   ffw = first_layer(model, model_parts.TransformerFeedForward, "MLP")
@@ -296,7 +296,8 @@ RECORD = Family(
         opt_plan, "OPTForCausalLM",
         defaults={"do_layer_norm_before": True, "_remove_final_layer_norm": False,
                   "enable_bias": True, "layer_norm_elementwise_affine": True,
-                  "activation_function": "relu", "tie_word_embeddings": True},
+                  "activation_function": "relu", "tie_word_embeddings": True,
+                  "max_position_embeddings": 2048},
         ignored_fields={
             "training only: dropout and layer drop are off at inference": (
                 "dropout", "layerdrop", "activation_dropout"),
