@@ -271,8 +271,8 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   ffw = first_layer(model, model_parts.TransformerFeedForward, "MLP")
   block = blocks(model)[0]
   pre_norm = all(isinstance(layer, pz.nn.Residual) for layer in block.sublayers)
-  final = [layer for layer in model.body.sublayers  # type: ignore[attr-defined]
-           if isinstance(layer, (pz.nn.LayerNorm, pz.nn.Standardize))]
+  top = getattr(getattr(model, "body", None), "sublayers", [])  # The final norm's level.
+  final = [layer for layer in top if isinstance(layer, (pz.nn.LayerNorm, pz.nn.Standardize))]
   return {
       "hidden_size": table["embedding"],
       "word_embed_proj_dim": words["embedding"],
@@ -306,9 +306,12 @@ RECORD = Family(
         foreign_fields=frozenset({"activation_dropout"}))},
     detect=_detect,
     write_config=_write_config,
-    adds=("learned positions (offset 2), LayerNorm with biases, pre- and post-norm blocks"
-          " (do_layer_norm_before), word_embed_proj_dim's project_in / project_out"),
-    refuses="an activation_function other than relu, gelu, gelu_new, gelu_pytorch_tanh, silu",
+    adds=("learned positions read two rows late (`AddLearnedPositions`), LayerNorm with biases"
+          " or without weights (`layer_norm_elementwise_affine`), pre-norm with a final norm or"
+          " post-norm (`do_layer_norm_before`: opt-350m), `word_embed_proj_dim`'s `project_in` /"
+          " `project_out`, `enable_bias`, tied or untied head"),
+    refuses=("activations other than ReLU / GELU / SiLU; left-padded batches need their"
+             " positions as `token_positions`"),
     rank=9,
     fields={"ffn_dim": POSITIVE_INT, "word_embed_proj_dim": POSITIVE_INT,
             "do_layer_norm_before": BOOLEAN, "_remove_final_layer_norm": BOOLEAN,
