@@ -12,11 +12,14 @@ so the same layer serves a table without one (``offset=0``).
 The positions come from the ``token_positions`` side input Penzai's
 ``TransformerLM`` passes to its body (``arange`` over ``seq`` for a forward
 pass, the cache's positions in `penzai.models.transformer.sampling_mode`), so
-KV-cache sampling needs nothing of its own.
+KV-cache sampling needs nothing of its own. A position the table lacks (past
+``max_position_embeddings``) gives NaN, never another position's row.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from penzai import pz
 
 from pz_persist.nn._fields import static
@@ -40,11 +43,20 @@ class AddLearnedPositions(pz.nn.Layer):
   def __call__(self, value: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
     positions = side_inputs[self.positions_input_name]
     table = self.embeddings.value.untag("positions")
-    # A position past the table would be clamped by JAX's gather, silently
-    # reusing the last row; transformers fails instead. Callers keep inputs
-    # within max_position_embeddings (the loader's docs say so).
-    rows = pz.nx.nmap(lambda t, p: t[p + self.offset])(table, positions)
+    rows = pz.nx.nmap(self._row)(table, positions)
     return value + rows.astype(value.dtype)
+
+  def _row(self, table: jax.Array, position: jax.Array) -> jax.Array:
+    """Row ``position + offset``, or NaN for a position the table lacks.
+
+    Why NaN: JAX's gather would clamp an out-of-range index to the last row
+    (and wrap a negative one), silently computing a different model where
+    transformers fails; NaN logits cannot be mistaken for an answer, and a
+    check inside a compiled step could not raise.
+    """
+    index = position + self.offset
+    held = (index >= 0) & (index < table.shape[0])
+    return jnp.where(held, table[jnp.clip(index, 0, table.shape[0] - 1)], jnp.nan)
 
   def treescope_color(self) -> str:
     return "#65cfbc"  # Penzai's colour for its own learned additions (AddBias).

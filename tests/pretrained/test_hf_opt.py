@@ -3,11 +3,13 @@ transformers, with the checks of `hf_family_harness`."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 import treescope
+from penzai import pz
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
@@ -62,7 +64,7 @@ def test_greedy_kv_cache_generation_matches_transformers_generate(saved, case):
       pad_id=-1))
   tokens, ours = prompt, []
   for _ in range(steps):
-    out = sampler(pz_wrap(tokens))
+    out = sampler(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
     tokens = np.argmax(np.asarray(out.untag("batch", "seq", "vocabulary").unwrap()[:, -1]),
                        axis=-1)[:, None]
     ours.append(tokens)
@@ -73,10 +75,21 @@ def test_greedy_kv_cache_generation_matches_transformers_generate(saved, case):
   np.testing.assert_array_equal(np.concatenate(ours, 1), theirs[:, prompt.shape[1]:].numpy())
 
 
-def pz_wrap(tokens):
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from penzai import pz  # pylint: disable=import-outside-toplevel
-  return pz.nx.wrap(jnp.asarray(tokens), "batch", "seq")
+def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
+  checks.check_bfloat16(saved["opt"], "opt")
+
+
+def test_a_bfloat16_folder_exports_bit_for_bit(tmp_path):
+  checks.check_bfloat16_export(CASES["opt_350m"], tmp_path)
+
+
+def test_positions_past_the_table_give_nan_not_another_row(saved):
+  """16 positions are held (max_position_embeddings); the 17th has no row:
+  NaN (which attention spreads to the whole call), never the last row reused (JAX's clamping gather)."""
+  model = pzp.pretrained.load_hf(saved["opt"].folder)
+  tokens = np.tile(checks.SEQUENCES[:1], (1, 2))[:, :17]
+  assert np.isfinite(checks.penzai_logits(model, tokens[:, :16])).all()
+  assert np.isnan(checks.penzai_logits(model, tokens)[:, 16]).all()
 
 
 def test_save_model_round_trip(saved, tmp_path):
@@ -118,16 +131,11 @@ def test_the_position_offset_binds(saved):
   """Read at rows p instead of p + 2, transformers' logits move: a loader
   without OPT's offset would fail the float32 check."""
   model = pzp.pretrained.load_hf(saved["opt"].folder)
-  shifted = (pzp_select(model).at_instances_of(AddLearnedPositions)
+  shifted = (pz.select(model).at_instances_of(AddLearnedPositions)
              .apply(lambda layer: type(layer)(embeddings=layer.embeddings, offset=0)))
   changed = float(np.abs(checks.penzai_logits(shifted) - saved["opt"].reference).max())
   print(f"without the offset: logits change by {changed:.3g}")
   assert changed > 100 * checks.TOLERANCE["atol"]
-
-
-def pzp_select(model):
-  from penzai import pz  # pylint: disable=import-outside-toplevel
-  return pz.select(model)
 
 
 def test_the_norm_weights_and_positions_bind(saved):
