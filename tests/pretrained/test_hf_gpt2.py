@@ -139,7 +139,7 @@ def test_positions_come_from_the_table_in_sampling(saved):
   two positions gets two rows of the table."""
   model = pzp.pretrained.load_hf(saved["gpt2"].folder)
   layer = pz.select(model).at_instances_of(AddLearnedPositions).get_sequence()
-  assert len(layer) == 1 and dict(layer[0].table.embeddings.value.named_shape) == {
+  assert len(layer) == 1 and dict(layer[0].embeddings.value.named_shape) == {
       "positions": 16, "embedding": 32}
   zeros = pz.nx.zeros({"seq": 2, "embedding": 32})
   out = layer[0](zeros, token_positions=pz.nx.wrap(jnp.array([3, 7]), "seq"))

@@ -113,7 +113,7 @@ def gpt2_plan(cfg: Config, weights: Weights) -> Plan:
   scales = [query_scale(head_dim, i, scale_weights, by_layer) for i in range(layers)]
 
   def build() -> model_parts.TransformerLM:
-    return build_gpt2(config, positions, scales)
+    return build_gpt2(config, scales)
 
   specs = [
       TensorSpec("transformer/embedder.embeddings", t + "wte.weight",
@@ -163,7 +163,7 @@ def gpt2_plan(cfg: Config, weights: Weights) -> Plan:
   return Plan(build, tuple(specs))
 
 
-def build_gpt2(config: gpt_neox.GPTNeoXTransformerConfig, positions: int,
+def build_gpt2(config: gpt_neox.GPTNeoXTransformerConfig,
                scales: list[float]) -> model_parts.TransformerLM:
   """GPT-2's skeleton (parameter slots) from Penzai's GPT-NeoX parts:
   sequential residual blocks, no rotary embedding, the query scaled by
@@ -172,10 +172,6 @@ def build_gpt2(config: gpt_neox.GPTNeoXTransformerConfig, positions: int,
   lookup, *rest = neox.body.sublayers
   neox_blocks = [layer for layer in rest if isinstance(layer, model_parts.TransformerBlock)]
   final_norm, head = rest[-2:]
-  table = pz.nn.EmbeddingTable.from_config(
-      name="transformer/position_embedder", init_base_rng=None, vocab_size=positions,
-      embedding_axes={"embedding": config.embedding_dim}, vocabulary_axis="positions",
-      dtype=config.parameter_dtype)
   blocks = []
   for block, scale in zip(neox_blocks, scales):
     _, attention_branch, ffw_branch = block.sublayers[0].branches
@@ -187,7 +183,9 @@ def build_gpt2(config: gpt_neox.GPTNeoXTransformerConfig, positions: int,
         pz.nn.Residual(attention_branch), pz.nn.Residual(ffw_branch)]))
   final_norm = (pz.select(final_norm).at_instances_of(pz.nn.Standardize)
                 .apply(lambda s: dataclasses.replace(s, epsilon=config.layernorm_epsilon)))
-  body = pz.nn.Sequential([lookup, AddLearnedPositions(table), *blocks, final_norm, head])
+  learned = AddLearnedPositions(
+      embeddings=pz.ParameterSlot("transformer/position_embedder.embeddings"))
+  body = pz.nn.Sequential([lookup, learned, *blocks, final_norm, head])
   return dataclasses.replace(neox, body=body)
 
 
@@ -205,7 +203,7 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   del model_type  # Only gpt2.
   sizes = size_fields(model, grouped=False)
   hidden, heads = sizes["hidden_size"], sizes["num_attention_heads"]
-  table = first_layer(model, AddLearnedPositions, "learned positions").table
+  table = first_layer(model, AddLearnedPositions, "learned positions")
   scales = [layer.by for layer in all_layers(model, ConstantScale)]
   head_dim = hidden // heads
   fields = None
