@@ -78,7 +78,8 @@ _MOE = {"moe_intermediate_size": 16, "num_experts_per_tok": 2}
 
 MINIMAL = {
     **{name: {**_SIZES, **_HEADS} for name in (
-        "llama", "mistral", "qwen2", "granite", "olmo2", "olmo3", "phi3", "smollm3")},
+        "llama", "mistral", "qwen2", "granite", "olmo2", "olmo3", "phi3", "smollm3",
+        "internlm3", "iquestcoder")},
     "gpt_neox": _SIZES,
     "qwen3": {**_SIZES, **_HEADS},
     # Ministral 3 needs its RoPE dict (llama_4_scaling_beta lives there): refused without.

@@ -1,4 +1,8 @@
-"""Llama and Mistral checkpoints (``model_type`` ``llama``, ``mistral``).
+"""Llama and Mistral checkpoints (``model_type`` ``llama``, ``mistral``), and the
+``model_type`` values transformers itself reads with its Llama classes
+(``internlm3``, ``iquestcoder``: their config classes hold Llama's fields
+and no others, and ``AutoModelForCausalLM`` builds ``LlamaForCausalLM`` for
+them, whose tensor names their folders keep).
 
 Llama's layout is the shared llama-like decoder
 (`pz_persist.pretrained.hf.building.decoder.llama_plan`) that most families
@@ -65,6 +69,16 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
             "mlp_bias": NO_BIASES,
         },
     },
+    # transformers maps both to LlamaForCausalLM; only the defaults differ.
+    "internlm3": {
+        "defaults": {**LLAMA_LIKE, "mlp_bias": False, "rms_norm_eps": 1e-5,
+                     "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 32_768},
+    },
+    "iquestcoder": {
+        "defaults": {**LLAMA_LIKE, "mlp_bias": False, "rms_norm_eps": 1e-5,
+                     "num_key_value_heads": 8, "head_dim": 128,
+                     "max_position_embeddings": 131_072},
+    },
 }
 """Per ``model_type``: what each absent field means (transformers' config class's
 value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
@@ -72,11 +86,13 @@ differs from the class or is not one of its fields."""
 
 
 RECORD = Family(
-    title="Llama 1, 2, 3.x; Mistral",
+    title="Llama 1, 2, 3.x; Mistral; InternLM3, IQuest-Coder",
     model_types={
         "llama": ModelType(llama_plan, "LlamaForCausalLM", **_TRANSFORMERS_DEFAULTS["llama"]),
         "mistral": ModelType(mistral_plan, "MistralForCausalLM",
             **_TRANSFORMERS_DEFAULTS["mistral"]),
+        **{name: ModelType(llama_plan, "LlamaForCausalLM", **_TRANSFORMERS_DEFAULTS[name])
+           for name in ("internlm3", "iquestcoder")},
     },
     detect=_detect,
     write_config=_write_config,
