@@ -94,7 +94,9 @@ def test_a_llama_plus_a_feature_family_is_one_file(model_type):
     # "qwen3" names Qwen3, not Qwen3-MoE (``qwen3_moe``, a family of its own).
     lines = [line for line in path.read_text().lower().splitlines()
              if re.search(rf"\b{model_type}\b(?![-_]|\.\d)", line)]
-    if lines and str(path.relative_to(PACKAGE)) != home:
+    # The refusal table names families as suggestions only (test_hf_refusals
+    # checks each one it names is read).
+    if lines and str(path.relative_to(PACKAGE)) not in (home, "pretrained/hf/unsupported.py"):
       mentions[str(path.relative_to(PACKAGE))] = [
           line for line in lines if not line.startswith(importing)]
   assert not {path: lines for path, lines in mentions.items() if lines}
@@ -119,28 +121,6 @@ def _folder(path: pathlib.Path, model_type: str) -> pathlib.Path:
   (path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 8}))
   safetensors_io.write_safetensors(path / "model.safetensors", {})
   return path
-
-
-@pytest.mark.parametrize("model_type, has_nearest", [
-    ("qwen2_moe", True), ("olmoe", True), ("granitemoe", True), ("llama5", True), ("bert", False),
-])
-def test_an_unsupported_model_type_names_the_families_and_the_nearest(tmp_path, model_type,
-                                                                      has_nearest):
-  """The refusal lists every family and, when one is close, the nearest
-  model_type; it sends nobody but Gemma users to load_gemma."""
-  nearest = families.nearest(model_type)
-  assert bool(nearest) == has_nearest
-  with pytest.raises(errors.UnsupportedConfigError) as raised:
-    pzp.pretrained.load_hf(_folder(tmp_path / "m", model_type))
-  message = str(raised.value)
-  assert f"model_type={model_type!r} is not supported" in message
-  for family in families.FAMILIES:
-    assert family.title in message
-  if nearest:
-    assert f"nearest supported model_type is {nearest!r}" in message
-  else:
-    assert "nearest" not in message
-  assert "load_gemma" not in message
 
 
 @pytest.mark.parametrize("model_type", sorted(families.REFUSED))

@@ -34,6 +34,7 @@ from pz_persist import progress as progress_lib
 from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf import families
 from pz_persist.pretrained.hf import load as hf
+from pz_persist.pretrained.hf import unsupported
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
 from pz_persist.pretrained.hf.config_from_model import derive_config
@@ -60,7 +61,9 @@ def _like_config(like: object) -> dict[str, Any]:
     return {"model_type": like}
   if isinstance(like, (str, os.PathLike)) and os.path.isdir(like):
     return hf._read_config(os.fspath(like))  # pylint: disable=protected-access
+  known = isinstance(like, str) and (like in unsupported.UNSUPPORTED or like in families.REFUSED)
   raise errors.ArgumentError(
+      (f"{unsupported.reason(like)} " if known else "") +
       f"like={like!r} is neither a family ({sorted(family_plans())}), a Hugging Face"
       " folder nor a config dict."
   )
@@ -159,7 +162,10 @@ def export_hf(
   family = like_config.get("model_type") or families.detect(model)
   plans = family_plans()
   if family not in plans:
-    raise errors.ExportError(f"family {family!r} cannot be exported; supported: {sorted(plans)}.")
+    why = (unsupported.reason(family) + " " if isinstance(family, str)
+           and family not in families.MODEL_TYPES else "")
+    raise errors.ExportError(f"family {family!r} cannot be exported: {why}export_hf writes the"
+                             f" model_types {sorted(plans)}.")
   config = derive_config(model, family, families.FAMILY_OF[family], like_config)
   embeddings = first_layer(model, pz.nn.EmbeddingTable, "token embeddings").embeddings.value
   # GPT-2 names the count n_layer; a family without the field has a block per layer.

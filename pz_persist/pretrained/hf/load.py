@@ -67,6 +67,7 @@ from pz_persist.pretrained import _files
 from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import families
+from pz_persist.pretrained.hf import unsupported
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
@@ -96,20 +97,10 @@ def _read_config(path: str, seen: list[tuple[str, _files.Identity]] | None = Non
 
 
 def unsupported_model_type(model_type: object) -> str:
-  """Why ``model_type`` is refused: a family's own reason for its next
-  generation (`families.REFUSED`), or the supported families and the
-  nearest one; `load_gemma` is suggested only for a Gemma."""
-  if isinstance(model_type, str) and model_type in families.REFUSED:
-    return families.REFUSED[model_type] + "."
-  shown = f"{model_type!r:.80}"
-  nearest = families.nearest(model_type) if isinstance(model_type, str) else None
-  hint = (f" The nearest supported model_type is {nearest!r}"
-          f" ({families.FAMILY_OF[nearest].title}), a different architecture."
-          if nearest else "")
-  gemma = (" For Gemma's official Flax checkpoints, use pz_persist.pretrained.load_gemma."
-           if isinstance(model_type, str) and model_type.startswith("gemma") else "")
-  return (f"model_type={shown} is not supported; pz_persist.pretrained.load_hf reads the"
-          f" families {families.names()}.{hint}{gemma}")
+  """Why ``model_type`` is refused, the useful clause first
+  (`pz_persist.pretrained.hf.unsupported.message`: its reason and the
+  nearest family by architecture, then the families read)."""
+  return unsupported.message(model_type)
 
 
 def _check_tensors(plan: Plan, weights: Weights) -> None:
@@ -205,8 +196,9 @@ def load_hf(
     A ``penzai.models.transformer.model_parts.TransformerLM``.
 
   Raises:
-    errors.UnsupportedConfigError: an unsupported ``model_type`` (the message lists
-      the supported families and the nearest ``model_type``) or a configuration field that would change the
+    errors.UnsupportedConfigError: an unsupported ``model_type`` (the message says
+      why, the nearest supported family by architecture, then the families
+      read) or a configuration field that would change the
       model's math, naming the field and its value. Raised before any tensor
       is read.
     errors.UnsupportedConfigError: also for a malformed ``config.json`` (not a JSON

@@ -13,10 +13,8 @@ the pretrained guide's table (docs/guides/pretrained.md)).
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import pkgutil
-import re
 from typing import Any
 
 from penzai import pz
@@ -80,20 +78,6 @@ def detect(model: pz.nn.Layer) -> str | None:
     if model_type is not None:
       return model_type
   return None
-
-
-def nearest(model_type: str) -> str | None:
-  """The supported ``model_type`` closest to an unsupported one (a prefix of
-  it, else the closest of the same stem: ``olmoe`` -> ``olmo3``), for the
-  refusal's message; None if none is close."""
-  by_prefix = [t for t in MODEL_TYPES if model_type.startswith(t)]
-  if by_prefix:
-    return max(by_prefix, key=len)
-  stem = re.match(r"[a-z]*", model_type.lower())
-  same_stem = [t for t in MODEL_TYPES if stem and stem.group() and t.startswith(stem.group())]
-  close = difflib.get_close_matches(model_type, same_stem or list(MODEL_TYPES), n=1,
-                                    cutoff=0.0 if same_stem else 0.6)
-  return close[0] if close else None
 
 
 def names() -> str:

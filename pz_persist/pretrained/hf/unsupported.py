@@ -1,0 +1,300 @@
+"""Why a ``model_type`` pz_persist does not read is refused, and which
+supported family is nearest to it by architecture.
+
+`UNSUPPORTED` is the one table of the ``model_type`` values known and
+refused (the families still to build, and the encoders people try), each
+with what its architecture has that no family reads and its nearest family
+by architecture (or None, and why none is close). A suggestion comes only
+from here, never from the spelling of a name: ``gpt2`` is nearest to
+GPT-NeoX (LayerNorm with biases, a GELU MLP), not to ``gpt_oss``. A name
+neither supported nor known gets a "did you mean" only when it is a likely
+typo of a supported one. A family's own next generation
+(`pz_persist.pretrained.hf.record.Family.refused_model_types`) keeps its
+family's reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from pz_persist.pretrained.hf import families
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+  """A known ``model_type`` pz_persist refuses.
+
+  Attributes:
+    name: The architecture, for people (``"GPT-2"``).
+    lacks: What it has that no family reads, as the end of the sentence
+      ``"<name> has ..."``.
+    nearest: The supported ``model_type`` nearest by architecture, or None.
+    nearest_why: What ``nearest`` shares with it and where they differ; or,
+      with no ``nearest``, why none is close.
+  """
+
+  name: str
+  lacks: str
+  nearest: str | None
+  nearest_why: str
+
+
+def _row(name: str, lacks: str, nearest: str | None, nearest_why: str) -> Unsupported:
+  return Unsupported(name, lacks, nearest, nearest_why)
+
+
+_STATE_SPACE = ("Qwen3.5 is the one hybrid pz_persist reads: linear-recurrent layers (a gated"
+                " delta net with a short convolution) among attention layers, their state in the"
+                " KV cache; it has no Mamba layer")
+_ENCODER = ("pz_persist.pretrained.load_hf reads causal decoder-only language models, and this"
+            " is a bidirectional encoder (or an encoder-decoder)")
+_ATTENTION_FREE = "every family pz_persist reads is built on attention, and this model has none"
+_NEOX = ("GPT-NeoX shares LayerNorm with biases, a fused query-key-value projection and a"
+         " non-gated GELU MLP")
+_VL = "a vision-language folder whose text model uses multimodal RoPE (mrope_section), which"
+
+UNSUPPORTED: dict[str, Unsupported] = {
+    # Vision-language folders whose text model is close to one read.
+    "qwen2_vl": _row("Qwen2-VL", f"{_VL} pz_persist does not build yet", "qwen2",
+                     "its text decoder is Qwen2's layout"),
+    "qwen2_vl_text": _row("Qwen2-VL's text model", "multimodal RoPE (mrope_section)", "qwen2",
+                          "it is Qwen2's layout"),
+    "qwen2_5_vl": _row("Qwen2.5-VL", f"{_VL} pz_persist does not build yet", "qwen2",
+                       "its text decoder is Qwen2's layout"),
+    "qwen2_5_vl_text": _row("Qwen2.5-VL's text model", "multimodal RoPE (mrope_section)", "qwen2",
+                            "it is Qwen2's layout"),
+    "qwen3_vl": _row("Qwen3-VL", f"{_VL} it interleaves, and DeepStack visual features added to"
+                     " its first layers", "qwen3", "its text decoder is Qwen3's layout"),
+    "qwen3_vl_text": _row("Qwen3-VL's text model", "interleaved multimodal RoPE and DeepStack"
+                          " inputs", "qwen3", "it is Qwen3's layout"),
+    "qwen3_vl_moe": _row("Qwen3-VL-MoE", f"{_VL} it interleaves, and DeepStack visual features",
+                         "qwen3_moe", "its text decoder is Qwen3-MoE's layout"),
+    "qwen3_vl_moe_text": _row("Qwen3-VL-MoE's text model", "interleaved multimodal RoPE and"
+                              " DeepStack inputs", "qwen3_moe", "it is Qwen3-MoE's layout"),
+    "mistral3": _row("Mistral 3 (Mistral Small 3.1 / 3.2, Magistral, Devstral)",
+                     "a Pixtral vision tower and projector around its text model, which"
+                     " pz_persist does not extract yet", "mistral",
+                     "its text_config is a Mistral decoder"),
+    "llava": _row("LLaVA", "a vision tower and projector around a text model named by its"
+                  " text_config, which pz_persist does not extract yet", "llama",
+                  "most LLaVA text models are Llama or Mistral decoders"),
+    # Classic decoders.
+    "gpt2": _row("GPT-2", "learned absolute positions and Conv1D projections (c_attn, c_fc)",
+                 "gpt_neox", f"{_NEOX}; it has rotary positions and parallel blocks instead"),
+    "gpt-sw3": _row("GPT-SW3", "GPT-2's learned absolute positions and Conv1D projections",
+                    "gpt_neox", f"{_NEOX}; it has rotary positions instead"),
+    "openai-gpt": _row("GPT-1", "post-LayerNorm blocks and learned absolute positions",
+                       "gpt_neox", f"{_NEOX}; it normalises before each block instead"),
+    "gpt_neo": _row("GPT-Neo", "learned absolute positions and alternating local and global"
+                    " attention without score scaling", "gpt_neox",
+                    f"{_NEOX}; it has rotary positions instead"),
+    "gptj": _row("GPT-J", "one LayerNorm shared by parallel attention and MLP, and rotary"
+                 " applied to interleaved pairs of the first rotary_dim dimensions", "gpt_neox",
+                 "GPT-NeoX shares parallel blocks and partial rotary (rotating halves, with two"
+                 " norms)"),
+    "codegen": _row("CodeGen", "GPT-J's blocks with a query-key-value projection packed in"
+                    " mp_num groups", "gpt_neox", "GPT-NeoX shares parallel blocks and partial"
+                    " rotary"),
+    "gpt_bigcode": _row("StarCoder 1 / SantaCoder (GPTBigCode)", "multi-query attention in one"
+                        " fused projection and learned absolute positions", "gpt_neox",
+                        f"{_NEOX}; it has rotary positions instead"),
+    "opt": _row("OPT", "learned positions offset by 2, a ReLU MLP and, in OPT-350m, post-norm"
+                " blocks and embedding projections", "gpt_neox",
+                "GPT-NeoX shares LayerNorm with biases and a non-gated MLP; it has rotary"
+                " positions instead"),
+    "bloom": _row("BLOOM", "ALiBi position biases and a LayerNorm on the embeddings", "gpt_neox",
+                  f"{_NEOX}; it has rotary positions instead"),
+    "mpt": _row("MPT", "ALiBi position biases and LayerNorms without biases", "gpt_neox",
+                f"{_NEOX}; it has rotary positions instead"),
+    "falcon": _row("Falcon", "parallel attention and MLP on one or two shared LayerNorms with"
+                   " multi-query or grouped query-key-value fused per group", "gpt_neox",
+                   "GPT-NeoX shares parallel blocks, LayerNorm with biases and a fused"
+                   " query-key-value projection"),
+    "phi": _row("Phi-1 / 1.5 / 2", "parallel attention and MLP on one LayerNorm, biases"
+                " everywhere including the head, and partial rotary", "gpt_neox",
+                "GPT-NeoX shares parallel blocks, LayerNorm with biases and partial rotary"),
+    "stablelm": _row("StableLM 2 / 3B", "LayerNorm with partial rotary on a gated MLP, optional"
+                     " per-head query-key LayerNorms and parallel blocks", "gpt_neox",
+                     "GPT-NeoX shares LayerNorm and partial rotary; its MLP is not gated"),
+    "persimmon": _row("Persimmon", "query-key LayerNorms, partial rotary and a squared-ReLU MLP",
+                      "gpt_neox", "GPT-NeoX shares LayerNorm with biases, a fused"
+                      " query-key-value projection and partial rotary"),
+    "starcoder2": _row("StarCoder2", "LayerNorm with biases, biases on every projection and a"
+                       " non-gated GELU MLP (c_fc, c_proj)", "mistral",
+                       "Mistral shares grouped-query attention with separate projections and a"
+                       " sliding window; its norms are RMSNorm and its MLP gated"),
+    "olmo": _row("OLMo 1", "LayerNorms without learned weights and optional clipping of the"
+                 " queries, keys and values (clip_qkv)", "olmo2",
+                 "OLMo 2 keeps its projections and MLP; it moved to RMSNorm after each block"
+                 " and query-key norms"),
+    "nemotron": _row("Nemotron-4 / Minitron", "LayerNorm with 1 + w weights, a non-gated"
+                     " squared-ReLU MLP and partial rotary", "llama",
+                     "Llama shares separate query, key, value and output projections; its MLP"
+                     " is gated"),
+    "cohere": _row("Command R / R+ (Cohere)", "parallel attention and MLP on one LayerNorm"
+                   " without bias, interleaved rotary and a logit scale", "llama",
+                   "Llama shares its projections and gated SiLU MLP; its blocks are sequential"),
+    "cohere2": _row("Command R7B / A (Cohere 2)", "Cohere's parallel blocks and logit scale with"
+                    " sliding-window layers and global layers without positions", "llama",
+                    "Llama shares its projections and gated SiLU MLP; its blocks are sequential"),
+    "arcee": _row("Arcee AFM", "a non-gated squared-ReLU MLP", "llama",
+                  "it is Llama's layout otherwise"),
+    "diffllama": _row("DiffLlama", "differential attention (two softmax maps subtracted with a"
+                      " learned lambda)", "llama", "it is Llama's layout otherwise"),
+    "bitnet": _row("BitNet b1.58", "ternary weights, quantized activations and sub-layer norms",
+                   "llama", "Llama shares its layout before quantization"),
+    "ministral": _row("Ministral 8B (2410)", "sliding windows chosen per layer (layer_types)",
+                      "mistral", "Mistral shares its layout with one window on every layer"),
+    "exaone": _row("EXAONE 3 / 3.5", "Llama's math under other tensor names"
+                   " (transformer.h.N.attn.attention.*, c_fc_0) and field names (num_layers,"
+                   " layer_norm_epsilon), which transformers renames as it loads and pz_persist"
+                   " does not", "llama", "it is Llama's layout under other names"),
+    "exaone4": _row("EXAONE 4", "norms after attention and MLP (none before), per-head"
+                    " query-key norms, and global layers without RoPE among sliding-window"
+                    " ones", "olmo3", "OLMo 3 shares the norms after each block, query-key norms"
+                    " and sliding windows"),
+    "seed_oss": _row("Seed-OSS", "the fields attention_out_bias and residual_dropout,"
+                     " which pz_persist does not read yet", "qwen2",
+                     "Qwen2 shares biases on the query, key and value projections only"),
+    "apertus": _row("Apertus", "the xIELU activation (learned per layer) in a non-gated MLP",
+                    "qwen3", "Qwen3 shares its per-head query-key norms"),
+    "hunyuan_v1_dense": _row("Hunyuan dense", "query-key norms applied after rotary, and"
+                             " dynamic-alpha RoPE", "qwen3",
+                             "Qwen3 shares query-key norms on Llama's layout"),
+    "ernie4_5": _row("ERNIE 4.5 (dense)", "rotary applied to interleaved pairs", "llama",
+                     "it is Llama's layout otherwise"),
+    "glm": _row("GLM-4 (ChatGLM 4)", "rotary on interleaved pairs of half the head",
+                "phi3", "Phi-3 shares a fused gate_up_proj and fused query-key-value weights"),
+    "glm4": _row("GLM-4-0414", "norms after attention and MLP beside those before, and rotary on"
+                 " interleaved pairs of half the head", "phi3",
+                 "Phi-3 shares a fused gate_up_proj"),
+    "helium": _row("Helium", "its own configuration fields", "llama",
+                   "it is Llama's layout"),
+    # Mixtures of experts.
+    "qwen2_moe": _row("Qwen2-MoE / Qwen1.5-MoE", "a shared expert gated by a sigmoid beside the"
+                      " routed ones, and query-key-value biases", "qwen3_moe",
+                      "Qwen3-MoE shares the softmax top-k routed experts; it has no shared"
+                      " expert"),
+    "olmoe": _row("OLMoE", "query-key norms over all heads together, on a mixture of experts",
+                  "qwen3_moe", "Qwen3-MoE shares the softmax top-k experts; it normalises each"
+                  " head"),
+    "phimoe": _row("Phi-3.5-MoE", "sparsemixer routing and LayerNorm with biases", "mixtral",
+                   "Mixtral shares its expert layout (w1, w2, w3); it routes by softmax top-2"),
+    "granitemoe": _row("Granite 3 MoE", "experts stored fused (input_linear, output_linear)",
+                       "granite", "Granite shares its multipliers and attention"),
+    "granitemoeshared": _row("Granite 3 MoE with a shared expert", "experts stored fused and a"
+                             " shared expert", "granite",
+                             "Granite shares its multipliers and attention"),
+    "hunyuan_v1_moe": _row("Hunyuan MoE", "shared experts and query-key norms after rotary",
+                           "qwen3_moe", "Qwen3-MoE shares routed experts with query-key norms"),
+    "ernie4_5_moe": _row("ERNIE 4.5 MoE", "shared experts, a routing correction bias and"
+                         " interleaved rotary", "qwen3_moe",
+                         "Qwen3-MoE shares its softmax top-k routed experts"),
+    "minimax_m2": _row("MiniMax-M2", "sigmoid routing with a correction bias, query-key norms"
+                       " over all heads and partial rotary", "qwen3_moe",
+                       "Qwen3-MoE shares routed experts with query-key norms"),
+    "dbrx": _row("DBRX", "a clipped fused Wqkv, LayerNorms without biases and experts stored"
+                 " fused (w1, v1, w2)", "mixtral", "Mixtral shares top-k routed SiLU experts"),
+    "jetmoe": _row("JetMoE", "a mixture of attention heads beside its MLP experts", "mixtral",
+                   "Mixtral shares top-k routed MLP experts"),
+    "glm4_moe_lite": _row("GLM-4.7-Flash", "DeepSeek-V3's latent attention inside GLM's mixture"
+                          " of experts", "deepseek_v3",
+                          "DeepSeek-V3 shares its latent attention and routed experts"),
+    "glm_moe_dsa": _row("GLM-5", "DeepSeek's sparse-attention indexer", "deepseek_v3",
+                        "DeepSeek-V3 shares its latent attention and routed experts"),
+    "deepseek_v32": _row("DeepSeek-V3.2", "a sparse-attention indexer choosing the keys each"
+                         " query attends to", "deepseek_v3",
+                         "DeepSeek-V3 shares its latent attention and experts, but attends to"
+                         " every key"),
+    "minicpm3": _row("MiniCPM3", "depth-scaled residuals (scale_depth) around latent attention",
+                     "deepseek_v3", "DeepSeek-V3 shares its latent attention"),
+    # Linear attention, state-space and recurrent hybrids.
+    "kimi_linear": _row("Kimi-Linear", "Kimi delta attention (a gated delta rule with"
+                        " channel-wise gates) on most layers and latent attention on the rest",
+                        "qwen3_5_moe", "Qwen3.5-MoE shares gated-delta linear attention among"
+                        " attention layers, with routed experts"),
+    "minimax": _row("MiniMax-Text-01", "lightning (linear) attention on most layers", "qwen3_5",
+                    "Qwen3.5 shares linear attention among full-attention layers"),
+    "granitemoehybrid": _row("Granite 4", "Mamba-2 layers among attention layers without"
+                             " positions (and experts with a shared expert)", "granite",
+                             "Granite shares its multipliers, attention and MLP; it has no"
+                             " Mamba-2 layer"),
+    "nemotron_h": _row("Nemotron-H", "Mamba-2 layers and squared-ReLU MLP layers among a few"
+                       " attention layers", "qwen3_5", _STATE_SPACE),
+    "falcon_h1": _row("Falcon-H1", "Mamba-2 and attention side by side in every layer, with"
+                      " muP multipliers", "qwen3_5", _STATE_SPACE),
+    "bamba": _row("Bamba", "Mamba-2 layers among attention layers", "qwen3_5", _STATE_SPACE),
+    "jamba": _row("Jamba", "Mamba layers among attention layers, with experts on every other"
+                  " layer", "qwen3_5", _STATE_SPACE),
+    "zamba": _row("Zamba", "Mamba layers with one attention block shared across depths",
+                  "qwen3_5", _STATE_SPACE),
+    "zamba2": _row("Zamba2", "Mamba-2 layers with shared attention blocks and LoRA adapters",
+                   "qwen3_5", _STATE_SPACE),
+    "lfm2": _row("LiquidAI LFM2", "short double-gated convolution blocks among grouped-query"
+                 " attention layers", "qwen3_5", "Qwen3.5 shares a hybrid whose convolution"
+                 " state rides in the KV cache; its recurrent layers are gated delta nets"),
+    "lfm2_moe": _row("LiquidAI LFM2-MoE", "LFM2's short gated convolutions with routed experts",
+                     "qwen3_5_moe", "Qwen3.5-MoE shares a hybrid with convolution state in the"
+                     " KV cache and routed experts"),
+    "recurrent_gemma": _row("RecurrentGemma (Griffin)", "RG-LRU recurrent blocks among"
+                            " local-attention layers", "gemma2",
+                            "Gemma 2 shares its embeddings, norms and local attention; it has"
+                            " no recurrent block"),
+    "mamba": _row("Mamba", "selective state-space layers only", None, _ATTENTION_FREE),
+    "mamba2": _row("Mamba-2", "state-space-duality layers only", None, _ATTENTION_FREE),
+    "falcon_mamba": _row("Falcon Mamba", "selective state-space layers only", None,
+                         _ATTENTION_FREE),
+    "rwkv": _row("RWKV", "a time-mixing recurrence in place of attention", None, _ATTENTION_FREE),
+    "xlstm": _row("xLSTM", "mLSTM recurrent blocks in place of attention", None, _ATTENTION_FREE),
+    # Encoders people try.
+    **{name: _row(title, "bidirectional attention", None, _ENCODER) for name, title in (
+        ("bert", "BERT"), ("roberta", "RoBERTa"), ("xlm-roberta", "XLM-RoBERTa"),
+        ("distilbert", "DistilBERT"), ("deberta-v2", "DeBERTa-v2"),
+        ("modernbert", "ModernBERT"), ("t5", "T5"), ("bart", "BART"), ("whisper", "Whisper"))},
+}
+"""Every known ``model_type`` pz_persist refuses, with why and its nearest
+family by architecture: the only source of a refusal's suggestion."""
+
+
+def _typo_of(model_type: str) -> str | None:
+  """The supported ``model_type`` an unknown one is a likely typo of."""
+  close = difflib.get_close_matches(model_type.lower(), list(families.MODEL_TYPES), n=1,
+                                    cutoff=0.8)
+  return close[0] if close else None
+
+
+def _family(model_type: str) -> str:
+  return f"{families.FAMILY_OF[model_type].title} (model_type {model_type!r})"
+
+
+def reason(model_type: object) -> str:
+  """The useful clause of a refusal of ``model_type``: what its architecture
+  has that no family reads and the nearest family by architecture (or why
+  none is close); for a name not known, a "did you mean" only when it is a
+  likely typo of a supported one."""
+  if isinstance(model_type, str) and model_type in families.REFUSED:
+    return families.REFUSED[model_type] + "."
+  shown = f"{model_type!r:.80}"
+  known = UNSUPPORTED.get(model_type) if isinstance(model_type, str) else None
+  if known is not None:
+    nearest = (f" The nearest supported family by architecture is {_family(known.nearest)}:"
+               f" {known.nearest_why}." if known.nearest else
+               f" No supported family is close: {known.nearest_why}.")
+    return f"model_type={shown} is not supported: {known.name} has {known.lacks}.{nearest}"
+  if not isinstance(model_type, str):
+    return f"model_type={shown} is not supported: it must be a string naming an architecture."
+  typo = _typo_of(model_type)
+  return (f"model_type={shown} is not supported: pz_persist knows no architecture of that name"
+          + (f"; did you mean {typo!r} ({families.FAMILY_OF[typo].title})?" if typo else "."))
+
+
+def message(model_type: object) -> str:
+  """Why `pz_persist.pretrained.load_hf` refuses ``model_type``: `reason`
+  first, then the families it reads (and `load_gemma` for a Gemma)."""
+  if isinstance(model_type, str) and model_type in families.REFUSED:
+    return reason(model_type)
+  gemma = (" For Gemma's official Flax checkpoints, use pz_persist.pretrained.load_gemma."
+           if isinstance(model_type, str) and model_type.startswith("gemma") else "")
+  return (f"{reason(model_type)}{gemma} pz_persist.pretrained.load_hf reads the families"
+          f" {families.names()}.")
