@@ -52,6 +52,7 @@ _ENCODER = ("pz_persist.pretrained.load_hf reads causal decoder-only language mo
 _ATTENTION_FREE = "every family pz_persist reads is built on attention, and this model has none"
 _NEOX = ("GPT-NeoX shares LayerNorm with biases, a fused query-key-value projection and a"
          " non-gated GELU MLP")
+_GPT2 = "GPT-2 shares learned absolute positions, LayerNorm with biases and a non-gated MLP"
 _VL = "a vision-language folder whose text model uses multimodal RoPE (mrope_section), which"
 
 UNSUPPORTED: dict[str, Unsupported] = {
@@ -80,15 +81,14 @@ UNSUPPORTED: dict[str, Unsupported] = {
                   " text_config, which pz_persist does not extract yet", "llama",
                   "most LLaVA text models are Llama or Mistral decoders"),
     # Classic decoders.
-    "gpt2": _row("GPT-2", "learned absolute positions and Conv1D projections (c_attn, c_fc)",
-                 "gpt_neox", f"{_NEOX}; it has rotary positions and parallel blocks instead"),
-    "gpt-sw3": _row("GPT-SW3", "GPT-2's learned absolute positions and Conv1D projections",
-                    "gpt_neox", f"{_NEOX}; it has rotary positions instead"),
-    "openai-gpt": _row("GPT-1", "post-LayerNorm blocks and learned absolute positions",
-                       "gpt_neox", f"{_NEOX}; it normalises before each block instead"),
-    "gpt_neo": _row("GPT-Neo", "learned absolute positions and alternating local and global"
-                    " attention without score scaling", "gpt_neox",
-                    f"{_NEOX}; it has rotary positions instead"),
+    "gpt-sw3": _row("GPT-SW3", "its own model_type name, though transformers reads it with"
+                    " GPT-2's classes; pz_persist does not take the name as GPT-2's yet", "gpt2",
+                    "its config and tensors are GPT-2's"),
+    "openai-gpt": _row("GPT-1", "post-LayerNorm blocks and no final LayerNorm",
+                       "gpt2", f"{_GPT2}; it normalises before each block instead"),
+    "gpt_neo": _row("GPT-Neo", "alternating local and global attention, with attention scores"
+                    " left unscaled", "gpt2",
+                    f"{_GPT2}; its attention is global in every layer"),
     "gptj": _row("GPT-J", "one LayerNorm shared by parallel attention and MLP, and rotary"
                  " applied to interleaved pairs of the first rotary_dim dimensions", "gpt_neox",
                  "GPT-NeoX shares parallel blocks and partial rotary (rotating halves, with two"
@@ -97,12 +97,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
                     " mp_num groups", "gpt_neox", "GPT-NeoX shares parallel blocks and partial"
                     " rotary"),
     "gpt_bigcode": _row("StarCoder 1 / SantaCoder (GPTBigCode)", "multi-query attention in one"
-                        " fused projection and learned absolute positions", "gpt_neox",
-                        f"{_NEOX}; it has rotary positions instead"),
-    "opt": _row("OPT", "learned positions offset by 2, a ReLU MLP and, in OPT-350m, post-norm"
-                " blocks and embedding projections", "gpt_neox",
-                "GPT-NeoX shares LayerNorm with biases and a non-gated MLP; it has rotary"
-                " positions instead"),
+                        " fused projection", "gpt2",
+                        f"{_GPT2}; it has multi-head attention instead"),
     "bloom": _row("BLOOM", "ALiBi position biases and a LayerNorm on the embeddings", "gpt_neox",
                   f"{_NEOX}; it has rotary positions instead"),
     "mpt": _row("MPT", "ALiBi position biases and LayerNorms without biases", "gpt_neox",
