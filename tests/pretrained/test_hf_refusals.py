@@ -25,7 +25,7 @@ from pz_persist.pretrained.hf import unsupported
 from pz_persist.tools import cli
 
 ISSUE_40 = (
-    "qwen2_5_vl", "qwen3_vl", "mistral3", "gpt2", "opt", "phi", "falcon", "stablelm",
+    "qwen2_5_vl", "qwen3_vl", "mistral3", "phi", "falcon", "stablelm",
     "starcoder2", "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba", "jamba", "lfm2",
     "lfm2_moe", "qwen3_next", "gemma3n", "deepseek_v32", "minimax_m2", "glm4_moe_lite", "glm4",
     "glm", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "ernie4_5_moe", "exaone4",
@@ -95,7 +95,7 @@ def test_the_refusal_says_why_and_the_nearest_family_first(tmp_path, model_type)
 
 
 @pytest.mark.parametrize("model_type, nearest", [
-    ("gpt2", "gpt_neox"), ("jamba", "qwen3_5"), ("bamba", "qwen3_5"), ("opt", "gpt_neox"),
+    ("gpt_neo", "gpt2"), ("jamba", "qwen3_5"), ("bamba", "qwen3_5"), ("gpt_bigcode", "gpt2"),
     ("olmoe", "qwen3_moe"), ("glm4_moe_lite", "deepseek_v3"), ("phi", "gpt_neox"),
     ("mamba", None), ("bert", None)])
 def test_the_nearest_is_by_architecture_not_by_name(model_type, nearest):
@@ -144,16 +144,16 @@ def test_the_cli_says_the_same(tmp_path, capsys):
   assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("like", ["gpt2", {"model_type": "gpt2"}, "folder"])
+@pytest.mark.parametrize("like", ["gpt_neo", {"model_type": "gpt_neo"}, "folder"])
 def test_export_hf_like_an_unsupported_model_type_says_why(tmp_path, like):
   model = pzp.pretrained.load_hf(_tiny_llama(tmp_path / "llama"))
   if like == "folder":
-    like = _folder(tmp_path / "gpt2", "gpt2")
+    like = _folder(tmp_path / "gpt_neo", "gpt_neo")
   with pytest.raises((pretrained_errors.ExportError, pretrained_errors.ArgumentError)) as raised:
     pzp.export_hf(model, tmp_path / "out", like=like)
   message = str(raised.value)
-  assert "model_type='gpt2' is not supported: GPT-2 has" in message
-  assert message.index("(model_type 'gpt_neox')") < message.index("'llama'")
+  assert "model_type='gpt_neo' is not supported: GPT-Neo has" in message
+  assert message.index("(model_type 'gpt2')") < message.index("'llama'")
   assert not (tmp_path / "out").exists()
 
 
