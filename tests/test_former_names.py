@@ -54,9 +54,15 @@ def test_every_move_is_dated_and_names_its_release():
     assert move.release.count(".") == 2 and len(move.date) == 10, move
 
 
+ADDED_AFTER_THE_MOVE = frozenset({
+    ("pz_persist.nn.learned_positions", "AddLearnedPositions"),  # GPT-2 and OPT (issue 40).
+})
+"""Classes of ``pz_persist.nn`` born there, after the move: no former name."""
+
+
 def test_the_layers_move_covers_every_public_class_of_nn():
-  """Every class of ``pz_persist.nn`` that existed before the move (all of
-  them, at the move) has its former name recorded."""
+  """Every class of ``pz_persist.nn`` that existed before the move has its
+  former name recorded; a class added since is listed as such, and has none."""
   moved = {
       (now_module, qualname)
       for (former, qualname), (now_module, _) in former_names.FORMER_NAMES.items()
@@ -67,7 +73,8 @@ def test_the_layers_move_covers_every_public_class_of_nn():
     for name, value in vars(importlib.import_module(info.name)).items():
       if isinstance(value, type) and value.__module__ == info.name and not name.startswith("_"):
         defined.add((info.name, value.__qualname__))
-  assert defined == moved
+  assert defined - ADDED_AFTER_THE_MOVE == moved
+  assert ADDED_AFTER_THE_MOVE <= defined and not ADDED_AFTER_THE_MOVE & moved
 
 
 def test_the_table_is_read_only_and_only_translates_exact_names():
