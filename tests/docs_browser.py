@@ -33,7 +33,7 @@ def chromium_path() -> str | None:
 class Browser:
   """One headless Chromium process and one page (tab) of it."""
 
-  def __init__(self, executable: str, timeout: float = 60.0):
+  def __init__(self, executable: str, timeout: float = 180.0):
     self.timeout = timeout
     self._profile = tempfile.mkdtemp(prefix="pz-docs-chromium-")
     self._process = subprocess.Popen(
