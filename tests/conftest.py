@@ -118,6 +118,10 @@ INTEGRATION_MODULES = frozenset({
     # the guarantees of issue 36, each proven across every entry point (minutes, not a loop).
     "test_saved_always_loads", "test_legitimate_density", "test_diff_scale",
     "test_held_memory", "test_lazy_read_matches_load",
+    # Issue 38's: former names and release fixtures through every entry point (a fresh
+    # process among them), the diff's views against its tree over generated pairs, and the
+    # outside attack's cases (a 20,000-variable model among them).
+    "test_former_names", "test_release_fixtures", "test_diff_one_model", "test_round5_attacks",
 })
 """Modules (by file name, in any folder) whose every test is an integration test."""
 
