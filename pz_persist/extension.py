@@ -115,7 +115,8 @@ def check_orbax_folder(path: epath.Path) -> FolderSnapshot | None:
 
   Raises:
     UnsafeCheckpointError: a link out, a special file, an oversized file.
-    ManifestError: a damaged ``_CHECKPOINT_METADATA``.
+    ManifestError: a damaged ``_CHECKPOINT_METADATA``, or a ``_METADATA``
+      that is a folder.
 
   Example:
     >>> import pathlib, tempfile
@@ -131,6 +132,12 @@ def check_orbax_folder(path: epath.Path) -> FolderSnapshot | None:
   containment.check_checkpoint_metadata(path)
   metadata = path / "_METADATA"
   limit = containment.MAX_ORBAX_METADATA_BYTES
+  if safe_io.is_local(metadata) and metadata.is_dir():
+    # Orbax would fail inside its own read with IsADirectoryError.
+    raise errors.ManifestError(
+        f"{metadata} is a folder, where Orbax's array metadata is a file; the"
+        " checkpoint is damaged. Save it again, or restore a copy."
+    )
   if safe_io.is_local(metadata) and metadata.exists() and metadata.stat().length > limit:
     raise errors.UnsafeCheckpointError(
         f"{metadata} is over the {limit}-byte limit; refusing to read it."

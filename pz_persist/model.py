@@ -408,6 +408,13 @@ def load_model(
   if into is not None:
     deprecations.warn("pz_persist.load_model(path, into=model)",
                       "pz_persist.load_into(path, model) (same options)")
+    if mesh is not None:
+      # load_into binds into the caller's model, whose meshes are its own:
+      # a mesh given here would be dropped without a word.
+      raise errors.ArgumentError(
+          "mesh= rebuilds the meshes of a model loaded from the checkpoint alone;"
+          " load_model(path, into=model) binds into your model, whose meshes stay"
+          " its own. Drop mesh=, or build the model on the mesh you want.")
     value = options.pop("options", None)
     given = {"dtype": dtype, "allow_lossy": allow_lossy, "sharding": sharding}
     options.update((name, v) for name, v in given.items() if v is not None and v is not False)
