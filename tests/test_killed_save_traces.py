@@ -133,7 +133,7 @@ def test_a_killed_manager_step_is_named_when_that_step_is_asked_for(tmp_path):
   def written() -> int:
     unfinished = [info for info in steps_lib.list_steps(run, commit_times=False)
                   if not info.committed] if run.exists() else []
-    return sum(steps_lib._disk_bytes(info.path) for info in unfinished)  # pylint: disable=protected-access
+    return sum(steps_lib.disk_bytes(info.path) for info in unfinished)
 
   _kill_while_writing(run, "manager", written)
   with pytest.raises(errors.NotACheckpointError) as raised:

@@ -400,7 +400,7 @@ def find_inside(store: stores.Store, directory: epath.Path) -> list[Leftover]:
         ("live", _RUN_IN_USE) if unused is False else ("unknown", unused))
   found += [
       Leftover(name=directory / entry.name, entries=(directory / entry.name,),
-               nbytes=_size(entry.path), status=status, reason=reason, store=store)
+               nbytes=steps.disk_bytes(entry.path), status=status, reason=reason, store=store)
       for entry in uncommitted
   ]
   return found
@@ -602,7 +602,7 @@ def _families(directory: epath.Path, of: str | None = None) -> list[Leftover]:
     entries = tuple(directory / m for m in members)
     found.append(Leftover(
         name=base, entries=entries,
-        nbytes=sum(_size(os.fspath(e)) for e in entries),
+        nbytes=sum(steps.disk_bytes(e) for e in entries),
         status=status, reason=reason, store=stores.LOCAL,
     ))
   return found
@@ -881,23 +881,6 @@ def _family_entries(target: epath.Path) -> list[epath.Path]:
       target.parent / n for n in sorted(names)
       if n == target.name or n.startswith(target.name + ".")
   ]
-
-
-def _size(name: str) -> int:
-  """Bytes of the files under ``name`` (symlinks not followed)."""
-  try:
-    st = os.lstat(name)
-  except OSError:
-    return 0
-  if not stat.S_ISDIR(st.st_mode):
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
-  total = 0
-  for root, _, files in os.walk(name):
-    for file in files:
-      with contextlib.suppress(OSError):
-        st = os.lstat(os.path.join(root, file))
-        total += st.st_size if stat.S_ISREG(st.st_mode) else 0
-  return total
 
 
 def _this_writer() -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -105,21 +106,30 @@ class StepInfo:
   commit_time_ns: int | None
 
 
-def _disk_bytes(path: epath.Path) -> int:
-  """Bytes of the files under the local ``path``; a link counts as itself,
-  not followed.
+def disk_bytes(path: epath.PathLike) -> int:
+  """Bytes of the regular files at or under the local ``path`` (links are
+  not followed and count nothing); 0 if it is gone.
 
   A run is listed while it is written (`pz-persist ls` beside training, a
-  test waiting for a save to start): a file a concurrent save removes or
-  renames between the listing and its size counts as gone, not as an error.
+  test waiting for a save to start, ``pz-persist clean`` sizing leftovers):
+  a file a concurrent save removes or renames between the listing and its
+  size counts as gone, not as an error.
   """
+  name = os.fspath(path)
+  try:
+    info = os.lstat(name)
+  except OSError:
+    return 0
+  if not stat.S_ISDIR(info.st_mode):
+    return info.st_size if stat.S_ISREG(info.st_mode) else 0
   total = 0
-  for root, _, files in os.walk(os.fspath(path)):
-    for name in files:
+  for root, _, files in os.walk(name):
+    for file in files:
       try:
-        total += os.lstat(os.path.join(root, name)).st_size
-      except FileNotFoundError:
+        info = os.lstat(os.path.join(root, file))
+      except OSError:
         continue  # Removed or renamed by a concurrent save.
+      total += info.st_size if stat.S_ISREG(info.st_mode) else 0
   return total
 
 
@@ -187,7 +197,7 @@ def list_steps(directory: epath.PathLike, *, commit_times: bool = True) -> list[
             penzai_items=tuple(
                 name for name in items if manifest_lib.has_manifest(child / name)
             ),
-            nbytes=_disk_bytes(child),
+            nbytes=disk_bytes(child),
             commit_time_ns=_commit_time(child) if commit_times else None,
         )
     )
