@@ -132,13 +132,14 @@ def check_orbax_folder(path: epath.Path) -> FolderSnapshot | None:
   containment.check_checkpoint_metadata(path)
   metadata = path / "_METADATA"
   limit = containment.MAX_ORBAX_METADATA_BYTES
-  if safe_io.is_local(metadata) and metadata.is_dir():
-    # Orbax would fail inside its own read with IsADirectoryError.
+  if not safe_io.is_local(metadata) or not metadata.exists():
+    return snapshot
+  if metadata.is_dir():  # Orbax would fail inside its own read.
     raise errors.ManifestError(
         f"{metadata} is a folder, where Orbax's array metadata is a file; the"
         " checkpoint is damaged. Save it again, or restore a copy."
     )
-  if safe_io.is_local(metadata) and metadata.exists() and metadata.stat().length > limit:
+  if metadata.stat().length > limit:
     raise errors.UnsafeCheckpointError(
         f"{metadata} is over the {limit}-byte limit; refusing to read it."
     )
