@@ -107,9 +107,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    " multi-query or grouped query-key-value fused per group", "gpt_neox",
                    "GPT-NeoX shares parallel blocks, LayerNorm with biases and a fused"
                    " query-key-value projection"),
-    "phi": _row("Phi-1 / 1.5 / 2", "parallel attention and MLP on one LayerNorm, biases"
-                " everywhere including the head, and partial rotary", "gpt_neox",
-                "GPT-NeoX shares parallel blocks, LayerNorm with biases and partial rotary"),
     "stablelm": _row("StableLM 2 / 3B", "LayerNorm with partial rotary on a gated MLP, optional"
                      " per-head query-key LayerNorms and parallel blocks", "gpt_neox",
                      "GPT-NeoX shares LayerNorm and partial rotary; its MLP is not gated"),
