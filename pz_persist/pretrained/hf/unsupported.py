@@ -107,9 +107,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    " multi-query or grouped query-key-value fused per group", "gpt_neox",
                    "GPT-NeoX shares parallel blocks, LayerNorm with biases and a fused"
                    " query-key-value projection"),
-    "stablelm": _row("StableLM 2 / 3B", "LayerNorm with partial rotary on a gated MLP, optional"
-                     " per-head query-key LayerNorms and parallel blocks", "gpt_neox",
-                     "GPT-NeoX shares LayerNorm and partial rotary; its MLP is not gated"),
     "persimmon": _row("Persimmon", "query-key LayerNorms, partial rotary and a squared-ReLU MLP",
                       "gpt_neox", "GPT-NeoX shares LayerNorm with biases, a fused"
                       " query-key-value projection and partial rotary"),

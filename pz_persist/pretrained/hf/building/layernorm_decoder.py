@@ -30,6 +30,7 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.errors import ExportError
+from pz_persist.pretrained.hf.building.decoder import attention_sizes
 from pz_persist.pretrained.hf.building.decoder import block_specs
 from pz_persist.pretrained.hf.building.decoder import head_axes
 from pz_persist.pretrained.hf.building.decoder import with_biases
@@ -130,6 +131,20 @@ class Layout:
   parallel: bool
   window: int | None
   tied: bool
+
+
+def even_head_sizes(cfg: Config, family: str) -> tuple[int, int, int, int]:
+  """``(hidden_size, heads, key/value heads, head_dim)`` of a family whose
+  transformers model splits ``hidden_size`` evenly into heads (Phi,
+  StableLM): a ``head_dim`` field that says otherwise, which their
+  transformers models do not honour throughout, is refused."""
+  hidden, heads, kv_heads, head_dim = attention_sizes(cfg, kv_heads_default=None,
+                                                      head_dim_default=None)
+  if head_dim * heads != hidden:
+    raise cfg.unsupported("head_dim" if "head_dim" in cfg.raw else "num_attention_heads",
+                          cfg.raw.get("head_dim", heads),
+                          f"{family}'s heads split hidden_size={hidden} evenly")
+  return hidden, heads, kv_heads, head_dim
 
 
 def rotary_dims(cfg: Config, head_dim: int, fraction: float) -> int:
@@ -364,6 +379,11 @@ def is_gated(model: pz.nn.Layer) -> bool:
 
 def _biased(part: pz.nn.Layer) -> bool:
   return bool(all_layers(part, pz.nn.AddBias))
+
+
+SIZES = ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+         "intermediate_size", "num_hidden_layers", "rope_parameters")
+"""The fields of `layout_fields` every family writes under the same name."""
 
 
 def layout_fields(model: pz.nn.Layer) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from typing import Any
 from penzai import pz
 
 from pz_persist.pretrained.hf.building import layernorm_decoder as layout
-from pz_persist.pretrained.hf.building.decoder import attention_sizes
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_NUMBER
@@ -40,12 +39,7 @@ def phi_plan(cfg: Config, weights: Weights) -> Plan:
   query/key LayerNorms by ``hidden_size // num_attention_heads``: any other
   ``head_dim`` is refused.
   """
-  hidden, heads, kv_heads, head_dim = attention_sizes(cfg, kv_heads_default=None,
-                                                      head_dim_default=None)
-  if head_dim * heads != hidden:
-    raise cfg.unsupported("head_dim" if "head_dim" in cfg.raw else "num_attention_heads",
-                          cfg.raw.get("head_dim", heads),
-                          f"Phi's heads split hidden_size={hidden} evenly")
+  hidden, heads, kv_heads, head_dim = layout.even_head_sizes(cfg, "Phi")
   theta, fraction = rope(cfg, FROM_TABLE)
   act = cfg.expect("hidden_act", set(layout.PLAIN_ACTIVATIONS), FROM_TABLE)
   cfg.get("resid_pdrop", FROM_TABLE)  # Dropout: inactive at inference.
@@ -78,9 +72,7 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   if act["hidden_act"] == "gelu_pytorch_tanh" and "hidden_act" not in like:
     act["hidden_act"] = "gelu_new"  # Phi's own spelling of the same tanh formula.
   return {
-      **{k: found[k] for k in ("hidden_size", "vocab_size", "num_attention_heads",
-                               "num_key_value_heads", "intermediate_size", "num_hidden_layers",
-                               "rope_parameters")},
+      **{k: found[k] for k in layout.SIZES},
       "layer_norm_eps": found["eps"],
       "qk_layernorm": found["query_key_norm"] == "shared",
       **act,
