@@ -83,6 +83,7 @@ MINIMAL = {
     "gpt_neox": _SIZES,
     "phi": _SIZES,
     "stablelm": {**_SIZES, "num_key_value_heads": 2},
+    "starcoder2": {**_SIZES, **_HEADS},
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "pad_token_id": 0},
     "opt": {**{k: v for k, v in _SIZES.items() if k != "intermediate_size"}, "ffn_dim": 64},
     "qwen3": {**_SIZES, **_HEADS},

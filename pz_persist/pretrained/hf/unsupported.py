@@ -110,10 +110,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "persimmon": _row("Persimmon", "query-key LayerNorms, partial rotary and a squared-ReLU MLP",
                       "gpt_neox", "GPT-NeoX shares LayerNorm with biases, a fused"
                       " query-key-value projection and partial rotary"),
-    "starcoder2": _row("StarCoder2", "LayerNorm with biases, biases on every projection and a"
-                       " non-gated GELU MLP (c_fc, c_proj)", "mistral",
-                       "Mistral shares grouped-query attention with separate projections and a"
-                       " sliding window; its norms are RMSNorm and its MLP gated"),
     "olmo": _row("OLMo 1", "LayerNorms without learned weights and optional clipping of the"
                  " queries, keys and values (clip_qkv)", "olmo2",
                  "OLMo 2 keeps its projections and MLP; it moved to RMSNorm after each block"

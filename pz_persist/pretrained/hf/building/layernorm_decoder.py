@@ -367,6 +367,15 @@ def is_layernorm_decoder(model: pz.nn.Layer) -> bool:
   return bool(query) and query[0].weights.label.endswith("/attention/query.weights")
 
 
+def blocks_of(model: pz.nn.Layer) -> tuple[bool, bool] | None:
+  """``(parallel, gated)`` of a model with this module's structure (what
+  tells its families apart: Phi's are parallel and plain, StarCoder2's
+  sequential and plain, StableLM's gated); None for any other model."""
+  if not is_layernorm_decoder(model):
+    return None
+  return is_parallel(model), is_gated(model)
+
+
 def is_parallel(model: pz.nn.Layer) -> bool:
   """Whether the first block adds attention and MLP to one residual."""
   return len(blocks(model)[0].sublayers) == 1

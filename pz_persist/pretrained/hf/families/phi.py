@@ -59,10 +59,7 @@ def phi_plan(cfg: Config, weights: Weights) -> Plan:
 
 def _detect(model: pz.nn.Layer) -> str | None:
   """Phi: the LayerNorm decoder with parallel blocks and a plain MLP."""
-  if (layout.is_layernorm_decoder(model) and layout.is_parallel(model)
-      and not layout.is_gated(model)):
-    return "phi"
-  return None
+  return "phi" if layout.blocks_of(model) == (True, False) else None
 
 
 def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:

@@ -62,9 +62,8 @@ def stablelm_plan(cfg: Config, weights: Weights) -> Plan:
 
 def _detect(model: pz.nn.Layer) -> str | None:
   """StableLM: the LayerNorm decoder with Llama's gated MLP."""
-  if layout.is_layernorm_decoder(model) and layout.is_gated(model):
-    return "stablelm"
-  return None
+  found = layout.blocks_of(model)
+  return "stablelm" if found is not None and found[1] else None
 
 
 def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
