@@ -320,6 +320,9 @@ _FAMILY_FIELDS = {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}},
     "gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None},
+    "phi": {"rms_norm_eps": None},
+    "stablelm": {"rms_norm_eps": None, "partial_rotary_factor": 0.5},  # Head width 4.
+    "starcoder2": {"rms_norm_eps": None},
     "deepseek_v3": {"num_key_value_heads": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 4, "v_head_dim": 4},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},

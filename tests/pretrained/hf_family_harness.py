@@ -365,6 +365,32 @@ def check_kv_cache_like_transformers(model, hf_model, prompt: int = 3) -> None:
   np.testing.assert_allclose(cached, np.concatenate(theirs, 1), **TOLERANCE)
 
 
+def check_generate(saved: Saved, steps: int = 10, prompt: int = 4) -> None:
+  """Penzai's KV-cache sampler, greedy from a ``prompt``-token prompt for
+  ``steps`` steps, picks transformers' ``generate``'s tokens, token for
+  token, with its logits (within `TOLERANCE`)."""
+  tokens = SEQUENCES[:, :prompt]
+  with torch.no_grad():
+    out = saved.hf_model.generate(
+        torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
+        do_sample=False, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0)
+  want_tokens = out.sequences[:, prompt:].numpy()
+  want_logits = torch.stack(out.logits, 1).float().numpy()
+  sampler = sampling_jitted(kv_caching_lm(
+      pzp.pretrained.load_hf(saved.folder), cache_len=prompt + steps,
+      batch_axes={"batch": tokens.shape[0]}, pad_id=-1))
+  got_tokens, got_logits = [], []
+  for _ in range(steps):
+    logits = sampler(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
+    last = np.asarray(logits.untag("batch", "seq", "vocabulary").unwrap()[:, -1], np.float32)
+    got_logits.append(last)
+    got_tokens.append(np.argmax(last, axis=-1))
+    tokens = got_tokens[-1][:, None]
+  np.testing.assert_array_equal(np.stack(got_tokens, 1), want_tokens)
+  np.testing.assert_allclose(np.stack(got_logits, 1), want_logits, **TOLERANCE)
+
+
 def check_refused_before_building(folder, match: str, monkeypatch) -> None:
   """``load_hf`` refuses ``folder`` with `UnsupportedConfigError` naming
   ``match``, before any skeleton is built (Penzai's builder is replaced by

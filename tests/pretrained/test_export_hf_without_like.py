@@ -45,6 +45,13 @@ CASES = {
                                "rope_type": "longrope", "rope_theta": 10000.0,
                                "partial_rotary_factor": 0.75, "short_factor": _factors(6),
                                "long_factor": _factors(6)[::-1]}}),
+    # Phi-2's layout with query/key LayerNorms and three quarters rotated.
+    "phi_qk": ("phi", {"qk_layernorm": True, "partial_rotary_factor": 0.75}),
+    # StableLM 2 12B's: parallel blocks, per-head query/key norms, qkv biases.
+    "stablelm_12b": ("stablelm", {"use_parallel_residual": True, "qk_layernorm": True,
+                                  "use_qkv_bias": True}),
+    # StarCoder2 with a window on every layer and no biases.
+    "starcoder2_window": ("starcoder2", {"sliding_window": 3, "use_bias": False}),
     # SmolLM3's: NoPE every fourth layer (and its default pad id 128004).
     "smollm3_nope": ("smollm3", {"num_hidden_layers": 4}),
     # Qwen3-30B-A3B's: every layer a mixture, intermediate_size (6144 there)

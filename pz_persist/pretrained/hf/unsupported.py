@@ -107,19 +107,9 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    " multi-query or grouped query-key-value fused per group", "gpt_neox",
                    "GPT-NeoX shares parallel blocks, LayerNorm with biases and a fused"
                    " query-key-value projection"),
-    "phi": _row("Phi-1 / 1.5 / 2", "parallel attention and MLP on one LayerNorm, biases"
-                " everywhere including the head, and partial rotary", "gpt_neox",
-                "GPT-NeoX shares parallel blocks, LayerNorm with biases and partial rotary"),
-    "stablelm": _row("StableLM 2 / 3B", "LayerNorm with partial rotary on a gated MLP, optional"
-                     " per-head query-key LayerNorms and parallel blocks", "gpt_neox",
-                     "GPT-NeoX shares LayerNorm and partial rotary; its MLP is not gated"),
     "persimmon": _row("Persimmon", "query-key LayerNorms, partial rotary and a squared-ReLU MLP",
                       "gpt_neox", "GPT-NeoX shares LayerNorm with biases, a fused"
                       " query-key-value projection and partial rotary"),
-    "starcoder2": _row("StarCoder2", "LayerNorm with biases, biases on every projection and a"
-                       " non-gated GELU MLP (c_fc, c_proj)", "mistral",
-                       "Mistral shares grouped-query attention with separate projections and a"
-                       " sliding window; its norms are RMSNorm and its MLP gated"),
     "olmo": _row("OLMo 1", "LayerNorms without learned weights and optional clipping of the"
                  " queries, keys and values (clip_qkv)", "olmo2",
                  "OLMo 2 keeps its projections and MLP; it moved to RMSNorm after each block"

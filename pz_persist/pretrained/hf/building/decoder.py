@@ -140,7 +140,7 @@ def _bias_specs(
   return specs
 
 
-def _with_biases(
+def with_biases(
     model: model_parts.TransformerLM, specs: Sequence[TensorSpec]
 ) -> model_parts.TransformerLM:
   """The skeleton with a ``pz.nn.AddBias`` slot after each projection that
@@ -274,7 +274,7 @@ def llama_plan(
   bias_specs = tuple(spec for spec in specs if spec.label.endswith(_BIAS_SUFFIX))
 
   def build() -> model_parts.TransformerLM:
-    skeleton = _with_biases(
+    skeleton = with_biases(
         llamalike_common.build_llamalike_transformer(config, init_base_rng=None), bias_specs)
     skeleton = skeleton if scaling is None else with_scaled_rope(skeleton, scaling)
     return skeleton if edit is None else edit(skeleton, config)
