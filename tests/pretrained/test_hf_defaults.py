@@ -81,6 +81,7 @@ MINIMAL = {
         "llama", "mistral", "qwen2", "granite", "olmo2", "olmo3", "phi3", "smollm3",
         "internlm3", "iquestcoder")},
     "gpt_neox": _SIZES,
+    "falcon": {k: v for k, v in _SIZES.items() if k != "intermediate_size"},
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "pad_token_id": 0},
     "opt": {**{k: v for k, v in _SIZES.items() if k != "intermediate_size"}, "ffn_dim": 64},
     "qwen3": {**_SIZES, **_HEADS},

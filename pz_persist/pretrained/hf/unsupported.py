@@ -103,10 +103,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                   f"{_NEOX}; it has rotary positions instead"),
     "mpt": _row("MPT", "ALiBi position biases and LayerNorms without biases", "gpt_neox",
                 f"{_NEOX}; it has rotary positions instead"),
-    "falcon": _row("Falcon", "parallel attention and MLP on one or two shared LayerNorms with"
-                   " multi-query or grouped query-key-value fused per group", "gpt_neox",
-                   "GPT-NeoX shares parallel blocks, LayerNorm with biases and a fused"
-                   " query-key-value projection"),
     "phi": _row("Phi-1 / 1.5 / 2", "parallel attention and MLP on one LayerNorm, biases"
                 " everywhere including the head, and partial rotary", "gpt_neox",
                 "GPT-NeoX shares parallel blocks, LayerNorm with biases and partial rotary"),
