@@ -3,13 +3,19 @@ transformers, with the checks of `hf_family_harness`."""
 
 from __future__ import annotations
 
+import math
+
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
 import transformers
+from penzai.models.transformer.variants import llamalike_common
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
+from pz_persist.pretrained.hf import plan
 from pz_persist.pretrained.hf.families import falcon
 
 
@@ -201,3 +207,31 @@ def test_hub_config(tmp_path, hub):
 
 def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
   checks.check_cli_export_from_native(saved["falcon_40b"], tmp_path)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(groups=st.integers(1, 4), per=st.integers(1, 4), head_dim=st.integers(1, 4),
+                  hidden=st.integers(1, 3), bias=st.booleans())
+def test_the_fused_projection_comes_back_whole(groups, per, head_dim, hidden, bias):
+  """For generated group counts and sizes, the query, key and value read from
+  a fused tensor (`plan.penzai_layout`) are put back (`plan.stored_layout`)
+  as exactly that tensor, and each is the rows transformers' ``_split_heads``
+  gives it."""
+  config = llamalike_common.LlamalikeTransformerConfig(
+      num_kv_heads=groups, query_head_multiplier=per, embedding_dim=hidden,
+      projection_dim=head_dim, mlp_hidden_dim=1, num_decoder_blocks=1, vocab_size=1,
+      mlp_variant="swiglu", tie_embedder_and_logits=False)
+  specs = [spec for spec in falcon._block_specs("b/", "h.", config, falcon.ONE_NORM, bias)  # pylint: disable=protected-access
+           if "query_key_value" in spec.source]
+  for source in {spec.source for spec in specs}:
+    mine = [spec for spec in specs if spec.source == source]
+    stored = np.arange(math.prod(mine[0].file_shape), dtype=np.float32).reshape(
+        mine[0].file_shape)
+    values = [plan.penzai_layout(spec, stored) for spec in mine]
+    np.testing.assert_array_equal(plan.stored_layout(mine, values), stored)
+    rows = stored.reshape(groups, per + 2, head_dim, -1)  # transformers' view of the rows.
+    by_label = dict(zip((spec.label for spec in mine), values))
+    query = next(v for label, v in by_label.items() if "/query" in label)
+    key = next(v for label, v in by_label.items() if "/key" in label)
+    np.testing.assert_array_equal(query.reshape(-1), rows[:, :per].reshape(-1))
+    np.testing.assert_array_equal(key.reshape(-1), rows[:, per].reshape(-1))
