@@ -127,9 +127,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "cohere": _row("Command R / R+ (Cohere)", "parallel attention and MLP on one LayerNorm"
                    " without bias, interleaved rotary and a logit scale", "llama",
                    "Llama shares its projections and gated SiLU MLP; its blocks are sequential"),
-    "cohere2": _row("Command R7B / A (Cohere 2)", "Cohere's parallel blocks and logit scale with"
-                    " sliding-window layers and global layers without positions", "llama",
-                    "Llama shares its projections and gated SiLU MLP; its blocks are sequential"),
     "arcee": _row("Arcee AFM", "a non-gated squared-ReLU MLP", "llama",
                   "it is Llama's layout otherwise"),
     "diffllama": _row("DiffLlama", "differential attention (two softmax maps subtracted with a"
