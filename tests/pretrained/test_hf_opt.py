@@ -3,7 +3,6 @@ transformers, with the checks of `hf_family_harness`."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -55,24 +54,7 @@ def test_kv_cache_sampling_matches_the_forward_pass(saved, case):
 
 @pytest.mark.parametrize("case", ["opt", "opt_350m"])
 def test_greedy_kv_cache_generation_matches_transformers_generate(saved, case):
-  """Penzai's KV-cache greedy sampling chooses transformers' ``generate``
-  tokens, one by one (positions past the prompt read the right rows)."""
-  model = pzp.pretrained.load_hf(saved[case].folder)
-  prompt, steps = checks.SEQUENCES[:, :4], 8
-  sampler = checks.sampling_jitted(pzp.pretrained.sampling.kv_caching_lm(
-      model, cache_len=prompt.shape[1] + steps, batch_axes={"batch": prompt.shape[0]},
-      pad_id=-1))
-  tokens, ours = prompt, []
-  for _ in range(steps):
-    out = sampler(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
-    tokens = np.argmax(np.asarray(out.untag("batch", "seq", "vocabulary").unwrap()[:, -1]),
-                       axis=-1)[:, None]
-    ours.append(tokens)
-  with torch.no_grad():
-    theirs = saved[case].hf_model.generate(
-        torch.tensor(prompt), max_new_tokens=steps, do_sample=False,
-        attention_mask=torch.ones(prompt.shape, dtype=torch.long), pad_token_id=0)
-  np.testing.assert_array_equal(np.concatenate(ours, 1), theirs[:, prompt.shape[1]:].numpy())
+  checks.check_generation_matches_generate(saved[case])
 
 
 def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):

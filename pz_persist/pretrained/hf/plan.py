@@ -171,7 +171,7 @@ def stored_layout(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
   first = specs[0]
   if first.rows is not None:
     return _stacked_rows(specs, values)
-  if first.part is not None:
+  if any(spec.part is not None for spec in specs):
     return _joined_parts(specs, values)
   if first.take is None:
     for spec, value in zip(specs[1:], values[1:]):
@@ -221,11 +221,22 @@ def _stacked_rows(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
 
 def _joined_parts(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> np.ndarray:
   """The stored tensor whose ranges (`TensorSpec.part`) ``specs`` read
-  ``values`` from; the ranges must tile their dimension once."""
+  ``values`` from; the ranges must tile their dimension once. A spec that
+  ``take``s one slice of the same dimension is the range of that slice
+  (Falcon's fused projection: a range of query heads, then one key and one
+  value slice, per group)."""
   first = specs[0]
-  dim = first.part[0] if first.part is not None else 0
-  parts = sorted(((spec.part or (-1, -1, -1)), spec.label, _unoffset(spec, value))
-                 for spec, value in zip(specs, values))
+
+  def as_part(spec: TensorSpec, value: np.ndarray) -> tuple[tuple[int, int, int], np.ndarray]:
+    value = _unoffset(spec, value)
+    if spec.part is None and spec.take is not None:
+      dim, index = spec.take
+      return (dim, index, index + 1), np.expand_dims(value, dim)
+    return spec.part or (-1, -1, -1), value
+
+  dim = next(spec.part[0] for spec in specs if spec.part is not None)
+  parts = sorted((part, spec.label, value) for spec, original in zip(specs, values)
+                 for part, value in [as_part(spec, original)])
   ends = [0] + [stop for (_, _, stop), _, _ in parts]
   if (any(part[0] != dim or part[1] != end for (part, _, _), end in zip(parts, ends))
       or ends[-1] != first.shape[dim]):

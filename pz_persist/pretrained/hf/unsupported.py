@@ -103,10 +103,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                   f"{_NEOX}; it has rotary positions instead"),
     "mpt": _row("MPT", "ALiBi position biases and LayerNorms without biases", "gpt_neox",
                 f"{_NEOX}; it has rotary positions instead"),
-    "falcon": _row("Falcon", "parallel attention and MLP on one or two shared LayerNorms with"
-                   " multi-query or grouped query-key-value fused per group", "gpt_neox",
-                   "GPT-NeoX shares parallel blocks, LayerNorm with biases and a fused"
-                   " query-key-value projection"),
     "persimmon": _row("Persimmon", "query-key LayerNorms, partial rotary and a squared-ReLU MLP",
                       "gpt_neox", "GPT-NeoX shares LayerNorm with biases, a fused"
                       " query-key-value projection and partial rotary"),
@@ -121,9 +117,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "cohere": _row("Command R / R+ (Cohere)", "parallel attention and MLP on one LayerNorm"
                    " without bias, interleaved rotary and a logit scale", "llama",
                    "Llama shares its projections and gated SiLU MLP; its blocks are sequential"),
-    "cohere2": _row("Command R7B / A (Cohere 2)", "Cohere's parallel blocks and logit scale with"
-                    " sliding-window layers and global layers without positions", "llama",
-                    "Llama shares its projections and gated SiLU MLP; its blocks are sequential"),
     "arcee": _row("Arcee AFM", "a non-gated squared-ReLU MLP", "llama",
                   "it is Llama's layout otherwise"),
     "diffllama": _row("DiffLlama", "differential attention (two softmax maps subtracted with a"
