@@ -90,6 +90,8 @@ MINIMAL = {
         "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}},
     "mixtral": {**_SIZES, **_HEADS, "num_local_experts": 4},
     "qwen3_moe": {**_SIZES, **_HEADS, **_MOE, "num_experts": 4},
+    "qwen2_moe": {**_SIZES, **_HEADS, **_MOE, "num_experts": 4,
+                  "shared_expert_intermediate_size": 24},
     "gemma": {**_SIZES, **_HEADS}, "gemma2": {**_SIZES, **_HEADS},
     "gemma3_text": {**_SIZES, **_HEADS},
     "gemma4_text": {**_SIZES, **_HEADS, "global_head_dim": 16, "hidden_size_per_layer_input": 4,

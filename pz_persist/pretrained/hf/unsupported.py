@@ -168,10 +168,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "helium": _row("Helium", "its own configuration fields", "llama",
                    "it is Llama's layout"),
     # Mixtures of experts.
-    "qwen2_moe": _row("Qwen2-MoE / Qwen1.5-MoE", "a shared expert gated by a sigmoid beside the"
-                      " routed ones, and query-key-value biases", "qwen3_moe",
-                      "Qwen3-MoE shares the softmax top-k routed experts; it has no shared"
-                      " expert"),
     "olmoe": _row("OLMoE", "query-key norms over all heads together, on a mixture of experts",
                   "qwen3_moe", "Qwen3-MoE shares the softmax top-k experts; it normalises each"
                   " head"),
