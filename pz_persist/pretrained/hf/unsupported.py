@@ -168,9 +168,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "helium": _row("Helium", "its own configuration fields", "llama",
                    "it is Llama's layout"),
     # Mixtures of experts.
-    "olmoe": _row("OLMoE", "query-key norms over all heads together, on a mixture of experts",
-                  "qwen3_moe", "Qwen3-MoE shares the softmax top-k experts; it normalises each"
-                  " head"),
     "phimoe": _row("Phi-3.5-MoE", "sparsemixer routing and LayerNorm with biases", "mixtral",
                    "Mixtral shares its expert layout (w1, w2, w3); it routes by softmax top-2"),
     "granitemoe": _row("Granite 3 MoE", "experts stored fused (input_linear, output_linear)",
