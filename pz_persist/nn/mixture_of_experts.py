@@ -249,9 +249,17 @@ class MixtureOfExperts(pz.nn.Layer):
     return "#c7a4e0"
 
 
-def _activation(activation: Activation, alpha: float, limit: float
-                ) -> tuple[list[pz.nn.Layer], list[pz.nn.Layer]]:
-  """The layers after the gate and after the value projection."""
+def expert_activation(activation: Activation, alpha: float = 1.702, limit: float = 7.0
+                      ) -> tuple[list[pz.nn.Layer], list[pz.nn.Layer]]:
+  """The layers after a gated MLP's gate and after its value projection
+  (the second list empty but for gpt-oss's clamped SwiGLU).
+
+  Example:
+    >>> from pz_persist.nn import mixture_of_experts as moe
+    >>> after_gate, after_up = moe.expert_activation("silu")
+    >>> len(after_gate), after_up
+    (1, [])
+  """
   if activation == "silu":
     return [pz.nn.Elementwise(jax.nn.silu)], []
   if activation == "gelu_tanh":
@@ -299,7 +307,7 @@ def experts_mlp(
                                               biased_axes={**experts, **size_out}, dtype=dtype))
     return layers
 
-  after_gate, after_up = _activation(activation, alpha, limit)
+  after_gate, after_up = expert_activation(activation, alpha, limit)
   embedding, hidden = {"embedding": embedding_dim}, {"neurons": neurons}
   return pz.nn.Sequential([
       pz.nn.BranchAndMultiplyTogether(branches=[

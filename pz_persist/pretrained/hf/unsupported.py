@@ -151,13 +151,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "helium": _row("Helium", "its own configuration fields", "llama",
                    "it is Llama's layout"),
     # Mixtures of experts.
-    "qwen2_moe": _row("Qwen2-MoE / Qwen1.5-MoE", "a shared expert gated by a sigmoid beside the"
-                      " routed ones, and query-key-value biases", "qwen3_moe",
-                      "Qwen3-MoE shares the softmax top-k routed experts; it has no shared"
-                      " expert"),
-    "olmoe": _row("OLMoE", "query-key norms over all heads together, on a mixture of experts",
-                  "qwen3_moe", "Qwen3-MoE shares the softmax top-k experts; it normalises each"
-                  " head"),
     "phimoe": _row("Phi-3.5-MoE", "sparsemixer routing and LayerNorm with biases", "mixtral",
                    "Mixtral shares its expert layout (w1, w2, w3); it routes by softmax top-2"),
     "granitemoe": _row("Granite 3 MoE", "experts stored fused (input_linear, output_linear)",

@@ -132,6 +132,35 @@ def read_experts(cfg: Config, count_key: str, neurons_key: str, aliases: Sequenc
   return experts, top_k, cfg.require(neurons_key)
 
 
+def routed_layers(cfg: Config) -> Callable[[int], tuple[int, ...]]:
+  """The layers with experts, as transformers' Qwen2-MoE and Qwen3-MoE
+  decide (``i`` not in ``mlp_only_layers`` and ``(i + 1) %
+  decoder_sparse_step == 0``), given the layer count (called once it is
+  checked against the weights; the fields are read here)."""
+  step = cfg.get("decoder_sparse_step", 1)
+  dense = cfg.get("mlp_only_layers") or []
+
+  def routed(layers: int) -> tuple[int, ...]:
+    if any(i >= layers for i in dense):
+      raise cfg.unsupported("mlp_only_layers", dense, f"the layers are 0..{layers - 1}")
+    return tuple(i for i in range(layers) if i not in set(dense) and (i + 1) % step == 0)
+
+  return routed
+
+
+def sparse_step_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
+  """``decoder_sparse_step`` and ``mlp_only_layers`` saying which of the
+  model's blocks are mixtures (`routed_layers`' rule): like's when they
+  say so, else a step of 1 and the dense layers listed."""
+  found = mixtures(model)
+  routed = tuple(i for i, layer in enumerate(found) if layer is not None)
+  step, dense = like.get("decoder_sparse_step"), like.get("mlp_only_layers") or []
+  if not (isinstance(step, int) and step > 0 and isinstance(dense, list) and routed == tuple(
+      i for i in range(len(found)) if i not in dense and (i + 1) % step == 0)):
+    step, dense = 1, [i for i, layer in enumerate(found) if layer is None]
+  return {"decoder_sparse_step": step, "mlp_only_layers": dense}
+
+
 def check_experts(cfg: Config, weights: Any, experts: Experts, key: str) -> None:
   """Refuses an expert count other than the experts the weights hold (the
   first layer with experts), before anything is built: the stacked views
@@ -247,6 +276,59 @@ def softmax_router(normalize_always: bool = False
   return make
 
 
+def gated_mlp(name: str, activation: moe.Activation = "silu") -> pz.nn.Sequential:
+  """A gated MLP over ``embedding`` (a shared expert) with slots
+  ``{name}/gate.weights``, ``{name}/up.weights``, ``{name}/down.weights``;
+  its sizes come from the weights loaded into them."""
+  def linear(part: str, inputs: str, outputs: str) -> pz.nn.Linear:
+    return pz.nn.Linear(weights=pz.ParameterSlot(f"{name}/{part}.weights"),
+                        in_axis_names=(inputs,), out_axis_names=(outputs,))
+  after_gate, _ = moe.expert_activation(activation)
+  return pz.nn.Sequential([
+      pz.nn.BranchAndMultiplyTogether(branches=[
+          pz.nn.NamedGroup("gate", [linear("gate", "embedding", "neurons"), *after_gate]),
+          pz.nn.NamedGroup("up", [linear("up", "embedding", "neurons")]),
+      ]),
+      linear("down", "neurons", "embedding"),
+  ])
+
+
+def with_gated_shared_expert(plan: Plan, sources: Mapping[int, str], width: int, hidden: int,
+                             activation: moe.Activation = "silu") -> Plan:
+  """``plan`` (built by `with_experts`) with a shared expert beside each
+  `MixtureOfExperts`, its output times ``sigmoid(shared_expert_gate(x))``
+  (Qwen2-MoE, Qwen3.5-MoE): a gated MLP of ``width`` read from
+  ``{source}shared_expert.{gate,up,down}_proj.weight`` and the gate's one
+  logit from ``{source}shared_expert_gate.weight`` (``[1, hidden]``), where
+  ``sources`` maps each layer with experts to its MLP's Hugging Face prefix
+  (``model.layers.{i}.mlp.``)."""
+  specs = list(plan.tensors)
+  for i, s in sources.items():
+    m = f"transformer/block_{i}/mlp/"
+    specs += [
+        TensorSpec(f"{m}shared/gate.weights", f"{s}shared_expert.gate_proj.weight",
+                   (width, hidden), ("neurons", "embedding")),
+        TensorSpec(f"{m}shared/up.weights", f"{s}shared_expert.up_proj.weight",
+                   (width, hidden), ("neurons", "embedding")),
+        TensorSpec(f"{m}shared/down.weights", f"{s}shared_expert.down_proj.weight",
+                   (hidden, width), ("embedding", "neurons")),
+        TensorSpec(f"{m}shared_gate.weights", f"{s}shared_expert_gate.weight", (hidden,),
+                   ("embedding",), stored=(1, hidden)),
+    ]
+  routed_build = plan.build
+
+  def build() -> model_parts.TransformerLM:
+    def add_shared(layer: moe.MixtureOfExperts) -> moe.MixtureOfExperts:
+      name = layer.router.logits.weights.label.removesuffix("/router.weights")
+      return dataclasses.replace(layer, shared=gated_mlp(f"{name}/shared", activation),
+                                 shared_gate=pz.nn.Linear(
+                                     weights=pz.ParameterSlot(f"{name}/shared_gate.weights"),
+                                     in_axis_names=("embedding",), out_axis_names=()))
+    return pz.select(routed_build()).at_instances_of(moe.MixtureOfExperts).apply(add_shared)
+
+  return Plan(build, tuple(specs), plan.views)
+
+
 # --- export: what a model with experts says about its config -----------------
 
 
@@ -259,24 +341,27 @@ def mixtures(model: pz.nn.Layer) -> list[moe.MixtureOfExperts | None]:
   return found
 
 
-def softmax_routed(layer: moe.MixtureOfExperts) -> bool:
+def softmax_routed(layer: moe.MixtureOfExperts, gated_shared: bool = False) -> bool:
   """Whether ``layer`` is the plain softmax-top-k mixture of Qwen3-MoE and
-  Mixtral (no shared experts, no input weighting, a plain ``Linear`` router)."""
+  Mixtral (no input weighting, a plain ``Linear`` router), without shared
+  experts or, with ``gated_shared``, with Qwen2-MoE's sigmoid-gated one."""
   router = layer.router
+  shared = ((layer.shared is not None and layer.shared_gate is not None) if gated_shared
+            else (layer.shared is None and layer.shared_gate is None))
   return (isinstance(router, moe.TopKRouter) and isinstance(router.logits, pz.nn.Linear)
           and router.score == "softmax" and router.groups == 1 and router.scale == 1.0
           and router.selection_bias is None and router.expert_scale is None
-          and layer.shared is None and layer.shared_gate is None and not layer.weight_inputs
-          and layer.expert_input is None)
+          and shared and not layer.weight_inputs and layer.expert_input is None)
 
 
-def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
+def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any], gated_shared: bool = False
+                  ) -> dict[str, Any]:
   """The llama-like fields of a model whose feed-forward blocks may be
   mixtures (sizes, norms, RoPE, activation, tied head), plus
   ``num_experts_per_tok`` and ``norm_topk_prob`` and the sizes
   ``intermediate_size`` (a dense block's; else ``like``'s or the experts')
   and the experts' (returned under ``"_experts"`` and ``"_neurons"`` for the
-  family to name)."""
+  family to name); ``gated_shared`` as in `softmax_routed`."""
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   attn = attention(model)
   query, key = projection(attn.input_to_query), projection(attn.input_to_key)
@@ -290,7 +375,7 @@ def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]
                       " experts; export it as its dense family (name it with like=).")
   first = routed[0]
   router = first.router
-  if not softmax_routed(first) or not isinstance(router, moe.TopKRouter):
+  if not softmax_routed(first, gated_shared) or not isinstance(router, moe.TopKRouter):
     raise errors.ExportError(f"the model's MixtureOfExperts has a router {type(router).__name__}"
                       " other than the softmax top-k one of Qwen3-MoE and Mixtral.")
   gate = named_shape(first_layer(first.experts, pz.nn.Linear, "experts"))

@@ -30,15 +30,16 @@ _POST_NORM_SOURCES = {"post_attention_norm": "post_attention_layernorm",
 _QK = {"query": "q_norm", "key": "k_norm"}
 
 
-def olmo_blocks(plan: Plan, epsilon: float) -> Plan:
-  """``plan`` (Llama's) with OLMo's post-norms and whole-projection
-  query/key norms: the tensors and the skeleton."""
+def olmo_blocks(plan: Plan, epsilon: float, post_norms: bool = True) -> Plan:
+  """``plan`` (Llama's) with OLMo's post-norms (unless not ``post_norms``:
+  OLMoE keeps Llama's pre-norms) and whole-projection query/key norms: the
+  tensors and the skeleton."""
   specs = []
   norms: dict[str, dict[str, int]] = {}
   for spec in plan.tensors:
     block, _, name = spec.label.rpartition("/")
     prefix, _, norm = block.rpartition("/")
-    if norm in _PRE_NORMS:
+    if norm in _PRE_NORMS and post_norms:
       post = _PRE_NORMS[norm]
       source = spec.source.rsplit(".", 2)[0] + f".{_POST_NORM_SOURCES[post]}.weight"
       specs.append(dataclasses.replace(spec, label=f"{prefix}/{post}/{name}", source=source))
@@ -56,7 +57,8 @@ def olmo_blocks(plan: Plan, epsilon: float) -> Plan:
   hidden = next(spec.shape[0] for spec in specs if spec.label.endswith("final_norm/scale.weights"))
 
   def build() -> model_parts.TransformerLM:
-    return _with_query_key_norms(with_post_norms(plan.build(), epsilon, hidden), norms, epsilon)
+    skeleton = with_post_norms(plan.build(), epsilon, hidden) if post_norms else plan.build()
+    return _with_query_key_norms(skeleton, norms, epsilon)
 
   return Plan(build, tuple(specs))
 

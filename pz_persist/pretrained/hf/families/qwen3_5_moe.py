@@ -22,10 +22,8 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 from penzai import pz
 
-from pz_persist.nn import mixture_of_experts as moe
 from pz_persist.pretrained.hf.building import hybrid_decoder
 from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS
 from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS_WHY
@@ -38,6 +36,7 @@ from pz_persist.pretrained.hf.building.moe import mixtures
 from pz_persist.pretrained.hf.building.moe import read_experts
 from pz_persist.pretrained.hf.building.moe import softmax_router
 from pz_persist.pretrained.hf.building.moe import with_experts
+from pz_persist.pretrained.hf.building.moe import with_gated_shared_expert
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -90,31 +89,8 @@ def qwen3_5_moe_text_plan(cfg: Config, weights: Weights, root: str = "model.",
                                   else spec for spec in routed.tensors),
               tuple(Stacked(_rooted(v.name, root), tuple(_rooted(p, root) for p in v.parts))
                     if isinstance(v, Stacked) else v for v in routed.views))
-  specs = list(plan.tensors)
-  for i in range(layers):
-    m, s = f"transformer/block_{i}/mlp/", f"{root}layers.{i}.mlp."
-    specs += [
-        TensorSpec(f"{m}shared/gate.weights", f"{s}shared_expert.gate_proj.weight",
-                   (shared, hidden), ("neurons", "embedding")),
-        TensorSpec(f"{m}shared/up.weights", f"{s}shared_expert.up_proj.weight",
-                   (shared, hidden), ("neurons", "embedding")),
-        TensorSpec(f"{m}shared/down.weights", f"{s}shared_expert.down_proj.weight",
-                   (hidden, shared), ("embedding", "neurons")),
-        TensorSpec(f"{m}shared_gate.weights", f"{s}shared_expert_gate.weight", (hidden,),
-                   ("embedding",), stored=(1, hidden)),
-    ]
-  routed_build = plan.build
-
-  def build():
-    def add_shared(layer: moe.MixtureOfExperts) -> moe.MixtureOfExperts:
-      name = layer.router.logits.weights.label.removesuffix("/router.weights")
-      return dataclasses.replace(layer, shared=_shared_mlp(f"{name}/shared"),
-                                 shared_gate=pz.nn.Linear(
-                                     weights=pz.ParameterSlot(f"{name}/shared_gate.weights"),
-                                     in_axis_names=("embedding",), out_axis_names=()))
-    return pz.select(routed_build()).at_instances_of(moe.MixtureOfExperts).apply(add_shared)
-
-  return Plan(build, tuple(specs), plan.views)
+  return with_gated_shared_expert(plan, {i: f"{root}layers.{i}.mlp." for i in range(layers)},
+                                  shared, hidden)
 
 
 _LAYERS = "model.layers."
@@ -135,22 +111,6 @@ def qwen3_5_moe_plan(cfg: Config, weights: Weights) -> Plan:
   return hybrid_decoder.multimodal_plan(cfg, weights, "qwen3_5_moe_text", qwen3_5_moe_text_plan,
                                         _FIELDS,
                                         RECORD.model_types["qwen3_5_moe_text"].ignored)
-
-
-def _shared_mlp(name: str) -> pz.nn.Sequential:
-  """A SwiGLU MLP over ``embedding`` with slots ``{name}/gate.weights``,
-  ``up``, ``down``."""
-  def linear(part: str, inputs: str, outputs: str) -> pz.nn.Linear:
-    return pz.nn.Linear(weights=pz.ParameterSlot(f"{name}/{part}.weights"),
-                        in_axis_names=(inputs,), out_axis_names=(outputs,))
-  return pz.nn.Sequential([
-      pz.nn.BranchAndMultiplyTogether(branches=[
-          pz.nn.NamedGroup("gate", [linear("gate", "embedding", "neurons"),
-                                    pz.nn.Elementwise(jax.nn.silu)]),
-          pz.nn.NamedGroup("up", [linear("up", "embedding", "neurons")]),
-      ]),
-      linear("down", "neurons", "embedding"),
-  ])
 
 
 def _detect(model: pz.nn.Layer) -> str | None:

@@ -17,7 +17,6 @@ the Hub's configs carry, is read by nothing and ignored here too).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,8 +38,10 @@ from pz_persist.pretrained.hf.building.moe import check_experts
 from pz_persist.pretrained.hf.building.moe import expert_fields
 from pz_persist.pretrained.hf.building.moe import mixtures
 from pz_persist.pretrained.hf.building.moe import read_experts
+from pz_persist.pretrained.hf.building.moe import routed_layers
 from pz_persist.pretrained.hf.building.moe import softmax_routed
 from pz_persist.pretrained.hf.building.moe import softmax_router
+from pz_persist.pretrained.hf.building.moe import sparse_step_fields
 from pz_persist.pretrained.hf.building.moe import with_experts
 from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
 from pz_persist.pretrained.hf.building.norms import with_query_key_norms
@@ -69,21 +70,6 @@ FIELDS = {
 }
 
 
-def moe_layers(cfg: Config) -> Callable[[int], tuple[int, ...]]:
-  """The layers with experts, as transformers' ``Qwen3MoeDecoderLayer``
-  decides, given the layer count (called once it is checked against the
-  weights; the fields are read here)."""
-  step = cfg.get("decoder_sparse_step", 1)
-  dense = cfg.get("mlp_only_layers") or []
-
-  def routed(layers: int) -> tuple[int, ...]:
-    if any(i >= layers for i in dense):
-      raise cfg.unsupported("mlp_only_layers", dense, f"the layers are 0..{layers - 1}")
-    return tuple(i for i in range(layers) if i not in set(dense) and (i + 1) % step == 0)
-
-  return routed
-
-
 def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Qwen3-MoE checkpoint (transformers' ``Qwen3MoeConfig`` defaults)."""
   experts_count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size",
@@ -95,7 +81,7 @@ def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.used.add("sliding_window")
   kind = (llamalike_common.AttentionTypeGlobalCausal() if window is None
           else llamalike_common.AttentionTypeSlidingWindowCausal(window))
-  routed = moe_layers(cfg)
+  routed = routed_layers(cfg)
   bias = cfg.get("attention_bias", False)
   plan = llama_plan(cfg, weights, attention=lambda count: kind,
                     biases=Biases(query_key_value=bias, output=bias),
@@ -122,7 +108,6 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   del model_type  # Only qwen3_moe.
   fields = expert_fields(model, like)
   experts, neurons = fields.pop("_experts"), fields.pop("_neurons")
-  found = mixtures(model)
   found_windows = set(windows(model))
   if len(found_windows) > 1:
     raise errors.ExportError(
@@ -130,14 +115,8 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
         f" for every layer or none (found {sorted(found_windows, key=str)}).")
   window = found_windows.pop()
   count_key = "num_local_experts" if "num_local_experts" in like else "num_experts"
-  routed = tuple(i for i, layer in enumerate(found) if layer is not None)
-  step, dense = like.get("decoder_sparse_step"), like.get("mlp_only_layers") or []
-  if not (isinstance(step, int) and step > 0 and isinstance(dense, list) and routed == tuple(
-      i for i in range(len(found)) if i not in dense and (i + 1) % step == 0)):
-    step, dense = 1, [i for i, layer in enumerate(found) if layer is None]  # like's, if they fit.
   fields.update({
-      count_key: experts, "moe_intermediate_size": neurons, "decoder_sparse_step": step,
-      "mlp_only_layers": dense,
+      count_key: experts, "moe_intermediate_size": neurons, **sparse_step_fields(model, like),
       "use_sliding_window": window is not None, "sliding_window": window,
       "attention_bias": model_biases(model).output,
   })
