@@ -158,7 +158,11 @@ def export_hf(
   read_only = families.MODEL_TYPES.get(like_config.get("model_type"))  # type: ignore[arg-type]
   if read_only is not None and read_only.written_as:  # A multimodal folder: its text model.
     text = like_config.get("text_config")
-    like_config = {**(text if isinstance(text, dict) else {}), "model_type": read_only.written_as}
+    text = text if isinstance(text, dict) else {}
+    # A text model_type export writes (mistral3's ministral3) wins over the folder's default.
+    named = families.MODEL_TYPES.get(text.get("model_type"))  # type: ignore[arg-type]
+    written = text["model_type"] if named is not None and named.exported else read_only.written_as
+    like_config = {**text, "model_type": written}
   family = like_config.get("model_type") or families.detect(model)
   plans = family_plans()
   if family not in plans:

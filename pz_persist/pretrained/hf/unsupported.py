@@ -53,30 +53,23 @@ _ATTENTION_FREE = "every family pz_persist reads is built on attention, and this
 _NEOX = ("GPT-NeoX shares LayerNorm with biases, a fused query-key-value projection and a"
          " non-gated GELU MLP")
 _GPT2 = "GPT-2 shares learned absolute positions, LayerNorm with biases and a non-gated MLP"
-_VL = "a vision-language folder whose text model uses multimodal RoPE (mrope_section), which"
+_BARE = ("no output head (it is transformers' bare text model, not a causal LM); its language"
+         " model loads from")
 
 UNSUPPORTED: dict[str, Unsupported] = {
     # Vision-language folders whose text model is close to one read.
-    "qwen2_vl": _row("Qwen2-VL", f"{_VL} pz_persist does not build yet", "qwen2",
-                     "its text decoder is Qwen2's layout"),
-    "qwen2_vl_text": _row("Qwen2-VL's text model", "multimodal RoPE (mrope_section)", "qwen2",
+    "qwen2_vl_text": _row("Qwen2-VL's bare text model", f"{_BARE} a qwen2_vl folder", "qwen2",
                           "it is Qwen2's layout"),
-    "qwen2_5_vl": _row("Qwen2.5-VL", f"{_VL} pz_persist does not build yet", "qwen2",
-                       "its text decoder is Qwen2's layout"),
-    "qwen2_5_vl_text": _row("Qwen2.5-VL's text model", "multimodal RoPE (mrope_section)", "qwen2",
-                            "it is Qwen2's layout"),
-    "qwen3_vl": _row("Qwen3-VL", f"{_VL} it interleaves, and DeepStack visual features added to"
-                     " its first layers", "qwen3", "its text decoder is Qwen3's layout"),
-    "qwen3_vl_text": _row("Qwen3-VL's text model", "interleaved multimodal RoPE and DeepStack"
-                          " inputs", "qwen3", "it is Qwen3's layout"),
-    "qwen3_vl_moe": _row("Qwen3-VL-MoE", f"{_VL} it interleaves, and DeepStack visual features",
-                         "qwen3_moe", "its text decoder is Qwen3-MoE's layout"),
-    "qwen3_vl_moe_text": _row("Qwen3-VL-MoE's text model", "interleaved multimodal RoPE and"
-                              " DeepStack inputs", "qwen3_moe", "it is Qwen3-MoE's layout"),
-    "mistral3": _row("Mistral 3 (Mistral Small 3.1 / 3.2, Magistral, Devstral)",
-                     "a Pixtral vision tower and projector around its text model, which"
-                     " pz_persist does not extract yet", "mistral",
-                     "its text_config is a Mistral decoder"),
+    "qwen2_5_vl_text": _row("Qwen2.5-VL's bare text model", f"{_BARE} a qwen2_5_vl folder",
+                            "qwen2", "it is Qwen2's layout"),
+    "qwen3_vl_text": _row("Qwen3-VL's bare text model", f"{_BARE} a qwen3_vl folder", "qwen3",
+                          "it is Qwen3's layout"),
+    "qwen3_vl_moe": _row("Qwen3-VL-MoE", "experts stored fused and transposed"
+                         " (mlp.experts.gate_up_proj) beside a vision tower, which pz_persist does"
+                         " not read yet", "qwen3_moe", "its text decoder is Qwen3-MoE's layout"),
+    "qwen3_vl_moe_text": _row("Qwen3-VL-MoE's bare text model", "no output head (it is transformers' bare text model, not a causal LM), and"
+                              " experts stored fused, which pz_persist does not read yet", "qwen3_moe",
+                              "it is Qwen3-MoE's layout"),
     "llava": _row("LLaVA", "a vision tower and projector around a text model named by its"
                   " text_config, which pz_persist does not extract yet", "llama",
                   "most LLaVA text models are Llama or Mistral decoders"),
