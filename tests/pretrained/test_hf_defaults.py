@@ -107,6 +107,7 @@ MINIMAL = {
     "gemma3_text": {**_SIZES, **_HEADS},
     "gemma4_text": {**_SIZES, **_HEADS, "global_head_dim": 16, "hidden_size_per_layer_input": 4,
                     "vocab_size_per_layer_input": 64},
+    "glm4": {**_SIZES, **_HEADS},
     "glm4_moe": {**_SIZES, **_HEADS, **_MOE, "n_routed_experts": 4},
     "gpt_oss": {**_SIZES, **_HEADS, "num_local_experts": 4},
     "llama4_text": {**_SIZES, **_HEADS, "intermediate_size_mlp": 24, "num_local_experts": 3},

@@ -100,7 +100,7 @@ def test_float32_logits_match_the_text_only_path(saved, case, caplog):
   assert "are not read" in said and "vision tower and projector" in said
 
 
-def check_greedy_generation(model, hf_model, steps: int = 6, eos: int = 2) -> None:
+def check_generate(model, hf_model, steps: int = 6, eos: int = 2) -> None:
   """Penzai's KV-cache sampler, greedy from a 4-token prompt, picks the
   tokens of transformers' ``generate`` (``min_new_tokens`` keeps ``eos`` from
   being picked, which the sampler mirrors) with its logits."""
@@ -131,7 +131,7 @@ def test_kv_cache_and_greedy_generation_match_generate(saved, case):
   positions computed by transformers' ``get_rope_index``)."""
   model = pzp.pretrained.load_hf(saved[case].folder)
   checks.check_kv_cache(model)
-  check_greedy_generation(model, saved[case].hf_model)
+  check_generate(model, saved[case].hf_model)
 
 
 @pytest.mark.parametrize("case", CASES)

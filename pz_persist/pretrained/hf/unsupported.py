@@ -138,9 +138,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                      "it is Llama's layout otherwise"),
     "glm": _row("GLM-4 (ChatGLM 4)", "rotary on interleaved pairs of half the head",
                 "phi3", "Phi-3 shares a fused gate_up_proj and fused query-key-value weights"),
-    "glm4": _row("GLM-4-0414", "norms after attention and MLP beside those before, and rotary on"
-                 " interleaved pairs of half the head", "phi3",
-                 "Phi-3 shares a fused gate_up_proj"),
     "helium": _row("Helium", "its own configuration fields", "llama",
                    "it is Llama's layout"),
     # Mixtures of experts.

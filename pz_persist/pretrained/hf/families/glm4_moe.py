@@ -33,10 +33,10 @@ from pz_persist.pretrained.hf.building.deepseek_moe import main_layers
 from pz_persist.pretrained.hf.building.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.building.deepseek_moe import routing_fields
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
+from pz_persist.pretrained.hf.building.glm_rotary import partial_rotary
 from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
 from pz_persist.pretrained.hf.building.norms import with_query_key_norms
 from pz_persist.pretrained.hf.config import BOOLEAN
-from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import attention
@@ -56,29 +56,6 @@ _DEFAULTS = {"n_routed_experts": 128, "n_group": 1, "topk_group": 1, "num_expert
 FIELDS = {**MOE_FIELDS, "use_qk_norm": BOOLEAN}
 
 
-def _partial_rotary(cfg: Config) -> float:
-  """``partial_rotary_factor`` (top level or in the RoPE dict; transformers'
-  default for GLM-4.5 is 0.5), taken out of the config so that Llama's
-  reader, which refuses partial rotary, reads the rest."""
-  found = [cfg.get("partial_rotary_factor")]
-  for key in ("rope_parameters", "rope_scaling"):
-    params = cfg.raw.get(key)
-    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
-      found.append(cfg.checked(f"{key}.partial_rotary_factor", params["partial_rotary_factor"]))
-      rope_type = params.get("rope_type", params.get("type", "default"))
-      if rope_type != "default":
-        raise cfg.unsupported(f"{key}.rope_type", rope_type, "GLM-4.5's partial rotary is read"
-                              " with unscaled ('default') RoPE only")
-      cfg.raw[key] = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
-  values = {v for v in found if v is not None}
-  if len(values) > 1:
-    raise cfg.unsupported("partial_rotary_factor", sorted(values), "given twice, differently")
-  # Llama's reader, which refuses partial rotary, sees a full one (not the
-  # table's GLM default of one half, which is read here).
-  cfg.raw["partial_rotary_factor"] = 1.0
-  return values.pop() if values else cfg.default("partial_rotary_factor", FROM_TABLE)
-
-
 @dataclasses.dataclass
 class _MainLayers:
   """``weights`` without the multi-token prediction layers' tensors (which
@@ -95,7 +72,7 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
   """Llama's plan with GLM-4.5's attention and DeepSeek's experts."""
   hidden = cfg.require("hidden_size")
   routing = read_routing(cfg, hidden, _DEFAULTS)
-  fraction = _partial_rotary(cfg)
+  fraction = partial_rotary(cfg)
   norms = cfg.get("use_qk_norm", False)
   layers = cfg.require("num_hidden_layers")
   dense = min(cfg.get("first_k_dense_replace", 1), layers)

@@ -36,6 +36,7 @@ from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.building.defaults import NO_BIASES
+from pz_persist.pretrained.hf.building.fused import fused_rows
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import activation_field
@@ -48,7 +49,6 @@ from pz_persist.pretrained.hf.config_from_model import size_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.config_from_model import windows
 from pz_persist.pretrained.hf.plan import Plan
-from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
@@ -93,7 +93,7 @@ def phi3_plan(cfg: Config, weights: Weights) -> Plan:
   shared = (llamalike_common.AttentionTypeGlobalCausal() if window is None
             else llamalike_common.AttentionTypeSlidingWindowCausal(window))
   plan = llama_plan(cfg, weights, attention=lambda layers: shared)
-  specs = _fused(plan.tensors)
+  specs = fused_rows(plan.tensors, _FUSED)
 
   def build() -> model_parts.TransformerLM:
     return pz.select(plan.build()).at_instances_of(pz.nn.ApplyRoPE).apply(rotary)
@@ -189,31 +189,6 @@ def _agreeing(cfg: Config, key: str, params: Mapping[str, Any], name: str, defau
   if inner is not None and outer is not None and inner != outer:
     raise cfg.unsupported(name, outer, f"{key}.{name}={inner!r} says otherwise")
   return next((v for v in (inner, outer) if v is not None), default)
-
-
-def _fused(specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-  """Llama's specs reading Phi-3's fused tensors: each projection its rows."""
-  out = []
-  offsets: dict[str, int] = {}
-  totals: dict[str, int] = {}
-  for spec in specs:
-    module = spec.source.rsplit(".", 2)[-2]
-    if module in _FUSED:
-      source = spec.source.replace(module, _FUSED[module])
-      rows = (spec.stored or spec.shape)[0]
-      totals[source] = totals.get(source, 0) + rows
-  for spec in specs:
-    module = spec.source.rsplit(".", 2)[-2]
-    if module not in _FUSED:
-      out.append(spec)
-      continue
-    source = spec.source.replace(module, _FUSED[module])
-    stored = spec.stored or spec.shape
-    start = offsets.get(source, 0)
-    offsets[source] = start + stored[0]
-    out.append(TensorSpec(spec.label, source, spec.shape, spec.axes,
-                          stored=(totals[source], *stored[1:]), rows=(start, start + stored[0])))
-  return tuple(out)
 
 
 def _detect(model: pz.nn.Layer) -> str | None:
