@@ -79,7 +79,7 @@ _MOE = {"moe_intermediate_size": 16, "num_experts_per_tok": 2}
 MINIMAL = {
     **{name: {**_SIZES, **_HEADS} for name in (
         "llama", "mistral", "qwen2", "granite", "olmo2", "olmo3", "phi3", "smollm3",
-        "internlm3", "iquestcoder")},
+        "internlm3", "iquestcoder", "exaone")},
     "gpt_neox": _SIZES,
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "pad_token_id": 0},
     "opt": {**{k: v for k, v in _SIZES.items() if k != "intermediate_size"}, "ffn_dim": 64},

@@ -142,10 +142,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    "llama", "Llama shares its layout before quantization"),
     "ministral": _row("Ministral 8B (2410)", "sliding windows chosen per layer (layer_types)",
                       "mistral", "Mistral shares its layout with one window on every layer"),
-    "exaone": _row("EXAONE 3 / 3.5", "Llama's math under other tensor names"
-                   " (transformer.h.N.attn.attention.*, c_fc_0) and field names (num_layers,"
-                   " layer_norm_epsilon), which transformers renames as it loads and pz_persist"
-                   " does not", "llama", "it is Llama's layout under other names"),
     "exaone4": _row("EXAONE 4", "norms after attention and MLP (none before), per-head"
                     " query-key norms, and global layers without RoPE among sliding-window"
                     " ones", "olmo3", "OLMo 3 shares the norms after each block, query-key norms"
