@@ -142,10 +142,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    "llama", "Llama shares its layout before quantization"),
     "ministral": _row("Ministral 8B (2410)", "sliding windows chosen per layer (layer_types)",
                       "mistral", "Mistral shares its layout with one window on every layer"),
-    "exaone4": _row("EXAONE 4", "norms after attention and MLP (none before), per-head"
-                    " query-key norms, and global layers without RoPE among sliding-window"
-                    " ones", "olmo3", "OLMo 3 shares the norms after each block, query-key norms"
-                    " and sliding windows"),
     "seed_oss": _row("Seed-OSS", "the fields attention_out_bias and residual_dropout,"
                      " which pz_persist does not read yet", "qwen2",
                      "Qwen2 shares biases on the query, key and value projections only"),
