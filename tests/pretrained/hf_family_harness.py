@@ -462,8 +462,9 @@ def check_greedy_generation(saved: Saved, steps: int = 6) -> None:
   with torch.no_grad():
     out = saved.hf_model.generate(
         torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-        do_sample=False, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
-        return_dict_in_generate=True, pad_token_id=0)
+        do_sample=False, max_new_tokens=steps, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0,
+        eos_token_id=None)  # No stop, and no end-of-text token suppressed (min_new_tokens).
   sampler = sampling_jitted(kv_caching_lm(
       pzp.pretrained.load_hf(saved.folder), cache_len=prompt.shape[1] + steps,
       batch_axes={"batch": prompt.shape[0]}, pad_id=-1))

@@ -150,8 +150,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "hunyuan_v1_dense": _row("Hunyuan dense", "query-key norms applied after rotary, and"
                              " dynamic-alpha RoPE", "qwen3",
                              "Qwen3 shares query-key norms on Llama's layout"),
-    "ernie4_5": _row("ERNIE 4.5 (dense)", "rotary applied to interleaved pairs", "llama",
-                     "it is Llama's layout otherwise"),
     "glm": _row("GLM-4 (ChatGLM 4)", "rotary on interleaved pairs of half the head",
                 "phi3", "Phi-3 shares a fused gate_up_proj and fused query-key-value weights"),
     "glm4": _row("GLM-4-0414", "norms after attention and MLP beside those before, and rotary on"
