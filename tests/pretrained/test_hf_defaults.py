@@ -82,7 +82,7 @@ _MOE = {"moe_intermediate_size": 16, "num_experts_per_tok": 2}
 MINIMAL = {
     **{name: {**_SIZES, **_HEADS} for name in (
         "llama", "mistral", "qwen2", "granite", "olmo2", "olmo3", "phi3", "smollm3",
-        "internlm3", "iquestcoder")},
+        "internlm3", "iquestcoder", "exaone")},
     "gpt_neox": _SIZES,
     "phi": _SIZES,
     "stablelm": {**_SIZES, "num_key_value_heads": 2},
@@ -94,6 +94,8 @@ MINIMAL = {
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "pad_token_id": 0},
     "opt": {**{k: v for k, v in _SIZES.items() if k != "intermediate_size"}, "ffn_dim": 64},
     "qwen3": {**_SIZES, **_HEADS},
+    "ernie4_5": {**_SIZES, **_HEADS},
+    "exaone4": {**_SIZES, **_HEADS},
     # Ministral 3 needs its RoPE dict (llama_4_scaling_beta lives there): refused without.
     "ministral3": {**_SIZES, **_HEADS, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,

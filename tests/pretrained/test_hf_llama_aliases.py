@@ -2,8 +2,9 @@
 (``internlm3``, ``iquestcoder``: ``AutoModelForCausalLM`` builds
 ``LlamaForCausalLM`` from their config classes, which hold Llama's fields
 only) load as Llama, against transformers, with the checks of
-`hf_family_harness`; ``exaone``, which transformers also reads as Llama but
-only after renaming its tensors and fields, stays refused with that reason."""
+`hf_family_harness` (``exaone``, which transformers also reads as Llama
+after renaming its tensors and fields, has its own record and tests:
+test_hf_exaone.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import transformers
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
-from pz_persist import errors
 
 
 def _case(model_type: str, **fields):
@@ -58,18 +58,6 @@ def test_export_hf_round_trip(saved, tmp_path, case):
   """With ``like`` the folder's own model_type is written back; without,
   the model is Llama's (the same class transformers builds)."""
   checks.check_export(saved[case], tmp_path, "llama")
-
-
-def test_exaone_stays_refused_with_its_reason(tmp_path_factory):
-  """transformers renames EXAONE 3's tensors (``transformer.h.N.attn.attention.*``)
-  and fields (``num_layers``, ``layer_norm_epsilon``) as it loads, and saves
-  them under those names again: the folder is not Llama's."""
-  folder = checks.saved_cases(tmp_path_factory, {"exaone": _case("exaone", num_key_value_heads=2)})["exaone"].folder
-  with pytest.raises(errors.UnsupportedConfigError) as raised:
-    pzp.pretrained.load_hf(folder)
-  message = str(raised.value).split(": ", 1)[1]
-  assert message.startswith("model_type='exaone' is not supported:")
-  assert "transformer.h" in message and "'llama'" in message
 
 
 _INTERNLM3_HUB = {

@@ -118,14 +118,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    "llama", "Llama shares its layout before quantization"),
     "ministral": _row("Ministral 8B (2410)", "sliding windows chosen per layer (layer_types)",
                       "mistral", "Mistral shares its layout with one window on every layer"),
-    "exaone": _row("EXAONE 3 / 3.5", "Llama's math under other tensor names"
-                   " (transformer.h.N.attn.attention.*, c_fc_0) and field names (num_layers,"
-                   " layer_norm_epsilon), which transformers renames as it loads and pz_persist"
-                   " does not", "llama", "it is Llama's layout under other names"),
-    "exaone4": _row("EXAONE 4", "norms after attention and MLP (none before), per-head"
-                    " query-key norms, and global layers without RoPE among sliding-window"
-                    " ones", "olmo3", "OLMo 3 shares the norms after each block, query-key norms"
-                    " and sliding windows"),
     "seed_oss": _row("Seed-OSS", "the fields attention_out_bias and residual_dropout,"
                      " which pz_persist does not read yet", "qwen2",
                      "Qwen2 shares biases on the query, key and value projections only"),
@@ -134,8 +126,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "hunyuan_v1_dense": _row("Hunyuan dense", "query-key norms applied after rotary, and"
                              " dynamic-alpha RoPE", "qwen3",
                              "Qwen3 shares query-key norms on Llama's layout"),
-    "ernie4_5": _row("ERNIE 4.5 (dense)", "rotary applied to interleaved pairs", "llama",
-                     "it is Llama's layout otherwise"),
     "glm": _row("GLM-4 (ChatGLM 4)", "rotary on interleaved pairs of half the head",
                 "phi3", "Phi-3 shares a fused gate_up_proj and fused query-key-value weights"),
     "helium": _row("Helium", "its own configuration fields", "llama",

@@ -30,21 +30,35 @@ _POST_NORM_SOURCES = {"post_attention_norm": "post_attention_layernorm",
 _QK = {"query": "q_norm", "key": "k_norm"}
 
 
+def post_norm_plan(plan: Plan, epsilon: float) -> Plan:
+  """``plan`` (Llama's) with its norms after the attention and the MLP
+  (``post_attention_layernorm``, ``post_feedforward_layernorm``) instead of
+  before: the tensors and the skeleton (OLMo 2 and 3, EXAONE 4)."""
+  specs = []
+  for spec in plan.tensors:
+    block, _, name = spec.label.rpartition("/")
+    prefix, _, norm = block.rpartition("/")
+    if norm in _PRE_NORMS:
+      post = _PRE_NORMS[norm]
+      source = spec.source.rsplit(".", 2)[0] + f".{_POST_NORM_SOURCES[post]}.weight"
+      spec = dataclasses.replace(spec, label=f"{prefix}/{post}/{name}", source=source)
+    specs.append(spec)
+  hidden = next(spec.shape[0] for spec in specs if spec.label.endswith("final_norm/scale.weights"))
+  return dataclasses.replace(plan, build=lambda: with_post_norms(plan.build(), epsilon, hidden),
+                             tensors=tuple(specs))
+
+
 def olmo_blocks(plan: Plan, epsilon: float, post_norms: bool = True) -> Plan:
   """``plan`` (Llama's) with OLMo's post-norms (unless not ``post_norms``:
   OLMoE keeps Llama's pre-norms) and whole-projection query/key norms: the
   tensors and the skeleton."""
+  if post_norms:
+    plan = post_norm_plan(plan, epsilon)
   specs = []
   norms: dict[str, dict[str, int]] = {}
   for spec in plan.tensors:
-    block, _, name = spec.label.rpartition("/")
-    prefix, _, norm = block.rpartition("/")
-    if norm in _PRE_NORMS and post_norms:
-      post = _PRE_NORMS[norm]
-      source = spec.source.rsplit(".", 2)[0] + f".{_POST_NORM_SOURCES[post]}.weight"
-      specs.append(dataclasses.replace(spec, label=f"{prefix}/{post}/{name}", source=source))
-      continue
     specs.append(spec)
+    block, _, name = spec.label.rpartition("/")
     kind = name.removesuffix(".weights")
     if block.endswith("/attention") and kind in _QK:
       # Query/key matrix (heads..., projection, embedding): its norm spans all but embedding.
@@ -54,11 +68,8 @@ def olmo_blocks(plan: Plan, epsilon: float, post_norms: bool = True) -> Plan:
       specs.append(TensorSpec(f"{block}/{kind}_norm/scale.weights", source, tuple(axes.values()),
                               tuple(axes), stored=(spec.stored or spec.shape)[:1]))
 
-  hidden = next(spec.shape[0] for spec in specs if spec.label.endswith("final_norm/scale.weights"))
-
   def build() -> model_parts.TransformerLM:
-    skeleton = with_post_norms(plan.build(), epsilon, hidden) if post_norms else plan.build()
-    return _with_query_key_norms(skeleton, norms, epsilon)
+    return _with_query_key_norms(plan.build(), norms, epsilon)
 
   return Plan(build, tuple(specs))
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from penzai import pz
 
+from pz_persist.pretrained.hf.building.aliases import read_aliases
 from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import model_biases
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
@@ -68,14 +69,7 @@ def internlm3_plan(cfg: Config, weights: Weights) -> Plan:
   ``LlamaForCausalLM``. Its Hub ``config.json`` spells ``attention_bias`` /
   ``mlp_bias`` as ``qkv_bias`` / ``bias``, which transformers reads as the same
   fields; both spellings disagreeing is refused rather than one guessed."""
-  for alias, field in _INTERNLM3_ALIASES.items():
-    value = cfg.get(alias)
-    if value is None:
-      continue
-    named = cfg.raw.get(field)
-    if named is not None and named != value:
-      raise cfg.unsupported(alias, value, f"it is {field}'s other name, and {field}={named!r}")
-    cfg.raw[field] = value
+  read_aliases(cfg, _INTERNLM3_ALIASES)
   return llama_plan(cfg, weights)
 
 
