@@ -57,6 +57,8 @@ def test_every_move_is_dated_and_names_its_release():
 ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.learned_positions", "AddLearnedPositions"),  # GPT-2 and OPT (issue 40).
     ("pz_persist.nn.clip_values", "ClipValues"),  # OLMoE's clip_qkv (issue 40).
+    ("pz_persist.nn.mamba2", "Mamba2"),  # The state-space hybrids (issue 40).
+    ("pz_persist.nn.mamba2", "CachingMamba2"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

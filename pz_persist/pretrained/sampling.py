@@ -25,6 +25,8 @@ from pz_persist.nn.gated_delta_net import GatedDeltaNet
 from pz_persist.nn.kv_sharing import key_axes
 from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.nn.longrope import LongRopeKVCachingLM
+from pz_persist.nn.mamba2 import CachingMamba2
+from pz_persist.nn.mamba2 import Mamba2
 from pz_persist.pretrained import errors
 
 
@@ -35,8 +37,8 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
   ``KVCachingTransformerLM.from_uncached``).
 
   Each attention layer's cache is sized from that layer's own keys; each
-  `GatedDeltaNet` layer becomes a `CachingGatedDeltaNet` carrying its
-  convolution and recurrent state. Padding tokens (``pad_id``) are skipped by
+  `GatedDeltaNet` layer becomes a `CachingGatedDeltaNet`, and each `Mamba2`
+  layer a `CachingMamba2`, carrying its convolution and recurrent state. Padding tokens (``pad_id``) are skipped by
   the attention layers' masks but, as in transformers without an attention
   mask, still pass through a DeltaNet recurrence: sample such models without
   padding inside a sequence. With `ApplyLongRoPE` layers, the sampler is a
@@ -61,12 +63,15 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
     if axes:
       shape = {**batch_axes, "seq": cache_len, **axes}
       cache.kv_cache.value = (pz.nx.zeros(shape, dtype=dtype), pz.nx.zeros(shape, dtype=dtype))
-  delta_nets = pz.select(sampler.body).at_instances_of(GatedDeltaNet)
-  caching = {
-      path: CachingGatedDeltaNet.from_uncached(
-          layer, batch_axes, label=f"{variable_name_prefix}/delta_state_{i}")
-      for i, (path, layer) in enumerate(delta_nets.selected_by_path.items())}
-  sampler = dataclasses.replace(sampler, body=delta_nets.set_by_path(caching))
+  caching = {}
+  for uncached, cached, kind in ((GatedDeltaNet, CachingGatedDeltaNet, "delta_state"),
+                                 (Mamba2, CachingMamba2, "mamba_state")):
+    recurrent = pz.select(sampler.body).at_instances_of(uncached)
+    converted = {
+        path: cached.from_uncached(layer, batch_axes, label=f"{variable_name_prefix}/{kind}_{i}")
+        for i, (path, layer) in enumerate(recurrent.selected_by_path.items())}
+    sampler = dataclasses.replace(sampler, body=recurrent.set_by_path(converted))
+    caching.update(converted)
   longrope = pz.select(model.body).at_instances_of(ApplyLongRoPE).get_sequence()
   if longrope and caching:
     # The recomputation rewinds the caches' end; a recurrent state has none.

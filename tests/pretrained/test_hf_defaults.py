@@ -124,6 +124,8 @@ MINIMAL = {
                          "linear_value_head_dim": 8, "linear_num_key_heads": 2,
                          "linear_num_value_heads": 4, "num_experts": 4,
                          "shared_expert_intermediate_size": 16},
+    "bamba": {**_SIZES, **_HEADS, "attn_layer_indices": [1], "mamba_n_heads": 4,
+              "mamba_d_state": 8},
 }
 """Each text ``model_type``'s sizes: what its ``config.json`` holds in the
 test below (besides ``model_type``), everything else left to the defaults.

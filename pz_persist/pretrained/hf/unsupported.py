@@ -44,9 +44,10 @@ def _row(name: str, lacks: str, nearest: str | None, nearest_why: str) -> Unsupp
   return Unsupported(name, lacks, nearest, nearest_why)
 
 
-_STATE_SPACE = ("Qwen3.5 is the one hybrid pz_persist reads: linear-recurrent layers (a gated"
+_STATE_SPACE = ("Qwen3.5 reads linear-recurrent layers (a gated"
                 " delta net with a short convolution) among attention layers, their state in the"
                 " KV cache; it has no Mamba layer")
+_MAMBA2 = ("Bamba shares Mamba-2 layers (their state in the KV cache) among attention layers")
 _ENCODER = ("pz_persist.pretrained.load_hf reads causal decoder-only language models, and this"
             " is a bidirectional encoder (or an encoder-decoder)")
 _ATTENTION_FREE = "every family pz_persist reads is built on attention, and this model has none"
@@ -173,16 +174,15 @@ UNSUPPORTED: dict[str, Unsupported] = {
                              "Granite shares its multipliers, attention and MLP; it has no"
                              " Mamba-2 layer"),
     "nemotron_h": _row("Nemotron-H", "Mamba-2 layers and squared-ReLU MLP layers among a few"
-                       " attention layers", "qwen3_5", _STATE_SPACE),
+                       " attention layers", "bamba", _MAMBA2),
     "falcon_h1": _row("Falcon-H1", "Mamba-2 and attention side by side in every layer, with"
-                      " muP multipliers", "qwen3_5", _STATE_SPACE),
-    "bamba": _row("Bamba", "Mamba-2 layers among attention layers", "qwen3_5", _STATE_SPACE),
+                      " muP multipliers", "bamba", _MAMBA2),
     "jamba": _row("Jamba", "Mamba layers among attention layers, with experts on every other"
                   " layer", "qwen3_5", _STATE_SPACE),
     "zamba": _row("Zamba", "Mamba layers with one attention block shared across depths",
                   "qwen3_5", _STATE_SPACE),
     "zamba2": _row("Zamba2", "Mamba-2 layers with shared attention blocks and LoRA adapters",
-                   "qwen3_5", _STATE_SPACE),
+                   "bamba", _MAMBA2),
     "lfm2": _row("LiquidAI LFM2", "short double-gated convolution blocks among grouped-query"
                  " attention layers", "qwen3_5", "Qwen3.5 shares a hybrid whose convolution"
                  " state rides in the KV cache; its recurrent layers are gated delta nets"),

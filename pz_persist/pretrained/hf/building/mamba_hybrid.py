@@ -1,0 +1,225 @@
+"""Shared code (no record): the Mamba-2 layers of the state-space hybrids
+(Bamba, Granite 4), read from and written back to Hugging Face's layout.
+
+transformers stores a Mamba-2 mixer (``mamba.``) fused: ``in_proj`` holds, by
+rows, the gate ``z`` (``intermediate = mamba_n_heads * mamba_d_head`` rows),
+the input ``x`` (as many), ``B`` and ``C`` (``mamba_n_groups *
+mamba_d_state`` each) and the time step ``dt`` (``mamba_n_heads``);
+``conv1d.weight`` (``[channels, 1, taps]``) and ``conv1d.bias`` hold ``x``,
+``B`` and ``C``'s kernels and biases in that order. Each is read by its rows
+(`TensorSpec.rows`) into `pz_persist.nn.mamba2.Mamba2`'s named parameters and
+written back fused. The ``mamba_*`` fields are the same in every family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from penzai import pz
+from penzai.models.transformer import model_parts
+
+from pz_persist.nn.mamba2 import Mamba2
+from pz_persist.pretrained.errors import ExportError
+from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import POSITIVE_INT
+from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.plan import TensorSpec
+
+_INF = float("inf")
+
+
+def _auto_or_positive(value: Any) -> bool:
+  return value == "auto" or POSITIVE_INT[0](value)
+
+
+_INFINITY = {"__float__": "Infinity"}
+"""How transformers 5 writes an infinite float in ``config.json`` (older
+versions wrote JSON's ``Infinity``, which Python's reader turns into the float)."""
+
+
+def _float(value: Any) -> float | None:
+  """A config number, or transformers' tagged infinity; None otherwise."""
+  if value == _INFINITY:
+    return _INF
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return float(value)
+  return None
+
+
+def _limit(value: Any) -> bool:
+  if not isinstance(value, (list, tuple)) or len(value) != 2:
+    return False
+  low, high = (_float(v) for v in value)
+  return low is not None and high is not None and 0 <= low < _INF and low <= high
+
+
+FIELDS = {
+    "mamba_n_heads": POSITIVE_INT,
+    "mamba_d_head": (_auto_or_positive, "a positive integer or 'auto'"),
+    "mamba_n_groups": POSITIVE_INT,
+    "mamba_d_state": POSITIVE_INT,
+    "mamba_d_conv": POSITIVE_INT,
+    "mamba_expand": POSITIVE_INT,
+    "mamba_chunk_size": POSITIVE_INT,
+    "mamba_conv_bias": BOOLEAN,
+    "mamba_proj_bias": BOOLEAN,
+    "time_step_limit": (_limit, "[low, high] with 0 <= low <= high, low finite"),
+}
+"""The ``mamba_*`` fields the hybrids' configs share, with their checks."""
+
+DEFAULTS: dict[str, Any] = {
+    "mamba_n_heads": 128, "mamba_d_head": "auto", "mamba_n_groups": 1, "mamba_d_state": 256,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256, "mamba_conv_bias": True,
+    "mamba_proj_bias": False, "time_step_limit": (0.0, _INF)}
+"""Their defaults, the same in BambaConfig and GraniteMoeHybridConfig."""
+
+DEFAULTS_WHY = {
+    "mamba_d_head": ("the config class replaces 'auto' by mamba_expand * hidden_size //"
+                     " mamba_n_heads, which pz_persist computes the same way"),
+}
+"""Why an entry of `DEFAULTS` differs from what the config classes store."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaSizes:
+  """A Mamba-2 mixer's sizes, as its config gives them."""
+
+  hidden: int
+  heads: int
+  head_dim: int
+  groups: int
+  state: int
+  taps: int
+  conv_bias: bool
+  time_step_limit: tuple[float, float]
+
+  @property
+  def intermediate(self) -> int:
+    return self.heads * self.head_dim
+
+
+def mamba_sizes(cfg: Config, hidden: int) -> MambaSizes:
+  """The ``mamba_*`` fields, checked against each other as transformers'
+  config classes check them (and refused where pz_persist reads less)."""
+  heads, expand = cfg.require("mamba_n_heads"), cfg.require("mamba_expand")
+  groups = cfg.require("mamba_n_groups")
+  intermediate = expand * hidden
+  head_dim = cfg.require("mamba_d_head")
+  if head_dim == "auto":
+    if intermediate % heads:
+      raise cfg.unsupported("mamba_n_heads", heads,
+                            f"must divide mamba_expand * hidden_size = {intermediate}")
+    head_dim = intermediate // heads
+  if head_dim * heads != intermediate:
+    raise cfg.unsupported("mamba_d_head", head_dim,
+                          f"mamba_d_head * mamba_n_heads must be mamba_expand * hidden_size ="
+                          f" {intermediate}")
+  if heads % groups:
+    raise cfg.unsupported("mamba_n_groups", groups,
+                          f"each group of B, C and the gated norm serves a whole number of heads:"
+                          f" it must divide mamba_n_heads={heads}")
+  if cfg.require("mamba_proj_bias"):
+    raise cfg.unsupported("mamba_proj_bias", True,
+                          "no published Mamba-2 hybrid has in_proj / out_proj biases, and"
+                          " pz_persist does not read them")
+  cfg.require("mamba_chunk_size")  # Checked; the scan's chunks regroup the same sums.
+  limit = cfg.get("time_step_limit")
+  low, high = (0.0, _INF) if limit is None else (_float(limit[0]), _float(limit[1]))
+  assert low is not None and high is not None  # The schema checked both.
+  return MambaSizes(hidden=hidden, heads=heads, head_dim=head_dim, groups=groups,
+                    state=cfg.require("mamba_d_state"), taps=cfg.require("mamba_d_conv"),
+                    conv_bias=cfg.require("mamba_conv_bias"), time_step_limit=(low, high))
+
+
+def mamba_specs(name: str, s: str, sizes: MambaSizes) -> list[TensorSpec]:
+  """The specs of the mixer labelled ``name`` from the tensors under ``s``
+  (``model.layers.{i}.mamba.``), the fused ones read by rows."""
+  hidden, inner = sizes.hidden, sizes.intermediate
+  heads = (sizes.heads, sizes.head_dim)
+  matrix = (sizes.groups, sizes.state)
+  head_axes, matrix_axes = ("ssm_heads", "ssm_head_dim"), ("ssm_groups", "ssm_state")
+  channels = inner + 2 * math.prod(matrix)
+  projected = inner + channels + sizes.heads
+  parts = [("gate", heads, head_axes), ("input", heads, head_axes),
+           ("input_matrix", matrix, matrix_axes), ("output_matrix", matrix, matrix_axes),
+           ("time_step", (sizes.heads,), ("ssm_heads",))]
+  out, start = [], 0
+  for field, shape, axes in parts:
+    stop = start + math.prod(shape)
+    out.append(TensorSpec(f"{name}/{field}.weights", s + "in_proj.weight", (*shape, hidden),
+                          (*axes, "embedding"), stored=(projected, hidden), rows=(start, stop)))
+    if field in ("input", "input_matrix", "output_matrix"):
+      rows = (start - inner, stop - inner)  # The convolution's channels skip z.
+      out.append(TensorSpec(f"{name}/{field}_conv", s + "conv1d.weight", (*shape, sizes.taps),
+                            (*axes, "conv_taps"), stored=(channels, 1, sizes.taps), rows=rows))
+      if sizes.conv_bias:
+        out.append(TensorSpec(f"{name}/{field}_conv_bias", s + "conv1d.bias", shape, axes,
+                              stored=(channels,), rows=rows))
+    start = stop
+  per_head = (sizes.heads,), ("ssm_heads",)
+  return out + [
+      TensorSpec(f"{name}/log_decay_rate", s + "A_log", *per_head),
+      TensorSpec(f"{name}/time_step_bias", s + "dt_bias", *per_head),
+      TensorSpec(f"{name}/skip", s + "D", *per_head),
+      TensorSpec(f"{name}/norm_scale", s + "norm.weight", heads, head_axes, stored=(inner,)),
+      TensorSpec(f"{name}/output.weights", s + "out_proj.weight", (hidden, *heads),
+                 ("embedding", *head_axes), stored=(hidden, inner)),
+  ]
+
+
+def mamba_mixer(name: str, sizes: MambaSizes, eps: float) -> Mamba2:
+  """The mixer whose parameters `mamba_specs` reads."""
+  return Mamba2.from_config(
+      name, embedding=sizes.hidden, heads=sizes.heads, head_dim=sizes.head_dim,
+      groups=sizes.groups, state=sizes.state, conv_taps=sizes.taps, norm_epsilon=eps,
+      conv_bias=sizes.conv_bias, time_step_limit=sizes.time_step_limit)
+
+
+def with_mixers(model: Any, kinds: list[str], sizes: MambaSizes, eps: float) -> Any:
+  """``model`` (Penzai's llama-like skeleton) with the attention of each
+  ``"mamba"`` block of ``kinds`` replaced by a `Mamba2` mixer labelled
+  ``transformer/block_{i}/mamba``."""
+  selected = pz.select(model).at_instances_of(model_parts.TransformerBlock)
+  blocks = []
+  for i, (block, kind) in enumerate(zip(selected.get_sequence(), kinds)):
+    if kind == "mamba":
+      mixer = mamba_mixer(f"transformer/block_{i}/mamba", sizes, eps)
+      block = pz.select(block).at_instances_of(pz.nn.Attention).set(mixer)
+    blocks.append(block)
+  return selected.set_sequence(blocks)
+
+
+def has_mixers(model: pz.nn.Layer) -> bool:
+  return bool(all_layers(model, Mamba2))
+
+
+def mamba_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
+  """The ``mamba_*`` fields of a model with `Mamba2` mixers (``like``'s, or
+  the defaults, when it has none: they then change nothing)."""
+  mixers = all_layers(model, Mamba2)
+  if not mixers:
+    return {k: like.get(k, v) for k, v in DEFAULTS.items() if k != "time_step_limit"}
+  first = mixers[0]
+  heads = dict(first.input_conv.value.named_shape)
+  matrix = dict(first.input_matrix_conv.value.named_shape)
+  hidden = dict(first.output.weights.value.named_shape)["embedding"]
+  inner = heads["ssm_heads"] * heads["ssm_head_dim"]
+  fields: dict[str, Any] = {
+      "mamba_n_heads": heads["ssm_heads"], "mamba_d_head": heads["ssm_head_dim"],
+      "mamba_n_groups": matrix["ssm_groups"], "mamba_d_state": matrix["ssm_state"],
+      "mamba_d_conv": heads["conv_taps"], "mamba_conv_bias": first.input_conv_bias is not None,
+      "mamba_proj_bias": False, "mamba_chunk_size": like.get("mamba_chunk_size", 256)}
+  if inner % hidden:
+    raise ExportError(
+        f"the Mamba2 mixers' heads x head size ({inner}) is not a multiple of the embedding"
+        f" size ({hidden}): transformers' configs give it as mamba_expand * hidden_size, so no"
+        " config.json describes this model")
+  fields["mamba_expand"] = inner // hidden
+  low, high = first.time_step_limit
+  if (low, high) != (0.0, _INF) or "time_step_limit" in like:
+    fields["time_step_limit"] = [low, _INFINITY if high == _INF else high]
+  return fields
