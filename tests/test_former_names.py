@@ -56,6 +56,8 @@ def test_every_move_is_dated_and_names_its_release():
 
 ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.learned_positions", "AddLearnedPositions"),  # GPT-2 and OPT (issue 40).
+    ("pz_persist.nn.short_conv", "ShortConv"),  # LFM2 (issue 40).
+    ("pz_persist.nn.short_conv", "CachingShortConv"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 
