@@ -26,17 +26,23 @@ The projections are ordinary Penzai layers (a ``pz.nn.Linear``, optionally
 followed by a ``pz.nn.AddBias``), so LoRA and other surgery reach them as
 they reach attention's.
 
-Example::
+Example (a fresh layer, randomly initialised, over a batch of sequences)::
 
-  layer = ShortConv.from_config("block_0/short_conv", embedding=8, conv_taps=3)
-  layer = pz.bind_variables(layer, [  # Random values for each slot.
-      pz.Parameter(label=s.label, value=...) for s in pz.unbind_variables(layer)[1]])
+  import jax
+  from penzai import pz
+  from pz_persist.nn.short_conv import ShortConv
+
+  layer = ShortConv.from_config("conv", embedding=8, conv_taps=3,
+                                init_base_rng=jax.random.key(0))
   out = layer(pz.nx.ones({"batch": 2, "seq": 5, "embedding": 8}))
+  assert dict(out.named_shape) == {"batch": 2, "seq": 5, "embedding": 8}
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -71,30 +77,49 @@ class ShortConv(pz.nn.Layer):
   output: pz.nn.Layer
 
   @classmethod
-  def from_config(cls, name: str, *, embedding: int, conv_taps: int,
-                  bias: bool = False) -> ShortConv:
-    """The layer with a parameter slot for each parameter, labelled
-    ``{name}/{field}`` (``.weights`` for the projections' matrices, ``.bias``
-    for their biases when ``bias``), to be bound by label as
-    `pz_persist.pretrained.load_hf` does. ``embedding`` is the width of
-    both the embedding and the channels (LFM2's)."""
-    del embedding, conv_taps  # The slots' sizes come with their values.
+  def from_config(cls, name: str, *, embedding: int, conv_taps: int, bias: bool = False,
+                  init_base_rng: jax.Array | None = None) -> ShortConv:
+    """The layer, its parameters labelled ``{name}/{field}`` (``.weights``
+    for the projections' matrices, ``.bias`` for their biases when
+    ``bias``). ``embedding`` is the width of both the embedding and the
+    channels (LFM2's). With ``init_base_rng`` None, each parameter is a slot
+    to be bound by label, as `pz_persist.pretrained.load_hf` does; with a
+    key, they are initialised as Penzai's own layers are (the kernel from a
+    normal distribution scaled by ``conv_taps ** -0.5``, biases zero), so a
+    new layer can be inserted into a model."""
+    channels = {CHANNELS: embedding}
 
-    def projection(field: str, inputs: str, outputs: str) -> pz.nn.Layer:
-      linear = pz.nn.Linear(weights=pz.ParameterSlot(f"{name}/{field}.weights"),
-                            in_axis_names=(inputs,), out_axis_names=(outputs,))
+    def param(label: str, value: Callable[[], pz.nx.NamedArray]) -> pz.ParameterLike:
+      if init_base_rng is None:
+        return pz.ParameterSlot(label)
+      return pz.Parameter(value=value(), label=label)
+
+    def projection(field: str, inputs: dict[str, int], outputs: dict[str, int]) -> pz.nn.Layer:
+      if init_base_rng is None:
+        linear = pz.nn.Linear(weights=pz.ParameterSlot(f"{name}/{field}.weights"),
+                              in_axis_names=tuple(inputs), out_axis_names=tuple(outputs))
+      else:
+        linear = pz.nn.Linear.from_config(name=f"{name}/{field}", init_base_rng=init_base_rng,
+                                          input_axes=inputs, output_axes=outputs)
       if not bias:
         return linear
-      return pz.nn.Sequential([linear, pz.nn.AddBias(bias=pz.ParameterSlot(
-          f"{name}/{field}.bias"), new_axis_names=())])
+      return pz.nn.Sequential([linear, pz.nn.AddBias(bias=param(
+          f"{name}/{field}.bias", lambda: pz.nx.zeros(outputs)), new_axis_names=())])
 
+    def kernel() -> pz.nx.NamedArray:
+      assert init_base_rng is not None
+      key = jax.random.fold_in(init_base_rng, zlib.crc32(f"{name}/kernel".encode()))
+      return pz.nx.wrap(jax.random.normal(key, (embedding, conv_taps)) * conv_taps ** -0.5,
+                        CHANNELS, TAPS)
+
+    embed = {"embedding": embedding}
     return cls(
-        input_gate=projection("input_gate", "embedding", CHANNELS),
-        output_gate=projection("output_gate", "embedding", CHANNELS),
-        value=projection("value", "embedding", CHANNELS),
-        kernel=pz.ParameterSlot(f"{name}/kernel"),
-        kernel_bias=pz.ParameterSlot(f"{name}/kernel_bias") if bias else None,
-        output=projection("output", CHANNELS, "embedding"),
+        input_gate=projection("input_gate", embed, channels),
+        output_gate=projection("output_gate", embed, channels),
+        value=projection("value", embed, channels),
+        kernel=param(f"{name}/kernel", kernel),
+        kernel_bias=param(f"{name}/kernel_bias", lambda: pz.nx.zeros(channels)) if bias else None,
+        output=projection("output", channels, embed),
     )
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:

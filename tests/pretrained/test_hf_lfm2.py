@@ -291,3 +291,20 @@ def test_full_attention_only_and_conv_only_models_export(saved, tmp_path):
     written = json.loads((tmp_path / f"{name}_out" / "config.json").read_text())
     assert written["layer_types"] == types
     assert "full_attn_idxs" not in written  # (transformers derives nothing from it then.)
+
+
+def test_a_new_short_conv_inserted_samples_saves_and_loads(saved, tmp_path):
+  """Surgery: a freshly initialised `ShortConv` (``init_base_rng``) added as
+  a residual branch after the first convolution changes the logits, is
+  carried by `kv_caching_lm` like the loaded ones (sampling gives the
+  forward pass), and survives ``save_model`` / ``load_model``."""
+  model = pzp.pretrained.load_hf(saved["hybrid"].folder)
+  new = ShortConv.from_config("inserted", embedding=32, conv_taps=2, bias=True,
+                              init_base_rng=jax.random.key(1))
+  edited = pz.select(model).at_instances_of(ShortConv).pick_nth_selected(0).apply(
+      lambda conv: pz.nn.Sequential([conv, pz.nn.Residual(new)]))
+  assert len(pz.select(edited).at_instances_of(ShortConv).get_sequence()) == 3
+  logits = harness.penzai_logits(edited)
+  assert np.abs(logits - harness.penzai_logits(model)).max() > 1e-2
+  harness.check_kv_cache(edited)
+  harness.check_save_model_round_trip(edited, tmp_path / "inserted", logits)
