@@ -59,6 +59,8 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.clip_values", "ClipValues"),  # OLMoE's clip_qkv (issue 40).
     ("pz_persist.nn.mamba2", "Mamba2"),  # The state-space hybrids (issue 40).
     ("pz_persist.nn.mamba2", "CachingMamba2"),
+    ("pz_persist.nn.short_conv", "ShortConv"),  # LFM2 (issue 40).
+    ("pz_persist.nn.short_conv", "CachingShortConv"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

@@ -4,8 +4,8 @@ Why not ``KVCachingTransformerLM.from_uncached`` alone: Penzai sizes every
 layer's cache from the model's metadata (one head count, one head size) and
 converts only `pz.nn.Attention` layers. Gemma 4's global layers have larger
 heads, and may have fewer, than its sliding ones, and Qwen3.5's gated DeltaNet
-layers carry a recurrent state instead of keys and values; either would
-sample wrongly or not at all. A model with LongRoPE (Phi-3's long context)
+layers (and LFM2's short convolutions) carry a state instead of keys and
+values; either would sample wrongly or not at all. A model with LongRoPE (Phi-3's long context)
 must also recompute its cache where the sequence crosses the original
 context, as transformers' ``generate`` does (`LongRopeKVCachingLM`).
 `kv_caching_lm` is ``from_uncached`` with all three mended, and equals it for
@@ -27,7 +27,15 @@ from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.nn.longrope import LongRopeKVCachingLM
 from pz_persist.nn.mamba2 import CachingMamba2
 from pz_persist.nn.mamba2 import Mamba2
+from pz_persist.nn.short_conv import CachingShortConv
+from pz_persist.nn.short_conv import ShortConv
 from pz_persist.pretrained import errors
+
+_STATEFUL = ((GatedDeltaNet, CachingGatedDeltaNet, "delta_state"),
+             (Mamba2, CachingMamba2, "mamba_state"),
+             (ShortConv, CachingShortConv, "conv_state"))
+"""The layers whose past rides in a state of their own, not in keys and
+values: each kind, its sampling form and the label of its state."""
 
 
 def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],
@@ -37,11 +45,14 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
   ``KVCachingTransformerLM.from_uncached``).
 
   Each attention layer's cache is sized from that layer's own keys; each
-  `GatedDeltaNet` layer becomes a `CachingGatedDeltaNet`, and each `Mamba2`
-  layer a `CachingMamba2`, carrying its convolution and recurrent state. Padding tokens (``pad_id``) are skipped by
-  the attention layers' masks but, as in transformers without an attention
-  mask, still pass through a DeltaNet recurrence: sample such models without
-  padding inside a sequence. With `ApplyLongRoPE` layers, the sampler is a
+  `GatedDeltaNet` layer becomes a `CachingGatedDeltaNet` carrying its
+  convolution and recurrent state, each `Mamba2` layer a `CachingMamba2`
+  (its convolution and state-space state), each `ShortConv` (LFM2) a
+  `CachingShortConv` carrying its convolution's last inputs. Padding tokens
+  (``pad_id``) are skipped by the attention layers' masks but, as in
+  transformers without an attention mask, still pass through a recurrence
+  or a convolution: sample such models without padding inside a sequence.
+  With `ApplyLongRoPE` layers, the sampler is a
   `LongRopeKVCachingLM`: the call crossing the original context recomputes
   every cache with the long factors, as transformers' ``generate`` does.
 
@@ -63,22 +74,21 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
     if axes:
       shape = {**batch_axes, "seq": cache_len, **axes}
       cache.kv_cache.value = (pz.nx.zeros(shape, dtype=dtype), pz.nx.zeros(shape, dtype=dtype))
-  caching = {}
-  for uncached, cached, kind in ((GatedDeltaNet, CachingGatedDeltaNet, "delta_state"),
-                                 (Mamba2, CachingMamba2, "mamba_state")):
-    recurrent = pz.select(sampler.body).at_instances_of(uncached)
+  caching: dict = {}
+  for uncached, cached, name in _STATEFUL:
+    layers = pz.select(sampler.body).at_instances_of(uncached)
     converted = {
-        path: cached.from_uncached(layer, batch_axes, label=f"{variable_name_prefix}/{kind}_{i}")
-        for i, (path, layer) in enumerate(recurrent.selected_by_path.items())}
-    sampler = dataclasses.replace(sampler, body=recurrent.set_by_path(converted))
+        path: cached.from_uncached(layer, batch_axes, label=f"{variable_name_prefix}/{name}_{i}")
+        for i, (path, layer) in enumerate(layers.selected_by_path.items())}
+    sampler = dataclasses.replace(sampler, body=layers.set_by_path(converted))
     caching.update(converted)
   longrope = pz.select(model.body).at_instances_of(ApplyLongRoPE).get_sequence()
   if longrope and caching:
     # The recomputation rewinds the caches' end; a recurrent state has none.
     raise errors.ArgumentError(
         "kv_caching_lm: this model has both LongRoPE layers, whose cache is recomputed where"
-        " the sequence crosses the original context, and gated DeltaNet layers, whose"
-        " recurrent state cannot be rewound to recompute; no family pz_persist loads has"
+        " the sequence crosses the original context, and gated DeltaNet or short convolution"
+        " layers, whose state cannot be rewound to recompute; no family pz_persist loads has"
         " both, so the model was edited into one that cannot be sampled this way.")
   if longrope:
     return LongRopeKVCachingLM.wrapping(

@@ -96,6 +96,9 @@ MINIMAL = {
     "qwen3": {**_SIZES, **_HEADS},
     "ernie4_5": {**_SIZES, **_HEADS},
     "exaone4": {**_SIZES, **_HEADS},
+    "lfm2": {**_SIZES, **_HEADS, "layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {**_SIZES, **_HEADS, **_MOE, "num_experts": 4, "num_hidden_layers": 3,
+                 "layer_types": ["conv", "full_attention", "conv"]},
     # Ministral 3 needs its RoPE dict (llama_4_scaling_beta lives there): refused without.
     "ministral3": {**_SIZES, **_HEADS, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,

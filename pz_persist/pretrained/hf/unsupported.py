@@ -183,12 +183,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                   "qwen3_5", _STATE_SPACE),
     "zamba2": _row("Zamba2", "Mamba-2 layers with shared attention blocks and LoRA adapters",
                    "bamba", _MAMBA2),
-    "lfm2": _row("LiquidAI LFM2", "short double-gated convolution blocks among grouped-query"
-                 " attention layers", "qwen3_5", "Qwen3.5 shares a hybrid whose convolution"
-                 " state rides in the KV cache; its recurrent layers are gated delta nets"),
-    "lfm2_moe": _row("LiquidAI LFM2-MoE", "LFM2's short gated convolutions with routed experts",
-                     "qwen3_5_moe", "Qwen3.5-MoE shares a hybrid with convolution state in the"
-                     " KV cache and routed experts"),
     "recurrent_gemma": _row("RecurrentGemma (Griffin)", "RG-LRU recurrent blocks among"
                             " local-attention layers", "gemma2",
                             "Gemma 2 shares its embeddings, norms and local attention; it has"
