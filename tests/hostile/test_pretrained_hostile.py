@@ -322,8 +322,11 @@ _FAMILY_FIELDS = {
     "gpt_neox": {"num_key_value_heads": None, "rms_norm_eps": None},
     "deepseek_v3": {"num_key_value_heads": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 4, "v_head_dim": 4},
+    "glm4_moe_lite": {"num_key_value_heads": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
+                      "qk_nope_head_dim": 4, "v_head_dim": 4, "q_lora_rank": None},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "opt": {"num_key_value_heads": None, "intermediate_size": None, "rms_norm_eps": None,
             "rope_theta": None, "hidden_act": None, "ffn_dim": MLP},
     # GPT-2 spells its sizes its own way (n_layer for the layer count).

@@ -33,8 +33,8 @@ _QK = {"query": "q_norm", "key": "k_norm"}
 def olmo_blocks(plan: Plan, epsilon: float) -> Plan:
   """``plan`` (Llama's) with OLMo's post-norms and whole-projection
   query/key norms: the tensors and the skeleton."""
+  plan = whole_query_key_norms(plan, epsilon)
   specs = []
-  norms: dict[str, dict[str, int]] = {}
   for spec in plan.tensors:
     block, _, name = spec.label.rpartition("/")
     prefix, _, norm = block.rpartition("/")
@@ -44,6 +44,25 @@ def olmo_blocks(plan: Plan, epsilon: float) -> Plan:
       specs.append(dataclasses.replace(spec, label=f"{prefix}/{post}/{name}", source=source))
       continue
     specs.append(spec)
+
+  hidden = next(spec.shape[0] for spec in specs if spec.label.endswith("final_norm/scale.weights"))
+
+  def build() -> model_parts.TransformerLM:
+    return with_post_norms(plan.build(), epsilon, hidden)
+
+  return Plan(build, tuple(specs), plan.views)
+
+
+def whole_query_key_norms(plan: Plan, epsilon: float) -> Plan:
+  """``plan`` with an RMS norm over the whole query and the whole key
+  projection (every head at once: ``q_norm`` / ``k_norm`` of
+  ``num_heads * head_dim`` weights, as OLMo 2 and MiniMax-M2 have them)
+  right after each projection, before RoPE."""
+  specs = []
+  norms: dict[str, dict[str, int]] = {}
+  for spec in plan.tensors:
+    specs.append(spec)
+    block, _, name = spec.label.rpartition("/")
     kind = name.removesuffix(".weights")
     if block.endswith("/attention") and kind in _QK:
       # Query/key matrix (heads..., projection, embedding): its norm spans all but embedding.
@@ -53,12 +72,10 @@ def olmo_blocks(plan: Plan, epsilon: float) -> Plan:
       specs.append(TensorSpec(f"{block}/{kind}_norm/scale.weights", source, tuple(axes.values()),
                               tuple(axes), stored=(spec.stored or spec.shape)[:1]))
 
-  hidden = next(spec.shape[0] for spec in specs if spec.label.endswith("final_norm/scale.weights"))
-
   def build() -> model_parts.TransformerLM:
-    return _with_query_key_norms(with_post_norms(plan.build(), epsilon, hidden), norms, epsilon)
+    return _with_query_key_norms(plan.build(), norms, epsilon)
 
-  return Plan(build, tuple(specs))
+  return Plan(build, tuple(specs), plan.views)
 
 
 def with_post_norms(model: model_parts.TransformerLM, epsilon: float,
