@@ -83,6 +83,10 @@ def test_only_the_first_layer_dense_exports_as_deepseek_v3(saved, tmp_path):
                              **harness.TOLERANCE)
 
 
+def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
+  harness.check_cli_export_from_native(saved["glm4_moe_lite"], tmp_path)
+
+
 # --- each feature binds -------------------------------------------------------
 
 

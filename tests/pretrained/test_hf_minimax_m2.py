@@ -63,6 +63,10 @@ def test_export_gives_back_the_folder(saved, tmp_path, name):
                                     "num_key_value_heads", "head_dim"))
 
 
+def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
+  harness.check_cli_export_from_native(saved["minimax_m2"], tmp_path)
+
+
 # --- each feature binds -------------------------------------------------------
 
 
