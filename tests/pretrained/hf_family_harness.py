@@ -500,3 +500,34 @@ def check_export_model(model, source, out, like=True) -> dict:
   theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert type(theirs).__name__ == original["architectures"][0]
   return config
+
+
+def with_correction_biases(model: torch.nn.Module) -> torch.nn.Module:
+  """``model`` with its routers' ``e_score_correction_bias`` buffers drawn
+  too (`randomized` redraws parameters only, leaving them at zero, where a
+  loader ignoring them would pass)."""
+  generator = torch.Generator().manual_seed(2)
+  with torch.no_grad():
+    for name, buffer in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.5)
+  return model
+
+
+def zero_correction_biases(model: torch.nn.Module) -> None:
+  """Zeroes ``model``'s routers' correction biases (to show they bind)."""
+  with torch.no_grad():
+    for name, buffer in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        buffer.zero_()
+
+
+def saved_biased_cases(tmp_path_factory, cases: dict[str, Case]) -> dict[str, Saved]:
+  """`saved_cases` for routers with a correction bias (drawn too)."""
+  result = {}
+  for name, case in cases.items():
+    model = with_correction_biases(case.make())
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder, safe_serialization=True)
+    result[name] = Saved(folder, model, reference_logits(model))
+  return result

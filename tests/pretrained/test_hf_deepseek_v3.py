@@ -25,7 +25,7 @@ import pz_persist as pzp
 from pretrained import hf_family_harness as harness
 from pz_persist import errors
 from pz_persist.pretrained.hf import quantized_fp8
-from pz_persist.pretrained.hf.families import deepseek_v3
+from pz_persist.pretrained.hf.building import latent_decoder
 
 _SIZES = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
           "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
@@ -272,7 +272,7 @@ def _refused_before_building(folder, match, monkeypatch):
   def no_build(*args, **kwargs):
     raise AssertionError("a skeleton was built before the config was refused")
 
-  monkeypatch.setattr(deepseek_v3, "latent_attention", no_build)
+  monkeypatch.setattr(latent_decoder, "latent_attention", no_build)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import transformers
 
 import pz_persist as pzp
@@ -35,25 +34,9 @@ CASES = {
 }
 
 
-def _make(case: harness.Case, **changes):
-  model = case.make(**changes)
-  generator = torch.Generator().manual_seed(2)
-  with torch.no_grad():
-    for name, buffer in model.named_buffers():
-      if name.endswith("e_score_correction_bias"):
-        buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.5)
-  return model
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-  result = {}
-  for name, case in CASES.items():
-    model = _make(case)
-    folder = tmp_path_factory.mktemp(name)
-    model.save_pretrained(folder, safe_serialization=True)
-    result[name] = harness.Saved(folder, model, harness.reference_logits(model))
-  return result
+  return harness.saved_biased_cases(tmp_path_factory, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -144,16 +144,10 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "ernie4_5_moe": _row("ERNIE 4.5 MoE", "shared experts, a routing correction bias and"
                          " interleaved rotary", "qwen3_moe",
                          "Qwen3-MoE shares its softmax top-k routed experts"),
-    "minimax_m2": _row("MiniMax-M2", "sigmoid routing with a correction bias, query-key norms"
-                       " over all heads and partial rotary", "qwen3_moe",
-                       "Qwen3-MoE shares routed experts with query-key norms"),
     "dbrx": _row("DBRX", "a clipped fused Wqkv, LayerNorms without biases and experts stored"
                  " fused (w1, v1, w2)", "mixtral", "Mixtral shares top-k routed SiLU experts"),
     "jetmoe": _row("JetMoE", "a mixture of attention heads beside its MLP experts", "mixtral",
                    "Mixtral shares top-k routed MLP experts"),
-    "glm4_moe_lite": _row("GLM-4.7-Flash", "DeepSeek-V3's latent attention inside GLM's mixture"
-                          " of experts", "deepseek_v3",
-                          "DeepSeek-V3 shares its latent attention and routed experts"),
     "glm_moe_dsa": _row("GLM-5", "DeepSeek's sparse-attention indexer", "deepseek_v3",
                         "DeepSeek-V3 shares its latent attention and routed experts"),
     "deepseek_v32": _row("DeepSeek-V3.2", "a sparse-attention indexer choosing the keys each"

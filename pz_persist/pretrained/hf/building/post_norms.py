@@ -30,6 +30,14 @@ _POST_NORM_SOURCES = {"post_attention_norm": "post_attention_layernorm",
 _QK = {"query": "q_norm", "key": "k_norm"}
 
 
+def olmo_blocks(plan: Plan, epsilon: float, post_norms: bool = True) -> Plan:
+  """``plan`` (Llama's) with OLMo's post-norms (unless not ``post_norms``:
+  OLMoE keeps Llama's pre-norms) and whole-projection query/key norms: the
+  tensors and the skeleton."""
+  plan = whole_query_key_norms(plan, epsilon)
+  return post_norm_plan(plan, epsilon) if post_norms else plan
+
+
 def post_norm_plan(plan: Plan, epsilon: float) -> Plan:
   """``plan`` (Llama's) with its norms after the attention and the MLP
   (``post_attention_layernorm``, ``post_feedforward_layernorm``) instead of
@@ -43,17 +51,20 @@ def post_norm_plan(plan: Plan, epsilon: float) -> Plan:
       source = spec.source.rsplit(".", 2)[0] + f".{_POST_NORM_SOURCES[post]}.weight"
       spec = dataclasses.replace(spec, label=f"{prefix}/{post}/{name}", source=source)
     specs.append(spec)
+
   hidden = next(spec.shape[0] for spec in specs if spec.label.endswith("final_norm/scale.weights"))
-  return dataclasses.replace(plan, build=lambda: with_post_norms(plan.build(), epsilon, hidden),
-                             tensors=tuple(specs))
+
+  def build() -> model_parts.TransformerLM:
+    return with_post_norms(plan.build(), epsilon, hidden)
+
+  return Plan(build, tuple(specs), plan.views)
 
 
-def olmo_blocks(plan: Plan, epsilon: float, post_norms: bool = True) -> Plan:
-  """``plan`` (Llama's) with OLMo's post-norms (unless not ``post_norms``:
-  OLMoE keeps Llama's pre-norms) and whole-projection query/key norms: the
-  tensors and the skeleton."""
-  if post_norms:
-    plan = post_norm_plan(plan, epsilon)
+def whole_query_key_norms(plan: Plan, epsilon: float) -> Plan:
+  """``plan`` with an RMS norm over the whole query and the whole key
+  projection (every head at once: ``q_norm`` / ``k_norm`` of
+  ``num_heads * head_dim`` weights, as OLMo 2 and MiniMax-M2 have them)
+  right after each projection, before RoPE."""
   specs = []
   norms: dict[str, dict[str, int]] = {}
   for spec in plan.tensors:
@@ -71,7 +82,7 @@ def olmo_blocks(plan: Plan, epsilon: float, post_norms: bool = True) -> Plan:
   def build() -> model_parts.TransformerLM:
     return _with_query_key_norms(plan.build(), norms, epsilon)
 
-  return Plan(build, tuple(specs))
+  return Plan(build, tuple(specs), plan.views)
 
 
 def with_post_norms(model: model_parts.TransformerLM, epsilon: float,

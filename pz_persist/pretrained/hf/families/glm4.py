@@ -13,7 +13,7 @@ with:
   two projections (`pz_persist.pretrained.hf.building.fused`).
 - **Partial rotary on interleaved pairs**: RoPE turns the first
   ``partial_rotary_factor`` of each head (default one half, read as GLM-4.5
-  reads it: `pz_persist.pretrained.hf.building.glm_rotary`), as neighbouring
+  reads it: `pz_persist.pretrained.hf.building.partial_rotary`), as neighbouring
   pairs ``(0, 1), (2, 3)...``; the rest passes through. The rotated part is
   reordered (`pz_persist.nn.latent_attention.Deinterleave`: even positions,
   then odd ones) before Penzai's ``ApplyRoPE``, which turns halves: queries
@@ -39,7 +39,7 @@ from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import model_biases
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.building.fused import fused_rows
-from pz_persist.pretrained.hf.building.glm_rotary import partial_rotary
+from pz_persist.pretrained.hf.building.partial_rotary import partial_rotary
 from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers

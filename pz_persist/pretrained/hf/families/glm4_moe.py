@@ -33,9 +33,10 @@ from pz_persist.pretrained.hf.building.deepseek_moe import main_layers
 from pz_persist.pretrained.hf.building.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.building.deepseek_moe import routing_fields
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.building.glm_rotary import partial_rotary
 from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
 from pz_persist.pretrained.hf.building.norms import with_query_key_norms
+from pz_persist.pretrained.hf.building.partial_rotary import partial_rotary
+from pz_persist.pretrained.hf.building.partial_rotary import with_rope_on_subset
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -83,12 +84,8 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
            config: llamalike_common.LlamalikeTransformerConfig) -> model_parts.TransformerLM:
     if norms:
       model = with_query_key_norms(model, config)
-    subset = int(config.projection_dim * fraction)
-    if subset != config.projection_dim:
-      model = pz.select(model).at_instances_of(pz.nn.ApplyRoPE).apply(
-          lambda rope: pz.nn.ApplyRoPEToSubset(
-              embedding_axis=rope.embedding_axis, max_wavelength=rope.max_wavelength,
-              rope_subset_size=subset, positions_input_name=rope.positions_input_name))
+    model = with_rope_on_subset(model, int(config.projection_dim * fraction),
+                                config.projection_dim)
     for i in range(dense, config.num_decoder_blocks):
       block = pz.select(model).at_instances_of(model_parts.TransformerBlock).pick_nth_selected(i)
       model = block.at_instances_of(model_parts.TransformerFeedForward).apply(
