@@ -12,7 +12,7 @@ from pretrained import hf_family_harness as checks
 
 def _case(**fields) -> checks.Case:
   return checks.Case(transformers.CohereConfig, transformers.CohereForCausalLM,
-                     dict(num_key_value_heads=2, logit_scale=0.5, **fields))
+                     {"num_key_value_heads": 2, "logit_scale": 0.5, **fields})
 
 
 CASES = {
@@ -93,3 +93,14 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, c
 
 def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
   checks.check_cli_export_from_native(saved["cohere_qk_norm"], tmp_path)
+
+
+@pytest.mark.slow
+def test_one_key_value_head_with_head_norms(tmp_path_factory, tmp_path):
+  """Multi-query attention (the key norm's weight has one head, kept without
+  a head axis) with use_qk_norm: float32, generation and export."""
+  case = _case(num_key_value_heads=1, use_qk_norm=True)
+  saved = checks.saved_cases(tmp_path_factory, {"cohere_mqa": case})["cohere_mqa"]
+  checks.check_float32(saved, "cohere_mqa")
+  checks.check_generation_matches_generate(saved)
+  checks.check_export(saved, tmp_path, "cohere", same_fields=("use_qk_norm",))
