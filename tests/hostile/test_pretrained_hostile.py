@@ -329,7 +329,7 @@ _FAMILY_FIELDS = {
                       "qk_nope_head_dim": 4, "v_head_dim": 4, "q_lora_rank": None},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
-    "cohere2": {"rms_norm_eps": None},
+    "cohere": {"rms_norm_eps": None}, "cohere2": {"rms_norm_eps": None},
     "falcon": {"num_key_value_heads": None, "intermediate_size": None, "rms_norm_eps": None,
                "hidden_act": None, "ffn_hidden_size": MLP},
     "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2},

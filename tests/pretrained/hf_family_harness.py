@@ -447,28 +447,6 @@ def check_bfloat16_export(case: Case, tmp_path) -> None:
   assert_same_tensors(tensors(tmp_path / "out"), tensors(src))
 
 
-def check_generation_matches_generate(saved: Saved, prompt_len: int = 4, steps: int = 8) -> None:
-  """Penzai's KV-cache greedy sampling of ``saved``'s folder chooses
-  transformers' ``generate`` tokens, one by one (positions past the prompt
-  read the right rows, cached keys the right heads)."""
-  model = pzp.pretrained.load_hf(saved.folder)
-  prompt = SEQUENCES[:, :prompt_len]
-  sampler = sampling_jitted(kv_caching_lm(
-      model, cache_len=prompt.shape[1] + steps, batch_axes={"batch": prompt.shape[0]},
-      pad_id=-1))
-  tokens, ours = prompt, []
-  for _ in range(steps):
-    out = sampler(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
-    tokens = np.argmax(np.asarray(out.untag("batch", "seq", "vocabulary").unwrap()[:, -1]),
-                       axis=-1)[:, None]
-    ours.append(tokens)
-  with torch.no_grad():
-    theirs = saved.hf_model.generate(
-        torch.tensor(prompt), max_new_tokens=steps, do_sample=False,
-        attention_mask=torch.ones(prompt.shape, dtype=torch.long), pad_token_id=0)
-  np.testing.assert_array_equal(np.concatenate(ours, 1), theirs[:, prompt.shape[1]:].numpy())
-
-
 def check_kv_cache_sampling(model, prompt: np.ndarray = SEQUENCES[:, :4], steps: int = 6) -> None:
   """Greedy KV-cache sampling gives, at each step, the logits a forward pass
   over the whole sequence gives at that position (float32)."""

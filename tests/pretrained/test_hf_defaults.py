@@ -87,9 +87,10 @@ MINIMAL = {
     "phi": _SIZES,
     "stablelm": {**_SIZES, "num_key_value_heads": 2},
     "starcoder2": {**_SIZES, **_HEADS},
-    # Cohere 2's default logit_scale (0.0625) shrinks the tiny model's logits below a
+    # Cohere's default logit_scale (0.0625) shrinks the tiny model's logits below a
     # meaningful check: scaled by one instead.
     "cohere2": {**_SIZES, **_HEADS, "logit_scale": 1.0},
+    "cohere": {**_SIZES, **_HEADS, "logit_scale": 1.0},
     "falcon": {k: v for k, v in _SIZES.items() if k != "intermediate_size"},
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64, "pad_token_id": 0},
     "opt": {**{k: v for k, v in _SIZES.items() if k != "intermediate_size"}, "ffn_dim": 64},

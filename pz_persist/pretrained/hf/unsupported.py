@@ -108,9 +108,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                      " squared-ReLU MLP and partial rotary", "llama",
                      "Llama shares separate query, key, value and output projections; its MLP"
                      " is gated"),
-    "cohere": _row("Command R / R+ (Cohere)", "parallel attention and MLP on one LayerNorm"
-                   " without bias, interleaved rotary and a logit scale", "llama",
-                   "Llama shares its projections and gated SiLU MLP; its blocks are sequential"),
     "arcee": _row("Arcee AFM", "a non-gated squared-ReLU MLP", "llama",
                   "it is Llama's layout otherwise"),
     "diffllama": _row("DiffLlama", "differential attention (two softmax maps subtracted with a"
