@@ -354,14 +354,16 @@ def softmax_routed(layer: moe.MixtureOfExperts, gated_shared: bool = False) -> b
           and shared and not layer.weight_inputs and layer.expert_input is None)
 
 
-def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any], gated_shared: bool = False
+def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any], gated_shared: bool = False,
+                  accepts: Callable[[moe.MixtureOfExperts], bool] | None = None
                   ) -> dict[str, Any]:
   """The llama-like fields of a model whose feed-forward blocks may be
   mixtures (sizes, norms, RoPE, activation, tied head), plus
   ``num_experts_per_tok`` and ``norm_topk_prob`` and the sizes
   ``intermediate_size`` (a dense block's; else ``like``'s or the experts')
   and the experts' (returned under ``"_experts"`` and ``"_neurons"`` for the
-  family to name); ``gated_shared`` as in `softmax_routed`."""
+  family to name); ``gated_shared`` as in `softmax_routed`, or ``accepts``
+  telling the family's routing instead (Phi-3.5-MoE's sparsemixer)."""
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   attn = attention(model)
   query, key = projection(attn.input_to_query), projection(attn.input_to_key)
@@ -375,7 +377,8 @@ def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any], gated_shared: boo
                       " experts; export it as its dense family (name it with like=).")
   first = routed[0]
   router = first.router
-  if not softmax_routed(first, gated_shared) or not isinstance(router, moe.TopKRouter):
+  fits = accepts(first) if accepts is not None else softmax_routed(first, gated_shared)
+  if not fits or not isinstance(router, moe.TopKRouter):
     raise errors.ExportError(f"the model's MixtureOfExperts has a router {type(router).__name__}"
                       " other than the softmax top-k one of Qwen3-MoE and Mixtral.")
   gate = named_shape(first_layer(first.experts, pz.nn.Linear, "experts"))
