@@ -31,6 +31,7 @@ from penzai.models.transformer import model_parts
 from pz_persist.nn import mixture_of_experts as moe
 from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -130,6 +131,13 @@ def read_experts(cfg: Config, count_key: str, neurons_key: str, aliases: Sequenc
     raise cfg.unsupported("num_experts_per_tok", top_k,
                           f"more experts per token than the {experts} experts")
   return experts, top_k, cfg.require(neurons_key)
+
+
+def config_activation(cfg: Config) -> moe.Activation:
+  """The experts' activation for ``hidden_act`` (already checked by
+  `pz_persist.pretrained.hf.building.decoder.llama_plan`: SiLU, or a tanh
+  GELU)."""
+  return "silu" if cfg.get("hidden_act", FROM_TABLE) == "silu" else "gelu_tanh"
 
 
 def routed_layers(cfg: Config) -> Callable[[int], tuple[int, ...]]:

@@ -43,6 +43,7 @@ from pz_persist.pretrained.hf.building.moe import NUMBER
 from pz_persist.pretrained.hf.building.moe import ExpertNames
 from pz_persist.pretrained.hf.building.moe import Experts
 from pz_persist.pretrained.hf.building.moe import check_experts
+from pz_persist.pretrained.hf.building.moe import config_activation
 from pz_persist.pretrained.hf.building.moe import expert_fields
 from pz_persist.pretrained.hf.building.moe import mixtures
 from pz_persist.pretrained.hf.building.moe import read_experts
@@ -97,7 +98,7 @@ def phimoe_plan(cfg: Config, weights: Weights) -> Plan:
                           num_experts=experts.num_experts, top_k=2, score="sparsemixer",
                           jitter_eps=jitter)
 
-  activation = "silu" if cfg.get("hidden_act", FROM_TABLE) == "silu" else "gelu_tanh"
+  activation = config_activation(cfg)
   plan = with_experts(plan, experts, hidden, weights.names, router, activation)
   specs = list(plan.tensors)
   for spec in plan.tensors:
