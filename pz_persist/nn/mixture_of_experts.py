@@ -52,16 +52,17 @@ from penzai import pz
 
 from pz_persist.nn._fields import static
 
-Score = Literal["softmax", "sigmoid", "softmax_of_chosen"]
+Score = Literal["softmax", "sigmoid", "softmax_of_chosen", "sparsemixer"]
 """How `TopKRouter` turns logits into scores: ``softmax`` over all experts
 (Qwen3-MoE, Mixtral, Gemma 4), ``sigmoid`` of each (DeepSeek-V3, GLM-4.5,
-Llama 4), or the logits themselves chosen then a ``softmax`` over the k
-chosen (gpt-oss)."""
+Llama 4), the logits themselves chosen then a ``softmax`` over the k
+chosen (gpt-oss), or Phi-3.5-MoE's ``sparsemixer`` at inference (see
+`TopKRouter`)."""
 
 Activation = Literal["silu", "gelu_tanh", "gelu", "clamped_swiglu"]
 """The experts' gate activations `experts_mlp` builds."""
 
-_RuleFields = tuple[int, int, Score, bool, float, float, int, int, int]
+_RuleFields = tuple[int, int, Score, bool, float, float, int, int, int, float]
 """`TopKRouter`'s routing fields, in `_Rule`'s order: hashable, so `_route`
 compiles once per rule."""
 
@@ -81,6 +82,12 @@ class TopKRouter(pz.nn.Layer):
   ``normalize``, times ``scale``, times ``expert_scale`` of the expert.
   The result is cast to the activations' dtype.
 
+  ``sparsemixer`` (Phi-3.5-MoE, ``top_k`` 2) chooses the best logit, then
+  the best of the others; each chosen expert's weight is its softmax over
+  the logits still in the running (the chosen one and the experts not yet
+  chosen whose relative gap to it, ``(best - logit) / max(|logit|, best)``,
+  is at most ``2 * jitter_eps``; the others count as minus infinity).
+
   Attributes:
     logits: A layer giving the router logits over ``experts`` (a
       ``pz.nn.Linear`` from ``embedding``, maybe followed by an
@@ -99,6 +106,8 @@ class TopKRouter(pz.nn.Layer):
       ``e_score_correction_bias``), over ``experts``; or None.
     expert_scale: Multiplies each chosen expert's weight (Gemma 4's
       ``per_expert_scale``), over ``experts``; or None.
+    jitter_eps: ``sparsemixer``'s relative gap (Phi-3.5-MoE's
+      ``router_jitter_noise``).
   """
 
   logits: pz.nn.Layer
@@ -113,13 +122,14 @@ class TopKRouter(pz.nn.Layer):
   group_score_k: int = static(2)
   selection_bias: pz.ParameterLike[pz.nx.NamedArray] | None = None
   expert_scale: pz.ParameterLike[pz.nx.NamedArray] | None = None
+  jitter_eps: float = static(0.0)
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
     logits = self.logits(inputs, **side_inputs)
     extras = [p.value.untag("experts") if p is not None else None
               for p in (self.selection_bias, self.expert_scale)]
     rule = (self.num_experts, self.top_k, self.score, self.normalize, self.normalize_epsilon,
-            self.scale, self.groups, self.top_groups, self.group_score_k)
+            self.scale, self.groups, self.top_groups, self.group_score_k, self.jitter_eps)
     weights = pz.nx.nmap(functools.partial(_route, rule))(logits.untag("experts"), *extras)
     return weights.tag("experts").astype(inputs.dtype)
 
@@ -146,10 +156,13 @@ class _Rule:
   groups: int
   top_groups: int
   group_score_k: int
+  jitter_eps: float
 
   def route(self, logits: jax.Array, bias: jax.Array | None,
             expert_scale: jax.Array | None) -> jax.Array:
     logits = logits.astype(jnp.float32)
+    if self.score == "sparsemixer":
+      return self.sparsemixer(logits)
     if self.score == "softmax":
       scores = jax.nn.softmax(logits)
     elif self.score == "sigmoid":
@@ -175,6 +188,21 @@ class _Rule:
     if expert_scale is not None:
       weights = weights * expert_scale.astype(jnp.float32)[chosen]
     return jnp.zeros_like(scores).at[chosen].set(weights)
+
+
+  def sparsemixer(self, logits: jax.Array) -> jax.Array:
+    """Phi-3.5-MoE's inference routing (`TopKRouter`), ``top_k`` rounds of
+    choosing the best remaining logit."""
+    weights = jnp.zeros_like(logits)
+    remaining = logits
+    for _ in range(self.top_k):
+      chosen = jnp.argmax(remaining)
+      best = remaining[chosen]
+      gap = (best - logits) / jnp.maximum(jnp.abs(logits), best)
+      kept = jnp.where(gap > 2 * self.jitter_eps, -jnp.inf, remaining)
+      weights = weights.at[chosen].set(jax.nn.softmax(kept)[chosen])
+      remaining = remaining.at[chosen].set(-jnp.inf)
+    return weights
 
 
 @pz.pytree_dataclass

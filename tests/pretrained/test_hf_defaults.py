@@ -107,6 +107,7 @@ MINIMAL = {
     "mixtral": {**_SIZES, **_HEADS, "num_local_experts": 4},
     "qwen3_moe": {**_SIZES, **_HEADS, **_MOE, "num_experts": 4},
     "olmoe": {**_SIZES, **_HEADS, "num_experts": 4, "num_experts_per_tok": 2},
+    "phimoe": {**_SIZES, **_HEADS, "num_local_experts": 4},
     "qwen2_moe": {**_SIZES, **_HEADS, **_MOE, "num_experts": 4,
                   "shared_expert_intermediate_size": 24},
     "gemma": {**_SIZES, **_HEADS}, "gemma2": {**_SIZES, **_HEADS},

@@ -136,7 +136,11 @@ def size_fields(model: pz.nn.Layer, grouped: bool = True) -> dict[str, Any]:
 
 
 def rms_norm_fields(model: pz.nn.Layer) -> dict[str, Any]:
-  return {"rms_norm_eps": number(first_layer(model, pz.nn.RMSStandardize, "RMS norm").epsilon)}
+  """``rms_norm_eps``: the first RMS norm's epsilon, or the first LayerNorm's
+  (Phi-3.5-MoE keeps its LayerNorms' epsilon under that name)."""
+  norms = all_layers(model, pz.nn.RMSStandardize) or all_layers(model, pz.nn.Standardize)
+  norm = norms[0] if norms else first_layer(model, pz.nn.RMSStandardize, "RMS norm")
+  return {"rms_norm_eps": number(norm.epsilon)}
 
 
 def rope_fields(model: pz.nn.Layer) -> dict[str, Any]:

@@ -129,8 +129,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "helium": _row("Helium", "its own configuration fields", "llama",
                    "it is Llama's layout"),
     # Mixtures of experts.
-    "phimoe": _row("Phi-3.5-MoE", "sparsemixer routing and LayerNorm with biases", "mixtral",
-                   "Mixtral shares its expert layout (w1, w2, w3); it routes by softmax top-2"),
     "granitemoe": _row("Granite 3 MoE", "experts stored fused (input_linear, output_linear)",
                        "granite", "Granite shares its multipliers and attention"),
     "granitemoeshared": _row("Granite 3 MoE with a shared expert", "experts stored fused and a"

@@ -31,6 +31,7 @@ from penzai.models.transformer import model_parts
 from pz_persist.nn import mixture_of_experts as moe
 from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -130,6 +131,13 @@ def read_experts(cfg: Config, count_key: str, neurons_key: str, aliases: Sequenc
     raise cfg.unsupported("num_experts_per_tok", top_k,
                           f"more experts per token than the {experts} experts")
   return experts, top_k, cfg.require(neurons_key)
+
+
+def config_activation(cfg: Config) -> moe.Activation:
+  """The experts' activation for ``hidden_act`` (already checked by
+  `pz_persist.pretrained.hf.building.decoder.llama_plan`: SiLU, or a tanh
+  GELU)."""
+  return "silu" if cfg.get("hidden_act", FROM_TABLE) == "silu" else "gelu_tanh"
 
 
 def routed_layers(cfg: Config) -> Callable[[int], tuple[int, ...]]:
@@ -354,14 +362,16 @@ def softmax_routed(layer: moe.MixtureOfExperts, gated_shared: bool = False) -> b
           and shared and not layer.weight_inputs and layer.expert_input is None)
 
 
-def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any], gated_shared: bool = False
+def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any], gated_shared: bool = False,
+                  accepts: Callable[[moe.MixtureOfExperts], bool] | None = None
                   ) -> dict[str, Any]:
   """The llama-like fields of a model whose feed-forward blocks may be
   mixtures (sizes, norms, RoPE, activation, tied head), plus
   ``num_experts_per_tok`` and ``norm_topk_prob`` and the sizes
   ``intermediate_size`` (a dense block's; else ``like``'s or the experts')
   and the experts' (returned under ``"_experts"`` and ``"_neurons"`` for the
-  family to name); ``gated_shared`` as in `softmax_routed`."""
+  family to name); ``gated_shared`` as in `softmax_routed`, or ``accepts``
+  telling the family's routing instead (Phi-3.5-MoE's sparsemixer)."""
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   attn = attention(model)
   query, key = projection(attn.input_to_query), projection(attn.input_to_key)
@@ -375,7 +385,8 @@ def expert_fields(model: pz.nn.Layer, like: Mapping[str, Any], gated_shared: boo
                       " experts; export it as its dense family (name it with like=).")
   first = routed[0]
   router = first.router
-  if not softmax_routed(first, gated_shared) or not isinstance(router, moe.TopKRouter):
+  fits = accepts(first) if accepts is not None else softmax_routed(first, gated_shared)
+  if not fits or not isinstance(router, moe.TopKRouter):
     raise errors.ExportError(f"the model's MixtureOfExperts has a router {type(router).__name__}"
                       " other than the softmax top-k one of Qwen3-MoE and Mixtral.")
   gate = named_shape(first_layer(first.experts, pz.nn.Linear, "experts"))

@@ -38,6 +38,7 @@ from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY_IGNORED
 from pz_persist.pretrained.hf.building.moe import ExpertNames
 from pz_persist.pretrained.hf.building.moe import Experts
 from pz_persist.pretrained.hf.building.moe import check_experts
+from pz_persist.pretrained.hf.building.moe import config_activation
 from pz_persist.pretrained.hf.building.moe import expert_fields
 from pz_persist.pretrained.hf.building.moe import mixtures
 from pz_persist.pretrained.hf.building.moe import read_experts
@@ -87,7 +88,7 @@ def olmoe_plan(cfg: Config, weights: Weights) -> Plan:
   experts = Experts(experts_count, top_k, neurons, normalize,
                     tuple(range(cfg.require("num_hidden_layers"))), ExpertNames())
   check_experts(cfg, weights, experts, "num_experts")
-  activation = "silu" if cfg.get("hidden_act", FROM_TABLE) == "silu" else "gelu_tanh"
+  activation = config_activation(cfg)
   plan = with_experts(plan, experts, hidden, weights.names, softmax_router(), activation)
   routed_build = plan.build
   return Plan(lambda: with_clipped_qkv(routed_build(), limit), plan.tensors, plan.views)

@@ -37,6 +37,7 @@ from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY_IGNORED
 from pz_persist.pretrained.hf.building.moe import ExpertNames
 from pz_persist.pretrained.hf.building.moe import Experts
 from pz_persist.pretrained.hf.building.moe import check_experts
+from pz_persist.pretrained.hf.building.moe import config_activation
 from pz_persist.pretrained.hf.building.moe import expert_fields
 from pz_persist.pretrained.hf.building.moe import mixtures
 from pz_persist.pretrained.hf.building.moe import read_experts
@@ -50,7 +51,6 @@ from pz_persist.pretrained.hf.building.qwen_windows import qwen2_attention
 from pz_persist.pretrained.hf.building.qwen_windows import qwen2_moe_sliding
 from pz_persist.pretrained.hf.building.qwen_windows import window_fields
 from pz_persist.pretrained.hf.config import BOOLEAN
-from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
@@ -87,7 +87,7 @@ def qwen2_moe_plan(cfg: Config, weights: Weights) -> Plan:
   experts = Experts(experts_count, top_k, neurons, normalize,
                     routed(cfg.require("num_hidden_layers")), ExpertNames())
   check_experts(cfg, weights, experts, "num_experts")
-  activation = "silu" if cfg.get("hidden_act", FROM_TABLE) == "silu" else "gelu_tanh"
+  activation = config_activation(cfg)
   hidden = cfg.require("hidden_size")
   plan = with_experts(plan, experts, hidden, weights.names, softmax_router(), activation)
   return with_gated_shared_expert(plan, {i: f"model.layers.{i}.mlp." for i in experts.layers},
