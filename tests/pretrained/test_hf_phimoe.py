@@ -17,7 +17,6 @@ from penzai import pz
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
-from pretrained import hf_generation
 from pz_persist.nn import mixture_of_experts as moe
 
 
@@ -52,7 +51,7 @@ def test_kv_cache_sampling_matches_the_forward_pass(saved):
 
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_kv_cache_generation_matches_transformers_generate(saved, case):
-  hf_generation.check_generate(pzp.pretrained.load_hf(saved[case].folder), saved[case].hf_model)
+  checks.check_generate(saved[case], steps=8)
 
 
 def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
