@@ -33,6 +33,7 @@ The same checks for a folder and a model the test holds itself, not a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -370,10 +371,15 @@ def check_generate(saved: Saved, steps: int = 10, prompt: int = 4) -> None:
   ``steps`` steps, picks transformers' ``generate``'s tokens, token for
   token, with its logits (within `TOLERANCE`)."""
   tokens = SEQUENCES[:, :prompt]
+  # An end-of-sequence id past the vocabulary: the tiny vocabulary holds the
+  # config's own, which generate would stop at (or, under min_new_tokens,
+  # never pick, where greedy sampling does).
+  config = copy.deepcopy(saved.hf_model.generation_config)
+  config.eos_token_id = saved.hf_model.config.vocab_size
   with torch.no_grad():
     out = saved.hf_model.generate(
         torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),
-        do_sample=False, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
+        generation_config=config, do_sample=False, max_new_tokens=steps, output_logits=True,
         return_dict_in_generate=True, pad_token_id=0)
   want_tokens = out.sequences[:, prompt:].numpy()
   want_logits = torch.stack(out.logits, 1).float().numpy()

@@ -107,6 +107,24 @@ def test_epsilon_and_activation_bind(saved):
   checks.check_feature_binds(saved["phi_qk"], CASES["phi_qk"], hidden_act="relu")
 
 
+def test_the_hubs_phi_2_config_loads(tmp_path):
+  """Phi-2's own ``config.json`` (sizes shrunk, heads 20 wide so that its
+  0.4 rotates 8 dimensions, as 32 of 80 there): transformers 4's spelling
+  (top-level ``partial_rotary_factor`` and ``rope_theta``, a null
+  ``rope_scaling``), dropouts that change nothing at inference."""
+  hub = {"architectures": ["PhiForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+         "embd_pdrop": 0.0, "eos_token_id": 2, "hidden_act": "gelu_new",
+         "initializer_range": 0.3, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048,
+         "model_type": "phi", "partial_rotary_factor": 0.4, "qk_layernorm": False,
+         "resid_pdrop": 0.1, "rope_scaling": None, "rope_theta": 10000.0,
+         "tie_word_embeddings": False, "torch_dtype": "float32",
+         "transformers_version": "4.37.0", "use_cache": True,
+         **checks.TINY, "hidden_size": 80, "num_key_value_heads": 4}
+  saved = checks.hub_saved(tmp_path, hub)
+  checks.check_float32(saved, "phi-2 hub config")
+  checks.check_generate(saved)
+
+
 @pytest.mark.parametrize("changes, match", [
     ({"head_dim": 16}, "head_dim"),
     ({"partial_rotary_factor": 0.1}, "partial_rotary_factor"),

@@ -123,6 +123,22 @@ def test_epsilon_and_activation_bind(saved):
   checks.check_feature_binds(saved["stablelm_12b"], CASES["stablelm_12b"], hidden_act="silu")
 
 
+def test_the_hubs_stablelm_2_12b_config_loads(tmp_path):
+  """StableLM 2 12B's own ``config.json`` (sizes shrunk): transformers 4's
+  spelling (top-level ``partial_rotary_factor``, an integer ``rope_theta``),
+  parallel blocks and per-head query/key norms."""
+  hub = {"architectures": ["StableLmForCausalLM"], "attention_dropout": 0.0,
+         "hidden_act": "silu", "hidden_dropout": 0.0, "initializer_range": 0.3,
+         "layer_norm_eps": 1e-05, "max_position_embeddings": 4096, "model_type": "stablelm",
+         "partial_rotary_factor": 0.25, "qk_layernorm": True, "rope_theta": 10000,
+         "tie_word_embeddings": False, "torch_dtype": "float32",
+         "transformers_version": "4.40.0", "use_cache": True, "use_parallel_residual": True,
+         "use_qkv_bias": False, **checks.TINY}
+  saved = checks.hub_saved(tmp_path, hub)
+  checks.check_float32(saved, "stablelm 2 12b hub config")
+  checks.check_generate(saved)
+
+
 @pytest.mark.parametrize("changes, match", [
     ({"head_dim": 16}, "head_dim"),
     ({"num_attention_heads": 5, "num_key_value_heads": 5}, "num_attention_heads"),

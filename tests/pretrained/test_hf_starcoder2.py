@@ -104,6 +104,23 @@ def test_epsilon_and_activation_bind(saved):
                              hidden_act="relu")
 
 
+def test_the_hubs_config_loads(tmp_path):
+  """StarCoder2-15B's own ``config.json`` (sizes shrunk): the fields the
+  Hub's folders carry from before transformers' StarCoder2 (``mlp_type``,
+  ``norm_type``, ``rms_norm_eps``), which transformers does not read, are
+  accepted; a 4096-token window, ``rope_theta`` 100000."""
+  hub = {"architectures": ["Starcoder2ForCausalLM"], "attention_dropout": 0.0,
+         "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu_pytorch_tanh",
+         "initializer_range": 0.3, "max_position_embeddings": 16384, "mlp_type": "default",
+         "model_type": "starcoder2", "norm_epsilon": 1e-05, "norm_type": "layer_norm",
+         "rms_norm_eps": 1e-05, "rope_theta": 100000, "sliding_window": 4096,
+         "tie_word_embeddings": False, "torch_dtype": "float32",
+         "transformers_version": "4.37.0.dev0", "use_bias": True, "use_cache": True,
+         **checks.TINY}
+  saved = checks.hub_saved(tmp_path, hub)
+  checks.check_float32(saved, "starcoder2 hub config")
+
+
 @pytest.mark.parametrize("changes, match", [
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},

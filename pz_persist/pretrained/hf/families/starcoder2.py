@@ -95,7 +95,13 @@ RECORD = Family(
         defaults={"hidden_act": "gelu_pytorch_tanh", "norm_epsilon": 1e-5,
                   "tie_word_embeddings": True, "rope_theta": 10_000.0,
                   "partial_rotary_factor": 1.0, "num_key_value_heads": 2, "use_bias": True,
-                  "sliding_window": None, "residual_dropout": 0.0, "embedding_dropout": 0.0})},
+                  "sliding_window": None, "residual_dropout": 0.0, "embedding_dropout": 0.0},
+        ignored_fields={
+            "the Hub's folders' fields from before transformers' StarCoder2, which reads none"
+            " of them (its norms are LayerNorms of norm_epsilon, its MLP c_fc / c_proj)": (
+                "mlp_type", "norm_type", "rms_norm_eps"),
+        },
+        foreign_fields=frozenset({"mlp_type", "norm_type", "rms_norm_eps"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("LayerNorm with biases, biases on every projection (use_bias), a non-gated GELU MLP"
