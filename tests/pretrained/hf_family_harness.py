@@ -452,3 +452,29 @@ def check_export_model(model, source, out, like=True) -> dict:
   theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert type(theirs).__name__ == original["architectures"][0]
   return config
+
+
+def check_greedy_generation(saved: Saved, steps: int = 6) -> None:
+  """Penzai's KV-cache sampler (`kv_caching_lm`), greedy from a 4-token
+  prompt for ``steps`` steps, picks transformers' ``generate``'s tokens,
+  with its logits within the tolerance."""
+  prompt = SEQUENCES[:, :4]
+  with torch.no_grad():
+    out = saved.hf_model.generate(
+        torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+        do_sample=False, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0)
+  want_tokens = out.sequences[:, prompt.shape[1]:].numpy()
+  want_logits = torch.stack(out.logits, 1).float().numpy()
+  sampler = sampling_jitted(kv_caching_lm(
+      pzp.pretrained.load_hf(saved.folder), cache_len=prompt.shape[1] + steps,
+      batch_axes={"batch": prompt.shape[0]}, pad_id=-1))
+  tokens, got_tokens, got_logits = prompt, [], []
+  for _ in range(steps):
+    logits = sampler(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
+    last = np.asarray(logits.untag("batch", "seq", "vocabulary").unwrap()[:, -1], np.float32)
+    got_logits.append(last)
+    got_tokens.append(np.argmax(last, axis=-1))
+    tokens = got_tokens[-1][:, None]
+  np.testing.assert_array_equal(np.stack(got_tokens, 1), want_tokens)
+  np.testing.assert_allclose(np.stack(got_logits, 1), want_logits, **TOLERANCE)
