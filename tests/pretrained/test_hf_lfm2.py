@@ -95,28 +95,7 @@ def test_kv_cache_sampling_matches_forward_pass_and_transformers_cache(saved, ca
 
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_generation_matches_generate(saved, case):
-  """Greedy from a 4-token prompt for 6 steps: transformers' ``generate``'s
-  tokens, and its logits within the tolerance."""
-  prompt, steps = harness.SEQUENCES[:, :4], 6
-  with torch.no_grad():
-    out = saved[case].hf_model.generate(
-        torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-        do_sample=False, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
-        return_dict_in_generate=True, pad_token_id=0)
-  want_tokens = out.sequences[:, prompt.shape[1]:].numpy()
-  want_logits = torch.stack(out.logits, 1).float().numpy()
-  sampler = harness.sampling_jitted(pzp.pretrained.kv_caching_lm(
-      pzp.pretrained.load_hf(saved[case].folder), cache_len=prompt.shape[1] + steps,
-      batch_axes={"batch": prompt.shape[0]}, pad_id=-1))
-  tokens, got_tokens, got_logits = prompt, [], []
-  for _ in range(steps):
-    logits = sampler(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
-    last = np.asarray(logits.untag("batch", "seq", "vocabulary").unwrap()[:, -1], np.float32)
-    got_logits.append(last)
-    got_tokens.append(np.argmax(last, axis=-1))
-    tokens = got_tokens[-1][:, None]
-  np.testing.assert_array_equal(np.stack(got_tokens, 1), want_tokens)
-  np.testing.assert_allclose(np.stack(got_logits, 1), want_logits, **harness.TOLERANCE)
+  harness.check_generate(saved[case])
 
 
 def test_penzai_sampling_mode_without_the_state_is_refused(saved):

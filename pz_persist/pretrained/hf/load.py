@@ -326,7 +326,8 @@ def _whole(spec: TensorSpec) -> bool:
   """Whether ``spec`` is its stored tensor as it is (cast while reading);
   otherwise a part is taken or an offset added, after reading the stored
   values as they are."""
-  return spec.take is None and spec.rows is None and spec.part is None and not spec.offset
+  return (spec.take is None and spec.rows is None and spec.part is None
+          and spec.regrouped is None and not spec.offset)
 
 
 class _StoredReads:

@@ -50,6 +50,11 @@ class TensorSpec:
       head's key rows then its value rows, of different sizes, so the keys
       and the values of all heads are a range of the dimension after the
       heads, which neither ``rows`` nor ``take`` reach.
+    regrouped: The parameter's shape after ``part`` (the same number of
+      entries, regrouped), when it is not the part's own. Qwen3-Next's
+      ``in_proj_qkvz`` holds, per key head, its query, key, values and gates;
+      the values of one key head are several value heads, which only a
+      reshape after the part separates.
   """
 
   label: str
@@ -61,6 +66,7 @@ class TensorSpec:
   offset: float = 0.0
   rows: tuple[int, int] | None = None
   part: tuple[int, int, int] | None = None
+  regrouped: tuple[int, ...] | None = None
 
   @property
   def file_shape(self) -> tuple[int, ...]:
@@ -70,7 +76,10 @@ class TensorSpec:
   @property
   def parameter_shape(self) -> tuple[int, ...]:
     """The Penzai parameter's shape, over ``axes`` (``shape`` without the
-    dimension ``take`` removes, ``part``'s range of its dimension)."""
+    dimension ``take`` removes, ``part``'s range of its dimension, or
+    ``regrouped``)."""
+    if self.regrouped is not None:
+      return self.regrouped
     if self.part is not None:
       dim, start, stop = self.part
       return self.shape[:dim] + (stop - start,) + self.shape[dim + 1:]
@@ -146,6 +155,8 @@ def penzai_layout(spec: TensorSpec, stored: np.ndarray) -> np.ndarray:
   if spec.part is not None:
     dim, start, stop = spec.part
     host = host[(slice(None),) * dim + (slice(start, stop),)]
+    if spec.regrouped is not None:
+      host = host.reshape(spec.regrouped)
   if spec.take is not None:
     dim, index = spec.take
     host = np.take(host, index, axis=dim)
@@ -245,4 +256,9 @@ def _joined_parts(specs: Sequence[TensorSpec], values: Sequence[np.ndarray]) -> 
         f" {[part for part, _, _ in parts]} do not cover dimension {dim} ({first.shape[dim]})"
         " once each"
     )
-  return np.concatenate([value for _, _, value in parts], axis=dim).reshape(first.file_shape)
+  def ungrouped(part: tuple[int, int, int], value: np.ndarray) -> np.ndarray:
+    """``value`` in the part's own shape (undoing `TensorSpec.regrouped`)."""
+    return value.reshape(first.shape[:dim] + (part[2] - part[1],) + first.shape[dim + 1:])
+
+  return np.concatenate([ungrouped(part, value) for part, _, value in parts],
+                        axis=dim).reshape(first.file_shape)

@@ -97,7 +97,9 @@ _SECTIONS = (lambda v: isinstance(v, list) and len(v) == 3 and all(NON_NEGATIVE_
 
 
 @dataclasses.dataclass(frozen=True)
-class _Sizes:
+class Sizes:
+  """A Qwen3.5-style hybrid's sizes: attention, and the DeltaNet's heads and taps."""
+
   hidden: int
   heads: int
   kv_heads: int
@@ -110,8 +112,12 @@ class _Sizes:
 
 
 def qwen3_5_text_plan(cfg: Config, weights: Weights, root: str = TEXT,
-                      head: str = DECODER_HEAD, tied: bool | None = None) -> Plan:
-  """Maps a Qwen3.5 text model whose tensors are under ``root``."""
+                      head: str = DECODER_HEAD, tied: bool | None = None,
+                      delta_net_specs: Callable[..., list[TensorSpec]] | None = None) -> Plan:
+  """Maps a Qwen3.5 text model whose tensors are under ``root``;
+  ``delta_net_specs(label, layer prefix, sizes)`` gives the DeltaNet layers'
+  tensors when they are not Qwen3.5's (Qwen3-Next fuses them otherwise)."""
+  delta_net_specs = delta_net_specs or fused_qkv_delta_specs
   for key, default in _DEFAULTS.items():
     if cfg.raw.get(key) is None:
       cfg.raw[key] = default
@@ -172,7 +178,7 @@ def qwen3_5_text_plan(cfg: Config, weights: Weights, root: str = TEXT,
     if kind == "full_attention":
       specs += _gated_attention_specs(p, s, config, llama)
     else:
-      specs += _delta_net_specs(p + "linear_attention", s + "linear_attn.", sizes)
+      specs += delta_net_specs(p + "linear_attention", s + "linear_attn.", sizes)
 
   def build() -> model_parts.TransformerLM:
     model = llamalike_common.build_llamalike_transformer(config, init_base_rng=None)
@@ -207,7 +213,7 @@ def multimodal_plan(cfg: Config, weights: Weights, text_type: str, text_plan: Ca
   return plan
 
 
-def _sizes(cfg: Config) -> _Sizes:
+def _sizes(cfg: Config) -> Sizes:
   heads, kv_heads = cfg.require("num_attention_heads"), cfg.require("num_key_value_heads")
   if heads % kv_heads:
     raise cfg.unsupported("num_key_value_heads", kv_heads,
@@ -218,7 +224,7 @@ def _sizes(cfg: Config) -> _Sizes:
     raise cfg.unsupported("linear_num_value_heads", value_heads,
                           f"each key head serves a whole number of value heads; it must be a"
                           f" multiple of linear_num_key_heads={key_heads}")
-  return _Sizes(hidden=cfg.require("hidden_size"), heads=heads, kv_heads=kv_heads,
+  return Sizes(hidden=cfg.require("hidden_size"), heads=heads, kv_heads=kv_heads,
                 head_dim=cfg.require("head_dim"), key_heads=key_heads, value_heads=value_heads,
                 key_dim=cfg.require("linear_key_head_dim"),
                 value_dim=cfg.require("linear_value_head_dim"),
@@ -300,7 +306,7 @@ def _gated_attention_specs(p: str, s: str, config: llamalike_common.LlamalikeTra
   return out + query_key_norm_specs(p, s, config)
 
 
-def _delta_net_specs(name: str, s: str, sizes: _Sizes) -> list[TensorSpec]:
+def fused_qkv_delta_specs(name: str, s: str, sizes: Sizes) -> list[TensorSpec]:
   """The gated DeltaNet's parameters, the fused tensors read by rows."""
   hidden = sizes.hidden
   keys = (sizes.key_heads, sizes.key_dim)
@@ -335,7 +341,7 @@ def _delta_net_specs(name: str, s: str, sizes: _Sizes) -> list[TensorSpec]:
   ]
 
 
-def _block(block: model_parts.TransformerBlock, kind: str, p: str, sizes: _Sizes,
+def _block(block: model_parts.TransformerBlock, kind: str, p: str, sizes: Sizes,
            eps: float) -> model_parts.TransformerBlock:
   """Penzai's llama-like block with its attention made Qwen3.5's."""
   if kind == "full_attention":

@@ -79,15 +79,8 @@ RECORD = Family(
           " recurrence as a scan, gated RMS norm; its state carried by `kv_caching_lm`) beside"
           " query/key-normed attention with a sigmoid output gate, partial RoPE, `1 + w` norms; the text"
           " model of `qwen3_5` folders (vision tower and MTP head not read)"),
-    refuses=("Qwen3-Next (`qwen3_next`, its fused projections) for now; other rope types,"
-             " attention biases, activations other than SiLU"),
+    refuses="other rope types, attention biases, activations other than SiLU",
     rank=32,
     fields=FIELDS,
-    refused_model_types={
-        "qwen3_next": ("model_type='qwen3_next' is Qwen3-Next, whose fused in_proj_qkvz /"
-                       " in_proj_ba layout and mixture of experts pz_persist does not read yet;"
-                       " pz_persist.pretrained.load_hf reads its successor Qwen3.5 / 3.6"
-                       " (model_type 'qwen3_5_text', 'qwen3_5')"),
-    },
     layer_prefixes=(TEXT + "layers.", MULTIMODAL_TEXT + "layers."),
 )

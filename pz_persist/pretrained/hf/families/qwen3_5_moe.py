@@ -17,8 +17,6 @@ The text model inside multimodal ``qwen3_5_moe`` folders (tensors under
 
 from __future__ import annotations
 
-import dataclasses
-import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,25 +25,17 @@ from penzai import pz
 from pz_persist.pretrained.hf.building import hybrid_decoder
 from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS
 from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS_WHY
+from pz_persist.pretrained.hf.building.hybrid_moe import hybrid_moe_plan
 from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY
 from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY_IGNORED
-from pz_persist.pretrained.hf.building.moe import ExpertNames
-from pz_persist.pretrained.hf.building.moe import Experts
-from pz_persist.pretrained.hf.building.moe import check_experts
 from pz_persist.pretrained.hf.building.moe import mixtures
-from pz_persist.pretrained.hf.building.moe import read_experts
-from pz_persist.pretrained.hf.building.moe import softmax_router
-from pz_persist.pretrained.hf.building.moe import with_experts
-from pz_persist.pretrained.hf.building.moe import with_gated_shared_expert
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.plan import Plan
-from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
-from pz_persist.pretrained.hf.weights import Stacked
 from pz_persist.pretrained.hf.weights import Weights
 
 _DEFAULTS = {"hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2,
@@ -63,45 +53,9 @@ _FIELDS = {**hybrid_decoder.FIELDS, **dict.fromkeys(
 def qwen3_5_moe_text_plan(cfg: Config, weights: Weights, root: str = "model.",
                           tied: bool | None = None) -> Plan:
   """Qwen3.5's plan with every MLP a mixture of experts and a gated shared
-  expert, the text model's tensors under ``root``."""
-  for key, default in _DEFAULTS.items():
-    if cfg.raw.get(key) is None:
-      cfg.raw[key] = default
-  count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size")
-  shared = cfg.require("shared_expert_intermediate_size")
-  # No dense MLP: the dense plan's placeholder size is the experts' (its
-  # MLPs are all replaced before anything is allocated).
-  if cfg.raw.get("intermediate_size") is None:
-    cfg.raw["intermediate_size"] = neurons
-  plan = hybrid_decoder.qwen3_5_text_plan(cfg, weights, root=root, tied=tied)
-  layers = cfg.require("num_hidden_layers")
-  hidden = cfg.require("hidden_size")
-  experts = Experts(count, top_k, neurons, True, tuple(range(layers)), ExpertNames())
-  # The experts' shared loader names layers ``model.layers.{i}.``: it is
-  # given the names as if under that root, and its specs are moved back.
-  names = {_LAYERS + n[len(root) + len("layers."):] if n.startswith(root + "layers.") else n
-           for n in weights.names}
-  check_experts(cfg, types.SimpleNamespace(names=names,
-                                           stand_in=getattr(weights, "stand_in", False)),
-                experts, "num_experts")
-  routed = with_experts(plan, experts, hidden, names, softmax_router(normalize_always=True))
-  plan = Plan(routed.build, tuple(_moved(spec, root) if spec.label.split("/")[2:3] == ["mlp"]
-                                  else spec for spec in routed.tensors),
-              tuple(Stacked(_rooted(v.name, root), tuple(_rooted(p, root) for p in v.parts))
-                    if isinstance(v, Stacked) else v for v in routed.views))
-  return with_gated_shared_expert(plan, {i: f"{root}layers.{i}.mlp." for i in range(layers)},
-                                  shared, hidden)
-
-
-_LAYERS = "model.layers."
-
-
-def _rooted(name: str, root: str) -> str:
-  return root + "layers." + name[len(_LAYERS):] if name.startswith(_LAYERS) else name
-
-
-def _moved(spec: TensorSpec, root: str) -> TensorSpec:
-  return dataclasses.replace(spec, source=_rooted(spec.source, root))
+  expert (`pz_persist.pretrained.hf.building.hybrid_moe`), the text
+  model's tensors under ``root``."""
+  return hybrid_moe_plan(cfg, weights, root, tied, defaults=_DEFAULTS)
 
 
 def qwen3_5_moe_plan(cfg: Config, weights: Weights) -> Plan:
