@@ -143,9 +143,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                     " query-key norms, and global layers without RoPE among sliding-window"
                     " ones", "olmo3", "OLMo 3 shares the norms after each block, query-key norms"
                     " and sliding windows"),
-    "seed_oss": _row("Seed-OSS", "the fields attention_out_bias and residual_dropout,"
-                     " which pz_persist does not read yet", "qwen2",
-                     "Qwen2 shares biases on the query, key and value projections only"),
     "apertus": _row("Apertus", "the xIELU activation (learned per layer) in a non-gated MLP",
                     "qwen3", "Qwen3 shares its per-head query-key norms"),
     "hunyuan_v1_dense": _row("Hunyuan dense", "query-key norms applied after rotary, and"
