@@ -56,6 +56,7 @@ def test_every_move_is_dated_and_names_its_release():
 
 ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.learned_positions", "AddLearnedPositions"),  # GPT-2 and OPT (issue 40).
+    ("pz_persist.nn.xielu", "XIELU"),  # Apertus (issue 40).
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

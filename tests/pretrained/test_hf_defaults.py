@@ -88,6 +88,7 @@ MINIMAL = {
     "opt": {**{k: v for k, v in _SIZES.items() if k != "intermediate_size"}, "ffn_dim": 64},
     "qwen3": {**_SIZES, **_HEADS},
     "seed_oss": {**_SIZES, **_HEADS},
+    "apertus": {**_SIZES, "num_key_value_heads": 2},
     # Ministral 3 needs its RoPE dict (llama_4_scaling_beta lives there): refused without.
     "ministral3": {**_SIZES, **_HEADS, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,

@@ -143,8 +143,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                     " query-key norms, and global layers without RoPE among sliding-window"
                     " ones", "olmo3", "OLMo 3 shares the norms after each block, query-key norms"
                     " and sliding windows"),
-    "apertus": _row("Apertus", "the xIELU activation (learned per layer) in a non-gated MLP",
-                    "qwen3", "Qwen3 shares its per-head query-key norms"),
     "hunyuan_v1_dense": _row("Hunyuan dense", "query-key norms applied after rotary, and"
                              " dynamic-alpha RoPE", "qwen3",
                              "Qwen3 shares query-key norms on Llama's layout"),
