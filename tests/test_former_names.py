@@ -61,6 +61,7 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.mamba2", "CachingMamba2"),
     ("pz_persist.nn.short_conv", "ShortConv"),  # LFM2 (issue 40).
     ("pz_persist.nn.short_conv", "CachingShortConv"),
+    ("pz_persist.nn.xielu", "XIELU"),  # Apertus (issue 40).
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

@@ -100,6 +100,8 @@ MINIMAL = {
     "lfm2": {**_SIZES, **_HEADS, "layer_types": ["conv", "full_attention"]},
     "lfm2_moe": {**_SIZES, **_HEADS, **_MOE, "num_experts": 4, "num_hidden_layers": 3,
                  "layer_types": ["conv", "full_attention", "conv"]},
+    "seed_oss": {**_SIZES, **_HEADS},
+    "apertus": {**_SIZES, "num_key_value_heads": 2},
     # Ministral 3 needs its RoPE dict (llama_4_scaling_beta lives there): refused without.
     "ministral3": {**_SIZES, **_HEADS, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,

@@ -116,11 +116,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    "llama", "Llama shares its layout before quantization"),
     "ministral": _row("Ministral 8B (2410)", "sliding windows chosen per layer (layer_types)",
                       "mistral", "Mistral shares its layout with one window on every layer"),
-    "seed_oss": _row("Seed-OSS", "the fields attention_out_bias and residual_dropout,"
-                     " which pz_persist does not read yet", "qwen2",
-                     "Qwen2 shares biases on the query, key and value projections only"),
-    "apertus": _row("Apertus", "the xIELU activation (learned per layer) in a non-gated MLP",
-                    "qwen3", "Qwen3 shares its per-head query-key norms"),
     "hunyuan_v1_dense": _row("Hunyuan dense", "query-key norms applied after rotary, and"
                              " dynamic-alpha RoPE", "qwen3",
                              "Qwen3 shares query-key norms on Llama's layout"),
