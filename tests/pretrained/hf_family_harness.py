@@ -375,7 +375,7 @@ def check_generate(saved: Saved, steps: int = 10, prompt: int = 4) -> None:
   # config's own, which generate would stop at (or, under min_new_tokens,
   # never pick, where greedy sampling does).
   config = copy.deepcopy(saved.hf_model.generation_config)
-  config.eos_token_id = saved.hf_model.config.vocab_size
+  config.eos_token_id = saved.hf_model.config.get_text_config().vocab_size
   with torch.no_grad():
     out = saved.hf_model.generate(
         torch.tensor(tokens), attention_mask=torch.ones(tokens.shape, dtype=torch.long),

@@ -16,12 +16,10 @@ from __future__ import annotations
 import json
 import logging
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-from penzai import pz
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
@@ -100,38 +98,13 @@ def test_float32_logits_match_the_text_only_path(saved, case, caplog):
   assert "are not read" in said and "vision tower and projector" in said
 
 
-def check_generate(model, hf_model, steps: int = 6, eos: int = 2) -> None:
-  """Penzai's KV-cache sampler, greedy from a 4-token prompt, picks the
-  tokens of transformers' ``generate`` (``min_new_tokens`` keeps ``eos`` from
-  being picked, which the sampler mirrors) with its logits."""
-  prompt = checks.SEQUENCES[:, :4]
-  with torch.no_grad():
-    out = hf_model.generate(
-        input_ids=torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-        do_sample=False, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
-        return_dict_in_generate=True, pad_token_id=0)
-  want_tokens = out.sequences[:, prompt.shape[1]:].numpy()
-  want_logits = torch.stack(out.logits, 1).float().numpy()
-  sampler = checks.sampling_jitted(pzp.pretrained.kv_caching_lm(
-      model, cache_len=prompt.shape[1] + steps, batch_axes={"batch": prompt.shape[0]}, pad_id=-1))
-  tokens, got_tokens, got_logits = prompt, [], []
-  for _ in range(steps):
-    logits = sampler(pz.nx.wrap(jnp.asarray(tokens), "batch", "seq"))
-    last = np.asarray(logits.untag("batch", "seq", "vocabulary").unwrap()[:, -1], np.float32)
-    got_logits.append(last)
-    got_tokens.append(np.argmax(np.where(np.arange(last.shape[-1]) == eos, -np.inf, last), -1))
-    tokens = got_tokens[-1][:, None]
-  np.testing.assert_array_equal(np.stack(got_tokens, 1), want_tokens)
-  np.testing.assert_allclose(np.stack(got_logits, 1), want_logits, **checks.TOLERANCE)
-
-
 @pytest.mark.parametrize("case", ["qwen2_5_vl", "qwen3_vl", "mistral3", "mistral3_ministral3"])
 def test_kv_cache_and_greedy_generation_match_generate(saved, case):
   """The text-only path of the VL class's ``generate`` (its multimodal
   positions computed by transformers' ``get_rope_index``)."""
   model = pzp.pretrained.load_hf(saved[case].folder)
   checks.check_kv_cache(model)
-  check_generate(model, saved[case].hf_model)
+  checks.check_generate(saved[case], steps=6)
 
 
 @pytest.mark.parametrize("case", CASES)
