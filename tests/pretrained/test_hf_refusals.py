@@ -95,7 +95,7 @@ def test_the_refusal_says_why_and_the_nearest_family_first(tmp_path, model_type)
 
 
 @pytest.mark.parametrize("model_type, nearest", [
-    ("gpt_neo", "gpt2"), ("jamba", "qwen3_5"), ("bamba", "qwen3_5"), ("gpt_bigcode", "gpt2"),
+    ("gpt_neo", "gpt2"), ("jamba", "qwen3_5"), ("nemotron_h", "bamba"), ("gpt_bigcode", "gpt2"),
     ("olmoe", "qwen3_moe"), ("glm4_moe_lite", "deepseek_v3"), ("phi", "gpt_neox"),
     ("mamba", None), ("bert", None)])
 def test_the_nearest_is_by_architecture_not_by_name(model_type, nearest):
