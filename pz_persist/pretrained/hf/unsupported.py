@@ -234,7 +234,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
                             "Gemma 2 shares its embeddings, norms and local attention; it has"
                             " no recurrent block"),
     "mamba": _row("Mamba", "selective state-space layers only", None, _ATTENTION_FREE),
-    "mamba2": _row("Mamba-2", "state-space-duality layers only", None, _ATTENTION_FREE),
+    "mamba2": _row("Mamba-2", "state-space-duality layers only (under backbone.layers.N.mixer)",
+                   "bamba", "Bamba's Mamba-2 mixers are this layer, among attention layers"),
     "falcon_mamba": _row("Falcon Mamba", "selective state-space layers only", None,
                          _ATTENTION_FREE),
     "rwkv": _row("RWKV", "a time-mixing recurrence in place of attention", None, _ATTENTION_FREE),
