@@ -57,6 +57,12 @@ CASES = {
     # Qwen3-30B-A3B's: every layer a mixture, intermediate_size (6144 there)
     # other than the experts' moe_intermediate_size (768 there).
     "qwen3_30b_a3b": ("qwen3_moe", {"intermediate_size": 48, "moe_intermediate_size": 16}),
+    # The Mamba-2 hybrids from their sizes (transformers' default chunk size).
+    "bamba": ("bamba", {}),
+    # Granite-4.0-H-Tiny's: Mamba-2 mixers, NoPE attention, experts beside the shared MLP.
+    "granite_4_h": ("granitemoehybrid", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                         "intermediate_size": 16, "position_embedding_type": "nope",
+                                         "embedding_multiplier": 2.0}),
 }
 """Each case: the ``model_type`` and the fields beyond `MINIMAL`'s sizes."""
 

@@ -139,6 +139,8 @@ MINIMAL = {
                          "linear_value_head_dim": 8, "linear_num_key_heads": 2,
                          "linear_num_value_heads": 4, "num_experts": 4,
                          "shared_expert_intermediate_size": 16},
+    "granitemoehybrid": {**_SIZES, **_HEADS, "layer_types": ["mamba", "attention"],
+                         "mamba_n_heads": 4, "mamba_d_state": 8, "shared_intermediate_size": 64},
     "bamba": {**_SIZES, **_HEADS, "attn_layer_indices": [1], "mamba_n_heads": 4,
               "mamba_d_state": 8},
 }

@@ -153,10 +153,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                         " attention layers, with routed experts"),
     "minimax": _row("MiniMax-Text-01", "lightning (linear) attention on most layers", "qwen3_5",
                     "Qwen3.5 shares linear attention among full-attention layers"),
-    "granitemoehybrid": _row("Granite 4", "Mamba-2 layers among attention layers without"
-                             " positions (and experts with a shared expert)", "granite",
-                             "Granite shares its multipliers, attention and MLP; it has no"
-                             " Mamba-2 layer"),
     "nemotron_h": _row("Nemotron-H", "Mamba-2 layers and squared-ReLU MLP layers among a few"
                        " attention layers", "bamba", _MAMBA2),
     "falcon_h1": _row("Falcon-H1", "Mamba-2 and attention side by side in every layer, with"
@@ -172,7 +168,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
                             "Gemma 2 shares its embeddings, norms and local attention; it has"
                             " no recurrent block"),
     "mamba": _row("Mamba", "selective state-space layers only", None, _ATTENTION_FREE),
-    "mamba2": _row("Mamba-2", "state-space-duality layers only", None, _ATTENTION_FREE),
+    "mamba2": _row("Mamba-2", "state-space-duality layers only (under backbone.layers.N.mixer)",
+                   "bamba", "Bamba's Mamba-2 mixers are this layer, among attention layers"),
     "falcon_mamba": _row("Falcon Mamba", "selective state-space layers only", None,
                          _ATTENTION_FREE),
     "rwkv": _row("RWKV", "a time-mixing recurrence in place of attention", None, _ATTENTION_FREE),
