@@ -141,5 +141,5 @@ RECORD = Family(
     adds=("a non-gated MLP with the learned xIELU activation (`XIELU`: per-layer `alpha_p`,"
           " `alpha_n`, `beta`, `eps`), per-head query/key RMS norms, `llama3` RoPE by default"),
     refuses="activations other than xIELU, an MLP bias",
-    rank=34,
+    rank=342,
 )

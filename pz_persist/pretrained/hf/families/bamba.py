@@ -199,7 +199,7 @@ RECORD = Family(
           " half of each head"),
     refuses=("in_proj / out_proj biases (`mamba_proj_bias`), attention or MLP biases, scaled"
              " RoPE, activations other than SiLU"),
-    rank=3,
+    rank=36,
     fields={**mamba_hybrid.FIELDS, "attn_layer_indices": (_indices, "a list of layer indices"),
             "z_loss_coefficient": NON_NEGATIVE_NUMBER,
             "num_logits_to_keep": (lambda v: v is None or NON_NEGATIVE_INT[0](v),

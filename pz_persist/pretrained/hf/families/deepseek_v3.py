@@ -103,7 +103,7 @@ RECORD = Family(
           " bias, shared experts; FP8 block-scaled weights dequantised on load"),
     refuses=("`attention_bias`, `num_key_value_heads` other than the heads, routing other than"
              " sigmoid / `noaux_tc`, `moe_layer_freq` other than 1"),
-    rank=6,
+    rank=60,
     fields=FIELDS,
     refused_model_types={
         "deepseek_v2": ("model_type='deepseek_v2' is DeepSeek-V2 / V2.5, whose router (softmax"

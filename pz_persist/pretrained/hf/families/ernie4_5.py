@@ -85,6 +85,6 @@ RECORD = Family(
     adds=("Llama's layout with RoPE on adjacent pairs (`ApplyInterleavedRoPE`) and `use_bias`"
           " on every projection; tied or untied embeddings, scaled RoPE"),
     refuses="what Llama refuses",
-    rank=11,
+    rank=110,
     fields={"use_bias": BOOLEAN},
 )

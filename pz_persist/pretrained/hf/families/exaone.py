@@ -88,7 +88,7 @@ RECORD = Family(
          " `c_fc_0`) and field names (`num_layers`, `layer_norm_epsilon`), both spellings of a"
          " field agreeing; written back under its own names",
     refuses="as Llama",
-    rank=89,
+    rank=890,
     fields={"num_layers": POSITIVE_INT, "layer_norm_epsilon": POSITIVE_NUMBER,
             "activation_function": STRING},
     layer_prefixes=("transformer.h.",),

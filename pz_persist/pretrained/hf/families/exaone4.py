@@ -167,6 +167,6 @@ RECORD = Family(
           " RoPE, sliding-window layers (`layer_types` or `sliding_window_pattern`) with RoPE"
           " and global layers without it; scaled RoPE"),
     refuses="biases; a null window or a string `sliding_window_pattern` without `layer_types`",
-    rank=24,
+    rank=240,
     fields={"sliding_window_pattern": _PATTERN},
 )

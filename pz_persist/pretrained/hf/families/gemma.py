@@ -276,5 +276,5 @@ RECORD = Family(
           " post-norms, `query_pre_attn_scalar`, soft caps, sliding / global attention per layer;"
           " norms keep Hugging Face's `w` (`OffsetScale`)"),
     refuses="bidirectional attention, untied embeddings, attention biases",
-    rank=20,
+    rank=200,
 )

@@ -354,7 +354,7 @@ RECORD = Family(
           " tower is not read, and the load says so): Gemma 2's layout with query/key norms,"
           " local and global layers with their own RoPE bases, linear scaling on global layers"),
     refuses="bidirectional attention (EmbeddingGemma), Gemma 3n",
-    rank=15,
+    rank=150,
     fields={
         "rope_local_base_freq": POSITIVE_NUMBER,
         "sliding_window_pattern": POSITIVE_INT,

@@ -669,7 +669,7 @@ RECORD = Family(
           " beside the dense MLP"),
     refuses="bidirectional attention (`use_bidirectional_attention: all`), a last layer"
             " that is not global",
-    rank=13,
+    rank=130,
     fields={
         "attention_k_eq_v": BOOLEAN, "use_double_wide_mlp": BOOLEAN, "enable_moe_block": BOOLEAN,
         "num_kv_shared_layers": NON_NEGATIVE_INT, "hidden_size_per_layer_input": NON_NEGATIVE_INT,

@@ -182,5 +182,5 @@ RECORD = Family(
           " RoPE on interleaved pairs of the first `partial_rotary_factor` of each head,"
           " query/key/value biases"),
     refuses="scaled RoPE, an odd rotated width",
-    rank=3,
+    rank=34,
 )

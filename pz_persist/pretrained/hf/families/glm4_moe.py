@@ -169,6 +169,6 @@ RECORD = Family(
           " (group-limited sigmoid routing, correction bias, shared experts) after"
           " `first_k_dense_replace` dense layers"),
     refuses="scaled RoPE with partial rotary, an output-projection bias, FP8 folders",
-    rank=7,
+    rank=70,
     fields=FIELDS,
 )

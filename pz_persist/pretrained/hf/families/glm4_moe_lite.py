@@ -130,6 +130,6 @@ RECORD = Family(
           " layers where `mlp_layer_types` says"),
     refuses=("what DeepSeek-V3 refuses; a `first_k_dense_replace` that disagrees with"
              " `mlp_layer_types`"),
-    rank=2,
+    rank=24,
     fields={**FIELDS, "mlp_layer_types": (_layer_types, 'a list of "dense" / "sparse"')},
 )

@@ -257,7 +257,7 @@ RECORD = Family(
     adds=("learned absolute positions, LayerNorm and biases, Conv1D weights, query scaling"
           " by the inverse layer number"),
     refuses="cross-attention (add_cross_attention), quick_gelu and other activations",
-    rank=4,
+    rank=40,
     fields={"n_embd": POSITIVE_INT, "n_head": POSITIVE_INT, "n_layer": POSITIVE_INT,
             "n_positions": POSITIVE_INT, "n_inner": POSITIVE_INT, "n_ctx": POSITIVE_INT,
             "activation_function": STRING, "layer_norm_epsilon": POSITIVE_NUMBER,

@@ -198,7 +198,7 @@ RECORD = Family(
     write_config=_write_config,
     adds="fused query/key/value, partial rotary, parallel residual",
     refuses="scaled RoPE, a sequential residual, attention without biases",
-    rank=10,
+    rank=100,
     layer_prefixes=(NEOX_LAYERS,),
     head_names=(NEOX_HEAD,),
 )

@@ -194,7 +194,7 @@ RECORD = Family(
           " a mixture of experts on every layer (router bias, softmax over the top k, clamped"
           " SwiGLU experts with biases); MXFP4 experts dequantised on load (exported dense)"),
     refuses="other `quantization_config` methods, MXFP4 on modules other than the experts",
-    rank=8,
+    rank=80,
     fields={
         "num_local_experts": POSITIVE_INT,
         "num_experts_per_tok": POSITIVE_INT,

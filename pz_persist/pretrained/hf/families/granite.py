@@ -84,6 +84,6 @@ RECORD = Family(
           " `attention_multiplier` and `logits_scaling` (`ConstantScale`)"),
     refuses=("what Llama refuses; Granite 4 is `granitemoehybrid`, Granite 3 MoE"
              " (`granitemoe`) is refused"),
-    rank=12,
+    rank=120,
     fields=dict.fromkeys(_MULTIPLIERS, POSITIVE_NUMBER),
 )

@@ -302,7 +302,7 @@ RECORD = Family(
           " the H hybrids"),
     refuses=("in_proj / out_proj biases (`mamba_proj_bias`), attention biases, scaled or partial"
              " RoPE, activations other than SiLU"),
-    rank=2,
+    rank=26,
     fields={**mamba_hybrid.FIELDS, **dict.fromkeys(MULTIPLIERS, POSITIVE_NUMBER),
             **TRAINING_ONLY, "shared_intermediate_size": POSITIVE_INT,
             "num_local_experts": NON_NEGATIVE_INT, "num_experts_per_tok": POSITIVE_INT,

@@ -69,6 +69,6 @@ RECORD = Family(
     refuses=("other rope types, partial rotary; the Hub's LiquidAI-only fields (`block_dim`,"
              " `conv_dim`, `num_heads`, `theta`, `use_pos_enc`...) when they disagree with the"
              " ones transformers reads"),
-    rank=27,
+    rank=270,
     fields=FIELDS,
 )

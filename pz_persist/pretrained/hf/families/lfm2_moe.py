@@ -149,6 +149,6 @@ RECORD = Family(
           " `routed_scaling_factor`; SwiGLU experts on an `experts` axis (the Hub's per-expert"
           " tensors or transformers 5's fused ones)"),
     refuses="what LFM2 refuses; configs without `layer_types`",
-    rank=26,
+    rank=260,
     fields=_FIELDS,
 )

@@ -185,6 +185,6 @@ RECORD = Family(
           " / 3.2, Magistral, Devstral, Ministral 3: the Pixtral vision tower and projector are"
           " not read, and the load says so)"),
     refuses="other rope types, partial rotary, activations other than SiLU / tanh GELU",
-    rank=90,
+    rank=900,
     fields={**dict.fromkeys(_INTERNLM3_ALIASES, BOOLEAN), **VL_FIELDS},
 )

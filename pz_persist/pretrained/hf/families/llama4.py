@@ -354,7 +354,7 @@ RECORD = Family(
           " mixture-of-experts layers (sigmoid top-k router scaling the expert input, shared"
           " expert) interleaved with dense ones"),
     refuses="attention biases",
-    rank=14,
+    rank=140,
     fields={
         "intermediate_size_mlp": POSITIVE_INT,
         "moe_layers": _INDICES,

@@ -218,7 +218,7 @@ RECORD = Family(
           " (`ApplyRoPEToSubset`), a mixture of experts in every layer with sigmoid routing and a"
           " correction bias (`e_score_correction_bias`), renormalised top-k"),
     refuses="biases, scaled RoPE with partial rotary, MiniMax's own fields at other values",
-    rank=11,
+    rank=112,
     fields={"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
             "rotary_dim": POSITIVE_INT, **TRAINING_ONLY,
             "use_qk_norm": BOOLEAN, "qk_norm_type": STRING, "use_routing_bias": BOOLEAN,

@@ -119,7 +119,7 @@ RECORD = Family(
     adds=("Mistral's layout with Llama 4's position-dependent query scaling"
           " (`rope_parameters.llama_4_scaling_beta`) and yarn-scaled RoPE"),
     refuses="biases; query scaling without `original_max_position_embeddings`",
-    rank=80,
+    rank=800,
     fields={_BETA: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                     and v >= 0 and v < float("inf"), "a non-negative finite number")},
 )

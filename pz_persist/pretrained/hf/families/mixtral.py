@@ -117,6 +117,6 @@ RECORD = Family(
           " softmax router, top-k renormalised; experts on an `experts` axis, read from the"
           " Hub's per-expert `w1`/`w3`/`w2`); optional sliding window"),
     refuses="attention or MLP biases, other rope types, partial rotary",
-    rank=85,
+    rank=850,
     fields=FIELDS,
 )

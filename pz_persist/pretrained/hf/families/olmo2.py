@@ -77,5 +77,5 @@ RECORD = Family(
     adds=("post-norms (`post_attention_norm`, `post_ffw_norm`), query/key RMS norms over the"
           " whole projection (`query_norm`, `key_norm`), `attention_bias`, scaled RoPE"),
     refuses="what Llama refuses",
-    rank=30,
+    rank=300,
 )

@@ -188,5 +188,5 @@ RECORD = Family(
     adds=("OLMo 2's blocks with sliding-window layers (`layer_types`) and each layer type's own"
           " RoPE (`rope_parameters` per type, or `rope_scaling` on full layers: YaRN...)"),
     refuses="what OLMo 2 refuses; partial rotary",
-    rank=29,
+    rank=290,
 )

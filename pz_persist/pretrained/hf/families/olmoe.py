@@ -143,6 +143,6 @@ RECORD = Family(
           " (`MixtureOfExperts`: softmax router, top-k, renormalised only with"
           " `norm_topk_prob`)"),
     refuses="an MLP bias, a window, `head_dim` other than `hidden_size / heads`, other rope types",
-    rank=28,
+    rank=280,
     fields=FIELDS,
 )

@@ -312,7 +312,7 @@ RECORD = Family(
           " `project_out`, `enable_bias`, tied or untied head"),
     refuses=("activations other than ReLU / GELU / SiLU; left-padded batches need their"
              " positions as `token_positions`"),
-    rank=9,
+    rank=90,
     fields={"ffn_dim": POSITIVE_INT, "word_embed_proj_dim": POSITIVE_INT,
             "do_layer_norm_before": BOOLEAN, "_remove_final_layer_norm": BOOLEAN,
             "enable_bias": BOOLEAN, "layer_norm_elementwise_affine": BOOLEAN,

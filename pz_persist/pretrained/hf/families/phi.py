@@ -89,6 +89,6 @@ RECORD = Family(
     adds=("parallel attention and MLP on one LayerNorm, biases on every projection and the"
           " head, partial rotary, query/key LayerNorms (qk_layernorm)"),
     refuses="scaled RoPE, a head_dim other than hidden_size / heads",
-    rank=1,
+    rank=10,
     fields={"qk_layernorm": BOOLEAN, "resid_pdrop": NON_NEGATIVE_NUMBER},
 )

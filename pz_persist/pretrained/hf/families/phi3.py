@@ -282,7 +282,7 @@ RECORD = Family(
     adds=("fused `qkv_proj` / `gate_up_proj` read as Penzai's separate projections (and written"
           " back fused), `longrope` (`ApplyLongRoPE`), partial rotary, a window on every layer"),
     refuses="rope types other than `default` / `longrope`, biases",
-    rank=5,
+    rank=50,
     fields={"short_factor": (_numbers, "a list of positive numbers"),
             "long_factor": (_numbers, "a list of positive numbers"),
             "resid_pdrop": (_dropout, "a number in [0, 1]"),

@@ -128,6 +128,6 @@ RECORD = Family(
           " tower is not read, and the load says so)"),
     refuses="`use_mrope` (Qwen2-VL's field) in a `qwen2` folder; multimodal RoPE sections"
             " that do not cover half a head",
-    rank=40,
+    rank=400,
     fields=VL_FIELDS,
 )

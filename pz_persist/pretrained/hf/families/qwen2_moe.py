@@ -147,6 +147,6 @@ RECORD = Family(
           " `sigmoid(shared_expert_gate)`; `decoder_sparse_step`, `mlp_only_layers` dense"
           " layers; `layer_types` or Qwen2-MoE's own window rule"),
     refuses="an output-projection or MLP bias, other rope types, partial rotary",
-    rank=34,
+    rank=340,
     fields=FIELDS,
 )

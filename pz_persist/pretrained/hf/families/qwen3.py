@@ -142,6 +142,6 @@ RECORD = Family(
           " folders (interleaved multimodal RoPE at text positions; the vision tower and"
           " DeepStack mergers are not read, and the load says so)"),
     refuses="an MLP bias, other rope types (its mixture of experts is `qwen3_moe`)",
-    rank=35,
+    rank=350,
     fields=VL_FIELDS,
 )

@@ -80,7 +80,7 @@ RECORD = Family(
           " query/key-normed attention with a sigmoid output gate, partial RoPE, `1 + w` norms; the text"
           " model of `qwen3_5` folders (vision tower and MTP head not read)"),
     refuses="other rope types, attention biases, activations other than SiLU",
-    rank=32,
+    rank=320,
     fields=FIELDS,
     layer_prefixes=(TEXT + "layers.", MULTIMODAL_TEXT + "layers."),
 )

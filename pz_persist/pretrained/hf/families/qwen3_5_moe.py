@@ -116,6 +116,6 @@ RECORD = Family(
           " renormalised, experts on an `experts` axis, a shared SwiGLU expert gated by"
           " `sigmoid(shared_expert_gate)`; the text model of `qwen3_5_moe` folders"),
     refuses="what Qwen3.5 refuses",
-    rank=31,
+    rank=310,
     fields=_FIELDS,
 )

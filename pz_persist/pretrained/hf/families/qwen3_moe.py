@@ -159,6 +159,6 @@ RECORD = Family(
           " per-expert tensors or transformers 5's fused ones); `decoder_sparse_step`,"
           " `mlp_only_layers` dense layers; one window for every layer"),
     refuses="an MLP bias, other rope types, a window on some layers only",
-    rank=33,
+    rank=330,
     fields=FIELDS,
 )

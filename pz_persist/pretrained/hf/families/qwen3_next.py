@@ -185,6 +185,6 @@ RECORD = Family(
           " by ranges, regrouped into value heads), `norm_topk_prob`, dense MLPs where"
           " `decoder_sparse_step` / `mlp_only_layers` say"),
     refuses="what Qwen3.5 refuses; the multi-token-prediction head (not read)",
-    rank=28,
+    rank=282,
     fields=_FIELDS,
 )

@@ -81,7 +81,7 @@ RECORD = Family(
           " bias of its own (`attention_out_bias`) and MLP biases (`mlp_bias`), each an"
           " `AddBias`; `residual_dropout` (training only) is not read"),
     refuses="what Llama refuses",
-    rank=87,
+    rank=870,
     fields={"attention_out_bias": BOOLEAN,
             "residual_dropout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
                                  and 0 <= v <= 1, "a probability between 0 and 1")},

@@ -161,7 +161,7 @@ RECORD = Family(
     adds=("Llama's layout with layers without RoPE (`no_rope_layers`), per-layer sliding"
           " windows (`layer_types`), Llama's biases, scaled RoPE"),
     refuses="what Llama refuses; a layer marked sliding without a window",
-    rank=25,
+    rank=250,
     fields={"no_rope_layers": (_flags, "a list of 0 and 1"),
             "no_rope_layer_interval": POSITIVE_INT},
 )

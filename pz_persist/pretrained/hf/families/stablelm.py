@@ -95,6 +95,6 @@ RECORD = Family(
           " (qk_layernorm), parallel blocks on one LayerNorm (use_parallel_residual)"),
     refuses="scaled RoPE, a head_dim other than hidden_size / heads, activations other than"
             " SiLU / tanh GELU",
-    rank=2,
+    rank=20,
     fields={"use_qkv_bias": BOOLEAN, "qk_layernorm": BOOLEAN},
 )
