@@ -288,7 +288,7 @@ RECORD = Family(
           " head; Command R's per-head query/key LayerNorms (`use_qk_norm`); Command R7B / A's"
           " sliding-window layers with RoPE and global layers without positions (`layer_types`)"),
     refuses="what Llama refuses; `rms_norm_eps`; a layer marked sliding without a window",
-    rank=22,
+    rank=6,
     fields={"logit_scale": POSITIVE_NUMBER, "sliding_window_pattern": POSITIVE_INT,
             "use_qk_norm": BOOLEAN},
 )

@@ -447,7 +447,7 @@ RECORD = Family(
           " `num_ln_in_parallel_attn`), `bias`, tied or untied head"),
     refuses=("ALiBi (`alibi: true`, Falcon-RW), layouts transformers' Falcon layer fails on"
              " (a sequential new decoder architecture, two norms without it)"),
-    rank=32,
+    rank=8,
     fields={"num_kv_heads": POSITIVE_INT, "ffn_hidden_size": POSITIVE_INT,
             "num_ln_in_parallel_attn": POSITIVE_INT, "layer_norm_epsilon": POSITIVE_NUMBER,
             "alibi": BOOLEAN, "new_decoder_architecture": BOOLEAN, "multi_query": BOOLEAN,

@@ -198,6 +198,6 @@ RECORD = Family(
           " `w1`/`w3`/`w2`); optional sliding window"),
     refuses=("`rope_scaling` (Phi-3.5-MoE's longrope with `short_mscale` / `long_mscale`) for"
              " now, `num_experts_per_tok` other than 2, an MLP bias"),
-    rank=38,
+    rank=4,
     fields=FIELDS,
 )

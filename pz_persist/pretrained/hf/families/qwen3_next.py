@@ -123,14 +123,19 @@ def per_key_head_delta_specs(name: str, s: str, sizes: hybrid_decoder.Sizes
 
 def _detect(model: pz.nn.Layer) -> str | None:
   """Gated DeltaNet layers with mixtures of experts that Qwen3.5-MoE cannot
-  hold: a dense layer among them, or a router that does not renormalise
-  (the rest is Qwen3.5-MoE's structure, whose record claims it)."""
+  hold: a dense layer among them, a router that does not renormalise, or a
+  dense width other than the experts' (the rest is Qwen3.5-MoE's structure, whose record claims it)."""
   found = mixtures(model)
   routed = [layer for layer in found if layer is not None]
   if not hybrid_decoder.has_delta_net(model) or not routed:
     return None
   router = routed[0].router
   if None in found or (isinstance(router, moe.TopKRouter) and not router.normalize):
+    return "qwen3_next"
+  # Qwen3.5-MoE's config has no dense width: its models' placeholder is the
+  # experts' width, and a model holding another came from Qwen3-Next's.
+  neurons = named_shape(all_layers(routed[0].experts, pz.nn.Linear)[0])["neurons"]
+  if getattr(model, "metadata", None) is not None and model.metadata.mlp_hidden_dim != neurons:
     return "qwen3_next"
   return None
 

@@ -107,7 +107,7 @@ RECORD = Family(
     adds=("LayerNorm with biases, biases on every projection (use_bias), a non-gated GELU MLP"
           " (c_fc, c_proj), grouped-query attention, a sliding window on every layer"),
     refuses="scaled RoPE, partial rotary (transformers' StarCoder2 cannot run it)",
-    rank=30,
+    rank=7,
     fields={"use_bias": BOOLEAN, "norm_epsilon": POSITIVE_NUMBER,
             "residual_dropout": NON_NEGATIVE_NUMBER, "embedding_dropout": NON_NEGATIVE_NUMBER},
 )
