@@ -479,3 +479,13 @@ def check_greedy_generation(saved: Saved, steps: int = 6) -> None:
                                 out.sequences[:, prompt.shape[1]:].numpy())
   np.testing.assert_allclose(np.stack(got_logits, 1),
                              torch.stack(out.logits, 1).float().numpy(), **TOLERANCE)
+
+
+def check_cached_decoding(saved: Saved) -> None:
+  """Penzai's KV cache against its forward pass and against transformers'
+  cache (`check_kv_cache`, `check_kv_cache_like_transformers`), and greedy
+  decoding against ``generate`` (`check_greedy_generation`)."""
+  model = pzp.pretrained.load_hf(saved.folder)
+  check_kv_cache(model)
+  check_kv_cache_like_transformers(model, saved.hf_model)
+  check_greedy_generation(saved)

@@ -174,9 +174,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                              "Granite shares its multipliers and attention"),
     "hunyuan_v1_moe": _row("Hunyuan MoE", "shared experts and query-key norms after rotary",
                            "qwen3_moe", "Qwen3-MoE shares routed experts with query-key norms"),
-    "ernie4_5_moe": _row("ERNIE 4.5 MoE", "shared experts, a routing correction bias and"
-                         " interleaved rotary", "qwen3_moe",
-                         "Qwen3-MoE shares its softmax top-k routed experts"),
     "minimax_m2": _row("MiniMax-M2", "sigmoid routing with a correction bias, query-key norms"
                        " over all heads and partial rotary", "qwen3_moe",
                        "Qwen3-MoE shares routed experts with query-key norms"),
