@@ -85,6 +85,7 @@ MINIMAL = {
     "opt": {**{k: v for k, v in _SIZES.items() if k != "intermediate_size"}, "ffn_dim": 64},
     "qwen3": {**_SIZES, **_HEADS},
     "ernie4_5": {**_SIZES, **_HEADS},
+    "hunyuan_v1_dense": {**_SIZES, **_HEADS},
     "ernie4_5_moe": {**_SIZES, **_HEADS, "moe_intermediate_size": 16, "moe_num_experts": 4,
                      "moe_k": 2},
     "exaone4": {**_SIZES, **_HEADS},

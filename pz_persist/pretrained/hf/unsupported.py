@@ -147,9 +147,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                      "Qwen2 shares biases on the query, key and value projections only"),
     "apertus": _row("Apertus", "the xIELU activation (learned per layer) in a non-gated MLP",
                     "qwen3", "Qwen3 shares its per-head query-key norms"),
-    "hunyuan_v1_dense": _row("Hunyuan dense", "query-key norms applied after rotary, and"
-                             " dynamic-alpha RoPE", "qwen3",
-                             "Qwen3 shares query-key norms on Llama's layout"),
     "glm": _row("GLM-4 (ChatGLM 4)", "rotary on interleaved pairs of half the head",
                 "phi3", "Phi-3 shares a fused gate_up_proj and fused query-key-value weights"),
     "glm4": _row("GLM-4-0414", "norms after attention and MLP beside those before, and rotary on"
