@@ -515,3 +515,13 @@ def saved_biased_cases(tmp_path_factory, cases: dict[str, Case]) -> dict[str, Sa
     model.save_pretrained(folder, safe_serialization=True)
     result[name] = Saved(folder, model, reference_logits(model))
   return result
+
+
+def check_cached_decoding(saved: Saved) -> None:
+  """Penzai's KV cache against its forward pass and against transformers'
+  cache (`check_kv_cache`, `check_kv_cache_like_transformers`), and greedy
+  decoding against ``generate`` (`check_generate`)."""
+  model = pzp.pretrained.load_hf(saved.folder)
+  check_kv_cache(model)
+  check_kv_cache_like_transformers(model, saved.hf_model)
+  check_generate(saved)

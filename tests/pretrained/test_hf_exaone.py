@@ -101,15 +101,8 @@ def test_layer_norm_epsilon_binds(hub):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_kv_cache_matches_transformers_cache(saved, case):
-  model = pzp.pretrained.load_hf(saved[case].folder)
-  checks.check_kv_cache(model)
-  checks.check_kv_cache_like_transformers(model, saved[case].hf_model)
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_greedy_generation_matches_generate(saved, case):
-  checks.check_generate(saved[case])
+def test_kv_cache_and_greedy_generation_match_transformers(saved, case):
+  checks.check_cached_decoding(saved[case])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -116,9 +116,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    "llama", "Llama shares its layout before quantization"),
     "ministral": _row("Ministral 8B (2410)", "sliding windows chosen per layer (layer_types)",
                       "mistral", "Mistral shares its layout with one window on every layer"),
-    "hunyuan_v1_dense": _row("Hunyuan dense", "query-key norms applied after rotary, and"
-                             " dynamic-alpha RoPE", "qwen3",
-                             "Qwen3 shares query-key norms on Llama's layout"),
     "glm": _row("GLM-4 (ChatGLM 4)", "rotary on interleaved pairs of half the head",
                 "phi3", "Phi-3 shares a fused gate_up_proj and fused query-key-value weights"),
     "helium": _row("Helium", "its own configuration fields", "llama",
@@ -131,9 +128,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                              "Granite shares its multipliers and attention"),
     "hunyuan_v1_moe": _row("Hunyuan MoE", "shared experts and query-key norms after rotary",
                            "qwen3_moe", "Qwen3-MoE shares routed experts with query-key norms"),
-    "ernie4_5_moe": _row("ERNIE 4.5 MoE", "shared experts, a routing correction bias and"
-                         " interleaved rotary", "qwen3_moe",
-                         "Qwen3-MoE shares its softmax top-k routed experts"),
     "dbrx": _row("DBRX", "a clipped fused Wqkv, LayerNorms without biases and experts stored"
                  " fused (w1, v1, w2)", "mixtral", "Mixtral shares top-k routed SiLU experts"),
     "jetmoe": _row("JetMoE", "a mixture of attention heads beside its MLP experts", "mixtral",

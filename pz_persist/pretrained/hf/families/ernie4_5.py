@@ -19,8 +19,6 @@ from typing import Any
 from penzai import pz
 from penzai.models.transformer import model_parts
 
-from pz_persist.nn.llama4_attention import ApplyChunkedCausalAttentionMask
-from pz_persist.nn.llama4_attention import TemperatureTuning
 from pz_persist.nn.mixture_of_experts import MixtureOfExperts
 from pz_persist.pretrained.hf.building.decoder import Biases
 from pz_persist.pretrained.hf.building.decoder import llama_plan
@@ -52,15 +50,9 @@ def ernie4_5_plan(cfg: Config, weights: Weights) -> Plan:
 
 
 def _detect(model: pz.nn.Layer) -> str | None:
-  """Llama's layout with adjacent-pair RoPE in every block and nothing of
-  Llama 4's (query/key norms, temperature tuning, chunked attention) nor
-  experts (ERNIE 4.5's MoE is ``ernie4_5_moe``)."""
-  extras = (pz.nn.RMSStandardize, TemperatureTuning, ApplyChunkedCausalAttentionMask)
-  attention_extras = any(all_layers(part, cls) for a in all_layers(model, pz.nn.Attention)
-                         for part in (a.input_to_query, a.input_to_key, a.query_key_to_attn)
-                         for cls in extras)
-  if (interleaved_everywhere(model) and not attention_extras
-      and not all_layers(model, MixtureOfExperts)):
+  """ERNIE 4.5's attention (adjacent-pair RoPE in every block, nothing of
+  Llama 4's) and no experts (ERNIE 4.5's MoE is ``ernie4_5_moe``)."""
+  if interleaved_everywhere(model) and not all_layers(model, MixtureOfExperts):
     return "ernie4_5"
   return None
 
