@@ -62,6 +62,8 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.short_conv", "ShortConv"),  # LFM2 (issue 40).
     ("pz_persist.nn.short_conv", "CachingShortConv"),
     ("pz_persist.nn.xielu", "XIELU"),  # Apertus (issue 40).
+    ("pz_persist.nn.recurrent_state", "CachingRecurrent"),  # Stateful layers' sampling form.
+    ("pz_persist.nn.recurrent_state", "Recurrent"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist.nn.recurrent_state import CachingRecurrent
 
 KEY_AXES = ("key_heads", "key_projection")
 VALUE_AXES = ("value_heads", "value_projection")
@@ -252,11 +253,9 @@ def _named_shape(value: pz.nx.NamedArray) -> dict[str, int]:
 
 
 @pz.pytree_dataclass
-class CachingGatedDeltaNet(pz.nn.Layer):
-  """A `GatedDeltaNet` in sampling mode: each call continues from the state
-  the previous call left (the convolutions' last inputs and the recurrent
-  state, per batch element), so feeding a sequence in pieces gives what one
-  call over the whole sequence gives.
+class CachingGatedDeltaNet(CachingRecurrent):
+  """A `GatedDeltaNet` in sampling mode, carrying the convolutions' last inputs and the recurrent state per batch element
+  (`pz_persist.nn.recurrent_state.CachingRecurrent`).
 
   Attributes:
     uncached: The layer.
@@ -265,15 +264,4 @@ class CachingGatedDeltaNet(pz.nn.Layer):
 
   uncached: GatedDeltaNet
   state: pz.StateVariable[dict[str, pz.nx.NamedArray]]
-
-  @classmethod
-  def from_uncached(cls, uncached: GatedDeltaNet, batch_axes: dict[str, int],
-                    label: str) -> CachingGatedDeltaNet:
-    return cls(uncached=uncached,
-               state=pz.StateVariable(value=uncached.zero_state(batch_axes), label=label))
-
-  def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
-    outputs, state = self.uncached.run(inputs, self.state.value)
-    self.state.value = state
-    return outputs
 

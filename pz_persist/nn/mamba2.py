@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist.nn.recurrent_state import CachingRecurrent
 
 HEAD_AXES = ("ssm_heads", "ssm_head_dim")
 GROUP_AXES = ("ssm_groups", "ssm_state")
@@ -267,11 +268,9 @@ def _mix(streams, gate, time_step, kernels, biases, conv_past, ssm, log_rate, dt
 
 
 @pz.pytree_dataclass
-class CachingMamba2(pz.nn.Layer):
-  """A `Mamba2` in sampling mode: each call continues from the state the
-  previous call left (the convolutions' last inputs and the state-space
-  state, per batch element), so feeding a sequence in pieces gives what one
-  call over the whole sequence gives.
+class CachingMamba2(CachingRecurrent):
+  """A `Mamba2` in sampling mode, carrying the convolutions' last inputs and the state-space state per batch element
+  (`pz_persist.nn.recurrent_state.CachingRecurrent`).
 
   Attributes:
     uncached: The layer.
@@ -280,14 +279,3 @@ class CachingMamba2(pz.nn.Layer):
 
   uncached: Mamba2
   state: pz.StateVariable[dict[str, pz.nx.NamedArray]]
-
-  @classmethod
-  def from_uncached(cls, uncached: Mamba2, batch_axes: dict[str, int],
-                    label: str) -> CachingMamba2:
-    return cls(uncached=uncached,
-               state=pz.StateVariable(value=uncached.zero_state(batch_axes), label=label))
-
-  def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
-    outputs, state = self.uncached.run(inputs, self.state.value)
-    self.state.value = state
-    return outputs

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist.nn.recurrent_state import CachingRecurrent
 
 CHANNELS = "conv_channels"
 TAPS = "conv_taps"
@@ -192,10 +193,9 @@ def _convolve(inputs: jax.Array, past: jax.Array, kernel: jax.Array, bias: jax.A
 
 
 @pz.pytree_dataclass
-class CachingShortConv(pz.nn.Layer):
-  """A `ShortConv` in sampling mode: each call continues from the
-  convolution inputs the previous call left (per batch element), so feeding a
-  sequence in pieces gives what one call over the whole sequence gives.
+class CachingShortConv(CachingRecurrent):
+  """A `ShortConv` in sampling mode, carrying the convolution's last inputs per batch element
+  (`pz_persist.nn.recurrent_state.CachingRecurrent`).
 
   Attributes:
     uncached: The layer.
@@ -204,14 +204,3 @@ class CachingShortConv(pz.nn.Layer):
 
   uncached: ShortConv
   state: pz.StateVariable[dict[str, pz.nx.NamedArray]]
-
-  @classmethod
-  def from_uncached(cls, uncached: ShortConv, batch_axes: dict[str, int],
-                    label: str) -> CachingShortConv:
-    return cls(uncached=uncached,
-               state=pz.StateVariable(value=uncached.zero_state(batch_axes), label=label))
-
-  def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
-    outputs, state = self.uncached.run(inputs, self.state.value)
-    self.state.value = state
-    return outputs

@@ -1,0 +1,66 @@
+"""The sampling form shared by layers whose past is a state, not keys and values.
+
+A gated DeltaNet, a Mamba-2 mixer and a short convolution each carry their
+past as a small state (a convolution's last inputs, a recurrence's matrix)
+rather than as keys and values in a KV cache. Each exposes the same two
+methods, ``zero_state(batch_axes)`` and ``run(inputs, state) -> (outputs,
+state)``, and `CachingRecurrent` turns any such layer into its sampling
+form: one class holding the rule, subclassed per layer only so that a
+saved sampler names what it wraps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Protocol
+from typing import Self
+
+from penzai import pz
+
+
+class Recurrent(Protocol):
+  """A layer whose past is a state: what `CachingRecurrent` wraps."""
+
+  def zero_state(self, batch_axes: dict[str, int]) -> dict[str, pz.nx.NamedArray]:
+    """The state before the first token, per batch element."""
+
+  def run(self, inputs: pz.nx.NamedArray, state: dict[str, pz.nx.NamedArray]
+          ) -> tuple[pz.nx.NamedArray, dict[str, pz.nx.NamedArray]]:
+    """The outputs for ``inputs`` continuing from ``state``, and the state after."""
+
+
+@pz.pytree_dataclass
+class CachingRecurrent(pz.nn.Layer):
+  """A `Recurrent` layer in sampling mode: each call continues from the
+  state the previous call left (per batch element), so feeding a sequence
+  in pieces gives what one call over the whole sequence gives.
+
+  Example:
+    >>> import jax
+    >>> from penzai import pz
+    >>> from pz_persist.nn.short_conv import CachingShortConv, ShortConv
+    >>> conv = ShortConv.from_config("conv", embedding=4, conv_taps=3,
+    ...                              init_base_rng=jax.random.key(0))
+    >>> cached = CachingShortConv.from_uncached(conv, {"batch": 1}, label="conv_state")
+    >>> x = pz.nx.ones({"batch": 1, "seq": 2, "embedding": 4})
+    >>> cached(x).named_shape == x.named_shape
+    True
+
+  Attributes:
+    uncached: The layer.
+    state: Its state, ``uncached.zero_state``'s structure.
+  """
+
+  uncached: Any
+  state: pz.StateVariable[dict[str, pz.nx.NamedArray]]
+
+  @classmethod
+  def from_uncached(cls, uncached: Recurrent, batch_axes: dict[str, int], label: str) -> Self:
+    """``uncached`` with a zero state for ``batch_axes``, labelled ``label``."""
+    return cls(uncached=uncached,
+               state=pz.StateVariable(value=uncached.zero_state(batch_axes), label=label))
+
+  def __call__(self, inputs: pz.nx.NamedArray, **_unused_side_inputs) -> pz.nx.NamedArray:
+    outputs, state = self.uncached.run(inputs, self.state.value)
+    self.state.value = state
+    return outputs
