@@ -14,7 +14,6 @@ from penzai import pz
 
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
-from pretrained.test_hf_vision_language import check_greedy_generation
 from pz_persist.nn.xielu import XIELU
 
 _SIZES = {"num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2,
@@ -67,7 +66,7 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
 def test_kv_cache_and_greedy_generation_match_generate(saved, case):
   model = pzp.pretrained.load_hf(saved[case].folder)
   checks.check_kv_cache(model)
-  check_generate(model, saved[case].hf_model)
+  checks.check_generate(saved[case], steps=6)
 
 
 def test_save_model_round_trip(saved, tmp_path):
