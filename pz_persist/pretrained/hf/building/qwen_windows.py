@@ -32,8 +32,8 @@ def qwen2_moe_sliding(layer: int, max_window_layers: int) -> bool:
   return layer % 2 == 0 and layer < max_window_layers
 
 
-def qwen2_attention(cfg: Config, sliding: Callable[[int, int], bool] = qwen2_sliding
-                    ) -> Callable[[int], Attention]:
+def qwen2_attention(cfg: Config, sliding: Callable[[int, int], bool] = qwen2_sliding,
+                    zero_is_no_window: bool = False) -> Callable[[int], Attention]:
   """Each layer's attention, exactly as transformers' ``Qwen2Config`` decides,
   as a function of the layer count (called by `llama_plan` once the count is
   checked against the weights; the fields are read and checked here).
@@ -44,13 +44,15 @@ def qwen2_attention(cfg: Config, sliding: Callable[[int, int], bool] = qwen2_sli
   transformers 4), to the layers ``sliding(layer, max_window_layers)``
   picks (`qwen2_sliding`: ``max_window_layers``, default 28, and above).
   A layer marked sliding with no window is refused, as transformers fails
-  on it. (Windows apply in full-sequence calls and in Penzai's KV-cache
+  on it. ``zero_is_no_window``: a ``sliding_window`` of 0 beside a false
+  ``use_sliding_window`` means no window (Qwen2-MoE's config class writes
+  it); elsewhere it is refused as a window of no tokens. (Windows apply in full-sequence calls and in Penzai's KV-cache
   sampling mode alike.)
   """
   layers = cfg.require("num_hidden_layers")
   use_window = cfg.get("use_sliding_window", False)
   # Absent: transformers' default window; an explicit null: no window.
-  if not use_window and cfg.raw.get("sliding_window") == 0:
+  if zero_is_no_window and not use_window and cfg.raw.get("sliding_window") == 0:
     cfg.used.add("sliding_window")  # Qwen2-MoE's class writes 0 for "no window".
     window = None
   else:

@@ -80,7 +80,8 @@ def qwen2_moe_plan(cfg: Config, weights: Weights) -> Plan:
   shared = cfg.require("shared_expert_intermediate_size")
   normalize = cfg.get("norm_topk_prob", False)
   routed = routed_layers(cfg)
-  plan = llama_plan(cfg, weights, attention=qwen2_attention(cfg, qwen2_moe_sliding),
+  attention = qwen2_attention(cfg, qwen2_moe_sliding, zero_is_no_window=True)
+  plan = llama_plan(cfg, weights, attention=attention,
                     biases=Biases(query_key_value=cfg.get("qkv_bias", True)),
                     max_positions_default=32768)
   # llama_plan checked num_hidden_layers against the weights, and hidden_act.
