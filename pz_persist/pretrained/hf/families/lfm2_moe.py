@@ -140,7 +140,7 @@ RECORD = Family(
         "lfm2_moe": ModelType(lfm2_moe_plan, "Lfm2MoeForCausalLM",
                               **_TRANSFORMERS_DEFAULTS["lfm2_moe"],
                               ignored_fields={**IGNORED, **TRAINING_ONLY_IGNORED},
-                              foreign_fields=FOREIGN),
+                              foreign_fields=FOREIGN | {"router_aux_loss_coef", "router_jitter_noise"}),
     },
     detect=_detect,
     write_config=_write_config,

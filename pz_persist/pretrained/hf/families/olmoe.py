@@ -135,7 +135,8 @@ RECORD = Family(
     title="OLMoE",
     model_types={"olmoe": ModelType(olmoe_plan, "OlmoeForCausalLM",
                      **_TRANSFORMERS_DEFAULTS["olmoe"],
-                     ignored_fields=TRAINING_ONLY_IGNORED)},
+                     ignored_fields=TRAINING_ONLY_IGNORED,
+                     foreign_fields=frozenset({"router_jitter_noise"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("query/key RMS norms over the whole projection (every head at once), `clip_qkv`"

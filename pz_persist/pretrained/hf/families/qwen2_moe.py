@@ -140,7 +140,8 @@ RECORD = Family(
     title="Qwen1.5-MoE, Qwen2-MoE",
     model_types={"qwen2_moe": ModelType(qwen2_moe_plan, "Qwen2MoeForCausalLM",
                      **_TRANSFORMERS_DEFAULTS["qwen2_moe"],
-                     ignored_fields=TRAINING_ONLY_IGNORED)},
+                     ignored_fields=TRAINING_ONLY_IGNORED,
+                     foreign_fields=frozenset({"router_jitter_noise"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("Qwen2's attention (`qkv_bias`) with a mixture of experts (`MixtureOfExperts`:"

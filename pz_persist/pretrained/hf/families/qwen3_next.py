@@ -181,7 +181,7 @@ RECORD = Family(
                                 **_TRANSFORMERS_DEFAULTS["qwen3_next"],
                                 ignored_fields={**hybrid_decoder.TEXT_IGNORED,
                                                 **TRAINING_ONLY_IGNORED},
-                                foreign_fields=hybrid_decoder.TEXT_FOREIGN),
+                                foreign_fields=hybrid_decoder.TEXT_FOREIGN | {"router_jitter_noise"}),
     },
     detect=_detect,
     write_config=_write_config,
