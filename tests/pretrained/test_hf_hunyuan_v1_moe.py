@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -144,14 +145,22 @@ _HUB = {  # tencent/Hunyuan-A13B-Instruct's config.json fields transformers read
     "eos_token_id": 127960, "head_dim": 8, "hidden_act": "silu", "initializer_range": 0.02,
     "intermediate_size": 16, "max_position_embeddings": 32768, "moe_intermediate_size": [16, 16],
     "moe_topk": [3, 3], "num_experts": 4, "num_shared_expert": [1, 1], "rms_norm_eps": 1e-05,
-    "rope_scaling": {"alpha": 1000.0, "factor": 1.0, "type": "dynamic"}, "rope_theta": 10000.0,
+    "rope_scaling": {"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0,
+                     "mscale": 1.0, "mscale_all_dim": 1.0, "type": "dynamic"},
+    "rope_theta": 10000.0,
     "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
     "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
     "num_hidden_layers": 2, "vocab_size": 64, "pad_token_id": 0}
 
 
 def test_hub_config(tmp_path):
-  checks.check_float32(checks.hub_saved(tmp_path, _HUB), "Hunyuan-A13B's config")
+  """Read as transformers reads it: the per-layer lists, ``alpha`` RoPE (its
+  other keys unread there too); transformers' alias ``num_experts_per_tok``
+  for ``moe_topk`` read alike."""
+  saved = checks.hub_saved(tmp_path, _HUB)
+  checks.check_float32(saved, "Hunyuan-A13B's config")
+  aliased = checks.edited(saved.folder, tmp_path, moe_topk=checks.DELETE, num_experts_per_tok=3)
+  checks.float32_error(aliased, saved.reference)
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -176,3 +185,26 @@ def test_hostile_configs_are_refused_before_building(saved, tmp_path, monkeypatc
                                                      match):
   checks.check_refused_before_building(
       checks.edited(saved["hunyuan_v1_moe"].folder, tmp_path, **changes), match, monkeypatch)
+
+
+@pytest.mark.parametrize("what, changes", [
+    ("no shared MLP", {"shared": None}),
+    ("a gated shared MLP", {"shared_gate": "gate"}),
+])
+def test_export_refuses_what_hunyuan_moe_cannot_say(saved, tmp_path, what, changes):
+  """A mixture transformers' Hunyuan MoE does not compute is refused by
+  export with ``like`` (and not recognised as Hunyuan MoE without it)."""
+  model = pzp.pretrained.load_hf(saved["hunyuan_v1_moe"].folder)
+
+  def edit(layer):
+    fields = dict(changes)
+    if fields.get("shared_gate") == "gate":
+      fields["shared_gate"] = pz.nn.Linear.from_config(
+          name="gate", init_base_rng=jax.random.key(0), input_axes={"embedding": 32},
+          output_axes={})
+    return dataclasses.replace(layer, **fields)
+
+  edited = pz.select(model).at_instances_of(moe.MixtureOfExperts).apply(edit)
+  assert families.detect(edited) != "hunyuan_v1_moe", what
+  with pytest.raises(pzp.errors.PzPersistError, match="block 0's MixtureOfExperts is not"):
+    pzp.export_hf(edited, tmp_path / "out", like=saved["hunyuan_v1_moe"].folder)

@@ -186,6 +186,12 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   if not all(layer is not None for layer in found):
     raise errors.ExportError("a block of the model has no MixtureOfExperts: every Hunyuan MoE"
                              " layer has experts, so transformers could not read it.")
+  odd = [i for i, layer in enumerate(found) if layer is not None and not _hunyuan_routed(layer)]
+  if odd:
+    raise errors.ExportError(
+        f"block {odd[0]}'s MixtureOfExperts is not Hunyuan MoE's (a float32 softmax top-k router,"
+        " renormalised, with no selection bias or scale, and an ungated shared MLP), which is"
+        " all transformers' HunYuanMoEV1ForCausalLM computes.")
   fields = expert_fields(model, like, accepts=_hunyuan_routed)
   routed = [layer for layer in found if layer is not None]
   sizes = sorted({_sizes(layer) for layer in routed})
