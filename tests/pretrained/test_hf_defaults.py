@@ -97,6 +97,8 @@ MINIMAL = {
     "qwen3": {**_SIZES, **_HEADS},
     "ernie4_5": {**_SIZES, **_HEADS},
     "hunyuan_v1_dense": {**_SIZES, **_HEADS},
+    # transformers' default of one expert, chosen for every token.
+    "hunyuan_v1_moe": {**_SIZES, **_HEADS},
     "ernie4_5_moe": {**_SIZES, **_HEADS, "moe_intermediate_size": 16, "moe_num_experts": 4,
                      "moe_k": 2},
     "exaone4": {**_SIZES, **_HEADS},

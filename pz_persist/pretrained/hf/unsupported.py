@@ -126,8 +126,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "granitemoeshared": _row("Granite 3 MoE with a shared expert", "experts stored fused and a"
                              " shared expert", "granite",
                              "Granite shares its multipliers and attention"),
-    "hunyuan_v1_moe": _row("Hunyuan MoE", "shared experts and query-key norms after rotary",
-                           "qwen3_moe", "Qwen3-MoE shares routed experts with query-key norms"),
     "dbrx": _row("DBRX", "a clipped fused Wqkv, LayerNorms without biases and experts stored"
                  " fused (w1, v1, w2)", "mixtral", "Mixtral shares top-k routed SiLU experts"),
     "jetmoe": _row("JetMoE", "a mixture of attention heads beside its MLP experts", "mixtral",

@@ -7,6 +7,8 @@ family, and none names a family's ``model_type`` as its own.
 - `norms`: per-head query/key norms and Gemma's offset norms;
   `post_norms`: OLMo's norms after each branch.
 - `qwen_windows`: Qwen's per-layer sliding windows.
+- `hunyuan`: Hunyuan's attention (query/key norms after RoPE, ``alpha`` RoPE),
+  dense and mixture of experts.
 - `gemma_layout`: Gemma 2's activation check and written fields (Gemma 3, 4).
 - `hybrid_decoder`: Qwen3.5's gated DeltaNet and gated-attention layers
   (dense and mixture of experts).

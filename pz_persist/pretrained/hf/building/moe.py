@@ -305,36 +305,55 @@ def with_gated_shared_expert(plan: Plan, sources: Mapping[int, str], width: int,
                              activation: moe.Activation = "silu") -> Plan:
   """``plan`` (built by `with_experts`) with a shared expert beside each
   `MixtureOfExperts`, its output times ``sigmoid(shared_expert_gate(x))``
-  (Qwen2-MoE, Qwen3.5-MoE): a gated MLP of ``width`` read from
-  ``{source}shared_expert.{gate,up,down}_proj.weight`` and the gate's one
-  logit from ``{source}shared_expert_gate.weight`` (``[1, hidden]``), where
-  ``sources`` maps each layer with experts to its MLP's Hugging Face prefix
-  (``model.layers.{i}.mlp.``)."""
+  (Qwen2-MoE, Qwen3.5-MoE): `with_shared_expert` of the module
+  ``shared_expert`` and the gate's one logit from
+  ``{source}shared_expert_gate.weight`` (``[1, hidden]``)."""
+  return with_shared_expert(plan, sources, width, hidden, activation)
+
+
+def with_shared_expert(plan: Plan, sources: Mapping[int, str], width: int, hidden: int,
+                       activation: moe.Activation = "silu", *, module: str = "shared_expert",
+                       gate: str | None = "shared_expert_gate") -> Plan:
+  """``plan`` (built by `with_experts`) with a shared expert beside each
+  `MixtureOfExperts`: a gated MLP of ``width`` read from
+  ``{source}{module}.{gate,up,down}_proj.weight``, where ``sources`` maps
+  each layer with experts to its MLP's Hugging Face prefix
+  (``model.layers.{i}.mlp.``); its output times ``sigmoid(gate(x))`` whose
+  one logit is read from ``{source}{gate}.weight`` (``[1, hidden]``), or
+  added as it is when ``gate`` is None (Hunyuan MoE's ``shared_mlp``)."""
   specs = list(plan.tensors)
   for i, s in sources.items():
     m = f"transformer/block_{i}/mlp/"
     specs += [
-        TensorSpec(f"{m}shared/gate.weights", f"{s}shared_expert.gate_proj.weight",
+        TensorSpec(f"{m}shared/gate.weights", f"{s}{module}.gate_proj.weight",
                    (width, hidden), ("neurons", "embedding")),
-        TensorSpec(f"{m}shared/up.weights", f"{s}shared_expert.up_proj.weight",
+        TensorSpec(f"{m}shared/up.weights", f"{s}{module}.up_proj.weight",
                    (width, hidden), ("neurons", "embedding")),
-        TensorSpec(f"{m}shared/down.weights", f"{s}shared_expert.down_proj.weight",
+        TensorSpec(f"{m}shared/down.weights", f"{s}{module}.down_proj.weight",
                    (hidden, width), ("embedding", "neurons")),
-        TensorSpec(f"{m}shared_gate.weights", f"{s}shared_expert_gate.weight", (hidden,),
-                   ("embedding",), stored=(1, hidden)),
     ]
+    if gate is not None:
+      specs.append(TensorSpec(f"{m}shared_gate.weights", f"{s}{gate}.weight", (hidden,),
+                              ("embedding",), stored=(1, hidden)))
   routed_build = plan.build
 
   def build() -> model_parts.TransformerLM:
     def add_shared(layer: moe.MixtureOfExperts) -> moe.MixtureOfExperts:
-      name = layer.router.logits.weights.label.removesuffix("/router.weights")
+      name = _router_label(layer).removesuffix("/router.weights")
+      shared_gate = None if gate is None else pz.nn.Linear(
+          weights=pz.ParameterSlot(f"{name}/shared_gate.weights"),
+          in_axis_names=("embedding",), out_axis_names=())
       return dataclasses.replace(layer, shared=gated_mlp(f"{name}/shared", activation),
-                                 shared_gate=pz.nn.Linear(
-                                     weights=pz.ParameterSlot(f"{name}/shared_gate.weights"),
-                                     in_axis_names=("embedding",), out_axis_names=()))
+                                 shared_gate=shared_gate)
     return pz.select(routed_build()).at_instances_of(moe.MixtureOfExperts).apply(add_shared)
 
   return Plan(build, tuple(specs), plan.views)
+
+
+def _router_label(layer: moe.MixtureOfExperts) -> str:
+  """The label of ``layer``'s router weights (its ``Linear``, maybe inside a
+  ``Sequential`` that casts its input first)."""
+  return all_layers(layer.router, pz.nn.Linear)[0].weights.label
 
 
 # --- export: what a model with experts says about its config -----------------
