@@ -211,13 +211,14 @@ def qwen_vl_text_config(cfg: Config, fields: Mapping[str, Any],
 
 
 _NO_WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-"""Qwen3's window fields, which Qwen3-VL's text models lack (every layer global)."""
+"""The window fields of Qwen 3's config, which Qwen3-VL's text models lack
+(every layer global)."""
 
 
 def qwen3_vl_global_attention(text_cfg: Config, title: str) -> None:
   """Refuses a window in the text config of a Qwen3-VL folder (``title``:
   ``"Qwen3-VL"``, ``"Qwen3-VL-MoE"``), whose transformers text model attends
-  globally in every layer and reads none of Qwen3's window fields; checks
+  globally in every layer and reads none of Qwen 3's window fields; checks
   those fields against the schema, then leaves them out (no window)."""
   window = text_cfg.get("use_sliding_window")
   types = text_cfg.get("layer_types")

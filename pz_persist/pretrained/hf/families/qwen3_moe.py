@@ -15,8 +15,8 @@ every layer when ``use_sliding_window`` is set (``max_window_layers``, which
 the Hub's configs carry, is read by nothing and ignored here too).
 
 A Qwen3-VL-MoE folder's (``qwen3_vl_moe``: Qwen3-VL-30B-A3B,
-Qwen3-VL-235B-A22B) language model is this decoder as Qwen3-VL's is Qwen3's
-(`pz_persist.pretrained.hf.families.qwen3`): ``text_config``, every layer
+Qwen3-VL-235B-A22B) language model is this decoder, read as Qwen3-VL's is
+read from the dense family's: ``text_config``, every layer
 global, interleaved multimodal RoPE that is ordinary RoPE at text
 positions, DeepStack inactive without images, tensors under
 ``model.language_model.``. Its router always renormalises the chosen
