@@ -95,6 +95,10 @@ def test_float32_logits_match_the_text_only_path(saved, layout, caplog):
   assert "Qwen3-VL-MoE's language model only" in said
 
 
+def test_bfloat16_as_close_as_transformers_own(saved):
+  checks.check_bfloat16(saved["hub"], "qwen3_vl_moe")
+
+
 def test_kv_cache_and_greedy_generation_match_generate(saved):
   model = pzp.pretrained.load_hf(saved["hub"].folder)
   checks.check_kv_cache(model)
@@ -247,6 +251,24 @@ def test_a_fused_tensor_of_neither_layout_is_refused(saved, tmp_path, shape):
   folder = _rewritten(saved["hub"].folder, tmp_path, forge)
   with pytest.raises(errors.PzPersistError, match="gate_up_proj"):
     pzp.pretrained.load_hf(folder)
+
+
+def test_the_hubs_config_is_read(saved, tmp_path):
+  """Qwen3-VL-30B-A3B-Instruct's text_config as the Hub has it (shrunk):
+  ``num_experts``, ``norm_topk_prob: true``, ``rope_scaling`` beside
+  ``rope_theta``, ``dtype``; transformers reads the folder as we do."""
+  raw = checks.config(saved["hub"].folder)
+  text = {**{k: v for k, v in raw["text_config"].items()
+             if k not in ("rope_parameters", "num_local_experts", "sliding_window")},
+          "num_experts": 4, "norm_topk_prob": True, "dtype": "bfloat16", "rope_theta": 1e4,
+          "rope_scaling": {"mrope_interleaved": True, "mrope_section": [1, 1, 2],
+                           "rope_type": "default"}}
+  folder = checks.edited(saved["hub"].folder, tmp_path, text_config=text)
+  theirs = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
+      folder, dtype=torch.float32).eval()
+  reference = checks.reference_logits(theirs)
+  np.testing.assert_array_equal(reference, saved["hub"].reference)
+  checks.float32_error(folder, reference)
 
 
 def test_defaults_are_the_text_config_class():

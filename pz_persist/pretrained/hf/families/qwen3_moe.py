@@ -46,6 +46,7 @@ from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import model_biases
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.building.defaults import QWEN_WINDOW
+from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
 from pz_persist.pretrained.hf.building.moe import LAYER_LIST
 from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY
 from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY_IGNORED
@@ -58,10 +59,9 @@ from pz_persist.pretrained.hf.building.moe import read_experts
 from pz_persist.pretrained.hf.building.moe import routed_layers
 from pz_persist.pretrained.hf.building.moe import softmax_routed
 from pz_persist.pretrained.hf.building.moe import softmax_router
-from pz_persist.pretrained.hf.building.moe import transposed_by_shape
 from pz_persist.pretrained.hf.building.moe import sparse_step_fields
+from pz_persist.pretrained.hf.building.moe import transposed_by_shape
 from pz_persist.pretrained.hf.building.moe import with_experts
-from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
 from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
 from pz_persist.pretrained.hf.building.norms import with_query_key_norms
 from pz_persist.pretrained.hf.building.vision_language import QWEN_VL_FOLDER_FIELDS
