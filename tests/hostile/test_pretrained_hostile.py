@@ -328,6 +328,7 @@ _FAMILY_FIELDS = {
     "glm4_moe_lite": {"num_key_value_heads": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
                       "qk_nope_head_dim": 4, "v_head_dim": 4, "q_lora_rank": None},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
+    "qwen3_vl_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "cohere": {"rms_norm_eps": None}, "cohere2": {"rms_norm_eps": None},
     "falcon": {"num_key_value_heads": None, "intermediate_size": None, "rms_norm_eps": None,

@@ -65,11 +65,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
                             "qwen2", "it is Qwen2's layout"),
     "qwen3_vl_text": _row("Qwen3-VL's bare text model", f"{_BARE} a qwen3_vl folder", "qwen3",
                           "it is Qwen3's layout"),
-    "qwen3_vl_moe": _row("Qwen3-VL-MoE", "experts stored fused and transposed"
-                         " (mlp.experts.gate_up_proj) beside a vision tower, which pz_persist does"
-                         " not read yet", "qwen3_moe", "its text decoder is Qwen3-MoE's layout"),
-    "qwen3_vl_moe_text": _row("Qwen3-VL-MoE's bare text model", "no output head (it is transformers' bare text model, not a causal LM), and"
-                              " experts stored fused, which pz_persist does not read yet", "qwen3_moe",
+    "qwen3_vl_moe_text": _row("Qwen3-VL-MoE's bare text model",
+                              f"{_BARE} a qwen3_vl_moe folder", "qwen3_moe",
                               "it is Qwen3-MoE's layout"),
     "llava": _row("LLaVA", "a vision tower and projector around a text model named by its"
                   " text_config, which pz_persist does not extract yet", "llama",

@@ -11,7 +11,9 @@ Hub, one per expert (``mlp.experts.{e}.gate_proj.weight``), stacked by a
 with an ``experts`` axis (so loading 128 experts is one preallocated buffer
 per parameter, not 128 arrays), or, for a folder holding transformers 5's
 in-memory layout (``mlp.experts.gate_up_proj`` ``[experts, 2 * neurons,
-embedding]`` and ``mlp.experts.down_proj``), from those fused tensors.
+embedding]`` and ``mlp.experts.down_proj``), from those fused tensors, or
+from the same tensors stored transposed (``[experts, embedding, 2 *
+neurons]``: Qwen3-VL-MoE's Hub files; `transposed_by_shape`).
 Export writes whichever layout the plan read (the Hub's by default).
 """
 
@@ -103,6 +105,9 @@ class Experts:
       always in Mixtral).
     layers: The layers that have experts (the others keep the dense MLP).
     names: `ExpertNames`.
+    transposed: The fused tensors (``gate_up_proj``, ``down_proj``; names as
+      the plan sees them) stored with their last two dimensions swapped
+      (`transposed_by_shape`).
   """
 
   num_experts: int
@@ -111,6 +116,27 @@ class Experts:
   normalize: bool
   layers: tuple[int, ...]
   names: ExpertNames
+  transposed: frozenset[str] = frozenset()
+
+
+_IN_MEMORY = {"gate_up_proj": lambda hidden, neurons: (2 * neurons, hidden),
+              "down_proj": lambda hidden, neurons: (hidden, neurons)}
+
+
+def transposed_by_shape(shapes: Mapping[str, Sequence[int]], hidden: int, neurons: int
+                        ) -> frozenset[str]:
+  """Which fused expert tensors (``shapes``: each ``...experts.gate_up_proj``
+  / ``...experts.down_proj`` by name, its stored shape from the safetensors
+  header) are stored transposed, decided as transformers' Qwen3-VL-MoE
+  conversion decides (``Transpose(1, 2, check_dims=True)``): a tensor whose
+  shape is not the in-memory one (``[experts, 2 * neurons, hidden]``,
+  ``[experts, hidden, neurons]``) is transposed on load. The Hub's files hold
+  them transposed, ``save_pretrained`` writes them in memory's layout, and a
+  square one is read as stored, as transformers reads it; a shape that is
+  neither is refused by the plan's shape check before anything is read."""
+  return frozenset(
+      name for name, shape in shapes.items()
+      if tuple(shape[1:]) != _IN_MEMORY[name.rsplit(".", 1)[1]](hidden, neurons))
 
 
 def read_experts(cfg: Config, count_key: str, neurons_key: str, aliases: Sequence[str] = ()
@@ -209,13 +235,23 @@ def _specs(p: str, s: str, experts: Experts, hidden: int, names: set[str]
                       ("experts", "embedding"))]
   views: list[View] = []
   gate_up = n.fused(s, "gate_up_proj")
-  if gate_up in names:  # transformers 5's in-memory layout.
-    specs += [
-        TensorSpec(f"{m}experts/{part}.weights", gate_up, (e, 2, h, hidden),
-                   ("experts", "neurons", "embedding"), take=(1, i), stored=(e, 2 * h, hidden))
-        for i, part in enumerate(("gate", "up"))]
-    specs.append(TensorSpec(f"{m}experts/down.weights", n.fused(s, "down_proj"), (e, hidden, h),
-                            ("experts", "embedding", "neurons")))
+  if gate_up in names:  # transformers 5's in-memory layout, or its transpose.
+    if gate_up in experts.transposed:  # [e, hidden, 2h]: the gate's h columns, then the up's.
+      specs += [
+          TensorSpec(f"{m}experts/{part}.weights", gate_up, (e, hidden, 2, h),
+                     ("experts", "embedding", "neurons"), take=(2, i), stored=(e, hidden, 2 * h))
+          for i, part in enumerate(("gate", "up"))]
+    else:
+      specs += [
+          TensorSpec(f"{m}experts/{part}.weights", gate_up, (e, 2, h, hidden),
+                     ("experts", "neurons", "embedding"), take=(1, i), stored=(e, 2 * h, hidden))
+          for i, part in enumerate(("gate", "up"))]
+    down = n.fused(s, "down_proj")
+    down_axes = (("experts", "neurons", "embedding") if down in experts.transposed
+                 else ("experts", "embedding", "neurons"))
+    down_shape = {"experts": e, "neurons": h, "embedding": hidden}
+    specs.append(TensorSpec(f"{m}experts/down.weights", down,
+                            tuple(down_shape[axis] for axis in down_axes), down_axes))
     return specs, views
   for part, hf, shape, axes in (("gate", n.gate, (e, h, hidden), ("neurons", "embedding")),
                                 ("up", n.up, (e, h, hidden), ("neurons", "embedding")),

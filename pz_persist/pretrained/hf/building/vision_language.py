@@ -140,13 +140,19 @@ def _layout(cfg: Config, weights: Weights, layouts: Sequence[Layout]) -> Layout:
   return found[0]
 
 
+def text_names(cfg: Config, weights: Weights, layouts: Sequence[Layout]) -> dict[str, str]:
+  """The folder's text-model tensors (under the one of ``layouts`` it
+  holds): each stored name by its text-model name, as `renamed_plan` shows
+  them to the text family's plan."""
+  return _Renamed(weights, _layout(cfg, weights, layouts)).stored
+
+
 def renamed_plan(cfg: Config, weights: Weights, layouts: Sequence[Layout],
                  text_plan: Callable[[Weights], Plan], builds: str) -> Plan:
   """``text_plan`` run on the folder's text-model tensors (under the one of
   ``layouts`` the folder holds), its sources pointed back at the stored
   names; the tensors it leaves (vision tower, projector) reported."""
-  layout = _layout(cfg, weights, layouts)
-  seen = _Renamed(weights, layout)
+  seen = _Renamed(weights, _layout(cfg, weights, layouts))
   plan = text_plan(cast(Weights, seen))
   specs = tuple(dataclasses.replace(spec, source=seen.stored.get(spec.source, spec.source))
                 for spec in plan.tensors)
@@ -202,3 +208,25 @@ def qwen_vl_text_config(cfg: Config, fields: Mapping[str, Any],
   if tied is not None:
     text_cfg.raw["tie_word_embeddings"] = tied
   return text_cfg
+
+
+_NO_WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+"""The window fields of Qwen 3's config, which Qwen3-VL's text models lack
+(every layer global)."""
+
+
+def qwen3_vl_global_attention(text_cfg: Config, title: str) -> None:
+  """Refuses a window in the text config of a Qwen3-VL folder (``title``:
+  ``"Qwen3-VL"``, ``"Qwen3-VL-MoE"``), whose transformers text model attends
+  globally in every layer and reads none of Qwen 3's window fields; checks
+  those fields against the schema, then leaves them out (no window)."""
+  window = text_cfg.get("use_sliding_window")
+  types = text_cfg.get("layer_types")
+  if window or (types and set(types) != {"full_attention"}):
+    key, value = ("use_sliding_window", window) if window else ("layer_types", types[:8])
+    raise text_cfg.unsupported(key, value, f"transformers' {title} text model has no sliding"
+                               " window: every layer attends globally")
+  for key in _NO_WINDOW:
+    text_cfg.get(key)  # Read: checked against the schema, then left out.
+    text_cfg.raw.pop(key, None)
+  text_cfg.raw["use_sliding_window"] = False

@@ -43,6 +43,7 @@ from pz_persist.pretrained.hf.building.qwen_windows import window_fields
 from pz_persist.pretrained.hf.building.vision_language import QWEN_VL_FOLDER_FIELDS
 from pz_persist.pretrained.hf.building.vision_language import QWEN_VL_LAYOUTS
 from pz_persist.pretrained.hf.building.vision_language import VL_FIELDS
+from pz_persist.pretrained.hf.building.vision_language import qwen3_vl_global_attention
 from pz_persist.pretrained.hf.building.vision_language import qwen_vl_text_config
 from pz_persist.pretrained.hf.building.vision_language import renamed_plan
 from pz_persist.pretrained.hf.building.vision_language import text_positions_rope
@@ -66,25 +67,11 @@ def qwen3_plan(cfg: Config, weights: Weights) -> Plan:
                     block_extras=query_key_norm_specs, edit=with_query_key_norms)
 
 
-_NO_WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
-"""Qwen3's window fields, which Qwen3-VL's text model lacks (every layer global)."""
-
-
 def qwen3_vl_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps the language model of a ``qwen3_vl`` folder (module docstring); the
   vision tower is left unread, and reported."""
   text_cfg = qwen_vl_text_config(cfg, RECORD.fields)
-  # transformers' Qwen3-VL keeps these fields unread; a window asked for is refused.
-  window = text_cfg.get("use_sliding_window")
-  types = text_cfg.get("layer_types")
-  if window or (types and set(types) != {"full_attention"}):
-    key, value = ("use_sliding_window", window) if window else ("layer_types", types[:8])
-    raise text_cfg.unsupported(key, value, "transformers' Qwen3-VL text model has no sliding"
-                               " window: every layer attends globally")
-  for key in _NO_WINDOW:
-    text_cfg.get(key)  # Read: checked against the schema, then left out.
-    text_cfg.raw.pop(key, None)
-  text_cfg.raw["use_sliding_window"] = False
+  qwen3_vl_global_attention(text_cfg, "Qwen3-VL")
   # transformers' default sections, [24, 20, 20], when the file has none.
   text_positions_rope(text_cfg, interleaved=True, default_section=[24, 20, 20])
   return renamed_plan(cfg, weights, QWEN_VL_LAYOUTS, lambda seen: qwen3_plan(text_cfg, seen),

@@ -13,10 +13,27 @@ the top ``num_experts_per_tok`` chosen, renormalised over them if
 Unlike the dense models' (and Qwen2's), transformers' Qwen3-MoE applies ``sliding_window`` to
 every layer when ``use_sliding_window`` is set (``max_window_layers``, which
 the Hub's configs carry, is read by nothing and ignored here too).
+
+A Qwen3-VL-MoE folder's (``qwen3_vl_moe``: Qwen3-VL-30B-A3B,
+Qwen3-VL-235B-A22B) language model is this decoder, read as Qwen3-VL's is
+read from the dense family's: ``text_config``, every layer
+global, interleaved multimodal RoPE that is ordinary RoPE at text
+positions, DeepStack inactive without images, tensors under
+``model.language_model.``. Its router always renormalises the chosen
+experts' weights (``Qwen3VLMoeTextTopKRouter``; a ``norm_topk_prob`` of
+false is refused), and its experts are fused: ``mlp.experts.gate_up_proj``
+and ``mlp.experts.down_proj``, which the Hub's files store transposed
+(``[experts, hidden, 2 * moe_intermediate_size]``, ``[experts,
+moe_intermediate_size, hidden]``) and ``save_pretrained`` in memory's
+layout; each is read in the layout its shape shows, as transformers does
+(`pz_persist.pretrained.hf.building.moe.transposed_by_shape`). The vision
+tower is not read, and the load says so; the model is exported as
+``qwen3_moe`` (per-expert tensors, which ``Qwen3MoeForCausalLM`` reads).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +46,7 @@ from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import model_biases
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.building.defaults import QWEN_WINDOW
+from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
 from pz_persist.pretrained.hf.building.moe import LAYER_LIST
 from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY
 from pz_persist.pretrained.hf.building.moe import TRAINING_ONLY_IGNORED
@@ -42,9 +60,18 @@ from pz_persist.pretrained.hf.building.moe import routed_layers
 from pz_persist.pretrained.hf.building.moe import softmax_routed
 from pz_persist.pretrained.hf.building.moe import softmax_router
 from pz_persist.pretrained.hf.building.moe import sparse_step_fields
+from pz_persist.pretrained.hf.building.moe import transposed_by_shape
 from pz_persist.pretrained.hf.building.moe import with_experts
 from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
 from pz_persist.pretrained.hf.building.norms import with_query_key_norms
+from pz_persist.pretrained.hf.building.vision_language import QWEN_VL_FOLDER_FIELDS
+from pz_persist.pretrained.hf.building.vision_language import QWEN_VL_LAYOUTS
+from pz_persist.pretrained.hf.building.vision_language import VL_FIELDS
+from pz_persist.pretrained.hf.building.vision_language import qwen3_vl_global_attention
+from pz_persist.pretrained.hf.building.vision_language import qwen_vl_text_config
+from pz_persist.pretrained.hf.building.vision_language import renamed_plan
+from pz_persist.pretrained.hf.building.vision_language import text_names
+from pz_persist.pretrained.hf.building.vision_language import text_positions_rope
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
@@ -70,8 +97,11 @@ FIELDS = {
 }
 
 
-def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
-  """Maps a Qwen3-MoE checkpoint (transformers' ``Qwen3MoeConfig`` defaults)."""
+def qwen3_moe_plan(cfg: Config, weights: Weights, transposed: frozenset[str] = frozenset()
+                   ) -> Plan:
+  """Maps a Qwen3-MoE checkpoint (transformers' ``Qwen3MoeConfig`` defaults);
+  ``transposed``: the fused expert tensors stored transposed (Qwen3-VL-MoE's,
+  `Experts.transposed`)."""
   experts_count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size",
                                                aliases=("num_local_experts",))
   normalize = cfg.get("norm_topk_prob", False)
@@ -89,10 +119,46 @@ def qwen3_moe_plan(cfg: Config, weights: Weights) -> Plan:
                     edit=with_query_key_norms)
   # llama_plan checked num_hidden_layers against the weights.
   experts = Experts(experts_count, top_k, neurons, normalize,
-                    routed(cfg.require("num_hidden_layers")), ExpertNames())
+                    routed(cfg.require("num_hidden_layers")), ExpertNames(), transposed)
   check_experts(cfg, weights, experts, "num_experts")
   return with_experts(plan, experts, cfg.require("hidden_size"), weights.names,
                       softmax_router())
+
+
+_FUSED = re.compile(r"model\.layers\.\d{1,9}\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def qwen3_vl_moe_plan(cfg: Config, weights: Weights) -> Plan:
+  """Maps the language model of a ``qwen3_vl_moe`` folder (module docstring);
+  the vision tower is left unread, and reported."""
+  text_cfg = qwen_vl_text_config(cfg, RECORD.fields)
+  qwen3_vl_global_attention(text_cfg, "Qwen3-VL-MoE")
+  if text_cfg.get("norm_topk_prob") is False:
+    raise text_cfg.unsupported("norm_topk_prob", False, "transformers' Qwen3-VL-MoE router"
+                               " always renormalises the chosen experts' weights")
+  text_cfg.raw["norm_topk_prob"] = True
+  for key in TRAINING_ONLY:
+    text_cfg.get(key)  # Read: checked against the schema; training only.
+  # transformers' default sections, [24, 20, 20], when the file has none.
+  text_positions_rope(text_cfg, interleaved=True, default_section=[24, 20, 20])
+  names = text_names(cfg, weights, QWEN_VL_LAYOUTS)
+  shapes = {text: weights.where[stored].entries[stored][1] for text, stored in names.items()
+            if _FUSED.fullmatch(text)}
+  transposed = transposed_by_shape(shapes, text_cfg.require("hidden_size"),
+                                   text_cfg.require("moe_intermediate_size"))
+
+  def text_plan(seen: Weights) -> Plan:
+    plan = qwen3_moe_plan(text_cfg, seen, transposed)
+    if plan.views:  # Per-expert tensors: transformers' Qwen3-VL-MoE reads the fused ones only.
+      raise errors.SafetensorsFormatError(
+          f"{weights.path}: the experts are stored one per expert"
+          f" ({plan.views[0].name.rsplit('.', 2)[0]}.0...); transformers' Qwen3-VL-MoE reads"
+          " them fused (mlp.experts.gate_up_proj, mlp.experts.down_proj), so pz_persist"
+          " refuses the folder rather than read what transformers would not.")
+    return plan
+
+  return renamed_plan(cfg, weights, QWEN_VL_LAYOUTS, text_plan,
+                      "Qwen3-VL-MoE's language model only")
 
 
 def _detect(model: pz.nn.Layer) -> str | None:
@@ -144,21 +210,39 @@ value; `pz_persist.pretrained.hf.record.ModelType.defaults`) and why an entry
 differs from the class or is not one of its fields."""
 
 
+_VL_DEFAULTS: dict[str, Any] = {
+    "defaults": {**LLAMA_LIKE, "rope_theta": 500_000.0, "max_position_embeddings": 128_000,
+                 "intermediate_size": 5632, "decoder_sparse_step": 1, "num_experts_per_tok": 4,
+                 "moe_intermediate_size": 1408},
+}
+"""Qwen3-VL-MoE's text model (``Qwen3VLMoeTextConfig``), whose defaults
+differ from Qwen3-MoE's; ``tie_word_embeddings`` is the folder class's."""
+
+
 RECORD = Family(
-    title="Qwen3-MoE",
-    model_types={"qwen3_moe": ModelType(qwen3_moe_plan, "Qwen3MoeForCausalLM",
+    title="Qwen3-MoE; Qwen3-VL-MoE's language model",
+    model_types={
+        "qwen3_moe": ModelType(qwen3_moe_plan, "Qwen3MoeForCausalLM",
                      **_TRANSFORMERS_DEFAULTS["qwen3_moe"],
                      ignored_fields={
                          **TRAINING_ONLY_IGNORED,
                          "transformers' Qwen3-MoE reads it nowhere": ("max_window_layers",),
-                     }, foreign_fields=frozenset({"max_window_layers", "router_jitter_noise"}))},
+                     }, foreign_fields=frozenset({"max_window_layers", "router_jitter_noise"})),
+        "qwen3_vl_moe": ModelType(qwen3_vl_moe_plan, "Qwen3VLMoeForConditionalGeneration",
+                                  exported=False, written_as="qwen3_moe", ignored_fields={
+                                      OTHER_MODALITIES: tuple(sorted(QWEN_VL_FOLDER_FIELDS))},
+                                  **_VL_DEFAULTS),
+    },
     detect=_detect,
     write_config=_write_config,
     adds=("query/key RMS norms with a mixture of experts (`MixtureOfExperts`: softmax router,"
           " top-k, `norm_topk_prob`; experts on an `experts` axis, read from the Hub's"
           " per-expert tensors or transformers 5's fused ones); `decoder_sparse_step`,"
-          " `mlp_only_layers` dense layers; one window for every layer"),
+          " `mlp_only_layers` dense layers; one window for every layer; the language model of"
+          " `qwen3_vl_moe` folders (experts fused, read as stored or transposed; interleaved"
+          " multimodal RoPE at text positions; the vision tower and DeepStack mergers are not"
+          " read, and the load says so)"),
     refuses="an MLP bias, other rope types, a window on some layers only",
     rank=330,
-    fields=FIELDS,
+    fields={**FIELDS, **VL_FIELDS},
 )
