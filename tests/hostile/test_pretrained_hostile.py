@@ -334,6 +334,16 @@ _FAMILY_FIELDS = {
     "falcon": {"num_key_value_heads": None, "intermediate_size": None, "rms_norm_eps": None,
                "hidden_act": None, "ffn_hidden_size": MLP},
     "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                  "shared_expert_intermediate_size": 8},
+    "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 8},
+    "apertus": {"hidden_act": "xielu"},
+    "lfm2": {"rms_norm_eps": None, "hidden_act": None},
+    "lfm2_moe": {"rms_norm_eps": None, "hidden_act": None, "num_experts": 4,
+                 "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                 "layer_types": ["full_attention"]},  # Refused as not one per layer.
     # The Mamba-2 hybrids: head counts dividing 2 * hidden_size (the default 128 does not).
     "bamba": {"mamba_n_heads": 2, "mamba_d_state": 4},
     "granitemoehybrid": {"mamba_n_heads": 2, "mamba_d_state": 4, "shared_intermediate_size": MLP},
@@ -349,25 +359,37 @@ _FAMILY_FIELDS = {
 other than Llama's, so that only its layer count is wrong."""
 
 
+_TEXT_MODEL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text",
+               "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "mistral3": "mistral"}
+"""Multimodal folders: the text model of each, in a nested ``text_config``."""
+
+
+def huge_config(model_type: str) -> dict:
+  """`CONFIG` made ``model_type``'s (`_FAMILY_FIELDS`), asking for 10**9 layers."""
+  text_type = _TEXT_MODEL.get(model_type)
+  config = {**CONFIG, "model_type": text_type or model_type, "num_hidden_layers": 10**9,
+            **_FAMILY_FIELDS.get(text_type or model_type, {})}
+  config = {k: v for k, v in config.items() if v is not None}
+  return config if text_type is None else {"model_type": model_type, "text_config": config}
+
+
+def huge_tensors(model_type: str) -> dict[str, np.ndarray]:
+  """`llama_tensors`, under Mistral 3's prefix for its folders (which are
+  refused, as they should be, when the text model's tensors are elsewhere)."""
+  tensors = llama_tensors()
+  if model_type != "mistral3":
+    return tensors
+  return {name.replace("model.", "model.language_model.", 1): value
+          for name, value in tensors.items()}
+
+
 def test_huge_layer_count_fails_fast(tmp_path):
   """A 200-byte config asking for 10**9 layers used to build the skeleton for
   hours (or, in Gemma 2, a list of 10**9 attention types); every family of
   `load_hf` must refuse it before building anything per layer."""
-  folders = []
-  for model_type in sorted(MODEL_TYPES):
-    config = {**CONFIG, "model_type": model_type, "num_hidden_layers": 10**9,
-              **_FAMILY_FIELDS.get(model_type, {})}
-    config = {k: v for k, v in config.items() if v is not None}
-    if model_type in ("gemma3", "gemma4", "llama4"):  # Multimodal: a nested text config.
-      text = {k: v for k, v in dict(CONFIG, model_type=f"{model_type}_text",
-                                    num_hidden_layers=10**9,
-                                    **_FAMILY_FIELDS.get(f"{model_type}_text", {})).items()
-              if v is not None}
-      config = {"model_type": model_type, "text_config": text}
-    if model_type in ("qwen3_5", "qwen3_5_moe"):  # Multimodal too.
-      text = dict(CONFIG, model_type=f"{model_type}_text", num_hidden_layers=10**9)
-      config = {"model_type": model_type, "text_config": text}
-    folders.append(str(hf_folder(tmp_path / model_type, config)))
+  folders = [
+      str(hf_folder(tmp_path / name, huge_config(name), huge_tensors(name)))
+      for name in sorted(MODEL_TYPES)]
   out = run_python(f"""
       import pz_persist as pzp
       from pz_persist import errors

@@ -136,7 +136,9 @@ def lfm2_plan(cfg: Config, weights: Weights, adjusted: bool = True) -> Plan:
   _agree(cfg, "theta", theta, "the RoPE base transformers reads (rope_parameters.rope_theta)")
   _agree(cfg, "block_norm_eps", eps, "transformers' norm_eps")
   layers = cfg.require("num_hidden_layers")
-  types = _layer_types(cfg, layers, derived=adjusted)
+  # Read now (for check_all_used); the list is built once the layer count is
+  # checked against the weights (10**9 layers must not build 10**9 entries).
+  cfg.get("layer_types"), cfg.get("full_attn_idxs")
   tied = cfg.get("tie_embedding")
   tied = cfg.get("tie_word_embeddings", True) if tied is None else tied
   config = llamalike_common.LlamalikeTransformerConfig(
@@ -148,6 +150,7 @@ def lfm2_plan(cfg: Config, weights: Weights, adjusted: bool = True) -> Plan:
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, _ROOT + "layers.", layers)
+  types = _layer_types(cfg, layers, derived=adjusted)
   head = lm_head_source(cfg, tied, weights, DECODER_HEAD, _ROOT + "embed_tokens.weight")
   config = dataclasses.replace(config, parameter_dtype=weights.dtype,
                                activation_dtype=weights.dtype)
