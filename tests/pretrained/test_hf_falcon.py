@@ -84,9 +84,23 @@ def test_save_model_round_trip(saved, tmp_path):
 
 @pytest.mark.parametrize("case", CASES)
 def test_export_hf_round_trip(saved, tmp_path, case):
-  checks.check_export(saved[case], tmp_path, "falcon", same_fields=(
+  # A sequential Falcon is also StarCoder2's structure, which detection asks first
+  # (see test_a_sequential_falcon_exports_alone_as_the_same_model).
+  checks.check_export(saved[case], tmp_path, None if case == "falcon_sequential" else "falcon",
+                      same_fields=(
       "new_decoder_architecture", "parallel_attn", "bias", "activation",
       "tie_word_embeddings", "ffn_hidden_size", "layer_norm_epsilon", "rope_parameters"))
+
+
+def test_a_sequential_falcon_exports_alone_as_the_same_model(saved, tmp_path):
+  """Without ``like``, a sequential Falcon (LayerNorms, one key/value head,
+  a plain MLP) is written as StarCoder2, whose structure it has; transformers
+  reads that folder with exactly the same logits. ``like=`` keeps Falcon."""
+  pzp.export_hf(pzp.pretrained.load_hf(saved["falcon_sequential"].folder), tmp_path / "alone")
+  assert checks.config(tmp_path / "alone")["model_type"] == "starcoder2"
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "alone").eval()
+  np.testing.assert_allclose(checks.reference_logits(theirs),
+                             saved["falcon_sequential"].reference, **checks.TOLERANCE)
 
 
 @pytest.mark.parametrize("case, off", [
