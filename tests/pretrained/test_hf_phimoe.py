@@ -133,7 +133,10 @@ def test_the_biases_bind(saved, what):
 
 _PHI_3_5_MOE = {  # microsoft/Phi-3.5-MoE-instruct's config.json, sizes shrunk.
     "architectures": ["PhiMoEForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 32,
+    "auto_map": {"AutoConfig": "configuration_phimoe.PhiMoEConfig",
+                 "AutoModelForCausalLM": "modeling_phimoe.PhiMoEForCausalLM"},
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_dropout": 0.0,
+    "hidden_size": 32,
     "initializer_range": 0.02, "input_jitter_noise": 0.01, "intermediate_size": 16,
     "lm_head_bias": True, "max_position_embeddings": 131072, "model_type": "phimoe",
     "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,

@@ -64,6 +64,7 @@ from pz_persist.pretrained.hf.building.moe import read_experts
 from pz_persist.pretrained.hf.building.moe import with_experts
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import FROM_TABLE
+from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
@@ -83,7 +84,7 @@ FIELDS = {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT
           "router_jitter_noise": _NON_NEGATIVE, "input_jitter_noise": _NON_NEGATIVE,
           "output_router_logits": BOOLEAN, "router_aux_loss_coef": NUMBER,
           "lm_head_bias": BOOLEAN, "short_mscale": POSITIVE_NUMBER,
-          "long_mscale": POSITIVE_NUMBER}
+          "long_mscale": POSITIVE_NUMBER, "auto_map": OBJECT}
 
 _LONGROPE_KEYS = frozenset({"short_factor", "long_factor", "original_max_position_embeddings",
                             "short_mscale", "long_mscale"})
@@ -261,8 +262,12 @@ RECORD = Family(
     title="Phi-3.5-MoE",
     model_types={"phimoe": ModelType(
         phimoe_plan, "PhimoeForCausalLM", **_TRANSFORMERS_DEFAULTS["phimoe"],
-        ignored_fields={"training only: the load-balancing loss and the input noise": (
-            "output_router_logits", "router_aux_loss_coef", "input_jitter_noise")})},
+        ignored_fields={
+            "training only: the load-balancing loss and the input noise": (
+                "output_router_logits", "router_aux_loss_coef", "input_jitter_noise"),
+            "the Hub's folder names Microsoft's remote code, which transformers' own Phimoe"
+            " class (the reference, and what export writes) replaces": ("auto_map",),
+        }, foreign_fields=frozenset({"auto_map"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("LayerNorms with a bias (`pz.nn.LayerNorm`), `attention_bias`, `lm_head_bias`, a"
