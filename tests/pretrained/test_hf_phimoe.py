@@ -73,8 +73,9 @@ def test_greedy_kv_cache_generation_matches_transformers_generate(saved, case):
   checks.check_generate(saved[case], steps=8)
 
 
-def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
-  checks.check_bfloat16(saved["phimoe"], "phimoe")
+@pytest.mark.parametrize("case", ["phimoe", "phimoe_longrope"])
+def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, case):
+  checks.check_bfloat16(saved[case], case)
 
 
 def test_save_model_round_trip(saved, tmp_path):
@@ -254,11 +255,11 @@ def test_a_longrope_model_of_the_wrong_kind_is_not_exported_as_the_other(saved, 
   model = pzp.pretrained.load_hf(saved["phimoe_longrope"].folder)
   as_phi3 = pz.select(model).at_instances_of(ApplyLongRoPE).apply(
       lambda layer: dataclasses.replace(layer, long_frequencies=True, long_attention_factor=None))
-  with pytest.raises(pzp.errors.ExportError, match="short ones"):
+  with pytest.raises(pzp.pretrained.errors.ExportError, match="short ones"):
     pzp.export_hf(as_phi3, tmp_path / "a")
   both = pz.select(model).at_instances_of(ApplyLongRoPE).apply(
       lambda layer: dataclasses.replace(layer, long_frequencies=True))
-  with pytest.raises(pzp.errors.ExportError, match="long_attention_factor"):
+  with pytest.raises(pzp.pretrained.errors.ExportError, match="long_attention_factor"):
     pzp.export_hf(both, tmp_path / "b")
 
 
