@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from typing import Any
+from typing import Literal
 
 from pz_persist.pretrained.hf.config import Config
 
@@ -81,12 +82,12 @@ def factor_lists(cfg: Config, key: str, params: Mapping[str, Any], pairs: int
   return factors
 
 
-def original_context(cfg: Config, key: str, params: Mapping[str, Any], used: int, other: str
-                     ) -> int:
+def original_context(cfg: Config, key: str, params: Mapping[str, Any], used: int,
+                     other: Literal["inner", "outer"]) -> int:
   """``used``, the original context transformers uses, which the config's
-  other place for it (``other``: the RoPE dict's or the top-level
-  ``original_max_position_embeddings``, whichever transformers ignores)
-  must not contradict."""
+  other place for it (``other``: ``"inner"`` the RoPE dict's,
+  ``"outer"`` the top-level ``original_max_position_embeddings``; whichever
+  transformers ignores) must not contradict."""
   name = "original_max_position_embeddings"
   value = (params.get(name) if other == "inner" else cfg.get(name))
   where = f"{key}.{name}" if other == "inner" else name
