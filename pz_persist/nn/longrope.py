@@ -11,6 +11,14 @@ largest position ``p`` has ``p + 1 <= original_max_position_embeddings``,
 original_max_position_embeddings``), as transformers 5 computes them
 (``transformers.modeling_rope_utils``, in float32, in the same order).
 
+transformers' Phi-3.5-MoE (``PhimoeRotaryEmbedding``) differs in two ways,
+which two fields express: it recomputes its frequencies without the
+sequence length, so the short factors apply at every position
+(``long_frequencies=False``; ``long_factor`` is then only the checkpoint's
+record, written back on export), and it multiplies cos and sin by its own
+``short_mscale`` within the original context and ``long_mscale`` beyond
+(``attention_factor`` and ``long_attention_factor``).
+
 As transformers, the choice of factors is made per call from the call's
 largest position, and keys already in a KV cache keep the rotation of the
 step that wrote them. A generation that starts within the original context
@@ -63,6 +71,11 @@ class ApplyLongRoPE(pz.nn.Layer):
     max_position_embeddings: The config's top-level field, read only when
       ``factor`` is None.
     rotary_dim: How many leading entries of the axis are rotated (None: all).
+    long_attention_factor: What cos and sin are multiplied by beyond the
+      original context (None: the same as within it).
+    long_frequencies: Whether ``long_factor`` replaces ``short_factor``
+      beyond the original context (False: the short factors everywhere, as
+      transformers' Phi-3.5-MoE computes).
   """
 
   embedding_axis: str = static()
@@ -75,9 +88,12 @@ class ApplyLongRoPE(pz.nn.Layer):
   attention_factor: float | None = static(None)
   max_position_embeddings: int | None = static(None)
   rotary_dim: int | None = static(None)
+  long_attention_factor: float | None = static(None)
+  long_frequencies: bool = static(True)
 
   def attention_scaling(self) -> float:
-    """The factor cos and sin are multiplied by."""
+    """The factor cos and sin are multiplied by (within the original
+    context, and beyond it unless ``long_attention_factor`` is set)."""
     if self.attention_factor is not None:
       return float(self.attention_factor)
     factor = self.factor
@@ -103,9 +119,24 @@ class ApplyLongRoPE(pz.nn.Layer):
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     powers = np.float32(self.max_wavelength) ** exponents
     short = np.float32(1.0) / (np.asarray(self.short_factor, np.float32) * powers)
+    if not self.long_frequencies:
+      return jnp.asarray(short)
     long = np.float32(1.0) / (np.asarray(self.long_factor, np.float32) * powers)
-    use_long = max_position.astype(jnp.int32) + 1 > self.original_max_position_embeddings
-    return jnp.where(use_long, jnp.asarray(long), jnp.asarray(short))
+    return jnp.where(self.beyond(max_position), jnp.asarray(long), jnp.asarray(short))
+
+  def beyond(self, max_position: jax.Array) -> jax.Array:
+    """Whether an input whose largest position is ``max_position`` runs past
+    the original context (transformers: ``max(position_ids) + 1 >
+    original_max_position_embeddings``)."""
+    return max_position.astype(jnp.int32) + 1 > self.original_max_position_embeddings
+
+  def scaling(self, max_position: jax.Array) -> jax.Array:
+    """What cos and sin are multiplied by (float32), given the current
+    input's largest position."""
+    within = np.float32(self.attention_scaling())
+    if self.long_attention_factor is None:
+      return jnp.asarray(within)
+    return jnp.where(self.beyond(max_position), np.float32(self.long_attention_factor), within)
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
     positions = side_inputs[self.positions_input_name]
@@ -115,8 +146,9 @@ class ApplyLongRoPE(pz.nn.Layer):
           f" {self.embedding_axis!r}; got {positions.named_shape}.")
     size = inputs.named_shape[self.embedding_axis]
     dim = size if self.rotary_dim is None else self.rotary_dim
-    inv_freq = self.inverse_frequencies(dim, jnp.max(positions.unwrap(*positions.named_shape)))
-    scaling = np.float32(self.attention_scaling())
+    max_position = jnp.max(positions.unwrap(*positions.named_shape))
+    inv_freq = self.inverse_frequencies(dim, max_position)
+    scaling = self.scaling(max_position)
 
     def rotate(vector: jax.Array, position: jax.Array) -> jax.Array:
       rotated, passed = vector[:dim], vector[dim:]

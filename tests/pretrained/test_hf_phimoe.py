@@ -2,12 +2,17 @@
 `export_hf`, against transformers, with the checks of `hf_family_harness`:
 float32 logits, KV-cache sampling and greedy generation against
 ``generate``, export back, each feature binding (sparsemixer routing and its
-``router_jitter_noise`` gap, LayerNorm biases, ``lm_head_bias``), hostile
-configs."""
+``router_jitter_noise`` gap, LayerNorm biases, ``lm_head_bias``, Phi-3.5-MoE's
+longrope and its mscales), hostile configs.
+
+The longrope cases shrink the original context to 6 positions, so the
+ten-token test sequences cross it (the largest position 9: ``long_mscale``)
+and their first six tokens stay within it (``short_mscale``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -18,6 +23,16 @@ from penzai import pz
 import pz_persist as pzp
 from pretrained import hf_family_harness as checks
 from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.nn.longrope import ApplyLongRoPE
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.3, 1.9, 2.6],
+            "long_factor": [1.0, 2.5, 6.0, 11.0], "short_mscale": 1.1, "long_mscale": 1.4,
+            "original_max_position_embeddings": 6}
+"""Phi-3.5-MoE's RoPE dict, shrunk (four pairs per head, an original context
+of six positions), its mscales made distinct."""
+
+SHORT = checks.SEQUENCES[:, :6]
+"""The test tokens that stay within the longrope cases' original context."""
 
 
 def _case(**fields) -> checks.Case:
@@ -32,6 +47,10 @@ CASES = {
     "phimoe": _case(attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3),
     # transformers' defaults: gap 0.01, no biases; a 3-token window, 5 experts.
     "phimoe_window": _case(num_local_experts=5, sliding_window=3),
+    # Phi-3.5-MoE's longrope with distinct mscales (the Hub's are equal), its
+    # original context shrunk to 6 positions, as transformers 5 writes it.
+    "phimoe_longrope": _case(attention_bias=True, lm_head_bias=True, max_position_embeddings=64,
+                             rope_parameters=LONGROPE),
 }
 
 
@@ -54,8 +73,9 @@ def test_greedy_kv_cache_generation_matches_transformers_generate(saved, case):
   checks.check_generate(saved[case], steps=8)
 
 
-def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
-  checks.check_bfloat16(saved["phimoe"], "phimoe")
+@pytest.mark.parametrize("case", ["phimoe", "phimoe_longrope"])
+def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, case):
+  checks.check_bfloat16(saved[case], case)
 
 
 def test_save_model_round_trip(saved, tmp_path):
@@ -75,6 +95,11 @@ def test_cli_export_from_a_native_checkpoint(saved, tmp_path):
 
 @pytest.mark.parametrize("case, off", [
     ("phimoe", {"router_jitter_noise": 0.01}),
+    # Beyond the original context, cos and sin are scaled by long_mscale...
+    ("phimoe_longrope", {"rope_parameters": dict(LONGROPE, long_mscale=1.1)}),
+    # ... and divided by the short factors (no RoPE scaling at all differs).
+    ("phimoe_longrope", {"rope_parameters": dict(LONGROPE, short_factor=[1.0] * 4)}),
+    ("phimoe_longrope", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     ("phimoe_window", {"router_jitter_noise": 0.3}),
     ("phimoe_window", {"sliding_window": None}),
 ])
@@ -109,7 +134,10 @@ def test_the_biases_bind(saved, what):
 
 _PHI_3_5_MOE = {  # microsoft/Phi-3.5-MoE-instruct's config.json, sizes shrunk.
     "architectures": ["PhiMoEForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 32,
+    "auto_map": {"AutoConfig": "configuration_phimoe.PhiMoEConfig",
+                 "AutoModelForCausalLM": "modeling_phimoe.PhiMoEForCausalLM"},
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_dropout": 0.0,
+    "hidden_size": 32,
     "initializer_range": 0.02, "input_jitter_noise": 0.01, "intermediate_size": 16,
     "lm_head_bias": True, "max_position_embeddings": 131072, "model_type": "phimoe",
     "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
@@ -124,20 +152,178 @@ _PHI_3_5_MOE = {  # microsoft/Phi-3.5-MoE-instruct's config.json, sizes shrunk.
 
 
 def test_hub_config_without_its_longrope(tmp_path):
-  """The Hub's config with its RoPE scaling dropped (positions within the
-  original context compute with the short factors; the unscaled base here)."""
+  """The Hub's config with its RoPE scaling dropped (the unscaled base)."""
   hub = {k: v for k, v in _PHI_3_5_MOE.items()
          if k not in ("rope_scaling", "original_max_position_embeddings")}
   checks.check_float32(checks.hub_saved(tmp_path, hub), "Phi-3.5-MoE (no longrope)")
 
 
-def test_the_hubs_longrope_is_refused_by_name(tmp_path):
-  saved = checks.hub_saved(tmp_path, {k: v for k, v in _PHI_3_5_MOE.items()
-                                      if k not in ("rope_scaling",
-                                                   "original_max_position_embeddings")})
-  folder = checks.edited(saved.folder, tmp_path, rope_scaling=_PHI_3_5_MOE["rope_scaling"])
-  with pytest.raises(pzp.errors.UnsupportedConfigError, match="rope"):
-    pzp.pretrained.load_hf(folder)
+def _hub_longrope(**changes) -> dict:
+  """The Hub's config, its longrope kept, its original context shrunk to 6
+  positions (in the dict and at the top level, as the Hub has both)."""
+  hub = json.loads(json.dumps(_PHI_3_5_MOE))
+  hub["original_max_position_embeddings"] = 6
+  hub["rope_scaling"].update(original_max_position_embeddings=6, **changes)
+  return hub
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+  return checks.hub_saved(tmp_path_factory.mktemp("hub_longrope"), _hub_longrope())
+
+
+def test_the_hubs_longrope_matches_transformers_below_and_above_the_original_context(hub):
+  """The Hub's own rope_scaling (``type``: ``longrope``, equal mscales):
+  the whole sequences (positions 0-9, past the original context of 6) and
+  their first six tokens (within it)."""
+  model = pzp.pretrained.load_hf(hub.folder)
+  assert pz.select(model).at_instances_of(ApplyLongRoPE).count() == 4  # Queries, keys; 2 layers.
+  above = checks.float32_error(hub.folder, hub.reference)
+  below_reference = checks.reference_logits(hub.hf_model, SHORT)
+  np.testing.assert_allclose(checks.penzai_logits(model, SHORT), below_reference,
+                             **checks.TOLERANCE)
+  below = float(np.abs(checks.penzai_logits(model, SHORT) - below_reference).max())
+  print(f"Phi-3.5-MoE (Hub longrope) float32 max |error|: above {above:.3g}, below {below:.3g}")
+
+
+def test_the_hubs_longrope_generates_as_transformers_across_the_original_context(hub):
+  """Greedy KV-cache generation from a 3-token prompt for 8 steps (sequence
+  lengths 3 to 11, crossing 6) picks ``generate``'s tokens, token for token."""
+  checks.check_generate(hub, steps=8, prompt=3)
+
+
+def test_the_hubs_longrope_round_trips_through_export(hub, tmp_path):
+  """Exported alone, the model's config holds the Hub's longrope (both
+  factor lists, both mscales, the original context) and transformers
+  computes exactly the Hub folder's logits from it."""
+  out = tmp_path / "out"
+  pzp.export_hf(pzp.pretrained.load_hf(hub.folder), out)
+  written, original = checks.config(out), checks.config(hub.folder)
+  rope = written["rope_parameters"]
+  for key in ("short_factor", "long_factor", "short_mscale", "long_mscale",
+              "original_max_position_embeddings"):
+    assert rope[key] == original["rope_scaling"][key], key
+  assert (rope["rope_type"], rope["rope_theta"]) == ("longrope", original["rope_theta"])
+  assert written["original_max_position_embeddings"] == 6
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, pad_token_id=0).eval()
+  np.testing.assert_array_equal(checks.reference_logits(reloaded), hub.reference)
+  np.testing.assert_array_equal(checks.reference_logits(reloaded, SHORT),
+                                checks.reference_logits(hub.hf_model, SHORT))
+
+
+def test_kv_cache_fed_token_by_token_matches_transformers_cache(saved):
+  """Without generate's recomputation at the crossing (Penzai's sampler
+  from_uncached, transformers' model called with its cache), the keys cached
+  within the original context keep short_mscale, on both sides."""
+  checks.check_kv_cache_like_transformers(
+      pzp.pretrained.load_hf(saved["phimoe_longrope"].folder), saved["phimoe_longrope"].hf_model)
+
+
+def test_the_mscales_bind_where_transformers_applies_them(saved):
+  """Our layer's mscales, each swapped for the other's value, move our logits
+  exactly where transformers' do: short_mscale within the original context
+  (not beyond), long_mscale beyond (not within); and transformers never
+  applies long_factor (changing it changes nothing), nor do we."""
+  model = pzp.pretrained.load_hf(saved["phimoe_longrope"].folder)
+  full, short = saved["phimoe_longrope"].reference, checks.reference_logits(
+      saved["phimoe_longrope"].hf_model, SHORT)
+  np.testing.assert_allclose(checks.penzai_logits(model, SHORT), short, **checks.TOLERANCE)
+
+  def swapped(**fields):
+    return pz.select(model).at_instances_of(ApplyLongRoPE).apply(
+        lambda layer: dataclasses.replace(layer, **fields))
+
+  same_short = swapped(attention_factor=LONGROPE["long_mscale"])
+  assert np.abs(checks.penzai_logits(same_short, SHORT) - short).max() > 100 * 1e-4
+  np.testing.assert_allclose(checks.penzai_logits(same_short), full, **checks.TOLERANCE)
+  same_long = swapped(long_attention_factor=LONGROPE["short_mscale"])
+  assert np.abs(checks.penzai_logits(same_long) - full).max() > 100 * 1e-4
+  np.testing.assert_allclose(checks.penzai_logits(same_long, SHORT), short, **checks.TOLERANCE)
+  # Phi-3's longrope (long factors beyond the original context) is not it.
+  as_phi3 = swapped(long_frequencies=True)
+  assert np.abs(checks.penzai_logits(as_phi3) - full).max() > 100 * 1e-4
+  other_long = dict(LONGROPE, long_factor=[1.0] * 4)
+  hf = CASES["phimoe_longrope"].model_cls(CASES["phimoe_longrope"].config(
+      rope_parameters=other_long))
+  hf.load_state_dict(saved["phimoe_longrope"].hf_model.state_dict())
+  np.testing.assert_array_equal(checks.reference_logits(hf.eval()), full)
+
+
+def test_a_longrope_model_of_the_wrong_kind_is_not_exported_as_the_other(saved, tmp_path):
+  """Phi-3's longrope (long factors beyond) on Phi-3.5-MoE's experts, and
+  Phi-3.5-MoE's on a model exported as Phi-3, are refused by name."""
+  model = pzp.pretrained.load_hf(saved["phimoe_longrope"].folder)
+  as_phi3 = pz.select(model).at_instances_of(ApplyLongRoPE).apply(
+      lambda layer: dataclasses.replace(layer, long_frequencies=True, long_attention_factor=None))
+  with pytest.raises(pzp.pretrained.errors.ExportError, match="short ones"):
+    pzp.export_hf(as_phi3, tmp_path / "a")
+  both = pz.select(model).at_instances_of(ApplyLongRoPE).apply(
+      lambda layer: dataclasses.replace(layer, long_frequencies=True))
+  with pytest.raises(pzp.pretrained.errors.ExportError, match="long_attention_factor"):
+    pzp.export_hf(both, tmp_path / "b")
+
+
+def test_the_longrope_model_survives_save_model_and_the_cli_export(saved, tmp_path):
+  checks.check_save_model(saved["phimoe_longrope"], tmp_path / "a")
+  checks.check_cli_export_from_native(saved["phimoe_longrope"], tmp_path / "b")
+
+
+_HUB_ROPE = _PHI_3_5_MOE["rope_scaling"]
+
+
+@pytest.mark.parametrize("rope, match", [
+    (dict(_HUB_ROPE, type="su"), "rope_type"),
+    (dict(_HUB_ROPE, type="yarn"), "rope_type"),
+    (dict(_HUB_ROPE, type="longrope", rope_type="default"), "rope_type"),
+    (dict(_HUB_ROPE, short_factor=[1.0, 1.0, 1.0]), "short_factor"),
+    (dict(_HUB_ROPE, long_factor=[1.0, 1.0, 1.0, 1.0, 1.0]), "long_factor"),
+    (dict(_HUB_ROPE, short_factor=[1.0, 0.0, 1.0, 1.0]), "short_factor"),
+    (dict(_HUB_ROPE, long_factor=[1.0, -2.0, 1.0, 1.0]), "long_factor"),
+    (dict(_HUB_ROPE, short_factor=[1.0, "2", 1.0, 1.0]), "short_factor"),
+    (dict(_HUB_ROPE, long_factor=[1.0, True, 1.0, 1.0]), "long_factor"),
+    (dict(_HUB_ROPE, short_factor=1.0), "short_factor"),
+    (dict(_HUB_ROPE, long_factor=[1.0, float("nan"), 1.0, 1.0]), "long_factor"),
+    (dict(_HUB_ROPE, short_factor=[1.0, float("inf"), 1.0, 1.0]), "short_factor"),
+    ({k: v for k, v in _HUB_ROPE.items() if k != "short_mscale"}, "short_mscale"),
+    ({k: v for k, v in _HUB_ROPE.items() if k != "long_mscale"}, "long_mscale"),
+    ({k: v for k, v in _HUB_ROPE.items() if k != "long_factor"}, "long_factor"),
+    (dict(_HUB_ROPE, short_mscale="1.2"), "short_mscale"),
+    (dict(_HUB_ROPE, long_mscale=-1.2), "long_mscale"),
+    (dict(_HUB_ROPE, long_mscale=0), "long_mscale"),
+    (dict(_HUB_ROPE, short_mscale=float("nan")), "short_mscale"),
+    (dict(_HUB_ROPE, long_mscale=float("inf")), "long_mscale"),
+    (dict(_HUB_ROPE, short_mscale=True), "short_mscale"),
+    (dict(_HUB_ROPE, factor=32.0), "factor"),
+    (dict(_HUB_ROPE, attention_factor=1.2), "attention_factor"),
+    (dict(_HUB_ROPE, mscale=1.2), "mscale"),
+    (dict(_HUB_ROPE, partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(_HUB_ROPE, original_max_position_embeddings=2048), "original_max_position_embeddings"),
+    (dict(_HUB_ROPE, original_max_position_embeddings=0), "original_max_position_embeddings"),
+    (dict(_HUB_ROPE, original_max_position_embeddings=6.5), "original_max_position_embeddings"),
+    (dict(_HUB_ROPE, rope_theta=500000.0), "rope_theta"),
+    ([1, 2], "rope_scaling"),
+])
+def test_hostile_rope_scaling_is_refused_before_a_tensor_is_read(hub, tmp_path, rope, match,
+                                                                 monkeypatch):
+  """Each refused by name before a skeleton is built, so before a tensor is
+  read (the original context is the Hub's 4096 here, at both places)."""
+  folder = checks.edited(hub.folder, tmp_path, rope_scaling=rope,
+                         original_max_position_embeddings=4096)
+  checks.check_refused_before_building(folder, match, monkeypatch)
+
+
+@pytest.mark.parametrize("changes, match", [
+    # transformers uses the dict's; the top-level one contradicting it is refused.
+    ({"original_max_position_embeddings": 8}, "original_max_position_embeddings"),
+    # Both dicts, saying different things.
+    ({"rope_parameters": dict(_HUB_ROPE, original_max_position_embeddings=6, long_mscale=2.0)},
+     "rope_scaling"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+])
+def test_hostile_fields_beside_the_longrope_are_refused(hub, tmp_path, changes, match,
+                                                        monkeypatch):
+  folder = checks.edited(hub.folder, tmp_path, **changes)
+  checks.check_refused_before_building(folder, match, monkeypatch)
 
 
 @pytest.mark.parametrize("changes, match", [

@@ -24,6 +24,7 @@ import numpy as np
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import IGNORED_FIELDS
@@ -146,7 +147,11 @@ def rms_norm_fields(model: pz.nn.Layer) -> dict[str, Any]:
 def rope_fields(model: pz.nn.Layer) -> dict[str, Any]:
   """``rope_parameters`` as transformers 5 writes them: ``rope_theta`` and
   ``rope_type``, and for a scaled RoPE (`ApplyScaledRoPE`) the layer's own
-  scaling keys (and ``max_position_embeddings``, which ``dynamic`` reads)."""
+  scaling keys (and ``max_position_embeddings``, which ``dynamic`` reads);
+  for LongRoPE, `longrope_fields`."""
+  longrope = all_layers(model, ApplyLongRoPE)
+  if longrope:
+    return longrope_fields(model, longrope[0])
   scaled = all_layers(model, ApplyScaledRoPE)
   if scaled:
     fields = scaled[0].config_fields()
@@ -161,6 +166,42 @@ def rope_fields(model: pz.nn.Layer) -> dict[str, Any]:
     head_dim = projection(attention(model).input_to_query)["projection"]
     params["partial_rotary_factor"] = rope[0].rope_subset_size / head_dim
   return {"rope_parameters": params}
+
+
+def longrope_fields(model: pz.nn.Layer, layer: ApplyLongRoPE) -> dict[str, Any]:
+  """``rope_parameters`` and the top-level fields of `ApplyLongRoPE` ``layer``:
+  Phi-3's (long factors beyond the original context, one attention factor)
+  or, for a layer keeping the short factors everywhere, Phi-3.5-MoE's
+  (``short_mscale`` / ``long_mscale``, the attention factors within and
+  beyond, and the recorded ``long_factor``)."""
+  head_dim = projection(attention(model).input_to_query)["projection"]
+  params: dict[str, Any] = {
+      "rope_type": "longrope", "rope_theta": float(layer.max_wavelength),
+      "short_factor": list(layer.short_factor), "long_factor": list(layer.long_factor),
+      "partial_rotary_factor": (layer.rotary_dim or head_dim) / head_dim,
+      # Where transformers 5 writes it too (the top-level one wins on reading).
+      "original_max_position_embeddings": layer.original_max_position_embeddings,
+  }
+  fields: dict[str, Any] = {
+      "rope_parameters": params,
+      "original_max_position_embeddings": layer.original_max_position_embeddings}
+  if not layer.long_frequencies:
+    within = layer.attention_scaling()
+    params.update(short_mscale=within, long_mscale=(
+        within if layer.long_attention_factor is None else layer.long_attention_factor))
+    return fields
+  if layer.long_attention_factor is not None:
+    raise errors.ExportError(
+        "the model's ApplyLongRoPE switches to the long factors and to its own"
+        " long_attention_factor beyond the original context, which no transformers class"
+        " computes (Phi-3 keeps one attention factor; Phi-3.5-MoE keeps the short factors).")
+  if layer.factor is not None:
+    params["factor"] = layer.factor
+  if layer.attention_factor is not None:
+    params["attention_factor"] = layer.attention_factor
+  if layer.max_position_embeddings is not None:
+    fields["max_position_embeddings"] = layer.max_position_embeddings
+  return fields
 
 
 def windows(model: pz.nn.Layer) -> list[int | None]:

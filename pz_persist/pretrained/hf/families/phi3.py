@@ -32,6 +32,8 @@ from penzai.models.transformer.variants import llamalike_common
 from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.nn.mixture_of_experts import MixtureOfExperts
 from pz_persist.nn.offset_scale import OffsetScale
+from pz_persist.pretrained import errors
+from pz_persist.pretrained.hf.building import longrope
 from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
@@ -41,8 +43,6 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import activation_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
-from pz_persist.pretrained.hf.config_from_model import attention as first_attention
-from pz_persist.pretrained.hf.config_from_model import projection
 from pz_persist.pretrained.hf.config_from_model import rms_norm_fields
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import size_fields
@@ -56,18 +56,11 @@ from pz_persist.pretrained.hf.weights import Weights
 _DEFAULT_THETA = 10_000.0
 _DEFAULT_POSITIONS = 4096  # Phi3Config's max_position_embeddings and original_...
 _LONGROPE_NAMES = ("longrope", "su", "yarn")
-_COMMON_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-_LONGROPE_KEYS = {"short_factor", "long_factor", "original_max_position_embeddings", "factor",
-                  "attention_factor"}
+_LONGROPE_KEYS = frozenset({"short_factor", "long_factor", "original_max_position_embeddings",
+                            "factor", "attention_factor"})
 _NEUTRAL = {"lm_head_bias": False, "interpolate_factor": 1, "full_attn_mod": 1}
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
-
-def _numbers(value: Any) -> bool:
-  return isinstance(value, list) and all(
-      isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-      for v in value)
 
 
 def _number(value: Any) -> bool:
@@ -106,28 +99,12 @@ def _read_rope(cfg: Config):
   and a partial rotary fraction, which Llama's reader refuses); Llama's
   reader is then handed the unscaled base alone. Returns the function
   replacing each of Penzai's ``ApplyRoPE`` layers."""
-  found: dict[str, dict[str, Any]] = {
-      key: value for key in ("rope_parameters", "rope_scaling") if (value := cfg.get(key))}
-  if len(found) == 2 and found["rope_parameters"] != found["rope_scaling"]:
-    raise cfg.unsupported("rope_scaling", found["rope_scaling"],
-                          "rope_parameters says otherwise; keep one of them")
-  key, params = next(iter(found.items()), ("rope_parameters", {}))
-  params = dict(params)  # (A JSON object: `Config.get` checked it.)
-  kinds = {params.get(name) for name in ("rope_type", "type")} - {None}
-  kind = next(iter(kinds), "default")
-  if len(kinds) > 1 or kind not in ("default", *_LONGROPE_NAMES):
-    raise cfg.unsupported(f"{key}.rope_type", params.get("rope_type", params.get("type")),
-                          f"Phi-3's rope types are 'default' and 'longrope' ({_LONGROPE_NAMES})")
-  longrope = kind != "default"
-  allowed = _COMMON_KEYS | (_LONGROPE_KEYS if longrope else set())
-  unknown = sorted(set(params) - allowed)
-  if unknown:
-    raise cfg.unsupported(f"{key}.{unknown[0]}", params[unknown[0]],
-                          f"rope_type {kind!r} reads only {sorted(allowed)}")
-  theta = _agreeing(cfg, key, params, "rope_theta", _DEFAULT_THETA)
-  fraction = _agreeing(cfg, key, params, "partial_rotary_factor", 1.0)
+  key, params, kind = longrope.rope_params(cfg, _LONGROPE_NAMES, _LONGROPE_KEYS, "Phi-3")
+  theta = longrope.agreeing(cfg, key, params, "rope_theta", _DEFAULT_THETA)
+  fraction = longrope.agreeing(cfg, key, params, "partial_rotary_factor", 1.0)
   # Phi3Config always has the top-level field (default 4096), which wins.
-  original = cfg.get("original_max_position_embeddings", _DEFAULT_POSITIONS)
+  original = longrope.original_context(
+      cfg, key, params, cfg.get("original_max_position_embeddings", _DEFAULT_POSITIONS), "inner")
   hidden, heads = cfg.require("hidden_size"), cfg.require("num_attention_heads")
   head_dim = cfg.get("head_dim", hidden // heads)
   rotary_dim = int(head_dim * fraction)
@@ -135,32 +112,16 @@ def _read_rope(cfg: Config):
     raise cfg.unsupported("partial_rotary_factor", fraction,
                           f"it rotates {rotary_dim} of {head_dim} entries; RoPE needs an even"
                           " number of at least 2")
-  # Llama's reader sees the unscaled base alone.
-  cfg.raw.pop("rope_scaling", None)
-  cfg.raw.pop("partial_rotary_factor", None)
-  cfg.raw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+  longrope.base_only(cfg, theta)
   subset = None if rotary_dim == head_dim else rotary_dim
-  if not longrope:
+  if kind == "default":
     if subset is None:
       return lambda layer: layer
     return lambda layer: pz.nn.ApplyRoPEToSubset(
         embedding_axis=layer.embedding_axis, max_wavelength=layer.max_wavelength,
         rope_subset_size=subset, positions_input_name=layer.positions_input_name)
 
-  factors = {}
-  for name in ("short_factor", "long_factor"):
-    value = params.get(name)
-    if not isinstance(value, list) or not _numbers(value) or len(value) != rotary_dim // 2:
-      shown = f"a list of {len(value)}" if isinstance(value, list) else value
-      raise cfg.unsupported(f"{key}.{name}", shown,
-                            f"longrope needs {rotary_dim // 2} positive numbers, one per rotated"
-                            " pair of each head")
-    factors[name] = tuple(float(v) for v in value)
-  inner = params.get("original_max_position_embeddings")
-  if inner is not None and inner != original:
-    raise cfg.unsupported(f"{key}.original_max_position_embeddings", inner,
-                          f"the top-level original_max_position_embeddings={original}, which"
-                          " transformers' Phi-3 uses instead, says otherwise")
+  factors = longrope.factor_lists(cfg, key, params, rotary_dim // 2)
   factor = params.get("factor")
   factor = None if factor is None else cfg.checked(f"{key}.factor", factor)
   attention_factor = params.get("attention_factor")
@@ -179,16 +140,6 @@ def _read_rope(cfg: Config):
         rotary_dim=subset, **factors)
 
   return longrope_layer
-
-
-def _agreeing(cfg: Config, key: str, params: Mapping[str, Any], name: str, default: Any) -> Any:
-  """``params[name]``, which must agree with the top-level field ``name``."""
-  inner = params.get(name)
-  inner = None if inner is None else cfg.checked(f"{key}.{name}", inner)
-  outer = cfg.get(name)
-  if inner is not None and outer is not None and inner != outer:
-    raise cfg.unsupported(name, outer, f"{key}.{name}={inner!r} says otherwise")
-  return next((v for v in (inner, outer) if v is not None), default)
 
 
 def _detect(model: pz.nn.Layer) -> str | None:
@@ -210,35 +161,13 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   fields = without_default_head_dim({
       **size_fields(model), **rms_norm_fields(model), **activation_field(model, like),
       **tied_field(model, like), "sliding_window": windows(model)[0]})
-  found = all_layers(model, ApplyLongRoPE)
-  if not found:
-    fields.update(rope_fields(model))
-  else:
-    fields.update(_longrope_fields(model, found[0]))
+  fields.update(rope_fields(model))
+  if "short_mscale" in fields["rope_parameters"]:
+    raise errors.ExportError(
+        "the model's ApplyLongRoPE keeps the short factors beyond the original context"
+        " (long_frequencies=False), as Phi-3.5-MoE's does, not Phi-3's; export it as phimoe.")
   if "partial_rotary_factor" in like:  # Written where like has it too (top level).
     fields["partial_rotary_factor"] = fields["rope_parameters"].get("partial_rotary_factor", 1.0)
-  return fields
-
-
-def _longrope_fields(model: pz.nn.Layer, layer: ApplyLongRoPE) -> dict[str, Any]:
-  """``rope_parameters`` and the top-level fields of `ApplyLongRoPE` ``layer``."""
-  fields: dict[str, Any] = {}
-  head_dim = projection(first_attention(model).input_to_query)["projection"]
-  params: dict[str, Any] = {
-      "rope_type": "longrope", "rope_theta": float(layer.max_wavelength),
-      "short_factor": list(layer.short_factor), "long_factor": list(layer.long_factor),
-      "partial_rotary_factor": (layer.rotary_dim or head_dim) / head_dim,
-      # Where transformers 5 writes it too (the top-level one wins on reading).
-      "original_max_position_embeddings": layer.original_max_position_embeddings,
-  }
-  if layer.factor is not None:
-    params["factor"] = layer.factor
-  if layer.attention_factor is not None:
-    params["attention_factor"] = layer.attention_factor
-  fields.update(rope_parameters=params,
-                original_max_position_embeddings=layer.original_max_position_embeddings)
-  if layer.max_position_embeddings is not None:
-    fields["max_position_embeddings"] = layer.max_position_embeddings
   return fields
 
 
@@ -283,8 +212,8 @@ RECORD = Family(
           " back fused), `longrope` (`ApplyLongRoPE`), partial rotary, a window on every layer"),
     refuses="rope types other than `default` / `longrope`, biases",
     rank=50,
-    fields={"short_factor": (_numbers, "a list of positive numbers"),
-            "long_factor": (_numbers, "a list of positive numbers"),
+    fields={"short_factor": (longrope.numbers, "a list of positive numbers"),
+            "long_factor": (longrope.numbers, "a list of positive numbers"),
             "resid_pdrop": (_dropout, "a number in [0, 1]"),
             "auto_map": (lambda value: isinstance(value, dict), "a JSON object"),
             "lm_head_bias": (lambda value: isinstance(value, bool), "true or false"),

@@ -15,16 +15,28 @@ under ``block_sparse_moe``: router ``gate``, experts' ``w1`` / ``w3`` /
   noise elsewhere, changes inference here); always two experts, as
   transformers' ``sparsemixer`` chooses two whatever ``num_experts_per_tok``
   says (a config saying otherwise is refused);
-- a window on every layer if ``sliding_window`` is set.
-
-``rope_scaling`` (Phi-3.5-MoE's ``longrope`` with its own ``short_mscale`` /
-``long_mscale``) is refused for now: a config without it (global RoPE of
-``rope_theta``) is read.
+- a window on every layer if ``sliding_window`` is set;
+- Phi-3.5-MoE's ``longrope`` (`pz_persist.nn.longrope.ApplyLongRoPE`), as
+  transformers computes it, which is not Phi-3's: ``PhimoeRotaryEmbedding``
+  recomputes its frequencies without the sequence length, so
+  ``short_factor`` divides them at every position (``long_factor`` is read,
+  checked and kept for export, never applied: ``long_frequencies=False``),
+  and multiplies cos and sin by ``short_mscale`` while the input's largest
+  position is within ``original_max_position_embeddings`` and by
+  ``long_mscale`` beyond (``attention_factor`` / ``long_attention_factor``).
+  transformers' ``generate`` drops its cache on crossing the original
+  context, as for Phi-3, and so does the sampler
+  (`pz_persist.nn.longrope.LongRopeKVCachingLM`). The original context is
+  the RoPE dict's (else ``max_position_embeddings``, as PhimoeConfig
+  fills it in); a top-level one saying otherwise is refused, as are
+  ``factor`` / ``attention_factor`` (which Phi-3.5-MoE never reads: the
+  mscales replace them) and a ``partial_rotary_factor`` other than 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +45,9 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.pretrained import errors
+from pz_persist.pretrained.hf.building import longrope
 from pz_persist.pretrained.hf.building.decoder import Biases
 from pz_persist.pretrained.hf.building.decoder import llama_plan
 from pz_persist.pretrained.hf.building.decoder import model_biases
@@ -50,7 +64,9 @@ from pz_persist.pretrained.hf.building.moe import read_experts
 from pz_persist.pretrained.hf.building.moe import with_experts
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import FROM_TABLE
+from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import POSITIVE_INT
+from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import windows
@@ -67,7 +83,11 @@ _NON_NEGATIVE = (lambda v: NUMBER[0](v) and v >= 0, "a non-negative number")
 FIELDS = {"num_local_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT,
           "router_jitter_noise": _NON_NEGATIVE, "input_jitter_noise": _NON_NEGATIVE,
           "output_router_logits": BOOLEAN, "router_aux_loss_coef": NUMBER,
-          "lm_head_bias": BOOLEAN}
+          "lm_head_bias": BOOLEAN, "short_mscale": POSITIVE_NUMBER,
+          "long_mscale": POSITIVE_NUMBER, "auto_map": OBJECT}
+
+_LONGROPE_KEYS = frozenset({"short_factor", "long_factor", "original_max_position_embeddings",
+                            "short_mscale", "long_mscale"})
 
 _HEAD = "transformer/lm_head"
 
@@ -78,6 +98,7 @@ def phimoe_plan(cfg: Config, weights: Weights) -> Plan:
   if top_k != 2:
     raise cfg.unsupported("num_experts_per_tok", top_k,
                           "transformers' Phi-3.5-MoE (sparsemixer) always routes to 2 experts")
+  rotary = _read_rope(cfg)
   jitter = float(cfg.get("router_jitter_noise", FROM_TABLE))
   head_bias = cfg.get("lm_head_bias", FROM_TABLE)
   bias = cfg.get("attention_bias", FROM_TABLE)
@@ -113,6 +134,7 @@ def phimoe_plan(cfg: Config, weights: Weights) -> Plan:
   def build() -> model_parts.TransformerLM:
     model = pz.select(routed_build()).at_instances_of(pz.nn.RMSLayerNorm).apply(
         lambda norm: _layer_norm(norm, epsilon))
+    model = pz.select(model).at_instances_of(pz.nn.ApplyRoPE).apply(rotary)
     if head_bias:
       model = (pz.select(model).at_instances_of(pz.nn.Linear)
                .where(lambda linear: linear.weights.label == f"{_HEAD}.weights")
@@ -121,6 +143,48 @@ def phimoe_plan(cfg: Config, weights: Weights) -> Plan:
     return model
 
   return Plan(build, tuple(specs), plan.views)
+
+
+def _read_rope(cfg: Config) -> Callable[[pz.nn.ApplyRoPE], pz.nn.Layer]:
+  """Phi-3.5-MoE's RoPE, read here in full (Llama's reader refuses
+  ``longrope``; it is then handed the unscaled base alone). Returns the
+  function replacing each of Penzai's ``ApplyRoPE`` layers."""
+  key, params, kind = longrope.rope_params(cfg, ("longrope",), _LONGROPE_KEYS, "Phi-3.5-MoE")
+  theta = longrope.agreeing(cfg, key, params, "rope_theta", cfg.default("rope_theta", FROM_TABLE))
+  fraction = longrope.agreeing(cfg, key, params, "partial_rotary_factor", 1.0)
+  if fraction != 1:
+    raise cfg.unsupported("partial_rotary_factor", fraction,
+                          "transformers' Phi-3.5-MoE rotates whole heads (its default RoPE"
+                          " ignores the fraction and its longrope fails on it)")
+  longrope.base_only(cfg, theta)
+  if kind == "default":
+    cfg.get("original_max_position_embeddings")  # Read by generate alone: no effect.
+    return lambda layer: layer
+  name = "original_max_position_embeddings"
+  inner = params.get(name)
+  # PhimoeConfig fills an absent one in from max_position_embeddings and
+  # sets the top-level field from it.
+  original = (cfg.checked(f"{key}.{name}", inner) if inner is not None
+              else cfg.get("max_position_embeddings", FROM_TABLE))
+  original = longrope.original_context(cfg, key, params, original, "outer")
+  hidden, heads = cfg.require("hidden_size"), cfg.require("num_attention_heads")
+  factors = longrope.factor_lists(cfg, key, params, cfg.get("head_dim", hidden // heads) // 2)
+  mscales = {}
+  for scale in ("short_mscale", "long_mscale"):
+    if params.get(scale) is None:
+      raise cfg.unsupported(f"{key}.{scale}", None,
+                            "transformers' Phi-3.5-MoE requires it with longrope (it multiplies"
+                            " cos and sin by it)")
+    mscales[scale] = float(cfg.checked(f"{key}.{scale}", params[scale]))
+
+  def longrope_layer(layer: pz.nn.ApplyRoPE) -> ApplyLongRoPE:
+    return ApplyLongRoPE(
+        embedding_axis=layer.embedding_axis, max_wavelength=layer.max_wavelength,
+        positions_input_name=layer.positions_input_name,
+        original_max_position_embeddings=original, attention_factor=mscales["short_mscale"],
+        long_attention_factor=mscales["long_mscale"], long_frequencies=False, **factors)
+
+  return longrope_layer
 
 
 def _layer_norm(norm: pz.nn.RMSLayerNorm, epsilon: float) -> pz.nn.LayerNorm:
@@ -163,6 +227,16 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
         f" every layer or none (found {sorted(found_windows, key=str)}).")
   head = [linear for linear in all_layers(model, pz.nn.AddBias)
           if linear.bias.label == f"{_HEAD}_bias.bias"]
+  rope = fields["rope_parameters"]
+  if rope["rope_type"] == "longrope":
+    if "short_mscale" not in rope:
+      raise errors.ExportError(
+          "the model's ApplyLongRoPE switches to the long factors beyond the original context,"
+          " as Phi-3's does; transformers' Phi-3.5-MoE keeps the short ones (long_frequencies="
+          "False) and cannot compute it.")
+    if rope.pop("partial_rotary_factor") != 1:
+      raise errors.ExportError("the model's ApplyLongRoPE rotates part of each head;"
+                               " transformers' Phi-3.5-MoE rotates whole heads.")
   fields.update({"num_local_experts": experts, "intermediate_size": neurons,
                  "sliding_window": found_windows.pop(), "router_jitter_noise": router.jitter_eps,
                  "attention_bias": model_biases(model).output, "lm_head_bias": bool(head)})
@@ -188,16 +262,23 @@ RECORD = Family(
     title="Phi-3.5-MoE",
     model_types={"phimoe": ModelType(
         phimoe_plan, "PhimoeForCausalLM", **_TRANSFORMERS_DEFAULTS["phimoe"],
-        ignored_fields={"training only: the load-balancing loss and the input noise": (
-            "output_router_logits", "router_aux_loss_coef", "input_jitter_noise")})},
+        ignored_fields={
+            "training only: the load-balancing loss and the input noise": (
+                "output_router_logits", "router_aux_loss_coef", "input_jitter_noise"),
+            "the Hub's folder names Microsoft's remote code, which transformers' own Phimoe"
+            " class (the reference, and what export writes) replaces": ("auto_map",),
+        }, foreign_fields=frozenset({"auto_map"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("LayerNorms with a bias (`pz.nn.LayerNorm`), `attention_bias`, `lm_head_bias`, a"
           " mixture of experts in every layer routed by sparsemixer (`TopKRouter`"
           " `score=\"sparsemixer\"`, its gap `router_jitter_noise`; the Hub's per-expert"
-          " `w1`/`w3`/`w2`); optional sliding window"),
-    refuses=("`rope_scaling` (Phi-3.5-MoE's longrope with `short_mscale` / `long_mscale`) for"
-             " now, `num_experts_per_tok` other than 2, an MLP bias"),
+          " `w1`/`w3`/`w2`); optional sliding window; Phi-3.5-MoE's `longrope` (`ApplyLongRoPE`:"
+          " the short factors at every position, as transformers computes, cos and sin scaled by"
+          " `short_mscale` / `long_mscale` within / beyond the original context)"),
+    refuses=("`num_experts_per_tok` other than 2, an MLP bias, a partial rotary fraction,"
+             " `factor` / `attention_factor` in the longrope dict (Phi-3.5-MoE never reads"
+             " them)"),
     rank=4,
     fields=FIELDS,
 )
