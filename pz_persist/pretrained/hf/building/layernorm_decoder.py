@@ -29,6 +29,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn.learned_positions import AddLearnedPositions
 from pz_persist.pretrained.errors import ExportError
 from pz_persist.pretrained.hf.building.decoder import attention_sizes
 from pz_persist.pretrained.hf.building.decoder import block_specs
@@ -358,7 +359,8 @@ def is_layernorm_decoder(model: pz.nn.Layer) -> bool:
   """Whether ``model`` has this module's structure: LayerNorms (with a
   shift) around llama-like attention (``attention/query.weights``, where
   GPT-NeoX's is ``attention/query/Linear.weights``) and no learned positions."""
-  if not all_layers(model, pz.nn.Standardize) or all_layers(model, pz.nn.RMSStandardize):
+  if (not all_layers(model, pz.nn.Standardize) or all_layers(model, pz.nn.RMSStandardize)
+      or all_layers(model, AddLearnedPositions)):
     return False
   attns = all_layers(model, pz.nn.Attention)
   if not attns:
