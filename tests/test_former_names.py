@@ -64,6 +64,8 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.xielu", "XIELU"),  # Apertus (issue 40).
     ("pz_persist.nn.recurrent_state", "CachingRecurrent"),  # Stateful layers' sampling form.
     ("pz_persist.nn.recurrent_state", "Recurrent"),
+    ("pz_persist.nn.longrope", "ApplyPhimoeLongRoPE"),  # Phi-3.5-MoE (issue 40).
+    ("pz_persist.nn.mixture_of_experts", "SparseMixerRouter"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

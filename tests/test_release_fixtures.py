@@ -38,6 +38,16 @@ NEWEST = FIXTURES[-1]  # Release names sort as their numbers do while below 0.10
 
 NEW_SINCE_NEWEST_FIXTURE: frozenset[str] = frozenset({
     "pz_persist.nn.learned_positions.AddLearnedPositions",
+    "pz_persist.nn.clip_values.ClipValues",
+    "pz_persist.nn.longrope.ApplyPhimoeLongRoPE",
+    "pz_persist.nn.mamba2.Mamba2",
+    "pz_persist.nn.mixture_of_experts.SparseMixerRouter",
+    "pz_persist.nn.mamba2.CachingMamba2",
+    "pz_persist.nn.recurrent_state.CachingRecurrent",
+    "pz_persist.nn.recurrent_state.Recurrent",
+    "pz_persist.nn.short_conv.ShortConv",
+    "pz_persist.nn.short_conv.CachingShortConv",
+    "pz_persist.nn.xielu.XIELU",
 })
 """Classes of `pz_persist.nn` added since the newest fixture's release (by
 ``module.qualname``): each must be in the next release's fixture, and

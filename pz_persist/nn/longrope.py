@@ -12,12 +12,14 @@ original_max_position_embeddings``), as transformers 5 computes them
 (``transformers.modeling_rope_utils``, in float32, in the same order).
 
 transformers' Phi-3.5-MoE (``PhimoeRotaryEmbedding``) differs in two ways,
-which two fields express: it recomputes its frequencies without the
-sequence length, so the short factors apply at every position
-(``long_frequencies=False``; ``long_factor`` is then only the checkpoint's
-record, written back on export), and it multiplies cos and sin by its own
-``short_mscale`` within the original context and ``long_mscale`` beyond
-(``attention_factor`` and ``long_attention_factor``).
+which `ApplyPhimoeLongRoPE` expresses: it recomputes its frequencies without
+the sequence length, so the short factors apply at every position
+(``long_factor`` is then only the checkpoint's record, written back on
+export), and it multiplies cos and sin by its own ``short_mscale`` within the
+original context and ``long_mscale`` beyond (``attention_factor`` and
+``long_attention_factor``). It is a class of its own, not two more fields of
+`ApplyLongRoPE`, so that checkpoints holding an `ApplyLongRoPE` keep loading
+field for field.
 
 As transformers, the choice of factors is made per call from the call's
 largest position, and keys already in a KV cache keep the rotation of the
@@ -71,11 +73,6 @@ class ApplyLongRoPE(pz.nn.Layer):
     max_position_embeddings: The config's top-level field, read only when
       ``factor`` is None.
     rotary_dim: How many leading entries of the axis are rotated (None: all).
-    long_attention_factor: What cos and sin are multiplied by beyond the
-      original context (None: the same as within it).
-    long_frequencies: Whether ``long_factor`` replaces ``short_factor``
-      beyond the original context (False: the short factors everywhere, as
-      transformers' Phi-3.5-MoE computes).
   """
 
   embedding_axis: str = static()
@@ -88,12 +85,20 @@ class ApplyLongRoPE(pz.nn.Layer):
   attention_factor: float | None = static(None)
   max_position_embeddings: int | None = static(None)
   rotary_dim: int | None = static(None)
-  long_attention_factor: float | None = static(None)
-  long_frequencies: bool = static(True)
+
+  def uses_long_factors(self) -> bool:
+    """Whether ``long_factor`` replaces ``short_factor`` beyond the original
+    context (`ApplyPhimoeLongRoPE` keeps the short ones)."""
+    return True
+
+  def scaling_beyond(self) -> float | None:
+    """What cos and sin are multiplied by beyond the original context (None:
+    `attention_scaling`, as within it)."""
+    return None
 
   def attention_scaling(self) -> float:
     """The factor cos and sin are multiplied by (within the original
-    context, and beyond it unless ``long_attention_factor`` is set)."""
+    context, and beyond it unless `scaling_beyond` says otherwise)."""
     if self.attention_factor is not None:
       return float(self.attention_factor)
     factor = self.factor
@@ -119,7 +124,7 @@ class ApplyLongRoPE(pz.nn.Layer):
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     powers = np.float32(self.max_wavelength) ** exponents
     short = np.float32(1.0) / (np.asarray(self.short_factor, np.float32) * powers)
-    if not self.long_frequencies:
+    if not self.uses_long_factors():
       return jnp.asarray(short)
     long = np.float32(1.0) / (np.asarray(self.long_factor, np.float32) * powers)
     return jnp.where(self.beyond(max_position), jnp.asarray(long), jnp.asarray(short))
@@ -134,9 +139,10 @@ class ApplyLongRoPE(pz.nn.Layer):
     """What cos and sin are multiplied by (float32), given the current
     input's largest position."""
     within = np.float32(self.attention_scaling())
-    if self.long_attention_factor is None:
+    beyond = self.scaling_beyond()
+    if beyond is None:
       return jnp.asarray(within)
-    return jnp.where(self.beyond(max_position), np.float32(self.long_attention_factor), within)
+    return jnp.where(self.beyond(max_position), np.float32(beyond), within)
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
     positions = side_inputs[self.positions_input_name]
@@ -161,6 +167,38 @@ class ApplyLongRoPE(pz.nn.Layer):
     out = pz.nx.nmap(rotate)(inputs.untag(self.embedding_axis), positions)
     return out.tag(self.embedding_axis).astype(inputs.dtype)
 
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # ApplyLongRoPE's, then its own.
+class ApplyPhimoeLongRoPE(ApplyLongRoPE):
+  """Phi-3.5-MoE's LongRoPE, as transformers computes it: the short factors
+  at every position (``long_factor`` kept only as the checkpoint's record),
+  cos and sin multiplied by ``attention_factor`` (``short_mscale``) within
+  the original context and by ``long_attention_factor`` (``long_mscale``)
+  beyond.
+
+  Example:
+    >>> from pz_persist.nn.longrope import ApplyPhimoeLongRoPE
+    >>> rope = ApplyPhimoeLongRoPE(
+    ...     embedding_axis="projection", max_wavelength=10_000.0,
+    ...     positions_input_name="token_positions", short_factor=(1.0, 1.0),
+    ...     long_factor=(4.0, 4.0), original_max_position_embeddings=8,
+    ...     attention_factor=1.0, long_attention_factor=1.2)
+    >>> rope.uses_long_factors(), rope.scaling_beyond()
+    (False, 1.2)
+
+  Attributes:
+    long_attention_factor: What cos and sin are multiplied by beyond the
+      original context.
+  """
+
+  long_attention_factor: float | None = static(None)
+
+  def uses_long_factors(self) -> bool:
+    return False
+
+  def scaling_beyond(self) -> float | None:
+    return self.long_attention_factor
 
 @pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # Penzai's sampler's fields, then ours.
 class LongRopeKVCachingLM(sampling_mode.KVCachingTransformerLM):

@@ -106,8 +106,6 @@ class TopKRouter(pz.nn.Layer):
       ``e_score_correction_bias``), over ``experts``; or None.
     expert_scale: Multiplies each chosen expert's weight (Gemma 4's
       ``per_expert_scale``), over ``experts``; or None.
-    jitter_eps: ``sparsemixer``'s relative gap (Phi-3.5-MoE's
-      ``router_jitter_noise``).
   """
 
   logits: pz.nn.Layer
@@ -122,17 +120,48 @@ class TopKRouter(pz.nn.Layer):
   group_score_k: int = static(2)
   selection_bias: pz.ParameterLike[pz.nx.NamedArray] | None = None
   expert_scale: pz.ParameterLike[pz.nx.NamedArray] | None = None
-  jitter_eps: float = static(0.0)
+
+  def jitter(self) -> float:
+    """``sparsemixer``'s relative gap (`SparseMixerRouter` sets it)."""
+    return 0.0
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
     logits = self.logits(inputs, **side_inputs)
     extras = [p.value.untag("experts") if p is not None else None
               for p in (self.selection_bias, self.expert_scale)]
     rule = (self.num_experts, self.top_k, self.score, self.normalize, self.normalize_epsilon,
-            self.scale, self.groups, self.top_groups, self.group_score_k, self.jitter_eps)
+            self.scale, self.groups, self.top_groups, self.group_score_k, self.jitter())
     weights = pz.nx.nmap(functools.partial(_route, rule))(logits.untag("experts"), *extras)
     return weights.tag("experts").astype(inputs.dtype)
 
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # TopKRouter's, then its own.
+class SparseMixerRouter(TopKRouter):
+  """Phi-3.5-MoE's router: a `TopKRouter` scoring by ``sparsemixer`` with
+  its relative gap. A class of its own, not one more field of `TopKRouter`,
+  so that checkpoints holding a `TopKRouter` keep loading field for field.
+
+  Example:
+    >>> import jax
+    >>> from penzai import pz
+    >>> from pz_persist.nn import mixture_of_experts as moe
+    >>> router = moe.SparseMixerRouter(
+    ...     logits=pz.nn.Linear.from_config(
+    ...         name="router", init_base_rng=jax.random.key(0),
+    ...         input_axes={"embedding": 4}, output_axes={"experts": 3}),
+    ...     num_experts=3, top_k=2, score="sparsemixer", jitter_eps=0.01)
+    >>> router(pz.nx.ones({"seq": 2, "embedding": 4})).named_shape
+    {'seq': 2, 'experts': 3}
+
+  Attributes:
+    jitter_eps: The relative gap (Phi-3.5-MoE's ``router_jitter_noise``).
+  """
+
+  jitter_eps: float = static(0.0)
+
+  def jitter(self) -> float:
+    return self.jitter_eps
 
 @functools.partial(jax.jit, static_argnums=0)
 def _route(rule: _RuleFields, logits: jax.Array, bias: jax.Array | None,

@@ -240,7 +240,7 @@ def test_the_mscales_bind_where_transformers_applies_them(saved):
   assert np.abs(checks.penzai_logits(same_long) - full).max() > 100 * 1e-4
   np.testing.assert_allclose(checks.penzai_logits(same_long, SHORT), short, **checks.TOLERANCE)
   # Phi-3's longrope (long factors beyond the original context) is not it.
-  as_phi3 = swapped(long_frequencies=True)
+  as_phi3 = pz.select(model).at_instances_of(ApplyLongRoPE).apply(_as_phi3)
   assert np.abs(checks.penzai_logits(as_phi3) - full).max() > 100 * 1e-4
   other_long = dict(LONGROPE, long_factor=[1.0] * 4)
   hf = CASES["phimoe_longrope"].model_cls(CASES["phimoe_longrope"].config(
@@ -253,14 +253,16 @@ def test_a_longrope_model_of_the_wrong_kind_is_not_exported_as_the_other(saved, 
   """Phi-3's longrope (long factors beyond) on Phi-3.5-MoE's experts, and
   Phi-3.5-MoE's on a model exported as Phi-3, are refused by name."""
   model = pzp.pretrained.load_hf(saved["phimoe_longrope"].folder)
-  as_phi3 = pz.select(model).at_instances_of(ApplyLongRoPE).apply(
-      lambda layer: dataclasses.replace(layer, long_frequencies=True, long_attention_factor=None))
+  as_phi3 = pz.select(model).at_instances_of(ApplyLongRoPE).apply(_as_phi3)
   with pytest.raises(pzp.pretrained.errors.ExportError, match="short ones"):
     pzp.export_hf(as_phi3, tmp_path / "a")
-  both = pz.select(model).at_instances_of(ApplyLongRoPE).apply(
-      lambda layer: dataclasses.replace(layer, long_frequencies=True))
-  with pytest.raises(pzp.pretrained.errors.ExportError, match="long_attention_factor"):
-    pzp.export_hf(both, tmp_path / "b")
+
+
+def _as_phi3(layer: ApplyLongRoPE) -> ApplyLongRoPE:
+  """Phi-3's `ApplyLongRoPE` with ``layer``'s fields (long factors beyond
+  the original context, one attention factor)."""
+  return ApplyLongRoPE(**{field.name: getattr(layer, field.name)
+                          for field in dataclasses.fields(ApplyLongRoPE)})
 
 
 def test_the_longrope_model_survives_save_model_and_the_cli_export(saved, tmp_path):

@@ -25,6 +25,7 @@ from penzai import pz
 from penzai.models.transformer import model_parts
 
 from pz_persist.nn.longrope import ApplyLongRoPE
+from pz_persist.nn.longrope import ApplyPhimoeLongRoPE
 from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.config import IGNORED_FIELDS
@@ -185,16 +186,11 @@ def longrope_fields(model: pz.nn.Layer, layer: ApplyLongRoPE) -> dict[str, Any]:
   fields: dict[str, Any] = {
       "rope_parameters": params,
       "original_max_position_embeddings": layer.original_max_position_embeddings}
-  if not layer.long_frequencies:
+  if isinstance(layer, ApplyPhimoeLongRoPE):
     within = layer.attention_scaling()
-    params.update(short_mscale=within, long_mscale=(
-        within if layer.long_attention_factor is None else layer.long_attention_factor))
+    beyond = layer.scaling_beyond()
+    params.update(short_mscale=within, long_mscale=within if beyond is None else beyond)
     return fields
-  if layer.long_attention_factor is not None:
-    raise errors.ExportError(
-        "the model's ApplyLongRoPE switches to the long factors and to its own"
-        " long_attention_factor beyond the original context, which no transformers class"
-        " computes (Phi-3 keeps one attention factor; Phi-3.5-MoE keeps the short factors).")
   if layer.factor is not None:
     params["factor"] = layer.factor
   if layer.attention_factor is not None:

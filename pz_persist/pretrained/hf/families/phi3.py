@@ -165,7 +165,7 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   if "short_mscale" in fields["rope_parameters"]:
     raise errors.ExportError(
         "the model's ApplyLongRoPE keeps the short factors beyond the original context"
-        " (long_frequencies=False), as Phi-3.5-MoE's does, not Phi-3's; export it as phimoe.")
+        " (ApplyPhimoeLongRoPE), as Phi-3.5-MoE's does, not Phi-3's; export it as phimoe.")
   if "partial_rotary_factor" in like:  # Written where like has it too (top level).
     fields["partial_rotary_factor"] = fields["rope_parameters"].get("partial_rotary_factor", 1.0)
   return fields

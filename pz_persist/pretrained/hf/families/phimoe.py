@@ -8,7 +8,7 @@ under ``block_sparse_moe``: router ``gate``, experts' ``w1`` / ``w3`` /
   place of the RMS norms, the final one too: Penzai's ``pz.nn.LayerNorm``
   (``scale.weights``, ``shift.bias``);
 - ``attention_bias`` on all four projections and ``lm_head_bias``;
-- sparsemixer routing at inference (`pz_persist.nn.mixture_of_experts.TopKRouter`
+- sparsemixer routing at inference (`pz_persist.nn.mixture_of_experts.SparseMixerRouter`
   ``score="sparsemixer"``): the best expert, then the best of the others,
   each weighted by its softmax over the logits within a relative gap of
   ``2 * router_jitter_noise`` of it (so ``router_jitter_noise``, training
@@ -16,11 +16,11 @@ under ``block_sparse_moe``: router ``gate``, experts' ``w1`` / ``w3`` /
   transformers' ``sparsemixer`` chooses two whatever ``num_experts_per_tok``
   says (a config saying otherwise is refused);
 - a window on every layer if ``sliding_window`` is set;
-- Phi-3.5-MoE's ``longrope`` (`pz_persist.nn.longrope.ApplyLongRoPE`), as
+- Phi-3.5-MoE's ``longrope`` (`pz_persist.nn.longrope.ApplyPhimoeLongRoPE`), as
   transformers computes it, which is not Phi-3's: ``PhimoeRotaryEmbedding``
   recomputes its frequencies without the sequence length, so
   ``short_factor`` divides them at every position (``long_factor`` is read,
-  checked and kept for export, never applied: ``long_frequencies=False``),
+  checked and kept for export, never applied),
   and multiplies cos and sin by ``short_mscale`` while the input's largest
   position is within ``original_max_position_embeddings`` and by
   ``long_mscale`` beyond (``attention_factor`` / ``long_attention_factor``).
@@ -45,7 +45,7 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.nn import mixture_of_experts as moe
-from pz_persist.nn.longrope import ApplyLongRoPE
+from pz_persist.nn.longrope import ApplyPhimoeLongRoPE
 from pz_persist.pretrained import errors
 from pz_persist.pretrained.hf.building import longrope
 from pz_persist.pretrained.hf.building.decoder import Biases
@@ -115,9 +115,9 @@ def phimoe_plan(cfg: Config, weights: Weights) -> Plan:
   check_experts(cfg, weights, experts, "num_local_experts")
 
   def router(name: str, experts: Experts, hidden: int) -> pz.nn.Layer:
-    return moe.TopKRouter(logits=moe.router_linear(f"{name}/router", experts.num_experts, hidden),
-                          num_experts=experts.num_experts, top_k=2, score="sparsemixer",
-                          jitter_eps=jitter)
+    return moe.SparseMixerRouter(
+        logits=moe.router_linear(f"{name}/router", experts.num_experts, hidden),
+        num_experts=experts.num_experts, top_k=2, score="sparsemixer", jitter_eps=jitter)
 
   activation = config_activation(cfg)
   plan = with_experts(plan, experts, hidden, weights.names, router, activation)
@@ -177,12 +177,12 @@ def _read_rope(cfg: Config) -> Callable[[pz.nn.ApplyRoPE], pz.nn.Layer]:
                             " cos and sin by it)")
     mscales[scale] = float(cfg.checked(f"{key}.{scale}", params[scale]))
 
-  def longrope_layer(layer: pz.nn.ApplyRoPE) -> ApplyLongRoPE:
-    return ApplyLongRoPE(
+  def longrope_layer(layer: pz.nn.ApplyRoPE) -> ApplyPhimoeLongRoPE:
+    return ApplyPhimoeLongRoPE(
         embedding_axis=layer.embedding_axis, max_wavelength=layer.max_wavelength,
         positions_input_name=layer.positions_input_name,
         original_max_position_embeddings=original, attention_factor=mscales["short_mscale"],
-        long_attention_factor=mscales["long_mscale"], long_frequencies=False, **factors)
+        long_attention_factor=mscales["long_mscale"], **factors)
 
   return longrope_layer
 
@@ -232,13 +232,13 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
     if "short_mscale" not in rope:
       raise errors.ExportError(
           "the model's ApplyLongRoPE switches to the long factors beyond the original context,"
-          " as Phi-3's does; transformers' Phi-3.5-MoE keeps the short ones (long_frequencies="
-          "False) and cannot compute it.")
+          " as Phi-3's does; transformers' Phi-3.5-MoE keeps the short ones"
+          " (ApplyPhimoeLongRoPE) and cannot compute it.")
     if rope.pop("partial_rotary_factor") != 1:
       raise errors.ExportError("the model's ApplyLongRoPE rotates part of each head;"
                                " transformers' Phi-3.5-MoE rotates whole heads.")
   fields.update({"num_local_experts": experts, "intermediate_size": neurons,
-                 "sliding_window": found_windows.pop(), "router_jitter_noise": router.jitter_eps,
+                 "sliding_window": found_windows.pop(), "router_jitter_noise": router.jitter(),
                  "attention_bias": model_biases(model).output, "lm_head_bias": bool(head)})
   return without_default_head_dim(fields)
 
@@ -271,9 +271,9 @@ RECORD = Family(
     detect=_detect,
     write_config=_write_config,
     adds=("LayerNorms with a bias (`pz.nn.LayerNorm`), `attention_bias`, `lm_head_bias`, a"
-          " mixture of experts in every layer routed by sparsemixer (`TopKRouter`"
+          " mixture of experts in every layer routed by sparsemixer (`SparseMixerRouter`"
           " `score=\"sparsemixer\"`, its gap `router_jitter_noise`; the Hub's per-expert"
-          " `w1`/`w3`/`w2`); optional sliding window; Phi-3.5-MoE's `longrope` (`ApplyLongRoPE`:"
+          " `w1`/`w3`/`w2`); optional sliding window; Phi-3.5-MoE's `longrope` (`ApplyPhimoeLongRoPE`:"
           " the short factors at every position, as transformers computes, cos and sin scaled by"
           " `short_mscale` / `long_mscale` within / beyond the original context)"),
     refuses=("`num_experts_per_tok` other than 2, an MLP bias, a partial rotary fraction,"
