@@ -20,14 +20,21 @@ from typing import Any
 
 from penzai import pz
 from penzai.models.transformer import model_parts
+from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.nn.mamba2 import Mamba2
 from pz_persist.pretrained.errors import ExportError
 from pz_persist.pretrained.hf.config import BOOLEAN
+from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.config import lm_head_source
 from pz_persist.pretrained.hf.config_from_model import all_layers
+from pz_persist.pretrained.hf.plan import DECODER_HEAD
+from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.weights import Weights
 
 _INF = float("inf")
 
@@ -223,3 +230,24 @@ def mamba_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   if (low, high) != (0.0, _INF) or "time_step_limit" in like:
     fields["time_step_limit"] = [low, _INFINITY if high == _INF else high]
   return fields
+
+
+def checked_config(cfg: Config, weights: Weights, *, heads: int, kv_heads: int, hidden: int,
+                   head_dim: int, neurons: int, layers: int, theta: float, eps: float
+                   ) -> tuple[llamalike_common.LlamalikeTransformerConfig, str]:
+  """The hybrids' Llama skeleton config and their output head's tensor, once
+  ``config.json`` is read whole (`Config.check_all_used`) and its layer
+  count agrees with the weights: the order every family keeps, so that a
+  config is refused on its own before the weights are asked."""
+  tied = cfg.get("tie_word_embeddings", FROM_TABLE)
+  config = llamalike_common.LlamalikeTransformerConfig(
+      num_kv_heads=kv_heads, query_head_multiplier=heads // kv_heads, embedding_dim=hidden,
+      projection_dim=head_dim, mlp_hidden_dim=neurons, num_decoder_blocks=layers,
+      vocab_size=cfg.require("vocab_size"), mlp_variant="swiglu", tie_embedder_and_logits=False,
+      rope_wavelength=theta, rms_norm_eps=eps, parameter_dtype=None, activation_dtype=None)
+  cfg.check_all_used()
+  # config.json is valid on its own; from here on it must agree with the weights.
+  check_layers(cfg, weights.names, DECODER_LAYERS, layers)
+  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "model.embed_tokens.weight")
+  return dataclasses.replace(config, parameter_dtype=weights.dtype,
+                             activation_dtype=weights.dtype), head_source

@@ -18,7 +18,6 @@ Sampling carries the mixers' state: use `pz_persist.pretrained.kv_caching_lm`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,7 +43,6 @@ from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import POSITIVE_NUMBER
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import bool_field
-from pz_persist.pretrained.hf.config import lm_head_source
 from pz_persist.pretrained.hf.config import rope
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
@@ -53,11 +51,9 @@ from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
-from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
-from pz_persist.pretrained.hf.plan import check_layers
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
@@ -98,19 +94,9 @@ def granitemoehybrid_plan(cfg: Config, weights: Weights) -> Plan:
   if experts and top_k > experts:
     raise cfg.unsupported("num_experts_per_tok", top_k,
                           f"more experts per token than the num_local_experts={experts}")
-  tied = cfg.get("tie_word_embeddings", FROM_TABLE)
-  config = llamalike_common.LlamalikeTransformerConfig(
-      num_kv_heads=kv_heads, query_head_multiplier=heads // kv_heads, embedding_dim=hidden,
-      projection_dim=head_dim, mlp_hidden_dim=cfg.require("shared_intermediate_size"),
-      num_decoder_blocks=layers, vocab_size=cfg.require("vocab_size"), mlp_variant="swiglu",
-      tie_embedder_and_logits=False, rope_wavelength=theta, rms_norm_eps=eps,
-      parameter_dtype=None, activation_dtype=None)
-  cfg.check_all_used()
-  # config.json is valid on its own; from here on it must agree with the weights.
-  check_layers(cfg, weights.names, DECODER_LAYERS, layers)
-  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "model.embed_tokens.weight")
-  config = dataclasses.replace(config, parameter_dtype=weights.dtype,
-                               activation_dtype=weights.dtype)
+  config, head_source = mamba_hybrid.checked_config(
+      cfg, weights, heads=heads, kv_heads=kv_heads, hidden=hidden, head_dim=head_dim,
+      neurons=cfg.require("shared_intermediate_size"), layers=layers, theta=theta, eps=eps)
   kinds = [_KINDS[t] for t in types] if types is not None else ["mamba"] * layers
   vocab, neurons = config.vocab_size, config.mlp_hidden_dim
   specs = [
