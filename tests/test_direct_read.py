@@ -157,9 +157,9 @@ def test_which_loads_take_the_direct_path():
   if len(devices) > 1:
     mesh = jax.sharding.Mesh(np.array(devices[:2]), ("x",))
     spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
-    assert not direct_read.applies({"a": None, "b": spread})
+    assert direct_read.applies({"a": None, "b": spread})  # One host's mesh.
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    assert not direct_read.applies({"b": replicated})
+    assert direct_read.applies({"b": replicated})
 
 
 def test_single_device_target_other_than_the_default(ckpt, monkeypatch):
@@ -173,16 +173,28 @@ def test_single_device_target_other_than_the_default(ckpt, monkeypatch):
   assert loaded["bf16"].devices() == {device}
 
 
-@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs several devices")
-def test_mesh_loads_keep_orbax_path(ckpt, monkeypatch):
-  tree = {"w": pz.nx.wrap(jnp.arange(64.0).reshape(8, 8)).tag("rows", "cols")}
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs several devices")
+def test_one_hosts_mesh_loads_go_direct_each_device_holding_its_shard(ckpt, monkeypatch):
+  """A mesh of this process's devices (one host's GPUs): each array is read
+  whole once and each device gets its own shard, as Orbax's path gives."""
+  data = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+  tree = {"w": pz.nx.wrap(jnp.asarray(data)).tag("rows", "cols"),
+          "kept_whole": pz.nx.wrap(jnp.arange(5.0)).tag("other")}
   pzp.save(ckpt, tree)
   calls = _spy(monkeypatch)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
-  loaded = pzp.load(ckpt, sharding=pzp.AxisRules(mesh, {"rows": "data"}))
-  assert calls == []
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+  rules = pzp.AxisRules(mesh, {"rows": "data", "cols": "model"})
+  loaded = pzp.load(ckpt, sharding=rules)
+  assert len(calls) == 1
   assert_identical(loaded, tree)
-  assert len(loaded["w"].data_array.sharding.device_set) == 2
+  w = loaded["w"].data_array
+  assert w.sharding.is_equivalent_to(
+      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model")), 2)
+  for shard in w.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), data[shard.index])
+  replicated = loaded["kept_whole"].data_array
+  assert len(replicated.sharding.device_set) == 4
+  assert all(np.array_equal(np.asarray(s.data), np.arange(5.0)) for s in replicated.addressable_shards)
 
 
 def test_checkpoints_written_compressed_still_load(ckpt, monkeypatch):
@@ -226,7 +238,7 @@ def test_stored_shape_that_differs_from_the_manifest_is_refused_before_reading(c
       key=spec.key, shape=(4, 5), dtype=spec.dtype, kind=spec.kind, path=spec.path
   )
   with pytest.raises(errors.ManifestError, match=r"should be float32\[4, 5\].*stored array is float32\[4, 4\]"):
-    direct_read.read(item, [lying], where=str(item))
+    direct_read.read(item, [lying], where=str(item), on_read=lambda spec, array: None)
   assert allocated == []
 
 

@@ -35,6 +35,7 @@ from orbax.checkpoint import multihost as ocp_multihost
 from pz_persist.format.checksum_records import Index
 from pz_persist.format.checksum_records import ShardChecksum
 from pz_persist.format.checksum_records import full_index
+from pz_persist.storage.integrity import hashing_threads
 
 _DIGEST_BYTES = 16  # xxh3_128
 
@@ -255,7 +256,9 @@ class HostCopies:
     pieces = [(slot, index) for slot in self.slots
               for index in tile_indices(slot.index, slot.tile_rows)]
     digests = np.zeros((len(pieces), _DIGEST_BYTES), np.uint8)
-    for i, (slot, index) in enumerate(pieces):
+
+    def hash_piece(i: int) -> None:
+      slot, index = pieces[i]
       if stop is not None and stop.is_set():
         raise concurrent.futures.CancelledError("the save was abandoned")
       if slot.local_data is not None:
@@ -263,6 +266,8 @@ class HostCopies:
         if slot.tile_rows is not None:  # Rows of the whole array: a view.
           data = np.asarray(data)[index[0][0]:index[0][1]]
         digests[i] = np.frombuffer(bytes.fromhex(digest_of(data)), np.uint8)
+
+    hashing_threads.map_in_threads(hash_piece, range(len(pieces)), name="save hashing")
     if jax.process_count() > 1 and pieces:
       gathered = _exchange(digests, exchange)
       owners = np.array([slot.owner_process for slot, _ in pieces])

@@ -27,6 +27,7 @@ Layout of ``pz_persist.files.json``::
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -45,6 +46,7 @@ from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 from pz_persist.storage import stores
 from pz_persist.storage.integrity import checksums
+from pz_persist.storage.integrity import hashing_threads
 
 MAX_NODES = 2**22
 """Most JSON values a digest file may hold: 4 per file, so a million files
@@ -81,11 +83,12 @@ def write(directory: epath.Path) -> None:
   if not safe_io.is_local(directory):
     return  # Remote stores checksum their objects themselves.
   root = os.fspath(directory)
-  files = {
-      rel: [os.path.getsize(os.path.join(root, rel)),
-            checksums.file_digest(os.path.join(root, rel))]
-      for rel in _files(root)
-  }  # fmt: skip
+  names = list(_files(root))
+  files = dict(zip(names, hashing_threads.map_in_threads(
+      lambda rel: [os.path.getsize(os.path.join(root, rel)),
+                   checksums.file_digest(os.path.join(root, rel))],
+      names, name="file digests",
+  )))
   data = json.dumps(
       {"format": _FORMAT, "algorithm": checksum_records.ALGORITHM, "files": files},
       separators=(",", ":"),
@@ -123,6 +126,7 @@ def check(
         recorded, lambda rel, size, digest: _file_problem(
             os.path.join(root, rel), size, digest),
         present=_files(root), where=lambda rel: os.path.join(root, rel), tracker=tracker,
+        threads=hashing_threads.thread_count(),
     )
   store = stores.for_path(directory)
   listed = store.tree(directory)  # A list copied to a store with its files.
@@ -130,7 +134,7 @@ def check(
       recorded, lambda rel, size, digest: _object_problem(
           store, directory, rel, listed.get(rel), size, digest),
       present=[rel for rel in sorted(listed) if rel != manifest_lib.FILE_DIGESTS_FILENAME],
-      where=lambda rel: f"{directory / rel}", tracker=tracker,
+      where=lambda rel: f"{directory / rel}", tracker=tracker, threads=1,
   )
 
 
@@ -138,21 +142,25 @@ def _compare(
     recorded: dict[str, tuple[int, str]],
     problem: Callable[[str, int, str], str | None],
     *, present: list[str], where: Callable[[str], str],
-    tracker: progress_lib.Tracker | None,
+    tracker: progress_lib.Tracker | None, threads: int,
 ) -> tuple[int, list[str]]:
   """`check`'s comparison, on a disk or a store: each recorded file's
-  ``problem(rel, size, digest)``, then the ``present`` files not recorded
+  ``problem(rel, size, digest)`` (local files hashed on ``threads`` threads;
+  a store's objects one at a time), then the ``present`` files not recorded
   (Orbax's marker aside), each named by ``where(rel)``."""
   if tracker is not None:
     tracker.grow(sum(size for size, _ in recorded.values()))
   problems = []
   recorded = {rel: entry for rel, entry in recorded.items() if rel != _ORBAX_METADATA}
-  for rel, (size, digest) in recorded.items():
-    found = problem(rel, size, digest)
-    if found:
-      problems.append(f"{where(rel)}: {found}")
-    if tracker is not None:
-      tracker.advance(size)
+  with concurrent.futures.ThreadPoolExecutor(threads, "pz_persist file checks") as pool:
+    checking = [(rel, size, pool.submit(problem, rel, size, digest))
+                for rel, (size, digest) in recorded.items()]
+    for rel, size, future in checking:
+      found = future.result()
+      if found:
+        problems.append(f"{where(rel)}: {found}")
+      if tracker is not None:
+        tracker.advance(size)
   problems += [
       f"{where(rel)}: not recorded when the checkpoint was saved"
       for rel in present if rel not in recorded and rel not in _NOT_LISTED

@@ -28,8 +28,9 @@ checked before the read and again after it, and nothing read is returned if
 one was swapped (for a link out of the checkpoint, say) in between.
 
 Which loads take it (`applies`): one process, every array going to host
-memory or to a single device. Loads onto a mesh, or across processes, keep
-Orbax's path, which reads each process's shards only.
+memory or to devices of this process (one device, or a mesh of them: the
+array is read whole once and each device gets its shard). Loads across
+processes keep Orbax's path, which reads each process's shards only.
 """
 
 from __future__ import annotations
@@ -59,23 +60,27 @@ from pz_persist.storage.reading import raw_chunks
 IN_FLIGHT_BYTES = 64 * 2**20
 """Arrays whose reads run at once, by bytes: enough to keep TensorStore's
 threads busy (16 chunks of 4 MiB), small enough that the chunk buffers alive
-at any moment stay a small part of the peak, which is the arrays themselves
-(measured: 1.19x the arrays' bytes with 64 MiB, 1.37x with 256 MiB)."""
+at any moment stay a small part of a load's memory. Measured onto the CPU
+of a 2-core VM: peak 1.19x the arrays' bytes with 64 MiB, 1.37x with
+256 MiB. Onto an H200 (1 GiB, fresh / warm / peak host memory): 0.56-0.58 s /
+0.36-0.41 s / 0.77-0.79x with 64 MiB, 0.63 s / 0.37 s / 0.89x with 128 MiB,
+0.60 s / 0.30 s / 1.07x with 256 MiB (``benchmarks/accelerator.py``
+``pz_persist:rN``): more reads in flight help a warm process a little and
+cost memory."""
 
 
 def applies(targets: Mapping[str, jax.sharding.Sharding | None]) -> bool:
   """Whether a read of ``targets`` (storage key -> placement) can go direct.
 
-  None means a NumPy array; a sharding must put the whole array on one
-  device of this process.
+  None means a NumPy array; a sharding must place the array on devices of
+  this process only (one device, or a mesh of one host's devices: each
+  array is read whole once and ``jax.device_put`` sends each device its
+  shard). Loads across processes keep Orbax's path, where each process
+  reads only the shards its devices hold.
   """
   if jax.process_count() != 1:
     return False
-  return all(
-      target is None
-      or (len(target.device_set) == 1 and target.is_fully_addressable)
-      for target in targets.values()
-  )
+  return all(target is None or target.is_fully_addressable for target in targets.values())
 
 
 def read(
@@ -83,14 +88,16 @@ def read(
     specs: Sequence[arrays_lib.ArraySpec],
     *,
     where: str,
-    on_read: Callable[[arrays_lib.ArraySpec, np.ndarray], None] | None = None,
-) -> dict[str, np.ndarray]:
-  """Reads the stored arrays of ``specs`` into host memory: ``{key: array}``.
+    on_read: Callable[[arrays_lib.ArraySpec, np.ndarray], None],
+) -> None:
+  """Reads the stored arrays of ``specs`` into host memory, handing each to
+  ``on_read`` once it is read, while TensorStore goes on reading the next
+  ones (the reader checks and places it there:
+  `pz_persist.storage.reading.streaming.Placer.take`). Nothing is kept here,
+  so an array placed on a device frees its host buffer for the next reads.
 
   Each array is a NumPy array in a 64-byte aligned buffer, which a CPU
-  ``jax.Array`` adopts without a copy. ``on_read`` is called with each
-  array once it is read, while TensorStore goes on reading the next ones
-  (the reader checks its checksums there, and reports progress).
+  ``jax.Array`` adopts without a copy.
 
   Raises:
     IntegrityError: Orbax's ``_METADATA`` cannot be read.
@@ -100,13 +107,7 @@ def read(
   """
   use_ocdbt, use_zarr3 = _layout(directory)
   context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
-  arrays: dict[str, np.ndarray] = {}
-
-  def done(spec: arrays_lib.ArraySpec, out: np.ndarray) -> None:
-    arrays[spec.key] = out
-    if on_read is not None:
-      on_read(spec, out)
-
+  done = on_read
   # Small arrays stored as one raw chunk: read as key-value entries, with
   # no ts.open (see `raw_chunks`); their .zarray checked before the rest open.
   small = [spec for spec in specs if raw_chunks.small(spec)]
@@ -161,7 +162,6 @@ def read(
   while in_flight:
     finish(in_flight.popleft())
   host_memory.release_freed()
-  return {spec.key: arrays[spec.key] for spec in specs}
 
 
 def _open(

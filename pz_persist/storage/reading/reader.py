@@ -23,8 +23,9 @@ here holds for every one of them. In order, a read:
    of bounded size (meshes, several processes), each process reading only
    its own shards;
 5. checks the bytes read against the manifest's checksums (one `_Verifier`
-   for both paths: as each array is read on the direct path, overlapped with
-   the next reads; batch by batch on the Orbax path);
+   for both paths: on the direct path as each array is read, on a pool of
+   threads, overlapped with the next reads and with its copy to its device
+   (`pz_persist.storage.reading.streaming`); batch by batch on the Orbax path);
 6. undoes storage substitutions and restores kinds and weak types (`values`).
 
 All of it runs inside `pz_persist.storage.integrity.containment.files_unchanged`: TensorStore opens
@@ -34,8 +35,8 @@ was swapped (for a link out of the checkpoint, say) while it read.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import threading
 from collections.abc import Collection
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ from pz_persist.storage.reading import batching
 from pz_persist.storage.reading import direct_read
 from pz_persist.storage.reading import host_memory
 from pz_persist.storage.reading import placements
+from pz_persist.storage.reading import streaming
 
 DEFAULT_READ_BATCH_BYTES = 64 * 2**20
 """Arrays are read in batches of about this many bytes (of this process's
@@ -219,10 +221,27 @@ def plan(
     target = targets[spec.key]
     shape_of = (spec.shape, spec.dtype, target)
     if shape_of not in distinct:
-      distinct[shape_of] = placements.local_bytes(spec, target)
+      distinct[shape_of] = _local_bytes(spec, target, where)
     sizes[spec.key] = distinct[shape_of]
   limits.check_allocation(wanted, sizes, where=where)
   return Plan(manifest, where, refs, placed, targets, sizes, wanted)
+
+
+def _local_bytes(
+    spec: arrays_lib.ArraySpec, target: jax.sharding.Sharding | None, where: str
+) -> int:
+  """`placements.local_bytes`, refusing a sharding that cannot hold the array
+  (JAX's own error names neither the array nor a way out)."""
+  try:
+    return placements.local_bytes(spec, target)
+  except ValueError as e:
+    raise errors.ArgumentError(
+        f"{where}: sharding= cannot place {spec.describe()}, of shape"
+        f" {list(spec.shape)}: {str(e).splitlines()[0][:300].rstrip('.')}. To shard a whole tree,"
+        " pass pz_persist.AxisRules (arrays whose axes the rules do not name are"
+        " replicated), or load into a model whose arrays are already placed"
+        " (pz_persist.load_into)."
+    ) from None
 
 
 def check_loadable(
@@ -256,42 +275,24 @@ def _read_directly(
     verifier: _Verifier,
     tracker: progress_lib.Tracker | None,
 ) -> dict[str, Any]:
-  """The direct path: each array read into its final host buffer, checked
-  as soon as it is read, then placed (on CPU, adopted without a copy)."""
+  """The direct path: each array read into a host buffer, then checked on
+  other threads and copied to its device while the next ones are read
+  (`pz_persist.storage.reading.streaming.Placer`; on CPU, adopted without a
+  copy)."""
 
-  def on_read(spec: arrays_lib.ArraySpec, array: np.ndarray) -> None:
-    verifier.check(spec, array)
+  def on_placed(spec: arrays_lib.ArraySpec) -> None:
     if tracker is not None:
       tracker.advance(read.sizes[spec.key])
 
-  try:
-    host = direct_read.read(directory, read.wanted, where=read.where, on_read=on_read)
-  except errors.ArrayReadError as e:
-    raise read_failure(read.manifest, [e.key], read.where, e.cause) from e.cause
-  verifier.raise_if_damaged()  # Before anything is placed.
-  return _place(host, read.targets)
-
-
-def _place(
-    host: Mapping[str, np.ndarray], targets: Mapping[str, jax.sharding.Sharding | None]
-) -> dict[str, Any]:
-  """Each host array where its target puts it (None: stays a NumPy array).
-
-  One ``device_put`` per distinct target: JAX's per-call overhead (~40 us)
-  dominated loads of many small arrays when each array was placed alone.
-  """
-  placed: dict[str, Any] = {}
-  by_target: dict[jax.sharding.Sharding, list[str]] = collections.defaultdict(list)
-  for key, array in host.items():
-    target = targets[key]
-    if target is None:
-      placed[key] = array
-    else:
-      by_target[target].append(key)
-  for target, keys in by_target.items():
-    arrays = jax.device_put([host[key] for key in keys], target)
-    placed.update(zip(keys, arrays))
-  return {key: placed[key] for key in host}
+  check = verifier.check if verifier.enabled else None
+  with streaming.Placer(read.targets, check, on_placed=on_placed) as placer:
+    try:
+      direct_read.read(directory, read.wanted, where=read.where, on_read=placer.take)
+    except errors.ArrayReadError as e:
+      raise read_failure(read.manifest, [e.key], read.where, e.cause) from e.cause
+    placed = placer.finish()
+  verifier.raise_if_damaged()  # Before anything placed is used.
+  return placed
 
 
 def _check_orbax_readable(manifest: manifest_lib.Manifest, where: str) -> None:
@@ -387,15 +388,20 @@ class _Verifier:
 
   def __init__(self, where: str, *, enabled: bool = True):
     self._where = where
-    self._enabled = enabled
+    self.enabled = enabled
     self._damaged: list[str] = []
+    self._lock = threading.Lock()
 
   def check(self, spec: arrays_lib.ArraySpec, array: Any) -> None:
-    if not self._enabled or spec.checksums is None:
+    """Records ``array`` as damaged if its bytes are not the saved ones;
+    safe to call from several threads at once (the direct path checks on a
+    pool of threads)."""
+    if not self.enabled or spec.checksums is None:
       return
     found = checksums_lib.check(array, spec.checksums)
     if found.mismatched:
-      self._damaged.append(describe_damage(spec, found))
+      with self._lock:
+        self._damaged.append(describe_damage(spec, found))
 
   def raise_if_damaged(self) -> None:
     raise_if_damaged(self._damaged, where=self._where)

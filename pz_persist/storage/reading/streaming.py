@@ -1,0 +1,176 @@
+"""Placing arrays as they are read: checked on other threads, copied to their
+device while the next ones are read, with a bounded number of bytes on the way.
+
+The direct read (`pz_persist.storage.reading.direct_read`) hands each array to
+`Placer.take` the moment TensorStore has filled its host buffer. The placer:
+
+* gathers arrays going to one place into a batch until `BATCH_BYTES` are read
+  (a larger array is a batch of its own), then
+* starts the batch's checksum checks on a pool of threads
+  (`pz_persist.storage.integrity.hashing_threads`: on an H200 host checks on
+  the reading thread cost 0.18 s of a 0.37 s warm load of 1 GiB), and
+* starts its copy to its device in one call (``jax.device_put`` returns
+  before the copy is done);
+* keeps at most `WINDOW_BYTES` of copies and checks unfinished: past that it
+  waits for the oldest, whose host buffer is then free for the next read.
+
+Why a window, measured on one NVIDIA H200 in a fresh process (1 GiB of
+16 MiB arrays already in host memory, ``benchmarks/floors.py`` and the
+accelerator benchmark's notes): one ``device_put`` of all of them took 0.50 s
+(2.1 GB/s) and held 1.06 GiB more host memory, because JAX's GPU client
+stages pageable memory through pinned buffers it allocates (and pins, which
+is slow) for everything in flight; with at most 64 MiB in flight the same
+copies took 0.09 s (12 GB/s) holding 132 MiB, since the same staging buffers
+serve every copy. Warm, either way runs at about 28 GB/s. So a load no
+longer holds the whole model in host memory before copying it: host memory
+holds the reads in flight, the window, and the largest array.
+
+On the CPU the copy is no copy at all (JAX adopts the 64-byte aligned host
+buffer), and the window only bounds how far the checks may lag.
+
+Nothing is returned unchecked: `Placer.finish` waits for every check, and
+the reader raises on any mismatch before the tree is built (arrays already
+on a device are simply dropped).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from pz_persist.format import array_specs as arrays_lib
+from pz_persist.storage.integrity import hashing_threads
+
+WINDOW_BYTES = 64 * 2**20
+"""Bytes of device copies and checks left unfinished before the oldest is
+waited for (see the module docstring for the measurements behind it)."""
+
+BATCH_BYTES = 4 * 2**20
+"""Arrays going to one place are gathered until this many bytes of them are
+read (a larger array is a batch of its own), then checked in one task and
+copied in one ``device_put``: a task costs about 10 us and a ``device_put``
+about 40 us, more than hashing or copying a small array. Larger batches did
+not help on an H200 (32 MiB: 1 GiB in 0.63 s fresh, 0.37 s warm, against
+0.56 s and 0.41 s with 4 MiB), and they keep more bytes waiting."""
+
+Check = Callable[[arrays_lib.ArraySpec, np.ndarray], None]
+
+
+class Placer:
+  """Takes arrays as they are read and places them (see the module docstring).
+
+  Use as a context manager: leaving it (also on an error) waits for the
+  checks already started and stops their threads.
+
+  Args:
+    targets: Where each stored array goes, by storage key: a sharding of
+      this process's devices, or None to keep the NumPy array.
+    check: Checks one array's bytes; called on a pool thread, so it must be
+      safe to call from several threads at once. None: nothing is checked.
+    on_placed: Called on the reading thread with each spec once it is taken
+      (for progress).
+  """
+
+  def __init__(
+      self,
+      targets: Mapping[str, jax.sharding.Sharding | None],
+      check: Check | None,
+      *,
+      on_placed: Callable[[arrays_lib.ArraySpec], None] | None = None,
+  ):
+    self._targets = targets
+    self._check = check
+    self._on_placed = on_placed
+    self._threads = hashing_threads.pool("checks")
+    self._placed: dict[str, Any] = {}
+    self._batches: dict[jax.sharding.Sharding | None, _Batch] = {}
+    self._pending: collections.deque[_Pending] = collections.deque()
+    self._pending_bytes = 0
+
+  def __enter__(self) -> Placer:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self._threads.shutdown(wait=True, cancel_futures=True)
+
+  def take(self, spec: arrays_lib.ArraySpec, host: np.ndarray) -> None:
+    """Checks and places one array just read into ``host`` (which the
+    placer now owns: nothing else may write to it)."""
+    target = self._targets[spec.key]
+    batch = self._batches.setdefault(target, _Batch())
+    batch.add(spec, host)
+    if batch.nbytes >= BATCH_BYTES:
+      self._send(target)
+    if self._on_placed is not None:
+      self._on_placed(spec)
+
+  def finish(self) -> dict[str, Any]:
+    """Sends what is batched, waits for every copy and check; returns the
+    placed arrays by storage key (``jax.Array``, or NumPy where the target
+    was None). Re-raises an exception a check raised."""
+    for target in list(self._batches):
+      self._send(target)
+    while self._pending:
+      self._settle_oldest()
+    return self._placed
+
+  def _send(self, target: jax.sharding.Sharding | None) -> None:
+    """Starts the batch's checks (one task for all of it: a task costs
+    about 10 us, more than hashing a small array) and its copy."""
+    batch = self._batches.pop(target)
+    checks = () if self._check is None else (self._threads.submit(self._check_all, batch.items),)
+    hosts = [host for _, host in batch.items]
+    keys = [spec.key for spec, _ in batch.items]
+    copies: list[jax.Array] = [] if target is None else jax.device_put(hosts, target)
+    self._placed.update(zip(keys, copies or hosts))
+    self._pending.append(_Pending(tuple(copies), checks, batch.nbytes))
+    self._pending_bytes += batch.nbytes
+    while self._pending and self._pending_bytes > WINDOW_BYTES:
+      self._settle_oldest()
+
+  def _check_all(self, items: list[tuple[arrays_lib.ArraySpec, np.ndarray]]) -> None:
+    assert self._check is not None
+    for spec, host in items:
+      self._check(spec, host)
+
+  def _settle_oldest(self) -> None:
+    oldest = self._pending.popleft()
+    self._pending_bytes -= oldest.nbytes
+    for array in oldest.arrays:
+      array.block_until_ready()
+    for checking in oldest.checks:
+      checking.result()
+
+
+class _Batch:
+  """Arrays read for one target and not sent yet."""
+
+  def __init__(self) -> None:
+    self.items: list[tuple[arrays_lib.ArraySpec, np.ndarray]] = []
+    self.nbytes = 0
+
+  def add(self, spec: arrays_lib.ArraySpec, host: np.ndarray) -> None:
+    self.items.append((spec, host))
+    self.nbytes += host.nbytes
+
+
+class _Pending:
+  """Copies sent (``arrays``) and checks started, not yet waited for."""
+
+  __slots__ = ("arrays", "checks", "nbytes")
+
+  def __init__(
+      self,
+      arrays: tuple[jax.Array, ...],
+      checks: tuple[concurrent.futures.Future[None], ...],
+      nbytes: int,
+  ):
+    self.arrays = arrays
+    self.checks = checks
+    self.nbytes = nbytes
