@@ -5,5 +5,6 @@ checked when loading), `file_digests` (a digest of every file of an item),
 `containment` (every read kept inside the checkpoint it was given: no link,
 FIFO or device followed out of it) and `orbax_metadata_checks` (what Orbax
 says is stored, held to what the manifest promises before anything is
-allocated). Imports only `stores` below it.
+allocated), with `hashing_threads` (the bounded pool of threads each save,
+load or check hashes on). Imports only `stores` below it.
 """
