@@ -346,6 +346,10 @@ _FAMILY_FIELDS = {
                  "layer_types": ["full_attention"]},  # Refused as not one per layer.
     # The Mamba-2 hybrids: head counts dividing 2 * hidden_size (the default 128 does not).
     "bamba": {"mamba_n_heads": 2, "mamba_d_state": 4},
+    # Nemotron-H's layer count is its pattern's: two layers, against 10**9.
+    "nemotron_h": {"rms_norm_eps": None, "rope_theta": None, "hidden_act": None,
+                   "hybrid_override_pattern": "M*", "mamba_num_heads": 2, "n_groups": 1,
+                   "ssm_state_size": 4},
     "granitemoehybrid": {"mamba_n_heads": 2, "mamba_d_state": 4, "shared_intermediate_size": MLP},
     "opt": {"num_key_value_heads": None, "intermediate_size": None, "rms_norm_eps": None,
             "rope_theta": None, "hidden_act": None, "ffn_dim": MLP},

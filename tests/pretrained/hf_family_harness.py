@@ -342,6 +342,15 @@ def check_modules_bind(saved: Saved, case: Case, what: str, edit: Callable[[Any]
   return changed
 
 
+def check_penzai_edit_binds(model, reference: np.ndarray) -> float:
+  """A loaded model with one piece taken out (edited in Penzai) gives
+  logits more than 100 times the tolerance from ``reference``; returns
+  the difference."""
+  changed = float(np.abs(penzai_logits(model) - reference).max())
+  assert changed > 100 * TOLERANCE["atol"]
+  return changed
+
+
 def check_kv_cache_like_transformers(model, hf_model, prompt: int = 3) -> None:
   """The KV-cache sampler fed the sequences token by token gives the logits
   transformers gives fed them the same way (its own KV cache): for RoPE

@@ -148,6 +148,8 @@ MINIMAL = {
                          "mamba_n_heads": 4, "mamba_d_state": 8, "shared_intermediate_size": 64},
     "bamba": {**_SIZES, **_HEADS, "attn_layer_indices": [1], "mamba_n_heads": 4,
               "mamba_d_state": 8},
+    "nemotron_h": {**_SIZES, **_HEADS, "hybrid_override_pattern": "M*", "mamba_num_heads": 4,
+                   "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8},
 }
 """Each text ``model_type``'s sizes: what its ``config.json`` holds in the
 test below (besides ``model_type``), everything else left to the defaults.

@@ -1,5 +1,5 @@
 """Shared code (no record): the Mamba-2 layers of the state-space hybrids
-(Bamba, Granite 4), read from and written back to Hugging Face's layout.
+(Bamba, Granite 4, Nemotron-H), read from and written back to Hugging Face's layout.
 
 transformers stores a Mamba-2 mixer (``mamba.``) fused: ``in_proj`` holds, by
 rows, the gate ``z`` (``intermediate = mamba_n_heads * mamba_d_head`` rows),
@@ -204,42 +204,56 @@ def has_mixers(model: pz.nn.Layer) -> bool:
   return bool(all_layers(model, Mamba2))
 
 
+def mixer_sizes(mixer: Mamba2) -> MambaSizes:
+  """The sizes of a built `Mamba2` mixer, read from its parameters' shapes
+  (what `mamba_sizes` reads from a config, for writing one back)."""
+  heads = dict(mixer.input_conv.value.named_shape)
+  matrix = dict(mixer.input_matrix_conv.value.named_shape)
+  low, high = mixer.time_step_limit
+  return MambaSizes(hidden=dict(mixer.output.weights.value.named_shape)["embedding"],
+                    heads=heads["ssm_heads"], head_dim=heads["ssm_head_dim"],
+                    groups=matrix["ssm_groups"], state=matrix["ssm_state"],
+                    taps=heads["conv_taps"], conv_bias=mixer.input_conv_bias is not None,
+                    time_step_limit=(float(low), float(high)))
+
+
 def mamba_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
   """The ``mamba_*`` fields of a model with `Mamba2` mixers (``like``'s, or
   the defaults, when it has none: they then change nothing)."""
   mixers = all_layers(model, Mamba2)
   if not mixers:
     return {k: like.get(k, v) for k, v in DEFAULTS.items() if k != "time_step_limit"}
-  first = mixers[0]
-  heads = dict(first.input_conv.value.named_shape)
-  matrix = dict(first.input_matrix_conv.value.named_shape)
-  hidden = dict(first.output.weights.value.named_shape)["embedding"]
-  inner = heads["ssm_heads"] * heads["ssm_head_dim"]
+  sizes = mixer_sizes(mixers[0])
   fields: dict[str, Any] = {
-      "mamba_n_heads": heads["ssm_heads"], "mamba_d_head": heads["ssm_head_dim"],
-      "mamba_n_groups": matrix["ssm_groups"], "mamba_d_state": matrix["ssm_state"],
-      "mamba_d_conv": heads["conv_taps"], "mamba_conv_bias": first.input_conv_bias is not None,
+      "mamba_n_heads": sizes.heads, "mamba_d_head": sizes.head_dim,
+      "mamba_n_groups": sizes.groups, "mamba_d_state": sizes.state,
+      "mamba_d_conv": sizes.taps, "mamba_conv_bias": sizes.conv_bias,
       "mamba_proj_bias": False, "mamba_chunk_size": like.get("mamba_chunk_size", 256)}
-  if inner % hidden:
+  if sizes.intermediate % sizes.hidden:
     raise ExportError(
-        f"the Mamba2 mixers' heads x head size ({inner}) is not a multiple of the embedding"
-        f" size ({hidden}): transformers' configs give it as mamba_expand * hidden_size, so no"
-        " config.json describes this model")
-  fields["mamba_expand"] = inner // hidden
-  low, high = first.time_step_limit
+        f"the Mamba2 mixers' heads x head size ({sizes.intermediate}) is not a multiple of the"
+        f" embedding size ({sizes.hidden}): transformers' configs give it as mamba_expand *"
+        " hidden_size, so no config.json describes this model")
+  fields["mamba_expand"] = sizes.intermediate // sizes.hidden
+  low, high = sizes.time_step_limit
   if (low, high) != (0.0, _INF) or "time_step_limit" in like:
     fields["time_step_limit"] = [low, _INFINITY if high == _INF else high]
   return fields
 
 
 def checked_config(cfg: Config, weights: Weights, *, heads: int, kv_heads: int, hidden: int,
-                   head_dim: int, neurons: int, layers: int, theta: float, eps: float
+                   head_dim: int, neurons: int, layers: int, theta: float, eps: float,
+                   layer_prefix: str = DECODER_LAYERS,
+                   embeddings: str = "model.embed_tokens.weight", ties: bool = True,
                    ) -> tuple[llamalike_common.LlamalikeTransformerConfig, str]:
   """The hybrids' Llama skeleton config and their output head's tensor, once
   ``config.json`` is read whole (`Config.check_all_used`) and its layer
   count agrees with the weights: the order every family keeps, so that a
-  config is refused on its own before the weights are asked."""
-  tied = cfg.get("tie_word_embeddings", FROM_TABLE)
+  config is refused on its own before the weights are asked. ``layer_prefix``
+  and ``embeddings`` name where the family keeps its layers and embeddings
+  (Nemotron-H: under ``backbone.``). ``ties`` false: transformers' model
+  never ties its head (Nemotron-H), which must then be stored."""
+  tied = cfg.get("tie_word_embeddings", FROM_TABLE) and ties
   config = llamalike_common.LlamalikeTransformerConfig(
       num_kv_heads=kv_heads, query_head_multiplier=heads // kv_heads, embedding_dim=hidden,
       projection_dim=head_dim, mlp_hidden_dim=neurons, num_decoder_blocks=layers,
@@ -247,7 +261,7 @@ def checked_config(cfg: Config, weights: Weights, *, heads: int, kv_heads: int, 
       rope_wavelength=theta, rms_norm_eps=eps, parameter_dtype=None, activation_dtype=None)
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
-  check_layers(cfg, weights.names, DECODER_LAYERS, layers)
-  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "model.embed_tokens.weight")
+  check_layers(cfg, weights.names, layer_prefix, layers)
+  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, embeddings)
   return dataclasses.replace(config, parameter_dtype=weights.dtype,
                              activation_dtype=weights.dtype), head_source
