@@ -148,6 +148,7 @@ MINIMAL = {
                          "mamba_n_heads": 4, "mamba_d_state": 8, "shared_intermediate_size": 64},
     "bamba": {**_SIZES, **_HEADS, "attn_layer_indices": [1], "mamba_n_heads": 4,
               "mamba_d_state": 8},
+    "falcon_h1": {**_SIZES, **_HEADS, "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_d_ssm": 64},
 }
 """Each text ``model_type``'s sizes: what its ``config.json`` holds in the
 test below (besides ``model_type``), everything else left to the defaults.

@@ -144,8 +144,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                     "Qwen3.5 shares linear attention among full-attention layers"),
     "nemotron_h": _row("Nemotron-H", "Mamba-2 layers and squared-ReLU MLP layers among a few"
                        " attention layers", "bamba", _MAMBA2),
-    "falcon_h1": _row("Falcon-H1", "Mamba-2 and attention side by side in every layer, with"
-                      " muP multipliers", "bamba", _MAMBA2),
     "jamba": _row("Jamba", "Mamba layers among attention layers, with experts on every other"
                   " layer", "qwen3_5", _STATE_SPACE),
     "zamba": _row("Zamba", "Mamba layers with one attention block shared across depths",
