@@ -230,3 +230,43 @@ def test_layer_refuses_unknown_options():
   layer = FalconH1Mamba2.from_falcon_config("m", stream_multipliers=(2.0,) * 5,
                                             norm_order=mamba2.NO_NORM, **sizes)
   assert layer.norm_scale is None and layer.stream_multipliers == (2.0,) * 5
+
+
+_FALCON_H1_05B = {  # tiiuae/Falcon-H1-0.5B-Instruct's fields, sizes shrunk.
+    "architectures": ["FalconH1ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attention_in_multiplier": 1.0, "attention_out_multiplier": 0.9375,
+    "attn_layer_indices": None, "bos_token_id": 1, "embedding_multiplier": 5.656854249492381,
+    "eos_token_id": 11, "head_dim": 8, "hidden_act": "silu", "hidden_size": 32,
+    "initializer_range": 0.02, "intermediate_size": 64, "key_multiplier": 0.39062499999999994,
+    "lm_head_multiplier": 0.0390625, "mamba_chunk_size": 128, "mamba_conv_bias": True,
+    "mamba_d_conv": 4, "mamba_d_head": 12, "mamba_d_ssm": 48, "mamba_d_state": 8,
+    "mamba_expand": 2, "mamba_n_groups": 1, "mamba_n_heads": 4, "mamba_norm_before_gate": False,
+    "mamba_proj_bias": False, "mamba_rms_norm": False, "mamba_use_mlp": True,
+    "max_position_embeddings": 16384, "mlp_bias": False, "mlp_expansion_factor": 8,
+    "mlp_multipliers": [0.8838834764831844, 0.5859375], "model_type": "falcon_h1",
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+    "pad_token_id": 0, "projectors_bias": False, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 100000000000.0, "ssm_in_multiplier": 1.25,
+    "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+    "ssm_out_multiplier": 0.23570226039551587, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.52.0.dev0", "use_cache": True,
+    "vocab_size": 64}
+
+
+def test_hub_config(tmp_path):
+  """The Hub's config.json as written by the original code (its own fields
+  ``attn_layer_indices``, ``mamba_use_mlp``, ``mlp_expansion_factor``, which
+  transformers does not read), ``rope_theta`` 1e11. (Its ``lm_head_multiplier``
+  of 0.039 would leave this tiny model's logits too small to compare: 1 here.)"""
+  harness.check_float32(harness.hub_saved(tmp_path, {**_FALCON_H1_05B, "lm_head_multiplier": 1.0}),
+                        "Falcon-H1-0.5B")
+
+
+@pytest.mark.parametrize("changes", [{"attn_layer_indices": [0]}, {"mamba_use_mlp": False}])
+def test_hub_settings_transformers_would_ignore_are_refused(tmp_path, changes):
+  """The original code's settings that would change the model (attention on
+  some layers only, no MLP after the mixer): transformers ignores them and
+  builds every layer whole; pz_persist refuses rather than guess which."""
+  folder = harness.edited(harness.hub_saved(tmp_path, _FALCON_H1_05B).folder, tmp_path, **changes)
+  with pytest.raises(errors.UnsupportedConfigError, match=next(iter(changes))):
+    pzp.pretrained.load_hf(folder)

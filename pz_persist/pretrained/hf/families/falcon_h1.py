@@ -108,6 +108,26 @@ def _norm_order(cfg: Config) -> str:
   return NORM_THEN_GATE if cfg.get("mamba_norm_before_gate", FROM_TABLE) else GATE_THEN_NORM
 
 
+_HUB_ONLY = ("attn_layer_indices", "mamba_use_mlp", "mlp_expansion_factor")
+"""Fields the Hub's configs (written by the original code) hold that
+transformers' class lacks and its model never reads: every layer has
+attention and an MLP, of ``intermediate_size``."""
+
+
+def _check_hub_settings(cfg: Config) -> None:
+  """The original code's layer switches, accepted at the values transformers'
+  model (which ignores them) agrees with: attention and an MLP in every layer."""
+  indices = cfg.get("attn_layer_indices")
+  if indices is not None:
+    raise cfg.unsupported("attn_layer_indices", indices,
+                          "transformers' Falcon-H1 ignores it and builds attention in every"
+                          " layer; only null is read the same by both")
+  if cfg.get("mamba_use_mlp") is False:  # Absent: transformers' model, an MLP everywhere.
+    raise cfg.unsupported("mamba_use_mlp", False, "transformers' Falcon-H1 ignores it and builds"
+                          " an MLP in every layer; only true is read the same by both")
+  cfg.get("mlp_expansion_factor")  # intermediate_size gives the MLP's width.
+
+
 def falcon_h1_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Falcon-H1 checkpoint (the module docstring says how)."""
   hidden, heads, kv_heads, head_dim = attention_sizes(cfg, kv_heads_default=8,
@@ -131,6 +151,7 @@ def falcon_h1_plan(cfg: Config, weights: Weights) -> Plan:
                               norm=_norm_order(cfg) != NO_NORM)
   norm_order = _norm_order(cfg)
   multipliers = _multipliers(cfg)
+  _check_hub_settings(cfg)
   eps = float(cfg.get("rms_norm_eps", FROM_TABLE))
   layers = cfg.require("num_hidden_layers")
   config, head_source = mamba_hybrid.checked_config(
@@ -295,7 +316,10 @@ RECORD = Family(
             "ssm_multipliers": "the config class fills None with five 1.0s, as pz_persist does",
         },
         ignored_fields={"how many positions' logits transformers computes at generation": (
-            "num_logits_to_keep",)})},
+            "num_logits_to_keep",),
+            "the original code's settings, not read by transformers (checked where they would"
+            " disagree with it)": _HUB_ONLY},
+        foreign_fields=frozenset(_HUB_ONLY))},
     detect=_detect,
     write_config=_write_config,
     adds=("attention and a Mamba-2 mixer (`FalconH1Mamba2`: `ssm_multipliers` on its five"
@@ -311,7 +335,9 @@ RECORD = Family(
             "mamba_d_ssm": (lambda v: v is None or POSITIVE_INT[0](v),
                             "a positive integer or null"),
             "mamba_rms_norm": BOOLEAN, "mamba_norm_before_gate": BOOLEAN,
-            "projectors_bias": BOOLEAN,
+            "projectors_bias": BOOLEAN, "mamba_use_mlp": BOOLEAN,
+            "mlp_expansion_factor": POSITIVE_INT,
+            "attn_layer_indices": (lambda v: v is None or isinstance(v, list), "a list or null"),
             "num_logits_to_keep": (lambda v: v is None or NON_NEGATIVE_INT[0](v),
                                    "a non-negative integer or null")},
 )
