@@ -168,6 +168,8 @@ def test_each_feature_binds(saved):
     ({"mamba_d_head": 8}, "mamba_d_head"),
     ({"mamba_d_ssm": 50}, "mamba_n_heads"),
     ({"mamba_d_ssm": 0}, "mamba_d_ssm"),
+    ({"mamba_d_ssm": True}, "mamba_d_ssm"),
+    ({"embedding_multiplier": None}, "embedding_multiplier"),
     ({"mamba_n_groups": 3}, "mamba_n_groups"),
     ({"mamba_proj_bias": True}, "mamba_proj_bias"),
     ({"projectors_bias": True}, "projectors_bias"),
@@ -215,6 +217,17 @@ def test_export_refuses_blocks_whose_constants_differ(saved, tmp_path):
   edited = pz.select(model).at_instances_of(FalconH1Mamba2).pick_nth_selected(1).apply(
       lambda m: dataclasses.replace(m, stream_multipliers=(1.0,) * 5))
   with pytest.raises(errors.PzPersistError, match="differ from one block"):
+    pzp.export_hf(edited, tmp_path / "out")
+
+
+def test_export_refuses_a_model_without_one_of_its_constants(saved, tmp_path):
+  """A constant taken out (the mixer's output scale replaced by the
+  identity): no config.json says what is left, so export names the place."""
+  model = pzp.pretrained.load_hf(saved["parallel"].folder)
+  branch = pz.select(model).at_instances_of(pz.nn.BranchAndAddTogether).pick_nth_selected(0)
+  edited = branch.apply(lambda b: dataclasses.replace(b, branches=[
+      pz.nn.Sequential(b.branches[0].sublayers[:-1] + [pz.nn.Identity()]), *b.branches[1:]]))
+  with pytest.raises(errors.PzPersistError, match="after the mixer"):
     pzp.export_hf(edited, tmp_path / "out")
 
 

@@ -248,7 +248,7 @@ def multiplier_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, 
     ffw = first_layer(block, model_parts.TransformerFeedForward, "MLP")
     gate = pz.select(ffw).at_instances_of(pz.nn.NamedGroup).where(
         lambda g: g.name == "gate").get_sequence()
-    mixer = ssm[1]
+    mixer = first_layer(branches[0].branches[0], FalconH1Mamba2, "Falcon-H1 mixer")
     per_block.append({
         "ssm_in_multiplier": _scale(ssm[0], "before the mixer"),
         "ssm_out_multiplier": _scale(ssm[-1], "after the mixer"),
