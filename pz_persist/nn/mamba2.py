@@ -19,6 +19,8 @@ selective state-space recurrence over a state ``h`` (``ssm_head_dim`` x
 and the output is ``out_proj(norm(y * silu(z)))``, the norm an RMS norm over
 each group's ``ssm_heads // ssm_groups`` heads together (transformers'
 ``RMSNormGated`` with ``n_groups``), scaled by its weight as stored.
+Falcon-H1's `FalconH1Mamba2` multiplies the five streams by constants
+and puts the norm after the gate, before it, or nowhere (`NORM_ORDERS`).
 
 The recurrence is a ``jax.lax.scan`` over tokens in float32: the function
 transformers' chunked ``torch_forward`` (``mamba2_chunk_scan``, the state
