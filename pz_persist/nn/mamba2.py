@@ -19,6 +19,8 @@ selective state-space recurrence over a state ``h`` (``ssm_head_dim`` x
 and the output is ``out_proj(norm(y * silu(z)))``, the norm an RMS norm over
 each group's ``ssm_heads // ssm_groups`` heads together (transformers'
 ``RMSNormGated`` with ``n_groups``), scaled by its weight as stored.
+Falcon-H1's `FalconH1Mamba2` multiplies the five streams by constants
+and puts the norm after the gate, before it, or nowhere (`NORM_ORDERS`).
 
 The recurrence is a ``jax.lax.scan`` over tokens in float32: the function
 transformers' chunked ``torch_forward`` (``mamba2_chunk_scan``, the state
@@ -57,6 +59,16 @@ TAPS = "conv_taps"
 _STREAMS = ("input", "input_matrix", "output_matrix")
 _AXES = {"input": HEAD_AXES, "input_matrix": GROUP_AXES, "output_matrix": GROUP_AXES}
 
+GATE_THEN_NORM = "gate_then_norm"
+"""``norm(y * silu(z))``: Bamba, Granite 4, Nemotron-H (and Falcon-H1 with
+``mamba_rms_norm`` and not ``mamba_norm_before_gate``)."""
+NORM_THEN_GATE = "norm_then_gate"
+"""``norm(y) * silu(z)``: Falcon-H1 with ``mamba_rms_norm`` and
+``mamba_norm_before_gate``."""
+NO_NORM = "no_norm"
+"""``y * silu(z)``, no norm: Falcon-H1 without ``mamba_rms_norm``."""
+NORM_ORDERS = (GATE_THEN_NORM, NORM_THEN_GATE, NO_NORM)
+
 
 @pz.pytree_dataclass
 class Mamba2(pz.nn.Layer):
@@ -81,7 +93,7 @@ class Mamba2(pz.nn.Layer):
     time_step_bias: ``dt_bias`` (``ssm_heads``).
     skip: ``D`` (``ssm_heads``).
     norm_scale: The gated norm's weight (``ssm_heads``, ``ssm_head_dim``),
-      multiplying as stored.
+      multiplying as stored (None only in a `FalconH1Mamba2` without a norm).
     output: ``ssm_heads``, ``ssm_head_dim`` -> ``embedding``.
     norm_epsilon: The gated norm's epsilon.
     time_step_limit: ``(low, high)``: the time step is clipped to it.
@@ -102,7 +114,7 @@ class Mamba2(pz.nn.Layer):
   log_decay_rate: pz.ParameterLike[pz.nx.NamedArray]
   time_step_bias: pz.ParameterLike[pz.nx.NamedArray]
   skip: pz.ParameterLike[pz.nx.NamedArray]
-  norm_scale: pz.ParameterLike[pz.nx.NamedArray]
+  norm_scale: pz.ParameterLike[pz.nx.NamedArray] | None
   output: pz.nn.Linear
   norm_epsilon: float = dataclasses.field(metadata={"pytree_node": False})
   time_step_limit: tuple[float, float] = dataclasses.field(
@@ -183,7 +195,7 @@ class Mamba2(pz.nn.Layer):
     """The layer over ``inputs`` (axes ``seq``, ``embedding`` and batch
     axes) continuing from ``state`` (None: from the start); returns the
     outputs and the state after the last token (None if ``state`` is None)."""
-    streams = {name: getattr(self, name)(inputs) for name in _STREAMS}
+    streams, gate, time_step = self.projected(inputs)
     if state is None:
       batch = {a: n for a, n in inputs.named_shape.items() if a not in ("seq", "embedding")}
       past = self.zero_state(batch)
@@ -196,15 +208,17 @@ class Mamba2(pz.nn.Layer):
       bias = getattr(self, f"{name}_conv_bias")
       biases[name] = (bias.value.untag(*_AXES[name]) if bias is not None
                       else pz.nx.zeros({}, dtype=kernels[name].dtype))
+    scale = (self.norm_scale.value.untag(*HEAD_AXES) if self.norm_scale is not None
+             else pz.nx.zeros({}, dtype=gate.dtype))
     out, conv_state, ssm = _mix_named(
         {name: streams[name].untag("seq", *_AXES[name]) for name in _STREAMS},
-        self.gate(inputs).untag("seq", *HEAD_AXES), self.time_step(inputs).untag("seq", "ssm_heads"),
+        gate.untag("seq", *HEAD_AXES), time_step.untag("seq", "ssm_heads"),
         kernels, biases, {name: past[name].untag(TAPS, *_AXES[name]) for name in _STREAMS},
         past["ssm"].untag(*HEAD_AXES, "ssm_state"),
         self.log_decay_rate.value.untag("ssm_heads"), self.time_step_bias.value.untag("ssm_heads"),
-        self.skip.value.untag("ssm_heads"), self.norm_scale.value.untag(*HEAD_AXES),
+        self.skip.value.untag("ssm_heads"), scale,
         norm_epsilon=self.norm_epsilon, limit=tuple(self.time_step_limit),
-        activation=self.conv_activation)
+        activation=self.conv_activation, norm_order=self.gated_norm_order())
     outputs = self.output(out.tag("seq", *HEAD_AXES))
     if state is None:
       return outputs, None
@@ -212,21 +226,34 @@ class Mamba2(pz.nn.Layer):
     new_state["ssm"] = ssm.tag(*HEAD_AXES, "ssm_state")
     return outputs, new_state
 
+  def projected(self, inputs: pz.nx.NamedArray
+                ) -> tuple[dict[str, pz.nx.NamedArray], pz.nx.NamedArray, pz.nx.NamedArray]:
+    """The input projection's five streams: ``x``, ``B`` and ``C`` (by
+    name, before the convolution), the gate ``z`` and the time step."""
+    return ({name: getattr(self, name)(inputs) for name in _STREAMS}, self.gate(inputs),
+            self.time_step(inputs))
+
+  def gated_norm_order(self) -> str:
+    """How the gate and the norm meet: `GATE_THEN_NORM` here (Bamba, Granite
+    4, Nemotron-H); `FalconH1Mamba2` says its own."""
+    return GATE_THEN_NORM
+
   def treescope_color(self) -> str:
     return "#7fb8a4"
 
 
-@functools.partial(jax.jit, static_argnames=("norm_epsilon", "limit", "activation"))
+@functools.partial(jax.jit, static_argnames=("norm_epsilon", "limit", "activation",
+                                             "norm_order"))
 def _mix_named(*args, norm_epsilon: float, limit: tuple[float, float],
-               activation: Callable[[jax.Array], jax.Array]):
+               activation: Callable[[jax.Array], jax.Array], norm_order: str):
   """`_mix` over every batch axis, compiled once per shape and reused by
   every layer and call."""
   return pz.nx.nmap(functools.partial(_mix, norm_epsilon=norm_epsilon, limit=limit,
-                                      activation=activation))(*args)
+                                      activation=activation, norm_order=norm_order))(*args)
 
 
 def _mix(streams, gate, time_step, kernels, biases, conv_past, ssm, log_rate, dt_bias, skip,
-         scale, *, norm_epsilon, limit, activation):
+         scale, *, norm_epsilon, limit, activation, norm_order=GATE_THEN_NORM):
   """One sequence, positional axes: ``streams[name]`` is [seq, a, b]
   (``x``: heads, head_dim; ``B`` / ``C``: groups, state), ``kernels[name]``
   [a, b, taps], ``conv_past[name]`` [taps - 1, a, b], ``ssm`` [heads,
@@ -259,12 +286,77 @@ def _mix(streams, gate, time_step, kernels, biases, conv_past, ssm, log_rate, dt
 
   final, y = jax.lax.scan(step, ssm.astype(f32), (x, b, c, dt))
   y = y + skip.astype(f32)[:, None] * x
-  gated = y * jax.nn.silu(gate.astype(f32))
-  grouped = gated.reshape(length, groups, -1)
-  normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True)
-                                   + norm_epsilon)
-  out = scale.astype(f32) * normed.reshape(gated.shape)
+  silu_gate = jax.nn.silu(gate.astype(f32))
+
+  def norm(v):
+    grouped = v.reshape(length, groups, -1)
+    normed = grouped * jax.lax.rsqrt(jnp.mean(grouped * grouped, axis=-1, keepdims=True)
+                                     + norm_epsilon)
+    return scale.astype(f32) * normed.reshape(v.shape)
+
+  if norm_order == GATE_THEN_NORM:
+    out = norm(y * silu_gate)
+  elif norm_order == NORM_THEN_GATE:
+    out = norm(y) * silu_gate
+  else:
+    out = y * silu_gate
   return out.astype(dtype), conv_state, final
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # Mamba2's fields, then ours.
+class FalconH1Mamba2(Mamba2):
+  """Falcon-H1's Mamba-2 mixer: `Mamba2` with a constant per stream of the
+  input projection (transformers' ``mup_vector``, from ``ssm_multipliers``)
+  and the gated norm optional, before or after the gate.
+
+  Example::
+
+    mixer = FalconH1Mamba2.from_falcon_config(
+        "mamba", embedding=32, heads=4, head_dim=16, groups=1, state=8, conv_taps=4,
+        norm_epsilon=1e-5, stream_multipliers=(0.5, 1.0, 1.0, 2.0, 1.0), norm_order=NO_NORM)
+
+  Attributes:
+    stream_multipliers: The constants multiplying, in this order, the gate
+      ``z``, the input ``x``, ``B``, ``C`` and the time step, right after the
+      projection (before the convolution, the time-step bias and the gate).
+    norm_order: One of `NORM_ORDERS`; with `NO_NORM`, ``norm_scale`` is None.
+  """
+
+  stream_multipliers: tuple[float, float, float, float, float] = dataclasses.field(
+      default=(1.0, 1.0, 1.0, 1.0, 1.0), metadata={"pytree_node": False})
+  norm_order: str = dataclasses.field(default=NO_NORM, metadata={"pytree_node": False})
+
+  @classmethod
+  def from_falcon_config(cls, name: str, *, stream_multipliers: tuple[float, ...],
+                         norm_order: str, **sizes) -> FalconH1Mamba2:
+    """`Mamba2.from_config`'s layer (``sizes`` its keywords) with Falcon-H1's
+    stream constants and norm order (no ``{name}/norm_scale`` slot without
+    a norm)."""
+    if norm_order not in NORM_ORDERS:
+      raise errors.ArgumentError(f"FalconH1Mamba2 {name}: norm_order={norm_order!r} is not one"
+                                 f" of {NORM_ORDERS}")
+    if len(stream_multipliers) != len(_MULTIPLIED):
+      raise errors.ArgumentError(
+          f"FalconH1Mamba2 {name}: stream_multipliers needs {len(_MULTIPLIED)} numbers"
+          f" ({', '.join(_MULTIPLIED)}), not {len(stream_multipliers)}")
+    layer = cls.from_config(name, **sizes)
+    return dataclasses.replace(
+        layer, stream_multipliers=tuple(float(m) for m in stream_multipliers),
+        norm_order=norm_order, norm_scale=None if norm_order == NO_NORM else layer.norm_scale)
+
+  def projected(self, inputs: pz.nx.NamedArray
+                ) -> tuple[dict[str, pz.nx.NamedArray], pz.nx.NamedArray, pz.nx.NamedArray]:
+    streams, gate, time_step = super().projected(inputs)
+    m = dict(zip(_MULTIPLIED, self.stream_multipliers))
+    return ({name: value * m[name] for name, value in streams.items()}, gate * m["gate"],
+            time_step * m["time_step"])
+
+  def gated_norm_order(self) -> str:
+    return self.norm_order
+
+
+_MULTIPLIED = ("gate", "input", "input_matrix", "output_matrix", "time_step")
+"""`FalconH1Mamba2.stream_multipliers`' streams, in transformers' order."""
 
 
 @pz.pytree_dataclass

@@ -63,6 +63,14 @@ CASES = {
     "granite_4_h": ("granitemoehybrid", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                          "intermediate_size": 16, "position_embedding_type": "nope",
                                          "embedding_multiplier": 2.0}),
+    # Falcon-H1-0.5B's shape: a mixer width of its own, every constant away
+    # from 1, no mixer norm, tied embeddings.
+    "falcon_h1_05b": ("falcon_h1", {
+        "mamba_d_ssm": 48, "mamba_d_head": 12, "tie_word_embeddings": True,
+        "embedding_multiplier": 5.66, "lm_head_multiplier": 0.039, "key_multiplier": 0.39,
+        "attention_in_multiplier": 1.5, "attention_out_multiplier": 0.94,
+        "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.24, "mlp_multipliers": [0.88, 0.59],
+        "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.35]}),
 }
 """Each case: the ``model_type`` and the fields beyond `MINIMAL`'s sizes."""
 

@@ -150,6 +150,7 @@ MINIMAL = {
               "mamba_d_state": 8},
     "nemotron_h": {**_SIZES, **_HEADS, "hybrid_override_pattern": "M*", "mamba_num_heads": 4,
                    "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8},
+    "falcon_h1": {**_SIZES, **_HEADS, "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_d_ssm": 64},
 }
 """Each text ``model_type``'s sizes: what its ``config.json`` holds in the
 test below (besides ``model_type``), everything else left to the defaults.

@@ -95,7 +95,7 @@ def test_the_refusal_says_why_and_the_nearest_family_first(tmp_path, model_type)
 
 
 @pytest.mark.parametrize("model_type, nearest", [
-    ("gpt_neo", "gpt2"), ("jamba", "qwen3_5"), ("falcon_h1", "bamba"), ("gpt_bigcode", "gpt2"),
+    ("gpt_neo", "gpt2"), ("jamba", "qwen3_5"), ("zamba2", "bamba"), ("gpt_bigcode", "gpt2"),
     ("persimmon", "gpt_neox"), ("glm_moe_dsa", "deepseek_v3"),
     ("mamba", None), ("bert", None)])
 def test_the_nearest_is_by_architecture_not_by_name(model_type, nearest):

@@ -142,8 +142,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                         " attention layers, with routed experts"),
     "minimax": _row("MiniMax-Text-01", "lightning (linear) attention on most layers", "qwen3_5",
                     "Qwen3.5 shares linear attention among full-attention layers"),
-    "falcon_h1": _row("Falcon-H1", "Mamba-2 and attention side by side in every layer, with"
-                      " muP multipliers", "bamba", _MAMBA2),
     "jamba": _row("Jamba", "Mamba layers among attention layers, with experts on every other"
                   " layer", "qwen3_5", _STATE_SPACE),
     "zamba": _row("Zamba", "Mamba layers with one attention block shared across depths",

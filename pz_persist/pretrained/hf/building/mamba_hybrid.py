@@ -24,6 +24,7 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.nn.mamba2 import Mamba2
 from pz_persist.pretrained.errors import ExportError
+from pz_persist.pretrained.hf.building.decoder import block_specs
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import POSITIVE_INT
@@ -103,28 +104,31 @@ class MambaSizes:
   taps: int
   conv_bias: bool
   time_step_limit: tuple[float, float]
+  norm: bool = True
+  """Whether the mixer has its gated norm (``norm.weight``); Falcon-H1's may not."""
 
   @property
   def intermediate(self) -> int:
     return self.heads * self.head_dim
 
 
-def mamba_sizes(cfg: Config, hidden: int) -> MambaSizes:
+def mamba_sizes(cfg: Config, hidden: int, intermediate: int | None = None) -> MambaSizes:
   """The ``mamba_*`` fields, checked against each other as transformers'
-  config classes check them (and refused where pz_persist reads less)."""
+  config classes check them (and refused where pz_persist reads less).
+  ``intermediate``: the heads' total size when the config gives it (Falcon-H1's
+  ``mamba_d_ssm``), else ``mamba_expand * hidden_size``."""
   heads, expand = cfg.require("mamba_n_heads"), cfg.require("mamba_expand")
   groups = cfg.require("mamba_n_groups")
-  intermediate = expand * hidden
+  given = "mamba_d_ssm" if intermediate is not None else "mamba_expand * hidden_size"
+  intermediate = expand * hidden if intermediate is None else intermediate
   head_dim = cfg.require("mamba_d_head")
   if head_dim == "auto":
     if intermediate % heads:
-      raise cfg.unsupported("mamba_n_heads", heads,
-                            f"must divide mamba_expand * hidden_size = {intermediate}")
+      raise cfg.unsupported("mamba_n_heads", heads, f"must divide {given} = {intermediate}")
     head_dim = intermediate // heads
   if head_dim * heads != intermediate:
     raise cfg.unsupported("mamba_d_head", head_dim,
-                          f"mamba_d_head * mamba_n_heads must be mamba_expand * hidden_size ="
-                          f" {intermediate}")
+                          f"mamba_d_head * mamba_n_heads must be {given} = {intermediate}")
   if heads % groups:
     raise cfg.unsupported("mamba_n_groups", groups,
                           f"each group of B, C and the gated norm serves a whole number of heads:"
@@ -172,18 +176,24 @@ def mamba_specs(name: str, s: str, sizes: MambaSizes) -> list[TensorSpec]:
       TensorSpec(f"{name}/log_decay_rate", s + "A_log", *per_head),
       TensorSpec(f"{name}/time_step_bias", s + "dt_bias", *per_head),
       TensorSpec(f"{name}/skip", s + "D", *per_head),
-      TensorSpec(f"{name}/norm_scale", s + "norm.weight", heads, head_axes, stored=(inner,)),
+      *([TensorSpec(f"{name}/norm_scale", s + "norm.weight", heads, head_axes, stored=(inner,))]
+        if sizes.norm else []),
       TensorSpec(f"{name}/output.weights", s + "out_proj.weight", (hidden, *heads),
                  ("embedding", *head_axes), stored=(hidden, inner)),
   ]
 
 
+def mixer_keywords(sizes: MambaSizes, eps: float) -> dict[str, Any]:
+  """`Mamba2.from_config`'s keywords for ``sizes``."""
+  return {"embedding": sizes.hidden, "heads": sizes.heads, "head_dim": sizes.head_dim,
+          "groups": sizes.groups, "state": sizes.state, "conv_taps": sizes.taps,
+          "norm_epsilon": eps, "conv_bias": sizes.conv_bias,
+          "time_step_limit": sizes.time_step_limit}
+
+
 def mamba_mixer(name: str, sizes: MambaSizes, eps: float) -> Mamba2:
   """The mixer whose parameters `mamba_specs` reads."""
-  return Mamba2.from_config(
-      name, embedding=sizes.hidden, heads=sizes.heads, head_dim=sizes.head_dim,
-      groups=sizes.groups, state=sizes.state, conv_taps=sizes.taps, norm_epsilon=eps,
-      conv_bias=sizes.conv_bias, time_step_limit=sizes.time_step_limit)
+  return Mamba2.from_config(name, **mixer_keywords(sizes, eps))
 
 
 def with_mixers(model: Any, kinds: list[str], sizes: MambaSizes, eps: float) -> Any:
@@ -214,12 +224,16 @@ def mixer_sizes(mixer: Mamba2) -> MambaSizes:
                     heads=heads["ssm_heads"], head_dim=heads["ssm_head_dim"],
                     groups=matrix["ssm_groups"], state=matrix["ssm_state"],
                     taps=heads["conv_taps"], conv_bias=mixer.input_conv_bias is not None,
-                    time_step_limit=(float(low), float(high)))
+                    time_step_limit=(float(low), float(high)),
+                    norm=mixer.norm_scale is not None)
 
 
-def mamba_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
+def mamba_fields(model: pz.nn.Layer, like: Mapping[str, Any], d_ssm: bool = False
+                 ) -> dict[str, Any]:
   """The ``mamba_*`` fields of a model with `Mamba2` mixers (``like``'s, or
-  the defaults, when it has none: they then change nothing)."""
+  the defaults, when it has none: they then change nothing). With ``d_ssm``
+  (Falcon-H1), the heads' total size is ``mamba_d_ssm`` and ``mamba_expand``
+  (then unread) is ``like``'s or the default."""
   mixers = all_layers(model, Mamba2)
   if not mixers:
     return {k: like.get(k, v) for k, v in DEFAULTS.items() if k != "time_step_limit"}
@@ -229,12 +243,16 @@ def mamba_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> dict[str, Any]:
       "mamba_n_groups": sizes.groups, "mamba_d_state": sizes.state,
       "mamba_d_conv": sizes.taps, "mamba_conv_bias": sizes.conv_bias,
       "mamba_proj_bias": False, "mamba_chunk_size": like.get("mamba_chunk_size", 256)}
-  if sizes.intermediate % sizes.hidden:
+  if sizes.intermediate % sizes.hidden and not d_ssm:
     raise ExportError(
         f"the Mamba2 mixers' heads x head size ({sizes.intermediate}) is not a multiple of the"
         f" embedding size ({sizes.hidden}): transformers' configs give it as mamba_expand *"
         " hidden_size, so no config.json describes this model")
-  fields["mamba_expand"] = sizes.intermediate // sizes.hidden
+  if d_ssm:
+    fields.update(mamba_d_ssm=sizes.intermediate,
+                  mamba_expand=like.get("mamba_expand", DEFAULTS["mamba_expand"]))
+  else:
+    fields["mamba_expand"] = sizes.intermediate // sizes.hidden
   low, high = sizes.time_step_limit
   if (low, high) != (0.0, _INF) or "time_step_limit" in like:
     fields["time_step_limit"] = [low, _INFINITY if high == _INF else high]
@@ -265,3 +283,40 @@ def checked_config(cfg: Config, weights: Weights, *, heads: int, kv_heads: int, 
   head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, embeddings)
   return dataclasses.replace(config, parameter_dtype=weights.dtype,
                              activation_dtype=weights.dtype), head_source
+
+
+_MLP_NAMES = {"mlp.gate_proj.": "feed_forward.gate_proj.", "mlp.up_proj.": "feed_forward.up_proj.",
+              "mlp.down_proj.": "feed_forward.down_proj."}
+
+
+def llama_specs(config: llamalike_common.LlamalikeTransformerConfig, head_source: str,
+                attention: list[bool]) -> list[TensorSpec]:
+  """The Llama parts of the hybrids' checkpoints (Bamba, Falcon-H1): the
+  embeddings, final norm (``final_layernorm``) and head, and per layer its
+  two norms (``input_layernorm``, ``pre_ff_layernorm``), its MLP (under
+  ``feed_forward.``) and, where ``attention[i]``, its attention. The mixers'
+  specs are `mamba_specs`'."""
+  vocab, hidden = config.vocab_size, config.embedding_dim
+  specs = [
+      TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
+                 (vocab, hidden), ("vocabulary", "embedding")),
+      TensorSpec("transformer/final_norm/scale.weights", "model.final_layernorm.weight",
+                 (hidden,), ("embedding",)),
+      TensorSpec("transformer/lm_head.weights", head_source, (vocab, hidden),
+                 ("vocabulary", "embedding")),
+  ]
+  for i, with_attention in enumerate(attention):
+    p, s = f"transformer/block_{i}/", f"{DECODER_LAYERS}{i}."
+    specs += [
+        TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
+                   (hidden,), ("embedding",)),
+        TensorSpec(p + "pre_ffw_norm/scale.weights", s + "pre_ff_layernorm.weight",
+                   (hidden,), ("embedding",)),
+    ]
+    for spec in block_specs(p, s, config):
+      if "/mlp/" in spec.label:
+        old = next(k for k in _MLP_NAMES if spec.source.startswith(s + k))
+        specs.append(dataclasses.replace(spec, source=spec.source.replace(old, _MLP_NAMES[old])))
+      elif with_attention:
+        specs.append(spec)
+  return specs

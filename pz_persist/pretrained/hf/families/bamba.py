@@ -15,7 +15,6 @@ mixers' convolution and state-space state: use
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +23,6 @@ from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.pretrained.hf.building import mamba_hybrid
 from pz_persist.pretrained.hf.building.decoder import attention_sizes
-from pz_persist.pretrained.hf.building.decoder import block_specs
 from pz_persist.pretrained.hf.building.decoder import without_default_head_dim
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
 from pz_persist.pretrained.hf.config import FROM_TABLE
@@ -42,13 +40,9 @@ from pz_persist.pretrained.hf.config_from_model import number
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
-from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
-
-_MLP_NAMES = {"mlp.gate_proj.": "feed_forward.gate_proj.", "mlp.up_proj.": "feed_forward.up_proj.",
-              "mlp.down_proj.": "feed_forward.down_proj."}
 
 
 def _indices(value: Any) -> bool:
@@ -83,29 +77,9 @@ def bamba_plan(cfg: Config, weights: Weights) -> Plan:
       cfg, weights, heads=heads, kv_heads=kv_heads, hidden=hidden, head_dim=head_dim,
       neurons=cfg.require("intermediate_size"), layers=layers, theta=theta, eps=eps)
   kinds = ["attention" if i in attention_at else "mamba" for i in range(layers)]
-  vocab = config.vocab_size
-  specs = [
-      TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
-                 (vocab, hidden), ("vocabulary", "embedding")),
-      TensorSpec("transformer/final_norm/scale.weights", "model.final_layernorm.weight",
-                 (hidden,), ("embedding",)),
-      TensorSpec("transformer/lm_head.weights", head_source, (vocab, hidden),
-                 ("vocabulary", "embedding")),
-  ]
+  specs = mamba_hybrid.llama_specs(config, head_source, [k == "attention" for k in kinds])
   for i, kind in enumerate(kinds):
     p, s = f"transformer/block_{i}/", f"{DECODER_LAYERS}{i}."
-    specs += [
-        TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
-                   (hidden,), ("embedding",)),
-        TensorSpec(p + "pre_ffw_norm/scale.weights", s + "pre_ff_layernorm.weight",
-                   (hidden,), ("embedding",)),
-    ]
-    for spec in block_specs(p, s, config):
-      if "/mlp/" in spec.label:
-        old = next(k for k in _MLP_NAMES if spec.source.startswith(s + k))
-        specs.append(dataclasses.replace(spec, source=spec.source.replace(old, _MLP_NAMES[old])))
-      elif kind == "attention":
-        specs.append(spec)
     if kind == "mamba":
       specs += mamba_hybrid.mamba_specs(p + "mamba", s + "mamba.", sizes)
 
