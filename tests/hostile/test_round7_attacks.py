@@ -35,3 +35,95 @@ def test_a_sharding_that_cannot_hold_an_array_is_refused_naming_it(tmp_path):
       checkpointer.restore(path / "penzai", args=pzp.PenzaiRestore(sharding=spread))
   with pytest.raises(errors.ArgumentError, match=r"tree\['w'\]"):
     pzp.open(path).load(sharding=spread)
+
+
+def _damage_one_value(item, spec) -> None:
+  """Changes one stored value of ``spec``'s array behind pz_persist's back."""
+  import tensorstore as ts
+
+  from pz_persist.storage.reading import direct_read
+
+  store = direct_read.open_array(item, spec.key)
+  writable = ts.open(store.spec().to_json(), read=True, write=True).result()
+  writable[(0,) * len(spec.shape)] = -1
+
+
+def _tracked_reads(monkeypatch) -> list:
+  """Weak references to every host buffer a load reads and every array it
+  places (a CPU ``jax.Array`` adopts its host buffer)."""
+  import weakref
+
+  from pz_persist.storage.reading import streaming
+
+  refs: list = []
+  take, device_put = streaming.Placer.take, streaming.jax.device_put
+
+  def tracking_take(self, spec, host):
+    refs.append(weakref.ref(host))
+    return take(self, spec, host)
+
+  def tracking_device_put(hosts, target):
+    placed = device_put(hosts, target)
+    refs.extend(weakref.ref(array) for array in placed)
+    return placed
+
+  monkeypatch.setattr(streaming.Placer, "take", tracking_take)
+  monkeypatch.setattr(streaming.jax, "device_put", tracking_device_put)
+  return refs
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs several devices")
+def test_a_failed_load_keeps_nothing_it_read_while_its_error_is_held(tmp_path, monkeypatch):
+  """A load refused after its arrays were read and placed (damaged bytes, a
+  file changed during the read) kept every array alive for as long as its
+  exception was: the traceback held the reader's frames, whose locals held
+  the placed arrays (on an accelerator the whole model, in device memory,
+  for as long as a notebook keeps its last error). Fixed where every direct
+  load goes: `streaming.Placer` drops what it placed when left on an error,
+  `reader._read_directly` refuses damage before handing anything out, and
+  `reader.read_arrays` drops what it read when the load fails after it."""
+  import gc
+
+  from pz_persist.format import manifest as manifest_lib
+  from pz_persist.storage.integrity import containment
+
+  path = tmp_path / "ck"
+  pzp.save(path, {f"w{i}": pz.nx.wrap(jnp.full((8, 4), float(i))).tag("r", "c") for i in range(6)})
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+  spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("b"))
+  refs = _tracked_reads(monkeypatch)
+  assert pzp.load(path, sharding=spread)  # Reads are tracked.
+  assert refs
+
+  def alive() -> int:
+    gc.collect()
+    return sum(ref() is not None for ref in refs)
+
+  # A file found changed once everything was read and checked.
+  refs.clear()
+  real = containment.files_unchanged
+
+  def changed_after(directory, before=None):
+    import contextlib
+
+    @contextlib.contextmanager
+    def check():
+      with real(directory, before=before):
+        yield
+      raise errors.UnsafeCheckpointError(f"{directory}: a file changed while it was read")
+    return check()
+
+  monkeypatch.setattr(containment, "files_unchanged", changed_after)
+  with pytest.raises(errors.UnsafeCheckpointError) as refused:
+    pzp.load(path, sharding=spread)
+  assert refs and alive() == 0, refused
+  monkeypatch.setattr(containment, "files_unchanged", real)
+
+  # Damaged bytes, found by the checks.
+  item = path / "penzai"
+  _damage_one_value(item, manifest_lib.read(item).arrays[2])
+  for sharding in (spread, None):
+    refs.clear()
+    with pytest.raises(errors.IntegrityError) as damaged:
+      pzp.load(path, sharding=sharding)
+    assert refs and alive() == 0, damaged

@@ -151,23 +151,29 @@ def read_arrays(
     UnsafeCheckpointError: the arrays would exceed the allocation limit, or
       a file of ``directory`` changed while it was read.
   """
-  with containment.files_unchanged(directory, before=snapshot):
-    where = str(directory)
-    read = plan(manifest, where=where, sharding=sharding, refs=refs, to_host=to_host)
-    if tracker is not None:
-      tracker.grow(sum(read.sizes.values()))
-    stored: dict[str, Any] = {}
-    if read.wanted:
-      # Before Orbax or a direct read parses it, with no limits.
-      bounded_json.check_orbax_metadata(directory)
-      verifier = _Verifier(where, enabled=verify)
-      if options.direct_reads and direct_read.applies(read.targets):
-        stored = _read_directly(directory, read, verifier, tracker)
-      else:
-        _check_orbax_readable(manifest, where)
-        stored = _read_through_orbax(directory, read, verifier, tracker, options)
-      verifier.raise_if_damaged()
-    return values(manifest, stored, where=where, placed=read.placed, refs=refs)
+  stored: dict[str, Any] = {}
+  try:
+    with containment.files_unchanged(directory, before=snapshot):
+      where = str(directory)
+      read = plan(manifest, where=where, sharding=sharding, refs=refs, to_host=to_host)
+      if tracker is not None:
+        tracker.grow(sum(read.sizes.values()))
+      if read.wanted:
+        # Before Orbax or a direct read parses it, with no limits.
+        bounded_json.check_orbax_metadata(directory)
+        verifier = _Verifier(where, enabled=verify)
+        if options.direct_reads and direct_read.applies(read.targets):
+          stored = _read_directly(directory, read, verifier, tracker)
+        else:
+          _check_orbax_readable(manifest, where)
+          stored = _read_through_orbax(directory, read, verifier, tracker, options)
+        verifier.raise_if_damaged()
+      return values(manifest, stored, where=where, placed=read.placed, refs=refs)
+  except BaseException:
+    # Refused after the read (a file changed, say): the error's traceback
+    # holds this frame, and must not hold every array read with it.
+    stored.clear()
+    raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,9 +296,12 @@ def _read_directly(
       direct_read.read(directory, read.wanted, where=read.where, on_read=placer.take)
     except errors.ArrayReadError as e:
       raise read_failure(read.manifest, [e.key], read.where, e.cause) from e.cause
-    placed = placer.finish()
-  verifier.raise_if_damaged()  # Before anything placed is used.
-  return placed
+    placer.finish()
+    # Before anything placed is used, and inside the placer, which drops
+    # what it placed when left on an error (nothing bound here either: the
+    # error's traceback would hold it).
+    verifier.raise_if_damaged()
+    return placer.finish()
 
 
 def _check_orbax_readable(manifest: manifest_lib.Manifest, where: str) -> None:

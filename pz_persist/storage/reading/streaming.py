@@ -96,8 +96,14 @@ class Placer:
   def __enter__(self) -> Placer:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
     self._threads.shutdown(wait=True, cancel_futures=True)
+    if kind is not None:
+      # The error's traceback holds this placer: what it placed (on an
+      # accelerator, device memory) must not live as long as the error does.
+      self._placed.clear()
+      self._batches.clear()
+      self._pending.clear()
 
   def take(self, spec: arrays_lib.ArraySpec, host: np.ndarray) -> None:
     """Checks and places one array just read into ``host`` (which the
