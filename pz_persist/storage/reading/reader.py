@@ -161,7 +161,7 @@ def read_arrays(
       if read.wanted:
         # Before Orbax or a direct read parses it, with no limits.
         bounded_json.check_orbax_metadata(directory)
-        verifier = _Verifier(where, enabled=verify)
+        verifier = _Verifier(where, enabled=verify, order=[spec.key for spec in read.wanted])
         if options.direct_reads and direct_read.applies(read.targets):
           stored = _read_directly(directory, read, verifier, tracker)
         else:
@@ -392,13 +392,16 @@ class _Verifier:
   """Checks arrays against the checksums recorded when they were saved.
 
   The one place both read paths (and the ``TypeHandler``'s) check bytes: it
-  collects every damaged array so that the error names all of them.
+  collects every damaged array so that the error names all of them, in
+  ``order`` (storage keys; the manifest's): checks run on several threads,
+  and a damaged checkpoint must give the same report on every load.
   """
 
-  def __init__(self, where: str, *, enabled: bool = True):
+  def __init__(self, where: str, *, enabled: bool = True, order: Sequence[str] = ()):
     self._where = where
     self.enabled = enabled
-    self._damaged: list[str] = []
+    self._rank = {key: rank for rank, key in enumerate(order)}
+    self._damaged: list[tuple[int, str]] = []
     self._lock = threading.Lock()
 
   def check(self, spec: arrays_lib.ArraySpec, array: Any) -> None:
@@ -409,11 +412,13 @@ class _Verifier:
       return
     found = checksums_lib.check(array, spec.checksums)
     if found.mismatched:
+      rank = self._rank.get(spec.key, len(self._rank))
       with self._lock:
-        self._damaged.append(describe_damage(spec, found))
+        self._damaged.append((rank, describe_damage(spec, found)))
 
   def raise_if_damaged(self) -> None:
-    raise_if_damaged(self._damaged, where=self._where)
+    ranked = sorted(self._damaged, key=lambda damage: damage[0])  # Stable.
+    raise_if_damaged([line for _, line in ranked], where=self._where)
 
 
 def verify_checksums(
