@@ -167,3 +167,47 @@ def test_damaged_arrays_are_named_in_the_checkpoints_order_whatever_thread_check
     pzp.load(path, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   assert [line.split(" (key")[0] for line in caught.value.damaged] == [
       spec.describe() for spec in specs]
+
+
+def test_ctrl_c_during_verify_stops_the_file_checks_not_yet_started(tmp_path, monkeypatch):
+  """``pz-persist verify`` hashes the checkpoint's files on a pool of
+  threads; on Ctrl-C (or any error) the pool was left by waiting for every
+  file still queued to be hashed, so a large checkpoint went on being read
+  for minutes after the user asked it to stop. Fixed in
+  `hashing_threads.ordered_results` (through which every threaded hashing
+  goes: saves, loads' file checks, verify): leaving it cancels what has not
+  started."""
+  import concurrent.futures
+  import threading
+
+  from pz_persist.storage.integrity import checksums
+  from pz_persist.storage.integrity import hashing_threads
+
+  path = tmp_path / "ck"
+  pzp.save(path, {f"w{i}": jnp.full((4,), float(i)) for i in range(8)})
+  monkeypatch.setattr(hashing_threads, "thread_count", lambda: 2)
+  calls: list[str] = []
+  queue_settled = threading.Event()
+  digest = checksums.file_digest
+
+  def interrupted_first(full):
+    calls.append(full)
+    if len(calls) == 1:
+      raise KeyboardInterrupt
+    assert queue_settled.wait(timeout=120)  # Until the pool cancels or runs the rest.
+    return digest(full)
+
+  shutdown = concurrent.futures.ThreadPoolExecutor.shutdown
+
+  def settling_shutdown(self, wait=True, *, cancel_futures=False):
+    shutdown(self, wait=False, cancel_futures=cancel_futures)
+    queue_settled.set()
+    shutdown(self, wait=wait)
+
+  monkeypatch.setattr(checksums, "file_digest", interrupted_first)
+  monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown", settling_shutdown)
+  before = set(threading.enumerate())
+  with pytest.raises(KeyboardInterrupt):
+    pzp.verify(path, progress=False)
+  assert len(calls) <= 3, calls  # The interrupted one and one more per thread.
+  assert set(threading.enumerate()) <= before
