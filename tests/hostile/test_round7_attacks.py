@@ -211,3 +211,38 @@ def test_ctrl_c_during_verify_stops_the_file_checks_not_yet_started(tmp_path, mo
     pzp.verify(path, progress=False)
   assert len(calls) <= 3, calls  # The interrupted one and one more per thread.
   assert set(threading.enumerate()) <= before
+
+
+def test_arrays_bound_for_many_places_are_not_all_held_back_until_the_end(monkeypatch):
+  """`streaming.Placer` gathered arrays into one batch per target and sent a
+  batch only once it held `BATCH_BYTES`: a tree placed in many different
+  ways (``load_into`` a model sharded across meshes, per-array placements,
+  AxisRules over arrays of many ranks) kept up to ``BATCH_BYTES`` per
+  distinct placement in host memory, unchecked and uncopied, outside the
+  window (here, everything until the end). Fixed in `streaming.Placer.take`:
+  the bytes batched for every target together stay under `BATCH_BYTES`."""
+  from pz_persist.format import array_specs as arrays_lib
+  from pz_persist.storage.reading import streaming
+
+  held = {"taken": 0, "sent": 0, "most": 0}
+
+  def device_put(hosts, target):
+    del target
+    held["sent"] += sum(host.nbytes for host in hosts)
+    return [jnp.asarray(host) for host in hosts]
+
+  monkeypatch.setattr(streaming.jax, "device_put", device_put)
+  monkeypatch.setattr(streaming, "BATCH_BYTES", 1024)
+  monkeypatch.setattr(streaming, "WINDOW_BYTES", 4096)
+  specs = [arrays_lib.ArraySpec(key=f"a{i}", shape=(128,), dtype="float32", kind="jax",
+                                path=f"a{i}") for i in range(64)]
+  targets = {spec.key: f"place {i}" for i, spec in enumerate(specs)}  # 64 distinct.
+  with streaming.Placer(targets, None) as placer:  # type: ignore[arg-type]
+    for i, spec in enumerate(specs):
+      placer.take(spec, np.full(spec.shape, i, np.float32))
+      held["taken"] += 512
+      held["most"] = max(held["most"], held["taken"] - held["sent"])
+    placed = placer.finish()
+  assert held["most"] <= 1024 + 512, held  # The batch bytes, plus the array that crossed them.
+  for i, spec in enumerate(specs):
+    np.testing.assert_array_equal(placed[spec.key], np.full(spec.shape, i, np.float32))
