@@ -246,3 +246,160 @@ def test_arrays_bound_for_many_places_are_not_all_held_back_until_the_end(monkey
   assert held["most"] <= 1024 + 512, held  # The batch bytes, plus the array that crossed them.
   for i, spec in enumerate(specs):
     np.testing.assert_array_equal(placed[spec.key], np.full(spec.shape, i, np.float32))
+
+
+# Attacks that found nothing, kept as guards of the surface.
+
+
+def _every_dtype_tree() -> dict:
+  """Leaves of every kind a sharded direct load must place unchanged; each
+  jax.Array's leading axis divides by 8."""
+  rng = np.random.default_rng(7)
+  return {
+      "f32": jnp.asarray(rng.standard_normal((8, 6)), jnp.float32),
+      "bf16": jnp.asarray(rng.standard_normal((16, 3)), jnp.bfloat16),
+      "int4": jnp.asarray(rng.integers(-8, 8, (8, 4)), jnp.int4),
+      "bool": jnp.asarray(rng.integers(0, 2, (8,)).astype(bool)),
+      "c64": jnp.asarray(rng.standard_normal((8, 2)) + 1j, jnp.complex64),
+      "empty": jnp.zeros((0, 8), jnp.float32),
+      "keys": jax.random.split(jax.random.key(4), 8),
+      "u8": jnp.arange(64, dtype=jnp.uint8).reshape(8, 8),
+      "numpy": rng.standard_normal((3, 5)),
+      "numpy_scalar": np.float32(2.5),
+  }
+
+
+def _assert_every_shard_is_saved(loaded, saved, sharding) -> None:
+  for name, want in saved.items():
+    got = loaded[name]
+    if not isinstance(want, jax.Array):
+      assert type(got) is type(want), name
+      np.testing.assert_array_equal(got, want)
+      continue
+    assert got.sharding.is_equivalent_to(sharding, got.ndim), (name, got.sharding)
+    if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+      assert got.dtype == want.dtype, name
+      got, want = jax.random.key_data(got), jax.random.key_data(want)
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+    full = np.asarray(want)
+    for shard in got.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index], err_msg=name)
+
+
+def _mesh_shardings() -> dict:
+  devices = np.array(jax.devices()[:8])
+  line = jax.sharding.Mesh(devices, ("x",))
+  grid = jax.sharding.Mesh(devices.reshape(2, 4), ("a", "b"))
+  part = jax.sharding.Mesh(devices[2:6], ("x",))
+  named = jax.sharding.NamedSharding
+  spec = jax.sharding.PartitionSpec
+  return {
+      "rows over 8": named(line, spec("x")),
+      "partially replicated": named(grid, spec("b")),
+      "two axes on one dim": named(grid, spec(("a", "b"))),
+      "replicated": named(grid, spec()),
+      "a subset of the devices": named(part, spec("x")),
+      "pinned host memory": named(grid, spec("a"), memory_kind="pinned_host"),
+      "one device, not the first": jax.sharding.SingleDeviceSharding(
+          jax.devices()[5], memory_kind="unpinned_host"),
+  }
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("kind", list(_mesh_shardings()))
+def test_guard_sharded_direct_loads_place_every_shard_of_every_dtype(tmp_path, kind, monkeypatch):
+  """Guard: one host's meshes (split, partially replicated, over a subset of
+  the devices, with a memory kind) take the direct read, through several
+  windows; every shard of every dtype is the saved one, through pzp.load,
+  pzp.open(...).load and the Orbax handler, and no thread is left."""
+  import threading
+
+  import orbax.checkpoint as ocp
+
+  from pz_persist.storage.reading import direct_read
+  from pz_persist.storage.reading import streaming
+
+  monkeypatch.setattr(streaming, "BATCH_BYTES", 64)
+  monkeypatch.setattr(streaming, "WINDOW_BYTES", 256)
+  sharding = _mesh_shardings()[kind]
+  assert direct_read.applies({"any": sharding})
+  tree = _every_dtype_tree()
+  pzp.save(tmp_path / "ck", tree)
+  before = set(threading.enumerate())
+  _assert_every_shard_is_saved(pzp.load(tmp_path / "ck", sharding=sharding), tree, sharding)
+  _assert_every_shard_is_saved(pzp.open(tmp_path / "ck").load(sharding=sharding), tree, sharding)
+  with ocp.Checkpointer(pzp.PenzaiCheckpointHandler()) as checkpointer:
+    restored = checkpointer.restore(tmp_path / "ck" / "penzai",
+                                    args=pzp.PenzaiRestore(sharding=sharding))
+  _assert_every_shard_is_saved(restored, tree, sharding)
+  assert {t for t in threading.enumerate() if t.name.startswith("pz_persist checks")} <= before
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("where", ["check", "read"])
+def test_guard_ctrl_c_in_a_check_or_a_read_of_a_sharded_load_leaves_no_thread(
+    tmp_path, monkeypatch, where):
+  """Guard: a KeyboardInterrupt raised in one array's check (on a pool
+  thread) or as an array is handed over from the read reaches the caller as
+  itself, and no thread the load started is left running."""
+  import threading
+
+  from pz_persist.storage.reading import reader
+  from pz_persist.storage.reading import streaming
+
+  monkeypatch.setattr(streaming, "BATCH_BYTES", 64)
+  pzp.save(tmp_path / "ck", {f"w{i}": jnp.full((8, 4), float(i)) for i in range(12)})
+  calls = []
+  if where == "check":
+    check = reader.checksums_lib.check
+
+    def interrupted(array, recorded):
+      calls.append(1)
+      if len(calls) == 5:
+        raise KeyboardInterrupt
+      return check(array, recorded)
+
+    monkeypatch.setattr(reader.checksums_lib, "check", interrupted)
+  else:
+    take = streaming.Placer.take
+
+    def interrupted_take(self, spec, host):
+      calls.append(1)
+      if len(calls) == 5:
+        raise KeyboardInterrupt
+      return take(self, spec, host)
+
+    monkeypatch.setattr(streaming.Placer, "take", interrupted_take)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+  before = set(threading.enumerate())
+  with pytest.raises(KeyboardInterrupt):
+    pzp.load(tmp_path / "ck", sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("b")))
+  assert set(threading.enumerate()) <= before
+
+
+@pytest.mark.parametrize("hashing", ["digest_of", "file_digest"])
+def test_guard_a_save_interrupted_while_hashing_leaves_nothing_that_looks_complete(
+    tmp_path, monkeypatch, hashing):
+  """Guard: Ctrl-C while a save hashes its arrays or its files (now on a pool
+  of threads) leaves no checkpoint at the path, and no thread."""
+  import threading
+
+  from pz_persist.storage.integrity import checksums
+
+  hash_ = getattr(checksums, hashing)
+  calls = []
+
+  def interrupted(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+      raise KeyboardInterrupt
+    return hash_(*args, **kwargs)
+
+  monkeypatch.setattr(checksums, hashing, interrupted)
+  before = set(threading.enumerate())
+  with pytest.raises(KeyboardInterrupt):
+    pzp.save(tmp_path / "ck", {f"w{i}": jnp.full((8, 4), float(i)) for i in range(6)})
+  assert not (tmp_path / "ck").exists()
+  with pytest.raises(errors.PzPersistError):
+    pzp.load(tmp_path / "ck")
+  assert {t for t in threading.enumerate() if t.name.startswith("pz_persist")} <= before
