@@ -27,7 +27,6 @@ Layout of ``pz_persist.files.json``::
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -152,11 +151,11 @@ def _compare(
     tracker.grow(sum(size for size, _ in recorded.values()))
   problems = []
   recorded = {rel: entry for rel, entry in recorded.items() if rel != _ORBAX_METADATA}
-  with concurrent.futures.ThreadPoolExecutor(threads, "pz_persist file checks") as pool:
-    checking = [(rel, size, pool.submit(problem, rel, size, digest))
-                for rel, (size, digest) in recorded.items()]
-    for rel, size, future in checking:
-      found = future.result()
+  entries = list(recorded.items())
+  with hashing_threads.ordered_results(
+      lambda entry: problem(entry[0], *entry[1]), entries, name="file checks", threads=threads
+  ) as found_all:
+    for (rel, (size, _)), found in zip(entries, found_all):
       if found:
         problems.append(f"{where(rel)}: {found}")
       if tracker is not None:

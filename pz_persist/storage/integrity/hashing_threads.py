@@ -14,9 +14,11 @@ outlives the call that started it, and nothing is shared process-wide.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import TypeVar
 
 MAX_THREADS = 8
@@ -32,12 +34,31 @@ def thread_count() -> int:
   return max(1, min(MAX_THREADS, os.cpu_count() or 1))
 
 
-def pool(name: str) -> concurrent.futures.ThreadPoolExecutor:
-  """A new pool of `thread_count` threads named after ``name`` (the caller
-  shuts it down, usually as a context manager)."""
+def pool(name: str, threads: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
+  """A new pool of ``threads`` threads (default `thread_count`) named after
+  ``name`` (the caller shuts it down, usually as a context manager)."""
   return concurrent.futures.ThreadPoolExecutor(
-      max_workers=thread_count(), thread_name_prefix=f"pz_persist {name}"
+      max_workers=threads or thread_count(), thread_name_prefix=f"pz_persist {name}"
   )
+
+
+@contextlib.contextmanager
+def ordered_results(
+    function: Callable[[T], R], items: Iterable[T], *, name: str, threads: int | None = None
+) -> Iterator[Iterator[R]]:
+  """The results of ``function(item)`` for each of ``items``, in order, as
+  the calls run on a pool of ``threads`` threads (default `thread_count`).
+
+  Leaving the block, also on an error or Ctrl-C in it, cancels the calls not
+  yet started and waits for those running: a verify of a large checkpoint
+  stops when asked, not once every queued file is hashed.
+  """
+  with pool(name, threads) as threads_pool:
+    futures = [threads_pool.submit(function, item) for item in items]
+    try:
+      yield (future.result() for future in futures)
+    finally:
+      threads_pool.shutdown(wait=True, cancel_futures=True)
 
 
 def map_in_threads(function: Callable[[T], R], items: Iterable[T], *, name: str) -> list[R]:
@@ -49,11 +70,5 @@ def map_in_threads(function: Callable[[T], R], items: Iterable[T], *, name: str)
   items = list(items)
   if len(items) < 2 or thread_count() == 1:
     return [function(item) for item in items]
-  with pool(name) as threads:
-    futures = [threads.submit(function, item) for item in items]
-    try:
-      return [future.result() for future in futures]
-    except BaseException:
-      for future in futures:
-        future.cancel()
-      raise
+  with ordered_results(function, items, name=name) as results:
+    return list(results)

@@ -151,23 +151,29 @@ def read_arrays(
     UnsafeCheckpointError: the arrays would exceed the allocation limit, or
       a file of ``directory`` changed while it was read.
   """
-  with containment.files_unchanged(directory, before=snapshot):
-    where = str(directory)
-    read = plan(manifest, where=where, sharding=sharding, refs=refs, to_host=to_host)
-    if tracker is not None:
-      tracker.grow(sum(read.sizes.values()))
-    stored: dict[str, Any] = {}
-    if read.wanted:
-      # Before Orbax or a direct read parses it, with no limits.
-      bounded_json.check_orbax_metadata(directory)
-      verifier = _Verifier(where, enabled=verify)
-      if options.direct_reads and direct_read.applies(read.targets):
-        stored = _read_directly(directory, read, verifier, tracker)
-      else:
-        _check_orbax_readable(manifest, where)
-        stored = _read_through_orbax(directory, read, verifier, tracker, options)
-      verifier.raise_if_damaged()
-    return values(manifest, stored, where=where, placed=read.placed, refs=refs)
+  stored: dict[str, Any] = {}
+  try:
+    with containment.files_unchanged(directory, before=snapshot):
+      where = str(directory)
+      read = plan(manifest, where=where, sharding=sharding, refs=refs, to_host=to_host)
+      if tracker is not None:
+        tracker.grow(sum(read.sizes.values()))
+      if read.wanted:
+        # Before Orbax or a direct read parses it, with no limits.
+        bounded_json.check_orbax_metadata(directory)
+        verifier = _Verifier(where, enabled=verify, order=[spec.key for spec in read.wanted])
+        if options.direct_reads and direct_read.applies(read.targets):
+          stored = _read_directly(directory, read, verifier, tracker)
+        else:
+          _check_orbax_readable(manifest, where)
+          stored = _read_through_orbax(directory, read, verifier, tracker, options)
+        verifier.raise_if_damaged()
+      return values(manifest, stored, where=where, placed=read.placed, refs=refs)
+  except BaseException:
+    # Refused after the read (a file changed, say): the error's traceback
+    # holds this frame, and must not hold every array read with it.
+    stored.clear()
+    raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,9 +296,12 @@ def _read_directly(
       direct_read.read(directory, read.wanted, where=read.where, on_read=placer.take)
     except errors.ArrayReadError as e:
       raise read_failure(read.manifest, [e.key], read.where, e.cause) from e.cause
-    placed = placer.finish()
-  verifier.raise_if_damaged()  # Before anything placed is used.
-  return placed
+    placer.finish()
+    # Before anything placed is used, and inside the placer, which drops
+    # what it placed when left on an error (nothing bound here either: the
+    # error's traceback would hold it).
+    verifier.raise_if_damaged()
+    return placer.finish()
 
 
 def _check_orbax_readable(manifest: manifest_lib.Manifest, where: str) -> None:
@@ -383,13 +392,16 @@ class _Verifier:
   """Checks arrays against the checksums recorded when they were saved.
 
   The one place both read paths (and the ``TypeHandler``'s) check bytes: it
-  collects every damaged array so that the error names all of them.
+  collects every damaged array so that the error names all of them, in
+  ``order`` (storage keys; the manifest's): checks run on several threads,
+  and a damaged checkpoint must give the same report on every load.
   """
 
-  def __init__(self, where: str, *, enabled: bool = True):
+  def __init__(self, where: str, *, enabled: bool = True, order: Sequence[str] = ()):
     self._where = where
     self.enabled = enabled
-    self._damaged: list[str] = []
+    self._rank = {key: rank for rank, key in enumerate(order)}
+    self._damaged: list[tuple[int, str]] = []
     self._lock = threading.Lock()
 
   def check(self, spec: arrays_lib.ArraySpec, array: Any) -> None:
@@ -400,11 +412,13 @@ class _Verifier:
       return
     found = checksums_lib.check(array, spec.checksums)
     if found.mismatched:
+      rank = self._rank.get(spec.key, len(self._rank))
       with self._lock:
-        self._damaged.append(describe_damage(spec, found))
+        self._damaged.append((rank, describe_damage(spec, found)))
 
   def raise_if_damaged(self) -> None:
-    raise_if_damaged(self._damaged, where=self._where)
+    ranked = sorted(self._damaged, key=lambda damage: damage[0])  # Stable.
+    raise_if_damaged([line for _, line in ranked], where=self._where)
 
 
 def verify_checksums(
