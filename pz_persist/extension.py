@@ -114,9 +114,11 @@ def check_orbax_folder(path: epath.Path) -> FolderSnapshot | None:
     for `files_unchanged` around the read.
 
   Raises:
-    UnsafeCheckpointError: a link out, a special file, an oversized file.
-    ManifestError: a damaged ``_CHECKPOINT_METADATA``, or a ``_METADATA``
-      that is a folder.
+    UnsafeCheckpointError: a link out, a special file.
+    ManifestError: a damaged ``_CHECKPOINT_METADATA``, a ``_METADATA`` that
+      is a folder, or a metadata file over the size limit every load applies
+      (`pz_persist.safety.bounded_json.MAX_ORBAX_METADATA_BYTES` for
+      ``_METADATA``, which holds one entry per array).
 
   Example:
     >>> import pathlib, tempfile
@@ -131,17 +133,12 @@ def check_orbax_folder(path: epath.Path) -> FolderSnapshot | None:
   snapshot = containment.check_contained(path)
   containment.check_checkpoint_metadata(path)
   metadata = path / "_METADATA"
-  limit = containment.MAX_ORBAX_METADATA_BYTES
   if not safe_io.is_local(metadata) or not metadata.exists():
     return snapshot
   if metadata.is_dir():  # Orbax would fail inside its own read.
     raise errors.ManifestError(
         f"{metadata} is a folder, where Orbax's array metadata is a file; the"
         " checkpoint is damaged. Save it again, or restore a copy."
-    )
-  if metadata.stat().length > limit:
-    raise errors.UnsafeCheckpointError(
-        f"{metadata} is over the {limit}-byte limit; refusing to read it."
     )
   return snapshot
 

@@ -18,6 +18,7 @@ import pytest
 
 from pz_persist import errors
 from pz_persist import extension
+from pz_persist.safety import bounded_json
 
 
 def test_every_docstring_example_runs():
@@ -84,9 +85,12 @@ def test_an_orbax_folder_with_a_link_out_or_large_metadata_is_refused(tmp_path):
   with pytest.raises(errors.UnsafeCheckpointError, match="outside the checkpoint"):
     extension.check_orbax_folder(extension.open_path(folder))
   (folder / "x").unlink()
-  with open(folder / "_METADATA", "wb") as f:
+  with open(folder / "_METADATA", "wb") as f:  # A large tree's is legitimate...
     f.truncate(64 * 2**20 + 1)
-  with pytest.raises(errors.UnsafeCheckpointError, match="_METADATA is over the"):
+  extension.check_orbax_folder(extension.open_path(folder))
+  with open(folder / "_METADATA", "wb") as f:  # ...up to the limit every load applies
+    f.truncate(bounded_json.MAX_ORBAX_METADATA_BYTES + 1)  # (containment's walk, as for loads).
+  with pytest.raises(errors.ManifestError, match="_METADATA: Orbax's metadata is .* over the"):
     extension.check_orbax_folder(extension.open_path(folder))
 
 

@@ -27,8 +27,11 @@ from pz_persist.format import manifest as manifest_lib
 from pz_persist.safety import bounded_json
 from pz_persist.safety import safe_io
 
-MAX_ORBAX_METADATA_BYTES = 64 * 2**20
-"""Larger Orbax ``_CHECKPOINT_METADATA`` files are refused before parsing."""
+MAX_CHECKPOINT_METADATA_BYTES = 64 * 2**20
+"""Larger Orbax ``_CHECKPOINT_METADATA`` (and ``metrics``) files are refused
+before parsing: they hold a step's few fields, not one entry per array (that
+is ``_METADATA``, bounded by `pz_persist.safety.bounded_json.
+MAX_ORBAX_METADATA_BYTES`)."""
 
 
 
@@ -36,7 +39,7 @@ def small_file(name: str) -> tuple[str, int] | None:
   """``(what it is, most bytes)`` of a file named ``name`` that pz_persist or
   Orbax reads whole; None for other files (array data, read by ranges)."""
   if name in ("_CHECKPOINT_METADATA", "metrics"):
-    return "Orbax's metadata", MAX_ORBAX_METADATA_BYTES
+    return "Orbax's metadata", MAX_CHECKPOINT_METADATA_BYTES
   if name in ("_METADATA", "_sharding"):
     return "Orbax's metadata", bounded_json.MAX_ORBAX_METADATA_BYTES  # One entry per array.
   if name == manifest_lib.MANIFEST_FILENAME:
@@ -203,7 +206,7 @@ def check_checkpoint_metadata(checkpoint_dir: epath.PathLike) -> None:
     return
   try:
     data = safe_io.read_small_file(
-        path, MAX_ORBAX_METADATA_BYTES, what="Orbax's checkpoint metadata"
+        path, MAX_CHECKPOINT_METADATA_BYTES, what="Orbax's checkpoint metadata"
     )
   except OSError as e:
     raise errors.ManifestError(f"{path}: cannot be read: {e}") from None

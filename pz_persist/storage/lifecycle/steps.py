@@ -145,7 +145,7 @@ def _item_names(step_dir: epath.Path) -> tuple[str, ...] | None:
 def _commit_time(path: epath.Path) -> int | None:
   try:
     data = safe_io.read_small_file(
-        path / stores.local.ORBAX_CHECKPOINT_METADATA, containment.MAX_ORBAX_METADATA_BYTES,
+        path / stores.local.ORBAX_CHECKPOINT_METADATA, containment.MAX_CHECKPOINT_METADATA_BYTES,
         what="Orbax's checkpoint metadata",
     )
     metadata: Any = bounded_json.loads(
