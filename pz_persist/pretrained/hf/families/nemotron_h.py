@@ -310,8 +310,9 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]
     fields.update(_unused_sizes(model, like, ("num_attention_heads", "num_key_value_heads",
                                               "head_dim")))
   if "mlp" in kinds:
-    dense = blocks(model)[kinds.index("mlp")]
-    fields["intermediate_size"] = named_shape(first_layer(dense, pz.nn.Linear, "MLP"))["neurons"]
+    ffw = first_layer(blocks(model)[kinds.index("mlp")], model_parts.TransformerFeedForward,
+                      "MLP")
+    fields["intermediate_size"] = named_shape(first_layer(ffw, pz.nn.Linear, "MLP"))["neurons"]
   else:
     fields.update(_unused_sizes(model, like, ("intermediate_size",)))
   mixtures = all_layers(model, moe.MixtureOfExperts)
