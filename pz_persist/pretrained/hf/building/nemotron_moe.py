@@ -160,7 +160,7 @@ def check_count(cfg: Config, weights: Any, layer: int, prefix: str, experts: int
 def _refusal(layer: moe.MixtureOfExperts) -> str | None:
   """Why ``layer`` is not Nemotron-H's mixture, or None."""
   router = layer.router
-  if not isinstance(router, moe.TopKRouter) or type(router) is not moe.TopKRouter:
+  if type(router) is not moe.TopKRouter:  # Not SparseMixerRouter either.
     return f"its router is a {type(router).__name__}, not a TopKRouter"
   rule_ok = (router.score == "sigmoid" and router.selection_bias is not None
              and router.expert_scale is None and router.group_score_k == 2
