@@ -43,6 +43,7 @@ NEW_SINCE_NEWEST_FIXTURE: frozenset[str] = frozenset({
     "pz_persist.nn.mamba2.Mamba2",
     "pz_persist.nn.mamba2.FalconH1Mamba2",
     "pz_persist.nn.mixture_of_experts.SparseMixerRouter",
+    "pz_persist.nn.mixture_of_experts.LatentMixtureOfExperts",
     "pz_persist.nn.mamba2.CachingMamba2",
     "pz_persist.nn.recurrent_state.CachingRecurrent",
     "pz_persist.nn.recurrent_state.Recurrent",

@@ -1,6 +1,6 @@
 """A mixture-of-experts feed-forward layer with named axes, for the MoE
 checkpoints `pz_persist.pretrained.load_hf` reads (Qwen3-MoE, Mixtral,
-Qwen3.5-MoE, gpt-oss, Llama 4, DeepSeek-V3, GLM-4.5, Gemma 4).
+Qwen3.5-MoE, gpt-oss, Llama 4, DeepSeek-V3, GLM-4.5, Gemma 4, Nemotron-H).
 
 Penzai has no mixture of experts; this one is built from its own pieces so
 that treescope shows it and `pz_persist.AxisRules` shards it like the rest:
@@ -24,7 +24,10 @@ that treescope shows it and `pz_persist.AxisRules` shards it like the rest:
   gpt-oss's clamped SwiGLU as `ClampedSwiGLUGate` / `ClampedLinearUp`);
 * optional shared experts (a plain Penzai MLP) added for every token,
   optionally times a sigmoid gate (a ``Linear`` from ``embedding`` to no
-  axis).
+  axis);
+* Nemotron-H's experts: non-gated (``down(relu(up(x)) ** 2)``,
+  ``experts_mlp(gated=False)``), optionally in a smaller latent space that
+  `LatentMixtureOfExperts` projects into and back out of.
 
 How it computes (inference): every expert runs on every token and the
 outputs are summed with the router's weights, zero for the experts not
@@ -59,8 +62,10 @@ Llama 4), the logits themselves chosen then a ``softmax`` over the k
 chosen (gpt-oss), or Phi-3.5-MoE's ``sparsemixer`` at inference (see
 `TopKRouter`)."""
 
-Activation = Literal["silu", "gelu_tanh", "gelu", "clamped_swiglu"]
-"""The experts' gate activations `experts_mlp` builds."""
+Activation = Literal["silu", "gelu_tanh", "gelu", "clamped_swiglu", "relu2"]
+"""The experts' activations `experts_mlp` builds (after the gate, or after
+the only projection of non-gated experts: ``relu2`` is Nemotron-H's squared
+ReLU)."""
 
 _RuleFields = tuple[int, int, Score, bool, float, float, int, int, int, float]
 """`TopKRouter`'s routing fields, in `_Rule`'s order: hashable, so `_route`
@@ -295,6 +300,7 @@ class MixtureOfExperts(pz.nn.Layer):
     else:
       outputs = self.experts(routed_in, **side_inputs)
       out = pz.nn.contract("experts", outputs, weights).astype(inputs.dtype)
+    out = self.after_routing(out, **side_inputs)
     if self.shared is not None:
       shared = self.shared(inputs, **side_inputs)
       if self.shared_gate is not None:
@@ -302,8 +308,58 @@ class MixtureOfExperts(pz.nn.Layer):
       out = out + shared
     return out
 
+  def after_routing(self, routed: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
+    """The routed experts' weighted sum as it joins the shared experts':
+    unchanged here (`LatentMixtureOfExperts` projects it back)."""
+    del side_inputs
+    return routed
+
   def treescope_color(self) -> str:
     return "#c7a4e0"
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # MixtureOfExperts', then its own.
+class LatentMixtureOfExperts(MixtureOfExperts):
+  """A `MixtureOfExperts` whose experts work in a smaller latent space
+  (Nemotron-H's ``moe_latent_size``): ``expert_input`` projects the input
+  down (the router still reads the full input), and ``expert_output``
+  projects the routed experts' weighted sum back up, once, before the
+  shared experts' output is added. A class of its own, not one more field
+  of `MixtureOfExperts`, so that checkpoints holding a `MixtureOfExperts`
+  keep loading field for field.
+
+  Example:
+    >>> import jax
+    >>> from penzai import pz
+    >>> from pz_persist.nn import mixture_of_experts as moe
+    >>> def linear(name, inputs, outputs, **experts):
+    ...   return pz.nn.Linear.from_config(name=name, init_base_rng=jax.random.key(0),
+    ...                                   input_axes=inputs, output_axes=outputs, **experts)
+    >>> experts = {"experts": 4}
+    >>> layer = moe.LatentMixtureOfExperts(
+    ...     router=moe.TopKRouter(logits=linear("router", {"embedding": 8}, experts),
+    ...                           num_experts=4, top_k=2, score="sigmoid"),
+    ...     experts=pz.nn.Sequential([
+    ...         linear("up", {"latent": 3}, {"neurons": 5}, parallel_broadcast_axes=experts),
+    ...         *moe.expert_activation("relu2")[0],
+    ...         linear("down", {"neurons": 5}, {"latent": 3}, parallel_axes=experts)]),
+    ...     expert_input=linear("down", {"embedding": 8}, {"latent": 3}),
+    ...     expert_output=linear("up", {"latent": 3}, {"embedding": 8}))
+    >>> layer(pz.nx.ones({"seq": 2, "embedding": 8})).named_shape
+    {'seq': 2, 'embedding': 8}
+
+  Attributes:
+    expert_output: Applied to the routed experts' weighted sum (over the
+      experts' own axis, ``latent``) before the shared experts are added, or
+      None.
+  """
+
+  expert_output: pz.nn.Layer | None = None
+
+  def after_routing(self, routed: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
+    if self.expert_output is None:
+      return routed
+    return self.expert_output(routed, **side_inputs)
 
 
 def expert_activation(activation: Activation, alpha: float = 1.702, limit: float = 7.0
@@ -325,6 +381,8 @@ def expert_activation(activation: Activation, alpha: float = 1.702, limit: float
     return [pz.nn.Elementwise(functools.partial(jax.nn.gelu, approximate=False))], []
   if activation == "clamped_swiglu":
     return [ClampedSwiGLUGate(alpha=alpha, limit=limit)], [ClampedLinearUp(limit=limit)]
+  if activation == "relu2":
+    return [pz.nn.Elementwise(jax.nn.relu), pz.nn.Elementwise(jnp.square)], []
   raise ValueError(f"unknown expert activation {activation!r}")
 
 
@@ -340,6 +398,8 @@ def experts_mlp(
     alpha: float = 1.702,
     limit: float = 7.0,
     dtype: jax.typing.DTypeLike = jnp.float32,
+    gated: bool = True,
+    axis: str = "embedding",
 ) -> pz.nn.Sequential:
   """The experts' gated MLP, with parameter slots (no values) named
   ``{name}/gate.weights``, ``{name}/up.weights``, ``{name}/down.weights``
@@ -348,7 +408,10 @@ def experts_mlp(
   Weights: gate and up ``[experts, embedding, neurons]``, down ``[experts,
   neurons, embedding]``. With ``inputs_have_experts`` (Llama 4, whose input
   is scaled per expert) the input carries ``experts``; otherwise it is
-  broadcast over it.
+  broadcast over it. Without ``gated`` (Nemotron-H) there is no gate:
+  ``down(activation(up(x)))``. ``axis`` names the experts' input and output
+  axis (``latent`` where a `LatentMixtureOfExperts` projects into a smaller
+  space first).
   """
   experts = {"experts": num_experts}
   axes = ({"parallel_axes": experts} if inputs_have_experts
@@ -365,7 +428,10 @@ def experts_mlp(
     return layers
 
   after_gate, after_up = expert_activation(activation, alpha, limit)
-  embedding, hidden = {"embedding": embedding_dim}, {"neurons": neurons}
+  embedding, hidden = {axis: embedding_dim}, {"neurons": neurons}
+  if not gated:
+    return pz.nn.Sequential([*project("up", embedding, hidden, axes), *after_gate, *after_up,
+                             *project("down", hidden, embedding, {"parallel_axes": experts})])
   return pz.nn.Sequential([
       pz.nn.BranchAndMultiplyTogether(branches=[
           pz.nn.NamedGroup("gate", [*project("gate", embedding, hidden, axes), *after_gate]),

@@ -146,10 +146,6 @@ def test_penzai_blocks_hold_one_residual_each(saved):
     ({"layers_block_type": harness.DELETE, "hybrid_override_pattern": "M*-M"},
      "num_hidden_layers"),  # Four layers in the pattern, five in the weights.
     ({"hybrid_override_pattern": "M*-MM"}, "hybrid_override_pattern"),
-    ({"layers_block_type": ["linear_attention", "full_attention", "moe", "linear_attention",
-                            "mlp"]}, "mixture-of-experts"),
-    ({"layers_block_type": harness.DELETE, "hybrid_override_pattern": "M*EM-"},
-     "mixture-of-experts"),
     ({"layers_block_type": harness.DELETE}, "hybrid_override_pattern"),
     ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern"),
     ({"layers_block_type": []}, "layers_block_type"),

@@ -88,22 +88,28 @@ class Routing:
   def layer(self, name: str, dtype: DTypeLike) -> pz.nn.Layer:
     """The Penzai layer of MoE block ``name``'s MLP."""
     from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
+    return moe.MixtureOfExperts(
+        router=self.router(name, dtype),
+        experts=moe.experts_mlp(f"{name}/experts", self.experts, self.hidden, self.neurons,
+                                activation="silu", dtype=dtype),
+        shared=shared_mlp(f"{name}/shared", self.hidden, self.neurons * self.shared, dtype))
+
+
+  def router(self, name: str, dtype: DTypeLike) -> pz.nn.Layer:
+    """The `TopKRouter` of MoE block ``name`` (``{name}/router.weights``,
+    ``{name}/router/selection_bias``), by this rule."""
+    from pz_persist.nn import mixture_of_experts as moe  # pylint: disable=import-outside-toplevel
     # transformers computes the router's logits in float32 (its weight kept in
     # float32, the activations cast): the same here, from the stored weight.
     logits = pz.nn.Sequential([pz.nn.CastToDType(jnp.float32),
                                moe.router_linear(f"{name}/router", self.experts, self.hidden,
                                                  dtype=dtype)])
-    router = moe.TopKRouter(
+    return moe.TopKRouter(
         logits=logits,
         num_experts=self.experts, top_k=self.top_k, score="sigmoid", normalize=self.normalize,
         normalize_epsilon=1e-20 if self.normalize else 0.0, scale=self.scale,
         groups=self.groups, top_groups=self.top_groups, group_score_k=2,
         selection_bias=moe.expert_vector(f"{name}/router/selection_bias", self.experts, dtype))
-    return moe.MixtureOfExperts(
-        router=router,
-        experts=moe.experts_mlp(f"{name}/experts", self.experts, self.hidden, self.neurons,
-                                activation="silu", dtype=dtype),
-        shared=shared_mlp(f"{name}/shared", self.hidden, self.neurons * self.shared, dtype))
 
 
 def shared_mlp(name: str, hidden: int, neurons: int, dtype: DTypeLike) -> pz.nn.Sequential:
@@ -156,6 +162,13 @@ def read_routing(cfg: Config, hidden: int,
   cfg.expect("topk_method", {"noaux_tc"}, "noaux_tc",
              why="; transformers' DeepSeek-V3 router implements the noaux_tc choice only")
   cfg.expect("moe_layer_freq", {1}, 1, why="; every layer from first_k_dense_replace on is MoE")
+  return routing_rule(cfg, hidden, defaults)
+
+
+def routing_rule(cfg: Config, hidden: int, defaults: Mapping[str, Any]) -> Routing:
+  """`read_routing`'s sizes and rule, for a family whose config has no
+  DeepSeek-only router fields (Nemotron-H: transformers' router is the same
+  rule whatever the config says)."""
   experts = cfg.get("n_routed_experts", defaults["n_routed_experts"])
   groups = cfg.get("n_group", defaults["n_group"])
   top_groups = cfg.get("topk_group", defaults["topk_group"])
@@ -197,11 +210,14 @@ def routing_fields(model: pz.nn.Layer, like: Mapping[str, Any], dense_layers: in
   return fields
 
 
-def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int) -> None:
+def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int, *,
+                       prefix: str | None = None, part: str = "gate_proj") -> None:
   """Refuses an ``n_routed_experts`` other than the experts layer ``layer``
   (the first with experts) holds, before any list of experts is made: a
-  forged count (10**9) must not reach the per-expert specs."""
-  prefix = f"model.layers.{layer}.mlp.experts."
+  forged count (10**9) must not reach the per-expert specs. ``prefix``: where
+  the layer's experts are (``model.layers.{layer}.mlp.experts.``), ``part``
+  one of each expert's matrices (for the message)."""
+  prefix = f"model.layers.{layer}.mlp.experts." if prefix is None else prefix
   pattern = re.compile(re.escape(prefix) + r"(\d{1,9})\.")
   held = sorted({int(m.group(1)) for name in names if (m := pattern.match(name))})
   if len(held) == experts and held[-1] == experts - 1:  # Sorted and distinct: 0..experts-1.
@@ -209,13 +225,13 @@ def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int) -
   if not held:
     found = "no per-expert tensors"
     if any(name.startswith(prefix) for name in names):
-      found += " (experts fused in one tensor, a layout DeepSeek-V3 folders do not have)"
+      found += " (experts fused in one tensor, a layout pz_persist does not read for this family)"
   elif held[-1] == len(held) - 1:
     found = f"experts 0..{held[-1]}"
   else:
     found = f"experts {held[:10]}{'...' if len(held) > 10 else ''}"
   raise cfg.invalid("n_routed_experts", experts, "a positive integer matching the weights",
-                    f" but layer {layer} holds {found} ({prefix}{{e}}.gate_proj.weight...)")
+                    f" but layer {layer} holds {found} ({prefix}{{e}}.{part}.weight...)")
 
 
 _LAYER_NUMBER = re.compile(r"(\d{1,9})\.")

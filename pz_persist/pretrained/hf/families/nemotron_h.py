@@ -6,7 +6,11 @@ gives each layer's mixer: ``M`` a Mamba-2 mixer (`pz_persist.nn.mamba2.Mamba2`,
 ``linear_attention``), ``*`` grouped-query attention without any position
 embedding (``full_attention``), ``-`` a non-gated squared-ReLU MLP
 (``up_proj``, ``relu(x)**2``, ``down_proj``; ``mlp``). Each layer is
-``x + mixer(rms_norm(x))``, one residual, one norm; the model ends with
+``x + mixer(rms_norm(x))``, one residual, one norm; ``E`` (``moe``) a
+mixture of experts (`pz_persist.pretrained.hf.building.nemotron_moe`:
+DeepSeek's sigmoid router with a correction bias and group-limited choice,
+non-gated squared-ReLU experts stacked from the Hub's per-expert tensors,
+an optional latent projection around them, one shared expert). The model ends with
 ``norm_f`` and ``lm_head``. Hugging Face keeps the tensors under
 ``backbone.`` (``backbone.layers.{i}.mixer.*``, ``backbone.embeddings``);
 the mixers' fused tensors are read by
@@ -15,8 +19,7 @@ the head to the embeddings (``tie_word_embeddings`` changes nothing): the
 head is read from ``lm_head.weight``, and a folder without it is refused
 (transformers would draw it at random). transformers' mixers
 clip the time step below at ``time_step_min`` (its ``time_step_limit``
-field changes nothing), as the `Mamba2` here does. The mixture-of-experts
-layers of newer configs (``E``, ``moe``) are refused. Sampling carries the
+field changes nothing), as the `Mamba2` here does. Sampling carries the
 mixers' convolution and state-space state: use
 `pz_persist.pretrained.kv_caching_lm`.
 """
@@ -28,15 +31,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from penzai import pz
 from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
+from pz_persist.nn import mixture_of_experts as moe
 from pz_persist.nn.mamba2 import Mamba2
 from pz_persist.pretrained.errors import ExportError
 from pz_persist.pretrained.hf.building import mamba_hybrid
+from pz_persist.pretrained.hf.building import nemotron_moe
 from pz_persist.pretrained.hf.building.decoder import block_specs
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import FROM_TABLE
@@ -59,6 +62,7 @@ from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
+from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import Weights
 
 ROOT = "backbone."
@@ -70,7 +74,7 @@ _EMBEDDINGS = ROOT + "embeddings.weight"
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 """``hybrid_override_pattern``'s letters, as transformers reads them."""
 
-_KIND = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+_KIND = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 """Each layer type pz_persist builds -> the kind of its mixer."""
 
 _LAYER_TYPE = {kind: layer_type for layer_type, kind in _KIND.items()}
@@ -99,8 +103,8 @@ def _kinds(cfg: Config) -> list[str]:
     raise cfg.unsupported(
         "hybrid_override_pattern", None,
         "a Nemotron-H config must give each layer's mixer (hybrid_override_pattern or"
-        " layers_block_type); transformers' default of four layers includes a"
-        " mixture-of-experts layer, which pz_persist does not read")
+        " layers_block_type); transformers' default of four layers, of every kind and"
+        " 4096 wide, is not a checkpoint's")
   from_pattern = None if pattern is None else [_PATTERN[c] for c in pattern]
   if listed is not None and from_pattern is not None and listed != from_pattern:
     raise cfg.unsupported("hybrid_override_pattern", pattern,
@@ -114,14 +118,6 @@ def _kinds(cfg: Config) -> list[str]:
         f"the layer pattern gives {len(types)} layers"
         f" ({'layers_block_type' if listed is not None else 'hybrid_override_pattern'});"
         " make num_hidden_layers its length")
-  if "moe" in types:
-    at = types.index("moe")
-    raise cfg.unsupported(
-        "hybrid_override_pattern" if listed is None else "layers_block_type",
-        pattern if listed is None else listed,
-        f"layer {at} is a mixture-of-experts layer ('E' / 'moe': a sigmoid router with"
-        " correction biases over squared-ReLU experts, a shared expert and an optional"
-        " latent projection), which pz_persist does not read yet")
   return [_KIND[t] for t in types]
 
 
@@ -156,12 +152,7 @@ def _mamba_sizes(cfg: Config, hidden: int) -> mamba_hybrid.MambaSizes:
 def _mlp(p: str) -> model_parts.TransformerFeedForward:
   """Nemotron-H's MLP: ``down(relu(up(x)) ** 2)``, no gate (the sizes come
   with the values bound)."""
-  def linear(field: str, inputs: str, outputs: str) -> pz.nn.Linear:
-    return pz.nn.Linear(weights=pz.ParameterSlot(f"{p}mlp/{field}.weights"),
-                        in_axis_names=(inputs,), out_axis_names=(outputs,))
-  return model_parts.TransformerFeedForward([
-      linear("up", "embedding", "neurons"), pz.nn.Elementwise(jax.nn.relu),
-      pz.nn.Elementwise(jnp.square), linear("down", "neurons", "embedding")])
+  return model_parts.TransformerFeedForward(nemotron_moe.relu2_mlp(f"{p}mlp").sublayers)
 
 
 def nemotron_h_plan(cfg: Config, weights: Weights) -> Plan:
@@ -187,6 +178,7 @@ def nemotron_h_plan(cfg: Config, weights: Weights) -> Plan:
     raise cfg.unsupported("mlp_hidden_act", act, "Nemotron-H's MLP is squared ReLU ('relu2')")
   bool_field(cfg, "mlp_bias", False, False, "no published Nemotron-H has MLP biases")
   sizes = _mamba_sizes(cfg, hidden)
+  experts = nemotron_moe.read_experts(cfg, hidden) if "moe" in kinds else None
   eps = float(cfg.get("layer_norm_epsilon", FROM_TABLE))
   neurons = cfg.get("intermediate_size", FROM_TABLE)
   config, head_source = mamba_hybrid.checked_config(
@@ -194,6 +186,9 @@ def nemotron_h_plan(cfg: Config, weights: Weights) -> Plan:
       neurons=neurons, layers=len(kinds), theta=10_000.0, eps=eps, layer_prefix=LAYERS,
       embeddings=_EMBEDDINGS, ties=False)
   vocab = config.vocab_size
+  if experts is not None:  # The layers agree with the weights: count the experts.
+    nemotron_moe.check_count(cfg, weights, kinds.index("moe"), LAYERS, experts.routing.experts)
+  views: list[View] = []
   specs = [
       TensorSpec("transformer/embedder.embeddings", _EMBEDDINGS, (vocab, hidden),
                  ("vocabulary", "embedding")),
@@ -204,7 +199,7 @@ def nemotron_h_plan(cfg: Config, weights: Weights) -> Plan:
   ]
   for i, kind in enumerate(kinds):
     p, s = f"transformer/block_{i}/", f"{LAYERS}{i}."
-    norm = "pre_ffw_norm" if kind == "mlp" else "pre_attention_norm"
+    norm = "pre_ffw_norm" if kind in ("mlp", "moe") else "pre_attention_norm"
     specs.append(TensorSpec(f"{p}{norm}/scale.weights", s + "norm.weight", (hidden,),
                             ("embedding",)))
     if kind == "attention":
@@ -217,6 +212,9 @@ def nemotron_h_plan(cfg: Config, weights: Weights) -> Plan:
           TensorSpec(p + "mlp/down.weights", s + "mixer.down_proj.weight", (hidden, neurons),
                      ("embedding", "neurons")),
       ]
+    elif kind == "moe":
+      assert experts is not None
+      specs += experts.specs(p, s, views)
     else:
       specs += mamba_hybrid.mamba_specs(p + "mamba", s + "mixer.", sizes)
 
@@ -230,12 +228,16 @@ def nemotron_h_plan(cfg: Config, weights: Weights) -> Plan:
       if kind == "mlp":
         sublayer = pz.select(feeding).at_instances_of(model_parts.TransformerFeedForward).set(
             _mlp(f"transformer/block_{i}/"))
+      elif kind == "moe":
+        assert experts is not None
+        sublayer = pz.select(feeding).at_instances_of(model_parts.TransformerFeedForward).set(
+            model_parts.TransformerFeedForward([experts.layer(f"transformer/block_{i}/mlp")]))
       else:  # No position embedding: the attention's queries and keys are not rotated.
         sublayer = pz.select(mixing).at_instances_of(pz.nn.ApplyRoPE).remove_from_parent()
       rebuilt.append(dataclasses.replace(block, sublayers=[sublayer]))
     return selected.set_sequence(rebuilt)
 
-  return Plan(build, tuple(specs))
+  return Plan(build, tuple(specs), tuple(views))
 
 
 def _mixer_kind(block: model_parts.TransformerBlock) -> str | None:
@@ -244,6 +246,8 @@ def _mixer_kind(block: model_parts.TransformerBlock) -> str | None:
     return None
   if all_layers(block, Mamba2):
     return "mamba"
+  if all_layers(block, moe.MixtureOfExperts):
+    return "moe"
   if all_layers(block, pz.nn.Attention):
     return "attention"
   if all_layers(block, model_parts.TransformerFeedForward):
@@ -286,7 +290,7 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]
   kinds = [_mixer_kind(b) for b in blocks(model)]
   if any(kind is None for kind in kinds):
     raise ExportError("Nemotron-H's layers each hold one residual: a Mamba2 mixer, an"
-                      " attention or an MLP")
+                      " attention, an MLP or a mixture of experts")
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   norm = first_layer(model, pz.nn.RMSStandardize, "RMS norm")
   fields: dict[str, Any] = {
@@ -306,10 +310,14 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]
     fields.update(_unused_sizes(model, like, ("num_attention_heads", "num_key_value_heads",
                                               "head_dim")))
   if "mlp" in kinds:
-    ffw = first_layer(model, model_parts.TransformerFeedForward, "MLP")
+    ffw = first_layer(blocks(model)[kinds.index("mlp")], model_parts.TransformerFeedForward,
+                      "MLP")
     fields["intermediate_size"] = named_shape(first_layer(ffw, pz.nn.Linear, "MLP"))["neurons"]
   else:
     fields.update(_unused_sizes(model, like, ("intermediate_size",)))
+  mixtures = all_layers(model, moe.MixtureOfExperts)
+  fields.update(nemotron_moe.experts_fields(mixtures[0]) if mixtures
+                else nemotron_moe.unused_fields(like))
   mixers = all_layers(model, Mamba2)
   if mixers:
     sizes = mamba_hybrid.mixer_sizes(mixers[0])
@@ -337,6 +345,7 @@ _DEFAULTS: dict[str, Any] = {
     "mamba_num_heads": 128, "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8,
     "conv_kernel": 4, "chunk_size": 128, "use_conv_bias": True, "time_step_min": 0.001,
     "mamba_ssm_cache_dtype": "float32", "layer_norm_epsilon": 1e-5,
+    **nemotron_moe.DEFAULTS,
 }
 """transformers' ``NemotronHConfig``'s value of each field the plan may find
 absent."""
@@ -359,11 +368,14 @@ RECORD = Family(
             "multi-token prediction layers, which transformers does not load":
                 ("num_nextn_predict_layers", "mtp_layers_block_type",
                  "mtp_hybrid_override_pattern"),
-            "the mixture-of-experts layers' settings (a config with such a layer is refused)":
+            "the mixture-of-experts layers' settings, read only where a layer is `E` / `moe`":
                 ("n_routed_experts", "n_shared_experts", "moe_intermediate_size",
                  "moe_shared_expert_intermediate_size", "moe_latent_size",
-                 "moe_shared_expert_overlap", "num_experts_per_tok", "routed_scaling_factor",
-                 "n_group", "topk_group", "norm_topk_prob", "output_router_logits"),
+                 "num_experts_per_tok", "routed_scaling_factor", "n_group", "topk_group",
+                 "norm_topk_prob"),
+            "training or parallelism only (the balancing loss; Megatron overlapping the shared"
+            " expert with the routed ones' communication)":
+                ("output_router_logits", "moe_shared_expert_overlap"),
         },
         foreign_fields=frozenset({"time_step_rank", "rms_norm_eps", "attention_head_dim",
                                   "mtp_hybrid_override_pattern"}))},
@@ -372,10 +384,15 @@ RECORD = Family(
     adds=("one mixer per layer by `hybrid_override_pattern` / `layers_block_type`: Mamba-2"
           " mixers (`Mamba2`, time step clipped below at `time_step_min`; state carried by"
           " `kv_caching_lm`), attention without position embeddings, non-gated squared-ReLU"
-          " MLPs; one RMS norm per layer; tensors under `backbone.`"),
-    refuses=("mixture-of-experts layers (`E` / `moe`), biases (`use_bias`, `mlp_bias`,"
-             " `attention_bias`), a sliding window, a pattern whose length is not"
-             " `num_hidden_layers`"),
+          " MLPs, mixtures of experts (`E` / `moe`: DeepSeek's sigmoid `TopKRouter` with"
+          " `e_score_correction_bias`, `n_group` / `topk_group` and `routed_scaling_factor`;"
+          " non-gated squared-ReLU experts stacked from the Hub's per-expert tensors;"
+          " `moe_latent_size` projections around them, `LatentMixtureOfExperts`; one shared"
+          " expert); one RMS norm per layer; tensors under `backbone.`"),
+    refuses=("biases (`use_bias`, `mlp_bias`, `attention_bias`), a sliding window, a pattern"
+             " whose length is not `num_hidden_layers`, `n_shared_experts` other than 1"
+             " (transformers adds one shared expert whatever it says), groups of fewer than two"
+             " experts, experts stored fused (transformers 5's in-memory layout)"),
     rank=2,
     fields={
         "hybrid_override_pattern": (_pattern, "a string of the letters M, *, - and E"),
