@@ -118,10 +118,12 @@ class AltUpLayer(pz.nn.Layer):
     correction: ``altup_router`` to ``altup``.
     layer: The decoder layer proper, on the active stream.
     output_scale: What scales the corrected active stream before
-      ``per_layer`` (a learned vector, or the identity).
+      ``per_layer`` (a learned vector, ``correct_output_scale``).
     per_layer: The per-layer input path (its output is added to streams
       ``1..``).
     active: The active stream's index (``altup_active_idx``).
+    scale_output: Whether ``output_scale`` applies (``altup_correct_scale``;
+      where it does not, its parameter is still kept, as checkpoints hold it).
   """
 
   router: AltUpRouter
@@ -131,6 +133,7 @@ class AltUpLayer(pz.nn.Layer):
   output_scale: pz.nn.Layer
   per_layer: pz.nn.Layer
   active: int = dataclasses.field(metadata={"pytree_node": False})
+  scale_output: bool = dataclasses.field(default=True, metadata={"pytree_node": False})
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
     coefs = self.prediction(self.router(inputs[{STREAMS_AXIS: self.active}], **side_inputs),
@@ -144,8 +147,10 @@ class AltUpLayer(pz.nn.Layer):
     innovation = out - active
     scales = self.correction(self.router(out, **side_inputs), **side_inputs) + 1.0
     corrected = innovation * scales + predictions
-    extra = self.per_layer(self.output_scale(corrected[{STREAMS_AXIS: self.active}],
-                                             **side_inputs), **side_inputs)
+    first = corrected[{STREAMS_AXIS: self.active}]
+    if self.scale_output:
+      first = self.output_scale(first, **side_inputs)
+    extra = self.per_layer(first, **side_inputs)
     later = pz.nx.wrap(jnp.arange(inputs.named_shape[STREAMS_AXIS]) > 0).tag(STREAMS_AXIS)
     return pz.nx.nmap(jnp.where)(later, corrected + extra, corrected)
 

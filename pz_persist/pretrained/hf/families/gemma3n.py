@@ -146,7 +146,10 @@ def gemma3n_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
                  cfg.get("altup_correct_scale", True), cfg.get("laurel_rank", 64),
                  cfg.get("hidden_size_per_layer_input", 256),
                  cfg.get("vocab_size_per_layer_input", 262_144), eps)
-  softcap = cfg.nullable("final_logit_softcapping", 30.0)
+  if "final_logit_softcapping" in cfg.raw and cfg.raw["final_logit_softcapping"] is None:
+    raise cfg.unsupported("final_logit_softcapping", None, "transformers' Gemma 3n config"
+                          " requires a number (its models always soft-cap the logits)")
+  softcap = cfg.get("final_logit_softcapping", 30.0)
   types_field = cfg.get("layer_types")
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
@@ -357,11 +360,9 @@ def _layer(i: int, layer: Any, config: llamalike_common.LlamalikeTransformerConf
   decoder = dataclasses.replace(block, sublayers=[
       altup.LaurelResidual(norm=pre, branch=pz.nn.Sequential([attention, post]), laurel=laurel),
       ffw])
-  output_scale: pz.nn.Layer = pz.nn.Identity()
-  if sizes.correct_scale:
-    output_scale = pz.nn.Linear.from_config(
-        name=f"{p}/altup/output_scale", init_base_rng=None, input_axes={}, output_axes={},
-        parallel_axes={"embedding": hidden}, dtype=dtype)
+  output_scale = pz.nn.Linear.from_config(
+      name=f"{p}/altup/output_scale", init_base_rng=None, input_axes={}, output_axes={},
+      parallel_axes={"embedding": hidden}, dtype=dtype)
   per_layer = pz.nn.Sequential([
       _linear(f"{p}/per_layer_input/gate", {"embedding": hidden},
               {ple.EMBEDDING_AXIS: sizes.ple_width}, dtype),
@@ -380,12 +381,13 @@ def _layer(i: int, layer: Any, config: llamalike_common.LlamalikeTransformerConf
                          {altup.STREAMS_AXIS: n, altup.SOURCE_AXIS: n}, dtype),
       correction=_linear(f"{p}/altup/correction", {altup.ROUTER_AXIS: n},
                          {altup.STREAMS_AXIS: n}, dtype),
-      layer=decoder, output_scale=output_scale, per_layer=per_layer, active=sizes.active)
+      layer=decoder, output_scale=output_scale, per_layer=per_layer, active=sizes.active,
+      scale_output=sizes.correct_scale)
 
 
 def _assemble(layers: list[altup.AltUpLayer],
               config: llamalike_common.LlamalikeTransformerConfig, sizes: _Sizes,
-              softcap: float | None,
+              softcap: float,
               rope: Mapping[str, tuple[str, float, float, float]]) -> model_parts.TransformerLM:
   """The whole model: the embedding, the per-layer inputs, AltUp's streams
   through the layers (RoPE set per layer type), the final norm, tied
@@ -406,8 +408,7 @@ def _assemble(layers: list[altup.AltUpLayer],
       expand, kv_sharing.SharesKV(pz.nn.Sequential(list(layers))), collapse,
       attention_parts.norm("transformer/final_norm", config),
       pz.nn.EmbeddingDecode(table)]
-  if softcap is not None:
-    tail.append(pz.nn.TanhSoftCap(soft_cap=jnp.array(softcap, dtype=dtype)))
+  tail.append(pz.nn.TanhSoftCap(soft_cap=jnp.array(softcap, dtype=dtype)))
   embed = pz.nn.Sequential([pz.nn.EmbeddingLookup(table), pz.nn.ConstantRescale(
       by=jnp.sqrt(hidden).astype(dtype))])
   ple_table = pz.nn.EmbeddingTable.from_config(
@@ -482,7 +483,7 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   table = named_shape(per_layer.table.table)
   laurel = named_shape(first_layer(layers[0].layer, altup.LaurelResidual, "Laurel").laurel
                        .sublayers[0])
-  caps = all_layers(model, pz.nn.TanhSoftCap)
+  cap = first_layer(model, pz.nn.TanhSoftCap, "final logit soft cap, which Gemma 3n requires")
   window = next((w for w in windows(model) if w is not None), None)
   rope = {}
   for kind in _TYPES:
@@ -509,9 +510,9 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
       "vocab_size_per_layer_input": table["vocabulary"],
       "altup_num_inputs": len(all_layers(model, altup.AltUpExpand)[0].projections) + 1,
       "altup_active_idx": layers[0].active,
-      "altup_correct_scale": not isinstance(layers[0].output_scale, pz.nn.Identity),
+      "altup_correct_scale": layers[0].scale_output,
       "laurel_rank": laurel["laurel"],
-      "final_logit_softcapping": number(caps[0].soft_cap) if caps else None,
+      "final_logit_softcapping": number(cap.soft_cap),
       "tie_word_embeddings": True, "attention_bias": False,
   }
 
