@@ -36,21 +36,21 @@ CASES = {
     # E2B / E4B in small: three streams, the last two layers reusing keys and
     # values, sparse first MLPs of their own widths, a per-layer table
     # smaller than the vocabulary (SEQUENCES hold tokens 48-63 outside it).
-    "gemma3n_text": dict(
-        hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=64, vocab_size_per_layer_input=48, hidden_size_per_layer_input=4,
-        intermediate_size=[64, 64, 32, 32], sliding_window=3, layer_types=_TYPES,
-        num_kv_shared_layers=2, laurel_rank=4, altup_num_inputs=3,
-        activation_sparsity_pattern=[0.95, 0.5, 0.0, 0.0], rope_parameters=_ROPE,
-        final_logit_softcapping=30.0),
+    "gemma3n_text": {
+        "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "vocab_size": 64, "vocab_size_per_layer_input": 48, "hidden_size_per_layer_input": 4,
+        "intermediate_size": [64, 64, 32, 32], "sliding_window": 3, "layer_types": _TYPES,
+        "num_kv_shared_layers": 2, "laurel_rank": 4, "altup_num_inputs": 3,
+        "activation_sparsity_pattern": [0.95, 0.5, 0.0, 0.0], "rope_parameters": _ROPE,
+        "final_logit_softcapping": 30.0},
     # Another active stream, no output scale, no sharing, one width.
-    "gemma3n_text_plain": dict(
-        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=8, vocab_size=64, vocab_size_per_layer_input=64, hidden_size_per_layer_input=4,
-        intermediate_size=48, sliding_window=4, layer_types=_TYPES[:3], num_kv_shared_layers=0,
-        laurel_rank=2, altup_num_inputs=2, altup_active_idx=1, altup_correct_scale=False,
-        activation_sparsity_pattern=[0.0, 0.9, 0.0], rope_parameters=_ROPE,
-        final_logit_softcapping=5.0),
+    "gemma3n_text_plain": {
+        "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 8, "vocab_size": 64, "vocab_size_per_layer_input": 64, "hidden_size_per_layer_input": 4,
+        "intermediate_size": 48, "sliding_window": 4, "layer_types": _TYPES[:3], "num_kv_shared_layers": 0,
+        "laurel_rank": 2, "altup_num_inputs": 2, "altup_active_idx": 1, "altup_correct_scale": False,
+        "activation_sparsity_pattern": [0.0, 0.9, 0.0], "rope_parameters": _ROPE,
+        "final_logit_softcapping": 5.0},
 }
 
 

@@ -131,8 +131,8 @@ def gemma3n_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   bool_field(cfg, "tie_word_embeddings", True, True, _TIED)
   layers = cfg.require("num_hidden_layers")
   vocab = cfg.require("vocab_size")
-  widths = _mlp_widths(cfg, layers)
-  sparsity = _sparsity(cfg, layers)
+  widths_field = _mlp_widths(cfg, layers)
+  sparsity_field = _sparsity(cfg, layers)
   eps = float(cfg.get("rms_norm_eps", 1e-6))
   window = cfg.get("sliding_window", 512)
   rope = _rope(cfg)
@@ -156,6 +156,12 @@ def gemma3n_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   check_layers(cfg, weights.names, root + "layers.", layers)
   refuse_stored_head(cfg, weights, DECODER_HEAD, _TIED)
   kinds = _kinds(cfg, types_field, layers)
+  widths = widths_field if isinstance(widths_field, list) else [widths_field] * layers
+  if sparsity_field is None:  # transformers': the first 10 layers sparse, where there are more.
+    sparse = 10 if layers > 10 else 0
+    sparsity = [0.95] * sparse + [0.0] * (layers - sparse)
+  else:
+    sparsity = [float(v) for v in sparsity_field]
   plan_layers = [dataclasses.replace(layer, mlp=width) for layer, width in zip(
       attention_parts.layers(cfg, kinds, shared_count, head_dim, kv_heads,
                      (head_dim, kv_heads), False, 0, False, heads), widths)]
@@ -191,25 +197,23 @@ def gemma3n_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   return Plan(build, tuple(specs))
 
 
-def _mlp_widths(cfg: Config, layers: int) -> list[int]:
+def _mlp_widths(cfg: Config, layers: int) -> int | list[int]:
+  """``intermediate_size``: one width, or a list of one per layer (checked
+  here, expanded only once the weights agree with the layer count)."""
   value = cfg.require("intermediate_size")
-  if not isinstance(value, list):
-    return [value] * layers
-  if len(value) != layers:
+  if isinstance(value, list) and len(value) != layers:
     raise cfg.unsupported("intermediate_size", value[:8],
                           f"one width, or one for each of the num_hidden_layers={layers} layers")
-  return list(value)
+  return value
 
 
-def _sparsity(cfg: Config, layers: int) -> list[float]:
+def _sparsity(cfg: Config, layers: int) -> list[float] | None:
+  """``activation_sparsity_pattern`` (None: transformers' default)."""
   value = cfg.get("activation_sparsity_pattern")
-  if value is None:  # transformers': the first 10 layers sparse, where there are more.
-    sparse = 10 if layers > 10 else 0
-    return [0.95] * sparse + [0.0] * (layers - sparse)
-  if len(value) != layers:
+  if value is not None and len(value) != layers:
     raise cfg.unsupported("activation_sparsity_pattern", value[:8],
                           f"one value for each of the num_hidden_layers={layers} layers")
-  return [float(v) for v in value]
+  return value
 
 
 def _kinds(cfg: Config, types: list[str] | None, layers: int) -> list[str]:
