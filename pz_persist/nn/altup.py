@@ -57,8 +57,11 @@ class AltUpExpand(pz.nn.Layer):
 
   Example::
 
+    embeddings = pz.nx.ones({"seq": 3, "embedding": 4})
     streams = AltUpExpand(projections=[pz.nn.Identity()])(embeddings)
-    assert streams.named_shape[STREAMS_AXIS] == 2
+    assert streams.named_shape == {"seq": 3, "embedding": 4, STREAMS_AXIS: 2}
+    assert AltUpCollapse(projections=[pz.nn.Identity()])(streams).named_shape == {
+        "seq": 3, "embedding": 4}
   """
 
   projections: list[pz.nn.Layer]
@@ -165,6 +168,7 @@ class LaurelResidual(pz.nn.Layer):
 
     half = LaurelResidual(norm=pz.nn.Identity(), branch=pz.nn.Identity(),
                           laurel=pz.nn.Identity())
+    out = half(pz.nx.ones({"embedding": 2}))  # (1 + 1 + 1 + 1) / sqrt(2) each.
   """
 
   norm: pz.nn.Layer
@@ -188,7 +192,8 @@ class GaussianTopK(pz.nn.Layer):
 
   Example::
 
-    sparse = GaussianTopK(sparsity=0.95)
+    sparse = GaussianTopK(sparsity=0.5)  # Phi^-1(0.5) = 0: keeps what is above the mean.
+    out = sparse(pz.nx.wrap(jnp.array([1.0, 2.0, 3.0])).tag("neurons"))  # [0, 0, 1]
   """
 
   sparsity: float = dataclasses.field(metadata={"pytree_node": False})

@@ -104,10 +104,11 @@ class PerLayerInputsInTable(PerLayerInputs):
   row 0, as transformers' Gemma 3n does (an index past a table would
   otherwise be clamped to its last row).
 
-  Example::
+  Example (the Gemma 3n loader builds it; a model loaded from a ``gemma3n``
+  folder holds one)::
 
-    per_layer = PerLayerInputsInTable(table=..., projection=..., norm=...,
-                                      table_scale=16.0, projection_scale=2048 ** -0.5)
+    model = pz_persist.pretrained.load_hf("gemma-3n-E2B")
+    pz.select(model).at_instances_of(PerLayerInputsInTable).get()
   """
 
   def __call__(self, inputs: tuple[pz.nx.NamedArray, pz.nx.NamedArray],
