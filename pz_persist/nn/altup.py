@@ -162,7 +162,7 @@ class AltUpLayer(pz.nn.Layer):
 class LaurelResidual(pz.nn.Layer):
   """The attention half of a Gemma 3n layer with Laurel beside it:
   ``((x + branch(n)) + (n + laurel(n))) / sqrt(2)`` where ``n = norm(x)``
-  (the division in float32, as transformers rounds it).
+  (the division in at least float32, as transformers rounds it).
 
   Example::
 
@@ -180,7 +180,11 @@ class LaurelResidual(pz.nn.Layer):
     attended = inputs + self.branch(normed, **side_inputs)
     augmented = normed + self.laurel(normed, **side_inputs)
     both = attended + augmented
-    return pz.nx.nmap(lambda v: (v.astype(jnp.float32) / math.sqrt(2)).astype(v.dtype))(both)
+    def halve(v: jax.Array) -> jax.Array:
+      wide = jnp.promote_types(v.dtype, jnp.float32)
+      return (v.astype(wide) / math.sqrt(2)).astype(v.dtype)
+
+    return pz.nx.nmap(halve)(both)
 
 
 @pz.pytree_dataclass
