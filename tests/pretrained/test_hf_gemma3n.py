@@ -339,3 +339,19 @@ def test_hostile_multimodal_configs_are_refused(saved, tmp_path, changes, match)
   folder = checks.edited(saved["gemma3n"].folder, tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
+
+
+def test_unused_key_value_tensors_of_sharing_layers_are_not_read(saved, tmp_path):
+  """Checkpoints may keep ``k_proj`` / ``v_proj`` / ``k_norm`` in the layers
+  that reuse an earlier layer's keys and values; transformers ignores them
+  on load, and so does `load_hf` (the same logits, whatever they hold)."""
+  case = saved["gemma3n_text"]
+  tensors = checks.tensors(case.folder)
+  for i in (2, 3):
+    for name, shape in (("k_proj", (16, 32)), ("v_proj", (16, 32)), ("k_norm", (8,))):
+      tensors[f"model.layers.{i}.self_attn.{name}.weight"] = np.full(shape, 7.0, np.float32)
+  edited = checks.edited(case.folder, tmp_path)
+  save_file(tensors, str(edited / "model.safetensors"), metadata={"format": "pt"})
+  theirs = transformers.AutoModelForCausalLM.from_pretrained(edited).eval()
+  np.testing.assert_array_equal(checks.reference_logits(theirs), case.reference)
+  checks.float32_error(edited, case.reference)
