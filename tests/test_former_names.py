@@ -68,6 +68,13 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.mixture_of_experts", "SparseMixerRouter"),
     ("pz_persist.nn.mamba2", "FalconH1Mamba2"),  # Falcon-H1 (issue 40).
     ("pz_persist.nn.mixture_of_experts", "LatentMixtureOfExperts"),  # Nemotron-H (issue 40).
+    ("pz_persist.nn.altup", "AltUpExpand"),  # Gemma 3n (issue 40).
+    ("pz_persist.nn.altup", "AltUpCollapse"),
+    ("pz_persist.nn.altup", "AltUpRouter"),
+    ("pz_persist.nn.altup", "AltUpLayer"),
+    ("pz_persist.nn.altup", "LaurelResidual"),
+    ("pz_persist.nn.altup", "GaussianTopK"),
+    ("pz_persist.nn.per_layer_inputs", "PerLayerInputsInTable"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

@@ -95,3 +95,25 @@ class WithPerLayerInputs(pz.nn.Layer):
     embeddings = self.embed(tokens, **side_inputs)
     inputs = self.per_layer((tokens, embeddings), **side_inputs)
     return self.body(embeddings, **side_inputs, **{SIDE_INPUT: inputs})
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)
+class PerLayerInputsInTable(PerLayerInputs):
+  """`PerLayerInputs` where a token outside the per-layer table (Gemma 3n's
+  image and audio tokens, past ``vocab_size_per_layer_input``) looks up
+  row 0, as transformers' Gemma 3n does (an index past a table would
+  otherwise be clamped to its last row).
+
+  Example (the Gemma 3n loader builds it; a model loaded from a ``gemma3n``
+  folder holds one)::
+
+    model = pz_persist.pretrained.load_hf("gemma-3n-E2B")
+    pz.select(model).at_instances_of(PerLayerInputsInTable).get()
+  """
+
+  def __call__(self, inputs: tuple[pz.nx.NamedArray, pz.nx.NamedArray],
+               **side_inputs) -> pz.nx.NamedArray:
+    tokens, embeddings = inputs
+    size = self.table.table.embeddings.value.named_shape["vocabulary"]
+    inside = pz.nx.nmap(lambda t: jnp.where((t >= 0) & (t < size), t, 0))(tokens)
+    return super().__call__((inside, embeddings), **side_inputs)

@@ -316,6 +316,7 @@ _GEMMA_FIELDS = {"hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 _FAMILY_FIELDS = {
     "gemma": _GEMMA_FIELDS, "gemma2": _GEMMA_FIELDS, "gemma3_text": _GEMMA_FIELDS,
     "gemma4_text": {**_GEMMA_FIELDS, "rope_theta": None},  # Keyed by layer type.
+    "gemma3n_text": _GEMMA_FIELDS,
     "ministral3": {"rope_theta": None, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.1}},
@@ -364,7 +365,7 @@ _FAMILY_FIELDS = {
 other than Llama's, so that only its layer count is wrong."""
 
 
-_TEXT_MODEL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "llama4": "llama4_text",
+_TEXT_MODEL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "gemma3n": "gemma3n_text", "llama4": "llama4_text",
                "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "mistral3": "mistral"}
 """Multimodal folders: the text model of each, in a nested ``text_config``."""
 

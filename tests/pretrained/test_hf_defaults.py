@@ -121,6 +121,9 @@ MINIMAL = {
     "gemma3_text": {**_SIZES, **_HEADS},
     "gemma4_text": {**_SIZES, **_HEADS, "global_head_dim": 16, "hidden_size_per_layer_input": 4,
                     "vocab_size_per_layer_input": 64},
+    # transformers' 15 sharing layers need more than two; the per-layer table is a size.
+    "gemma3n_text": {**_SIZES, **_HEADS, "num_kv_shared_layers": 0,
+                     "hidden_size_per_layer_input": 4, "vocab_size_per_layer_input": 64},
     "glm4": {**_SIZES, **_HEADS},
     "glm4_moe": {**_SIZES, **_HEADS, **_MOE, "n_routed_experts": 4},
     "glm4_moe_lite": {**_SIZES, **_MOE, "n_routed_experts": 4, "kv_lora_rank": 16,

@@ -273,14 +273,3 @@ def test_hostile_multimodal_configs_are_refused(saved, tmp_path, changes, match)
   folder = checks.edited(saved["gemma3"][0], tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=match):
     pzp.pretrained.load_hf(folder)
-
-
-@pytest.mark.parametrize("model_type, generation", [
-    ("gemma3n", "Gemma 3n"), ("gemma3n_text", "Gemma 3n"),
-])
-def test_later_gemmas_get_the_gemma_message(saved, tmp_path, model_type, generation):
-  folder = checks.edited(saved["gemma3_text"][0], tmp_path, model_type=model_type)
-  with pytest.raises(errors.UnsupportedConfigError) as raised:
-    pzp.pretrained.load_hf(folder)
-  assert f"is {generation}," in str(raised.value)
-  assert "Gemma 3 checkpoint" not in str(raised.value)

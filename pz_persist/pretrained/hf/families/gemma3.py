@@ -302,12 +302,6 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
   }
 
 
-def _refusal(model_type: str, generation: str) -> str:
-  return (f"model_type={model_type!r} is {generation}, whose architecture pz_persist does not"
-          " build yet; pz_persist.pretrained.load_hf reads Gemma 1, 2, 3 and 4 (model_type 'gemma',"
-          " 'gemma2', 'gemma3_text', 'gemma3', 'gemma4_text', 'gemma4')")
-
-
 _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": {
         "defaults": {**GEMMA_LIKE, "num_key_value_heads": 4, "query_pre_attn_scalar": 256,
@@ -353,7 +347,7 @@ RECORD = Family(
     adds=("`gemma3_text` (270M, 1B) and the text model of `gemma3` folders (4B-27B; the vision"
           " tower is not read, and the load says so): Gemma 2's layout with query/key norms,"
           " local and global layers with their own RoPE bases, linear scaling on global layers"),
-    refuses="bidirectional attention (EmbeddingGemma), Gemma 3n",
+    refuses="bidirectional attention (EmbeddingGemma)",
     rank=150,
     fields={
         "rope_local_base_freq": POSITIVE_NUMBER,
@@ -366,6 +360,5 @@ RECORD = Family(
         "eoi_token_index": NON_NEGATIVE_INT,
         "image_token_index": NON_NEGATIVE_INT,
     },
-    refused_model_types={t: _refusal(t, "Gemma 3n") for t in ("gemma3n", "gemma3n_text")},
     layer_prefixes=(_TEXT + "layers.", _MULTIMODAL_TEXT + "layers."),
 )

@@ -62,10 +62,17 @@ from pz_persist.pretrained.hf.building.decoder import block_specs
 from pz_persist.pretrained.hf.building.defaults import CAUSAL_WHY
 from pz_persist.pretrained.hf.building.defaults import GEMMA_LIKE
 from pz_persist.pretrained.hf.building.defaults import HIDDEN_ACT_WHY
+from pz_persist.pretrained.hf.building.gemma_attention import FULL
+from pz_persist.pretrained.hf.building.gemma_attention import SLIDING
+from pz_persist.pretrained.hf.building.gemma_attention import Layer as _Layer
+from pz_persist.pretrained.hf.building.gemma_attention import attention_block
+from pz_persist.pretrained.hf.building.gemma_attention import common_head_axes as _common_head_axes
+from pz_persist.pretrained.hf.building.gemma_attention import layers as _layers
+from pz_persist.pretrained.hf.building.gemma_attention import norm as _norm
+from pz_persist.pretrained.hf.building.gemma_attention import with_rope as _with_rope
 from pz_persist.pretrained.hf.building.gemma_layout import check_activation
 from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
 from pz_persist.pretrained.hf.building.norms import query_key_norm_specs
-from pz_persist.pretrained.hf.building.norms import with_query_key_norms
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import OBJECT
@@ -91,7 +98,6 @@ from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 _TYPES = (SLIDING, FULL)
 _TEXT = "model."
 _MULTIMODAL_TEXT = "model.language_model."
@@ -100,18 +106,6 @@ _SIZE_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_la
                   "num_attention_heads": 8, "vocab_size": 262_144}
 """transformers' ``Gemma4TextConfig`` defaults for sizes a ``text_config`` may
 leave out; each is checked against the weights before anything is built."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layer:
-  """What differs between Gemma 4's layers."""
-  kind: str
-  head_dim: int
-  kv_heads: int
-  keys_are_values: bool
-  reuses: bool  # Keys and values of an earlier layer (no projections of its own).
-  publishes: bool  # The last layer of its kind before the sharing ones.
-  mlp: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,31 +289,6 @@ def _kinds(cfg: Config, types: list[str] | None, layers: int) -> list[str]:
   return list(types)
 
 
-def _layers(cfg: Config, kinds: list[str], shared: int, head_dim: int, kv_heads: int,
-            global_sizes: tuple[int, int], keys_are_values: bool, intermediate: int,
-            double_wide: bool, heads: int) -> list[_Layer]:
-  layers = len(kinds)
-  if shared >= layers:
-    raise cfg.unsupported("num_kv_shared_layers", shared, f"fewer than num_hidden_layers={layers}:"
-                          " some layer must compute the keys and values the others reuse")
-  first = layers - shared
-  producers = {kind: max((i for i in range(first) if kinds[i] == kind), default=None)
-               for kind in set(kinds)}
-  if shared and any(index is None for index in producers.values()):
-    raise cfg.unsupported("num_kv_shared_layers", shared, "every layer type reusing keys and"
-                          " values needs an earlier layer of its type computing them")
-  out = []
-  for i, kind in enumerate(kinds):
-    dim, kv = (head_dim, kv_heads) if kind == SLIDING else global_sizes
-    if heads % kv:
-      raise cfg.unsupported("num_key_value_heads", kv, f"must divide num_attention_heads={heads}")
-    reuses = i >= first
-    out.append(_Layer(kind, dim, kv, keys_are_values and kind == FULL, reuses,
-                      bool(shared) and producers[kind] == i,
-                      intermediate * (2 if double_wide and reuses else 1)))
-  return out
-
-
 def _rope(cfg: Config) -> dict[str, tuple[str, float, float, float]]:
   """Each layer type's ``(rope_type, theta, partial_rotary_factor, factor)``."""
   params = cfg.get("rope_parameters")
@@ -363,28 +332,7 @@ def _rope(cfg: Config) -> dict[str, tuple[str, float, float, float]]:
 def _block(i: int, layer: _Layer, config: llamalike_common.LlamalikeTransformerConfig,
            moe: _Moe | None, ple_width: int, eps: float) -> model_parts.TransformerBlock:
   p = f"transformer/block_{i}"
-  block = llamalike_common.build_llamalike_block(p, None, config, i)
-  block = with_query_key_norms(block, config)
-  attn_sel = pz.select(block).at_instances_of(pz.nn.Attention)
-  attn = attn_sel.get_sequence()[0]
-  kv_axes = {**_common_head_axes(config), "projection": layer.head_dim}
-  if layer.reuses:
-    attn = dataclasses.replace(
-        attn, input_to_key=kv_sharing.SharedKV(f"{layer.kind}/key", tuple(kv_axes.items())),
-        input_to_value=kv_sharing.SharedKV(f"{layer.kind}/value", tuple(kv_axes.items())))
-  else:
-    value_norm = pz.nn.RMSStandardize(across=("projection",), epsilon=eps)
-    values = list(attn.input_to_value.sublayers)
-    if layer.keys_are_values:  # The key projection's output, before its norm and RoPE.
-      values = [attn.input_to_key.sublayers[0]]
-    keys = list(attn.input_to_key.sublayers)
-    values.append(value_norm)
-    if layer.publishes:
-      keys.append(kv_sharing.PublishKV(f"{layer.kind}/key"))
-      values.append(kv_sharing.PublishKV(f"{layer.kind}/value"))
-    attn = dataclasses.replace(attn, input_to_key=pz.nn.Sequential(keys),
-                               input_to_value=pz.nn.Sequential(values))
-  block = attn_sel.set_sequence([attn])
+  block = attention_block(i, layer, config, eps)
   sublayers = list(block.sublayers)
   if moe is not None:
     ffw = sublayers[1].delta
@@ -409,21 +357,6 @@ def _block(i: int, layer: _Layer, config: llamalike_common.LlamalikeTransformerC
     ])))
   sublayers.append(ple.ScalarScale(weights=pz.ParameterSlot(f"{p}/layer_scalar.weights")))
   return dataclasses.replace(block, sublayers=sublayers)
-
-
-def _norm(name: str, config: llamalike_common.LlamalikeTransformerConfig,
-          axis: str = "embedding", size: int | None = None) -> pz.nn.RMSLayerNorm:
-  return pz.nn.RMSLayerNorm.from_config(
-      name=name, init_base_rng=None, across_axes={axis: size or config.embedding_dim},
-      epsilon=config.rms_norm_eps, dtype=config.parameter_dtype)
-
-
-def _common_head_axes(config: llamalike_common.LlamalikeTransformerConfig) -> dict[str, int]:
-  if config.query_head_multiplier == 1:
-    return {"heads": config.num_kv_heads}
-  if config.num_kv_heads == 1:
-    return {}
-  return {"head_groups": config.num_kv_heads}
 
 
 def _assemble(blocks: list[model_parts.TransformerBlock],
@@ -474,22 +407,6 @@ def _assemble(blocks: list[model_parts.TransformerBlock],
           mlp_hidden_dim=config.mlp_hidden_dim, vocab_size=config.vocab_size,
           activation_dtype=dtype),
       body=body)
-
-
-def _with_rope(block: model_parts.TransformerBlock,
-               rope: Mapping[str, tuple[str, float, float, float]]) -> model_parts.TransformerBlock:
-  window = pz.select(block).at_instances_of(pz.nn.ApplyCausalSlidingWindowAttentionMask)
-  kind = SLIDING if window.count() else FULL
-  rope_type, theta, fraction, factor = rope[kind]
-
-  def replace(r: pz.nn.ApplyRoPE) -> pz.nn.Layer:
-    if rope_type == "proportional":
-      return ApplyProportionalRoPE(embedding_axis=r.embedding_axis, max_wavelength=theta,
-                                   rotated_fraction=fraction, factor=factor,
-                                   positions_input_name=r.positions_input_name)
-    return dataclasses.replace(r, max_wavelength=theta)
-
-  return pz.select(block).at_instances_of(pz.nn.ApplyRoPE).apply(replace)
 
 
 def gemma4_plan(cfg: Config, weights: Weights) -> Plan:
