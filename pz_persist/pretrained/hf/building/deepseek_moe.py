@@ -197,11 +197,14 @@ def routing_fields(model: pz.nn.Layer, like: Mapping[str, Any], dense_layers: in
   return fields
 
 
-def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int) -> None:
+def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int,
+                       module: str = "mlp", expert_part: str = "gate_proj") -> None:
   """Refuses an ``n_routed_experts`` other than the experts layer ``layer``
   (the first with experts) holds, before any list of experts is made: a
-  forged count (10**9) must not reach the per-expert specs."""
-  prefix = f"model.layers.{layer}.mlp.experts."
+  forged count (10**9) must not reach the per-expert specs. ``module``:
+  the layer's MoE module (Kimi-Linear's is ``block_sparse_moe``);
+  ``expert_part``: an expert's first matrix, for the message."""
+  prefix = f"model.layers.{layer}.{module}.experts."
   pattern = re.compile(re.escape(prefix) + r"(\d{1,9})\.")
   held = sorted({int(m.group(1)) for name in names if (m := pattern.match(name))})
   if len(held) == experts and held[-1] == experts - 1:  # Sorted and distinct: 0..experts-1.
@@ -215,7 +218,7 @@ def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int) -
   else:
     found = f"experts {held[:10]}{'...' if len(held) > 10 else ''}"
   raise cfg.invalid("n_routed_experts", experts, "a positive integer matching the weights",
-                    f" but layer {layer} holds {found} ({prefix}{{e}}.gate_proj.weight...)")
+                    f" but layer {layer} holds {found} ({prefix}{{e}}.{expert_part}.weight...)")
 
 
 _LAYER_NUMBER = re.compile(r"(\d{1,9})\.")
