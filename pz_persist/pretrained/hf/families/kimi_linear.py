@@ -128,9 +128,8 @@ def _linear_config(cfg: Config) -> tuple[_Linear, dict[str, Any]]:
   sizes = {}
   for key, field in _LINEAR_KEYS.items():
     value = sub.get(key)
-    if value is not None:
-      cfg.checked(field, value)
-    sizes[field] = value if value is not None else cfg.get(field, FROM_TABLE)
+    top = cfg.get(field, FROM_TABLE)  # Read (and checked) either way: the sub-config wins.
+    sizes[field] = cfg.checked(field, value) if value is not None else top
   return _Linear(sizes["linear_num_heads"], sizes["linear_head_dim"],
                  sizes["linear_conv_kernel_dim"]), sub
 
@@ -235,7 +234,9 @@ def kimi_linear_plan(cfg: Config, weights: Weights) -> Plan:
   linear, sub = _linear_config(cfg)
   full = _attention_kinds(cfg, sub, sizes.layers)
   routing = read_routing(cfg, sizes.hidden, defaults=_ROUTING_DEFAULTS)
-  tied = cfg.get("tie_word_embeddings", False)
+  # transformers' KimiLinearForCausalLM ties nothing (its _tied_weights_keys
+  # is empty): the head is lm_head.weight whatever tie_word_embeddings says.
+  cfg.get("tie_word_embeddings", False)
   cfg.check_all_used()
   # config.json is valid on its own; from here on it must agree with the weights.
   check_layers(cfg, weights.names, DECODER_LAYERS, sizes.layers)
@@ -243,7 +244,7 @@ def kimi_linear_plan(cfg: Config, weights: Weights) -> Plan:
   if first_moe is not None and isinstance(weights, Weights):  # Not export's stand-in.
     check_expert_count(cfg, weights.names, first_moe, routing.experts,
                        module="block_sparse_moe", expert_part="w1")
-  head_source = lm_head_source(cfg, tied, weights, DECODER_HEAD, "model.embed_tokens.weight")
+  head_source = lm_head_source(cfg, False, weights, DECODER_HEAD, "model.embed_tokens.weight")
   dtype, h = weights.dtype, sizes.hidden
   views: list[View] = []
 
@@ -335,10 +336,11 @@ def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) 
         "this Kimi-Linear model has no latent attention layer: the sizes config.json must"
         " give for one are not held by any of its layers, and export_hf does not guess them.")
   fields, dense = latent.latent_fields(model, like, rotary=False)
+  fields["tie_word_embeddings"] = like.get("tie_word_embeddings", False)  # Never tied (above).
   for unread in ("rope_interleave", "num_nextn_predict_layers"):
     fields.pop(unread, None)
   kda = all_layers(model, KimiDeltaAttention)[0]
-  conv = named_shape(kda.key_conv.value)
+  conv = dict(kda.key_conv.value.named_shape)
   fields.update(linear_num_heads=conv["key_heads"], linear_head_dim=conv["key_projection"],
                 linear_conv_kernel_dim=conv["conv_taps"],
                 layer_types=[_KINDS[0] if f else _KINDS[1] for f in full],
