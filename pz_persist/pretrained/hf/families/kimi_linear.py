@@ -48,6 +48,7 @@ from pz_persist.nn.kimi_delta_attention import KimiDeltaAttention
 from pz_persist.pretrained.hf.building import latent_decoder as latent
 from pz_persist.pretrained.hf.building.aliases import read_aliases
 from pz_persist.pretrained.hf.building.deepseek_moe import MOE_IGNORED
+from pz_persist.pretrained.hf.building.deepseek_moe import ROUTER_DEFAULTS_WHY
 from pz_persist.pretrained.hf.building.deepseek_moe import check_expert_count
 from pz_persist.pretrained.hf.building.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.building.deepseek_moe import routing_fields
@@ -231,6 +232,13 @@ def kimi_linear_plan(cfg: Config, weights: Weights) -> Plan:
                           "no quantized Kimi-Linear layout is read yet")
   cfg.expect("hidden_act", {"silu"}, "silu", why="; Kimi-Linear's MLPs and convolutions use SiLU")
   sizes = dataclasses.replace(latent.read_sizes(cfg, _dense_rule), interleave=False)
+  if cfg.get("num_key_value_heads", sizes.heads) != sizes.heads:
+    # transformers' Kimi-Linear divides the heads by it to repeat keys that
+    # are already per head: more key/value heads than heads leaves none.
+    raise cfg.unsupported("num_key_value_heads", cfg.raw["num_key_value_heads"],
+                          f"latent attention has keys and values for each of the"
+                          f" num_attention_heads={sizes.heads} heads; transformers' Kimi-Linear"
+                          " runs only when the two are equal")
   linear, sub = _linear_config(cfg)
   full = _attention_kinds(cfg, sub, sizes.layers)
   routing = read_routing(cfg, sizes.hidden, defaults=_ROUTING_DEFAULTS)
@@ -374,7 +382,8 @@ _DEFAULTS = {
     "tie_word_embeddings": False, "attention_bias": False, "max_position_embeddings": 1048576,
     "linear_head_dim": 128, "linear_num_heads": 32, "linear_conv_kernel_dim": 4,
     "first_k_dense_replace": 1, "norm_topk_prob": True, "mla_use_nope": True,
-    "moe_router_activation_func": "sigmoid",
+    "moe_router_activation_func": "sigmoid", "rope_interleave": False,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
     **_ROUTING_DEFAULTS,
     "num_experts": 256, "num_experts_per_token": 8, "moe_renormalize": True,
     "num_expert_group": 1, "num_shared_experts": 1,
@@ -382,10 +391,9 @@ _DEFAULTS = {
 """What each absent field means: ``KimiLinearConfig``'s value."""
 
 _DEFAULTS_WHY = {
+    **ROUTER_DEFAULTS_WHY,
+    "rope_interleave": "not a KimiLinearConfig field: its latent attention rotates nothing",
     "n_routed_experts": "DeepSeek-V3's name of num_experts (KimiLinearConfig's num_local_experts)",
-    "n_group": "DeepSeek-V3's name of num_expert_group (KimiLinearConfig's n_group)",
-    "num_experts_per_tok": "KimiLinearConfig's attribute for num_experts_per_token",
-    "n_shared_experts": "KimiLinearConfig's attribute for num_shared_experts",
     "first_k_dense_replace": ("read by KimiLinearConfig from the Hub's config.json when"
                               " mlp_layer_types is absent (default 1)"),
     "mla_use_nope": "the Hub's field: its attention has no position embedding",
@@ -405,10 +413,9 @@ RECORD = Family(
             " field": ("rope_theta", "rope_scaling", "rope_parameters"),
             _HUB_ONLY: ("use_grouped_topk", "num_nextn_predict_layers", "moe_layer_freq"),
         },
-        foreign_fields=frozenset({"rope_theta", "rope_scaling", "use_grouped_topk",
-                                  "num_nextn_predict_layers", "moe_layer_freq", "mla_use_nope",
-                                  "moe_router_activation_func", "first_k_dense_replace",
-                                  "linear_attn_config", "scoring_func", "topk_method",
+        foreign_fields=frozenset({"rope_theta", "rope_scaling", "rope_parameters",
+                                  "use_grouped_topk",
+                                  "num_nextn_predict_layers", "moe_layer_freq",
                                   "aux_loss_alpha", "seq_aux", "ep_size",
                                   "router_aux_loss_coef", "auto_map"}))},
     detect=_detect,
