@@ -325,7 +325,7 @@ _FAMILY_FIELDS = {
     "starcoder2": {"rms_norm_eps": None},
     "deepseek_v3": {"num_key_value_heads": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 4, "v_head_dim": 4},
-    "kimi_linear": {"num_key_value_heads": None, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
+    "kimi_linear": {"num_key_value_heads": HEADS, "kv_lora_rank": 4, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 4, "v_head_dim": 4, "q_lora_rank": None,
                     "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 8,
                     "linear_num_heads": 2, "linear_head_dim": 4},

@@ -131,6 +131,7 @@ _HOSTILE = [
     ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"num_key_value_heads": 8}, "num_key_value_heads"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"linear_attn_config": {"num_heads": 4, "gate_low_rank": 3}}, "gate_low_rank"),
     ({"layer_types": None, "linear_attn_config": {"full_attn_layers": [2, 9],

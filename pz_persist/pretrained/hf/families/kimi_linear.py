@@ -232,10 +232,11 @@ def kimi_linear_plan(cfg: Config, weights: Weights) -> Plan:
                           "no quantized Kimi-Linear layout is read yet")
   cfg.expect("hidden_act", {"silu"}, "silu", why="; Kimi-Linear's MLPs and convolutions use SiLU")
   sizes = dataclasses.replace(latent.read_sizes(cfg, _dense_rule), interleave=False)
-  if cfg.get("num_key_value_heads", sizes.heads) != sizes.heads:
+  kv_heads = cfg.get("num_key_value_heads", sizes.heads)
+  if kv_heads != sizes.heads:
     # transformers' Kimi-Linear divides the heads by it to repeat keys that
     # are already per head: more key/value heads than heads leaves none.
-    raise cfg.unsupported("num_key_value_heads", cfg.raw["num_key_value_heads"],
+    raise cfg.unsupported("num_key_value_heads", kv_heads,
                           f"latent attention has keys and values for each of the"
                           f" num_attention_heads={sizes.heads} heads; transformers' Kimi-Linear"
                           " runs only when the two are equal")
