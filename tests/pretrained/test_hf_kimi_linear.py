@@ -16,6 +16,8 @@ from pretrained import hf_family_harness as harness
 from pz_persist import errors
 from pz_persist.nn import latent_attention as mla
 from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.nn.gated_delta_net import CachingGatedDeltaNet
+from pz_persist.nn.kimi_delta_attention import CachingKimiDeltaAttention
 from pz_persist.nn.kimi_delta_attention import KimiDeltaAttention
 
 _COMMON = {"hidden_size": 32, "vocab_size": 64, "pad_token_id": 0, "bos_token_id": 1,
@@ -113,8 +115,6 @@ def test_features_bind(saved, what, edit):
 
 def test_the_kda_layer_is_its_own_sampling_form(saved):
   """`kv_caching_lm` wraps each KDA layer once, in its own class."""
-  from pz_persist.nn.kimi_delta_attention import CachingKimiDeltaAttention
-  from pz_persist.nn.gated_delta_net import CachingGatedDeltaNet
   sampler = pzp.pretrained.kv_caching_lm(pzp.pretrained.load_hf(saved["mixed"].folder),
                                          cache_len=8, batch_axes={"batch": 1})
   assert len(pz.select(sampler).at_instances_of(CachingKimiDeltaAttention).get_sequence()) == 2

@@ -62,7 +62,6 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config import lm_head_source
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import blocks
-from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
