@@ -5,10 +5,13 @@ beside NoPE latent attention, dense and DeepSeek-style expert MLPs."""
 
 from __future__ import annotations
 
+import hypothesis
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from hypothesis import strategies as st
 from penzai import pz
 
 import pz_persist as pzp
@@ -160,3 +163,25 @@ def test_the_hub_layer_lists_are_read(saved, tmp_path):
                                               "short_conv_kernel_size": 4})
   got = harness.penzai_logits(pzp.pretrained.load_hf(folder))
   np.testing.assert_allclose(got, saved["mixed"].reference, **harness.TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def kda_layer(saved):
+  model = pzp.pretrained.load_hf(saved["mixed"].folder)
+  return pz.select(model).at_instances_of(KimiDeltaAttention).get_sequence()[0]
+
+
+@pytest.mark.slow  # Each new piece length compiles anew (minutes on two busy cores).
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(cuts=st.lists(st.integers(1, 11), max_size=4, unique=True), seed=st.integers(0, 99))
+def test_kda_in_pieces_is_kda_whole(kda_layer, cuts, seed):
+  """The sampling form fed a sequence in any pieces gives the whole call's
+  outputs (the state carries the convolutions' and the recurrence's past)."""
+  x = pz.nx.wrap(jnp.asarray(np.random.default_rng(seed).normal(size=(2, 12, 32)),
+                             jnp.float32), "batch", "seq", "embedding")
+  whole = kda_layer(x).untag("batch", "seq", "embedding").unwrap()
+  cached = CachingKimiDeltaAttention.from_uncached(kda_layer, {"batch": 2}, label="state")
+  bounds = [0, *sorted(cuts), 12]
+  pieces = [cached(x[{"seq": pz.slice[a:b]}]).untag("batch", "seq", "embedding").unwrap()
+            for a, b in zip(bounds, bounds[1:])]
+  np.testing.assert_allclose(np.concatenate(pieces, 1), whole, atol=1e-5, rtol=1e-5)
