@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +157,7 @@ class GatedDeltaNet(pz.nn.Layer):
   # here; a subclass's decay may be finer), and the compiled mixing function
   # (`_mix`'s signature): class attributes, not fields, so saved layers keep
   # exactly their fields.
-  decay_axes = ("value_heads",)
+  decay_axes: ClassVar[tuple[str, ...]] = ("value_heads",)
 
   def mixing_function(self) -> Callable[..., tuple]:
     """The compiled per-sequence mixing (`_mix_named`)."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -76,10 +77,10 @@ class KimiDeltaAttention(GatedDeltaNet):
     ('value_heads', 'key_projection')
   """
 
-  output_gate: pz.nn.Layer  # type: ignore[assignment]
-  decay_input: pz.nn.Layer  # type: ignore[assignment]
+  output_gate: pz.nn.Layer
+  decay_input: pz.nn.Layer
 
-  decay_axes = ("value_heads", "key_projection")
+  decay_axes: ClassVar[tuple[str, ...]] = ("value_heads", "key_projection")
 
   @classmethod
   def from_config(cls, name: str, *, embedding: int, heads: int,  # type: ignore[override]

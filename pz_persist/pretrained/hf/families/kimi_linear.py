@@ -153,11 +153,11 @@ def _attention_kinds(cfg: Config, sub: Mapping[str, Any], layers: int) -> Callab
         raise cfg.invalid(f"linear_attn_config.{key}", value,
                           f"a list of 1-indexed layers (1..{layers})")
       lists[key] = set(value)
-    full, kda = lists["full_attn_layers"], lists["kda_layers"]
-    if full & kda or len(full) + len(kda) != layers:
-      raise cfg.unsupported("linear_attn_config.full_attn_layers", sorted(full)[:10],
+    attention, kda = lists["full_attn_layers"], lists["kda_layers"]
+    if attention & kda or len(attention) + len(kda) != layers:
+      raise cfg.unsupported("linear_attn_config.full_attn_layers", sorted(attention)[:10],
                             f"with kda_layers it must name each of the {layers} layers once")
-    zero_based = frozenset(i - 1 for i in full)
+    zero_based = frozenset(i - 1 for i in attention)
     return lambda i: i in zero_based
   return lambda i: i > 0 and i % 4 == 0
 
