@@ -75,6 +75,8 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.altup", "LaurelResidual"),
     ("pz_persist.nn.altup", "GaussianTopK"),
     ("pz_persist.nn.per_layer_inputs", "PerLayerInputsInTable"),
+    ("pz_persist.nn.kimi_delta_attention", "KimiDeltaAttention"),  # Kimi-Linear (issue 40).
+    ("pz_persist.nn.kimi_delta_attention", "CachingKimiDeltaAttention"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

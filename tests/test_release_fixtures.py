@@ -57,6 +57,8 @@ NEW_SINCE_NEWEST_FIXTURE: frozenset[str] = frozenset({
     "pz_persist.nn.short_conv.ShortConv",
     "pz_persist.nn.short_conv.CachingShortConv",
     "pz_persist.nn.xielu.XIELU",
+    "pz_persist.nn.kimi_delta_attention.KimiDeltaAttention",
+    "pz_persist.nn.kimi_delta_attention.CachingKimiDeltaAttention",
 })
 """Classes of `pz_persist.nn` added since the newest fixture's release (by
 ``module.qualname``): each must be in the next release's fixture, and

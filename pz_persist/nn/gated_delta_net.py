@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +153,16 @@ class GatedDeltaNet(pz.nn.Layer):
          "value_projection": conv["value"]["value_projection"]}, dtype=jnp.float32)
     return state
 
+  # The axes of the decay input and bias beside ``seq`` (per value head
+  # here; a subclass's decay may be finer), and the compiled mixing function
+  # (`_mix`'s signature): class attributes, not fields, so saved layers keep
+  # exactly their fields.
+  decay_axes: ClassVar[tuple[str, ...]] = ("value_heads",)
+
+  def mixing_function(self) -> Callable[..., tuple]:
+    """The compiled per-sequence mixing (`_mix_named`)."""
+    return _mix_named
+
   def run(self, inputs: pz.nx.NamedArray, state: dict[str, pz.nx.NamedArray] | None
           ) -> tuple[pz.nx.NamedArray, dict[str, pz.nx.NamedArray] | None]:
     """The layer over ``inputs`` (axes ``seq``, ``embedding`` and batch
@@ -169,13 +180,14 @@ class GatedDeltaNet(pz.nn.Layer):
       past = state
     kernel = {name: getattr(self, f"{name}_conv").value.untag(*axes[name], TAPS)
               for name in _STATE_KEYS}
-    out, conv_state, recurrent = _mix_named(
+    out, conv_state, recurrent = self.mixing_function()(
         {name: streams[name].untag("seq", *axes[name]) for name in _STATE_KEYS},
         gate.untag("seq", *VALUE_AXES), write.untag("seq", "value_heads"),
-        decay.untag("seq", "value_heads"), kernel,
+        decay.untag("seq", *self.decay_axes), kernel,
         {name: past[name].untag(TAPS, *axes[name]) for name in _STATE_KEYS},
         past["recurrent"].untag("value_heads", "key_projection", "value_projection"),
-        self.log_decay_rate.value.untag("value_heads"), self.decay_bias.value.untag("value_heads"),
+        self.log_decay_rate.value.untag("value_heads"),
+        self.decay_bias.value.untag(*self.decay_axes),
         self.norm_scale.value.untag("value_projection"), norm_epsilon=self.norm_epsilon,
         activation=self.conv_activation)
     outputs = self.output(out.tag("seq", *VALUE_AXES))
@@ -203,18 +215,9 @@ def _mix(streams, gate, write, decay, kernel, conv_past, recurrent, log_rate, bi
   """One sequence, positional axes: ``streams[name]`` is [seq, heads,
   dim], ``kernel[name]`` [heads, dim, taps], ``conv_past[name]`` [taps - 1,
   heads, dim], ``recurrent`` [value_heads, key_dim, value_dim]."""
-  length = gate.shape[0]
   # float32 at least (float64 when the model is: a check of the math, not of rounding).
   f32 = jnp.promote_types(gate.dtype, jnp.float32)
-  mixed, conv_state = {}, {}
-  for name in _STATE_KEYS:
-    taps = kernel[name].shape[-1]
-    joined = jnp.concatenate([conv_past[name].astype(streams[name].dtype), streams[name]], 0)
-    # Tap j of the kernel multiplies the input taps - 1 - j tokens back
-    # (a loop over the few taps, not over tokens).
-    total = sum(kernel[name][..., j] * joined[j:j + length] for j in range(taps))
-    mixed[name] = activation(total).astype(streams[name].dtype)
-    conv_state[name] = joined[joined.shape[0] - (taps - 1):].astype(f32)
+  mixed, conv_state = causal_convolutions(streams, kernel, conv_past, activation, f32)
   query, key, value = (mixed[name].astype(f32) for name in _STATE_KEYS)
   query = _l2_normalized(query) * (query.shape[-1] ** -0.5)
   key = _l2_normalized(key)
@@ -240,6 +243,25 @@ def _mix(streams, gate, write, decay, kernel, conv_past, recurrent, log_rate, bi
       gate.astype(f32))
   return gated.astype(dtype), conv_state, final
 
+
+def causal_convolutions(streams, kernel, conv_past, activation, f32
+                        ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """The query, key and value streams ([seq, heads, dim]) through their
+  depthwise causal convolutions (``kernel[name]`` [heads, dim, taps]) after
+  ``conv_past[name]`` (the last ``taps - 1`` inputs), then ``activation``;
+  and each stream's last ``taps - 1`` inputs (in ``f32``), the state the
+  next call continues from."""
+  length = streams[_STATE_KEYS[0]].shape[0]
+  mixed, conv_state = {}, {}
+  for name in _STATE_KEYS:
+    taps = kernel[name].shape[-1]
+    joined = jnp.concatenate([conv_past[name].astype(streams[name].dtype), streams[name]], 0)
+    # Tap j of the kernel multiplies the input taps - 1 - j tokens back
+    # (a loop over the few taps, not over tokens).
+    total = sum(kernel[name][..., j] * joined[j:j + length] for j in range(taps))
+    mixed[name] = activation(total).astype(streams[name].dtype)
+    conv_state[name] = joined[joined.shape[0] - (taps - 1):].astype(f32)
+  return mixed, conv_state
 
 
 def _l2_normalized(x: jax.Array) -> jax.Array:

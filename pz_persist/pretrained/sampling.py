@@ -22,6 +22,8 @@ from penzai.models.transformer import sampling_mode
 
 from pz_persist.nn.gated_delta_net import CachingGatedDeltaNet
 from pz_persist.nn.gated_delta_net import GatedDeltaNet
+from pz_persist.nn.kimi_delta_attention import CachingKimiDeltaAttention
+from pz_persist.nn.kimi_delta_attention import KimiDeltaAttention
 from pz_persist.nn.kv_sharing import key_axes
 from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.nn.longrope import LongRopeKVCachingLM
@@ -31,11 +33,14 @@ from pz_persist.nn.short_conv import CachingShortConv
 from pz_persist.nn.short_conv import ShortConv
 from pz_persist.pretrained import errors
 
-_STATEFUL = ((GatedDeltaNet, CachingGatedDeltaNet, "delta_state"),
+_STATEFUL = ((KimiDeltaAttention, CachingKimiDeltaAttention, "kda_state"),
+             (GatedDeltaNet, CachingGatedDeltaNet, "delta_state"),
              (Mamba2, CachingMamba2, "mamba_state"),
              (ShortConv, CachingShortConv, "conv_state"))
 """The layers whose past rides in a state of their own, not in keys and
-values: each kind, its sampling form and the label of its state."""
+values: each kind, its sampling form and the label of its state (each
+matched by its exact class: `KimiDeltaAttention` is a `GatedDeltaNet`, and
+must become its own sampling form, once)."""
 
 
 def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],
@@ -46,7 +51,8 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
 
   Each attention layer's cache is sized from that layer's own keys; each
   `GatedDeltaNet` layer becomes a `CachingGatedDeltaNet` carrying its
-  convolution and recurrent state, each `Mamba2` layer a `CachingMamba2`
+  convolution and recurrent state (a `KimiDeltaAttention` a
+  `CachingKimiDeltaAttention`), each `Mamba2` layer a `CachingMamba2`
   (its convolution and state-space state), each `ShortConv` (LFM2) a
   `CachingShortConv` carrying its convolution's last inputs. Padding tokens
   (``pad_id``) are skipped by the attention layers' masks but, as in
@@ -76,7 +82,8 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
       cache.kv_cache.value = (pz.nx.zeros(shape, dtype=dtype), pz.nx.zeros(shape, dtype=dtype))
   caching: dict = {}
   for uncached, cached, name in _STATEFUL:
-    layers = pz.select(sampler.body).at_instances_of(uncached)
+    layers = pz.select(sampler.body).at_subtrees_where(
+        lambda node, kind=uncached: type(node) is kind)  # pylint: disable=unidiomatic-typecheck
     converted = {
         path: cached.from_uncached(layer, batch_axes, label=f"{variable_name_prefix}/{name}_{i}")
         for i, (path, layer) in enumerate(layers.selected_by_path.items())}

@@ -154,6 +154,11 @@ MINIMAL = {
     "nemotron_h": {**_SIZES, **_HEADS, "hybrid_override_pattern": "M*", "mamba_num_heads": 4,
                    "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8},
     "falcon_h1": {**_SIZES, **_HEADS, "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_d_ssm": 64},
+    # Five layers: transformers' default pattern makes layer 4 latent attention.
+    "kimi_linear": {**_SIZES, **_MOE, "num_hidden_layers": 5, "num_key_value_heads": 4,
+                    "num_experts": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                    "qk_nope_head_dim": 4, "v_head_dim": 8, "linear_num_heads": 4,
+                    "linear_head_dim": 8},
 }
 """Each text ``model_type``'s sizes: what its ``config.json`` holds in the
 test below (besides ``model_type``), everything else left to the defaults.

@@ -136,10 +136,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "minicpm3": _row("MiniCPM3", "depth-scaled residuals (scale_depth) around latent attention",
                      "deepseek_v3", "DeepSeek-V3 shares its latent attention"),
     # Linear attention, state-space and recurrent hybrids.
-    "kimi_linear": _row("Kimi-Linear", "Kimi delta attention (a gated delta rule with"
-                        " channel-wise gates) on most layers and latent attention on the rest",
-                        "qwen3_5_moe", "Qwen3.5-MoE shares gated-delta linear attention among"
-                        " attention layers, with routed experts"),
     "minimax": _row("MiniMax-Text-01", "lightning (linear) attention on most layers", "qwen3_5",
                     "Qwen3.5 shares linear attention among full-attention layers"),
     "jamba": _row("Jamba", "Mamba layers among attention layers, with experts on every other"

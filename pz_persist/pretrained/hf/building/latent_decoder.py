@@ -381,9 +381,11 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
   return Plan(build, tuple(specs), tuple(views))
 
 
-def latent_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> tuple[dict[str, Any], list[bool]]:
+def latent_fields(model: pz.nn.Layer, like: Mapping[str, Any], rotary: bool = True
+                  ) -> tuple[dict[str, Any], list[bool]]:
   """The fields of a model of DeepSeek-V3's layout but its routing's, and
-  which of its blocks are dense."""
+  which of its blocks are dense; ``rotary=False`` for a model without
+  position embeddings (Kimi-Linear's NoPE latent attention)."""
   embed = named_shape(first_layer(model, pz.nn.EmbeddingTable, "token embeddings"))
   logits = first_layer(model, mla.LatentAttentionLogits, "latent attention")
   key_up = named_shape(logits.key_up)
@@ -408,7 +410,7 @@ def latent_fields(model: pz.nn.Layer, like: Mapping[str, Any]) -> tuple[dict[str
       "rms_norm_eps": number(first_layer(model, pz.nn.RMSStandardize, "RMS norm").epsilon),
       "hidden_act": "silu", "attention_bias": False,
       "num_nextn_predict_layers": like.get("num_nextn_predict_layers", 0),
-      **rope_fields(model), **tied_field(model, like),
+      **(rope_fields(model) if rotary else {}), **tied_field(model, like),
   }
   fields["qk_head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
   fields["head_dim"] = fields["qk_rope_head_dim"]
