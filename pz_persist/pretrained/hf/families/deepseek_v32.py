@@ -181,7 +181,7 @@ RECORD = Family(
     refuses=("what DeepSeek-V3 refuses; a null `q_lora_rank`, `rope_interleave` false,"
              " `layer_types` other than indexed attention, `index_head_dim` below"
              " `qk_rope_head_dim`"),
-    rank=21,
+    rank=1,
     fields={**FIELDS, "mlp_layer_types": (_mlp_kinds, 'a list of "dense" / "sparse"'),
             "layer_types": (_attention_kinds, 'a list of "indexed_attention"'),
             "index_topk": POSITIVE_INT, "index_head_dim": POSITIVE_INT,
