@@ -45,7 +45,6 @@ from pz_persist.pretrained.hf.building.latent_decoder import latent_plan
 from pz_persist.pretrained.hf.config import FROM_TABLE
 from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
-from pz_persist.pretrained.hf.config import bool_field
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import first_layer
 from pz_persist.pretrained.hf.config_from_model import named_shape
@@ -96,7 +95,8 @@ def read_indexer(cfg: Config, sizes: Sizes) -> IndexerSizes:
   if not sizes.interleave:
     raise cfg.unsupported("rope_interleave", False, "transformers' DeepSeek-V3.2 always reads"
                           " the rotary numbers interleaved; drop the field")
-  bool_field(cfg, "mlp_bias", False, False, "transformers' DeepSeek-V3.2 MLPs have no biases")
+  if cfg.get("mlp_bias", FROM_TABLE):
+    raise cfg.unsupported("mlp_bias", True, "transformers' DeepSeek-V3.2 MLPs have no biases")
   if sizes.q_rank is None:
     raise cfg.unsupported("q_lora_rank", None, "DeepSeek-V3.2's indexer reads its queries"
                           " from the low-rank query latent, which it must have")
@@ -154,7 +154,8 @@ _TRANSFORMERS_DEFAULTS: dict[str, dict[str, Any]] = {
                      "moe_intermediate_size": 2048, "n_shared_experts": 1,
                      "max_position_embeddings": 163840, "scoring_func": "sigmoid",
                      "topk_method": "noaux_tc", "moe_layer_freq": 1, "q_lora_rank": 1536,
-                     "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64},
+                     "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+                     "mlp_bias": False},
         "defaults_why": {
             **ROUTER_DEFAULTS_WHY, "num_nextn_predict_layers": _HUB_FIELD,
             "rope_interleave": ("DeepSeek-V3's field, which transformers' DeepSeek-V3.2 class"
