@@ -193,6 +193,16 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
     pzp.pretrained.load_hf(folder)
 
 
+@pytest.mark.parametrize("changes", [{"index_n_heads": 10**9}, {"index_head_dim": 10**9},
+                                     {"index_n_heads": 8}])
+def test_indexer_sizes_the_weights_disagree_with_are_refused(saved, tmp_path, changes):
+  """Indexer sizes are checked against the stored tensors' shapes (from the
+  safetensors headers) before any tensor is read or allocated."""
+  folder = harness.edited(saved["deepseek_v32"].folder, tmp_path, **changes)
+  with pytest.raises(pzp.errors.PzPersistError, match="indexer.wq_b"):
+    pzp.pretrained.load_hf(folder)
+
+
 @pytest.mark.slow
 def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
   """A bfloat16 load is, on average, as far from the float32 logits as
