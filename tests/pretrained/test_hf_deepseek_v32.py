@@ -34,6 +34,9 @@ _SIZES = {"hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 1
           "n_routed_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 128,
           "q_lora_rank": 24}
 
+# Many indexer heads: a token's score is exactly 0 when every head's relu
+# clips it, and with few heads such ties land on the top-k boundary, where
+# torch's topk order is unspecified (pz_persist keeps the earliest).
 CASES = {
     # One dense layer then two MoE layers routed within the best 2 of 4
     # groups; an indexer of 16 heads of 16 (8 rotated) keeping 4 tokens.

@@ -2,9 +2,10 @@
 attention (`pz_persist.nn.latent_attention`), dense layers then mixtures of
 experts (`pz_persist.pretrained.hf.building.deepseek_moe`), FP8 weights,
 multi-token prediction layers left unread. DeepSeek-V3 (``deepseek_v3``,
-dense layers first) and GLM-4.7-Flash (``glm4_moe_lite``, dense layers
-where ``mlp_layer_types`` says) are built from it; the DeepSeek-V3 family's
-docstring describes the layout.
+dense layers first), GLM-4.7-Flash (``glm4_moe_lite``, dense layers
+where ``mlp_layer_types`` says) and DeepSeek-V3.2 (``deepseek_v32``, with
+each layer's lightning indexer: `IndexerSizes`, `pz_persist.nn.sparse_attention`)
+are built from it; the DeepSeek-V3 family's docstring describes the layout.
 """
 
 from __future__ import annotations
