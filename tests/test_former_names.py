@@ -77,6 +77,10 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.per_layer_inputs", "PerLayerInputsInTable"),
     ("pz_persist.nn.kimi_delta_attention", "KimiDeltaAttention"),  # Kimi-Linear (issue 40).
     ("pz_persist.nn.kimi_delta_attention", "CachingKimiDeltaAttention"),
+    ("pz_persist.nn.sparse_attention", "AppendIndexKey"),  # DeepSeek-V3.2 (issue 40).
+    ("pz_persist.nn.sparse_attention", "IndexedQuery"),
+    ("pz_persist.nn.sparse_attention", "IndexerScores"),
+    ("pz_persist.nn.sparse_attention", "SparseAttentionLogits"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

@@ -59,6 +59,10 @@ NEW_SINCE_NEWEST_FIXTURE: frozenset[str] = frozenset({
     "pz_persist.nn.xielu.XIELU",
     "pz_persist.nn.kimi_delta_attention.KimiDeltaAttention",
     "pz_persist.nn.kimi_delta_attention.CachingKimiDeltaAttention",
+    "pz_persist.nn.sparse_attention.AppendIndexKey",
+    "pz_persist.nn.sparse_attention.IndexedQuery",
+    "pz_persist.nn.sparse_attention.IndexerScores",
+    "pz_persist.nn.sparse_attention.SparseAttentionLogits",
 })
 """Classes of `pz_persist.nn` added since the newest fixture's release (by
 ``module.qualname``): each must be in the next release's fixture, and

@@ -129,10 +129,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                    "Mixtral shares top-k routed MLP experts"),
     "glm_moe_dsa": _row("GLM-5", "DeepSeek's sparse-attention indexer", "deepseek_v3",
                         "DeepSeek-V3 shares its latent attention and routed experts"),
-    "deepseek_v32": _row("DeepSeek-V3.2", "a sparse-attention indexer choosing the keys each"
-                         " query attends to", "deepseek_v3",
-                         "DeepSeek-V3 shares its latent attention and experts, but attends to"
-                         " every key"),
     "minicpm3": _row("MiniCPM3", "depth-scaled residuals (scale_depth) around latent attention",
                      "deepseek_v3", "DeepSeek-V3 shares its latent attention"),
     # Linear attention, state-space and recurrent hybrids.

@@ -2,9 +2,10 @@
 attention (`pz_persist.nn.latent_attention`), dense layers then mixtures of
 experts (`pz_persist.pretrained.hf.building.deepseek_moe`), FP8 weights,
 multi-token prediction layers left unread. DeepSeek-V3 (``deepseek_v3``,
-dense layers first) and GLM-4.7-Flash (``glm4_moe_lite``, dense layers
-where ``mlp_layer_types`` says) are built from it; the DeepSeek-V3 family's
-docstring describes the layout.
+dense layers first), GLM-4.7-Flash (``glm4_moe_lite``, dense layers
+where ``mlp_layer_types`` says) and DeepSeek-V3.2 (``deepseek_v32``, with
+each layer's lightning indexer: `IndexerSizes`, `pz_persist.nn.sparse_attention`)
+are built from it; the DeepSeek-V3 family's docstring describes the layout.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from penzai.models.transformer import model_parts
 
 from pz_persist.nn import latent_attention as mla
 from pz_persist.nn import scaled_rope as scaled_rope_layer
+from pz_persist.nn import sparse_attention as dsa
 from pz_persist.nn.constant_scale import ConstantScale
 from pz_persist.pretrained.hf import quantized_fp8
 from pz_persist.pretrained.hf.building.deepseek_moe import MOE_FIELDS
@@ -92,6 +94,17 @@ class Sizes:
   interleave: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class IndexerSizes:
+  """DeepSeek Sparse Attention's lightning indexer (`pz_persist.nn.sparse_attention`),
+  checked: ``index_n_heads`` heads of ``index_head_dim``, ``index_topk``
+  tokens kept."""
+
+  heads: int
+  dim: int
+  top_k: int
+
+
 def first_k_dense(cfg: Config, layers: int) -> Callable[[int], bool]:
   """DeepSeek-V3's rule: the first ``first_k_dense_replace`` layers are
   dense, the others mixtures of experts."""
@@ -147,6 +160,26 @@ def softmax_scale(sizes: Sizes, rope_layer: pz.nn.Layer) -> float:
     mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
     scale = scale * mscale * mscale
   return scale
+
+
+def indexer_specs(p: str, s: str, sizes: Sizes, indexer: IndexerSizes, src: Source
+                  ) -> list[TensorSpec]:
+  """The lightning indexer's tensors of block ``p`` from layer ``s``
+  (``self_attn.indexer``)."""
+  h, q_rank, dim, heads = sizes.hidden, sizes.q_rank, indexer.dim, indexer.heads
+  assert q_rank is not None  # DeepSeek-V3.2 refuses a null q_lora_rank.
+  p, s = f"{p}attention/indexer/", f"{s}self_attn.indexer."
+  return [
+      TensorSpec(f"{p}query.weights", src(s + "wq_b.weight", (heads * dim, q_rank)),
+                 (heads, dim, q_rank), ("index_heads", "projection", "q_latent"),
+                 stored=(heads * dim, q_rank)),
+      TensorSpec(f"{p}key.weights", src(s + "wk.weight", (dim, h)), (dim, h),
+                 ("projection", "embedding")),
+      TensorSpec(f"{p}key_norm/scale.weights", s + "k_norm.weight", (dim,), ("projection",)),
+      TensorSpec(f"{p}key_norm/shift.bias", s + "k_norm.bias", (dim,), ("projection",)),
+      TensorSpec(f"{p}weights.weights", src(s + "weights_proj.weight", (heads, h)), (heads, h),
+                 ("index_heads", "embedding")),
+  ]
 
 
 def mla_specs(p: str, s: str, sizes: Sizes, src: Source) -> list[TensorSpec]:
@@ -227,10 +260,45 @@ def swiglu(name: str, hidden: int, neurons: int, dtype: DTypeLike) -> model_part
   ])
 
 
+def _indexer_layers(name: str, sizes: Sizes, indexer: IndexerSizes, rope_layer: pz.nn.Layer,
+                    dtype: DTypeLike) -> tuple[pz.nn.Layer, pz.nn.Layer, pz.nn.Layer]:
+  """The lightning indexer's key, query and weights layers
+  (`pz_persist.nn.sparse_attention`); its RoPE is in halves, on each head's
+  first ``qk_rope_head_dim`` numbers."""
+  assert sizes.q_rank is not None
+  dim, name = indexer.dim, f"{name}/indexer"
+
+  def rotated() -> mla.ApplyToParts:
+    return mla.ApplyToParts(parts=[pz.nn.Sequential([rope_layer]), pz.nn.Sequential([])],
+                            names=("rotary", "projection"), sizes=(sizes.rope, dim - sizes.rope),
+                            axis="projection")
+
+  key = pz.nn.Sequential([
+      _linear(f"{name}/key", {"embedding": sizes.hidden}, {"projection": dim}, dtype),
+      pz.nn.LayerNorm.from_config(name=f"{name}/key_norm", init_base_rng=None,
+                                  across_axes={"projection": dim}, epsilon=_LATENT_NORM_EPS,
+                                  dtype=dtype),
+      rotated()])
+  query = pz.nn.Sequential([
+      _linear(f"{name}/query", {"q_latent": sizes.q_rank},
+              {"index_heads": indexer.heads, "projection": dim}, dtype), rotated()])
+  # transformers computes the weights in float32 (weights_proj kept in float32).
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  weights = pz.nn.Sequential([
+      pz.nn.CastToDType(jnp.float32),
+      _linear(f"{name}/weights", {"embedding": sizes.hidden}, {"index_heads": indexer.heads},
+              dtype),
+      ConstantScale(indexer.heads ** -0.5)])
+  return key, query, weights
+
+
 def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: float,
-                     dtype: DTypeLike) -> list[pz.nn.Layer]:
+                     dtype: DTypeLike, indexer: IndexerSizes | None = None
+                     ) -> list[pz.nn.Layer]:
   """MLA as `pz_persist.nn.latent_attention` lays it out:
-  the `WithLatent` compression, then Penzai's ``Attention``."""
+  the `WithLatent` compression, then Penzai's ``Attention``; with
+  ``indexer``, DeepSeek Sparse Attention's lightning indexer too
+  (`pz_persist.nn.sparse_attention`)."""
   h, heads, qk = sizes.hidden, sizes.heads, sizes.nope + sizes.rope
   rotate = [mla.Deinterleave("rotary"), rope_layer] if sizes.interleave else [rope_layer]
   compress = pz.nn.Sequential([
@@ -254,20 +322,33 @@ def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: fl
             ConstantScale(scale)]
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   masked = jnp.array(-2.3819763e38, dtype=dtype)
+  logits: list[pz.nn.Layer] = [
+      mla.LatentAttentionLogits(
+          key_up=_linear(f"{name}/key_up", {"kv_latent": sizes.kv_rank},
+                         {"heads": heads, "projection": sizes.nope}, dtype),
+          latent_size=sizes.kv_rank, nope_size=sizes.nope),
+      pz.nn.ApplyCausalAttentionMask(masked_out_value=masked)]
+  to_query: pz.nn.Layer = pz.nn.Sequential([mla.Pick(0), *query])
+  if indexer is not None:
+    index_key, index_query, index_weights = _indexer_layers(name, sizes, indexer, rope_layer,
+                                                            dtype)
+    compress = dsa.AppendIndexKey(latent=compress, index_key=index_key)
+    to_query = pz.nn.Sequential([mla.Pick(0), dsa.IndexedQuery(
+        latent=pz.nn.Sequential(query[:2]), query=pz.nn.Sequential(query[2:]),
+        index_query=index_query, index_weights=index_weights)])
+    logits = [dsa.SparseAttentionLogits(
+        logits=pz.nn.Sequential(logits),
+        index_scores=pz.nn.Sequential([
+            dsa.IndexerScores(scale=indexer.dim ** -0.5),
+            pz.nn.ApplyCausalAttentionMask(masked_out_value=jnp.array(-jnp.inf, jnp.float32))]),
+        key_size=sizes.kv_rank + sizes.rope, top_k=indexer.top_k, masked_out_value=masked)]
   return [
       mla.WithLatent(compress),
       pz.nn.Attention(
-          input_to_query=pz.nn.Sequential([mla.Pick(0), *query]),
+          input_to_query=to_query,
           input_to_key=mla.Pick(1),
           input_to_value=mla.Pick(1),
-          query_key_to_attn=pz.nn.Sequential([
-              mla.LatentAttentionLogits(
-                  key_up=_linear(f"{name}/key_up", {"kv_latent": sizes.kv_rank},
-                                 {"heads": heads, "projection": sizes.nope}, dtype),
-                  latent_size=sizes.kv_rank, nope_size=sizes.nope),
-              pz.nn.ApplyCausalAttentionMask(masked_out_value=masked),
-              pz.nn.Softmax("kv_seq"),
-          ]),
+          query_key_to_attn=pz.nn.Sequential([*logits, pz.nn.Softmax("kv_seq")]),
           attn_value_to_output=pz.nn.Sequential([
               mla.LatentAttentionValues(
                   value_up=_linear(f"{name}/value_up", {"kv_latent": sizes.kv_rank},
@@ -291,11 +372,14 @@ def rope_layer(theta: float, scaling: RopeScaling | None) -> pz.nn.Layer:
 
 
 def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
-                mtp_default: Any = FROM_TABLE) -> Plan:
+                mtp_default: Any = FROM_TABLE,
+                read_indexer: Callable[[Config, Sizes], IndexerSizes] | None = None) -> Plan:
   """Maps a checkpoint of DeepSeek-V3's layout to Penzai (module
   docstring); ``dense`` says which layers have a dense MLP, ``mtp_default``
-  what an absent ``num_nextn_predict_layers`` means."""
+  what an absent ``num_nextn_predict_layers`` means, ``read_indexer`` (given
+  for DeepSeek-V3.2) the checked sizes of each layer's lightning indexer."""
   sizes = read_sizes(cfg, dense)
+  indexer = read_indexer(cfg, sizes) if read_indexer is not None else None
   theta, fraction, scaling = scaled_rope(cfg, 10_000.0,
                                          cfg.default("max_position_embeddings", FROM_TABLE))
   if fraction != 1.0:
@@ -340,6 +424,7 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
         TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
                    (h,), ("embedding",)),
         *mla_specs(p, s, sizes, src),
+        *(indexer_specs(p, s, sizes, indexer, src) if indexer is not None else []),
     ]
     if sizes.dense(i):
       specs += dense_mlp_specs(p, s, h, sizes.intermediate, src)
@@ -359,7 +444,7 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
       body.append(model_parts.TransformerBlock(sublayers=[
           pz.nn.Residual(pz.nn.Sequential([
               _norm(f"{name}/pre_attention_norm", {"embedding": h}, sizes.eps, dtype),
-              *latent_attention(f"{name}/attention", sizes, layer, scale, dtype),
+              *latent_attention(f"{name}/attention", sizes, layer, scale, dtype, indexer),
           ])),
           pz.nn.Residual(pz.nn.Sequential([
               _norm(f"{name}/pre_ffw_norm", {"embedding": h}, sizes.eps, dtype), ffw,
@@ -370,7 +455,8 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
     model = model_parts.TransformerLM(
         metadata=model_parts.TransformerMetadata(
             common_head_axes={}, query_only_head_axes={"heads": sizes.heads},
-            embedding_dim=h, projection_dim=sizes.kv_rank + sizes.rope,
+            embedding_dim=h,
+            projection_dim=sizes.kv_rank + sizes.rope + (indexer.dim if indexer else 0),
             mlp_hidden_dim=sizes.intermediate, vocab_size=sizes.vocab, activation_dtype=dtype),
         body=pz.nn.Sequential(body))
     # The rotary part is its own axis, which no parameter has: checked here,
@@ -390,10 +476,13 @@ def latent_fields(model: pz.nn.Layer, like: Mapping[str, Any], rotary: bool = Tr
   logits = first_layer(model, mla.LatentAttentionLogits, "latent attention")
   key_up = named_shape(logits.key_up)
   values = named_shape(first_layer(model, mla.LatentAttentionValues, "latent attention").value_up)
-  kv_a = named_shape(first_layer(model, mla.WithLatent, "latent attention").compress.sublayers[0])
+  compress = first_layer(model, mla.WithLatent, "latent attention").compress
+  if isinstance(compress, dsa.AppendIndexKey):  # DeepSeek-V3.2: the latent, then the index key.
+    compress = compress.latent
+  kv_a = named_shape(compress.sublayers[0])
   attention = first_layer(model, pz.nn.Attention, "attention")
   q_a = [layer for layer in all_layers(attention.input_to_query, pz.nn.Linear)
-         if "q_latent" in named_shape(layer) and "heads" not in named_shape(layer)]
+         if "q_latent" in named_shape(layer) and "embedding" in named_shape(layer)]
   all_blocks = blocks(model)
   dense = [b for b in all_blocks if all_layers(b, model_parts.TransformerFeedForward)]
   first_dense = dense[0] if dense else None
