@@ -67,6 +67,8 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.longrope", "ApplyPhimoeLongRoPE"),  # Phi-3.5-MoE (issue 40).
     ("pz_persist.nn.mixture_of_experts", "SparseMixerRouter"),
     ("pz_persist.nn.mamba2", "FalconH1Mamba2"),  # Falcon-H1 (issue 40).
+    ("pz_persist.nn.mamba", "Mamba"),  # Jamba (issue 40).
+    ("pz_persist.nn.mamba", "CachingMamba"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 
