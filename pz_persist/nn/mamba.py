@@ -9,7 +9,8 @@ projections give the time step's low-rank input (``time_step_rank``) and the
 input and output matrices ``B`` and ``C`` (``ssm_state`` each, one per token
 shared by every channel). Jamba puts an RMS norm on each of the three (its
 ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``: optional here, a
-``pz.nn.Identity`` where a Mamba has none). The time step is projected back
+``pz.nn.Identity`` where a Mamba has none; each standardizes in
+float32, as transformers' ``JambaRMSNorm`` does). The time step is projected back
 to every channel, and each channel ``d`` runs its own recurrence over a
 state ``h[d]`` of ``ssm_state`` numbers::
 
@@ -215,9 +216,9 @@ class Mamba(pz.nn.Layer):
         x.untag("seq", CHANNELS), past["conv"].untag(TAPS, CHANNELS),
         self.conv.value.untag(CHANNELS, TAPS), bias, activation=self.conv_activation)
     x = convolved.tag("seq", CHANNELS)
-    time_step = self.time_step(self.time_step_norm(self.time_step_input(x)))
-    b = self.input_matrix_norm(self.input_matrix(x))
-    c = self.output_matrix_norm(self.output_matrix(x))
+    time_step = self.time_step(_in_float32(self.time_step_norm, self.time_step_input(x)))
+    b = _in_float32(self.input_matrix_norm, self.input_matrix(x))
+    c = _in_float32(self.output_matrix_norm, self.output_matrix(x))
     y, ssm = _scan_named(
         x.untag("seq", CHANNELS), self.gate(inputs).untag("seq", CHANNELS),
         time_step.untag("seq", CHANNELS), b.untag("seq", STATE), c.untag("seq", STATE),
@@ -230,6 +231,20 @@ class Mamba(pz.nn.Layer):
 
   def treescope_color(self) -> str:
     return "#8fbf94"
+
+
+def _in_float32(norm: pz.nn.Layer, value: pz.nx.NamedArray) -> pz.nx.NamedArray:
+  """``norm(value)`` with its standardization in float32 at least, back in
+  ``value``'s dtype before the scale, as transformers' ``JambaRMSNorm``
+  computes: these norms run over a few entries (the time-step rank, the
+  state), where a bfloat16 mean of squares doubles the model's bfloat16
+  error. A norm other than ``pz.nn.RMSLayerNorm`` (an ``Identity``, a
+  replacement) runs as it is."""
+  if not isinstance(norm, pz.nn.RMSLayerNorm) or not norm.sublayers:
+    return norm(value)
+  wide = jnp.promote_types(value.dtype, jnp.float32)
+  standardized = norm.sublayers[0](value.astype(wide)).astype(value.dtype)
+  return pz.nn.Sequential(list(norm.sublayers[1:]))(standardized)
 
 
 @functools.partial(jax.jit, static_argnames=("activation",))
@@ -246,10 +261,14 @@ def _convolve(inputs: jax.Array, past: jax.Array, kernel: jax.Array, bias: jax.A
   last ``taps - 1`` inputs (float32, as ``past``)."""
   length, taps = inputs.shape[0], kernel.shape[-1]
   joined = jnp.concatenate([past.astype(inputs.dtype), inputs], 0)
+  # Summed in float32 at least and rounded once, as a convolution kernel
+  # accumulates, then activated in the model's dtype, as transformers does.
+  wide = jnp.promote_types(inputs.dtype, jnp.float32)
+  kernel, stream = kernel.astype(wide), joined.astype(wide)
   # Tap j multiplies the input taps - 1 - j tokens back (a loop over the few taps).
   total = functools.reduce(
-      jnp.add, (kernel[:, j] * joined[j:j + length] for j in range(taps))) + bias
-  return (activation(total).astype(inputs.dtype),
+      jnp.add, (kernel[:, j] * stream[j:j + length] for j in range(taps))) + bias.astype(wide)
+  return (activation(total.astype(inputs.dtype)),
           joined[joined.shape[0] - (taps - 1):].astype(past.dtype))
 
 
@@ -267,19 +286,26 @@ def _scan(x: jax.Array, gate: jax.Array, time_step: jax.Array, b: jax.Array, c: 
   ``y * silu(gate)`` [seq, channels] (in ``x``'s dtype) and the final state
   (float32)."""
   dtype = x.dtype
-  # float32 at least (float64 when the model is: a check of the math, not of rounding).
+  # The state in float32 at least (float64 when the model is: a check of the
+  # math, not of rounding). In a narrower model the time step, the state read
+  # out and the gate are rounded to its dtype where transformers' scan rounds
+  # them, so that a bfloat16 model's errors are transformers' own.
   f32 = jnp.promote_types(dtype, jnp.float32)
-  dt = jax.nn.softplus(time_step.astype(f32) + dt_bias.astype(f32))
+
+  def rounded(v: jax.Array) -> jax.Array:
+    return v.astype(dtype).astype(f32)
+
+  dt = rounded(jax.nn.softplus(rounded(time_step.astype(f32) + rounded(dt_bias.astype(f32)))))
   rate = -jnp.exp(log_rate.astype(f32))
   xf, bf, cf = x.astype(f32), b.astype(f32), c.astype(f32)
 
   def step(h, token):
     x_t, b_t, c_t, dt_t = token
     h = jnp.exp(dt_t[:, None] * rate) * h + (dt_t * x_t)[:, None] * b_t[None, :]
-    return h, h @ c_t
+    return h, rounded(rounded(h) @ c_t)
 
   final, y = jax.lax.scan(step, ssm.astype(f32), (xf, bf, cf, dt))
-  y = (y + skip.astype(f32) * xf) * jax.nn.silu(gate.astype(f32))
+  y = (y + skip.astype(f32) * xf) * rounded(jax.nn.silu(gate.astype(f32)))
   return y.astype(dtype), final.astype(ssm.dtype)
 
 

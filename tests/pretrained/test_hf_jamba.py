@@ -65,8 +65,13 @@ def test_float32_logits_match_transformers(saved, case):
 
 
 @pytest.mark.slow
-def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
-  harness.check_bfloat16(saved["hybrid"], "hybrid")
+@pytest.mark.parametrize("case", ["hybrid", "dense"])
+def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, case):
+  """(The mixers' dt / B / C norms standardize in float32 and the scan rounds
+  where transformers' does: in bfloat16 the norms alone doubled the hybrid
+  case's largest error. The top-1 case is left out: one flipped expert
+  choice of one token moves its logits by several units either way.)"""
+  harness.check_bfloat16(saved[case], case)
 
 
 @pytest.mark.parametrize("case", ["hybrid", pytest.param("dense", marks=pytest.mark.slow)])
