@@ -151,6 +151,8 @@ MINIMAL = {
     "nemotron_h": {**_SIZES, **_HEADS, "hybrid_override_pattern": "M*", "mamba_num_heads": 4,
                    "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8},
     "falcon_h1": {**_SIZES, **_HEADS, "mamba_n_heads": 4, "mamba_d_state": 8, "mamba_d_ssm": 64},
+    # Five layers: the default pattern's attention layer (4 of 8), 16 experts on layers 1 and 3.
+    "jamba": {**_SIZES, **_HEADS, "num_hidden_layers": 5},
 }
 """Each text ``model_type``'s sizes: what its ``config.json`` holds in the
 test below (besides ``model_type``), everything else left to the defaults.

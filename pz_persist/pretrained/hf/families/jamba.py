@@ -41,7 +41,6 @@ from pz_persist.pretrained.hf.building.moe import ExpertNames
 from pz_persist.pretrained.hf.building.moe import Experts
 from pz_persist.pretrained.hf.building.moe import check_experts
 from pz_persist.pretrained.hf.building.moe import mixtures
-from pz_persist.pretrained.hf.building.moe import read_experts
 from pz_persist.pretrained.hf.building.moe import softmax_routed
 from pz_persist.pretrained.hf.building.moe import softmax_router
 from pz_persist.pretrained.hf.building.moe import with_experts
@@ -84,6 +83,18 @@ def _pattern(cfg: Config, period_key: str, offset_key: str) -> tuple[int, int]:
   return period, offset
 
 
+def _expert_count(cfg: Config) -> int:
+  """``num_experts``, or transformers' alias ``num_local_experts`` (its
+  config's ``attribute_map``), which must agree when both are given."""
+  given, alias = cfg.get("num_experts"), cfg.get("num_local_experts")
+  if given is not None and alias is not None and given != alias:
+    raise cfg.unsupported("num_experts, num_local_experts", (given, alias),
+                          "the fields name one expert count and must agree")
+  if given is None and alias is not None:
+    return alias
+  return cfg.get("num_experts", FROM_TABLE)
+
+
 def jamba_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a Jamba checkpoint: Llama's layers without RoPE, the attention of
   the Mamba layers replaced by a Mamba-1 mixer, the MLP of the expert layers
@@ -111,13 +122,11 @@ def jamba_plan(cfg: Config, weights: Weights) -> Plan:
   layers = cfg.require("num_hidden_layers")
   attention_every = _pattern(cfg, "attn_layer_period", "attn_layer_offset")
   routed_every = _pattern(cfg, "expert_layer_period", "expert_layer_offset")
-  count = cfg.get("num_experts", FROM_TABLE)
-  if count > 1:
-    count, top_k, _ = read_experts(cfg, "num_experts", "intermediate_size",
-                                   aliases=("num_local_experts",))
-  else:  # One expert: transformers builds a plain MLP in every layer.
-    cfg.get("num_local_experts")
-    top_k = cfg.get("num_experts_per_tok", FROM_TABLE)
+  count = _expert_count(cfg)
+  top_k = cfg.get("num_experts_per_tok", FROM_TABLE)
+  if count > 1 and top_k > count:  # (One expert: transformers builds plain MLPs, top k unread.)
+    raise cfg.unsupported("num_experts_per_tok", top_k,
+                          f"more experts per token than the num_experts={count}")
   neurons = cfg.require("intermediate_size")
   config, head_source = mamba_hybrid.checked_config(
       cfg, weights, heads=heads, kv_heads=kv_heads, hidden=hidden, head_dim=head_dim,
