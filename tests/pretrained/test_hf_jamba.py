@@ -17,6 +17,9 @@ import pytest
 import torch
 import transformers
 import treescope
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 from penzai import pz
 from penzai.models.transformer import sampling_mode
 from penzai.toolshed import lora
@@ -264,20 +267,29 @@ def test_from_config_refuses_sizes_that_are_not_positive():
                       norm_epsilon=None)
 
 
-def test_a_fresh_layer_inserts_and_samples_in_pieces():
-  """A layer built with a key (no norms) runs over a batch, and its
-  sampling form fed token by token gives the whole sequence's outputs."""
-  layer = Mamba.from_config("m", embedding=4, channels=8, state=3, time_step_rank=2,
-                            conv_taps=3, norm_epsilon=None, init_base_rng=jax.random.key(1))
-  assert isinstance(layer.time_step_norm, pz.nn.Identity)
-  x = pz.nx.wrap(jax.random.normal(jax.random.key(2), (2, 5, 4)), "batch", "seq", "embedding")
-  whole = layer(x)
-  cached = CachingMamba.from_uncached(layer, {"batch": 2}, label="state")
-  pieces = [cached(x[{"seq": pz.slice[i:i + 1]}]) for i in range(5)]
+@settings(max_examples=8, deadline=None)  # Each example compiles the layer for its shapes.
+@given(sizes=st.tuples(*(st.integers(1, 4) for _ in range(4))),
+                  length=st.integers(1, 7), cuts=st.lists(st.integers(1, 6), max_size=3),
+                  conv_bias=st.booleans(), norms=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_fresh_layer_fed_in_pieces_gives_the_whole_sequence(sizes, length, cuts, conv_bias,
+                                                              norms, seed):
+  """Property: a layer built with a key (any sizes, with or without the
+  norms and the convolution bias), its sampling form fed the sequence in
+  any pieces, gives what one call over the whole sequence gives."""
+  state, rank, taps, batch = sizes
+  layer = Mamba.from_config("m", embedding=4, channels=6, state=state, time_step_rank=rank,
+                            conv_taps=taps, norm_epsilon=1e-6 if norms else None,
+                            conv_bias=conv_bias, init_base_rng=jax.random.key(seed))
+  assert isinstance(layer.time_step_norm, pz.nn.RMSLayerNorm if norms else pz.nn.Identity)
+  x = pz.nx.wrap(jax.random.normal(jax.random.key(seed + 1), (batch, length, 4)), "batch", "seq",
+                 "embedding")
+  whole = np.asarray(layer(x).untag("batch", "seq", "embedding").unwrap())
+  cached = CachingMamba.from_uncached(layer, {"batch": batch}, label="state")
+  bounds = sorted({0, length, *(c for c in cuts if c < length)})
+  pieces = [cached(x[{"seq": pz.slice[a:b]}]) for a, b in zip(bounds, bounds[1:])]
   joined = np.concatenate([np.asarray(p.untag("batch", "seq", "embedding").unwrap())
                            for p in pieces], 1)
-  np.testing.assert_allclose(joined, np.asarray(whole.untag("batch", "seq", "embedding")
-                                                .unwrap()), atol=1e-5)
+  np.testing.assert_allclose(joined, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_layer_renders_in_treescope_and_survives_save_model(saved, tmp_path):
