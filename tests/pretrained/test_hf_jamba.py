@@ -229,6 +229,39 @@ def test_the_hubs_kernel_and_training_fields_are_accepted(saved, tmp_path):
                              saved["hybrid"].reference, **harness.TOLERANCE)
 
 
+def test_transformers_5_fused_experts_load_and_export_as_read(saved, tmp_path):
+  """The experts fused as transformers 5 holds them in memory
+  (``feed_forward.experts.gate_up_proj`` ``[experts, 2 * neurons,
+  hidden]``, ``down_proj``): the same logits; an export writes the Hub's
+  per-expert layout (what transformers 5's ``save_pretrained`` writes too),
+  bit for bit the original folder's."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  hybrid = saved["hybrid"]
+  stored = harness.tensors(hybrid.folder)
+  fused = {}
+  for name, value in stored.items():
+    if ".feed_forward.experts." not in name:
+      fused[name] = value
+      continue
+    prefix = name.split(".experts.")[0] + ".experts."
+    if prefix + "gate_up_proj" in fused:
+      continue
+    count = CASES["hybrid"].fields["num_experts"]
+    fused[prefix + "gate_up_proj"] = np.stack([np.concatenate(
+        [stored[f"{prefix}{e}.gate_proj.weight"], stored[f"{prefix}{e}.up_proj.weight"]])
+        for e in range(count)])
+    fused[prefix + "down_proj"] = np.stack([stored[f"{prefix}{e}.down_proj.weight"]
+                                            for e in range(count)])
+  folder = tmp_path / "fused"
+  folder.mkdir()
+  (folder / "config.json").write_bytes((hybrid.folder / "config.json").read_bytes())
+  save_file(fused, str(folder / "model.safetensors"), metadata={"format": "pt"})
+  model = pzp.pretrained.load_hf(folder)
+  np.testing.assert_allclose(harness.penzai_logits(model), hybrid.reference, **harness.TOLERANCE)
+  pzp.export_hf(model, tmp_path / "out", like=folder)
+  harness.assert_same_tensors(harness.tensors(tmp_path / "out"), stored)
+
+
 # --- the layer -------------------------------------------------------------
 
 

@@ -14,7 +14,8 @@ replace the MLP by a `pz_persist.nn.mixture_of_experts.MixtureOfExperts`: a
 softmax router over ``num_experts``, the top ``num_experts_per_tok`` kept
 with their softmax weights (not renormalised), read per expert as the Hub
 stores them (``feed_forward.experts.{e}.gate_proj.weight``) or fused as
-transformers 5 saves them (`pz_persist.pretrained.hf.building.moe`).
+transformers 5 holds them in memory (`pz_persist.pretrained.hf.building.moe`);
+export writes the Hub's layout.
 Sampling carries the mixers' convolution and state-space state: use
 `pz_persist.pretrained.kv_caching_lm`.
 """
