@@ -81,6 +81,8 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.sparse_attention", "IndexedQuery"),
     ("pz_persist.nn.sparse_attention", "IndexerScores"),
     ("pz_persist.nn.sparse_attention", "SparseAttentionLogits"),
+    ("pz_persist.nn.mamba", "Mamba"),  # Jamba (issue 40).
+    ("pz_persist.nn.mamba", "CachingMamba"),
 })
 """Classes of ``pz_persist.nn`` born there, after the move: no former name."""
 

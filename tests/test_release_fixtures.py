@@ -40,6 +40,8 @@ NEW_SINCE_NEWEST_FIXTURE: frozenset[str] = frozenset({
     "pz_persist.nn.learned_positions.AddLearnedPositions",
     "pz_persist.nn.clip_values.ClipValues",
     "pz_persist.nn.longrope.ApplyPhimoeLongRoPE",
+    "pz_persist.nn.mamba.Mamba",
+    "pz_persist.nn.mamba.CachingMamba",
     "pz_persist.nn.mamba2.Mamba2",
     "pz_persist.nn.mamba2.FalconH1Mamba2",
     "pz_persist.nn.altup.AltUpExpand",

@@ -27,6 +27,8 @@ from pz_persist.nn.kimi_delta_attention import KimiDeltaAttention
 from pz_persist.nn.kv_sharing import key_axes
 from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.nn.longrope import LongRopeKVCachingLM
+from pz_persist.nn.mamba import CachingMamba
+from pz_persist.nn.mamba import Mamba
 from pz_persist.nn.mamba2 import CachingMamba2
 from pz_persist.nn.mamba2 import Mamba2
 from pz_persist.nn.short_conv import CachingShortConv
@@ -36,6 +38,7 @@ from pz_persist.pretrained import errors
 _STATEFUL = ((KimiDeltaAttention, CachingKimiDeltaAttention, "kda_state"),
              (GatedDeltaNet, CachingGatedDeltaNet, "delta_state"),
              (Mamba2, CachingMamba2, "mamba_state"),
+             (Mamba, CachingMamba, "mamba1_state"),
              (ShortConv, CachingShortConv, "conv_state"))
 """The layers whose past rides in a state of their own, not in keys and
 values: each kind, its sampling form and the label of its state (each
@@ -53,7 +56,8 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
   `GatedDeltaNet` layer becomes a `CachingGatedDeltaNet` carrying its
   convolution and recurrent state (a `KimiDeltaAttention` a
   `CachingKimiDeltaAttention`), each `Mamba2` layer a `CachingMamba2`
-  (its convolution and state-space state), each `ShortConv` (LFM2) a
+  and each `Mamba` (Jamba) a `CachingMamba` (their convolution and
+  state-space state), each `ShortConv` (LFM2) a
   `CachingShortConv` carrying its convolution's last inputs. Padding tokens
   (``pad_id``) are skipped by the attention layers' masks but, as in
   transformers without an attention mask, still pass through a recurrence

@@ -360,6 +360,7 @@ _FAMILY_FIELDS = {
                    "ssm_state_size": 4},
     "granitemoehybrid": {"mamba_n_heads": 2, "mamba_d_state": 4, "shared_intermediate_size": MLP},
     "falcon_h1": {"mamba_n_heads": 2, "mamba_d_state": 4},
+    "jamba": {"rope_theta": None},  # No RoPE; transformers' 16 experts every other layer.
     "opt": {"num_key_value_heads": None, "intermediate_size": None, "rms_norm_eps": None,
             "rope_theta": None, "hidden_act": None, "ffn_dim": MLP},
     # GPT-2 spells its sizes its own way (n_layer for the layer count).

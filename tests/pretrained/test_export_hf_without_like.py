@@ -71,6 +71,10 @@ CASES = {
         "attention_in_multiplier": 1.5, "attention_out_multiplier": 0.94,
         "ssm_in_multiplier": 1.25, "ssm_out_multiplier": 0.24, "mlp_multipliers": [0.88, 0.59],
         "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.35]}),
+    # Jamba-1.5-Mini's pattern (attention 4 of 8, experts every other layer
+    # from 1), shrunk to 8 layers, 4 experts, a time-step rank of its own.
+    "jamba_15_mini": ("jamba", {"num_hidden_layers": 8, "num_experts": 4, "mamba_dt_rank": 4,
+                                "mamba_d_state": 8}),
 }
 """Each case: the ``model_type`` and the fields beyond `MINIMAL`'s sizes."""
 

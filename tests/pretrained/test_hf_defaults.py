@@ -163,6 +163,8 @@ MINIMAL = {
                     "num_experts": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
                     "qk_nope_head_dim": 4, "v_head_dim": 8, "linear_num_heads": 4,
                     "linear_head_dim": 8},
+    # Five layers: the default pattern's attention layer (4 of 8), 16 experts on layers 1 and 3.
+    "jamba": {**_SIZES, **_HEADS, "num_hidden_layers": 5},
 }
 """Each text ``model_type``'s sizes: what its ``config.json`` holds in the
 test below (besides ``model_type``), everything else left to the defaults.

@@ -95,7 +95,7 @@ def test_the_refusal_says_why_and_the_nearest_family_first(tmp_path, model_type)
 
 
 @pytest.mark.parametrize("model_type, nearest", [
-    ("gpt_neo", "gpt2"), ("jamba", "qwen3_5"), ("zamba2", "bamba"), ("gpt_bigcode", "gpt2"),
+    ("gpt_neo", "gpt2"), ("zamba", "jamba"), ("zamba2", "bamba"), ("gpt_bigcode", "gpt2"),
     ("persimmon", "gpt_neox"), ("glm_moe_dsa", "deepseek_v3"),
     ("mamba", None), ("bert", None)])
 def test_the_nearest_is_by_architecture_not_by_name(model_type, nearest):
@@ -136,11 +136,11 @@ def test_load_gemma_is_suggested_only_for_a_gemma(tmp_path):
 
 
 def test_the_cli_says_the_same(tmp_path, capsys):
-  folder = _folder(tmp_path / "m", "jamba")
+  folder = _folder(tmp_path / "m", "zamba")
   assert cli.main(["convert", "hf", str(folder), str(tmp_path / "out"), "--quiet"]) == 2
   err = capsys.readouterr().err
-  assert "model_type='jamba' is not supported: Jamba has" in err
-  assert "(model_type 'qwen3_5')" in err
+  assert "model_type='zamba' is not supported: Zamba has" in err
+  assert "(model_type 'jamba')" in err
   assert not (tmp_path / "out").exists()
 
 

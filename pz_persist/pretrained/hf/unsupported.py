@@ -44,9 +44,6 @@ def _row(name: str, lacks: str, nearest: str | None, nearest_why: str) -> Unsupp
   return Unsupported(name, lacks, nearest, nearest_why)
 
 
-_STATE_SPACE = ("Qwen3.5 reads linear-recurrent layers (a gated"
-                " delta net with a short convolution) among attention layers, their state in the"
-                " KV cache; it has no Mamba layer")
 _MAMBA2 = ("Bamba shares Mamba-2 layers (their state in the KV cache) among attention layers")
 _ENCODER = ("pz_persist.pretrained.load_hf reads causal decoder-only language models, and this"
             " is a bidirectional encoder (or an encoder-decoder)")
@@ -134,10 +131,9 @@ UNSUPPORTED: dict[str, Unsupported] = {
     # Linear attention, state-space and recurrent hybrids.
     "minimax": _row("MiniMax-Text-01", "lightning (linear) attention on most layers", "qwen3_5",
                     "Qwen3.5 shares linear attention among full-attention layers"),
-    "jamba": _row("Jamba", "Mamba layers among attention layers, with experts on every other"
-                  " layer", "qwen3_5", _STATE_SPACE),
     "zamba": _row("Zamba", "Mamba layers with one attention block shared across depths",
-                  "qwen3_5", _STATE_SPACE),
+                  "jamba", "Jamba shares Mamba layers (their state in the KV cache) among"
+                  " attention layers, each layer its own"),
     "zamba2": _row("Zamba2", "Mamba-2 layers with shared attention blocks and LoRA adapters",
                    "bamba", _MAMBA2),
     "recurrent_gemma": _row("RecurrentGemma (Griffin)", "RG-LRU recurrent blocks among"
