@@ -353,7 +353,7 @@ RECORD = Family(
           " `expert_layer_period`-th layer"),
     refuses=("in_proj / out_proj biases (`mamba_proj_bias`), a non-null `sliding_window`,"
              " activations other than SiLU"),
-    rank=5,
+    rank=9,
     fields={**TRAINING_ONLY, "attn_layer_period": POSITIVE_INT,
             "attn_layer_offset": NON_NEGATIVE_INT, "expert_layer_period": POSITIVE_INT,
             "expert_layer_offset": NON_NEGATIVE_INT, "num_experts": POSITIVE_INT,
