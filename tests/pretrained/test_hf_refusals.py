@@ -97,7 +97,7 @@ def test_the_refusal_says_why_and_the_nearest_family_first(tmp_path, model_type)
 @pytest.mark.parametrize("model_type, nearest", [
     ("gpt_neo", "gpt2"), ("zamba", "jamba"), ("zamba2", "bamba"), ("gpt_bigcode", "gpt2"),
     ("persimmon", "gpt_neox"), ("glm_moe_dsa", "deepseek_v3"),
-    ("mamba", None), ("bert", None)])
+    ("mamba", "jamba"), ("falcon_mamba", "jamba"), ("bert", None)])
 def test_the_nearest_is_by_architecture_not_by_name(model_type, nearest):
   assert unsupported.UNSUPPORTED[model_type].nearest == nearest
 

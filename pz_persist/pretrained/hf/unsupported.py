@@ -140,11 +140,14 @@ UNSUPPORTED: dict[str, Unsupported] = {
                             " local-attention layers", "gemma2",
                             "Gemma 2 shares its embeddings, norms and local attention; it has"
                             " no recurrent block"),
-    "mamba": _row("Mamba", "selective state-space layers only", None, _ATTENTION_FREE),
+    "mamba": _row("Mamba", "selective state-space layers only (under backbone.layers.N.mixer)",
+                  "jamba", "Jamba's Mamba mixers are this layer, among attention layers"),
     "mamba2": _row("Mamba-2", "state-space-duality layers only (under backbone.layers.N.mixer)",
                    "bamba", "Bamba's Mamba-2 mixers are this layer, among attention layers"),
-    "falcon_mamba": _row("Falcon Mamba", "selective state-space layers only", None,
-                         _ATTENTION_FREE),
+    "falcon_mamba": _row("Falcon Mamba", "selective state-space layers only, with unweighted"
+                         " RMS norms on their time step, B and C", "jamba",
+                         "Jamba's Mamba mixers are this layer, their norms on the same three"
+                         " weighted, among attention layers"),
     "rwkv": _row("RWKV", "a time-mixing recurrence in place of attention", None, _ATTENTION_FREE),
     "xlstm": _row("xLSTM", "mLSTM recurrent blocks in place of attention", None, _ATTENTION_FREE),
     # Encoders people try.
