@@ -142,3 +142,29 @@ def test_a_file_without_rope_fields_loads_transformers_default_rope(saved, tmp_p
 def test_hostile_configs_refused_before_building(saved, tmp_path, monkeypatch, changes, match):
   folder = checks.edited(saved["apertus"].folder, tmp_path, **changes)
   checks.check_refused_before_building(folder, match, monkeypatch)
+
+
+def test_surgery_lora_an_inserted_layer_and_treescope_around_xielu(saved, tmp_path):
+  """Issue 40 §3: the xIELU activation is a Penzai layer others can edit
+  around. LoRA on the MLP's projections (zero-initialised: nothing changes),
+  a layer inserted after each activation (the logits move), treescope showing
+  its parameters, and ``save_model`` bringing the edited model back exactly."""
+  import jax
+  import treescope
+  from penzai.toolshed import lora
+
+  model = pzp.pretrained.load_hf(saved["apertus"].folder)
+  reference = checks.penzai_logits(model)
+  adapted = lora.loraify_linears_in_selection(
+      pz.select(model).at_instances_of(pz.nn.Linear).where(
+          lambda layer: "mlp" in str(layer.weights.label)),
+      rank=2, init_base_rng=jax.random.key(3))
+  assert pz.select(adapted).at_instances_of(lora.LowRankAdapter).count() == 4
+  np.testing.assert_allclose(checks.penzai_logits(adapted), reference, atol=1e-6)
+  inserted = pz.select(adapted).at_instances_of(XIELU).apply(
+      lambda activation: pz.nn.Sequential([activation, pz.nn.ConstantRescale(by=0.5)]))
+  assert float(np.abs(checks.penzai_logits(inserted) - reference).max()) > 1e-2
+  text = treescope.render_to_text(pz.select(inserted).at_instances_of(XIELU).get_sequence()[0])
+  assert "XIELU" in text and "alpha_p" in text and "beta" in text
+  checks.check_save_model_round_trip(inserted, tmp_path / "edited",
+                                     checks.penzai_logits(inserted))

@@ -144,3 +144,27 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, c
                                                               monkeypatch):
   folder = checks.edited(saved["olmoe"].folder, tmp_path, **changes)
   checks.check_refused_before_building(folder, match, monkeypatch)
+
+
+def test_surgery_lora_and_a_layer_inserted_after_the_clip(saved, tmp_path):
+  """Issue 40 §3: `ClipValues` is a Penzai layer others can edit around.
+  LoRA on the attention projections whose outputs it clips (zero-initialised:
+  nothing changes), a layer inserted after each clip (the logits move), and
+  ``save_model`` bringing the edited model back exactly."""
+  import jax
+  from penzai.toolshed import lora
+
+  model = pzp.pretrained.load_hf(saved["olmoe"].folder)
+  reference = checks.penzai_logits(model)
+  adapted = lora.loraify_linears_in_selection(
+      pz.select(model).at_instances_of(pz.nn.Linear).where(
+          lambda layer: "attention/query" in str(layer.weights.label)),
+      rank=2, init_base_rng=jax.random.key(3))
+  assert pz.select(adapted).at_instances_of(lora.LowRankAdapter).count() >= 1
+  np.testing.assert_allclose(checks.penzai_logits(adapted), reference, atol=1e-6)
+  clips = pz.select(adapted).at_instances_of(ClipValues)
+  assert clips.count() >= 3
+  inserted = clips.apply(lambda clip: pz.nn.Sequential([clip, pz.nn.ConstantRescale(by=0.5)]))
+  assert float(np.abs(checks.penzai_logits(inserted) - reference).max()) > 1e-3
+  checks.check_save_model_round_trip(inserted, tmp_path / "edited",
+                                     checks.penzai_logits(inserted))
