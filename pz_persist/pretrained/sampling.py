@@ -41,9 +41,17 @@ _STATEFUL = ((KimiDeltaAttention, CachingKimiDeltaAttention, "kda_state"),
              (Mamba, CachingMamba, "mamba1_state"),
              (ShortConv, CachingShortConv, "conv_state"))
 """The layers whose past rides in a state of their own, not in keys and
-values: each kind, its sampling form and the label of its state (each
-matched by its exact class: `KimiDeltaAttention` is a `GatedDeltaNet`, and
-must become its own sampling form, once)."""
+values: each kind, its sampling form and the label of its state. A layer
+takes the sampling form of the listed class nearest to its own
+(`_stateful_kind`): `KimiDeltaAttention` is a `GatedDeltaNet` and becomes its
+own sampling form, once; `FalconH1Mamba2`, not listed, is sampled as the
+`Mamba2` it is."""
+
+
+def _stateful_kind(node: object) -> type | None:
+  """The class of `_STATEFUL` nearest to ``node``'s own in its ancestry."""
+  listed = {uncached for uncached, _, _ in _STATEFUL}
+  return next((kind for kind in type(node).__mro__ if kind in listed), None)
 
 
 def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: dict[str, int],
@@ -87,7 +95,7 @@ def kv_caching_lm(model: model_parts.TransformerLM, cache_len: int, batch_axes: 
   caching: dict = {}
   for uncached, cached, name in _STATEFUL:
     layers = pz.select(sampler.body).at_subtrees_where(
-        lambda node, kind=uncached: type(node) is kind)  # pylint: disable=unidiomatic-typecheck
+        lambda node, kind=uncached: _stateful_kind(node) is kind)
     converted = {
         path: cached.from_uncached(layer, batch_axes, label=f"{variable_name_prefix}/{name}_{i}")
         for i, (path, layer) in enumerate(layers.selected_by_path.items())}

@@ -403,3 +403,25 @@ def test_guard_a_save_interrupted_while_hashing_leaves_nothing_that_looks_comple
   with pytest.raises(errors.PzPersistError):
     pzp.load(tmp_path / "ck")
   assert {t for t in threading.enumerate() if t.name.startswith("pz_persist")} <= before
+
+
+def test_a_subclass_of_a_stateful_layer_is_sampled_as_its_nearest_listed_class():
+  """Two branches added sampling forms at once: one matched stateful layers
+  by exact class (so `KimiDeltaAttention`, a `GatedDeltaNet`, got its own
+  form once), which left `FalconH1Mamba2`, a `Mamba2` subclass listed
+  nowhere, unconverted: Falcon-H1's KV-cache sampling refused to run. Each
+  layer now takes the form of the listed class nearest in its ancestry
+  (`pz_persist.pretrained.sampling._stateful_kind`)."""
+  from pz_persist.nn.gated_delta_net import GatedDeltaNet
+  from pz_persist.nn.kimi_delta_attention import KimiDeltaAttention
+  from pz_persist.nn.mamba2 import FalconH1Mamba2
+  from pz_persist.nn.mamba2 import Mamba2
+  from pz_persist.pretrained import sampling
+
+  def kind_of(cls):
+    return sampling._stateful_kind(object.__new__(cls))  # pylint: disable=protected-access
+
+  assert kind_of(FalconH1Mamba2) is Mamba2
+  assert kind_of(KimiDeltaAttention) is KimiDeltaAttention
+  assert kind_of(GatedDeltaNet) is GatedDeltaNet
+  assert sampling._stateful_kind(pz.nn.Identity()) is None  # pylint: disable=protected-access
