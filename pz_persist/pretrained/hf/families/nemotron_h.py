@@ -36,7 +36,10 @@ from penzai.models.transformer import model_parts
 from penzai.models.transformer.variants import llamalike_common
 
 from pz_persist.nn import mixture_of_experts as moe
+from pz_persist.nn.longrope import ApplyLongRoPE
 from pz_persist.nn.mamba2 import Mamba2
+from pz_persist.nn.proportional_rope import ApplyProportionalRoPE
+from pz_persist.nn.scaled_rope import ApplyScaledRoPE
 from pz_persist.pretrained.errors import ExportError
 from pz_persist.pretrained.hf.building import mamba_hybrid
 from pz_persist.pretrained.hf.building import nemotron_moe
@@ -241,8 +244,14 @@ def nemotron_h_plan(cfg: Config, weights: Weights) -> Plan:
 
 
 def _mixer_kind(block: model_parts.TransformerBlock) -> str | None:
-  """The kind of a one-residual block's mixer, or None."""
+  """The kind of a one-residual block's mixer, or None (also for a parallel
+  block, attention beside an MLP or a mixer in one residual: Falcon's, Phi's,
+  Cohere's; Nemotron-H has one mixer per residual)."""
   if len(block.sublayers) != 1:
+    return None
+  beside_attention = (Mamba2, moe.MixtureOfExperts, model_parts.TransformerFeedForward)
+  if all_layers(block, pz.nn.Attention) and any(all_layers(block, kind)
+                                                for kind in beside_attention):
     return None
   if all_layers(block, Mamba2):
     return "mamba"
@@ -260,8 +269,13 @@ def _detect(model: pz.nn.Layer) -> str | None:
   found = blocks(model)
   if not found or any(_mixer_kind(b) is None for b in found):
     return None
-  rotary = all_layers(model, pz.nn.ApplyRoPE) + all_layers(model, pz.nn.ApplyRoPEToSubset)
+  rotary = [layer for kind in _ROTARY for layer in all_layers(model, kind)]
   return None if rotary else "nemotron_h"
+
+
+_ROTARY = (pz.nn.ApplyRoPE, pz.nn.ApplyRoPEToSubset, ApplyScaledRoPE, ApplyLongRoPE,
+           ApplyProportionalRoPE)
+"""Every rotary position layer a family builds: Nemotron-H has none."""
 
 
 def _heads(shape: Mapping[str, int]) -> int:
