@@ -283,3 +283,32 @@ def test_hub_settings_transformers_would_ignore_are_refused(tmp_path, changes):
   folder = harness.edited(harness.hub_saved(tmp_path, _FALCON_H1_05B).folder, tmp_path, **changes)
   with pytest.raises(errors.UnsupportedConfigError, match=next(iter(changes))):
     pzp.pretrained.load_hf(folder)
+
+
+def test_surgery_lora_an_inserted_layer_and_sampling_around_the_mixer(saved, tmp_path):
+  """Issue 40 §3: `FalconH1Mamba2` is a Penzai layer others can edit. LoRA on
+  its input and output projections (zero-initialised: nothing changes), a
+  layer inserted after it (the logits move), the edited model sampled with
+  `kv_caching_lm` (the mixer becomes a `CachingMamba2`), and ``save_model``
+  bringing the edit back exactly."""
+  import jax
+  from penzai.toolshed import lora
+
+  from pz_persist.pretrained import kv_caching_lm
+
+  model = pzp.pretrained.load_hf(saved["parallel"].folder)
+  reference = harness.penzai_logits(model)
+  adapted = lora.loraify_linears_in_selection(
+      pz.select(model).at_instances_of(FalconH1Mamba2).at(
+          lambda m: (m.input, m.output), multiple=True),
+      rank=2, init_base_rng=jax.random.key(3))
+  mixers = pz.select(adapted).at_instances_of(FalconH1Mamba2).count()
+  assert pz.select(adapted).at_instances_of(lora.LowRankAdapter).count() == 2 * mixers
+  np.testing.assert_allclose(harness.penzai_logits(adapted), reference, atol=1e-5)
+  inserted = pz.select(adapted).at_instances_of(FalconH1Mamba2).apply(
+      lambda m: pz.nn.Sequential([m, pz.nn.ConstantRescale(by=0.5)]))
+  assert float(np.abs(harness.penzai_logits(inserted) - reference).max()) > 1e-2
+  sampler = kv_caching_lm(inserted, cache_len=8, batch_axes={"batch": 1})
+  assert pz.select(sampler).at_instances_of(mamba2.CachingMamba2).count() == mixers
+  harness.check_save_model_round_trip(inserted, tmp_path / "edited",
+                                      harness.penzai_logits(inserted))

@@ -185,3 +185,35 @@ def test_kda_in_pieces_is_kda_whole(kda_layer, cuts, seed):
   pieces = [cached(x[{"seq": pz.slice[a:b]}]).untag("batch", "seq", "embedding").unwrap()
             for a, b in zip(bounds, bounds[1:])]
   np.testing.assert_allclose(np.concatenate(pieces, 1), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_surgery_lora_an_inserted_layer_and_sampling_around_kimi_delta_attention(saved, tmp_path):
+  """Issue 40 §3: `KimiDeltaAttention` is a Penzai layer others can edit.
+  LoRA on its query and output projections (zero-initialised: nothing
+  changes), a layer inserted after it (the logits move), the edited model
+  sampled with `kv_caching_lm` (each layer becomes a
+  `CachingKimiDeltaAttention`, not a plain DeltaNet's form), and
+  ``save_model`` bringing the edit back exactly."""
+  import jax
+  from penzai.toolshed import lora
+
+  from pz_persist.pretrained import kv_caching_lm
+
+  model = pzp.pretrained.load_hf(saved["mixed"].folder)
+  reference = harness.penzai_logits(model)
+  adapted = lora.loraify_linears_in_selection(
+      pz.select(model).at_instances_of(KimiDeltaAttention).at(
+          lambda layer: (layer.query, layer.output), multiple=True),
+      rank=2, init_base_rng=jax.random.key(3))
+  layers = pz.select(adapted).at_instances_of(KimiDeltaAttention).count()
+  assert layers and pz.select(adapted).at_instances_of(lora.LowRankAdapter).count() == 2 * layers
+  np.testing.assert_allclose(harness.penzai_logits(adapted), reference, atol=1e-5)
+  inserted = pz.select(adapted).at_instances_of(KimiDeltaAttention).apply(
+      lambda layer: pz.nn.Sequential([layer, pz.nn.ConstantRescale(by=0.5)]))
+  assert float(np.abs(harness.penzai_logits(inserted) - reference).max()) > 1e-2
+  sampler = kv_caching_lm(inserted, cache_len=8, batch_axes={"batch": 1})
+  assert pz.select(sampler).at_instances_of(CachingKimiDeltaAttention).count() == layers
+  assert not pz.select(sampler).at_instances_of(CachingGatedDeltaNet).where(
+      lambda cached: type(cached) is CachingGatedDeltaNet).count()  # pylint: disable=unidiomatic-typecheck
+  harness.check_save_model_round_trip(inserted, tmp_path / "edited",
+                                      harness.penzai_logits(inserted))
