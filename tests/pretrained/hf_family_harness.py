@@ -239,6 +239,30 @@ def check_save_model_round_trip(model, path, reference: np.ndarray) -> None:
   np.testing.assert_allclose(penzai_logits(restored), reference, **TOLERANCE)
 
 
+def check_surgery_around(saved: Saved, layer_class: type, tmp_path) -> None:
+  """Issue 40 §3: a layer a family adds is one others can edit. LoRA on every
+  linear inside each ``layer_class`` (zero-initialised: the logits stay), a
+  layer inserted after each (they move), the edited model sampled with
+  `kv_caching_lm`, and ``save_model`` bringing the edit back."""
+  from penzai.toolshed import lora
+
+  model = pzp.pretrained.load_hf(saved.folder)
+  reference = penzai_logits(model)
+  found = pz.select(model).at_instances_of(layer_class)
+  assert found.count(), f"no {layer_class.__name__} in the model"
+  adapted = lora.loraify_linears_in_selection(
+      found.at_instances_of(pz.nn.Linear), rank=2, init_base_rng=jax.random.key(3))
+  assert pz.select(adapted).at_instances_of(lora.LowRankAdapter).count()
+  np.testing.assert_allclose(penzai_logits(adapted), reference, **TOLERANCE)
+  inserted = pz.select(adapted).at_instances_of(layer_class).apply(
+      lambda layer: pz.nn.Sequential([layer, pz.nn.ConstantRescale(by=0.5)]))
+  edited = penzai_logits(inserted)
+  assert float(np.abs(edited - reference).max()) > 1e-3, "the inserted layer changed nothing"
+  sampler = kv_caching_lm(inserted, cache_len=8, batch_axes={"batch": 1})
+  assert pz.select(sampler).at_instances_of(pz.nn.ConstantRescale).count() >= found.count()
+  check_save_model_round_trip(inserted, tmp_path / "edited", edited)
+
+
 def tensors(folder) -> dict[str, np.ndarray]:
   out = {}
   for name in os.listdir(folder):

@@ -221,3 +221,11 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(saved):
   print(f"bfloat16 vs float32: max {ours.max():.3g} mean {ours.mean():.3g}"
         f" (transformers bfloat16: max {theirs.max():.3g} mean {theirs.mean():.3g})")
   assert ours.mean() <= 2 * theirs.mean() + 0.01
+
+
+@pytest.mark.parametrize("layer_class", ["SparseAttentionLogits", "IndexedQuery"])
+def test_surgery_around_the_indexer(saved, layer_class, tmp_path):
+  from pz_persist.nn import sparse_attention
+
+  harness.check_surgery_around(saved["deepseek_v32"], getattr(sparse_attention, layer_class),
+                               tmp_path)

@@ -355,3 +355,10 @@ def test_unused_key_value_tensors_of_sharing_layers_are_not_read(saved, tmp_path
   theirs = transformers.AutoModelForCausalLM.from_pretrained(edited).eval()
   np.testing.assert_array_equal(checks.reference_logits(theirs), case.reference)
   checks.float32_error(edited, case.reference)
+
+
+@pytest.mark.parametrize("layer_class", ["AltUpLayer", "LaurelResidual"])
+def test_surgery_around_altup_and_laurel(saved, layer_class, tmp_path):
+  from pz_persist.nn import altup
+
+  checks.check_surgery_around(saved["gemma3n_text"], getattr(altup, layer_class), tmp_path)

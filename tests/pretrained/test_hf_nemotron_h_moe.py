@@ -219,3 +219,9 @@ def test_export_refuses_a_mixture_transformers_cannot_express(saved, tmp_path):
       lambda m: dataclasses.replace(m, shared=None))
   with pytest.raises(errors.PzPersistError, match="shared"):
     pzp.export_hf(unshared, tmp_path / "unshared", like=saved["moe"].folder)
+
+
+def test_surgery_around_the_latent_mixture_of_experts(saved, tmp_path):
+  from pz_persist.nn.mixture_of_experts import LatentMixtureOfExperts
+
+  harness.check_surgery_around(saved["latent"], LatentMixtureOfExperts, tmp_path)
