@@ -172,6 +172,14 @@ class Config:
     table's (none, for every family: a test loads each from a config.json
     of sizes alone and checks)."""
 
+  def fill_absent(self, sizes: Mapping[str, Any]) -> None:
+    """Sets each of ``sizes`` that the config lacks or holds as null, before
+    anything reads it: sizes a family's config class fills in itself, which
+    the plan then reads (and checks) like any field of the file."""
+    for key, value in sizes.items():
+      if self.raw.get(key) is None:
+        self.raw[key] = value
+
   def get(self, key: str, default: Any = None) -> Any:
     """``key``'s checked value. If absent (or null): None when ``default``
     is None (the caller asks whether it is there), else the table's default

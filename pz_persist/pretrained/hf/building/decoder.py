@@ -250,24 +250,10 @@ def llama_plan(
                                activation_dtype=weights.dtype,
                                attention_type=attention(config.num_decoder_blocks))
 
-  vocab = config.vocab_size
-  specs = [
-      TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
-                  (vocab, hidden), ("vocabulary", "embedding")),
-      TensorSpec("transformer/final_norm/scale.weights", "model.norm.weight",
-                  (hidden,), ("embedding",)),
-      TensorSpec("transformer/lm_head.weights", head_source,
-                  (vocab, hidden), ("vocabulary", "embedding")),
-  ]
+  specs = outer_specs(config.vocab_size, hidden, head_source)
   for i in range(config.num_decoder_blocks):
     p, s = f"transformer/block_{i}/", f"model.layers.{i}."
-    specs += [
-        TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
-                    (hidden,), ("embedding",)),
-        TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
-                    (hidden,), ("embedding",)),
-        *block_specs(p, s, config),
-    ]
+    specs += [*norm_specs(p, s, hidden), *block_specs(p, s, config)]
     specs += _bias_specs(p, s, biases, config)
     if block_extras is not None:
       specs += block_extras(p, s, config)
@@ -420,3 +406,27 @@ def attention_size_fields(model: pz.nn.Layer) -> dict[str, Any]:
   return {"hidden_size": embed["embedding"], "vocab_size": embed["vocabulary"],
           "num_attention_heads": heads(query), "num_key_value_heads": heads(key),
           "head_dim": query["projection"], "num_hidden_layers": len(blocks(model))}
+
+
+def outer_specs(vocab: int, hidden: int, head_source: str) -> list[TensorSpec]:
+  """A Llama-named decoder's embeddings, final norm and head (``head_source``:
+  ``lm_head.weight``, or the embeddings when tied)."""
+  return [
+      TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
+                 (vocab, hidden), ("vocabulary", "embedding")),
+      TensorSpec("transformer/final_norm/scale.weights", "model.norm.weight",
+                 (hidden,), ("embedding",)),
+      TensorSpec("transformer/lm_head.weights", head_source,
+                 (vocab, hidden), ("vocabulary", "embedding")),
+  ]
+
+
+def norm_specs(p: str, s: str, hidden: int) -> list[TensorSpec]:
+  """A Llama-named block's two norms: before its attention
+  (``input_layernorm``) and before its MLP (``post_attention_layernorm``)."""
+  return [
+      TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
+                 (hidden,), ("embedding",)),
+      TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
+                 (hidden,), ("embedding",)),
+  ]

@@ -118,9 +118,7 @@ def qwen3_5_text_plan(cfg: Config, weights: Weights, root: str = TEXT,
   ``delta_net_specs(label, layer prefix, sizes)`` gives the DeltaNet layers'
   tensors when they are not Qwen3.5's (Qwen3-Next fuses them otherwise)."""
   delta_net_specs = delta_net_specs or fused_qkv_delta_specs
-  for key, default in _DEFAULTS.items():
-    if cfg.raw.get(key) is None:
-      cfg.raw[key] = default
+  cfg.fill_absent(_DEFAULTS)
   sizes = _sizes(cfg)
   act = cfg.get("hidden_act", "silu")
   if act != "silu":

@@ -47,9 +47,7 @@ def hybrid_moe_plan(cfg: Config, weights: Weights, root: str = "model.",
   absent sizes (Qwen3.5-MoE's config class differs from the dense one's);
   ``delta_net_specs``: the DeltaNet layers' tensors (Qwen3-Next fuses
   them otherwise)."""
-  for key, default in (defaults or {}).items():
-    if cfg.raw.get(key) is None:
-      cfg.raw[key] = default
+  cfg.fill_absent(defaults or {})
   count, top_k, neurons = read_experts(cfg, "num_experts", "moe_intermediate_size")
   shared = cfg.require("shared_expert_intermediate_size")
   # No dense MLP: the dense plan's placeholder size is the experts' (its

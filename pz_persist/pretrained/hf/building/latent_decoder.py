@@ -25,6 +25,8 @@ from pz_persist.nn import scaled_rope as scaled_rope_layer
 from pz_persist.nn import sparse_attention as dsa
 from pz_persist.nn.constant_scale import ConstantScale
 from pz_persist.pretrained.hf import quantized_fp8
+from pz_persist.pretrained.hf.building.decoder import norm_specs
+from pz_persist.pretrained.hf.building.decoder import outer_specs
 from pz_persist.pretrained.hf.building.deepseek_moe import MOE_FIELDS
 from pz_persist.pretrained.hf.building.deepseek_moe import Source
 from pz_persist.pretrained.hf.building.deepseek_moe import check_expert_count
@@ -409,20 +411,11 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
                                            stack=name if parts else None)
     return sources[name]
 
-  specs = [
-      TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
-                 (sizes.vocab, h), ("vocabulary", "embedding")),
-      TensorSpec("transformer/final_norm/scale.weights", "model.norm.weight", (h,), ("embedding",)),
-      TensorSpec("transformer/lm_head.weights", head_source, (sizes.vocab, h),
-                 ("vocabulary", "embedding")),
-  ]
+  specs = outer_specs(sizes.vocab, h, head_source)
   for i in range(sizes.layers):
     p, s = f"transformer/block_{i}/", f"model.layers.{i}."
     specs += [
-        TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
-                   (h,), ("embedding",)),
-        TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
-                   (h,), ("embedding",)),
+        *norm_specs(p, s, h),
         *mla_specs(p, s, sizes, src),
         *(indexer_specs(p, s, sizes, indexer, src) if indexer is not None else []),
     ]

@@ -121,9 +121,7 @@ class _Sizes:
 
 def gemma3n_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   """Maps a Gemma 3n text model whose tensors are under ``root``."""
-  for key, default in _SIZE_DEFAULTS.items():
-    if cfg.raw.get(key) is None:
-      cfg.raw[key] = default
+  cfg.fill_absent(_SIZE_DEFAULTS)
   hidden, heads, kv_heads, head_dim = attention_sizes(cfg, kv_heads_default=2,
                                                       head_dim_default=256)
   check_activation(cfg)

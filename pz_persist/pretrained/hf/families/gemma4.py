@@ -117,9 +117,7 @@ class _Moe:
 
 def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
   """Maps a Gemma 4 text model whose tensors are under ``root``."""
-  for key, default in _SIZE_DEFAULTS.items():
-    if cfg.raw.get(key) is None:
-      cfg.raw[key] = default
+  cfg.fill_absent(_SIZE_DEFAULTS)
   hidden, heads, kv_heads, head_dim = attention_sizes(cfg, kv_heads_default=4,
                                                       head_dim_default=256)
   check_activation(cfg)

@@ -47,6 +47,8 @@ from pz_persist.nn import mixture_of_experts as moe
 from pz_persist.nn.kimi_delta_attention import KimiDeltaAttention
 from pz_persist.pretrained.hf.building import latent_decoder as latent
 from pz_persist.pretrained.hf.building.aliases import read_aliases
+from pz_persist.pretrained.hf.building.decoder import norm_specs
+from pz_persist.pretrained.hf.building.decoder import outer_specs
 from pz_persist.pretrained.hf.building.deepseek_moe import MOE_IGNORED
 from pz_persist.pretrained.hf.building.deepseek_moe import ROUTER_DEFAULTS_WHY
 from pz_persist.pretrained.hf.building.deepseek_moe import check_expert_count
@@ -263,21 +265,10 @@ def kimi_linear_plan(cfg: Config, weights: Weights) -> Plan:
     views.append(Stacked(_hub_name(name), tuple(_hub_name(p) for p in parts)))
     return name
 
-  specs = [
-      TensorSpec("transformer/embedder.embeddings", "model.embed_tokens.weight",
-                 (sizes.vocab, h), ("vocabulary", "embedding")),
-      TensorSpec("transformer/final_norm/scale.weights", "model.norm.weight", (h,), ("embedding",)),
-      TensorSpec("transformer/lm_head.weights", head_source, (sizes.vocab, h),
-                 ("vocabulary", "embedding")),
-  ]
+  specs = outer_specs(sizes.vocab, h, head_source)
   for i in range(sizes.layers):
     p, s = f"transformer/block_{i}/", f"model.layers.{i}."
-    specs += [
-        TensorSpec(p + "pre_attention_norm/scale.weights", s + "input_layernorm.weight",
-                   (h,), ("embedding",)),
-        TensorSpec(p + "pre_ffw_norm/scale.weights", s + "post_attention_layernorm.weight",
-                   (h,), ("embedding",)),
-    ]
+    specs += norm_specs(p, s, h)
     specs += (latent.mla_specs(p, s, sizes, src) if full(i)
               else kda_specs(p + "linear_attention", s, h, linear))
     if sizes.dense(i):
