@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
-from pz_persist import errors
+from pz_persist.nn import recurrent_state
 from pz_persist.nn.recurrent_state import CachingRecurrent
 
 KEY_AXES = ("key_heads", "key_projection")
@@ -127,16 +127,8 @@ class GatedDeltaNet(pz.nn.Layer):
     )
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
-    if "cache_end_index" in side_inputs:
-      raise errors.ArgumentError(
-          "A GatedDeltaNet layer is running inside Penzai's KV-cache sampling mode without"
-          " its recurrent state: KVCachingTransformerLM.from_uncached converts only"
-          " pz.nn.Attention layers, so each call would forget the tokens before it. Build"
-          " the sampler with pz_persist.pretrained.kv_caching_lm"
-          "(model, cache_len, batch_axes) instead."
-      )
-    outputs, _ = self.run(inputs, None)
-    return outputs
+    return recurrent_state.run_uncached(self, inputs, side_inputs, name="GatedDeltaNet",
+                                        state="recurrent state")
 
   def zero_state(self, batch_axes: dict[str, int]) -> dict[str, pz.nx.NamedArray]:
     """The state before any token: the convolutions' past inputs (``conv_taps

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from penzai import pz
 
 from pz_persist import errors
+from pz_persist.nn import recurrent_state
 from pz_persist.nn.recurrent_state import CachingRecurrent
 
 HEAD_AXES = ("ssm_heads", "ssm_head_dim")
@@ -164,15 +165,8 @@ class Mamba2(pz.nn.Layer):
     )
 
   def __call__(self, inputs: pz.nx.NamedArray, **side_inputs) -> pz.nx.NamedArray:
-    if "cache_end_index" in side_inputs:
-      raise errors.ArgumentError(
-          "A Mamba2 layer is running inside Penzai's KV-cache sampling mode without its"
-          " convolution and state-space state: KVCachingTransformerLM.from_uncached converts"
-          " only pz.nn.Attention layers, so each call would forget the tokens before it. Build"
-          " the sampler with pz_persist.pretrained.kv_caching_lm(model, cache_len, batch_axes)"
-          " instead.")
-    outputs, _ = self.run(inputs, None)
-    return outputs
+    return recurrent_state.run_uncached(self, inputs, side_inputs, name="Mamba2",
+                                        state="convolution and state-space state")
 
   def zero_state(self, batch_axes: dict[str, int]) -> dict[str, pz.nx.NamedArray]:
     """The state before any token: the convolutions' past inputs (``conv_taps

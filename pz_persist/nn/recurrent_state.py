@@ -17,6 +17,8 @@ from typing import Self
 
 from penzai import pz
 
+from pz_persist import errors
+
 
 class Recurrent(Protocol):
   """A layer whose past is a state: what `CachingRecurrent` wraps."""
@@ -24,9 +26,29 @@ class Recurrent(Protocol):
   def zero_state(self, batch_axes: dict[str, int]) -> dict[str, pz.nx.NamedArray]:
     """The state before the first token, per batch element."""
 
-  def run(self, inputs: pz.nx.NamedArray, state: dict[str, pz.nx.NamedArray]
+  def run(self, inputs: pz.nx.NamedArray, state: dict[str, pz.nx.NamedArray] | None
           ) -> tuple[pz.nx.NamedArray, dict[str, pz.nx.NamedArray]]:
-    """The outputs for ``inputs`` continuing from ``state``, and the state after."""
+    """The outputs for ``inputs`` continuing from ``state`` (None: the zero
+    state), and the state after."""
+
+
+def run_uncached(layer: Recurrent, inputs: pz.nx.NamedArray, side_inputs: dict[str, Any], *,
+                 name: str, state: str) -> pz.nx.NamedArray:
+  """A recurrent layer's ordinary call: ``inputs`` run from the zero state.
+
+  Refused inside Penzai's own KV-cache sampling mode (its side inputs hold
+  ``cache_end_index``): there each call would start again from the zero
+  state and forget the tokens before it. ``name`` and ``state`` say which
+  layer and what state it lacks, for the message.
+  """
+  if "cache_end_index" in side_inputs:
+    raise errors.ArgumentError(
+        f"A {name} layer is running inside Penzai's KV-cache sampling mode without its"
+        f" {state}: KVCachingTransformerLM.from_uncached converts only pz.nn.Attention"
+        " layers, so each call would forget the tokens before it. Build the sampler with"
+        " pz_persist.pretrained.kv_caching_lm(model, cache_len, batch_axes) instead.")
+  outputs, _ = layer.run(inputs, None)
+  return outputs
 
 
 @pz.pytree_dataclass
