@@ -20,7 +20,11 @@ repeated in one warm process:
   with a streaming window of N MiB (`pz_persist.storage.reading.streaming.
   WINDOW_BYTES`), batches of N MiB (``streaming.BATCH_BYTES``), or N MiB of
   reads in flight (`pz_persist.storage.reading.direct_read.IN_FLIGHT_BYTES`),
-  to choose them (``pz_persist:w128:r128`` sets two).
+  to choose them (``pz_persist:w128:r128`` sets two); ``pz_persist:sN``,
+  ``pz_persist:lN``: staging slabs of N MiB (``staging.SLAB_BYTES``) within
+  N MiB (``staging.LIMIT_BYTES``); ``pz_persist:unstaged``: a new host
+  buffer per array, as before staging; ``pz_persist:unlocked``: staging
+  slabs left pageable (no ``cuMemHostRegister``).
 * ``orbax``: ``ocp.StandardCheckpointer().restore(path, template)`` with a
   template whose ``sharding`` is the default device, as Orbax's docs say.
 * ``safetensors_jax``: ``safetensors.flax.load_file`` (memory-maps the file,
@@ -91,9 +95,19 @@ def _prepare(method: str, before: str | None) -> None:
       del sys.modules[name]
   for setting in method.split(":")[1:]:
     from pz_persist.storage.reading import direct_read
+    from pz_persist.storage.reading import page_locking
+    from pz_persist.storage.reading import staging
     from pz_persist.storage.reading import streaming
-    module = {"w": streaming, "b": streaming, "r": direct_read}[setting[0]]
-    name = {"w": "WINDOW_BYTES", "b": "BATCH_BYTES", "r": "IN_FLIGHT_BYTES"}[setting[0]]
+    if setting == "unstaged":
+      streaming.copies_to_device = lambda target: False
+      continue
+    if setting == "unlocked":
+      page_locking.locker_for = lambda device: None
+      continue
+    module = {"w": streaming, "b": streaming, "r": direct_read, "s": staging,
+              "l": staging}[setting[0]]
+    name = {"w": "WINDOW_BYTES", "b": "BATCH_BYTES", "r": "IN_FLIGHT_BYTES", "s": "SLAB_BYTES",
+            "l": "LIMIT_BYTES"}[setting[0]]
     setattr(module, name, int(setting[1:]) * 2**20)
 
 

@@ -14,8 +14,9 @@ placer's ``take`` and its waits for copies and checks. ``save`` (from arrays
 on the default device): the host copies, the writes started and finished,
 hashing the arrays, Orbax's finalize, the file digests; then ``os.sync()``.
 ``put``: one fresh ``device_put`` of four of pz_persist's read buffers,
-as they are or page-locked first (``cudaHostRegister`` through CuPy): whether
-JAX's client then skips its pinned staging copy.
+as they are or page-locked first (``cuMemHostRegister``, through
+`pz_persist.storage.reading.page_locking`): whether JAX's client then skips
+its pinned staging copy.
 """
 
 from __future__ import annotations
@@ -122,11 +123,15 @@ def profile_put(size: int, page_locked: bool) -> None:
   before = process.memory_info().rss
   register = 0.0
   if page_locked:
-    import cupy
+    from pz_persist.storage.reading import page_locking
 
+    locker = page_locking.locker_for(device)
+    if locker is None:
+      raise SystemExit(f"cannot page-lock memory for {device}")
     start = time.perf_counter()
-    for buffer in buffers:
-      cupy.cuda.runtime.hostRegister(buffer.ctypes.data, buffer.nbytes, 0)
+    locked = [locker.lock(buffer) for buffer in buffers]
+    if not all(locked):
+      raise SystemExit("cuMemHostRegister failed")
     register = time.perf_counter() - start
   for i in range(3):
     start = time.perf_counter()

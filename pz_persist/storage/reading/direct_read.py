@@ -89,6 +89,7 @@ def read(
     *,
     where: str,
     on_read: Callable[[arrays_lib.ArraySpec, np.ndarray], None],
+    buffer_for: Callable[[arrays_lib.ArraySpec], np.ndarray] | None = None,
 ) -> None:
   """Reads the stored arrays of ``specs`` into host memory, handing each to
   ``on_read`` once it is read, while TensorStore goes on reading the next
@@ -96,8 +97,10 @@ def read(
   `pz_persist.storage.reading.streaming.Placer.take`). Nothing is kept here,
   so an array placed on a device frees its host buffer for the next reads.
 
-  Each array is a NumPy array in a 64-byte aligned buffer, which a CPU
-  ``jax.Array`` adopts without a copy.
+  Each array is read into ``buffer_for(spec)`` (the placer's page-locked
+  staging buffers, for arrays on their way to an accelerator:
+  `pz_persist.storage.reading.staging`), by default a NumPy array in a new
+  64-byte aligned buffer, which a CPU ``jax.Array`` adopts without a copy.
 
   Raises:
     IntegrityError: Orbax's ``_METADATA`` cannot be read.
@@ -122,7 +125,9 @@ def read(
   rest = [spec for spec in specs if spec.key not in chunks]
   opening = _open(directory, rest, use_zarr3, use_ocdbt, context)
   if raw_store is not None and chunks:
-    unread = raw_store.read([spec for spec in small if spec.key in chunks], chunks, done)
+    unread = raw_store.read(
+        [spec for spec in small if spec.key in chunks], chunks, done, buffer_for
+    )
     if unread:  # Left to ts.open, which says what is wrong with them.
       opening.update(_open(directory, unread, use_zarr3, use_ocdbt, context))
       rest = [spec for spec in specs if spec.key in opening]
@@ -153,7 +158,11 @@ def read(
   in_flight: collections.deque[tuple[arrays_lib.ArraySpec, np.ndarray, Any]] = collections.deque()
   flying_bytes = 0
   for spec in rest:
-    out = host_memory.aligned_empty(spec.shape, spec.storage_dtype)
+    out = (
+        host_memory.aligned_empty(spec.shape, spec.storage_dtype)
+        if buffer_for is None
+        else buffer_for(spec)
+    )
     copy = ts.array(out, copy=False, write=True).write(stores.pop(spec.key))
     in_flight.append((spec, out, copy))
     flying_bytes += out.nbytes

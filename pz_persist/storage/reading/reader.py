@@ -293,7 +293,13 @@ def _read_directly(
   check = verifier.check if verifier.enabled else None
   with streaming.Placer(read.targets, check, on_placed=on_placed) as placer:
     try:
-      direct_read.read(directory, read.wanted, where=read.where, on_read=placer.take)
+      direct_read.read(
+          directory,
+          read.wanted,
+          where=read.where,
+          on_read=placer.take,
+          buffer_for=placer.buffer_for,
+      )
     except errors.ArrayReadError as e:
       raise read_failure(read.manifest, [e.key], read.where, e.cause) from e.cause
     placer.finish()

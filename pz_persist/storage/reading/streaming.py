@@ -29,6 +29,13 @@ holds the reads in flight, the window, and the largest array.
 On the CPU the copy is no copy at all (JAX adopts the 64-byte aligned host
 buffer), and the window only bounds how far the checks may lag.
 
+Arrays on their way to an accelerator are read into the placer's staging
+buffers (`Placer.buffer_for`, `pz_persist.storage.reading.staging`): a few
+slabs, page-locked for the load's duration where the device is a CUDA GPU,
+reused as soon as the copies from them are done. So a load holds no new
+host memory per array, and JAX copies from page-locked memory directly
+instead of through staging buffers of its own.
+
 Nothing is returned unchecked: `Placer.finish` waits for every check, and
 the reader raises on any mismatch before the tree is built (arrays already
 on a device are simply dropped).
@@ -47,6 +54,9 @@ import numpy as np
 
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.storage.integrity import hashing_threads
+from pz_persist.storage.reading import host_memory
+from pz_persist.storage.reading import page_locking
+from pz_persist.storage.reading import staging
 
 WINDOW_BYTES = 64 * 2**20
 """Bytes of device copies and checks left unfinished before the oldest is
@@ -62,6 +72,23 @@ not help on an H200 (32 MiB: 1 GiB in 0.63 s fresh, 0.37 s warm, against
 0.56 s and 0.41 s with 4 MiB), and they keep more bytes waiting."""
 
 Check = Callable[[arrays_lib.ArraySpec, np.ndarray], None]
+Put = Callable[[list[np.ndarray], jax.sharding.Sharding], list[jax.Array]]
+
+
+def device_put(hosts: list[np.ndarray], target: jax.sharding.Sharding) -> list[jax.Array]:
+  """Starts the copies of ``hosts`` to ``target`` (one ``jax.device_put``)."""
+  return jax.device_put(hosts, target)
+
+
+def copies_to_device(target: jax.sharding.Sharding | None) -> bool:
+  """Whether placing an array on ``target`` copies its host buffer (to an
+  accelerator's memory), so the buffer may serve again once the copy is
+  done. On a CPU, JAX adopts the buffer itself; in a host memory kind, it
+  may."""
+  if target is None or target.memory_kind not in (None, "device"):
+    return False
+  devices: set[jax.Device] = target.device_set
+  return all(device.platform != "cpu" for device in devices)
 
 
 class Placer:
@@ -77,6 +104,10 @@ class Placer:
       safe to call from several threads at once. None: nothing is checked.
     on_placed: Called on the reading thread with each spec once it is taken
       (for progress).
+    staged: Whether arrays for a target are read into the staging buffers
+      (default `copies_to_device`; tests stage CPU copies with a copying
+      ``put``).
+    put: Starts the copies of a batch to its target (``jax.device_put``).
   """
 
   def __init__(
@@ -85,10 +116,16 @@ class Placer:
       check: Check | None,
       *,
       on_placed: Callable[[arrays_lib.ArraySpec], None] | None = None,
+      staged: Callable[[jax.sharding.Sharding | None], bool] | None = None,
+      put: Put | None = None,
   ):
     self._targets = targets
     self._check = check
     self._on_placed = on_placed
+    self._staged = copies_to_device if staged is None else staged
+    self._put: Put = device_put if put is None else put
+    self._staging: staging.StagingBuffers | None = None
+    self._slabs: dict[str, staging.Slab] = {}
     self._threads = hashing_threads.pool("checks")
     self._placed: dict[str, Any] = {}
     self._batches: dict[jax.sharding.Sharding | None, _Batch] = {}
@@ -101,12 +138,41 @@ class Placer:
 
   def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
     self._threads.shutdown(wait=True, cancel_futures=True)
+    if self._staging is not None:
+      # No copy may still read a staging buffer once it is unlocked.
+      for pending in self._pending:
+        _wait_quietly(pending.arrays)
+      self._staging.close()
     if kind is not None:
       # The error's traceback holds this placer: what it placed (on an
       # accelerator, device memory) must not live as long as the error does.
       self._placed.clear()
       self._batches.clear()
       self._pending.clear()
+      self._slabs.clear()
+
+  @property
+  def staging_bytes(self) -> tuple[int, int]:
+    """The staging buffers' bytes now, and how many of them are page-locked
+    (for benchmarks)."""
+    if self._staging is None:
+      return 0, 0
+    return self._staging.nbytes, self._staging.locked_bytes
+
+  def buffer_for(self, spec: arrays_lib.ArraySpec) -> np.ndarray:
+    """The host buffer to read ``spec``'s stored array into, then hand to
+    `take`: from the staging buffers where its placement copies it, else a
+    new aligned buffer that becomes the array."""
+    target = self._targets[spec.key]
+    if not self._staged(target):
+      return host_memory.aligned_empty(spec.shape, spec.storage_dtype)
+    if self._staging is None:
+      assert target is not None
+      devices: set[jax.Device] = target.device_set
+      device = min(devices, key=lambda device: device.id)
+      self._staging = staging.StagingBuffers(page_locking.locker_for(device), self._make_room)
+    buffer, self._slabs[spec.key] = self._staging.take(spec.shape, spec.storage_dtype)
+    return buffer
 
   def take(self, spec: arrays_lib.ArraySpec, host: np.ndarray) -> None:
     """Checks and places one array just read into ``host`` (which the
@@ -140,9 +206,10 @@ class Placer:
     checks = () if self._check is None else (self._threads.submit(self._check_all, batch.items),)
     hosts = [host for _, host in batch.items]
     keys = [spec.key for spec, _ in batch.items]
-    copies: list[jax.Array] = [] if target is None else jax.device_put(hosts, target)
+    copies: list[jax.Array] = [] if target is None else self._put(hosts, target)
     self._placed.update(zip(keys, copies or hosts))
-    self._pending.append(_Pending(tuple(copies), checks, batch.nbytes))
+    slabs = tuple(self._slabs.pop(key) for key in keys if key in self._slabs)
+    self._pending.append(_Pending(tuple(copies), checks, batch.nbytes, slabs))
     self._pending_bytes += batch.nbytes
     while self._pending and self._pending_bytes > WINDOW_BYTES:
       self._settle_oldest()
@@ -155,10 +222,36 @@ class Placer:
   def _settle_oldest(self) -> None:
     oldest = self._pending.popleft()
     self._pending_bytes -= oldest.nbytes
-    for array in oldest.arrays:
+    try:
+      for array in oldest.arrays:
+        array.block_until_ready()
+      for checking in oldest.checks:
+        checking.result()
+    finally:
+      if self._staging is not None:
+        _wait_quietly(oldest.arrays)  # Released only once no copy reads them.
+        for slab in oldest.slabs:
+          self._staging.release(slab)
+
+  def _make_room(self) -> bool:
+    """For the staging buffers: waits for the oldest copies (sending what is
+    batched, if nothing else is on its way); False where nothing was."""
+    if not self._pending and self._batches:
+      self._send(max(self._batches, key=lambda place: self._batches[place].nbytes))
+    if not self._pending:
+      return False
+    self._settle_oldest()
+    return True
+
+
+def _wait_quietly(arrays: tuple[jax.Array, ...]) -> None:
+  """Waits for copies to end, whatever their outcome (the error, if any, is
+  raised where the copy is used)."""
+  for array in arrays:
+    try:
       array.block_until_ready()
-    for checking in oldest.checks:
-      checking.result()
+    except Exception:  # pylint: disable=broad-exception-caught
+      pass
 
 
 class _Batch:
@@ -176,14 +269,16 @@ class _Batch:
 class _Pending:
   """Copies sent (``arrays``) and checks started, not yet waited for."""
 
-  __slots__ = ("arrays", "checks", "nbytes")
+  __slots__ = ("arrays", "checks", "nbytes", "slabs")
 
   def __init__(
       self,
       arrays: tuple[jax.Array, ...],
       checks: tuple[concurrent.futures.Future[None], ...],
       nbytes: int,
+      slabs: tuple[staging.Slab, ...],
   ):
     self.arrays = arrays
     self.checks = checks
     self.nbytes = nbytes
+    self.slabs = slabs
