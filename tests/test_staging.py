@@ -190,6 +190,7 @@ def test_placed_arrays_are_the_bytes_read_though_slabs_are_reused(sizes):
     ) as placer:
       for i, spec in enumerate(specs):
         host = placer.buffer_for(spec)
+        assert host is not None
         host[...] = np.arange(spec.shape[0], dtype=np.float32) + 10_000 * i
         placer.take(spec, host)
       placed = placer.finish()

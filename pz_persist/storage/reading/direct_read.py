@@ -89,7 +89,7 @@ def read(
     *,
     where: str,
     on_read: Callable[[arrays_lib.ArraySpec, np.ndarray], None],
-    buffer_for: Callable[[arrays_lib.ArraySpec], np.ndarray] | None = None,
+    buffer_for: Callable[[arrays_lib.ArraySpec], np.ndarray | None] | None = None,
 ) -> None:
   """Reads the stored arrays of ``specs`` into host memory, handing each to
   ``on_read`` once it is read, while TensorStore goes on reading the next
@@ -99,8 +99,9 @@ def read(
 
   Each array is read into ``buffer_for(spec)`` (the placer's page-locked
   staging buffers, for arrays on their way to an accelerator:
-  `pz_persist.storage.reading.staging`), by default a NumPy array in a new
-  64-byte aligned buffer, which a CPU ``jax.Array`` adopts without a copy.
+  `pz_persist.storage.reading.staging`); where that is None, into a NumPy
+  array in a new 64-byte aligned buffer, which a CPU ``jax.Array`` adopts
+  without a copy.
 
   Raises:
     IntegrityError: Orbax's ``_METADATA`` cannot be read.
@@ -158,11 +159,9 @@ def read(
   in_flight: collections.deque[tuple[arrays_lib.ArraySpec, np.ndarray, Any]] = collections.deque()
   flying_bytes = 0
   for spec in rest:
-    out = (
-        host_memory.aligned_empty(spec.shape, spec.storage_dtype)
-        if buffer_for is None
-        else buffer_for(spec)
-    )
+    out = None if buffer_for is None else buffer_for(spec)
+    if out is None:
+      out = host_memory.aligned_empty(spec.shape, spec.storage_dtype)
     copy = ts.array(out, copy=False, write=True).write(stores.pop(spec.key))
     in_flight.append((spec, out, copy))
     flying_bytes += out.nbytes

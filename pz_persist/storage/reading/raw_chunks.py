@@ -135,12 +135,12 @@ class RawStore:
       specs: Sequence[arrays_lib.ArraySpec],
       chunks: dict[str, str],
       on_read: Callable[[arrays_lib.ArraySpec, np.ndarray], None],
-      buffer_for: Callable[[arrays_lib.ArraySpec], np.ndarray] | None = None,
+      buffer_for: Callable[[arrays_lib.ArraySpec], np.ndarray | None] | None = None,
   ) -> list[arrays_lib.ArraySpec]:
     """Reads the chunk of each of ``specs`` (keys in ``chunks``, from `plan`)
-    into ``buffer_for(spec)`` (by default new aligned memory: see
-    `pz_persist.storage.reading.direct_read.read`); ``on_read(spec, array)``
-    once each is read.
+    into ``buffer_for(spec)`` (where that is None, aligned heap memory of
+    its own: see `pz_persist.storage.reading.direct_read.read`);
+    ``on_read(spec, array)`` once each is read.
 
     Returns:
       The specs whose chunk was not read: missing, unreadable, or not the
@@ -161,10 +161,9 @@ class RawStore:
       if result is None or result.state != "value" or len(result.value) != nbytes:
         failed.append(spec)
         return nbytes
-      if buffer_for is None:
+      out = None if buffer_for is None else buffer_for(spec)
+      if out is None:
         out = host_memory.aligned_heap(nbytes).view(spec.storage_dtype).reshape(spec.shape)
-      else:
-        out = buffer_for(spec)
       out.reshape(-1).view(np.uint8)[:] = np.frombuffer(result.value, np.uint8)
       on_read(spec, out)
       return nbytes

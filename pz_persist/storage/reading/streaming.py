@@ -54,7 +54,6 @@ import numpy as np
 
 from pz_persist.format import array_specs as arrays_lib
 from pz_persist.storage.integrity import hashing_threads
-from pz_persist.storage.reading import host_memory
 from pz_persist.storage.reading import page_locking
 from pz_persist.storage.reading import staging
 
@@ -159,13 +158,13 @@ class Placer:
       return 0, 0
     return self._staging.nbytes, self._staging.locked_bytes
 
-  def buffer_for(self, spec: arrays_lib.ArraySpec) -> np.ndarray:
+  def buffer_for(self, spec: arrays_lib.ArraySpec) -> np.ndarray | None:
     """The host buffer to read ``spec``'s stored array into, then hand to
-    `take`: from the staging buffers where its placement copies it, else a
-    new aligned buffer that becomes the array."""
+    `take`: from the staging buffers where its placement copies it; None
+    where the reader's own new buffer is to become the array."""
     target = self._targets[spec.key]
     if not self._staged(target):
-      return host_memory.aligned_empty(spec.shape, spec.storage_dtype)
+      return None
     if self._staging is None:
       assert target is not None
       devices: set[jax.Device] = target.device_set
