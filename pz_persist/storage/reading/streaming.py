@@ -150,14 +150,6 @@ class Placer:
       self._pending.clear()
       self._slabs.clear()
 
-  @property
-  def staging_bytes(self) -> tuple[int, int]:
-    """The staging buffers' bytes now, and how many of them are page-locked
-    (for benchmarks)."""
-    if self._staging is None:
-      return 0, 0
-    return self._staging.nbytes, self._staging.locked_bytes
-
   def buffer_for(self, spec: arrays_lib.ArraySpec) -> np.ndarray | None:
     """The host buffer to read ``spec``'s stored array into, then hand to
     `take`: from the staging buffers where its placement copies it; None
