@@ -121,6 +121,19 @@ def test_export_gives_back_the_folder(saved, tmp_path, name):
                                     "n_group", "topk_group", "routed_scaling_factor"))
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_written_as_deepseek_v32_is_refused(saved, tmp_path, name):
+  """DeepSeek-V3.2 differs only in the indexer's RoPE and shares no
+  choices: asked to write a GLM-5 model as one, export refuses (the model
+  is not the layout that config would load) rather than write a different
+  model."""
+  model = pzp.pretrained.load_hf(saved[name].folder)
+  like = {**harness.config(saved[name].folder), "model_type": "deepseek_v32"}
+  del like["indexer_types"]
+  with pytest.raises(pzp.errors.PzPersistError, match="deepseek_v32"):
+    pzp.export_hf(model, tmp_path / "out", like=like)
+
+
 # --- what transformers derives indexer_types from --------------------------------------
 
 
@@ -139,6 +152,18 @@ def test_indexer_types_derived_as_transformers_derives_them(saved, tmp_path, cha
   folder = harness.edited(case.folder, tmp_path, indexer_types=harness.DELETE, **changes)
   np.testing.assert_allclose(harness.penzai_logits(pzp.pretrained.load_hf(folder)),
                              case.reference, **harness.TOLERANCE)
+
+
+def test_indexer_types_wins_over_the_pattern_and_the_schedule(saved, tmp_path):
+  """As in transformers' config, ``indexer_types`` given, the others are not
+  read (a pattern for another layer count, a schedule that would make the
+  first layer shared)."""
+  changes = {"index_topk_pattern": "FS", "index_topk_freq": 2, "index_skip_topk_offset": 0}
+  assert transformers.GlmMoeDsaConfig(
+      num_hidden_layers=4, indexer_types=_KINDS, **changes).indexer_types == _KINDS
+  folder = harness.edited(saved["glm_moe_dsa"].folder, tmp_path, **changes)
+  np.testing.assert_allclose(harness.penzai_logits(pzp.pretrained.load_hf(folder)),
+                             saved["glm_moe_dsa"].reference, **harness.TOLERANCE)
 
 
 def test_the_default_schedule_runs_every_indexer(saved, tmp_path):

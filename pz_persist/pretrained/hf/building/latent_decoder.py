@@ -3,8 +3,9 @@ attention (`pz_persist.nn.latent_attention`), dense layers then mixtures of
 experts (`pz_persist.pretrained.hf.building.deepseek_moe`), FP8 weights,
 multi-token prediction layers left unread. DeepSeek-V3 (``deepseek_v3``,
 dense layers first), GLM-4.7-Flash (``glm4_moe_lite``, dense layers
-where ``mlp_layer_types`` says) and DeepSeek-V3.2 (``deepseek_v32``, with
+where ``mlp_layer_types`` says), DeepSeek-V3.2 (``deepseek_v32``, with
 each layer's lightning indexer: `IndexerSizes`, `pz_persist.nn.sparse_attention`)
+and GLM-5 (``glm_moe_dsa``, some layers reusing an earlier indexer's choice)
 are built from it; the DeepSeek-V3 family's docstring describes the layout.
 """
 
@@ -15,6 +16,7 @@ import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
+from typing import Literal
 
 from jax.typing import DTypeLike
 from penzai import pz
@@ -308,7 +310,7 @@ def _indexer_layers(name: str, sizes: Sizes, indexer: IndexerSizes, rope_layer: 
 
 def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: float,
                      dtype: DTypeLike, indexer: IndexerSizes | None = None,
-                     choice: str = "own") -> list[pz.nn.Layer]:
+                     choice: Literal["own", "publish", "reuse"] = "own") -> list[pz.nn.Layer]:
   """MLA as `pz_persist.nn.latent_attention` lays it out:
   the `WithLatent` compression, then Penzai's ``Attention``; with
   ``indexer``, DeepSeek Sparse Attention (`pz_persist.nn.sparse_attention`):
@@ -458,7 +460,8 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
       name = f"transformer/block_{i}"
       ffw = (swiglu(f"{name}/mlp", h, sizes.intermediate, dtype) if sizes.dense(i)
              else moe.layer(f"{name}/mlp", dtype))
-      choice = ("reuse" if not indexer.runs(i) else "publish") if shares and indexer else "own"
+      choice: Literal["own", "publish", "reuse"] = (
+          ("publish" if indexer.runs(i) else "reuse") if shares and indexer else "own")
       blocks.append(model_parts.TransformerBlock(sublayers=[
           pz.nn.Residual(pz.nn.Sequential([
               _norm(f"{name}/pre_attention_norm", {"embedding": h}, sizes.eps, dtype),

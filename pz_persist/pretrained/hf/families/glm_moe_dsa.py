@@ -69,13 +69,14 @@ def _runs_own_indexer(cfg: Config, layers: int) -> Callable[[int], bool]:
   transformers' config derives ``indexer_types`` (module docstring); a first
   layer that would reuse an earlier one's choice is refused."""
   kinds = sparse_decoder.per_layer(cfg, "indexer_types", layers)
-  pattern = sparse_decoder.per_layer(cfg, "index_topk_pattern", layers)
+  pattern = cfg.get("index_topk_pattern")  # Read either way; transformers ignores it then.
   freq = max(cfg.get("index_topk_freq", FROM_TABLE), 1)
   offset = cfg.get("index_skip_topk_offset", FROM_TABLE)
   if kinds is not None:
     key = "indexer_types"
   elif pattern is not None:
     key = "index_topk_pattern"
+    pattern = sparse_decoder.per_layer(cfg, key, layers)
     kinds = [_LETTERS[letter] for letter in pattern] if isinstance(pattern, str) else pattern
   else:
     key = "index_skip_topk_offset"
