@@ -66,6 +66,15 @@ Example:
   >>> k = pz.nx.arange("seq", 3).astype(jnp.float32) * pz.nx.ones({"projection": 4})
   >>> scores(((q, w), k)).named_shape
   {'seq': 3, 'kv_seq': 3}
+
+A layer reusing the choice an earlier layer recorded in the mailbox (GLM-5):
+
+  >>> from pz_persist.nn import kv_sharing, latent_attention as mla
+  >>> keep = pz.nx.wrap(jnp.array([[True, False], [False, True]]), "seq", "kv_seq")
+  >>> reuse = dsa.SharedChoiceLogits(logits=mla.Pick(0), masked_out_value=jnp.array(-9.0))
+  >>> mailbox = {kv_sharing.SIDE_INPUT: {dsa.CHOICE_SLOT: keep}}
+  >>> reuse((pz.nx.zeros({"seq": 2, "kv_seq": 2}), None), **mailbox).unwrap("seq", "kv_seq").tolist()
+  [[0.0, -9.0], [-9.0, 0.0]]
 """
 
 from __future__ import annotations
