@@ -81,6 +81,9 @@ ADDED_AFTER_THE_MOVE = frozenset({
     ("pz_persist.nn.sparse_attention", "IndexedQuery"),
     ("pz_persist.nn.sparse_attention", "IndexerScores"),
     ("pz_persist.nn.sparse_attention", "SparseAttentionLogits"),
+    ("pz_persist.nn.sparse_attention", "PublishingSparseAttentionLogits"),  # GLM-5 (issue 40).
+    ("pz_persist.nn.sparse_attention", "SharedChoiceLogits"),
+    ("pz_persist.nn.latent_attention", "SizedPick"),
     ("pz_persist.nn.mamba", "Mamba"),  # Jamba (issue 40).
     ("pz_persist.nn.mamba", "CachingMamba"),
 })

@@ -65,6 +65,9 @@ NEW_SINCE_NEWEST_FIXTURE: frozenset[str] = frozenset({
     "pz_persist.nn.sparse_attention.IndexedQuery",
     "pz_persist.nn.sparse_attention.IndexerScores",
     "pz_persist.nn.sparse_attention.SparseAttentionLogits",
+    "pz_persist.nn.sparse_attention.PublishingSparseAttentionLogits",
+    "pz_persist.nn.sparse_attention.SharedChoiceLogits",
+    "pz_persist.nn.latent_attention.SizedPick",
 })
 """Classes of `pz_persist.nn` added since the newest fixture's release (by
 ``module.qualname``): each must be in the next release's fixture, and

@@ -27,6 +27,8 @@ from typing import Any
 
 from penzai import pz
 
+from pz_persist.nn.latent_attention import SizedPick
+
 SIDE_INPUT = "shared_kv"
 
 
@@ -73,12 +75,13 @@ class SharesKV(pz.nn.Layer):
 
 def key_axes(attention: pz.nn.Attention) -> dict[str, int]:
   """The named axes (besides the sequence and batch) of ``attention``'s
-  keys: its first key ``Linear``'s outputs, or a `SharedKV`'s; empty where
-  its keys come from no projection of its own (DeepSeek's latent attention
-  caches the latent, which Penzai's metadata sizes)."""
+  keys: its first key ``Linear``'s outputs, or a `SharedKV`'s or a
+  `SizedPick`'s; empty where its keys come from no projection of its own
+  (DeepSeek's latent attention caches the latent, which Penzai's metadata
+  sizes)."""
   for layer in pz.select(attention.input_to_key).at_instances_of(
-      pz.nn.Linear | SharedKV).get_sequence():
-    if isinstance(layer, SharedKV):
+      pz.nn.Linear | SharedKV | SizedPick).get_sequence():
+    if isinstance(layer, (SharedKV, SizedPick)):
       return dict(layer.axes)
     return {name: size for name, size in layer.weights.value.named_shape.items()
             if name in layer.out_axis_names} if not isinstance(

@@ -90,6 +90,22 @@ class Pick(pz.nn.Layer):
     return inputs[self.index]
 
 
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # Pick's fields, then ours.
+class SizedPick(Pick):
+  """A `Pick` of the latent that states its axes besides the sequence, for
+  `pz_persist.pretrained.kv_caching_lm`, which sizes this layer's cache from
+  them rather than from the model's one ``projection_dim``: in GLM-5 the
+  layers that reuse an earlier layer's sparse-attention choice cache the
+  latent alone, the others the latent and their indexer's keys
+  (`pz_persist.nn.sparse_attention`).
+
+  Attributes:
+    axes: The picked array's named axes besides the sequence and batch.
+  """
+
+  axes: tuple[tuple[str, int], ...] = static()
+
+
 @pz.pytree_dataclass
 class ApplyToParts(pz.nn.Layer):
   """Splits ``axis`` into consecutive parts, gives each (its axis renamed to

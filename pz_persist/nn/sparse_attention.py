@@ -44,6 +44,17 @@ every cached token, as transformers' ``update_indexer`` cache does.
 are Penzai's causal mask layers, which sampling mode rewires to the cached
 tokens' positions, so unwritten cache slots are never chosen.
 
+GLM-5 (`pz_persist.pretrained.hf.families.glm_moe_dsa`) rotates the indexer's
+numbers interleaved (a ``Deinterleave`` before its RoPE) and lets a layer
+reuse the choice of the last earlier layer that ran an indexer (its
+``indexer_types`` entry ``"shared"``): that earlier layer's
+`PublishingSparseAttentionLogits` records which tokens it kept in the
+forward pass's mailbox (`pz_persist.nn.kv_sharing.SharesKV`, around the
+decoder blocks), and the reusing layer, plain MLA with no indexer, masks its
+logits with it (`SharedChoiceLogits`). In sampling mode every layer sees the
+same cached positions, so the choice fits the reusing layer's logits; its
+cache holds the latent alone (`pz_persist.nn.latent_attention.SizedPick`).
+
 Example:
 
   >>> import jax, jax.numpy as jnp
@@ -55,6 +66,15 @@ Example:
   >>> k = pz.nx.arange("seq", 3).astype(jnp.float32) * pz.nx.ones({"projection": 4})
   >>> scores(((q, w), k)).named_shape
   {'seq': 3, 'kv_seq': 3}
+
+A layer reusing the choice an earlier layer recorded in the mailbox (GLM-5):
+
+  >>> from pz_persist.nn import kv_sharing, latent_attention as mla
+  >>> keep = pz.nx.wrap(jnp.array([[True, False], [False, True]]), "seq", "kv_seq")
+  >>> reuse = dsa.SharedChoiceLogits(logits=mla.Pick(0), masked_out_value=jnp.array(-9.0))
+  >>> mailbox = {kv_sharing.SIDE_INPUT: {dsa.CHOICE_SLOT: keep}}
+  >>> reuse((pz.nx.zeros({"seq": 2, "kv_seq": 2}), None), **mailbox).unwrap("seq", "kv_seq").tolist()
+  [[0.0, -9.0], [-9.0, 0.0]]
 """
 
 from __future__ import annotations
@@ -65,7 +85,12 @@ import jax
 import jax.numpy as jnp
 from penzai import pz
 
+from pz_persist.nn import kv_sharing
 from pz_persist.nn._fields import static
+
+CHOICE_SLOT = "index_top_k"
+"""The mailbox slot (`pz_persist.nn.kv_sharing`) of the indexer's choice of
+key tokens that GLM-5's ``"shared"`` layers reuse."""
 
 
 def _renamed(array: pz.nx.NamedArray, old: str, new: str) -> pz.nx.NamedArray:
@@ -186,8 +211,10 @@ class SparseAttentionLogits(pz.nn.Layer):
   top_k: int = static()
   masked_out_value: jax.typing.ArrayLike
 
-  def __call__(self, inputs: tuple[tuple[Any, Any], pz.nx.NamedArray],
-               **side_inputs) -> pz.nx.NamedArray:
+  def logits_and_choice(self, inputs: tuple[tuple[Any, Any], pz.nx.NamedArray], **side_inputs
+                        ) -> tuple[pz.nx.NamedArray, pz.nx.NamedArray | None]:
+    """The unmasked-by-choice logits, and which key tokens each query keeps
+    (over ``seq`` and ``kv_seq``; None when ``top_k`` keeps every one)."""
     (query, index_query), cached = inputs
     width = cached.named_shape["projection"]
     latent = cached[{"projection": pz.slice[:self.key_size]}]
@@ -195,7 +222,69 @@ class SparseAttentionLogits(pz.nn.Layer):
     logits = self.logits((query, latent), **side_inputs)
     tokens = logits.named_shape["kv_seq"]
     if self.top_k >= tokens:
-      return logits
+      return logits, None
     scores = self.index_scores((index_query, index_keys), **side_inputs)
     keep = pz.nx.nmap(lambda s: _top_k_mask(s, self.top_k))(scores.untag("kv_seq")).tag("kv_seq")
-    return pz.nx.nmap(jnp.where)(keep, logits, self.masked_out_value)
+    return logits, keep
+
+  def __call__(self, inputs: tuple[tuple[Any, Any], pz.nx.NamedArray],
+               **side_inputs) -> pz.nx.NamedArray:
+    return _chosen(*self.logits_and_choice(inputs, **side_inputs), self.masked_out_value)
+
+
+def _chosen(logits: pz.nx.NamedArray, keep: pz.nx.NamedArray | None,
+            masked_out_value: jax.typing.ArrayLike) -> pz.nx.NamedArray:
+  """``logits`` where ``keep`` (all of them when None), else ``masked_out_value``."""
+  return logits if keep is None else pz.nx.nmap(jnp.where)(keep, logits, masked_out_value)
+
+
+@pz.pytree_dataclass(has_implicitly_inherited_fields=True)  # Its parent's fields, then ours.
+class PublishingSparseAttentionLogits(SparseAttentionLogits):
+  """`SparseAttentionLogits` that also records its choice of key tokens in
+  the forward pass's mailbox (`pz_persist.nn.kv_sharing.SharesKV`) under
+  ``slot``, for the later layers that reuse it (`SharedChoiceLogits`:
+  GLM-5's ``"shared"`` indexer layers; module docstring).
+
+  Attributes:
+    slot: The mailbox slot.
+  """
+
+  slot: str = static(default=CHOICE_SLOT)
+
+  def __call__(self, inputs: tuple[tuple[Any, Any], pz.nx.NamedArray],
+               **side_inputs) -> pz.nx.NamedArray:
+    logits, keep = self.logits_and_choice(inputs, **side_inputs)
+    side_inputs[kv_sharing.SIDE_INPUT][self.slot] = keep
+    return _chosen(logits, keep, self.masked_out_value)
+
+
+@pz.pytree_dataclass
+class SharedChoiceLogits(pz.nn.Layer):
+  """Attention logits masked to the key tokens the last earlier
+  `PublishingSparseAttentionLogits` chose in this forward pass: a layer
+  with no indexer of its own (GLM-5's ``"shared"`` indexer layers; module
+  docstring).
+
+  Input ``(query, latent)``, what ``logits`` reads. Output: its logits,
+  those of the tokens not chosen replaced by ``masked_out_value``.
+
+  Attributes:
+    logits: ``(query, latent)`` to the (causally) masked attention logits.
+    masked_out_value: The logit of a token not chosen.
+    slot: The mailbox slot the choice is read from.
+  """
+
+  logits: pz.nn.Layer
+  masked_out_value: jax.typing.ArrayLike
+  slot: str = static(default=CHOICE_SLOT)
+
+  def __call__(self, inputs: Any, **side_inputs) -> pz.nx.NamedArray:
+    mailbox = side_inputs.get(kv_sharing.SIDE_INPUT)
+    if mailbox is None or self.slot not in mailbox:
+      raise ValueError(
+          f"SharedChoiceLogits reuses the key tokens an earlier layer chose (slot {self.slot!r}),"
+          " but none was recorded in this forward pass: run it inside a"
+          " kv_sharing.SharesKV after a PublishingSparseAttentionLogits (a model edited so that"
+          " no indexer layer comes first cannot run).")
+    return _chosen(self.logits(inputs, **side_inputs), mailbox[self.slot],
+                   self.masked_out_value)

@@ -30,7 +30,7 @@ ISSUE_40 = (
     "lfm2_moe", "qwen3_next", "gemma3n", "deepseek_v32", "minimax_m2", "glm4_moe_lite", "glm4",
     "glm", "hunyuan_v1_dense", "hunyuan_v1_moe", "ernie4_5", "ernie4_5_moe", "exaone4",
     "seed_oss", "apertus", "cohere2", "kimi_linear", "qwen2_moe", "olmoe", "phimoe",
-    "internlm3", "exaone")
+    "internlm3", "exaone", "glm_moe_dsa")
 """Every ``model_type`` issue 40 §2 names."""
 
 COMMON_DECODERS = (
@@ -96,7 +96,7 @@ def test_the_refusal_says_why_and_the_nearest_family_first(tmp_path, model_type)
 
 @pytest.mark.parametrize("model_type, nearest", [
     ("gpt_neo", "gpt2"), ("zamba", "jamba"), ("zamba2", "bamba"), ("gpt_bigcode", "gpt2"),
-    ("persimmon", "gpt_neox"), ("glm_moe_dsa", "deepseek_v3"),
+    ("persimmon", "gpt_neox"), ("minicpm3", "deepseek_v3"),
     ("mamba", "jamba"), ("falcon_mamba", "jamba"), ("bert", None)])
 def test_the_nearest_is_by_architecture_not_by_name(model_type, nearest):
   assert unsupported.UNSUPPORTED[model_type].nearest == nearest

@@ -124,8 +124,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
                  " fused (w1, v1, w2)", "mixtral", "Mixtral shares top-k routed SiLU experts"),
     "jetmoe": _row("JetMoE", "a mixture of attention heads beside its MLP experts", "mixtral",
                    "Mixtral shares top-k routed MLP experts"),
-    "glm_moe_dsa": _row("GLM-5", "DeepSeek's sparse-attention indexer", "deepseek_v3",
-                        "DeepSeek-V3 shares its latent attention and routed experts"),
     "minicpm3": _row("MiniCPM3", "depth-scaled residuals (scale_depth) around latent attention",
                      "deepseek_v3", "DeepSeek-V3 shares its latent attention"),
     # Linear attention, state-space and recurrent hybrids.

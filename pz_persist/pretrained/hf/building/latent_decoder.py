@@ -3,8 +3,9 @@ attention (`pz_persist.nn.latent_attention`), dense layers then mixtures of
 experts (`pz_persist.pretrained.hf.building.deepseek_moe`), FP8 weights,
 multi-token prediction layers left unread. DeepSeek-V3 (``deepseek_v3``,
 dense layers first), GLM-4.7-Flash (``glm4_moe_lite``, dense layers
-where ``mlp_layer_types`` says) and DeepSeek-V3.2 (``deepseek_v32``, with
+where ``mlp_layer_types`` says), DeepSeek-V3.2 (``deepseek_v32``, with
 each layer's lightning indexer: `IndexerSizes`, `pz_persist.nn.sparse_attention`)
+and GLM-5 (``glm_moe_dsa``, some layers reusing an earlier indexer's choice)
 are built from it; the DeepSeek-V3 family's docstring describes the layout.
 """
 
@@ -15,11 +16,13 @@ import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
+from typing import Literal
 
 from jax.typing import DTypeLike
 from penzai import pz
 from penzai.models.transformer import model_parts
 
+from pz_persist.nn import kv_sharing
 from pz_persist.nn import latent_attention as mla
 from pz_persist.nn import scaled_rope as scaled_rope_layer
 from pz_persist.nn import sparse_attention as dsa
@@ -96,15 +99,24 @@ class Sizes:
   interleave: bool
 
 
+def _every_layer(i: int) -> bool:
+  del i
+  return True
+
+
 @dataclasses.dataclass(frozen=True)
 class IndexerSizes:
   """DeepSeek Sparse Attention's lightning indexer (`pz_persist.nn.sparse_attention`),
   checked: ``index_n_heads`` heads of ``index_head_dim``, ``index_topk``
-  tokens kept."""
+  tokens kept; its RoPE interleaved (GLM-5) or in halves (DeepSeek-V3.2);
+  ``runs(i)``: whether layer ``i`` has an indexer of its own, or (GLM-5's
+  ``"shared"`` layers) reuses the last earlier one's choice of tokens."""
 
   heads: int
   dim: int
   top_k: int
+  interleave: bool = False
+  runs: Callable[[int], bool] = _every_layer
 
 
 def first_k_dense(cfg: Config, layers: int) -> Callable[[int], bool]:
@@ -265,13 +277,15 @@ def swiglu(name: str, hidden: int, neurons: int, dtype: DTypeLike) -> model_part
 def _indexer_layers(name: str, sizes: Sizes, indexer: IndexerSizes, rope_layer: pz.nn.Layer,
                     dtype: DTypeLike) -> tuple[pz.nn.Layer, pz.nn.Layer, pz.nn.Layer]:
   """The lightning indexer's key, query and weights layers
-  (`pz_persist.nn.sparse_attention`); its RoPE is in halves, on each head's
-  first ``qk_rope_head_dim`` numbers."""
+  (`pz_persist.nn.sparse_attention`); its RoPE is on each head's first
+  ``qk_rope_head_dim`` numbers, in halves or (``indexer.interleave``)
+  interleaved."""
   assert sizes.q_rank is not None
   dim, name = indexer.dim, f"{name}/indexer"
+  rotate = [mla.Deinterleave("rotary"), rope_layer] if indexer.interleave else [rope_layer]
 
   def rotated() -> mla.ApplyToParts:
-    return mla.ApplyToParts(parts=[pz.nn.Sequential([rope_layer]), pz.nn.Sequential([])],
+    return mla.ApplyToParts(parts=[pz.nn.Sequential(list(rotate)), pz.nn.Sequential([])],
                             names=("rotary", "projection"), sizes=(sizes.rope, dim - sizes.rope),
                             axis="projection")
 
@@ -295,12 +309,14 @@ def _indexer_layers(name: str, sizes: Sizes, indexer: IndexerSizes, rope_layer: 
 
 
 def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: float,
-                     dtype: DTypeLike, indexer: IndexerSizes | None = None
-                     ) -> list[pz.nn.Layer]:
+                     dtype: DTypeLike, indexer: IndexerSizes | None = None,
+                     choice: Literal["own", "publish", "reuse"] = "own") -> list[pz.nn.Layer]:
   """MLA as `pz_persist.nn.latent_attention` lays it out:
   the `WithLatent` compression, then Penzai's ``Attention``; with
-  ``indexer``, DeepSeek Sparse Attention's lightning indexer too
-  (`pz_persist.nn.sparse_attention`)."""
+  ``indexer``, DeepSeek Sparse Attention (`pz_persist.nn.sparse_attention`):
+  ``choice`` ``"own"``, this layer's lightning indexer chooses the tokens
+  it attends to; ``"publish"``, and later layers reuse that choice;
+  ``"reuse"``, no indexer, the last publishing layer's choice."""
   h, heads, qk = sizes.hidden, sizes.heads, sizes.nope + sizes.rope
   rotate = [mla.Deinterleave("rotary"), rope_layer] if sizes.interleave else [rope_layer]
   compress = pz.nn.Sequential([
@@ -331,25 +347,32 @@ def latent_attention(name: str, sizes: Sizes, rope_layer: pz.nn.Layer, scale: fl
           latent_size=sizes.kv_rank, nope_size=sizes.nope),
       pz.nn.ApplyCausalAttentionMask(masked_out_value=masked)]
   to_query: pz.nn.Layer = pz.nn.Sequential([mla.Pick(0), *query])
-  if indexer is not None:
+  to_key: pz.nn.Layer = mla.Pick(1)
+  if indexer is not None and choice == "reuse":
+    logits = [dsa.SharedChoiceLogits(logits=pz.nn.Sequential(logits), masked_out_value=masked)]
+    to_key = mla.SizedPick(index=1, axes=(("projection", sizes.kv_rank + sizes.rope),))
+  elif indexer is not None:
     index_key, index_query, index_weights = _indexer_layers(name, sizes, indexer, rope_layer,
                                                             dtype)
     compress = dsa.AppendIndexKey(latent=compress, index_key=index_key)
     to_query = pz.nn.Sequential([mla.Pick(0), dsa.IndexedQuery(
         latent=pz.nn.Sequential(query[:2]), query=pz.nn.Sequential(query[2:]),
         index_query=index_query, index_weights=index_weights)])
-    logits = [dsa.SparseAttentionLogits(
-        logits=pz.nn.Sequential(logits),
-        index_scores=pz.nn.Sequential([
+    sparse = {
+        "logits": pz.nn.Sequential(logits),
+        "index_scores": pz.nn.Sequential([
             dsa.IndexerScores(scale=indexer.dim ** -0.5),
             pz.nn.ApplyCausalAttentionMask(masked_out_value=jnp.array(-jnp.inf, jnp.float32))]),
-        key_size=sizes.kv_rank + sizes.rope, top_k=indexer.top_k, masked_out_value=masked)]
+        "key_size": sizes.kv_rank + sizes.rope, "top_k": indexer.top_k,
+        "masked_out_value": masked}
+    logits = [dsa.PublishingSparseAttentionLogits(**sparse) if choice == "publish"
+              else dsa.SparseAttentionLogits(**sparse)]
   return [
       mla.WithLatent(compress),
       pz.nn.Attention(
           input_to_query=to_query,
-          input_to_key=mla.Pick(1),
-          input_to_value=mla.Pick(1),
+          input_to_key=to_key,
+          input_to_value=to_key,
           query_key_to_attn=pz.nn.Sequential([*logits, pz.nn.Softmax("kv_seq")]),
           attn_value_to_output=pz.nn.Sequential([
               mla.LatentAttentionValues(
@@ -417,7 +440,8 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
     specs += [
         *norm_specs(p, s, h),
         *mla_specs(p, s, sizes, src),
-        *(indexer_specs(p, s, sizes, indexer, src) if indexer is not None else []),
+        *(indexer_specs(p, s, sizes, indexer, src)
+          if indexer is not None and indexer.runs(i) else []),
     ]
     if sizes.dense(i):
       specs += dense_mlp_specs(p, s, h, sizes.intermediate, src)
@@ -430,19 +454,27 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
     body: list[pz.nn.Layer] = [pz.nn.EmbeddingLookup(pz.nn.EmbeddingTable.from_config(
         name="transformer/embedder", init_base_rng=None, vocab_size=sizes.vocab,
         embedding_axes={"embedding": h}, dtype=dtype))]
+    shares = indexer is not None and not all(indexer.runs(i) for i in range(sizes.layers))
+    blocks: list[pz.nn.Layer] = []
     for i in range(sizes.layers):
       name = f"transformer/block_{i}"
       ffw = (swiglu(f"{name}/mlp", h, sizes.intermediate, dtype) if sizes.dense(i)
              else moe.layer(f"{name}/mlp", dtype))
-      body.append(model_parts.TransformerBlock(sublayers=[
+      choice: Literal["own", "publish", "reuse"] = (
+          ("publish" if indexer.runs(i) else "reuse") if shares and indexer else "own")
+      blocks.append(model_parts.TransformerBlock(sublayers=[
           pz.nn.Residual(pz.nn.Sequential([
               _norm(f"{name}/pre_attention_norm", {"embedding": h}, sizes.eps, dtype),
-              *latent_attention(f"{name}/attention", sizes, layer, scale, dtype, indexer),
+              *latent_attention(f"{name}/attention", sizes, layer, scale, dtype, indexer,
+                                choice),
           ])),
           pz.nn.Residual(pz.nn.Sequential([
               _norm(f"{name}/pre_ffw_norm", {"embedding": h}, sizes.eps, dtype), ffw,
           ])),
       ]))
+    # GLM-5's shared indexer layers read the choice of an earlier layer from
+    # the forward pass's mailbox (`pz_persist.nn.kv_sharing`).
+    body += [kv_sharing.SharesKV(pz.nn.Sequential(blocks))] if shares else blocks
     body += [_norm("transformer/final_norm", {"embedding": h}, sizes.eps, dtype),
              _linear("transformer/lm_head", {"embedding": h}, {"vocabulary": sizes.vocab}, dtype)]
     model = model_parts.TransformerLM(

@@ -24,122 +24,44 @@ only say ``"indexed_attention"``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
 from penzai import pz
 
-from pz_persist.nn import sparse_attention as dsa
+from pz_persist.pretrained.hf.building import sparse_decoder
 from pz_persist.pretrained.hf.building.deepseek_moe import MOE_FOREIGN
 from pz_persist.pretrained.hf.building.deepseek_moe import MOE_IGNORED
 from pz_persist.pretrained.hf.building.deepseek_moe import ROUTER_DEFAULTS_WHY
-from pz_persist.pretrained.hf.building.deepseek_moe import routing_fields
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
-from pz_persist.pretrained.hf.building.latent_decoder import FIELDS
 from pz_persist.pretrained.hf.building.latent_decoder import IndexerSizes
 from pz_persist.pretrained.hf.building.latent_decoder import Sizes
-from pz_persist.pretrained.hf.building.latent_decoder import first_k_dense
-from pz_persist.pretrained.hf.building.latent_decoder import latent_fields
 from pz_persist.pretrained.hf.building.latent_decoder import latent_plan
-from pz_persist.pretrained.hf.config import FROM_TABLE
-from pz_persist.pretrained.hf.config import POSITIVE_INT
 from pz_persist.pretrained.hf.config import Config
-from pz_persist.pretrained.hf.config_from_model import all_layers
-from pz_persist.pretrained.hf.config_from_model import first_layer
-from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
 
-_KINDS = ("dense", "sparse")
-_INDEXED = "indexed_attention"
 
-
-def _mlp_kinds(value: Any) -> bool:
-  return isinstance(value, list) and all(kind in _KINDS for kind in value)
-
-
-def _attention_kinds(value: Any) -> bool:
-  return isinstance(value, list) and all(isinstance(kind, str) for kind in value)
-
-
-def _per_layer(cfg: Config, key: str, layers: int) -> list[Any] | None:
-  given = cfg.get(key)
-  if given is not None and len(given) != layers:
-    raise cfg.unsupported(key, f"a list of {len(given)}",
-                          f"needs one entry per layer (num_hidden_layers={layers})")
-  return given
-
-
-def dense_layers(cfg: Config, layers: int) -> Callable[[int], bool]:
-  """Whether layer ``i`` is dense: as ``mlp_layer_types`` says, else (as
-  transformers derives that list) the first ``first_k_dense_replace``."""
-  given = _per_layer(cfg, "mlp_layer_types", layers)
-  first_k = first_k_dense(cfg, layers)  # Read either way: transformers' class holds it.
-  if given is None:
-    return first_k
-  dense = frozenset(i for i, kind in enumerate(given) if kind == "dense")
-  return lambda i: i in dense
-
-
-def read_indexer(cfg: Config, sizes: Sizes) -> IndexerSizes:
-  """The lightning indexer's sizes, checked against the attention's; and
-  what DeepSeek-V3.2 fixes that DeepSeek-V3 lets a config choose."""
-  kinds = _per_layer(cfg, "layer_types", sizes.layers)
-  if kinds is not None and any(kind != _INDEXED for kind in kinds):
-    other = next(kind for kind in kinds if kind != _INDEXED)
-    raise cfg.unsupported("layer_types", other, f"every DeepSeek-V3.2 layer is {_INDEXED!r}"
-                          " (the indexer's sparse attention); no other kind is built")
-  if not sizes.interleave:
-    raise cfg.unsupported("rope_interleave", False, "transformers' DeepSeek-V3.2 always reads"
-                          " the rotary numbers interleaved; drop the field")
-  if cfg.get("mlp_bias", FROM_TABLE):
-    raise cfg.unsupported("mlp_bias", True, "transformers' DeepSeek-V3.2 MLPs have no biases")
-  if sizes.q_rank is None:
-    raise cfg.unsupported("q_lora_rank", None, "DeepSeek-V3.2's indexer reads its queries"
-                          " from the low-rank query latent, which it must have")
-  dim = cfg.get("index_head_dim", FROM_TABLE)
-  if dim < sizes.rope:
-    raise cfg.unsupported("index_head_dim", dim, f"the indexer rotates its first"
-                          f" qk_rope_head_dim={sizes.rope} numbers: it must be at least that")
-  return IndexerSizes(heads=cfg.get("index_n_heads", FROM_TABLE), dim=dim,
-                      top_k=cfg.get("index_topk", FROM_TABLE))
+def _read_indexer(cfg: Config, sizes: Sizes) -> IndexerSizes:
+  """The indexer of every layer, its RoPE in halves."""
+  return sparse_decoder.read_indexer(cfg, sizes, "DeepSeek-V3.2")
 
 
 def deepseek_v32_plan(cfg: Config, weights: Weights) -> Plan:
   """Maps a DeepSeek-V3.2 checkpoint to Penzai (module docstring)."""
-  return latent_plan(cfg, weights, dense=dense_layers, read_indexer=read_indexer)
+  return latent_plan(cfg, weights, dense=sparse_decoder.dense_layers, read_indexer=_read_indexer)
 
 
 def _detect(model: pz.nn.Layer) -> str | None:
-  """Latent attention with a lightning indexer."""
-  return "deepseek_v32" if all_layers(model, dsa.SparseAttentionLogits) else None
+  """Latent attention with a lightning indexer whose RoPE is in halves."""
+  return "deepseek_v32" if sparse_decoder.indexer_interleaved(model) is False else None
 
 
 def _write_config(model: pz.nn.Layer, model_type: str, like: Mapping[str, Any]) -> dict[str, Any]:
   del model_type  # Only deepseek_v32.
-  fields, dense = latent_fields(model, like)
-  fields.update(routing_fields(model, like, sum(dense)))
-  sparse = first_layer(model, dsa.SparseAttentionLogits, "sparse attention")
-  index_query = first_layer(model, dsa.IndexedQuery, "indexer query").index_query
-  query = named_shape(first_layer(index_query, pz.nn.Linear, "indexer query"))
-  del fields["rope_interleave"]  # Not a field of transformers' class: always interleaved.
-  fields.update({
-      "index_topk": sparse.top_k, "index_n_heads": query["index_heads"],
-      "index_head_dim": query["projection"],
-      "mlp_layer_types": [_KINDS[0] if d else _KINDS[1] for d in dense],
-      "layer_types": [_INDEXED] * len(dense), "mlp_bias": False,
-  })
-  prefix = sum(dense)
-  if dense == [True] * prefix + [False] * (len(dense) - prefix):
-    fields["first_k_dense_replace"] = prefix
-  else:  # transformers reads mlp_layer_types; a first_k that disagrees would mislead.
-    fields["first_k_dense_replace"] = like.get("first_k_dense_replace", 0)
-  if "num_nextn_predict_layers" not in like:
-    del fields["num_nextn_predict_layers"]
-  return fields
+  return sparse_decoder.sparse_fields(model, like)[0]
 
 
 _HUB_FIELD = ("the Hub's config.json field, which transformers' class lacks (its model skips the"
@@ -183,8 +105,5 @@ RECORD = Family(
              " `layer_types` other than indexed attention, `index_head_dim` below"
              " `qk_rope_head_dim`"),
     rank=1,
-    fields={**FIELDS, "mlp_layer_types": (_mlp_kinds, 'a list of "dense" / "sparse"'),
-            "layer_types": (_attention_kinds, 'a list of "indexed_attention"'),
-            "index_topk": POSITIVE_INT, "index_head_dim": POSITIVE_INT,
-            "index_n_heads": POSITIVE_INT},
+    fields=sparse_decoder.SPARSE_FIELDS,
 )
