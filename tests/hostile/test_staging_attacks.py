@@ -55,6 +55,8 @@ class _Lazy:
 
   def block_until_ready(self) -> _Lazy:
     if self.value is None:
+      if self.watch.fail_always is not None:
+        raise self.watch.fail_always
       if self.watch.fail_wait is not None:
         self.value = np.empty(0)  # Failed: done, reading nothing more.
         self.host = None
@@ -74,6 +76,7 @@ class _Watch:
     self.peak = 0
     self.largest = 0
     self.fail_wait: BaseException | None = None
+    self.fail_always: BaseException | None = None
     self.fail_put: BaseException | None = None
     self.puts = 0
 
@@ -402,6 +405,13 @@ def test_a_copy_that_fails_when_waited_for_undoes_every_lock(tmp_path, watch, in
   for copy in watch.copies:
     copy.block_until_ready()  # What a real DMA would have done by now.
   _failed(watch, raised)
+
+
+def test_a_wait_interrupted_every_time_does_not_hang_the_load(tmp_path, watch):
+  path, _ = _saved(tmp_path)
+  watch.fail_always = KeyboardInterrupt()
+  with pytest.raises(KeyboardInterrupt):
+    pzp.load(path)  # Returns: the copies it gave up on are the user's second Ctrl-C.
 
 
 @pytest.mark.parametrize("interrupt", [RuntimeError("check broke"), KeyboardInterrupt()])
