@@ -579,3 +579,24 @@ def test_ctypes_signatures_of_the_driver_calls():
   locker.close()
   assert not driver.registered and driver.retained == 0
   assert ctypes.sizeof(ctypes.c_size_t) == 8
+
+
+class _FakeGpu:
+  platform = "gpu"
+  client = type("Client", (), {"platform_version": "cuda 12.8"})()
+
+  def __init__(self, ordinal):
+    self.local_hardware_id = ordinal
+
+
+@pytest.mark.parametrize("ordinal", [None, -1])
+def test_a_gpu_without_a_cuda_ordinal_gets_no_locker(monkeypatch, ordinal):
+  """PJRT's local_hardware_id is the CUDA ordinal, or -1 where undefined:
+  then no other GPU's primary context is retained in its place."""
+  driver = test_staging._FakeCudaDriver()  # pylint: disable=protected-access
+  monkeypatch.setattr(page_locking, "_cuda_driver", lambda: driver)
+  assert page_locking.locker_for(_FakeGpu(ordinal)) is None
+  assert driver.retained == 0
+  locker = page_locking.locker_for(_FakeGpu(2))
+  assert locker is not None and driver.retained == 1
+  locker.close()
