@@ -18,6 +18,8 @@ import gc
 import threading
 import weakref
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -30,6 +32,7 @@ from treecompare import assert_identical
 
 import pz_persist as pzp
 from pz_persist import errors
+from pz_persist.format import array_specs as arrays_lib
 from pz_persist.storage.integrity import checksums as checksums_lib
 from pz_persist.storage.reading import direct_read
 from pz_persist.storage.reading import page_locking
@@ -600,3 +603,40 @@ def test_a_gpu_without_a_cuda_ordinal_gets_no_locker(monkeypatch, ordinal):
   locker = page_locking.locker_for(_FakeGpu(2))
   assert locker is not None and driver.retained == 1
   locker.close()
+
+
+@hypothesis.settings(max_examples=100, deadline=None)
+@hypothesis.given(
+    st.lists(
+        st.sampled_from([0, 1, 63, 64, 65, 4095, 8191, 8192, 8193, 20_000, 32_768, 40_000]),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_slabs_stay_within_the_limit_but_for_an_array_larger(sizes):
+  """Read one at a time (nothing in flight), the slabs never pass
+  ``LIMIT_BYTES`` but to hold one array larger than it, and every array
+  placed is its own bytes though slabs are reused."""
+  with pytest.MonkeyPatch.context() as patch:
+    test_staging._use_small_slabs(patch)  # pylint: disable=protected-access
+    seen = _Watch()
+    patch.setattr(page_locking, "locker_for", lambda device: seen.locker())
+    specs = [
+        arrays_lib.ArraySpec(key=f"a{i}", shape=(n,), dtype="uint8", kind="jax")
+        for i, n in enumerate(sizes)
+    ]
+    target = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with streaming.Placer(
+        {spec.key: target for spec in specs}, None, staged=lambda t: True, put=seen.put
+    ) as placer:
+      for i, spec in enumerate(specs):
+        host = placer.buffer_for(spec)
+        host[...] = (np.arange(spec.shape[0]) + i) % 251
+        placer.take(spec, host)
+        own = -(-spec.shape[0] // 4096) * 4096
+        assert placer.staging_bytes[0] <= max(staging.LIMIT_BYTES, own + staging.SLAB_BYTES)
+      placed = placer.finish()
+    for i, spec in enumerate(specs):
+      expected = (np.arange(spec.shape[0]) + i) % 251
+      np.testing.assert_array_equal(placed[spec.key].value, expected.astype(np.uint8))
+    _all_undone(seen)

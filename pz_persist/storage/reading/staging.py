@@ -20,7 +20,10 @@ their device.
   that, ``make_room`` is called (the placer waits for its oldest copies),
   free slabs too small for the array are dropped, and only where nothing is
   left to wait for is the limit passed (an array larger than it, or reads
-  in flight holding every slab).
+  in flight holding every slab). A slab made for an array larger than the
+  limit is dropped once free rather than serving smaller arrays, and an
+  idle slab being filled counts as free: so the limit is passed only while
+  such an array is on its way.
 
 `close` unlocks every slab; the caller must have waited for every copy from
 them first (DMA from memory being unlocked is undefined).
@@ -148,7 +151,16 @@ class StagingBuffers:
   def _free_slab(self, nbytes: int) -> Slab:
     capacity = max(SLAB_BYTES, -(-nbytes // _PAGE) * _PAGE)
     while True:
-      fitting = [slab for slab in self._free if slab.capacity >= capacity]
+      if self._open is not None and self._open.live == 0:
+        self._close_open()  # Idle: free to serve, or to drop, like any other.
+      # Past the limit (a slab made for an array larger than it), only a
+      # slab of the size asked serves again; a larger one is dropped below.
+      within = self.nbytes <= LIMIT_BYTES
+      fitting = [
+          slab
+          for slab in self._free
+          if slab.capacity == capacity or (within and slab.capacity > capacity)
+      ]
       if fitting:
         slab = min(fitting, key=lambda slab: slab.capacity)
         self._free.remove(slab)
