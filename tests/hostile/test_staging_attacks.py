@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import threading
+import types
 import weakref
 
 import hypothesis
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import tensorstore
 from orbax import checkpoint as ocp
 from orbax.checkpoint import v1 as ocp_v1
 from penzai import pz
@@ -69,6 +71,29 @@ class _Lazy:
     return self
 
 
+class _LazyRead:
+  """A TensorStore read that writes into its buffer only when waited for
+  (slow storage): a buffer let go of before then is written after."""
+
+  def __init__(self, store, source):
+    self._store, self._source = store, source
+    self._finished = False
+    self._cancelled = False
+
+  def cancel(self) -> None:
+    self._cancelled = True
+
+  def done(self) -> bool:
+    return self._finished
+
+  def result(self):
+    if not self._finished:
+      self._finished = True
+      if self._cancelled:
+        raise RuntimeError("cancelled")
+      self._store.write(self._source).result()
+
+
 class _Watch:
   """What a staged load did: locks, lazy copies, slabs made, their bytes."""
 
@@ -80,6 +105,7 @@ class _Watch:
     self.largest = 0
     self.fail_wait: BaseException | None = None
     self.fail_always: BaseException | None = None
+    self.reads: list[tuple[np.ndarray, _LazyRead]] = []
     self.fail_put: BaseException | None = None
     self.puts = 0
 
@@ -90,6 +116,19 @@ class _Watch:
     copies = [_Lazy(host, target, self) for host in hosts]
     self.copies.extend(copies)
     return copies
+
+  def read_into(self, out: np.ndarray, **kwargs):
+    """TensorStore's view of ``out``, its writes (reads from storage) recorded."""
+    store = tensorstore.array(out, **kwargs)
+    reads = self.reads
+
+    class _Recorded:
+      def write(self, source):
+        future = _LazyRead(store, source)
+        reads.append((out, future))
+        return future
+
+    return _Recorded()
 
   def unwaited_from(self, buffer: np.ndarray) -> list[_Lazy]:
     return [c for c in self.copies if c.host is not None and np.shares_memory(c.host, buffer)]
@@ -122,6 +161,9 @@ class _CheckingLocker(test_staging._FakeLocker):  # pylint: disable=protected-ac
 
   def unlock(self, buffer):
     assert not self._watch.unwaited_from(buffer), "a slab was unlocked under a running copy"
+    assert all(
+        future.done() for out, future in self._watch.reads if np.shares_memory(out, buffer)
+    ), "a slab was unlocked while a read still wrote into it"
     super().unlock(buffer)
 
 
@@ -149,6 +191,7 @@ def watch(monkeypatch):
     return placed
 
   monkeypatch.setattr(streaming.Placer, "finish", finishing)
+  monkeypatch.setattr(direct_read, "ts", _RecordingTensorStore(seen))
   make = staging.Slab.__init__
 
   def making(slab, capacity, locker):
@@ -166,6 +209,17 @@ def watch(monkeypatch):
 
   monkeypatch.setattr(staging.StagingBuffers, "_free_slab", freeing)
   return seen
+
+
+class _RecordingTensorStore(types.ModuleType):
+  """``tensorstore`` as `direct_read` uses it, its reads into buffers recorded."""
+
+  def __init__(self, seen: _Watch):
+    super().__init__("tensorstore")
+    self.array = seen.read_into
+
+  def __getattr__(self, name):
+    return getattr(tensorstore, name)
 
 
 def _all_undone(seen: _Watch) -> None:
