@@ -158,18 +158,37 @@ def read(
 
   in_flight: collections.deque[tuple[arrays_lib.ArraySpec, np.ndarray, Any]] = collections.deque()
   flying_bytes = 0
-  for spec in rest:
-    out = None if buffer_for is None else buffer_for(spec)
-    if out is None:
-      out = host_memory.aligned_empty(spec.shape, spec.storage_dtype)
-    copy = ts.array(out, copy=False, write=True).write(stores.pop(spec.key))
-    in_flight.append((spec, out, copy))
-    flying_bytes += out.nbytes
-    while in_flight and flying_bytes > IN_FLIGHT_BYTES:
-      flying_bytes -= finish(in_flight.popleft())
-  while in_flight:
-    finish(in_flight.popleft())
+  try:
+    for spec in rest:
+      out = None if buffer_for is None else buffer_for(spec)
+      if out is None:
+        out = host_memory.aligned_empty(spec.shape, spec.storage_dtype)
+      copy = ts.array(out, copy=False, write=True).write(stores.pop(spec.key))
+      in_flight.append((spec, out, copy))
+      flying_bytes += out.nbytes
+      while in_flight and flying_bytes > IN_FLIGHT_BYTES:
+        flying_bytes -= finish(in_flight.popleft())
+    while in_flight:
+      finish(in_flight.popleft())
+  finally:
+    # Failed: no read may go on writing into a buffer once this returns (the
+    # caller's staging buffers are unlocked and let go of then).
+    _wait_for_reads(in_flight)
   host_memory.release_freed()
+
+
+def _wait_for_reads(in_flight: collections.deque[tuple[arrays_lib.ArraySpec, np.ndarray, Any]]) -> None:
+  """Cancels the reads still writing into their buffers and waits for them,
+  whatever their outcome (the failure already raised is the one reported),
+  and forgets them. A second Ctrl-C stops the wait."""
+  for _, _, copy in in_flight:
+    copy.cancel()
+  while in_flight:
+    _, _, copy = in_flight.popleft()
+    try:
+      copy.result()
+    except Exception:  # pylint: disable=broad-exception-caught  # Already failing.
+      pass
 
 
 def _open(

@@ -136,12 +136,16 @@ def locker_for(device: jax.Device) -> Locker | None:
   page-lock memory for it (not a CUDA GPU, or the driver is unavailable)."""
   if device.platform != "gpu" or "rocm" in device.client.platform_version.lower():
     return None
+  # PJRT's local_hardware_id is the CUDA ordinal, -1 where undefined: then no
+  # guess (retaining another GPU's primary context would cost its memory).
+  ordinal = getattr(device, "local_hardware_id", None)
+  if not isinstance(ordinal, int) or ordinal < 0:
+    return None
   driver = _cuda_driver()
   if driver is None:
     return None
-  ordinal = getattr(device, "local_hardware_id", None)
   try:
-    return _CudaDriverLocker(driver, 0 if ordinal is None else ordinal)
+    return _CudaDriverLocker(driver, ordinal)
   except (_DriverError, AttributeError) as e:
     _LOG.debug("cannot page-lock read buffers for %s: %s", device, e)
     return None

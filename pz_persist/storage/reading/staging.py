@@ -20,7 +20,10 @@ their device.
   that, ``make_room`` is called (the placer waits for its oldest copies),
   free slabs too small for the array are dropped, and only where nothing is
   left to wait for is the limit passed (an array larger than it, or reads
-  in flight holding every slab).
+  in flight holding every slab). A slab made for an array larger than the
+  limit is dropped once free rather than serving smaller arrays, and an
+  idle slab being filled counts as free: so the limit is passed only while
+  such an array is on its way.
 
 `close` unlocks every slab; the caller must have waited for every copy from
 them first (DMA from memory being unlocked is undefined).
@@ -32,6 +35,7 @@ reused (`pz_persist.storage.reading.host_memory.aligned_empty`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -49,6 +53,8 @@ LIMIT_BYTES = 128 * 2**20
 
 _PAGE = 4096
 
+_LOG = logging.getLogger(__name__)
+
 
 class Slab:
   """One page-locked buffer and the arrays carved from it."""
@@ -59,7 +65,7 @@ class Slab:
     self.buffer = host_memory.aligned_empty((capacity,), np.dtype(np.uint8))
     self.used = 0
     self.live = 0
-    self.locked = locker is not None and locker.lock(self.buffer)
+    self.locked = locker is not None and _lock(locker, self.buffer)
 
   @property
   def capacity(self) -> int:
@@ -127,13 +133,15 @@ class StagingBuffers:
     """Unlocks every slab and lets go of them (every copy from them must be
     done)."""
     slabs, self._slabs, self._free, self._open = self._slabs, [], [], None
+    locker, self._locker = self._locker, None
+    if locker is None:
+      return
     for slab in slabs:
-      if slab.locked and self._locker is not None:
-        self._locker.unlock(slab.buffer)
-        slab.locked = False
-    if self._locker is not None:
-      self._locker.close()
-      self._locker = None
+      _unlock(locker, slab)
+    try:
+      locker.close()
+    except Exception as e:  # pylint: disable=broad-exception-caught  # Locking is optional.
+      _LOG.debug("closing the page locker failed: %s", e)
 
   def _close_open(self) -> None:
     slab, self._open = self._open, None
@@ -143,7 +151,16 @@ class StagingBuffers:
   def _free_slab(self, nbytes: int) -> Slab:
     capacity = max(SLAB_BYTES, -(-nbytes // _PAGE) * _PAGE)
     while True:
-      fitting = [slab for slab in self._free if slab.capacity >= capacity]
+      if self._open is not None and self._open.live == 0:
+        self._close_open()  # Idle: free to serve, or to drop, like any other.
+      # Past the limit (a slab made for an array larger than it), only a
+      # slab of the size asked serves again; a larger one is dropped below.
+      within = self.nbytes <= LIMIT_BYTES
+      fitting = [
+          slab
+          for slab in self._free
+          if slab.capacity == capacity or (within and slab.capacity > capacity)
+      ]
       if fitting:
         slab = min(fitting, key=lambda slab: slab.capacity)
         self._free.remove(slab)
@@ -159,5 +176,28 @@ class StagingBuffers:
   def _drop(self, slab: Slab) -> None:
     self._free.remove(slab)
     self._slabs.remove(slab)
-    if slab.locked and self._locker is not None:
-      self._locker.unlock(slab.buffer)
+    if self._locker is not None:
+      _unlock(self._locker, slab)
+
+
+# Every lock and unlock goes through these two: page-locking only speeds
+# copies up, so a locker that raises (a CUDA driver call failing, say) must
+# neither fail the load nor keep the other slabs locked.
+
+
+def _lock(locker: page_locking.Locker, buffer: np.ndarray) -> bool:
+  try:
+    return locker.lock(buffer)
+  except Exception as e:  # pylint: disable=broad-exception-caught  # Locking is optional.
+    _LOG.debug("page-locking %d bytes failed: %s", buffer.nbytes, e)
+    return False
+
+
+def _unlock(locker: page_locking.Locker, slab: Slab) -> None:
+  if not slab.locked:
+    return
+  slab.locked = False
+  try:
+    locker.unlock(slab.buffer)
+  except Exception as e:  # pylint: disable=broad-exception-caught  # Locking is optional.
+    _LOG.debug("unlocking %d bytes failed: %s", slab.capacity, e)

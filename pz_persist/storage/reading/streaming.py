@@ -45,6 +45,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import sys
+import traceback
+import types
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -131,24 +134,39 @@ class Placer:
     self._pending: collections.deque[_Pending] = collections.deque()
     self._pending_bytes = 0
     self._batched_bytes = 0
+    self._outer: BaseException | None = None
 
   def __enter__(self) -> Placer:
+    self._outer = sys.exception()
     return self
 
-  def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
-    self._threads.shutdown(wait=True, cancel_futures=True)
-    if self._staging is not None:
-      # No copy may still read a staging buffer once it is unlocked.
-      for pending in self._pending:
-        _wait_quietly(pending.arrays)
-      self._staging.close()
-    if kind is not None:
-      # The error's traceback holds this placer: what it placed (on an
-      # accelerator, device memory) must not live as long as the error does.
-      self._placed.clear()
-      self._batches.clear()
-      self._pending.clear()
-      self._slabs.clear()
+  def __exit__(
+      self,
+      kind: type[BaseException] | None,
+      error: BaseException | None,
+      trace: types.TracebackType | None,
+  ) -> None:
+    interrupted: BaseException | None = None
+    try:
+      self._threads.shutdown(wait=True, cancel_futures=True)
+    finally:
+      if self._staging is not None:
+        # No copy may still read a staging buffer once it is unlocked.
+        for pending in self._pending:
+          interrupted = _wait_quietly(pending.arrays) or interrupted
+          pending.arrays, pending.slabs = (), ()  # A traceback may hold this frame.
+        self._staging.close()
+      if kind is not None:
+        # The error's traceback holds this placer: what it placed (on an
+        # accelerator, device memory) must not live as long as the error does.
+        self._placed.clear()
+        self._batches.clear()
+        self._pending.clear()
+        self._slabs.clear()
+        traceback.clear_frames(trace)  # Also where ``error``'s own was replaced since.
+        _forget_locals(error, self._outer)
+    if interrupted is not None and kind is None:
+      raise interrupted
 
   def buffer_for(self, spec: arrays_lib.ArraySpec) -> np.ndarray | None:
     """The host buffer to read ``spec``'s stored array into, then hand to
@@ -219,10 +237,14 @@ class Placer:
       for checking in oldest.checks:
         checking.result()
     finally:
+      interrupted = None
       if self._staging is not None:
-        _wait_quietly(oldest.arrays)  # Released only once no copy reads them.
+        interrupted = _wait_quietly(oldest.arrays)  # Released only once no copy reads them.
         for slab in oldest.slabs:
           self._staging.release(slab)
+      oldest.arrays, oldest.slabs = (), ()  # The error's traceback holds ``oldest``.
+    if interrupted is not None:
+      raise interrupted
 
   def _make_room(self) -> bool:
     """For the staging buffers: waits for the oldest copies (sending what is
@@ -235,14 +257,42 @@ class Placer:
     return True
 
 
-def _wait_quietly(arrays: tuple[jax.Array, ...]) -> None:
+def _wait_quietly(arrays: tuple[jax.Array, ...]) -> BaseException | None:
   """Waits for copies to end, whatever their outcome (the error, if any, is
-  raised where the copy is used)."""
+  raised where the copy is used), Ctrl-C included: an interrupted wait is
+  waited for once more, since the copy may go on reading its staging buffer
+  (only once: a wait that is always interrupted must not hang the load).
+  Returns the first interruption, for the caller to raise once its buffers
+  are safe."""
+  interrupted: BaseException | None = None
   for array in arrays:
-    try:
-      array.block_until_ready()
-    except Exception:  # pylint: disable=broad-exception-caught
-      pass
+    for _ in range(2):
+      try:
+        array.block_until_ready()
+      except Exception:  # pylint: disable=broad-exception-caught
+        pass
+      except BaseException as e:  # pylint: disable=broad-exception-caught  # Ctrl-C: wait again.
+        interrupted = interrupted or e
+        continue
+      break
+  return interrupted
+
+
+def _forget_locals(error: BaseException | None, outer: BaseException | None) -> None:
+  """Clears the local variables of the finished frames in the tracebacks of
+  ``error`` and of the errors it chains to (its causes and contexts) down to
+  ``outer``, the one being handled when the load began (the caller's, left
+  as it is). Those frames are the load's own calls, and they hold host
+  buffers (staging slabs, arrays read, batches) that must not live as long
+  as the error does. Frames still running are left alone."""
+  stack, seen = [error], {id(outer)}
+  while stack:
+    linked = stack.pop()
+    if linked is None or id(linked) in seen:
+      continue
+    seen.add(id(linked))
+    traceback.clear_frames(linked.__traceback__)
+    stack += [linked.__cause__, linked.__context__]
 
 
 class _Batch:
