@@ -342,8 +342,11 @@ RECORD = Family(
                                                        "router_aux_loss_coef"),
             "which implementation of the same scan transformers runs": _KERNEL_CHOICES,
             "how many positions' logits transformers 4.x computed at generation": (
-                "num_logits_to_keep",)},
-        foreign_fields=frozenset({"num_logits_to_keep"}))},
+                "num_logits_to_keep",),
+            "Jamba-v0.1's first config.json, for AI21's remote code: its context length and"
+            " its name of num_logits_to_keep": ("n_ctx", "calc_logits_for_entire_prompt")},
+        foreign_fields=frozenset({"num_logits_to_keep", "n_ctx",
+                                  "calc_logits_for_entire_prompt"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("Mamba-1 mixers (`Mamba`: selective scan with a per-channel `A`, low-rank time step,"
