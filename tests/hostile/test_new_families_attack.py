@@ -203,3 +203,20 @@ def test_gemma3n_e2b_pattern_matches_transformers_and_generate(tmp_path):
   saved = harness.hub_saved(tmp_path, _GEMMA3N_E2B)
   print("Gemma 3n E2B shrunk, float32:", _matches_transformers(saved))
   harness.check_generate(saved, steps=12, prompt=1)
+
+
+def test_a_null_time_step_limit_transformers_cannot_run_is_refused(tmp_path):
+  """Falcon-H1 (as Bamba and Granite 4's hybrids) clamps the time step by
+  ``time_step_limit``; transformers fails on a null one, so it is refused
+  (before any tensor is read), where it was read as no limit."""
+  falcon = {"model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"],
+            "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 64,
+            "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_d_state": 8,
+            "mamba_chunk_size": 16, "pad_token_id": 0}
+  saved = harness.hub_saved(tmp_path, falcon)
+  folder = harness.edited(saved.folder, tmp_path, time_step_limit=None)
+  with pytest.raises(errors.UnsupportedConfigError, match="time_step_limit"):
+    pzp.pretrained.load_hf(folder)
+  with pytest.raises(TypeError):  # transformers' own failure, so the refusal loses nothing.
+    harness.reference_logits(transformers.AutoModelForCausalLM.from_pretrained(folder))
