@@ -456,8 +456,13 @@ def hub_saved(tmp_path, hub_config: dict[str, Any]) -> Saved:
   folder.mkdir()
   (folder / "config.json").write_text(json.dumps(hub_config))
   torch.manual_seed(0)
+  # Built in float32 from the start: built in the config's dtype (the Hub's
+  # say bfloat16) and then cast, the scalars a model keeps outside its
+  # weights (Gemma's embedding scales, non-persistent buffers) stay rounded
+  # to bfloat16, where transformers' own float32 load computes them anew
+  # (Gemma 3n's logits moved by 0.015 on ten layers).
   model = randomized(transformers.AutoModelForCausalLM.from_config(
-      transformers.AutoConfig.from_pretrained(folder)).float())  # Weights in float32.
+      transformers.AutoConfig.from_pretrained(folder), dtype=torch.float32))
   model.save_pretrained(tmp_path / "weights", safe_serialization=True)
   for name in os.listdir(tmp_path / "weights"):
     if name.endswith(".safetensors"):

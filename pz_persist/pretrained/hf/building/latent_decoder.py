@@ -126,10 +126,15 @@ def first_k_dense(cfg: Config, layers: int) -> Callable[[int], bool]:
   return lambda i: i < dense
 
 
-def read_sizes(cfg: Config, dense: DenseRule = first_k_dense) -> Sizes:
+def read_sizes(cfg: Config, dense: DenseRule = first_k_dense,
+               derived: tuple[str, ...] = ("qk_head_dim", "head_dim")) -> Sizes:
   """The attention and MLP sizes, each checked against the others as
   transformers' model would use them; ``dense`` says which layers have a
-  dense MLP."""
+  dense MLP. ``derived`` are the fields the family's transformers model
+  reads although its config class derives them (a file's other value would
+  change its math, so it is refused); a family whose model reads neither
+  passes fewer (Kimi-Linear: the Hub's config writes ``head_dim`` as
+  ``hidden_size / num_attention_heads``, which nothing reads)."""
   heads = cfg.require("num_attention_heads")
   # MLA up-projects keys and values for every head, so transformers never
   # groups them: num_key_value_heads is unused unless smaller than the heads
@@ -144,7 +149,7 @@ def read_sizes(cfg: Config, dense: DenseRule = first_k_dense) -> Sizes:
   nope, rope = cfg.require("qk_nope_head_dim"), cfg.require("qk_rope_head_dim")
   for key, value in (("qk_head_dim", nope + rope), ("head_dim", rope)):
     given = cfg.get(key)
-    if given is not None and given != value:  # Derived fields transformers writes.
+    if key in derived and given is not None and given != value:  # Derived fields transformers writes.
       raise cfg.unsupported(key, given, f"DeepSeek-V3 derives it as {value} from"
                             " qk_nope_head_dim and qk_rope_head_dim")
   layers = cfg.require("num_hidden_layers")

@@ -138,6 +138,10 @@ def mamba_sizes(cfg: Config, hidden: int, intermediate: int | None = None) -> Ma
                           "no published Mamba-2 hybrid has in_proj / out_proj biases, and"
                           " pz_persist does not read them")
   cfg.require("mamba_chunk_size")  # Checked; the scan's chunks regroup the same sums.
+  if "time_step_limit" in cfg.raw and cfg.raw["time_step_limit"] is None:
+    # transformers' mixers index it (a TypeError on null); absent means no limit.
+    raise cfg.unsupported("time_step_limit", None, "transformers' Mamba-2 mixers clamp the time"
+                          " step by it and cannot run a null one; leave it out for no limit")
   limit = cfg.get("time_step_limit")
   low, high = (0.0, _INF) if limit is None else (_float(limit[0]), _float(limit[1]))
   assert low is not None and high is not None  # The schema checked both.

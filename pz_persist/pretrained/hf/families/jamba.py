@@ -216,15 +216,19 @@ def _detect(model: pz.nn.Layer) -> str | None:
 def _period(chosen: list[bool], like: Mapping[str, Any], keys: tuple[str, str]
             ) -> tuple[int, int]:
   """A ``(period, offset)`` choosing exactly ``chosen`` by ``i % period ==
-  offset``: ``like``'s when it does, else the smallest period that does."""
+  offset``: ``like``'s when it does (a field it leaves out meaning
+  JambaConfig's default, so that the written config reads back as ``like``
+  does), else the smallest period that does."""
   layers = len(chosen)
+  defaults = _TRANSFORMERS_DEFAULTS["jamba"]["defaults"]
 
   def fits(period: Any, offset: Any) -> bool:
     return (isinstance(period, int) and isinstance(offset, int) and 0 <= offset < period
             and [i % period == offset for i in range(layers)] == chosen)
 
-  if fits(like.get(keys[0]), like.get(keys[1])):
-    return like[keys[0]], like[keys[1]]
+  given = like.get(keys[0], defaults[keys[0]]), like.get(keys[1], defaults[keys[1]])
+  if fits(*given):
+    return given
   for period in range(1, layers + 2):
     for offset in range(period):
       if fits(period, offset):
@@ -342,8 +346,11 @@ RECORD = Family(
                                                        "router_aux_loss_coef"),
             "which implementation of the same scan transformers runs": _KERNEL_CHOICES,
             "how many positions' logits transformers 4.x computed at generation": (
-                "num_logits_to_keep",)},
-        foreign_fields=frozenset({"num_logits_to_keep"}))},
+                "num_logits_to_keep",),
+            "Jamba-v0.1's first config.json, for AI21's remote code: its context length and"
+            " its name of num_logits_to_keep": ("n_ctx", "calc_logits_for_entire_prompt")},
+        foreign_fields=frozenset({"num_logits_to_keep", "n_ctx",
+                                  "calc_logits_for_entire_prompt"}))},
     detect=_detect,
     write_config=_write_config,
     adds=("Mamba-1 mixers (`Mamba`: selective scan with a per-channel `A`, low-rank time step,"

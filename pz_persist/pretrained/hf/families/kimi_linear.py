@@ -232,7 +232,10 @@ def kimi_linear_plan(cfg: Config, weights: Weights) -> Plan:
     raise cfg.unsupported("quantization_config", cfg.raw["quantization_config"],
                           "no quantized Kimi-Linear layout is read yet")
   cfg.expect("hidden_act", {"silu"}, "silu", why="; Kimi-Linear's MLPs and convolutions use SiLU")
-  sizes = dataclasses.replace(latent.read_sizes(cfg, _dense_rule), interleave=False)
+  # transformers' Kimi-Linear reads neither head_dim (no RoPE: the Hub's
+  # 48B config writes 72, hidden_size / num_attention_heads) nor
+  # qk_head_dim (it adds the nope and rope parts itself).
+  sizes = dataclasses.replace(latent.read_sizes(cfg, _dense_rule, derived=()), interleave=False)
   kv_heads = cfg.get("num_key_value_heads", sizes.heads)
   if kv_heads != sizes.heads:
     # transformers' Kimi-Linear divides the heads by it to repeat keys that

@@ -82,14 +82,22 @@ _KIND = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp
 
 _LAYER_TYPE = {kind: layer_type for layer_type, kind in _KIND.items()}
 
+_LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+"""The older names in ``layers_block_type`` that transformers 5 reads as the
+new ones (its ``remap_legacy_layer_types``): 4.x wrote them."""
+
+
+def _current(layer_types: list[str]) -> list[str]:
+  return [_LEGACY_LAYER_TYPES.get(t, t) for t in layer_types]
+
 
 def _pattern(value: Any) -> bool:
   return isinstance(value, str) and bool(value) and all(c in _PATTERN for c in value)
 
 
 def _layer_types(value: Any) -> bool:
-  return (isinstance(value, list) and bool(value)
-          and all(isinstance(v, str) and v in _PATTERN.values() for v in value))
+  return (isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+          and all(v in _PATTERN.values() for v in _current(value)))
 
 
 def _kinds(cfg: Config) -> list[str]:
@@ -101,6 +109,7 @@ def _kinds(cfg: Config) -> list[str]:
   ``num_hidden_layers`` (and builds the pattern's); such a config is
   damaged, so it is refused, naming both."""
   listed = cfg.get("layers_block_type")
+  listed = None if listed is None else _current(listed)
   pattern = cfg.get("hybrid_override_pattern")
   if listed is None and pattern is None:
     raise cfg.unsupported(
@@ -411,7 +420,8 @@ RECORD = Family(
     fields={
         "hybrid_override_pattern": (_pattern, "a string of the letters M, *, - and E"),
         "layers_block_type": (_layer_types, "a non-empty list of 'linear_attention',"
-                              " 'full_attention', 'mlp' and 'moe'"),
+                              " 'full_attention', 'mlp' and 'moe' (or the older 'mamba' and"
+                              " 'attention')"),
         "mtp_hybrid_override_pattern": STRING,
         "mtp_layers_block_type": (lambda v: isinstance(v, list), "a list of layer types"),
         "mamba_num_heads": POSITIVE_INT, "mamba_head_dim": POSITIVE_INT, "n_groups": POSITIVE_INT,
