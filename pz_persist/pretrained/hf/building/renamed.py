@@ -83,4 +83,8 @@ def renamed_plan(plan: Callable[[Config, Any], Plan], renaming: Renaming,
     source = renaming.stored(spec.source)
     assert renaming.planned(source) == spec.source, (spec.source, source)
     specs.append(dataclasses.replace(spec, source=source))
-  return dataclasses.replace(built, tensors=tuple(specs))
+  # What the plan leaves out, asked of the folder's names in its spelling.
+  left_out = tuple(dataclasses.replace(
+      declared, covers=lambda name, covers=declared.covers: covers(renaming.planned(name)))
+      for declared in built.left_out)
+  return dataclasses.replace(built, tensors=tuple(specs), left_out=left_out)

@@ -417,11 +417,10 @@ def gemma4_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   text_cfg = multimodal.text_config(cfg, text, "gemma4", "gemma4_text", RECORD.fields,
                                     RECORD.model_types["gemma4_text"].ignored)
-  plan = gemma4_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT)
-  multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL_TEXT),
-                           "the vision and audio towers and their embedders",
-                           "Gemma 4's text model only")
-  return plan
+  return multimodal.towers_left_out(
+      gemma4_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT),
+      lambda name: name.startswith(_MULTIMODAL_TEXT),
+      "the vision and audio towers and their embedders", "Gemma 4's text model only")
 
 
 _MULTIMODAL_FIELDS = ("boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token_id",
