@@ -192,7 +192,8 @@ def gemma3n_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
              for i, layer in enumerate(plan_layers)]
     return _assemble(found, config_of(plan_layers[0]), sizes, softcap, rope)
 
-  return Plan(build, tuple(specs))
+  return Plan(build, tuple(specs),
+              left_out=(attention_parts.reused_keys_and_values(root, plan_layers),))
 
 
 def _mlp_widths(cfg: Config, layers: int) -> int | list[int]:

@@ -69,6 +69,7 @@ from pz_persist.pretrained.hf.building.gemma_attention import attention_block
 from pz_persist.pretrained.hf.building.gemma_attention import common_head_axes as _common_head_axes
 from pz_persist.pretrained.hf.building.gemma_attention import layers as _layers
 from pz_persist.pretrained.hf.building.gemma_attention import norm as _norm
+from pz_persist.pretrained.hf.building.gemma_attention import reused_keys_and_values
 from pz_persist.pretrained.hf.building.gemma_attention import with_rope as _with_rope
 from pz_persist.pretrained.hf.building.gemma_layout import check_activation
 from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
@@ -221,7 +222,7 @@ def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
     return _assemble(blocks, config_of(plan_layers[0]), ple_width, ple_vocab, layers,
                      softcap, rope)
 
-  return Plan(build, tuple(specs))
+  return Plan(build, tuple(specs), left_out=(reused_keys_and_values(root, plan_layers),))
 
 
 def _moe(cfg: Config) -> _Moe | None:
