@@ -118,7 +118,7 @@ def test_an_unread_tensor_is_refused_before_any_read(tmp_path, case, entry, no_r
   message = str(info.value)
   assert isinstance(info.value, errors.PzPersistError)
   assert str(folder) in message and "config.json" in message
-  assert "Llama" in message  # The family whose model reads none of them.
+  assert "'llama' model" in message  # The model type whose model reads none of them.
 
 
 def test_the_message_says_how_to_proceed(tmp_path):
@@ -126,7 +126,7 @@ def test_the_message_says_how_to_proceed(tmp_path):
   with pytest.raises(pretrained_errors.UnreadTensorsError) as info:
     pzp.pretrained.load_hf(hf_folder(tmp_path / "f", CONFIG, tensors))
   message = str(info.value)
-  assert "1 stored tensors" in message
+  assert "1 stored tensor is read by no part" in message
   assert "set the field to what the files hold" in message
   assert "remove or rename them" in message
 
@@ -201,7 +201,7 @@ def test_an_unread_text_tensor_beside_a_declared_tower_is_refused(tmp_path, entr
   folder = _qwen2_vl(tmp_path / "vl", {
       "model.language_model.layers.0.mlp.down_proj.bias": _zeros(HIDDEN)})
   with pytest.raises(pretrained_errors.UnreadTensorsError,
-                     match=r"1 stored tensors.*language_model\.layers\.0\.mlp\.down_proj\.bias"):
+                     match=r"1 stored tensor is.*language_model\.layers\.0\.mlp\.down_proj\.bias"):
     ENTRY_POINTS[entry](folder)
 
 

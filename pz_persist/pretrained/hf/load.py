@@ -244,8 +244,7 @@ def load_hf(
     weights.add_views(plan.views)
     _check_tensors(plan, weights)
     # Every stored tensor read or knowingly left out, before anything is.
-    unread.check_all_read(plan, weights, families.MODEL_TYPES[model_type].left_out,
-                          families.FAMILY_OF[model_type].title)
+    unread.check_all_read(plan, weights, families.MODEL_TYPES[model_type].left_out, model_type)
     skeleton = plan.build()  # Built once the weights agree with the config.
     scaled_rope.check_computable(skeleton, _axis_sizes(plan), cfg.where)
 

@@ -48,10 +48,11 @@ SHOWN = 5
 
 
 def check_all_read(plan: Plan, weights: Weights, declared: Sequence[LeftOut],
-                   title: str) -> None:
+                   model_type: str) -> None:
   """Refuses a folder storing a tensor that ``plan`` does not read and no
   declaration covers (``plan.left_out``, the record's ``declared``,
   `ANY_FAMILY`); then says, per reported declaration, what it left out.
+  ``model_type``: the folder's, for the message.
 
   Reads only names (the headers, already open); nothing is built or read.
 
@@ -80,13 +81,13 @@ def check_all_read(plan: Plan, weights: Weights, declared: Sequence[LeftOut],
     else:
       left.setdefault(index, []).append(name)
   if refused:
-    raise errors.UnreadTensorsError(_message(weights.path, refused, read, title))
+    raise errors.UnreadTensorsError(_message(weights.path, refused, read, model_type))
   for index, names in left.items():
     if declarations[index].reported:
       _report(weights.path, declarations[index], names)
 
 
-def _message(path: str, refused: list[str], read: set[str], title: str) -> str:
+def _message(path: str, refused: list[str], read: set[str], model_type: str) -> str:
   shown = ", ".join(repr(name) for name in refused[:SHOWN])
   more = f" (and {len(refused) - SHOWN} more)" if len(refused) > SHOWN else ""
   hints = []
@@ -99,9 +100,10 @@ def _message(path: str, refused: list[str], read: set[str], title: str) -> str:
   hints.append("if config.json describes the model, the folder holds tensors of another model"
                " or misspelled names: remove or rename them (transformers would only warn"
                " 'Some weights of the checkpoint were not used' and drop them)")
-  return (f"{path}: {len(refused)} stored tensors are read by no part of the {title} model"
-          f" its config.json describes, and are not among those the family knowingly leaves"
-          f" out: {shown}{more}. Loading it would give a model other than the files describe."
+  count = "1 stored tensor is" if len(refused) == 1 else f"{len(refused)} stored tensors are"
+  return (f"{path}: {count} read by no part of the {model_type!r}"
+          f" model its config.json describes, nor declared knowingly left out by its family:"
+          f" {shown}{more}. Loading it would give a model other than the files describe."
           f" {'; '.join(hints)}.")
 
 
