@@ -196,7 +196,7 @@ RECORD = Family(
     model_types={"gpt_neox": ModelType(
         gpt_neox_plan, "GPTNeoXForCausalLM", **_TRANSFORMERS_DEFAULTS["gpt_neox"],
         left_out=(left_out_matching(
-            (r"(^|\.)attention\.(masked_)?bias$", r"(^|\.)attention\.rotary_emb\.inv_freq$"),
+            (r"(^|\.)attention\.(masked_)?bias$",),
             "the causal-mask buffers (attention.bias, attention.masked_bias)",
             "older transformers saved them (Pythia's folders hold them); GPTNeoXForCausalLM"
             " ignores them (_keys_to_ignore_on_load_unexpected)"),))},
