@@ -115,6 +115,17 @@ class LeftOut:
   reported: bool = True
 
 
+def left_out_renamed(left_out: LeftOut, planned: Callable[[str], str | None]) -> LeftOut:
+  """``left_out``, declared by a plan run on other names, asked of the
+  folder's: ``planned`` gives a stored name's name in the plan's spelling
+  (None: none, so not covered). For plans run on renamed tensors (EXAONE's
+  names as Llama's, a vision-language folder's text model as its family's)."""
+  def covers(name: str) -> bool:
+    spelled = planned(name)
+    return spelled is not None and left_out.covers(spelled)
+  return dataclasses.replace(left_out, covers=covers)
+
+
 def left_out_matching(patterns: Sequence[str], what: str, why: str,
                       reported: bool = False) -> LeftOut:
   """A `LeftOut` of the names any of the regular expressions ``patterns``

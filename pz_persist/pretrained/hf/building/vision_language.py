@@ -39,6 +39,7 @@ from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import left_out_renamed
 from pz_persist.pretrained.hf.weights import Weights
 
 VL_FIELDS: dict[str, Any] = {
@@ -161,9 +162,7 @@ def renamed_plan(cfg: Config, weights: Weights, layouts: Sequence[Layout],
   text = set(seen.stored.values())
   # The text plan's own declarations, asked of the text model's names.
   as_text = {stored: planned for planned, stored in seen.stored.items()}
-  renamed = tuple(dataclasses.replace(
-      left_out, covers=lambda name, covers=left_out.covers: name in as_text and covers(
-          as_text[name])) for left_out in plan.left_out)
+  renamed = tuple(left_out_renamed(left_out, as_text.get) for left_out in plan.left_out)
   return multimodal.towers_left_out(Plan(plan.build, specs, left_out=renamed),
                                     text.__contains__, "the vision tower and projector", builds)
 
