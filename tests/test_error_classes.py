@@ -86,7 +86,8 @@ def test_the_pretrained_loaders_errors_live_with_them():
   own = {name for name, value in vars(pretrained_errors).items()
          if isinstance(value, type) and value.__module__ == pretrained_errors.__name__}
   assert own == {"CheckpointFolderError", "DequantizedWeightsWarning", "ExportError",
-                 "FileChangedError", "GemmaCheckpointError", "SafetensorsFormatError"}
+                 "FileChangedError", "GemmaCheckpointError", "SafetensorsFormatError",
+                 "UnreadTensorsError"}
   outside = [f"{path.relative_to(_ROOT)}: {name}"
              for path in _ROOT.rglob("*.py") if "pretrained" not in path.parts
              and path.name != "errors.py"

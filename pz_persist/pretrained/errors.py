@@ -38,7 +38,7 @@ from pz_persist.errors import UnsupportedConfigError
 __all__ = [
     # The pretrained loaders' own.
     "CheckpointFolderError", "DequantizedWeightsWarning", "ExportError", "FileChangedError",
-    "GemmaCheckpointError", "SafetensorsFormatError",
+    "GemmaCheckpointError", "SafetensorsFormatError", "UnreadTensorsError",
     # The library's, which they raise too (the same classes).
     "ArgumentError", "EncodingError", "FormatVersionError", "IntegrityError", "LossyCastError",
     "NotACheckpointError", "PzPersistError", "UnsafeCheckpointError", "UnsupportedConfigError",
@@ -50,6 +50,18 @@ class SafetensorsFormatError(PzPersistError, ValueError):
 
   The message always names the file (and the tensor, when one is at fault).
   Also ``pz_persist.pretrained.safetensors_io.SafetensorsFormatError``.
+  """
+
+
+class UnreadTensorsError(SafetensorsFormatError):
+  """A Hugging Face folder stores tensors the model its config describes
+  never reads, and its family does not declare them knowingly left out.
+
+  Raised by `pz_persist.pretrained.load_hf` before any tensor is read: such
+  a folder (a ``q_proj.bias`` where the config says no bias, a misspelled
+  name, another model's tensors) would otherwise load as a model other than
+  its files describe. The message names the folder, the first few unread
+  tensors, how many there are, and what to change.
   """
 
 

@@ -34,7 +34,9 @@ builders use is checked against `pz_persist.pretrained.hf.config.SCHEMA` (sizes 
 floats or strings); then the safetensors headers are read (their byte ranges
 must tile each file, as the reference implementation requires); then
 ``num_hidden_layers`` must match the layers the weights hold and every tensor
-the config calls for must be present with the right size; then the total
+the config calls for must be present with the right size, and every tensor
+stored must be one the plan reads or one its family declares knowingly left
+out (`pz_persist.pretrained.hf.unread`); then the total
 allocation is compared with `pz_persist.safety.limits.allocation_limit`; only then
 is the skeleton built and the first tensor read. Only regular files are read,
 and a symlink in the folder must stay inside it or, for a ``huggingface_hub``
@@ -67,6 +69,7 @@ from pz_persist.pretrained import _files
 from pz_persist.pretrained import errors
 from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import families
+from pz_persist.pretrained.hf import unread
 from pz_persist.pretrained.hf import unsupported
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import Plan
@@ -209,6 +212,10 @@ def load_hf(
       ranges that overlap, leave gaps or leave the file), or lacks a tensor
       the model needs or has one of the wrong shape (naming the file and the
       tensor); all found before any tensor is read.
+    UnreadTensorsError: the folder stores tensors the model its config
+      describes does not read, which its family does not declare knowingly
+      left out (a bias the config turns off, a misspelled name); named,
+      before any tensor is read.
     UnsafeCheckpointError: a file read is a symlink leading out of the folder
       (and out of its Hugging Face cache entry), a FIFO or a device, or the
       model would allocate more than `pz_persist.safety.limits.allocation_limit`.
@@ -236,6 +243,8 @@ def load_hf(
     plan = families.MODEL_TYPES[model_type].plan(cfg, weights)
     weights.add_views(plan.views)
     _check_tensors(plan, weights)
+    # Every stored tensor read or knowingly left out, before anything is.
+    unread.check_all_read(plan, weights, families.MODEL_TYPES[model_type].left_out, model_type)
     skeleton = plan.build()  # Built once the weights agree with the config.
     scaled_rope.check_computable(skeleton, _axis_sizes(plan), cfg.where)
 

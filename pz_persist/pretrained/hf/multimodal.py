@@ -3,22 +3,21 @@
 
 Why one module: every such family reads the same way (the text model's
 config nested in ``text_config`` and its tensors under a prefix, the other
-modalities' towers left unread and reported), and the two steps that are the
-same for all of them (the nested config's ``model_type`` checked, the unread
-tensors reported by group) are written once here.
+modalities' towers declared left unread), and the two steps that are the
+same for all of them (the nested config's ``model_type`` checked, the towers
+declared left out) are written once here.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
 from pz_persist.pretrained.hf.config import Config
-from pz_persist.pretrained.hf.weights import Weights
-
-_log = logging.getLogger("pz_persist.pretrained.hf")
+from pz_persist.pretrained.hf.plan import LeftOut
+from pz_persist.pretrained.hf.plan import Plan
 
 
 def text_config(cfg: Config, text: Any, folder_type: str, text_type: str,
@@ -37,17 +36,13 @@ def text_config(cfg: Config, text: Any, folder_type: str, text_type: str,
   return text_cfg
 
 
-def report_unread(weights: Weights, read: Callable[[str], bool], what: str,
-                  builds: str) -> None:
-  """Warns how many tensors ``read`` leaves out (the other modalities'),
-  grouped by their top module (two name parts under ``model.``), e.g.
-  ``"…: 12 tensors of the vision tower and projector (vision_tower.*) are not
-  read: load_hf builds Gemma 3's text model only."``"""
-  unread = sorted(name for name in weights.names if not read(name))
-  if not unread:
-    return
-  groups = sorted({".".join(name.split(".", 2)[:2]) if name.startswith("model.")
-                   else name.split(".", 1)[0] for name in unread})
-  _log.warning("%s: %d tensors%s (%s) are not read: load_hf builds %s.", weights.path,
-               len(unread), f" of {what}" if what else "",
-               ", ".join(f"{group}.*" for group in groups), builds)
+def towers_left_out(plan: Plan, text: Callable[[str], bool], what: str, builds: str) -> Plan:
+  """``plan`` declaring every stored tensor outside the text model (``text``
+  says which names are the text model's) knowingly left out: ``what`` they
+  are, ``builds`` what load_hf builds instead. The load says how many it
+  left, grouped by their top module (`pz_persist.pretrained.hf.unread`),
+  e.g. ``"…: 12 tensors of the vision tower and projector (vision_tower.*)
+  are not read: load_hf builds Gemma 3's text model only."``; a tensor of
+  the text model the plan does not read is refused there."""
+  left_out = LeftOut(lambda name: not text(name), what, f"load_hf builds {builds}")
+  return dataclasses.replace(plan, left_out=(*plan.left_out, left_out))

@@ -89,6 +89,62 @@ class TensorSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeftOut:
+  """Stored tensors a family knowingly leaves unread, and why.
+
+  Every stored tensor of a folder must be read by the plan or covered by one
+  of these, or `load_hf` refuses the folder
+  (`pz_persist.pretrained.hf.unread.check_all_read`): a tensor nobody reads
+  is otherwise a model other than the files describe, loaded without a word
+  (a bias the config turns off, a misspelled name...).
+
+  Attributes:
+    covers: Whether a stored tensor name is one of them (asked only of
+      names the plan does not read).
+    what: What they are, for people (``"the vision tower and projector"``).
+    why: Why they are not read (``"load_hf builds Gemma 3's text model
+      only"``).
+    reported: Whether a load says, as a warning on the
+      ``pz_persist.pretrained.hf`` logger, how many it left and which
+      groups; False for buffers transformers itself ignores silently.
+  """
+
+  covers: Callable[[str], bool]
+  what: str
+  why: str
+  reported: bool = True
+
+
+def left_out_renamed(left_out: LeftOut, planned: Callable[[str], str | None]) -> LeftOut:
+  """``left_out``, declared by a plan run on other names, asked of the
+  folder's: ``planned`` gives a stored name's name in the plan's spelling
+  (None: none, so not covered). For plans run on renamed tensors (EXAONE's
+  names as Llama's, a vision-language folder's text model as its family's)."""
+  def covers(name: str) -> bool:
+    spelled = planned(name)
+    return spelled is not None and left_out.covers(spelled)
+  return dataclasses.replace(left_out, covers=covers)
+
+
+def left_out_matching(patterns: Sequence[str], what: str, why: str,
+                      reported: bool = False) -> LeftOut:
+  """A `LeftOut` of the names any of the regular expressions ``patterns``
+  finds (``re.search``, as transformers' ``_keys_to_ignore_on_load_unexpected``)."""
+  regex = re.compile("|".join(f"(?:{pattern})" for pattern in patterns))
+  return LeftOut(lambda name: regex.search(name) is not None, what, why, reported)
+
+
+def left_out_layers(prefix: str, first: int, count: int, what: str, why: str) -> LeftOut:
+  """A `LeftOut` of layers ``first .. first + count - 1`` under ``prefix``
+  (``model.layers.``): the multi-token-prediction layers DeepSeek-V3 and
+  GLM-4.5 store after the causal LM's."""
+  def covers(name: str) -> bool:
+    match = _LAYER_NUMBER.match(name, len(prefix)) if name.startswith(prefix) else None
+    return match is not None and first <= int(match.group(1)) < first + count
+  return LeftOut(covers, what, why)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """How to build the model skeleton (parameter slots) and fill each slot.
 
@@ -99,11 +155,16 @@ class Plan:
   ``views`` are tensors computed from stored ones (`pz_persist.pretrained.hf.weights.stacked`
   per-expert tensors, `pz_persist.pretrained.hf.weights.decoded` quantised ones), named
   as a spec's ``source`` like a stored tensor.
+
+  ``left_out``: the stored tensors the plan knowingly does not read (the
+  other modalities' towers, multi-token-prediction layers), each group with
+  why; every other stored tensor must be read (`LeftOut`).
   """
 
   build: Callable[[], model_parts.TransformerLM]
   tensors: tuple[TensorSpec, ...]
   views: tuple[View, ...] = ()
+  left_out: tuple[LeftOut, ...] = ()
 
 
 _LAYER_NUMBER = re.compile(r"(\d{1,9})\.")

@@ -23,6 +23,7 @@ from penzai import pz
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
+from pz_persist.pretrained.hf.plan import LeftOut
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.weights import Weights
 
@@ -77,6 +78,12 @@ class ModelType:
       class lacks (written by the Hub's remote code, by llm-compressor or by
       an older transformers); the same test checks that the class still
       lacks each.
+    left_out: Stored tensors this ``model_type``'s folders may hold that
+      its plan knowingly leaves unread whatever the config: the buffers
+      transformers' class ignores (its ``_keys_to_ignore_on_load_unexpected``:
+      GPT-2's causal masks...). Every other stored tensor must be read or
+      covered by the plan's own `Plan.left_out`, or `load_hf` refuses the
+      folder (`pz_persist.pretrained.hf.unread`).
   """
 
   plan: PlanFn
@@ -88,6 +95,7 @@ class ModelType:
   defaults_why: Mapping[str, str] = dataclasses.field(default_factory=dict)
   ignored_fields: IgnoredFields = dataclasses.field(default_factory=dict)
   foreign_fields: frozenset[str] = frozenset()
+  left_out: tuple[LeftOut, ...] = ()
 
   @property
   def ignored(self) -> frozenset[str]:

@@ -34,7 +34,9 @@ from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.config_from_model import all_layers
 from pz_persist.pretrained.hf.config_from_model import named_shape
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
+from pz_persist.pretrained.hf.plan import LeftOut
 from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import left_out_layers
 
 Source = Callable[..., str]
 """``src(stored name, stored shape, parts=None)``: the tensor a spec reads
@@ -234,18 +236,20 @@ def check_expert_count(cfg: Config, names: set[str], layer: int, experts: int, *
                     f" but layer {layer} holds {found} ({prefix}{{e}}.{part}.weight...)")
 
 
-_LAYER_NUMBER = re.compile(r"(\d{1,9})\.")
+
+def mtp_layers(layers: int, mtp: int) -> LeftOut:
+  """The multi-token prediction layers (``model.layers.{layers}`` ..
+  ``layers + mtp - 1``), which the causal LM does not run: declared left out
+  (`pz_persist.pretrained.hf.plan.Plan.left_out`), as transformers drops
+  them (its ``_keys_to_ignore_on_load_unexpected``)."""
+  return left_out_layers(DECODER_LAYERS, layers, mtp, "the multi-token-prediction layers",
+                         "the causal LM does not run them (transformers drops them too)")
 
 
 def main_layers(names: set[str], layers: int, mtp: int) -> set[str]:
-  """``names`` without those of the multi-token prediction layers (layers
-  ``layers .. layers + mtp - 1``), which the causal LM does not run."""
-
-  def is_mtp(name: str) -> bool:
-    match = (_LAYER_NUMBER.match(name, len(DECODER_LAYERS)) if name.startswith(DECODER_LAYERS)
-             else None)
-    return match is not None and layers <= int(match.group(1)) < layers + mtp
-
+  """``names`` without those of the multi-token prediction layers
+  (`mtp_layers`)."""
+  is_mtp = mtp_layers(layers, mtp).covers
   return {name for name in names if not is_mtp(name)}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from collections.abc import Sequence
 
 from penzai import pz
 from penzai.models.transformer import model_parts
@@ -18,6 +19,7 @@ from pz_persist.nn import kv_sharing
 from pz_persist.nn.proportional_rope import ApplyProportionalRoPE
 from pz_persist.pretrained.hf.building.norms import with_query_key_norms
 from pz_persist.pretrained.hf.config import Config
+from pz_persist.pretrained.hf.plan import LeftOut
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -57,6 +59,20 @@ def layers(cfg: Config, kinds: list[str], shared: int, head_dim: int, kv_heads: 
                       bool(shared) and producers[kind] == i,
                       intermediate * (2 if double_wide and reuses else 1)))
   return out
+
+
+def reused_keys_and_values(root: str, found: Sequence[Layer]) -> LeftOut:
+  """The key and value projections and norms (``k_proj``, ``v_proj``,
+  ``k_norm``, ``v_norm``) that transformers' model keeps, and saves, in each
+  layer reusing an earlier layer's keys and values, and never reads (its
+  ``_keys_to_ignore_on_load_unexpected``): declared left out
+  (`pz_persist.pretrained.hf.plan.Plan.left_out`)."""
+  prefixes = tuple(f"{root}layers.{i}.self_attn.{name}." for i, layer in enumerate(found)
+                   if layer.reuses for name in ("k_proj", "v_proj", "k_norm", "v_norm"))
+  return LeftOut(lambda name: name.startswith(prefixes),
+                 "the key and value projections and norms of layers reusing an earlier layer's",
+                 "those layers reuse the keys and values computed before them; transformers"
+                 " does not read them either", reported=False)
 
 
 def attention_block(i: int, layer: Layer, config: llamalike_common.LlamalikeTransformerConfig,

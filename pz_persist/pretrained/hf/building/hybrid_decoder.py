@@ -76,6 +76,7 @@ from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.plan import left_out_matching
 from pz_persist.pretrained.hf.weights import Weights
 
 _TYPES = ("linear_attention", "full_attention")
@@ -204,11 +205,11 @@ def multimodal_plan(cfg: Config, weights: Weights, text_type: str, text_plan: Ca
   cfg.check_all_used()
   text_cfg = multimodal.text_config(cfg, text, text_type.removesuffix("_text"), text_type, fields,
                                      text_ignored)
-  plan = text_plan(text_cfg, weights, root=MULTIMODAL_TEXT, tied=tied)
-  multimodal.report_unread(
-      weights, lambda name: name.startswith(MULTIMODAL_TEXT) or name == DECODER_HEAD, "",
+  return multimodal.towers_left_out(
+      text_plan(text_cfg, weights, root=MULTIMODAL_TEXT, tied=tied),
+      lambda name: name.startswith(MULTIMODAL_TEXT) or name == DECODER_HEAD,
+      "the vision tower and the multi-token-prediction head",
       "Qwen3.5's text model only (no vision tower, no multi-token-prediction head)")
-  return plan
 
 
 def _sizes(cfg: Config) -> Sizes:
@@ -440,6 +441,12 @@ TEXT_IGNORED = {
 }
 """The fields a Qwen3.5 text model's config (dense or mixture of experts)
 holds that its plan leaves unread."""
+
+MTP_HEAD = left_out_matching(
+    (r"^mtp\.",), "the multi-token-prediction head",
+    "the causal LM does not run it (transformers drops it too)", reported=True)
+"""The ``mtp.*`` tensors of Qwen3-Next and Qwen3.5 folders, which
+transformers' classes ignore (``_keys_to_ignore_on_load_unexpected``)."""
 
 TEXT_FOREIGN = frozenset({"mamba_ssm_dtype", "mrope_interleaved", "mrope_section",
                           "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"})

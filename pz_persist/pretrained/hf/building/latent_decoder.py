@@ -34,6 +34,7 @@ from pz_persist.pretrained.hf.building.deepseek_moe import MOE_FIELDS
 from pz_persist.pretrained.hf.building.deepseek_moe import Source
 from pz_persist.pretrained.hf.building.deepseek_moe import check_expert_count
 from pz_persist.pretrained.hf.building.deepseek_moe import main_layers
+from pz_persist.pretrained.hf.building.deepseek_moe import mtp_layers
 from pz_persist.pretrained.hf.building.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.config import BOOLEAN
 from pz_persist.pretrained.hf.config import FROM_TABLE
@@ -494,7 +495,7 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
     scaled_rope_layer.check_computable(model, {"rotary": {sizes.rope}}, cfg.where)
     return model
 
-  return Plan(build, tuple(specs), tuple(views))
+  return Plan(build, tuple(specs), tuple(views), (mtp_layers(sizes.layers, mtp),))
 
 
 def latent_fields(model: pz.nn.Layer, like: Mapping[str, Any], rotary: bool = True

@@ -16,6 +16,7 @@ from typing import Any
 
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import left_out_renamed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,4 +84,6 @@ def renamed_plan(plan: Callable[[Config, Any], Plan], renaming: Renaming,
     source = renaming.stored(spec.source)
     assert renaming.planned(source) == spec.source, (spec.source, source)
     specs.append(dataclasses.replace(spec, source=source))
-  return dataclasses.replace(built, tensors=tuple(specs))
+  # What the plan leaves out, asked of the folder's names in its spelling.
+  left_out = tuple(left_out_renamed(declared, renaming.planned) for declared in built.left_out)
+  return dataclasses.replace(built, tensors=tuple(specs), left_out=left_out)

@@ -20,7 +20,7 @@ Three steps are the same for all of them, written once here:
   folder's tensors seen under their text-model names
   (``model.language_model.layers.0...`` as ``model.layers.0...``), and its
   specs are pointed back at the stored names. The vision tower and projector
-  are not read, and the load says so (`multimodal.report_unread`).
+  are declared left out (`multimodal.towers_left_out`): the load says so.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pz_persist.pretrained.hf.config import NON_NEGATIVE_INT
 from pz_persist.pretrained.hf.config import OBJECT
 from pz_persist.pretrained.hf.config import Config
 from pz_persist.pretrained.hf.plan import Plan
+from pz_persist.pretrained.hf.plan import left_out_renamed
 from pz_persist.pretrained.hf.weights import Weights
 
 VL_FIELDS: dict[str, Any] = {
@@ -158,10 +159,12 @@ def renamed_plan(cfg: Config, weights: Weights, layouts: Sequence[Layout],
                 for spec in plan.tensors)
   if plan.views:  # No family read this way declares views (stacked or decoded tensors).
     raise AssertionError("renamed_plan does not rename views (a bug: please report it)")
-  read = {spec.source for spec in specs}
-  multimodal.report_unread(weights, lambda name: name in read or name in seen.stored.values(),
-                           "the vision tower and projector", builds)
-  return Plan(plan.build, specs)
+  text = set(seen.stored.values())
+  # The text plan's own declarations, asked of the text model's names.
+  as_text = {stored: planned for planned, stored in seen.stored.items()}
+  renamed = tuple(left_out_renamed(left_out, as_text.get) for left_out in plan.left_out)
+  return multimodal.towers_left_out(Plan(plan.build, specs, left_out=renamed),
+                                    text.__contains__, "the vision tower and projector", builds)
 
 
 def folder_tie(cfg: Config, text: Mapping[str, Any]) -> bool | None:

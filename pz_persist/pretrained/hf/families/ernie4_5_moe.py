@@ -53,6 +53,7 @@ from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import left_out_matching
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
@@ -235,6 +236,9 @@ RECORD = Family(
     title="ERNIE 4.5 MoE",
     model_types={"ernie4_5_moe": ModelType(
         ernie4_5_moe_plan, "Ernie4_5_MoeForCausalLM", defaults=_DEFAULTS,
+        left_out=(left_out_matching(
+            (r"(^|\.)mtp[._]",), "the multi-token-prediction block (mtp_block, mtp_*_norm...)",
+            "the causal LM does not run it (transformers drops it too)", reported=True),),
         defaults_why={"moe_layer_end_index": (
             "the class turns -1 into the last layer's index as it is built; -1 means the same")},
         ignored_fields={"training only: the load-balancing loss": (

@@ -169,10 +169,10 @@ def gemma3_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   text_cfg = multimodal.text_config(cfg, text, "gemma3", "gemma3_text", RECORD.fields,
                                     RECORD.model_types["gemma3_text"].ignored)
-  plan = gemma3_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT)
-  multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL_TEXT),
-                           "the vision tower and projector", "Gemma 3's text model only")
-  return plan
+  return multimodal.towers_left_out(
+      gemma3_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT),
+      lambda name: name.startswith(_MULTIMODAL_TEXT), "the vision tower and projector",
+      "Gemma 3's text model only")
 
 
 def _refuse_attention_soft_cap(cfg: Config) -> None:

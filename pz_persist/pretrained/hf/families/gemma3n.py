@@ -192,7 +192,8 @@ def gemma3n_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
              for i, layer in enumerate(plan_layers)]
     return _assemble(found, config_of(plan_layers[0]), sizes, softcap, rope)
 
-  return Plan(build, tuple(specs))
+  return Plan(build, tuple(specs),
+              left_out=(attention_parts.reused_keys_and_values(root, plan_layers),))
 
 
 def _mlp_widths(cfg: Config, layers: int) -> int | list[int]:
@@ -449,11 +450,10 @@ def gemma3n_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   text_cfg = multimodal.text_config(cfg, text, "gemma3n", "gemma3n_text", RECORD.fields,
                                     RECORD.model_types["gemma3n_text"].ignored)
-  plan = gemma3n_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT)
-  multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL_TEXT),
-                           "the vision and audio towers and their embedders",
-                           "Gemma 3n's text model only")
-  return plan
+  return multimodal.towers_left_out(
+      gemma3n_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT),
+      lambda name: name.startswith(_MULTIMODAL_TEXT),
+      "the vision and audio towers and their embedders", "Gemma 3n's text model only")
 
 
 _MULTIMODAL_FIELDS = ("boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token_id",

@@ -69,6 +69,7 @@ from pz_persist.pretrained.hf.building.gemma_attention import attention_block
 from pz_persist.pretrained.hf.building.gemma_attention import common_head_axes as _common_head_axes
 from pz_persist.pretrained.hf.building.gemma_attention import layers as _layers
 from pz_persist.pretrained.hf.building.gemma_attention import norm as _norm
+from pz_persist.pretrained.hf.building.gemma_attention import reused_keys_and_values
 from pz_persist.pretrained.hf.building.gemma_attention import with_rope as _with_rope
 from pz_persist.pretrained.hf.building.gemma_layout import check_activation
 from pz_persist.pretrained.hf.building.ignored import OTHER_MODALITIES
@@ -221,7 +222,7 @@ def gemma4_text_plan(cfg: Config, weights: Weights, root: str = _TEXT) -> Plan:
     return _assemble(blocks, config_of(plan_layers[0]), ple_width, ple_vocab, layers,
                      softcap, rope)
 
-  return Plan(build, tuple(specs))
+  return Plan(build, tuple(specs), left_out=(reused_keys_and_values(root, plan_layers),))
 
 
 def _moe(cfg: Config) -> _Moe | None:
@@ -417,11 +418,10 @@ def gemma4_plan(cfg: Config, weights: Weights) -> Plan:
   cfg.check_all_used()
   text_cfg = multimodal.text_config(cfg, text, "gemma4", "gemma4_text", RECORD.fields,
                                     RECORD.model_types["gemma4_text"].ignored)
-  plan = gemma4_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT)
-  multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL_TEXT),
-                           "the vision and audio towers and their embedders",
-                           "Gemma 4's text model only")
-  return plan
+  return multimodal.towers_left_out(
+      gemma4_text_plan(text_cfg, weights, root=_MULTIMODAL_TEXT),
+      lambda name: name.startswith(_MULTIMODAL_TEXT),
+      "the vision and audio towers and their embedders", "Gemma 4's text model only")
 
 
 _MULTIMODAL_FIELDS = ("boi_token_id", "eoi_token_id", "boa_token_id", "eoa_token_id",

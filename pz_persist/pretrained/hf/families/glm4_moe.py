@@ -30,6 +30,7 @@ from pz_persist.pretrained.hf.building.deepseek_moe import MOE_IGNORED
 from pz_persist.pretrained.hf.building.deepseek_moe import ROUTER_DEFAULTS_WHY
 from pz_persist.pretrained.hf.building.deepseek_moe import check_expert_count
 from pz_persist.pretrained.hf.building.deepseek_moe import main_layers
+from pz_persist.pretrained.hf.building.deepseek_moe import mtp_layers
 from pz_persist.pretrained.hf.building.deepseek_moe import read_routing
 from pz_persist.pretrained.hf.building.deepseek_moe import routing_fields
 from pz_persist.pretrained.hf.building.defaults import LLAMA_LIKE
@@ -113,7 +114,7 @@ def glm4_moe_plan(cfg: Config, weights: Weights) -> Plan:
   specs = [spec for spec in plan.tensors if not spec.label.startswith(moe_blocks)]
   for i in range(dense, layers):
     specs += routing.specs(f"transformer/block_{i}/", f"model.layers.{i}.", src)
-  return Plan(plan.build, tuple(specs), tuple(views))
+  return Plan(plan.build, tuple(specs), tuple(views), (mtp_layers(layers, mtp),))
 
 
 def _detect(model: pz.nn.Layer) -> str | None:

@@ -41,6 +41,7 @@ from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.plan import left_out_matching
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
@@ -239,6 +240,11 @@ RECORD = Family(
     title="GPT-2",
     model_types={"gpt2": ModelType(
         gpt2_plan, "GPT2LMHeadModel",
+        left_out=(left_out_matching(
+            (r"(^|\.)(cross)?attn\.(masked_)?bias$", r"(^|\.)crossattention\.(masked_)?bias$"),
+            "the causal-mask buffers (attn.bias, attn.masked_bias)",
+            "older transformers saved them; GPT2LMHeadModel ignores them"
+            " (_keys_to_ignore_on_load_unexpected)"),),
         defaults={"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
                   "n_head": 12, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
                   "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,

@@ -26,6 +26,7 @@ from pz_persist.pretrained.hf.plan import NEOX_LAYERS
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.plan import left_out_matching
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
@@ -192,8 +193,13 @@ differs from the class or is not one of its fields."""
 
 RECORD = Family(
     title="GPT-NeoX, Pythia",
-    model_types={"gpt_neox": ModelType(gpt_neox_plan, "GPTNeoXForCausalLM",
-                     **_TRANSFORMERS_DEFAULTS["gpt_neox"])},
+    model_types={"gpt_neox": ModelType(
+        gpt_neox_plan, "GPTNeoXForCausalLM", **_TRANSFORMERS_DEFAULTS["gpt_neox"],
+        left_out=(left_out_matching(
+            (r"(^|\.)attention\.(masked_)?bias$",),
+            "the causal-mask buffers (attention.bias, attention.masked_bias)",
+            "older transformers saved them (Pythia's folders hold them); GPTNeoXForCausalLM"
+            " ignores them (_keys_to_ignore_on_load_unexpected)"),))},
     detect=_detect,
     write_config=_write_config,
     adds="fused query/key/value, partial rotary, parallel residual",

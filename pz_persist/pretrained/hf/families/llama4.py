@@ -246,10 +246,10 @@ def llama4_plan(cfg: Config, weights: Weights) -> Plan:
                                     RECORD.model_types["llama4_text"].ignored)
   if tied and text_cfg.raw.get("tie_word_embeddings") is None:
     text_cfg.raw["tie_word_embeddings"] = tied
-  plan = llama4_text_plan(text_cfg, weights, root=_MULTIMODAL)
-  multimodal.report_unread(weights, lambda name: name.startswith(_MULTIMODAL),
-                           "the vision tower and projector", "Llama 4's text model only")
-  return plan
+  return multimodal.towers_left_out(
+      llama4_text_plan(text_cfg, weights, root=_MULTIMODAL),
+      lambda name: name.startswith(_MULTIMODAL), "the vision tower and projector",
+      "Llama 4's text model only")
 
 
 def _detect(model: pz.nn.Layer) -> str | None:

@@ -67,6 +67,7 @@ from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import left_out_matching
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import Weights
@@ -203,6 +204,11 @@ RECORD = Family(
     title="MiniMax-M2",
     model_types={"minimax_m2": ModelType(
         minimax_m2_plan, "MiniMaxM2ForCausalLM", **_TRANSFORMERS_DEFAULTS["minimax_m2"],
+        # MiniMax's own code's multi-token prediction modules (``use_mtp``), which
+        # transformers' class does not build: tensors of theirs are not read.
+        left_out=(left_out_matching(
+            (r"(^|\.)mtp",), "the multi-token-prediction modules (use_mtp)",
+            "transformers' MiniMaxM2ForCausalLM does not build them", reported=True),),
         ignored_fields={
             **TRAINING_ONLY_IGNORED,
             "the multi-token prediction modules, which the causal LM does not run": (

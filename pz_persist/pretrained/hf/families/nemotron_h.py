@@ -63,6 +63,7 @@ from pz_persist.pretrained.hf.config_from_model import projection
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
+from pz_persist.pretrained.hf.plan import left_out_matching
 from pz_persist.pretrained.hf.record import Family
 from pz_persist.pretrained.hf.record import ModelType
 from pz_persist.pretrained.hf.weights import View
@@ -378,6 +379,9 @@ RECORD = Family(
     title="Nemotron-H",
     model_types={"nemotron_h": ModelType(
         nemotron_h_plan, "NemotronHForCausalLM", defaults=_DEFAULTS,
+        left_out=(left_out_matching(
+            (r"(^|\.)mtp\.",), "the multi-token-prediction layers",
+            "the causal LM does not run them (transformers drops them too)", reported=True),),
         ignored_fields={
             "initialisation only": ("time_step_max", "time_step_floor", "rescale_prenorm_residual",
                                     "expand"),

@@ -16,6 +16,7 @@ from penzai import pz
 from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS
 from pz_persist.pretrained.hf.building.defaults import QWEN3_5_DEFAULTS_WHY
 from pz_persist.pretrained.hf.building.hybrid_decoder import FIELDS
+from pz_persist.pretrained.hf.building.hybrid_decoder import MTP_HEAD
 from pz_persist.pretrained.hf.building.hybrid_decoder import MULTIMODAL_IGNORED
 from pz_persist.pretrained.hf.building.hybrid_decoder import MULTIMODAL_TEXT
 from pz_persist.pretrained.hf.building.hybrid_decoder import TEXT
@@ -69,7 +70,7 @@ RECORD = Family(
     model_types={
         "qwen3_5_text": ModelType(qwen3_5_text_plan, "Qwen3_5ForCausalLM",
             **_TRANSFORMERS_DEFAULTS["qwen3_5_text"], ignored_fields=TEXT_IGNORED,
-            foreign_fields=TEXT_FOREIGN),
+            foreign_fields=TEXT_FOREIGN, left_out=(MTP_HEAD,)),
         "qwen3_5": ModelType(qwen3_5_plan, "Qwen3_5ForConditionalGeneration", exported=False,
                              written_as="qwen3_5_text", ignored_fields=MULTIMODAL_IGNORED),
     },
