@@ -273,7 +273,7 @@ def _convert(args: argparse.Namespace) -> int:
     from pz_persist.pretrained import hf  # pylint: disable=import-outside-toplevel
 
     model = hf.load_hf(args.src, dtype=dtype, allow_lossy=args.allow_lossy,
-                       progress=_progress(args))
+                       allow_unread=args.allow_unread, progress=_progress(args))
   # Orbax writes the checkpoint in one call: one step, showing the time taken.
   with progress_lib.tracking(_progress(args), f"writing {args.dst}", 1,
                              unit="checkpoint") as tracker:
@@ -446,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                        " rounded; a cast changing values beyond that is refused)")
   convert.add_argument("--allow-lossy", action="store_true",
                        help="cast with --dtype even where values change beyond rounding")
+  convert.add_argument("--allow-unread", action="store_true",
+                       help="hf: load a folder storing tensors the model does not read,"
+                       " leaving them out with a warning (as transformers does)")
   convert.add_argument("--overwrite", action="store_true", help="replace DST")
   convert.add_argument(
       "--preset", default="auto",

@@ -129,6 +129,29 @@ def test_the_message_says_how_to_proceed(tmp_path):
   assert "1 stored tensor is read by no part" in message
   assert "set the field to what the files hold" in message
   assert "remove or rename them" in message
+  assert "allow_unread=True" in message and "--allow-unread" in message
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_allow_unread_loads_without_them_and_names_them(tmp_path, case, caplog):
+  """The user's way past the refusal (a Hub folder holding extras the
+  family does not declare): the model the config describes, as if the
+  tensors were absent, with a warning naming them; by the library and the
+  CLI alike."""
+  tensors, changes, _ = REFUSED[case]
+  folder = hf_folder(tmp_path / case, {**CONFIG, **changes}, tensors)
+  plain = pzp.pretrained.load_hf(hf_folder(tmp_path / "plain", {**CONFIG, **changes}))
+  with caplog.at_level(logging.WARNING, "pz_persist.pretrained.hf"):
+    model = pzp.load_hf(folder, allow_unread=True)
+  said = " ".join(r.getMessage() for r in caplog.records)
+  unread_names = sorted(set(tensors) - set(llama_tensors()))
+  assert repr(unread_names[0]) in said and "as allow_unread=True asks" in said
+  tokens = pz.nx.wrap(np.array([[1, 2, 3]]), "batch", "seq")
+  np.testing.assert_array_equal(np.asarray(model(tokens).unwrap("batch", "seq", "vocabulary")),
+                                np.asarray(plain(tokens).unwrap("batch", "seq", "vocabulary")))
+  out = tmp_path / f"{case}-native"
+  assert cli.main(["convert", "hf", str(folder), str(out), "--allow-unread", "--quiet"]) == 0
+  assert out.exists()
 
 
 def test_the_same_bias_with_a_config_that_says_so_loads(tmp_path):

@@ -151,6 +151,7 @@ def load_hf(
     *,
     dtype: npt.DTypeLike | None = None,
     allow_lossy: bool = False,
+    allow_unread: bool = False,
     sharding: sharding_lib.Target = None,
     progress: progress_lib.Progress = None,
 ) -> model_parts.TransformerLM:
@@ -185,6 +186,9 @@ def load_hf(
       which has none, an integer tensor a float cannot hold exactly) is
       refused, naming the file and tensor.
     allow_lossy: Cast such tensors anyway.
+    allow_unread: Load a folder that stores tensors the model its config
+      describes does not read, leaving them out with a warning naming them
+      (what transformers does), instead of refusing it.
     sharding: Where each array goes: a ``jax.sharding.Sharding`` for all
       arrays, or `pz_persist.AxisRules` mapping Penzai axis names
       (``embedding``, ``heads``, ``head_groups``, ``query_heads``,
@@ -215,7 +219,7 @@ def load_hf(
     UnreadTensorsError: the folder stores tensors the model its config
       describes does not read, which its family does not declare knowingly
       left out (a bias the config turns off, a misspelled name); named,
-      before any tensor is read.
+      before any tensor is read, unless ``allow_unread``.
     UnsafeCheckpointError: a file read is a symlink leading out of the folder
       (and out of its Hugging Face cache entry), a FIFO or a device, or the
       model would allocate more than `pz_persist.safety.limits.allocation_limit`.
@@ -244,7 +248,8 @@ def load_hf(
     weights.add_views(plan.views)
     _check_tensors(plan, weights)
     # Every stored tensor read or knowingly left out, before anything is.
-    unread.check_all_read(plan, weights, families.MODEL_TYPES[model_type].left_out, model_type)
+    unread.check_all_read(plan, weights, families.MODEL_TYPES[model_type].left_out, model_type,
+                          allow=allow_unread)
     skeleton = plan.build()  # Built once the weights agree with the config.
     scaled_rope.check_computable(skeleton, _axis_sizes(plan), cfg.where)
 

@@ -48,11 +48,12 @@ SHOWN = 5
 
 
 def check_all_read(plan: Plan, weights: Weights, declared: Sequence[LeftOut],
-                   model_type: str) -> None:
+                   model_type: str, *, allow: bool = False) -> None:
   """Refuses a folder storing a tensor that ``plan`` does not read and no
   declaration covers (``plan.left_out``, the record's ``declared``,
   `ANY_FAMILY`); then says, per reported declaration, what it left out.
-  ``model_type``: the folder's, for the message.
+  ``model_type``: the folder's, for the message. ``allow`` (the user's
+  ``allow_unread=True``): warn with the same message instead of refusing.
 
   Reads only names (the headers, already open); nothing is built or read.
 
@@ -80,14 +81,18 @@ def check_all_read(plan: Plan, weights: Weights, declared: Sequence[LeftOut],
       refused.append(name)
     else:
       left.setdefault(index, []).append(name)
-  if refused:
+  if refused and allow:
+    _log.warning("%s They are left out, as allow_unread=True asks.",
+                 _message(weights.path, refused, read, model_type, allowed=True))
+  elif refused:
     raise errors.UnreadTensorsError(_message(weights.path, refused, read, model_type))
   for index, names in left.items():
     if declarations[index].reported:
       _report(weights.path, declarations[index], names)
 
 
-def _message(path: str, refused: list[str], read: set[str], model_type: str) -> str:
+def _message(path: str, refused: list[str], read: set[str], model_type: str,
+             allowed: bool = False) -> str:
   shown = ", ".join(repr(name) for name in refused[:SHOWN])
   more = f" (and {len(refused) - SHOWN} more)" if len(refused) > SHOWN else ""
   hints = []
@@ -100,6 +105,9 @@ def _message(path: str, refused: list[str], read: set[str], model_type: str) -> 
   hints.append("if config.json describes the model, the folder holds tensors of another model"
                " or misspelled names: remove or rename them (transformers would only warn"
                " 'Some weights of the checkpoint were not used' and drop them)")
+  if not allowed:
+    hints.append("to load the model without them anyway, as transformers does, pass"
+                 " allow_unread=True (pz-persist convert hf: --allow-unread)")
   count = "1 stored tensor is" if len(refused) == 1 else f"{len(refused)} stored tensors are"
   return (f"{path}: {count} read by no part of the {model_type!r}"
           f" model its config.json describes, nor declared knowingly left out by its family:"
