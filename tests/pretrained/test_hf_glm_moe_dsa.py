@@ -15,6 +15,8 @@ match transformers token for token.
 
 from __future__ import annotations
 
+import logging
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -255,15 +257,19 @@ def test_hostile_configs_are_refused_before_anything_is_built(saved, tmp_path, m
 
 
 def test_indexer_weights_of_a_shared_layer_are_left_unread_as_transformers_leaves_them(
-    saved, tmp_path):
+    saved, tmp_path, caplog):
   """A folder whose config marks a layer with indexer weights ``"shared"``:
   transformers builds that layer without an indexer and leaves its stored
-  one unread (an unexpected key); pz_persist gives its logits."""
+  one unread (an unexpected key); pz_persist gives its logits, and says it
+  left them (declared in the plan, so not refused as unread)."""
   folder = harness.edited(saved["glm_moe_dsa"].folder, tmp_path,
                           indexer_types=["full", "shared", "shared", "shared"])
   theirs = harness.reference_logits(transformers.GlmMoeDsaForCausalLM.from_pretrained(folder))
-  np.testing.assert_allclose(harness.penzai_logits(pzp.pretrained.load_hf(folder)), theirs,
-                             **harness.TOLERANCE)
+  with caplog.at_level(logging.WARNING, "pz_persist.pretrained.hf"):
+    model = pzp.pretrained.load_hf(folder)
+  said = " ".join(record.getMessage() for record in caplog.records)
+  assert "5 tensors of the indexers of layers marked shared" in said
+  np.testing.assert_allclose(harness.penzai_logits(model), theirs, **harness.TOLERANCE)
   assert np.abs(theirs - saved["glm_moe_dsa"].reference).max() > 100 * harness.TOLERANCE["atol"]
 
 

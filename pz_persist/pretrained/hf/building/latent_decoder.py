@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -53,6 +54,7 @@ from pz_persist.pretrained.hf.config_from_model import rope_fields
 from pz_persist.pretrained.hf.config_from_model import tied_field
 from pz_persist.pretrained.hf.plan import DECODER_HEAD
 from pz_persist.pretrained.hf.plan import DECODER_LAYERS
+from pz_persist.pretrained.hf.plan import LeftOut
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
@@ -495,7 +497,26 @@ def latent_plan(cfg: Config, weights: Weights, dense: DenseRule = first_k_dense,
     scaled_rope_layer.check_computable(model, {"rotary": {sizes.rope}}, cfg.where)
     return model
 
-  return Plan(build, tuple(specs), tuple(views), (mtp_layers(sizes.layers, mtp),))
+  left_out = [mtp_layers(sizes.layers, mtp)]
+  if indexer is not None:
+    left_out.append(_unused_indexers(indexer))
+  return Plan(build, tuple(specs), tuple(views), tuple(left_out))
+
+
+def _unused_indexers(indexer: IndexerSizes) -> LeftOut:
+  """An indexer stored in a layer its config marks ``"shared"`` (GLM-5): the
+  layer reuses an earlier layer's choice and runs none of its own, so
+  transformers builds no indexer there and leaves the stored one unread;
+  so does load_hf, saying so."""
+  def covers(name: str) -> bool:
+    match = _INDEXER_OF_LAYER.match(name)
+    return match is not None and not indexer.runs(int(match.group(1)))
+  return LeftOut(covers, "the indexers of layers marked shared in indexer_types",
+                 "those layers reuse the top-k of the last earlier full layer, as transformers'"
+                 " do (it leaves these tensors unread too)", reported=True)
+
+
+_INDEXER_OF_LAYER = re.compile(r"model\.layers\.(\d+)\.self_attn\.indexer\.")
 
 
 def latent_fields(model: pz.nn.Layer, like: Mapping[str, Any], rotary: bool = True
