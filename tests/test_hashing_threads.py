@@ -3,6 +3,7 @@ results in order, errors re-raised, nothing left running, no thread kept."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import numpy as np
@@ -34,9 +35,26 @@ def test_results_come_in_order_whatever_order_the_calls_end(monkeypatch):
 
 
 def test_an_error_is_raised_once_and_the_rest_is_not_started(monkeypatch):
+  """Calls after the first two wait until the pool has cancelled what is
+  queued (not for a duration: on a loaded machine a free thread could
+  otherwise run every call before the error reaches the caller)."""
   monkeypatch.setattr(hashing_threads, "thread_count", lambda: 2)
   started = []
-  gate = threading.Event()
+  gate, cancelled = threading.Event(), threading.Event()
+  make_pool = hashing_threads.pool
+
+  class CancelsThenReleases(concurrent.futures.ThreadPoolExecutor):
+    def shutdown(self, wait=True, *, cancel_futures=False):
+      super().shutdown(wait=False, cancel_futures=cancel_futures)
+      cancelled.set()  # Only now may the running calls end.
+      super().shutdown(wait=wait)
+
+  def pool(name, threads=None):
+    made = make_pool(name, threads)
+    made.__class__ = CancelsThenReleases
+    return made
+
+  monkeypatch.setattr(hashing_threads, "pool", pool)
 
   def call(i: int) -> int:
     started.append(i)
@@ -45,11 +63,13 @@ def test_an_error_is_raised_once_and_the_rest_is_not_started(monkeypatch):
       raise ValueError("call 0 failed")
     if i == 1:
       gate.set()
+    else:
+      cancelled.wait()
     return i
 
   with pytest.raises(ValueError, match="call 0 failed"):
     hashing_threads.map_in_threads(call, range(200), name="t")
-  assert len(started) < 200
+  assert len(started) <= 4  # 0 and 1, and at most one more on each thread.
   assert _pool_threads() == []
 
 

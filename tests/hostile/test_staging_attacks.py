@@ -531,14 +531,14 @@ class _RaisingLocker(test_staging._FakeLocker):  # pylint: disable=protected-acc
 
   def lock(self, buffer):
     if self.where == "lock" and self.ever_locked == 2:
-      raise page_locking._DriverError("cuCtxPushCurrent_v2 failed")  # pylint: disable=protected-access
+      raise OSError("cuCtxPushCurrent_v2 failed")
     return super().lock(buffer)
 
   def unlock(self, buffer):
     super().unlock(buffer)
     if self.where == "unlock":  # Unregistered, then the context's pop failed.
       self.where = ""
-      raise page_locking._DriverError("cuCtxPopCurrent_v2 failed")  # pylint: disable=protected-access
+      raise OSError("cuCtxPopCurrent_v2 failed")
 
 
 @pytest.mark.parametrize("where", ["lock", "unlock"])

@@ -109,14 +109,10 @@ class _PushedContext:
       self._lock.release()
 
 
-class _DriverError(OSError):
-  pass
-
-
 def _call(function: Any, *args: Any) -> None:
   result = function(*args)
   if result != 0:
-    raise _DriverError(f"{function.__name__} failed with CUDA error {result}")
+    raise OSError(f"{function.__name__} failed with CUDA error {result}")
 
 
 @functools.cache
@@ -146,6 +142,6 @@ def locker_for(device: jax.Device) -> Locker | None:
     return None
   try:
     return _CudaDriverLocker(driver, ordinal)
-  except (_DriverError, AttributeError) as e:
+  except (OSError, AttributeError) as e:
     _LOG.debug("cannot page-lock read buffers for %s: %s", device, e)
     return None
