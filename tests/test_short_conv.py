@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from hypothesis import example
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -72,6 +73,7 @@ def test_forward_is_the_definition(sizes, length):
 
 @settings(max_examples=25, deadline=None)
 @given(sizes=_SIZES, cuts=st.lists(st.integers(1, 4), min_size=1, max_size=5))
+@example(sizes=(6, 3, True, 4433), cuts=[1, 2])  # An output of 0.005 among terms of 30.
 def test_calls_in_pieces_are_one_call(sizes, cuts):
   """A sequence fed to `CachingShortConv` in pieces of the generated
   lengths gives, token for token, the uncached layer over the whole."""
@@ -87,7 +89,10 @@ def test_calls_in_pieces_are_one_call(sizes, cuts):
     out = caching(pz.nx.wrap(x[:, start:start + cut], "batch", "seq", "embedding"))
     pieces.append(np.asarray(out.untag("batch", "seq", "embedding").unwrap()))
     start += cut
-  np.testing.assert_allclose(np.concatenate(pieces, 1), whole, rtol=1e-5, atol=1e-5)
+  # The cached path sums the same products in another order: float32
+  # rounding of the largest terms (up to ~30 here), not of each output.
+  atol = 1e-6 * max(1.0, float(np.abs(whole).max()))
+  np.testing.assert_allclose(np.concatenate(pieces, 1), whole, rtol=1e-5, atol=atol)
 
 
 def test_penzai_sampling_mode_is_refused():
