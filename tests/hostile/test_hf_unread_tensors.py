@@ -32,9 +32,9 @@ from hostile.test_pretrained_hostile import HIDDEN
 from hostile.test_pretrained_hostile import KV_HEADS
 from hostile.test_pretrained_hostile import hf_folder
 from hostile.test_pretrained_hostile import llama_tensors
+from hostile.test_pretrained_hostile import no_reads  # noqa: F401  # pylint: disable=unused-import
 from pz_persist import errors
 from pz_persist.pretrained import errors as pretrained_errors
-from pz_persist.pretrained import safetensors_io
 from pz_persist.pretrained.hf import unread
 from pz_persist.tools import cli
 
@@ -70,15 +70,6 @@ REFUSED = {
 }
 
 
-@pytest.fixture
-def no_reads(monkeypatch):
-  """Fails the test if any tensor is read: the refusal comes first."""
-  def refuse(self, name, *args, **kwargs):
-    raise AssertionError(f"tensor {name!r} was read before the checks")
-  monkeypatch.setattr(safetensors_io.SafetensorsFile, "get", refuse)
-  monkeypatch.setattr(safetensors_io.SafetensorsFile, "read_into", refuse)
-
-
 def _load_pretrained(path):
   return pzp.pretrained.load_hf(path)
 
@@ -110,7 +101,7 @@ ENTRY_POINTS = {"pretrained.load_hf": _load_pretrained, "pzp.load_hf": _load_top
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_an_unread_tensor_is_refused_before_any_read(tmp_path, case, entry, no_reads):
+def test_an_unread_tensor_is_refused_before_any_read(tmp_path, case, entry, no_reads):  # noqa: F811
   tensors, changes, match = REFUSED[case]
   folder = hf_folder(tmp_path / case, {**CONFIG, **changes}, tensors)
   with pytest.raises(pretrained_errors.UnreadTensorsError, match=match) as info:
@@ -165,7 +156,7 @@ def test_the_same_bias_with_a_config_that_says_so_loads(tmp_path):
   assert len([label for label in labels if label.endswith(".bias")]) == len(biases)
 
 
-def test_a_layer_past_num_hidden_layers_is_refused(tmp_path, no_reads):
+def test_a_layer_past_num_hidden_layers_is_refused(tmp_path, no_reads):  # noqa: F811
   """Under the prefix the family counts layers under, the count check says
   ``num_hidden_layers`` disagrees with the files (before this rule)."""
   extra = {name.replace("layers.1.", "layers.2."): value
@@ -218,7 +209,8 @@ def test_a_declared_tower_loads_and_is_reported(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
-def test_an_unread_text_tensor_beside_a_declared_tower_is_refused(tmp_path, entry, no_reads):
+def test_an_unread_text_tensor_beside_a_declared_tower_is_refused(
+    tmp_path, entry, no_reads):  # noqa: F811
   """The tower's declaration covers the tower only: a bias in the text model
   that its config turns off is refused (it was dropped silently before)."""
   folder = _qwen2_vl(tmp_path / "vl", {
