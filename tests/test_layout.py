@@ -639,3 +639,26 @@ def test_every_collected_test_has_one_layer(request):
   )
   if starts_one in layers:  # It calls run_python: found as a process test.
     assert layers[starts_one] == "process"
+
+
+def test_test_modules_import_each_other_as_pytest_finds_them():
+  """The README's `pytest` puts tests/ itself on `sys.path` (tests/ has no
+  `__init__.py`), not the checkout: `from tests import x` imports only where
+  the checkout happens to be on the path too (`python -m pytest`, an IDE),
+  and CI's `pytest` stops at collection. Helpers are imported as
+  `import test_x` or `from hostile import x`."""
+  tests_dir = pathlib.Path(__file__).parent
+  wrong = []
+  for path in sorted(tests_dir.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      names = []
+      if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        names = [node.module]
+      elif isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      wrong += [
+          f"{path.relative_to(tests_dir)}:{node.lineno}: {name}"
+          for name in names
+          if name == "tests" or name.startswith("tests.")
+      ]
+  assert not wrong, wrong

@@ -28,8 +28,8 @@ from pz_persist.storage.reading import host_memory
 from pz_persist.storage.reading import page_locking
 from pz_persist.storage.reading import staging
 from pz_persist.storage.reading import streaming
-from tests import test_random_trees
-from tests.hostile import catalogue
+import test_random_trees
+from hostile import catalogue
 
 pytestmark = pytest.mark.unit
 

@@ -42,8 +42,8 @@ from pz_persist.storage.reading import raw_chunks
 from pz_persist.storage.reading import staging
 from pz_persist.storage.reading import streaming
 from pz_persist.storage.writing import direct_write
-from tests import test_staging
-from tests.hostile import catalogue
+import test_staging
+from hostile import catalogue
 
 pytestmark = pytest.mark.unit
 
