@@ -138,10 +138,20 @@ def left_out_layers(prefix: str, first: int, count: int, what: str, why: str) ->
   """A `LeftOut` of layers ``first .. first + count - 1`` under ``prefix``
   (``model.layers.``): the multi-token-prediction layers DeepSeek-V3 and
   GLM-4.5 store after the causal LM's."""
+  return left_out_in_layers(prefix, lambda number: first <= number < first + count, what, why)
+
+
+def left_out_in_layers(prefix: str, which: Callable[[int], bool], what: str, why: str,
+                       part: str = "", reported: bool = True) -> LeftOut:
+  """A `LeftOut` of what is stored under ``prefix`` + a layer number +
+  ``.`` + ``part``, in the layers whose number ``which`` accepts: whole
+  layers (``part=""``), or one part of some layers (GLM-5's indexers in the
+  layers that reuse another's, ``part="self_attn.indexer."``)."""
   def covers(name: str) -> bool:
     match = _LAYER_NUMBER.match(name, len(prefix)) if name.startswith(prefix) else None
-    return match is not None and first <= int(match.group(1)) < first + count
-  return LeftOut(covers, what, why)
+    return (match is not None and name.startswith(part, match.end())
+            and which(int(match.group(1))))
+  return LeftOut(covers, what, why, reported)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -58,6 +57,7 @@ from pz_persist.pretrained.hf.plan import LeftOut
 from pz_persist.pretrained.hf.plan import Plan
 from pz_persist.pretrained.hf.plan import TensorSpec
 from pz_persist.pretrained.hf.plan import check_layers
+from pz_persist.pretrained.hf.plan import left_out_in_layers
 from pz_persist.pretrained.hf.weights import View
 from pz_persist.pretrained.hf.weights import Weights
 
@@ -508,15 +508,11 @@ def _unused_indexers(indexer: IndexerSizes) -> LeftOut:
   layer reuses an earlier layer's choice and runs none of its own, so
   transformers builds no indexer there and leaves the stored one unread;
   so does load_hf, saying so."""
-  def covers(name: str) -> bool:
-    match = _INDEXER_OF_LAYER.match(name)
-    return match is not None and not indexer.runs(int(match.group(1)))
-  return LeftOut(covers, "the indexers of layers marked shared in indexer_types",
-                 "those layers reuse the top-k of the last earlier full layer, as transformers'"
-                 " do (it leaves these tensors unread too)", reported=True)
-
-
-_INDEXER_OF_LAYER = re.compile(r"model\.layers\.(\d+)\.self_attn\.indexer\.")
+  return left_out_in_layers(
+      DECODER_LAYERS, lambda number: not indexer.runs(number),
+      "the indexers of layers marked shared in indexer_types",
+      "those layers reuse the top-k of the last earlier full layer, as transformers'"
+      " do (it leaves these tensors unread too)", part="self_attn.indexer.")
 
 
 def latent_fields(model: pz.nn.Layer, like: Mapping[str, Any], rotary: bool = True
