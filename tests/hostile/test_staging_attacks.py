@@ -659,6 +659,38 @@ def test_a_gpu_without_a_cuda_ordinal_gets_no_locker(monkeypatch, ordinal):
   locker.close()
 
 
+@pytest.mark.parametrize("value", ["0", "off", "False", " no "])
+def test_the_environment_turns_page_locking_off(monkeypatch, value):
+  """``PZ_PERSIST_PAGE_LOCKING=0``: the user's way out where a driver
+  misbehaves; no context is retained, nothing is locked."""
+  driver = test_staging._FakeCudaDriver()  # pylint: disable=protected-access
+  monkeypatch.setattr(page_locking, "_cuda_driver", lambda: driver)
+  monkeypatch.setenv(page_locking.SWITCH, value)
+  assert page_locking.locker_for(_FakeGpu(0)) is None
+  assert driver.retained == 0
+  monkeypatch.setenv(page_locking.SWITCH, "1")
+  locker = page_locking.locker_for(_FakeGpu(0))
+  assert locker is not None and driver.retained == 1
+  locker.close()
+
+
+@pytest.mark.parametrize("value", ["2", "disable", "0x0"])
+def test_a_page_locking_switch_neither_on_nor_off_is_refused(monkeypatch, tmp_path, value):
+  """A value that is neither on nor off is named, not guessed at, by the
+  load that would have locked memory, and the load leaves nothing behind."""
+  monkeypatch.setenv(page_locking.SWITCH, value)
+  with pytest.raises(errors.ArgumentError, match=f"{page_locking.SWITCH}={value!r}"):
+    page_locking.locker_for(_FakeGpu(0))
+  path = tmp_path / "ckpt"
+  pzp.save(path, {"x": jnp.arange(10.0)})
+  monkeypatch.setattr(streaming, "copies_to_device", lambda target: target is not None)
+  monkeypatch.setattr(streaming, "device_put", test_staging._copying_put)  # pylint: disable=protected-access
+  with pytest.raises(errors.ArgumentError, match="0 \\(page-lock no read buffers\\)"):
+    pzp.load(path)
+  monkeypatch.setenv(page_locking.SWITCH, "0")
+  assert np.array_equal(pzp.load(path)["x"], np.arange(10.0))
+
+
 @hypothesis.settings(max_examples=100, deadline=None)
 @hypothesis.given(
     st.lists(

@@ -17,7 +17,11 @@ for every context of the process, including the primary context XLA uses.
 
 Nothing here is needed for correctness: where locking is unavailable (no
 CUDA, another accelerator, a failed call), `locker_for` returns None or
-`Locker.lock` returns False, and the buffers are used as they are.
+`Locker.lock` returns False, and the buffers are used as they are. The same
+holds where the user turns it off: ``PZ_PERSIST_PAGE_LOCKING=0`` in the
+environment (read at each load), for a driver that misbehaves or a process
+that must not lock memory (a container with a low ``RLIMIT_MEMLOCK``
+ulimit fails the calls anyway, which costs nothing but the speed).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import threading
 from typing import Any
 from typing import Protocol
@@ -32,9 +37,17 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from pz_persist import errors
+
 _LOG = logging.getLogger(__name__)
 
 _CU_MEMHOSTREGISTER_PORTABLE = 0x01
+
+SWITCH = "PZ_PERSIST_PAGE_LOCKING"
+"""The environment variable that turns page-locking off (``0``)."""
+
+_OFF = ("0", "false", "off", "no")
+_ON = ("", "1", "true", "on", "yes")
 
 
 class Locker(Protocol):
@@ -129,7 +142,10 @@ def _cuda_driver() -> Any:
 
 def locker_for(device: jax.Device) -> Locker | None:
   """A `Locker` for copies to ``device``, or None where pz_persist cannot
-  page-lock memory for it (not a CUDA GPU, or the driver is unavailable)."""
+  page-lock memory for it (not a CUDA GPU, the driver is unavailable, or
+  ``PZ_PERSIST_PAGE_LOCKING=0``)."""
+  if not switched_on():
+    return None
   if device.platform != "gpu" or "rocm" in device.client.platform_version.lower():
     return None
   # PJRT's local_hardware_id is the CUDA ordinal, -1 where undefined: then no
@@ -145,3 +161,18 @@ def locker_for(device: jax.Device) -> Locker | None:
   except (OSError, AttributeError) as e:
     _LOG.debug("cannot page-lock read buffers for %s: %s", device, e)
     return None
+
+
+def switched_on() -> bool:
+  """Whether the environment leaves page-locking on (`SWITCH`); a value
+  that is neither on nor off is an error, not a guess."""
+  value = os.environ.get(SWITCH, "").strip().lower()
+  if value in _OFF:
+    return False
+  if value in _ON:
+    return True
+  raise errors.ArgumentError(
+      f"environment variable {SWITCH}={os.environ[SWITCH]!r}: expected 0 (page-lock no read"
+      f" buffers) or 1 (page-lock them on CUDA GPUs, the default). Set it to one of those, or"
+      f" unset it."
+  )
