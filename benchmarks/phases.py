@@ -2,7 +2,7 @@
 
 Usage::
 
-  python benchmarks/phases.py load --size 1GiB [--runs 4]
+  python benchmarks/phases.py load --size 1GiB [--runs 4] [--cold]
   python benchmarks/phases.py save --size 512MiB [--runs 3]
   python benchmarks/phases.py put --size 256MiB --page-locked   # GPU only
 
@@ -10,7 +10,8 @@ A profile, not a comparison: it wraps pz_persist's internal steps with timers
 (the first run of the process is the fresh one) and prints the seconds spent
 in each, so a change can be aimed at the phase that costs. ``load``: the
 direct read (`direct_read.read`), its waits on TensorStore, the streaming
-placer's ``take`` and its waits for copies and checks. ``save`` (from arrays
+placer's ``take`` and its waits for copies and checks (``--cold``: each run
+with the page cache dropped first; root). ``save`` (from arrays
 on the default device): the host copies, the writes started and finished,
 hashing the arrays, Orbax's finalize, the file digests; then ``os.sync()``.
 ``put``: one fresh ``device_put`` of four of pz_persist's read buffers,
@@ -58,7 +59,7 @@ def _report(what: str, seconds: float) -> None:
   _times.clear()
 
 
-def profile_load(size: int, runs: int, directory: str) -> None:
+def profile_load(size: int, runs: int, directory: str, cold: bool = False) -> None:
   import jax
 
   import pz_persist as pzp
@@ -74,6 +75,8 @@ def profile_load(size: int, runs: int, directory: str) -> None:
   _wrap(streaming.Placer, "take", "placer take")
   _wrap(streaming.Placer, "_settle_oldest", "copy/check waits")
   for i in range(runs):
+    if cold and not harness.drop_page_cache():
+      raise SystemExit("--cold needs root, to drop the page cache")
     with harness.PeakRss() as rss:
       start = time.perf_counter()
       tree = jax.block_until_ready(pzp.load(path))
@@ -150,13 +153,17 @@ def main(argv=None) -> None:
   parser.add_argument("--size", default="1GiB")
   parser.add_argument("--runs", type=int, default=3)
   parser.add_argument("--page-locked", action="store_true")
+  parser.add_argument("--cold", action="store_true", help="load: drop the page cache before each run")
   args = parser.parse_args(argv)
   size = harness.parse_size(args.size)
   if args.what == "put":
     profile_put(size, args.page_locked)
     return
   with tempfile.TemporaryDirectory(prefix="pz_persist_phases_") as directory:
-    (profile_load if args.what == "load" else profile_save)(size, args.runs, directory)
+    if args.what == "load":
+      profile_load(size, args.runs, directory, args.cold)
+    else:
+      profile_save(size, args.runs, directory)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,24 @@ def test_accelerator_benchmark_runs(tmp_path, capsys):
   assert "restore onto" in capsys.readouterr().out
 
 
+def test_accelerator_benchmark_cold_restores_run(tmp_path, capsys, monkeypatch):
+  """The --cold path (page cache dropped after each process's warm-up, fresh
+  and warm processes, the checkpoint's files read as the floor), without
+  dropping this machine's cache for real."""
+  monkeypatch.setenv(accelerator.harness.PRETEND_DROP, "1")
+  accelerator.main(["--size", "1MiB", "--repeats", "1", "--warm-runs", "2", "--cold",
+                    "--methods", "pz_persist,safetensors_host", "--dir", str(tmp_path),
+                    "--json", str(tmp_path / "out.json")])
+  cold = __import__("json").loads((tmp_path / "out.json").read_text())["restores"]
+  cold = next(iter(cold.values()))["cold"]
+  assert set(cold) == {"pz_persist", "safetensors_host", "floor"}
+  assert all(cold[m]["fresh"] > 0 and cold[m]["warm"] > 0 for m in ("pz_persist", "safetensors_host"))
+  assert cold["floor"]["files"] > 0
+  printed = capsys.readouterr().out
+  assert "the pz_persist checkpoint's files read cold" in printed
+  assert "cold, warm process, vs its files read cold" in printed
+
+
 def test_transformer_shapes_reach_the_requested_size():
   for size in (64 * 2**20, 2**30):
     shapes = save_restore.transformer_shapes(size)
