@@ -241,7 +241,10 @@ def cold_read_floor(path: str, threads: int, repeats: int = 2) -> float:
     try:
       view, done = memoryview(buffer)[starts[i]:starts[i] + sizes[i]], 0
       while done < sizes[i]:
-        done += os.preadv(fd, [view[done:done + 4 * 2**20]], done) or sizes[i]
+        read_now = os.preadv(fd, [view[done:done + 4 * 2**20]], done)
+        if not read_now:
+          raise OSError(f"{files[i]} shrank while the floor read it")
+        done += read_now
     finally:
       os.close(fd)
 
@@ -288,7 +291,9 @@ def _restores(methods, path_of, target: int, args) -> dict:
                              args)["seconds_each"]),
         }
     threads = min(8, os.cpu_count() or 1)
-    cold["floor"] = {"files": cold_read_floor(path_of("pz_persist"), threads), "threads": threads}
+    read = "pz_persist" if "pz_persist" in cold else next(iter(cold))
+    cold["floor"] = {"files": cold_read_floor(path_of(read), threads), "threads": threads,
+                     "format": _FORMAT[_base(read)]}
   return {"fresh": fresh, "warm": warm, "cold": cold}
 
 
@@ -328,7 +333,7 @@ def _restore_table(methods, runs: dict, data_bytes: int) -> dict:
         ["method", "fresh process", "GB/s", "warm process", "GB/s"],
         [[m, f"{t['fresh']:.3f} s", f"{data_bytes / t['fresh'] / 1e9:.2f}", f"{t['warm']:.3f} s",
           f"{data_bytes / t['warm'] / 1e9:.2f}"] for m, t in cold.items() if m != "floor"]
-        + [[f"floor: the pz_persist checkpoint's files read cold, {floor['threads']} threads",
+        + [[f"floor: the {floor['format']} checkpoint's files read cold, {floor['threads']} threads",
             f"{floor['files']:.3f} s", f"{data_bytes / floor['files'] / 1e9:.2f}", "", ""]])
   harness.print_table(
       f"restore onto {results['device']}, {harness.format_size(data_bytes)}",
@@ -368,7 +373,7 @@ def _shapes(target: int):
           for _, axes in save_restore.transformer_shapes(target)]
 
 
-def _targets(restores: dict, saves: dict | None, floors: dict | None) -> None:
+def _targets(restores: dict, saves: dict | None) -> None:
   rows = []
   for result in restores.values():
     methods = result["methods"]
@@ -463,7 +468,7 @@ def main(argv=None) -> dict:
   if args.save_size:
     methods = [m for m in args.save_methods.split(",") if m]
     results["saves"] = _save_table(methods, directory, harness.parse_size(args.save_size), args)
-  _targets(results["restores"], results["saves"], results["floors"])
+  _targets(results["restores"], results["saves"])
   first = next(iter(results["restores"].values()), {})
   results["methods"] = first.get("methods", {})  # The first size's, as before.
   return harness.finish(results, json_path=args.json, directory=None if args.dir else directory)
