@@ -161,6 +161,12 @@ def drop_page_cache() -> bool:
     return False
 
 
+def drop_page_cache_or_exit() -> None:
+  """`drop_page_cache`, or the benchmark stops saying why (``--cold``)."""
+  if not drop_page_cache():
+    raise SystemExit("--cold needs root, to drop the page cache")
+
+
 def machine_description() -> str:
   import platform
 
