@@ -75,6 +75,16 @@ def test_accelerator_benchmark_cold_restores_run(tmp_path, capsys, monkeypatch):
   assert "cold, warm process, vs its files read cold" in printed
 
 
+def test_accelerator_benchmark_cold_without_root_stops_at_once(tmp_path, monkeypatch):
+  """--cold where the page cache cannot be dropped says so before anything
+  is written or timed (it used to run every warm restore, then leave the
+  cold table out without a word)."""
+  monkeypatch.setattr(accelerator.harness, "drop_page_cache", lambda: False)
+  with pytest.raises(SystemExit, match="--cold needs root"):
+    accelerator.main(["--size", "1MiB", "--cold", "--dir", str(tmp_path)])
+  assert not os.listdir(tmp_path)
+
+
 def test_transformer_shapes_reach_the_requested_size():
   for size in (64 * 2**20, 2**30):
     shapes = save_restore.transformer_shapes(size)

@@ -683,6 +683,15 @@ def test_a_page_locking_switch_neither_on_nor_off_is_refused(monkeypatch, tmp_pa
     page_locking.locker_for(_FakeGpu(0))
   path = tmp_path / "ckpt"
   pzp.save(path, {"x": jnp.arange(10.0)})
+  # Every load checks it before reading, on any device: a typo made on a CPU
+  # machine is named there, not first on the GPU job it was meant for.
+  for load in (
+      lambda: pzp.load(path),
+      lambda: pzp.load(path, verify=False),
+      lambda: pzp.open(path).load(),
+  ):
+    with pytest.raises(errors.ArgumentError, match=f"{page_locking.SWITCH}={value!r}"):
+      load()
   monkeypatch.setattr(streaming, "copies_to_device", lambda target: target is not None)
   monkeypatch.setattr(streaming, "device_put", test_staging._copying_put)  # pylint: disable=protected-access
   with pytest.raises(errors.ArgumentError, match="0 \\(page-lock no read buffers\\)"):

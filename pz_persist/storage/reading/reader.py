@@ -60,6 +60,7 @@ from pz_persist.storage.integrity import orbax_metadata_checks
 from pz_persist.storage.reading import batching
 from pz_persist.storage.reading import direct_read
 from pz_persist.storage.reading import host_memory
+from pz_persist.storage.reading import page_locking
 from pz_persist.storage.reading import placements
 from pz_persist.storage.reading import streaming
 
@@ -150,7 +151,11 @@ def read_arrays(
     ManifestError: a stored array's shape or dtype is not the manifest's.
     UnsafeCheckpointError: the arrays would exceed the allocation limit, or
       a file of ``directory`` changed while it was read.
+    ArgumentError: ``PZ_PERSIST_PAGE_LOCKING`` is neither on nor off.
   """
+  # Checked by every load, whatever its devices: a bad value set on a CPU
+  # machine is named there, not first on the GPU job it was meant for.
+  page_locking.switched_on()
   stored: dict[str, Any] = {}
   try:
     with containment.files_unchanged(directory, before=snapshot):
