@@ -10,6 +10,8 @@ subprocesses holding a marker.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -172,6 +174,65 @@ def test_interrupt_while_the_marker_is_written_leaves_nothing(tmp_path, monkeypa
   with pytest.raises(KeyboardInterrupt, match="removed everything it had written"):
     pzp.save(path, _tree(2.0), overwrite=True)
   monkeypatch.undo()
+  assert _hidden(tmp_path) == []
+  _assert_holds(path, 1.0)
+
+
+def test_work_queued_on_a_pool_shut_down_by_the_save_is_waited_for(tmp_path, monkeypatch):
+  """Orbax makes a save's temporary directory through ``asyncio.to_thread``.
+  A Ctrl-C in its event loop leaves that ``mkdir`` queued on the loop's
+  pool, which the loop's ``close`` shuts down but does not cancel: it ran
+  after the save deleted what it wrote, leaving an empty
+  ``.orbax-checkpoint-tmp`` (one run of the SIGINT test in 40). Such work
+  is now waited for before anything is deleted, and while it runs the save
+  is not "settled" (a placeholder then stops it, as for Orbax's threads).
+  A pool still open, the program's own, is not waited for."""
+  monkeypatch.setattr(leftovers, "_JOIN_SECONDS", 0.2)  # Only bounds the waits below.
+  before = set(threading.enumerate())
+  program_pool, program_done = concurrent.futures.ThreadPoolExecutor(1), threading.Event()
+  program_pool.submit(program_done.wait, _TIMEOUT)  # Runs on, never shut down.
+  save_pool, release = concurrent.futures.ThreadPoolExecutor(1), threading.Event()
+  late = tmp_path / "made late"
+  save_pool.submit(lambda: (release.wait(_TIMEOUT), late.mkdir()))
+  save_pool.shutdown(wait=False)  # What closing the save's event loop does.
+  try:
+    assert not leftovers.cancel_background(lambda: True, before)  # Still to run.
+    release.set()
+    assert leftovers.cancel_background(lambda: True, before)
+    assert late.is_dir()  # It ran before the abandoned save went on.
+  finally:
+    release.set()
+    program_done.set()
+    program_pool.shutdown()
+
+
+def test_an_interrupted_save_outwaits_its_queued_file_operations(tmp_path, monkeypatch):
+  """The same through `pzp.save`: Ctrl-C while a file operation of the save
+  is still queued on its event loop's pool, as when Orbax's ``mkdir`` of the
+  temporary directory is; it runs once the save is cancelled, and then
+  nothing of the save stays, as its one line says."""
+  path = tmp_path / "ckpt"
+  pzp.save(path, _tree(1.0))
+  cancelled = threading.Event()
+  cancel = v0_handler.PenzaiCheckpointHandler.cancel
+
+  def cancelling(self):
+    cancelled.set()
+    return cancel(self)
+
+  async def interrupted(self, directory, *args, **kwargs):
+    made_again = os.path.dirname(os.fspath(directory))  # Orbax's temporary directory.
+    asyncio.get_running_loop().run_in_executor(
+        None, lambda: (cancelled.wait(_TIMEOUT), os.makedirs(made_again, exist_ok=True))
+    )
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(v0_handler.PenzaiCheckpointHandler, "cancel", cancelling)
+  monkeypatch.setattr(v0_handler.PenzaiCheckpointHandler, "async_save", interrupted)
+  with pytest.raises(KeyboardInterrupt, match="removed everything it had written"):
+    pzp.save(path, _tree(2.0), overwrite=True)
+  monkeypatch.undo()
+  assert cancelled.is_set()
   assert _hidden(tmp_path) == []
   _assert_holds(path, 1.0)
 

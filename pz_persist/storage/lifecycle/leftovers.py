@@ -50,6 +50,7 @@ looks exactly like a dead one), so these are reported with status
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread
 import contextlib
 import dataclasses
 import errno
@@ -61,6 +62,7 @@ import socket
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from collections.abc import Iterator
 
@@ -354,19 +356,55 @@ TensorStore's own writes are not waited for."""
 
 def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) -> bool:
   """Waits (at most ``timeout`` s in all) for Orbax's save threads started
-  since; returns whether they all ended (False if they cannot be told)."""
+  since, and for the workers of thread pools shut down since
+  (`_finishing_pool_workers`); returns whether they all ended (False if
+  Orbax's cannot be told)."""
   try:
     kind = orbax_seam.orbax_save_threads()
   except AttributeError:
     return False  # Another Orbax: the placeholder file still stops late writes.
   deadline = time.monotonic() + timeout
   ended = True
-  for thread in threading.enumerate():
-    if isinstance(thread, kind) and thread not in started_after:
-      # Thread.join itself: Orbax's join raises once cancelled, still running.
-      threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
-      ended = ended and not thread.is_alive()
+  waited = [
+      thread for thread in threading.enumerate()
+      if isinstance(thread, kind) and thread not in started_after
+  ]
+  for thread in waited + _finishing_pool_workers(started_after, besides=waited):
+    # Thread.join itself: Orbax's join raises once cancelled, still running.
+    threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+    ended = ended and not thread.is_alive()
   return ended
+
+
+def _finishing_pool_workers(
+    started_after: set[threading.Thread], besides: list[threading.Thread]
+) -> list[threading.Thread]:
+  """Threads started since ``started_after`` that work for a thread pool
+  already shut down: they run what was queued before the shutdown, then end.
+
+  Why: Orbax makes a save's temporary directory (and does its other file
+  operations) through ``asyncio.to_thread``, on its event loop's default
+  pool. A Ctrl-C in that loop leaves the ``mkdir`` queued there; the loop's
+  ``close`` shuts the pool down, and the ``mkdir`` runs anyway, after the
+  save deleted what it wrote: one run in 40 left an empty
+  ``.orbax-checkpoint-tmp`` beside a checkpoint whose save said it "removed
+  everything it had written" (``tests/test_interrupt.py``). Pools still
+  open (a program's own) are not waited for: their threads may never end.
+  Read through `concurrent.futures`' private worker arguments; elsewhere,
+  nothing is waited for here and the save cleans up as before.
+  """
+  worker = getattr(concurrent.futures.thread, "_worker", None)
+  found = []
+  for thread in threading.enumerate():
+    if thread in started_after or thread in besides or worker is None:
+      continue
+    if getattr(thread, "_target", None) is not worker:
+      continue
+    arguments = getattr(thread, "_args", ())
+    pool = arguments[0]() if arguments and isinstance(arguments[0], weakref.ref) else None
+    if pool is None or getattr(pool, "_shutdown", False):
+      found.append(thread)
+  return found
 
 
 # ---- Finding leftovers. -----------------------------------------------------
