@@ -30,6 +30,7 @@ from penzai import pz
 
 import pz_persist as pzp
 from pz_persist.orbax import v0_handler
+from pz_persist.storage import orbax_seam
 from pz_persist.storage import stores
 from pz_persist.storage.lifecycle import leftovers
 from pz_persist.storage.writing import direct_write
@@ -204,6 +205,33 @@ def test_work_queued_on_a_pool_shut_down_by_the_save_is_waited_for(tmp_path, mon
     release.set()
     program_done.set()
     program_pool.shutdown()
+
+
+def test_a_save_thread_whose_start_the_interrupt_cut_short_is_waited_for(monkeypatch):
+  """Ctrl-C inside ``Thread.start`` of one of Orbax's save threads (seen:
+  inside the pool thread ``asyncio.to_thread`` was starting) leaves a
+  thread ``threading.enumerate`` lists but ``join`` refuses ("cannot join
+  thread before it is started"). That error replaced the interrupt: the
+  script ended with status 1 and a traceback instead of SIGINT and one line.
+  Such a thread is waited for to start; one that has not started by the
+  deadline counts as still running (the save then leaves its placeholder)."""
+  monkeypatch.setattr(leftovers, "_JOIN_SECONDS", 0.2)  # Only bounds the waits below.
+  before = set(threading.enumerate())
+  kind = orbax_seam.orbax_save_threads()
+  ran = threading.Event()
+  cut_short = kind(target=ran.set, send_signals=[], receive_signals=[])
+  listed = threading.enumerate
+  monkeypatch.setattr(threading, "enumerate", lambda: [*listed(), cut_short])
+  assert not leftovers.cancel_background(lambda: True, before)  # Never started: running.
+  starts_late = threading.Thread(target=cut_short.start)
+
+  def cancel() -> bool:
+    starts_late.start()  # Its start goes on after the interrupt.
+    return True
+
+  assert leftovers.cancel_background(cancel, before)
+  assert ran.is_set() and not cut_short.is_alive()
+  starts_late.join()
 
 
 def test_an_interrupted_save_outwaits_its_queued_file_operations(tmp_path, monkeypatch):

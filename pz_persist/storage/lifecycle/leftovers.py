@@ -370,10 +370,30 @@ def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) ->
       if isinstance(thread, kind) and thread not in started_after
   ]
   for thread in waited + _finishing_pool_workers(started_after, besides=waited):
-    # Thread.join itself: Orbax's join raises once cancelled, still running.
-    threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
-    ended = ended and not thread.is_alive()
+    ended = _join_until(thread, deadline) and ended
   return ended
+
+
+def _join_until(thread: threading.Thread, deadline: float) -> bool:
+  """Waits until ``thread`` ends or ``deadline`` (``time.monotonic``)
+  passes; whether it ended.
+
+  ``threading.Thread.join`` itself: Orbax's own join raises once cancelled,
+  still running. A thread whose ``start`` the Ctrl-C interrupted is listed
+  by ``threading.enumerate`` but refused by ``join`` ("cannot join thread
+  before it is started"; that error replaced the interrupt, so a script
+  ended with status 1 and a traceback, about one SIGINT test in 20): it may
+  still start and do its work, so it is waited for to start too, and one
+  that has not started by the deadline counts as still running.
+  """
+  while True:
+    try:
+      threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+      return not thread.is_alive()
+    except RuntimeError:  # Not started (yet).
+      if time.monotonic() >= deadline:
+        return False
+      time.sleep(0.001)
 
 
 def _finishing_pool_workers(
