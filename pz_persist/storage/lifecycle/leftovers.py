@@ -244,13 +244,15 @@ def cancel_background(
   Its threads (those started since ``started_after``) stop within
   milliseconds once cancelled; waiting for them keeps them from logging
   tracebacks about the files deleted under them, and the interpreter's exit
-  from waiting for them.
+  from waiting for them. File operations Orbax queued on its event loop's
+  pool before the interrupt are waited for too (`_finishing_pool_workers`):
+  they would otherwise make again what the cleanup deletes.
   """
   try:
     settled = bool(cancel())
   except Exception:  # pylint: disable=broad-exception-caught
     settled = False
-  return _join_orbax_threads(started_after, timeout=_JOIN_SECONDS) and settled
+  return _join_save_threads(started_after, timeout=_JOIN_SECONDS) and settled
 
 
 def _abandon(target: epath.Path, marker_fd: int, *, settled: bool) -> tuple[epath.Path, ...]:
@@ -354,7 +356,7 @@ placeholder was left for the next save to clean instead of nothing).
 TensorStore's own writes are not waited for."""
 
 
-def _join_orbax_threads(started_after: set[threading.Thread], timeout: float) -> bool:
+def _join_save_threads(started_after: set[threading.Thread], timeout: float) -> bool:
   """Waits (at most ``timeout`` s in all) for Orbax's save threads started
   since, and for the workers of thread pools shut down since
   (`_finishing_pool_workers`); returns whether they all ended (False if
