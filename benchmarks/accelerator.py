@@ -245,8 +245,7 @@ def cold_read_floor(path: str, threads: int, repeats: int = 2, *, pieces: bool =
   starts = np.cumsum([0] + sizes[:-1])
   piece = 4 * 2**20
 
-  def read(i: int, first: int = 0, end: int | None = None) -> None:
-    end = sizes[i] if end is None else end
+  def read(i: int, first: int, end: int) -> None:
     fd = os.open(files[i], os.O_RDONLY)
     try:
       view, done = memoryview(buffer)[starts[i]:starts[i] + sizes[i]], first

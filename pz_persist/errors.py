@@ -277,12 +277,13 @@ def save_interrupted(message: str) -> KeyboardInterrupt:
   interrupt.pz_persist_one_line = True  # type: ignore[attr-defined]
   _print_one_line_on_exit()
   _quiet_callbacks_into_closed_loops()
-  _close_unstarted_coroutines(sys.exc_info()[2])
+  _close_abandoned_coroutines(sys.exc_info()[2])
   return interrupt
 
 
-def _close_unstarted_coroutines(traceback: types.TracebackType | None) -> None:
-  """Closes the coroutines the interrupted stack made and never started.
+def _close_abandoned_coroutines(traceback: types.TracebackType | None) -> None:
+  """Closes the coroutines the interrupted stack made and never started, and
+  quiets the tasks it left pending in closed loops.
 
   Why: a Ctrl-C that lands between Orbax making a save's coroutine and its
   event loop running it (while the loop is built, say) leaves that coroutine,

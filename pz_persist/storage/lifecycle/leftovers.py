@@ -416,9 +416,11 @@ def _finishing_pool_workers(
   nothing is waited for here and the save cleans up as before.
   """
   worker = getattr(concurrent.futures.thread, "_worker", None)
+  if worker is None:
+    return []
   found = []
   for thread in threading.enumerate():
-    if thread in started_after or thread in besides or worker is None:
+    if thread in started_after or thread in besides:
       continue
     if getattr(thread, "_target", None) is not worker:
       continue
